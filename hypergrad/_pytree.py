@@ -1,0 +1,178 @@
+"""Arithmetic and validation for flat pytrees: ``dict[str, Tensor]``.
+
+Every variable in :mod:`hypergrad` (inner parameters ``w``, outer parameters ``lam``, linear-solver
+vectors) is a flat dict of tensors, the convention of :func:`torch.func.functional_call`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+from torch import Tensor
+
+Tree = dict[str, Tensor]
+
+__all__ = [
+    "Tree",
+    "check_finite",
+    "check_like",
+    "check_scalar_loss",
+    "check_tree",
+    "tree_add",
+    "tree_axpy",
+    "tree_detach",
+    "tree_dot",
+    "tree_flatten",
+    "tree_map",
+    "tree_norm",
+    "tree_numel",
+    "tree_requires_grad",
+    "tree_scale",
+    "tree_sub",
+    "tree_unflatten",
+    "tree_zeros_like",
+]
+
+
+def check_tree(tree: object, name: str) -> Tree:
+    """Validate that ``tree`` is a non-empty ``dict[str, Tensor]`` of floating tensors.
+
+    Raises:
+        TypeError: if ``tree`` is not a dict of floating-point tensors with string keys.
+        ValueError: if it is empty.
+    """
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"{name} must be a dict[str, Tensor], got {type(tree).__name__}")
+    if len(tree) == 0:
+        raise ValueError(f"{name} must contain at least one tensor, got an empty dict")
+    for key, value in tree.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{name} keys must be str, got key {key!r} of type {type(key).__name__}")
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
+        if not value.is_floating_point():
+            raise TypeError(
+                f"{name}[{key!r}] must have a floating dtype (float32/float64/...), got {value.dtype}"
+            )
+    return dict(tree)
+
+
+def check_like(tree: Mapping[str, Tensor], reference: Mapping[str, Tensor], name: str, ref_name: str) -> None:
+    """Check that ``tree`` has exactly the keys and shapes of ``reference``.
+
+    Raises:
+        ValueError: naming the first missing/extra key or mismatched shape.
+    """
+    missing = sorted(set(reference) - set(tree))
+    extra = sorted(set(tree) - set(reference))
+    if missing or extra:
+        raise ValueError(
+            f"{name} must have the same keys as {ref_name}: missing {missing}, unexpected {extra}"
+        )
+    for key, ref in reference.items():
+        if tree[key].shape != ref.shape:
+            raise ValueError(
+                f"{name}[{key!r}] has shape {tuple(tree[key].shape)} but {ref_name}[{key!r}] has "
+                f"shape {tuple(ref.shape)}"
+            )
+
+
+def check_scalar_loss(value: object, name: str) -> Tensor:
+    """Check that a loss callable returned a real floating scalar tensor."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must return a scalar torch.Tensor, got {type(value).__name__}")
+    if value.numel() != 1 or value.dim() > 1:
+        raise ValueError(f"{name} must return a scalar tensor, got shape {tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name} must return a floating tensor, got {value.dtype}")
+    return value.reshape(())
+
+
+def check_finite(tree: Mapping[str, Tensor], what: str) -> None:
+    """Raise :class:`hypergrad.NonFiniteError` if any entry of ``tree`` holds NaN or inf."""
+    from hypergrad.errors import NonFiniteError
+
+    for key, value in tree.items():
+        if not bool(torch.isfinite(value).all()):
+            n_bad = int((~torch.isfinite(value)).sum())
+            raise NonFiniteError(f"{what}: {n_bad} non-finite value(s) in entry {key!r}")
+
+
+def tree_map(fn: Callable[..., Tensor], tree: Mapping[str, Tensor], *rest: Mapping[str, Tensor]) -> Tree:
+    """Apply ``fn`` leaf-wise over trees with the same keys."""
+    return {k: fn(v, *(r[k] for r in rest)) for k, v in tree.items()}
+
+
+def tree_add(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tree:
+    """Return ``a + b``."""
+    return {k: a[k] + b[k] for k in a}
+
+
+def tree_sub(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tree:
+    """Return ``a - b``."""
+    return {k: a[k] - b[k] for k in a}
+
+
+def tree_scale(a: Mapping[str, Tensor], s: float | Tensor) -> Tree:
+    """Return ``s * a``."""
+    return {k: v * s for k, v in a.items()}
+
+
+def tree_axpy(alpha: float | Tensor, x: Mapping[str, Tensor], y: Mapping[str, Tensor]) -> Tree:
+    """Return ``alpha * x + y``."""
+    return {k: y[k] + alpha * x[k] for k in y}
+
+
+def tree_dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tensor:
+    """Return the Euclidean inner product ``<a, b>`` as a scalar tensor."""
+    return sum((torch.sum(a[k] * b[k]) for k in a), start=torch.zeros((), dtype=next(iter(a.values())).dtype, device=next(iter(a.values())).device))
+
+
+def tree_norm(a: Mapping[str, Tensor]) -> Tensor:
+    """Return the Euclidean norm of the concatenated leaves."""
+    return torch.sqrt(tree_dot(a, a))
+
+
+def tree_zeros_like(a: Mapping[str, Tensor]) -> Tree:
+    """Return a tree of zeros shaped like ``a``."""
+    return {k: torch.zeros_like(v) for k, v in a.items()}
+
+
+def tree_detach(a: Mapping[str, Tensor]) -> Tree:
+    """Return ``a`` with every leaf detached from the autograd graph."""
+    return {k: v.detach() for k, v in a.items()}
+
+
+def tree_requires_grad(a: Mapping[str, Tensor]) -> Tree:
+    """Return detached copies of the leaves that require grad (fresh autograd leaves)."""
+    return {k: v.detach().requires_grad_(True) for k, v in a.items()}
+
+
+def tree_numel(a: Mapping[str, Tensor]) -> int:
+    """Return the total number of scalar entries."""
+    return sum(v.numel() for v in a.values())
+
+
+def tree_flatten(a: Mapping[str, Tensor]) -> Tensor:
+    """Concatenate the leaves (in key order) into one vector."""
+    return torch.cat([v.reshape(-1) for v in a.values()])
+
+
+def tree_unflatten(vector: Tensor, like: Mapping[str, Tensor]) -> Tree:
+    """Split ``vector`` into a tree shaped like ``like`` (inverse of :func:`tree_flatten`)."""
+    out: Tree = {}
+    offset = 0
+    for k, v in like.items():
+        n = v.numel()
+        out[k] = vector[offset : offset + n].reshape(v.shape)
+        offset += n
+    return out
+
+
+def grads_to_tree(grads: Iterable[Tensor | None], like: Mapping[str, Tensor]) -> Tree:
+    """Turn the tuple returned by :func:`torch.autograd.grad` into a tree, zero-filling ``None``."""
+    return {
+        k: (g if g is not None else torch.zeros_like(v))
+        for (k, v), g in zip(like.items(), grads, strict=True)
+    }

@@ -1,0 +1,147 @@
+r"""Differentiable inner optimizers as pure functions over pytrees.
+
+Each optimizer is a frozen dataclass with ``init(w) -> state`` and
+``update(w, grad, state) -> (w, state)``. Updates use only out-of-place tensor operations, so the
+same code runs under ``torch.no_grad`` (the driver's inner loop), with ``create_graph=True``
+(reverse-mode unrolling) and under ``torch.func.jvp`` (forward-mode unrolling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from hypergrad._pytree import Tree
+
+__all__ = ["SGD", "Adam", "InnerOptimizer", "Momentum"]
+
+
+def _check_lr(lr: float) -> None:
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
+        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+
+
+def _check_unit_interval(value: float, name: str) -> None:
+    if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+
+
+@runtime_checkable
+class InnerOptimizer(Protocol):
+    """A pure, differentiable optimizer over pytrees."""
+
+    def init(self, w: Tree) -> Tree:
+        """Return the initial optimizer state for parameters ``w``."""
+        ...
+
+    def update(self, w: Tree, grad: Tree, state: Tree) -> tuple[Tree, Tree]:
+        """Return the parameters and state after one step with gradient ``grad``."""
+        ...
+
+
+@dataclass(frozen=True)
+class SGD:
+    r"""Gradient descent, :math:`w \leftarrow w - \eta \nabla_w g`.
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> opt = hg.inner.SGD(lr=0.5)
+        >>> w, s = opt.update({"x": torch.tensor([2.0])}, {"x": torch.tensor([2.0])}, opt.init({}))
+        >>> w["x"].tolist()
+        [1.0]
+    """
+
+    lr: float
+
+    def __post_init__(self) -> None:
+        _check_lr(self.lr)
+
+    def init(self, w: Tree) -> Tree:
+        return {}
+
+    def update(self, w: Tree, grad: Tree, state: Tree) -> tuple[Tree, Tree]:
+        return {k: w[k] - self.lr * grad[k] for k in w}, state
+
+
+@dataclass(frozen=True)
+class Momentum:
+    r"""Heavy-ball momentum: :math:`m \leftarrow \beta m + \nabla g`, :math:`w \leftarrow w - \eta m`
+    (the ``torch.optim.SGD(momentum=beta)`` convention; ``nesterov`` as in PyTorch).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> opt = hg.inner.Momentum(lr=0.1, beta=0.9)
+        >>> sorted(opt.init({"x": torch.zeros(3)}))
+        ['m.x']
+    """
+
+    lr: float
+    beta: float = 0.9
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        _check_lr(self.lr)
+        _check_unit_interval(self.beta, "beta")
+
+    def init(self, w: Tree) -> Tree:
+        return {f"m.{k}": torch.zeros_like(v) for k, v in w.items()}
+
+    def update(self, w: Tree, grad: Tree, state: Tree) -> tuple[Tree, Tree]:
+        new_state = {f"m.{k}": self.beta * state[f"m.{k}"] + grad[k] for k in w}
+        if self.nesterov:
+            step = {k: grad[k] + self.beta * new_state[f"m.{k}"] for k in w}
+        else:
+            step = {k: new_state[f"m.{k}"] for k in w}
+        return {k: w[k] - self.lr * step[k] for k in w}, new_state
+
+
+@dataclass(frozen=True)
+class Adam:
+    r"""Adam (Kingma & Ba), bias-corrected, as in ``torch.optim.Adam``.
+
+    ``eps_root`` is added under the square root so that the update stays differentiable where a
+    gradient coordinate is exactly zero (the derivative of :math:`\sqrt{v}` is infinite at 0).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> opt = hg.inner.Adam(lr=0.1)
+        >>> w, s = opt.update({"x": torch.tensor([1.0])}, {"x": torch.tensor([3.0])}, opt.init({"x": torch.zeros(1)}))
+        >>> round(w["x"].item(), 4)   # first Adam step moves by lr * sign(grad)
+        0.9
+    """
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    eps_root: float = 1e-30
+
+    def __post_init__(self) -> None:
+        _check_lr(self.lr)
+        _check_unit_interval(self.betas[0], "betas[0]")
+        _check_unit_interval(self.betas[1], "betas[1]")
+        if not self.eps >= 0 or not self.eps_root >= 0:
+            raise ValueError("eps and eps_root must be >= 0")
+
+    def init(self, w: Tree) -> Tree:
+        ref = next(iter(w.values()))
+        state = {"t": torch.zeros((), dtype=ref.dtype, device=ref.device)}
+        for k, v in w.items():
+            state[f"m.{k}"] = torch.zeros_like(v)
+            state[f"v.{k}"] = torch.zeros_like(v)
+        return state
+
+    def update(self, w: Tree, grad: Tree, state: Tree) -> tuple[Tree, Tree]:
+        b1, b2 = self.betas
+        t = state["t"] + 1
+        new_state = {"t": t}
+        new_w = {}
+        for k in w:
+            m = b1 * state[f"m.{k}"] + (1 - b1) * grad[k]
+            v = b2 * state[f"v.{k}"] + (1 - b2) * grad[k] * grad[k]
+            new_state[f"m.{k}"], new_state[f"v.{k}"] = m, v
+            m_hat = m / (1 - b1**t)
+            v_hat = v / (1 - b2**t)
+            new_w[k] = w[k] - self.lr * m_hat / (torch.sqrt(v_hat + self.eps_root) + self.eps)
+        return new_w, new_state

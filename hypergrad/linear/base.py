@@ -1,0 +1,54 @@
+"""The linear-system record every solver in :mod:`hypergrad.linear` consumes and produces."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from hypergrad._pytree import Tree
+
+__all__ = ["LinearSolveResult", "LinearSystem"]
+
+
+@dataclass
+class LinearSystem:
+    """A square linear system ``A x = b`` over pytrees, given through products only.
+
+    Attributes:
+        matvec: ``x -> A x``.
+        rhs: ``b``.
+        rmatvec: ``x -> A^T x`` (needed by :class:`~hypergrad.linear.NormalCG` when ``A`` is not
+            symmetric).
+        symmetric: True when ``A`` is symmetric (Hessians), enabling CG and Cholesky.
+        dense: optional callable returning ``A`` as an ``(n, n)`` matrix in flattened key order,
+            faster than ``n`` separate products for :class:`~hypergrad.linear.Dense`.
+    """
+
+    matvec: Callable[[Tree], Tree]
+    rhs: Tree
+    rmatvec: Callable[[Tree], Tree] | None = None
+    symmetric: bool = True
+    dense: Callable[[], Tensor] | None = None
+
+
+@dataclass
+class LinearSolveResult:
+    """Solution and diagnostics of a linear solve.
+
+    Attributes:
+        solution: ``x``.
+        iterations: iterations run.
+        residual: final ``||A x - b||`` (or the solver's recurrence estimate of it).
+        converged: whether the tolerance was met.
+        matvecs: products with ``A`` or ``A^T`` spent.
+        warnings: messages about non-convergence or indefiniteness.
+    """
+
+    solution: Tree
+    iterations: int
+    residual: float
+    converged: bool
+    matvecs: int
+    warnings: list[str] = field(default_factory=list)

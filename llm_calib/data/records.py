@@ -1,0 +1,72 @@
+"""The two record types every loader produces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["MultipleChoice", "OpenQA"]
+
+
+@dataclass(frozen=True)
+class MultipleChoice:
+    """One multiple-choice question.
+
+    Attributes:
+        question: the question text (non-empty).
+        options: answer options (at least 2), in display order.
+        gold: index of the correct option in ``options``.
+        domain: a domain label used to group results (e.g. ``"arc_easy"``, ``"mmlu_stem"``).
+        id: a stable identifier, unique within its source.
+        meta: free-form extra fields (subject, source file, ...).
+
+    Example:
+        >>> q = MultipleChoice("2 + 2 = ?", ("3", "4"), 1, "arithmetic", "add-0")
+        >>> q.options[q.gold]
+        '4'
+    """
+
+    question: str
+    options: tuple[str, ...]
+    gold: int
+    domain: str
+    id: str
+    meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.question.strip():
+            raise ValueError(f"MultipleChoice {self.id!r}: question is empty")
+        if len(self.options) < 2:
+            raise ValueError(f"MultipleChoice {self.id!r}: needs at least 2 options, got {len(self.options)}")
+        if not 0 <= self.gold < len(self.options):
+            raise ValueError(
+                f"MultipleChoice {self.id!r}: gold index {self.gold} is not in [0, {len(self.options) - 1}]"
+            )
+
+
+@dataclass(frozen=True)
+class OpenQA:
+    """One open-ended question.
+
+    Attributes:
+        question: the question text (non-empty).
+        answers: accepted answers (aliases), at least one.
+        domain: a domain label.
+        id: a stable identifier.
+        meta: free-form extra fields.
+
+    Example:
+        >>> OpenQA("Capital of France?", ("Paris",), "geo", "q0").answers
+        ('Paris',)
+    """
+
+    question: str
+    answers: tuple[str, ...]
+    domain: str
+    id: str
+    meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.question.strip():
+            raise ValueError(f"OpenQA {self.id!r}: question is empty")
+        if not self.answers:
+            raise ValueError(f"OpenQA {self.id!r}: needs at least one accepted answer")
