@@ -4,20 +4,37 @@ Exact implicit differentiation, unrolled differentiation and first-order methods
 interface: ``method.hypergrad(problem, w, lam, inner_batch, outer_batch) -> HypergradResult``.
 """
 
-from hypergrad import linear
+from hypergrad import inner, linear
+from hypergrad.bome import BOME
+from hypergrad.driver import SolveResult, inner_solve, solve
 from hypergrad.errors import ConvergenceWarning, NonFiniteError
+from hypergrad.finite_difference import FiniteDifference
 from hypergrad.implicit import Implicit
+from hypergrad.modules import functional, load_params, module_params
+from hypergrad.penalty import Penalty
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradMethod, HypergradResult
+from hypergrad.unrolled import Unrolled
 
 __all__ = [
+    "BOME",
     "BilevelProblem",
     "ConvergenceWarning",
+    "FiniteDifference",
     "HypergradInfo",
     "HypergradMethod",
     "HypergradResult",
     "Implicit",
     "NonFiniteError",
+    "Penalty",
+    "SolveResult",
+    "Unrolled",
+    "functional",
+    "inner",
+    "inner_solve",
     "linear",
+    "load_params",
+    "module_params",
+    "solve",
 ]
 
 __version__ = "0.1.0"

@@ -43,7 +43,7 @@ def loss_and_grads(
     if not bool(torch.isfinite(value)):
         from hypergrad.errors import NonFiniteError
 
-        raise NonFiniteError(f"{what} is {float(value)} (non-finite)")
+        raise NonFiniteError(f"{what} is {float(value.detach())} (non-finite)")
     n_w = len(w_) if wrt_w else 0
     gw = grads_to_tree(grads[:n_w], w_) if wrt_w else None
     glam = grads_to_tree(grads[n_w:], lam_) if wrt_lam else None
@@ -106,7 +106,7 @@ class RootSystem:
                 if not bool(torch.isfinite(g)):
                     from hypergrad.errors import NonFiniteError
 
-                    raise NonFiniteError(f"inner loss is {float(g)} (non-finite) at the linearisation point")
+                    raise NonFiniteError(f"inner loss is {float(g.detach())} (non-finite) at the linearisation point")
                 F = torch.autograd.grad(g, self._w_leaves, create_graph=True, allow_unused=True)
                 self._F = [
                     f if f is not None else torch.zeros_like(x) for f, x in zip(F, self._w_leaves, strict=True)

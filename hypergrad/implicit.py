@@ -2,11 +2,10 @@ r"""Exact hypergradients by the implicit function theorem."""
 
 from __future__ import annotations
 
+import warnings as _warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import warnings as _warnings
 
 from hypergrad._autodiff import RootSystem, loss_and_grads, outer_fn
 from hypergrad._pytree import Tree, check_finite, tree_detach, tree_norm, tree_sub

@@ -36,10 +36,13 @@ class MultipleChoice:
         if not self.question.strip():
             raise ValueError(f"MultipleChoice {self.id!r}: question is empty")
         if len(self.options) < 2:
-            raise ValueError(f"MultipleChoice {self.id!r}: needs at least 2 options, got {len(self.options)}")
+            raise ValueError(
+                f"MultipleChoice {self.id!r}: needs at least 2 options, got {len(self.options)}"
+            )
         if not 0 <= self.gold < len(self.options):
             raise ValueError(
-                f"MultipleChoice {self.id!r}: gold index {self.gold} is not in [0, {len(self.options) - 1}]"
+                f"MultipleChoice {self.id!r}: gold index {self.gold} "
+                f"is not in [0, {len(self.options) - 1}]"
             )
 
 
@@ -49,14 +52,18 @@ class OpenQA:
 
     Attributes:
         question: the question text (non-empty).
-        answers: accepted answers (aliases), at least one.
+        answers: accepted answers (aliases); at least one unless ``answerable`` is False.
         domain: a domain label.
         id: a stable identifier.
         meta: free-form extra fields.
+        answerable: False for questions that have no correct answer (e.g. the unanswerable
+            half of SelfAware); such records may have an empty ``answers`` tuple.
 
     Example:
         >>> OpenQA("Capital of France?", ("Paris",), "geo", "q0").answers
         ('Paris',)
+        >>> OpenQA("What happens after death?", (), "selfaware", "q1", answerable=False).answers
+        ()
     """
 
     question: str
@@ -64,9 +71,10 @@ class OpenQA:
     domain: str
     id: str
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    answerable: bool = True
 
     def __post_init__(self) -> None:
         if not self.question.strip():
             raise ValueError(f"OpenQA {self.id!r}: question is empty")
-        if not self.answers:
+        if self.answerable and not self.answers:
             raise ValueError(f"OpenQA {self.id!r}: needs at least one accepted answer")

