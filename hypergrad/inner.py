@@ -8,6 +8,7 @@ same code runs under ``torch.no_grad`` (the driver's inner loop), with ``create_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -18,13 +19,17 @@ from hypergrad._pytree import Tree
 __all__ = ["SGD", "Adam", "InnerOptimizer", "Momentum"]
 
 
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_lr(lr: float) -> None:
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
-        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+    if not _is_real(lr) or not 0 < lr < math.inf:
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
 
 
 def _check_unit_interval(value: float, name: str) -> None:
-    if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    if not _is_real(value) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value!r}")
 
 
@@ -84,6 +89,8 @@ class Momentum:
     def __post_init__(self) -> None:
         _check_lr(self.lr)
         _check_unit_interval(self.beta, "beta")
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"nesterov must be a bool, got {type(self.nesterov).__name__}")
 
     def init(self, w: Tree) -> Tree:
         return {f"m.{k}": torch.zeros_like(v) for k, v in w.items()}
@@ -119,10 +126,14 @@ class Adam:
 
     def __post_init__(self) -> None:
         _check_lr(self.lr)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {self.betas!r}")
         _check_unit_interval(self.betas[0], "betas[0]")
         _check_unit_interval(self.betas[1], "betas[1]")
-        if not self.eps >= 0 or not self.eps_root >= 0:
-            raise ValueError("eps and eps_root must be >= 0")
+        if not _is_real(self.eps) or not self.eps >= 0:
+            raise ValueError(f"eps must be a number >= 0, got {self.eps!r}")
+        if not _is_real(self.eps_root) or not self.eps_root >= 0:
+            raise ValueError(f"eps_root must be a number >= 0, got {self.eps_root!r}")
 
     def init(self, w: Tree) -> Tree:
         ref = next(iter(w.values()))

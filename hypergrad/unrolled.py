@@ -58,7 +58,8 @@ class StepBatches:
                 break
         if len(out) < n:
             raise ValueError(
-                f"inner_batch=StepBatches(...) yielded {len(out)} batch(es) but steps={n} are needed"
+                f"inner_batch=StepBatches(...) yielded {len(out)} batch(es), "
+                f"but steps={n} are needed"
             )
         return out
 
@@ -99,7 +100,8 @@ class Unrolled:
     For SGD on a :math:`\mu`-strongly convex, :math:`L`-smooth ``g`` with :math:`\eta \le 2/L`,
     :math:`\partial_w\Phi = I - \eta \nabla^2_{ww} g` has norm :math:`\le \rho = \max|1-\eta\,
     \mathrm{eig}(\nabla^2 g)| < 1`, so :math:`\nabla F_K` approaches the implicit (IFT)
-    hypergradient geometrically, with error :math:`O((K+1)\rho^K)` (Franceschi et al., 2018).
+    hypergradient geometrically: the error is :math:`O(\rho^K)` on quadratics and
+    :math:`O((K+1)\rho^K)` in general (Franceschi et al., 2018; Grazzi et al., 2020).
 
     Modes:
 
@@ -107,11 +109,14 @@ class Unrolled:
       ``create_graph=True``). Cost: ``K`` inner gradients plus one backward pass through the loop
       (about one Hessian-vector product per step); memory :math:`O(K \cdot |w|)` for the graph.
     * ``"reverse"`` with ``truncate=k``: the first ``K-k`` steps run without a graph and
-      :math:`w_{K-k}` is treated as a constant, i.e. the term
-      :math:`\partial_z z_K \cdot dz_{K-k}/d\lambda` is dropped. Memory :math:`O(k\,|w|)`. The
-      estimate is biased; for SGD on a strongly convex ``g`` the dropped term is bounded by
-      :math:`\rho^k \|dz_{K-k}/d\lambda\|`, so the bias decays geometrically in ``k``
-      (Shaban et al., 2019), but it does not vanish for fixed ``k`` as ``K`` grows.
+      :math:`(w_{K-k}, s_{K-k})` is treated as a constant, i.e. the term
+      :math:`(\partial z_K / \partial z_{K-k})\, dz_{K-k}/d\lambda` of :math:`dz_K/d\lambda` is
+      dropped. Memory :math:`O(k\,|w|)`. The estimate is biased: for SGD on a strongly convex
+      ``g`` the bias is at most :math:`\|\nabla_w f\|\,\rho^k\,\|dw_{K-k}/d\lambda\|`, so it
+      decays geometrically in ``k`` (Shaban et al., 2019), but for fixed ``k`` it does not vanish
+      as ``K`` grows: for :math:`g = \frac12 w^\top A w - w^\top B\lambda` the truncated
+      :math:`dw_K/d\lambda` tends to :math:`A^{-1}(I - M^k)B` instead of :math:`A^{-1}B`,
+      :math:`M = I - \eta A`.
     * ``"forward"``: forward-mode differentiation, ``torch.func.jvp`` of the step map
       :math:`\Phi` with one tangent per scalar entry of ``lam``, propagated step by step along
       with :math:`w_k`. Memory is independent of ``K`` (:math:`O(\dim\lambda \cdot |z|)`), cost is
@@ -151,7 +156,8 @@ class Unrolled:
         >>> r = method.hypergrad(problem, w0, lam)   # w_3 = (1 - 0.5**3) c = 0.875 c
         >>> [round(v, 6) for v in r.grad["c"].tolist()]   # dF/dc = 0.875**2 c
         [0.765625, 1.53125]
-        >>> fwd = hg.Unrolled(hg.inner.SGD(lr=0.5), steps=3, mode="forward").hypergrad(problem, w0, lam)
+        >>> fwd = hg.Unrolled(hg.inner.SGD(lr=0.5), steps=3, mode="forward")
+        >>> fwd = fwd.hypergrad(problem, w0, lam)
         >>> torch.allclose(fwd.grad["c"], r.grad["c"]), r.info.iterations
         (True, 3)
     """
@@ -177,13 +183,17 @@ class Unrolled:
             raise ValueError(f"mode must be 'reverse' or 'forward', got {self.mode!r}")
         if self.truncate is not None:
             if not _is_int(self.truncate):
-                raise TypeError(f"truncate must be None or an int, got {type(self.truncate).__name__}")
+                raise TypeError(
+                    f"truncate must be None or an int, got {type(self.truncate).__name__}"
+                )
             if not 1 <= self.truncate <= self.steps:
                 raise ValueError(
                     f"truncate must be None or in [1, steps={self.steps}], got {self.truncate}"
                 )
             if self.mode == "forward":
-                raise ValueError("truncate is only supported with mode='reverse', got mode='forward'")
+                raise ValueError(
+                    "truncate is only supported with mode='reverse', got mode='forward'"
+                )
         if not isinstance(self.warm_start, bool):
             raise TypeError(f"warm_start must be a bool, got {type(self.warm_start).__name__}")
         if not isinstance(self.vectorize, bool):
@@ -209,10 +219,16 @@ class Unrolled:
         opt_state = self._initial_state(w, state)
         with torch.enable_grad():
             if self.mode == "reverse":
-                grad, w_K, s_K, extra, evals = self._reverse(problem, w, lam, batches, outer_batch, opt_state)
+                grad, w_K, s_K, extra, evals = self._reverse(
+                    problem, w, lam, batches, outer_batch, opt_state
+                )
             else:
-                grad, w_K, s_K, extra, evals = self._forward(problem, w, lam, batches, outer_batch, opt_state)
-        check_finite(w_K, "Unrolled inner iterate w_K (did the inner optimizer diverge? lower its lr)")
+                grad, w_K, s_K, extra, evals = self._forward(
+                    problem, w, lam, batches, outer_batch, opt_state
+                )
+        check_finite(
+            w_K, "Unrolled inner iterate w_K (did the inner optimizer diverge? lower its lr)"
+        )
         check_finite(grad, "Unrolled hypergradient")
         info = HypergradInfo(
             iterations=self.steps,
@@ -233,12 +249,19 @@ class Unrolled:
         if not isinstance(given, dict) or set(given) != set(fresh):
             raise ValueError(
                 "state['opt_state'] must be the optimizer state returned by a previous call "
-                f"(keys {sorted(fresh)}), got keys {sorted(given) if isinstance(given, dict) else given!r}"
+                f"(keys {sorted(fresh)}), got "
+                f"{sorted(given) if isinstance(given, dict) else repr(given)}"
             )
         return tree_detach(given)
 
     def _reverse(
-        self, problem: BilevelProblem, w: Tree, lam: Tree, batches: list[Any], outer_batch: Any, s: Tree
+        self,
+        problem: BilevelProblem,
+        w: Tree,
+        lam: Tree,
+        batches: list[Any],
+        outer_batch: Any,
+        s: Tree,
     ) -> tuple[Tree, Tree, Tree, dict[str, Any], int]:
         K = self.steps
         k = self.truncate if self.truncate is not None else K
@@ -261,7 +284,13 @@ class Unrolled:
         return grad, w, s, extra, K + k + 1
 
     def _forward(
-        self, problem: BilevelProblem, w: Tree, lam: Tree, batches: list[Any], outer_batch: Any, s: Tree
+        self,
+        problem: BilevelProblem,
+        w: Tree,
+        lam: Tree,
+        batches: list[Any],
+        outer_batch: Any,
+        s: Tree,
     ) -> tuple[Tree, Tree, Tree, dict[str, Any], int]:
         p = tree_numel(lam)
         ref = next(iter(lam.values()))
@@ -284,13 +313,20 @@ class Unrolled:
                     )
             if not vectorized:
                 w_new, s_new, t_w, t_s = _jvp_looped(step, w, s, lam, t_w, t_s, t_lam, p)
+            # Forward AD may upcast a float32 tangent to float64 when a Python float meets a 0-dim
+            # tensor (pytorch/pytorch#90065): keep tangents in the dtype of their primals.
             w, s = w_new, s_new
-        _, grad_w_f, grad_lam_f = loss_and_grads(outer_fn(problem, outer_batch), w, lam, what="outer loss")
+            t_w = {k: v.to(w[k].dtype) for k, v in t_w.items()}
+            t_s = {k: v.to(s[k].dtype) for k, v in t_s.items()}
+        _, grad_w_f, grad_lam_f = loss_and_grads(
+            outer_fn(problem, outer_batch), w, lam, what="outer loss"
+        )
         assert grad_w_f is not None and grad_lam_f is not None
         # dF/dlam_i = <grad_w f, dw_K/dlam_i> + d_lam_i f
-        flat = tree_flatten(grad_lam_f).clone()
+        flat = 0 * tree_flatten(grad_lam_f).clone()
         for key, tangent in t_w.items():
-            flat = flat + (tangent.reshape(p, -1) @ grad_w_f[key].reshape(-1)).to(flat.dtype)
+            gwf = grad_w_f[key].reshape(-1).to(tangent.dtype)
+            flat = flat + (tangent.reshape(p, -1) @ gwf).to(flat.dtype)
         grad = tree_unflatten(flat, lam)
         extra = {"directions": p, "vectorized": vectorized, "warnings": warnings}
         return grad, w, s, extra, self.steps * (1 + p) + 1

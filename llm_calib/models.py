@@ -28,6 +28,7 @@ __all__ = [
     "load",
     "resolve_gguf",
     "split_decoder_head",
+    "tiny_random_model",
 ]
 
 logger = logging.getLogger(__name__)
@@ -100,8 +101,8 @@ def resolve_gguf(alias: str) -> Path:
             install command.
 
     Example:
-        >>> resolve_gguf("smollm2-135m-instruct").suffix  # doctest: +SKIP
-        '.gguf'
+        >>> resolve_gguf("smollm2-135m-instruct").name
+        'SmolLM2-135M-Instruct.Q4_1.gguf'
     """
     if alias not in ALIASES:
         raise KeyError(f"unknown model alias {alias!r}; built-in aliases: {sorted(ALIASES)}")
@@ -212,13 +213,13 @@ def load(
         OSError: if a hub name cannot be resolved.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> import tempfile
         >>> d = tempfile.mkdtemp()
-        >>> cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-        ...                   num_hidden_layers=1, num_attention_heads=2)
-        >>> LlamaForCausalLM(cfg).save_pretrained(d)
-        >>> load(d)  # doctest: +SKIP
+        >>> tiny, tiny_tok = tiny_random_model()
+        >>> tiny.save_pretrained(d); _ = tiny_tok.save_pretrained(d)
+        >>> model, tok = load(d)
+        >>> model.training, tok.pad_token
+        (False, '<|endoftext|>')
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -303,3 +304,93 @@ def lm_head_logits(model: Any, head: Any, hidden: torch.Tensor) -> torch.Tensor:
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+_TINY_CORPUS = (
+    [" ".join(f" {letter}." for letter in "ABCDEFGHIJ")] * 40
+    + [
+        "What is the capital of France? The answer is: Paris",
+        "What is 2 + 3? The answer is: 5",
+        "A. Paris\nB. London\nC. Berlin\nD. Rome\n",
+        "Which gas do plants absorb? The answer is: carbon dioxide",
+        "the quick brown fox jumps over the lazy dog",
+    ]
+    * 20
+)
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if loop.first and m['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a tiny test model.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""The ChatML-style template of :func:`tiny_random_model` (with a default system message)."""
+
+
+def tiny_random_model(
+    seed: int = 0,
+    *,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    init_std: float = 0.2,
+    chat_template: bool = True,
+) -> tuple[Any, Any]:
+    """A tiny randomly initialised Llama model with a byte-level BPE tokenizer built in code.
+
+    For tests, doctests and examples: no download, builds in well under a second. The tokenizer
+    (about 350 tokens) is trained on a small fixed corpus; ``" A"`` ... ``" J"`` are single tokens
+    so the letter scorer works, ``<|im_end|>`` is EOS and ``<|endoftext|>`` is padding.
+
+    Args:
+        seed: seed of the weight initialisation.
+        hidden_size: model width.
+        num_layers: number of decoder layers.
+        init_std: standard deviation of the initial weights (larger gives peakier predictions).
+        chat_template: whether the tokenizer gets :data:`TINY_CHAT_TEMPLATE`.
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode.
+
+    Example:
+        >>> model, tok = tiny_random_model()
+        >>> model.config.hidden_size, tok.convert_ids_to_tokens(tok(" A")["input_ids"])
+        (32, ['ĠA'])
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_TINY_CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    if chat_template:
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=init_std,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.eval()
+    return model, tokenizer

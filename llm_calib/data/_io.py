@@ -21,7 +21,7 @@ _UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def iter_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """Yield ``(line_number, raw_bytes)`` for each line of ``path`` (1-based, BOM and CR removed)."""
+    """Yield ``(line_number, raw_bytes)`` per line of ``path`` (1-based; BOM and CR removed)."""
     data = Path(path).read_bytes()
     if data.startswith(_UTF8_BOM):
         data = data[len(_UTF8_BOM) :]

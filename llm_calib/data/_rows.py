@@ -32,7 +32,9 @@ def parse_json_line(text: str, source: str, line: int) -> dict[str, Any]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DataError(source, line, "json", f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+        raise DataError(
+            source, line, "json", f"invalid JSON ({exc.msg} at column {exc.colno})"
+        ) from None
     if not isinstance(obj, dict):
         raise DataError(source, line, "json", f"expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -75,7 +77,9 @@ def labelled_choice(
     key = str(answer_key).strip()
     if key not in label_strs:
         raise DataError(
-            source, line, answer_field,
+            source,
+            line,
+            answer_field,
             f"gold label {key!r} is not among the options {', '.join(label_strs)}",
         )
     return MultipleChoice(q, options, label_strs.index(key), domain, id, dict(meta or {}))
@@ -83,7 +87,11 @@ def labelled_choice(
 
 def str_meta(values: Mapping[str, Any]) -> dict[str, str]:
     """Meta values as strings (records keep ``dict[str, str]``), dropping None."""
-    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in values.items() if v is not None}
+    return {
+        str(k): v if isinstance(v, str) else json.dumps(v)
+        for k, v in values.items()
+        if v is not None
+    }
 
 
 def domain_from_name(name: str | Path) -> str:

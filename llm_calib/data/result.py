@@ -30,7 +30,8 @@ class LoadResult(Generic[R]):
     Iterating over a ``LoadResult`` or taking its ``len`` refers to ``records``.
 
     Example:
-        >>> res = LoadResult([MultipleChoice("1 + 1 = ?", ("2", "3"), 0, "toy", "t0")], source="toy")
+        >>> q = MultipleChoice("1 + 1 = ?", ("2", "3"), 0, "toy", "t0")
+        >>> res = LoadResult([q], source="toy")
         >>> len(res), [r.id for r in res], res.kind
         (1, ['t0'], 'multiple_choice')
     """

@@ -1,0 +1,101 @@
+r"""Learnable logit adjustments :math:`z \mapsto \exp(\log a) \odot z + b` (the CALM parameters λ).
+
+Three variants:
+
+* ``"vector"``: one ``log_a`` and one ``b`` per vocabulary entry (the method's default);
+* ``"temperature"``: a single scalar ``log_a`` and no ``b`` (temperature scaling with
+  :math:`T = 1/a`);
+* ``"answer_tokens"``: per-token ``log_a``/``b`` restricted to a given set of token ids (for
+  example the tokens that appear in answer options); other logits pass through unchanged.
+
+At initialisation ``log_a = 0`` and ``b = 0``, so the adjustment is the identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["ADJUSTMENT_KINDS", "LogitAdjustment"]
+
+ADJUSTMENT_KINDS = ("vector", "temperature", "answer_tokens")
+
+
+@dataclass(frozen=True)
+class LogitAdjustment:
+    """The shape, bounds and application of the logit adjustment λ.
+
+    Args:
+        kind: one of ``"vector"``, ``"temperature"``, ``"answer_tokens"``.
+        vocab_size: size of the model's vocabulary (the last dimension of the logits).
+        token_ids: the adjusted token ids for ``kind="answer_tokens"``.
+        max_log_scale: bound on ``|log_a|`` (a guard against degenerate solutions).
+        max_bias: bound on ``|b|``.
+
+    Example:
+        >>> import torch
+        >>> adj = LogitAdjustment("vector", vocab_size=4)
+        >>> lam = adj.init()
+        >>> z = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+        >>> torch.equal(adj.apply(z, lam), z)
+        True
+        >>> lam = {"log_a": torch.log(torch.full((4,), 2.0)), "b": torch.ones(4)}
+        >>> adj.apply(z, lam).tolist()
+        [[3.0, 5.0, 7.0, 9.0]]
+    """
+
+    kind: str = "vector"
+    vocab_size: int = 0
+    token_ids: tuple[int, ...] | None = None
+    max_log_scale: float = 3.0
+    max_bias: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ADJUSTMENT_KINDS:
+            raise ValueError(f"adjustment kind must be one of {ADJUSTMENT_KINDS}, got {self.kind!r}")
+        if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive int, got {self.vocab_size!r}")
+        if self.kind == "answer_tokens":
+            if not self.token_ids:
+                raise ValueError("kind='answer_tokens' needs a non-empty token_ids")
+            bad = [t for t in self.token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token_ids {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
+        if not self.max_log_scale > 0 or not self.max_bias >= 0:
+            raise ValueError("max_log_scale must be > 0 and max_bias >= 0")
+
+    @classmethod
+    def for_tokens(cls, token_ids: Sequence[int], vocab_size: int, **kwargs: float) -> LogitAdjustment:
+        """An ``answer_tokens`` adjustment over the sorted unique ``token_ids``."""
+        return cls("answer_tokens", vocab_size, tuple(sorted({int(t) for t in token_ids})), **kwargs)
+
+    def init(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict[str, Tensor]:
+        """Return λ at the identity: ``log_a = 0``, ``b = 0``."""
+        if self.kind == "temperature":
+            return {"log_a": torch.zeros(1, dtype=dtype, device=device)}
+        n = self.vocab_size if self.kind == "vector" else len(self.token_ids or ())
+        return {"log_a": torch.zeros(n, dtype=dtype, device=device), "b": torch.zeros(n, dtype=dtype, device=device)}
+
+    def clamp_(self, lam: dict[str, Tensor]) -> None:
+        """Project λ in place onto the bounds ``|log_a| <= max_log_scale``, ``|b| <= max_bias``."""
+        with torch.no_grad():
+            lam["log_a"].clamp_(-self.max_log_scale, self.max_log_scale)
+            if "b" in lam:
+                lam["b"].clamp_(-self.max_bias, self.max_bias)
+
+    def apply(self, logits: Tensor, lam: dict[str, Tensor]) -> Tensor:
+        """Return the adjusted logits (same shape); differentiable in ``logits`` and ``lam``."""
+        if logits.shape[-1] != self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[-1]} entries in the last dim, expected vocab_size={self.vocab_size}")
+        scale = torch.exp(lam["log_a"]).to(logits.dtype)
+        if self.kind == "temperature":
+            return logits * scale
+        bias = lam["b"].to(logits.dtype)
+        if self.kind == "vector":
+            return logits * scale + bias
+        index = torch.tensor(self.token_ids, device=logits.device)
+        selected = logits.index_select(-1, index) * scale + bias
+        return logits.index_copy(-1, index, selected)

@@ -1,0 +1,174 @@
+"""Configuration of a calibration run (a dataclass; YAML/JSON round-trips)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["METHODS", "SOLVERS", "CalibrationConfig", "LoraSettings"]
+
+METHODS = ("calm", "lora_ce", "label_smoothing", "confidence_penalty")
+"""Training objectives run by the same code path: CALM (bilevel) and the one-level baselines."""
+
+SOLVERS = ("bome", "f2sa")
+"""First-order bilevel solvers from :mod:`hypergrad` used by ``method="calm"``."""
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapter settings (passed to :class:`peft.LoraConfig`).
+
+    Attributes:
+        rank: adapter rank ``r``.
+        alpha: scaling ``lora_alpha``.
+        dropout: ``lora_dropout`` (0 keeps training deterministic and resumable bit-for-bit).
+        target_modules: module names to adapt (Llama-style attention and MLP projections).
+        layers: indices of the decoder layers that get adapters (None: all); adapting only the
+            top layers lets the frozen bottom be computed once.
+
+    Example:
+        >>> LoraSettings(rank=4).target_modules
+        ('q_proj', 'v_proj')
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        self.target_modules = tuple(self.target_modules)
+        if self.layers is not None:
+            self.layers = tuple(int(i) for i in self.layers)
+
+
+@dataclass
+class CalibrationConfig:
+    """Everything that defines a calibration run.
+
+    Attributes:
+        method: ``"calm"`` (bilevel), or a baseline: ``"lora_ce"`` (plain fine-tuning),
+            ``"label_smoothing"``, ``"confidence_penalty"`` (CE − β·entropy).
+        solver: ``"bome"`` (default) or ``"f2sa"`` for ``method="calm"``.
+        adjustment: λ variant: ``"vector"``, ``"temperature"`` or ``"answer_tokens"``.
+        scorer: ``"option_likelihood"`` or ``"letter"``.
+        normalize: option scores summed (``"sum"``) or length-normalised (``"mean"``).
+        lora: adapter settings.
+        steps: outer steps (one batch each).
+        batch_size: training questions per step (inner batch).
+        heldout_batch_size: held-out inputs per step (outer batch; labels unused).
+        lr: learning rate of θ (LoRA).
+        lam_lr: learning rate of λ (Adam).
+        inner_steps: BOME's T / F2SA's inner steps.
+        bome_eta: BOME's barrier coefficient η.
+        f2sa_sigma: F2SA's penalty weight σ.
+        label_smoothing: ε for the label-smoothing baseline.
+        penalty_beta: β for the confidence-penalty baseline.
+        max_log_scale, max_bias: bounds on λ.
+        guard_accuracy: stop and roll back when held-out accuracy falls below this fraction
+            of the initial model's.
+        eval_every: steps between held-out evaluations (early stopping, progress).
+        checkpoint_every: steps between checkpoints (0 disables).
+        seed: seed for data order and initialisation.
+        prompt_style, chat_template: prompt format (see :class:`llm_calib.prompts.PromptFormat`).
+
+    Example:
+        >>> cfg = CalibrationConfig(steps=10)
+        >>> CalibrationConfig.from_dict(cfg.to_dict()) == cfg
+        True
+    """
+
+    method: str = "calm"
+    solver: str = "bome"
+    adjustment: str = "vector"
+    scorer: str = "option_likelihood"
+    normalize: str = "sum"
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    steps: int = 60
+    batch_size: int = 8
+    heldout_batch_size: int = 8
+    lr: float = 1e-3
+    lam_lr: float = 5e-2
+    inner_steps: int = 1
+    bome_eta: float = 0.5
+    f2sa_sigma: float = 0.1
+    label_smoothing: float = 0.1
+    penalty_beta: float = 0.5
+    max_log_scale: float = 3.0
+    max_bias: float = 10.0
+    guard_accuracy: float = 0.95
+    eval_every: int = 10
+    checkpoint_every: int = 0
+    seed: int = 0
+    prompt_style: str = "cloze"
+    chat_template: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            self.lora = LoraSettings(**self.lora)
+        checks = {
+            "method": (self.method, METHODS),
+            "solver": (self.solver, SOLVERS),
+            "adjustment": (self.adjustment, ("vector", "temperature", "answer_tokens")),
+            "scorer": (self.scorer, ("option_likelihood", "letter")),
+            "normalize": (self.normalize, ("sum", "mean")),
+            "prompt_style": (self.prompt_style, ("cloze", "listed")),
+        }
+        for name, (value, allowed) in checks.items():
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        for name in ("steps", "batch_size", "heldout_batch_size", "inner_steps", "eval_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("lr", "lam_lr", "bome_eta", "f2sa_sigma", "max_log_scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if not 0.0 <= self.guard_accuracy <= 1.0:
+            raise ValueError(f"guard_accuracy must be in [0, 1], got {self.guard_accuracy}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        d = dataclasses.asdict(self)
+        d["lora"]["target_modules"] = list(self.lora.target_modules)
+        if self.lora.layers is not None:
+            d["lora"]["layers"] = list(self.lora.layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CalibrationConfig:
+        """Build from a dict, rejecting unknown keys by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown calibration config key(s) {unknown}; valid keys: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> CalibrationConfig:
+        """Load from a ``.yaml``/``.yml`` or ``.json`` file."""
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the config must be a mapping of keys to values")
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: {err}") from err

@@ -1,0 +1,65 @@
+"""Evaluation data: record types, loaders for the real data formats, a built-in generated set.
+
+Every loader returns a :class:`LoadResult` of :class:`MultipleChoice` or :class:`OpenQA` records
+and takes ``on_error="raise" | "skip"``; bad rows raise (or, skipped, are counted as)
+:class:`DataError`, whose message names the file, the 1-based line and the field.
+:func:`load` takes one spec string (grammar in :mod:`llm_calib.data.spec`).
+
+Example:
+    >>> from llm_calib.data import load
+    >>> res = load("builtin:arithmetic:n=8")
+    >>> len(res), res.records[0].domain
+    (8, 'arithmetic')
+"""
+
+from llm_calib.data.ai2 import AI2_DATASETS, ai2_domain, load_ai2
+from llm_calib.data.builtin import BUILTIN_DOMAINS, CAPITALS, ELEMENTS, builtin_multiple_choice
+from llm_calib.data.errors import MAX_ERRORS, DataError, OnError
+from llm_calib.data.hub import HUB_DATASETS, hub_row_to_record, load_hub
+from llm_calib.data.jsonl import load_jsonl, mc_from_dict, openqa_from_dict
+from llm_calib.data.mmlu import MMLU_GROUPS, MMLU_SUBJECTS, load_mmlu, mmlu_group
+from llm_calib.data.openqa import load_nq_open, load_openqa_jsonl, load_webquestions
+from llm_calib.data.opentriviaqa import OPENTRIVIAQA_CATEGORIES, load_opentriviaqa
+from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.data.result import LoadResult, subsample
+from llm_calib.data.selfaware import filter_selfaware, load_selfaware
+from llm_calib.data.spec import LOADERS, Spec, SpecError, load, parse_spec
+
+__all__ = [
+    "AI2_DATASETS",
+    "BUILTIN_DOMAINS",
+    "CAPITALS",
+    "ELEMENTS",
+    "HUB_DATASETS",
+    "LOADERS",
+    "MAX_ERRORS",
+    "MMLU_GROUPS",
+    "MMLU_SUBJECTS",
+    "OPENTRIVIAQA_CATEGORIES",
+    "DataError",
+    "LoadResult",
+    "MultipleChoice",
+    "OnError",
+    "OpenQA",
+    "Spec",
+    "SpecError",
+    "ai2_domain",
+    "builtin_multiple_choice",
+    "filter_selfaware",
+    "hub_row_to_record",
+    "load",
+    "load_ai2",
+    "load_hub",
+    "load_jsonl",
+    "load_mmlu",
+    "load_nq_open",
+    "load_openqa_jsonl",
+    "load_opentriviaqa",
+    "load_selfaware",
+    "load_webquestions",
+    "mc_from_dict",
+    "mmlu_group",
+    "openqa_from_dict",
+    "parse_spec",
+    "subsample",
+]

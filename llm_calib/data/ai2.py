@@ -1,0 +1,119 @@
+"""AI2-style multiple-choice JSONL: ARC-Easy, ARC-Challenge, OpenBookQA, CommonsenseQA, QASC.
+
+One JSON object per line::
+
+    {"id": "...", "question": {"stem": "...", "choices": [{"label": "A", "text": "..."}, ...]},
+     "answerKey": "A"}
+
+Labels may be letters or digits (some ARC rows use ``1``-``4``); 3 to 8 options occur. Other keys
+(``para`` retrieved passages, QASC ``fact1``/``fact2``, ...) are ignored. Blank lines are skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llm_calib.data._io import decode_line, iter_lines
+from llm_calib.data._rows import domain_from_name, labelled_choice, parse_json_line
+from llm_calib.data.errors import DataError, ErrorLog, OnError
+from llm_calib.data.records import MultipleChoice
+from llm_calib.data.result import LoadResult
+
+__all__ = ["AI2_DATASETS", "ai2_domain", "load_ai2"]
+
+AI2_DATASETS: tuple[str, ...] = ("arc_easy", "arc_challenge", "openbookqa", "commonsenseqa", "qasc")
+"""Domain labels of the AI2-format datasets, as used in the spec grammar and in results."""
+
+_ALIASES = {
+    "arc-easy": "arc_easy",
+    "arc-challenge": "arc_challenge",
+    "commonsense_qa": "commonsenseqa",
+}
+
+
+def ai2_domain(path: str | Path) -> str:
+    """The domain of an AI2 file: the nearest path component naming a known dataset, else the stem.
+
+    Example:
+        >>> ai2_domain("data/arc_challenge/test.jsonl"), ai2_domain("x/openbookqa.jsonl")
+        ('arc_challenge', 'openbookqa')
+        >>> ai2_domain("elsewhere/my_science_set.jsonl")
+        'my_science_set'
+    """
+    p = Path(path)
+    for part in reversed([*p.parent.parts, p.stem]):
+        name = _ALIASES.get(part.lower(), part.lower())
+        if name in AI2_DATASETS:
+            return name
+    return domain_from_name(p.stem)
+
+
+def load_ai2(
+    path: str | Path, *, domain: str | None = None, on_error: OnError = "raise"
+) -> LoadResult[MultipleChoice]:
+    """Load an AI2-format JSONL file as multiple-choice records.
+
+    Args:
+        path: the ``.jsonl`` file.
+        domain: the domain label; by default inferred with :func:`ai2_domain`.
+        on_error: ``"raise"`` a :class:`DataError` at the first bad line, or ``"skip"`` bad lines.
+
+    Returns:
+        The records (ids from the file, or ``<domain>-<line>``) with ``meta`` holding
+        ``source_file`` and ``line``.
+
+    Raises:
+        DataError: (under ``"raise"``) invalid UTF-8 or JSON, empty ``question.stem``, fewer than 2
+            ``question.choices``, missing ``answerKey`` or one that is not among the labels.
+
+    Example:
+        >>> import tempfile, json, os
+        >>> row = {"id": "q1", "question": {"stem": "Sun?", "choices": [
+        ...     {"label": "A", "text": "star"}, {"label": "B", "text": "planet"}]},
+        ...     "answerKey": "A"}
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     p = os.path.join(d, "arc_easy", "test.jsonl")
+        ...     os.mkdir(os.path.dirname(p))
+        ...     _ = open(p, "w").write(json.dumps(row) + "\\n")
+        ...     res = load_ai2(p)
+        >>> res.records[0].options, res.records[0].gold, res.records[0].domain
+        (('star', 'planet'), 0, 'arc_easy')
+    """
+    path = Path(path)
+    source = str(path)
+    dom = domain or ai2_domain(path)
+    log = ErrorLog(on_error)
+    records: list[MultipleChoice] = []
+    for line, raw in iter_lines(path):
+        if not raw.strip():
+            continue
+        try:
+            row = parse_json_line(decode_line(raw, source, line), source, line)
+            question = row.get("question")
+            if isinstance(question, dict):
+                stem, choices = question.get("stem"), question.get("choices")
+            else:  # flat variant: {"question": str, "choices": [...]}
+                stem, choices = question, row.get("choices")
+            if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+                raise DataError(
+                    source, line, "question.choices", "expected a list of {label, text}"
+                )
+            rid = row.get("id")
+            records.append(
+                labelled_choice(
+                    stem,
+                    [c.get("label", chr(ord("A") + i)) for i, c in enumerate(choices)],
+                    [c.get("text") for c in choices],
+                    row.get("answerKey"),
+                    source=source,
+                    line=line,
+                    domain=dom,
+                    id=str(rid) if rid is not None else f"{dom}-{line}",
+                    meta={"source_file": source, "line": str(line)},
+                    question_field="question.stem",
+                    choices_field="question.choices",
+                )
+            )
+        except DataError as err:
+            log.add(err)
+    return LoadResult(records, log.skipped, log.errors, source)

@@ -1,0 +1,201 @@
+"""The generic JSONL schemas, for your own data sets.
+
+Multiple choice, one object per line::
+
+    {"question": str, "options": [str, ...], "answer": <int | str>,
+     "domain": str (optional), "id": str (optional), "meta": {str: str} (optional)}
+
+``answer`` is a 0-based option index, the exact text of an option, or an option letter (``"A"``
+for the first option, ...). A string is first matched against option texts, then read as a
+letter, so options that are themselves letters work as expected. At least two non-empty options.
+
+Open QA, one object per line::
+
+    {"question": str, "answers": [str, ...] (or one str), "domain"?, "id"?, "meta"?}
+
+``domain`` defaults to the file name stem and ``id`` to ``<domain>-<line>``. A file holds one
+kind; by default the kind is taken from the first row (``options`` means multiple choice,
+``answers`` open QA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from llm_calib.data._io import decode_line, iter_lines
+from llm_calib.data._rows import domain_from_name, parse_json_line, require_text, str_meta
+from llm_calib.data.errors import DataError, ErrorLog, OnError
+from llm_calib.data.openqa import answer_aliases
+from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.data.result import LoadResult
+
+__all__ = ["JsonlKind", "load_jsonl", "mc_from_dict", "openqa_from_dict", "resolve_answer"]
+
+JsonlKind = Literal["auto", "mc", "open"]
+"""Schema for :func:`load_jsonl`: detect from the first row, multiple choice, or open QA."""
+
+
+def resolve_answer(answer: Any, options: tuple[str, ...], source: str, line: int) -> int:
+    """The 0-based gold index of a generic-schema ``answer`` (index, option text, or letter).
+
+    Example:
+        >>> opts = ("red", "green", "blue")
+        >>> resolve_answer(2, opts, "f", 1), resolve_answer("green", opts, "f", 1)
+        (2, 1)
+        >>> resolve_answer("A", opts, "f", 1)
+        0
+        >>> resolve_answer("D", opts, "f", 1)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        llm_calib.data.errors.DataError: f:1: answer: gold label 'D' is not among the options ...
+    """
+    if answer is None or (isinstance(answer, str) and not answer.strip()):
+        raise DataError(source, line, "answer", "missing answer")
+    if isinstance(answer, bool) or not isinstance(answer, int | str):
+        raise DataError(
+            source, line, "answer", f"expected an int or a string, got {type(answer).__name__}"
+        )
+    if isinstance(answer, int):
+        if not 0 <= answer < len(options):
+            raise DataError(
+                source,
+                line,
+                "answer",
+                f"gold index {answer} is not among the options 0-{len(options) - 1}",
+            )
+        return answer
+    text = answer.strip()
+    matches = [i for i, option in enumerate(options) if option == text]
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        raise DataError(
+            source, line, "answer", f"answer {text!r} matches several options {matches}"
+        )
+    if len(text) == 1 and "A" <= text <= "Z" and ord(text) - ord("A") < len(options):
+        return ord(text) - ord("A")
+    last = chr(ord("A") + len(options) - 1)
+    raise DataError(
+        source,
+        line,
+        "answer",
+        f"gold label {text!r} is not among the options {options} (nor a letter A-{last})",
+    )
+
+
+def _id_and_meta(
+    row: Mapping[str, Any], domain: str, source: str, line: int
+) -> tuple[str, str, dict[str, str]]:
+    dom = row.get("domain")
+    dom = dom.strip() if isinstance(dom, str) and dom.strip() else domain
+    rid = row.get("id")
+    meta_in = row.get("meta")
+    if meta_in is not None and not isinstance(meta_in, dict):
+        raise DataError(source, line, "meta", "expected an object")
+    meta = str_meta(meta_in or {})
+    meta.setdefault("source_file", source)
+    meta.setdefault("line", str(line))
+    return dom, str(rid) if rid is not None else f"{dom}-{line}", meta
+
+
+def mc_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str) -> MultipleChoice:
+    """A multiple-choice record from a generic-schema row (see the module docstring).
+
+    Example:
+        >>> mc_from_dict({"question": "2+2?", "options": ["3", "4"], "answer": "4"},
+        ...              source="f", line=1, domain="toy").gold
+        1
+    """
+    question = require_text(row.get("question"), source, line, "question")
+    raw_options = row.get("options")
+    if not isinstance(raw_options, list):
+        raise DataError(source, line, "options", "expected a list of strings")
+    if len(raw_options) < 2:
+        raise DataError(source, line, "options", f"fewer than 2 options ({len(raw_options)})")
+    options = tuple(
+        require_text(o, source, line, f"options[{i}]") for i, o in enumerate(raw_options)
+    )
+    gold = resolve_answer(row.get("answer"), options, source, line)
+    dom, rid, meta = _id_and_meta(row, domain, source, line)
+    return MultipleChoice(question, options, gold, dom, rid, meta)
+
+
+def openqa_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str) -> OpenQA:
+    """An open QA record from a generic-schema row (see the module docstring).
+
+    Example:
+        >>> openqa_from_dict({"question": "Capital of Peru?", "answers": ["Lima"]},
+        ...                  source="f", line=3, domain="geo").id
+        'geo-3'
+    """
+    question = require_text(row.get("question"), source, line, "question")
+    answers = answer_aliases(row.get("answers"), source, line, "answers")
+    dom, rid, meta = _id_and_meta(row, domain, source, line)
+    return OpenQA(question, answers, dom, rid, meta)
+
+
+def load_jsonl(
+    path: str | Path,
+    *,
+    kind: JsonlKind = "auto",
+    domain: str | None = None,
+    on_error: OnError = "raise",
+) -> LoadResult[MultipleChoice] | LoadResult[OpenQA]:
+    """Load a JSONL file in the generic multiple-choice or open QA schema.
+
+    Args:
+        path: the ``.jsonl`` file.
+        kind: ``"mc"``, ``"open"``, or ``"auto"`` (from the first row that parses).
+        domain: default domain for rows without one (default: the file stem).
+        on_error: ``"raise"`` a :class:`DataError` at the first bad line, or ``"skip"`` bad lines.
+
+    Raises:
+        DataError: invalid UTF-8 or JSON, empty question, fewer than 2 options, a missing answer,
+            an answer that names no option, or a row of the other kind than the file's.
+
+    Example:
+        >>> import tempfile, os, json
+        >>> rows = [{"question": "Sky colour?", "options": ["blue", "green"], "answer": "A"},
+        ...         {"question": "Grass colour?", "options": ["blue", "green"], "answer": 1}]
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     p = os.path.join(d, "colours.jsonl")
+        ...     _ = open(p, "w").write("\\n".join(json.dumps(r) for r in rows))
+        ...     res = load_jsonl(p)
+        >>> [(r.domain, r.gold) for r in res], res.kind
+        ([('colours', 0), ('colours', 1)], 'multiple_choice')
+    """
+    if kind not in ("auto", "mc", "open"):
+        raise ValueError(f"kind must be 'auto', 'mc' or 'open', got {kind!r}")
+    path = Path(path)
+    source = str(path)
+    dom = domain or domain_from_name(path.stem)
+    log = ErrorLog(on_error)
+    records: list[Any] = []
+    file_kind = None if kind == "auto" else kind
+    for line, raw in iter_lines(path):
+        if not raw.strip():
+            continue
+        try:
+            row = parse_json_line(decode_line(raw, source, line), source, line)
+            row_kind = "mc" if "options" in row else "open" if "answers" in row else None
+            if row_kind is None:
+                raise DataError(
+                    source,
+                    line,
+                    "options",
+                    'a row needs "options" (multiple choice) or "answers" (open QA)',
+                )
+            if file_kind is None:
+                file_kind = row_kind
+            elif row_kind != file_kind:
+                want = "options" if file_kind == "mc" else "answers"
+                raise DataError(
+                    source, line, want, f"this file holds {file_kind!r} rows, which need {want!r}"
+                )
+            make = mc_from_dict if file_kind == "mc" else openqa_from_dict
+            records.append(make(row, source=source, line=line, domain=dom))
+        except DataError as err:
+            log.add(err)
+    return LoadResult(records, log.skipped, log.errors, source)

@@ -1,0 +1,125 @@
+"""Open-domain QA JSONL (NQ-open, WebQuestions): ``{"question": str, "answer": [alias, ...]}``.
+
+NQ-open rows carry only ``question`` and ``answer``; WebQuestions rows add an ``id``; EfficientQA
+rows add prediction lists, which are ignored. A single string answer is accepted as one alias.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llm_calib.data._io import decode_line, iter_lines
+from llm_calib.data._rows import domain_from_name, parse_json_line, require_text
+from llm_calib.data.errors import DataError, ErrorLog, OnError
+from llm_calib.data.records import OpenQA
+from llm_calib.data.result import LoadResult
+
+__all__ = ["answer_aliases", "load_nq_open", "load_openqa_jsonl", "load_webquestions"]
+
+
+def answer_aliases(value: Any, source: str, line: int, field: str) -> tuple[str, ...]:
+    """Accepted answers from a list of strings (or one string), stripped; DataError if none.
+
+    Example:
+        >>> answer_aliases([" Paris ", "Paris, France"], "f", 1, "answer")
+        ('Paris', 'Paris, France')
+    """
+    if value is None or value == [] or value == "":
+        raise DataError(source, line, field, "missing answer")
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list):
+        raise DataError(
+            source, line, field, f"expected a list of strings, got {type(value).__name__}"
+        )
+    aliases = tuple(require_text(v, source, line, f"{field}[{i}]") for i, v in enumerate(values))
+    return tuple(dict.fromkeys(aliases))
+
+
+def load_openqa_jsonl(
+    path: str | Path,
+    *,
+    domain: str | None = None,
+    answer_field: str = "answer",
+    on_error: OnError = "raise",
+) -> LoadResult[OpenQA]:
+    """Load a JSONL file of ``{"question", <answer_field>: [aliases]}`` rows as open QA records.
+
+    Args:
+        path: the ``.jsonl`` file.
+        domain: the domain label (default: from the file name).
+        answer_field: the key holding the list of accepted answers.
+        on_error: ``"raise"`` a :class:`DataError` at the first bad line, or ``"skip"`` bad lines.
+
+    Returns:
+        Records with id from the row's ``id`` (else ``<domain>-<line>``) and ``meta`` holding
+        ``source_file`` and ``line``. Repeated aliases are removed.
+
+    Raises:
+        DataError: invalid UTF-8 or JSON, empty ``question``, missing or empty answer list, or an
+            alias that is not a non-empty string.
+
+    Example:
+        >>> import tempfile, os
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     p = os.path.join(d, "qa.jsonl")
+        ...     row = '{"question": "who wrote hamlet", "answer": ["Shakespeare"]}'
+        ...     _ = open(p, "w").write(row + "\\n")
+        ...     rec = load_openqa_jsonl(p, domain="nq_open").records[0]
+        >>> rec.answers, rec.id
+        (('Shakespeare',), 'nq_open-1')
+    """
+    path = Path(path)
+    source = str(path)
+    dom = domain or domain_from_name(path.stem)
+    log = ErrorLog(on_error)
+    records: list[OpenQA] = []
+    for line, raw in iter_lines(path):
+        if not raw.strip():
+            continue
+        try:
+            row = parse_json_line(decode_line(raw, source, line), source, line)
+            question = require_text(row.get("question"), source, line, "question")
+            answers = answer_aliases(row.get(answer_field), source, line, answer_field)
+            rid = row.get("id")
+            records.append(
+                OpenQA(
+                    question,
+                    answers,
+                    dom,
+                    str(rid) if rid is not None else f"{dom}-{line}",
+                    {"source_file": source, "line": str(line)},
+                )
+            )
+        except DataError as err:
+            log.add(err)
+    return LoadResult(records, log.skipped, log.errors, source)
+
+
+def load_nq_open(path: str | Path, *, on_error: OnError = "raise") -> LoadResult[OpenQA]:
+    """Load NQ-open (or EfficientQA) JSONL; domain ``nq_open``. See :func:`load_openqa_jsonl`.
+
+    Example:
+        >>> import tempfile, os
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     p = os.path.join(d, "NQ-open.dev.jsonl")
+        ...     _ = open(p, "w").write('{"question": "q", "answer": ["a", "b"]}\\n')
+        ...     load_nq_open(p).records[0].domain
+        'nq_open'
+    """
+    return load_openqa_jsonl(path, domain="nq_open", on_error=on_error)
+
+
+def load_webquestions(path: str | Path, *, on_error: OnError = "raise") -> LoadResult[OpenQA]:
+    """Load WebQuestions JSONL; domain ``webquestions``. See :func:`load_openqa_jsonl`.
+
+    Example:
+        >>> import tempfile, os
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     p = os.path.join(d, "webq-test.jsonl")
+        ...     _ = open(p, "w").write('{"id": "7", "question": "q", "answer": ["a"]}\\n')
+        ...     r = load_webquestions(p).records[0]
+        >>> r.domain, r.id
+        ('webquestions', '7')
+    """
+    return load_openqa_jsonl(path, domain="webquestions", on_error=on_error)

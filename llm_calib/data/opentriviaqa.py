@@ -1,0 +1,222 @@
+"""OpenTriviaQA category files (uberspot/OpenTriviaQA): blocks of
+
+::
+
+    #Q question text (may continue over several lines, blank lines included)
+    ^ text of the correct answer
+    A first option
+    B second option
+    ...
+
+Quirks of the real files, and what the loader does about them:
+
+* Questions spanning several lines (about 1,300, e.g. song verses; continuation lines may even
+  start with ``A `` or ``I ``): every line up to the ``^`` line belongs to the question; non-blank
+  lines are joined with ``\\n``.
+* Mixed encodings: the files are UTF-8 except a few dozen lines holding Windows-1252 bytes (``é``
+  as ``E9``, curly quotes as ``93``/``94``) or UTF-8 characters whose last byte became ``?``. By
+  default such lines are repaired (:func:`~llm_calib.data._io.repair_utf8`) and the record gets
+  ``meta["encoding"] = "repaired"``; with ``repair_encoding=False`` they are DataErrors.
+* Windows line ends (CRLF) mixed with LF: both are accepted.
+* Empty options (``A`` with no text, 4 blocks) are dropped, and repeated option texts (24 blocks)
+  are collapsed to their first occurrence; ``meta["dropped_options"]`` counts both.
+
+The gold option is the one whose text equals the ``^`` line (after stripping spaces). A block
+whose ``^`` text matches no option, that has fewer than 2 options left, or no ``^`` line, is a
+:class:`DataError`. Records get the domain ``opentriviaqa_<category>`` (``-`` becomes ``_``) and
+keep ``category`` in ``meta``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llm_calib.data._io import decode_line, iter_lines
+from llm_calib.data._rows import domain_from_name
+from llm_calib.data.errors import DataError, ErrorLog, OnError
+from llm_calib.data.records import MultipleChoice
+from llm_calib.data.result import LoadResult
+
+__all__ = ["OPENTRIVIAQA_CATEGORIES", "load_opentriviaqa"]
+
+OPENTRIVIAQA_CATEGORIES: tuple[str, ...] = (
+    "animals", "brain-teasers", "celebrities", "entertainment", "for-kids", "general",
+    "geography", "history", "hobbies", "humanities", "literature", "movies", "music", "newest",
+    "people", "rated", "religion-faith", "science-technology", "sports", "television",
+    "video-games", "world",
+)  # fmt: skip
+"""The 22 category files of the upstream repository."""
+
+_OPTION = re.compile(r"([A-Z])(?:[ \t](.*))?")
+
+
+@dataclass
+class _Block:
+    line: int
+    question: list[str]
+    answer: str | None = None
+    answer_line: int = 0
+    options: list[str] = field(default_factory=list)
+    error: DataError | None = None
+    repaired: bool = False
+
+
+def _category_files(path: Path, categories: Sequence[str] | None) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"OpenTriviaQA path {path} does not exist")
+    if (path / "categories").is_dir():
+        path = path / "categories"
+    available = {
+        p.name: p
+        for p in path.iterdir()
+        if p.is_file()
+        and not p.name.startswith(".")
+        and p.suffix.lower() not in (".md", ".txt")
+        and p.name.upper() != "LICENSE"
+    }
+    if categories is None:
+        return [available[name] for name in sorted(available)]
+    missing = [c for c in categories if c not in available]
+    if missing:
+        raise DataError(
+            str(path),
+            0,
+            "category",
+            f"unknown categories {missing}; available: {', '.join(sorted(available))}",
+        )
+    return [available[c] for c in categories]
+
+
+def load_opentriviaqa(
+    path: str | Path,
+    *,
+    categories: Sequence[str] | None = None,
+    repair_encoding: bool = True,
+    on_error: OnError = "raise",
+) -> LoadResult[MultipleChoice]:
+    """Load OpenTriviaQA category files as multiple-choice records (2 or more options).
+
+    Args:
+        path: one category file, the ``categories`` directory, or the dataset directory holding it.
+        categories: with a directory, only these category files (default: all, sorted by name).
+        repair_encoding: decode lines that are not valid UTF-8 as described in the module doc;
+            if False, such lines are DataErrors (field ``encoding``).
+        on_error: ``"raise"`` a :class:`DataError` at the first bad block, or ``"skip"`` bad blocks.
+
+    Returns:
+        Records with id ``<category>-<line of #Q>`` and ``meta`` holding ``category``,
+        ``source_file`` and ``line``.
+
+    Raises:
+        DataError: see the module docstring.
+        FileNotFoundError: ``path`` does not exist.
+
+    Example:
+        >>> import tempfile, os
+        >>> text = "#Q Largest ocean?\\n^ Pacific\\nA Atlantic\\nB Pacific\\nC Indian\\n"
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = open(os.path.join(d, "geography"), "w").write(text)
+        ...     rec = load_opentriviaqa(os.path.join(d, "geography")).records[0]
+        >>> rec.options, rec.gold, rec.domain, rec.id
+        (('Atlantic', 'Pacific', 'Indian'), 1, 'opentriviaqa_geography', 'geography-1')
+    """
+    path = Path(path)
+    log = ErrorLog(on_error)
+    records: list[MultipleChoice] = []
+    for f in _category_files(path, categories):
+        records.extend(_load_file(f, repair_encoding, log))
+    return LoadResult(records, log.skipped, log.errors, str(path))
+
+
+def _load_file(path: Path, repair: bool, log: ErrorLog) -> list[MultipleChoice]:
+    source = str(path)
+    category = path.name
+    domain = f"opentriviaqa_{domain_from_name(category)}"
+    blocks: list[_Block] = []
+    block: _Block | None = None
+    for line, raw in iter_lines(path):
+        bad: DataError | None = None
+        repaired = False
+        try:
+            text = decode_line(raw, source, line)
+        except DataError as err:
+            text, repaired = decode_line(raw, source, line, repair=True), repair
+            bad = None if repair else err
+        if text.startswith("#Q"):
+            block = _Block(line, [text[2:].strip()], repaired=repaired, error=bad)
+            blocks.append(block)
+            continue
+        if block is None:
+            if bad is not None:
+                log.add(bad)
+            elif text.strip():
+                log.add(DataError(source, line, "#Q", "text before the first '#Q' question"))
+            continue
+        block.repaired |= repaired
+        if bad is not None and block.error is None:
+            block.error = bad
+        if block.answer is None:
+            if text.startswith("^"):
+                block.answer, block.answer_line = text[1:].strip(), line
+            else:
+                block.question.append(text.strip())
+            continue
+        if not text.strip():
+            continue
+        m = _OPTION.fullmatch(text.rstrip())
+        expected = chr(ord("A") + len(block.options))
+        if m is None or m.group(1) != expected:
+            if block.error is None:
+                block.error = DataError(
+                    source, line, "options", f"expected option {expected!r}, got {text[:40]!r}"
+                )
+            continue
+        block.options.append((m.group(2) or "").strip())
+
+    records = []
+    for b in blocks:
+        try:
+            records.append(_block_to_record(b, source, category, domain))
+        except DataError as err:
+            log.add(err)
+    return records
+
+
+def _block_to_record(b: _Block, source: str, category: str, domain: str) -> MultipleChoice:
+    if b.error is not None:
+        raise b.error
+    question = "\n".join(q for q in b.question if q)
+    if not question:
+        raise DataError(source, b.line, "#Q", "empty question")
+    if b.answer is None:
+        raise DataError(
+            source, b.line, "^", "missing answer (no '^' line before the next question)"
+        )
+    if not b.answer:
+        raise DataError(source, b.answer_line, "^", "missing answer (empty '^' line)")
+    options: list[str] = []
+    for option in b.options:
+        if option and option not in options:
+            options.append(option)
+    if b.answer not in options:
+        raise DataError(
+            source,
+            b.answer_line,
+            "^",
+            f"gold label {b.answer!r} is not among the options {options}",
+        )
+    if len(options) < 2:
+        raise DataError(source, b.line, "options", f"fewer than 2 options ({len(options)})")
+    meta = {"category": category, "source_file": source, "line": str(b.line)}
+    if len(options) != len(b.options):
+        meta["dropped_options"] = str(len(b.options) - len(options))
+    if b.repaired:
+        meta["encoding"] = "repaired"
+    return MultipleChoice(
+        question, tuple(options), options.index(b.answer), domain, f"{category}-{b.line}", meta
+    )

@@ -1,0 +1,175 @@
+"""SelfAware (Yin et al. 2023): one JSON document ``{"example": [{...}, ...]}``.
+
+Each example has ``question``, ``answer`` (a list of aliases, or null), ``answerable`` (bool) and
+``source`` (``squadqa_train``, ``triviaqa_dev``, ``hotpot_train``, ... for answerable questions,
+``SelfAware`` for the 1,032 unanswerable ones). Unanswerable questions are *kept and flagged*:
+they become :class:`OpenQA` records with ``answerable=False`` and no answers (so the file's 3,369
+questions all load); ``keep="answerable"`` drops them, and ``keep="triviaqa"`` (or
+:func:`filter_selfaware`) keeps only the answerable TriviaQA-sourced ones. ``meta`` holds
+``source`` and ``answerable`` (``"true"``/``"false"``).
+
+Error line numbers point at the opening brace of the offending example.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from llm_calib.data._io import decode_line, iter_lines
+from llm_calib.data._rows import require_text
+from llm_calib.data.errors import DataError, ErrorLog, OnError
+from llm_calib.data.openqa import answer_aliases
+from llm_calib.data.records import OpenQA
+from llm_calib.data.result import LoadResult
+
+__all__ = ["SelfAwareKeep", "filter_selfaware", "load_selfaware"]
+
+SelfAwareKeep = Literal["all", "answerable", "triviaqa"]
+"""Which SelfAware questions :func:`load_selfaware` keeps."""
+
+
+def _example_lines(text: str, count: int) -> list[int]:
+    """1-based line of each element of the top-level ``"example"`` array (0 when unknown)."""
+    match = re.search(r'"example"\s*:\s*\[', text)
+    lines = [0] * count
+    if match is None:
+        return lines
+    decoder = json.JSONDecoder()
+    pos, line = match.end(), text.count("\n", 0, match.end()) + 1
+    ws = re.compile(r"[\s,]*")
+    for i in range(count):
+        start = ws.match(text, pos).end()  # type: ignore[union-attr]
+        if start >= len(text) or text[start] == "]":
+            break
+        line += text.count("\n", pos, start)
+        lines[i] = line
+        try:
+            _, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            break
+        line += text.count("\n", start, end)
+        pos = end
+    return lines
+
+
+def load_selfaware(
+    path: str | Path, *, keep: SelfAwareKeep = "all", on_error: OnError = "raise"
+) -> LoadResult[OpenQA]:
+    """Load ``SelfAware.json`` as open QA records (domain ``selfaware``, id ``question_id``).
+
+    Args:
+        path: the JSON file.
+        keep: ``"all"`` (unanswerable ones flagged ``answerable=False``), ``"answerable"``, or
+            ``"triviaqa"`` (answerable ones whose source starts with ``triviaqa``).
+        on_error: ``"raise"`` a :class:`DataError` at the first bad example, or ``"skip"`` bad ones.
+            A file that is not valid UTF-8 JSON with an ``example`` list is always an error.
+
+    Raises:
+        DataError: empty ``question``, missing or non-bool ``answerable``, an answerable example
+            without answers; invalid UTF-8 or JSON in the file.
+
+    Example:
+        >>> import tempfile, os, json
+        >>> doc = {"example": [
+        ...     {"question_id": 1, "question": "Q1?", "answer": ["a"], "answerable": True,
+        ...      "source": "triviaqa_train"},
+        ...     {"question_id": 2, "question": "Q2?", "answer": None, "answerable": False,
+        ...      "source": "SelfAware"}]}
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     p = os.path.join(d, "SelfAware.json")
+        ...     _ = open(p, "w").write(json.dumps(doc, indent=1))
+        ...     res = load_selfaware(p)
+        ...     only = load_selfaware(p, keep="triviaqa")
+        >>> [(r.id, r.answerable, r.answers) for r in res], len(only)
+        ([('1', True, ('a',)), ('2', False, ())], 1)
+    """
+    if keep not in ("all", "answerable", "triviaqa"):
+        raise ValueError(f"keep must be 'all', 'answerable' or 'triviaqa', got {keep!r}")
+    path = Path(path)
+    source = str(path)
+    text = "\n".join(decode_line(raw, source, n) for n, raw in iter_lines(path))
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(source, exc.lineno, "json", f"invalid JSON ({exc.msg})") from None
+    examples = doc.get("example") if isinstance(doc, dict) else None
+    if not isinstance(examples, list):
+        raise DataError(source, 1, "example", 'expected an object with an "example" list')
+    lines = _example_lines(text, len(examples))
+    log = ErrorLog(on_error)
+    records: list[OpenQA] = []
+    for i, (example, line) in enumerate(zip(examples, lines, strict=True)):
+        try:
+            record = _to_record(example, i, source, line)
+        except DataError as err:
+            log.add(err)
+            continue
+        records.append(record)
+    if keep != "all":
+        records = filter_selfaware(records, sources=("triviaqa",) if keep == "triviaqa" else None)
+    return LoadResult(records, log.skipped, log.errors, source)
+
+
+def _to_record(example: Any, index: int, source: str, line: int) -> OpenQA:
+    prefix = f"example[{index}]"
+    if not isinstance(example, dict):
+        raise DataError(source, line, prefix, "expected an object")
+    question = require_text(example.get("question"), source, line, f"{prefix}.question")
+    answerable = example.get("answerable")
+    if not isinstance(answerable, bool):
+        raise DataError(
+            source, line, f"{prefix}.answerable", f"expected true/false, got {answerable!r}"
+        )
+    raw_answer = example.get("answer")
+    if answerable:
+        answers = answer_aliases(raw_answer, source, line, f"{prefix}.answer")
+    elif raw_answer in (None, [], ""):
+        answers = ()
+    else:
+        answers = answer_aliases(raw_answer, source, line, f"{prefix}.answer")
+    src = example.get("source")
+    qid = example.get("question_id", index + 1)
+    meta = {
+        "source": str(src) if src is not None else "",
+        "answerable": "true" if answerable else "false",
+        "line": str(line),
+    }
+    return OpenQA(question, answers, "selfaware", str(qid), meta, answerable=answerable)
+
+
+def filter_selfaware(
+    records: Iterable[OpenQA],
+    *,
+    answerable: bool | None = True,
+    sources: Sequence[str] | None = ("triviaqa",),
+) -> list[OpenQA]:
+    """Keep SelfAware records by answerability and by source prefix.
+
+    Args:
+        records: SelfAware records (from :func:`load_selfaware`).
+        answerable: keep only answerable (True) or only unanswerable (False) ones; None keeps both.
+        sources: keep records whose ``meta["source"]`` starts with one of these prefixes
+            (``"triviaqa"`` matches ``triviaqa_train`` and ``triviaqa_dev``); None keeps all.
+
+    Example:
+        >>> recs = [OpenQA("a?", ("x",), "selfaware", "1", {"source": "triviaqa_dev"}),
+        ...         OpenQA("b?", ("y",), "selfaware", "2", {"source": "squadqa_train"}),
+        ...         OpenQA("c?", (), "selfaware", "3", {"source": "SelfAware"}, answerable=False)]
+        >>> [r.id for r in filter_selfaware(recs)]
+        ['1']
+        >>> [r.id for r in filter_selfaware(recs, answerable=False, sources=None)]
+        ['3']
+    """
+    prefixes = tuple(s.lower() for s in sources) if sources is not None else None
+    kept = []
+    for r in records:
+        if answerable is not None and r.answerable != answerable:
+            continue
+        if prefixes is not None and not r.meta.get("source", "").lower().startswith(prefixes):
+            continue
+        kept.append(r)
+    return kept

@@ -1,0 +1,292 @@
+"""``load(spec)``: one string names a data set, its location and an option.
+
+Grammar::
+
+    SPEC    := LOADER [":" TARGET [":" OPTION]]
+    LOADER  := one of LOADERS (below)
+    TARGET  := a file or directory path, a hub name (hf), or domain names (builtin)
+    OPTION  := loader-specific, see the table
+
+The first ``:`` ends the loader name. For file loaders, if the rest is an existing path it is all
+TARGET; otherwise the text after its last ``:`` is the OPTION. ``OPTION`` lists are comma
+separated; ``key=value`` pairs likewise.
+
+==================================  ===================================  =========================
+loader                              TARGET                               OPTION
+==================================  ===================================  =========================
+``arc_easy``, ``arc_challenge``,    AI2 ``.jsonl`` file, its dataset     split when TARGET is a
+``openbookqa``, ``commonsenseqa``,  directory, or the data root          directory (default: test,
+``qasc``                                                                 dev for commonsenseqa and
+                                                                         qasc)
+``ai2``                             any AI2 ``.jsonl`` (domain from the  -
+                                    path, see ``ai2_domain``)
+``mmlu``; ``mmlu_stem``,            csv file, directory of csv files,    split (dev, val, test;
+``mmlu_humanities``,                the ``mmlu`` directory or the data   default test) and/or
+``mmlu_social_sciences``,           root; the ``mmlu_<group>`` loaders   comma-separated subjects
+``mmlu_other``                      keep one group
+``opentriviaqa``                    a category file, the ``categories``  comma-separated categories
+                                    directory, its parent, or the root
+``nq_open``, ``webquestions``       ``.jsonl`` file, its directory, or   split (default dev for
+                                    the data root                        nq_open, test for
+                                                                         webquestions)
+``selfaware``                       ``SelfAware.json``, its directory,   ``all`` (default),
+                                    or the data root                     ``answerable``,
+                                                                         ``triviaqa``
+``jsonl``                           a generic-schema ``.jsonl`` file     ``mc``, ``open`` or
+                                                                         ``auto`` (default)
+``hf``                              a hub name, e.g. ``cais/mmlu``       ``CONFIG`` or
+                                                                         ``config=...,split=...``
+``builtin``                         comma-separated domains (optional)   ``N`` or ``n=N,seed=S``
+==================================  ===================================  =========================
+
+Examples: ``arc_easy:../shared/data/arc_easy/test.jsonl``, ``arc_easy:../shared/data:dev``,
+``mmlu:../shared/data/mmlu/test``, ``mmlu_stem:../shared/data/mmlu/test``,
+``opentriviaqa:../shared/data/opentriviaqa/categories/geography``,
+``opentriviaqa:../shared/data:geography,animals``, ``selfaware:../shared/data:triviaqa``,
+``hf:allenai/ai2_arc:config=ARC-Challenge,split=validation``, ``builtin``,
+``builtin:arithmetic,capitals:n=100``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llm_calib.data.ai2 import load_ai2
+from llm_calib.data.builtin import BUILTIN_DOMAINS, builtin_multiple_choice
+from llm_calib.data.errors import OnError
+from llm_calib.data.hub import load_hub
+from llm_calib.data.jsonl import load_jsonl
+from llm_calib.data.mmlu import MMLU_GROUPS, MMLU_SPLITS, load_mmlu
+from llm_calib.data.openqa import load_nq_open, load_webquestions
+from llm_calib.data.opentriviaqa import load_opentriviaqa
+from llm_calib.data.result import LoadResult, subsample
+from llm_calib.data.selfaware import load_selfaware
+
+__all__ = ["LOADERS", "Spec", "SpecError", "load", "parse_spec"]
+
+
+class SpecError(ValueError):
+    """A data spec string that cannot be understood (unknown loader, bad option, ...)."""
+
+
+LOADERS: dict[str, str] = {
+    "arc_easy": "ARC-Easy, AI2 jsonl",
+    "arc_challenge": "ARC-Challenge, AI2 jsonl",
+    "openbookqa": "OpenBookQA, AI2 jsonl",
+    "commonsenseqa": "CommonsenseQA, AI2 jsonl",
+    "qasc": "QASC, AI2 jsonl",
+    "ai2": "any AI2-format jsonl",
+    "mmlu": "MMLU csv, all four groups",
+    **{f"mmlu_{g}": f"MMLU csv, {g.replace('_', ' ')} subjects only" for g in MMLU_GROUPS},
+    "opentriviaqa": "OpenTriviaQA category files",
+    "nq_open": "NQ-open jsonl (open QA)",
+    "webquestions": "WebQuestions jsonl (open QA)",
+    "selfaware": "SelfAware json (open QA)",
+    "jsonl": "generic multiple-choice or open QA jsonl",
+    "hf": "Hugging Face hub dataset (needs `datasets`)",
+    "builtin": "built-in generated multiple choice",
+}
+"""Valid loader names of the spec grammar, with a one-line description each."""
+
+# dataset directory name and the file names tried for a split, for loaders taking a directory
+_AI2_FILES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "arc_easy": ("arc_easy", "test", ("{split}.jsonl",)),
+    "arc_challenge": ("arc_challenge", "test", ("{split}.jsonl",)),
+    "openbookqa": ("openbookqa", "test", ("openbookqa.jsonl", "{split}.jsonl")),
+    "commonsenseqa": ("commonsenseqa", "dev", ("genmc_{split}.jsonl", "{split}.jsonl")),
+    "qasc": ("qasc", "dev", ("{split}.jsonl",)),
+    "nq_open": ("nq_open", "dev", ("NQ-open.{split}.jsonl", "{split}.jsonl")),
+    "webquestions": ("webquestions", "test", ("webq-{split}.jsonl", "{split}.jsonl")),
+    "selfaware": ("selfaware", "", ("SelfAware.json",)),
+}
+_FILE_LOADERS = {
+    "ai2",
+    "jsonl",
+    "opentriviaqa",
+    "mmlu",
+    *(f"mmlu_{g}" for g in MMLU_GROUPS),
+    *_AI2_FILES,
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A parsed data spec: ``loader``, ``target`` (path, hub name or domains) and ``option``.
+
+    Example:
+        >>> parse_spec("mmlu_stem:data/mmlu/test")
+        Spec(loader='mmlu_stem', target='data/mmlu/test', option=None)
+    """
+
+    loader: str
+    target: str
+    option: str | None
+
+
+def parse_spec(spec: str) -> Spec:
+    """Split a spec string into loader, target and option (see the module docstring).
+
+    Raises:
+        SpecError: an empty spec, an unknown loader (the message lists the valid ones), or a
+            missing target for a loader that needs one.
+
+    Example:
+        >>> parse_spec("hf:allenai/ai2_arc:ARC-Challenge")
+        Spec(loader='hf', target='allenai/ai2_arc', option='ARC-Challenge')
+        >>> parse_spec("builtin")
+        Spec(loader='builtin', target='', option=None)
+        >>> parse_spec("csv:x.csv")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        llm_calib.data.spec.SpecError: unknown loader 'csv' in spec 'csv:x.csv'; valid loaders: ...
+    """
+    if not spec or not spec.strip():
+        raise SpecError("empty data spec")
+    loader, _, rest = spec.strip().partition(":")
+    if loader not in LOADERS:
+        raise SpecError(
+            f"unknown loader {loader!r} in spec {spec!r}; valid loaders: {', '.join(LOADERS)}"
+        )
+    if loader in ("hf", "builtin"):
+        target, sep, option = rest.partition(":")
+        return Spec(loader, target, option if sep else None)
+    if not rest:
+        raise SpecError(f"spec {spec!r} needs a path: '{loader}:PATH'")
+    if Path(rest).exists() or ":" not in rest:
+        return Spec(loader, rest, None)
+    target, option = rest.rsplit(":", 1)
+    return Spec(loader, target, option)
+
+
+def _key_values(option: str | None, bare_key: str, allowed: set[str], spec: str) -> dict[str, str]:
+    if not option:
+        return {}
+    out: dict[str, str] = {}
+    for part in option.split(","):
+        key, eq, value = part.partition("=")
+        if not eq:
+            key, value = bare_key, part
+        key = key.strip()
+        if key not in allowed:
+            raise SpecError(
+                f"unknown option {key!r} in spec {spec!r}; valid: {', '.join(sorted(allowed))}"
+            )
+        out[key] = value.strip()
+    return out
+
+
+def _find_file(loader: str, target: Path, option: str | None, spec: str) -> Path:
+    dataset_dir, default_split, patterns = _AI2_FILES[loader]
+    if target.is_file():
+        if option is not None:
+            raise SpecError(f"spec {spec!r}: the option {option!r} only applies to a directory")
+        return target
+    split = option or default_split
+    tried = []
+    for base in (target, target / dataset_dir):
+        for pattern in patterns:
+            candidate = base / pattern.format(split=split)
+            tried.append(str(candidate))
+            if candidate.is_file():
+                return candidate
+    raise FileNotFoundError(f"spec {spec!r}: no {loader} file; tried {', '.join(tried)}")
+
+
+def _mmlu_dir(target: Path, split: str) -> Path:
+    for base in (target, target / "mmlu"):
+        if (base / split).is_dir():
+            return base / split
+    return target
+
+
+def _load_spec(s: Spec, spec: str, seed: int, on_error: OnError) -> LoadResult[Any]:
+    loader, option = s.loader, s.option
+    if loader == "builtin":
+        kv = _key_values(option, "n", {"n", "seed"}, spec)
+        domains = [d.strip() for d in s.target.split(",") if d.strip()] or list(BUILTIN_DOMAINS)
+        try:
+            n, gen_seed = int(kv.get("n", 40)), int(kv.get("seed", 0))
+        except ValueError:
+            raise SpecError(f"spec {spec!r}: n and seed must be integers") from None
+        return LoadResult(builtin_multiple_choice(n, gen_seed, domains), source=spec)
+    if loader == "hf":
+        if not s.target:
+            raise SpecError(f"spec {spec!r} needs a hub name: 'hf:NAME'")
+        kv = _key_values(option, "config", {"config", "split"}, spec)
+        return load_hub(s.target, config=kv.get("config"), split=kv.get("split"), on_error=on_error)
+    target = Path(s.target)
+    if not target.exists():
+        raise FileNotFoundError(f"spec {spec!r}: {target} does not exist")
+    if loader in _AI2_FILES:
+        path = _find_file(loader, target, option if loader != "selfaware" else None, spec)
+        if loader == "nq_open":
+            return load_nq_open(path, on_error=on_error)
+        if loader == "webquestions":
+            return load_webquestions(path, on_error=on_error)
+        if loader == "selfaware":
+            keep = option or "all"
+            if keep not in ("all", "answerable", "triviaqa"):
+                raise SpecError(
+                    f"spec {spec!r}: selfaware option must be all, answerable or triviaqa"
+                )
+            return load_selfaware(path, keep=keep, on_error=on_error)  # type: ignore[arg-type]
+        return load_ai2(path, domain=loader, on_error=on_error)
+    if loader == "ai2":
+        return load_ai2(target, on_error=on_error)
+    if loader == "jsonl":
+        kind = option or "auto"
+        if kind not in ("auto", "mc", "open"):
+            raise SpecError(f"spec {spec!r}: jsonl option must be mc, open or auto")
+        return load_jsonl(target, kind=kind, on_error=on_error)  # type: ignore[arg-type]
+    if loader == "opentriviaqa":
+        root = target / "opentriviaqa" if (target / "opentriviaqa").is_dir() else target
+        cats = [c.strip() for c in option.split(",") if c.strip()] if option else None
+        return load_opentriviaqa(root, categories=cats, on_error=on_error)
+    # mmlu, mmlu_<group>
+    parts = [p.strip() for p in (option or "").split(",") if p.strip()]
+    splits = [p for p in parts if p in MMLU_SPLITS]
+    subjects = [p for p in parts if p not in MMLU_SPLITS] or None
+    if len(splits) > 1:
+        raise SpecError(f"spec {spec!r}: give at most one MMLU split")
+    path = target if target.is_file() else _mmlu_dir(target, splits[0] if splits else "test")
+    groups = [loader.removeprefix("mmlu_")] if loader != "mmlu" else None
+    return load_mmlu(path, groups=groups, subjects=subjects, on_error=on_error)
+
+
+def load(
+    spec: str, *, limit: int | None = None, seed: int = 0, on_error: OnError = "raise"
+) -> LoadResult[Any]:
+    """Load the data set a spec string names (grammar in the module docstring).
+
+    Args:
+        spec: e.g. ``"arc_easy:../shared/data/arc_easy/test.jsonl"`` or ``"builtin"``.
+        limit: keep at most this many records: a fixed seeded subsample in the original order
+            (:func:`~llm_calib.data.result.subsample`); None keeps all.
+        seed: the subsample seed.
+        on_error: ``"raise"`` at the first bad row, or ``"skip"`` bad rows (counted in
+            ``skipped``, messages in ``errors``).
+
+    Returns:
+        A :class:`LoadResult` whose ``source`` is ``spec``.
+
+    Raises:
+        SpecError: a malformed spec.
+        DataError: a bad row under ``on_error="raise"``.
+        FileNotFoundError: the target path does not exist.
+
+    Example:
+        >>> res = load("builtin:capitals,calendar:n=10", limit=5, seed=1)
+        >>> len(res), res.skipped, res.source
+        (5, 0, 'builtin:capitals,calendar:n=10')
+        >>> load("builtin:capitals:n=10", limit=5, seed=1).records == load(
+        ...     "builtin:capitals:n=10", limit=5, seed=1).records
+        True
+    """
+    parsed = parse_spec(spec)
+    result = _load_spec(parsed, spec, seed, on_error)
+    result.records = subsample(result.records, limit, seed)
+    result.source = spec
+    return result
+

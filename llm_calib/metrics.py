@@ -1,0 +1,605 @@
+"""Calibration and accuracy metrics for multiple-choice and open-ended QA.
+
+All functions are pure, accept numpy arrays, torch tensors or Python lists, and return Python
+floats (or numpy arrays for :func:`reliability_bins`).
+
+Input conventions:
+
+* ``probs``: per-question probabilities over the options, either a 2-D array ``(N, K)`` or a
+  *ragged* list of 1-D arrays (questions with different option counts, e.g. OpenTriviaQA's 2-5
+  options). Ragged input is padded with zeros to the largest ``K``; padded entries never hold the
+  label and add nothing to Brier, NLL or entropy. Each row must sum to 1 within
+  :data:`SUM_ATOL` and hold no negative entries.
+* ``labels``: ``(N,)`` integer gold indices.
+* ``confidences``: ``(N,)`` floats in ``[0, 1]`` (values at most :data:`CLIP_ATOL` outside, from
+  float rounding of a softmax, are clipped); ``correct``: ``(N,)`` bools or 0/1.
+
+For multiple choice the confidence of a question is its largest probability and it is correct
+when that option (the first one, on ties) is the gold one (:func:`confidence_correct`).
+
+Binning: equal-width bins are ``[k/B, (k+1)/B)`` for ``k < B - 1`` and ``[(B-1)/B, 1]`` for the
+last, so a confidence of exactly 0 lands in the first bin and exactly 1 in the last; a confidence
+exactly on an inner edge ``k/B`` belongs to bin ``k``. The binned calibration error is
+``sum_b (n_b / N) * |acc_b - conf_b|`` over non-empty bins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CLIP_ATOL",
+    "NLL_EPS",
+    "SUM_ATOL",
+    "ReliabilityBins",
+    "accuracy",
+    "adaptive_ece",
+    "as_prob_matrix",
+    "auroc",
+    "bootstrap_ci",
+    "brier",
+    "classwise_ece",
+    "confidence_correct",
+    "ece",
+    "mce",
+    "mean_entropy",
+    "nll",
+    "reliability_bins",
+    "summarize",
+]
+
+SUM_ATOL = 1e-3
+"""How far a row of ``probs`` may sum from 1."""
+
+CLIP_ATOL = 1e-6
+"""How far outside ``[0, 1]`` a confidence may lie (it is then clipped) before it is an error."""
+
+NLL_EPS = 1e-12
+""":func:`nll` clips the gold probability to ``[NLL_EPS, 1]``: one question adds at most ~27.6."""
+
+ArrayLike = Any  # numpy array, torch tensor, or (nested / ragged) Python sequence
+
+
+# --------------------------------------------------------------------------- input handling
+
+
+def _numpy(x: ArrayLike) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch.Tensor, without importing torch
+        x = x.detach().cpu()
+        if str(getattr(x, "dtype", "")) == "torch.bfloat16":
+            x = x.float()
+        x = x.numpy()
+    return np.asarray(x)
+
+
+def as_prob_matrix(probs: ArrayLike, name: str = "probs") -> tuple[np.ndarray, np.ndarray]:
+    """Validate ``probs`` and return it as a float64 ``(N, K)`` matrix plus each row's length.
+
+    Ragged input (a list of 1-D arrays) is padded with zeros to the longest row.
+
+    Raises:
+        ValueError: (naming ``name``) empty input, not 2-D, non-finite or negative entries, or a
+            row not summing to 1 within :data:`SUM_ATOL`.
+
+    Example:
+        >>> P, lengths = as_prob_matrix([[0.5, 0.5], [0.2, 0.3, 0.5]])
+        >>> P.tolist(), lengths.tolist()
+        ([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]], [2, 3])
+    """
+    if isinstance(probs, list | tuple):
+        if len(probs) == 0:
+            raise ValueError(f"{name} is empty")
+        rows = [_numpy(r).astype(np.float64) for r in probs]
+        if any(r.ndim != 1 for r in rows):
+            raise ValueError(
+                f"{name}: a list must hold one 1-D array of option probabilities per question"
+            )
+        lengths = np.array([r.shape[0] for r in rows], dtype=np.int64)
+        mat = np.zeros((len(rows), int(lengths.max())), dtype=np.float64)
+        for i, r in enumerate(rows):
+            mat[i, : r.shape[0]] = r
+    else:
+        mat = _numpy(probs).astype(np.float64)
+        if mat.ndim != 2:
+            raise ValueError(
+                f"{name} must be 2-D (N, K) or a list of 1-D arrays, got shape {mat.shape}"
+            )
+        if mat.shape[0] == 0:
+            raise ValueError(f"{name} is empty")
+        lengths = np.full(mat.shape[0], mat.shape[1], dtype=np.int64)
+    if mat.shape[1] == 0:
+        raise ValueError(f"{name} has rows without options")
+    if not np.all(np.isfinite(mat)):
+        raise ValueError(f"{name} holds non-finite values")
+    if np.any(mat < 0):
+        raise ValueError(f"{name} holds negative values")
+    sums = mat.sum(axis=1)
+    bad = np.flatnonzero(np.abs(sums - 1.0) > SUM_ATOL)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"{name}: row {i} sums to {sums[i]:.6g}, not 1 ({bad.size} such rows); "
+            "pass probabilities (e.g. a softmax), not scores"
+        )
+    return mat, lengths
+
+
+def _labels(labels: ArrayLike, n: int, lengths: np.ndarray, name: str = "labels") -> np.ndarray:
+    y = _numpy(labels)
+    if y.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {y.shape}")
+    if y.shape[0] != n:
+        raise ValueError(f"{name} has {y.shape[0]} entries but probs has {n} rows")
+    if y.dtype.kind == "f":
+        if not np.all(np.isfinite(y)) or np.any(y != np.round(y)):
+            raise ValueError(f"{name} must hold integer option indices")
+    elif y.dtype.kind not in "iub":
+        raise ValueError(f"{name} must hold integer option indices, got dtype {y.dtype}")
+    y = y.astype(np.int64)
+    bad = np.flatnonzero((y < 0) | (y >= lengths))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{name}[{i}] = {y[i]} is not an option index in [0, {lengths[i] - 1}]")
+    return y
+
+
+def _probs_labels(probs: ArrayLike, labels: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    mat, lengths = as_prob_matrix(probs)
+    return mat, _labels(labels, mat.shape[0], lengths)
+
+
+def _conf_correct(confidences: ArrayLike, correct: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    c = _numpy(confidences).astype(np.float64)
+    if c.ndim != 1:
+        raise ValueError(f"confidences must be 1-D, got shape {c.shape}")
+    if c.shape[0] == 0:
+        raise ValueError("confidences is empty")
+    if not np.all(np.isfinite(c)):
+        raise ValueError("confidences holds non-finite values")
+    if np.any(c < -CLIP_ATOL) or np.any(c > 1.0 + CLIP_ATOL):
+        raise ValueError(
+            f"confidences must lie in [0, 1], got range [{c.min():.6g}, {c.max():.6g}]"
+        )
+    c = np.clip(c, 0.0, 1.0)
+    k = _numpy(correct)
+    if k.ndim != 1:
+        raise ValueError(f"correct must be 1-D, got shape {k.shape}")
+    if k.shape[0] != c.shape[0]:
+        raise ValueError(f"correct has {k.shape[0]} entries but confidences has {c.shape[0]}")
+    kf = k.astype(np.float64)
+    if not np.all((kf == 0.0) | (kf == 1.0)):
+        raise ValueError("correct must hold booleans or 0/1")
+    return c, kf
+
+
+def _check_bins(n_bins: int) -> int:
+    if isinstance(n_bins, bool) or int(n_bins) != n_bins or n_bins < 1:
+        raise ValueError(f"n_bins must be an integer >= 1, got {n_bins!r}")
+    return int(n_bins)
+
+
+def confidence_correct(probs: ArrayLike, labels: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    """Max-probability confidence and argmax-correctness of each question.
+
+    Returns:
+        ``(confidences, correct)``: float64 ``(N,)`` and float64 0/1 ``(N,)``; ties in the
+        argmax go to the first option.
+
+    Example:
+        >>> conf, corr = confidence_correct([[0.7, 0.3], [0.4, 0.6]], [0, 0])
+        >>> conf.tolist(), corr.tolist()
+        ([0.7, 0.6], [1.0, 0.0])
+    """
+    mat, y = _probs_labels(probs, labels)
+    return _conf_correct_unchecked(mat, y)
+
+
+def _conf_correct_unchecked(mat: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    conf = np.clip(mat.max(axis=1), 0.0, 1.0)
+    return conf, (mat.argmax(axis=1) == y).astype(np.float64)
+
+
+# --------------------------------------------------------------------------- binned metrics
+
+
+def _bin_index(c: np.ndarray, n_bins: int) -> np.ndarray:
+    inner = np.arange(1, n_bins, dtype=np.float64) / n_bins
+    return np.searchsorted(inner, c, side="right")
+
+
+def _bin_sums(c: np.ndarray, k: np.ndarray, idx: np.ndarray, n_bins: int) -> tuple[np.ndarray, ...]:
+    counts = np.bincount(idx, minlength=n_bins).astype(np.float64)
+    conf_sum = np.bincount(idx, weights=c, minlength=n_bins)
+    acc_sum = np.bincount(idx, weights=k, minlength=n_bins)
+    return counts, conf_sum, acc_sum
+
+
+def _ece(c: np.ndarray, k: np.ndarray, n_bins: int) -> float:
+    _, conf_sum, acc_sum = _bin_sums(c, k, _bin_index(c, n_bins), n_bins)
+    return float(np.abs(acc_sum - conf_sum).sum() / c.shape[0])
+
+
+def _mce(c: np.ndarray, k: np.ndarray, n_bins: int) -> float:
+    counts, conf_sum, acc_sum = _bin_sums(c, k, _bin_index(c, n_bins), n_bins)
+    full = counts > 0
+    return float(np.max(np.abs(acc_sum[full] - conf_sum[full]) / counts[full]))
+
+
+def _adaptive_ece(c: np.ndarray, k: np.ndarray, n_bins: int) -> float:
+    n = c.shape[0]
+    order = np.argsort(c, kind="stable")
+    # bin of each sorted position, as np.array_split assigns them: the first n % B bins get one more
+    size, extra = divmod(n, n_bins)
+    starts = np.arange(n_bins) * size + np.minimum(np.arange(n_bins), extra)
+    idx = np.empty(n, dtype=np.int64)
+    idx[order] = np.searchsorted(starts, np.arange(n), side="right") - 1
+    _, conf_sum, acc_sum = _bin_sums(c, k, idx, n_bins)
+    return float(np.abs(acc_sum - conf_sum).sum() / n)
+
+
+def _classwise_ece(mat: np.ndarray, y: np.ndarray, n_bins: int) -> float:
+    onehot = np.zeros_like(mat)
+    onehot[np.arange(mat.shape[0]), y] = 1.0
+    return float(np.mean([_ece(mat[:, j], onehot[:, j], n_bins) for j in range(mat.shape[1])]))
+
+
+def ece(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
+    """Expected calibration error with ``n_bins`` equal-width bins (edges in the module doc).
+
+    ``ECE = sum_b (n_b / N) |acc_b - conf_b|``.
+
+    Example:
+        >>> # bin [0.9, 1]: conf mean 0.95, accuracy 0.5 -> |0.5 - 0.95| * 2/4
+        >>> # bin [0.6, 0.7): conf 0.6, accuracy 1 -> 0.4 * 1/4; bin [0, 0.1): 0.0, acc 0 -> 0
+        >>> round(ece([0.9, 1.0, 0.6, 0.0], [1, 0, 1, 0]), 6)
+        0.325
+    """
+    c, k = _conf_correct(confidences, correct)
+    return _ece(c, k, _check_bins(n_bins))
+
+
+def mce(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
+    """Maximum calibration error: the largest ``|acc_b - conf_b|`` over non-empty equal-width bins.
+
+    Example:
+        >>> round(mce([0.9, 1.0, 0.6, 0.0], [1, 0, 1, 0]), 6)
+        0.45
+    """
+    c, k = _conf_correct(confidences, correct)
+    return _mce(c, k, _check_bins(n_bins))
+
+
+def adaptive_ece(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
+    """ECE with equal-mass bins: questions sorted by confidence (stable on ties) and split into
+    ``n_bins`` consecutive groups whose sizes differ by at most one (larger groups first, as
+    ``numpy.array_split``); with fewer questions than bins the extra bins stay empty.
+
+    Example:
+        >>> # sorted: (0.2, 0), (0.4, 1) | (0.8, 1), (0.9, 1): |0.5-0.3|*2/4 + |1-0.85|*2/4
+        >>> round(adaptive_ece([0.9, 0.2, 0.8, 0.4], [1, 0, 1, 1], n_bins=2), 6)
+        0.175
+    """
+    c, k = _conf_correct(confidences, correct)
+    return _adaptive_ece(c, k, _check_bins(n_bins))
+
+
+def classwise_ece(probs: ArrayLike, labels: ArrayLike, n_bins: int = 10) -> float:
+    """Class-wise ECE (Kull et al. 2019): the mean over option positions ``j`` of the
+    equal-width-bin ECE of ``probs[:, j]`` against ``labels == j``. Ragged input is padded with
+    zeros, so padded positions count as probability 0 for questions without that option.
+
+    Example:
+        >>> # class 0: conf (0.8, 0.3) vs (1, 0): bins 8 and 3 -> (0.2 + 0.3)/2 = 0.25
+        >>> # class 1: conf (0.2, 0.7) vs (0, 1): bins 2 and 7 -> (0.2 + 0.3)/2 = 0.25
+        >>> round(classwise_ece([[0.8, 0.2], [0.3, 0.7]], [0, 1]), 6)
+        0.25
+    """
+    mat, y = _probs_labels(probs, labels)
+    return _classwise_ece(mat, y, _check_bins(n_bins))
+
+
+@dataclass(frozen=True)
+class ReliabilityBins:
+    """Per-bin statistics for a reliability diagram (equal-width bins).
+
+    Attributes:
+        edges: ``(B + 1,)`` bin edges ``k / B``.
+        counts: ``(B,)`` number of questions per bin.
+        mean_confidence: ``(B,)`` mean confidence per bin (NaN for empty bins).
+        accuracy: ``(B,)`` fraction correct per bin (NaN for empty bins).
+    """
+
+    edges: np.ndarray
+    counts: np.ndarray
+    mean_confidence: np.ndarray
+    accuracy: np.ndarray
+
+    def to_dict(self) -> dict[str, list[float]]:
+        """The four arrays as lists (JSON friendly; NaN stays NaN)."""
+        return {
+            "edges": self.edges.tolist(),
+            "counts": self.counts.tolist(),
+            "mean_confidence": self.mean_confidence.tolist(),
+            "accuracy": self.accuracy.tolist(),
+        }
+
+
+def reliability_bins(
+    confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10
+) -> ReliabilityBins:
+    """Counts, mean confidence and accuracy per equal-width bin, for reliability diagrams.
+
+    Example:
+        >>> rb = reliability_bins([0.05, 0.95, 1.0], [0, 1, 0], n_bins=2)
+        >>> rb.counts.tolist(), rb.mean_confidence.round(3).tolist(), rb.accuracy.tolist()
+        ([1, 2], [0.05, 0.975], [0.0, 0.5])
+    """
+    c, k = _conf_correct(confidences, correct)
+    n_bins = _check_bins(n_bins)
+    counts, conf_sum, acc_sum = _bin_sums(c, k, _bin_index(c, n_bins), n_bins)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_conf = np.where(counts > 0, conf_sum / counts, np.nan)
+        acc = np.where(counts > 0, acc_sum / counts, np.nan)
+    edges = np.arange(n_bins + 1, dtype=np.float64) / n_bins
+    return ReliabilityBins(edges, counts.astype(np.int64), mean_conf, acc)
+
+
+# --------------------------------------------------------------------------- proper scores etc.
+
+
+def _brier(mat: np.ndarray, y: np.ndarray) -> float:
+    sq = mat**2
+    rows = sq.sum(axis=1) - 2.0 * mat[np.arange(mat.shape[0]), y] + 1.0
+    return float(rows.mean())
+
+
+def _nll(mat: np.ndarray, y: np.ndarray) -> float:
+    p = np.clip(mat[np.arange(mat.shape[0]), y], NLL_EPS, 1.0)
+    return float(-np.log(p).mean())
+
+
+def _accuracy(mat: np.ndarray, y: np.ndarray) -> float:
+    return float((mat.argmax(axis=1) == y).mean())
+
+
+def _entropy(mat: np.ndarray) -> float:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(mat > 0, mat * np.log(np.where(mat > 0, mat, 1.0)), 0.0)
+    return float(-terms.sum(axis=1).mean())
+
+
+def _auroc(c: np.ndarray, k: np.ndarray) -> float:
+    pos = k > 0.5
+    n_pos = int(pos.sum())
+    n_neg = k.shape[0] - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    _, inverse, counts = np.unique(c, return_inverse=True, return_counts=True)
+    upper = np.cumsum(counts)
+    average_rank = upper - (counts - 1) / 2.0  # 1-based mean rank of each tie group
+    ranks = average_rank[inverse]
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def brier(probs: ArrayLike, labels: ArrayLike) -> float:
+    """Multi-class Brier score: mean over questions of ``sum_j (p_j - onehot_j)^2`` (0 to 2).
+
+    Example:
+        >>> # (0.8-1)^2 + 0.2^2 = 0.08 ; 0.5^2 + (0.5-1)^2 = 0.5 ; mean 0.29
+        >>> round(brier([[0.8, 0.2], [0.5, 0.5]], [0, 1]), 6)
+        0.29
+    """
+    return _brier(*_probs_labels(probs, labels))
+
+
+def nll(probs: ArrayLike, labels: ArrayLike) -> float:
+    """Mean negative log-likelihood of the gold option (natural log).
+
+    The gold probability is clipped to ``[NLL_EPS, 1]`` (:data:`NLL_EPS` = 1e-12) so a zero
+    probability gives a large finite loss (about 27.6) instead of infinity.
+
+    Example:
+        >>> import math
+        >>> expected = -(math.log(0.5) + math.log(0.75)) / 2
+        >>> math.isclose(nll([[0.5, 0.5], [0.25, 0.75]], [0, 1]), expected)
+        True
+    """
+    return _nll(*_probs_labels(probs, labels))
+
+
+def accuracy(probs: ArrayLike, labels: ArrayLike) -> float:
+    """Fraction of questions whose most probable option (first on ties) is the gold one.
+
+    Example:
+        >>> accuracy([[0.6, 0.4], [0.6, 0.4], [0.1, 0.9]], [0, 1, 1])
+        0.6666666666666666
+    """
+    return _accuracy(*_probs_labels(probs, labels))
+
+
+def mean_entropy(probs: ArrayLike) -> float:
+    """Mean predictive entropy in nats (``0 log 0 = 0``; padding adds nothing).
+
+    Example:
+        >>> import math
+        >>> math.isclose(mean_entropy([[0.5, 0.5], [1.0, 0.0]]), math.log(2) / 2)
+        True
+    """
+    return _entropy(as_prob_matrix(probs)[0])
+
+
+def auroc(confidences: ArrayLike, correct: ArrayLike) -> float:
+    """Area under the ROC curve of confidence as a detector of correct answers.
+
+    Rank-based (Mann-Whitney U), tied confidences get their average rank, i.e. a tied
+    correct/incorrect pair counts one half. Equals the probability that a random correct answer
+    has a higher confidence than a random incorrect one.
+
+    Returns:
+        The AUROC in ``[0, 1]``, or ``nan`` when all answers are correct or all incorrect (the
+        AUROC is undefined then).
+
+    Example:
+        >>> # (correct, incorrect) pairs: (.9,.5) 1, (.9,.7) 1, (.6,.5) 1, (.6,.7) 0 -> 3/4
+        >>> auroc([0.9, 0.6, 0.5, 0.7], [1, 1, 0, 0])
+        0.75
+        >>> auroc([0.9, 0.6], [1, 1])
+        nan
+    """
+    return _auroc(*_conf_correct(confidences, correct))
+
+
+# --------------------------------------------------------------------------- bootstrap, summary
+
+
+def _take(a: Any, idx: np.ndarray) -> Any:
+    if isinstance(a, list):
+        return [a[int(i)] for i in idx]
+    return a[idx]
+
+
+def _as_indexable(a: ArrayLike) -> Any:
+    if isinstance(a, list | tuple):
+        try:
+            arr = np.asarray([_numpy(x) for x in a])
+        except ValueError:  # ragged
+            return [_numpy(x) for x in a]
+        return arr if arr.dtype != object else [_numpy(x) for x in a]
+    return _numpy(a)
+
+
+def _percentile_interval(values: np.ndarray, alpha: float) -> tuple[float, float]:
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return float("nan"), float("nan")
+    low, high = np.percentile(finite, [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)])
+    return float(low), float(high)
+
+
+def _check_bootstrap(n_resamples: int, alpha: float) -> None:
+    if int(n_resamples) != n_resamples or n_resamples < 1:
+        raise ValueError(f"n_resamples must be an integer >= 1, got {n_resamples!r}")
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+
+
+def bootstrap_ci(
+    metric: Callable[..., float],
+    *arrays: ArrayLike,
+    n_resamples: int = 1000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap confidence interval of ``metric(*arrays)``.
+
+    Questions are resampled with replacement, jointly: the same indices are taken from every
+    array. Resamples on which the metric is NaN (e.g. AUROC with one class) are ignored; if all
+    are NaN the interval is ``(nan, nan)``.
+
+    Args:
+        metric: a function of the arrays, e.g. :func:`ece` or :func:`brier`.
+        *arrays: per-question arrays of equal length (ragged lists allowed).
+        n_resamples: number of bootstrap resamples.
+        alpha: the interval covers ``1 - alpha``.
+        seed: seed of the resampling.
+
+    Raises:
+        ValueError: no arrays, arrays of different lengths, ``n_resamples < 1`` or ``alpha``
+            outside (0, 1).
+
+    Example:
+        >>> lo, hi = bootstrap_ci(accuracy, [[0.9, 0.1]] * 30 + [[0.2, 0.8]] * 10, [0] * 40,
+        ...                       n_resamples=200)
+        >>> 0.5 < lo < 0.75 < hi <= 1.0
+        True
+    """
+    _check_bootstrap(n_resamples, alpha)
+    if not arrays:
+        raise ValueError("bootstrap_ci needs at least one array")
+    data = [_as_indexable(a) for a in arrays]
+    n = len(data[0])
+    for i, a in enumerate(data[1:], start=1):
+        if len(a) != n:
+            raise ValueError(f"arrays[{i}] has {len(a)} entries but arrays[0] has {n}")
+    if n == 0:
+        raise ValueError("arrays are empty")
+    rng = np.random.default_rng(seed)
+    values = np.empty(int(n_resamples))
+    for r in range(int(n_resamples)):
+        idx = rng.integers(0, n, size=n)
+        values[r] = float(metric(*(_take(a, idx) for a in data)))
+    return _percentile_interval(values, alpha)
+
+
+_CI_METRICS: Mapping[
+    str, Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int], float]
+] = {
+    "accuracy": lambda P, y, c, k, b: _accuracy(P, y),
+    "ece": lambda P, y, c, k, b: _ece(c, k, b),
+    "adaptive_ece": lambda P, y, c, k, b: _adaptive_ece(c, k, b),
+    "brier": lambda P, y, c, k, b: _brier(P, y),
+    "nll": lambda P, y, c, k, b: _nll(P, y),
+    "auroc": lambda P, y, c, k, b: _auroc(c, k),
+}
+
+
+def summarize(
+    probs: ArrayLike,
+    labels: ArrayLike,
+    n_bins: int = 10,
+    ci: bool = True,
+    n_resamples: int = 1000,
+    seed: int = 0,
+    alpha: float = 0.05,
+) -> dict[str, float]:
+    """All metrics of a multiple-choice evaluation in one dict.
+
+    Keys: ``n``, ``accuracy``, ``ece`` (``n_bins`` bins), ``ece15`` (15 bins), ``adaptive_ece``,
+    ``classwise_ece``, ``mce``, ``brier``, ``nll``, ``auroc``, ``mean_entropy``,
+    ``mean_confidence``; with ``ci``, also ``<m>_ci_low`` / ``<m>_ci_high`` for ``m`` in accuracy,
+    ece, adaptive_ece, brier, nll and auroc: percentile bootstrap intervals at level
+    ``1 - alpha`` from one shared set of ``n_resamples`` question resamples (see
+    :func:`bootstrap_ci`).
+
+    Example:
+        >>> s = summarize([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.5, 0.5]], [0, 1, 1, 0],
+        ...               n_resamples=50)
+        >>> s["n"], s["accuracy"], round(s["mean_confidence"], 3)
+        (4, 0.75, 0.675)
+        >>> s["accuracy_ci_low"] <= s["accuracy"] <= s["accuracy_ci_high"]
+        True
+    """
+    mat, y = _probs_labels(probs, labels)
+    n_bins = _check_bins(n_bins)
+    c, k = _conf_correct_unchecked(mat, y)
+    out: dict[str, float] = {
+        "n": int(mat.shape[0]),
+        "accuracy": _accuracy(mat, y),
+        "ece": _ece(c, k, n_bins),
+        "ece15": _ece(c, k, 15),
+        "adaptive_ece": _adaptive_ece(c, k, n_bins),
+        "classwise_ece": _classwise_ece(mat, y, n_bins),
+        "mce": _mce(c, k, n_bins),
+        "brier": _brier(mat, y),
+        "nll": _nll(mat, y),
+        "auroc": _auroc(c, k),
+        "mean_entropy": _entropy(mat),
+        "mean_confidence": float(c.mean()),
+    }
+    if ci:
+        _check_bootstrap(n_resamples, alpha)
+        rng = np.random.default_rng(seed)
+        n = mat.shape[0]
+        values = {name: np.empty(int(n_resamples)) for name in _CI_METRICS}
+        for r in range(int(n_resamples)):
+            idx = rng.integers(0, n, size=n)
+            args = (mat[idx], y[idx], c[idx], k[idx], n_bins)
+            for name, fn in _CI_METRICS.items():
+                values[name][r] = fn(*args)
+        for name, vals in values.items():
+            out[f"{name}_ci_low"], out[f"{name}_ci_high"] = _percentile_interval(vals, alpha)
+    return out

@@ -1,0 +1,148 @@
+"""Letter scoring: the options are listed in the prompt as ``A.``, ``B.``, ...; the score of an
+option is the log-probability of its letter token at the answer position, renormalised over the
+options (softmax over the letter scores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from llm_calib.data.records import MultipleChoice
+from llm_calib.models import lm_head_logits, split_decoder_head
+from llm_calib.prompts import PromptFormat, build_prompt, option_letters, uses_chat_template
+from llm_calib.scoring.base import ScoredSet, check_records, encode_prompt, progress_bar
+
+__all__ = ["letter_token_ids", "score_letter"]
+
+
+def letter_token_ids(tokenizer: Any, n: int) -> list[int]:
+    """Token ids of the first ``n`` option letters as the model would write them after the prefix.
+
+    Uses the single-token forms ``" A"``, ``" B"``, ... when every letter has one (byte-level BPE
+    tokenizers), else ``"A"``, ``"B"``, ...
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        n: number of letters.
+
+    Returns:
+        One token id per letter.
+
+    Raises:
+        ValueError: if some letter is not a single token in either form.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> _, tok = tiny_random_model()
+        >>> tok.convert_ids_to_tokens(letter_token_ids(tok, 3))
+        ['ĠA', 'ĠB', 'ĠC']
+    """
+    letters = option_letters(n)
+    for template in (" {}", "{}"):
+        ids = [tokenizer(template.format(c), add_special_tokens=False)["input_ids"] for c in letters]
+        if all(len(i) == 1 for i in ids):
+            return [i[0] for i in ids]
+    raise ValueError(
+        f"the tokenizer has no single-token form of the option letters {letters!r}; "
+        "use scorer='option_likelihood' instead"
+    )
+
+
+def score_letter(
+    model: Any,
+    tokenizer: Any,
+    records: Sequence[MultipleChoice],
+    *,
+    prompt: PromptFormat | None = None,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> ScoredSet:
+    """Score multiple-choice questions by the logits of the option letters.
+
+    The prompt lists the options (``prompt.style`` must be ``"listed"``); the scores are the
+    log-probabilities of the letter tokens at the position after the prompt (the answer prefix),
+    so ``softmax(scores)`` renormalises the model's letter probabilities over the options.
+    ``info["letter_mass"]`` is the mean total probability the model puts on the option letters.
+
+    Args:
+        model: a Hugging Face causal LM.
+        tokenizer: its tokenizer.
+        records: multiple-choice records (at most 26 options).
+        prompt: the prompt format; default ``PromptFormat(style="listed")``.
+        batch_size: prompts per forward pass.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        A :class:`~llm_calib.scoring.base.ScoredSet` with ``scorer="letter"``.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> qs = [MultipleChoice("Capital of France?", ("Paris", "Rome"), 0, "geo", "q0")]
+        >>> s = score_letter(model, tok, qs)
+        >>> len(s.logits[0]), round(float(s.probs[0].sum()), 5)
+        (2, 1.0)
+    """
+    fmt = prompt or PromptFormat(style="listed")
+    if fmt.style != "listed":
+        raise ValueError(
+            f"the letter scorer needs the options listed in the prompt: prompt.style must be "
+            f"'listed', got {fmt.style!r}"
+        )
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    records = check_records(records)
+    chat = uses_chat_template(tokenizer, fmt)
+    max_k = max((len(r.options) for r in records), default=2)
+    letter_ids = letter_token_ids(tokenizer, max_k)
+    prompts = [
+        encode_prompt(tokenizer, build_prompt(tokenizer, r.question, r.options, fmt), chat=chat)
+        for r in records
+    ]
+    decoder, head = split_decoder_head(model)
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    order = sorted(range(len(records)), key=lambda i: len(prompts[i]))
+    scores: list[torch.Tensor | None] = [None] * len(records)
+    mass: list[float] = [0.0] * len(records)
+    bar = progress_bar(total=len(records), desc="letter", enabled=progress)
+    try:
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            L = max(len(prompts[i]) for i in idx)
+            ids = torch.full((len(idx), L), pad_id, dtype=torch.long)
+            attn = torch.zeros((len(idx), L), dtype=torch.long)
+            for b, i in enumerate(idx):
+                ids[b, : len(prompts[i])] = torch.tensor(prompts[i])
+                attn[b, : len(prompts[i])] = 1
+            last = attn.sum(1) - 1
+            with torch.inference_mode():
+                hidden = decoder(
+                    input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False
+                ).last_hidden_state
+                h = hidden[torch.arange(len(idx), device=device), last.to(device)]
+                logp = torch.log_softmax(lm_head_logits(model, head, h), dim=-1).double().cpu()
+            for b, i in enumerate(idx):
+                k = len(records[i].options)
+                scores[i] = logp[b, letter_ids[:k]]
+                mass[i] = float(scores[i].exp().sum())
+            bar.update(len(idx))
+    finally:
+        bar.close()
+    return ScoredSet(
+        logits=[s for s in scores if s is not None],
+        labels=[r.gold for r in records],
+        domains=[r.domain for r in records],
+        ids=[r.id for r in records],
+        scorer="letter",
+        info={
+            "prompt_style": fmt.style,
+            "chat_template": chat,
+            "answer_prefix": fmt.answer_prefix,
+            "letter_mass": float(np.mean(mass)) if mass else float("nan"),
+        },
+    )

@@ -1,0 +1,355 @@
+"""Open-ended QA: greedy answers, token-probability confidences, SQuAD exact match and F1.
+
+The answer is the greedy continuation of the prompt (see :mod:`llm_calib.prompts`) up to the first
+newline or end-of-sequence token. Its confidence is the mean probability of its tokens (product and
+minimum are reported too). An answer is correct when its SQuAD-normalised form equals that of any
+accepted alias; token F1 (maximum over aliases) is the soft variant.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from llm_calib.data.records import OpenQA
+from llm_calib.prompts import PromptFormat, build_prompt, uses_chat_template
+from llm_calib.scoring.base import encode_prompt, progress_bar
+
+__all__ = [
+    "GreedyAnswer",
+    "OpenEndedSet",
+    "exact_match",
+    "generate_greedy",
+    "normalize_answer",
+    "score_open_ended",
+    "token_f1",
+]
+
+_PUNCT = set(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD answer normalisation: lowercase, drop punctuation, drop articles, squeeze whitespace.
+
+    Example:
+        >>> normalize_answer("  The  Eiffel-Tower! ")
+        'eiffeltower'
+        >>> normalize_answer("An apple a day")
+        'apple day'
+    """
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in _PUNCT)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, answers: Sequence[str]) -> bool:
+    """Whether the normalised prediction equals the normalised form of any answer.
+
+    Example:
+        >>> exact_match("the Paris.", ["Paris", "City of Light"])
+        True
+        >>> exact_match("Lyon", ["Paris"])
+        False
+    """
+    pred = normalize_answer(prediction)
+    return any(pred == normalize_answer(a) for a in answers)
+
+
+def _f1(prediction: str, answer: str) -> float:
+    pred, gold = normalize_answer(prediction).split(), normalize_answer(answer).split()
+    if not pred or not gold:
+        return float(pred == gold)
+    common = sum((Counter(pred) & Counter(gold)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def token_f1(prediction: str, answers: Sequence[str]) -> float:
+    """SQuAD token F1 between the prediction and the best-matching answer (0 if no answers).
+
+    Example:
+        >>> token_f1("the big red dog", ["red dog"])
+        0.8
+        >>> token_f1("cat", ["dog", "cat"])
+        1.0
+    """
+    return max((_f1(prediction, a) for a in answers), default=0.0)
+
+
+@dataclass(frozen=True)
+class GreedyAnswer:
+    """One greedy generation.
+
+    Attributes:
+        text: the answer text (stripped, cut at the first newline).
+        token_ids: ids of the answer tokens.
+        token_probs: probability of each answer token under the model (temperature 1).
+        stop: why generation ended: ``"newline"``, ``"eos"`` or ``"length"``.
+
+    Example:
+        >>> GreedyAnswer("Paris", (7,), (0.5,), "eos").text
+        'Paris'
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    token_probs: tuple[float, ...]
+    stop: str
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def generate_greedy(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 32,
+    stop_at_newline: bool = True,
+) -> list[GreedyAnswer]:
+    """Greedy decoding of a batch of tokenised prompts, with per-token probabilities.
+
+    A simple loop with the model's KV cache and left padding, so it works for any causal LM.
+    A row stops at an EOS token, at a token whose text contains a newline (if
+    ``stop_at_newline``), or after ``max_new_tokens`` tokens. The stop token is not part of the
+    answer, except that text before a newline inside the same token is kept (with its probability).
+    If the answer has no tokens, ``token_probs`` holds the probability of the stop token.
+
+    Args:
+        model: a Hugging Face causal LM.
+        tokenizer: its tokenizer.
+        prompts: token ids of each prompt.
+        max_new_tokens: generation budget per prompt (>= 1).
+        stop_at_newline: stop at the first newline.
+
+    Returns:
+        One :class:`GreedyAnswer` per prompt.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> out = generate_greedy(model, tok, [tok("What is 2 + 3?")["input_ids"]], max_new_tokens=4)
+        >>> len(out[0].token_probs) >= 1
+        True
+    """
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not prompts:
+        return []
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = _eos_ids(model, tokenizer)
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {b} has no tokens")
+        ids[b, L - len(p) :] = torch.tensor(list(p))
+        attn[b, L - len(p) :] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    generated: list[list[int]] = [[] for _ in range(B)]
+    probs: list[list[float]] = [[] for _ in range(B)]
+    done = [False] * B
+    # transformers >= 5.2x renamed ``past_key_values`` to ``cache`` (input and output)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    past = None
+    step_ids = ids
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+            out = model(
+                input_ids=step_ids,
+                attention_mask=attn,
+                position_ids=pos,
+                use_cache=True,
+                **{cache_kw: past},
+            )
+            past = getattr(out, cache_kw)
+            p = torch.softmax(out.logits[:, -1].float(), dim=-1)
+            top_p, top = p.max(dim=-1)
+            for b in range(B):
+                if not done[b]:
+                    generated[b].append(int(top[b]))
+                    probs[b].append(float(top_p[b]))
+                    tok = int(top[b])
+                    if tok in eos or (stop_at_newline and "\n" in tokenizer.decode([tok])):
+                        done[b] = True
+            if all(done):
+                break
+            step_ids = top[:, None]
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
+    return [_finish(tokenizer, g, pr, eos, stop_at_newline) for g, pr in zip(generated, probs)]
+
+
+def _finish(
+    tokenizer: Any, ids: list[int], probs: list[float], eos: set[int], stop_at_newline: bool
+) -> GreedyAnswer:
+    stop, keep, extra = "length", len(ids), ""
+    if ids and ids[-1] in eos:
+        stop, keep = "eos", len(ids) - 1
+    elif ids and stop_at_newline and "\n" in tokenizer.decode([ids[-1]]):
+        stop, keep = "newline", len(ids) - 1
+        extra = tokenizer.decode([ids[-1]]).split("\n", 1)[0]
+    ans_ids, ans_probs = ids[:keep], probs[:keep]
+    text = tokenizer.decode(ans_ids, skip_special_tokens=True) + extra
+    if extra.strip():  # text before the newline inside the stop token belongs to the answer
+        ans_ids, ans_probs = ids, probs
+    if not ans_probs:  # empty answer: its confidence is that of stopping right away
+        ans_probs = probs[-1:]
+    return GreedyAnswer(text.split("\n", 1)[0].strip(), tuple(ans_ids), tuple(ans_probs), stop)
+
+
+@dataclass
+class OpenEndedSet:
+    """Greedy answers to open questions with confidences and correctness.
+
+    Attributes:
+        answers: the generated answer texts.
+        references: the accepted aliases of each question.
+        domains: domain per question.
+        ids: record id per question.
+        token_probs: answer-token probabilities per question.
+        info: settings (JSON-serialisable).
+
+    Example:
+        >>> s = OpenEndedSet(["Paris", "Rome"], [("Paris",), ("Oslo",)], ["geo", "geo"],
+        ...                  ["q0", "q1"], [(0.9, 0.5), (0.2,)])
+        >>> s.correct.tolist(), s.confidence("mean").round(2).tolist()
+        ([True, False], [0.7, 0.2])
+    """
+
+    answers: list[str]
+    references: list[tuple[str, ...]]
+    domains: list[str]
+    ids: list[str]
+    token_probs: list[tuple[float, ...]]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.answers)
+
+    def confidence(self, kind: str = "mean") -> np.ndarray:
+        """Per-question confidence: ``"mean"``, ``"product"`` or ``"min"`` of the token probabilities."""
+        funcs = {"mean": np.mean, "product": np.prod, "min": np.min}
+        if kind not in funcs:
+            raise ValueError(f"kind must be one of {tuple(funcs)}, got {kind!r}")
+        return np.asarray([float(funcs[kind](p)) if p else 0.0 for p in self.token_probs])
+
+    @property
+    def correct(self) -> np.ndarray:
+        """Exact match (SQuAD-normalised) against any alias."""
+        return np.asarray([exact_match(a, r) for a, r in zip(self.answers, self.references)])
+
+    @property
+    def f1(self) -> np.ndarray:
+        """Token F1 against the best alias."""
+        return np.asarray([token_f1(a, r) for a, r in zip(self.answers, self.references)])
+
+    def select(self, indices: Sequence[int]) -> OpenEndedSet:
+        """The sub-set at ``indices``."""
+        return OpenEndedSet(
+            [self.answers[i] for i in indices],
+            [self.references[i] for i in indices],
+            [self.domains[i] for i in indices],
+            [self.ids[i] for i in indices],
+            [self.token_probs[i] for i in indices],
+            dict(self.info),
+        )
+
+    def by_domain(self) -> dict[str, OpenEndedSet]:
+        """Split by domain, in order of first appearance."""
+        groups: dict[str, list[int]] = {}
+        for i, d in enumerate(self.domains):
+            groups.setdefault(d, []).append(i)
+        return {d: self.select(idx) for d, idx in groups.items()}
+
+
+def score_open_ended(
+    model: Any,
+    tokenizer: Any,
+    records: Sequence[OpenQA],
+    *,
+    prompt: PromptFormat | None = None,
+    max_new_tokens: int = 32,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> OpenEndedSet:
+    """Answer open questions greedily and record confidences.
+
+    Args:
+        model: a Hugging Face causal LM.
+        tokenizer: its tokenizer.
+        records: :class:`~llm_calib.data.records.OpenQA` records.
+        prompt: the prompt format (default ``PromptFormat()``: chat template, question only,
+            ``The answer is:``).
+        max_new_tokens: generation budget per answer.
+        batch_size: questions generated together.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        An :class:`OpenEndedSet`.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> s = score_open_ended(model, tok, [OpenQA("Capital of France?", ("Paris",), "geo", "q0")],
+        ...                      max_new_tokens=3)
+        >>> 0.0 < float(s.confidence("mean")[0]) <= 1.0
+        True
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    records = list(records)
+    for r in records:
+        if not isinstance(r, OpenQA):
+            raise TypeError(f"records must be OpenQA records, got {type(r).__name__}")
+    fmt = prompt or PromptFormat()
+    if fmt.style != "cloze":
+        raise ValueError(f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}")
+    chat = uses_chat_template(tokenizer, fmt)
+    prompts = [encode_prompt(tokenizer, build_prompt(tokenizer, r.question, None, fmt), chat=chat) for r in records]
+    order = sorted(range(len(records)), key=lambda i: len(prompts[i]))
+    answers: list[GreedyAnswer | None] = [None] * len(records)
+    bar = progress_bar(total=len(records), desc="open-ended", enabled=progress)
+    try:
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            outs = generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)
+            for i, o in zip(idx, outs):
+                answers[i] = o
+            bar.update(len(idx))
+    finally:
+        bar.close()
+    done = [a for a in answers if a is not None]
+    return OpenEndedSet(
+        answers=[a.text for a in done],
+        references=[tuple(r.answers) for r in records],
+        domains=[r.domain for r in records],
+        ids=[r.id for r in records],
+        token_probs=[a.token_probs for a in done],
+        info={"max_new_tokens": max_new_tokens, "chat_template": chat, "answer_prefix": fmt.answer_prefix},
+    )

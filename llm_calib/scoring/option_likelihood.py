@@ -1,0 +1,318 @@
+"""Option-likelihood scoring: the log-probability of each option's text after the prompt.
+
+Each question costs one forward pass, shared with the other questions of its batch. Two layouts:
+
+* ``"packed"`` (default): one row per question, ``prompt + option_1 + ... + option_K``, with a 4-D
+  attention mask under which every option attends to the prompt and to itself only, and position
+  ids that restart after the prompt for every option. The prompt is computed once per question.
+* ``"padded"``: the ``K`` sequences ``prompt + option_i`` as separate right-padded rows (the prompt
+  is recomputed ``K`` times; works with any model that accepts a 2-D padding mask).
+
+Either way only the hidden states that predict an option token go through the output head (the
+vocabulary projection is the most expensive single matrix of a small model), and the position
+before the first option token is projected once per question.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from llm_calib.data.records import MultipleChoice
+from llm_calib.models import lm_head_logits, split_decoder_head
+from llm_calib.prompts import PromptFormat, build_prompt, continuation_text, uses_chat_template
+from llm_calib.scoring.base import (
+    ScoredSet,
+    check_records,
+    encode_continuation,
+    encode_prompt,
+    progress_bar,
+)
+
+__all__ = [
+    "NORMALIZE_MODES",
+    "STRATEGIES",
+    "EncodedQuestion",
+    "encode_questions",
+    "option_log_likelihoods",
+    "score_option_likelihood",
+]
+
+NORMALIZE_MODES = ("sum", "mean")
+"""``"sum"``: summed token log-probabilities; ``"mean"``: mean per token (length-normalised)."""
+
+STRATEGIES = ("packed", "padded")
+"""Batch layouts of :func:`score_option_likelihood`."""
+
+
+@dataclass(frozen=True)
+class EncodedQuestion:
+    """Token ids of one question: the prompt and every option continuation.
+
+    Example:
+        >>> EncodedQuestion((1, 2), ((3,), (4, 5))).n_tokens
+        5
+    """
+
+    prompt: tuple[int, ...]
+    options: tuple[tuple[int, ...], ...]
+
+    @property
+    def n_tokens(self) -> int:
+        """Length of the packed row (prompt + all options)."""
+        return len(self.prompt) + sum(len(o) for o in self.options)
+
+
+def encode_questions(
+    tokenizer: Any, records: Sequence[MultipleChoice], fmt: PromptFormat
+) -> list[EncodedQuestion]:
+    """Tokenise prompts and option continuations (separately; see :mod:`llm_calib.scoring.base`).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        records: multiple-choice records.
+        fmt: the prompt format.
+
+    Returns:
+        One :class:`EncodedQuestion` per record.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> _, tok = tiny_random_model()
+        >>> q = MultipleChoice("Capital of France?", ("Paris", "Rome"), 0, "geo", "q0")
+        >>> enc = encode_questions(tok, [q], PromptFormat())[0]
+        >>> tok.decode(enc.options[0])
+        ' Paris'
+    """
+    chat = uses_chat_template(tokenizer, fmt)
+    out = []
+    for r in records:
+        prompt = encode_prompt(tokenizer, build_prompt(tokenizer, r.question, r.options, fmt), chat=chat)
+        if not prompt:
+            raise ValueError(f"record {r.id!r}: the prompt tokenises to no tokens")
+        options = tuple(tuple(encode_continuation(tokenizer, continuation_text(o))) for o in r.options)
+        out.append(EncodedQuestion(tuple(prompt), options))
+    return out
+
+
+def _device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
+    p = next(model.parameters())
+    return p.device, p.dtype
+
+
+def _packed_forward(model: Any, items: Sequence[EncodedQuestion], pad_id: int) -> list[torch.Tensor]:
+    """Per-option token log-probabilities for a batch of questions, one packed row each."""
+    decoder, head = split_decoder_head(model)
+    device, dtype = _device_dtype(model)
+    B, L = len(items), max(it.n_tokens for it in items)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    pos = torch.zeros((B, L), dtype=torch.long)
+    seg = torch.full((B, L), -1, dtype=torch.long)
+    rows: list[int] = []  # flat (b * L + t) indices of hidden states that need the head
+    target_rows: list[int] = []  # for each option token: index into `rows`
+    target_ids: list[int] = []
+    option_of_target: list[int] = []
+    n_options = 0
+    for b, it in enumerate(items):
+        p = len(it.prompt)
+        ids[b, :p] = torch.tensor(it.prompt)
+        pos[b, :p] = torch.arange(p)
+        seg[b, :p] = 0
+        first_row = len(rows)
+        rows.append(b * L + p - 1)  # predicts the first token of every option
+        off = p
+        for k, opt in enumerate(it.options):
+            n = len(opt)
+            ids[b, off : off + n] = torch.tensor(opt)
+            pos[b, off : off + n] = torch.arange(p, p + n)
+            seg[b, off : off + n] = k + 1
+            for j in range(n):
+                if j == 0:
+                    target_rows.append(first_row)
+                else:
+                    target_rows.append(len(rows))
+                    rows.append(b * L + off + j - 1)
+                target_ids.append(opt[j])
+                option_of_target.append(n_options)
+            off += n
+            n_options += 1
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    q_seg, k_seg = seg[:, :, None], seg[:, None, :]
+    allowed = causal & (k_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))
+    mask = torch.zeros((B, 1, L, L), dtype=dtype)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    out = decoder(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=pos.to(device),
+        use_cache=False,
+    )
+    hidden = out.last_hidden_state.reshape(B * L, -1)
+    return _gather(model, head, hidden, rows, target_rows, target_ids, option_of_target, n_options)
+
+
+def _padded_forward(model: Any, items: Sequence[EncodedQuestion], pad_id: int) -> list[torch.Tensor]:
+    """Per-option token log-probabilities, one right-padded row per (question, option)."""
+    decoder, head = split_decoder_head(model)
+    device, _ = _device_dtype(model)
+    seqs = [(it.prompt, opt) for it in items for opt in it.options]
+    N, L = len(seqs), max(len(p) + len(o) for p, o in seqs)
+    ids = torch.full((N, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((N, L), dtype=torch.long)
+    rows: list[int] = []
+    target_rows: list[int] = []
+    target_ids: list[int] = []
+    option_of_target: list[int] = []
+    for r, (prompt, opt) in enumerate(seqs):
+        full = prompt + opt
+        ids[r, : len(full)] = torch.tensor(full)
+        attn[r, : len(full)] = 1
+        p = len(prompt)
+        for j, tok in enumerate(opt):
+            target_rows.append(len(rows))
+            rows.append(r * L + p - 1 + j)
+            target_ids.append(tok)
+            option_of_target.append(r)
+    out = decoder(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
+    hidden = out.last_hidden_state.reshape(N * L, -1)
+    return _gather(model, head, hidden, rows, target_rows, target_ids, option_of_target, N)
+
+
+def _gather(
+    model: Any,
+    head: Any,
+    hidden: torch.Tensor,
+    rows: list[int],
+    target_rows: list[int],
+    target_ids: list[int],
+    option_of_target: list[int],
+    n_options: int,
+) -> list[torch.Tensor]:
+    device = hidden.device
+    logits = lm_head_logits(model, head, hidden[torch.tensor(rows, device=device)])
+    logp = torch.log_softmax(logits, dim=-1)
+    tok_lp = logp[torch.tensor(target_rows, device=device), torch.tensor(target_ids, device=device)]
+    counts = torch.bincount(torch.tensor(option_of_target), minlength=n_options)
+    # targets were appended option by option, so each option's tokens are one contiguous run
+    return list(torch.split(tok_lp.double().cpu(), counts.tolist()))
+
+
+def option_log_likelihoods(
+    model: Any,
+    items: Sequence[EncodedQuestion],
+    *,
+    pad_id: int = 0,
+    strategy: Literal["packed", "padded"] = "packed",
+) -> list[list[torch.Tensor]]:
+    """Token log-probabilities of every option of a batch of questions, in one forward pass.
+
+    Args:
+        model: a Hugging Face causal LM.
+        items: encoded questions (from :func:`encode_questions`).
+        pad_id: id used for padding (its value never influences the result).
+        strategy: ``"packed"`` or ``"padded"`` (see the module docstring).
+
+    Returns:
+        ``out[q][k]``: float64 tensor of the log-probabilities of option ``k``'s tokens of question
+        ``q``.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> lp = option_log_likelihoods(model, [EncodedQuestion((5, 6, 7), ((8, 9), (10,)))])
+        >>> [t.shape[0] for t in lp[0]]
+        [2, 1]
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if not items:
+        return []
+    forward = _packed_forward if strategy == "packed" else _padded_forward
+    with torch.inference_mode():
+        flat = forward(model, items, pad_id)
+    out, i = [], 0
+    for it in items:
+        out.append(flat[i : i + len(it.options)])
+        i += len(it.options)
+    return out
+
+
+def score_option_likelihood(
+    model: Any,
+    tokenizer: Any,
+    records: Sequence[MultipleChoice],
+    *,
+    normalize: Literal["sum", "mean"] = "sum",
+    prompt: PromptFormat | None = None,
+    batch_size: int = 8,
+    strategy: Literal["packed", "padded"] = "packed",
+    progress: bool = False,
+) -> ScoredSet:
+    """Score multiple-choice questions by the likelihood of each option's text.
+
+    The score of option ``k`` is the summed (``normalize="sum"``) or mean per token
+    (``normalize="mean"``) log-probability of the continuation ``" " + option`` after the prompt;
+    probabilities are the softmax over options. Questions are sorted by length and scored
+    ``batch_size`` at a time, one forward pass per batch; results come back in input order.
+
+    Args:
+        model: a Hugging Face causal LM (eval mode).
+        tokenizer: its tokenizer.
+        records: :class:`~llm_calib.data.records.MultipleChoice` records.
+        normalize: ``"sum"`` or ``"mean"``.
+        prompt: the prompt format; default ``PromptFormat()`` (cloze, the reference format).
+        batch_size: questions per forward pass (>= 1).
+        strategy: ``"packed"`` (default) or ``"padded"`` batch layout.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        A :class:`~llm_calib.scoring.base.ScoredSet`.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> qs = [MultipleChoice("Capital of France?", ("Paris", "Rome", "Oslo"), 0, "geo", "q0")]
+        >>> s = score_option_likelihood(model, tok, qs)
+        >>> s.logits[0].shape, round(float(s.probs[0].sum()), 5)
+        (torch.Size([3]), 1.0)
+    """
+    if normalize not in NORMALIZE_MODES:
+        raise ValueError(f"normalize must be one of {NORMALIZE_MODES}, got {normalize!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    records = check_records(records)
+    fmt = prompt or PromptFormat()
+    items = encode_questions(tokenizer, records, fmt)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    order = sorted(range(len(items)), key=lambda i: items[i].n_tokens)
+    scores: list[torch.Tensor | None] = [None] * len(items)
+    bar = progress_bar(total=len(items), desc="option likelihood", enabled=progress)
+    try:
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            lps = option_log_likelihoods(model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy)
+            for i, per_option in zip(idx, lps):
+                agg = [lp.sum() if normalize == "sum" else lp.mean() for lp in per_option]
+                scores[i] = torch.stack(agg)
+            bar.update(len(idx))
+    finally:
+        bar.close()
+    return ScoredSet(
+        logits=[s for s in scores if s is not None],
+        labels=[r.gold for r in records],
+        domains=[r.domain for r in records],
+        ids=[r.id for r in records],
+        scorer="option_likelihood",
+        info={
+            "normalize": normalize,
+            "prompt_style": fmt.style,
+            "chat_template": uses_chat_template(tokenizer, fmt),
+            "answer_prefix": fmt.answer_prefix,
+            "strategy": strategy,
+        },
+    )

@@ -1,0 +1,219 @@
+"""Post-hoc temperature scaling over per-question option scores.
+
+``logits`` are per-question option scores (logits or log-probabilities): a 2-D ``(N, K)`` torch
+tensor / numpy array / nested list, or a *ragged* list of 1-D tensors or arrays when questions
+have different option counts. Ragged input is padded with ``-inf`` (never zeros), so a padded
+option gets probability exactly 0 at every temperature; a 2-D input may itself use ``-inf`` for
+absent options. All computation runs in float64.
+
+:func:`fit_temperature` finds the single ``T`` minimising the mean NLL of
+``softmax(logits / T)`` on validation data (L-BFGS on ``log T``); :func:`apply_temperature`
+turns scores into tempered probabilities.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["T_MAX", "T_MIN", "apply_temperature", "fit_temperature", "temperature_nll"]
+
+T_MIN = 1e-3
+"""Smallest temperature :func:`fit_temperature` returns (the optimum can run off to 0 when every
+validation answer is right)."""
+
+T_MAX = 1e3
+"""Largest temperature :func:`fit_temperature` returns (the optimum is infinite when the scores
+are anti-correlated with correctness)."""
+
+
+def _row_tensor(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(device="cpu", dtype=torch.float64)
+    return torch.as_tensor(np.asarray(x, dtype=np.float64))
+
+
+def _is_ragged(logits: Any) -> bool:
+    if not isinstance(logits, list | tuple) or not logits:
+        return False
+    first = logits[0]
+    if isinstance(first, torch.Tensor | np.ndarray):
+        return True
+    return len({len(r) for r in logits}) > 1
+
+
+def _padded(logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scores, mask)``: float64 ``(N, K)`` scores with 0 at padding, and the option mask."""
+    if _is_ragged(logits):
+        rows = [_row_tensor(r) for r in logits]
+        if any(r.dim() != 1 for r in rows):
+            raise ValueError(
+                "logits: a list must hold one 1-D tensor of option scores per question"
+            )
+        k = max(r.shape[0] for r in rows)
+        z = torch.full((len(rows), k), float("-inf"), dtype=torch.float64)
+        for i, r in enumerate(rows):
+            z[i, : r.shape[0]] = r
+    else:
+        z = _row_tensor(logits)
+        if z.dim() != 2:
+            raise ValueError(
+                f"logits must be 2-D (N, K) or a list of 1-D tensors, got shape {tuple(z.shape)}"
+            )
+    if z.shape[0] == 0 or z.shape[1] == 0:
+        raise ValueError("logits is empty")
+    if torch.isnan(z).any() or (z == float("inf")).any():
+        raise ValueError("logits holds NaN or +inf")
+    mask = torch.isfinite(z)
+    if not mask.any(dim=1).all():
+        raise ValueError("logits has a question without any finite option score")
+    return z.masked_fill(~mask, 0.0), mask
+
+
+def _labels(labels: Any, mask: torch.Tensor) -> torch.Tensor:
+    y = (
+        labels.detach().cpu()
+        if isinstance(labels, torch.Tensor)
+        else torch.as_tensor(np.asarray(labels))
+    )
+    if y.dim() != 1 or y.shape[0] != mask.shape[0]:
+        raise ValueError(
+            f"labels must be 1-D with {mask.shape[0]} entries, got shape {tuple(y.shape)}"
+        )
+    if y.is_floating_point() or y.dtype == torch.bool:
+        raise ValueError(f"labels must hold integer option indices, got dtype {y.dtype}")
+    y = y.long()
+    bad = (y < 0) | (y >= mask.shape[1])
+    if not bad.any():
+        bad = ~mask[torch.arange(y.shape[0]), y]
+    if bad.any():
+        i = int(torch.nonzero(bad)[0])
+        raise ValueError(f"labels[{i}] = {int(y[i])} is not an option of question {i}")
+    return y
+
+
+def _nll(z: torch.Tensor, mask: torch.Tensor, y: torch.Tensor, log_t: torch.Tensor) -> torch.Tensor:
+    scaled = (z * torch.exp(-log_t)).masked_fill(~mask, float("-inf"))
+    return F.cross_entropy(scaled, y)
+
+
+def temperature_nll(logits: Any, labels: Any, temperature: float) -> float:
+    """Mean NLL of ``softmax(logits / temperature)`` at the gold options.
+
+    Example:
+        >>> import math
+        >>> math.isclose(temperature_nll([[0.0, 0.0]], [0], 3.0), math.log(2))
+        True
+    """
+    _check_temperature(temperature)
+    z, mask = _padded(logits)
+    y = _labels(labels, mask)
+    return float(_nll(z, mask, y, torch.tensor(math.log(temperature), dtype=torch.float64)))
+
+
+def fit_temperature(logits: Any, labels: Any, *, max_iter: int = 100) -> float:
+    """Fit one temperature minimising validation NLL.
+
+    L-BFGS (strong Wolfe line search) on ``log T`` starting from ``T = 1``, in float64; the
+    result is kept within [:data:`T_MIN`, :data:`T_MAX`].
+
+    Args:
+        logits: per-question option scores, 2-D or ragged (see the module docstring).
+        labels: ``(N,)`` gold option indices.
+        max_iter: maximum L-BFGS iterations.
+
+    Returns:
+        The fitted temperature ``T > 0``; divide scores by it before the softmax.
+
+    Raises:
+        ValueError: malformed logits or labels, or ``max_iter < 1``.
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> z = 4 * torch.randn(2000, 4, generator=g)
+        >>> y = torch.distributions.Categorical(logits=z / 2.0).sample()  # true T = 2
+        >>> abs(fit_temperature(z, y) - 2.0) < 0.2
+        True
+    """
+    if max_iter < 1:
+        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+    z, mask = _padded(logits)
+    y = _labels(labels, mask)
+    lo, hi = math.log(T_MIN), math.log(T_MAX)
+    log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS(
+        [log_t],
+        lr=1.0,
+        max_iter=max_iter,
+        tolerance_grad=1e-10,
+        tolerance_change=1e-14,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = _nll(z, mask, y, log_t.clamp(lo, hi))
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    value = float(log_t.detach().clamp(lo, hi))
+    if not math.isfinite(value):  # pragma: no cover - defensive; L-BFGS in float64 stays finite
+        raise RuntimeError("temperature fit diverged")
+    return math.exp(value)
+
+
+def _check_temperature(temperature: float) -> None:
+    if isinstance(temperature, torch.Tensor):
+        temperature = float(temperature)
+    if not (
+        isinstance(temperature, int | float) and math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def apply_temperature(logits: Any, temperature: float) -> Any:
+    """Tempered probabilities ``softmax(logits / temperature)`` over each question's options.
+
+    The output follows the input's convention: a 2-D torch tensor gives a tensor of the same
+    dtype (float64 for integer input), a 2-D array or a nested list of equal-length lists gives a
+    float64 numpy array, and a list of 1-D tensors or arrays (or of lists of different lengths)
+    gives a list of 1-D tensors (where the rows were tensors) or 1-D numpy arrays, each as long as
+    its row. ``-inf`` scores get probability 0.
+
+    Args:
+        logits: per-question option scores, 2-D or ragged.
+        temperature: ``T > 0``; ``T = 1`` is the plain softmax.
+
+    Raises:
+        ValueError: ``temperature`` is not a finite positive number, or malformed logits.
+
+    Example:
+        >>> import torch
+        >>> p = apply_temperature(torch.tensor([[2.0, 0.0]]), 2.0)
+        >>> torch.allclose(p, torch.softmax(torch.tensor([[1.0, 0.0]]), dim=1))
+        True
+        >>> [r.round(3).tolist() for r in apply_temperature([[0.0, 0.0], [0.0, 0.0, 0.0]], 1.0)]
+        [[0.5, 0.5], [0.333, 0.333, 0.333]]
+    """
+    _check_temperature(temperature)
+    z, mask = _padded(logits)
+    scaled = (z / float(temperature)).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scaled, dim=1)
+    if _is_ragged(logits):
+        out = []
+        for row, orig in zip(probs, logits, strict=True):
+            r = row[: len(orig)]
+            if isinstance(orig, torch.Tensor):
+                out.append(r.to(orig.dtype if orig.is_floating_point() else torch.float64))
+            else:
+                out.append(r.numpy())
+        return out
+    if isinstance(logits, torch.Tensor):
+        return probs.to(logits.dtype if logits.is_floating_point() else torch.float64)
+    return probs.numpy()
