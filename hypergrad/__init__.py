@@ -13,7 +13,7 @@ from hypergrad.implicit import Implicit
 from hypergrad.modules import functional, load_params, module_params
 from hypergrad.penalty import Penalty
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradMethod, HypergradResult
-from hypergrad.unrolled import Unrolled
+from hypergrad.unrolled import StepBatches, Unrolled
 
 __all__ = [
     "BOME",
@@ -27,6 +27,7 @@ __all__ = [
     "NonFiniteError",
     "Penalty",
     "SolveResult",
+    "StepBatches",
     "Unrolled",
     "functional",
     "inner",

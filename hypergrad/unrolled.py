@@ -323,7 +323,7 @@ class Unrolled:
         )
         assert grad_w_f is not None and grad_lam_f is not None
         # dF/dlam_i = <grad_w f, dw_K/dlam_i> + d_lam_i f
-        flat = 0 * tree_flatten(grad_lam_f).clone()
+        flat = tree_flatten(grad_lam_f).clone()
         for key, tangent in t_w.items():
             gwf = grad_w_f[key].reshape(-1).to(tangent.dtype)
             flat = flat + (tangent.reshape(p, -1) @ gwf).to(flat.dtype)

@@ -1,24 +1,351 @@
-"""Command line: ``llm-calib``."""
+"""Command line: ``llm-calib``.
+
+Subcommands:
+
+* ``llm-calib evaluate``: score data sets with a model and write ``metrics.json``, ``report.md``
+  and one reliability diagram per domain.
+* ``llm-calib demo``: the main job on the embedded default.
+
+Errors in the user's input (a bad data spec, a missing file, an unknown model) print one line
+``llm-calib: error: ...`` and exit with status 2, without a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Callable, Sequence
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+_EVALUATE_EPILOG = """\
+data specs (LOADER[:TARGET[:OPTION]]), for example:
+  builtin                                    the built-in generated set (5 domains)
+  arc_easy:../shared/data/arc_easy/test.jsonl
+  arc_easy:../shared/data:dev                split of a data root
+  mmlu_stem:../shared/data/mmlu/test         one MMLU group
+  openbookqa:../shared/data/openbookqa/openbookqa.jsonl
+  commonsenseqa:../shared/data/commonsenseqa/genmc_dev.jsonl
+  jsonl:my_questions.jsonl                   generic {"question", "options", "gold"} rows
+see llm_calib.data.spec for the full grammar.
+
+example:
+  llm-calib evaluate --model smollm2-135m-instruct \\
+      --data arc_easy:../shared/data/arc_easy/test.jsonl --limit 200 \\
+      --temperature-fit arc_easy:../shared/data/arc_easy/dev.jsonl --out /tmp/eval
+"""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``llm-calib`` command."""
-    parser = argparse.ArgumentParser(prog="llm-calib", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="run the main job on the embedded default")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        from llm_calib.demo import run_demo
+class _UserError(Exception):
+    """An error in the user's input, reported without a traceback."""
 
-        run_demo()
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="score data sets with a model and write a calibration report",
+        description=(
+            "Score multiple-choice (or open) data sets with a causal LM and write metrics.json, "
+            "report.md (a table per domain with 95%% bootstrap CIs) and reliability_<domain>.png "
+            "to --out."
+        ),
+        epilog=_EVALUATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="built-in alias (smollm2-135m-instruct), local model directory, .gguf file or hub "
+        "name (default: %(default)s)",
+    )
+    p.add_argument(
+        "--data",
+        action="append",
+        required=True,
+        metavar="SPEC",
+        help="data spec to evaluate; repeat for several data sets (results per domain)",
+    )
+    p.add_argument(
+        "--scorer",
+        choices=("option_likelihood", "letter"),
+        default="option_likelihood",
+        help="multiple-choice scorer: likelihood of each option's text, or the logits of the "
+        "option letters with the options listed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--normalize",
+        choices=("sum", "mean"),
+        default="sum",
+        help="option likelihood: summed token log-probabilities, or their mean per token "
+        "(length-normalised) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-style",
+        choices=("cloze", "listed"),
+        default=None,
+        help="cloze: the prompt holds the question only; listed: options listed as A., B., ... "
+        "(default: cloze for option_likelihood, listed for letter)",
+    )
+    p.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="plain-text prompt instead of the tokenizer's chat template",
+    )
+    p.add_argument(
+        "--system-message",
+        default=None,
+        help="system message for the chat (default: the template's own default)",
+    )
+    p.add_argument(
+        "--answer-prefix",
+        default="The answer is:",
+        help="text after the generation prompt, before the scored answer (default: %(default)r)",
+    )
+    p.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="at most N questions per data set (a seeded subsample; also for --temperature-fit)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=8,
+        metavar="B",
+        help="questions per forward pass (default: %(default)s)",
+    )
+    p.add_argument(
+        "--temperature-fit",
+        default=None,
+        metavar="SPEC",
+        help="fit a temperature on this split (e.g. arc_easy:../shared/data:dev) and report "
+        "temperature-scaled metrics for every domain next to the uncalibrated ones",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seed of the --limit subsample and of the bootstrap (default: %(default)s)",
+    )
+    p.add_argument(
+        "--bins",
+        type=_positive_int,
+        default=10,
+        help="equal-width confidence bins for ECE and the reliability diagrams (default: %(default)s)",
+    )
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=1000,
+        metavar="R",
+        help="bootstrap resamples for the 95%% confidence intervals; 0 disables them (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=32,
+        help="generation budget for open-ended questions (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device", default="cpu", help="torch device to run the model on (default: %(default)s)"
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch CPU threads (default: torch's choice)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="cache of the converted built-in model (default: $LLM_CALIB_CACHE/<alias> or "
+        "~/.cache/llm_calib/<alias>) or hub cache for hub names",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow custom model code from the hub (only for repositories you trust)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--out", required=True, metavar="DIR", help="output directory (created if missing)"
+    )
+    p.set_defaults(func=_cmd_evaluate)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="run the main job on the embedded default")
+    p.set_defaults(func=_cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``llm-calib`` argument parser (one subparser per subcommand).
+
+    Example:
+        >>> args = build_parser().parse_args(["evaluate", "--data", "builtin", "--out", "x"])
+        >>> args.command, args.scorer, args.data
+        ('evaluate', 'option_likelihood', ['builtin'])
+    """
+    parser = argparse.ArgumentParser(
+        prog="llm-calib",
+        description="Calibration of causal language models: evaluation and training (CALM).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_evaluate(sub)
+    _add_demo(sub)
+    return parser
+
+
+def _log(args: argparse.Namespace, message: str) -> None:
+    if not getattr(args, "quiet", False):
+        print(message, file=sys.stderr, flush=True)
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    import torch
+
+    from llm_calib.data import load as load_data
+    from llm_calib.evaluate import evaluate_records
+    from llm_calib.models import load as load_model
+    from llm_calib.prompts import PromptFormat
+    from llm_calib.report import write_report
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.bootstrap < 0:
+        raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
+    style = args.prompt_style or ("listed" if args.scorer == "letter" else "cloze")
+    if args.scorer == "letter" and style != "listed":
+        raise _UserError("--scorer letter needs --prompt-style listed (the options must be listed)")
+    prompt = PromptFormat(
+        style=style,
+        chat_template=False if args.no_chat_template else None,
+        system_message=args.system_message,
+        answer_prefix=args.answer_prefix,
+    )
+    t0 = time.perf_counter()
+    # Load every data set before the model, so a bad spec fails fast.
+    datasets = []
+    for spec in args.data:
+        records = _user_call(
+            lambda s=spec: load_data(s, limit=args.limit, seed=args.seed).records, f"--data {spec}"
+        )
+        if not records:
+            raise _UserError(f"--data {spec}: no records")
+        _log(args, f"loaded {len(records)} questions from {spec}")
+        datasets.append((spec, records))
+    fit = None
+    if args.temperature_fit:
+        spec = args.temperature_fit
+        records = _user_call(
+            lambda: load_data(spec, limit=args.limit, seed=args.seed).records,
+            f"--temperature-fit {spec}",
+        )
+        if not records:
+            raise _UserError(f"--temperature-fit {spec}: no records")
+        fit = (spec, records)
+        _log(args, f"loaded {len(records)} questions from {spec} (temperature fit)")
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model, tokenizer = _user_call(
+        lambda: load_model(
+            args.model,
+            cache_dir=args.cache_dir,
+            device=args.device,
+            trust_remote_code=args.trust_remote_code,
+        ),
+        f"--model {args.model}",
+    )
+    model_s = time.perf_counter() - t0
+    _log(args, f"loaded model {args.model} in {model_s:.1f} s")
+    result = _user_call(
+        lambda: evaluate_records(
+            model,
+            tokenizer,
+            datasets,
+            scorer=args.scorer,
+            normalize=args.normalize,
+            prompt=prompt,
+            batch_size=args.batch_size,
+            temperature_fit=fit,
+            n_bins=args.bins,
+            ci=args.bootstrap > 0,
+            n_resamples=max(args.bootstrap, 1),
+            seed=args.seed,
+            max_new_tokens=args.max_new_tokens,
+            progress=not args.quiet,
+        ),
+        "evaluate",
+        # only argument problems of the records themselves are user errors here
+        errors=(ValueError, TypeError),
+    )
+    result.config.update({"model": args.model, "limit": args.limit})
+    result.timing.update({"data_loading_s": load_s, "model_loading_s": model_s})
+    paths = write_report(result, args.out)
+    for dom, r in result.domains.items():
+        unc = r.uncalibrated
+        line = f"{dom}: n={r.n} accuracy={unc['accuracy']:.3f} ECE={unc['ece']:.3f}"
+        if r.temperature_scaled:
+            line += (
+                f" ECE(T={result.temperature.temperature:.2f})={r.temperature_scaled['ece']:.3f}"
+            )
+        print(line)
+    print(f"wrote {len(paths)} files to {args.out}")
     return 0
+
+
+def _user_call(
+    fn: Callable[[], object],
+    what: str,
+    errors: tuple[type[BaseException], ...] = (ValueError, OSError, KeyError, TypeError),
+) -> object:
+    try:
+        return fn()
+    except errors as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise _UserError(f"{what}: {message}") from exc
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from llm_calib.demo import run_demo
+
+    run_demo()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``llm-calib`` command.
+
+    Args:
+        argv: arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 on success, 2 on a user error (message on stderr).
+
+    Example:
+        >>> main(["evaluate", "--data", "nosuchloader:x", "--out", "/tmp/x", "--quiet"])
+        2
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except _UserError as exc:
+        print(f"llm-calib: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

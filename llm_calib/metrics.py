@@ -311,6 +311,11 @@ class ReliabilityBins:
         counts: ``(B,)`` number of questions per bin.
         mean_confidence: ``(B,)`` mean confidence per bin (NaN for empty bins).
         accuracy: ``(B,)`` fraction correct per bin (NaN for empty bins).
+
+    Example:
+        >>> rb = reliability_bins([0.2, 0.8, 0.9], [0, 1, 0], n_bins=2)
+        >>> rb.to_dict()["counts"], rb.to_dict()["accuracy"]
+        ([1, 2], [0.0, 0.5])
     """
 
     edges: np.ndarray
@@ -498,7 +503,9 @@ def bootstrap_ci(
 
     Questions are resampled with replacement, jointly: the same indices are taken from every
     array. Resamples on which the metric is NaN (e.g. AUROC with one class) are ignored; if all
-    are NaN the interval is ``(nan, nan)``.
+    are NaN the interval is ``(nan, nan)``. Note that binned ECE is biased upward on resamples
+    (duplicates make bins noisier), so for well-calibrated predictions its percentile interval
+    can lie entirely above the point estimate.
 
     Args:
         metric: a function of the arrays, e.g. :func:`ece` or :func:`brier`.

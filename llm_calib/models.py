@@ -139,7 +139,9 @@ def _convert_gguf(gguf: Path, cache_dir: Path) -> None:
 
     logger.info("converting %s to a safetensors cache in %s (once, ~30 s)", gguf, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     # A GGUF-loaded model carries a quantizer that refuses to serialise; the weights are already
     # de-quantised to float32, so dropping the quantizer state gives a plain checkpoint.
     model.hf_quantizer = None
@@ -306,17 +308,13 @@ def lm_head_logits(model: Any, head: Any, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-_TINY_CORPUS = (
-    [" ".join(f" {letter}." for letter in "ABCDEFGHIJ")] * 40
-    + [
-        "What is the capital of France? The answer is: Paris",
-        "What is 2 + 3? The answer is: 5",
-        "A. Paris\nB. London\nC. Berlin\nD. Rome\n",
-        "Which gas do plants absorb? The answer is: carbon dioxide",
-        "the quick brown fox jumps over the lazy dog",
-    ]
-    * 20
-)
+_TINY_CORPUS = [" ".join(f" {letter}." for letter in "ABCDEFGHIJ")] * 40 + [
+    "What is the capital of France? The answer is: Paris",
+    "What is 2 + 3? The answer is: 5",
+    "A. Paris\nB. London\nC. Berlin\nD. Rome\n",
+    "Which gas do plants absorb? The answer is: carbon dioxide",
+    "the quick brown fox jumps over the lazy dog",
+] * 20
 
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}"

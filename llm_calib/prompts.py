@@ -22,8 +22,8 @@ __all__ = [
     "build_prompt",
     "continuation_text",
     "option_letters",
-    "uses_chat_template",
     "user_message",
+    "uses_chat_template",
 ]
 
 LETTERS: str = string.ascii_uppercase
@@ -91,7 +91,9 @@ def option_letters(n: int) -> str:
     return LETTERS[:n]
 
 
-def user_message(question: str, options: tuple[str, ...] | list[str] | None, fmt: PromptFormat) -> str:
+def user_message(
+    question: str, options: tuple[str, ...] | list[str] | None, fmt: PromptFormat
+) -> str:
     """The text of the user turn: the question, plus the lettered options if ``fmt.style`` is listed.
 
     Args:
@@ -114,7 +116,10 @@ def user_message(question: str, options: tuple[str, ...] | list[str] | None, fmt
     if not options:
         raise ValueError("options are required for PromptFormat(style='listed')")
     lines = [question]
-    lines += [f"{letter}. {opt}" for letter, opt in zip(option_letters(len(options)), options)]
+    lines += [
+        f"{letter}. {opt}"
+        for letter, opt in zip(option_letters(len(options)), options, strict=True)
+    ]
     return "\n".join(lines)
 
 

@@ -12,7 +12,13 @@ from llm_calib.data import BUILTIN_DOMAINS, CAPITALS, ELEMENTS, builtin_multiple
 
 
 def test_domains_fact_tables_and_sizes():
-    assert set(BUILTIN_DOMAINS) >= {"arithmetic", "unit_conversion", "calendar", "capitals", "chemical_symbols"}
+    assert set(BUILTIN_DOMAINS) >= {
+        "arithmetic",
+        "unit_conversion",
+        "calendar",
+        "capitals",
+        "chemical_symbols",
+    }
     assert len(CAPITALS) >= 40 and len({c[0] for c in CAPITALS}) == len(CAPITALS)
     assert len({c[1] for c in CAPITALS}) == len(CAPITALS)
     assert len(ELEMENTS) >= 40 and len({e[1] for e in ELEMENTS}) == len(ELEMENTS)
@@ -26,7 +32,9 @@ def test_same_seed_identical_output_other_seed_differs(seed):
     a = builtin_multiple_choice(25, seed=seed)
     b = builtin_multiple_choice(25, seed=seed)
     assert a == b and [q.meta for q in a] == [q.meta for q in b]
-    assert [q.question for q in a] != [q.question for q in builtin_multiple_choice(25, seed=seed + 100)]
+    assert [q.question for q in a] != [
+        q.question for q in builtin_multiple_choice(25, seed=seed + 100)
+    ]
 
 
 def test_domain_content_does_not_depend_on_which_domains_are_asked_for():
@@ -62,11 +70,16 @@ def test_answers_are_right():
         elif m := re.fullmatch(r"How many (\w+) are in (\d+) (\w+)\?", q.question):
             if (m[1], m[3]) in factors:
                 assert int(gold.replace(",", "")) == int(m[2]) * factors[m[1], m[3]]
-        elif m := re.fullmatch(r"If today is (\w+), what day of the week (will it be in|was it) (\d+) days( ago)?\?", q.question):
+        elif m := re.fullmatch(
+            r"If today is (\w+), what day of the week (will it be in|was it) (\d+) days( ago)?\?",
+            q.question,
+        ):
             days = list(calendar.day_name)
             step = int(m[3]) if m[2] == "will it be in" else -int(m[3])
             assert gold == days[(days.index(m[1]) + step) % 7]
-        elif m := re.fullmatch(r"Which month comes (\d+) months (after|before) (\w+)\?", q.question):
+        elif m := re.fullmatch(
+            r"Which month comes (\d+) months (after|before) (\w+)\?", q.question
+        ):
             months = list(calendar.month_name)[1:]
             step = int(m[1]) if m[2] == "after" else -int(m[1])
             assert gold == months[(months.index(m[3]) + step) % 12]
@@ -85,7 +98,7 @@ def test_answers_are_right():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="unknown builtin domain.*valid: arithmetic"):
+    with pytest.raises(ValueError, match=r"unknown builtin domain.*valid: arithmetic"):
         builtin_multiple_choice(domains=["poetry"])
     with pytest.raises(ValueError, match="n_per_domain"):
         builtin_multiple_choice(-1)

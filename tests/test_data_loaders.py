@@ -58,7 +58,10 @@ def check_error(err: DataError, path: Path, line: int, field: str, words: str) -
 
 def ai2_row(stem="Which is a star?", labels="ABCD", answer="B", **extra):
     texts = ["Moon", "Sun", "Mars", "Venus", "Comet"][: len(labels)]
-    choices = [{"label": lab, "text": t, "para": "retrieved text"} for lab, t in zip(labels, texts, strict=True)]
+    choices = [
+        {"label": lab, "text": t, "para": "retrieved text"}
+        for lab, t in zip(labels, texts, strict=True)
+    ]
     row = {"id": "q", "question": {"stem": stem, "choices": choices}, "answerKey": answer}
     row.update(extra)
     return row
@@ -67,12 +70,19 @@ def ai2_row(stem="Which is a star?", labels="ABCD", answer="B", **extra):
 def test_ai2_reads_rows_ignores_para_and_handles_digit_labels(tmp_path):
     p = write(
         tmp_path / "arc_challenge" / "test.jsonl",
-        jsonl(ai2_row(), "", ai2_row(labels="1234", answer="4", id="n1"), ai2_row(labels="ABCDE", answer="E")),
+        jsonl(
+            ai2_row(),
+            "",
+            ai2_row(labels="1234", answer="4", id="n1"),
+            ai2_row(labels="ABCDE", answer="E"),
+        ),
     )
     res = load_ai2(p)
     assert len(res) == 3 and res.skipped == 0
     first, digits, five = res.records
-    assert first == MultipleChoice("Which is a star?", ("Moon", "Sun", "Mars", "Venus"), 1, "arc_challenge", "q")
+    assert first == MultipleChoice(
+        "Which is a star?", ("Moon", "Sun", "Mars", "Venus"), 1, "arc_challenge", "q"
+    )
     assert (digits.gold, digits.id) == (3, "n1")
     assert len(five.options) == 5 and five.gold == 4
     assert first.meta["line"] == "1" and digits.meta["line"] == "3"  # the blank line 2 is skipped
@@ -145,7 +155,7 @@ def test_mmlu_reads_quoted_multiline_rows_with_their_first_line(tmp_path):
     write(d / "philosophy_test.csv", "Who wrote Republic?,Plato,Kant,Hume,Locke,A\n")
     res = load_mmlu(d)
     assert [r.domain for r in res] == ["mmlu_stem", "mmlu_stem", "mmlu_humanities"]
-    q1, q2, q3 = res.records
+    q1, q2, _ = res.records
     assert q1.question == 'What is "a star"?' and q1.gold == 0
     assert q2.question == "Pick one:\nline two" and q2.options == ("x", "y, z", "w", "v")
     assert q2.gold == 2  # lower-case answer letter accepted
@@ -222,7 +232,11 @@ def test_opentriviaqa_blocks_multiline_questions_crlf_and_2_to_5_options(tmp_pat
     a, b, c = res.records
     assert a.question == "What is the capital of Australia?"
     assert a.options == ("Canberra", "Sydney", "Melbourne", "Ottawa") and a.gold == 0
-    assert (a.domain, a.id, a.meta["category"]) == ("opentriviaqa_for_kids", "for-kids-1", "for-kids")
+    assert (a.domain, a.id, a.meta["category"]) == (
+        "opentriviaqa_for_kids",
+        "for-kids-1",
+        "for-kids",
+    )
     # continuation lines (even ones starting with "A " or "I ") belong to the question
     assert b.question == "Finish this phrase:\nA dog comes when called; a cat ___.\nI mean it."
     assert b.options == ("comes too", "takes a message") and b.gold == 1
@@ -237,7 +251,8 @@ def test_opentriviaqa_blocks_multiline_questions_crlf_and_2_to_5_options(tmp_pat
 
 def test_opentriviaqa_repairs_cp1252_bytes_and_mangled_quotes(tmp_path):
     text = (
-        b"#Q Who played in \x93Vanilla Sky\x94?\n^ Pen\xe9lope Cruz\nA Pen\xe9lope Cruz\nB Nobody\n\n"
+        b"#Q Who played in \x93Vanilla Sky\x94?\n"
+        b"^ Pen\xe9lope Cruz\nA Pen\xe9lope Cruz\nB Nobody\n\n"
         b"#Q The \xe2\x80\x9cBadger State\xe2\x80? is?\n^ Wisconsin\nA Ohio\nB Wisconsin\n"
     )
     p = write(tmp_path / "people", text)
@@ -299,9 +314,13 @@ def test_nq_open_and_webquestions(tmp_path):
         tmp_path / "NQ-open.dev.jsonl",
         jsonl({"question": "who wrote hamlet", "answer": ["Shakespeare", "William Shakespeare"]}),
     )
-    wq = write(tmp_path / "webq-test.jsonl", jsonl({"id": "7", "question": "where is x?", "answer": ["Y"]}))
+    wq = write(
+        tmp_path / "webq-test.jsonl", jsonl({"id": "7", "question": "where is x?", "answer": ["Y"]})
+    )
     (a,) = load_nq_open(nq).records
-    assert a == OpenQA("who wrote hamlet", ("Shakespeare", "William Shakespeare"), "nq_open", "nq_open-1")
+    assert a == OpenQA(
+        "who wrote hamlet", ("Shakespeare", "William Shakespeare"), "nq_open", "nq_open-1"
+    )
     (b,) = load_webquestions(wq).records
     assert (b.domain, b.id, b.answers) == ("webquestions", "7", ("Y",))
 
@@ -328,15 +347,43 @@ def test_openqa_bad_rows(tmp_path, row, field, words):
 
 
 def selfaware_doc(*examples: dict) -> str:
-    head = {"dataset_name": "SelfAware", "description": 'has "example" in it', "example": list(examples)}
+    head = {
+        "dataset_name": "SelfAware",
+        "description": 'has "example" in it',
+        "example": list(examples),
+    }
     return json.dumps(head, indent=4)
 
 
 SA = [
-    {"question_id": 1, "question": "Q1?", "answer": ["song"], "answerable": True, "source": "hotpot_train"},
-    {"question_id": 2, "question": "Q2?", "answer": ["x", "y"], "answerable": True, "source": "triviaqa_train"},
-    {"question_id": 3, "question": "Q3?", "answer": None, "answerable": False, "source": "SelfAware"},
-    {"question_id": 4, "question": "Q4?", "answer": ["z"], "answerable": True, "source": "triviaqa_dev"},
+    {
+        "question_id": 1,
+        "question": "Q1?",
+        "answer": ["song"],
+        "answerable": True,
+        "source": "hotpot_train",
+    },
+    {
+        "question_id": 2,
+        "question": "Q2?",
+        "answer": ["x", "y"],
+        "answerable": True,
+        "source": "triviaqa_train",
+    },
+    {
+        "question_id": 3,
+        "question": "Q3?",
+        "answer": None,
+        "answerable": False,
+        "source": "SelfAware",
+    },
+    {
+        "question_id": 4,
+        "question": "Q4?",
+        "answer": ["z"],
+        "answerable": True,
+        "source": "triviaqa_dev",
+    },
 ]
 
 
@@ -351,13 +398,21 @@ def test_selfaware_flags_unanswerable_and_filters(tmp_path):
     assert [r.id for r in load_selfaware(p, keep="answerable")] == ["1", "2", "4"]
     assert [r.id for r in load_selfaware(p, keep="triviaqa")] == ["2", "4"]
     assert [r.id for r in filter_selfaware(res.records)] == ["2", "4"]
-    assert [r.id for r in filter_selfaware(res.records, answerable=None, sources=["hotpot"])] == ["1"]
+    assert [r.id for r in filter_selfaware(res.records, answerable=None, sources=["hotpot"])] == [
+        "1"
+    ]
     with pytest.raises(ValueError, match="keep"):
         load_selfaware(p, keep="some")  # type: ignore[arg-type]
 
 
 def test_selfaware_errors_point_at_the_example_line(tmp_path):
-    bad = {"question_id": 9, "question": "Q9?", "answer": None, "answerable": True, "source": "squadqa_dev"}
+    bad = {
+        "question_id": 9,
+        "question": "Q9?",
+        "answer": None,
+        "answerable": True,
+        "source": "squadqa_dev",
+    }
     p = write(tmp_path / "SelfAware.json", selfaware_doc(SA[0], bad))
     text = p.read_text()
     line = text[: text.index('"question_id": 9')].count("\n")  # the line of the example's "{"
@@ -379,7 +434,13 @@ def test_generic_jsonl_multiple_choice_answer_forms(tmp_path):
     rows = [
         {"question": "a?", "options": ["x", "y", "z"], "answer": 2},
         {"question": "b?", "options": ["x", "y", "z"], "answer": "y"},
-        {"question": "c?", "options": ["x", "y", "z"], "answer": "A", "domain": "letters", "id": "c1"},
+        {
+            "question": "c?",
+            "options": ["x", "y", "z"],
+            "answer": "A",
+            "domain": "letters",
+            "id": "c1",
+        },
         {"question": "d?", "options": ["B", "A"], "answer": "A", "meta": {"k": 1}},
     ]
     res = load_jsonl(write(tmp_path / "mine.jsonl", jsonl(*rows)))
@@ -390,7 +451,10 @@ def test_generic_jsonl_multiple_choice_answer_forms(tmp_path):
 
 
 def test_generic_jsonl_open_qa(tmp_path):
-    rows = [{"question": "Capital of Peru?", "answers": ["Lima"]}, {"question": "q?", "answers": "one"}]
+    rows = [
+        {"question": "Capital of Peru?", "answers": ["Lima"]},
+        {"question": "q?", "answers": "one"},
+    ]
     res = load_jsonl(write(tmp_path / "open.jsonl", jsonl(*rows)))
     assert res.kind == "open" and [r.answers for r in res] == [("Lima",), ("one",)]
 
@@ -400,7 +464,11 @@ def test_generic_jsonl_open_qa(tmp_path):
     [
         ({"question": "q", "options": ["x", "y"]}, "answer", "missing answer"),
         ({"question": "q", "options": ["x", "y"], "answer": 2}, "answer", "not among the options"),
-        ({"question": "q", "options": ["x", "y"], "answer": "C"}, "answer", "not among the options"),
+        (
+            {"question": "q", "options": ["x", "y"], "answer": "C"},
+            "answer",
+            "not among the options",
+        ),
         ({"question": "q", "options": ["x", "y"], "answer": True}, "answer", "expected an int"),
         ({"question": "q", "options": ["x", "x"], "answer": "x"}, "answer", "matches several"),
         ({"question": "q", "options": ["x"], "answer": 0}, "options", "fewer than 2 options"),
@@ -411,7 +479,9 @@ def test_generic_jsonl_open_qa(tmp_path):
     ],
 )
 def test_generic_jsonl_bad_rows(tmp_path, row, field, words):
-    p = write(tmp_path / "mine.jsonl", jsonl({"question": "ok", "options": ["x", "y"], "answer": 0}, row))
+    p = write(
+        tmp_path / "mine.jsonl", jsonl({"question": "ok", "options": ["x", "y"], "answer": 0}, row)
+    )
     with pytest.raises(DataError) as info:
         load_jsonl(p)
     check_error(info.value, p, 2, field, words)
@@ -429,25 +499,50 @@ def test_generic_jsonl_forced_kind(tmp_path):
 
 HUB_ROWS = {
     "cais/mmlu": (
-        {"question": "2+2?", "subject": "elementary_mathematics", "choices": ["3", "4", "5", "6"], "answer": 1},
+        {
+            "question": "2+2?",
+            "subject": "elementary_mathematics",
+            "choices": ["3", "4", "5", "6"],
+            "answer": 1,
+        },
         ("mmlu_stem", ("3", "4", "5", "6"), 1),
     ),
     "allenai/ai2_arc": (
-        {"id": "M_1", "question": "Star?", "choices": {"text": ["Sun", "Moon"], "label": ["1", "2"]}, "answerKey": "1"},
+        {
+            "id": "M_1",
+            "question": "Star?",
+            "choices": {"text": ["Sun", "Moon"], "label": ["1", "2"]},
+            "answerKey": "1",
+        },
         ("arc_easy", ("Sun", "Moon"), 0),
     ),
     "allenai/openbookqa": (
-        {"id": "8-1", "question_stem": "Fog?", "choices": {"text": ["marsh", "desert"], "label": ["A", "B"]}, "answerKey": "A"},
+        {
+            "id": "8-1",
+            "question_stem": "Fog?",
+            "choices": {"text": ["marsh", "desert"], "label": ["A", "B"]},
+            "answerKey": "A",
+        },
         ("openbookqa", ("marsh", "desert"), 0),
     ),
     "tau/commonsense_qa": (
-        {"id": "c", "question": "Door?", "question_concept": "door",
-         "choices": {"label": ["A", "B", "C"], "text": ["bank", "mall", "home"]}, "answerKey": "C"},
+        {
+            "id": "c",
+            "question": "Door?",
+            "question_concept": "door",
+            "choices": {"label": ["A", "B", "C"], "text": ["bank", "mall", "home"]},
+            "answerKey": "C",
+        },
         ("commonsenseqa", ("bank", "mall", "home"), 2),
     ),
     "allenai/qasc": (
-        {"id": "q", "question": "Climate?", "choices": {"text": ["sand", "weather"], "label": ["A", "B"]},
-         "answerKey": "B", "fact1": "f"},
+        {
+            "id": "q",
+            "question": "Climate?",
+            "choices": {"text": ["sand", "weather"], "label": ["A", "B"]},
+            "answerKey": "B",
+            "fact1": "f",
+        },
         ("qasc", ("sand", "weather"), 1),
     ),
     "google-research-datasets/nq_open": (
@@ -458,7 +553,7 @@ HUB_ROWS = {
         {"url": "u", "question": "where?", "answers": ["Here", "There"]},
         ("webquestions", ("Here", "There"), None),
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(HUB_DATASETS))
@@ -475,14 +570,18 @@ def test_hub_rows_map_to_records(name):
 def test_hub_mapping_details_and_errors():
     arc_row = HUB_ROWS["allenai/ai2_arc"][0]
     assert hub_row_to_record("ai2_arc", arc_row, config="ARC-Challenge").domain == "arc_challenge"
-    test_row = dict(HUB_ROWS["tau/commonsense_qa"][0], answerKey="")  # the hub's unlabelled test split
+    test_row = dict(
+        HUB_ROWS["tau/commonsense_qa"][0], answerKey=""
+    )  # the hub's unlabelled test split
     with pytest.raises(DataError) as info:
         hub_row_to_record("tau/commonsense_qa", test_row, index=6, split="test")
     assert str(info.value) == "hf:tau/commonsense_qa[test]:7: answerKey: missing answer"
     mmlu_row = dict(HUB_ROWS["cais/mmlu"][0], answer=7)
     with pytest.raises(DataError, match="answer: gold label '7'"):
         hub_row_to_record("cais/mmlu", mmlu_row)
-    generic = hub_row_to_record("me/custom", {"question": "q", "options": ["a", "b"], "answer": "b"})
+    generic = hub_row_to_record(
+        "me/custom", {"question": "q", "options": ["a", "b"], "answer": "b"}
+    )
     assert isinstance(generic, MultipleChoice) and generic.gold == 1
     with pytest.raises(DataError, match="unknown hub dataset"):
         hub_row_to_record("me/custom", {"question": "q"})
@@ -534,7 +633,9 @@ REAL_COUNTS = [
 ]
 
 
-@pytest.mark.parametrize(("loader", "rel", "count"), REAL_COUNTS, ids=[r for _, r, _ in REAL_COUNTS])
+@pytest.mark.parametrize(
+    ("loader", "rel", "count"), REAL_COUNTS, ids=[r for _, r, _ in REAL_COUNTS]
+)
 def test_real_files_load_cleanly_with_manifest_counts(loader, rel, count):
     path = REAL / rel
     if not path.exists():

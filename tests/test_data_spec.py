@@ -7,14 +7,28 @@ from pathlib import Path
 
 import pytest
 
-from llm_calib.data import LOADERS, DataError, LoadResult, Spec, SpecError, load, parse_spec, subsample
+from llm_calib.data import (
+    LOADERS,
+    DataError,
+    LoadResult,
+    Spec,
+    SpecError,
+    load,
+    parse_spec,
+    subsample,
+)
 
 REAL = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 def ai2(stem: str, answer: str = "A") -> str:
     choices = [{"label": "A", "text": "yes"}, {"label": "B", "text": "no"}]
-    return json.dumps({"id": stem, "question": {"stem": stem, "choices": choices}, "answerKey": answer}) + "\n"
+    return (
+        json.dumps(
+            {"id": stem, "question": {"stem": stem, "choices": choices}, "answerKey": answer}
+        )
+        + "\n"
+    )
 
 
 @pytest.fixture
@@ -38,12 +52,33 @@ def root(tmp_path: Path) -> Path:
     put("opentriviaqa/categories/geography", "#Q Ocean?\n^ Pacific\nA Pacific\nB Nile\n")
     put("opentriviaqa/categories/animals", "#Q Cat?\n^ mammal\nA fish\nB mammal\n")
     put("nq_open/NQ-open.dev.jsonl", json.dumps({"question": "q", "answer": ["a"]}) + "\n")
-    put("webquestions/webq-test.jsonl", json.dumps({"id": "0", "question": "q", "answer": ["a"]}) + "\n")
+    put(
+        "webquestions/webq-test.jsonl",
+        json.dumps({"id": "0", "question": "q", "answer": ["a"]}) + "\n",
+    )
     put("webquestions/webq-dev.jsonl", "")
     sa = [
-        {"question_id": 1, "question": "a?", "answer": ["x"], "answerable": True, "source": "triviaqa_dev"},
-        {"question_id": 2, "question": "b?", "answer": None, "answerable": False, "source": "SelfAware"},
-        {"question_id": 3, "question": "c?", "answer": ["y"], "answerable": True, "source": "squadqa_dev"},
+        {
+            "question_id": 1,
+            "question": "a?",
+            "answer": ["x"],
+            "answerable": True,
+            "source": "triviaqa_dev",
+        },
+        {
+            "question_id": 2,
+            "question": "b?",
+            "answer": None,
+            "answerable": False,
+            "source": "SelfAware",
+        },
+        {
+            "question_id": 3,
+            "question": "c?",
+            "answer": ["y"],
+            "answerable": True,
+            "source": "squadqa_dev",
+        },
     ]
     put("selfaware/SelfAware.json", json.dumps({"example": sa}))
     put("mine.jsonl", json.dumps({"question": "q", "options": ["a", "b"], "answer": "b"}) + "\n")
@@ -54,7 +89,10 @@ def test_parse_spec_grammar(root):
     assert parse_spec("arc_easy:a/b.jsonl") == Spec("arc_easy", "a/b.jsonl", None)
     assert parse_spec("arc_easy:a/b:dev") == Spec("arc_easy", "a/b", "dev")
     assert parse_spec("hf:cais/mmlu") == Spec("hf", "cais/mmlu", None)
-    assert parse_spec("hf:allenai/ai2_arc:config=ARC-Easy,split=test").option == "config=ARC-Easy,split=test"
+    assert (
+        parse_spec("hf:allenai/ai2_arc:config=ARC-Easy,split=test").option
+        == "config=ARC-Easy,split=test"
+    )
     assert parse_spec("builtin:arithmetic,capitals") == Spec("builtin", "arithmetic,capitals", None)
     assert parse_spec("builtin") == Spec("builtin", "", None)
     # an existing path containing ":" is taken whole
@@ -118,7 +156,10 @@ def test_specs_resolve_to_the_right_records(root, spec, ids_or_len):
 
 def test_spec_domains(root):
     assert {r.domain for r in load(f"arc_easy:{root}")} == {"arc_easy"}
-    assert {r.domain for r in load(f"opentriviaqa:{root}")} == {"opentriviaqa_animals", "opentriviaqa_geography"}
+    assert {r.domain for r in load(f"opentriviaqa:{root}")} == {
+        "opentriviaqa_animals",
+        "opentriviaqa_geography",
+    }
     assert {r.domain for r in load(f"mmlu:{root}")} == {"mmlu_stem", "mmlu_humanities"}
 
 
@@ -190,7 +231,14 @@ def test_hf_spec_passes_config_and_split(monkeypatch):
         seen.append((name, config, split))
         if name.endswith("nq_open"):
             return [{"question": "q", "answer": ["a"]}]
-        return [{"id": "x", "question": "q", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "B"}]
+        return [
+            {
+                "id": "x",
+                "question": "q",
+                "choices": {"text": ["a", "b"], "label": ["A", "B"]},
+                "answerKey": "B",
+            }
+        ]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     arc = load("hf:allenai/ai2_arc:config=ARC-Challenge,split=validation")

@@ -21,7 +21,16 @@ _UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def iter_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """Yield ``(line_number, raw_bytes)`` per line of ``path`` (1-based; BOM and CR removed)."""
+    r"""Yield ``(line_number, raw_bytes)`` per line of ``path`` (1-based; BOM and CR removed).
+
+    Example:
+        >>> import tempfile, os
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     p = os.path.join(d, "f.txt")
+        ...     _ = open(p, "wb").write(b"\xef\xbb\xbfa\r\nb\x85c\n")
+        ...     list(iter_lines(p))
+        [(1, b'a'), (2, b'b\x85c')]
+    """
     data = Path(path).read_bytes()
     if data.startswith(_UTF8_BOM):
         data = data[len(_UTF8_BOM) :]
@@ -33,7 +42,7 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
 
 
 def decode_line(raw: bytes, source: str | Path, line: int, *, repair: bool = False) -> str:
-    """Decode one line as UTF-8.
+    r"""Decode one line as UTF-8.
 
     Args:
         raw: the bytes of the line.
@@ -43,6 +52,14 @@ def decode_line(raw: bytes, source: str | Path, line: int, *, repair: bool = Fal
 
     Raises:
         DataError: (field ``encoding``) if the line is not valid UTF-8 and ``repair`` is False.
+
+    Example:
+        >>> decode_line(b"Caf\xc3\xa9", "f.txt", 3)
+        'Café'
+        >>> decode_line(b"Caf\xe9", "f.txt", 3)
+        Traceback (most recent call last):
+        ...
+        llm_calib.data.errors.DataError: f.txt:3: encoding: invalid UTF-8 (byte b'\xe9' at column 4)
     """
     try:
         return raw.decode("utf-8")

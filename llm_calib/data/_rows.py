@@ -15,7 +15,16 @@ __all__ = ["domain_from_name", "labelled_choice", "parse_json_line", "require_te
 
 
 def require_text(value: Any, source: str, line: int, field: str) -> str:
-    """``value`` stripped, or a DataError if it is missing, not a string, or blank."""
+    """``value`` stripped, or a DataError if it is missing, not a string, or blank.
+
+    Example:
+        >>> require_text("  Why?  ", "f.jsonl", 2, "question")
+        'Why?'
+        >>> require_text("", "f.jsonl", 2, "question")
+        Traceback (most recent call last):
+        ...
+        llm_calib.data.errors.DataError: f.jsonl:2: question: empty question
+    """
     if value is None:
         raise DataError(source, line, field, f"missing {field}")
     if not isinstance(value, str):
@@ -28,7 +37,16 @@ def require_text(value: Any, source: str, line: int, field: str) -> str:
 
 
 def parse_json_line(text: str, source: str, line: int) -> dict[str, Any]:
-    """Parse one JSONL line into an object, or raise a DataError (field ``json``)."""
+    """Parse one JSONL line into an object, or raise a DataError (field ``json``).
+
+    Example:
+        >>> parse_json_line('{"a": 1}', "f.jsonl", 1)
+        {'a': 1}
+        >>> parse_json_line('{"a": ', "f.jsonl", 5)
+        Traceback (most recent call last):
+        ...
+        llm_calib.data.errors.DataError: f.jsonl:5: json: invalid JSON (Expecting value at column 7)
+    """
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -60,6 +78,12 @@ def labelled_choice(
     Raises:
         DataError: empty question, fewer than 2 options, an empty or non-string option, repeated
             labels, a missing answer key, or an answer key that is not one of the labels.
+
+    Example:
+        >>> q = labelled_choice("Sun?", ["1", "2"], ["star", "planet"], "1",
+        ...                     source="f", line=1, domain="d", id="q")
+        >>> q.options, q.gold
+        (('star', 'planet'), 0)
     """
     q = require_text(question, source, line, question_field)
     if len(labels) != len(texts):
@@ -86,7 +110,12 @@ def labelled_choice(
 
 
 def str_meta(values: Mapping[str, Any]) -> dict[str, str]:
-    """Meta values as strings (records keep ``dict[str, str]``), dropping None."""
+    """Meta values as strings (records keep ``dict[str, str]``), dropping None.
+
+    Example:
+        >>> str_meta({"a": "x", "b": 2, "c": None, "d": [1]})
+        {'a': 'x', 'b': '2', 'd': '[1]'}
+    """
     return {
         str(k): v if isinstance(v, str) else json.dumps(v)
         for k, v in values.items()

@@ -52,6 +52,11 @@ class HubDataset:
         config: default configuration (None if the dataset has none).
         split: default split.
         mapper: ``(row, config, index, source, rid_prefix) -> record``.
+
+    Example:
+        >>> entry = HUB_DATASETS["cais/mmlu"]
+        >>> entry.config, entry.split
+        ('all', 'test')
     """
 
     name: str

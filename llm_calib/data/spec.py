@@ -68,7 +68,12 @@ __all__ = ["LOADERS", "Spec", "SpecError", "load", "parse_spec"]
 
 
 class SpecError(ValueError):
-    """A data spec string that cannot be understood (unknown loader, bad option, ...)."""
+    """A data spec string that cannot be understood (unknown loader, bad option, ...).
+
+    Example:
+        >>> issubclass(SpecError, ValueError)
+        True
+    """
 
 
 LOADERS: dict[str, str] = {
@@ -201,7 +206,7 @@ def _mmlu_dir(target: Path, split: str) -> Path:
     return target
 
 
-def _load_spec(s: Spec, spec: str, seed: int, on_error: OnError) -> LoadResult[Any]:
+def _load_spec(s: Spec, spec: str, on_error: OnError) -> LoadResult[Any]:
     loader, option = s.loader, s.option
     if loader == "builtin":
         kv = _key_values(option, "n", {"n", "seed"}, spec)
@@ -285,8 +290,7 @@ def load(
         True
     """
     parsed = parse_spec(spec)
-    result = _load_spec(parsed, spec, seed, on_error)
+    result = _load_spec(parsed, spec, on_error)
     result.records = subsample(result.records, limit, seed)
     result.source = spec
     return result
-

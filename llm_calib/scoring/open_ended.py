@@ -175,7 +175,9 @@ def generate_greedy(
     probs: list[list[float]] = [[] for _ in range(B)]
     done = [False] * B
     # transformers >= 5.2x renamed ``past_key_values`` to ``cache`` (input and output)
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
     past = None
     step_ids = ids
     with torch.inference_mode():
@@ -202,7 +204,10 @@ def generate_greedy(
                 break
             step_ids = top[:, None]
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
-    return [_finish(tokenizer, g, pr, eos, stop_at_newline) for g, pr in zip(generated, probs)]
+    return [
+        _finish(tokenizer, g, pr, eos, stop_at_newline)
+        for g, pr in zip(generated, probs, strict=True)
+    ]
 
 
 def _finish(
@@ -262,12 +267,16 @@ class OpenEndedSet:
     @property
     def correct(self) -> np.ndarray:
         """Exact match (SQuAD-normalised) against any alias."""
-        return np.asarray([exact_match(a, r) for a, r in zip(self.answers, self.references)])
+        return np.asarray(
+            [exact_match(a, r) for a, r in zip(self.answers, self.references, strict=True)]
+        )
 
     @property
     def f1(self) -> np.ndarray:
         """Token F1 against the best alias."""
-        return np.asarray([token_f1(a, r) for a, r in zip(self.answers, self.references)])
+        return np.asarray(
+            [token_f1(a, r) for a, r in zip(self.answers, self.references, strict=True)]
+        )
 
     def select(self, indices: Sequence[int]) -> OpenEndedSet:
         """The sub-set at ``indices``."""
@@ -329,17 +338,24 @@ def score_open_ended(
             raise TypeError(f"records must be OpenQA records, got {type(r).__name__}")
     fmt = prompt or PromptFormat()
     if fmt.style != "cloze":
-        raise ValueError(f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}")
+        raise ValueError(
+            f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}"
+        )
     chat = uses_chat_template(tokenizer, fmt)
-    prompts = [encode_prompt(tokenizer, build_prompt(tokenizer, r.question, None, fmt), chat=chat) for r in records]
+    prompts = [
+        encode_prompt(tokenizer, build_prompt(tokenizer, r.question, None, fmt), chat=chat)
+        for r in records
+    ]
     order = sorted(range(len(records)), key=lambda i: len(prompts[i]))
     answers: list[GreedyAnswer | None] = [None] * len(records)
     bar = progress_bar(total=len(records), desc="open-ended", enabled=progress)
     try:
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            outs = generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)
-            for i, o in zip(idx, outs):
+            outs = generate_greedy(
+                model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens
+            )
+            for i, o in zip(idx, outs, strict=True):
                 answers[i] = o
             bar.update(len(idx))
     finally:
@@ -351,5 +367,9 @@ def score_open_ended(
         domains=[r.domain for r in records],
         ids=[r.id for r in records],
         token_probs=[a.token_probs for a in done],
-        info={"max_new_tokens": max_new_tokens, "chat_template": chat, "answer_prefix": fmt.answer_prefix},
+        info={
+            "max_new_tokens": max_new_tokens,
+            "chat_template": chat,
+            "answer_prefix": fmt.answer_prefix,
+        },
     )

@@ -90,10 +90,14 @@ def encode_questions(
     chat = uses_chat_template(tokenizer, fmt)
     out = []
     for r in records:
-        prompt = encode_prompt(tokenizer, build_prompt(tokenizer, r.question, r.options, fmt), chat=chat)
+        prompt = encode_prompt(
+            tokenizer, build_prompt(tokenizer, r.question, r.options, fmt), chat=chat
+        )
         if not prompt:
             raise ValueError(f"record {r.id!r}: the prompt tokenises to no tokens")
-        options = tuple(tuple(encode_continuation(tokenizer, continuation_text(o))) for o in r.options)
+        options = tuple(
+            tuple(encode_continuation(tokenizer, continuation_text(o))) for o in r.options
+        )
         out.append(EncodedQuestion(tuple(prompt), options))
     return out
 
@@ -103,7 +107,9 @@ def _device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
     return p.device, p.dtype
 
 
-def _packed_forward(model: Any, items: Sequence[EncodedQuestion], pad_id: int) -> list[torch.Tensor]:
+def _packed_forward(
+    model: Any, items: Sequence[EncodedQuestion], pad_id: int
+) -> list[torch.Tensor]:
     """Per-option token log-probabilities for a batch of questions, one packed row each."""
     decoder, head = split_decoder_head(model)
     device, dtype = _device_dtype(model)
@@ -154,7 +160,9 @@ def _packed_forward(model: Any, items: Sequence[EncodedQuestion], pad_id: int) -
     return _gather(model, head, hidden, rows, target_rows, target_ids, option_of_target, n_options)
 
 
-def _padded_forward(model: Any, items: Sequence[EncodedQuestion], pad_id: int) -> list[torch.Tensor]:
+def _padded_forward(
+    model: Any, items: Sequence[EncodedQuestion], pad_id: int
+) -> list[torch.Tensor]:
     """Per-option token log-probabilities, one right-padded row per (question, option)."""
     decoder, head = split_decoder_head(model)
     device, _ = _device_dtype(model)
@@ -295,8 +303,10 @@ def score_option_likelihood(
     try:
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            lps = option_log_likelihoods(model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy)
-            for i, per_option in zip(idx, lps):
+            lps = option_log_likelihoods(
+                model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy
+            )
+            for i, per_option in zip(idx, lps, strict=True):
                 agg = [lp.sum() if normalize == "sum" else lp.mean() for lp in per_option]
                 scores[i] = torch.stack(agg)
             bar.update(len(idx))

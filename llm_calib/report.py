@@ -1,0 +1,321 @@
+"""Writing evaluation results: ``metrics.json``, ``report.md`` and reliability diagrams.
+
+The reliability diagram of a domain shows, per equal-width confidence bin, the accuracy as bars
+with the diagonal of perfect calibration, and underneath a histogram of the confidences. With a
+temperature fit, the uncalibrated and temperature-scaled diagrams sit side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from llm_calib.evaluate import HEADLINE_METRICS, EvaluationResult
+
+__all__ = [
+    "METRIC_LABELS",
+    "domain_table",
+    "format_metric",
+    "jsonable",
+    "markdown_report",
+    "plot_reliability",
+    "reliability_filename",
+    "write_report",
+]
+
+METRIC_LABELS: dict[str, str] = {
+    "accuracy": "Accuracy",
+    "ece": "ECE",
+    "adaptive_ece": "AECE",
+    "brier": "Brier",
+    "nll": "NLL",
+    "auroc": "AUROC",
+}
+"""Row labels of the report tables."""
+
+
+def jsonable(obj: Any) -> Any:
+    """Recursively convert to strict-JSON types (NaN and infinities become ``None``).
+
+    Example:
+        >>> import numpy as np
+        >>> jsonable({"a": np.float64("nan"), "b": [np.int64(2), 0.5]})
+        {'a': None, 'b': [2, 0.5]}
+    """
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 1) == 0:
+        obj = obj.item()
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if obj is None or isinstance(obj, str | int | bool):
+        return obj
+    return str(obj)
+
+
+def format_metric(metrics: dict[str, float] | None, name: str, digits: int = 3) -> str:
+    """``value [low, high]`` of one metric (``n/a`` when missing or NaN).
+
+    Example:
+        >>> format_metric({"ece": 0.1234, "ece_ci_low": 0.1, "ece_ci_high": 0.15}, "ece")
+        '0.123 [0.100, 0.150]'
+        >>> format_metric({"auroc": float("nan")}, "auroc")
+        'n/a'
+    """
+    if not metrics:
+        return "n/a"
+    v = metrics.get(name)
+    if v is None or not math.isfinite(v):
+        return "n/a"
+    text = f"{v:.{digits}f}"
+    lo, hi = metrics.get(f"{name}_ci_low"), metrics.get(f"{name}_ci_high")
+    if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
+        text += f" [{lo:.{digits}f}, {hi:.{digits}f}]"
+    return text
+
+
+def domain_table(uncalibrated: dict[str, float], scaled: dict[str, float] | None = None) -> str:
+    """Markdown table of the headline metrics of one domain.
+
+    Args:
+        uncalibrated: metric dict of the raw scores.
+        scaled: metric dict after temperature scaling, or None (then one value column).
+
+    Returns:
+        The table (no trailing newline).
+
+    Example:
+        >>> print(domain_table({"accuracy": 0.5}))
+        | metric | uncalibrated |
+        |---|---|
+        | Accuracy | 0.500 |
+        | ECE | n/a |
+        | AECE | n/a |
+        | Brier | n/a |
+        | NLL | n/a |
+        | AUROC | n/a |
+    """
+    header = "| metric | uncalibrated |" + (" temperature-scaled |" if scaled is not None else "")
+    sep = "|---|---|" + ("---|" if scaled is not None else "")
+    lines = [header, sep]
+    for m in HEADLINE_METRICS:
+        row = f"| {METRIC_LABELS[m]} | {format_metric(uncalibrated, m)} |"
+        if scaled is not None:
+            row += f" {format_metric(scaled, m)} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def markdown_report(result: EvaluationResult, *, title: str = "Calibration report") -> str:
+    """The ``report.md`` text: settings, temperature fit, a summary, one table per domain.
+
+    Example:
+        >>> from llm_calib.evaluate import EvaluationResult
+        >>> print(markdown_report(EvaluationResult({}, None, {"scorer": "letter"}, {})))
+        # Calibration report
+        <BLANKLINE>
+        - scorer: `letter`
+        <BLANKLINE>
+    """
+    cfg = result.config
+    lines = [f"# {title}", ""]
+    for key in ("model", "scorer", "normalize", "prompt", "datasets", "limit", "n_bins", "seed"):
+        if key in cfg and cfg[key] is not None:
+            lines.append(f"- {key}: `{cfg[key]}`")
+    fit = result.temperature
+    if fit is not None:
+        lines.append(
+            f"- temperature: T = {fit.temperature:.3f}, fitted on `{fit.source}` "
+            f"({fit.n} questions, domains {', '.join(fit.domains)}; "
+            f"NLL {fit.nll_before:.3f} -> {fit.nll_after:.3f})"
+        )
+    if "questions_per_s" in result.timing:
+        lines.append(
+            f"- scoring time: {result.timing.get('scoring_s', math.nan):.1f} s "
+            f"({result.timing['questions_per_s']:.2f} questions/s)"
+        )
+    lines.append("")
+    if result.domains:
+        lines += ["## Summary", ""]
+        scaled = fit is not None
+        head = "| domain | n | accuracy | ECE |" + (" ECE (T-scaled) |" if scaled else "")
+        lines += [head, "|---|---|---|---|" + ("---|" if scaled else "")]
+        for dom, r in result.domains.items():
+            row = (
+                f"| {dom} | {r.n} | {format_metric(r.uncalibrated, 'accuracy')} | "
+                f"{format_metric(r.uncalibrated, 'ece')} |"
+            )
+            if scaled:
+                row += f" {format_metric(r.temperature_scaled, 'ece')} |"
+            lines.append(row)
+        lines.append("")
+        lines.append("Values are point estimates with 95% bootstrap confidence intervals.")
+        lines.append("")
+    for dom, r in result.domains.items():
+        lines += [f"## {dom}", ""]
+        kind = "multiple choice" if r.kind == "multiple_choice" else "open-ended (exact match)"
+        lines.append(f"{r.n} questions, {kind}.")
+        if r.kind == "open":
+            lines.append(
+                f"Confidence = mean answer-token probability; token F1 "
+                f"{r.uncalibrated.get('f1', math.nan):.3f}."
+            )
+        lines += ["", domain_table(r.uncalibrated, r.temperature_scaled), ""]
+        lines += [f"![reliability diagram]({reliability_filename(dom)})", ""]
+    return "\n".join(lines)
+
+
+def reliability_filename(domain: str) -> str:
+    """File name of a domain's reliability diagram (unsafe characters become ``_``).
+
+    Example:
+        >>> reliability_filename("mmlu/stem x")
+        'reliability_mmlu_stem_x.png'
+    """
+    return "reliability_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", domain) + ".png"
+
+
+def plot_reliability(
+    panels: list[tuple[str, dict[str, list[float]]]],
+    path: str | os.PathLike[str],
+    *,
+    title: str = "",
+) -> Path:
+    """Draw reliability diagrams (accuracy bars per bin + confidence histogram) to a PNG.
+
+    Args:
+        panels: ``(label, bins)`` pairs, one column each; ``bins`` as produced by
+            :meth:`llm_calib.metrics.ReliabilityBins.to_dict` (``edges``, ``counts``,
+            ``mean_confidence``, ``accuracy``).
+        path: output file.
+        title: figure title.
+
+    Returns:
+        The path written.
+
+    Example:
+        >>> import tempfile, os
+        >>> bins = {"edges": [0, 0.5, 1], "counts": [2, 3], "mean_confidence": [0.3, 0.8],
+        ...         "accuracy": [0.5, 0.6]}
+        >>> p = plot_reliability([("raw", bins)], os.path.join(tempfile.mkdtemp(), "r.png"))
+        >>> p.stat().st_size > 0
+        True
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    n = len(panels)
+    fig, axes = plt.subplots(
+        2,
+        n,
+        figsize=(4.2 * n, 5.2),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [3, 1]},
+        sharex="col",
+    )
+    for j, (label, bins) in enumerate(panels):
+        edges = np.asarray(bins["edges"], dtype=float)
+        counts = np.asarray(bins["counts"], dtype=float)
+        acc = np.asarray([np.nan if a is None else a for a in bins["accuracy"]], dtype=float)
+        conf = np.asarray(
+            [np.nan if c is None else c for c in bins["mean_confidence"]], dtype=float
+        )
+        width, left = np.diff(edges), edges[:-1]
+        top, bottom = axes[0, j], axes[1, j]
+        top.bar(
+            left,
+            np.nan_to_num(acc),
+            width=width,
+            align="edge",
+            color="tab:blue",
+            edgecolor="black",
+            alpha=0.8,
+            label="accuracy",
+        )
+        gap_lo, gap_hi = np.minimum(acc, conf), np.maximum(acc, conf)
+        ok = np.isfinite(gap_lo)
+        top.bar(
+            left[ok],
+            (gap_hi - gap_lo)[ok],
+            bottom=gap_lo[ok],
+            width=width[ok],
+            align="edge",
+            color="tab:red",
+            alpha=0.3,
+            edgecolor="tab:red",
+            label="gap to confidence",
+        )
+        top.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
+        top.set_xlim(0, 1)
+        top.set_ylim(0, 1)
+        top.set_ylabel("accuracy")
+        top.set_title(label)
+        top.legend(loc="upper left", fontsize=8)
+        bottom.bar(left, counts, width=width, align="edge", color="gray", edgecolor="black")
+        bottom.set_xlabel("confidence")
+        bottom.set_ylabel("count")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def write_report(
+    result: EvaluationResult, out_dir: str | os.PathLike[str], *, title: str = "Calibration report"
+) -> dict[str, Path]:
+    """Write ``metrics.json``, ``report.md`` and ``reliability_<domain>.png`` per domain.
+
+    Args:
+        result: an evaluation result.
+        out_dir: output directory (created if missing).
+        title: report title.
+
+    Returns:
+        The written paths: keys ``"metrics"``, ``"report"`` and ``"reliability:<domain>"``.
+
+    Example:
+        >>> import tempfile
+        >>> from llm_calib.evaluate import EvaluationResult
+        >>> paths = write_report(EvaluationResult({}, None, {}, {}), tempfile.mkdtemp())
+        >>> sorted(paths)
+        ['metrics', 'report']
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    metrics_path = out / "metrics.json"
+    metrics_path.write_text(
+        json.dumps(jsonable(result.to_dict()), indent=2, allow_nan=False) + "\n"
+    )
+    paths["metrics"] = metrics_path
+    report_path = out / "report.md"
+    report_path.write_text(markdown_report(result, title=title) + "\n")
+    paths["report"] = report_path
+    for dom, r in result.domains.items():
+        panels = [("uncalibrated", r.reliability)]
+        if r.reliability_scaled is not None and result.temperature is not None:
+            panels.append(
+                (
+                    f"temperature-scaled (T = {result.temperature.temperature:.2f})",
+                    r.reliability_scaled,
+                )
+            )
+        acc, ece = r.uncalibrated.get("accuracy", math.nan), r.uncalibrated.get("ece", math.nan)
+        title_d = f"{dom} (n = {r.n}, accuracy {acc:.3f}, ECE {ece:.3f})"
+        paths[f"reliability:{dom}"] = plot_reliability(
+            panels, out / reliability_filename(dom), title=title_d
+        )
+    return paths

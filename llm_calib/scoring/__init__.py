@@ -1,0 +1,113 @@
+"""Scorers that turn a model's outputs into per-question probabilities and confidences.
+
+Multiple choice (both return a :class:`ScoredSet`):
+
+* :func:`score_option_likelihood`: log-probability of each option's text after the prompt
+  (summed or length-normalised), softmax over options; cloze prompt by default. Batched, one
+  forward pass per batch of questions.
+* :func:`score_letter`: log-probabilities of the option letters with the options listed.
+* :func:`score_option_likelihood_naive`: the slow one-sequence-per-option reference.
+
+Open-ended: :func:`score_open_ended` (greedy answers, token-probability confidences, SQuAD exact
+match and F1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from llm_calib.data.records import MultipleChoice
+from llm_calib.prompts import PromptFormat
+from llm_calib.scoring.base import ScoredSet
+from llm_calib.scoring.letter import letter_token_ids, score_letter
+from llm_calib.scoring.naive import score_option_likelihood_naive
+from llm_calib.scoring.open_ended import (
+    GreedyAnswer,
+    OpenEndedSet,
+    exact_match,
+    generate_greedy,
+    normalize_answer,
+    score_open_ended,
+    token_f1,
+)
+from llm_calib.scoring.option_likelihood import (
+    NORMALIZE_MODES,
+    STRATEGIES,
+    score_option_likelihood,
+)
+
+__all__ = [
+    "NORMALIZE_MODES",
+    "SCORERS",
+    "STRATEGIES",
+    "GreedyAnswer",
+    "OpenEndedSet",
+    "ScoredSet",
+    "exact_match",
+    "generate_greedy",
+    "letter_token_ids",
+    "normalize_answer",
+    "score_letter",
+    "score_multiple_choice",
+    "score_open_ended",
+    "score_option_likelihood",
+    "score_option_likelihood_naive",
+    "token_f1",
+]
+
+SCORERS: dict[str, Callable[..., ScoredSet]] = {
+    "option_likelihood": score_option_likelihood,
+    "letter": score_letter,
+}
+"""Multiple-choice scorers by name."""
+
+
+def score_multiple_choice(
+    model: Any,
+    tokenizer: Any,
+    records: Sequence[MultipleChoice],
+    *,
+    scorer: str = "option_likelihood",
+    normalize: Literal["sum", "mean"] = "sum",
+    prompt: PromptFormat | None = None,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> ScoredSet:
+    """Score multiple-choice records with the scorer named ``scorer``.
+
+    Args:
+        model: a Hugging Face causal LM.
+        tokenizer: its tokenizer.
+        records: multiple-choice records.
+        scorer: ``"option_likelihood"`` or ``"letter"``.
+        normalize: ``"sum"`` or ``"mean"`` (option likelihood only; ignored by letter).
+        prompt: the prompt format (None: the scorer's default).
+        batch_size: questions per forward pass.
+        progress: show a progress bar.
+
+    Returns:
+        A :class:`ScoredSet`.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> qs = [MultipleChoice("Capital of France?", ("Paris", "Rome"), 0, "geo", "q0")]
+        >>> score_multiple_choice(model, tok, qs, scorer="letter").scorer
+        'letter'
+    """
+    if scorer == "option_likelihood":
+        return score_option_likelihood(
+            model,
+            tokenizer,
+            records,
+            normalize=normalize,
+            prompt=prompt,
+            batch_size=batch_size,
+            progress=progress,
+        )
+    if scorer == "letter":
+        return score_letter(
+            model, tokenizer, records, prompt=prompt, batch_size=batch_size, progress=progress
+        )
+    raise ValueError(f"scorer must be one of {tuple(SCORERS)}, got {scorer!r}")
