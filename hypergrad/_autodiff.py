@@ -19,6 +19,13 @@ from hypergrad.problem import BilevelProblem
 
 LossFn = Callable[[Tree, Tree, Any], Tensor]
 
+# The C++ autograd engine entry that torch.autograd.grad ends in. Calling it directly skips
+# torch.autograd.grad's per-call argument normalisation and checks (measured about 25 us of the
+# 115 us of a Hessian-vector product on a 100-feature ridge problem); used only for the repeated
+# products on a retained graph, whose arguments are validated once (see RootSystem). Falls back to
+# torch.autograd.grad if a PyTorch version lacks it.
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
 
 def loss_and_grads(
     loss: Callable[[Tree, Tree], Tensor],
@@ -120,6 +127,18 @@ class RootSystem:
                 self._residual_tree = {k: f.detach() for k, f in zip(self._w, self._F, strict=True)}
         check_finite(self._residual_tree, "optimality residual F(w, lam)")
         self._F_depends_on_lam = True
+        self._F_tuple = tuple(self._F)
+        self._shapes = [x.shape for x in self._w_leaves]
+        self._numels = [x.numel() for x in self._w_leaves]
+        # Fast path for the repeated products: plain tensors only (subclasses and
+        # __torch_function__ overrides go through torch.autograd.grad), and every output part of
+        # the graph (otherwise torch.autograd.grad raises, as it always did).
+        leaves = self._F + self._w_leaves + self._lam_leaves
+        self._fast = (
+            _engine_run_backward is not None
+            and all(type(t) is torch.Tensor for t in leaves)
+            and all(f.requires_grad for f in self._F)
+        )
 
     @property
     def residual(self) -> Tree:
@@ -130,12 +149,38 @@ class RootSystem:
             return gw
         return self._residual_tree
 
-    def _vjp(self, u: Tree, leaves: list[Tensor], like: Tree) -> Tree:
+    def _vjp_list(self, cotangents: list[Tensor], leaves: list[Tensor]) -> tuple[Tensor | None, ...]:
         assert self._F is not None
-        grads = torch.autograd.grad(
-            self._F, leaves, [u[k] for k in self._w], retain_graph=True, allow_unused=True
+        if self._fast and all(
+            c.shape == f.shape and c.dtype == f.dtype for c, f in zip(cotangents, self._F, strict=True)
+        ):
+            return _engine_run_backward(
+                self._F_tuple, tuple(cotangents), True, False, tuple(leaves), True, False
+            )
+        return torch.autograd.grad(self._F, leaves, cotangents, retain_graph=True, allow_unused=True)
+
+    def _vjp(self, u: Tree, leaves: list[Tensor], like: Tree) -> Tree:
+        return grads_to_tree(self._vjp_list([u[k] for k in self._w], leaves), like)
+
+    def _split(self, v: Tensor) -> list[Tensor]:
+        if len(self._shapes) == 1:
+            return [v.reshape(self._shapes[0])]
+        return [part.reshape(shape) for part, shape in zip(v.split(self._numels), self._shapes, strict=True)]
+
+    def rmatvec_flat(self, u: Tensor) -> Tensor:
+        r""":meth:`rmatvec` on a flat vector (the leaves of ``w`` concatenated in key order).
+
+        Used by the iterative solvers (``LinearSystem.flat_matvec``): no dict is built per product.
+        """
+        if self._F is None:
+            return self._flat(self.rmatvec(self._unflat(u)))
+        self.matvec_count += 1
+        grads = self._vjp_list(self._split(u), self._w_leaves)
+        if len(grads) == 1 and grads[0] is not None:
+            return grads[0].reshape(-1)
+        return torch.cat(
+            [(g if g is not None else torch.zeros_like(x)).reshape(-1) for g, x in zip(grads, self._w_leaves, strict=True)]
         )
-        return grads_to_tree(grads, like)
 
     def rmatvec(self, u: Tree) -> Tree:
         r"""Return :math:`(\partial F / \partial w)^\top u` (the Hessian product in gradient form)."""

@@ -159,6 +159,16 @@ def tree_flatten(a: Mapping[str, Tensor]) -> Tensor:
     return torch.cat([v.reshape(-1) for v in a.values()])
 
 
+def tree_flatten_view(a: Mapping[str, Tensor]) -> Tensor:
+    """Like :func:`tree_flatten`, but a single contiguous leaf is returned as a view (no copy).
+
+    The result may alias ``a``: do not modify it in place.
+    """
+    if len(a) == 1:
+        return next(iter(a.values())).reshape(-1)
+    return torch.cat([v.reshape(-1) for v in a.values()])
+
+
 def tree_unflatten(vector: Tensor, like: Mapping[str, Tensor]) -> Tree:
     """Split ``vector`` into a tree shaped like ``like`` (inverse of :func:`tree_flatten`)."""
     out: Tree = {}

@@ -192,6 +192,8 @@ class FiniteDifference:
             outer_fn(problem, outer_batch), w_outer, lam, what="outer loss"
         )
         assert grad_w_f is not None and grad_lam_f is not None
+        check_finite(grad_w_f, "outer gradient grad_w f")
+        check_finite(grad_lam_f, "outer gradient grad_lam f")
         grad_evals += 1
 
         iterations, residual, converged, matvecs = 0, None, True, 0

@@ -89,6 +89,7 @@ class Implicit:
             rmatvec=root.matvec,
             symmetric=root.symmetric,
             dense=root.dense_rmatrix,
+            flat_matvec=root.rmatvec_flat,
         )
         x0 = state.get("u") if (self.warm_start and state) else None
         solve = self.solver(system, x0)

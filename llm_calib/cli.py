@@ -16,8 +16,11 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 __all__ = ["build_parser", "main"]
+
+_T = TypeVar("_T")
 
 _EVALUATE_EPILOG = """\
 data specs (LOADER[:TARGET[:OPTION]]), for example:
@@ -27,7 +30,7 @@ data specs (LOADER[:TARGET[:OPTION]]), for example:
   mmlu_stem:../shared/data/mmlu/test         one MMLU group
   openbookqa:../shared/data/openbookqa/openbookqa.jsonl
   commonsenseqa:../shared/data/commonsenseqa/genmc_dev.jsonl
-  jsonl:my_questions.jsonl                   generic {"question", "options", "gold"} rows
+  jsonl:my_questions.jsonl                   generic {"question", "options", "answer"} rows
 see llm_calib.data.spec for the full grammar.
 
 example:
@@ -225,6 +228,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     if args.bootstrap < 0:
         raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
     style = args.prompt_style or ("listed" if args.scorer == "letter" else "cloze")
@@ -308,10 +315,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _user_call(
-    fn: Callable[[], object],
+    fn: Callable[[], _T],
     what: str,
     errors: tuple[type[BaseException], ...] = (ValueError, OSError, KeyError, TypeError),
-) -> object:
+) -> _T:
     try:
         return fn()
     except errors as exc:

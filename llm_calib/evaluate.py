@@ -91,6 +91,11 @@ class DomainResult:
         reliability: per-bin statistics (:meth:`llm_calib.metrics.ReliabilityBins.to_dict`).
         reliability_scaled: the same after temperature scaling, or None.
         scored: the raw scores (not serialised).
+
+    Example:
+        >>> r = DomainResult("toy", "multiple_choice", {"n": 3, "accuracy": 0.5}, None, {}, None)
+        >>> r.n, r.to_dict()["temperature_scaled"]
+        (3, None)
     """
 
     domain: str
@@ -129,6 +134,12 @@ class EvaluationResult:
         temperature: the temperature fit, or None.
         config: the settings of the run (JSON-serialisable).
         timing: seconds spent per phase and scoring throughput.
+
+    Example:
+        >>> r = DomainResult("toy", "multiple_choice", {"n": 3, "accuracy": 0.5}, None, {}, None)
+        >>> res = EvaluationResult({"toy": r}, None, {}, {})
+        >>> res.macro_average()["uncalibrated"]["accuracy"]
+        0.5
     """
 
     domains: dict[str, DomainResult]

@@ -126,8 +126,14 @@ def markdown_report(result: EvaluationResult, *, title: str = "Calibration repor
     cfg = result.config
     lines = [f"# {title}", ""]
     for key in ("model", "scorer", "normalize", "prompt", "datasets", "limit", "n_bins", "seed"):
-        if key in cfg and cfg[key] is not None:
-            lines.append(f"- {key}: `{cfg[key]}`")
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v!r}" for k, v in value.items())
+        elif isinstance(value, list | tuple):
+            value = ", ".join(str(v) for v in value)
+        lines.append(f"- {key}: `{value}`")
     fit = result.temperature
     if fit is not None:
         lines.append(

@@ -24,6 +24,10 @@ class LinearSystem:
         symmetric: True when ``A`` is symmetric (Hessians), enabling CG and Cholesky.
         dense: optional callable returning ``A`` as an ``(n, n)`` matrix in flattened key order,
             faster than ``n`` separate products for :class:`~hypergrad.linear.Dense`.
+        flat_matvec: optional ``v -> A v`` on the flattened vector (leaves concatenated in the
+            key order of ``rhs``); when given, the iterative solvers use it instead of ``matvec``
+            and skip the per-iteration pytree bookkeeping. It must equal ``matvec`` and must not
+            modify its argument in place.
     """
 
     matvec: Callable[[Tree], Tree]
@@ -31,6 +35,7 @@ class LinearSystem:
     rmatvec: Callable[[Tree], Tree] | None = None
     symmetric: bool = True
     dense: Callable[[], Tensor] | None = None
+    flat_matvec: Callable[[Tensor], Tensor] | None = None
 
 
 @dataclass

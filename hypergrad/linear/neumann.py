@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from hypergrad._pytree import Tree, tree_axpy, tree_dot, tree_norm, tree_scale, tree_sub
+from hypergrad._pytree import Tree, tree_flatten, tree_flatten_view, tree_unflatten
 from hypergrad.linear._checks import check_nonnegative, check_positive_int
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
+from hypergrad.linear.cg import flat_operator
 
 __all__ = ["Neumann", "largest_eigenvalue"]
 
@@ -25,18 +27,20 @@ def largest_eigenvalue(system: LinearSystem, iterations: int = 20, seed: int = 0
         5.0
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    v = {
-        k: torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for k, t in system.rhs.items()
-    }
-    v = tree_scale(v, 1.0 / float(tree_norm(v)))
+    like = system.rhs
+    mv = flat_operator(system.matvec, like, system.flat_matvec)
+    v = tree_flatten(
+        {k: torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device) for k, t in like.items()}
+    )
+    v = v / torch.linalg.vector_norm(v)
     estimate = 0.0
     for _ in range(iterations):
-        Av = system.matvec(v)
-        estimate = float(tree_dot(v, Av))
-        norm = float(tree_norm(Av))
-        if norm == 0.0 or not torch.isfinite(torch.tensor(norm)):
+        Av = mv(v)
+        estimate = float(torch.dot(v, Av))
+        norm = float(torch.linalg.vector_norm(Av))
+        if norm == 0.0 or not math.isfinite(norm):
             break
-        v = tree_scale(Av, 1.0 / norm)
+        v = Av / norm
     return abs(estimate)
 
 
@@ -79,8 +83,9 @@ class Neumann:
         check_positive_int(self.power_iterations, "power_iterations", allow_none=False)
 
     def __call__(self, system: LinearSystem, x0: Tree | None = None) -> LinearSolveResult:
-        b = system.rhs
-        b_norm = float(tree_norm(b))
+        b = tree_flatten_view(system.rhs)
+        mv = flat_operator(system.matvec, system.rhs, system.flat_matvec)
+        b_norm = float(torch.linalg.vector_norm(b))
         warnings: list[str] = []
         matvecs = 0
         alpha = self.alpha
@@ -91,23 +96,24 @@ class Neumann:
                 raise ValueError("Neumann: the matrix appears to be zero; cannot choose alpha")
             alpha = 1.0 / lam_max
         if b_norm == 0.0:
-            return LinearSolveResult(dict(b), 0, 0.0, True, matvecs, warnings)
+            return LinearSolveResult(dict(system.rhs), 0, 0.0, True, matvecs, warnings)
         # x_K = alpha * sum_k (I - alpha A)^k b; the residual b - A x_K equals (I - alpha A)^{K+1} b.
+        # Flat vectors, in-place updates of the vectors owned here (x, residual).
         if x0 is None:
-            residual = dict(b)
-            x = tree_scale(b, alpha)
+            residual = b.clone()
+            x = b * alpha
         else:
-            x = dict(x0)
-            residual = tree_sub(b, system.matvec(x))
+            x = tree_flatten(x0).to(b.dtype)
+            residual = b - mv(x)
             matvecs += 1
-            x = tree_axpy(alpha, residual, x)
+            x.add_(residual, alpha=alpha)
         iterations = 0
         converged = False
         res_norm = b_norm
         for iterations in range(1, self.steps + 1):  # noqa: B007
-            residual = tree_axpy(-alpha, system.matvec(residual), residual)
+            residual.add_(mv(residual), alpha=-alpha)
             matvecs += 1
-            res_norm = float(tree_norm(residual))
+            res_norm = float(torch.linalg.vector_norm(residual))
             if not res_norm < 1e6 * b_norm:  # also catches NaN
                 warnings.append(
                     f"Neumann: diverging (residual {res_norm:.3e}) with alpha={alpha:.3e}; the "
@@ -117,12 +123,14 @@ class Neumann:
             if res_norm <= self.tol * b_norm:
                 converged = True
                 break
-            x = tree_axpy(alpha, residual, x)
+            x.add_(residual, alpha=alpha)
         if converged:
-            x = tree_axpy(alpha, residual, x)
+            x.add_(residual, alpha=alpha)
         elif not warnings:
             warnings.append(
                 f"Neumann: not converged after {self.steps} terms (relative residual "
                 f"{res_norm / b_norm:.3e} > tol {self.tol:.1e}); raise steps or use CG"
             )
-        return LinearSolveResult(x, iterations, res_norm, converged, matvecs, warnings)
+        return LinearSolveResult(
+            tree_unflatten(x, system.rhs), iterations, res_norm, converged, matvecs, warnings
+        )

@@ -68,6 +68,7 @@ class CalibrationConfig:
         lr: learning rate of θ (LoRA).
         lam_lr: learning rate of λ (Adam).
         inner_steps: BOME's T / F2SA's inner steps.
+        inner_lr: step size of BOME's T plain-SGD inner steps that define the value function.
         bome_eta: BOME's barrier coefficient η.
         f2sa_sigma: F2SA's penalty weight σ.
         label_smoothing: ε for the label-smoothing baseline.
@@ -98,6 +99,7 @@ class CalibrationConfig:
     lr: float = 1e-3
     lam_lr: float = 5e-2
     inner_steps: int = 1
+    inner_lr: float = 1e-2
     bome_eta: float = 0.5
     f2sa_sigma: float = 0.1
     label_smoothing: float = 0.1
@@ -128,7 +130,7 @@ class CalibrationConfig:
         for name in ("steps", "batch_size", "heldout_batch_size", "inner_steps", "eval_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("lr", "lam_lr", "bome_eta", "f2sa_sigma", "max_log_scale"):
+        for name in ("lr", "lam_lr", "inner_lr", "bome_eta", "f2sa_sigma", "max_log_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.label_smoothing < 1.0:

@@ -1,0 +1,1395 @@
+#!/usr/bin/env python
+"""hypergrad against torchopt and higher, side by side: time, memory, accuracy, scaling.
+
+Usage (from the repository root, after ``make setup``)::
+
+    .venv/bin/python benchmarks/hypergrad_bench.py            # full run (< 15 min on 2 cores),
+                                                              # writes benchmarks/results/
+    .venv/bin/python benchmarks/hypergrad_bench.py --quick    # about a minute; prints only
+    .venv/bin/python benchmarks/hypergrad_bench.py --quick --out /tmp/bench   # quick, to a folder
+
+Problems (same data, dtype and thread count for every library):
+
+1. ridge regression, scalar and per-feature regularisation (closed-form hypergradient);
+2. logistic regression with per-feature L2 hyperparameters, d = 100 ... 10,000 features
+   (reference: the implicit-function-theorem formula with an explicit/Woodbury solve);
+3. data hyper-cleaning on scikit-learn's digits (50 % of the training labels corrupted, one
+   weight per training example; single-hypergradient timings plus a short outer loop and the final
+   test accuracy);
+4. an MLP inner problem on digits, up to about 1M parameters (scaling in the parameter count),
+   and a sweep of the unroll length K = 10 ... 1000 on a small MLP.
+
+Timing: all runners of one problem are interleaved (A B C A B C ...) after a warm-up; medians.
+Memory: every (problem, method, size) configuration runs in a fresh process: the script re-runs
+itself with a hidden ``--worker`` flag, which imports once and forks one child per configuration
+(children are fresh processes forked from an import-only parent, so no state leaks between
+configurations); the child builds the problem, warms up, resets the kernel's peak-RSS counter and
+reports the peak RSS over that baseline for one hypergradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+import hypergrad as hg
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torchopt's functorch deprecations
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+warnings.filterwarnings("ignore", category=UserWarning, module="higher")
+warnings.filterwarnings("ignore", category=hg.ConvergenceWarning)  # reported in the tables
+
+Tree = dict[str, Tensor]
+RESULTS = Path(__file__).resolve().parent / "results"
+MB = 1024.0 * 1024.0
+
+# ----------------------------------------------------------------------------------- sizes
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Problem sizes and repetition counts of one benchmark mode."""
+
+    name: str
+    ridge_n: int = 1000
+    ridge_d: int = 200
+    logistic_n: int = 500
+    logistic_ds: tuple[int, ...] = (100, 1000, 10000)
+    logistic_unrolled_max_d: int = 1000  # unrolled runners only up to this d (cost K * grad)
+    clean_train: int = 1000
+    clean_outer_steps: int = 60
+    clean_inner_steps: int = 30
+    clean_unroll_K: int = 30
+    mlp_widths: tuple[int, ...] = (64, 256, 1000)
+    mlp_batch: int = 256
+    mlp_K: int = 10
+    unroll_K: int = 100
+    ks: tuple[int, ...] = (10, 30, 100, 300, 1000)
+    ksweep_width: int = 64
+    tol: float = 1e-6
+    neumann_cap: int = 200
+    repeats: int = 5
+    min_repeats: int = 3
+    budget_s: float = 25.0  # per problem instance: stop adding interleaved rounds after this
+    memory: bool = True
+
+
+FULL = Sizes("full")
+QUICK = Sizes(
+    "quick",
+    ridge_n=300,
+    ridge_d=50,
+    logistic_n=200,
+    logistic_ds=(100, 1000),
+    clean_train=400,
+    clean_outer_steps=8,
+    clean_inner_steps=20,
+    clean_unroll_K=10,
+    mlp_widths=(32, 128),
+    mlp_batch=64,
+    mlp_K=5,
+    unroll_K=20,
+    ks=(10, 100),
+    ksweep_width=32,
+    neumann_cap=100,
+    repeats=3,
+    min_repeats=2,
+    budget_s=3.0,
+    memory=True,
+)
+TINY = replace(
+    QUICK,
+    name="tiny",
+    ridge_n=120,
+    ridge_d=20,
+    logistic_n=100,
+    logistic_ds=(50,),
+    clean_train=200,
+    clean_outer_steps=3,
+    clean_inner_steps=10,
+    clean_unroll_K=5,
+    mlp_widths=(16,),
+    mlp_batch=32,
+    mlp_K=3,
+    unroll_K=10,
+    ks=(10,),
+    ksweep_width=16,
+    neumann_cap=60,
+    repeats=2,
+    min_repeats=1,
+    budget_s=1.0,
+    memory=False,
+)
+MODES = {"full": FULL, "quick": QUICK, "tiny": TINY}
+
+# ------------------------------------------------------------------------- tree helpers
+
+
+def flat(t: Tree | tuple[Tensor, ...] | list[Tensor]) -> Tensor:
+    values = t.values() if isinstance(t, dict) else t
+    return torch.cat([v.detach().reshape(-1) for v in values])
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float(torch.linalg.vector_norm(a - b) / torch.clamp(torch.linalg.vector_norm(b), min=1e-300))
+
+
+def _leaves(t: Tree) -> Tree:
+    return {k: v.detach().clone().requires_grad_(True) for k, v in t.items()}
+
+
+# ------------------------------------------------------------------------------ problems
+
+
+@dataclass
+class Bench:
+    """One problem instance: a model, data, the two losses and the point of evaluation.
+
+    The losses are written once, in terms of the model's predictions and parameter dict, and
+    every library evaluates exactly these: ours through ``torch.func.functional_call``, higher
+    through its patched module, torchopt's ``MetaSGD`` through the module itself.
+    """
+
+    key: str
+    title: str
+    dtype: torch.dtype
+    model: nn.Module
+    data: dict[str, Tensor]
+    kind: str  # "ridge" | "logistic" | "clean" | "mlp"
+    w: Tree  # the point at which the hypergradient is taken (an inner solution)
+    lam: Tree
+    lr: float  # inner SGD step (about 1 / L)
+    reference: Tensor | None = None
+    ref_note: str = ""
+    w_sigma: Tree | None = None  # argmin g + sigma f, for Penalty's steady state
+    sigma: float = 1e-3
+    alpha: float | None = None  # Neumann step shared by both libraries
+    damping: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # -- losses -------------------------------------------------------------------------
+    def inner_loss(self, pred: Tensor, params: Tree, lam: Tree) -> Tensor:
+        return _INNER[self.kind](self, pred, params, lam)
+
+    def outer_loss(self, pred: Tensor, params: Tree, lam: Tree) -> Tensor:
+        return _OUTER[self.kind](self, pred, params, lam)
+
+    def g(self, w: Tree, lam: Tree, batch: Any = None) -> Tensor:
+        return self.inner_loss(functional_call(self.model, w, (self.data["X"],)), w, lam)
+
+    def f(self, w: Tree, lam: Tree, batch: Any = None) -> Tensor:
+        return self.outer_loss(functional_call(self.model, w, (self.data["Xv"],)), w, lam)
+
+    @property
+    def problem(self) -> hg.BilevelProblem:
+        return hg.BilevelProblem(self.g, self.f)
+
+    @property
+    def n_params(self) -> int:
+        return sum(v.numel() for v in self.w.values())
+
+    @property
+    def n_hyper(self) -> int:
+        return sum(v.numel() for v in self.lam.values())
+
+
+def _ridge_inner(b: Bench, pred: Tensor, params: Tree, lam: Tree) -> Tensor:
+    r = pred[:, 0] - b.data["y"]
+    return 0.5 * (r @ r) / r.numel() + 0.5 * (torch.exp(lam["log_l2"]) * params["weight"][0] ** 2).sum()
+
+
+def _ridge_outer(b: Bench, pred: Tensor, params: Tree, lam: Tree) -> Tensor:
+    r = pred[:, 0] - b.data["yv"]
+    return 0.5 * (r @ r) / r.numel()
+
+
+def _logistic_inner(b: Bench, pred: Tensor, params: Tree, lam: Tree) -> Tensor:
+    ce = nn.functional.binary_cross_entropy_with_logits(pred[:, 0], b.data["y"])
+    return ce + 0.5 * (torch.exp(lam["log_l2"]) * params["weight"][0] ** 2).sum()
+
+
+def _logistic_outer(b: Bench, pred: Tensor, params: Tree, lam: Tree) -> Tensor:
+    return nn.functional.binary_cross_entropy_with_logits(pred[:, 0], b.data["yv"])
+
+
+def _clean_inner(b: Bench, pred: Tensor, params: Tree, lam: Tree) -> Tensor:
+    ce = nn.functional.cross_entropy(pred, b.data["y"], reduction="none")
+    weights = torch.sigmoid(lam["logit_weight"])
+    return (weights * ce).mean() + 0.5 * b.extra["l2"] * (params["weight"] ** 2).sum()
+
+
+def _clean_outer(b: Bench, pred: Tensor, params: Tree, lam: Tree) -> Tensor:
+    return nn.functional.cross_entropy(pred, b.data["yv"])
+
+
+def _mlp_inner(b: Bench, pred: Tensor, params: Tree, lam: Tree) -> Tensor:
+    decay = sum((p * p).sum() for k, p in params.items() if k.endswith("weight"))
+    return nn.functional.cross_entropy(pred, b.data["y"]) + 0.5 * torch.exp(lam["log_wd"]) * decay
+
+
+_INNER = {"ridge": _ridge_inner, "logistic": _logistic_inner, "clean": _clean_inner, "mlp": _mlp_inner}
+_OUTER = {"ridge": _ridge_outer, "logistic": _logistic_outer, "clean": _clean_outer, "mlp": _clean_outer}
+
+
+def _minimize(loss: Callable[[Tree], Tensor], w0: Tree, max_iter: int = 500, tol: float = 1e-10) -> Tree:
+    """LBFGS (strong Wolfe) to a tight gradient tolerance: the inner solution of a benchmark."""
+    keys = list(w0)
+    params = [v.detach().clone().requires_grad_(True) for v in w0.values()]
+    opt = torch.optim.LBFGS(
+        params, lr=1.0, max_iter=max_iter, tolerance_grad=tol, tolerance_change=0.0,
+        history_size=50, line_search_fn="strong_wolfe",
+    )
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        value = loss(dict(zip(keys, params, strict=True)))
+        value.backward()
+        return value
+
+    opt.step(closure)
+    return {k: p.detach() for k, p in zip(keys, params, strict=True)}
+
+
+def _lipschitz(b: Bench) -> float:
+    """Largest Hessian eigenvalue of g at ``b.w`` (power iteration with exact HVPs)."""
+    lam = b.lam
+
+    def hvp(v: Tree) -> Tree:
+        grad = lambda w: torch.func.grad(lambda w_: b.g(w_, lam))(w)  # noqa: E731
+        return torch.func.jvp(grad, (b.w,), (v,))[1]
+
+    system = hg.linear.LinearSystem(matvec=hvp, rhs=b.w)
+    return hg.linear.largest_eigenvalue(system, iterations=30)
+
+
+_DIGITS: dict[str, Tensor] = {}
+
+
+def _digits(dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    if not _DIGITS:
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        _DIGITS["X"] = torch.tensor(d.data, dtype=torch.float64) / 16.0
+        _DIGITS["y"] = torch.tensor(d.target, dtype=torch.long)
+    return _DIGITS["X"].to(dtype), _DIGITS["y"].clone()
+
+
+def _digits_split(n_train: int, dtype: torch.dtype, corrupt: float, seed: int = 0) -> dict[str, Tensor]:
+    X, y = _digits(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(X.shape[0], generator=gen)
+    n_val = 300
+    tr, va, te = perm[:n_train], perm[n_train : n_train + n_val], perm[n_train + n_val :]
+    y_tr = y[tr].clone()
+    n_bad = int(round(corrupt * n_train))
+    bad = torch.randperm(n_train, generator=gen)[:n_bad]
+    shift = torch.randint(1, 10, (n_bad,), generator=gen)
+    y_tr[bad] = (y_tr[bad] + shift) % 10  # a wrong label, uniformly among the other nine
+    clean = torch.ones(n_train, dtype=torch.bool)
+    clean[bad] = False
+    return {
+        "X": X[tr], "y": y_tr, "Xv": X[va], "yv": y[va], "Xt": X[te], "yt": y[te],
+        "y_true": y[tr], "clean": clean,
+    }
+
+
+def _linear(d_in: int, d_out: int, bias: bool, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(d_in, d_out, bias=bias).to(dtype)
+
+
+def _mlp(d_in: int, width: int, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(d_in, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 10)
+    ).to(dtype)
+
+
+def _implicit_reference(b: Bench) -> Tensor:
+    """Exact IFT hypergradient at ``b.w`` from an explicit solve (independent of hypergrad)."""
+    w, lam = b.w, b.lam
+    if b.kind in ("ridge", "logistic"):
+        X = b.data["X"]
+        n = X.shape[0]
+        wv = w["weight"][0]
+        reg = torch.exp(lam["log_l2"]).expand_as(wv)
+        if b.kind == "ridge":
+            s = torch.ones(n, dtype=X.dtype)
+        else:
+            p = torch.sigmoid(X @ wv)
+            s = torch.sqrt(p * (1 - p))
+        grad_f = torch.func.grad(lambda w_: b.f(w_, lam))(w)["weight"][0]
+        Xs = X * s[:, None] / math.sqrt(n)  # H = Xs^T Xs + diag(reg)
+        if X.shape[1] <= 2000:
+            H = Xs.T @ Xs + torch.diag(reg)
+            u = torch.linalg.solve(H, grad_f)
+        else:  # Woodbury: (D + U^T U)^{-1} = D^{-1} - D^{-1} U^T (I + U D^{-1} U^T)^{-1} U D^{-1}
+            Dinv_b = grad_f / reg
+            inner = torch.eye(n, dtype=X.dtype) + (Xs / reg) @ Xs.T
+            u = Dinv_b - (Xs.T @ torch.linalg.solve(inner, Xs @ Dinv_b)) / reg
+        mixed = reg * wv * u  # d/dlam_i of (grad_w g) = exp(lam_i) w_i e_i
+        out = -mixed
+        return out.sum().reshape(1) if lam["log_l2"].numel() == 1 else out
+    # General (small) problems: explicit Hessian and mixed Jacobian with torch.func.
+    keys = list(w)
+    shapes = [w[k].shape for k in keys]
+    sizes = [w[k].numel() for k in keys]
+
+    def unflat(v: Tensor) -> Tree:
+        return {k: p.reshape(s) for k, p, s in zip(keys, v.split(sizes), shapes, strict=True)}
+
+    wf = flat(w)
+    lf = flat(lam)
+    lkeys = list(lam)
+    lshapes = [lam[k].shape for k in lkeys]
+    lsizes = [lam[k].numel() for k in lkeys]
+
+    def lunflat(v: Tensor) -> Tree:
+        return {k: p.reshape(s) for k, p, s in zip(lkeys, v.split(lsizes), lshapes, strict=True)}
+
+    def gflat(wv: Tensor, lv: Tensor) -> Tensor:
+        return b.g(unflat(wv), lunflat(lv))
+
+    H = torch.func.hessian(gflat, argnums=0)(wf, lf)
+    grad_w_g = torch.func.grad(gflat, argnums=0)
+    J = torch.func.jacrev(grad_w_g, argnums=1)(wf, lf)  # (n_w, n_lam)
+    grad_f = torch.func.grad(lambda wv: b.f(unflat(wv), lunflat(lf)))(wf)
+    u = torch.linalg.solve(H + b.damping * torch.eye(H.shape[0], dtype=H.dtype), grad_f)
+    return -(J.T @ u)
+
+
+def build_bench(spec: dict[str, Any], cache_dir: Path | None = None) -> Bench:
+    """Build a problem from its spec; the expensive parts (inner solves) are cached on disk."""
+    key = spec.get("label", spec["key"])
+    path = cache_dir / f"{spec['key']}.pt" if cache_dir is not None else None
+    cached = torch.load(path, weights_only=False) if path is not None and path.exists() else None
+    kind = spec["kind"]
+    gen = torch.Generator().manual_seed(spec.get("seed", 0))
+    if kind in ("ridge", "logistic"):
+        dt = torch.float64
+        n, d = spec["n"], spec["d"]
+        w_true = torch.randn(d, generator=gen, dtype=dt)
+        X = torch.randn(n, d, generator=gen, dtype=dt)
+        Xv = torch.randn(n, d, generator=gen, dtype=dt)
+        if kind == "ridge":
+            y = X @ w_true / math.sqrt(d) + 0.5 * torch.randn(n, generator=gen, dtype=dt)
+            yv = Xv @ w_true / math.sqrt(d) + 0.5 * torch.randn(n, generator=gen, dtype=dt)
+            title = f"ridge, {'scalar' if spec['scalar'] else 'per-feature'} lambda (n={n}, d={d})"
+            l0 = -1.0
+        else:
+            logits = X @ w_true / math.sqrt(d)
+            y = (torch.rand(n, generator=gen, dtype=dt) < torch.sigmoid(3 * logits)).to(dt)
+            lv = Xv @ w_true / math.sqrt(d)
+            yv = (torch.rand(n, generator=gen, dtype=dt) < torch.sigmoid(3 * lv)).to(dt)
+            title = f"logistic, per-feature L2 (n={n}, d={d})"
+            l0 = math.log(0.05)
+        lam_shape = (1,) if spec.get("scalar") else (d,)
+        lam = {"log_l2": torch.full(lam_shape, l0, dtype=dt)}
+        if kind == "logistic":  # spread the per-feature strengths a little
+            lam["log_l2"] = lam["log_l2"] + 0.5 * torch.randn(lam_shape, generator=gen, dtype=dt)
+        model = _linear(d, 1, False, dt)
+        data = {"X": X, "y": y, "Xv": Xv, "yv": yv}
+        b = Bench(key, title, dt, model, data, kind, {}, lam, 0.0)
+    elif kind == "clean":
+        dt = torch.float64
+        data = _digits_split(spec["n_train"], dt, corrupt=0.5)
+        n_tr = data["X"].shape[0]
+        model = _linear(64, 10, True, dt)
+        lam = {"logit_weight": torch.zeros(n_tr, dtype=dt)}
+        title = f"data hyper-cleaning, digits (n_train={n_tr}, 50% labels corrupted)"
+        b = Bench(key, title, dt, model, data, kind, {}, lam, 0.0, extra={"l2": 1e-3})
+    elif kind == "mlp":
+        dt = torch.float32
+        data = _digits_split(1000, dt, corrupt=0.0)
+        batch = spec["batch"]
+        data = {"X": data["X"][:batch], "y": data["y"][:batch], "Xv": data["Xv"], "yv": data["yv"]}
+        model = _mlp(64, spec["width"], dt)
+        lam = {"log_wd": torch.tensor(math.log(1e-3), dtype=dt)}
+        n_p = sum(p.numel() for p in model.parameters())
+        title = f"MLP 64-{spec['width']}-{spec['width']}-10 ({n_p:,} parameters, batch {batch})"
+        b = Bench(key, title, dt, model, data, kind, {}, lam, 0.0, damping=1e-2)
+    else:
+        raise ValueError(f"unknown problem kind {kind!r}")
+    b.extra.update(spec)
+    if cached is not None:
+        b.w, b.lr, b.reference, b.ref_note = cached["w"], cached["lr"], cached["reference"], cached["ref_note"]
+        b.w_sigma, b.sigma, b.alpha = cached["w_sigma"], cached["sigma"], cached["alpha"]
+        return b
+    # inner solution, step size, Penalty's second iterate, Neumann step, reference
+    w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    if kind == "mlp":
+        # Non-convex: a few hundred LBFGS iterations give an approximate inner solution.
+        b.w = _minimize(lambda w: b.g(w, lam), w0, max_iter=spec.get("inner_iters", 200), tol=1e-7)
+    else:
+        b.w = _minimize(lambda w: b.g(w, lam), w0)
+    L = _lipschitz(b)
+    b.lr = 1.0 / L
+    b.alpha = 1.0 / (L + b.damping)
+    b.sigma = spec.get("sigma", 1e-3)
+    b.w_sigma = _minimize(lambda w: b.g(w, lam) + b.sigma * b.f(w, lam), b.w, max_iter=500,
+                          tol=1e-10 if kind != "mlp" else 1e-7)
+    if kind == "mlp":
+        b.reference, b.ref_note = None, "no reference (non-convex; methods compared with each other)"
+    else:
+        b.reference = _implicit_reference(b)
+        b.ref_note = (
+            "closed form" if kind == "ridge" else
+            "IFT formula with an explicit (Cholesky/Woodbury) solve" if kind == "logistic" else
+            "IFT formula with the explicit Hessian (torch.func.hessian) and an LU solve"
+        )
+    if path is not None:
+        torch.save(
+            {"w": b.w, "lr": b.lr, "reference": b.reference, "ref_note": b.ref_note,
+             "w_sigma": b.w_sigma, "sigma": b.sigma, "alpha": b.alpha}, path,
+        )
+    return b
+
+
+# ------------------------------------------------------------------------------- runners
+
+
+@dataclass
+class Runner:
+    """One hypergradient method on one problem: ``fn()`` returns the flat hypergradient."""
+
+    name: str
+    library: str  # "hypergrad" | "torchopt" | "higher" | "(unit)"
+    family: str  # "implicit-cg", "implicit-neumann", "unrolled-reverse", ...
+    fn: Callable[[], Tensor]
+    info: dict[str, Any] = field(default_factory=dict)
+    warm: Callable[[], Any] | None = None  # cheaper warm-up for the memory worker
+    group: str = ""  # the make_runners selector that builds it
+
+
+def _peers() -> tuple[Any, Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import higher
+        import torchopt
+    return torchopt, higher
+
+
+def _ours(b: Bench, method: Any, name: str, family: str, state: dict | None = None) -> Runner:
+    problem = b.problem
+    holder: dict[str, Any] = {"state": state}
+    info: dict[str, Any] = {}
+
+    def fn() -> Tensor:
+        # Penalty: every call starts from the steady state (w, w_sigma at their optima for this
+        # lam, the state a long outer loop carries), so the T=1 step is what a call costs.
+        r = method.hypergrad(problem, b.w, b.lam, state=holder["state"])
+        info.update(iterations=r.info.iterations, grad_evals=r.info.grad_evals,
+                    converged=r.info.converged)
+        return flat(r.grad)
+
+    return Runner(name, "hypergrad", family, fn, info)
+
+
+def _penalty_state(b: Bench) -> dict[str, Any]:
+    return {"w_sigma": b.w_sigma}
+
+
+def _torchopt_implicit(b: Bench, solve: Any, name: str, family: str) -> Runner:
+    torchopt, _ = _peers()
+    wk, lk = list(b.w), list(b.lam)
+    w_star = tuple(b.w[k] for k in wk)
+
+    def optimality(w_: tuple[Tensor, ...], *lam_t: Tensor) -> tuple[Tensor, ...]:
+        lam_ = dict(zip(lk, lam_t, strict=True))
+        grads = torch.func.grad(lambda ww: b.g(dict(zip(wk, ww, strict=True)), lam_))(w_)
+        return tuple(grads)
+
+    @torchopt.diff.implicit.custom_root(optimality, argnums=tuple(range(1, 1 + len(lk))), solve=solve)
+    def solver(w_init: tuple[Tensor, ...], *lam_t: Tensor) -> tuple[Tensor, ...]:
+        return w_star  # the inner problem is solved beforehand, as for every method here
+
+    w_init = tuple(torch.zeros_like(v) for v in w_star)
+
+    def fn() -> Tensor:
+        lam_ = _leaves(b.lam)
+        w_opt = solver(w_init, *lam_.values())
+        value = b.f(dict(zip(wk, w_opt, strict=True)), lam_)
+        return flat(torch.autograd.grad(value, list(lam_.values())))
+
+    return Runner(name, "torchopt", family, fn)
+
+
+def _load(model: nn.Module, w: Tree, requires_grad: bool) -> nn.Module:
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for k, p in m.named_parameters():
+            p.copy_(w[k])
+            p.requires_grad_(requires_grad)
+    return m
+
+
+def _higher(b: Bench, K: int, warm_K: int = 2) -> Runner:
+    _, higher = _peers()
+    model = _load(b.model, b.w, True)
+    opt = torch.optim.SGD(model.parameters(), lr=b.lr)
+    names = [k for k, _ in model.named_parameters()]
+    X, Xv = b.data["X"], b.data["Xv"]
+
+    def run(steps: int) -> Tensor:
+        lam_ = _leaves(b.lam)
+        with higher.innerloop_ctx(model, opt, copy_initial_weights=True) as (fm, diffopt):
+            for _ in range(steps):
+                params = dict(zip(names, fm.parameters(), strict=True))
+                diffopt.step(b.inner_loss(fm(X), params, lam_))
+            params = dict(zip(names, fm.parameters(), strict=True))
+            value = b.outer_loss(fm(Xv), params, lam_)
+            return flat(torch.autograd.grad(value, list(lam_.values())))
+
+    return Runner(f"higher unrolled (K={K})", "higher", "unrolled-reverse", lambda: run(K),
+                  warm=lambda: run(min(K, warm_K)))
+
+
+def _metasgd(b: Bench, K: int, warm_K: int = 2) -> Runner:
+    torchopt, _ = _peers()
+    model = _load(b.model, b.w, True)
+    state0 = torchopt.extract_state_dict(model, by="deepcopy")
+    X, Xv = b.data["X"], b.data["Xv"]
+
+    def run(steps: int) -> Tensor:
+        lam_ = _leaves(b.lam)
+        opt = torchopt.MetaSGD(model, lr=b.lr)
+        for _ in range(steps):
+            opt.step(b.inner_loss(model(X), dict(model.named_parameters()), lam_))
+        value = b.outer_loss(model(Xv), dict(model.named_parameters()), lam_)
+        out = flat(torch.autograd.grad(value, list(lam_.values())))
+        torchopt.recover_state_dict(model, state0)
+        return out
+
+    return Runner(f"torchopt MetaSGD (K={K})", "torchopt", "unrolled-reverse-metasgd",
+                  lambda: run(K), warm=lambda: run(min(K, warm_K)))
+
+
+def _unrolled(b: Bench, K: int, mode: str = "reverse", truncate: int | None = None,
+              warm_K: int = 2) -> Runner:
+    problem = b.problem
+    info: dict[str, Any] = {}
+
+    def run(steps: int) -> Tensor:
+        t = None if truncate is None else min(truncate, steps)
+        m = hg.Unrolled(hg.inner.SGD(lr=b.lr), steps=steps, mode=mode, truncate=t)
+        r = m.hypergrad(problem, b.w, b.lam)
+        info.update(iterations=r.info.iterations, grad_evals=r.info.grad_evals)
+        return flat(r.grad)
+
+    if mode == "forward":
+        name, family = f"Unrolled forward (K={K})", "unrolled-forward"
+    elif truncate is not None:
+        name, family = f"Unrolled truncated (K={K}, k={truncate})", "unrolled-truncated"
+    else:
+        name, family = f"Unrolled reverse (K={K})", "unrolled-reverse"
+    return Runner(name, "hypergrad", family, lambda: run(K), info, warm=lambda: run(min(K, warm_K)))
+
+
+def _grad_unit(b: Bench) -> Runner:
+    w_ = _leaves(b.w)
+    leaves = list(w_.values())
+
+    def fn() -> Tensor:
+        return flat(torch.autograd.grad(b.g(w_, b.lam), leaves))
+
+    return Runner("one inner gradient (unit)", "(unit)", "unit", fn)
+
+
+def _neumann_steps(b: Bench, tol: float, cap: int) -> int:
+    probe = hg.Implicit(hg.linear.Neumann(alpha=b.alpha, steps=cap, tol=tol))
+    return int(probe.hypergrad(b.problem, b.w, b.lam).info.iterations)
+
+
+def make_runners(b: Bench, sizes: Sizes, which: list[str] | None = None, K: int | None = None) -> list[Runner]:
+    """All runners for a problem (``which`` restricts to the named families)."""
+    torchopt, _ = _peers()
+    tol = sizes.tol
+    K = K if K is not None else b.extra.get("K", sizes.unroll_K)
+    maxiter = b.extra.get("maxiter")  # fixed CG iterations (MLP: non-convex, no tolerance target)
+    cg_tol = 0.0 if maxiter else tol
+    cg_maxiter = maxiter or 2000
+    runners: list[Runner] = []
+
+    def want(group: str) -> bool:
+        return which is None or group in which
+
+    def add(group: str, *new: Runner) -> None:
+        for r in new:
+            r.group = group
+            runners.append(r)
+
+    if want("unit"):
+        add("unit", _grad_unit(b))
+    if want("implicit-cg"):
+        add("implicit-cg",
+            _ours(b, hg.Implicit(hg.linear.CG(tol=cg_tol, maxiter=cg_maxiter, damping=b.damping)),
+                  "Implicit CG", "implicit-cg"),
+            _torchopt_implicit(
+                b, torchopt.linear_solve.solve_cg(rtol=cg_tol, maxiter=cg_maxiter, ridge=b.damping or None),
+                "custom_root + solve_cg", "implicit-cg"))
+    if want("implicit-neumann"):
+        steps = b.extra.get("neumann_steps") or _neumann_steps(b, tol, sizes.neumann_cap)
+        b.extra["neumann_steps"] = steps
+        add("implicit-neumann",
+            _ours(b, hg.Implicit(hg.linear.Neumann(alpha=b.alpha, steps=steps, tol=0.0)),
+                  f"Implicit Neumann ({steps} terms)", "implicit-neumann"),
+            _torchopt_implicit(b, torchopt.linear_solve.solve_inv(ns=True, maxiter=steps, alpha=b.alpha),
+                               f"custom_root + solve_inv(ns=True, {steps} terms)", "implicit-neumann"))
+    if want("unrolled-reverse"):
+        add("unrolled-reverse", _unrolled(b, K), _higher(b, K), _metasgd(b, K))
+    if want("unrolled-truncated"):
+        add("unrolled-truncated", _unrolled(b, K, truncate=max(1, K // 10)))
+    if want("unrolled-forward") and b.n_hyper <= 8:
+        add("unrolled-forward", _unrolled(b, K, mode="forward"))
+    if want("fd"):
+        eps = 1e-4 if b.dtype == torch.float64 else 1e-2
+        fd_cg = hg.FiniteDifference(
+            eps=eps, solver=hg.linear.CG(tol=cg_tol, maxiter=cg_maxiter, damping=b.damping))
+        add("fd",
+            _ours(b, fd_cg, "FiniteDifference (CG)", "fd-cg"),
+            _ours(b, hg.FiniteDifference(solver="identity", xi=b.lr),
+                  "FiniteDifference (identity, DARTS)", "fd-identity"))
+    if want("penalty"):
+        add("penalty", _ours(b, hg.Penalty(sigma=b.sigma, inner_optimizer=hg.inner.SGD(lr=b.lr)),
+                             f"Penalty / F2SA (T=1, sigma={b.sigma:g})", "penalty", state=_penalty_state(b)))
+    return runners
+
+
+# ------------------------------------------------------------------------------- timing
+
+
+def time_interleaved(runners: list[Runner], sizes: Sizes, log: Callable[[str], None]) -> dict[str, Any]:
+    """Warm up, then time rounds A B C ... (rotating the start), until ``repeats`` rounds or the
+    time budget. Returns per-runner medians, all samples and the first call's output."""
+    outputs: dict[str, Tensor] = {}
+    samples: dict[str, list[float]] = {r.name: [] for r in runners}
+    start = time.perf_counter()
+    for r in runners:  # warm-up (also the accuracy sample)
+        outputs[r.name] = r.fn()
+    warm_s = time.perf_counter() - start
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < sizes.repeats:
+        order = runners[rounds % len(runners):] + runners[: rounds % len(runners)]
+        gc.collect()
+        gc.disable()  # as timeit does: no collector pauses inside the timed calls
+        try:
+            for r in order:
+                t0 = time.perf_counter()
+                r.fn()
+                samples[r.name].append(time.perf_counter() - t0)
+        finally:
+            gc.enable()
+        rounds += 1
+        elapsed = time.perf_counter() - start
+        if rounds >= sizes.min_repeats and elapsed + elapsed / rounds > sizes.budget_s:
+            break
+    log(f"    timed {rounds} interleaved round(s) of {len(runners)} runners in "
+        f"{time.perf_counter() - start:.1f}s (warm-up {warm_s:.1f}s)")
+    return {
+        "median": {k: statistics.median(v) for k, v in samples.items()},
+        "samples": samples,
+        "outputs": outputs,
+        "rounds": rounds,
+    }
+
+
+# ------------------------------------------------------------------------------- memory
+
+
+def _proc_status() -> dict[str, int]:
+    text = Path("/proc/self/status").read_text()
+    return {k: int(re.search(rf"{k}:\s+(\d+)", text).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}
+
+
+def _malloc_trim() -> None:
+    """Return the C heap's free pages to the OS, so that the baseline RSS is live memory only."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _dry_run() -> None:
+    """Trigger every lazy import and first-call initialisation (torch.func, torchopt, higher)."""
+    spec = {"key": "dry", "kind": "ridge", "n": 20, "d": 4, "scalar": True, "K": 2}
+    b = build_bench(spec)
+    for r in make_runners(b, replace(TINY, neumann_cap=5), K=2):
+        r.fn()
+
+
+def _measure_one(config: dict[str, Any]) -> dict[str, Any]:
+    """Inside a fresh process: build, warm up, reset the peak-RSS counter, run once."""
+    torch.set_num_threads(config["threads"])
+    sizes = MODES[config["mode"]]
+    t_build = time.perf_counter()
+    b = build_bench(config["spec"], Path(config["cache"]))
+    b.extra.update(config.get("extra", {}))
+    runners = make_runners(b, sizes, [config["group"]], K=config.get("K"))
+    runner = next(r for r in runners if r.name == config["name"])
+    t_warm = time.perf_counter()
+    (runner.warm or runner.fn)()
+    t_warm_end = time.perf_counter()
+    gc.collect()
+    _malloc_trim()
+    try:
+        before = _proc_status()["VmRSS"]
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        t0 = time.perf_counter()
+        runner.fn()
+        seconds = time.perf_counter() - t0
+        peak = _proc_status()["VmHWM"]
+        how = "VmHWM after reset"
+    except OSError:  # no /proc: fall back to the lifetime peak (less precise)
+        import resource
+
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        t0 = time.perf_counter()
+        runner.fn()
+        seconds = time.perf_counter() - t0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        how = "ru_maxrss"
+    return {"peak_mb": max(0, peak - before) / MB, "seconds": seconds, "how": how,
+            "build_s": t_warm - t_build, "warm_s": t_warm_end - t_warm}
+
+
+def _worker(config_path: str) -> None:
+    """Hidden ``--worker`` entry: one forked child per configuration, JSON lines on stdout."""
+    configs = json.loads(Path(config_path).read_text())
+    _peers()  # import once in the parent; children start from this import-only state
+    import sklearn.datasets  # noqa: F401
+
+    _dry_run()
+    gc.collect()
+    for config in configs:
+        if hasattr(os, "fork"):
+            rfd, wfd = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # child
+                os.close(rfd)
+                try:
+                    out = _measure_one(config)
+                except Exception as exc:  # report, do not kill the sweep
+                    out = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                os.write(wfd, json.dumps(out).encode())
+                os.close(wfd)
+                os._exit(0)
+            os.close(wfd)
+            chunks = []
+            while True:
+                chunk = os.read(rfd, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            os.close(rfd)
+            os.waitpid(pid, 0)
+            text = b"".join(chunks).decode() or '{"error": "child died"}'
+            out = json.loads(text)
+        else:
+            out = _measure_one(config)
+        print(json.dumps({"id": config["id"], **out}), flush=True)
+
+
+def measure_memory(configs: list[dict[str, Any]], threads: int, log: Callable[[str], None]) -> dict[str, dict]:
+    """Run the configurations in a worker subprocess (forking a fresh child for each)."""
+    if not configs:
+        return {}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump(configs, fh)
+        path = fh.name
+    env = dict(os.environ)
+    # Large allocations through mmap, returned to the OS on free: RSS then tracks live tensors.
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    env["MALLOC_TRIM_THRESHOLD_"] = "0"
+    env["OMP_NUM_THREADS"] = str(threads)
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", path, "--threads", str(threads)],
+        capture_output=True, text=True, env=env, check=False,
+    )
+    os.unlink(path)
+    results: dict[str, dict] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            item = json.loads(line)
+            results[item.pop("id")] = item
+    if proc.returncode != 0:
+        log(f"    memory worker exited with {proc.returncode}: {proc.stderr[-500:]}")
+    log(f"    memory: {len(results)}/{len(configs)} configurations in {time.perf_counter() - t0:.1f}s")
+    return results
+
+
+# ------------------------------------------------------------------------------ the suite
+
+
+@dataclass
+class Row:
+    problem: str
+    name: str
+    library: str
+    family: str
+    time_s: float
+    geq: float
+    error: float | None
+    agree: float | None = None  # relative difference to the paired runner (same estimator)
+    iterations: int | None = None
+    grad_evals: int | None = None
+    peak_mb: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _pairs(rows: list[Row]) -> dict[str, Row]:
+    return {r.name: r for r in rows}
+
+
+def run_problem(
+    b: Bench, sizes: Sizes, runners: list[Runner], cache: Path | None, threads: int,
+    log: Callable[[str], None], memory: bool,
+) -> list[Row]:
+    log(f"  {b.title}")
+    timing = time_interleaved(runners, sizes, log)
+    unit = timing["median"]["one inner gradient (unit)"]
+    outs = timing["outputs"]
+    rows = []
+    by_family: dict[str, Tensor] = {}
+    for r in runners:
+        if r.library == "hypergrad" and r.family not in by_family:
+            by_family[r.family] = outs[r.name]
+    for r in runners:
+        t = timing["median"][r.name]
+        err = rel_err(outs[r.name], b.reference) if b.reference is not None and r.family != "unit" else None
+        fam = "unrolled-reverse" if r.family.startswith("unrolled-reverse") else r.family
+        agree = None
+        if r.library in ("torchopt", "higher") and fam in by_family:
+            agree = rel_err(outs[r.name], by_family[fam])
+        rows.append(Row(b.key, r.name, r.library, r.family, t, t / unit, err, agree,
+                        r.info.get("iterations"), r.info.get("grad_evals"),
+                        extra={"n_params": b.n_params, "n_hyper": b.n_hyper}))
+    if memory and cache is not None:
+        configs = []
+        order = [r for r in runners if r.family != "unit"]
+        for i, r in enumerate(order):
+            configs.append({
+                "id": str(i), "spec": b.extra_spec, "cache": str(cache), "mode": sizes.name,
+                "threads": threads, "group": r.group, "name": r.name, "K": b.extra.get("K"),
+                "extra": {k: v for k, v in b.extra.items() if k == "neumann_steps"},
+            })
+        mem = measure_memory(configs, threads, log)
+        for i, r in enumerate(order):
+            m = mem.get(str(i), {})
+            row = next(x for x in rows if x.name == r.name)
+            if "peak_mb" in m:
+                row.peak_mb = m["peak_mb"]
+            elif "error" in m:
+                row.extra["memory_error"] = m["error"]
+    return rows
+
+
+_TITLES: dict[str, str] = {}
+_REF_NOTES: dict[str, str] = {}
+
+
+def _spec_bench(spec: dict[str, Any], cache: Path | None) -> Bench:
+    b = build_bench(spec, cache)
+    b.extra_spec = spec  # type: ignore[attr-defined]
+    _TITLES[b.key] = b.title + (f", K={spec['K']}" if spec["kind"] == "mlp" else "")
+    _REF_NOTES[b.key] = b.ref_note
+    return b
+
+
+def suite(sizes: Sizes, threads: int = 1, log: Callable[[str], None] = print,
+          cache: Path | None = None) -> dict[str, Any]:
+    """Run every problem; return rows, sweeps, hyper-cleaning results and metadata."""
+    torch.set_num_threads(threads)
+    own_cache = cache is None
+    if own_cache:
+        cache = Path(tempfile.mkdtemp(prefix="hgbench-"))
+    memory = sizes.memory
+    t_start = time.perf_counter()
+    rows: list[Row] = []
+    all_families = None
+
+    # 1. ridge
+    for scalar in (True, False):
+        spec = {"key": f"ridge_{'scalar' if scalar else 'feature'}", "kind": "ridge", "n": sizes.ridge_n,
+                "d": sizes.ridge_d, "scalar": scalar, "K": sizes.unroll_K}
+        b = _spec_bench(spec, cache)
+        rows += run_problem(b, sizes, make_runners(b, sizes, all_families), cache, threads, log, memory)
+
+    # 2. logistic, d sweep
+    for d in sizes.logistic_ds:
+        spec = {"key": f"logistic_d{d}", "kind": "logistic", "n": sizes.logistic_n, "d": d,
+                "scalar": False, "K": sizes.unroll_K}
+        b = _spec_bench(spec, cache)
+        fams = ["unit", "implicit-cg", "implicit-neumann", "fd", "penalty"]
+        if d <= sizes.logistic_unrolled_max_d:
+            fams += ["unrolled-reverse", "unrolled-truncated"]
+        rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
+
+    # 3. hyper-cleaning: single hypergradients, then the outer loop
+    spec = {"key": "clean", "kind": "clean", "n_train": sizes.clean_train, "K": sizes.clean_unroll_K,
+            "sigma": 1e-2}
+    b_clean = _spec_bench(spec, cache)
+    rows += run_problem(b_clean, sizes, make_runners(b_clean, sizes, all_families), cache, threads,
+                        log, memory)
+    cleaning = hyper_cleaning(b_clean, sizes, log)
+
+    # 4. MLP: scaling in the parameter count
+    for width in sizes.mlp_widths:
+        spec = {"key": f"mlp_w{width}", "kind": "mlp", "width": width, "batch": sizes.mlp_batch,
+                "K": sizes.mlp_K, "maxiter": 10, "sigma": 1e-2,
+                "inner_iters": 100 if width >= 512 else 200}
+        b = _spec_bench(spec, cache)
+        fams = ["unit", "implicit-cg", "unrolled-reverse", "unrolled-forward", "fd", "penalty"]
+        rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
+
+    # 5. unroll length sweep on a small MLP
+    for K in sizes.ks:
+        spec = {"key": f"mlp_w{sizes.ksweep_width}", "label": f"ksweep_K{K}", "kind": "mlp",
+                "width": sizes.ksweep_width, "batch": sizes.mlp_batch, "K": K, "maxiter": 10,
+                "sigma": 1e-2, "inner_iters": 200}
+        b = _spec_bench(spec, cache)
+        fams = ["unit", "unrolled-reverse", "unrolled-truncated", "unrolled-forward"]
+        rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
+
+    elapsed = time.perf_counter() - t_start
+    return {"rows": rows, "cleaning": cleaning, "elapsed_s": elapsed, "threads": threads,
+            "sizes": sizes, "meta": metadata(threads), "titles": dict(_TITLES),
+            "ref_notes": dict(_REF_NOTES)}
+
+
+# ------------------------------------------------------------------------ hyper-cleaning
+
+
+def _accuracy(b: Bench, w: Tree) -> float:
+    with torch.no_grad():
+        pred = functional_call(b.model, w, (b.data["Xt"],)).argmax(1)
+    return float((pred == b.data["yt"]).double().mean())
+
+
+def _retrain(b: Bench, lam: Tree) -> Tree:
+    return _minimize(lambda w: b.g(w, lam), b.w, max_iter=300, tol=1e-8)
+
+
+def hyper_cleaning(b: Bench, sizes: Sizes, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """A short outer loop per method (Adam on the per-example logits), then test accuracy."""
+    torchopt, higher = _peers()
+    problem = b.problem
+    steps, inner_steps, K = sizes.clean_outer_steps, sizes.clean_inner_steps, sizes.clean_unroll_K
+    inner_opt = hg.inner.SGD(lr=b.lr)
+    names = [k for k, _ in b.model.named_parameters()]
+    results = []
+
+    def implicit_ours(w: Tree, lam: Tree, st: dict) -> tuple[Tree, Tree]:
+        w, _, _ = hg.inner_solve(problem, w, lam, inner_steps, inner_opt)
+        r = hg.Implicit(hg.linear.CG(tol=sizes.tol), warm_start=True).hypergrad(problem, w, lam, state=st.get("s"))
+        st["s"] = r.state
+        return r.grad, w
+
+    def implicit_torchopt(w: Tree, lam: Tree, st: dict) -> tuple[Tree, Tree]:
+        w, _, _ = hg.inner_solve(problem, w, lam, inner_steps, inner_opt)
+        wk = list(w)
+        w_star = tuple(w[k] for k in wk)
+
+        def optimality(w_: tuple[Tensor, ...], lam_t: Tensor) -> tuple[Tensor, ...]:
+            return tuple(torch.func.grad(lambda ww: b.g(dict(zip(wk, ww, strict=True)), {"logit_weight": lam_t}))(w_))
+
+        @torchopt.diff.implicit.custom_root(optimality, argnums=1,
+                                            solve=torchopt.linear_solve.solve_cg(rtol=sizes.tol, maxiter=2000))
+        def solver(w_init: tuple[Tensor, ...], lam_t: Tensor) -> tuple[Tensor, ...]:
+            return w_star
+
+        lam_t = lam["logit_weight"].clone().requires_grad_(True)
+        w_opt = solver(tuple(torch.zeros_like(v) for v in w_star), lam_t)
+        value = b.f(dict(zip(wk, w_opt, strict=True)), {"logit_weight": lam_t})
+        (g,) = torch.autograd.grad(value, lam_t)
+        return {"logit_weight": g}, w
+
+    def unrolled_ours(w: Tree, lam: Tree, st: dict) -> tuple[Tree, Tree]:
+        r = hg.Unrolled(inner_opt, steps=K).hypergrad(problem, w, lam)
+        return r.grad, r.w
+
+    def unrolled_higher(w: Tree, lam: Tree, st: dict) -> tuple[Tree, Tree]:
+        model = _load(b.model, w, True)
+        opt = torch.optim.SGD(model.parameters(), lr=b.lr)
+        lam_ = _leaves(lam)
+        with higher.innerloop_ctx(model, opt, copy_initial_weights=True) as (fm, diffopt):
+            for _ in range(K):
+                diffopt.step(b.inner_loss(fm(b.data["X"]), dict(zip(names, fm.parameters(), strict=True)), lam_))
+            params = dict(zip(names, fm.parameters(), strict=True))
+            (g,) = torch.autograd.grad(b.outer_loss(fm(b.data["Xv"]), params, lam_), list(lam_.values()))
+            w_new = {k: v.detach() for k, v in params.items()}
+        return {"logit_weight": g}, w_new
+
+    def penalty_ours(w: Tree, lam: Tree, st: dict) -> tuple[Tree, Tree]:
+        m = hg.Penalty(sigma=b.sigma, inner_optimizer=inner_opt, inner_steps=inner_steps)
+        r = m.hypergrad(problem, w, lam, state=st.get("s"))
+        st["s"] = r.state
+        return r.grad, r.w
+
+    def fd_ours(w: Tree, lam: Tree, st: dict) -> tuple[Tree, Tree]:
+        w, _, _ = hg.inner_solve(problem, w, lam, inner_steps, inner_opt)
+        r = hg.FiniteDifference(eps=1e-4, solver=hg.linear.CG(tol=sizes.tol)).hypergrad(problem, w, lam)
+        return r.grad, w
+
+    methods = [
+        ("Implicit CG (warm start)", "hypergrad", implicit_ours),
+        ("custom_root + solve_cg", "torchopt", implicit_torchopt),
+        (f"Unrolled reverse (K={K})", "hypergrad", unrolled_ours),
+        (f"higher unrolled (K={K})", "higher", unrolled_higher),
+        ("FiniteDifference (CG)", "hypergrad", fd_ours),
+        (f"Penalty / F2SA (T={inner_steps})", "hypergrad", penalty_ours),
+    ]
+    w0 = {k: v.detach().clone() for k, v in b.model.named_parameters()}
+    lam0 = {k: v.clone() for k, v in b.lam.items()}
+    log(f"  hyper-cleaning outer loop: {steps} Adam steps per method")
+    for name, library, step in methods:
+        lam_p = lam0["logit_weight"].clone().requires_grad_(True)
+        opt = torch.optim.Adam([lam_p], lr=0.1)
+        w = {k: v.clone() for k, v in w0.items()}
+        st: dict[str, Any] = {}
+        hyper_s = 0.0
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            lam = {"logit_weight": lam_p.detach()}
+            t1 = time.perf_counter()
+            grad, w = step(w, lam, st)
+            hyper_s += time.perf_counter() - t1
+            opt.zero_grad()
+            lam_p.grad = grad["logit_weight"].detach().clone()
+            opt.step()
+        total = time.perf_counter() - t0
+        lam_final = {"logit_weight": lam_p.detach()}
+        acc = _accuracy(b, _retrain(b, lam_final))
+        weights = torch.sigmoid(lam_final["logit_weight"])
+        clean = b.data["clean"]
+        results.append({
+            "name": name, "library": library, "steps": steps, "total_s": total,
+            "per_step_s": hyper_s / steps, "test_acc": acc,
+            "w_clean": float(weights[clean].mean()), "w_corrupt": float(weights[~clean].mean()),
+        })
+        log(f"    {name:34s} test acc {acc:.3f}  {total:.1f}s")
+    base = _accuracy(b, b.w)
+    oracle_lam = {"logit_weight": torch.where(b.data["clean"], 20.0, -20.0).to(b.dtype)}
+    oracle = _accuracy(b, _retrain(b, oracle_lam))
+    results.append({"name": "no cleaning (all weights 0.5)", "library": "-", "test_acc": base})
+    results.append({"name": "oracle (clean examples only)", "library": "-", "test_acc": oracle})
+    return results
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def _find(rows: list[Row], problem: str, family: str, library: str) -> Row | None:
+    for r in rows:
+        if r.problem == problem and r.family == family and r.library == library:
+            return r
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def pair_ratios(rows: list[Row]) -> list[dict[str, Any]]:
+    """ours/peer per problem for every comparable pair: time and peak memory."""
+    pairs = [
+        ("implicit-cg", "implicit-cg", "torchopt", "Implicit CG / torchopt custom_root+solve_cg"),
+        ("implicit-neumann", "implicit-neumann", "torchopt", "Implicit Neumann / torchopt solve_inv(ns)"),
+        ("unrolled-reverse", "unrolled-reverse", "higher", "Unrolled reverse / higher"),
+        ("unrolled-reverse", "unrolled-reverse-metasgd", "torchopt", "Unrolled reverse / torchopt MetaSGD"),
+    ]
+    out = []
+    problems = list(dict.fromkeys(r.problem for r in rows))
+    for ours_fam, peer_fam, peer_lib, label in pairs:
+        for p in problems:
+            a = _find(rows, p, ours_fam, "hypergrad")
+            b = _find(rows, p, peer_fam, peer_lib)
+            if a is None or b is None:
+                continue
+            out.append({
+                "pair": label, "problem": p, "time_ratio": _ratio(a.time_s, b.time_s),
+                "mem_ratio": _ratio(a.peak_mb, b.peak_mb), "ours_err": a.error, "peer_err": b.error,
+                "agree": b.agree, "ours_ms": a.time_s * 1e3, "peer_ms": b.time_s * 1e3,
+                "ours_mb": a.peak_mb, "peer_mb": b.peak_mb,
+            })
+    return out
+
+
+def targets(rows: list[Row], sizes: Sizes) -> list[dict[str, Any]]:
+    """The issue's targets, each with the measured value and pass/fail (None: not measured)."""
+    out: list[dict[str, Any]] = []
+
+    def add(target: str, where: str, value: float | None, limit: float, note: str = "",
+            ok: bool | None = None) -> None:
+        passed = ok if ok is not None else (None if value is None else value <= limit)
+        out.append({"target": target, "where": where, "value": value, "limit": limit,
+                    "pass": passed, "note": note})
+
+    problems = list(dict.fromkeys(r.problem for r in rows))
+    for p in problems:
+        if not (p.startswith("ridge") or p.startswith("logistic")):
+            continue
+        a = _find(rows, p, "implicit-cg", "hypergrad")
+        b = _find(rows, p, "implicit-cg", "torchopt")
+        if a and b:
+            note = f"errors {a.error:.1e} vs {b.error:.1e}" if a.error is not None and b.error is not None else ""
+            add("Implicit CG time <= 0.5x torchopt", p, _ratio(a.time_s, b.time_s), 0.5, note)
+    k_target = 100 if 100 in sizes.ks else max(sizes.ks)
+    label = f"ksweep_K{k_target}"
+    a = _find(rows, label, "unrolled-reverse", "hypergrad")
+    b = _find(rows, label, "unrolled-reverse", "higher")
+    if a and b:
+        add(f"Unrolled reverse peak memory <= 0.8x higher (K={k_target})", label,
+            _ratio(a.peak_mb, b.peak_mb), 0.8,
+            f"{a.peak_mb:.1f} vs {b.peak_mb:.1f} MB" if a.peak_mb and b.peak_mb else "not measured")
+        add(f"Unrolled reverse time <= 1.0x higher (K={k_target})", label, _ratio(a.time_s, b.time_s), 1.0,
+            f"{a.time_s * 1e3:.0f} vs {b.time_s * 1e3:.0f} ms")
+    fwd = [r for r in rows if r.problem.startswith("ksweep_K") and r.family == "unrolled-forward"]
+    if len(fwd) >= 2:
+        lo = min(fwd, key=lambda r: int(r.problem.split("K")[-1]))
+        hi = max(fwd, key=lambda r: int(r.problem.split("K")[-1]))
+        value = _ratio(hi.peak_mb, lo.peak_mb)
+        ok = None if value is None else abs(value - 1.0) <= 0.10
+        add(f"Unrolled forward memory flat in K ({lo.problem[7:]} -> {hi.problem[7:]}, within 10%)",
+            "ksweep", value, 1.10,
+            f"{lo.peak_mb:.2f} -> {hi.peak_mb:.2f} MB" if value is not None else "not measured", ok=ok)
+    for fam, label in (("fd-identity", "FiniteDifference (identity)"), ("fd-cg", "FiniteDifference (CG)"),
+                       ("penalty", "Penalty (T=1)")):
+        sel = [r for r in rows if r.family == fam]
+        if sel:
+            worst = max(sel, key=lambda r: r.geq)
+            add(f"{label} <= 4 gradient-equivalents", f"worst: {worst.problem}", worst.geq, 4.0,
+                "median over problems {:.1f}".format(statistics.median(r.geq for r in sel)))
+    return out
+
+
+def _fmt(x: float | None, spec: str = ".2f", none: str = "-") -> str:
+    return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _fmt_time(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
+def _plots(result: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows: list[Row] = result["rows"]
+    files = []
+    style = {"hypergrad": "-o", "higher": "--s", "torchopt": ":^"}
+    # K sweep
+    ks = [r for r in rows if r.problem.startswith("ksweep_K") and r.family != "unit"]
+    if ks:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for name in dict.fromkeys(re.sub(r" \(K=\d+.*\)", "", r.name) for r in ks):
+            sel = sorted((r for r in ks if re.sub(r" \(K=\d+.*\)", "", r.name) == name),
+                         key=lambda r: int(r.problem.split("K")[-1]))
+            K = [int(r.problem.split("K")[-1]) for r in sel]
+            axes[0].plot(K, [r.time_s * 1e3 for r in sel], style.get(sel[0].library, "-"), label=name)
+            if all(r.peak_mb is not None for r in sel):
+                axes[1].plot(K, [max(r.peak_mb, 1e-2) for r in sel], style.get(sel[0].library, "-"), label=name)
+        axes[0].set(xscale="log", yscale="log", xlabel="unroll length K", ylabel="time per hypergradient (ms)")
+        axes[1].set(xscale="log", yscale="log", xlabel="unroll length K", ylabel="peak memory over baseline (MB)")
+        axes[0].legend(fontsize=7)
+        axes[0].grid(True, which="both", alpha=0.3)
+        axes[1].grid(True, which="both", alpha=0.3)
+        fig.suptitle("Scaling in the unroll length K (small MLP on digits, scalar weight decay)")
+        fig.tight_layout()
+        fig.savefig(out / "hypergrad_k_scaling.png", dpi=110)
+        plt.close(fig)
+        files.append("hypergrad_k_scaling.png")
+    # parameter-count sweep (MLP) and logistic d sweep
+    for prefix, fname, title, xlabel in (
+        ("mlp_w", "hypergrad_mlp_scaling.png", "Scaling in the parameter count (MLP on digits)", "parameters"),
+        ("logistic_d", "hypergrad_logistic_scaling.png", "Scaling in d (logistic regression)", "features d"),
+    ):
+        sel_all = [r for r in rows if r.problem.startswith(prefix) and r.family != "unit"]
+        if not sel_all:
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for name in dict.fromkeys(re.sub(r" \(.*\)", "", r.name) for r in sel_all):
+            sel = [r for r in sel_all if re.sub(r" \(.*\)", "", r.name) == name]
+            xs = [r.extra.get("n_params") or int(re.sub(r"\D", "", r.problem)) for r in sel]
+            order = sorted(range(len(sel)), key=lambda i: xs[i])
+            xs = [xs[i] for i in order]
+            sel = [sel[i] for i in order]
+            axes[0].plot(xs, [r.time_s * 1e3 for r in sel], style.get(sel[0].library, "-"), label=name)
+            if all(r.peak_mb is not None for r in sel):
+                axes[1].plot(xs, [max(r.peak_mb, 1e-2) for r in sel], style.get(sel[0].library, "-"), label=name)
+        axes[0].set(xscale="log", yscale="log", xlabel=xlabel, ylabel="time per hypergradient (ms)")
+        axes[1].set(xscale="log", yscale="log", xlabel=xlabel, ylabel="peak memory over baseline (MB)")
+        axes[0].legend(fontsize=7)
+        axes[0].grid(True, which="both", alpha=0.3)
+        axes[1].grid(True, which="both", alpha=0.3)
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        files.append(fname)
+    return files
+
+
+def render(result: dict[str, Any], out: Path | None) -> str:
+    """The markdown report (written to ``out/hypergrad.md`` with the plots when ``out`` is set)."""
+    rows: list[Row] = result["rows"]
+    meta = result["meta"]
+    sizes: Sizes = result["sizes"]
+    lines = [
+        "# hypergrad vs torchopt and higher",
+        "",
+        f"- Command: `{result.get('command', 'python benchmarks/hypergrad_bench.py')}` "
+        f"({sizes.name} mode; wall time {result['elapsed_s'] / 60:.1f} min)",
+        f"- Date: {meta['date']}",
+        f"- Machine: {meta['cpu']}, {meta['cores']} cores; torch threads = {meta['threads']} for every "
+        f"library (load average at the end: {', '.join(f'{x:.1f}' for x in meta['load']) if meta['load'] else '?'})",
+        f"- Versions: torch {meta['torch']}, torchopt {meta['torchopt']}, higher {meta['higher']}, "
+        f"hypergrad {meta['hypergrad']}, Python {meta['python']}",
+        "- Timing: the runners of one problem are interleaved (A B C ... with a rotating start) after a "
+        "warm-up call; medians over the rounds. Memory: peak RSS over the baseline taken after "
+        "imports, data and a warm-up call, one fresh process per configuration.",
+        "- *grad-eq*: time per hypergradient divided by the time of one inner gradient "
+        "(`torch.autograd.grad` of g w.r.t. w) on the same problem, in the same interleaved rounds.",
+        "- *error*: relative error ||est - ref|| / ||ref|| against the reference named in each section; "
+        "unrolled methods estimate the gradient of the K-step objective, so their error includes the "
+        "truncation bias rho^K. *agree*: relative difference of a peer to the same estimator of ours.",
+        "",
+        "## Targets",
+        "",
+        "| target | where | measured | limit | result | note |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in targets(rows, sizes):
+        res = {True: "pass", False: "**FAIL**", None: "n/a"}[t["pass"]]
+        lines.append(f"| {t['target']} | {t['where']} | {_fmt(t['value'])} | {t['limit']:g} | {res} | {t['note']} |")
+    lines += ["", "## Ratio table (ours / peer)", "",
+              "| pair | problem | ours ms | peer ms | time ratio | ours MB | peer MB | memory ratio | ours error | peer error | agree |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in pair_ratios(rows):
+        lines.append(
+            f"| {p['pair']} | {p['problem']} | {p['ours_ms']:.3g} | {p['peer_ms']:.3g} | {_fmt(p['time_ratio'])} | "
+            f"{_fmt(p['ours_mb'], '.1f')} | {_fmt(p['peer_mb'], '.1f')} | {_fmt(p['mem_ratio'])} | "
+            f"{_fmt(p['ours_err'], '.1e')} | {_fmt(p['peer_err'], '.1e')} | {_fmt(p['agree'], '.0e')} |")
+    lines += ["", "## Per problem", ""]
+    titles = result.get("titles", {})
+    for problem in dict.fromkeys(r.problem for r in rows):
+        sel = [r for r in rows if r.problem == problem]
+        lines += [f"### {titles.get(problem, problem)}", ""]
+        if problem in result.get("ref_notes", {}):
+            lines += [f"Reference: {result['ref_notes'][problem]}.", ""]
+        lines += ["| method | library | ms / hypergradient | grad-eq | iterations | peak MB | error | agree |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in sel:
+            lines.append(
+                f"| {r.name} | {r.library} | {_fmt_time(r.time_s)} | {r.geq:.1f} | {_fmt(r.iterations, 'd')} | "
+                f"{_fmt(r.peak_mb, '.2f')} | {_fmt(r.error, '.1e')} | {_fmt(r.agree, '.0e')} |")
+        lines.append("")
+    if result.get("cleaning"):
+        lines += ["## Data hyper-cleaning: outer loop and test accuracy", "",
+                  f"Adam (lr 0.1) on the per-example logits for {sizes.clean_outer_steps} outer steps; "
+                  f"implicit methods take {sizes.clean_inner_steps} warm-started inner SGD steps before each "
+                  "hypergradient; the final weights are then used to retrain the classifier to convergence.",
+                  "", "| method | library | s / outer step | total s | test accuracy | mean weight clean | mean weight corrupted |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in result["cleaning"]:
+            lines.append(
+                f"| {c['name']} | {c['library']} | {_fmt(c.get('per_step_s'), '.3f')} | {_fmt(c.get('total_s'), '.1f')} | "
+                f"{c['test_acc']:.3f} | {_fmt(c.get('w_clean'), '.2f')} | {_fmt(c.get('w_corrupt'), '.2f')} |")
+        lines.append("")
+    if result.get("notes"):
+        lines += ["## Notes", "", *result["notes"], ""]
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        files = _plots(result, out)
+        if files:
+            lines += ["## Plots", ""] + [f"![{f}]({f})" for f in files] + [""]
+        (out / "hypergrad.md").write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+
+def metadata(threads: int) -> dict[str, Any]:
+    cpu = "unknown"
+    with_path = Path("/proc/cpuinfo")
+    if with_path.exists():
+        match = re.search(r"model name\s*:\s*(.+)", with_path.read_text())
+        cpu = match.group(1).strip() if match else cpu
+    torchopt, _ = _peers()
+    try:
+        from importlib.metadata import version
+
+        higher_v = version("higher")
+    except Exception:
+        higher_v = "?"
+    return {
+        "date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu, "cores": os.cpu_count(), "threads": threads,
+        "torch": torch.__version__, "torchopt": torchopt.__version__, "higher": higher_v,
+        "hypergrad": hg.__version__, "python": platform.python_version(),
+        "load": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="about one minute; no files unless --out")
+    parser.add_argument("--out", type=Path, default=None, help="write the report here")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, same for every library")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-configuration processes")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.worker:
+        _worker(args.worker)
+        return 0
+    sizes = QUICK if args.quick else FULL
+    if args.no_memory:
+        sizes = replace(sizes, memory=False)
+    out = args.out if args.out is not None else (None if args.quick else RESULTS)
+    command = "python benchmarks/hypergrad_bench.py" + (" --quick" if args.quick else "") + (
+        f" --threads {args.threads}" if args.threads != 1 else "")
+    print(f"hypergrad benchmark ({sizes.name}), torch {torch.__version__}, {args.threads} thread(s)")
+    result = suite(sizes, threads=args.threads, log=lambda m: print(m, flush=True))
+    result["command"] = command
+    text = render(result, out)
+    if out is None:
+        print(text)
+    else:
+        print(f"wrote {out / 'hypergrad.md'}")
+    print(f"total {result['elapsed_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

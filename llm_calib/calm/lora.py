@@ -1,0 +1,127 @@
+"""LoRA adapters (peft) and a functional view of the adapted model for :mod:`hypergrad`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from llm_calib.calm.config import LoraSettings
+from llm_calib.models import lm_head_logits, split_decoder_head
+from llm_calib.scoring.packing import PackedQuestions
+
+__all__ = ["FunctionalLM", "attach_lora"]
+
+
+def attach_lora(model: Any, settings: LoraSettings) -> Any:
+    """Wrap ``model`` with fresh LoRA adapters; the base weights are frozen.
+
+    LoRA's ``B`` matrices start at zero, so the adapted model initially computes exactly what the
+    base model does.
+
+    Args:
+        model: a Hugging Face causal LM.
+        settings: rank, alpha, dropout, target modules and layers.
+
+    Returns:
+        The :class:`peft.PeftModel`.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, _ = tiny_random_model()
+        >>> peft_model = attach_lora(model, LoraSettings(rank=2, layers=(1,)))
+        >>> sorted({n.split(".")[4] for n, p in peft_model.named_parameters() if p.requires_grad})
+        ['1']
+    """
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        layers_to_transform=list(settings.layers) if settings.layers is not None else None,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, config)
+    if not any(p.requires_grad for p in peft_model.parameters()):
+        raise ValueError(
+            f"LoRA target_modules={settings.target_modules} matched no module of "
+            f"{type(model).__name__}; check the module names"
+        )
+    return peft_model
+
+
+class FunctionalLM:
+    """A causal LM as a pure function of its trainable parameters θ.
+
+    ``theta`` is a ``dict[str, Tensor]`` keyed by parameter names relative to the decoder (for a
+    peft model: the LoRA weights). :meth:`head_logits` runs the decoder with θ substituted through
+    :func:`torch.func.functional_call` and applies the output head only at the gathered rows.
+
+    Args:
+        model: a Hugging Face causal LM or a peft wrapper of one.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.calm.config import LoraSettings
+        >>> model, _ = tiny_random_model()
+        >>> lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
+        >>> all("lora_" in k for k in lm.theta())
+        True
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.decoder, self.head = split_decoder_head(self.base)
+        self._decoder_names = {id(p): n for n, p in self.decoder.named_parameters()}
+
+    def theta(self) -> dict[str, Tensor]:
+        """Detached copies of the trainable parameters (``requires_grad``) of the decoder."""
+        out = {n: p.detach().clone() for n, p in self.decoder.named_parameters() if p.requires_grad}
+        if not out:
+            raise ValueError("the model has no trainable decoder parameters (attach LoRA first)")
+        head_trainable = [n for n, p in self.head.named_parameters() if p.requires_grad]
+        if head_trainable and self.head is not getattr(self.decoder, "embed_tokens", None):
+            raise ValueError(f"trainable output-head parameters {head_trainable} are not supported")
+        return out
+
+    def load_theta(self, theta: dict[str, Tensor]) -> None:
+        """Copy θ into the decoder's parameters in place."""
+        params = dict(self.decoder.named_parameters())
+        with torch.no_grad():
+            for k, v in theta.items():
+                params[k].copy_(v)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.decoder.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.decoder.parameters()).device
+
+    def hidden_rows(self, theta: dict[str, Tensor] | None, packed: PackedQuestions) -> Tensor:
+        """Final hidden states at ``packed.rows`` (``(R, hidden)``), with θ substituted."""
+        device = self.device
+        mask = packed.attention_mask
+        mask = packed.additive_mask(self.dtype) if mask.dim() == 4 else mask
+        kwargs = {
+            "input_ids": packed.input_ids.to(device),
+            "attention_mask": mask.to(device),
+            "position_ids": packed.position_ids.to(device),
+            "use_cache": False,
+        }
+        if theta is None:
+            out = self.decoder(**kwargs)
+        else:
+            out = torch.func.functional_call(self.decoder, theta, (), kwargs, strict=False)
+        hidden = out.last_hidden_state
+        return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(device)]
+
+    def head_logits(self, theta: dict[str, Tensor] | None, packed: PackedQuestions) -> Tensor:
+        """Vocabulary logits ``(R, V)`` at ``packed.rows`` (float32)."""
+        return lm_head_logits(self.base, self.head, self.hidden_rows(theta, packed))

@@ -1,0 +1,389 @@
+"""The calibration loop: CALM (BOME or F2SA from :mod:`hypergrad`) and the one-level baselines.
+
+One code path trains every method on the same data order, budget and seed. Each step draws an
+inner batch from the training set and, for CALM, an outer batch of held-out inputs (labels unused
+by the objective). Every ``eval_every`` steps the deployed model is scored on the whole held-out
+set; the run keeps the parameters with the lowest held-out ECE among those whose accuracy stays
+above ``guard_accuracy`` times the initial accuracy, and stops early (rolling back) when accuracy
+falls below it, so the recipe cannot degenerate into uniform predictions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+import hypergrad as hg
+from llm_calib import distributed
+from llm_calib.adjustment import LogitAdjustment
+from llm_calib.calm.config import CalibrationConfig
+from llm_calib.calm.lora import FunctionalLM, attach_lora
+from llm_calib.calm.objectives import Batch, CalmLosses
+from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from llm_calib.data.records import MultipleChoice
+from llm_calib.metrics import ece as ece_metric
+from llm_calib.prompts import PromptFormat, build_prompt, uses_chat_template
+from llm_calib.scoring.base import encode_prompt
+from llm_calib.scoring.letter import letter_token_ids
+from llm_calib.scoring.option_likelihood import encode_questions
+from llm_calib.scoring.packing import pack_letters, pack_questions
+
+__all__ = ["CalibrationResult", "TrainingDiverged", "calibrate", "encode_batch_source"]
+
+
+class TrainingDiverged(FloatingPointError):
+    """A loss or update became NaN/inf; the last good checkpoint is left untouched."""
+
+
+@dataclass
+class _Encoded:
+    """Tokenised questions of one split, ready to be packed into batches."""
+
+    records: list[MultipleChoice]
+    prompts: list[tuple[int, ...]]
+    options: list[tuple[tuple[int, ...], ...]]  # option continuations, or letter ids (1 token each)
+    letter: bool
+
+    def batch(self, indices: Sequence[int], pad_id: int) -> Batch:
+        idx = list(indices)
+        if self.letter:
+            packed = pack_letters([self.prompts[i] for i in idx], [[o[0] for o in self.options[i]] for i in idx], pad_id)
+        else:
+            packed = pack_questions([(self.prompts[i], self.options[i]) for i in idx], pad_id)
+        labels = torch.tensor([self.records[i].gold for i in idx], dtype=torch.long)
+        return Batch(packed, labels, [self.records[i].id for i in idx])
+
+
+def encode_batch_source(tokenizer: Any, records: Sequence[MultipleChoice], config: CalibrationConfig) -> _Encoded:
+    """Tokenise records once for the configured scorer and prompt format."""
+    records = list(records)
+    if not records:
+        raise ValueError("no records to encode")
+    if config.scorer == "letter":
+        fmt = PromptFormat(style="listed", chat_template=config.chat_template)
+        chat = uses_chat_template(tokenizer, fmt)
+        prompts = [tuple(encode_prompt(tokenizer, build_prompt(tokenizer, r.question, r.options, fmt), chat=chat)) for r in records]
+        options = [tuple((t,) for t in letter_token_ids(tokenizer, len(r.options))) for r in records]
+        return _Encoded(records, prompts, options, letter=True)
+    fmt = PromptFormat(style=config.prompt_style, chat_template=config.chat_template)
+    enc = encode_questions(tokenizer, records, fmt)
+    return _Encoded(records, [e.prompt for e in enc], [e.options for e in enc], letter=False)
+
+
+def _permutation(n: int, seed: int, epoch: int, stream: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 7919 + stream)
+    return torch.randperm(n, generator=gen).tolist()
+
+
+def _batch_indices(n: int, batch_size: int, step: int, seed: int, stream: int) -> list[int]:
+    """The global batch of ``step``: consecutive slices of a per-epoch seeded permutation."""
+    per_epoch = max(1, n // batch_size)
+    epoch, k = divmod(step, per_epoch)
+    perm = _permutation(n, seed, epoch, stream)
+    if batch_size >= n:
+        return perm
+    return perm[k * batch_size : (k + 1) * batch_size]
+
+
+def _shard(indices: list[int]) -> list[int]:
+    world, rank = distributed.world_size(), distributed.rank()
+    if world == 1:
+        return indices
+    if len(indices) % world:
+        raise ValueError(f"the batch size {len(indices)} must be divisible by the number of ranks {world}")
+    return indices[rank::world]
+
+
+@dataclass
+class CalibrationResult:
+    """The outcome of :func:`calibrate`.
+
+    Attributes:
+        model: the calibrated model (peft model with the selected adapter weights loaded). It is
+            deployed as is: λ is not needed at inference.
+        lam: the final logit adjustment λ (for inspection and research; CALM only).
+        history: per evaluation: step, held-out accuracy/ECE/NLL/entropy, losses, BOME's φ and q.
+        metrics: held-out metrics before and after training (``"before"``, ``"after"``).
+        config: the run's configuration.
+        timings: wall-clock seconds per phase.
+    """
+
+    model: Any
+    lam: dict[str, Tensor]
+    history: list[dict[str, float]]
+    metrics: dict[str, dict[str, float]]
+    config: CalibrationConfig
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``adapter/`` (peft ``save_pretrained``), ``lambda.safetensors``, ``config.json``,
+        ``history.json`` and ``metrics.json`` into ``directory``."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(str(out / "adapter"))
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.lam.items()}, str(out / "lambda.safetensors"))
+        (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+        (out / "history.json").write_text(json.dumps(self.history, indent=2))
+        (out / "metrics.json").write_text(json.dumps({"metrics": self.metrics, "timings": self.timings}, indent=2))
+        return out
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str], base_model: Any) -> CalibrationResult:
+        """Load a saved result onto ``base_model`` (the same base the adapter was trained on)."""
+        from peft import PeftModel
+        from safetensors.torch import load_file
+
+        src = Path(directory)
+        if not (src / "adapter").is_dir():
+            raise FileNotFoundError(f"{src}: no adapter/ directory (not a saved CalibrationResult)")
+        model = PeftModel.from_pretrained(base_model, str(src / "adapter"))
+        model.eval()
+        lam = load_file(str(src / "lambda.safetensors")) if (src / "lambda.safetensors").exists() else {}
+        config = CalibrationConfig.from_dict(json.loads((src / "config.json").read_text()))
+        history = json.loads((src / "history.json").read_text())
+        saved = json.loads((src / "metrics.json").read_text())
+        return cls(model, lam, history, saved["metrics"], config, saved.get("timings", {}))
+
+
+def _evaluate(losses: CalmLosses, data: _Encoded, pad_id: int, batch_size: int = 16) -> dict[str, float]:
+    """Held-out metrics of the deployed model (no adjustment), computed in inference mode."""
+    probs, labels = [], []
+    with torch.inference_mode():
+        for start in range(0, len(data.records), batch_size):
+            batch = data.batch(range(start, min(start + batch_size, len(data.records))), pad_id)
+            scores = losses.scores(None, None, batch).double()
+            probs.append(torch.softmax(scores, -1))
+            labels.append(batch.labels)
+    width = max(x.shape[1] for x in probs)
+    p = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in probs])
+    y = torch.cat(labels)
+    conf, pred = p.max(-1)
+    correct = (pred == y).double()
+    nll = -torch.log(p[torch.arange(len(y)), y].clamp_min(1e-12))
+    ent = -torch.where(p > 0, p * p.clamp_min(1e-300).log(), torch.zeros_like(p)).sum(-1)
+    return {
+        "accuracy": float(correct.mean()),
+        "ece": float(ece_metric(conf.numpy(), correct.numpy(), n_bins=10)),
+        "nll": float(nll.mean()),
+        "entropy": float(ent.mean()),
+        "confidence": float(conf.mean()),
+    }
+
+
+def _tree_to_flat(prefix: str, tree: dict[str, Any], out: dict[str, Tensor]) -> None:
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            _tree_to_flat(f"{prefix}{k}/", v, out)
+        elif isinstance(v, Tensor):
+            out[f"{prefix}{k}"] = v
+
+
+def _flat_to_tree(prefix: str, flat: dict[str, Tensor]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if not key.startswith(prefix):
+            continue
+        parts = key[len(prefix) :].split("/")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _make_method(config: CalibrationConfig) -> Any:
+    w_opt = hg.inner.Adam(lr=config.lr)
+    if config.solver == "bome":
+        return hg.BOME(
+            hg.inner.SGD(lr=config.inner_lr), w_lr=config.lr, inner_steps=config.inner_steps,
+            eta=config.bome_eta, w_optimizer=w_opt,
+        )
+    return hg.Penalty(sigma=config.f2sa_sigma, inner_optimizer=w_opt, inner_steps=config.inner_steps)
+
+
+def calibrate(
+    model: Any,
+    tokenizer: Any,
+    train: Sequence[MultipleChoice],
+    heldout: Sequence[MultipleChoice],
+    config: CalibrationConfig | None = None,
+    *,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> CalibrationResult:
+    """Fine-tune ``model`` (LoRA) so that its confidence is calibrated; return the result.
+
+    Args:
+        model: a Hugging Face causal LM; LoRA adapters are attached to it (its own weights stay
+            frozen). Pass a fresh copy per run.
+        tokenizer: its tokenizer.
+        train: labelled multiple-choice questions for the lower level (task cross-entropy).
+        heldout: held-out questions. Their inputs feed the upper-level entropy objective; their
+            labels are used only for monitoring, model selection and the accuracy guard.
+        config: the run's configuration (default :class:`CalibrationConfig()`).
+        checkpoint_dir: where to write checkpoints every ``config.checkpoint_every`` steps.
+        resume: continue from the newest checkpoint in ``checkpoint_dir`` when there is one.
+        progress: show a tqdm progress bar (loss, entropy, held-out ECE).
+
+    Returns:
+        A :class:`CalibrationResult`.
+
+    Raises:
+        TrainingDiverged: when a loss or update is NaN/inf (names the step and the batch).
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> model, tok = tiny_random_model()
+        >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
+        >>> cfg = CalibrationConfig(steps=2, batch_size=2, heldout_batch_size=2, eval_every=1)
+        >>> res = calibrate(model, tok, qs[:2], qs[2:], cfg, progress=False)
+        >>> sorted(res.metrics)
+        ['after', 'before']
+    """
+    config = config or CalibrationConfig()
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    torch.manual_seed(config.seed)
+    peft_model = attach_lora(model, config.lora)
+    peft_model.eval()  # no dropout randomness unless configured; LoRA dropout is applied in eval too when > 0
+    lm = FunctionalLM(peft_model)
+    vocab = lm.head.out_features if hasattr(lm.head, "out_features") else lm.base.config.vocab_size
+    train_enc = encode_batch_source(tokenizer, train, config)
+    heldout_enc = encode_batch_source(tokenizer, heldout, config)
+    if config.adjustment == "answer_tokens":
+        tokens = {t for src in (train_enc, heldout_enc) for opts in src.options for o in opts for t in o}
+        adjustment = LogitAdjustment.for_tokens(sorted(tokens), vocab, max_log_scale=config.max_log_scale, max_bias=config.max_bias)
+    else:
+        adjustment = LogitAdjustment(config.adjustment, vocab, max_log_scale=config.max_log_scale, max_bias=config.max_bias)
+    losses = CalmLosses(lm, adjustment, config.normalize, config.label_smoothing, config.penalty_beta)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    timings["setup"] = time.perf_counter() - t0
+
+    theta = lm.theta()
+    lam = adjustment.init(dtype=torch.float32, device=lm.device)
+    lam_params = {k: v.clone().requires_grad_(True) for k, v in lam.items()}
+    lam_optimizer = torch.optim.Adam(list(lam_params.values()), lr=config.lam_lr)
+    theta_opt = hg.inner.Adam(lr=config.lr)
+    theta_opt_state = theta_opt.init(theta)
+    method_state: dict[str, Any] | None = None
+    history: list[dict[str, float]] = []
+    start_step = 0
+    t_eval = time.perf_counter()
+    before = _evaluate(losses, heldout_enc, pad_id)
+    timings["evaluate_before"] = time.perf_counter() - t_eval
+    best = {"ece": before["ece"], "step": 0}
+    best_theta = {k: v.clone() for k, v in theta.items()}
+    best_lam = {k: v.detach().clone() for k, v in lam_params.items()}
+
+    if resume and checkpoint_dir is not None and (ckpt := latest_checkpoint(checkpoint_dir)) is not None:
+        tensors, state = load_checkpoint(ckpt)
+        theta = _flat_to_tree("theta/", tensors)
+        best_theta = _flat_to_tree("best_theta/", tensors)
+        for k, v in _flat_to_tree("lam/", tensors).items():
+            with torch.no_grad():
+                lam_params[k].copy_(v)
+        best_lam = _flat_to_tree("best_lam/", tensors)
+        theta_opt_state = _flat_to_tree("theta_opt/", tensors)
+        method_state = _flat_to_tree("method/", tensors) or None
+        lam_optimizer.load_state_dict(state["lam_optimizer"])
+        history, best, start_step, before = state["history"], state["best"], state["step"], state["before"]
+        torch.set_rng_state(state["rng"])
+
+    method = _make_method(config) if config.method == "calm" else None
+    problem = hg.BilevelProblem(inner=losses.inner, outer=losses.outer) if method else None
+    stopped_early = False
+    bar = tqdm(range(start_step, config.steps), desc=f"calibrate[{config.method}]", disable=not progress or distributed.rank() != 0,
+               initial=start_step, total=config.steps, dynamic_ncols=True)
+    t_train = time.perf_counter()
+    step = start_step
+    for step in bar:
+        inner_idx = _shard(_batch_indices(len(train_enc.records), config.batch_size, step, config.seed, 0))
+        inner_batch = train_enc.batch(inner_idx, pad_id)
+        record: dict[str, float] = {"step": step + 1}
+        try:
+            if method is not None:
+                outer_idx = _shard(_batch_indices(len(heldout_enc.records), config.heldout_batch_size, step, config.seed, 1))
+                outer_batch = heldout_enc.batch(outer_idx, pad_id)
+                lam_now = {k: v.detach() for k, v in lam_params.items()}
+                r = method.hypergrad(problem, theta, lam_now, inner_batch, outer_batch, method_state)
+                lam_optimizer.zero_grad(set_to_none=False)
+                for k, p in lam_params.items():
+                    p.grad = r.grad[k].detach().clone()
+                lam_optimizer.step()
+                adjustment.clamp_(lam_params)
+                theta, method_state = r.w, r.state
+                record.update({k: float(v) for k, v in r.info.extra.items() if isinstance(v, (int, float))})
+            else:
+                _, grad, _ = hg._autodiff.loss_and_grads(
+                    lambda w, _lam: losses.baseline(config.method, w, inner_batch), theta, {"_": torch.zeros(1)},
+                    wrt_lam=False, what=f"{config.method} loss",
+                )
+                with torch.no_grad():
+                    theta, theta_opt_state = theta_opt.update(theta, grad, theta_opt_state)
+                theta = {k: v.detach() for k, v in theta.items()}
+            hg._pytree.check_finite(theta, "updated LoRA parameters")
+        except (hg.NonFiniteError, FloatingPointError) as err:
+            raise TrainingDiverged(
+                f"step {step + 1}: {err}; batch ids {inner_batch.ids[:8]}{'...' if len(inner_batch.ids) > 8 else ''}. "
+                "No checkpoint was written for this step; lower the learning rates or check the data."
+            ) from err
+        done = step + 1
+        if done % config.eval_every == 0 or done == config.steps:
+            lm.load_theta(theta)
+            metrics = _evaluate(losses, heldout_enc, pad_id)
+            record.update({f"heldout_{k}": v for k, v in metrics.items()})
+            if metrics["accuracy"] + 1e-12 >= config.guard_accuracy * before["accuracy"] and metrics["ece"] < best["ece"]:
+                best = {"ece": metrics["ece"], "step": done}
+                best_theta = {k: v.clone() for k, v in theta.items()}
+                best_lam = {k: v.detach().clone() for k, v in lam_params.items()}
+            bar.set_postfix(ece=f"{metrics['ece']:.3f}", acc=f"{metrics['accuracy']:.3f}", H=f"{metrics['entropy']:.3f}")
+            history.append(record)
+            if metrics["accuracy"] < config.guard_accuracy * before["accuracy"]:
+                stopped_early = True
+        else:
+            history.append(record)
+        if checkpoint_dir is not None and config.checkpoint_every and (done % config.checkpoint_every == 0 or stopped_early):
+            if distributed.rank() == 0:
+                _save(checkpoint_dir, done, theta, best_theta, lam_params, best_lam, theta_opt_state, method_state,
+                      lam_optimizer, history, best, before)
+        if stopped_early:
+            break
+    timings["train"] = time.perf_counter() - t_train
+    lm.load_theta(best_theta)
+    t_eval = time.perf_counter()
+    after = _evaluate(losses, heldout_enc, pad_id)
+    timings["evaluate_after"] = time.perf_counter() - t_eval
+    after["selected_step"] = float(best["step"])
+    after["stopped_early"] = float(stopped_early)
+    return CalibrationResult(peft_model, best_lam, history, {"before": before, "after": after}, config, timings)
+
+
+def _save(directory, step, theta, best_theta, lam_params, best_lam, theta_opt_state, method_state, lam_optimizer,
+          history, best, before) -> None:
+    tensors: dict[str, Tensor] = {}
+    _tree_to_flat("theta/", theta, tensors)
+    _tree_to_flat("best_theta/", best_theta, tensors)
+    _tree_to_flat("lam/", {k: v.detach() for k, v in lam_params.items()}, tensors)
+    _tree_to_flat("best_lam/", best_lam, tensors)
+    _tree_to_flat("theta_opt/", theta_opt_state, tensors)
+    if method_state:
+        _tree_to_flat("method/", method_state, tensors)
+    state = {
+        "step": step, "history": history, "best": best, "before": before,
+        "lam_optimizer": lam_optimizer.state_dict(), "rng": torch.get_rng_state(),
+    }
+    save_checkpoint(directory, step, tensors, state)
+

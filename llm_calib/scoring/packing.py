@@ -1,0 +1,202 @@
+"""Packing multiple-choice questions into one forward pass, shared by scoring and training.
+
+One row per question holds ``prompt + option_1 + ... + option_K``. A 4-D attention mask lets every
+option attend to the prompt and to itself only, and position ids restart after the prompt for
+every option, so each option sees exactly the context it would see alone while the prompt is
+computed once. Only the hidden states that predict an option token are gathered (``rows``); the
+vocabulary head is applied to those alone.
+
+The same structure describes the letter scorer: one gathered row per question (the answer
+position) and one one-token "option" per letter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["PackedQuestions", "option_scores_from_logits", "pack_letters", "pack_questions"]
+
+
+@dataclass
+class PackedQuestions:
+    """Model inputs and gather indices for a batch of questions.
+
+    Attributes:
+        input_ids: ``(B, L)`` token ids.
+        attention_mask: ``(B, 1, L, L)`` boolean "may attend" mask, or ``(B, L)`` padding mask.
+        position_ids: ``(B, L)``.
+        rows: flat indices ``b * L + t`` of the hidden states that need the head.
+        target_rows: for each scored token, its index into ``rows``.
+        target_ids: for each scored token, the token id whose log-probability is read.
+        target_option: for each scored token, the global option index it belongs to.
+        option_question: for each option, its question index.
+        option_lengths: token count of each option.
+        n_options: options per question.
+
+    Example:
+        >>> p = pack_questions([((1, 2), ((3,), (4, 5)))], pad_id=0)
+        >>> p.input_ids.tolist(), p.position_ids.tolist()
+        ([[1, 2, 3, 4, 5]], [[0, 1, 2, 2, 3]])
+        >>> p.rows.tolist(), p.target_rows.tolist(), p.target_ids.tolist()
+        ([1, 3], [0, 0, 1], [3, 4, 5])
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    rows: Tensor
+    target_rows: Tensor
+    target_ids: Tensor
+    target_option: Tensor
+    option_question: Tensor
+    option_lengths: Tensor
+    n_options: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        """Number of questions."""
+        return len(self.n_options)
+
+    def additive_mask(self, dtype: torch.dtype) -> Tensor:
+        """The 4-D mask as additive biases (0 where allowed, the dtype's minimum elsewhere)."""
+        if self.attention_mask.dim() != 4:
+            raise ValueError("additive_mask needs the 4-D packed mask")
+        out = torch.zeros(self.attention_mask.shape, dtype=dtype)
+        return out.masked_fill_(~self.attention_mask, torch.finfo(dtype).min)
+
+
+def pack_questions(
+    items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_id: int
+) -> PackedQuestions:
+    """Pack ``(prompt_ids, [option_ids, ...])`` pairs, one row per question.
+
+    Args:
+        items: per question, the prompt ids and each option's continuation ids.
+        pad_id: id written into padding positions (never attended to).
+
+    Returns:
+        A :class:`PackedQuestions`.
+    """
+    B = len(items)
+    if B == 0:
+        raise ValueError("pack_questions needs at least one question")
+    L = max(len(p) + sum(len(o) for o in opts) for p, opts in items)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    pos = torch.zeros((B, L), dtype=torch.long)
+    seg = torch.full((B, L), -1, dtype=torch.long)
+    rows: list[int] = []
+    target_rows: list[int] = []
+    target_ids: list[int] = []
+    target_option: list[int] = []
+    option_question: list[int] = []
+    option_lengths: list[int] = []
+    n_options: list[int] = []
+    for b, (prompt, options) in enumerate(items):
+        p = len(prompt)
+        if p == 0:
+            raise ValueError(f"question {b}: empty prompt")
+        ids[b, :p] = torch.tensor(list(prompt))
+        pos[b, :p] = torch.arange(p)
+        seg[b, :p] = 0
+        first_row = len(rows)
+        rows.append(b * L + p - 1)  # predicts the first token of every option
+        offset = p
+        for k, opt in enumerate(options):
+            n = len(opt)
+            if n == 0:
+                raise ValueError(f"question {b}, option {k}: no tokens")
+            ids[b, offset : offset + n] = torch.tensor(list(opt))
+            pos[b, offset : offset + n] = torch.arange(p, p + n)
+            seg[b, offset : offset + n] = k + 1
+            option_index = len(option_lengths)
+            for j in range(n):
+                if j == 0:
+                    target_rows.append(first_row)
+                else:
+                    target_rows.append(len(rows))
+                    rows.append(b * L + offset + j - 1)
+                target_ids.append(int(opt[j]))
+                target_option.append(option_index)
+            option_question.append(b)
+            option_lengths.append(n)
+            offset += n
+        n_options.append(len(options))
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    q_seg, k_seg = seg[:, :, None], seg[:, None, :]
+    allowed = causal & (k_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))
+    # Padding queries attend to themselves only, which keeps softmax rows finite.
+    allowed |= torch.eye(L, dtype=torch.bool)[None] & (seg < 0)[:, :, None]
+    return PackedQuestions(
+        ids, allowed[:, None], pos, torch.tensor(rows), torch.tensor(target_rows), torch.tensor(target_ids),
+        torch.tensor(target_option), torch.tensor(option_question), torch.tensor(option_lengths), n_options,
+    )
+
+
+def pack_letters(prompts: Sequence[Sequence[int]], letter_ids: Sequence[Sequence[int]], pad_id: int) -> PackedQuestions:
+    """Pack letter-scorer prompts (right-padded); each option is its single letter token.
+
+    Args:
+        prompts: prompt ids per question (options listed in the prompt).
+        letter_ids: per question, the letter token id of each option.
+        pad_id: padding id.
+
+    Example:
+        >>> p = pack_letters([(1, 2, 3), (4,)], [(7, 8), (7, 8, 9)], pad_id=0)
+        >>> p.rows.tolist(), p.target_rows.tolist(), p.n_options
+        ([2, 3], [0, 0, 1, 1, 1], [2, 3])
+    """
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    rows, target_rows, target_ids, target_option, option_question, n_options = [], [], [], [], [], []
+    for b, (prompt, letters) in enumerate(zip(prompts, letter_ids, strict=True)):
+        ids[b, : len(prompt)] = torch.tensor(list(prompt))
+        mask[b, : len(prompt)] = 1
+        rows.append(b * L + len(prompt) - 1)
+        for tok in letters:
+            target_rows.append(b)
+            target_ids.append(int(tok))
+            target_option.append(len(option_question))
+            option_question.append(b)
+        n_options.append(len(letters))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return PackedQuestions(
+        ids, mask, pos, torch.tensor(rows), torch.tensor(target_rows), torch.tensor(target_ids),
+        torch.tensor(target_option), torch.tensor(option_question), torch.ones(len(option_question), dtype=torch.long),
+        n_options,
+    )
+
+
+def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize: str = "sum") -> Tensor:
+    """Option scores ``(B, K_max)`` from head logits at ``packed.rows``; padding holds ``-inf``.
+
+    ``logits`` are full-vocabulary logits ``(len(rows), V)`` (possibly adjusted); the score of an
+    option is the sum (``"sum"``) or mean (``"mean"``) of its tokens' log-probabilities.
+    Differentiable in ``logits``.
+
+    Example:
+        >>> import torch
+        >>> p = pack_questions([((1,), ((2,), (3, 4)))], pad_id=0)
+        >>> s = option_scores_from_logits(torch.zeros(2, 5), p)
+        >>> [round(v, 4) for v in s[0].tolist()]   # log(1/5) and 2 * log(1/5)
+        [-1.6094, -3.2189]
+    """
+    if normalize not in ("sum", "mean"):
+        raise ValueError(f"normalize must be 'sum' or 'mean', got {normalize!r}")
+    device = logits.device
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    token_lp = logp[packed.target_rows.to(device), packed.target_ids.to(device)]
+    n_opt = len(packed.option_lengths)
+    per_option = torch.zeros(n_opt, dtype=token_lp.dtype, device=device).index_add(
+        0, packed.target_option.to(device), token_lp
+    )
+    if normalize == "mean":
+        per_option = per_option / packed.option_lengths.to(device, token_lp.dtype)
+    B, K = packed.batch_size, max(packed.n_options)
+    out = torch.full((B, K), float("-inf"), dtype=token_lp.dtype, device=device)
+    slot = torch.cat([torch.arange(k) for k in packed.n_options]).to(device)
+    return out.index_put((packed.option_question.to(device), slot), per_option)

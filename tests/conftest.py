@@ -1,0 +1,67 @@
+"""Shared fixtures: a tiny randomly initialised Llama model with a tokenizer built in code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llm_calib.data.records import MultipleChoice
+from llm_calib.models import tiny_random_model
+
+# The suite runs under pytest-xdist with one worker per core; tiny models gain nothing from
+# intra-op threads, and oversubscribed OpenMP threads make them 10-20x slower.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> tuple[Any, Any]:
+    """(model, tokenizer): 2 layers, hidden 32, ~350-token byte-level BPE, chat template."""
+    return tiny_random_model(seed=0, init_std=0.1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny: tuple[Any, Any]) -> Any:
+    return tiny[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny: tuple[Any, Any]) -> Any:
+    return tiny[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_plain_tokenizer() -> Any:
+    """The same tokenizer without a chat template."""
+    return tiny_random_model(seed=0, init_std=0.1, chat_template=False)[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny: tuple[Any, Any]) -> Path:
+    """The tiny model and tokenizer saved with ``save_pretrained``."""
+    path = tmp_path_factory.mktemp("tiny_model")
+    model, tokenizer = tiny
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def mc_records() -> list[MultipleChoice]:
+    """Nine questions with 2 to 5 options of different token lengths, in two domains."""
+    out = []
+    for i in range(9):
+        k = 2 + i % 4
+        options = tuple(f"option {j}" + " and more" * ((i + j) % 3) for j in range(k))
+        out.append(
+            MultipleChoice(
+                f"Question {i}: which of these is right? " + "Think. " * (i % 3),
+                options,
+                i % k,
+                "even" if i % 2 == 0 else "odd",
+                f"q{i}",
+            )
+        )
+    return out

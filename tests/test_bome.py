@@ -1,0 +1,206 @@
+"""BOME: the multiplier on hand cases, and convergence to the bilevel solution of ridge regression."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hypergrad as hg
+from hypergrad.bome import bome_phi
+from tests._problems import DT
+
+# ---------------------------------------------------------------------------------------------
+# Hand cases. w, lam scalars; g = (w - lam)^2 / 2, so one SGD step with lr = 1 lands on
+# w_hat = lam exactly: q = (w - lam)^2 / 2, grad_w q = w - lam, grad_lam q = -(w - lam) - 0.
+# f = a w + b lam, so grad f = (a, b). At w = 2, lam = 0: q = 2, grad q = (2, -2), |grad q|^2 = 8.
+
+
+def _hand_problem(a: float, b: float) -> hg.BilevelProblem:
+    g = lambda w, lam, batch: 0.5 * ((w["w"] - lam["lam"]) ** 2).sum()  # noqa: E731
+    f = lambda w, lam, batch: (a * w["w"] + b * lam["lam"]).sum()  # noqa: E731
+    return hg.BilevelProblem(g, f)
+
+
+W0 = {"w": torch.tensor([2.0], dtype=DT)}
+LAM0 = {"lam": torch.tensor([0.0], dtype=DT)}
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "eta", "barrier", "phi"),
+    [
+        # value: phi = (eta q - <f', q'>) / |q'|^2, <f', q'> = 2a - 2b
+        (1.0, 0.0, 3.0, "value", (3.0 * 2 - 2.0) / 8),  # 0.5
+        (1.0, 1.0, 1.0, "value", (1.0 * 2 - 0.0) / 8),  # 0.25: grad f orthogonal to grad q
+        (-1.0, 0.5, 0.5, "value", (0.5 * 2 + 3.0) / 8),  # 0.5: grad f points uphill in q
+        (5.0, 0.0, 3.0, "value", 0.0),  # slack: 2a = 10 > eta q = 6, no correction
+        # gradient: phi = (eta |q'|^2 - <f', q'>) / |q'|^2
+        (1.0, 0.0, 1.0, "gradient", (1.0 * 8 - 2.0) / 8),  # 0.75
+        (1.0, 0.0, 0.1, "gradient", 0.0),  # slack: <f', q'> = 2 > 0.8
+        (-1.0, 0.0, 0.1, "gradient", (0.8 + 2.0) / 8),  # 0.35
+    ],
+)
+def test_phi_and_direction_on_hand_cases(a, b, eta, barrier, phi):
+    w_lr = 0.1
+    method = hg.BOME(hg.inner.SGD(lr=1.0), w_lr=w_lr, inner_steps=1, eta=eta, barrier=barrier)
+    r = method.hypergrad(_hand_problem(a, b), W0, LAM0)
+    assert r.info.extra["phi"] == pytest.approx(phi, abs=1e-14)
+    assert r.info.extra["q"] == pytest.approx(2.0, abs=1e-14)
+    assert r.info.extra["grad_q_norm"] == pytest.approx(8**0.5, abs=1e-14)
+    d_w, d_lam = a + phi * 2.0, b - phi * 2.0  # d = grad f + phi grad q
+    assert r.grad["lam"].item() == pytest.approx(d_lam, abs=1e-14)
+    assert r.w["w"].item() == pytest.approx(2.0 - w_lr * d_w, abs=1e-14)
+    assert r.state is None and r.info.grad_evals == 3
+
+
+def test_hand_case_with_several_inner_steps():
+    """T = 2 steps of lr 0.5 from w = 2: w_hat = 2 * 0.25 = 0.5, q = 2 - 0.125 = 1.875,
+    grad_lam q = -(2 - 0) + (0.5 - 0) = -1.5, grad_w q = 2."""
+    method = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=2, eta=1.0, barrier="value")
+    r = method.hypergrad(_hand_problem(1.0, 0.0), W0, LAM0)
+    sq = 2.0**2 + 1.5**2
+    phi = (1.0 * 1.875 - 1.0 * 2.0) / sq  # negative: clipped to 0
+    assert phi < 0 and r.info.extra["phi"] == 0.0
+    assert r.info.extra["q"] == pytest.approx(1.875, abs=1e-14)
+    assert r.info.extra["grad_q_norm"] == pytest.approx(sq**0.5, abs=1e-14)
+    assert r.grad["lam"].item() == 0.0 and r.w["w"].item() == pytest.approx(2.0 - 0.1 * 1.0)
+    r = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=2, eta=4.0).hypergrad(
+        _hand_problem(1.0, 0.0), W0, LAM0
+    )
+    phi = (4.0 * 1.875 - 2.0) / sq
+    assert r.info.extra["phi"] == pytest.approx(phi, abs=1e-14)
+    assert r.grad["lam"].item() == pytest.approx(-1.5 * phi, abs=1e-14)
+    assert r.info.grad_evals == 4
+
+
+def test_bome_phi_function():
+    assert bome_phi(2.0, 2.0, 8.0, 3.0, "value") == 0.5
+    assert bome_phi(2.0, 2.0, 8.0, 1.0, "gradient") == 0.75
+    assert bome_phi(2.0, 10.0, 8.0, 3.0, "value") == 0.0
+    assert bome_phi(2.0, -1.0, 0.0, 3.0, "value") == 0.0  # grad q = 0: nothing to correct
+    with pytest.raises(ValueError, match="barrier"):
+        bome_phi(1.0, 1.0, 1.0, 1.0, "log")
+
+
+def test_at_the_inner_solution_the_direction_is_grad_f():
+    """w = w*(lam): q = 0 and grad q = 0, so phi = 0 and d = grad f."""
+    method = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=3)
+    lam = {"lam": torch.tensor([1.5], dtype=DT)}
+    r = method.hypergrad(_hand_problem(2.0, -3.0), {"w": lam["lam"].clone()}, lam)
+    assert r.info.extra == {"phi": 0.0, "q": 0.0, "grad_q_norm": 0.0}
+    assert r.grad["lam"].item() == -3.0 and r.w["w"].item() == pytest.approx(1.5 - 0.1 * 2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Convergence on ridge regression, regularisation strength chosen on validation data.
+
+
+def _ridge(n: int, d: int, seed: int, lam0: float, noise_v: float):
+    r"""g = |X w - y|^2 / 2n + exp(lam) |w|^2 / 2,  f = |Xv w - yv|^2 / 2n  (lam scalar).
+
+    The validation targets come from the ridge fit at ``lam0`` plus noise ``noise_v``, so F has a
+    unique minimiser near ``lam0`` and the validation residual there is small (BOME with fixed
+    steps stalls at a distance O(w_lr * |grad_w f|) from the solution, see the BOME docstring).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    w_true = torch.randn(d, generator=gen, dtype=DT)
+    X, Xv = torch.randn(n, d, generator=gen, dtype=DT), torch.randn(n, d, generator=gen, dtype=DT)
+    y = X @ w_true + torch.randn(n, generator=gen, dtype=DT)
+
+    def w_star(lam: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.solve(X.T @ X / n + torch.exp(lam) * torch.eye(d, dtype=DT), X.T @ y / n)
+
+    yv = Xv @ w_star(torch.tensor([lam0], dtype=DT)) + noise_v * torch.randn(n, generator=gen, dtype=DT)
+
+    def g(w, lam, batch):
+        r = X @ w["w"] - y
+        return 0.5 * (r @ r) / n + 0.5 * torch.exp(lam["lam"]).sum() * (w["w"] @ w["w"])
+
+    def f(w, lam, batch):
+        r = Xv @ w["w"] - yv
+        return 0.5 * (r @ r) / n
+
+    def dF(lam: float) -> float:
+        lam_ = torch.tensor([lam], dtype=DT, requires_grad=True)
+        r = Xv @ w_star(lam_) - yv
+        return torch.autograd.grad(0.5 * (r @ r) / n, lam_)[0].item()
+
+    L = float(torch.linalg.eigvalsh(X.T @ X / n).max()) + 1.0  # bound on the inner curvature
+    return hg.BilevelProblem(g, f), w_star, dF, L
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), lam0=st.floats(-1.5, -0.5))
+def test_reaches_the_bilevel_solution_of_ridge_regression(seed, lam0):
+    d, n = 5, 30
+    problem, w_star, dF, L = _ridge(n, d, seed, lam0, noise_v=0.002)
+    # The outer optimum is unique: F' changes sign once on a grid.
+    grid = torch.linspace(-4.0, 2.0, 61).tolist()
+    signs = [dF(x) > 0 for x in grid]
+    assert sum(a != b for a, b in zip(signs, signs[1:], strict=False)) == 1
+    w0, lam_init = {"w": torch.zeros(d, dtype=DT)}, {"lam": torch.zeros(1, dtype=DT)}
+    # Reference: gradient descent on F with exact implicit hypergradients.
+    ref = hg.solve(problem, w0, lam_init, hg.Implicit(hg.linear.Dense()),
+                   lambda p: torch.optim.SGD(p, lr=3.0), steps=150, inner_steps=20,
+                   inner_optimizer=hg.inner.SGD(lr=1.0 / L), progress=False)
+    lam_star = ref.lam["lam"].item()
+    assert abs(dF(lam_star)) < 1e-7  # the reference is stationary, checked in closed form
+    assert abs(lam_init["lam"].item() - lam_star) > 0.4  # BOME has somewhere to go
+    for barrier in ("value", "gradient"):
+        bome = hg.BOME(hg.inner.SGD(lr=1.0 / L), w_lr=0.3, inner_steps=10, eta=0.5, barrier=barrier)
+        # w moves with w_lr = 0.3, lam with the outer optimizer's lr = 1 (no inner steps: BOME
+        # advances w itself).
+        res = hg.solve(problem, w0, lam_init, bome, lambda p: torch.optim.SGD(p, lr=1.0),
+                       steps=300, progress=False)
+        lam_bome = res.lam["lam"].item()
+        assert abs(lam_bome - lam_star) < 1e-3, (barrier, lam_bome, lam_star)
+        assert float((res.w["w"] - w_star(res.lam["lam"])).norm()) < 1e-2
+
+
+def test_no_double_backward_and_cost(monkeypatch):
+    problem, w_star, dF, L = _ridge(20, 3, 1, -1.0, 0.1)
+    calls = {"grad": 0, "create_graph": 0}
+    orig = torch.autograd.grad
+
+    def grad(*args, **kwargs):
+        calls["grad"] += 1
+        calls["create_graph"] += bool(kwargs.get("create_graph", False))
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", grad)
+    for T in (1, 4):
+        calls["grad"] = 0
+        r = hg.BOME(hg.inner.SGD(lr=0.1), w_lr=0.1, inner_steps=T).hypergrad(
+            problem, {"w": torch.zeros(3, dtype=DT)}, {"lam": torch.zeros(1, dtype=DT)}
+        )
+        assert calls["grad"] == T + 2 == r.info.grad_evals
+    assert calls["create_graph"] == 0
+
+
+def test_non_finite_direction_raises():
+    g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()  # noqa: E731
+    f = lambda w, lam, b: torch.where(w["x"] > 1e9, torch.sqrt(-w["x"]), w["x"]).sum()  # noqa: E731
+    lam = {"c": torch.tensor([1.0, 2.0], dtype=DT)}
+    with pytest.raises(hg.NonFiniteError):
+        hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1).hypergrad(hg.BilevelProblem(g, f), {"x": lam["c"] + 1}, lam)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"inner_steps": 0}, ValueError, "inner_steps"),
+        ({"inner_steps": 2.0}, TypeError, "inner_steps"),
+        ({"eta": 0.0}, ValueError, "eta"),
+        ({"eta": -1.0}, ValueError, "eta"),
+        ({"eta": "big"}, TypeError, "eta"),
+        ({"w_lr": 0.0}, ValueError, "w_lr"),
+        ({"w_lr": float("nan")}, ValueError, "w_lr"),
+        ({"barrier": "log"}, ValueError, "barrier"),
+        ({"inner_optimizer": "sgd"}, TypeError, "inner_optimizer"),
+    ],
+)
+def test_invalid_arguments_raise_naming_the_argument(kwargs, error, name):
+    args = {"inner_optimizer": hg.inner.SGD(lr=0.1), "w_lr": 0.1} | kwargs
+    with pytest.raises(error, match=name):
+        hg.BOME(**args)
