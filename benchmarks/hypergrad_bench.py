@@ -38,6 +38,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -93,6 +94,7 @@ class Sizes:
     min_repeats: int = 3
     budget_s: float = 25.0  # per problem instance: stop adding interleaved rounds after this
     memory: bool = True
+    memory_only: tuple[str, ...] | None = None  # measure memory only for these problem prefixes
 
 
 FULL = Sizes("full")
@@ -117,6 +119,7 @@ QUICK = Sizes(
     min_repeats=2,
     budget_s=3.0,
     memory=True,
+    memory_only=("ksweep",),
 )
 TINY = replace(
     QUICK,
@@ -588,13 +591,13 @@ def _metasgd(b: Bench, K: int, warm_K: int = 2) -> Runner:
 
 
 def _unrolled(b: Bench, K: int, mode: str = "reverse", truncate: int | None = None,
-              warm_K: int = 2) -> Runner:
+              warm_K: int = 2, checkpoint: bool = False) -> Runner:
     problem = b.problem
     info: dict[str, Any] = {}
 
     def run(steps: int) -> Tensor:
         t = None if truncate is None else min(truncate, steps)
-        m = hg.Unrolled(hg.inner.SGD(lr=b.lr), steps=steps, mode=mode, truncate=t)
+        m = hg.Unrolled(hg.inner.SGD(lr=b.lr), steps=steps, mode=mode, truncate=t, checkpoint=checkpoint)
         r = m.hypergrad(problem, b.w, b.lam)
         info.update(iterations=r.info.iterations, grad_evals=r.info.grad_evals)
         return flat(r.grad)
@@ -603,6 +606,8 @@ def _unrolled(b: Bench, K: int, mode: str = "reverse", truncate: int | None = No
         name, family = f"Unrolled forward (K={K})", "unrolled-forward"
     elif truncate is not None:
         name, family = f"Unrolled truncated (K={K}, k={truncate})", "unrolled-truncated"
+    elif checkpoint:
+        name, family = f"Unrolled reverse, checkpoint=True (K={K})", "unrolled-checkpoint"
     else:
         name, family = f"Unrolled reverse (K={K})", "unrolled-reverse"
     return Runner(name, "hypergrad", family, lambda: run(K), info, warm=lambda: run(min(K, warm_K)))
@@ -660,6 +665,8 @@ def make_runners(b: Bench, sizes: Sizes, which: list[str] | None = None, K: int 
                                f"custom_root + solve_inv(ns=True, {steps} terms)", "implicit-neumann"))
     if want("unrolled-reverse"):
         add("unrolled-reverse", _unrolled(b, K), _higher(b, K), _metasgd(b, K))
+    if want("unrolled-checkpoint"):
+        add("unrolled-checkpoint", _unrolled(b, K, checkpoint=True))
     if want("unrolled-truncated"):
         add("unrolled-truncated", _unrolled(b, K, truncate=max(1, K // 10)))
     if want("unrolled-forward") and b.n_hyper <= 8:
@@ -681,9 +688,23 @@ def make_runners(b: Bench, sizes: Sizes, which: list[str] | None = None, K: int 
 # ------------------------------------------------------------------------------- timing
 
 
-def time_interleaved(runners: list[Runner], sizes: Sizes, log: Callable[[str], None]) -> dict[str, Any]:
+def cpu_timer(threads: int) -> Callable[[], float]:
+    """CPU time of the computation: the calling thread's with one torch thread (the autograd engine
+    and every kernel then run on it), the process's otherwise.
+
+    Wall time is not used: on a shared machine a computation longer than the scheduler's slice is
+    preempted by other processes, which inflates long calls more than short ones and would bias
+    both the ratios and the gradient-equivalents. On an idle machine with one thread CPU time
+    equals wall time.
+    """
+    return time.thread_time if threads == 1 else time.process_time
+
+
+def time_interleaved(runners: list[Runner], sizes: Sizes, log: Callable[[str], None],
+                     threads: int = 1) -> dict[str, Any]:
     """Warm up, then time rounds A B C ... (rotating the start), until ``repeats`` rounds or the
     time budget. Returns per-runner medians, all samples and the first call's output."""
+    clock = cpu_timer(threads)
     outputs: dict[str, Tensor] = {}
     samples: dict[str, list[float]] = {r.name: [] for r in runners}
     start = time.perf_counter()
@@ -698,14 +719,17 @@ def time_interleaved(runners: list[Runner], sizes: Sizes, log: Callable[[str], N
         gc.disable()  # as timeit does: no collector pauses inside the timed calls
         try:
             for r in order:
-                t0 = time.perf_counter()
+                t0 = clock()
                 r.fn()
-                samples[r.name].append(time.perf_counter() - t0)
+                samples[r.name].append(clock() - t0)
         finally:
             gc.enable()
         rounds += 1
         elapsed = time.perf_counter() - start
-        if rounds >= sizes.min_repeats and elapsed + elapsed / rounds > sizes.budget_s:
+        per_round = elapsed / rounds
+        # expensive instances (a round longer than a third of the budget) may stop after one round
+        min_rounds = sizes.min_repeats if per_round < sizes.budget_s / 3 else 1
+        if rounds >= min_rounds and elapsed + per_round > sizes.budget_s:
             break
     log(f"    timed {rounds} interleaved round(s) of {len(runners)} runners in "
         f"{time.perf_counter() - start:.1f}s (warm-up {warm_s:.1f}s)")
@@ -753,7 +777,10 @@ def _measure_one(config: dict[str, Any]) -> dict[str, Any]:
     runners = make_runners(b, sizes, [config["group"]], K=config.get("K"))
     runner = next(r for r in runners if r.name == config["name"])
     t_warm = time.perf_counter()
-    (runner.warm or runner.fn)()
+    # Methods whose memory does not grow with K warm up at full size (their peak is small, so
+    # allocator state matters); the others warm up with K = 2 (their peak dwarfs that noise).
+    lean = runner.family in ("unrolled-forward", "unrolled-checkpoint", "unrolled-truncated")
+    (runner.fn if lean or runner.warm is None else runner.warm)()
     t_warm_end = time.perf_counter()
     gc.collect()
     _malloc_trim()
@@ -863,16 +890,29 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _pairs(rows: list[Row]) -> dict[str, Row]:
-    return {r.name: r for r in rows}
+def fill_memory(rows: list[Row], threads: int, log: Callable[[str], None]) -> None:
+    """Measure every row's peak memory in fresh processes, interleaving ours and the peers."""
+    todo = [r for r in rows if "memory_config" in r.extra]
+    configs = []
+    for i, r in enumerate(todo):
+        configs.append({"id": str(i), **r.extra.pop("memory_config")})
+    mem = measure_memory(configs, threads, log)
+    for i, r in enumerate(todo):
+        m = mem.get(str(i), {})
+        if "peak_mb" in m:
+            r.peak_mb = m["peak_mb"]
+        elif "error" in m:
+            r.extra["memory_error"] = m["error"]
 
 
 def run_problem(
     b: Bench, sizes: Sizes, runners: list[Runner], cache: Path | None, threads: int,
     log: Callable[[str], None], memory: bool,
 ) -> list[Row]:
+    """Time the runners (interleaved); attach each row's memory configuration (measured later, in
+    fresh processes, by :func:`fill_memory`)."""
     log(f"  {b.title}")
-    timing = time_interleaved(runners, sizes, log)
+    timing = time_interleaved(runners, sizes, log, threads)
     unit = timing["median"]["one inner gradient (unit)"]
     outs = timing["outputs"]
     rows = []
@@ -890,23 +930,18 @@ def run_problem(
         rows.append(Row(b.key, r.name, r.library, r.family, t, t / unit, err, agree,
                         r.info.get("iterations"), r.info.get("grad_evals"),
                         extra={"n_params": b.n_params, "n_hyper": b.n_hyper}))
+    if sizes.memory_only is not None and not b.key.startswith(sizes.memory_only):
+        memory = False
     if memory and cache is not None:
-        configs = []
-        order = [r for r in runners if r.family != "unit"]
-        for i, r in enumerate(order):
-            configs.append({
-                "id": str(i), "spec": b.extra_spec, "cache": str(cache), "mode": sizes.name,
-                "threads": threads, "group": r.group, "name": r.name, "K": b.extra.get("K"),
-                "extra": {k: v for k, v in b.extra.items() if k == "neumann_steps"},
-            })
-        mem = measure_memory(configs, threads, log)
-        for i, r in enumerate(order):
-            m = mem.get(str(i), {})
+        for r in runners:
+            if r.family == "unit":
+                continue
             row = next(x for x in rows if x.name == r.name)
-            if "peak_mb" in m:
-                row.peak_mb = m["peak_mb"]
-            elif "error" in m:
-                row.extra["memory_error"] = m["error"]
+            row.extra["memory_config"] = {
+                "spec": b.extra_spec, "cache": str(cache), "mode": sizes.name, "threads": threads,
+                "group": r.group, "name": r.name, "K": b.extra.get("K"),
+                "extra": {k: v for k, v in b.extra.items() if k == "neumann_steps"},
+            }
     return rows
 
 
@@ -965,7 +1000,8 @@ def suite(sizes: Sizes, threads: int = 1, log: Callable[[str], None] = print,
                 "K": sizes.mlp_K, "maxiter": 10, "sigma": 1e-2,
                 "inner_iters": 100 if width >= 512 else 200}
         b = _spec_bench(spec, cache)
-        fams = ["unit", "implicit-cg", "unrolled-reverse", "unrolled-forward", "fd", "penalty"]
+        fams = ["unit", "implicit-cg", "unrolled-reverse", "unrolled-checkpoint", "unrolled-forward",
+                "fd", "penalty"]
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
 
     # 5. unroll length sweep on a small MLP
@@ -974,9 +1010,14 @@ def suite(sizes: Sizes, threads: int = 1, log: Callable[[str], None] = print,
                 "width": sizes.ksweep_width, "batch": sizes.mlp_batch, "K": K, "maxiter": 10,
                 "sigma": 1e-2, "inner_iters": 200}
         b = _spec_bench(spec, cache)
-        fams = ["unit", "unrolled-reverse", "unrolled-truncated", "unrolled-forward"]
+        fams = ["unit", "unrolled-reverse", "unrolled-checkpoint", "unrolled-truncated",
+                "unrolled-forward"]
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
 
+    if memory:
+        fill_memory(rows, threads, log)
+    if own_cache:
+        shutil.rmtree(cache, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
     return {"rows": rows, "cleaning": cleaning, "elapsed_s": elapsed, "threads": threads,
             "sizes": sizes, "meta": metadata(threads), "titles": dict(_TITLES),
@@ -1068,22 +1109,23 @@ def hyper_cleaning(b: Bench, sizes: Sizes, log: Callable[[str], None]) -> list[d
     w0 = {k: v.detach().clone() for k, v in b.model.named_parameters()}
     lam0 = {k: v.clone() for k, v in b.lam.items()}
     log(f"  hyper-cleaning outer loop: {steps} Adam steps per method")
+    clock = cpu_timer(torch.get_num_threads())
     for name, library, step in methods:
         lam_p = lam0["logit_weight"].clone().requires_grad_(True)
         opt = torch.optim.Adam([lam_p], lr=0.1)
         w = {k: v.clone() for k, v in w0.items()}
         st: dict[str, Any] = {}
         hyper_s = 0.0
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(steps):
             lam = {"logit_weight": lam_p.detach()}
-            t1 = time.perf_counter()
+            t1 = clock()
             grad, w = step(w, lam, st)
-            hyper_s += time.perf_counter() - t1
+            hyper_s += clock() - t1
             opt.zero_grad()
             lam_p.grad = grad["logit_weight"].detach().clone()
             opt.step()
-        total = time.perf_counter() - t0
+        total = clock() - t0
         lam_final = {"logit_weight": lam_p.detach()}
         acc = _accuracy(b, _retrain(b, lam_final))
         weights = torch.sigmoid(lam_final["logit_weight"])
@@ -1172,6 +1214,13 @@ def targets(rows: list[Row], sizes: Sizes) -> list[dict[str, Any]]:
             f"{a.peak_mb:.1f} vs {b.peak_mb:.1f} MB" if a.peak_mb and b.peak_mb else "not measured")
         add(f"Unrolled reverse time <= 1.0x higher (K={k_target})", label, _ratio(a.time_s, b.time_s), 1.0,
             f"{a.time_s * 1e3:.0f} vs {b.time_s * 1e3:.0f} ms")
+        c = _find(rows, label, "unrolled-checkpoint", "hypergrad")
+        if c:
+            add(f"  same, Unrolled(checkpoint=True): peak memory <= 0.8x higher (K={k_target})", label,
+                _ratio(c.peak_mb, b.peak_mb), 0.8,
+                f"{c.peak_mb:.1f} vs {b.peak_mb:.1f} MB" if c.peak_mb and b.peak_mb else "not measured")
+            add(f"  same, Unrolled(checkpoint=True): time <= 1.0x higher (K={k_target})", label,
+                _ratio(c.time_s, b.time_s), 1.0, f"{c.time_s * 1e3:.0f} vs {b.time_s * 1e3:.0f} ms")
     fwd = [r for r in rows if r.problem.startswith("ksweep_K") and r.family == "unrolled-forward"]
     if len(fwd) >= 2:
         lo = min(fwd, key=lambda r: int(r.problem.split("K")[-1]))

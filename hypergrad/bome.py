@@ -76,6 +76,16 @@ class BOME:
     condition up to the factor :math:`(I - \alpha H)^T`, so larger ``T`` brings them closer to
     the bilevel solution.
 
+    **Fixed steps stall at distance O(w_lr).** As ``w`` approaches :math:`w^*(\lambda)`,
+    :math:`\nabla q \to 0` and :math:`\varphi` grows like :math:`1/\lVert w - w^*\rVert`, until
+    the step :math:`\text{w\_lr}\,\varphi \lVert H \rVert` reaches about 2; the iteration then
+    settles on a 2-cycle with :math:`\lVert w - w^*\rVert = O(\text{w\_lr}\, \lVert\nabla_w f
+    \rVert)` and a matching :math:`O(\text{w\_lr})` offset in :math:`\lambda`. Where
+    :math:`\nabla_w f` is small at the solution (the validation loss nearly minimised by
+    :math:`w^*`) the offset is negligible; otherwise decrease ``w_lr`` and the outer learning rate
+    for high accuracy (measured on ridge regression with validation noise 0.05: offsets of 1e-3
+    to 5e-3 in :math:`\lambda` at ``w_lr = 0.3``, shrinking about linearly with ``w_lr``).
+
     Cost: ``T + 2`` gradient evaluations per call (``info.grad_evals``): the first inner step's
     backward also yields :math:`\nabla_\lambda g(w, \lambda)`; one backward at
     :math:`\hat w_T` (for :math:`g(\hat w_T)` and :math:`\nabla_\lambda g(\hat w_T)`); one for
@@ -88,6 +98,9 @@ class BOME:
         inner_steps: ``T >= 1``.
         eta: barrier coefficient :math:`\eta > 0`.
         barrier: ``"value"`` or ``"gradient"``, see above.
+        w_optimizer: optional optimizer (e.g. ``hg.inner.Adam(lr)``) that steps ``w`` along
+            :math:`d_w` instead of plain ``w - w_lr * d_w``; its state is carried in
+            ``result.state["w_opt_state"]`` (pass it back through ``state``).
 
     Raises:
         ValueError: ``inner_steps < 1``, ``eta <= 0``, ``w_lr <= 0``, unknown ``barrier``.
@@ -109,6 +122,7 @@ class BOME:
     inner_steps: int = 10
     eta: float = 0.5
     barrier: str = "value"
+    w_optimizer: InnerOptimizer | None = None
 
     def __post_init__(self) -> None:
         opt = self.inner_optimizer
@@ -141,7 +155,8 @@ class BOME:
     ) -> HypergradResult:
         """Return the BOME direction ``d_lam`` as ``grad`` and ``w - w_lr * d_w`` as ``w``.
 
-        ``state`` is unused (BOME is stateless); the result's ``state`` is None.
+        ``state`` carries ``w_optimizer``'s state when one is set; otherwise BOME is stateless
+        and the result's ``state`` is None.
         """
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
@@ -181,7 +196,15 @@ class BOME:
         d_lam = tree_axpy(phi, grad_lam_q, grad_lam_f)
         check_finite(d_lam, "BOME direction d_lam")
         check_finite(d_w, "BOME direction d_w")
-        new_w = tree_detach(tree_axpy(-float(self.w_lr), d_w, w))
+        new_state: dict[str, Any] | None = None
+        if self.w_optimizer is None:
+            new_w = tree_detach(tree_axpy(-float(self.w_lr), d_w, w))
+        else:
+            w_opt_state = (state or {}).get("w_opt_state") or self.w_optimizer.init(w)
+            with torch.no_grad():
+                new_w, w_opt_state = self.w_optimizer.update(w, d_w, w_opt_state)
+            new_w = tree_detach(new_w)
+            new_state = {"w_opt_state": tree_detach(w_opt_state)}
         info = HypergradInfo(
             iterations=self.inner_steps,
             residual=sq_norm**0.5,
@@ -189,4 +212,4 @@ class BOME:
             grad_evals=self.inner_steps + 2,
             extra={"phi": phi, "q": q, "grad_q_norm": sq_norm**0.5},
         )
-        return HypergradResult(tree_detach(d_lam), new_w, info, None)
+        return HypergradResult(tree_detach(d_lam), new_w, info, new_state)

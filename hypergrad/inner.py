@@ -67,7 +67,9 @@ class SGD:
         return {}
 
     def update(self, w: Tree, grad: Tree, state: Tree) -> tuple[Tree, Tree]:
-        return {k: w[k] - self.lr * grad[k] for k in w}, state
+        # One fused op per leaf (as torch.optim.SGD's add_(grad, alpha=-lr)): in reverse-mode
+        # unrolling every op here is recorded K times and replayed in the backward pass.
+        return {k: torch.add(w[k], grad[k], alpha=-self.lr) for k in w}, state
 
 
 @dataclass(frozen=True)
@@ -96,12 +98,12 @@ class Momentum:
         return {f"m.{k}": torch.zeros_like(v) for k, v in w.items()}
 
     def update(self, w: Tree, grad: Tree, state: Tree) -> tuple[Tree, Tree]:
-        new_state = {f"m.{k}": self.beta * state[f"m.{k}"] + grad[k] for k in w}
+        new_state = {f"m.{k}": torch.add(grad[k], state[f"m.{k}"], alpha=self.beta) for k in w}
         if self.nesterov:
-            step = {k: grad[k] + self.beta * new_state[f"m.{k}"] for k in w}
+            step = {k: torch.add(grad[k], new_state[f"m.{k}"], alpha=self.beta) for k in w}
         else:
             step = {k: new_state[f"m.{k}"] for k in w}
-        return {k: w[k] - self.lr * step[k] for k in w}, new_state
+        return {k: torch.add(w[k], step[k], alpha=-self.lr) for k in w}, new_state
 
 
 @dataclass(frozen=True)

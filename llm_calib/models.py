@@ -290,7 +290,7 @@ def lm_head_logits(model: Any, head: Any, hidden: torch.Tensor) -> torch.Tensor:
         hidden: final hidden states ``(..., hidden_size)``.
 
     Returns:
-        Logits ``(..., vocab_size)`` in float32.
+        Logits ``(..., vocab_size)``; half-precision heads are upcast to float32, float64 stays.
 
     Example:
         >>> import torch
@@ -301,7 +301,9 @@ def lm_head_logits(model: Any, head: Any, hidden: torch.Tensor) -> torch.Tensor:
         >>> lm_head_logits(m, m.lm_head, torch.zeros(3, 16)).shape
         torch.Size([3, 64])
     """
-    logits = head(hidden).float()
+    logits = head(hidden)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
     cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -140,7 +142,7 @@ def test_error_is_second_order_in_eps_on_logistic_regression(n, d, seed, solver)
         errors.append(rel_err(estimate, exact))
     # Truncation dominates (errors ~1e-3..1e-6, round-off ~1e-13): halving eps divides by 4.
     assert errors[-1] > 1e-10, errors  # not exact: the test really sees the O(eps^2) term
-    ratios = [a / b for a, b in zip(errors, errors[1:], strict=False)]
+    ratios = [a / b for a, b in itertools.pairwise(errors)]
     assert all(3.5 < r < 4.5 for r in ratios), (errors, ratios)
 
 

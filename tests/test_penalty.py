@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -29,7 +31,7 @@ def _sigma_errors(problem, w_star, lam, exact, L_g, mu_g, L_f, steps):
 
 
 def _check_linear(errors):
-    ratios = [a / b for a, b in zip(errors, errors[1:], strict=False)]
+    ratios = [a / b for a, b in itertools.pairwise(errors)]
     assert errors[0] < 0.2, errors  # sigma is in the asymptotic regime
     assert errors[-1] > 1e-8, errors  # and the bias is really there
     assert all(1.7 < r < 2.3 for r in ratios), (errors, ratios)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -73,11 +74,59 @@ class FunctionalLM:
         True
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, cache_trunk: bool = True) -> None:
         self.model = model
         self.base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.decoder, self.head = split_decoder_head(self.base)
-        self._decoder_names = {id(p): n for n, p in self.decoder.named_parameters()}
+        trainable_layers = sorted(
+            {int(m.group(1)) for n, p in self.decoder.named_parameters() if p.requires_grad and (m := re.match(r"layers\.(\d+)\.", n))}
+        )
+        has_other_trainable = any(
+            p.requires_grad and not n.startswith("layers.") for n, p in self.decoder.named_parameters()
+        )
+        layered = all(hasattr(self.decoder, a) for a in ("layers", "norm", "rotary_emb"))
+        self.trunk_layers = 0
+        if cache_trunk and layered and trainable_layers and not has_other_trainable:
+            self.trunk_layers = trainable_layers[0]
+
+    @property
+    def caches_trunk(self) -> bool:
+        """True when the frozen bottom layers are computed once and cached (top-k LoRA)."""
+        return self.trunk_layers > 0
+
+    def trunk_hidden(self, packed: PackedQuestions) -> Tensor:
+        """Hidden states entering the first trainable layer, ``(B, L, hidden)`` (no grad)."""
+        device = self.device
+        mask = packed.additive_mask(self.dtype) if packed.attention_mask.dim() == 4 else packed.attention_mask
+        with torch.inference_mode():
+            out = self.decoder(
+                input_ids=packed.input_ids.to(device), attention_mask=mask.to(device),
+                position_ids=packed.position_ids.to(device), use_cache=False, output_hidden_states=True,
+            )
+        return out.hidden_states[self.trunk_layers].clone()
+
+    def _top_layers(self, theta: dict[str, Tensor] | None, packed: PackedQuestions, trunk: Tensor) -> Tensor:
+        device = self.device
+        pos = packed.position_ids.to(device)
+        hidden = trunk.to(device)
+        mask = _four_d_additive(packed, self.dtype).to(device)
+        position_embeddings = self.decoder.rotary_emb(hidden, position_ids=pos)
+        per_layer: dict[int, dict[str, Tensor]] = {}
+        for name, value in (theta or {}).items():
+            m = re.match(r"layers\.(\d+)\.(.+)", name)
+            if m is None:
+                raise ValueError(f"theta entry {name!r} is not inside a decoder layer")
+            per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = value
+        for index in range(self.trunk_layers, len(self.decoder.layers)):
+            layer = self.decoder.layers[index]
+            kwargs = {"attention_mask": mask, "position_ids": pos, "position_embeddings": position_embeddings}
+            if index in per_layer:
+                hidden = torch.func.functional_call(layer, per_layer[index], (hidden,), kwargs, strict=False)
+            else:
+                hidden = layer(hidden, **kwargs)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        return self.decoder.norm(hidden)
 
     def theta(self) -> dict[str, Tensor]:
         """Detached copies of the trainable parameters (``requires_grad``) of the decoder."""
@@ -104,9 +153,18 @@ class FunctionalLM:
     def device(self) -> torch.device:
         return next(self.decoder.parameters()).device
 
-    def hidden_rows(self, theta: dict[str, Tensor] | None, packed: PackedQuestions) -> Tensor:
-        """Final hidden states at ``packed.rows`` (``(R, hidden)``), with θ substituted."""
+    def hidden_rows(
+        self, theta: dict[str, Tensor] | None, packed: PackedQuestions, trunk: Tensor | None = None
+    ) -> Tensor:
+        """Final hidden states at ``packed.rows`` (``(R, hidden)``), with θ substituted.
+
+        With ``trunk`` (from :meth:`trunk_hidden`) only the layers from the first trainable one up
+        run; the result equals the full forward.
+        """
         device = self.device
+        if trunk is not None:
+            hidden = self._top_layers(theta, packed, trunk)
+            return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(device)]
         mask = packed.attention_mask
         mask = packed.additive_mask(self.dtype) if mask.dim() == 4 else mask
         kwargs = {
@@ -122,6 +180,19 @@ class FunctionalLM:
         hidden = out.last_hidden_state
         return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(device)]
 
-    def head_logits(self, theta: dict[str, Tensor] | None, packed: PackedQuestions) -> Tensor:
+    def head_logits(
+        self, theta: dict[str, Tensor] | None, packed: PackedQuestions, trunk: Tensor | None = None
+    ) -> Tensor:
         """Vocabulary logits ``(R, V)`` at ``packed.rows`` (float32)."""
-        return lm_head_logits(self.base, self.head, self.hidden_rows(theta, packed))
+        return lm_head_logits(self.base, self.head, self.hidden_rows(theta, packed, trunk))
+
+
+def _four_d_additive(packed: PackedQuestions, dtype: torch.dtype) -> Tensor:
+    if packed.attention_mask.dim() == 4:
+        return packed.additive_mask(dtype)
+    keys = packed.attention_mask.bool()
+    L = keys.shape[1]
+    allowed = torch.ones(L, L, dtype=torch.bool).tril()[None] & keys[:, None, :]
+    allowed |= torch.eye(L, dtype=torch.bool)[None]
+    out = torch.zeros((keys.shape[0], 1, L, L), dtype=dtype)
+    return out.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)

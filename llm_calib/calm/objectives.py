@@ -34,11 +34,14 @@ class Batch:
         packed: model inputs and gather indices.
         labels: gold option per question, ``(B,)``.
         ids: record ids (for diagnostics).
+        trunk: cached hidden states entering the first trainable layer (``(B, L, hidden)``), or
+            None to run the whole decoder.
     """
 
     packed: PackedQuestions
     labels: Tensor
     ids: list[str]
+    trunk: Tensor | None = None
 
 
 def _masked_log_softmax(scores: Tensor) -> Tensor:
@@ -103,7 +106,7 @@ class CalmLosses:
 
     def scores(self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch) -> Tensor:
         """Option scores ``(B, K_max)``; adjusted when ``lam`` is given."""
-        logits = self.lm.head_logits(theta, batch.packed)
+        logits = self.lm.head_logits(theta, batch.packed, batch.trunk)
         if lam is not None:
             logits = self.adjustment.apply(logits, lam)
         return option_scores_from_logits(logits, batch.packed, self.normalize)

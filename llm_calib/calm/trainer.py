@@ -46,21 +46,43 @@ class TrainingDiverged(FloatingPointError):
 
 @dataclass
 class _Encoded:
-    """Tokenised questions of one split, ready to be packed into batches."""
+    """Tokenised questions of one split, ready to be packed into batches.
+
+    With a trunk-caching model the hidden states entering the first trainable layer are computed
+    once per question and kept in ``trunk_cache``.
+    """
 
     records: list[MultipleChoice]
     prompts: list[tuple[int, ...]]
     options: list[tuple[tuple[int, ...], ...]]  # option continuations, or letter ids (1 token each)
     letter: bool
+    trunk_cache: dict[int, Tensor] = field(default_factory=dict)
 
-    def batch(self, indices: Sequence[int], pad_id: int) -> Batch:
-        idx = list(indices)
+    def _pack(self, idx: list[int], pad_id: int):
         if self.letter:
-            packed = pack_letters([self.prompts[i] for i in idx], [[o[0] for o in self.options[i]] for i in idx], pad_id)
-        else:
-            packed = pack_questions([(self.prompts[i], self.options[i]) for i in idx], pad_id)
+            return pack_letters([self.prompts[i] for i in idx], [[o[0] for o in self.options[i]] for i in idx], pad_id)
+        return pack_questions([(self.prompts[i], self.options[i]) for i in idx], pad_id)
+
+    def _length(self, i: int) -> int:
+        return len(self.prompts[i]) + (0 if self.letter else sum(len(o) for o in self.options[i]))
+
+    def batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None) -> Batch:
+        idx = list(indices)
+        packed = self._pack(idx, pad_id)
         labels = torch.tensor([self.records[i].gold for i in idx], dtype=torch.long)
-        return Batch(packed, labels, [self.records[i].id for i in idx])
+        trunk = None
+        if lm is not None and lm.caches_trunk:
+            missing = [i for i in dict.fromkeys(idx) if i not in self.trunk_cache]
+            for start in range(0, len(missing), 16):
+                chunk = missing[start : start + 16]
+                hidden = lm.trunk_hidden(self._pack(chunk, pad_id))
+                for row, i in enumerate(chunk):
+                    self.trunk_cache[i] = hidden[row, : self._length(i)].clone()
+            L = packed.input_ids.shape[1]
+            trunk = torch.stack(
+                [torch.nn.functional.pad(self.trunk_cache[i], (0, 0, 0, L - self.trunk_cache[i].shape[0])) for i in idx]
+            )
+        return Batch(packed, labels, [self.records[i].id for i in idx], trunk)
 
 
 def encode_batch_source(tokenizer: Any, records: Sequence[MultipleChoice], config: CalibrationConfig) -> _Encoded:
@@ -161,7 +183,7 @@ def _evaluate(losses: CalmLosses, data: _Encoded, pad_id: int, batch_size: int =
     probs, labels = [], []
     with torch.inference_mode():
         for start in range(0, len(data.records), batch_size):
-            batch = data.batch(range(start, min(start + batch_size, len(data.records))), pad_id)
+            batch = data.batch(range(start, min(start + batch_size, len(data.records))), pad_id, losses.lm)
             scores = losses.scores(None, None, batch).double()
             probs.append(torch.softmax(scores, -1))
             labels.append(batch.labels)
@@ -311,12 +333,12 @@ def calibrate(
     step = start_step
     for step in bar:
         inner_idx = _shard(_batch_indices(len(train_enc.records), config.batch_size, step, config.seed, 0))
-        inner_batch = train_enc.batch(inner_idx, pad_id)
+        inner_batch = train_enc.batch(inner_idx, pad_id, lm)
         record: dict[str, float] = {"step": step + 1}
         try:
             if method is not None:
                 outer_idx = _shard(_batch_indices(len(heldout_enc.records), config.heldout_batch_size, step, config.seed, 1))
-                outer_batch = heldout_enc.batch(outer_idx, pad_id)
+                outer_batch = heldout_enc.batch(outer_idx, pad_id, lm)
                 lam_now = {k: v.detach() for k, v in lam_params.items()}
                 r = method.hypergrad(problem, theta, lam_now, inner_batch, outer_batch, method_state)
                 lam_optimizer.zero_grad(set_to_none=False)

@@ -6,7 +6,9 @@ Each question costs one forward pass, shared with the other questions of its bat
   attention mask under which every option attends to the prompt and to itself only, and position
   ids that restart after the prompt for every option. The prompt is computed once per question.
 * ``"padded"``: the ``K`` sequences ``prompt + option_i`` as separate right-padded rows (the prompt
-  is recomputed ``K`` times; works with any model that accepts a 2-D padding mask).
+  is recomputed ``K`` times; works with any model that accepts a 2-D padding mask). Use it for
+  models whose attention the packed 4-D mask cannot express (sliding-window attention on inputs
+  longer than the window, attention implementations that ignore custom masks).
 
 Either way only the hidden states that predict an option token go through the output head (the
 vocabulary projection is the most expensive single matrix of a small model), and the position

@@ -188,7 +188,9 @@ def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize
     if normalize not in ("sum", "mean"):
         raise ValueError(f"normalize must be 'sum' or 'mean', got {normalize!r}")
     device = logits.device
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
     token_lp = logp[packed.target_rows.to(device), packed.target_ids.to(device)]
     n_opt = len(packed.option_lengths)
     per_option = torch.zeros(n_opt, dtype=token_lp.dtype, device=device).index_add(
