@@ -81,11 +81,11 @@ class Sizes:
     clean_train: int = 1000
     clean_outer_steps: int = 60
     clean_inner_steps: int = 30
-    clean_unroll_K: int = 30
+    clean_unroll_k: int = 30
     mlp_widths: tuple[int, ...] = (64, 256, 1000)
     mlp_batch: int = 256
-    mlp_K: int = 10
-    unroll_K: int = 100
+    mlp_k: int = 10
+    unroll_k: int = 100
     ks: tuple[int, ...] = (10, 30, 100, 300, 1000)
     ksweep_width: int = 64
     tol: float = 1e-6
@@ -107,11 +107,11 @@ QUICK = Sizes(
     clean_train=400,
     clean_outer_steps=8,
     clean_inner_steps=20,
-    clean_unroll_K=10,
+    clean_unroll_k=10,
     mlp_widths=(32, 128),
     mlp_batch=64,
-    mlp_K=5,
-    unroll_K=20,
+    mlp_k=5,
+    unroll_k=20,
     ks=(10, 100),
     ksweep_width=32,
     neumann_cap=100,
@@ -131,11 +131,11 @@ TINY = replace(
     clean_train=200,
     clean_outer_steps=3,
     clean_inner_steps=10,
-    clean_unroll_K=5,
+    clean_unroll_k=5,
     mlp_widths=(16,),
     mlp_batch=32,
-    mlp_K=3,
-    unroll_K=10,
+    mlp_k=3,
+    unroll_k=10,
     ks=(10,),
     ksweep_width=16,
     neumann_cap=60,
@@ -307,7 +307,7 @@ def _digits_split(n_train: int, dtype: torch.dtype, corrupt: float, seed: int = 
     n_val = 300
     tr, va, te = perm[:n_train], perm[n_train : n_train + n_val], perm[n_train + n_val :]
     y_tr = y[tr].clone()
-    n_bad = int(round(corrupt * n_train))
+    n_bad = round(corrupt * n_train)
     bad = torch.randperm(n_train, generator=gen)[:n_bad]
     shift = torch.randint(1, 10, (n_bad,), generator=gen)
     y_tr[bad] = (y_tr[bad] + shift) % 10  # a wrong label, uniformly among the other nine
@@ -446,6 +446,10 @@ def build_bench(spec: dict[str, Any], cache_dir: Path | None = None) -> Bench:
     if kind == "mlp":
         # Non-convex: a few hundred LBFGS iterations give an approximate inner solution.
         b.w = _minimize(lambda w: b.g(w, lam), w0, max_iter=spec.get("inner_iters", 200), tol=1e-7)
+    elif kind == "ridge":  # the exact minimiser: the reference below is then the closed form
+        X, n = b.data["X"], b.data["X"].shape[0]
+        H = X.T @ X / n + torch.diag(torch.exp(lam["log_l2"]).expand(X.shape[1]))
+        b.w = {"weight": torch.linalg.solve(H, X.T @ b.data["y"] / n).reshape(1, -1)}
     else:
         b.w = _minimize(lambda w: b.g(w, lam), w0)
     L = _lipschitz(b)
@@ -632,7 +636,7 @@ def make_runners(b: Bench, sizes: Sizes, which: list[str] | None = None, K: int 
     """All runners for a problem (``which`` restricts to the named families)."""
     torchopt, _ = _peers()
     tol = sizes.tol
-    K = K if K is not None else b.extra.get("K", sizes.unroll_K)
+    K = K if K is not None else b.extra.get("K", sizes.unroll_k)
     maxiter = b.extra.get("maxiter")  # fixed CG iterations (MLP: non-convex, no tolerance target)
     cg_tol = 0.0 if maxiter else tol
     cg_maxiter = maxiter or 2000
@@ -972,14 +976,14 @@ def suite(sizes: Sizes, threads: int = 1, log: Callable[[str], None] = print,
     # 1. ridge
     for scalar in (True, False):
         spec = {"key": f"ridge_{'scalar' if scalar else 'feature'}", "kind": "ridge", "n": sizes.ridge_n,
-                "d": sizes.ridge_d, "scalar": scalar, "K": sizes.unroll_K}
+                "d": sizes.ridge_d, "scalar": scalar, "K": sizes.unroll_k}
         b = _spec_bench(spec, cache)
         rows += run_problem(b, sizes, make_runners(b, sizes, all_families), cache, threads, log, memory)
 
     # 2. logistic, d sweep
     for d in sizes.logistic_ds:
         spec = {"key": f"logistic_d{d}", "kind": "logistic", "n": sizes.logistic_n, "d": d,
-                "scalar": False, "K": sizes.unroll_K}
+                "scalar": False, "K": sizes.unroll_k}
         b = _spec_bench(spec, cache)
         fams = ["unit", "implicit-cg", "implicit-neumann", "fd", "penalty"]
         if d <= sizes.logistic_unrolled_max_d:
@@ -987,7 +991,7 @@ def suite(sizes: Sizes, threads: int = 1, log: Callable[[str], None] = print,
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
 
     # 3. hyper-cleaning: single hypergradients, then the outer loop
-    spec = {"key": "clean", "kind": "clean", "n_train": sizes.clean_train, "K": sizes.clean_unroll_K,
+    spec = {"key": "clean", "kind": "clean", "n_train": sizes.clean_train, "K": sizes.clean_unroll_k,
             "sigma": 1e-2}
     b_clean = _spec_bench(spec, cache)
     rows += run_problem(b_clean, sizes, make_runners(b_clean, sizes, all_families), cache, threads,
@@ -997,7 +1001,7 @@ def suite(sizes: Sizes, threads: int = 1, log: Callable[[str], None] = print,
     # 4. MLP: scaling in the parameter count
     for width in sizes.mlp_widths:
         spec = {"key": f"mlp_w{width}", "kind": "mlp", "width": width, "batch": sizes.mlp_batch,
-                "K": sizes.mlp_K, "maxiter": 10, "sigma": 1e-2,
+                "K": sizes.mlp_k, "maxiter": 10, "sigma": 1e-2,
                 "inner_iters": 100 if width >= 512 else 200}
         b = _spec_bench(spec, cache)
         fams = ["unit", "implicit-cg", "unrolled-reverse", "unrolled-checkpoint", "unrolled-forward",
@@ -1041,7 +1045,7 @@ def hyper_cleaning(b: Bench, sizes: Sizes, log: Callable[[str], None]) -> list[d
     """A short outer loop per method (Adam on the per-example logits), then test accuracy."""
     torchopt, higher = _peers()
     problem = b.problem
-    steps, inner_steps, K = sizes.clean_outer_steps, sizes.clean_inner_steps, sizes.clean_unroll_K
+    steps, inner_steps, K = sizes.clean_outer_steps, sizes.clean_inner_steps, sizes.clean_unroll_k
     inner_opt = hg.inner.SGD(lr=b.lr)
     names = [k for k, _ in b.model.named_parameters()]
     results = []
@@ -1236,7 +1240,7 @@ def targets(rows: list[Row], sizes: Sizes) -> list[dict[str, Any]]:
         if sel:
             worst = max(sel, key=lambda r: r.geq)
             add(f"{label} <= 4 gradient-equivalents", f"worst: {worst.problem}", worst.geq, 4.0,
-                "median over problems {:.1f}".format(statistics.median(r.geq for r in sel)))
+                f"median over problems {statistics.median(r.geq for r in sel):.1f}")
     return out
 
 

@@ -131,6 +131,9 @@ class BOME:
                 "inner_optimizer must be an inner optimizer with init(w) and update(w, grad, "
                 f"state) (e.g. hypergrad.inner.SGD(lr=0.1)), got {opt!r}"
             )
+        w_opt = self.w_optimizer
+        if w_opt is not None and not (callable(getattr(w_opt, "init", None)) and callable(getattr(w_opt, "update", None))):
+            raise TypeError(f"w_optimizer must be None or an inner optimizer (e.g. hypergrad.inner.Adam(lr=1e-3)), got {w_opt!r}")
         for name in ("w_lr", "eta"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):

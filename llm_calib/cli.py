@@ -4,6 +4,9 @@ Subcommands:
 
 * ``llm-calib evaluate``: score data sets with a model and write ``metrics.json``, ``report.md``
   and one reliability diagram per domain.
+* ``llm-calib calibrate``: train CALM and the baselines on the same data (one fresh model per
+  method), save each result, and compare them with the uncalibrated and temperature-scaled model
+  per domain in ``report.md``, ``metrics.json`` and reliability diagrams.
 * ``llm-calib demo``: the main job on the embedded default.
 
 Errors in the user's input (a bad data spec, a missing file, an unknown model) print one line
@@ -189,6 +192,279 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_evaluate)
 
 
+_CALIBRATE_EPILOG = """\
+configuration precedence: built-in defaults < --config FILE < explicit flags.
+A config file (YAML or JSON) holds CalibrationConfig fields, for example:
+  method: calm            # used when --methods is not given
+  solver: bome
+  steps: 60
+  batch_size: 8
+  heldout_batch_size: 8
+  lr: 1.0e-3
+  lam_lr: 5.0e-2
+  eval_every: 10
+  lora: {rank: 8, alpha: 16, target_modules: [q_proj, v_proj], layers: null}
+Unknown keys are errors. See llm_calib.calm.config.CalibrationConfig for every field.
+
+outputs in --out DIR:
+  <method>/            adapter/ (peft), lambda.safetensors, config.json, history.json, metrics.json
+  checkpoints/<method>/  with --checkpoint-every N (continue with --resume)
+  report.md            before/after table per domain: uncalibrated, temperature-scaled, methods
+  metrics.json         every number of report.md, plus reliability bins
+  reliability_<domain>.png
+
+multi-process (one rank per GPU, or CPU processes with gloo):
+  torchrun --nproc_per_node=2 -m llm_calib.cli calibrate ... --device cuda
+(the global --batch-size is split over the ranks; rank 0 writes the outputs.)
+
+example:
+  llm-calib calibrate --model smollm2-135m-instruct \\
+      --train arc_easy:../shared/data:train --heldout arc_easy:../shared/data:dev \\
+      --eval arc_easy:../shared/data/arc_easy/test.jsonl --eval mmlu_stem:../shared/data/mmlu/test \\
+      --limit 200 --steps 60 --methods calm,lora_ce --out /tmp/calm
+"""
+
+
+def _methods(text: str) -> list[str]:
+    from llm_calib.calm.config import METHODS
+
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list from {', '.join(METHODS)}, got {text!r}"
+        )
+    if len(set(methods)) != len(methods):
+        raise argparse.ArgumentTypeError(f"a method is listed twice in {text!r}")
+    return methods
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="train CALM and baselines, compare them per domain",
+        description=(
+            "Train each method (CALM and the one-level baselines) on a fresh copy of the model "
+            "with the same data, seed and budget; save each result to --out/<method>/; evaluate "
+            "the uncalibrated model, temperature scaling (T fitted on the held-out split) and "
+            "every trained method on each --eval set, domain by domain; write report.md, "
+            "metrics.json and reliability_<domain>.png to --out."
+        ),
+        epilog=_CALIBRATE_EPILOG + "\n" + _EVALUATE_EPILOG.split("\n\nexample:")[0] + "\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="built-in alias (smollm2-135m-instruct), local model directory, .gguf file or hub "
+        "name; reloaded fresh for every method (default: %(default)s)",
+    )
+    p.add_argument(
+        "--train", required=True, metavar="SPEC",
+        help="data spec of the labelled training split (lower level: task cross-entropy)",
+    )
+    p.add_argument(
+        "--heldout", required=True, metavar="SPEC",
+        help="data spec of the held-out split: its inputs drive CALM's entropy objective, its "
+        "labels model selection, the accuracy guard and the temperature fit",
+    )
+    p.add_argument(
+        "--eval", action="append", required=True, metavar="SPEC",
+        help="data spec to evaluate on; repeat for several sets (reported per domain)",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    p.add_argument(
+        "--config", default=None, metavar="FILE",
+        help="YAML or JSON file of CalibrationConfig fields (overridden by explicit flags)",
+    )
+    p.add_argument(
+        "--methods", type=_methods, default=None, metavar="M[,M...]",
+        help="comma-separated methods to train: calm, lora_ce, label_smoothing, "
+        "confidence_penalty (default: the config file's 'method' if it sets one, else all four)",
+    )
+    p.add_argument(
+        "--solver", choices=("bome", "f2sa"), default=None,
+        help="first-order bilevel solver of calm (default: config, else bome)",
+    )
+    p.add_argument(
+        "--steps", type=_positive_int, default=None, metavar="N",
+        help="training steps per method (default: config, else 60)",
+    )
+    p.add_argument(
+        "--batch-size", type=_positive_int, default=None, metavar="B",
+        help="training questions per step, the global batch over all ranks (default: config, else 8)",
+    )
+    p.add_argument(
+        "--limit", type=_positive_int, default=None, metavar="N",
+        help="at most N questions per data spec (a seeded subsample; --train, --heldout, --eval)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, metavar="S",
+        help="seed of the data order, LoRA initialisation, --limit subsample and bootstrap "
+        "(default: config, else 0)",
+    )
+    p.add_argument(
+        "--checkpoint-every", type=_non_negative_int, default=None, metavar="N",
+        help="write a checkpoint every N steps to --out/checkpoints/<method>/ (0: never; "
+        "default: config, else 0)",
+    )
+    p.add_argument(
+        "--resume", action="store_true",
+        help="reuse finished methods in --out (same config) and continue unfinished ones from "
+        "their newest checkpoint",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true",
+        help="no progress bars (training shows loss/accuracy/entropy/held-out ECE otherwise)",
+    )
+    p.add_argument(
+        "--bootstrap", type=_non_negative_int, default=1000, metavar="R",
+        help="bootstrap resamples for 95%% confidence intervals in the report; 0 disables them "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--bins", type=_positive_int, default=10,
+        help="equal-width confidence bins for ECE and the reliability diagrams (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device", default="cpu",
+        help="torch device (default: %(default)s); 'cuda' under torchrun means cuda:LOCAL_RANK",
+    )
+    p.add_argument(
+        "--cache-dir", default=None,
+        help="cache of the converted built-in model, or hub cache for hub names",
+    )
+    p.set_defaults(func=_cmd_calibrate)
+
+
+def _calibration_config(args: argparse.Namespace) -> tuple[object, list[str]]:
+    """The run's CalibrationConfig (defaults < --config < flags) and the methods to train."""
+    import dataclasses
+
+    from llm_calib.calm.config import METHODS, CalibrationConfig
+
+    data: dict = {}
+    if args.config:
+        config = _user_call(lambda: CalibrationConfig.from_file(args.config), f"--config {args.config}")
+        data = config.to_dict()
+        import json
+        from pathlib import Path
+
+        path = Path(args.config)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            explicit = yaml.safe_load(path.read_text()) or {}
+        else:
+            explicit = json.loads(path.read_text())
+        methods = [explicit["method"]] if "method" in explicit else list(METHODS)
+    else:
+        methods = list(METHODS)
+    flags = {
+        "solver": args.solver,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "checkpoint_every": args.checkpoint_every,
+    }
+    data.update({k: v for k, v in flags.items() if v is not None})
+    if args.methods is not None:
+        methods = args.methods
+    data["method"] = methods[0]
+    config = _user_call(lambda: CalibrationConfig.from_dict(data), "calibration config")
+    return dataclasses.replace(config), methods
+
+
+def _device(name: str) -> str:
+    import os
+
+    if name == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return name
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from llm_calib import distributed
+    from llm_calib.calm.trainer import TrainingDiverged
+    from llm_calib.compare import run_comparison, write_comparison_report
+    from llm_calib.data import load as load_data
+    from llm_calib.data.records import MultipleChoice
+    from llm_calib.models import load as load_model
+
+    config, methods = _calibration_config(args)
+    distributed.init_from_env()
+    main_rank = distributed.rank() == 0
+
+    def log(message: str) -> None:
+        if main_rank:
+            print(message, file=sys.stderr, flush=True)
+
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    seed = config.seed
+    t0 = time.perf_counter()
+
+    def records(flag: str, spec: str, mc_only: bool) -> list:
+        recs = _user_call(lambda: load_data(spec, limit=args.limit, seed=seed).records, f"{flag} {spec}")
+        if not recs:
+            raise _UserError(f"{flag} {spec}: no records")
+        if mc_only and not all(isinstance(r, MultipleChoice) for r in recs):
+            raise _UserError(f"{flag} {spec}: training and held-out data must be multiple choice")
+        log(f"loaded {len(recs)} questions from {spec}")
+        return recs
+
+    # Load every data set before the model, so a bad spec fails fast.
+    train = (args.train, records("--train", args.train, True))
+    heldout = (args.heldout, records("--heldout", args.heldout, True))
+    evals = [(spec, records("--eval", spec, False)) for spec in args.eval]
+    load_s = time.perf_counter() - t0
+    device = _device(args.device)
+
+    def fresh_model():
+        return _user_call(
+            lambda: load_model(args.model, cache_dir=args.cache_dir, device=device),
+            f"--model {args.model}",
+        )
+
+    _, tokenizer = fresh_model()  # fail fast on a bad --model, and keep the tokenizer
+    try:
+        cmp = run_comparison(
+            lambda: fresh_model()[0], tokenizer, train, heldout, evals, config, methods, args.out,
+            resume=args.resume, progress=not args.no_progress, n_bins=args.bins,
+            bootstrap=args.bootstrap, log=log,
+        )
+    except TrainingDiverged as exc:
+        print(f"llm-calib: error: training diverged: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        raise _UserError(str(exc)) from exc
+    cmp.config["model"] = args.model
+    cmp.config["limit"] = args.limit
+    cmp.config["timings"]["data_loading_s"] = load_s
+    if not main_rank:
+        return 0
+    paths = write_comparison_report(cmp, args.out)
+    for dom, d in cmp.domains.items():
+        cells = ", ".join(
+            f"{col}={(d.columns.get(col) or {}).get('ece', float('nan')):.3f}" for col in cmp.columns
+        )
+        print(f"{dom}: n={d.n} ECE {cells}")
+    print(f"wrote {len(paths)} report files and {len(methods)} result directories to {args.out}")
+    return 0
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the main job on the embedded default")
     p.set_defaults(func=_cmd_demo)
@@ -208,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_evaluate(sub)
+    _add_calibrate(sub)
     _add_demo(sub)
     return parser
 

@@ -22,6 +22,7 @@ __all__ = [
     "format_metric",
     "jsonable",
     "markdown_report",
+    "metrics_table",
     "plot_reliability",
     "reliability_filename",
     "write_report",
@@ -80,6 +81,36 @@ def format_metric(metrics: dict[str, float] | None, name: str, digits: int = 3) 
     return text
 
 
+def metrics_table(
+    columns: list[tuple[str, dict[str, float] | None]],
+    metrics: tuple[str, ...] = HEADLINE_METRICS,
+) -> str:
+    """Markdown table with one row per metric and one column per ``(label, metric dict)``.
+
+    Args:
+        columns: ``(header, metrics)`` pairs; a None dict shows ``n/a``.
+        metrics: the metric keys (rows), labelled by :data:`METRIC_LABELS`.
+
+    Returns:
+        The table (no trailing newline).
+
+    Example:
+        >>> print(metrics_table([("before", {"accuracy": 0.5}), ("after", {"accuracy": 0.6})],
+        ...                     metrics=("accuracy",)))
+        | metric | before | after |
+        |---|---|---|
+        | Accuracy | 0.500 | 0.600 |
+    """
+    lines = [
+        "| metric | " + " | ".join(label for label, _ in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for m in metrics:
+        cells = " | ".join(format_metric(values, m) for _, values in columns)
+        lines.append(f"| {METRIC_LABELS.get(m, m)} | {cells} |")
+    return "\n".join(lines)
+
+
 def domain_table(uncalibrated: dict[str, float], scaled: dict[str, float] | None = None) -> str:
     """Markdown table of the headline metrics of one domain.
 
@@ -101,15 +132,10 @@ def domain_table(uncalibrated: dict[str, float], scaled: dict[str, float] | None
         | NLL | n/a |
         | AUROC | n/a |
     """
-    header = "| metric | uncalibrated |" + (" temperature-scaled |" if scaled is not None else "")
-    sep = "|---|---|" + ("---|" if scaled is not None else "")
-    lines = [header, sep]
-    for m in HEADLINE_METRICS:
-        row = f"| {METRIC_LABELS[m]} | {format_metric(uncalibrated, m)} |"
-        if scaled is not None:
-            row += f" {format_metric(scaled, m)} |"
-        lines.append(row)
-    return "\n".join(lines)
+    columns: list[tuple[str, dict[str, float] | None]] = [("uncalibrated", uncalibrated)]
+    if scaled is not None:
+        columns.append(("temperature-scaled", scaled))
+    return metrics_table(columns)
 
 
 def markdown_report(result: EvaluationResult, *, title: str = "Calibration report") -> str:

@@ -206,3 +206,22 @@ def test_invalid_arguments_raise_naming_the_argument(kwargs, error, name):
     args = {"inner_optimizer": hg.inner.SGD(lr=0.1), "w_lr": 0.1} | kwargs
     with pytest.raises(error, match=name):
         hg.BOME(**args)
+
+
+def test_w_optimizer_steps_w_and_carries_its_state():
+    g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()  # noqa: E731
+    f = lambda w, lam, b: 0.5 * ((w["x"] - 3.0) ** 2).sum()  # noqa: E731
+    problem = hg.BilevelProblem(g, f)
+    w, lam = {"x": torch.zeros(2, dtype=torch.float64)}, {"c": torch.ones(2, dtype=torch.float64)}
+    plain = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=2)
+    adam = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=2, w_optimizer=hg.inner.Adam(lr=0.1))
+    r_plain, r_adam = plain.hypergrad(problem, w, lam), adam.hypergrad(problem, w, lam)
+    assert torch.allclose(r_plain.grad["c"], r_adam.grad["c"])  # same direction for lam
+    d_w = (w["x"] - r_plain.w["x"]) / 0.1
+    # Adam's first step moves every coordinate by lr * sign(d_w).
+    assert torch.allclose(r_adam.w["x"], w["x"] - 0.1 * torch.sign(d_w), atol=1e-6)
+    assert float(r_adam.state["w_opt_state"]["t"]) == 1.0
+    r2 = adam.hypergrad(problem, r_adam.w, lam, state=r_adam.state)
+    assert float(r2.state["w_opt_state"]["t"]) == 2.0
+    with pytest.raises(TypeError, match="w_optimizer"):
+        hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, w_optimizer="adam")

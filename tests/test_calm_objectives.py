@@ -45,7 +45,7 @@ def test_cross_entropy_and_entropy_by_hand():
 
 
 def test_adjusted_option_scores_match_a_hand_computation(setup):
-    lm, theta, adjustment, losses, enc, qs = setup
+    lm, theta, adjustment, losses, enc, _qs = setup
     batch = enc.batch([0], 0, None)
     lam = {"log_a": 0.1 * torch.randn(adjustment.vocab_size, dtype=torch.float64),
            "b": 0.1 * torch.randn(adjustment.vocab_size, dtype=torch.float64)}
@@ -74,7 +74,7 @@ def test_lambda_at_init_gives_plain_cross_entropy(setup):
 
 
 def test_trunk_cache_equals_full_forward(setup):
-    lm, theta, adjustment, losses, enc, _ = setup
+    lm, theta, _adjustment, losses, enc, _ = setup
     assert lm.trunk_layers == 1
     cached = losses.scores(theta, None, enc.batch([0, 2, 4, 6], 0, lm))
     full = losses.scores(theta, None, enc.batch([0, 2, 4, 6], 0, None))

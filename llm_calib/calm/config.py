@@ -17,6 +17,28 @@ SOLVERS = ("bome", "f2sa")
 """First-order bilevel solvers from :mod:`hypergrad` used by ``method="calm"``."""
 
 
+_FLOAT_FIELDS = (
+    "lr", "lam_lr", "inner_lr", "bome_eta", "f2sa_sigma", "label_smoothing", "penalty_beta",
+    "max_log_scale", "max_bias", "guard_accuracy",
+)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(name: str, value: Any) -> float:
+    """``value`` as a float; numeric strings are accepted because YAML 1.1 reads ``1e-3`` as one."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"{name} must be a number, got {value!r}")
+
+
 @dataclass
 class LoraSettings:
     """LoRA adapter settings (passed to :class:`peft.LoraConfig`).
@@ -41,8 +63,14 @@ class LoraSettings:
     layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        self.alpha = _number("lora.alpha", self.alpha)
+        self.dropout = _number("lora.dropout", self.dropout)
+        if not _is_int(self.rank) or self.rank < 1:
+            raise ValueError(f"lora.rank must be an int >= 1, got {self.rank!r}")
+        if isinstance(self.target_modules, str) or not all(isinstance(m, str) for m in self.target_modules):
+            raise ValueError(f"lora.target_modules must be a list of module names, got {self.target_modules!r}")
+        if self.layers is not None and (isinstance(self.layers, str) or not all(_is_int(i) for i in self.layers)):
+            raise ValueError(f"lora.layers must be a list of layer indices or null, got {self.layers!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         self.target_modules = tuple(self.target_modules)
@@ -74,8 +102,10 @@ class CalibrationConfig:
         label_smoothing: ε for the label-smoothing baseline.
         penalty_beta: β for the confidence-penalty baseline.
         max_log_scale, max_bias: bounds on λ.
-        guard_accuracy: stop and roll back when held-out accuracy falls below this fraction
-            of the initial model's.
+        guard_accuracy: only parameters whose held-out accuracy is at least this fraction of
+            the initial model's can be selected; training stops (and rolls back to the best
+            selectable parameters) after ``guard_patience`` consecutive evaluations below it.
+        guard_patience: consecutive evaluations below the accuracy floor before stopping.
         eval_every: steps between held-out evaluations (early stopping, progress).
         checkpoint_every: steps between checkpoints (0 disables).
         seed: seed for data order and initialisation.
@@ -107,6 +137,7 @@ class CalibrationConfig:
     max_log_scale: float = 3.0
     max_bias: float = 10.0
     guard_accuracy: float = 0.95
+    guard_patience: int = 2
     eval_every: int = 10
     checkpoint_every: int = 0
     seed: int = 0
@@ -115,7 +146,23 @@ class CalibrationConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
+            known = {f.name for f in dataclasses.fields(LoraSettings)}
+            unknown = sorted(set(self.lora) - known)
+            if unknown:
+                raise ValueError(f"unknown lora key(s) {unknown}; valid keys: {sorted(known)}")
             self.lora = LoraSettings(**self.lora)
+        if not isinstance(self.lora, LoraSettings):
+            raise ValueError(f"lora must be a mapping of LoRA settings, got {self.lora!r}")
+        for name in _FLOAT_FIELDS:
+            setattr(self, name, _number(name, getattr(self, name)))
+        for name in ("method", "solver", "adjustment", "scorer", "normalize", "prompt_style"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.chat_template is not None and not isinstance(self.chat_template, bool):
+            raise ValueError(f"chat_template must be true, false or null, got {self.chat_template!r}")
+        for name in ("seed", "checkpoint_every"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
         checks = {
             "method": (self.method, METHODS),
             "solver": (self.solver, SOLVERS),
@@ -127,8 +174,8 @@ class CalibrationConfig:
         for name, (value, allowed) in checks.items():
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-        for name in ("steps", "batch_size", "heldout_batch_size", "inner_steps", "eval_every"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        for name in ("steps", "batch_size", "heldout_batch_size", "inner_steps", "eval_every", "guard_patience"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         for name in ("lr", "lam_lr", "inner_lr", "bome_eta", "f2sa_sigma", "max_log_scale"):
             if not getattr(self, name) > 0:
@@ -139,9 +186,12 @@ class CalibrationConfig:
             raise ValueError(f"guard_accuracy must be in [0, 1], got {self.guard_accuracy}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        for name in ("max_bias", "penalty_beta"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict."""
+        """A JSON-serialisable dict (also valid YAML for :meth:`from_file`)."""
         d = dataclasses.asdict(self)
         d["lora"]["target_modules"] = list(self.lora.target_modules)
         if self.lora.layers is not None:
@@ -165,9 +215,15 @@ class CalibrationConfig:
         if path.suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(text) or {}
+            try:
+                data = yaml.safe_load(text) or {}
+            except yaml.YAMLError as err:
+                raise ValueError(f"{path}: not valid YAML: {err}") from err
         else:
-            data = json.loads(text)
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: not valid JSON: {err}") from err
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the config must be a mapping of keys to values")
         try:

@@ -40,8 +40,11 @@ from llm_calib.scoring.packing import pack_letters, pack_questions
 __all__ = ["CalibrationResult", "TrainingDiverged", "calibrate", "encode_batch_source"]
 
 
-class TrainingDiverged(FloatingPointError):
+class TrainingDiverged(FloatingPointError):  # noqa: N818 (public name)
     """A loss or update became NaN/inf; the last good checkpoint is left untouched."""
+
+
+_TRUNK_CHUNK = 16
 
 
 @dataclass
@@ -72,9 +75,11 @@ class _Encoded:
         labels = torch.tensor([self.records[i].gold for i in idx], dtype=torch.long)
         trunk = None
         if lm is not None and lm.caches_trunk:
-            missing = [i for i in dict.fromkeys(idx) if i not in self.trunk_cache]
-            for start in range(0, len(missing), 16):
-                chunk = missing[start : start + 16]
+            # Fixed chunks (questions 16c .. 16c+15) make each cached value independent of which
+            # batch first needed it, so a resumed or data-parallel run computes the same numbers.
+            chunks = sorted({i // _TRUNK_CHUNK for i in idx if i not in self.trunk_cache})
+            for c in chunks:
+                chunk = list(range(c * _TRUNK_CHUNK, min((c + 1) * _TRUNK_CHUNK, len(self.records))))
                 hidden = lm.trunk_hidden(self._pack(chunk, pad_id))
                 for row, i in enumerate(chunk):
                     self.trunk_cache[i] = hidden[row, : self._length(i)].clone()
@@ -185,8 +190,8 @@ def _evaluate(losses: CalmLosses, data: _Encoded, pad_id: int, batch_size: int =
         for start in range(0, len(data.records), batch_size):
             batch = data.batch(range(start, min(start + batch_size, len(data.records))), pad_id, losses.lm)
             scores = losses.scores(None, None, batch).double()
-            probs.append(torch.softmax(scores, -1))
-            labels.append(batch.labels)
+            probs.append(torch.softmax(scores, -1).cpu())
+            labels.append(batch.labels.cpu())
     width = max(x.shape[1] for x in probs)
     p = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in probs])
     y = torch.cat(labels)
@@ -276,6 +281,7 @@ def calibrate(
         ['after', 'before']
     """
     config = config or CalibrationConfig()
+    distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     torch.manual_seed(config.seed)
@@ -301,6 +307,7 @@ def calibrate(
     theta_opt = hg.inner.Adam(lr=config.lr)
     theta_opt_state = theta_opt.init(theta)
     method_state: dict[str, Any] | None = None
+    stopped_early = False
     history: list[dict[str, float]] = []
     start_step = 0
     t_eval = time.perf_counter()
@@ -312,6 +319,7 @@ def calibrate(
 
     if resume and checkpoint_dir is not None and (ckpt := latest_checkpoint(checkpoint_dir)) is not None:
         tensors, state = load_checkpoint(ckpt)
+        tensors = {k: v.to(lm.device) for k, v in tensors.items()}
         theta = _flat_to_tree("theta/", tensors)
         best_theta = _flat_to_tree("best_theta/", tensors)
         for k, v in _flat_to_tree("lam/", tensors).items():
@@ -323,11 +331,11 @@ def calibrate(
         lam_optimizer.load_state_dict(state["lam_optimizer"])
         history, best, start_step, before = state["history"], state["best"], state["step"], state["before"]
         torch.set_rng_state(state["rng"])
+        stopped_early = bool(state.get("stopped_early", False))
 
     method = _make_method(config) if config.method == "calm" else None
     problem = hg.BilevelProblem(inner=losses.inner, outer=losses.outer) if method else None
-    stopped_early = False
-    bar = tqdm(range(start_step, config.steps), desc=f"calibrate[{config.method}]", disable=not progress or distributed.rank() != 0,
+    bar = tqdm(range(start_step, config.steps if not stopped_early else start_step), desc=f"calibrate[{config.method}]", disable=not progress or distributed.rank() != 0,
                initial=start_step, total=config.steps, dynamic_ncols=True)
     t_train = time.perf_counter()
     step = start_step
@@ -349,13 +357,14 @@ def calibrate(
                 theta, method_state = r.w, r.state
                 record.update({k: float(v) for k, v in r.info.extra.items() if isinstance(v, (int, float))})
             else:
-                _, grad, _ = hg._autodiff.loss_and_grads(
-                    lambda w, _lam: losses.baseline(config.method, w, inner_batch), theta, {"_": torch.zeros(1)},
+                loss, grad, _ = hg._autodiff.loss_and_grads(
+                    lambda w, _lam, b=inner_batch: losses.baseline(config.method, w, b), theta, {"_": torch.zeros(1)},
                     wrt_lam=False, what=f"{config.method} loss",
                 )
                 with torch.no_grad():
                     theta, theta_opt_state = theta_opt.update(theta, grad, theta_opt_state)
                 theta = {k: v.detach() for k, v in theta.items()}
+                record["loss"] = float(loss)
             hg._pytree.check_finite(theta, "updated LoRA parameters")
         except (hg.NonFiniteError, FloatingPointError) as err:
             raise TrainingDiverged(
@@ -368,19 +377,21 @@ def calibrate(
             metrics = _evaluate(losses, heldout_enc, pad_id)
             record.update({f"heldout_{k}": v for k, v in metrics.items()})
             if metrics["accuracy"] + 1e-12 >= config.guard_accuracy * before["accuracy"] and metrics["ece"] < best["ece"]:
-                best = {"ece": metrics["ece"], "step": done}
+                best = {"ece": metrics["ece"], "step": done, "violations": 0}
                 best_theta = {k: v.clone() for k, v in theta.items()}
                 best_lam = {k: v.detach().clone() for k, v in lam_params.items()}
             bar.set_postfix(ece=f"{metrics['ece']:.3f}", acc=f"{metrics['accuracy']:.3f}", H=f"{metrics['entropy']:.3f}")
             history.append(record)
-            if metrics["accuracy"] < config.guard_accuracy * before["accuracy"]:
+            below = metrics["accuracy"] < config.guard_accuracy * before["accuracy"]
+            best["violations"] = best.get("violations", 0) + 1 if below else 0
+            if best["violations"] >= config.guard_patience:
                 stopped_early = True
         else:
             history.append(record)
-        if checkpoint_dir is not None and config.checkpoint_every and (done % config.checkpoint_every == 0 or stopped_early):
-            if distributed.rank() == 0:
-                _save(checkpoint_dir, done, theta, best_theta, lam_params, best_lam, theta_opt_state, method_state,
-                      lam_optimizer, history, best, before)
+        due = config.checkpoint_every and (done % config.checkpoint_every == 0 or stopped_early)
+        if checkpoint_dir is not None and due and distributed.rank() == 0:
+            _save(checkpoint_dir, done, theta, best_theta, lam_params, best_lam, theta_opt_state, method_state,
+                  lam_optimizer, history, best, before, stopped_early)
         if stopped_early:
             break
     timings["train"] = time.perf_counter() - t_train
@@ -394,7 +405,7 @@ def calibrate(
 
 
 def _save(directory, step, theta, best_theta, lam_params, best_lam, theta_opt_state, method_state, lam_optimizer,
-          history, best, before) -> None:
+          history, best, before, stopped_early=False) -> None:
     tensors: dict[str, Tensor] = {}
     _tree_to_flat("theta/", theta, tensors)
     _tree_to_flat("best_theta/", best_theta, tensors)
@@ -404,7 +415,7 @@ def _save(directory, step, theta, best_theta, lam_params, best_lam, theta_opt_st
     if method_state:
         _tree_to_flat("method/", method_state, tensors)
     state = {
-        "step": step, "history": history, "best": best, "before": before,
+        "step": step, "history": history, "best": best, "before": before, "stopped_early": stopped_early,
         "lam_optimizer": lam_optimizer.state_dict(), "rng": torch.get_rng_state(),
     }
     save_checkpoint(directory, step, tensors, state)

@@ -1,0 +1,391 @@
+"""Train every calibration method on the same data and compare them per domain (``llm-calib calibrate``).
+
+For each method a fresh copy of the base model is trained by :func:`llm_calib.calm.trainer.calibrate`
+with the same data, seed and budget, and saved (:meth:`CalibrationResult.save`) to
+``<out>/<method>/``. Every evaluation set is then scored, each domain separately, for:
+
+* ``uncalibrated``: the base model;
+* ``temperature_scaled``: the base model with one temperature fitted on the held-out split's
+  uncalibrated scores (:func:`llm_calib.temperature.fit_temperature`) and carried to every domain;
+* one column per trained method (the deployed LoRA model, no temperature, no λ).
+
+:func:`write_comparison_report` writes ``metrics.json``, ``report.md`` (a before/after table per
+domain, one column per method) and ``reliability_<domain>.png`` (one panel per column).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llm_calib import distributed
+from llm_calib.calm.config import CalibrationConfig
+from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.evaluate import HEADLINE_METRICS, EvaluationResult, TemperatureFit, evaluate_records
+from llm_calib.prompts import PromptFormat
+from llm_calib.report import (
+    format_metric,
+    jsonable,
+    metrics_table,
+    plot_reliability,
+    reliability_filename,
+)
+
+__all__ = ["BASELINE_COLUMNS", "Comparison", "DomainComparison", "run_comparison", "write_comparison_report"]
+
+BASELINE_COLUMNS = ("uncalibrated", "temperature_scaled")
+"""The columns that need no training: the base model, and the base model with a temperature."""
+
+_LABELS = {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature-scaled"}
+
+
+@dataclass
+class DomainComparison:
+    """One evaluation domain: metrics and reliability bins per column.
+
+    Attributes:
+        kind: ``"multiple_choice"`` or ``"open"``.
+        n: number of questions.
+        columns: column name (``uncalibrated``, ``temperature_scaled`` or a method) to metric dict
+            (None where a column does not apply, e.g. temperature scaling of open questions).
+        reliability: column name to reliability bins.
+    """
+
+    kind: str
+    n: int
+    columns: dict[str, dict[str, float] | None] = field(default_factory=dict)
+    reliability: dict[str, dict[str, list[float]] | None] = field(default_factory=dict)
+
+
+@dataclass
+class Comparison:
+    """The outcome of :func:`run_comparison`.
+
+    Attributes:
+        methods: the trained methods, in order.
+        domains: per evaluation domain, in order of first appearance.
+        temperature: the temperature fitted on the held-out split.
+        training: per method: held-out metrics before/after, timings, the result directory and
+            whether it was reused (``--resume``).
+        config: settings of the run (model, specs, the base calibration config, evaluation).
+    """
+
+    methods: list[str]
+    domains: dict[str, DomainComparison]
+    temperature: TemperatureFit | None
+    training: dict[str, dict[str, Any]]
+    config: dict[str, Any]
+
+    @property
+    def columns(self) -> list[str]:
+        """All column names: the two untrained baselines, then the methods."""
+        return [*BASELINE_COLUMNS, *self.methods]
+
+    def macro_average(self) -> dict[str, dict[str, float]]:
+        """Unweighted mean over domains of the headline metrics, per column."""
+        out: dict[str, dict[str, float]] = {}
+        for col in self.columns:
+            rows = [d.columns.get(col) for d in self.domains.values()]
+            rows = [r for r in rows if r]
+            if rows:
+                out[col] = {
+                    m: float(np.nanmean(vals)) if any(math.isfinite(v) for v in vals) else math.nan
+                    for m in HEADLINE_METRICS
+                    for vals in [[float(r.get(m, math.nan)) for r in rows]]
+                }
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (``metrics.json``)."""
+        return {
+            "config": self.config,
+            "methods": list(self.methods),
+            "columns": self.columns,
+            "temperature": self.temperature.to_dict() if self.temperature else None,
+            "training": self.training,
+            "domains": {
+                dom: {"kind": d.kind, "n": d.n, "columns": d.columns, "reliability": d.reliability}
+                for dom, d in self.domains.items()
+            },
+            "macro_average": self.macro_average(),
+        }
+
+
+def _prompt(config: CalibrationConfig) -> PromptFormat:
+    style = "listed" if config.scorer == "letter" else config.prompt_style
+    return PromptFormat(style=style, chat_template=config.chat_template)
+
+
+def _free() -> None:
+    """Release memory of a model the caller has just dropped."""
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def run_comparison(
+    load_model: Callable[[], Any],
+    tokenizer: Any,
+    train: tuple[str, Sequence[MultipleChoice]],
+    heldout: tuple[str, Sequence[MultipleChoice]],
+    evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]],
+    config: CalibrationConfig,
+    methods: Sequence[str],
+    out_dir: str | Path,
+    *,
+    checkpoints: bool = True,
+    resume: bool = False,
+    progress: bool = True,
+    n_bins: int = 10,
+    bootstrap: int = 1000,
+    eval_batch_size: int = 8,
+    log: Callable[[str], None] = lambda message: None,
+) -> Comparison:
+    """Train each method on a fresh base model, save it, and evaluate every column per domain.
+
+    Args:
+        load_model: returns a fresh copy of the base model (called once for the baselines and
+            once per method, so no run sees another's adapters).
+        tokenizer: the model's tokenizer.
+        train: ``(name, records)`` of the lower-level training split.
+        heldout: ``(name, records)`` of the held-out split (upper level, model selection, and the
+            temperature fit).
+        evals: ``(name, records)`` evaluation sets; results are per record domain.
+        config: the base configuration; ``method`` is replaced by each of ``methods``.
+        methods: the methods to train (see :data:`llm_calib.calm.config.METHODS`).
+        out_dir: results go to ``out_dir/<method>/``; checkpoints to
+            ``out_dir/checkpoints/<method>/`` when ``config.checkpoint_every > 0``.
+        checkpoints: write checkpoints (when ``config.checkpoint_every > 0``).
+        resume: reuse a method's finished result directory when its saved config matches, and
+            continue an unfinished method from its newest checkpoint.
+        progress: show progress bars.
+        n_bins: ECE and reliability-diagram bins.
+        bootstrap: bootstrap resamples for 95% intervals (0: none).
+        eval_batch_size: questions per forward pass when scoring.
+        log: receives one-line status messages.
+
+    Returns:
+        A :class:`Comparison`. Nothing is written by ranks other than 0 under ``torchrun``.
+
+    Raises:
+        ValueError: unknown method, non-multiple-choice training or held-out records, or (with
+            ``resume``) a saved result trained with a different configuration.
+        llm_calib.calm.trainer.TrainingDiverged: a method's training diverged.
+    """
+    from llm_calib.calm.config import METHODS
+    from llm_calib.calm.trainer import CalibrationResult, calibrate
+
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"methods must be a non-empty list from {METHODS}, got {list(methods)}")
+    for name, records in (train, heldout):
+        if not records or not all(isinstance(r, MultipleChoice) for r in records):
+            raise ValueError(f"{name}: training and held-out data must be multiple-choice records")
+    out = Path(out_dir)
+    writer = distributed.rank() == 0
+    eval_kwargs: dict[str, Any] = {
+        "scorer": config.scorer,
+        "normalize": config.normalize,
+        "prompt": _prompt(config),
+        "batch_size": eval_batch_size,
+        "n_bins": n_bins,
+        "ci": bootstrap > 0,
+        "n_resamples": max(bootstrap, 1),
+        "seed": config.seed,
+        "progress": progress,
+    }
+
+    def collect(result: EvaluationResult, domains: dict[str, DomainComparison], columns: dict[str, str]) -> None:
+        for dom, r in result.domains.items():
+            d = domains.setdefault(dom, DomainComparison(r.kind, r.n))
+            for col, source in columns.items():
+                scaled = source == "temperature_scaled"
+                d.columns[col] = r.temperature_scaled if scaled else r.uncalibrated
+                d.reliability[col] = r.reliability_scaled if scaled else r.reliability
+
+    t0 = time.perf_counter()
+    log(f"evaluating the base model (temperature fitted on {heldout[0]})")
+    model = load_model()
+    base = evaluate_records(model, tokenizer, evals, temperature_fit=heldout, **eval_kwargs)
+    del model
+    _free()
+    domains: dict[str, DomainComparison] = {}
+    collect(base, domains, {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature_scaled"})
+    timings = {"baselines_s": time.perf_counter() - t0}
+
+    training: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        cfg = dataclasses.replace(config, method=method)
+        target = out / method
+        ckpt_dir = out / "checkpoints" / method
+        t0 = time.perf_counter()
+        model = load_model()
+        reused = False
+        if resume and (target / "metrics.json").is_file():
+            result = CalibrationResult.load(target, model)
+            saved, wanted = result.config.to_dict(), cfg.to_dict()
+            saved.pop("checkpoint_every"), wanted.pop("checkpoint_every")
+            if saved != wanted:
+                diff = sorted(k for k in wanted if saved.get(k) != wanted[k])
+                raise ValueError(
+                    f"{target} was trained with a different configuration (differs in {diff}); "
+                    "remove it or run without --resume"
+                )
+            reused = True
+            log(f"[{method}] reusing the finished result in {target}")
+        else:
+            if writer and not resume and ckpt_dir.exists():
+                shutil.rmtree(ckpt_dir)  # stale checkpoints of an earlier run must not be resumed
+            use_ckpt = checkpoints and cfg.checkpoint_every > 0
+            log(f"[{method}] training {cfg.steps} steps")
+            result = calibrate(
+                model, tokenizer, train[1], heldout[1], cfg,
+                checkpoint_dir=ckpt_dir if use_ckpt else None, resume=resume, progress=progress,
+            )
+            if writer:
+                result.save(target)
+        train_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        log(f"[{method}] evaluating")
+        res = evaluate_records(result.model, tokenizer, evals, **eval_kwargs)
+        collect(res, domains, {method: "uncalibrated"})
+        training[method] = {
+            "dir": method,
+            "reused": reused,
+            "heldout_before": result.metrics.get("before", {}),
+            "heldout_after": result.metrics.get("after", {}),
+            "timings": {**result.timings, "train_total_s": train_s, "evaluate_s": time.perf_counter() - t0},
+        }
+        del model, result, res
+        _free()
+    run_config = {
+        "train": {"spec": train[0], "n": len(train[1])},
+        "heldout": {"spec": heldout[0], "n": len(heldout[1])},
+        "eval": [name for name, _ in evals],
+        "calibration": {k: v for k, v in config.to_dict().items() if k != "method"},
+        "evaluation": {
+            "scorer": config.scorer,
+            "normalize": config.normalize,
+            "prompt_style": eval_kwargs["prompt"].style,
+            "n_bins": n_bins,
+            "bootstrap": bootstrap,
+        },
+        "timings": timings,
+    }
+    return Comparison(list(methods), domains, base.temperature, training, run_config)
+
+
+def _label(column: str) -> str:
+    return _LABELS.get(column, column)
+
+
+def _summary_table(cmp: Comparison, metric: str) -> list[str]:
+    cols = cmp.columns
+    lines = [
+        "| domain | n | " + " | ".join(_label(c) for c in cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
+    for dom, d in cmp.domains.items():
+        cells = " | ".join(format_metric(d.columns.get(c), metric) for c in cols)
+        lines.append(f"| {dom} | {d.n} | {cells} |")
+    avg = cmp.macro_average()
+    if len(cmp.domains) > 1:
+        cells = " | ".join(format_metric(avg.get(c), metric) for c in cols)
+        lines.append(f"| macro average | | {cells} |")
+    return lines
+
+
+def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods compared") -> str:
+    """The ``report.md`` text: settings, training summary, summary tables, one table per domain."""
+    cfg = cmp.config
+    cal = cfg.get("calibration", {})
+    lines = [f"# {title}", ""]
+    if cfg.get("model"):
+        lines.append(f"- model: `{cfg['model']}`")
+    lines += [
+        f"- train: `{cfg['train']['spec']}` ({cfg['train']['n']} questions); held-out: "
+        f"`{cfg['heldout']['spec']}` ({cfg['heldout']['n']} questions)",
+        f"- evaluated: {', '.join(f'`{s}`' for s in cfg['eval'])}",
+        f"- methods: {', '.join(cmp.methods)}; same data order, seed ({cal.get('seed')}) and budget "
+        f"({cal.get('steps')} steps of {cal.get('batch_size')} questions) for each",
+        f"- scorer: `{cfg['evaluation']['scorer']}` ({cfg['evaluation']['normalize']}, "
+        f"{cfg['evaluation']['prompt_style']} prompt); solver for calm: `{cal.get('solver')}`",
+    ]
+    fit = cmp.temperature
+    if fit is not None:
+        lines.append(
+            f"- temperature scaling: T = {fit.temperature:.3f}, fitted on `{fit.source}` "
+            f"({fit.n} questions; NLL {fit.nll_before:.3f} -> {fit.nll_after:.3f}), carried to "
+            "every domain"
+        )
+    lines += ["", "## Training (held-out split)", ""]
+    lines += [
+        "| method | accuracy before | accuracy after | ECE before | ECE after | selected step | stopped early | time (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m, t in cmp.training.items():
+        b, a = t.get("heldout_before", {}), t.get("heldout_after", {})
+        stopped = "yes" if a.get("stopped_early") else "no"
+        step = a.get("selected_step")
+        lines.append(
+            f"| {m} | {format_metric(b, 'accuracy')} | {format_metric(a, 'accuracy')} | "
+            f"{format_metric(b, 'ece')} | {format_metric(a, 'ece')} | "
+            f"{'n/a' if step is None else int(step)} | {stopped} | "
+            f"{t.get('timings', {}).get('train_total_s', math.nan):.1f} |"
+        )
+    lines += ["", "## ECE per domain", "", *_summary_table(cmp, "ece"), ""]
+    lines += ["## Accuracy per domain", "", *_summary_table(cmp, "accuracy"), ""]
+    if cmp.config["evaluation"].get("bootstrap"):
+        lines += ["Values are point estimates with 95% bootstrap confidence intervals.", ""]
+    for dom, d in cmp.domains.items():
+        kind = "multiple choice" if d.kind == "multiple_choice" else "open-ended (exact match)"
+        lines += [f"## {dom}", "", f"{d.n} questions, {kind}.", ""]
+        lines.append(metrics_table([(_label(c), d.columns.get(c)) for c in cmp.columns]))
+        lines += ["", f"![reliability diagrams]({reliability_filename(dom)})", ""]
+    return "\n".join(lines)
+
+
+def write_comparison_report(cmp: Comparison, out_dir: str | Path) -> dict[str, Path]:
+    """Write ``metrics.json``, ``report.md`` and ``reliability_<domain>.png`` into ``out_dir``.
+
+    Returns:
+        The written paths: keys ``"metrics"``, ``"report"`` and ``"reliability:<domain>"``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    paths["metrics"] = out / "metrics.json"
+    paths["metrics"].write_text(json.dumps(jsonable(cmp.to_dict()), indent=2, allow_nan=False) + "\n")
+    paths["report"] = out / "report.md"
+    paths["report"].write_text(comparison_markdown(cmp) + "\n")
+    for dom, d in cmp.domains.items():
+        panels = []
+        for col in cmp.columns:
+            bins = d.reliability.get(col)
+            if bins is None:
+                continue
+            label = _label(col)
+            if col == "temperature_scaled" and cmp.temperature is not None:
+                label += f" (T = {cmp.temperature.temperature:.2f})"
+            values = d.columns.get(col) or {}
+            acc, ece = values.get("accuracy", math.nan), values.get("ece", math.nan)
+            panels.append((f"{label}\nacc {acc:.3f}, ECE {ece:.3f}", bins))
+        paths[f"reliability:{dom}"] = plot_reliability(
+            panels, out / reliability_filename(dom), title=f"{dom} (n = {d.n})"
+        )
+    return paths

@@ -1,0 +1,307 @@
+"""The calibration loop on the tiny model: saving, divergence, kill-and-resume, accuracy guard, config."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import llm_calib
+from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.objectives import CalmLosses
+from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
+from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
+from llm_calib.data import load as load_data
+from llm_calib.models import tiny_random_model
+from llm_calib.prompts import PromptFormat
+from llm_calib.scoring import score_multiple_choice
+
+REPO = Path(__file__).resolve().parents[1]
+
+# One source for the subprocess runs and the in-process reference run. The script counts the
+# training steps it executes (through the batch sampler) so that a resume is seen to resume.
+RUN_SCRIPT = '''
+import json, sys
+import torch
+torch.set_num_threads(1)
+import llm_calib.calm.trainer as trainer
+from llm_calib import CalibrationConfig, calibrate
+from llm_calib.data import load
+from llm_calib.models import tiny_random_model
+
+STEPS = 8
+
+
+def run(method, checkpoint_dir, resume):
+    model, tok = tiny_random_model(seed=0, init_std=0.1)
+    train = load("builtin:arithmetic,capitals:n=8").records
+    heldout = load("builtin:arithmetic,capitals:n=4,seed=1").records
+    cfg = CalibrationConfig(method=method, steps=STEPS, batch_size=4, heldout_batch_size=4, lr=1e-2,
+                            lam_lr=1e-1, eval_every=2, checkpoint_every=2, guard_accuracy=0.0,
+                            lora=dict(rank=2, layers=[1]))
+    return calibrate(model, tok, train, heldout, cfg, checkpoint_dir=checkpoint_dir, resume=resume,
+                     progress=False)
+
+
+def final_tensors(result):
+    theta = {n: p.detach().clone() for n, p in result.model.named_parameters() if "lora_" in n}
+    return {**{f"theta/{k}": v for k, v in theta.items()}, **{f"lam/{k}": v for k, v in result.lam.items()}}
+
+
+if __name__ == "__main__":
+    from safetensors.torch import save_file
+    method, ckpt, resume, out = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+    calls = []
+    sampler = trainer._batch_indices
+    trainer._batch_indices = lambda n, b, step, seed, stream: calls.append(step) or sampler(n, b, step, seed, stream)
+    result = run(method, ckpt, resume)
+    save_file(final_tensors(result), out)
+    with open(out + ".json", "w") as fh:
+        json.dump({"steps_run": sorted(set(calls)), "history": result.history}, fh)
+'''
+
+
+@pytest.fixture(scope="module")
+def run_module(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run") / "run_calibration.py"
+    path.write_text(RUN_SCRIPT)
+    namespace: dict = {"__name__": "run_calibration"}
+    exec(compile(RUN_SCRIPT, str(path), "exec"), namespace)
+    return path, namespace
+
+
+@pytest.fixture(scope="module")
+def data():
+    train = load_data("builtin:arithmetic,capitals:n=8").records
+    heldout = load_data("builtin:arithmetic,capitals:n=4,seed=1").records
+    return train, heldout
+
+
+def _cfg(**kw) -> CalibrationConfig:
+    base = dict(steps=3, batch_size=4, heldout_batch_size=4, lr=1e-2, eval_every=1, guard_accuracy=0.0,
+                lora=LoraSettings(rank=2, layers=(1,)))
+    base.update(kw)
+    return CalibrationConfig(**base)
+
+
+def _model():
+    return tiny_random_model(seed=0, init_std=0.1)
+
+
+def test_package_exports_the_training_api():
+    assert set(llm_calib.__all__) >= {"calibrate", "CalibrationConfig", "CalibrationResult", "LoraSettings"}
+    assert llm_calib.calibrate is calibrate
+    assert llm_calib.CalibrationResult is CalibrationResult
+    assert llm_calib.LoraSettings is LoraSettings
+
+
+def test_save_and_load_round_trip(tmp_path, data):
+    train, heldout = data
+    model, tok = _model()
+    result = calibrate(model, tok, train, heldout, _cfg(lam_lr=0.1), progress=False)
+    assert result.lam["b"].abs().max() > 0  # λ moved, so its round trip means something
+    out = result.save(tmp_path / "calm")
+    assert {p.name for p in out.iterdir()} >= {"adapter", "lambda.safetensors", "config.json", "history.json", "metrics.json"}
+
+    fresh, _ = _model()
+    loaded = CalibrationResult.load(out, fresh)
+    prompt = PromptFormat(style="cloze")
+    before = score_multiple_choice(_model()[0], tok, heldout[:6], prompt=prompt)
+    original = score_multiple_choice(result.model, tok, heldout[:6], prompt=prompt)
+    again = score_multiple_choice(loaded.model, tok, heldout[:6], prompt=prompt)
+    for a, b, c in zip(original.logits, again.logits, before.logits, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), (a, b)
+        assert not torch.allclose(a, c, atol=1e-6, rtol=0)  # the adapter changes the scores
+    # the trainer's own held-out metrics agree with the ordinary scorer on the peft model
+    scored = score_multiple_choice(loaded.model, tok, heldout, prompt=prompt)
+    assert float(scored.correct.mean()) == pytest.approx(result.metrics["after"]["accuracy"], abs=1e-12)
+    assert set(loaded.lam) == set(result.lam)
+    for k in result.lam:
+        assert torch.equal(loaded.lam[k], result.lam[k])
+    assert loaded.config == result.config
+    assert loaded.history == result.history
+    assert loaded.metrics == result.metrics
+    assert json.loads((out / "config.json").read_text())["lora"]["layers"] == [1]
+
+
+def test_nan_loss_raises_with_step_and_batch_and_keeps_last_good_checkpoint(tmp_path, data, monkeypatch):
+    train, heldout = data
+    calls = {"n": 0}
+    real = CalmLosses.baseline
+
+    def poisoned(self, method, theta, batch):  # one call per step: step 5 yields NaN
+        calls["n"] += 1
+        loss = real(self, method, theta, batch)
+        return loss * float("nan") if calls["n"] == 5 else loss
+
+    monkeypatch.setattr(CalmLosses, "baseline", poisoned)
+    ckpt = tmp_path / "ckpt"
+    model, tok = _model()
+    with pytest.raises(TrainingDiverged) as info:
+        calibrate(model, tok, train, heldout, _cfg(method="lora_ce", steps=8, checkpoint_every=2),
+                  checkpoint_dir=ckpt, progress=False)
+    message = str(info.value)
+    assert "step 5" in message and "batch ids" in message
+    assert any(r.id in message for r in train)
+    last = latest_checkpoint(ckpt)
+    assert last is not None and last.name == "ckpt-00000004"
+    assert (ckpt / "LATEST").read_text().strip() == last.name
+    tensors, state = load_checkpoint(last)
+    assert state["step"] == 4 < 5
+    assert all(bool(torch.isfinite(v).all()) for v in tensors.values())
+    # the good checkpoint resumes (the poisoned call is past)
+    model, tok = _model()
+    result = calibrate(model, tok, train, heldout, _cfg(method="lora_ce", steps=6, checkpoint_every=2),
+                       checkpoint_dir=ckpt, resume=True, progress=False)
+    assert [h["step"] for h in result.history] == list(range(1, 7))
+
+
+def test_overflowing_learning_rate_raises_training_diverged(tmp_path, data):
+    train, heldout = data
+    model, tok = _model()
+    with pytest.raises(TrainingDiverged, match=r"step \d+: .*batch ids"):
+        calibrate(model, tok, train, heldout, _cfg(method="calm", lr=1e30, steps=6, checkpoint_every=1),
+                  checkpoint_dir=tmp_path / "ckpt", progress=False)
+
+
+def _spawn(script: Path, method: str, ckpt: Path, resume: bool, out: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, str(script), method, str(ckpt), "1" if resume else "0", str(out)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+
+
+def _latest_step(ckpt: Path) -> int:
+    last = latest_checkpoint(ckpt)
+    return int(last.name.split("-")[1]) if last is not None else 0
+
+
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, run_module):
+    script, ns = run_module
+    methods = ("calm", "label_smoothing")
+    steps = ns["STEPS"]
+    procs = {m: _spawn(script, m, tmp_path / f"ckpt-{m}", False, tmp_path / f"killed-{m}.safetensors") for m in methods}
+    killed_at: dict[str, int] = {}
+    deadline = time.monotonic() + 120
+    while len(killed_at) < len(methods) and time.monotonic() < deadline:
+        for m, p in procs.items():
+            if m not in killed_at and _latest_step(tmp_path / f"ckpt-{m}") >= 2:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+                killed_at[m] = _latest_step(tmp_path / f"ckpt-{m}")
+            elif m not in killed_at and p.poll() is not None:
+                pytest.fail(f"{m}: the run ended before it could be killed: {p.stderr.read().decode()[-2000:]}")
+        time.sleep(0.002)
+    for m, p in procs.items():
+        assert p.returncode == -signal.SIGKILL, (m, p.returncode)
+        assert 2 <= killed_at[m] < steps, killed_at
+        assert not (tmp_path / f"killed-{m}.safetensors").exists()
+
+    resumed = {m: _spawn(script, m, tmp_path / f"ckpt-{m}", True, tmp_path / f"resumed-{m}.safetensors") for m in methods}
+    for m, p in resumed.items():
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()[-3000:]
+
+    for m in methods:
+        ref_dir = tmp_path / f"ref-{m}"
+        reference = ns["run"](m, ref_dir, False)
+        ref = ns["final_tensors"](reference)
+        got = load_file(str(tmp_path / f"resumed-{m}.safetensors"))
+        info = json.loads((tmp_path / f"resumed-{m}.safetensors.json").read_text())
+        # it continued from the newest checkpoint instead of starting over
+        assert info["steps_run"] == list(range(killed_at[m], steps))
+        assert set(got) == set(ref)
+        for k, v in ref.items():
+            assert torch.allclose(got[k], v, atol=1e-6, rtol=0), (m, k, float((got[k] - v).abs().max()))
+        assert any(float(v.abs().max()) > 1e-4 for k, v in ref.items() if "lora_B" in k)  # θ moved
+        # same records; values equal up to float rounding (trunk caches are filled in other batches)
+        assert [sorted(h) for h in info["history"]] == [sorted(h) for h in reference.history]
+        for h_got, h_ref in zip(info["history"], reference.history, strict=True):
+            assert h_got == pytest.approx(h_ref, rel=1e-4, abs=1e-6)
+        # the last-step state (not only the selected one) matches too
+        t_resumed, s_resumed = load_checkpoint(latest_checkpoint(tmp_path / f"ckpt-{m}"))
+        t_ref, s_ref = load_checkpoint(latest_checkpoint(ref_dir))
+        assert s_resumed["step"] == s_ref["step"] == steps
+        assert set(t_resumed) == set(t_ref)
+        for k in t_ref:
+            assert torch.allclose(t_resumed[k], t_ref[k], atol=1e-6, rtol=0), (m, k)
+
+
+def test_accuracy_guard_stops_and_returns_the_initial_parameters(data):
+    train, heldout = data
+    model, tok = _model()
+    guard = 0.95
+    result = calibrate(model, tok, train, heldout,
+                       _cfg(method="lora_ce", lr=1.0, steps=10, eval_every=1, guard_accuracy=guard),
+                       progress=False)
+    before, after = result.metrics["before"], result.metrics["after"]
+    assert after["stopped_early"] == 1.0
+    assert len(result.history) < 10
+    assert result.history[-1]["heldout_accuracy"] < guard * before["accuracy"]  # it did destroy accuracy
+    assert after["accuracy"] >= guard * before["accuracy"]
+    assert after["selected_step"] == 0.0
+    assert after["ece"] == pytest.approx(before["ece"], abs=1e-9)
+    lora_b = [p for n, p in result.model.named_parameters() if "lora_B" in n]
+    assert lora_b and all(float(p.abs().max()) == 0.0 for p in lora_b)  # rolled back to the start
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"lr": -1.0}, "lr"),
+        ({"lr": "fast"}, "lr"),
+        ({"steps": 0}, "steps"),
+        ({"steps": 2.5}, "steps"),
+        ({"method": "sft"}, "method"),
+        ({"solver": "adam"}, "solver"),
+        ({"guard_accuracy": 1.5}, "guard_accuracy"),
+        ({"label_smoothing": 1.0}, "label_smoothing"),
+        ({"checkpoint_every": -1}, "checkpoint_every"),
+        ({"chat_template": "yes"}, "chat_template"),
+        ({"lora": {"rank": 0}}, "lora.rank"),
+        ({"lora": {"dropout": 2.0}}, "lora.dropout"),
+        ({"lora": {"rnak": 4}}, "rnak"),
+    ],
+)
+def test_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        CalibrationConfig(**kwargs)
+
+
+def test_config_yaml_round_trip_and_unknown_key(tmp_path):
+    import yaml
+
+    cfg = CalibrationConfig(method="confidence_penalty", solver="f2sa", steps=7, lr=3e-4,
+                            lora=LoraSettings(rank=4, target_modules=("q_proj",), layers=(0, 1)))
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert CalibrationConfig.from_file(path) == cfg
+    # hand-written YAML: 1e-3 is a string in YAML 1.1 and still reads as a number
+    hand = tmp_path / "hand.yml"
+    hand.write_text("steps: 5\nlr: 1e-3\nlora:\n  rank: 2\n")
+    loaded = CalibrationConfig.from_file(hand)
+    assert (loaded.steps, loaded.lr, loaded.lora.rank) == (5, 1e-3, 2)
+    json_path = tmp_path / "cfg.json"
+    json_path.write_text(json.dumps(cfg.to_dict()))
+    assert CalibrationConfig.from_file(json_path) == cfg
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 5\nlearning_rate: 0.1\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml.*learning_rate"):
+        CalibrationConfig.from_file(bad)
+    bad.write_text("steps: [1\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml"):
+        CalibrationConfig.from_file(bad)
+    bad.write_text("lr: -2\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml.*lr"):
+        CalibrationConfig.from_file(bad)
