@@ -349,8 +349,6 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
 
 def _calibration_config(args: argparse.Namespace) -> tuple[object, list[str]]:
     """The run's CalibrationConfig (defaults < --config < flags) and the methods to train."""
-    import dataclasses
-
     from llm_calib.calm.config import METHODS, CalibrationConfig
 
     data: dict = {}
@@ -382,7 +380,7 @@ def _calibration_config(args: argparse.Namespace) -> tuple[object, list[str]]:
         methods = args.methods
     data["method"] = methods[0]
     config = _user_call(lambda: CalibrationConfig.from_dict(data), "calibration config")
-    return dataclasses.replace(config), methods
+    return config, methods
 
 
 def _device(name: str) -> str:
@@ -394,6 +392,8 @@ def _device(name: str) -> str:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import warnings
+
     from llm_calib import distributed
     from llm_calib.calm.trainer import TrainingDiverged
     from llm_calib.compare import run_comparison, write_comparison_report
@@ -401,6 +401,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from llm_calib.data.records import MultipleChoice
     from llm_calib.models import load as load_model
 
+    # peft calls a transformers API deprecated in v5; the warning is noise for users of the CLI
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     config, methods = _calibration_config(args)
     distributed.init_from_env()
     main_rank = distributed.rank() == 0

@@ -44,10 +44,10 @@ class DemoSettings:
     model: str = "smollm2-135m-instruct"
     in_domain: tuple[str, ...] = IN_DOMAIN
     out_of_domain: tuple[str, ...] = OUT_OF_DOMAIN
-    n_per_domain: int = 72
-    n_train: int = 32
+    n_per_domain: int = 56
+    n_train: int = 24
     n_heldout: int = 16
-    steps: int = 60
+    steps: int = 40
     batch_size: int = 8
     top_layers: int = 6
     lr: float = 1e-3
@@ -116,7 +116,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     n_layers = model.config.num_hidden_layers
     config = CalibrationConfig(
         method="calm", steps=settings.steps, batch_size=settings.batch_size, heldout_batch_size=settings.batch_size,
-        lr=settings.lr, lam_lr=settings.lam_lr, eval_every=10, seed=settings.seed,
+        lr=settings.lr, lam_lr=settings.lam_lr, eval_every=5, seed=settings.seed, inner_lr=0.1,
         lora=LoraSettings(rank=8, layers=tuple(range(n_layers - settings.top_layers, n_layers))),
     )
     t = time.perf_counter()

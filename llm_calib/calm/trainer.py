@@ -301,7 +301,8 @@ def calibrate(
     timings["setup"] = time.perf_counter() - t0
 
     theta = lm.theta()
-    lam = adjustment.init(dtype=torch.float32, device=lm.device)
+    # λ in the float precision of the model (float32 for half-precision models)
+    lam = adjustment.init(dtype=torch.float64 if lm.dtype == torch.float64 else torch.float32, device=lm.device)
     lam_params = {k: v.clone().requires_grad_(True) for k, v in lam.items()}
     lam_optimizer = torch.optim.Adam(list(lam_params.values()), lr=config.lam_lr)
     theta_opt = hg.inner.Adam(lr=config.lr)
@@ -380,7 +381,9 @@ def calibrate(
                 best = {"ece": metrics["ece"], "step": done, "violations": 0}
                 best_theta = {k: v.clone() for k, v in theta.items()}
                 best_lam = {k: v.detach().clone() for k, v in lam_params.items()}
-            bar.set_postfix(ece=f"{metrics['ece']:.3f}", acc=f"{metrics['accuracy']:.3f}", H=f"{metrics['entropy']:.3f}")
+            shown = {"loss": record["loss"]} if "loss" in record else {"q": record["q"]} if "q" in record else {}
+            bar.set_postfix(**{k: f"{v:.3g}" for k, v in shown.items()}, ece=f"{metrics['ece']:.3f}",
+                            acc=f"{metrics['accuracy']:.3f}", H=f"{metrics['entropy']:.3f}")
             history.append(record)
             below = metrics["accuracy"] < config.guard_accuracy * before["accuracy"]
             best["violations"] = best.get("violations", 0) + 1 if below else 0

@@ -1,0 +1,185 @@
+"""``llm-calib calibrate`` end to end on the tiny model saved to disk."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from llm_calib import cli, metrics
+from llm_calib.calm.trainer import CalibrationResult
+from llm_calib.data import load as load_data
+from llm_calib.models import load as load_model
+from llm_calib.prompts import PromptFormat
+from llm_calib.scoring import score_option_likelihood
+from llm_calib.temperature import fit_temperature
+
+TRAIN = "builtin:arithmetic,capitals:n=4"
+HELDOUT = "builtin:arithmetic,capitals:n=4,seed=1"
+EVALS = ["builtin:capitals:n=6,seed=2", "builtin:arithmetic:n=6,seed=2"]
+CONFIG_YAML = """\
+steps: 5               # overridden by --steps
+lr: 5e-3               # YAML 1.1 reads this as a string; still a number
+lam_lr: 0.1
+eval_every: 1
+heldout_batch_size: 4
+guard_accuracy: 0.0
+lora:
+  rank: 2
+  layers: [1]
+"""
+
+
+def _argv(model_dir, out, *extra):
+    argv = ["calibrate", "--model", str(model_dir), "--train", TRAIN, "--heldout", HELDOUT]
+    for spec in EVALS:
+        argv += ["--eval", spec]
+    return [*argv, "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_dir, tmp_path_factory):
+    """One CLI run with two methods, shared by the checks below."""
+    tmp = tmp_path_factory.mktemp("cli_calibrate")
+    config = tmp / "calm.yaml"
+    config.write_text(CONFIG_YAML)
+    out = tmp / "out"
+    argv = _argv(tiny_model_dir, out, "--config", str(config), "--methods", "calm,lora_ce", "--steps", "2",
+                 "--batch-size", "4", "--checkpoint-every", "1", "--bootstrap", "0", "--no-progress")
+    assert cli.main(argv) == 0
+    return out, config
+
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["calibrate", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    sub = cli.build_parser()._subparsers._group_actions[0].choices["calibrate"]
+    flags = [s for a in sub._actions for s in a.option_strings]
+    for flag in ("--model", "--train", "--heldout", "--eval", "--out", "--config", "--methods", "--solver",
+                 "--steps", "--batch-size", "--limit", "--seed", "--checkpoint-every", "--resume",
+                 "--no-progress"):
+        assert flag in flags and flag in text, flag
+    for action in sub._actions:
+        assert action.help, action.option_strings
+    assert "torchrun" in text and "precedence" in text
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    commands = capsys.readouterr().out
+    assert all(c in commands for c in ("evaluate", "calibrate", "demo"))
+
+
+def test_outputs_exist_and_config_precedence(run):
+    out, _ = run
+    for method in ("calm", "lora_ce"):
+        d = out / method
+        for name in ("adapter/adapter_config.json", "lambda.safetensors", "config.json", "history.json", "metrics.json"):
+            assert (d / name).stat().st_size > 0, (method, name)
+        cfg = json.loads((d / "config.json").read_text())
+        # defaults < config file < flags
+        assert (cfg["method"], cfg["steps"], cfg["batch_size"]) == (method, 2, 4)  # flags
+        assert (cfg["lr"], cfg["lam_lr"], cfg["lora"]["rank"], cfg["lora"]["layers"]) == (5e-3, 0.1, 2, [1])  # file
+        assert cfg["solver"] == "bome" and cfg["max_bias"] == 10.0  # defaults
+        assert [h["step"] for h in json.loads((d / "history.json").read_text())] == [1, 2]
+        assert (out / "checkpoints" / method / "LATEST").read_text().strip() == "ckpt-00000002"
+    for name in ("report.md", "metrics.json", "reliability_capitals.png", "reliability_arithmetic.png"):
+        assert (out / name).stat().st_size > 0, name
+
+
+def test_metrics_match_direct_scoring_and_the_report(run, tiny_model_dir):
+    out, _ = run
+    data = json.loads((out / "metrics.json").read_text())
+    assert data["columns"] == ["uncalibrated", "temperature_scaled", "calm", "lora_ce"]
+    assert list(data["domains"]) == ["capitals", "arithmetic"]
+    prompt = PromptFormat(style="cloze")
+    model, tok = load_model(str(tiny_model_dir))
+    fit = score_option_likelihood(model, tok, load_data(HELDOUT).records, prompt=prompt)
+    T = fit_temperature(fit.logits, fit.labels)
+    assert data["temperature"]["temperature"] == pytest.approx(T, rel=1e-6)
+    records = [r for spec in EVALS for r in load_data(spec).records]
+    base = score_option_likelihood(model, tok, records, prompt=prompt).by_domain()
+    # each trained column equals scoring the saved result, reloaded from disk onto a fresh base
+    trained = {}
+    for method in ("calm", "lora_ce"):
+        fresh, _ = load_model(str(tiny_model_dir))
+        loaded = CalibrationResult.load(out / method, fresh)
+        trained[method] = score_option_likelihood(loaded.model, tok, records, prompt=prompt).by_domain()
+    for dom, d in data["domains"].items():
+        cols = d["columns"]
+        assert d["n"] == 6
+        expected = {
+            "uncalibrated": base[dom],
+            "temperature_scaled": base[dom].scaled(T),
+            **{m: s[dom] for m, s in trained.items()},
+        }
+        for col, scored in expected.items():
+            ref = metrics.summarize(scored.probs_numpy, scored.labels, ci=False)
+            for key in ("accuracy", "ece", "nll", "brier"):
+                assert cols[col][key] == pytest.approx(ref[key], abs=1e-6), (dom, col, key)
+            assert len(d["reliability"][col]["counts"]) == 10
+    assert data["training"]["calm"]["heldout_after"]["selected_step"] in (0.0, 1.0, 2.0)
+
+    report = (out / "report.md").read_text()
+    for section in ("## Training", "## ECE per domain", "## Accuracy per domain", "## capitals", "## arithmetic"):
+        assert section in report
+    # the summary tables show exactly the numbers of metrics.json
+    for metric, heading in (("ece", "## ECE per domain"), ("accuracy", "## Accuracy per domain")):
+        table = report.split(heading)[1].split("\n## ")[0]
+        for dom, d in data["domains"].items():
+            row = next(line for line in table.splitlines() if line.startswith(f"| {dom} |"))
+            cells = [c.strip() for c in row.strip("|").split("|")][2:]
+            assert cells == [f"{d['columns'][c][metric]:.3f}" for c in data["columns"]], (metric, dom)
+    # per-domain table: one column per method
+    header = re.search(r"## capitals\n\n.*\n\n(\|.*\|)\n", report).group(1)
+    assert header == "| metric | uncalibrated | temperature-scaled | calm | lora_ce |"
+
+
+def test_resume_reuses_finished_methods_and_rejects_a_changed_config(run, tiny_model_dir, capsys):
+    out, config = run
+    before = (out / "calm" / "adapter" / "adapter_model.safetensors").read_bytes()
+    common = ["--config", str(config), "--methods", "calm", "--batch-size", "4", "--bootstrap", "0",
+              "--no-progress", "--resume"]
+    assert cli.main(_argv(tiny_model_dir, out, *common, "--steps", "2")) == 0
+    data = json.loads((out / "metrics.json").read_text())
+    assert data["methods"] == ["calm"] and data["training"]["calm"]["reused"] is True
+    assert (out / "calm" / "adapter" / "adapter_model.safetensors").read_bytes() == before
+    capsys.readouterr()
+    assert cli.main(_argv(tiny_model_dir, out, *common, "--steps", "3")) == 2
+    err = capsys.readouterr().err
+    assert "different configuration" in err and "steps" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--train", "nosuchloader:x"], "--train nosuchloader:x"),
+        (["--eval", "builtin:capitals:n=oops"], "n and seed must be integers"),
+        (["--heldout", "arc_easy:/does/not/exist.jsonl"], "does not exist"),
+        (["--config", "{missing}"], "--config"),
+        (["--config", "{bad_key}"], "learning_rate"),
+        (["--config", "{bad_value}"], "lam_lr"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(args, needle, tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "bad_key.yaml").write_text("steps: 2\nlearning_rate: 0.1\n")
+    (tmp_path / "bad_value.yaml").write_text("lam_lr: -1\n")
+    args = [a.format(missing=tmp_path / "nope.yaml", bad_key=tmp_path / "bad_key.yaml",
+                     bad_value=tmp_path / "bad_value.yaml") for a in args]
+    argv = _argv(tiny_model_dir, tmp_path / "out", "--no-progress", "--steps", "1")
+    # later occurrences of --train/--heldout override the defaults; --eval appends
+    assert cli.main([*argv, *args]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("llm-calib: error:") and needle in last and "Traceback" not in err
+    if "bad_key" in " ".join(args):
+        assert "bad_key.yaml" in last
+    assert not (tmp_path / "out" / "calm").exists()
+
+
+def test_unknown_method_is_rejected_by_the_parser(tiny_model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(_argv(tiny_model_dir, tmp_path / "out", "--methods", "calm,sft"))
+    assert exc.value.code == 2
+    assert "sft" in capsys.readouterr().err
