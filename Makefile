@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# HTML docs, warnings as errors; -E re-reads every page so no warning hides in a cached one.
+DOCS_BUILD := $(VENV)/bin/sphinx-build -E -W --keep-going -q -b html docs docs/_build/html
 
 .PHONY: demo test setup lint docs clean
 
@@ -27,8 +29,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hypergrad llm_calib tests benchmarks
 
+docs: $(STAMP)
+	$(DOCS_BUILD)
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check hypergrad llm_calib tests benchmarks
+	$(DOCS_BUILD)
 	$(VENV)/bin/python -m pytest -n 2 -q
 
 clean:

@@ -96,6 +96,7 @@ class Sizes:
     budget_s: float = 25.0  # per problem instance: stop adding interleaved rounds after this
     memory: bool = True
     memory_only: tuple[str, ...] | None = None  # measure memory only for these problem prefixes
+    lbfgs_iters: int = 500  # cap of the LBFGS inner solves that set up the problems
 
 
 FULL = Sizes("full")
@@ -122,6 +123,7 @@ QUICK = Sizes(
     budget_s=3.0,
     memory=True,
     memory_only=("ksweep", "fwdflat"),
+    lbfgs_iters=150,
 )
 TINY = replace(
     QUICK,
@@ -386,6 +388,7 @@ def _implicit_reference(b: Bench) -> Tensor:
 
 def build_bench(spec: dict[str, Any], cache_dir: Path | None = None) -> Bench:
     """Build a problem from its spec; the expensive parts (inner solves) are cached on disk."""
+    t_build = time.perf_counter()
     key = spec.get("label", spec["key"])
     path = cache_dir / f"{spec['key']}.pt" if cache_dir is not None else None
     cached = torch.load(path, weights_only=False) if path is not None and path.exists() else None
@@ -451,12 +454,14 @@ def build_bench(spec: dict[str, Any], cache_dir: Path | None = None) -> Bench:
         H = X.T @ X / n + torch.diag(torch.exp(lam["log_l2"]).expand(X.shape[1]))
         b.w = {"weight": torch.linalg.solve(H, X.T @ b.data["y"] / n).reshape(1, -1)}
     else:  # logistic: to 1e-10; hyper-cleaning (ill-conditioned, kappa ~ 1e3): to 1e-8
-        b.w = _minimize(lambda w: b.g(w, lam), w0, tol=1e-10 if kind == "logistic" else 1e-8)
+        b.w = _minimize(lambda w: b.g(w, lam), w0, max_iter=spec.get("inner_iters", 500),
+                        tol=1e-10 if kind == "logistic" else 1e-8)
     L = _lipschitz(b)
     b.lr = 1.0 / L
     b.alpha = 1.0 / (L + b.damping)
     b.sigma = spec.get("sigma", 1e-3)
-    b.w_sigma = _minimize(lambda w: b.g(w, lam) + b.sigma * b.f(w, lam), b.w, max_iter=500,
+    b.w_sigma = _minimize(lambda w: b.g(w, lam) + b.sigma * b.f(w, lam), b.w,
+                          max_iter=spec.get("inner_iters", 500),
                           tol={"mlp": 1e-7, "clean": 1e-8}.get(kind, 1e-10))
     if kind == "mlp":
         b.reference, b.ref_note = None, "no reference (non-convex; methods compared with each other)"
@@ -472,6 +477,7 @@ def build_bench(spec: dict[str, Any], cache_dir: Path | None = None) -> Bench:
             {"w": b.w, "lr": b.lr, "reference": b.reference, "ref_note": b.ref_note,
              "w_sigma": b.w_sigma, "sigma": b.sigma, "alpha": b.alpha}, path,
         )
+    b.extra["build_s"] = time.perf_counter() - t_build
     return b
 
 
@@ -929,7 +935,7 @@ def run_problem(
 ) -> list[Row]:
     """Time the runners (interleaved); attach each row's memory configuration (measured later, in
     fresh processes, by :func:`fill_memory`)."""
-    log(f"  {b.title}")
+    log(f"  {b.title} (set-up {b.extra.get('build_s', 0.0):.1f}s)")
     timing = time_interleaved(runners, sizes, log, threads)
     unit = timing["median"]["one inner gradient (unit)"]
     outs = timing["outputs"]
@@ -979,7 +985,15 @@ def _spec_bench(spec: dict[str, Any], cache: Path | None) -> Bench:
 def suite(sizes: Sizes, threads: int = 1, log: Callable[[str], None] = print,
           cache: Path | None = None) -> dict[str, Any]:
     """Run every problem; return rows, sweeps, hyper-cleaning results and metadata."""
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        return _suite(sizes, threads, log, cache)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path | None) -> dict[str, Any]:
     own_cache = cache is None
     if own_cache:
         cache = Path(tempfile.mkdtemp(prefix="hgbench-"))
@@ -1007,7 +1021,7 @@ def suite(sizes: Sizes, threads: int = 1, log: Callable[[str], None] = print,
 
     # 3. hyper-cleaning: single hypergradients, then the outer loop
     spec = {"key": "clean", "kind": "clean", "n_train": sizes.clean_train, "K": sizes.clean_unroll_k,
-            "sigma": 1e-2}
+            "sigma": 1e-2, "inner_iters": sizes.lbfgs_iters}
     b_clean = _spec_bench(spec, cache)
     rows += run_problem(b_clean, sizes, make_runners(b_clean, sizes, all_families), cache, threads,
                         log, memory)
@@ -1017,7 +1031,7 @@ def suite(sizes: Sizes, threads: int = 1, log: Callable[[str], None] = print,
     for width in sizes.mlp_widths:
         spec = {"key": f"mlp_w{width}", "kind": "mlp", "width": width, "batch": sizes.mlp_batch,
                 "K": sizes.mlp_k, "maxiter": 10, "sigma": 1e-2,
-                "inner_iters": 100 if width >= 512 else 200}
+                "inner_iters": 100 if width >= 512 else min(200, sizes.lbfgs_iters)}
         b = _spec_bench(spec, cache)
         fams = ["unit", "unit-hvp", "implicit-cg", "unrolled-reverse", "unrolled-checkpoint",
                 "unrolled-forward", "fd", "penalty"]
@@ -1027,7 +1041,7 @@ def suite(sizes: Sizes, threads: int = 1, log: Callable[[str], None] = print,
     for K in sizes.ks:
         spec = {"key": f"mlp_w{sizes.ksweep_width}", "label": f"ksweep_K{K}", "kind": "mlp",
                 "width": sizes.ksweep_width, "batch": sizes.mlp_batch, "K": K, "maxiter": 10,
-                "sigma": 1e-2, "inner_iters": 200}
+                "sigma": 1e-2, "inner_iters": min(200, sizes.lbfgs_iters)}
         b = _spec_bench(spec, cache)
         fams = ["unit", "unrolled-reverse", "unrolled-checkpoint", "unrolled-truncated",
                 "unrolled-forward"]
@@ -1039,7 +1053,7 @@ def suite(sizes: Sizes, threads: int = 1, log: Callable[[str], None] = print,
     for K in sizes.flat_ks:
         spec = {"key": f"mlp_w{width}", "label": f"fwdflat_K{K}", "kind": "mlp", "width": width,
                 "batch": sizes.mlp_batch, "K": K, "maxiter": 10, "sigma": 1e-2,
-                "inner_iters": 100 if width >= 512 else 200}
+                "inner_iters": 100 if width >= 512 else min(200, sizes.lbfgs_iters)}
         b = _spec_bench(spec, cache)
         rows += run_problem(b, sizes, make_runners(b, sizes, ["unit", "unrolled-forward"]), cache,
                             threads, log, memory)
@@ -1273,6 +1287,31 @@ def targets(rows: list[Row], sizes: Sizes) -> list[dict[str, Any]]:
     return out
 
 
+CORE_CHANGES = [
+    "## Changes to the core made while profiling for this benchmark",
+    "",
+    "- `hypergrad/linear/cg.py`: CG iterates on one flat vector with in-place updates instead of "
+    "dicts of tensors (on a 100-feature ridge problem the pytree bookkeeping cost about as much as "
+    "the Hessian-vector product itself); `LinearSystem.flat_matvec` (new, optional) lets `Implicit` "
+    "hand the solvers a flat product. `Neumann` and `largest_eigenvalue` use the same path.",
+    "- `hypergrad/_autodiff.py`: `RootSystem.rmatvec_flat` calls the autograd engine entry directly "
+    "for the repeated products on the retained graph (falls back to `torch.autograd.grad`), "
+    "skipping its per-call argument normalisation (about 25 of 115 us per product on that problem).",
+    "- `hypergrad/inner.py`: SGD and momentum updates are one fused `torch.add(..., alpha=)` per "
+    "leaf (fewer ops recorded per unrolled step and replayed in the backward pass).",
+    "- `hypergrad/unrolled.py`: forward mode with a single scalar hyperparameter propagates the "
+    "tangent with one reverse-over-reverse Hessian-vector product per step on that step's retained "
+    "graph plus a dual-number JVP of the elementwise update; before, `torch.func.jvp` over "
+    "`torch.func.grad` through the whole step made forward mode 5-7x slower than reverse mode on the "
+    "K-sweep MLP (542 ms vs 90 ms at K = 30); it is now about 1.0-1.3x. New option "
+    "`Unrolled(checkpoint=True)`: reverse mode storing only the iterates and rebuilding one step's "
+    "graph at a time in the backward sweep (same estimate; memory vs time trade-off above).",
+    "- `hypergrad/_pytree.py`: `tree_flatten_view` (no copy for a single leaf); `tree_unflatten` "
+    "restores each leaf's dtype.",
+    "",
+]
+
+
 def notes(result: dict[str, Any]) -> list[str]:
     """What limits each target, with the numbers of this run."""
     rows: list[Row] = result["rows"]
@@ -1359,64 +1398,72 @@ def _fmt_time(seconds: float) -> str:
     return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
 
 
-def _plots(result: dict[str, Any], out: Path) -> list[str]:
+_SERIES = {
+    ("implicit-cg", "hypergrad"): "hypergrad Implicit CG",
+    ("implicit-cg", "torchopt"): "torchopt custom_root + CG",
+    ("implicit-neumann", "hypergrad"): "hypergrad Implicit Neumann",
+    ("implicit-neumann", "torchopt"): "torchopt custom_root + Neumann",
+    ("unrolled-reverse", "hypergrad"): "hypergrad Unrolled reverse",
+    ("unrolled-reverse", "higher"): "higher innerloop_ctx",
+    ("unrolled-reverse-metasgd", "torchopt"): "torchopt MetaSGD",
+    ("unrolled-checkpoint", "hypergrad"): "hypergrad Unrolled reverse, checkpoint",
+    ("unrolled-truncated", "hypergrad"): "hypergrad Unrolled truncated (k = K/10)",
+    ("unrolled-forward", "hypergrad"): "hypergrad Unrolled forward",
+    ("fd-cg", "hypergrad"): "hypergrad FiniteDifference (CG)",
+    ("fd-identity", "hypergrad"): "hypergrad FiniteDifference (identity)",
+    ("penalty", "hypergrad"): "hypergrad Penalty (F2SA)",
+}
+
+
+def _plot_pair(rows: list[Row], x_of: Callable[[Row], float], xlabel: str, title: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows: list[Row] = result["rows"]
-    files = []
     style = {"hypergrad": "-o", "higher": "--s", "torchopt": ":^"}
-    # K sweep
-    ks = [r for r in rows if r.problem.startswith("ksweep_K") and not r.family.startswith("unit")]
-    if ks:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for name in dict.fromkeys(re.sub(r" \(K=\d+.*\)", "", r.name) for r in ks):
-            sel = sorted((r for r in ks if re.sub(r" \(K=\d+.*\)", "", r.name) == name),
-                         key=lambda r: int(r.problem.split("K")[-1]))
-            K = [int(r.problem.split("K")[-1]) for r in sel]
-            axes[0].plot(K, [r.time_s * 1e3 for r in sel], style.get(sel[0].library, "-"), label=name)
-            if all(r.peak_mb is not None for r in sel):
-                axes[1].plot(K, [max(r.peak_mb, 1e-2) for r in sel], style.get(sel[0].library, "-"), label=name)
-        axes[0].set(xscale="log", yscale="log", xlabel="unroll length K", ylabel="time per hypergradient (ms)")
-        axes[1].set(xscale="log", yscale="log", xlabel="unroll length K", ylabel="peak memory over baseline (MB)")
-        axes[0].legend(fontsize=7)
-        axes[0].grid(True, which="both", alpha=0.3)
-        axes[1].grid(True, which="both", alpha=0.3)
-        fig.suptitle("Scaling in the unroll length K (small MLP on digits, scalar weight decay)")
-        fig.tight_layout()
-        fig.savefig(out / "hypergrad_k_scaling.png", dpi=110)
-        plt.close(fig)
-        files.append("hypergrad_k_scaling.png")
-    # parameter-count sweep (MLP) and logistic d sweep
-    for prefix, fname, title, xlabel in (
-        ("mlp_w", "hypergrad_mlp_scaling.png", "Scaling in the parameter count (MLP on digits)", "parameters"),
-        ("logistic_d", "hypergrad_logistic_scaling.png", "Scaling in d (logistic regression)", "features d"),
-    ):
-        sel_all = [r for r in rows if r.problem.startswith(prefix) and not r.family.startswith("unit")]
-        if not sel_all:
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, label in _SERIES.items():
+        sel = sorted((r for r in rows if (r.family, r.library) == key), key=x_of)
+        if not sel:
             continue
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for name in dict.fromkeys(re.sub(r" \(.*\)", "", r.name) for r in sel_all):
-            sel = [r for r in sel_all if re.sub(r" \(.*\)", "", r.name) == name]
-            xs = [r.extra.get("n_params") or int(re.sub(r"\D", "", r.problem)) for r in sel]
-            order = sorted(range(len(sel)), key=lambda i: xs[i])
-            xs = [xs[i] for i in order]
-            sel = [sel[i] for i in order]
-            axes[0].plot(xs, [r.time_s * 1e3 for r in sel], style.get(sel[0].library, "-"), label=name)
-            if all(r.peak_mb is not None for r in sel):
-                axes[1].plot(xs, [max(r.peak_mb, 1e-2) for r in sel], style.get(sel[0].library, "-"), label=name)
-        axes[0].set(xscale="log", yscale="log", xlabel=xlabel, ylabel="time per hypergradient (ms)")
-        axes[1].set(xscale="log", yscale="log", xlabel=xlabel, ylabel="peak memory over baseline (MB)")
-        axes[0].legend(fontsize=7)
-        axes[0].grid(True, which="both", alpha=0.3)
-        axes[1].grid(True, which="both", alpha=0.3)
-        fig.suptitle(title)
-        fig.tight_layout()
-        fig.savefig(out / fname, dpi=110)
-        plt.close(fig)
-        files.append(fname)
+        xs = [x_of(r) for r in sel]
+        fmt = style.get(key[1], "-")
+        axes[0].plot(xs, [r.time_s * 1e3 for r in sel], fmt, label=label)
+        mem = [(x, r.peak_mb) for x, r in zip(xs, sel, strict=True) if r.peak_mb is not None]
+        if mem:
+            axes[1].plot([m[0] for m in mem], [max(m[1], 1e-2) for m in mem], fmt, label=label)
+    axes[0].set(xscale="log", yscale="log", xlabel=xlabel, ylabel="CPU time per hypergradient (ms)")
+    axes[1].set(xscale="log", yscale="log", xlabel=xlabel, ylabel="peak RSS over baseline (MB)")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[1].legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plots(result: dict[str, Any], out: Path) -> list[str]:
+    rows: list[Row] = [r for r in result["rows"] if not r.family.startswith("unit")]
+    files = []
+    k_of = lambda r: int(r.problem.split("K")[-1])  # noqa: E731
+    for prefix, fname, title, xlabel, x_of in (
+        ("ksweep_K", "hypergrad_k_scaling.png",
+         "Scaling in the unroll length K (MLP 64-64-64-10 on digits, scalar weight decay)",
+         "unroll length K", k_of),
+        ("mlp_w", "hypergrad_mlp_scaling.png",
+         "Scaling in the parameter count (MLP on digits, K = 10 / 10 CG iterations)", "parameters",
+         lambda r: r.extra.get("n_params", 1)),
+        ("logistic_d", "hypergrad_logistic_scaling.png",
+         "Scaling in d (logistic regression, per-feature L2, n = 500)", "features d",
+         lambda r: int(re.sub(r"\D", "", r.problem))),
+    ):
+        sel = [r for r in rows if r.problem.startswith(prefix)]
+        if sel:
+            _plot_pair(sel, x_of, xlabel, title, out / fname)
+            files.append(fname)
     return files
 
 
@@ -1432,12 +1479,19 @@ def render(result: dict[str, Any], out: Path | None) -> str:
         f"({sizes.name} mode; wall time {result['elapsed_s'] / 60:.1f} min)",
         f"- Date: {meta['date']}",
         f"- Machine: {meta['cpu']}, {meta['cores']} cores; torch threads = {meta['threads']} for every "
-        f"library (load average at the end: {', '.join(f'{x:.1f}' for x in meta['load']) if meta['load'] else '?'})",
+        f"library (load average of the shared machine at the end: "
+        f"{', '.join(f'{x:.1f}' for x in meta['load']) if meta['load'] else '?'})",
         f"- Versions: torch {meta['torch']}, torchopt {meta['torchopt']}, higher {meta['higher']}, "
         f"hypergrad {meta['hypergrad']}, Python {meta['python']}",
-        "- Timing: the runners of one problem are interleaved (A B C ... with a rotating start) after a "
-        "warm-up call; medians over the rounds. Memory: peak RSS over the baseline taken after "
-        "imports, data and a warm-up call, one fresh process per configuration.",
+        "- Timing: CPU time of the computation (with one torch thread every kernel and the autograd "
+        "engine run on the calling thread, so on an idle machine this is the wall time; on a shared "
+        "machine wall time would penalise long calls, which the scheduler preempts, more than short "
+        "ones). The runners of one problem are interleaved (A B C ... with a rotating start) after a "
+        "warm-up call; medians over the rounds (5, fewer for calls of several seconds).",
+        "- Memory: peak RSS over a baseline taken after imports, data and a warm-up call (reset of the "
+        "kernel's high-water mark, `/proc/self/clear_refs`), one fresh process per configuration, "
+        "large allocations through mmap (`MALLOC_MMAP_THRESHOLD_`) so that freed tensors leave RSS"
+        + (" - measured only for the K sweeps in this quick mode." if sizes.name != "full" else "."),
         "- *grad-eq*: time per hypergradient divided by the time of one inner gradient "
         "(`torch.autograd.grad` of g w.r.t. w) on the same problem, in the same interleaved rounds.",
         "- *error*: relative error ||est - ref|| / ||ref|| against the reference named in each section; "
@@ -1467,7 +1521,7 @@ def render(result: dict[str, Any], out: Path | None) -> str:
         lines += [f"### {titles.get(problem, problem)}", ""]
         if problem in result.get("ref_notes", {}):
             lines += [f"Reference: {result['ref_notes'][problem]}.", ""]
-        lines += ["| method | library | ms / hypergradient | grad-eq | iterations | peak MB | error | agree |",
+        lines += ["| method | library | CPU ms / hypergradient | grad-eq | iterations | peak MB | error | agree |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in sel:
             lines.append(
@@ -1540,6 +1594,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hypergrad benchmark ({sizes.name}), torch {torch.__version__}, {args.threads} thread(s)")
     result = suite(sizes, threads=args.threads, log=lambda m: print(m, flush=True))
     result["command"] = command
+    result["notes"] = CORE_CHANGES
     text = render(result, out)
     if out is None:
         print(text)

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 project = "llm-calib"
 author = "llm-calib developers"
-copyright = "2025, llm-calib developers"  # noqa: A001
-release = version = "0.1.0"
+copyright = "2025, llm-calib developers"
+release = version = importlib.import_module("hypergrad").__version__
 
 extensions = [
     "sphinx.ext.autodoc",
@@ -55,7 +55,7 @@ myst_dmath_double_inline = True
 # ``:members:`` follows each module's ``__all__``); the package pages list their re-exports in
 # autosummary tables pointing there, and ``_resolve_reexport`` below makes references to the
 # re-exported names (``hypergrad.Implicit``) link to the canonical entry.
-autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": False}
+autodoc_default_options = {"members": True, "member-order": "bysource"}
 autodoc_typehints = "description"
 autodoc_typehints_description_target = "all"
 autodoc_typehints_format = "short"
@@ -96,6 +96,7 @@ if _local_mathjax:
             "processEnvironments": False,
         }
     }
+    myst_update_mathjax = False  # MyST's MathJax 3+ settings would replace MathJax 2's config
 
 # -- HTML ----------------------------------------------------------------------------------------
 html_theme = "furo"
@@ -119,7 +120,7 @@ def _insert_benchmark(app: Any, docname: str, source: list[str]) -> None:
     if BENCHMARK_MD.is_file():
         block = (
             "```{include} ../../benchmarks/results/hypergrad.md\n"
-            ":heading-offset: 1\n:relative-images:\n```\n"
+            ":heading-offset: 2\n:relative-images:\n```\n"
         )
     else:
         block = (

@@ -170,12 +170,15 @@ def tree_flatten_view(a: Mapping[str, Tensor]) -> Tensor:
 
 
 def tree_unflatten(vector: Tensor, like: Mapping[str, Tensor]) -> Tree:
-    """Split ``vector`` into a tree shaped like ``like`` (inverse of :func:`tree_flatten`)."""
+    """Split ``vector`` into a tree shaped like ``like`` (inverse of :func:`tree_flatten`).
+
+    Leaves take the dtype of ``like``'s (``torch.cat`` promotes mixed dtypes when flattening).
+    """
     out: Tree = {}
     offset = 0
     for k, v in like.items():
         n = v.numel()
-        out[k] = vector[offset : offset + n].reshape(v.shape)
+        out[k] = vector[offset : offset + n].reshape(v.shape).to(v.dtype)
         offset += n
     return out
 

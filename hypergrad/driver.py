@@ -31,6 +31,14 @@ class SolveResult:
             hypergradient estimate), ``inner_residual`` (‖∇_w g‖ before the estimate) and
             ``converged`` (the method's own flag).
         state: the method's state after the last step (pass it to a later call to resume).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
+        >>> res = hg.solve(hg.BilevelProblem(g, g), {"x": torch.zeros(1)}, {"c": torch.ones(1)},
+        ...                hg.Implicit(), steps=3, inner_steps=5, progress=False)
+        >>> sorted(res.history), len(res.history["outer_loss"])
+        (['converged', 'grad_norm', 'inner_residual', 'outer_loss'], 3)
     """
 
     w: Tree
@@ -59,8 +67,24 @@ def inner_solve(
 ) -> tuple[Tree, Tree, float]:
     """Run ``steps`` plain (non-differentiable) optimizer steps on ``g(·, lam)``.
 
+    Args:
+        problem: the bilevel problem (only its inner loss is used).
+        w: starting inner parameters.
+        lam: outer parameters, held fixed.
+        steps: number of steps (>= 0).
+        optimizer: an inner optimizer from :mod:`hypergrad.inner`.
+        batches: an iterable of inner batches (cycled, one per step), a single batch (a tensor,
+            dict or tuple, reused), or None.
+        opt_state: optimizer state to continue from (default ``optimizer.init(w)``).
+
     Returns:
-        ``(w, optimizer_state, final_gradient_norm)``.
+        ``(w, optimizer_state, final_gradient_norm)``; the norm is that of the last gradient
+        taken (NaN when ``steps == 0``).
+
+    Raises:
+        ValueError: ``steps`` is not an int >= 0.
+        hypergrad.errors.NonFiniteError: the inner loss or its gradient became NaN or inf (a
+            step size too large for the problem).
 
     Example:
         >>> import torch, hypergrad as hg
@@ -128,6 +152,13 @@ def solve(
 
     Returns:
         A :class:`SolveResult`.
+
+    Raises:
+        TypeError: ``method`` has no ``hypergrad`` method, or ``outer_optimizer`` does not
+            return a :class:`torch.optim.Optimizer`.
+        ValueError: ``steps < 1``, ``inner_steps < 0``, malformed ``w``/``lam``, or a
+            hypergradient not shaped like ``lam``.
+        hypergrad.errors.NonFiniteError: a loss, gradient or hypergradient became NaN or inf.
 
     Example:
         >>> import torch, hypergrad as hg

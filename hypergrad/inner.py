@@ -35,7 +35,17 @@ def _check_unit_interval(value: float, name: str) -> None:
 
 @runtime_checkable
 class InnerOptimizer(Protocol):
-    """A pure, differentiable optimizer over pytrees."""
+    """A pure, differentiable optimizer over pytrees.
+
+    Anything with these two methods works where an inner optimizer is expected (``Unrolled``,
+    ``Penalty``, ``BOME``, :func:`~hypergrad.driver.inner_solve`); the update must use only
+    out-of-place tensor operations so that it can be differentiated.
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> isinstance(hg.inner.SGD(lr=0.1), hg.inner.InnerOptimizer)
+        True
+    """
 
     def init(self, w: Tree) -> Tree:
         """Return the initial optimizer state for parameters ``w``."""
@@ -49,6 +59,12 @@ class InnerOptimizer(Protocol):
 @dataclass(frozen=True)
 class SGD:
     r"""Gradient descent, :math:`w \leftarrow w - \eta \nabla_w g`.
+
+    Args:
+        lr: step size :math:`\eta` (finite, > 0).
+
+    Raises:
+        ValueError: ``lr`` is not a finite number > 0.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -64,9 +80,11 @@ class SGD:
         _check_lr(self.lr)
 
     def init(self, w: Tree) -> Tree:
+        """Return the (empty) state: plain gradient descent keeps none."""
         return {}
 
     def update(self, w: Tree, grad: Tree, state: Tree) -> tuple[Tree, Tree]:
+        """Return ``(w - lr * grad, state)``."""
         # One fused op per leaf (as torch.optim.SGD's add_(grad, alpha=-lr)): in reverse-mode
         # unrolling every op here is recorded K times and replayed in the backward pass.
         return {k: torch.add(w[k], grad[k], alpha=-self.lr) for k in w}, state
@@ -76,6 +94,15 @@ class SGD:
 class Momentum:
     r"""Heavy-ball momentum: :math:`m \leftarrow \beta m + \nabla g`, :math:`w \leftarrow w - \eta m`
     (the ``torch.optim.SGD(momentum=beta)`` convention; ``nesterov`` as in PyTorch).
+
+    Args:
+        lr: step size :math:`\eta` (finite, > 0).
+        beta: momentum coefficient in ``[0, 1)``.
+        nesterov: use Nesterov's variant, :math:`w \leftarrow w - \eta (\nabla g + \beta m)`.
+
+    Raises:
+        ValueError: ``lr`` or ``beta`` out of range.
+        TypeError: ``nesterov`` is not a bool.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -95,9 +122,11 @@ class Momentum:
             raise TypeError(f"nesterov must be a bool, got {type(self.nesterov).__name__}")
 
     def init(self, w: Tree) -> Tree:
+        """Return zero momentum buffers, one per leaf of ``w`` (keys ``"m.<name>"``)."""
         return {f"m.{k}": torch.zeros_like(v) for k, v in w.items()}
 
     def update(self, w: Tree, grad: Tree, state: Tree) -> tuple[Tree, Tree]:
+        """Return the parameters and momentum buffers after one step."""
         new_state = {f"m.{k}": torch.add(grad[k], state[f"m.{k}"], alpha=self.beta) for k in w}
         if self.nesterov:
             step = {k: torch.add(grad[k], new_state[f"m.{k}"], alpha=self.beta) for k in w}
@@ -112,6 +141,16 @@ class Adam:
 
     ``eps_root`` is added under the square root so that the update stays differentiable where a
     gradient coordinate is exactly zero (the derivative of :math:`\sqrt{v}` is infinite at 0).
+
+    Args:
+        lr: step size (finite, > 0).
+        betas: decay rates ``(beta1, beta2)`` of the first and second moment estimates, each in
+            ``[0, 1)``.
+        eps: added to the denominator (>= 0).
+        eps_root: added under the square root (>= 0).
+
+    Raises:
+        ValueError: an argument out of range.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -138,6 +177,7 @@ class Adam:
             raise ValueError(f"eps_root must be a number >= 0, got {self.eps_root!r}")
 
     def init(self, w: Tree) -> Tree:
+        """Return the step count ``"t"`` and zero moment estimates ``"m.<name>"``, ``"v.<name>"``."""
         ref = next(iter(w.values()))
         state = {"t": torch.zeros((), dtype=ref.dtype, device=ref.device)}
         for k, v in w.items():
@@ -146,6 +186,7 @@ class Adam:
         return state
 
     def update(self, w: Tree, grad: Tree, state: Tree) -> tuple[Tree, Tree]:
+        """Return the parameters and state after one bias-corrected Adam step."""
         b1, b2 = self.betas
         t = state["t"] + 1
         new_state = {"t": t}

@@ -60,6 +60,17 @@ def functional(module: nn.Module) -> Callable[..., Any]:
     subset; the call is :func:`torch.func.functional_call` and composes with ``torch.func``
     transforms and with autograd.
 
+    Args:
+        module: any :class:`torch.nn.Module`; it is not modified.
+
+    Returns:
+        ``call(w, *args, **kwargs)``: the module's output with the tensors of ``w`` (parameter
+        or buffer names) in place of its own.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        ValueError: (from ``call``) ``w`` has a key that is neither a parameter nor a buffer.
+
     Example:
         >>> import torch, hypergrad as hg
         >>> net = torch.nn.Linear(2, 1)
@@ -83,6 +94,13 @@ def functional(module: nn.Module) -> Callable[..., Any]:
 
 def load_params(module: nn.Module, w: Mapping[str, Tensor]) -> None:
     """Copy the tensors of ``w`` into the matching parameters of ``module`` in place.
+
+    Args:
+        module: the module to update (under ``torch.no_grad``).
+        w: a dict of parameter names to tensors (any subset of the parameters).
+
+    Raises:
+        ValueError: a key of ``w`` is not a parameter of ``module``, or its shape differs.
 
     Example:
         >>> import torch, hypergrad as hg

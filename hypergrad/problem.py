@@ -68,6 +68,14 @@ class HypergradInfo:
         grad_evals: gradient-equivalents spent, counted as one per first-order gradient or
             Hessian-vector product (a rough, implementation-level cost measure).
         extra: method-specific values (e.g. BOME's ``phi`` and ``q``).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
+        >>> lam = {"c": torch.ones(3, dtype=torch.float64)}
+        >>> r = hg.Implicit(hg.linear.CG(tol=1e-10)).hypergrad(hg.BilevelProblem(g, g), {"x": lam["c"]}, lam)
+        >>> r.info.converged, r.info.iterations, r.info.grad_evals
+        (True, 0, 3)
     """
 
     iterations: int = 0
@@ -88,6 +96,15 @@ class HypergradResult:
         info: diagnostics, see :class:`HypergradInfo`.
         state: method state to pass back on the next call (e.g. F2SA's ``w_sigma``); None when
             the method is stateless.
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
+        >>> f = lambda w, lam, b: 0.5 * (w["x"] ** 2).sum()
+        >>> lam = {"c": torch.tensor([2.0])}
+        >>> r = hg.Unrolled(hg.inner.SGD(lr=1.0), steps=1).hypergrad(hg.BilevelProblem(g, f), {"x": torch.zeros(1)}, lam)
+        >>> r.grad["c"].tolist(), r.w["x"].tolist(), r.state   # one step lands on w* = c
+        ([2.0], [2.0], None)
     """
 
     grad: Tree
@@ -98,7 +115,19 @@ class HypergradResult:
 
 @runtime_checkable
 class HypergradMethod(Protocol):
-    """The one interface every method implements."""
+    """The one interface every method implements.
+
+    ``hypergrad(problem, w, lam, inner_batch, outer_batch, state)`` estimates the hypergradient
+    at ``(w, lam)`` and returns a :class:`HypergradResult`; ``state`` is the previous result's
+    ``state`` (None on the first call). :func:`~hypergrad.driver.solve` accepts any object with
+    this method.
+
+    Example:
+        >>> import hypergrad as hg
+        >>> all(isinstance(m, hg.HypergradMethod) for m in
+        ...     [hg.Implicit(), hg.FiniteDifference(), hg.Unrolled(hg.inner.SGD(0.1), steps=2)])
+        True
+    """
 
     def hypergrad(
         self,

@@ -40,6 +40,9 @@ class StepBatches:
     raises :class:`ValueError`. Any ``inner_batch`` that is not a ``StepBatches`` (a tensor, a
     tuple ``(x, y)``, ``None``, ...) is one batch reused for all steps.
 
+    Args:
+        batches: a sequence or an iterator of batches.
+
     Example:
         >>> from hypergrad.unrolled import StepBatches
         >>> StepBatches([0, 1, 2]).take(2)

@@ -22,6 +22,7 @@ from torch import Tensor
 __all__ = ["ADJUSTMENT_KINDS", "LogitAdjustment"]
 
 ADJUSTMENT_KINDS = ("vector", "temperature", "answer_tokens")
+"""The variants of :class:`LogitAdjustment` (its ``kind``), described above."""
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,11 @@ def save_checkpoint(
     Returns:
         The checkpoint's path.
 
+    Raises:
+        ValueError: ``keep < 1``.
+        OSError: the checkpoint could not be written (nothing is left half-written: the
+            temporary directory is removed and ``LATEST`` still names the previous checkpoint).
+
     Example:
         >>> import tempfile, torch
         >>> d = tempfile.mkdtemp()
@@ -81,7 +86,19 @@ def save_checkpoint(
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """Return the newest complete checkpoint in ``directory``, or None when there is none."""
+    """Return the newest complete checkpoint in ``directory``, or None when there is none.
+
+    Args:
+        directory: a checkpoint directory written by :func:`save_checkpoint` (it may not exist).
+
+    Returns:
+        The path named by ``LATEST`` when both of its files are present, else None.
+
+    Example:
+        >>> import tempfile
+        >>> latest_checkpoint(tempfile.mkdtemp()) is None
+        True
+    """
     root = Path(directory)
     pointer = root / "LATEST"
     if not pointer.exists():
@@ -91,7 +108,24 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a checkpoint written by :func:`save_checkpoint` (no pickle beyond weights_only)."""
+    """Read a checkpoint written by :func:`save_checkpoint` (no pickle beyond weights_only).
+
+    Args:
+        path: the checkpoint directory (e.g. from :func:`latest_checkpoint`).
+
+    Returns:
+        ``(tensors, state)``: the named tensors and the state dict.
+
+    Raises:
+        FileNotFoundError: a file of the checkpoint is missing.
+
+    Example:
+        >>> import tempfile, torch
+        >>> path = save_checkpoint(tempfile.mkdtemp(), 1, {"lam": torch.zeros(3)}, {"step": 1})
+        >>> tensors, state = load_checkpoint(path)
+        >>> sorted(tensors), state
+        (['lam'], {'step': 1})
+    """
     path = Path(path)
     tensors = load_file(str(path / "tensors.safetensors"))
     state = torch.load(path / "state.pt", weights_only=True)

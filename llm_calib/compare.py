@@ -44,7 +44,7 @@ from llm_calib.report import (
 __all__ = ["BASELINE_COLUMNS", "Comparison", "DomainComparison", "run_comparison", "write_comparison_report"]
 
 BASELINE_COLUMNS = ("uncalibrated", "temperature_scaled")
-"""The columns that need no training: the base model, and the base model with a temperature."""
+"""The columns that need no training (the base model, and the base model with a temperature)."""
 
 _LABELS = {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature-scaled"}
 
@@ -363,8 +363,16 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
 def write_comparison_report(cmp: Comparison, out_dir: str | Path) -> dict[str, Path]:
     """Write ``metrics.json``, ``report.md`` and ``reliability_<domain>.png`` into ``out_dir``.
 
+    Args:
+        cmp: the comparison from :func:`run_comparison`.
+        out_dir: output directory (created if missing).
+
     Returns:
         The written paths: keys ``"metrics"``, ``"report"`` and ``"reliability:<domain>"``.
+
+    Example:
+        See :doc:`/tutorials/calibrate_llm`: ``llm-calib calibrate`` calls
+        :func:`run_comparison` and then this function.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

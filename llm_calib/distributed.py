@@ -19,24 +19,56 @@ __all__ = ["global_mean", "init_from_env", "is_distributed", "rank", "sync_gradi
 
 
 def is_distributed() -> bool:
-    """True when a process group with more than one rank is initialised."""
+    """True when a process group with more than one rank is initialised.
+
+    Returns:
+        Whether losses and gradients are averaged across processes.
+
+    Example:
+        >>> is_distributed()   # a plain process, not launched by torchrun
+        False
+    """
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def world_size() -> int:
-    """Number of ranks (1 without a process group)."""
+    """Number of ranks (1 without a process group).
+
+    Returns:
+        The world size of the default process group, or 1.
+
+    Example:
+        >>> world_size()
+        1
+    """
     return dist.get_world_size() if is_distributed() else 1
 
 
 def rank() -> int:
-    """This process's rank (0 without a process group)."""
+    """This process's rank (0 without a process group).
+
+    Returns:
+        The rank in the default process group, or 0; rank 0 writes outputs.
+
+    Example:
+        >>> rank()
+        0
+    """
     return dist.get_rank() if is_distributed() else 0
 
 
 def init_from_env() -> bool:
     """Initialise the default process group when launched by ``torchrun``; return whether it did.
 
-    Uses nccl when CUDA is available, gloo otherwise.
+    Uses nccl when CUDA is available, gloo otherwise (and then selects the GPU ``LOCAL_RANK``).
+
+    Returns:
+        True if this call initialised the process group; False when not launched with
+        ``WORLD_SIZE > 1`` or when a group already exists.
+
+    Example:
+        >>> init_from_env()   # not launched by torchrun: nothing to do
+        False
     """
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) <= 1 or dist.is_initialized():
         return False
@@ -76,6 +108,16 @@ class _SyncGradients(torch.autograd.Function):
 def global_mean(value: Tensor) -> Tensor:
     """Average a scalar loss over ranks (identity without a process group).
 
+    The backward pass divides the incoming gradient by the number of ranks; together with
+    :func:`sync_gradients` on the parameters this gives every rank the gradient of the global
+    mean.
+
+    Args:
+        value: a scalar tensor, this rank's loss on its shard.
+
+    Returns:
+        The mean of ``value`` over ranks (differentiable), or ``value`` itself.
+
     Example:
         >>> import torch
         >>> global_mean(torch.tensor(2.0)).item()
@@ -86,6 +128,13 @@ def global_mean(value: Tensor) -> Tensor:
 
 def sync_gradients(params: dict[str, Tensor]) -> dict[str, Tensor]:
     """Route each parameter through an identity whose backward sums gradients over ranks.
+
+    Args:
+        params: the parameters (a pytree) about to be used in a loss.
+
+    Returns:
+        The same values, wrapped so that gradients reaching them are all-reduced; ``params``
+        itself without a process group.
 
     Example:
         >>> import torch

@@ -189,6 +189,26 @@ def score_records(
     Multiple-choice records go to ``scorer`` (``"option_likelihood"`` or ``"letter"``), open
     questions to :func:`~llm_calib.scoring.score_open_ended`. A mix of both is an error.
 
+    Args:
+        model: a Hugging Face causal LM.
+        tokenizer: its tokenizer.
+        records: all :class:`~llm_calib.data.records.MultipleChoice` or all
+            :class:`~llm_calib.data.records.OpenQA`.
+        scorer: multiple-choice scorer, ``"option_likelihood"`` or ``"letter"``.
+        normalize: ``"sum"`` or ``"mean"`` option log-probabilities (option likelihood).
+        prompt: prompt format; None uses the scorer's default.
+        batch_size: questions per forward pass.
+        max_new_tokens: generation budget for open questions.
+        progress: show a progress bar.
+
+    Returns:
+        A :class:`~llm_calib.scoring.base.ScoredSet` (multiple choice) or an
+        :class:`~llm_calib.scoring.open_ended.OpenEndedSet` (open questions).
+
+    Raises:
+        TypeError: the records mix multiple-choice and open questions.
+        ValueError: an unknown scorer or bad arguments.
+
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
@@ -243,6 +263,16 @@ def open_ended_summary(
     ``mce``, ``brier`` and ``nll`` (of the confidence as a probability of being correct),
     ``auroc``, ``mean_confidence``, ``ece_product``, ``ece_min`` (ECE of the product and minimum
     token-probability confidences); with ``ci``, bootstrap intervals of the headline metrics.
+
+    Args:
+        scored: greedy answers with their token probabilities.
+        n_bins: equal-width bins of the ECE variants.
+        ci: add 95% bootstrap intervals.
+        n_resamples: bootstrap resamples.
+        seed: bootstrap seed.
+
+    Returns:
+        The metrics by name.
 
     Example:
         >>> s = OpenEndedSet(["Paris", "Rome"], [("Paris",), ("Oslo",)], ["geo"] * 2,
@@ -358,6 +388,11 @@ def evaluate_records(
 
     Returns:
         An :class:`EvaluationResult`.
+
+    Raises:
+        ValueError: an unknown scorer, or a temperature-fit split without multiple-choice
+            records.
+        TypeError: a data set mixing multiple-choice and open questions.
 
     Example:
         >>> from llm_calib.models import tiny_random_model

@@ -59,7 +59,7 @@ CLIP_ATOL = 1e-6
 """How far outside ``[0, 1]`` a confidence may lie (it is then clipped) before it is an error."""
 
 NLL_EPS = 1e-12
-""":func:`nll` clips the gold probability to ``[NLL_EPS, 1]``: one question adds at most ~27.6."""
+"""Lower clip of the gold probability in :func:`nll`, so one question adds at most ~27.6."""
 
 ArrayLike = Any  # numpy array, torch tensor, or (nested / ragged) Python sequence
 
@@ -80,6 +80,14 @@ def as_prob_matrix(probs: ArrayLike, name: str = "probs") -> tuple[np.ndarray, n
     """Validate ``probs`` and return it as a float64 ``(N, K)`` matrix plus each row's length.
 
     Ragged input (a list of 1-D arrays) is padded with zeros to the longest row.
+
+    Args:
+        probs: ``(N, K)`` probabilities (array, tensor or nested list), or a list of 1-D rows.
+        name: the argument name used in error messages.
+
+    Returns:
+        ``(matrix, lengths)``: the float64 ``(N, K_max)`` matrix and the ``(N,)`` int64 number of
+        options of each row.
 
     Raises:
         ValueError: (naming ``name``) empty input, not 2-D, non-finite or negative entries, or a
@@ -185,6 +193,10 @@ def _check_bins(n_bins: int) -> int:
 def confidence_correct(probs: ArrayLike, labels: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     """Max-probability confidence and argmax-correctness of each question.
 
+    Args:
+        probs: ``(N, K)`` option probabilities, or a ragged list of 1-D rows.
+        labels: ``(N,)`` gold option indices.
+
     Returns:
         ``(confidences, correct)``: float64 ``(N,)`` and float64 0/1 ``(N,)``; ties in the
         argmax go to the first option.
@@ -252,6 +264,18 @@ def ece(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
 
     ``ECE = sum_b (n_b / N) |acc_b - conf_b|``.
 
+    Args:
+        confidences: ``(N,)`` confidences in ``[0, 1]``.
+        correct: ``(N,)`` booleans or 0/1, whether each answer is right.
+        n_bins: number of equal-width bins (>= 1).
+
+    Returns:
+        The ECE, in ``[0, 1]``.
+
+    Raises:
+        ValueError: empty, non-finite or out-of-range input, inputs of different lengths, or
+            ``n_bins < 1``.
+
     Example:
         >>> # bin [0.9, 1]: conf mean 0.95, accuracy 0.5 -> |0.5 - 0.95| * 2/4
         >>> # bin [0.6, 0.7): conf 0.6, accuracy 1 -> 0.4 * 1/4; bin [0, 0.1): 0.0, acc 0 -> 0
@@ -264,6 +288,18 @@ def ece(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
 
 def mce(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
     """Maximum calibration error: the largest ``|acc_b - conf_b|`` over non-empty equal-width bins.
+
+    Args:
+        confidences: ``(N,)`` confidences in ``[0, 1]``.
+        correct: ``(N,)`` booleans or 0/1, whether each answer is right.
+        n_bins: number of equal-width bins (>= 1).
+
+    Returns:
+        The MCE, in ``[0, 1]``.
+
+    Raises:
+        ValueError: empty, non-finite or out-of-range input, inputs of different lengths, or
+            ``n_bins < 1``.
 
     Example:
         >>> round(mce([0.9, 1.0, 0.6, 0.0], [1, 0, 1, 0]), 6)
@@ -278,6 +314,18 @@ def adaptive_ece(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -
     ``n_bins`` consecutive groups whose sizes differ by at most one (larger groups first, as
     ``numpy.array_split``); with fewer questions than bins the extra bins stay empty.
 
+    Args:
+        confidences: ``(N,)`` confidences in ``[0, 1]``.
+        correct: ``(N,)`` booleans or 0/1, whether each answer is right.
+        n_bins: number of equal-mass bins (>= 1).
+
+    Returns:
+        The adaptive ECE, in ``[0, 1]``.
+
+    Raises:
+        ValueError: empty, non-finite or out-of-range input, inputs of different lengths, or
+            ``n_bins < 1``.
+
     Example:
         >>> # sorted: (0.2, 0), (0.4, 1) | (0.8, 1), (0.9, 1): |0.5-0.3|*2/4 + |1-0.85|*2/4
         >>> round(adaptive_ece([0.9, 0.2, 0.8, 0.4], [1, 0, 1, 1], n_bins=2), 6)
@@ -291,6 +339,18 @@ def classwise_ece(probs: ArrayLike, labels: ArrayLike, n_bins: int = 10) -> floa
     """Class-wise ECE (Kull et al. 2019): the mean over option positions ``j`` of the
     equal-width-bin ECE of ``probs[:, j]`` against ``labels == j``. Ragged input is padded with
     zeros, so padded positions count as probability 0 for questions without that option.
+
+    Args:
+        probs: ``(N, K)`` option probabilities, or a ragged list of 1-D rows.
+        labels: ``(N,)`` gold option indices.
+        n_bins: number of equal-width bins (>= 1).
+
+    Returns:
+        The class-wise ECE, in ``[0, 1]``.
+
+    Raises:
+        ValueError: malformed ``probs`` (see :func:`as_prob_matrix`) or labels that are not
+            option indices of their rows.
 
     Example:
         >>> # class 0: conf (0.8, 0.3) vs (1, 0): bins 8 and 3 -> (0.2 + 0.3)/2 = 0.25
@@ -337,6 +397,18 @@ def reliability_bins(
     confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10
 ) -> ReliabilityBins:
     """Counts, mean confidence and accuracy per equal-width bin, for reliability diagrams.
+
+    Args:
+        confidences: ``(N,)`` confidences in ``[0, 1]``.
+        correct: ``(N,)`` booleans or 0/1, whether each answer is right.
+        n_bins: number of equal-width bins (>= 1).
+
+    Returns:
+        A :class:`ReliabilityBins`.
+
+    Raises:
+        ValueError: empty, non-finite or out-of-range input, inputs of different lengths, or
+            ``n_bins < 1``.
 
     Example:
         >>> rb = reliability_bins([0.05, 0.95, 1.0], [0, 1, 0], n_bins=2)
@@ -393,6 +465,17 @@ def _auroc(c: np.ndarray, k: np.ndarray) -> float:
 def brier(probs: ArrayLike, labels: ArrayLike) -> float:
     """Multi-class Brier score: mean over questions of ``sum_j (p_j - onehot_j)^2`` (0 to 2).
 
+    Args:
+        probs: ``(N, K)`` option probabilities, or a ragged list of 1-D rows.
+        labels: ``(N,)`` gold option indices.
+
+    Returns:
+        The Brier score, in ``[0, 2]``.
+
+    Raises:
+        ValueError: malformed ``probs`` (see :func:`as_prob_matrix`) or labels that are not
+            option indices of their rows.
+
     Example:
         >>> # (0.8-1)^2 + 0.2^2 = 0.08 ; 0.5^2 + (0.5-1)^2 = 0.5 ; mean 0.29
         >>> round(brier([[0.8, 0.2], [0.5, 0.5]], [0, 1]), 6)
@@ -407,6 +490,17 @@ def nll(probs: ArrayLike, labels: ArrayLike) -> float:
     The gold probability is clipped to ``[NLL_EPS, 1]`` (:data:`NLL_EPS` = 1e-12) so a zero
     probability gives a large finite loss (about 27.6) instead of infinity.
 
+    Args:
+        probs: ``(N, K)`` option probabilities, or a ragged list of 1-D rows.
+        labels: ``(N,)`` gold option indices.
+
+    Returns:
+        The mean NLL in nats (>= 0).
+
+    Raises:
+        ValueError: malformed ``probs`` (see :func:`as_prob_matrix`) or labels that are not
+            option indices of their rows.
+
     Example:
         >>> import math
         >>> expected = -(math.log(0.5) + math.log(0.75)) / 2
@@ -419,6 +513,17 @@ def nll(probs: ArrayLike, labels: ArrayLike) -> float:
 def accuracy(probs: ArrayLike, labels: ArrayLike) -> float:
     """Fraction of questions whose most probable option (first on ties) is the gold one.
 
+    Args:
+        probs: ``(N, K)`` option probabilities, or a ragged list of 1-D rows.
+        labels: ``(N,)`` gold option indices.
+
+    Returns:
+        The accuracy, in ``[0, 1]``.
+
+    Raises:
+        ValueError: malformed ``probs`` (see :func:`as_prob_matrix`) or labels that are not
+            option indices of their rows.
+
     Example:
         >>> accuracy([[0.6, 0.4], [0.6, 0.4], [0.1, 0.9]], [0, 1, 1])
         0.6666666666666666
@@ -428,6 +533,15 @@ def accuracy(probs: ArrayLike, labels: ArrayLike) -> float:
 
 def mean_entropy(probs: ArrayLike) -> float:
     """Mean predictive entropy in nats (``0 log 0 = 0``; padding adds nothing).
+
+    Args:
+        probs: ``(N, K)`` option probabilities, or a ragged list of 1-D rows.
+
+    Returns:
+        The mean entropy, in ``[0, log K_max]``.
+
+    Raises:
+        ValueError: malformed ``probs`` (see :func:`as_prob_matrix`).
 
     Example:
         >>> import math
@@ -443,6 +557,10 @@ def auroc(confidences: ArrayLike, correct: ArrayLike) -> float:
     Rank-based (Mann-Whitney U), tied confidences get their average rank, i.e. a tied
     correct/incorrect pair counts one half. Equals the probability that a random correct answer
     has a higher confidence than a random incorrect one.
+
+    Args:
+        confidences: ``(N,)`` confidences in ``[0, 1]``.
+        correct: ``(N,)`` booleans or 0/1.
 
     Returns:
         The AUROC in ``[0, 1]``, or ``nan`` when all answers are correct or all incorrect (the
@@ -514,6 +632,10 @@ def bootstrap_ci(
         alpha: the interval covers ``1 - alpha``.
         seed: seed of the resampling.
 
+    Returns:
+        ``(low, high)``: the ``alpha / 2`` and ``1 - alpha / 2`` percentiles of the resampled
+        metric.
+
     Raises:
         ValueError: no arrays, arrays of different lengths, ``n_resamples < 1`` or ``alpha``
             outside (0, 1).
@@ -571,6 +693,22 @@ def summarize(
     ece, adaptive_ece, brier, nll and auroc: percentile bootstrap intervals at level
     ``1 - alpha`` from one shared set of ``n_resamples`` question resamples (see
     :func:`bootstrap_ci`).
+
+    Args:
+        probs: ``(N, K)`` option probabilities, or a ragged list of 1-D rows.
+        labels: ``(N,)`` gold option indices.
+        n_bins: equal-width bins of ``ece``, ``mce`` and ``classwise_ece``.
+        ci: add the bootstrap intervals.
+        n_resamples: bootstrap resamples.
+        seed: seed of the resampling.
+        alpha: the intervals cover ``1 - alpha``.
+
+    Returns:
+        The metrics by name (floats; ``n`` is an int).
+
+    Raises:
+        ValueError: malformed ``probs`` (see :func:`as_prob_matrix`) or labels that are not
+            option indices of their rows.
 
     Example:
         >>> s = summarize([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.5, 0.5]], [0, 1, 1, 0],

@@ -261,6 +261,9 @@ def split_decoder_head(model: Any) -> tuple[Any, Any]:
         ``(decoder, head)`` where ``decoder(input_ids=..., attention_mask=...)`` returns an object
         with ``last_hidden_state`` and ``head(hidden)`` returns vocabulary logits.
 
+    Raises:
+        TypeError: ``model`` has no separate decoder and output head.
+
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,

@@ -104,6 +104,9 @@ def user_message(
     Returns:
         The user text.
 
+    Raises:
+        ValueError: ``style="listed"`` without options, or more options than letters.
+
     Example:
         >>> user_message("Pick one.", ("x", "y"), PromptFormat(style="listed"))
         'Pick one.\\nA. x\\nB. y'

@@ -42,6 +42,13 @@ METRIC_LABELS: dict[str, str] = {
 def jsonable(obj: Any) -> Any:
     """Recursively convert to strict-JSON types (NaN and infinities become ``None``).
 
+    Args:
+        obj: dicts, lists, tuples, numbers (Python, numpy or 0-d tensors), strings, None; any
+            other object becomes its ``str``.
+
+    Returns:
+        An object that ``json.dumps(..., allow_nan=False)`` accepts.
+
     Example:
         >>> import numpy as np
         >>> jsonable({"a": np.float64("nan"), "b": [np.int64(2), 0.5]})
@@ -62,6 +69,14 @@ def jsonable(obj: Any) -> Any:
 
 def format_metric(metrics: dict[str, float] | None, name: str, digits: int = 3) -> str:
     """``value [low, high]`` of one metric (``n/a`` when missing or NaN).
+
+    Args:
+        metrics: a metric dict (as from :func:`llm_calib.metrics.summarize`), or None.
+        name: the metric; its interval is read from ``<name>_ci_low`` / ``<name>_ci_high``.
+        digits: decimals.
+
+    Returns:
+        The formatted value, with the interval when both bounds are present.
 
     Example:
         >>> format_metric({"ece": 0.1234, "ece_ci_low": 0.1, "ece_ci_high": 0.15}, "ece")
@@ -141,6 +156,13 @@ def domain_table(uncalibrated: dict[str, float], scaled: dict[str, float] | None
 def markdown_report(result: EvaluationResult, *, title: str = "Calibration report") -> str:
     """The ``report.md`` text: settings, temperature fit, a summary, one table per domain.
 
+    Args:
+        result: an evaluation result (:func:`llm_calib.evaluate.evaluate`).
+        title: the top-level heading.
+
+    Returns:
+        The Markdown text.
+
     Example:
         >>> from llm_calib.evaluate import EvaluationResult
         >>> print(markdown_report(EvaluationResult({}, None, {"scorer": "letter"}, {})))
@@ -205,6 +227,12 @@ def markdown_report(result: EvaluationResult, *, title: str = "Calibration repor
 
 def reliability_filename(domain: str) -> str:
     """File name of a domain's reliability diagram (unsafe characters become ``_``).
+
+    Args:
+        domain: the domain label.
+
+    Returns:
+        ``reliability_<domain>.png`` with the domain made safe for file names.
 
     Example:
         >>> reliability_filename("mmlu/stem x")

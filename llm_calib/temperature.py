@@ -118,6 +118,17 @@ def _single_thread() -> Iterator[None]:
 def temperature_nll(logits: Any, labels: Any, temperature: float) -> float:
     """Mean NLL of ``softmax(logits / temperature)`` at the gold options.
 
+    Args:
+        logits: per-question option scores, 2-D or ragged (as for :func:`apply_temperature`).
+        labels: gold option index per question.
+        temperature: ``T > 0``.
+
+    Returns:
+        The mean negative log-likelihood in nats.
+
+    Raises:
+        ValueError: ``temperature`` is not a finite positive number, malformed logits or labels.
+
     Example:
         >>> import math
         >>> math.isclose(temperature_nll([[0.0, 0.0]], [0], 3.0), math.log(2))
@@ -205,6 +216,9 @@ def apply_temperature(logits: Any, temperature: float) -> Any:
     Args:
         logits: per-question option scores, 2-D or ragged.
         temperature: ``T > 0``; ``T = 1`` is the plain softmax.
+
+    Returns:
+        The probabilities, in the container convention described above.
 
     Raises:
         ValueError: ``temperature`` is not a finite positive number, or malformed logits.

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchopt")
 pytest.importorskip("higher")
@@ -96,6 +97,10 @@ def test_memory_measurement_of_one_configuration(bench, tmp_path) -> None:
     bench.build_bench(spec, tmp_path)  # fills the cache the worker reads
     config = {"spec": spec, "cache": str(tmp_path), "mode": "tiny", "threads": 1,
               "group": "unrolled-reverse", "name": "Unrolled reverse (K=5)", "K": 5}
-    out = bench._measure_one(config)
+    threads = torch.get_num_threads()
+    try:
+        out = bench._measure_one(config)
+    finally:
+        torch.set_num_threads(threads)
     assert out["peak_mb"] >= 0.0 and math.isfinite(out["peak_mb"])
     assert out["seconds"] > 0.0

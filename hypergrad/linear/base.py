@@ -28,6 +28,16 @@ class LinearSystem:
             key order of ``rhs``); when given, the iterative solvers use it instead of ``matvec``
             and skip the per-iteration pytree bookkeeping. It must equal ``matvec`` and must not
             modify its argument in place.
+
+    Example:
+        >>> import torch
+        >>> from hypergrad.linear import CG, LinearSystem
+        >>> A = torch.tensor([[4.0, 1.0], [1.0, 3.0]], dtype=torch.float64)
+        >>> system = LinearSystem(matvec=lambda x: {"x": A @ x["x"]},
+        ...                       rhs={"x": torch.tensor([1.0, 2.0], dtype=torch.float64)})
+        >>> x = CG(tol=1e-12)(system).solution["x"]
+        >>> torch.allclose(A @ x, system.rhs["x"])
+        True
     """
 
     matvec: Callable[[Tree], Tree]
@@ -49,6 +59,14 @@ class LinearSolveResult:
         converged: whether the tolerance was met.
         matvecs: products with ``A`` or ``A^T`` spent.
         warnings: messages about non-convergence or indefiniteness.
+
+    Example:
+        >>> import torch
+        >>> from hypergrad.linear import CG, LinearSystem
+        >>> system = LinearSystem(matvec=lambda x: {"x": 2 * x["x"]}, rhs={"x": torch.ones(3)})
+        >>> result = CG(tol=1e-8)(system)
+        >>> result.solution["x"].tolist(), result.iterations, result.converged, result.matvecs
+        ([0.5, 0.5, 0.5], 1, True, 1)
     """
 
     solution: Tree

@@ -16,7 +16,18 @@ __all__ = ["Neumann", "largest_eigenvalue"]
 
 
 def largest_eigenvalue(system: LinearSystem, iterations: int = 20, seed: int = 0) -> float:
-    """Estimate the largest-magnitude eigenvalue of ``A`` by power iteration (Rayleigh quotient).
+    r"""Estimate the largest-magnitude eigenvalue of ``A`` by power iteration (Rayleigh quotient).
+
+    Args:
+        system: the linear system; only ``matvec`` (or ``flat_matvec``) and the shapes of ``rhs``
+            are used.
+        iterations: power-iteration steps (one product each).
+        seed: seed of the random starting vector (drawn on the CPU, so results do not depend on
+            the device).
+
+    Returns:
+        The absolute value of the final Rayleigh quotient, an estimate of
+        :math:`|\lambda|_{\max}` from below for symmetric ``A``.
 
     Example:
         >>> import torch

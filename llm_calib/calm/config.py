@@ -11,7 +11,7 @@ from typing import Any
 __all__ = ["METHODS", "SOLVERS", "CalibrationConfig", "LoraSettings"]
 
 METHODS = ("calm", "lora_ce", "label_smoothing", "confidence_penalty")
-"""Training objectives run by the same code path: CALM (bilevel) and the one-level baselines."""
+"""Training objectives run by the same code path, CALM (bilevel) and the one-level baselines."""
 
 SOLVERS = ("bome", "f2sa")
 """First-order bilevel solvers from :mod:`hypergrad` used by ``method="calm"``."""

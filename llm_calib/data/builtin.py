@@ -97,7 +97,7 @@ CAPITALS: tuple[tuple[str, str, str, str], ...] = (
     ("New Zealand", "Wellington", "Oceania", "Auckland"),
     ("Fiji", "Suva", "Oceania", "Nadi"),
 )
-"""Country capital facts: ``(country, capital, continent, well-known wrong answer or "")``."""
+"""Country capital facts, tuples ``(country, capital, continent, well-known wrong answer or "")``."""
 
 # (name, symbol)
 ELEMENTS: tuple[tuple[str, str], ...] = (
@@ -114,7 +114,7 @@ ELEMENTS: tuple[tuple[str, str], ...] = (
     ("mercury", "Hg"), ("lead", "Pb"), ("bismuth", "Bi"), ("radon", "Rn"), ("uranium", "U"),
     ("plutonium", "Pu"),
 )  # fmt: skip
-"""Chemical element facts: ``(name, symbol)``."""
+"""Chemical element facts, tuples ``(name, symbol)``."""
 
 _WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 _MONTHS = (

@@ -7,7 +7,7 @@ from typing import Literal
 __all__ = ["MAX_ERRORS", "DataError", "ErrorLog", "OnError"]
 
 OnError = Literal["raise", "skip"]
-"""What a loader does with a bad row: ``"raise"`` a :class:`DataError`, or ``"skip"`` it."""
+"""What a loader does with a bad row, ``"raise"`` a :class:`DataError` or ``"skip"`` it."""
 
 MAX_ERRORS = 100
 """How many messages of skipped rows a :class:`ErrorLog` keeps (the count is never capped)."""

@@ -34,11 +34,23 @@ from llm_calib.data.result import LoadResult
 __all__ = ["JsonlKind", "load_jsonl", "mc_from_dict", "openqa_from_dict", "resolve_answer"]
 
 JsonlKind = Literal["auto", "mc", "open"]
-"""Schema for :func:`load_jsonl`: detect from the first row, multiple choice, or open QA."""
+"""Schema for :func:`load_jsonl` (detect from the first row, multiple choice, or open QA)."""
 
 
 def resolve_answer(answer: Any, options: tuple[str, ...], source: str, line: int) -> int:
     """The 0-based gold index of a generic-schema ``answer`` (index, option text, or letter).
+
+    Args:
+        answer: a 0-based index, an option's exact text, or an option letter.
+        options: the question's options.
+        source: file name, for error messages.
+        line: 1-based line number, for error messages.
+
+    Returns:
+        The index of the gold option.
+
+    Raises:
+        DataError: the answer matches no option (or is an index out of range).
 
     Example:
         >>> opts = ("red", "green", "blue")
@@ -103,6 +115,18 @@ def _id_and_meta(
 def mc_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str) -> MultipleChoice:
     """A multiple-choice record from a generic-schema row (see the module docstring).
 
+    Args:
+        row: the parsed JSON object.
+        source: file name, for error messages.
+        line: 1-based line number, for error messages and the default id.
+        domain: domain used when the row has no ``domain``.
+
+    Returns:
+        The record.
+
+    Raises:
+        DataError: a missing or malformed field (the message names source, line and field).
+
     Example:
         >>> mc_from_dict({"question": "2+2?", "options": ["3", "4"], "answer": "4"},
         ...              source="f", line=1, domain="toy").gold
@@ -124,6 +148,18 @@ def mc_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str)
 
 def openqa_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str) -> OpenQA:
     """An open QA record from a generic-schema row (see the module docstring).
+
+    Args:
+        row: the parsed JSON object.
+        source: file name, for error messages.
+        line: 1-based line number, for error messages and the default id.
+        domain: domain used when the row has no ``domain``.
+
+    Returns:
+        The record.
+
+    Raises:
+        DataError: a missing or malformed field.
 
     Example:
         >>> openqa_from_dict({"question": "Capital of Peru?", "answers": ["Lima"]},

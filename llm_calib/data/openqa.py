@@ -21,6 +21,18 @@ __all__ = ["answer_aliases", "load_nq_open", "load_openqa_jsonl", "load_webquest
 def answer_aliases(value: Any, source: str, line: int, field: str) -> tuple[str, ...]:
     """Accepted answers from a list of strings (or one string), stripped; DataError if none.
 
+    Args:
+        value: a list of strings, or one string.
+        source: file name, for error messages.
+        line: 1-based line number, for error messages.
+        field: the field name, for error messages.
+
+    Returns:
+        The stripped, non-empty aliases.
+
+    Raises:
+        DataError: no non-empty string alias.
+
     Example:
         >>> answer_aliases([" Paris ", "Paris, France"], "f", 1, "answer")
         ('Paris', 'Paris, France')

@@ -89,6 +89,9 @@ def score_multiple_choice(
     Returns:
         A :class:`ScoredSet`.
 
+    Raises:
+        ValueError: an unknown ``scorer``, or the chosen scorer's own argument errors.
+
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()

@@ -158,6 +158,15 @@ class ScoredSet:
 def check_records(records: Sequence[Any]) -> list[MultipleChoice]:
     """Check that ``records`` are :class:`MultipleChoice` records and return them as a list.
 
+    Args:
+        records: the records to score.
+
+    Returns:
+        The records as a list.
+
+    Raises:
+        TypeError: a record that is not :class:`MultipleChoice`.
+
     Example:
         >>> check_records([MultipleChoice("q?", ("a", "b"), 0, "d", "0")])[0].gold
         0
@@ -210,6 +219,14 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
 def encode_continuation(tokenizer: Any, text: str) -> list[int]:
     """Token ids of a continuation, tokenised on its own without special tokens.
 
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        text: the continuation, with its leading space (see
+            :func:`llm_calib.prompts.continuation_text`).
+
+    Returns:
+        The token ids.
+
     Raises:
         ValueError: if the continuation has no tokens.
 
@@ -235,6 +252,14 @@ class _NoBar:
 
 def progress_bar(*, total: int, desc: str, enabled: bool) -> Any:
     """A tqdm bar counting ``total`` questions, or a no-op stand-in when not ``enabled``.
+
+    Args:
+        total: number of questions.
+        desc: label of the bar.
+        enabled: show a real bar.
+
+    Returns:
+        An object with ``update(n)`` and ``close()``.
 
     Example:
         >>> bar = progress_bar(total=3, desc="scoring", enabled=False)

@@ -81,6 +81,10 @@ def score_letter(
     Returns:
         A :class:`~llm_calib.scoring.base.ScoredSet` with ``scorer="letter"``.
 
+    Raises:
+        ValueError: the prompt style is not ``"listed"``, ``batch_size < 1``, malformed records,
+            or a tokenizer without single-token option letters.
+
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()

@@ -42,6 +42,9 @@ def score_option_likelihood_naive(
     Returns:
         A :class:`~llm_calib.scoring.base.ScoredSet` with ``scorer="option_likelihood_naive"``.
 
+    Raises:
+        ValueError: an unknown ``normalize`` or malformed records.
+
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()

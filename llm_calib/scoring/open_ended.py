@@ -40,6 +40,12 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 def normalize_answer(text: str) -> str:
     """SQuAD answer normalisation: lowercase, drop punctuation, drop articles, squeeze whitespace.
 
+    Args:
+        text: an answer.
+
+    Returns:
+        The normalised answer.
+
     Example:
         >>> normalize_answer("  The  Eiffel-Tower! ")
         'eiffeltower'
@@ -54,6 +60,13 @@ def normalize_answer(text: str) -> str:
 
 def exact_match(prediction: str, answers: Sequence[str]) -> bool:
     """Whether the normalised prediction equals the normalised form of any answer.
+
+    Args:
+        prediction: the model's answer.
+        answers: the accepted aliases.
+
+    Returns:
+        True when some alias matches after :func:`normalize_answer`.
 
     Example:
         >>> exact_match("the Paris.", ["Paris", "City of Light"])
@@ -78,6 +91,13 @@ def _f1(prediction: str, answer: str) -> float:
 
 def token_f1(prediction: str, answers: Sequence[str]) -> float:
     """SQuAD token F1 between the prediction and the best-matching answer (0 if no answers).
+
+    Args:
+        prediction: the model's answer.
+        answers: the accepted aliases.
+
+    Returns:
+        The best F1 over the aliases, in ``[0, 1]``.
 
     Example:
         >>> token_f1("the big red dog", ["red dog"])
@@ -147,6 +167,9 @@ def generate_greedy(
 
     Returns:
         One :class:`GreedyAnswer` per prompt.
+
+    Raises:
+        ValueError: ``max_new_tokens < 1`` or an empty prompt.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -321,6 +344,10 @@ def score_open_ended(
 
     Returns:
         An :class:`OpenEndedSet`.
+
+    Raises:
+        TypeError: a record that is not :class:`~llm_calib.data.records.OpenQA`.
+        ValueError: ``batch_size < 1`` or a prompt style other than ``"cloze"``.
 
     Example:
         >>> from llm_calib.models import tiny_random_model

@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 NORMALIZE_MODES = ("sum", "mean")
-"""``"sum"``: summed token log-probabilities; ``"mean"``: mean per token (length-normalised)."""
+"""``"sum"`` (summed token log-probabilities) or ``"mean"`` (mean per token, length-normalised)."""
 
 STRATEGIES = ("packed", "padded")
 """Batch layouts of :func:`score_option_likelihood`."""
@@ -80,6 +80,9 @@ def encode_questions(
 
     Returns:
         One :class:`EncodedQuestion` per record.
+
+    Raises:
+        ValueError: a prompt that tokenises to no tokens.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -229,6 +232,9 @@ def option_log_likelihoods(
         ``out[q][k]``: float64 tensor of the log-probabilities of option ``k``'s tokens of question
         ``q``.
 
+    Raises:
+        ValueError: an unknown ``strategy``.
+
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
@@ -280,6 +286,10 @@ def score_option_likelihood(
 
     Returns:
         A :class:`~llm_calib.scoring.base.ScoredSet`.
+
+    Raises:
+        ValueError: an unknown ``normalize`` or ``strategy``, ``batch_size < 1``, or malformed
+            records.
 
     Example:
         >>> from llm_calib.models import tiny_random_model

@@ -80,6 +80,14 @@ def pack_questions(
 
     Returns:
         A :class:`PackedQuestions`.
+
+    Raises:
+        ValueError: no questions, an empty prompt or an option without tokens.
+
+    Example:
+        >>> p = pack_questions([((1, 2), ((3,), (4, 5))), ((6,), ((7,), (8,), (9,)))], pad_id=0)
+        >>> p.input_ids.shape, p.n_options
+        (torch.Size([2, 5]), [2, 3])
     """
     B = len(items)
     if B == 0:
@@ -144,6 +152,9 @@ def pack_letters(prompts: Sequence[Sequence[int]], letter_ids: Sequence[Sequence
         letter_ids: per question, the letter token id of each option.
         pad_id: padding id.
 
+    Returns:
+        A :class:`PackedQuestions` with one gathered row per question (the last prompt token).
+
     Example:
         >>> p = pack_letters([(1, 2, 3), (4,)], [(7, 8), (7, 8, 9)], pad_id=0)
         >>> p.rows.tolist(), p.target_rows.tolist(), p.n_options
@@ -177,6 +188,17 @@ def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize
     ``logits`` are full-vocabulary logits ``(len(rows), V)`` (possibly adjusted); the score of an
     option is the sum (``"sum"``) or mean (``"mean"``) of its tokens' log-probabilities.
     Differentiable in ``logits``.
+
+    Args:
+        logits: ``(len(packed.rows), V)`` logits at the gathered rows.
+        packed: the batch from :func:`pack_questions` or :func:`pack_letters`.
+        normalize: ``"sum"`` or ``"mean"``.
+
+    Returns:
+        ``(B, K_max)`` option scores, ``-inf`` where a question has fewer options.
+
+    Raises:
+        ValueError: an unknown ``normalize``.
 
     Example:
         >>> import torch
