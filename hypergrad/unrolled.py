@@ -97,7 +97,7 @@ class Unrolled:
 
     .. math::
         \nabla F_K = \nabla_\lambda f + \Bigl(\frac{d w_K}{d\lambda}\Bigr)^{\!\top} \nabla_w f,
-        \qquad
+
         \frac{d z_{k+1}}{d\lambda} = \partial_z \Phi \, \frac{d z_k}{d\lambda}
         + \partial_\lambda \Phi, \quad z = (w, s), \quad \frac{d z_0}{d\lambda} = 0.
 
