@@ -87,6 +87,7 @@ def test_times_ratios_and_targets_are_finite(result, bench, tmp_path) -> None:
     assert acc["oracle (clean examples only)"] > acc["no cleaning (all weights 0.5)"]
     text = bench.render(result, tmp_path)
     assert (tmp_path / "hypergrad.md").read_text() == text
+    assert (tmp_path / "hypergrad.json").exists()
     assert "## Targets" in text and "| Implicit CG |" in text
 
 
