@@ -33,6 +33,7 @@ from llm_calib.scoring.base import (
     encode_prompt,
     progress_bar,
 )
+from llm_calib.scoring.packing import pack_questions
 
 __all__ = [
     "NORMALIZE_MODES",
@@ -115,54 +116,25 @@ def _device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
 def _packed_forward(
     model: Any, items: Sequence[EncodedQuestion], pad_id: int
 ) -> list[torch.Tensor]:
-    """Per-option token log-probabilities for a batch of questions, one packed row each."""
+    """Per-option token log-probabilities for a batch of questions, one packed row each.
+
+    The layout is :func:`llm_calib.scoring.packing.pack_questions`, shared with CALM training.
+    """
     decoder, head = split_decoder_head(model)
     device, dtype = _device_dtype(model)
-    B, L = len(items), max(it.n_tokens for it in items)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    pos = torch.zeros((B, L), dtype=torch.long)
-    seg = torch.full((B, L), -1, dtype=torch.long)
-    rows: list[int] = []  # flat (b * L + t) indices of hidden states that need the head
-    target_rows: list[int] = []  # for each option token: index into `rows`
-    target_ids: list[int] = []
-    option_of_target: list[int] = []
-    n_options = 0
-    for b, it in enumerate(items):
-        p = len(it.prompt)
-        ids[b, :p] = torch.tensor(it.prompt)
-        pos[b, :p] = torch.arange(p)
-        seg[b, :p] = 0
-        first_row = len(rows)
-        rows.append(b * L + p - 1)  # predicts the first token of every option
-        off = p
-        for k, opt in enumerate(it.options):
-            n = len(opt)
-            ids[b, off : off + n] = torch.tensor(opt)
-            pos[b, off : off + n] = torch.arange(p, p + n)
-            seg[b, off : off + n] = k + 1
-            for j in range(n):
-                if j == 0:
-                    target_rows.append(first_row)
-                else:
-                    target_rows.append(len(rows))
-                    rows.append(b * L + off + j - 1)
-                target_ids.append(opt[j])
-                option_of_target.append(n_options)
-            off += n
-            n_options += 1
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
-    q_seg, k_seg = seg[:, :, None], seg[:, None, :]
-    allowed = causal & (k_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))
-    mask = torch.zeros((B, 1, L, L), dtype=dtype)
-    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    packed = pack_questions([(it.prompt, it.options) for it in items], pad_id)
     out = decoder(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=pos.to(device),
+        input_ids=packed.input_ids.to(device),
+        attention_mask=packed.additive_mask(dtype).to(device),
+        position_ids=packed.position_ids.to(device),
         use_cache=False,
     )
-    hidden = out.last_hidden_state.reshape(B * L, -1)
-    return _gather(model, head, hidden, rows, target_rows, target_ids, option_of_target, n_options)
+    hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
+    return _gather(
+        model, head, hidden, packed.rows.tolist(), packed.target_rows.tolist(), packed.target_ids.tolist(),
+        packed.target_option.tolist(), len(packed.option_lengths),
+    )
+
 
 
 def _padded_forward(
