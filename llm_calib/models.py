@@ -152,6 +152,7 @@ def _convert_gguf(gguf: Path, cache_dir: Path) -> None:
         del model.config.quantization_config
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{cache_dir.name}-", dir=cache_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp creates 0700; the cache is an ordinary directory
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
