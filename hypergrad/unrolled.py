@@ -289,12 +289,7 @@ class Unrolled:
         k = self.truncate if self.truncate is not None else K
         opt = self.optimizer
         for i in range(K - k):  # detached prefix (truncated backprop)
-            _, gw, _ = loss_and_grads(
-                inner_fn(problem, batches[i]), w, lam, wrt_lam=False, what=f"inner loss at step {i}"
-            )
-            assert gw is not None
-            with torch.no_grad():
-                w, s = opt.update(w, gw, s)
+            w, s = _plain_step(problem, opt, w, lam, batches[i], s, i)
         lam_ = tree_requires_grad(lam)
         w = tree_requires_grad(w)  # a constant start; requires grad only so that grad_w g exists
         for i in range(K - k, K):
@@ -331,13 +326,7 @@ class Unrolled:
         for i in range(K):
             if i >= K - k:
                 trajectory.append((w, s, _get_rng(device)))
-            _, gw, _ = loss_and_grads(
-                inner_fn(problem, batches[i]), w, lam, wrt_lam=False, what=f"inner loss at step {i}"
-            )
-            assert gw is not None
-            with torch.no_grad():
-                w, s = opt.update(w, gw, s)
-            w, s = tree_detach(w), tree_detach(s)
+            w, s = _plain_step(problem, opt, w, lam, batches[i], s, i)
         _, a_w, grad_lam_f = loss_and_grads(outer_fn(problem, outer_batch), w, lam, what="outer loss")
         assert a_w is not None and grad_lam_f is not None
         a_s: Tree = {key: torch.zeros_like(v) for key, v in s.items()}
@@ -586,3 +575,14 @@ def _jvp_looped(
     assert primal is not None
     stack = lambda trees, like: {k: torch.stack([t[k] for t in trees]) for k in like}  # noqa: E731
     return primal[0], primal[1], stack(tws, w), stack(tss, s)
+
+
+def _plain_step(
+    problem: BilevelProblem, opt: InnerOptimizer, w: Tree, lam: Tree, batch: Any, s: Tree, i: int
+) -> tuple[Tree, Tree]:
+    """One optimizer step on g without a graph (detached result)."""
+    _, gw, _ = loss_and_grads(inner_fn(problem, batch), w, lam, wrt_lam=False, what=f"inner loss at step {i}")
+    assert gw is not None
+    with torch.no_grad():
+        w, s = opt.update(w, gw, s)
+    return tree_detach(w), tree_detach(s)
