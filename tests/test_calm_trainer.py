@@ -274,6 +274,7 @@ def test_accuracy_guard_stops_and_returns_the_initial_parameters(data):
         ({"steps": 2.5}, "steps"),
         ({"method": "sft"}, "method"),
         ({"solver": "adam"}, "solver"),
+        ({"bome_barrier": "hinge"}, "bome_barrier"),
         ({"guard_accuracy": 1.5}, "guard_accuracy"),
         ({"label_smoothing": 1.0}, "label_smoothing"),
         ({"checkpoint_every": -1}, "checkpoint_every"),

@@ -98,6 +98,8 @@ class CalibrationConfig:
         inner_steps: BOME's T / F2SA's inner steps.
         inner_lr: step size of BOME's T plain-SGD inner steps that define the value function.
         bome_eta: BOME's barrier coefficient η.
+        bome_barrier: BOME's barrier, ``"value"`` (φ = η q) or ``"gradient"`` (φ = η‖∇q‖²,
+            which keeps the lower-level loss decreasing at every step), see :class:`hypergrad.BOME`.
         f2sa_sigma: F2SA's penalty weight σ.
         label_smoothing: ε for the label-smoothing baseline.
         penalty_beta: β for the confidence-penalty baseline.
@@ -131,6 +133,7 @@ class CalibrationConfig:
     inner_steps: int = 1
     inner_lr: float = 1e-2
     bome_eta: float = 0.5
+    bome_barrier: str = "value"
     f2sa_sigma: float = 0.1
     label_smoothing: float = 0.1
     penalty_beta: float = 0.5
@@ -155,7 +158,7 @@ class CalibrationConfig:
             raise ValueError(f"lora must be a mapping of LoRA settings, got {self.lora!r}")
         for name in _FLOAT_FIELDS:
             setattr(self, name, _number(name, getattr(self, name)))
-        for name in ("method", "solver", "adjustment", "scorer", "normalize", "prompt_style"):
+        for name in ("method", "solver", "adjustment", "scorer", "normalize", "prompt_style", "bome_barrier"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         if self.chat_template is not None and not isinstance(self.chat_template, bool):
@@ -170,6 +173,7 @@ class CalibrationConfig:
             "scorer": (self.scorer, ("option_likelihood", "letter")),
             "normalize": (self.normalize, ("sum", "mean")),
             "prompt_style": (self.prompt_style, ("cloze", "listed")),
+            "bome_barrier": (self.bome_barrier, ("value", "gradient")),
         }
         for name, (value, allowed) in checks.items():
             if value not in allowed:

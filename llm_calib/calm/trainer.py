@@ -234,7 +234,7 @@ def _make_method(config: CalibrationConfig) -> Any:
     if config.solver == "bome":
         return hg.BOME(
             hg.inner.SGD(lr=config.inner_lr), w_lr=config.lr, inner_steps=config.inner_steps,
-            eta=config.bome_eta, w_optimizer=w_opt,
+            eta=config.bome_eta, barrier=config.bome_barrier, w_optimizer=w_opt,
         )
     return hg.Penalty(sigma=config.f2sa_sigma, inner_optimizer=w_opt, inner_steps=config.inner_steps)
 
