@@ -30,6 +30,14 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with its own memory: safetensors refuses tensors that share storage, as a
+    solver's state does when it holds the current θ itself (F2SA)."""
+    out = tensor.detach().contiguous().cpu()
+    shared = out.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+    return out.clone() if shared else out
+
+
 def save_checkpoint(
     directory: str | os.PathLike[str],
     step: int,
@@ -70,7 +78,7 @@ def save_checkpoint(
     final = root / f"ckpt-{step:08d}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".ckpt-{step:08d}.", suffix=".tmp"))
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
+        save_file({k: _owned(v) for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
         torch.save(state, tmp / "state.pt")
         if final.exists():
             shutil.rmtree(final)

@@ -231,6 +231,11 @@ example:
       --train arc_easy:../shared/data:train --heldout arc_easy:../shared/data:dev \\
       --eval arc_easy:../shared/data/arc_easy/test.jsonl --eval mmlu_stem:../shared/data/mmlu/test \\
       --limit 200 --steps 60 --methods calm,lora_ce --out /tmp/calm
+
+open-ended training (greedy answers, exact match in the report; no temperature column):
+  llm-calib calibrate --train webquestions:../shared/data:train \\
+      --heldout webquestions:../shared/data:dev --eval webquestions:../shared/data:test \\
+      --eval nq_open:../shared/data:dev --limit 200 --methods calm,lora_ce --out /tmp/calm_open
 """
 
 
@@ -270,12 +275,14 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--train", required=True, metavar="SPEC",
-        help="data spec of the labelled training split (lower level: task cross-entropy)",
+        help="data spec of the labelled training split (lower level: task cross-entropy); all "
+        "multiple choice, or all open questions (e.g. nq_open), trained on their first answer",
     )
     p.add_argument(
         "--heldout", required=True, metavar="SPEC",
-        help="data spec of the held-out split: its inputs drive CALM's entropy objective, its "
-        "labels model selection, the accuracy guard and the temperature fit",
+        help="data spec of the held-out split, of the same kind as --train: its inputs drive "
+        "CALM's entropy objective, its labels model selection, the accuracy guard and (multiple "
+        "choice only) the temperature fit",
     )
     p.add_argument(
         "--eval", action="append", required=True, metavar="SPEC",
@@ -397,7 +404,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from llm_calib.calm.trainer import TrainingDiverged
     from llm_calib.compare import run_comparison, write_comparison_report
     from llm_calib.data import load as load_data
-    from llm_calib.data.records import MultipleChoice
+    from llm_calib.data.records import record_kind
     from llm_calib.models import load as load_model
 
     # peft calls a transformers API deprecated in v5; the warning is noise for users of the CLI
@@ -417,19 +424,22 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     seed = config.seed
     t0 = time.perf_counter()
 
-    def records(flag: str, spec: str, mc_only: bool) -> list:
+    def records(flag: str, spec: str) -> list:
         recs = _user_call(lambda: load_data(spec, limit=args.limit, seed=seed).records, f"{flag} {spec}")
         if not recs:
             raise _UserError(f"{flag} {spec}: no records")
-        if mc_only and not all(isinstance(r, MultipleChoice) for r in recs):
-            raise _UserError(f"{flag} {spec}: training and held-out data must be multiple choice")
         log(f"loaded {len(recs)} questions from {spec}")
         return recs
 
     # Load every data set before the model, so a bad spec fails fast.
-    train = (args.train, records("--train", args.train, True))
-    heldout = (args.heldout, records("--heldout", args.heldout, True))
-    evals = [(spec, records("--eval", spec, False)) for spec in args.eval]
+    train = (args.train, records("--train", args.train))
+    heldout = (args.heldout, records("--heldout", args.heldout))
+    try:  # one kind of record per run; the message names the offending record
+        kind = record_kind(train[1], what=f"--train {args.train}")
+        record_kind(heldout[1], what=f"--heldout {args.heldout}", expected=kind)
+    except ValueError as exc:
+        raise _UserError(str(exc)) from exc
+    evals = [(spec, records("--eval", spec)) for spec in args.eval]
     load_s = time.perf_counter() - t0
     device = _device(args.device)
 

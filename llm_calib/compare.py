@@ -6,11 +6,16 @@ with the same data, seed and budget, and saved (:meth:`CalibrationResult.save`) 
 
 * ``uncalibrated``: the base model;
 * ``temperature_scaled``: the base model with one temperature fitted on the held-out split's
-  uncalibrated scores (:func:`llm_calib.temperature.fit_temperature`) and carried to every domain;
+  uncalibrated scores (:func:`llm_calib.temperature.fit_temperature`) and carried to every
+  multiple-choice domain (none when the held-out split is open-ended: there are no option scores
+  to fit it on);
 * one column per trained method (the deployed LoRA model, no temperature, no λ).
 
 :func:`write_comparison_report` writes ``metrics.json``, ``report.md`` (a before/after table per
 domain, one column per method) and ``reliability_<domain>.png`` (one panel per column).
+
+Training and held-out splits are all multiple choice or all open-ended; evaluation sets may be
+either (open questions are answered greedily, :func:`~llm_calib.scoring.open_ended.score_open_ended`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import numpy as np
 
 from llm_calib import distributed
 from llm_calib.calm.config import CalibrationConfig
-from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
 from llm_calib.evaluate import HEADLINE_METRICS, EvaluationResult, TemperatureFit, evaluate_records
 from llm_calib.prompts import PromptFormat
 from llm_calib.report import (
@@ -141,8 +146,8 @@ def _free() -> None:
 def run_comparison(
     load_model: Callable[[], Any],
     tokenizer: Any,
-    train: tuple[str, Sequence[MultipleChoice]],
-    heldout: tuple[str, Sequence[MultipleChoice]],
+    train: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
+    heldout: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
     evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]],
     config: CalibrationConfig,
     methods: Sequence[str],
@@ -162,9 +167,10 @@ def run_comparison(
         load_model: returns a fresh copy of the base model (called once for the baselines and
             once per method, so no run sees another's adapters).
         tokenizer: the model's tokenizer.
-        train: ``(name, records)`` of the lower-level training split.
-        heldout: ``(name, records)`` of the held-out split (upper level, model selection, and the
-            temperature fit).
+        train: ``(name, records)`` of the lower-level training split (all multiple choice or all
+            open questions).
+        heldout: ``(name, records)`` of the held-out split, of the same kind (upper level, model
+            selection, and, for multiple choice, the temperature fit).
         evals: ``(name, records)`` evaluation sets; results are per record domain.
         config: the base configuration; ``method`` is replaced by each of ``methods``.
         methods: the methods to train (see :data:`llm_calib.calm.config.METHODS`).
@@ -183,8 +189,9 @@ def run_comparison(
         A :class:`Comparison`. Nothing is written by ranks other than 0 under ``torchrun``.
 
     Raises:
-        ValueError: unknown method, non-multiple-choice training or held-out records, or (with
-            ``resume``) a saved result trained with a different configuration.
+        ValueError: unknown method, training or held-out records that are not all of one kind
+            (the message names the record), or (with ``resume``) a saved result trained with a
+            different configuration.
         llm_calib.calm.trainer.TrainingDiverged: a method's training diverged.
     """
     from llm_calib.calm.config import METHODS
@@ -193,9 +200,10 @@ def run_comparison(
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise ValueError(f"methods must be a non-empty list from {METHODS}, got {list(methods)}")
-    for name, records in (train, heldout):
-        if not records or not all(isinstance(r, MultipleChoice) for r in records):
-            raise ValueError(f"{name}: training and held-out data must be multiple-choice records")
+    kind = record_kind(train[1], what=train[0])
+    record_kind(heldout[1], what=heldout[0], expected=kind)
+    # a temperature is fitted on option scores, which open questions do not have
+    temperature_fit = heldout if kind == "multiple_choice" else None
     out = Path(out_dir)
     writer = distributed.rank() == 0
     eval_kwargs: dict[str, Any] = {
@@ -219,9 +227,10 @@ def run_comparison(
                 d.reliability[col] = r.reliability_scaled if scaled else r.reliability
 
     t0 = time.perf_counter()
-    log(f"evaluating the base model (temperature fitted on {heldout[0]})")
+    fitted = f" (temperature fitted on {heldout[0]})" if temperature_fit else ""
+    log(f"evaluating the base model{fitted}")
     model = load_model()
-    base = evaluate_records(model, tokenizer, evals, temperature_fit=heldout, **eval_kwargs)
+    base = evaluate_records(model, tokenizer, evals, temperature_fit=temperature_fit, **eval_kwargs)
     del model
     _free()
     domains: dict[str, DomainComparison] = {}
@@ -274,7 +283,7 @@ def run_comparison(
         del model, result, res
         _free()
     run_config = {
-        "train": {"spec": train[0], "n": len(train[1])},
+        "train": {"spec": train[0], "n": len(train[1]), "kind": kind},
         "heldout": {"spec": heldout[0], "n": len(heldout[1])},
         "eval": [name for name, _ in evals],
         "calibration": {k: v for k, v in config.to_dict().items() if k != "method"},
@@ -326,6 +335,12 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
         f"- scorer: `{cfg['evaluation']['scorer']}` ({cfg['evaluation']['normalize']}, "
         f"{cfg['evaluation']['prompt_style']} prompt); solver for calm: `{cal.get('solver')}`",
     ]
+    if cfg["train"].get("kind") == "open":
+        lines.append(
+            "- trained on open questions (token cross-entropy of the first reference answer); the "
+            "held-out accuracy and ECE of the training table are teacher-forced proxies, the "
+            "per-domain tables score greedy answers"
+        )
     fit = cmp.temperature
     if fit is not None:
         lines.append(

@@ -183,3 +183,42 @@ def test_unknown_method_is_rejected_by_the_parser(tiny_model_dir, tmp_path, caps
         cli.main(_argv(tiny_model_dir, tmp_path / "out", "--methods", "calm,sft"))
     assert exc.value.code == 2
     assert "sft" in capsys.readouterr().err
+
+
+def _write_open(path, start, n):
+    rows = [{"question": f"What is {i} + 3?", "answer": [str(i + 3), f"{i + 3}.0"]} for i in range(start, start + n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f"nq_open:{path}"
+
+
+def test_open_ended_training_and_report(tiny_model_dir, tmp_path):
+    from llm_calib.evaluate import open_ended_summary
+    from llm_calib.scoring import score_open_ended
+
+    train, heldout, test = (_write_open(tmp_path / f"{name}.jsonl", start, 4)
+                            for name, start in (("train", 0), ("dev", 10), ("test", 20)))
+    out = tmp_path / "out"
+    argv = ["calibrate", "--model", str(tiny_model_dir), "--train", train, "--heldout", heldout, "--eval", test,
+            "--out", str(out), "--methods", "calm", "--steps", "1", "--batch-size", "4", "--bootstrap", "0",
+            "--no-progress"]
+    assert cli.main(argv) == 0
+    data = json.loads((out / "metrics.json").read_text())
+    assert data["temperature"] is None and data["config"]["train"]["kind"] == "open"
+    dom = data["domains"]["nq_open"]
+    assert dom["kind"] == "open" and dom["n"] == 4
+    assert dom["columns"]["temperature_scaled"] is None
+    # the calm column is the greedy open-ended scorer on the saved result
+    model, tok = load_model(str(tiny_model_dir))
+    loaded = CalibrationResult.load(out / "calm", model)
+    ref = open_ended_summary(score_open_ended(loaded.model, tok, load_data(test).records), ci=False)
+    for key in ("accuracy", "ece", "mean_confidence"):
+        assert dom["columns"]["calm"][key] == pytest.approx(ref[key], abs=1e-6), key
+    assert "trained on open questions" in (out / "report.md").read_text()
+
+
+def test_mixed_kinds_are_a_one_line_error_naming_the_record(tiny_model_dir, tmp_path, capsys):
+    heldout = _write_open(tmp_path / "dev.jsonl", 0, 2)
+    argv = _argv(tiny_model_dir, tmp_path / "out", "--no-progress", "--steps", "1")
+    assert cli.main([*argv, "--heldout", heldout]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("llm-calib: error: --heldout") and "record 'nq_open-1' is OpenQA" in last

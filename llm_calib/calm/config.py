@@ -87,8 +87,10 @@ class CalibrationConfig:
             ``"label_smoothing"``, ``"confidence_penalty"`` (CE − β·entropy).
         solver: ``"bome"`` (default) or ``"f2sa"`` for ``method="calm"``.
         adjustment: λ variant: ``"vector"``, ``"temperature"`` or ``"answer_tokens"``.
-        scorer: ``"option_likelihood"`` or ``"letter"``.
-        normalize: option scores summed (``"sum"``) or length-normalised (``"mean"``).
+        scorer: ``"option_likelihood"`` or ``"letter"`` (multiple choice; open questions are
+            always trained on their reference answer's tokens).
+        normalize: option scores summed (``"sum"``) or length-normalised (``"mean"``) (multiple
+            choice; open-ended losses average over the answer's tokens).
         lora: adapter settings.
         steps: outer steps (one batch each).
         batch_size: training questions per step (inner batch).
@@ -111,7 +113,8 @@ class CalibrationConfig:
         eval_every: steps between held-out evaluations (early stopping, progress).
         checkpoint_every: steps between checkpoints (0 disables).
         seed: seed for data order and initialisation.
-        prompt_style, chat_template: prompt format (see :class:`llm_calib.prompts.PromptFormat`).
+        prompt_style, chat_template: prompt format (see :class:`llm_calib.prompts.PromptFormat`);
+            open questions always use the cloze style of the open-ended scorer.
 
     Example:
         >>> cfg = CalibrationConfig(steps=10)

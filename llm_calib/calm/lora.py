@@ -181,10 +181,22 @@ class FunctionalLM:
         return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(device)]
 
     def head_logits(
-        self, theta: dict[str, Tensor] | None, packed: PackedQuestions, trunk: Tensor | None = None
+        self,
+        theta: dict[str, Tensor] | None,
+        packed: PackedQuestions,
+        trunk: Tensor | None = None,
+        select: Tensor | None = None,
     ) -> Tensor:
-        """Vocabulary logits ``(R, V)`` at ``packed.rows`` (float32)."""
-        return lm_head_logits(self.base, self.head, self.hidden_rows(theta, packed, trunk))
+        """Vocabulary logits ``(R, V)`` at ``packed.rows`` (float32 for half-precision models).
+
+        ``select`` (indices into ``packed.rows``) keeps only those rows before the output head,
+        so a loss that reads a few positions (e.g. :meth:`PackedQuestions.answer_start_rows`)
+        pays for the vocabulary projection only there.
+        """
+        hidden = self.hidden_rows(theta, packed, trunk)
+        if select is not None:
+            hidden = hidden[select.to(hidden.device)]
+        return lm_head_logits(self.base, self.head, hidden)
 
 
 def _four_d_additive(packed: PackedQuestions, dtype: torch.dtype) -> Tensor:

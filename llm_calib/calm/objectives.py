@@ -1,6 +1,6 @@
 r"""The CALM losses and the one-level baselines, as functions of (θ, λ, batch).
 
-For a batch of multiple-choice questions with option scores :math:`s(\theta, \lambda)` computed
+Multiple choice. For a batch of questions with option scores :math:`s(\theta, \lambda)` computed
 from *adjusted* token log-probabilities and :math:`s(\theta)` from the deployed (unadjusted)
 model:
 
@@ -9,10 +9,29 @@ model:
   inputs (no labels);
 * baselines: CE, CE with label smoothing, and the flat confidence penalty
   :math:`\mathrm{CE} - \beta H`.
+
+Open-ended questions (a batch from
+:func:`~llm_calib.scoring.packing.pack_continuations`: the prompt of the open-ended scorer
+followed by the reference answer, its first alias). The categorical predictions are the
+next-token distributions over the whole vocabulary at the positions that predict answer tokens:
+
+* lower level: the token cross-entropy of the reference answer under the *adjusted* logits,
+  averaged over the answer's tokens, then over questions;
+* upper level: :math:`f(\theta) = -\frac1B \sum_i H(\mathrm{softmax}\, z_{i,0}(\theta))`, minus the
+  mean entropy of the deployed model's next-token distribution at the *first answer position*
+  (the end of the prompt). It needs no label (that position's hidden state depends on the prompt
+  alone, whatever follows it in the batch), no generation (deterministic, exactly
+  differentiable, one head row per question) and it is the distribution the greedy answer
+  starts from, the open-ended counterpart of the option distribution. Positions of the model's
+  own greedy continuation were left out: they would need generation inside every training step
+  and a path that changes discontinuously with θ;
+* baselines, token-level: CE, label smoothing over the vocabulary, and CE − β·H with H the
+  entropy at the answer positions, each averaged over the answer's tokens, then over questions.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +40,7 @@ from torch import Tensor
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.distributed import global_mean, sync_gradients
-from llm_calib.scoring.packing import PackedQuestions, option_scores_from_logits
+from llm_calib.scoring.packing import PackedQuestions, option_scores_from_logits, reduce_per_option
 
 __all__ = ["Batch", "CalmLosses", "cross_entropy", "entropy"]
 
@@ -32,16 +51,20 @@ class Batch:
 
     Attributes:
         packed: model inputs and gather indices.
-        labels: gold option per question, ``(B,)``.
+        labels: gold option per question, ``(B,)`` (0 for open questions: their one "option"
+            is the reference answer).
         ids: record ids (for diagnostics).
         trunk: cached hidden states entering the first trainable layer (``(B, L, hidden)``), or
             None to run the whole decoder.
+        open_ended: True for open questions packed with their reference answer
+            (:func:`~llm_calib.scoring.packing.pack_continuations`), False for multiple choice.
     """
 
     packed: PackedQuestions
     labels: Tensor
     ids: list[str]
     trunk: Tensor | None = None
+    open_ended: bool = False
 
 
 def _masked_log_softmax(scores: Tensor) -> Tensor:
@@ -82,12 +105,32 @@ def entropy(scores: Tensor) -> Tensor:
 class CalmLosses:
     """The losses of a calibration run, bound to a model, an adjustment and a scoring mode.
 
+    Every loss takes a :class:`Batch` of either kind (multiple choice or open-ended, see the
+    module docstring) and is data-parallel aware (gradients and means are synchronised across
+    ranks under ``torchrun``).
+
     Args:
         lm: the functional model.
         adjustment: the logit adjustment (λ's shape).
-        normalize: ``"sum"`` or ``"mean"`` option scores.
+        normalize: ``"sum"`` or ``"mean"`` option scores (multiple choice; open-ended answers
+            are always averaged over their tokens).
         label_smoothing: ε for the label-smoothing baseline.
         penalty_beta: β for the confidence-penalty baseline.
+
+    Example:
+        >>> import torch
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.calm.config import LoraSettings
+        >>> from llm_calib.calm.lora import attach_lora
+        >>> from llm_calib.scoring.packing import pack_continuations
+        >>> model, _ = tiny_random_model()
+        >>> lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
+        >>> losses = CalmLosses(lm, LogitAdjustment("vector", lm.head.out_features))
+        >>> batch = Batch(pack_continuations([((5, 6, 7), (8, 9))], 0), torch.zeros(1), ["q0"],
+        ...               open_ended=True)
+        >>> lam = losses.adjustment.init()
+        >>> bool(losses.inner(lm.theta(), lam, batch) > 0), bool(losses.outer(lm.theta(), lam, batch) < 0)
+        (True, True)
     """
 
     def __init__(
@@ -104,33 +147,110 @@ class CalmLosses:
         self.label_smoothing = label_smoothing
         self.penalty_beta = penalty_beta
 
+    def _logits(
+        self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch, select: Tensor | None = None
+    ) -> Tensor:
+        logits = self.lm.head_logits(theta, batch.packed, batch.trunk, select)
+        return logits if lam is None else self.adjustment.apply(logits, lam)
+
     def scores(self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch) -> Tensor:
-        """Option scores ``(B, K_max)``; adjusted when ``lam`` is given."""
-        logits = self.lm.head_logits(theta, batch.packed, batch.trunk)
-        if lam is not None:
-            logits = self.adjustment.apply(logits, lam)
-        return option_scores_from_logits(logits, batch.packed, self.normalize)
+        """Option scores ``(B, K_max)``; adjusted when ``lam`` is given.
+
+        For open questions ``K_max == 1``: the summed (or, with ``normalize="mean"``, mean)
+        log-probability of the reference answer.
+        """
+        return option_scores_from_logits(self._logits(theta, lam, batch), batch.packed, self.normalize)
+
+    def _categorical(
+        self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
+    ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+        """The categorical predictions the task loss fits, their targets, and the per-question reduction.
+
+        Multiple choice: one option distribution per question, reduced as is. Open-ended: one
+        vocabulary distribution per answer token, averaged over each answer's tokens; the MC
+        helpers :func:`cross_entropy` and :func:`entropy` apply unchanged to vocabulary logits.
+        """
+        logits = self._logits(theta, lam, batch)
+        packed = batch.packed
+        if not batch.open_ended:
+            return option_scores_from_logits(logits, packed, self.normalize), batch.labels.to(logits.device), _identity
+        device = logits.device
+        return (
+            logits[packed.target_rows.to(device)],
+            packed.target_ids.to(device),
+            lambda per_token: reduce_per_option(per_token, packed, "mean"),
+        )
+
+    def _deployed_entropy(self, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
+        """Per-question entropy of the unadjusted model: options (MC) or first answer position (open)."""
+        if batch.open_ended:
+            return entropy(self._logits(theta, None, batch, batch.packed.answer_start_rows()))
+        return entropy(self.scores(theta, None, batch))
 
     def inner(self, theta: dict[str, Tensor], lam: dict[str, Tensor], batch: Batch) -> Tensor:
-        """g(θ, λ): cross-entropy of the adjusted option distribution (data-parallel aware)."""
+        """g(θ, λ): cross-entropy under the adjusted logits (options, or answer tokens)."""
         theta, lam = sync_gradients(theta), sync_gradients(lam)
-        return global_mean(cross_entropy(self.scores(theta, lam, batch), batch.labels).mean())
+        scores, targets, per_question = self._categorical(theta, lam, batch)
+        return global_mean(per_question(cross_entropy(scores, targets)).mean())
 
     def outer(self, theta: dict[str, Tensor], lam: dict[str, Tensor], batch: Batch) -> Tensor:
-        """f(θ): minus the mean entropy of the deployed model's option distribution."""
+        """f(θ): minus the mean entropy of the deployed model (options, or first answer position)."""
         theta = sync_gradients(theta)
-        return global_mean(-entropy(self.scores(theta, None, batch)).mean())
+        return global_mean(-self._deployed_entropy(theta, batch).mean())
 
     def baseline(self, method: str, theta: dict[str, Tensor], batch: Batch) -> Tensor:
         """One-level training loss of a baseline on the unadjusted model."""
         theta = sync_gradients(theta)
-        scores = self.scores(theta, None, batch)
+        scores, targets, per_question = self._categorical(theta, None, batch)
         if method == "lora_ce":
-            loss = cross_entropy(scores, batch.labels)
+            loss = cross_entropy(scores, targets)
         elif method == "label_smoothing":
-            loss = cross_entropy(scores, batch.labels, self.label_smoothing)
+            loss = cross_entropy(scores, targets, self.label_smoothing)
         elif method == "confidence_penalty":
-            loss = cross_entropy(scores, batch.labels) - self.penalty_beta * entropy(scores)
+            loss = cross_entropy(scores, targets) - self.penalty_beta * entropy(scores)
         else:
             raise ValueError(f"unknown baseline {method!r}")
-        return global_mean(loss.mean())
+        return global_mean(per_question(loss).mean())
+
+    def monitor(self, batch: Batch) -> dict[str, Tensor]:
+        """Per-question held-out statistics of the deployed model, float64 on the CPU (no grad).
+
+        Keys ``confidence``, ``correct`` (0/1), ``nll`` and ``entropy``. Multiple choice: the
+        option distribution's maximum probability, whether its argmax is gold, ``-log p(gold)``
+        and its entropy. Open-ended, a teacher-forced proxy of greedy answering computed in the
+        same single forward pass as training (no generation, deterministic): ``correct`` when
+        every reference token is the argmax given the reference tokens before it, i.e. greedy
+        decoding reproduces the reference tokens (it may go on after them);
+        ``confidence`` the mean over the answer positions of the largest token probability,
+        which equals the scorer's mean token probability of the greedy answer wherever greedy
+        follows the reference; ``nll`` the mean token NLL of the reference; ``entropy`` the
+        entropy at the first answer position (so its mean is ``-f``).
+        """
+        with torch.inference_mode():
+            if not batch.open_ended:
+                scores = self.scores(None, None, batch).double().cpu()
+                p = torch.softmax(scores, -1)
+                conf, pred = p.max(-1)
+                labels = batch.labels.cpu()
+                return {
+                    "confidence": conf,
+                    "correct": (pred == labels).double(),
+                    "nll": -torch.log(p[torch.arange(len(labels)), labels].clamp_min(1e-12)),
+                    "entropy": entropy(scores),
+                }
+            packed = batch.packed
+            logp = torch.log_softmax(self._logits(None, None, batch).double(), -1).cpu()
+            token_logp = logp[packed.target_rows]
+            top_logp, top = token_logp.max(-1)
+            wrong = (top != packed.target_ids).double()
+            token_nll = -token_logp[torch.arange(len(packed.target_ids)), packed.target_ids]
+            return {
+                "confidence": reduce_per_option(top_logp.exp(), packed, "mean"),
+                "correct": (reduce_per_option(wrong, packed, "sum") == 0).double(),
+                "nll": reduce_per_option(token_nll, packed, "mean"),
+                "entropy": entropy(logp[packed.answer_start_rows()]),
+            }
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x

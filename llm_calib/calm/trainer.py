@@ -6,6 +6,12 @@ by the objective). Every ``eval_every`` steps the deployed model is scored on th
 set; the run keeps the parameters with the lowest held-out ECE among those whose accuracy stays
 above ``guard_accuracy`` times the initial accuracy, and stops early (rolling back) when accuracy
 falls below it, so the recipe cannot degenerate into uniform predictions.
+
+A run trains on one kind of record: multiple-choice questions (option scores) or open questions
+(the reference answer as a continuation of the open-ended scorer's prompt); see
+:mod:`llm_calib.calm.objectives` for the losses of each kind. For open questions the held-out
+metrics are a cheap teacher-forced proxy of greedy answering (:meth:`CalmLosses.monitor
+<llm_calib.calm.objectives.CalmLosses.monitor>`), not generated answers.
 """
 
 from __future__ import annotations
@@ -29,13 +35,19 @@ from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.objectives import Batch, CalmLosses
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from llm_calib.data.records import MultipleChoice
+from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
 from llm_calib.metrics import ece as ece_metric
-from llm_calib.prompts import PromptFormat, build_prompt, uses_chat_template
-from llm_calib.scoring.base import encode_prompt
+from llm_calib.prompts import PromptFormat, build_prompt, continuation_text, uses_chat_template
+from llm_calib.scoring.base import encode_continuation, encode_prompt
 from llm_calib.scoring.letter import letter_token_ids
+from llm_calib.scoring.open_ended import encode_open_prompts
 from llm_calib.scoring.option_likelihood import encode_questions
-from llm_calib.scoring.packing import pack_letters, pack_questions
+from llm_calib.scoring.packing import (
+    PackedQuestions,
+    pack_continuations,
+    pack_letters,
+    pack_questions,
+)
 
 __all__ = ["CalibrationResult", "TrainingDiverged", "calibrate", "encode_batch_source"]
 
@@ -51,28 +63,36 @@ _TRUNK_CHUNK = 16
 class _Encoded:
     """Tokenised questions of one split, ready to be packed into batches.
 
+    ``layout`` is ``"options"`` (option likelihood: prompt + every option, packed), ``"letter"``
+    (listed prompt; ``options`` hold one letter id each) or ``"open"`` (open questions:
+    ``options`` holds the reference answer alone, packed as a plain causal sequence).
+
     With a trunk-caching model the hidden states entering the first trainable layer are computed
     once per question and kept in ``trunk_cache``.
     """
 
-    records: list[MultipleChoice]
+    records: list[MultipleChoice] | list[OpenQA]
     prompts: list[tuple[int, ...]]
-    options: list[tuple[tuple[int, ...], ...]]  # option continuations, or letter ids (1 token each)
-    letter: bool
+    options: list[tuple[tuple[int, ...], ...]]  # option continuations, letter ids, or (reference,)
+    layout: str
     trunk_cache: dict[int, Tensor] = field(default_factory=dict)
 
-    def _pack(self, idx: list[int], pad_id: int):
-        if self.letter:
+    def _pack(self, idx: list[int], pad_id: int) -> PackedQuestions:
+        if self.layout == "letter":
             return pack_letters([self.prompts[i] for i in idx], [[o[0] for o in self.options[i]] for i in idx], pad_id)
+        if self.layout == "open":
+            return pack_continuations([(self.prompts[i], self.options[i][0]) for i in idx], pad_id)
         return pack_questions([(self.prompts[i], self.options[i]) for i in idx], pad_id)
 
     def _length(self, i: int) -> int:
-        return len(self.prompts[i]) + (0 if self.letter else sum(len(o) for o in self.options[i]))
+        return len(self.prompts[i]) + (0 if self.layout == "letter" else sum(len(o) for o in self.options[i]))
 
     def batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None) -> Batch:
         idx = list(indices)
         packed = self._pack(idx, pad_id)
-        labels = torch.tensor([self.records[i].gold for i in idx], dtype=torch.long)
+        open_ended = self.layout == "open"
+        # an open question's one "option" is its reference answer, hence label 0
+        labels = torch.tensor([0 if open_ended else self.records[i].gold for i in idx], dtype=torch.long)
         trunk = None
         if lm is not None and lm.caches_trunk:
             # Fixed chunks (questions 16c .. 16c+15) make each cached value independent of which
@@ -87,23 +107,51 @@ class _Encoded:
             trunk = torch.stack(
                 [torch.nn.functional.pad(self.trunk_cache[i], (0, 0, 0, L - self.trunk_cache[i].shape[0])) for i in idx]
             )
-        return Batch(packed, labels, [self.records[i].id for i in idx], trunk)
+        return Batch(packed, labels, [self.records[i].id for i in idx], trunk, open_ended)
 
 
-def encode_batch_source(tokenizer: Any, records: Sequence[MultipleChoice], config: CalibrationConfig) -> _Encoded:
-    """Tokenise records once for the configured scorer and prompt format."""
+def encode_batch_source(
+    tokenizer: Any, records: Sequence[MultipleChoice] | Sequence[OpenQA], config: CalibrationConfig
+) -> _Encoded:
+    """Tokenise records once for the configured scorer and prompt format.
+
+    Multiple-choice records follow ``config.scorer`` and ``config.prompt_style``. Open questions
+    use the open-ended scorer's prompt (:func:`~llm_calib.scoring.open_ended.encode_open_prompts`,
+    cloze, ``config.chat_template``) followed by the first reference alias as the continuation
+    ``" " + alias``, tokenised on its own like an option.
+
+    Raises:
+        ValueError: no records, records of both kinds or of another type, or an open question
+            without a reference answer (each naming the record).
+
+    Example:
+        >>> from llm_calib.data import OpenQA
+        >>> from llm_calib.models import tiny_random_model
+        >>> _, tok = tiny_random_model()
+        >>> enc = encode_batch_source(tok, [OpenQA("Capital of France?", ("Paris",), "geo", "q0")],
+        ...                           CalibrationConfig())
+        >>> enc.layout, tok.decode(enc.options[0][0])
+        ('open', ' Paris')
+    """
     records = list(records)
     if not records:
         raise ValueError("no records to encode")
+    if record_kind(records) == "open":
+        unanswered = [r.id for r in records if not r.answers]
+        if unanswered:
+            raise ValueError(f"open question {unanswered[0]!r} has no reference answer to train or monitor on")
+        prompts = encode_open_prompts(tokenizer, records, PromptFormat(chat_template=config.chat_template))
+        answers = [(tuple(encode_continuation(tokenizer, continuation_text(r.answers[0]))),) for r in records]
+        return _Encoded(records, [tuple(p) for p in prompts], answers, layout="open")
     if config.scorer == "letter":
         fmt = PromptFormat(style="listed", chat_template=config.chat_template)
         chat = uses_chat_template(tokenizer, fmt)
         prompts = [tuple(encode_prompt(tokenizer, build_prompt(tokenizer, r.question, r.options, fmt), chat=chat)) for r in records]
         options = [tuple((t,) for t in letter_token_ids(tokenizer, len(r.options))) for r in records]
-        return _Encoded(records, prompts, options, letter=True)
+        return _Encoded(records, prompts, options, layout="letter")
     fmt = PromptFormat(style=config.prompt_style, chat_template=config.chat_template)
     enc = encode_questions(tokenizer, records, fmt)
-    return _Encoded(records, [e.prompt for e in enc], [e.options for e in enc], letter=False)
+    return _Encoded(records, [e.prompt for e in enc], [e.options for e in enc], layout="options")
 
 
 def _permutation(n: int, seed: int, epoch: int, stream: int) -> list[int]:
@@ -184,26 +232,25 @@ class CalibrationResult:
 
 
 def _evaluate(losses: CalmLosses, data: _Encoded, pad_id: int, batch_size: int = 16) -> dict[str, float]:
-    """Held-out metrics of the deployed model (no adjustment), computed in inference mode."""
-    probs, labels = [], []
+    """Held-out metrics of the deployed model (no adjustment), computed in inference mode.
+
+    The per-question statistics come from :meth:`CalmLosses.monitor
+    <llm_calib.calm.objectives.CalmLosses.monitor>`: exact option metrics for multiple choice, a
+    teacher-forced proxy of greedy answering for open questions. The keys are the same for both,
+    so model selection and the accuracy guard do not depend on the kind of record.
+    """
+    parts = []
     with torch.inference_mode():
         for start in range(0, len(data.records), batch_size):
             batch = data.batch(range(start, min(start + batch_size, len(data.records))), pad_id, losses.lm)
-            scores = losses.scores(None, None, batch).double()
-            probs.append(torch.softmax(scores, -1).cpu())
-            labels.append(batch.labels.cpu())
-    width = max(x.shape[1] for x in probs)
-    p = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in probs])
-    y = torch.cat(labels)
-    conf, pred = p.max(-1)
-    correct = (pred == y).double()
-    nll = -torch.log(p[torch.arange(len(y)), y].clamp_min(1e-12))
-    ent = -torch.where(p > 0, p * p.clamp_min(1e-300).log(), torch.zeros_like(p)).sum(-1)
+            parts.append(losses.monitor(batch))
+    stats = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
+    conf, correct = stats["confidence"], stats["correct"]
     return {
         "accuracy": float(correct.mean()),
         "ece": float(ece_metric(conf.numpy(), correct.numpy(), n_bins=10)),
-        "nll": float(nll.mean()),
-        "entropy": float(ent.mean()),
+        "nll": float(stats["nll"].mean()),
+        "entropy": float(stats["entropy"].mean()),
         "confidence": float(conf.mean()),
     }
 
@@ -242,8 +289,8 @@ def _make_method(config: CalibrationConfig) -> Any:
 def calibrate(
     model: Any,
     tokenizer: Any,
-    train: Sequence[MultipleChoice],
-    heldout: Sequence[MultipleChoice],
+    train: Sequence[MultipleChoice] | Sequence[OpenQA],
+    heldout: Sequence[MultipleChoice] | Sequence[OpenQA],
     config: CalibrationConfig | None = None,
     *,
     checkpoint_dir: str | os.PathLike[str] | None = None,
@@ -256,9 +303,12 @@ def calibrate(
         model: a Hugging Face causal LM; LoRA adapters are attached to it (its own weights stay
             frozen). Pass a fresh copy per run.
         tokenizer: its tokenizer.
-        train: labelled multiple-choice questions for the lower level (task cross-entropy).
-        heldout: held-out questions. Their inputs feed the upper-level entropy objective; their
-            labels are used only for monitoring, model selection and the accuracy guard.
+        train: labelled questions for the lower level (task cross-entropy): all
+            multiple-choice, or all open questions (trained on their first reference alias).
+        heldout: held-out questions of the same kind. Their inputs feed the upper-level entropy
+            objective; their labels are used only for monitoring, model selection and the
+            accuracy guard (for open questions through a teacher-forced proxy, see
+            :meth:`CalmLosses.monitor <llm_calib.calm.objectives.CalmLosses.monitor>`).
         config: the run's configuration (default :class:`CalibrationConfig()`).
         checkpoint_dir: where to write checkpoints every ``config.checkpoint_every`` steps.
         resume: continue from the newest checkpoint in ``checkpoint_dir`` when there is one.
@@ -269,6 +319,7 @@ def calibrate(
 
     Raises:
         TrainingDiverged: when a loss or update is NaN/inf (names the step and the batch).
+        ValueError: records of both kinds, or of another type (names the record).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -279,8 +330,16 @@ def calibrate(
         >>> res = calibrate(model, tok, qs[:2], qs[2:], cfg, progress=False)
         >>> sorted(res.metrics)
         ['after', 'before']
+        >>> from llm_calib.data import OpenQA
+        >>> open_qs = [OpenQA(f"What is {i} + 1?", (str(i + 1),), "sums", f"s{i}") for i in range(4)]
+        >>> res = calibrate(tiny_random_model()[0], tok, open_qs[:2], open_qs[2:], cfg, progress=False)
+        >>> sorted(res.metrics["after"])[:3]
+        ['accuracy', 'confidence', 'ece']
     """
     config = config or CalibrationConfig()
+    # Check the kinds before touching the model, so a bad mix fails fast and names the record.
+    kind = record_kind(train, what="train")
+    record_kind(heldout, what="heldout", expected=kind)
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()

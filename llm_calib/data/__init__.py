@@ -20,7 +20,7 @@ from llm_calib.data.jsonl import load_jsonl, mc_from_dict, openqa_from_dict
 from llm_calib.data.mmlu import MMLU_GROUPS, MMLU_SUBJECTS, load_mmlu, mmlu_group
 from llm_calib.data.openqa import load_nq_open, load_openqa_jsonl, load_webquestions
 from llm_calib.data.opentriviaqa import OPENTRIVIAQA_CATEGORIES, load_opentriviaqa
-from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.data.records import RECORD_KINDS, MultipleChoice, OpenQA, record_kind
 from llm_calib.data.result import LoadResult, subsample
 from llm_calib.data.selfaware import filter_selfaware, load_selfaware
 from llm_calib.data.spec import LOADERS, Spec, SpecError, load, parse_spec
@@ -36,6 +36,7 @@ __all__ = [
     "MMLU_GROUPS",
     "MMLU_SUBJECTS",
     "OPENTRIVIAQA_CATEGORIES",
+    "RECORD_KINDS",
     "DataError",
     "LoadResult",
     "MultipleChoice",
@@ -61,5 +62,6 @@ __all__ = [
     "mmlu_group",
     "openqa_from_dict",
     "parse_spec",
+    "record_kind",
     "subsample",
 ]

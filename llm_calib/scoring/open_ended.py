@@ -26,6 +26,7 @@ from llm_calib.scoring.base import encode_prompt, progress_bar
 __all__ = [
     "GreedyAnswer",
     "OpenEndedSet",
+    "encode_open_prompts",
     "exact_match",
     "generate_greedy",
     "normalize_answer",
@@ -320,6 +321,48 @@ class OpenEndedSet:
         return {d: self.select(idx) for d, idx in groups.items()}
 
 
+def encode_open_prompts(
+    tokenizer: Any, records: Sequence[OpenQA], prompt: PromptFormat | None = None
+) -> list[list[int]]:
+    """Token ids of the prompts after which open questions are answered.
+
+    The one place that builds open-ended prompts: greedy answering (:func:`score_open_ended`) and
+    CALM training on open questions (:mod:`llm_calib.calm.trainer`) both continue these ids.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        records: :class:`~llm_calib.data.records.OpenQA` records.
+        prompt: the prompt format (default ``PromptFormat()``); must be the cloze style.
+
+    Returns:
+        One list of ids per record.
+
+    Raises:
+        TypeError: a record that is not :class:`~llm_calib.data.records.OpenQA`.
+        ValueError: a prompt style other than ``"cloze"``.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> _, tok = tiny_random_model()
+        >>> ids = encode_open_prompts(tok, [OpenQA("Capital of France?", ("Paris",), "geo", "q0")])
+        >>> tok.decode(ids[0]).endswith("The answer is:")
+        True
+    """
+    for r in records:
+        if not isinstance(r, OpenQA):
+            raise TypeError(f"records must be OpenQA records, got {type(r).__name__}")
+    fmt = prompt or PromptFormat()
+    if fmt.style != "cloze":
+        raise ValueError(
+            f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}"
+        )
+    chat = uses_chat_template(tokenizer, fmt)
+    return [
+        encode_prompt(tokenizer, build_prompt(tokenizer, r.question, None, fmt), chat=chat)
+        for r in records
+    ]
+
+
 def score_open_ended(
     model: Any,
     tokenizer: Any,
@@ -360,19 +403,9 @@ def score_open_ended(
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     records = list(records)
-    for r in records:
-        if not isinstance(r, OpenQA):
-            raise TypeError(f"records must be OpenQA records, got {type(r).__name__}")
     fmt = prompt or PromptFormat()
-    if fmt.style != "cloze":
-        raise ValueError(
-            f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}"
-        )
+    prompts = encode_open_prompts(tokenizer, records, fmt)
     chat = uses_chat_template(tokenizer, fmt)
-    prompts = [
-        encode_prompt(tokenizer, build_prompt(tokenizer, r.question, None, fmt), chat=chat)
-        for r in records
-    ]
     order = sorted(range(len(records)), key=lambda i: len(prompts[i]))
     answers: list[GreedyAnswer | None] = [None] * len(records)
     bar = progress_bar(total=len(records), desc="open-ended", enabled=progress)

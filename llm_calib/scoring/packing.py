@@ -7,7 +7,9 @@ computed once. Only the hidden states that predict an option token are gathered 
 vocabulary head is applied to those alone.
 
 The same structure describes the letter scorer: one gathered row per question (the answer
-position) and one one-token "option" per letter.
+position) and one one-token "option" per letter, and an open-ended question with its reference
+answer (:func:`pack_continuations`): a plain right-padded causal sequence ``prompt + answer`` whose
+single "option" is the answer.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["PackedQuestions", "option_scores_from_logits", "pack_letters", "pack_questions"]
+__all__ = [
+    "PackedQuestions",
+    "option_scores_from_logits",
+    "pack_continuations",
+    "pack_letters",
+    "pack_questions",
+    "reduce_per_option",
+]
 
 
 @dataclass
@@ -60,6 +69,22 @@ class PackedQuestions:
     def batch_size(self) -> int:
         """Number of questions."""
         return len(self.n_options)
+
+    def answer_start_rows(self) -> Tensor:
+        """Per question, the index into ``rows`` of the position that predicts the first answer token.
+
+        That position is the end of the prompt: it is shared by all options of a question, and its
+        hidden state depends on the prompt alone.
+
+        Example:
+            >>> p = pack_questions([((1, 2), ((3,), (4, 5))), ((6,), ((7, 8),))], pad_id=0)
+            >>> p.answer_start_rows().tolist()
+            [0, 2]
+        """
+        first_target = torch.cumsum(self.option_lengths, 0) - self.option_lengths
+        n_opt = torch.tensor(self.n_options)
+        first_option = torch.cumsum(n_opt, 0) - n_opt
+        return self.target_rows[first_target[first_option]]
 
     def additive_mask(self, dtype: torch.dtype) -> Tensor:
         """The 4-D mask as additive biases (0 where allowed, the dtype's minimum elsewhere)."""
@@ -144,6 +169,17 @@ def pack_questions(
     )
 
 
+def _right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-padded ``(ids, padding mask, position ids)`` of plain causal sequences."""
+    B, L = len(seqs), max(len(s) for s in seqs)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for b, seq in enumerate(seqs):
+        ids[b, : len(seq)] = torch.tensor(list(seq))
+        mask[b, : len(seq)] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def pack_letters(prompts: Sequence[Sequence[int]], letter_ids: Sequence[Sequence[int]], pad_id: int) -> PackedQuestions:
     """Pack letter-scorer prompts (right-padded); each option is its single letter token.
 
@@ -160,13 +196,10 @@ def pack_letters(prompts: Sequence[Sequence[int]], letter_ids: Sequence[Sequence
         >>> p.rows.tolist(), p.target_rows.tolist(), p.n_options
         ([2, 3], [0, 0, 1, 1, 1], [2, 3])
     """
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
+    ids, mask, pos = _right_pad(prompts, pad_id)
+    L = ids.shape[1]
     rows, target_rows, target_ids, target_option, option_question, n_options = [], [], [], [], [], []
     for b, (prompt, letters) in enumerate(zip(prompts, letter_ids, strict=True)):
-        ids[b, : len(prompt)] = torch.tensor(list(prompt))
-        mask[b, : len(prompt)] = 1
         rows.append(b * L + len(prompt) - 1)
         for tok in letters:
             target_rows.append(b)
@@ -174,12 +207,88 @@ def pack_letters(prompts: Sequence[Sequence[int]], letter_ids: Sequence[Sequence
             target_option.append(len(option_question))
             option_question.append(b)
         n_options.append(len(letters))
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return PackedQuestions(
         ids, mask, pos, torch.tensor(rows), torch.tensor(target_rows), torch.tensor(target_ids),
         torch.tensor(target_option), torch.tensor(option_question), torch.ones(len(option_question), dtype=torch.long),
         n_options,
     )
+
+
+def pack_continuations(items: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int) -> PackedQuestions:
+    """Pack ``(prompt_ids, answer_ids)`` pairs as right-padded causal sequences ``prompt + answer``.
+
+    Every question has one "option", its answer, so the option machinery
+    (:func:`option_scores_from_logits`, :func:`reduce_per_option`) gives per-question answer
+    log-likelihoods. ``rows`` holds exactly the positions that predict an answer token, in order
+    (the first of them, the end of the prompt, is also the first answer position); the mask is a
+    2-D padding mask, so the model applies its own causal masking.
+
+    Args:
+        items: per question, the prompt ids and the answer's ids.
+        pad_id: padding id (never attended to).
+
+    Returns:
+        A :class:`PackedQuestions` with ``n_options == [1] * B``.
+
+    Raises:
+        ValueError: no questions, an empty prompt or an answer without tokens.
+
+    Example:
+        >>> p = pack_continuations([((1, 2), (3, 4)), ((5,), (6,))], pad_id=0)
+        >>> p.input_ids.tolist(), p.attention_mask.tolist()
+        ([[1, 2, 3, 4], [5, 6, 0, 0]], [[1, 1, 1, 1], [1, 1, 0, 0]])
+        >>> p.rows.tolist(), p.target_ids.tolist(), p.answer_start_rows().tolist()
+        ([1, 2, 4], [3, 4, 6], [0, 2])
+    """
+    if not items:
+        raise ValueError("pack_continuations needs at least one question")
+    for b, (prompt, answer) in enumerate(items):
+        if not prompt:
+            raise ValueError(f"question {b}: empty prompt")
+        if not answer:
+            raise ValueError(f"question {b}: the answer has no tokens")
+    ids, mask, pos = _right_pad([list(p) + list(a) for p, a in items], pad_id)
+    L = ids.shape[1]
+    rows = [b * L + len(p) - 1 + j for b, (p, a) in enumerate(items) for j in range(len(a))]
+    target_ids = [int(t) for _, a in items for t in a]
+    target_option = [b for b, (_, a) in enumerate(items) for _ in a]
+    lengths = [len(a) for _, a in items]
+    return PackedQuestions(
+        ids, mask, pos, torch.tensor(rows), torch.arange(len(rows)), torch.tensor(target_ids),
+        torch.tensor(target_option), torch.arange(len(items)), torch.tensor(lengths), [1] * len(items),
+    )
+
+
+def reduce_per_option(token_values: Tensor, packed: PackedQuestions, normalize: str = "sum") -> Tensor:
+    """Sum (``"sum"``) or average (``"mean"``) per-target values over each option's tokens.
+
+    Args:
+        token_values: one value per scored token (aligned with ``packed.target_ids``).
+        packed: the batch.
+        normalize: ``"sum"`` or ``"mean"``.
+
+    Returns:
+        One value per option, ``(len(packed.option_lengths),)``; differentiable.
+
+    Raises:
+        ValueError: an unknown ``normalize``.
+
+    Example:
+        >>> import torch
+        >>> p = pack_continuations([((1,), (2, 3)), ((4,), (5,))], pad_id=0)
+        >>> reduce_per_option(torch.tensor([1.0, 3.0, 5.0]), p, "mean").tolist()
+        [2.0, 5.0]
+    """
+    if normalize not in ("sum", "mean"):
+        raise ValueError(f"normalize must be 'sum' or 'mean', got {normalize!r}")
+    device = token_values.device
+    n_opt = len(packed.option_lengths)
+    out = torch.zeros(n_opt, dtype=token_values.dtype, device=device).index_add(
+        0, packed.target_option.to(device), token_values
+    )
+    if normalize == "mean":
+        out = out / packed.option_lengths.to(device, token_values.dtype)
+    return out
 
 
 def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize: str = "sum") -> Tensor:
@@ -214,12 +323,7 @@ def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize
         logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
     token_lp = logp[packed.target_rows.to(device), packed.target_ids.to(device)]
-    n_opt = len(packed.option_lengths)
-    per_option = torch.zeros(n_opt, dtype=token_lp.dtype, device=device).index_add(
-        0, packed.target_option.to(device), token_lp
-    )
-    if normalize == "mean":
-        per_option = per_option / packed.option_lengths.to(device, token_lp.dtype)
+    per_option = reduce_per_option(token_lp, packed, normalize)
     B, K = packed.batch_size, max(packed.n_options)
     out = torch.full((B, K), float("-inf"), dtype=token_lp.dtype, device=device)
     slot = torch.cat([torch.arange(k) for k in packed.n_options]).to(device)
