@@ -9,7 +9,8 @@ same code runs under ``torch.no_grad`` (the driver's inner loop), with ``create_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -26,6 +27,16 @@ def _is_real(value: object) -> bool:
 def _check_lr(lr: float) -> None:
     if not _is_real(lr) or not 0 < lr < math.inf:
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+
+
+def _check_leaf_lr(leaf_lr: Mapping[str, float]) -> None:
+    if not isinstance(leaf_lr, Mapping):
+        raise TypeError(f"leaf_lr must be a mapping from leaf name to step size, got {type(leaf_lr).__name__}")
+    for name, lr in leaf_lr.items():
+        if not isinstance(name, str):
+            raise TypeError(f"leaf_lr keys must be leaf names (str), got {name!r}")
+        if not _is_real(lr) or not 0 < lr < math.inf:
+            raise ValueError(f"leaf_lr[{name!r}] must be a finite number > 0, got {lr!r}")
 
 
 def _check_unit_interval(value: float, name: str) -> None:
@@ -62,9 +73,11 @@ class SGD:
 
     Args:
         lr: step size :math:`\eta` (finite, > 0).
+        leaf_lr: step sizes of named leaves that override ``lr`` (e.g. a scalar that needs larger
+            steps than a matrix), as in per-parameter-group learning rates.
 
     Raises:
-        ValueError: ``lr`` is not a finite number > 0.
+        ValueError: ``lr`` or a ``leaf_lr`` value is not a finite number > 0.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -75,9 +88,11 @@ class SGD:
     """
 
     lr: float
+    leaf_lr: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_lr(self.lr)
+        _check_leaf_lr(self.leaf_lr)
 
     def init(self, w: Tree) -> Tree:
         """Return the (empty) state: plain gradient descent keeps none."""
@@ -87,7 +102,7 @@ class SGD:
         """Return ``(w - lr * grad, state)``."""
         # One fused op per leaf (as torch.optim.SGD's add_(grad, alpha=-lr)): in reverse-mode
         # unrolling every op here is recorded K times and replayed in the backward pass.
-        return {k: torch.add(w[k], grad[k], alpha=-self.lr) for k in w}, state
+        return {k: torch.add(w[k], grad[k], alpha=-self.leaf_lr.get(k, self.lr)) for k in w}, state
 
 
 @dataclass(frozen=True)
@@ -99,9 +114,10 @@ class Momentum:
         lr: step size :math:`\eta` (finite, > 0).
         beta: momentum coefficient in ``[0, 1)``.
         nesterov: use Nesterov's variant, :math:`w \leftarrow w - \eta (\nabla g + \beta m)`.
+        leaf_lr: step sizes of named leaves that override ``lr``.
 
     Raises:
-        ValueError: ``lr`` or ``beta`` out of range.
+        ValueError: ``lr``, a ``leaf_lr`` value or ``beta`` out of range.
         TypeError: ``nesterov`` is not a bool.
 
     Example:
@@ -114,9 +130,11 @@ class Momentum:
     lr: float
     beta: float = 0.9
     nesterov: bool = False
+    leaf_lr: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_lr(self.lr)
+        _check_leaf_lr(self.leaf_lr)
         _check_unit_interval(self.beta, "beta")
         if not isinstance(self.nesterov, bool):
             raise TypeError(f"nesterov must be a bool, got {type(self.nesterov).__name__}")
@@ -132,7 +150,7 @@ class Momentum:
             step = {k: torch.add(grad[k], new_state[f"m.{k}"], alpha=self.beta) for k in w}
         else:
             step = {k: new_state[f"m.{k}"] for k in w}
-        return {k: torch.add(w[k], step[k], alpha=-self.lr) for k in w}, new_state
+        return {k: torch.add(w[k], step[k], alpha=-self.leaf_lr.get(k, self.lr)) for k in w}, new_state
 
 
 @dataclass(frozen=True)
@@ -148,6 +166,9 @@ class Adam:
             ``[0, 1)``.
         eps: added to the denominator (>= 0).
         eps_root: added under the square root (>= 0).
+        leaf_lr: step sizes of named leaves that override ``lr``. Adam's steps are about ``lr``
+            per coordinate whatever the gradient's scale, so a leaf that must travel further in
+            the same number of steps (a log-scale next to LoRA matrices) needs its own.
 
     Raises:
         ValueError: an argument out of range.
@@ -164,9 +185,11 @@ class Adam:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     eps_root: float = 1e-30
+    leaf_lr: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_lr(self.lr)
+        _check_leaf_lr(self.leaf_lr)
         if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {self.betas!r}")
         _check_unit_interval(self.betas[0], "betas[0]")
@@ -197,5 +220,5 @@ class Adam:
             new_state[f"m.{k}"], new_state[f"v.{k}"] = m, v
             m_hat = m / (1 - b1**t)
             v_hat = v / (1 - b2**t)
-            new_w[k] = w[k] - self.lr * m_hat / (torch.sqrt(v_hat + self.eps_root) + self.eps)
+            new_w[k] = w[k] - self.leaf_lr.get(k, self.lr) * m_hat / (torch.sqrt(v_hat + self.eps_root) + self.eps)
         return new_w, new_state

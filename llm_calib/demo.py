@@ -37,6 +37,8 @@ class DemoSettings:
         n_train, n_heldout: per in-domain domain, questions for training and held-out inputs;
             the rest are the in-domain test questions.
         steps, batch_size, top_layers: CALM budget; LoRA sits on the top ``top_layers`` layers.
+        lr, lam_lr: learning rates of θ (LoRA) and λ.
+        bome_barrier, bome_eta: BOME's barrier (see :class:`~llm_calib.calm.config.CalibrationConfig`).
         out: output directory for the report.
         seed: data and training seed.
     """
@@ -52,6 +54,8 @@ class DemoSettings:
     top_layers: int = 6
     lr: float = 1e-3
     lam_lr: float = 5e-2
+    bome_barrier: str = "gradient"
+    bome_eta: float = 1.0
     out: str = "llm-calib-demo"
     seed: int = 0
     timings: dict[str, float] = field(default_factory=dict)
@@ -117,6 +121,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     config = CalibrationConfig(
         method="calm", steps=settings.steps, batch_size=settings.batch_size, heldout_batch_size=settings.batch_size,
         lr=settings.lr, lam_lr=settings.lam_lr, eval_every=5, seed=settings.seed, inner_lr=0.1,
+        bome_barrier=settings.bome_barrier, bome_eta=settings.bome_eta,
         lora=LoraSettings(rank=8, layers=tuple(range(n_layers - settings.top_layers, n_layers))),
     )
     t = time.perf_counter()

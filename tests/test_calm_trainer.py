@@ -108,6 +108,9 @@ def test_save_and_load_round_trip(tmp_path, data):
     model, tok = _model()
     result = calibrate(model, tok, train, heldout, _cfg(lam_lr=0.1), progress=False)
     assert result.lam["b"].abs().max() > 0  # λ moved, so its round trip means something
+    base_norm = _model()[0].model.norm.weight
+    trained_norm = result.model.get_base_model().model.norm.modules_to_save["default"].weight
+    assert not torch.allclose(trained_norm, base_norm)  # the output scale moved too
     out = result.save(tmp_path / "calm")
     assert {p.name for p in out.iterdir()} >= {"adapter", "lambda.safetensors", "config.json", "history.json", "metrics.json"}
 
@@ -275,6 +278,8 @@ def test_accuracy_guard_stops_and_returns_the_initial_parameters(data):
         ({"method": "sft"}, "method"),
         ({"solver": "adam"}, "solver"),
         ({"bome_barrier": "hinge"}, "bome_barrier"),
+        ({"output_scale": "yes"}, "output_scale"),
+        ({"output_scale_lr": 0.0}, "output_scale_lr"),
         ({"guard_accuracy": 1.5}, "guard_accuracy"),
         ({"label_smoothing": 1.0}, "label_smoothing"),
         ({"checkpoint_every": -1}, "checkpoint_every"),

@@ -169,11 +169,40 @@ def test_update_is_pure(opt: InnerOptimizer) -> None:
         (lambda: hg.inner.Adam(lr=0.1, betas=0.9), "betas"),
         (lambda: hg.inner.Adam(lr=0.1, eps=-1e-8), "eps"),
         (lambda: hg.inner.Adam(lr=0.1, eps_root=-1.0), "eps_root"),
+        (lambda: hg.inner.Adam(lr=0.1, leaf_lr={"x": 0.0}), r"leaf_lr['x']"),
+        (lambda: hg.inner.SGD(lr=0.1, leaf_lr={"x": math.inf}), r"leaf_lr['x']"),
+        (lambda: hg.inner.Momentum(lr=0.1, leaf_lr={"x": -1.0}), r"leaf_lr['x']"),
     ],
 )
 def test_invalid_arguments_raise_value_error(make, name: str) -> None:
     with pytest.raises(ValueError, match=name.replace("[", r"\[").replace("]", r"\]")):
         make()
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        (lambda lr, leaf: hg.inner.SGD(lr=lr, leaf_lr=leaf), lambda groups: torch.optim.SGD(groups)),
+        (
+            lambda lr, leaf: hg.inner.Momentum(lr=lr, beta=0.8, nesterov=True, leaf_lr=leaf),
+            lambda groups: torch.optim.SGD(groups, momentum=0.8, nesterov=True),
+        ),
+        (lambda lr, leaf: hg.inner.Adam(lr=lr, leaf_lr=leaf), lambda groups: torch.optim.Adam(groups)),
+    ],
+    ids=["sgd", "momentum", "adam"],
+)
+def test_leaf_lr_matches_torch_parameter_groups(ours, theirs) -> None:
+    """``leaf_lr`` is torch.optim's per-parameter-group learning rate, leaf by leaf."""
+    w0, loss = _problem(3)
+    got = _ours(ours(0.02, {"m": 0.07}), w0, loss)
+    ref = _torch(lambda p: theirs([{"params": [p[0]], "lr": 0.02}, {"params": [p[1]], "lr": 0.07}]), w0, loss)
+    assert _max_diff(got, ref) < 1e-10
+    assert _max_diff(got, _ours(ours(0.02, {}), w0, loss)) > 1e-3  # the override takes effect
+
+
+def test_leaf_lr_must_be_a_mapping_of_names() -> None:
+    with pytest.raises(TypeError, match="leaf_lr"):
+        hg.inner.Adam(lr=0.1, leaf_lr=[("x", 0.1)])
 
 
 def test_nesterov_must_be_bool() -> None:

@@ -19,7 +19,7 @@ SOLVERS = ("bome", "f2sa")
 
 _FLOAT_FIELDS = (
     "lr", "lam_lr", "inner_lr", "bome_eta", "f2sa_sigma", "label_smoothing", "penalty_beta",
-    "max_log_scale", "max_bias", "guard_accuracy",
+    "max_log_scale", "max_bias", "guard_accuracy", "output_scale_lr",
 )
 
 
@@ -92,6 +92,11 @@ class CalibrationConfig:
         normalize: option scores summed (``"sum"``) or length-normalised (``"mean"``) (multiple
             choice; open-ended losses average over the answer's tokens).
         lora: adapter settings.
+        output_scale: also train the scale of the logits, as one scalar multiplying the final
+            norm's weight (saved with the adapter; no inference overhead). The final RMSNorm fixes
+            the scale of the hidden state the LM head projects, so without it LoRA can raise the
+            entropy only by changing which answers the model prefers, which costs accuracy.
+        output_scale_lr: learning rate of that log-scale (Adam).
         steps: outer steps (one batch each).
         batch_size: training questions per step (inner batch).
         heldout_batch_size: held-out inputs per step (outer batch; labels unused).
@@ -128,6 +133,8 @@ class CalibrationConfig:
     scorer: str = "option_likelihood"
     normalize: str = "sum"
     lora: LoraSettings = field(default_factory=LoraSettings)
+    output_scale: bool = True
+    output_scale_lr: float = 3e-2
     steps: int = 60
     batch_size: int = 8
     heldout_batch_size: int = 8
@@ -184,7 +191,9 @@ class CalibrationConfig:
         for name in ("steps", "batch_size", "heldout_batch_size", "inner_steps", "eval_every", "guard_patience"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("lr", "lam_lr", "inner_lr", "bome_eta", "f2sa_sigma", "max_log_scale"):
+        if not isinstance(self.output_scale, bool):
+            raise ValueError(f"output_scale must be true or false, got {self.output_scale!r}")
+        for name in ("lr", "lam_lr", "inner_lr", "bome_eta", "f2sa_sigma", "max_log_scale", "output_scale_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.label_smoothing < 1.0:

@@ -12,18 +12,40 @@ from llm_calib.calm.config import LoraSettings
 from llm_calib.models import lm_head_logits, split_decoder_head
 from llm_calib.scoring.packing import PackedQuestions
 
-__all__ = ["FunctionalLM", "attach_lora"]
+__all__ = ["OUTPUT_LOG_SCALE", "FunctionalLM", "attach_lora"]
+
+OUTPUT_LOG_SCALE = "output_log_scale"
+"""Name of the θ leaf holding the log of the final norm's scale (see ``output_scale``)."""
 
 
-def attach_lora(model: Any, settings: LoraSettings) -> Any:
+def _final_norm_name(model: Any) -> str:
+    decoder, _ = split_decoder_head(model)
+    norm = getattr(decoder, "norm", None)
+    for name, module in model.named_modules():
+        if norm is not None and module is norm:
+            return name
+    raise ValueError(
+        f"output_scale needs a decoder with a final norm module `norm`; {type(model).__name__} has none "
+        "(set output_scale=False)"
+    )
+
+
+def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) -> Any:
     """Wrap ``model`` with fresh LoRA adapters; the base weights are frozen.
 
     LoRA's ``B`` matrices start at zero, so the adapted model initially computes exactly what the
     base model does.
 
+    With ``output_scale`` the decoder's final norm also gets an adapter-owned copy (peft
+    ``modules_to_save``, so ``save_pretrained`` stores it) whose weight :class:`FunctionalLM`
+    trains as one scalar, ``base weight * exp(θ["output_log_scale"])``: the scale of every logit,
+    an in-model temperature that costs nothing at inference. LoRA in the layers below cannot
+    provide it, because the final RMSNorm fixes the scale of the hidden state it projects.
+
     Args:
         model: a Hugging Face causal LM.
         settings: rank, alpha, dropout, target modules and layers.
+        output_scale: also make the final norm's scale trainable (see above).
 
     Returns:
         The :class:`peft.PeftModel`.
@@ -37,6 +59,7 @@ def attach_lora(model: Any, settings: LoraSettings) -> Any:
     """
     from peft import LoraConfig, get_peft_model
 
+    modules_to_save = [_final_norm_name(model)] if output_scale else None
     config = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
@@ -45,13 +68,19 @@ def attach_lora(model: Any, settings: LoraSettings) -> Any:
         layers_to_transform=list(settings.layers) if settings.layers is not None else None,
         bias="none",
         task_type="CAUSAL_LM",
+        modules_to_save=modules_to_save,
     )
     peft_model = get_peft_model(model, config)
-    if not any(p.requires_grad for p in peft_model.parameters()):
+    if not any(p.requires_grad for n, p in peft_model.named_parameters() if "lora_" in n):
         raise ValueError(
             f"LoRA target_modules={settings.target_modules} matched no module of "
             f"{type(model).__name__}; check the module names"
         )
+    if output_scale:
+        # The copy is trained through one scalar (FunctionalLM), never coordinate by coordinate.
+        for name, param in peft_model.named_parameters():
+            if ".modules_to_save." in name:
+                param.requires_grad_(False)
     return peft_model
 
 
@@ -61,6 +90,10 @@ class FunctionalLM:
     ``theta`` is a ``dict[str, Tensor]`` keyed by parameter names relative to the decoder (for a
     peft model: the LoRA weights). :meth:`head_logits` runs the decoder with θ substituted through
     :func:`torch.func.functional_call` and applies the output head only at the gathered rows.
+
+    When the final norm has an adapter copy (``attach_lora(..., output_scale=True)``), θ also
+    holds the scalar :data:`OUTPUT_LOG_SCALE`; the copy's weight is the frozen base weight times
+    its exponential.
 
     Args:
         model: a Hugging Face causal LM or a peft wrapper of one.
@@ -72,6 +105,10 @@ class FunctionalLM:
         >>> lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
         >>> all("lora_" in k for k in lm.theta())
         True
+        >>> model, _ = tiny_random_model()
+        >>> lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2), output_scale=True))
+        >>> float(lm.theta()[OUTPUT_LOG_SCALE])
+        0.0
     """
 
     def __init__(self, model: Any, cache_trunk: bool = True) -> None:
@@ -85,6 +122,11 @@ class FunctionalLM:
             p.requires_grad and not n.startswith("layers.") for n, p in self.decoder.named_parameters()
         )
         layered = all(hasattr(self.decoder, a) for a in ("layers", "norm", "rotary_emb"))
+        norm = getattr(self.decoder, "norm", None)
+        self._scaled_norm: str | None = None  # name (relative to the norm) of its adapter copy's weight
+        if norm is not None and hasattr(norm, "original_module") and hasattr(norm, "modules_to_save"):
+            self._scaled_norm = next(n for n, _ in norm.named_parameters() if n.startswith("modules_to_save."))
+            self._norm_base_weight = norm.original_module.weight
         self.trunk_layers = 0
         if cache_trunk and layered and trainable_layers and not has_other_trainable:
             self.trunk_layers = trainable_layers[0]
@@ -112,7 +154,8 @@ class FunctionalLM:
         mask = _four_d_additive(packed, self.dtype).to(device)
         position_embeddings = self.decoder.rotary_emb(hidden, position_ids=pos)
         per_layer: dict[int, dict[str, Tensor]] = {}
-        for name, value in (theta or {}).items():
+        theta, norm_weight = self._split_scale(theta)
+        for name, value in theta.items():
             m = re.match(r"layers\.(\d+)\.(.+)", name)
             if m is None:
                 raise ValueError(f"theta entry {name!r} is not inside a decoder layer")
@@ -126,11 +169,31 @@ class FunctionalLM:
                 hidden = layer(hidden, **kwargs)
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
+        if norm_weight:
+            return torch.func.functional_call(self.decoder.norm, norm_weight, (hidden,), strict=False)
         return self.decoder.norm(hidden)
+
+    def _split_scale(self, theta: dict[str, Tensor] | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """θ without the output log-scale, and the final norm's substituted weight (or ``{}``)."""
+        theta = dict(theta or {})
+        log_scale = theta.pop(OUTPUT_LOG_SCALE, None)
+        if log_scale is None:
+            return theta, {}
+        if self._scaled_norm is None:
+            raise ValueError(f"theta has {OUTPUT_LOG_SCALE!r} but the model's final norm has no adapter copy")
+        return theta, {self._scaled_norm: self._norm_base_weight * torch.exp(log_scale)}
+
+    def _current_log_scale(self) -> Tensor:
+        copy = dict(self.decoder.norm.named_parameters())[self._scaled_norm].detach()
+        base = self._norm_base_weight.detach()
+        # The copy is always base * exp(s) with one scalar s, so the norm ratio recovers s exactly.
+        return torch.log(copy.double().norm() / base.double().norm()).to(base.dtype)
 
     def theta(self) -> dict[str, Tensor]:
         """Detached copies of the trainable parameters (``requires_grad``) of the decoder."""
         out = {n: p.detach().clone() for n, p in self.decoder.named_parameters() if p.requires_grad}
+        if self._scaled_norm is not None:
+            out[OUTPUT_LOG_SCALE] = self._current_log_scale()
         if not out:
             raise ValueError("the model has no trainable decoder parameters (attach LoRA first)")
         head_trainable = [n for n, p in self.head.named_parameters() if p.requires_grad]
@@ -140,10 +203,13 @@ class FunctionalLM:
 
     def load_theta(self, theta: dict[str, Tensor]) -> None:
         """Copy θ into the decoder's parameters in place."""
+        theta, norm_weight = self._split_scale(theta)
         params = dict(self.decoder.named_parameters())
         with torch.no_grad():
             for k, v in theta.items():
                 params[k].copy_(v)
+            for k, v in norm_weight.items():
+                params[f"norm.{k}"].copy_(v)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -176,6 +242,8 @@ class FunctionalLM:
         if theta is None:
             out = self.decoder(**kwargs)
         else:
+            theta, norm_weight = self._split_scale(theta)
+            theta.update({f"norm.{k}": v for k, v in norm_weight.items()})
             out = torch.func.functional_call(self.decoder, theta, (), kwargs, strict=False)
         hidden = out.last_hidden_state
         return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(device)]

@@ -32,7 +32,7 @@ import hypergrad as hg
 from llm_calib import distributed
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.config import CalibrationConfig
-from llm_calib.calm.lora import FunctionalLM, attach_lora
+from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
 from llm_calib.calm.objectives import Batch, CalmLosses
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
@@ -276,8 +276,14 @@ def _flat_to_tree(prefix: str, flat: dict[str, Tensor]) -> dict[str, Any]:
     return out
 
 
+def _theta_optimizer(config: CalibrationConfig) -> hg.inner.Adam:
+    # Adam moves every coordinate by about lr per step: the output log-scale needs its own rate
+    # to travel a useful distance (log 2 for T = 2) within a run's few dozen steps.
+    return hg.inner.Adam(lr=config.lr, leaf_lr={OUTPUT_LOG_SCALE: config.output_scale_lr} if config.output_scale else {})
+
+
 def _make_method(config: CalibrationConfig) -> Any:
-    w_opt = hg.inner.Adam(lr=config.lr)
+    w_opt = _theta_optimizer(config)
     if config.solver == "bome":
         return hg.BOME(
             hg.inner.SGD(lr=config.inner_lr), w_lr=config.lr, inner_steps=config.inner_steps,
@@ -344,7 +350,7 @@ def calibrate(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     torch.manual_seed(config.seed)
-    peft_model = attach_lora(model, config.lora)
+    peft_model = attach_lora(model, config.lora, output_scale=config.output_scale)
     peft_model.eval()  # no dropout randomness unless configured; LoRA dropout is applied in eval too when > 0
     lm = FunctionalLM(peft_model)
     vocab = lm.head.out_features if hasattr(lm.head, "out_features") else lm.base.config.vocab_size
@@ -364,7 +370,7 @@ def calibrate(
     lam = adjustment.init(dtype=torch.float64 if lm.dtype == torch.float64 else torch.float32, device=lm.device)
     lam_params = {k: v.clone().requires_grad_(True) for k, v in lam.items()}
     lam_optimizer = torch.optim.Adam(list(lam_params.values()), lr=config.lam_lr)
-    theta_opt = hg.inner.Adam(lr=config.lr)
+    theta_opt = _theta_optimizer(config)
     theta_opt_state = theta_opt.init(theta)
     method_state: dict[str, Any] | None = None
     stopped_early = False

@@ -1,0 +1,83 @@
+"""LoRA attachment and the functional view: the output scale is an exact in-model temperature."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
+from llm_calib.calm.trainer import encode_batch_source
+from llm_calib.data import builtin_multiple_choice
+from llm_calib.models import tiny_random_model
+
+
+@pytest.fixture(scope="module")
+def scaled():
+    torch.manual_seed(0)
+    model, tok = tiny_random_model(num_layers=3)
+    model = model.double()
+    lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2, layers=(1, 2)), output_scale=True))
+    theta = {k: (0.05 * torch.randn_like(v) if "lora_" in k else v) for k, v in lm.theta().items()}
+    enc = encode_batch_source(tok, builtin_multiple_choice(n_per_domain=2), CalibrationConfig())
+    return lm, theta, enc
+
+
+def test_only_lora_and_the_final_norm_copy_are_added(scaled):
+    lm, theta, _ = scaled
+    names = [n for n, _ in lm.model.named_parameters() if "modules_to_save" in n]
+    assert names == ["base_model.model.model.norm.modules_to_save.default.weight"]  # not the layer norms
+    assert set(theta) == {OUTPUT_LOG_SCALE} | {k for k in theta if "lora_" in k}
+    assert theta[OUTPUT_LOG_SCALE].shape == () and float(theta[OUTPUT_LOG_SCALE]) == 0.0
+    assert lm.caches_trunk  # the scale sits above the top layers: the bottom is still cached
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["trunk-cached", "full-forward"])
+def test_output_log_scale_multiplies_every_logit(scaled, cached):
+    lm, theta, enc = scaled
+    batch = enc.batch(range(4), 0, lm if cached else None)
+    plain = lm.head_logits(theta, batch.packed, batch.trunk)
+    doubled = lm.head_logits({**theta, OUTPUT_LOG_SCALE: torch.tensor(math.log(2.0), dtype=torch.float64)},
+                             batch.packed, batch.trunk)
+    torch.testing.assert_close(doubled, 2.0 * plain, atol=1e-10, rtol=1e-10)
+
+
+def test_loaded_scale_is_what_the_deployed_model_computes(scaled):
+    lm, theta, enc = scaled
+    batch = enc.batch(range(4), 0, None)
+    theta = {**theta, OUTPUT_LOG_SCALE: torch.tensor(-0.4, dtype=torch.float64)}
+    functional = lm.head_logits(theta, batch.packed)
+    lm.load_theta(theta)
+    try:
+        deployed = lm.head_logits(None, batch.packed)  # the peft model's own modules
+        torch.testing.assert_close(deployed, functional, atol=1e-10, rtol=1e-10)
+        assert float(lm.theta()[OUTPUT_LOG_SCALE]) == pytest.approx(-0.4, abs=1e-12)  # recovered from the weights
+    finally:
+        lm.load_theta({k: torch.zeros_like(v) if k == OUTPUT_LOG_SCALE else v for k, v in theta.items()})
+
+
+def test_gradient_of_the_log_scale_matches_finite_differences(scaled):
+    lm, theta, enc = scaled
+    batch = enc.batch(range(4), 0, lm)
+
+    def loss(s: torch.Tensor) -> torch.Tensor:
+        logits = lm.head_logits({**theta, OUTPUT_LOG_SCALE: s}, batch.packed, batch.trunk)
+        return torch.logsumexp(logits, -1).mean()
+
+    s = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(loss(s), s)
+    eps = 1e-5
+    with torch.no_grad():
+        fd = (loss(s + eps) - loss(s - eps)) / (2 * eps)
+    assert float(grad) == pytest.approx(float(fd), rel=1e-6)
+    assert abs(float(grad)) > 1e-3
+
+
+def test_without_output_scale_theta_is_lora_only():
+    model, _ = tiny_random_model()
+    lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
+    assert all("lora_" in k for k in lm.theta())
+    with pytest.raises(ValueError, match=OUTPUT_LOG_SCALE):
+        lm.load_theta({OUTPUT_LOG_SCALE: torch.zeros(())})
