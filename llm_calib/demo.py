@@ -46,16 +46,16 @@ class DemoSettings:
     model: str = "smollm2-135m-instruct"
     in_domain: tuple[str, ...] = IN_DOMAIN
     out_of_domain: tuple[str, ...] = OUT_OF_DOMAIN
-    n_per_domain: int = 56
+    n_per_domain: int = 80
     n_train: int = 24
-    n_heldout: int = 16
+    n_heldout: int = 24
     steps: int = 40
     batch_size: int = 8
     top_layers: int = 6
     lr: float = 1e-3
     lam_lr: float = 5e-2
-    bome_barrier: str = "gradient"
-    bome_eta: float = 1.0
+    bome_barrier: str = "value"
+    bome_eta: float = 0.5
     out: str = "llm-calib-demo"
     seed: int = 0
     timings: dict[str, float] = field(default_factory=dict)

@@ -3,21 +3,112 @@
 Used by the tests (the batched scorer must agree to 1e-5) and as the baseline of the speed
 comparison. It runs the model's own forward on ``prompt + option`` with no padding, no custom
 masks and the full output head, so its correctness is easy to check by reading.
+
+:func:`option_scores_naive` is the differentiable counterpart used for training references: the
+same one-sequence-per-option computation with trainable parameters substituted through
+:func:`torch.func.functional_call`, returning option scores shaped like
+:func:`llm_calib.scoring.packing.option_scores_from_logits`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+from torch import Tensor
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.prompts import PromptFormat, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, check_records, progress_bar
-from llm_calib.scoring.option_likelihood import NORMALIZE_MODES, encode_questions
+from llm_calib.scoring.option_likelihood import NORMALIZE_MODES, EncodedQuestion, encode_questions
 
-__all__ = ["score_option_likelihood_naive"]
+__all__ = ["option_scores_naive", "score_option_likelihood_naive"]
+
+# One question for option_scores_naive: an encoded question or (prompt_ids, [option_ids, ...]).
+_Item = EncodedQuestion | tuple[Sequence[int], Sequence[Sequence[int]]]
+
+
+def option_scores_naive(
+    model: Any,
+    items: Sequence[_Item],
+    theta: Mapping[str, Tensor] | None = None,
+    *,
+    normalize: Literal["sum", "mean"] = "sum",
+    logits_transform: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """Differentiable option scores, one full forward pass per option (reference; slow).
+
+    For every option the sequence ``prompt + option`` alone (batch of one, no padding, no custom
+    mask) goes through the whole model, with ``theta`` substituted for the model's parameters of
+    the same names through :func:`torch.func.functional_call`; the output head runs at every
+    position (the model's own forward), the logits predicting the option's tokens are sliced out,
+    optionally transformed (e.g. a logit adjustment), and the option's token log-probabilities are
+    summed or averaged. Gradients flow to ``theta`` and to whatever ``logits_transform`` closes
+    over. The result is laid out as :func:`llm_calib.scoring.packing.option_scores_from_logits`
+    lays out the packed scorer's, so the two can be compared entry by entry.
+
+    Args:
+        model: a Hugging Face causal LM (or a peft wrapper of one).
+        items: per question, an :class:`~llm_calib.scoring.option_likelihood.EncodedQuestion` or
+            ``(prompt_ids, [option_ids, ...])``.
+        theta: parameters to substitute, keyed by names relative to ``model`` (as in
+            ``model.named_parameters()``); None runs the model's own parameters.
+        normalize: ``"sum"`` or ``"mean"`` of each option's token log-probabilities.
+        logits_transform: applied to the ``(n_tokens, V)`` logits of each option before the
+            log-softmax (e.g. ``lambda z: adjustment.apply(z, lam)``).
+
+    Returns:
+        ``(B, K_max)`` option scores in the logits' float precision (float32 for half-precision
+        models), ``-inf`` where a question has fewer options.
+
+    Raises:
+        ValueError: an unknown ``normalize``, no questions, an empty prompt or an empty option.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, _ = tiny_random_model()
+        >>> theta = {k: v.detach().clone().requires_grad_(True)
+        ...          for k, v in model.named_parameters() if k.endswith("q_proj.weight")}
+        >>> s = option_scores_naive(model, [((5, 6, 7), ((8, 9), (10,)))], theta)
+        >>> s.shape, s.requires_grad
+        (torch.Size([1, 2]), True)
+    """
+    if normalize not in NORMALIZE_MODES:
+        raise ValueError(f"normalize must be one of {NORMALIZE_MODES}, got {normalize!r}")
+    if not items:
+        raise ValueError("option_scores_naive needs at least one question")
+    device = next(model.parameters()).device
+    params = dict(theta) if theta is not None else None
+    per_question: list[Tensor] = []
+    for q, item in enumerate(items):
+        prompt, options = (item.prompt, item.options) if isinstance(item, EncodedQuestion) else item
+        p = len(prompt)
+        if p == 0:
+            raise ValueError(f"question {q}: empty prompt")
+        scores = []
+        for k, opt in enumerate(options):
+            n = len(opt)
+            if n == 0:
+                raise ValueError(f"question {q}, option {k}: no tokens")
+            kwargs = {"input_ids": torch.tensor([[*prompt, *opt]], device=device), "use_cache": False}
+            if params is None:
+                out = model(**kwargs)
+            else:
+                out = torch.func.functional_call(model, params, (), kwargs, strict=False)
+            logits = out.logits[0, p - 1 : p - 1 + n]
+            if logits.dtype in (torch.float16, torch.bfloat16):
+                logits = logits.float()
+            if logits_transform is not None:
+                logits = logits_transform(logits)
+            logp = torch.log_softmax(logits, dim=-1)
+            tok_lp = logp[torch.arange(n, device=device), torch.tensor(list(opt), device=device)]
+            scores.append(tok_lp.sum() if normalize == "sum" else tok_lp.mean())
+        per_question.append(torch.stack(scores))
+    width = max(s.shape[0] for s in per_question)
+    return torch.stack(
+        [torch.nn.functional.pad(s, (0, width - s.shape[0]), value=float("-inf")) for s in per_question]
+    )
 
 
 def score_option_likelihood_naive(
