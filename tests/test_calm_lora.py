@@ -81,3 +81,13 @@ def test_without_output_scale_theta_is_lora_only():
     assert all("lora_" in k for k in lm.theta())
     with pytest.raises(ValueError, match=OUTPUT_LOG_SCALE):
         lm.load_theta({OUTPUT_LOG_SCALE: torch.zeros(())})
+
+
+def test_trunk_of_the_bottom_layers_alone_equals_the_full_forward(scaled):
+    lm, _, enc = scaled
+    packed = enc.batch(range(6), 0, None).packed
+    assert type(lm.decoder).__name__ == "LlamaModel"  # the bottom-layers-only path is the one tested
+    with torch.no_grad():
+        full = lm.decoder(input_ids=packed.input_ids, attention_mask=packed.additive_mask(lm.dtype),
+                          position_ids=packed.position_ids, use_cache=False, output_hidden_states=True)
+    torch.testing.assert_close(lm.trunk_hidden(packed), full.hidden_states[lm.trunk_layers], atol=1e-12, rtol=0)

@@ -44,6 +44,18 @@ def test_cross_entropy_and_entropy_by_hand():
     assert smoothed[0].item() == pytest.approx(expected, abs=1e-12)
 
 
+def test_entropy_gradient_is_finite_with_padded_options():
+    """Batches mix 3-, 4- and 5-option questions (ARC): padded options must not poison the gradient."""
+    scores = torch.tensor([[0.5, 0.1, float("-inf")], [0.2, 0.3, 0.4]], dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(entropy(scores).sum(), scores)
+    assert torch.isfinite(grad).all()
+    assert grad[0, 2] == 0.0
+    # the unpadded part equals the gradient of the 2-option entropy alone
+    two = scores.detach()[0, :2].clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(entropy(two[None]).sum(), two)
+    torch.testing.assert_close(grad[0, :2], expected, atol=1e-12, rtol=0)
+
+
 def test_adjusted_option_scores_match_a_hand_computation(setup):
     lm, theta, adjustment, losses, enc, _qs = setup
     batch = enc.batch([0], 0, None)

@@ -15,6 +15,10 @@ from llm_calib.scoring.packing import PackedQuestions
 __all__ = ["OUTPUT_LOG_SCALE", "FunctionalLM", "attach_lora"]
 
 OUTPUT_LOG_SCALE = "output_log_scale"
+
+# Decoders whose forward is exactly: token embedding, then the layers (no embedding scale or
+# extra inputs), so the cached trunk can run the bottom layers alone.
+_EMBED_THEN_LAYERS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
 """Name of the θ leaf holding the log of the final norm's scale (see ``output_scale``)."""
 
 
@@ -139,20 +143,39 @@ class FunctionalLM:
     def trunk_hidden(self, packed: PackedQuestions) -> Tensor:
         """Hidden states entering the first trainable layer, ``(B, L, hidden)`` (no grad)."""
         device = self.device
-        mask = packed.additive_mask(self.dtype) if packed.attention_mask.dim() == 4 else packed.attention_mask
         with torch.inference_mode():
+            if type(self.decoder).__name__ in _EMBED_THEN_LAYERS:
+                # Only the bottom layers: the full forward would also run the top ones and keep
+                # every layer's states (about a quarter more time for the default top 6 of 30).
+                hidden = self.decoder.embed_tokens(packed.input_ids.to(device))
+                return self._run_layers(hidden, packed, range(self.trunk_layers)).clone()
+            mask = packed.additive_mask(self.dtype) if packed.attention_mask.dim() == 4 else packed.attention_mask
             out = self.decoder(
                 input_ids=packed.input_ids.to(device), attention_mask=mask.to(device),
                 position_ids=packed.position_ids.to(device), use_cache=False, output_hidden_states=True,
             )
         return out.hidden_states[self.trunk_layers].clone()
 
-    def _top_layers(self, theta: dict[str, Tensor] | None, packed: PackedQuestions, trunk: Tensor) -> Tensor:
+    def _run_layers(
+        self, hidden: Tensor, packed: PackedQuestions, indices: range, per_layer: dict[int, dict[str, Tensor]] | None = None
+    ) -> Tensor:
+        """Run decoder layers ``indices`` on ``hidden``, with θ substituted in the layers of ``per_layer``."""
         device = self.device
         pos = packed.position_ids.to(device)
-        hidden = trunk.to(device)
         mask = _four_d_additive(packed, self.dtype).to(device)
-        position_embeddings = self.decoder.rotary_emb(hidden, position_ids=pos)
+        kwargs = {"attention_mask": mask, "position_ids": pos,
+                  "position_embeddings": self.decoder.rotary_emb(hidden, position_ids=pos)}
+        for index in indices:
+            layer = self.decoder.layers[index]
+            if per_layer and index in per_layer:
+                hidden = torch.func.functional_call(layer, per_layer[index], (hidden,), kwargs, strict=False)
+            else:
+                hidden = layer(hidden, **kwargs)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        return hidden
+
+    def _top_layers(self, theta: dict[str, Tensor] | None, packed: PackedQuestions, trunk: Tensor) -> Tensor:
         per_layer: dict[int, dict[str, Tensor]] = {}
         theta, norm_weight = self._split_scale(theta)
         for name, value in theta.items():
@@ -160,15 +183,7 @@ class FunctionalLM:
             if m is None:
                 raise ValueError(f"theta entry {name!r} is not inside a decoder layer")
             per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = value
-        for index in range(self.trunk_layers, len(self.decoder.layers)):
-            layer = self.decoder.layers[index]
-            kwargs = {"attention_mask": mask, "position_ids": pos, "position_embeddings": position_embeddings}
-            if index in per_layer:
-                hidden = torch.func.functional_call(layer, per_layer[index], (hidden,), kwargs, strict=False)
-            else:
-                hidden = layer(hidden, **kwargs)
-            if isinstance(hidden, tuple):
-                hidden = hidden[0]
+        hidden = self._run_layers(trunk.to(self.device), packed, range(self.trunk_layers, len(self.decoder.layers)), per_layer)
         if norm_weight:
             return torch.func.functional_call(self.decoder.norm, norm_weight, (hidden,), strict=False)
         return self.decoder.norm(hidden)

@@ -99,7 +99,9 @@ def entropy(scores: Tensor) -> Tensor:
     """
     logp = _masked_log_softmax(scores)
     p = logp.exp()
-    return -torch.where(p > 0, p * logp, torch.zeros_like(logp)).sum(-1)
+    # Mask log p, not the product: with p = 0, log p = -inf, and p * log p is NaN in the backward
+    # pass even inside the branch torch.where does not take (padded options of mixed-size batches).
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
 
 
 class CalmLosses:
