@@ -51,6 +51,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
+from _memory import malloc_trim as _malloc_trim
+from _memory import proc_status as _proc_status
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -768,19 +772,8 @@ def time_interleaved(runners: list[Runner], sizes: Sizes, log: Callable[[str], N
 # ------------------------------------------------------------------------------- memory
 
 
-def _proc_status() -> dict[str, int]:
-    text = Path("/proc/self/status").read_text()
-    return {k: int(re.search(rf"{k}:\s+(\d+)", text).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}
 
 
-def _malloc_trim() -> None:
-    """Return the C heap's free pages to the OS, so that the baseline RSS is live memory only."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _dry_run() -> None:
