@@ -82,8 +82,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
-from _memory import malloc_trim as _malloc_trim
-from _memory import proc_status as _proc_status
+from _memory import Phase as MeasuredPhase
+from _memory import malloc_trim
 from torch import Tensor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -347,39 +347,12 @@ def open_task(data_dir: Path | None, sizes: Sizes) -> Task:
 
 
 
-class Phase:
-    """Wall time and peak RSS of one phase (peak from ``VmHWM`` after resetting it at the start)."""
-
-    def __enter__(self) -> Phase:
-        gc.collect()
-        _malloc_trim()
-        self.how = "VmHWM reset at phase start"
-        try:
-            self.start_rss = _proc_status()["VmRSS"]
-            Path("/proc/self/clear_refs").write_text("5")
-        except (OSError, AttributeError):
-            import resource
-
-            self.how = "ru_maxrss (lifetime peak; no /proc reset available)"
-            self.start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.seconds = time.perf_counter() - self.t0
-        try:
-            peak = _proc_status()["VmHWM"] if self.how.startswith("VmHWM") else None
-        except OSError:
-            peak = None
-        if peak is None:
-            import resource
-
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        self.peak_mb = peak / MB
-        self.over_mb = max(0, peak - self.start_rss) / MB
+class Phase(MeasuredPhase):
+    """Wall time and peak RSS of one phase, as a result-file record."""
 
     def record(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "peak_rss_mb": self.peak_mb, "peak_over_start_mb": self.over_mb, "how": self.how}
+        return {"seconds": self.seconds, "peak_rss_mb": self.peak / MB, "peak_over_start_mb": self.over / MB,
+                "how": self.how}
 
 
 # ----------------------------------------------------------------- shared encodings (training)
@@ -949,7 +922,7 @@ def _training_record(result: Any) -> dict[str, Any]:
 
 def _free() -> None:
     gc.collect()
-    _malloc_trim()
+    malloc_trim()
 
 
 # ------------------------------------------------------------------------- the MC task

@@ -53,8 +53,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
-from _memory import malloc_trim as _malloc_trim
-from _memory import proc_status as _proc_status
+from _memory import Phase
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -799,26 +798,9 @@ def _measure_one(config: dict[str, Any]) -> dict[str, Any]:
     lean = runner.family in ("unrolled-forward", "unrolled-checkpoint", "unrolled-truncated")
     (runner.fn if lean or runner.warm is None else runner.warm)()
     t_warm_end = time.perf_counter()
-    gc.collect()
-    _malloc_trim()
-    try:
-        before = _proc_status()["VmRSS"]
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        t0 = time.perf_counter()
+    with Phase() as phase:
         runner.fn()
-        seconds = time.perf_counter() - t0
-        peak = _proc_status()["VmHWM"]
-        how = "VmHWM after reset"
-    except OSError:  # no /proc: fall back to the lifetime peak (less precise)
-        import resource
-
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        t0 = time.perf_counter()
-        runner.fn()
-        seconds = time.perf_counter() - t0
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        how = "ru_maxrss"
-    return {"peak_mb": max(0, peak - before) / MB, "seconds": seconds, "how": how,
+    return {"peak_mb": phase.over / MB, "seconds": phase.seconds, "how": phase.how,
             "build_s": t_warm - t_build, "warm_s": t_warm_end - t_warm}
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as _dt
-import gc
 import inspect
 import json
 import math
@@ -58,8 +57,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
-from _memory import malloc_trim as _malloc_trim
-from _memory import proc_status as _proc_status
+from _memory import Phase
 from torch import Tensor
 
 import hypergrad as hg
@@ -808,26 +806,11 @@ def measure_one(config: dict[str, Any]) -> dict[str, Any]:
             return tr.bome_step() if what == "bome" else tr.ce_step()
         warm = fn
     warm()
-    gc.collect()
-    _malloc_trim()
-    try:
-        before = _proc_status()["VmRSS"]
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        t0 = time.perf_counter()
+    with Phase() as phase:
         fn()
-        seconds = time.perf_counter() - t0
-        peak = _proc_status()["VmHWM"]
-        how = "VmHWM after reset"
-    except OSError:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        t0 = time.perf_counter()
-        fn()
-        seconds = time.perf_counter() - t0
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        how = "ru_maxrss (lifetime)"
     lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"peak_mb": max(0, peak - before) / MB, "peak_abs_mb": peak / MB, "baseline_mb": before / MB,
-            "lifetime_mb": lifetime / MB, "seconds": seconds, "how": how}
+    return {"peak_mb": phase.over / MB, "peak_abs_mb": phase.peak / MB, "baseline_mb": phase.start / MB,
+            "lifetime_mb": lifetime / MB, "seconds": phase.seconds, "how": phase.how}
 
 
 def measure_memory(s: Settings, model_kind: str, data_dir: Path | None, threads: int,
