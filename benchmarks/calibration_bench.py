@@ -920,6 +920,25 @@ def _training_record(result: Any) -> dict[str, Any]:
             "timings": result.timings, "history": result.history}
 
 
+def _write_trained_run(ctx: Ctx, task: Task, method: str, seed: int, cfg: Any, result: Any, sets: dict[str, Any],
+                       questions: dict[str, Any], train_phase: Phase, eval_phase: Phase) -> None:
+    """Write one trained (method, seed) result file atomically, account its time, log it."""
+    kind = task.name
+    record = {
+        "task": kind, "method": method, "seed": seed, "fingerprint": ctx.fingerprint(task, method, cfg),
+        "config": cfg.to_dict(), "sets": sets, "questions": questions, "training": _training_record(result),
+        "timing": {"train_s": train_phase.seconds, "eval_s": eval_phase.seconds},
+        "memory": {"train": train_phase.record(), "eval": eval_phase.record()},
+        "process": {"workers": ctx.workers, "threads": torch.get_num_threads()},
+        "finished": _dt.datetime.now().isoformat(timespec="seconds"),
+    }
+    write_json_atomic(result_path(ctx.runs, kind, method, seed), record)
+    ctx.timings[f"{kind} train"] = ctx.timings.get(f"{kind} train", 0.0) + train_phase.seconds
+    ctx.timings[f"{kind} eval trained"] = ctx.timings.get(f"{kind} eval trained", 0.0) + eval_phase.seconds
+    ctx.log(f"[{kind}] {method} seed {seed}: written (train {train_phase.seconds:.0f}s, eval {eval_phase.seconds:.0f}s, "
+            f"OOD mean ECE {np.mean([sets[n]['ece'] for n in task.ood]):.3f})")
+
+
 def _free() -> None:
     gc.collect()
     malloc_trim()
@@ -1033,19 +1052,7 @@ class MCRunner:
             labels = [r.gold for r in recs]
             sets[name] = mc_metrics(scores[name], labels, ctx.sizes.bootstrap)
             questions[name] = _mc_questions(scores[name], labels)
-        record = {
-            "task": "mc", "method": method, "seed": seed, "fingerprint": ctx.fingerprint(self.task, method, cfg),
-            "config": cfg.to_dict(), "sets": sets, "questions": questions, "training": _training_record(result),
-            "timing": {"train_s": train_phase.seconds, "eval_s": eval_phase.seconds},
-            "memory": {"train": train_phase.record(), "eval": eval_phase.record()},
-            "process": {"workers": ctx.workers, "threads": torch.get_num_threads()},
-            "finished": _dt.datetime.now().isoformat(timespec="seconds"),
-        }
-        write_json_atomic(result_path(ctx.runs, "mc", method, seed), record)
-        ctx.timings["mc train"] = ctx.timings.get("mc train", 0.0) + train_phase.seconds
-        ctx.timings["mc eval trained"] = ctx.timings.get("mc eval trained", 0.0) + eval_phase.seconds
-        ctx.log(f"[mc] {method} seed {seed}: written (train {train_phase.seconds:.0f}s, eval {eval_phase.seconds:.0f}s, "
-                f"OOD mean ECE {np.mean([sets[n]['ece'] for n in self.task.ood]):.3f})")
+        _write_trained_run(ctx, self.task, method, seed, cfg, result, sets, questions, train_phase, eval_phase)
         del result, lm
         _free()
 
@@ -1151,19 +1158,7 @@ class OpenRunner:
             outs = self.gen.trained(result.model, bar)
         bar.close()
         sets, questions = self._sets(outs)
-        record = {
-            "task": "open", "method": method, "seed": seed, "fingerprint": ctx.fingerprint(self.task, method, cfg),
-            "config": cfg.to_dict(), "sets": sets, "questions": questions, "training": _training_record(result),
-            "timing": {"train_s": train_phase.seconds, "eval_s": eval_phase.seconds},
-            "memory": {"train": train_phase.record(), "eval": eval_phase.record()},
-            "process": {"workers": ctx.workers, "threads": torch.get_num_threads()},
-            "finished": _dt.datetime.now().isoformat(timespec="seconds"),
-        }
-        write_json_atomic(result_path(ctx.runs, "open", method, seed), record)
-        ctx.timings["open train"] = ctx.timings.get("open train", 0.0) + train_phase.seconds
-        ctx.timings["open eval trained"] = ctx.timings.get("open eval trained", 0.0) + eval_phase.seconds
-        ctx.log(f"[open] {method} seed {seed}: written (train {train_phase.seconds:.0f}s, eval {eval_phase.seconds:.0f}s, "
-                f"OOD mean ECE {np.mean([sets[n]['ece'] for n in self.task.ood]):.3f})")
+        _write_trained_run(ctx, self.task, method, seed, cfg, result, sets, questions, train_phase, eval_phase)
         del result
         _free()
 
