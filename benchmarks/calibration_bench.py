@@ -1813,7 +1813,12 @@ def _rel(path: Path, base: Path = ROOT) -> str:
 def load_hparams(path: Path | None) -> tuple[dict[str, Any], str]:
     if path is not None and path.is_file():
         data = json.loads(path.read_text())
-        return {k: data.get(k, {}) for k in ("mc", "open")}, f"from the in-domain search `{_rel(path)}`"
+        searched = [k for k in ("mc", "open") if data.get(k)]
+        unsearched = [k for k in ("mc", "open") if not data.get(k)]
+        source = f"from the in-domain search `{_rel(path)}` ({', '.join(searched) or 'no task'})"
+        if unsearched:
+            source += f"; {', '.join(unsearched)}: the built-in defaults (not searched)"
+        return {k: data.get(k, {}) for k in ("mc", "open")}, source
     return {}, "the built-in defaults (the demo's settings; no search result found)"
 
 
