@@ -69,7 +69,7 @@ def main() -> None:
         f"- Command: `python benchmarks/output_scale_probe.py --n {args.n} --log-scales {args.log_scales}`",
         f"- Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s); "
         f"torch {torch.__version__}; date {time.strftime('%Y-%m-%d %H:%M')}; {time.time() - start:.0f} s",
-        f"- Data: the first {len(records)} ARC-Easy dev questions (the calibration benchmark's held-out inputs); "
+        f"- Data: the first {len(records)} ARC-Easy dev questions (the pool the calibration benchmark draws its held-out inputs from); "
         "SmolLM2-135M-Instruct, cloze prompt, softmax over option scores.",
         "",
         "| option score | log-scale s | token temperature | accuracy | mean confidence | conf-ECE |",
