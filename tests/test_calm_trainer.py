@@ -167,6 +167,24 @@ def test_nan_loss_raises_with_step_and_batch_and_keeps_last_good_checkpoint(tmp_
     assert [h["step"] for h in result.history] == list(range(1, 7))
 
 
+def test_resume_refuses_a_checkpoint_of_another_configuration_or_other_data(tmp_path, data):
+    train, heldout = data
+    ckpt = tmp_path / "ckpt"
+    calibrate(*_model(), train, heldout, _cfg(method="lora_ce", steps=2, checkpoint_every=2),
+              checkpoint_dir=ckpt, progress=False)
+    with pytest.raises(ValueError, match=r"configuration differs \(lr: checkpoint 0\.01, now 0\.07\)") as info:
+        calibrate(*_model(), train, heldout, _cfg(method="lora_ce", steps=4, checkpoint_every=2, lr=0.07),
+                  checkpoint_dir=ckpt, resume=True, progress=False)
+    assert str(latest_checkpoint(ckpt)) in str(info.value)
+    with pytest.raises(ValueError, match="trained on other data"):
+        calibrate(*_model(), train[1:], heldout, _cfg(method="lora_ce", steps=4, checkpoint_every=2),
+                  checkpoint_dir=ckpt, resume=True, progress=False)
+    # more steps (and another save interval) is a legitimate continuation
+    result = calibrate(*_model(), train, heldout, _cfg(method="lora_ce", steps=4, checkpoint_every=1),
+                       checkpoint_dir=ckpt, resume=True, progress=False)
+    assert [h["step"] for h in result.history] == [1, 2, 3, 4]
+
+
 def test_overflowing_learning_rate_raises_training_diverged(tmp_path, data):
     train, heldout = data
     model, tok = _model()

@@ -16,6 +16,7 @@ metrics are a cheap teacher-forced proxy of greedy answering (:meth:`CalmLosses.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -317,7 +318,9 @@ def calibrate(
             :meth:`CalmLosses.monitor <llm_calib.calm.objectives.CalmLosses.monitor>`).
         config: the run's configuration (default :class:`CalibrationConfig()`).
         checkpoint_dir: where to write checkpoints every ``config.checkpoint_every`` steps.
-        resume: continue from the newest checkpoint in ``checkpoint_dir`` when there is one.
+        resume: continue from the newest checkpoint in ``checkpoint_dir`` when there is one. The
+            checkpoint must come from the same configuration (``steps`` and
+            ``checkpoint_every`` may differ) and the same records.
         progress: show a tqdm progress bar (loss, entropy, held-out ECE).
 
     Returns:
@@ -325,7 +328,8 @@ def calibrate(
 
     Raises:
         TrainingDiverged: when a loss or update is NaN/inf (names the step and the batch).
-        ValueError: records of both kinds, or of another type (names the record).
+        ValueError: records of both kinds, or of another type (names the record); ``resume``
+            from a checkpoint of another configuration or other data (names the fields).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -383,8 +387,10 @@ def calibrate(
     best_theta = {k: v.clone() for k, v in theta.items()}
     best_lam = {k: v.detach().clone() for k, v in lam_params.items()}
 
+    run_data = _data_fingerprint(train, heldout)
     if resume and checkpoint_dir is not None and (ckpt := latest_checkpoint(checkpoint_dir)) is not None:
         tensors, state = load_checkpoint(ckpt)
+        _check_resumable(ckpt, state, config, run_data)
         tensors = {k: v.to(lm.device) for k, v in tensors.items()}
         theta = _flat_to_tree("theta/", tensors)
         best_theta = _flat_to_tree("best_theta/", tensors)
@@ -459,7 +465,7 @@ def calibrate(
         due = config.checkpoint_every and (done % config.checkpoint_every == 0 or stopped_early)
         if checkpoint_dir is not None and due and distributed.rank() == 0:
             _save(checkpoint_dir, done, theta, best_theta, lam_params, best_lam, theta_opt_state, method_state,
-                  lam_optimizer, history, best, before, stopped_early)
+                  lam_optimizer, history, best, before, stopped_early, run={"config": config.to_dict(), "data": run_data})
         if stopped_early:
             break
     timings["train"] = time.perf_counter() - t_train
@@ -472,8 +478,40 @@ def calibrate(
     return CalibrationResult(peft_model, best_lam, history, {"before": before, "after": after}, config, timings)
 
 
+# Fields a resumed run may change: how long it runs and how often it saves. Any other difference
+# would silently splice two different runs into one trajectory.
+_RESUMABLE_CHANGES = ("steps", "checkpoint_every")
+
+
+def _data_fingerprint(train: Sequence[Any], heldout: Sequence[Any]) -> dict[str, Any]:
+    """Counts and a hash of the record ids and contents, to recognise the data a checkpoint saw."""
+    digest = hashlib.sha256()
+    for part in (train, heldout):
+        for r in part:
+            digest.update(repr(r).encode())
+        digest.update(b"|")
+    return {"train": len(train), "heldout": len(heldout), "sha256": digest.hexdigest()[:16]}
+
+
+def _check_resumable(path: Path, state: dict[str, Any], config: CalibrationConfig, data: dict[str, Any]) -> None:
+    saved = state.get("run")
+    if saved is None:  # checkpoints written before configs were recorded
+        return
+    now = config.to_dict()
+    changed = sorted(k for k in set(now) | set(saved["config"])
+                     if k not in _RESUMABLE_CHANGES and now.get(k) != saved["config"].get(k))
+    if changed:
+        diffs = "; ".join(f"{k}: checkpoint {saved['config'].get(k)!r}, now {now.get(k)!r}" for k in changed)
+        raise ValueError(f"cannot resume from {path}: the configuration differs ({diffs}). Use the checkpoint's "
+                         f"configuration, or another checkpoint_dir to start a new run.")
+    if saved["data"] != data:
+        raise ValueError(f"cannot resume from {path}: it was trained on other data (checkpoint: "
+                         f"{saved['data']['train']} train / {saved['data']['heldout']} held-out records, hash "
+                         f"{saved['data']['sha256']}; now {data['train']} / {data['heldout']}, hash {data['sha256']}).")
+
+
 def _save(directory, step, theta, best_theta, lam_params, best_lam, theta_opt_state, method_state, lam_optimizer,
-          history, best, before, stopped_early=False) -> None:
+          history, best, before, stopped_early=False, run=None) -> None:
     tensors: dict[str, Tensor] = {}
     _tree_to_flat("theta/", theta, tensors)
     _tree_to_flat("best_theta/", best_theta, tensors)
@@ -484,7 +522,7 @@ def _save(directory, step, theta, best_theta, lam_params, best_lam, theta_opt_st
         _tree_to_flat("method/", method_state, tensors)
     state = {
         "step": step, "history": history, "best": best, "before": before, "stopped_early": stopped_early,
-        "lam_optimizer": lam_optimizer.state_dict(), "rng": torch.get_rng_state(),
+        "lam_optimizer": lam_optimizer.state_dict(), "rng": torch.get_rng_state(), "run": run,
     }
     save_checkpoint(directory, step, tensors, state)
 
