@@ -73,6 +73,22 @@ def test_greedy_is_deterministic_and_batch_independent(tiny):
         assert all(0.0 < q <= 1.0 for q in single.token_probs)
 
 
+def test_greedy_projects_only_the_last_position(tiny):
+    model, tok = tiny
+    seen = []
+    hook = model.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append((kwargs.get("logits_to_keep"), out.logits.shape[1])),
+        with_kwargs=True,
+    )
+    try:
+        prompt = tok("What is 2 + 3?")["input_ids"]
+        generate_greedy(model, tok, [prompt], max_new_tokens=3, stop_at_newline=False)
+    finally:
+        hook.remove()
+    assert len(seen) == 3 and len(prompt) > 1
+    assert all(keep == 1 and positions == 1 for keep, positions in seen)
+
+
 class _ScriptedLM(torch.nn.Module):
     """Emits a fixed token script with fixed probabilities, whatever the input."""
 

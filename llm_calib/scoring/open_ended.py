@@ -199,9 +199,13 @@ def generate_greedy(
     probs: list[list[float]] = [[] for _ in range(B)]
     done = [False] * B
     # transformers >= 5.2x renamed ``past_key_values`` to ``cache`` (input and output)
-    cache_kw = (
-        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    )
+    params = inspect.signature(model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    # Only the last position's logits are used: skip the vocabulary projection of the rest of
+    # the prompt (a (B, L, vocab) tensor) where the model supports it.
+    keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+    keep = {keep_kw: 1} if keep_kw else {}
+    has_newline: dict[int, bool] = {}
     past = None
     step_ids = ids
     with torch.inference_mode():
@@ -213,6 +217,7 @@ def generate_greedy(
                 position_ids=pos,
                 use_cache=True,
                 **{cache_kw: past},
+                **keep,
             )
             past = getattr(out, cache_kw)
             p = torch.softmax(out.logits[:, -1].float(), dim=-1)
@@ -222,7 +227,9 @@ def generate_greedy(
                     generated[b].append(int(top[b]))
                     probs[b].append(float(top_p[b]))
                     tok = int(top[b])
-                    if tok in eos or (stop_at_newline and "\n" in tokenizer.decode([tok])):
+                    if stop_at_newline and tok not in has_newline:
+                        has_newline[tok] = "\n" in tokenizer.decode([tok])
+                    if tok in eos or (stop_at_newline and has_newline[tok]):
                         done[b] = True
             if all(done):
                 break
