@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import llm_calib
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM
 from llm_calib.calm.objectives import CalmLosses
 from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
@@ -183,6 +184,23 @@ def test_resume_refuses_a_checkpoint_of_another_configuration_or_other_data(tmp_
     result = calibrate(*_model(), train, heldout, _cfg(method="lora_ce", steps=4, checkpoint_every=1),
                        checkpoint_dir=ckpt, resume=True, progress=False)
     assert [h["step"] for h in result.history] == [1, 2, 3, 4]
+
+
+def test_history_logs_the_output_scale_and_lambda_of_the_selected_step(data):
+    train, heldout = data
+    result = calibrate(*_model(), train, heldout, _cfg(method="calm", steps=4, output_scale_lr=0.2, lam_lr=0.2),
+                       progress=False)
+    evaluated = [h for h in result.history if "heldout_ece" in h]
+    assert len(evaluated) == 4
+    assert len({h[OUTPUT_LOG_SCALE] for h in evaluated}) == 4  # it moves every step
+    chosen = int(result.metrics["after"]["selected_step"])
+    assert chosen > 0, "the test needs a run that keeps a trained step"
+    record = next(h for h in evaluated if h["step"] == chosen)
+    deployed = float(FunctionalLM(result.model).theta()[OUTPUT_LOG_SCALE])
+    assert record[OUTPUT_LOG_SCALE] == pytest.approx(deployed, abs=1e-6)
+    for name, value in result.lam.items():
+        assert record[f"lambda_{name}_absmax"] == pytest.approx(float(value.abs().max()), abs=1e-6)
+        assert record[f"lambda_{name}_mean"] == pytest.approx(float(value.double().mean()), abs=1e-6)
 
 
 def test_overflowing_learning_rate_raises_training_diverged(tmp_path, data):

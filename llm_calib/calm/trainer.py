@@ -448,6 +448,7 @@ def calibrate(
             lm.load_theta(theta)
             metrics = _evaluate(losses, heldout_enc, pad_id)
             record.update({f"heldout_{k}": v for k, v in metrics.items()})
+            record.update(_parameter_summary(theta, lam_params if config.method == "calm" else {}))
             if metrics["accuracy"] + 1e-12 >= config.guard_accuracy * before["accuracy"] and metrics["ece"] < best["ece"]:
                 best = {"ece": metrics["ece"], "step": done, "violations": 0}
                 best_theta = {k: v.clone() for k, v in theta.items()}
@@ -476,6 +477,18 @@ def calibrate(
     after["selected_step"] = float(best["step"])
     after["stopped_early"] = float(stopped_early)
     return CalibrationResult(peft_model, best_lam, history, {"before": before, "after": after}, config, timings)
+
+
+def _parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[str, float]:
+    """The trajectory diagnostics logged at each evaluation: the output log-scale and λ's size."""
+    out = {}
+    if OUTPUT_LOG_SCALE in theta:
+        out[OUTPUT_LOG_SCALE] = float(theta[OUTPUT_LOG_SCALE])
+    for name, value in lam.items():
+        v = value.detach().double()
+        out[f"lambda_{name}_mean"] = float(v.mean())
+        out[f"lambda_{name}_absmax"] = float(v.abs().max())
+    return out
 
 
 # Fields a resumed run may change: how long it runs and how often it saves. Any other difference
