@@ -923,6 +923,19 @@ def _training_record(result: Any) -> dict[str, Any]:
             "timings": result.timings, "history": result.history}
 
 
+def _write_baseline_run(ctx: Ctx, task: Task, method: str, sets: dict[str, Any], questions: dict[str, Any],
+                        phase: Phase, *, temperature: float | None, train_s: float, note: str) -> None:
+    """Write one baseline (uncalibrated or temperature-scaled) result file atomically and log it."""
+    record = {
+        "task": task.name, "method": method, "seed": 0, "fingerprint": ctx.fingerprint(task, method),
+        "sets": sets, "questions": questions, "temperature": temperature,
+        "timing": {"train_s": train_s, "eval_s": phase.seconds}, "memory": {"eval": phase.record()},
+        "note": note, "finished": _dt.datetime.now().isoformat(timespec="seconds"),
+    }
+    write_json_atomic(result_path(ctx.runs, task.name, method, 0), record)
+    ctx.log(f"[{task.name}] {method}: written (OOD mean ECE {np.mean([sets[n]['ece'] for n in task.ood]):.3f})")
+
+
 def _write_trained_run(ctx: Ctx, task: Task, method: str, seed: int, cfg: Any, result: Any, sets: dict[str, Any],
                        questions: dict[str, Any], train_phase: Phase, eval_phase: Phase) -> None:
     """Write one trained (method, seed) result file atomically, account its time, log it."""
@@ -1023,16 +1036,10 @@ class MCRunner:
                 labels = [r.gold for r in recs]
                 sets[name] = mc_metrics(scores, labels, self.ctx.sizes.bootstrap)
                 questions[name] = _mc_questions(scores, labels)
-            record = {
-                "task": "mc", "method": method, "seed": 0, "fingerprint": self.ctx.fingerprint(self.task, method),
-                "sets": sets, "questions": questions, "temperature": temperature if T != 1.0 else None,
-                "timing": {"train_s": fit_s if T != 1.0 else 0.0, "eval_s": phase.seconds},
-                "memory": {"eval": phase.record()},
-                "note": "one full-model pass gives both baselines" + (f"; T fitted on held-out in {fit_s:.2f}s" if T != 1.0 else ""),
-                "finished": _dt.datetime.now().isoformat(timespec="seconds"),
-            }
-            write_json_atomic(result_path(self.ctx.runs, "mc", method, 0), record)
-            self.ctx.log(f"[mc] {method}: written (OOD mean ECE {np.mean([sets[n]['ece'] for n in self.task.ood]):.3f})")
+            _write_baseline_run(self.ctx, self.task, method, sets, questions, phase,
+                                temperature=temperature if T != 1.0 else None, train_s=fit_s if T != 1.0 else 0.0,
+                                note="one full-model pass gives both baselines"
+                                + (f"; T fitted on held-out in {fit_s:.2f}s" if T != 1.0 else ""))
 
     def trained(self, method: str, seed: int) -> None:
         from llm_calib.calm.lora import FunctionalLM
@@ -1141,15 +1148,9 @@ class OpenRunner:
             if method not in pending:
                 continue
             sets, questions = self._sets(self.base_outs, g if method == "temperature_scaling" else None)
-            record = {
-                "task": "open", "method": method, "seed": 0, "fingerprint": self.ctx.fingerprint(self.task, method),
-                "sets": sets, "questions": questions, "temperature": T if method == "temperature_scaling" else None,
-                "timing": {"train_s": 0.0, "eval_s": phase.seconds}, "memory": {"eval": phase.record()},
-                "note": "one greedy pass gives both baselines (answers do not depend on T)",
-                "finished": _dt.datetime.now().isoformat(timespec="seconds"),
-            }
-            write_json_atomic(result_path(self.ctx.runs, "open", method, 0), record)
-            self.ctx.log(f"[open] {method}: written (OOD mean ECE {np.mean([sets[n]['ece'] for n in self.task.ood]):.3f})")
+            _write_baseline_run(self.ctx, self.task, method, sets, questions, phase,
+                                temperature=T if method == "temperature_scaling" else None, train_s=0.0,
+                                note="one greedy pass gives both baselines (answers do not depend on T)")
 
     def trained(self, method: str, seed: int) -> None:
         ctx = self.ctx

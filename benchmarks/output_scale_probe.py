@@ -24,15 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def conf_ece(conf: np.ndarray, correct: np.ndarray, n_bins: int = 10) -> float:
-    """Confidence ECE with equal-width bins (the library's definition)."""
-    from llm_calib.metrics import ece
-
-    return ece(conf, correct, n_bins=n_bins)
-
-
 def main() -> None:
     from llm_calib.data import load
+    from llm_calib.metrics import ece
     from llm_calib.models import load as load_model
     from llm_calib.scoring.option_likelihood import score_option_likelihood
 
@@ -59,7 +53,7 @@ def main() -> None:
             probs = [torch.softmax(x.double(), 0).numpy() for x in scored.logits]
             conf = np.array([q.max() for q in probs])
             correct = np.array([float(q.argmax() == y) for q, y in zip(probs, scored.labels, strict=True)])
-            rows.append((normalize, s, correct.mean(), conf.mean(), conf_ece(conf, correct)))
+            rows.append((normalize, s, correct.mean(), conf.mean(), ece(conf, correct)))
             print(*rows[-1], flush=True)
     with torch.no_grad():
         norm.weight.copy_(w0)

@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _benchmarks import load_benchmark
 
 pytest.importorskip("torchopt")
 pytest.importorskip("higher")
 pytest.importorskip("sklearn")
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "hypergrad_bench.py"
-
-
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("hypergrad_bench", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hypergrad_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("hypergrad_bench")
 
 
 @pytest.fixture(scope="module")

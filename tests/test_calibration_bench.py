@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _benchmarks import load_benchmark
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.lora import FunctionalLM, attach_lora
@@ -23,16 +22,10 @@ from llm_calib.models import tiny_random_model
 from llm_calib.scoring.open_ended import encode_open_prompts, score_open_ended
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "calibration_bench.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("calibration_bench", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["calibration_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("calibration_bench")
 
 
 @pytest.fixture(autouse=True)

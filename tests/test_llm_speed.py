@@ -4,16 +4,14 @@ and the benchmark's tiny mode produces a complete, consistent report."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import inspect
 import json
 import math
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _benchmarks import load_benchmark
 
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
@@ -24,16 +22,10 @@ from llm_calib.data.records import MultipleChoice
 from llm_calib.scoring.naive import option_scores_naive, score_option_likelihood_naive
 from llm_calib.scoring.packing import pack_questions
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "llm_speed.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("llm_speed", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["llm_speed"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("llm_speed")
 
 
 _OUTPUT_SCALE = "output_scale" in inspect.signature(attach_lora).parameters

@@ -387,7 +387,7 @@ def calibrate(
     best_theta = {k: v.clone() for k, v in theta.items()}
     best_lam = {k: v.detach().clone() for k, v in lam_params.items()}
 
-    run_data = _data_fingerprint(train, heldout)
+    run_data = _data_fingerprint(train, heldout) if checkpoint_dir is not None else None
     if resume and checkpoint_dir is not None and (ckpt := latest_checkpoint(checkpoint_dir)) is not None:
         tensors, state = load_checkpoint(ckpt)
         _check_resumable(ckpt, state, config, run_data)
