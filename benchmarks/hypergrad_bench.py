@@ -285,7 +285,7 @@ def _minimize(loss: Callable[[Tree], Tensor], w0: Tree, max_iter: int = 500, tol
 
 def _lipschitz(b: Bench) -> float:
     """Largest Hessian eigenvalue of g at ``b.w`` (power iteration with exact HVPs)."""
-    from hypergrad._autodiff import RootSystem
+    from hypergrad.autodiff import RootSystem
 
     root = RootSystem(b.problem, b.w, b.lam, None)
     system = hg.linear.LinearSystem(matvec=root.rmatvec, rhs=b.w, flat_matvec=root.rmatvec_flat)
@@ -638,7 +638,7 @@ def _grad_unit(b: Bench) -> Runner:
 
 def _hvp_unit(b: Bench) -> Runner:
     """One Hessian-vector product on hypergrad's retained graph (the cost of one CG iteration)."""
-    from hypergrad._autodiff import RootSystem
+    from hypergrad.autodiff import RootSystem
 
     root = RootSystem(b.problem, b.w, b.lam, None)
     gen = torch.Generator().manual_seed(1)
@@ -1275,7 +1275,7 @@ CORE_CHANGES = [
     "dicts of tensors (on a 100-feature ridge problem the pytree bookkeeping cost about as much as "
     "the Hessian-vector product itself); `LinearSystem.flat_matvec` (new, optional) lets `Implicit` "
     "hand the solvers a flat product. `Neumann` and `largest_eigenvalue` use the same path.",
-    "- `hypergrad/_autodiff.py`: `RootSystem.rmatvec_flat` calls the autograd engine entry directly "
+    "- `hypergrad/autodiff.py`: `RootSystem.rmatvec_flat` calls the autograd engine entry directly "
     "for the repeated products on the retained graph (falls back to `torch.autograd.grad`), "
     "skipping its per-call argument normalisation (about 25 of 115 us per product on that problem).",
     "- `hypergrad/inner.py`: SGD and momentum updates are one fused `torch.add(..., alpha=)` per "
@@ -1287,7 +1287,7 @@ CORE_CHANGES = [
     "K-sweep MLP (542 ms vs 90 ms at K = 30); it is now about 1.0-1.3x. New option "
     "`Unrolled(checkpoint=True)`: reverse mode storing only the iterates and rebuilding one step's "
     "graph at a time in the backward sweep (same estimate; memory vs time trade-off above).",
-    "- `hypergrad/_pytree.py`: `tree_flatten_view` (no copy for a single leaf); `tree_unflatten` "
+    "- `hypergrad/tree.py`: `tree_flatten_view` (no copy for a single leaf); `tree_unflatten` "
     "restores each leaf's dtype.",
     "",
 ]

@@ -356,7 +356,7 @@ class Trainer:
         """One plain LoRA (cross-entropy) step: the trainer's baseline loop body."""
         step = self.step_count if step is None else step
         inner = self.inner_batch(step)
-        loss, grad, _ = hg._autodiff.loss_and_grads(
+        loss, grad, _ = hg.autodiff.loss_and_grads(
             lambda w, _lam: self.losses.baseline("lora_ce", w, inner), self.theta, {"_": torch.zeros(1)},
             wrt_lam=False, what="lora_ce loss",
         )
@@ -586,16 +586,16 @@ def bome_breakdown(tr: Trainer, ce: Trainer, repeats: int = 2) -> dict[str, Any]
     lam = {k: v.detach() for k, v in tr.lam.items()}
     theta = tr.theta
     cfg = tr.config
-    _, grad_w, _ = hg._autodiff.loss_and_grads(lambda w, l_: tr.losses.inner(w, l_, inner), theta, lam)
+    _, grad_w, _ = hg.autodiff.loss_and_grads(lambda w, l_: tr.losses.inner(w, l_, inner), theta, lam)
     w_hat = {k: (v - cfg.inner_lr * grad_w[k]).detach() for k, v in theta.items()}
     parts = {
-        "grad g(w) (theta and lambda)": lambda: hg._autodiff.loss_and_grads(
+        "grad g(w) (theta and lambda)": lambda: hg.autodiff.loss_and_grads(
             lambda w, l_: tr.losses.inner(w, l_, inner), theta, lam),
-        "g(w_hat) and its lambda-gradient": lambda: hg._autodiff.loss_and_grads(
+        "g(w_hat) and its lambda-gradient": lambda: hg.autodiff.loss_and_grads(
             lambda w, l_: tr.losses.inner(w, l_, inner), w_hat, lam, wrt_w=False),
-        "grad f(w) (held-out batch)": lambda: hg._autodiff.loss_and_grads(
+        "grad f(w) (held-out batch)": lambda: hg.autodiff.loss_and_grads(
             lambda w, l_: tr.losses.outer(w, l_, outer), theta, lam),
-        "plain LoRA: grad CE(w)": lambda: hg._autodiff.loss_and_grads(
+        "plain LoRA: grad CE(w)": lambda: hg.autodiff.loss_and_grads(
             lambda w, _l: ce.losses.baseline("lora_ce", w, inner), theta, {"_": torch.zeros(1)}, wrt_lam=False),
         "whole BOME direction (hypergrad call)": lambda: tr.method.hypergrad(
             tr.problem, theta, lam, inner, outer, tr.method_state),
@@ -715,8 +715,8 @@ def fast_vs_slow(base: Any, tok: Any, s: Settings, start: Any | None, log: Calla
         ("g", fast.losses.inner, slow.losses.inner, inner_f, inner_s),
         ("f", fast.losses.outer, slow.losses.outer, outer_f, outer_s),
     ):
-        vf, gw_f, gl_f = hg._autodiff.loss_and_grads(lambda w, l_, fn=fn_f, b=b_f: fn(w, l_, b), fast.theta, lam)
-        vs, gw_s, gl_s = hg._autodiff.loss_and_grads(lambda w, l_, fn=fn_s, b=b_s: fn(w, l_, b), slow.theta, lam)
+        vf, gw_f, gl_f = hg.autodiff.loss_and_grads(lambda w, l_, fn=fn_f, b=b_f: fn(w, l_, b), fast.theta, lam)
+        vs, gw_s, gl_s = hg.autodiff.loss_and_grads(lambda w, l_, fn=fn_s, b=b_s: fn(w, l_, b), slow.theta, lam)
         checks[name] = {"fast": float(vf), "slow": float(vs), "abs_diff": abs(float(vf) - float(vs)),
                         "grad_theta_rel": _tree_rel(gw_f, gw_s)}
         if name == "g":

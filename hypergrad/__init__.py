@@ -4,7 +4,7 @@ Exact implicit differentiation, unrolled differentiation and first-order methods
 interface: ``method.hypergrad(problem, w, lam, inner_batch, outer_batch) -> HypergradResult``.
 """
 
-from hypergrad import inner, linear
+from hypergrad import autodiff, inner, linear, tree
 from hypergrad.bome import BOME
 from hypergrad.driver import SolveResult, inner_solve, solve
 from hypergrad.errors import ConvergenceWarning, NonFiniteError
@@ -29,6 +29,7 @@ __all__ = [
     "SolveResult",
     "StepBatches",
     "Unrolled",
+    "autodiff",
     "functional",
     "inner",
     "inner_solve",
@@ -36,6 +37,7 @@ __all__ = [
     "load_params",
     "module_params",
     "solve",
+    "tree",
 ]
 
 __version__ = "0.1.0"

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from hypergrad._autodiff import loss_and_grads
-from hypergrad._pytree import Tree, check_finite, tree_axpy, tree_detach, tree_dot, tree_sub
+from hypergrad.autodiff import loss_and_grads
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
+from hypergrad.tree import Tree, check_finite, tree_axpy, tree_detach, tree_dot, tree_sub
 
 __all__ = ["BOME"]
 
@@ -60,7 +60,7 @@ class BOME:
     the minimum-norm correction of :math:`\nabla f` with
     :math:`\langle d, \nabla q\rangle \ge \phi`, so that a step along :math:`-d` decreases
     :math:`q` at least at rate :math:`\phi`:
-    :math:`\phi = \eta\, q` for ``barrier="value"`` (DESIGN.md) and
+    :math:`\phi = \eta\, q` for ``barrier="value"`` (see :doc:`/methods/first_order`) and
     :math:`\phi = \eta \lVert\nabla q\rVert^2` for ``barrier="gradient"`` (the paper's default).
     :math:`\varphi = 0` when :math:`\nabla q = 0`.
 

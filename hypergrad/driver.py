@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from hypergrad._autodiff import inner_fn, loss_and_grads
-from hypergrad._pytree import Tree, check_finite, check_like, tree_detach, tree_norm
+from hypergrad.autodiff import inner_fn, loss_and_grads
 from hypergrad.inner import SGD, InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradMethod
+from hypergrad.tree import Tree, check_finite, check_like, tree_detach, tree_norm
 
 __all__ = ["SolveResult", "inner_solve", "solve"]
 

@@ -9,8 +9,12 @@ from typing import Any
 
 import torch
 
-from hypergrad._autodiff import inner_fn, loss_and_grads, outer_fn
-from hypergrad._pytree import (
+from hypergrad.autodiff import inner_fn, loss_and_grads, outer_fn
+from hypergrad.errors import ConvergenceWarning
+from hypergrad.linear import CG
+from hypergrad.linear.base import LinearSolveResult, LinearSystem
+from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
+from hypergrad.tree import (
     Tree,
     check_finite,
     tree_axpy,
@@ -20,10 +24,6 @@ from hypergrad._pytree import (
     tree_sub,
     tree_zeros_like,
 )
-from hypergrad.errors import ConvergenceWarning
-from hypergrad.linear import CG
-from hypergrad.linear.base import LinearSolveResult, LinearSystem
-from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 
 __all__ = ["FiniteDifference"]
 

@@ -7,12 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypergrad._autodiff import RootSystem, loss_and_grads, outer_fn
-from hypergrad._pytree import Tree, check_finite, tree_detach, tree_norm, tree_sub
+from hypergrad.autodiff import RootSystem, loss_and_grads, outer_fn
 from hypergrad.errors import ConvergenceWarning
 from hypergrad.linear import CG
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
+from hypergrad.tree import Tree, check_finite, tree_detach, tree_norm, tree_sub
 
 __all__ = ["Implicit"]
 

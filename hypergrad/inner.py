@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from hypergrad._pytree import Tree
+from hypergrad.tree import Tree
 
 __all__ = ["SGD", "Adam", "InnerOptimizer", "Momentum"]
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hypergrad._pytree import Tree
+from hypergrad.tree import Tree
 
 __all__ = ["functional", "load_params", "module_params"]
 

@@ -7,8 +7,10 @@ from typing import Any
 
 import torch
 
-from hypergrad._autodiff import loss_and_grads
-from hypergrad._pytree import (
+from hypergrad.autodiff import loss_and_grads
+from hypergrad.inner import InnerOptimizer
+from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
+from hypergrad.tree import (
     Tree,
     check_finite,
     check_like,
@@ -18,8 +20,6 @@ from hypergrad._pytree import (
     tree_scale,
     tree_sub,
 )
-from hypergrad.inner import InnerOptimizer
-from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 
 __all__ = ["Penalty"]
 

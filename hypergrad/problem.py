@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-from hypergrad._pytree import Tree, check_scalar_loss, check_tree
+from hypergrad.tree import Tree, check_scalar_loss, check_tree
 
 __all__ = ["BilevelProblem", "HypergradInfo", "HypergradMethod", "HypergradResult", "Loss"]
 

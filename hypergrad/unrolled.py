@@ -10,8 +10,10 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
-from hypergrad._autodiff import inner_fn, loss_and_grads, outer_fn
-from hypergrad._pytree import (
+from hypergrad.autodiff import inner_fn, loss_and_grads, outer_fn
+from hypergrad.inner import InnerOptimizer
+from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
+from hypergrad.tree import (
     Tree,
     check_finite,
     grads_to_tree,
@@ -21,8 +23,6 @@ from hypergrad._pytree import (
     tree_requires_grad,
     tree_unflatten,
 )
-from hypergrad.inner import InnerOptimizer
-from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 
 __all__ = ["StepBatches", "Unrolled"]
 
@@ -445,7 +445,7 @@ class Unrolled:
         optimizer update and its JVP (dual tensors through the elementwise update only). The graph
         is freed at every step, so memory does not grow with K. Measured about 5x faster than
         ``torch.func.jvp`` over ``torch.func.grad`` through the whole step (whose functorch
-        transforms dominate on small and medium problems; DESIGN.md section 2).
+        transforms dominate on small and medium problems; see :doc:`/methods/implicit`).
         """
         opt = self.optimizer
         lam_ = tree_requires_grad(lam)

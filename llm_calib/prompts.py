@@ -1,7 +1,7 @@
 """Prompt formats for multiple-choice and open-ended scoring.
 
 A :class:`PromptFormat` turns a question (and, for the *listed* style, its options) into the text
-that precedes the scored continuation. The reference format of the design document (DESIGN.md §5)
+that precedes the scored continuation. The reference format of the evaluation protocol (:doc:`/methods/calm`)
 is the default: the model's chat template with its default system message, a user turn holding the
 question alone, the generation prompt, then ``The answer is:``; each option is scored as the
 continuation ``" " + option``.

@@ -100,7 +100,7 @@ def test_outer_gradient_matches_finite_differences(setup):
     lm, theta, adjustment, losses, enc, _ = setup
     batch = enc.batch([1, 3, 5], 0, lm)
     lam0 = {k: v.double() for k, v in adjustment.init().items()}
-    _, grad, _ = hg._autodiff.loss_and_grads(lambda w, l: losses.outer(w, l, batch), theta, lam0, wrt_lam=False)
+    _, grad, _ = hg.autodiff.loss_and_grads(lambda w, l: losses.outer(w, l, batch), theta, lam0, wrt_lam=False)
     # The model computes RMSNorm and rotary embeddings in float32 even in a float64 model, so the
     # step must be large enough for float32 round-off to stay below the O(h^2) truncation error.
     analytic, fd = directional_derivatives(lambda w: losses.outer(w, lam0, batch), theta, grad, h=1e-4)
@@ -118,13 +118,13 @@ def test_bome_direction_satisfies_the_barrier_and_decreases_q(setup):
     # Recompute w_hat and q's gradient independently.
     w_hat = dict(theta)
     for _ in range(3):
-        _, gw, _ = hg._autodiff.loss_and_grads(lambda w, l: losses.inner(w, l, inner_b), w_hat, lam, wrt_lam=False)
+        _, gw, _ = hg.autodiff.loss_and_grads(lambda w, l: losses.inner(w, l, inner_b), w_hat, lam, wrt_lam=False)
         w_hat = {k: w_hat[k] - 0.5 * gw[k] for k in w_hat}
 
     def q(w, l):
         return losses.inner(w, l, inner_b) - losses.inner(w_hat, l, inner_b)
 
-    q0, gq_w, gq_l = hg._autodiff.loss_and_grads(q, theta, lam)
+    q0, gq_w, gq_l = hg.autodiff.loss_and_grads(q, theta, lam)
     assert float(q0) == pytest.approx(r.info.extra["q"], rel=1e-9)
     d_w = {k: (theta[k] - r.w[k]) / w_lr for k in theta}
     inner_product = sum(float((d_w[k] * gq_w[k]).sum()) for k in theta) + sum(float((r.grad[k] * gq_l[k]).sum()) for k in lam)

@@ -159,7 +159,7 @@ def test_outer_gradient_matches_finite_differences(setup):
     lm, theta, adjustment, losses, enc, _ = setup
     batch = enc.batch([1, 3, 5], 0, lm)
     lam0 = adjustment.init(torch.float64)
-    _, grad, _ = hg._autodiff.loss_and_grads(lambda w, l: losses.outer(w, l, batch), theta, lam0, wrt_lam=False)
+    _, grad, _ = hg.autodiff.loss_and_grads(lambda w, l: losses.outer(w, l, batch), theta, lam0, wrt_lam=False)
     # RMSNorm and rotary embeddings run in float32 even in a float64 model, and f is about -log V,
     # so float32 round-off in f - f' is ~1e-7 * 5 / h: h = 1e-3 keeps it and the O(h^2) truncation
     # below 1e-4 relative (measured: 1e-4 is off by 2e-3 from round-off, 1e-2 by 1e-2 from truncation).

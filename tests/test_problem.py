@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hypergrad as hg
-from hypergrad._pytree import check_like, tree_flatten, tree_unflatten
+from hypergrad.tree import check_like, tree_flatten, tree_unflatten
 
 g_ok = lambda w, lam, b: (w["x"] * lam["c"]).sum()  # noqa: E731
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from hypergrad._pytree import Tree
+from hypergrad.tree import Tree
 
 __all__ = ["LinearSolveResult", "LinearSystem"]
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hypergrad._pytree import (
+from hypergrad.linear._checks import check_nonnegative, check_positive_int
+from hypergrad.linear.base import LinearSolveResult, LinearSystem
+from hypergrad.tree import (
     Tree,
     tree_flatten,
     tree_flatten_view,
@@ -17,8 +19,6 @@ from hypergrad._pytree import (
     tree_unflatten,
     tree_zeros_like,
 )
-from hypergrad.linear._checks import check_nonnegative, check_positive_int
-from hypergrad.linear.base import LinearSolveResult, LinearSystem
 
 __all__ = ["CG"]
 

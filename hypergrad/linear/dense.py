@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hypergrad._pytree import Tree, tree_flatten, tree_numel, tree_unflatten
 from hypergrad.linear._checks import check_nonnegative
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
+from hypergrad.tree import Tree, tree_flatten, tree_numel, tree_unflatten
 
 __all__ = ["Dense"]
 

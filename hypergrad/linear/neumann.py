@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hypergrad._pytree import Tree, tree_flatten, tree_flatten_view, tree_unflatten
 from hypergrad.linear._checks import check_nonnegative, check_positive_int
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.linear.cg import flat_operator
+from hypergrad.tree import Tree, tree_flatten, tree_flatten_view, tree_unflatten
 
 __all__ = ["Neumann", "largest_eigenvalue"]
 

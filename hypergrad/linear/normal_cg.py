@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypergrad._pytree import Tree
 from hypergrad.linear._checks import check_nonnegative, check_positive_int
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.linear.cg import conjugate_gradient
+from hypergrad.tree import Tree
 
 __all__ = ["NormalCG"]
 

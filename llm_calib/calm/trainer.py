@@ -429,7 +429,7 @@ def calibrate(
                 theta, method_state = r.w, r.state
                 record.update({k: float(v) for k, v in r.info.extra.items() if isinstance(v, (int, float))})
             else:
-                loss, grad, _ = hg._autodiff.loss_and_grads(
+                loss, grad, _ = hg.autodiff.loss_and_grads(
                     lambda w, _lam, b=inner_batch: losses.baseline(config.method, w, b), theta, {"_": torch.zeros(1)},
                     wrt_lam=False, what=f"{config.method} loss",
                 )
@@ -437,7 +437,7 @@ def calibrate(
                     theta, theta_opt_state = theta_opt.update(theta, grad, theta_opt_state)
                 theta = {k: v.detach() for k, v in theta.items()}
                 record["loss"] = float(loss)
-            hg._pytree.check_finite(theta, "updated LoRA parameters")
+            hg.tree.check_finite(theta, "updated LoRA parameters")
         except (hg.NonFiniteError, FloatingPointError) as err:
             raise TrainingDiverged(
                 f"step {step + 1}: {err}; batch ids {inner_batch.ids[:8]}{'...' if len(inner_batch.ids) > 8 else ''}. "

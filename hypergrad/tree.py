@@ -90,7 +90,15 @@ def check_scalar_loss(value: object, name: str) -> Tensor:
 
 
 def check_finite(tree: Mapping[str, Tensor], what: str) -> None:
-    """Raise :class:`hypergrad.NonFiniteError` if any entry of ``tree`` holds NaN or inf."""
+    """Raise :class:`hypergrad.NonFiniteError` if any entry of ``tree`` holds NaN or inf.
+
+    Example:
+        >>> import torch
+        >>> check_finite({"w": torch.tensor([1.0, float("nan")])}, "update")
+        Traceback (most recent call last):
+        ...
+        hypergrad.errors.NonFiniteError: update: 1 non-finite value(s) in entry 'w'
+    """
     from hypergrad.errors import NonFiniteError
 
     for key, value in tree.items():

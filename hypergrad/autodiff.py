@@ -2,8 +2,11 @@
 
 The default product form is reverse-over-reverse on a graph built once and retained: measured on
 CPU it costs about 0.7 inner-gradient evaluations per product, against about 15 for
-forward-over-reverse ``torch.func.jvp`` over ``torch.func.grad`` (see DESIGN.md §2 and
-``benchmarks/results``). The forward form is kept as an option.
+forward-over-reverse ``torch.func.jvp`` over ``torch.func.grad`` (see :doc:`/methods/implicit`
+and ``benchmarks/results``). The forward form is kept as an option.
+
+Public so that code built on :mod:`hypergrad` (training loops, benchmarks) can take the same
+checked gradients and linearisations as the methods do.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hypergrad._pytree import Tree, check_finite, grads_to_tree, tree_requires_grad
 from hypergrad.problem import BilevelProblem
+from hypergrad.tree import Tree, check_finite, grads_to_tree, tree_requires_grad
+
+__all__ = ["RootSystem", "inner_fn", "loss_and_grads", "outer_fn"]
 
 LossFn = Callable[[Tree, Tree, Any], Tensor]
 
@@ -43,6 +48,16 @@ def loss_and_grads(
 
     First-order only: no graph is kept, so the result is safe for functions that are not twice
     differentiable.
+
+    Raises:
+        hypergrad.NonFiniteError: the loss is NaN or inf (``what`` names it).
+
+    Example:
+        >>> import torch
+        >>> w, lam = {"x": torch.tensor([1.0, 2.0])}, {"c": torch.tensor(3.0)}
+        >>> value, gw, glam = loss_and_grads(lambda w, l: l["c"] * (w["x"] ** 2).sum(), w, lam)
+        >>> float(value), gw["x"].tolist(), float(glam["c"])
+        (15.0, [6.0, 12.0], 5.0)
     """
     w_ = tree_requires_grad(w) if wrt_w else {k: v.detach() for k, v in w.items()}
     lam_ = tree_requires_grad(lam) if wrt_lam else {k: v.detach() for k, v in lam.items()}
