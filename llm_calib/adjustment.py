@@ -1,14 +1,28 @@
-r"""Learnable logit adjustments :math:`z \mapsto \exp(\log a) \odot z + b` (the CALM parameters λ).
+r"""Learnable adjustments of the model's predictions (the CALM parameters λ).
 
-Three variants:
+Token level, on the vocabulary logits :math:`z \mapsto \exp(\log a) \odot z + b`:
 
-* ``"vector"``: one ``log_a`` and one ``b`` per vocabulary entry (the method's default);
-* ``"temperature"``: a single scalar ``log_a`` and no ``b`` (temperature scaling with
+* ``"vector"``: one ``log_a`` and one ``b`` per vocabulary entry;
+* ``"temperature"``: a single scalar ``log_a`` and no ``b`` (a token temperature
   :math:`T = 1/a`);
 * ``"answer_tokens"``: per-token ``log_a``/``b`` restricted to a given set of token ids (for
-  example the tokens that appear in answer options); other logits pass through unchanged.
+  example the option letters of the letter scorer); other logits pass through unchanged.
 
-At initialisation ``log_a = 0`` and ``b = 0``, so the adjustment is the identity.
+Option level, on the option scores :math:`s_k` of the option-likelihood scorer (the quantity the
+prediction is made from; multiple choice only):
+
+* ``"option_temperature"``: :math:`s_k \mapsto \exp(\log a)\, s_k`, an option temperature
+  :math:`T = 1/a`, the same map as post-hoc temperature scaling;
+* ``"option_length"``: :math:`s_k \mapsto \exp(\log a)\, s_k + c\,\ell_k`, with
+  :math:`\ell_k` the option's length in tokens: summed log-likelihoods fall with every token,
+  so :math:`c` lets the lower level undo a length bias instead of learning it into θ.
+
+A token-level temperature is not an option temperature under summed scores: flattening every
+token's distribution costs each option about its length times the same amount, so the shortest
+option wins (see :doc:`/methods/calm`).
+
+At initialisation every parameter is 0 (``log_a = 0``, ``b = 0``, ``c = 0``), so the adjustment
+is the identity.
 """
 
 from __future__ import annotations
@@ -19,9 +33,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["ADJUSTMENT_KINDS", "LogitAdjustment"]
+__all__ = ["ADJUSTMENT_KINDS", "OPTION_KINDS", "TOKEN_KINDS", "LogitAdjustment"]
 
-ADJUSTMENT_KINDS = ("vector", "temperature", "answer_tokens")
+TOKEN_KINDS = ("vector", "temperature", "answer_tokens")
+"""Adjustments of the vocabulary logits."""
+
+OPTION_KINDS = ("option_temperature", "option_length")
+"""Adjustments of the option scores (multiple choice, option-likelihood scorer)."""
+
+ADJUSTMENT_KINDS = TOKEN_KINDS + OPTION_KINDS
 """The variants of :class:`LogitAdjustment` (its ``kind``), described above."""
 
 
@@ -46,6 +66,11 @@ class LogitAdjustment:
         >>> lam = {"log_a": torch.log(torch.full((4,), 2.0)), "b": torch.ones(4)}
         >>> adj.apply(z, lam).tolist()
         [[3.0, 5.0, 7.0, 9.0]]
+        >>> opt = LogitAdjustment("option_length", vocab_size=4)
+        >>> s, length = torch.tensor([[-2.0, -6.0]]), torch.tensor([[1.0, 3.0]])
+        >>> lam = {"log_a": torch.log(torch.tensor([0.5])), "length": torch.tensor([1.0])}
+        >>> opt.apply_options(s, length, lam).tolist()
+        [[0.0, 0.0]]
     """
 
     kind: str = "vector"
@@ -68,6 +93,11 @@ class LogitAdjustment:
         if not self.max_log_scale > 0 or not self.max_bias >= 0:
             raise ValueError("max_log_scale must be > 0 and max_bias >= 0")
 
+    @property
+    def acts_on_options(self) -> bool:
+        """True for the option-level kinds (:data:`OPTION_KINDS`)."""
+        return self.kind in OPTION_KINDS
+
     @classmethod
     def for_tokens(cls, token_ids: Sequence[int], vocab_size: int, **kwargs: float) -> LogitAdjustment:
         """An ``answer_tokens`` adjustment over the sorted unique ``token_ids``."""
@@ -75,20 +105,30 @@ class LogitAdjustment:
 
     def init(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict[str, Tensor]:
         """Return λ at the identity: ``log_a = 0``, ``b = 0``."""
-        if self.kind == "temperature":
+        if self.kind in ("temperature", "option_temperature"):
             return {"log_a": torch.zeros(1, dtype=dtype, device=device)}
+        if self.kind == "option_length":
+            return {"log_a": torch.zeros(1, dtype=dtype, device=device), "length": torch.zeros(1, dtype=dtype, device=device)}
         n = self.vocab_size if self.kind == "vector" else len(self.token_ids or ())
         return {"log_a": torch.zeros(n, dtype=dtype, device=device), "b": torch.zeros(n, dtype=dtype, device=device)}
 
     def clamp_(self, lam: dict[str, Tensor]) -> None:
-        """Project λ in place onto the bounds ``|log_a| <= max_log_scale``, ``|b| <= max_bias``."""
+        """Project λ in place onto ``|log_a| <= max_log_scale`` and ``|b|, |c| <= max_bias``."""
         with torch.no_grad():
             lam["log_a"].clamp_(-self.max_log_scale, self.max_log_scale)
-            if "b" in lam:
-                lam["b"].clamp_(-self.max_bias, self.max_bias)
+            for name in ("b", "length"):
+                if name in lam:
+                    lam[name].clamp_(-self.max_bias, self.max_bias)
 
     def apply(self, logits: Tensor, lam: dict[str, Tensor]) -> Tensor:
-        """Return the adjusted logits (same shape); differentiable in ``logits`` and ``lam``."""
+        """Return the adjusted logits (same shape); differentiable in ``logits`` and ``lam``.
+
+        Raises:
+            ValueError: an option-level kind (use :meth:`apply_options`), or logits whose last
+                dimension is not ``vocab_size``.
+        """
+        if self.acts_on_options:
+            raise ValueError(f"adjustment {self.kind!r} acts on option scores: use apply_options")
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} entries in the last dim, expected vocab_size={self.vocab_size}")
         scale = torch.exp(lam["log_a"]).to(logits.dtype)
@@ -100,3 +140,25 @@ class LogitAdjustment:
         index = torch.tensor(self.token_ids, device=logits.device)
         selected = logits.index_select(-1, index) * scale + bias
         return logits.index_copy(-1, index, selected)
+
+    def apply_options(self, scores: Tensor, lengths: Tensor, lam: dict[str, Tensor]) -> Tensor:
+        """Return adjusted option scores ``(B, K)``; padded options (``-inf``) stay ``-inf``.
+
+        Args:
+            scores: option scores ``(B, K)``, ``-inf`` where a question has fewer options.
+            lengths: option lengths in tokens, same shape.
+            lam: λ from :meth:`init`.
+
+        Raises:
+            ValueError: a token-level kind (use :meth:`apply`) or shapes that differ.
+        """
+        if not self.acts_on_options:
+            raise ValueError(f"adjustment {self.kind!r} acts on token logits: use apply")
+        if scores.shape != lengths.shape:
+            raise ValueError(f"scores {tuple(scores.shape)} and lengths {tuple(lengths.shape)} differ in shape")
+        valid = torch.isfinite(scores)
+        safe = torch.where(valid, scores, torch.zeros_like(scores))
+        out = safe * torch.exp(lam["log_a"]).to(scores.dtype)
+        if "length" in lam:
+            out = out + lam["length"].to(scores.dtype) * lengths.to(scores.dtype)
+        return torch.where(valid, out, torch.full_like(out, float("-inf")))

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llm_calib.adjustment import ADJUSTMENT_KINDS
+
 __all__ = ["METHODS", "SOLVERS", "CalibrationConfig", "LoraSettings"]
 
 METHODS = ("calm", "lora_ce", "label_smoothing", "confidence_penalty")
@@ -179,7 +181,7 @@ class CalibrationConfig:
         checks = {
             "method": (self.method, METHODS),
             "solver": (self.solver, SOLVERS),
-            "adjustment": (self.adjustment, ("vector", "temperature", "answer_tokens")),
+            "adjustment": (self.adjustment, ADJUSTMENT_KINDS),
             "scorer": (self.scorer, ("option_likelihood", "letter")),
             "normalize": (self.normalize, ("sum", "mean")),
             "prompt_style": (self.prompt_style, ("cloze", "listed")),

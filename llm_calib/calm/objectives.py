@@ -42,7 +42,7 @@ from llm_calib.calm.lora import FunctionalLM
 from llm_calib.distributed import global_mean, sync_gradients
 from llm_calib.scoring.packing import PackedQuestions, option_scores_from_logits, reduce_per_option
 
-__all__ = ["Batch", "CalmLosses", "cross_entropy", "entropy"]
+__all__ = ["Batch", "CalmLosses", "cross_entropy", "entropy", "option_lengths"]
 
 
 @dataclass
@@ -152,16 +152,30 @@ class CalmLosses:
     def _logits(
         self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch, select: Tensor | None = None
     ) -> Tensor:
+        """Head logits, adjusted by a token-level λ (an option-level λ is applied to the scores)."""
         logits = self.lm.head_logits(theta, batch.packed, batch.trunk, select)
-        return logits if lam is None else self.adjustment.apply(logits, lam)
+        if lam is None or self.adjustment.acts_on_options:
+            return logits
+        return self.adjustment.apply(logits, lam)
 
     def scores(self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch) -> Tensor:
         """Option scores ``(B, K_max)``; adjusted when ``lam`` is given.
 
         For open questions ``K_max == 1``: the summed (or, with ``normalize="mean"``, mean)
         log-probability of the reference answer.
+
+        Raises:
+            ValueError: an option-level adjustment with open questions (they have no options).
         """
-        return option_scores_from_logits(self._logits(theta, lam, batch), batch.packed, self.normalize)
+        scores = option_scores_from_logits(self._logits(theta, lam, batch), batch.packed, self.normalize)
+        if lam is None or not self.adjustment.acts_on_options:
+            return scores
+        if batch.open_ended:
+            raise ValueError(
+                f"adjustment {self.adjustment.kind!r} acts on option scores; open questions need a token-level "
+                "adjustment ('vector', 'temperature' or 'answer_tokens')"
+            )
+        return self.adjustment.apply_options(scores, option_lengths(batch.packed).to(scores.device), lam)
 
     def _categorical(
         self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
@@ -172,10 +186,13 @@ class CalmLosses:
         vocabulary distribution per answer token, averaged over each answer's tokens; the MC
         helpers :func:`cross_entropy` and :func:`entropy` apply unchanged to vocabulary logits.
         """
-        logits = self._logits(theta, lam, batch)
         packed = batch.packed
         if not batch.open_ended:
-            return option_scores_from_logits(logits, packed, self.normalize), batch.labels.to(logits.device), _identity
+            scores = self.scores(theta, lam, batch)
+            return scores, batch.labels.to(scores.device), _identity
+        if lam is not None and self.adjustment.acts_on_options:
+            self.scores(theta, lam, batch)  # raises the error that names the mismatch
+        logits = self._logits(theta, lam, batch)
         device = logits.device
         return (
             logits[packed.target_rows.to(device)],
@@ -256,3 +273,17 @@ class CalmLosses:
 
 def _identity(x: Tensor) -> Tensor:
     return x
+
+
+def option_lengths(packed: PackedQuestions) -> Tensor:
+    """Option lengths in tokens laid out like the option scores, ``(B, K_max)`` (0 for padding).
+
+    Example:
+        >>> from llm_calib.scoring.packing import pack_questions
+        >>> option_lengths(pack_questions([((1,), ((2,), (3, 4))), ((5,), ((6, 7, 8),))], 0)).tolist()
+        [[1.0, 2.0], [3.0, 0.0]]
+    """
+    B, K = packed.batch_size, max(packed.n_options)
+    slot = torch.cat([torch.arange(k) for k in packed.n_options])
+    out = torch.zeros((B, K), dtype=torch.float64)
+    return out.index_put((packed.option_question, slot), packed.option_lengths.to(torch.float64))
