@@ -83,7 +83,7 @@ def test_exact_hypergradient_matches_finite_differences_of_F(calm_problem) -> No
 
 
 def test_f2sa_estimate_agrees_with_exact(calm_problem) -> None:
-    problem, losses, theta_star, _, lam, inner_batch, outer_batch = calm_problem
+    problem, _losses, theta_star, _, lam, inner_batch, outer_batch = calm_problem
     lr = 0.02  # below 1 / (largest Hessian eigenvalue, about 51 here)
     f2sa = hg.Penalty(sigma=1e-3, inner_optimizer=hg.inner.SGD(lr=lr), inner_steps=40)
     check = check_hypergradients(
