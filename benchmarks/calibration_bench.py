@@ -361,33 +361,16 @@ class Phase(MeasuredPhase):
 # ----------------------------------------------------------------- shared encodings (training)
 
 
-@contextlib.contextmanager
-def shared_encodings(memo: dict[Any, Any]) -> Iterator[None]:
-    """Make :func:`calibrate` reuse one encoding (and its trunk cache) per split across runs.
+def shared_encoding(memo: dict[Any, Any], tokenizer: Any, records: Sequence[Any], config: Any) -> Any:
+    """One encoding (and its trunk cache) per split, shared by every run of a task: every run
+    trains on the same records with the same LoRA layers, so the encodings are memoised by
+    (record ids, scorer, prompt, LoRA layers) and passed to ``calibrate`` as they are."""
+    from llm_calib.calm.encoding import encode_records
 
-    ``calibrate`` encodes its training and held-out records itself; the encoded object keeps the
-    trunk hidden states it computes. Every run of a task trains on the same records with the same
-    LoRA layers, so the encodings are memoised by (record ids, scorer, prompt, LoRA layers) for the
-    duration of the block. (A library hook for this would remove the patch, see the report.)
-    """
-    from llm_calib.calm import trainer
-
-    original = getattr(trainer, "encode_batch_source", None)
-    if original is None:  # pragma: no cover - library changed; run without sharing
-        yield
-        return
-
-    def memoised(tokenizer: Any, records: Sequence[Any], config: Any) -> Any:
-        key = _encoding_key(records, config)
-        if key not in memo:
-            memo[key] = original(tokenizer, records, config)
-        return memo[key]
-
-    trainer.encode_batch_source = memoised
-    try:
-        yield
-    finally:
-        trainer.encode_batch_source = original
+    key = _encoding_key(records, config)
+    if key not in memo:
+        memo[key] = encode_records(tokenizer, records, config)
+    return memo[key]
 
 
 def _encoding_key(records: Sequence[Any], config: Any) -> tuple[Any, ...]:
@@ -399,7 +382,7 @@ def _encoding_key(records: Sequence[Any], config: Any) -> tuple[Any, ...]:
 
 
 def _length_order(enc: Any) -> list[int]:
-    return sorted(range(len(enc.records)), key=enc._length)
+    return sorted(range(len(enc.records)), key=enc.length)
 
 
 def _batches(order: list[int], size: int) -> Iterator[list[int]]:
@@ -435,14 +418,14 @@ def base_pass_mc(model: Any, enc: Any, trunk_layers: int, batch_size: int, pad_i
     scores: list[Tensor | None] = [None] * len(enc.records)
     with torch.inference_mode():
         for idx in _batches(_length_order(enc), batch_size):
-            packed = enc._pack(idx, pad_id)
+            packed = enc.pack(idx, pad_id)
             with capture_layer_input(decoder, trunk_layers) as box:
                 out = decoder(input_ids=packed.input_ids, attention_mask=packed.additive_mask(dtype),
                               position_ids=packed.position_ids, use_cache=False)
             if trunk_layers > 0:
                 trunk = box["hidden"]
                 for row, i in enumerate(idx):
-                    enc.trunk_cache[i] = trunk[row, : enc._length(i)].clone()
+                    enc.trunk_cache[i] = trunk[row, : enc.length(i)].clone()
             hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[packed.rows]
             s = option_scores_from_logits(lm_head_logits(model, head, hidden), packed, normalize)
             for row, i in enumerate(idx):
@@ -610,11 +593,11 @@ class OpenGenerator:
     def _decode(self, model: Any, gb: GenBatch, cache: Any, last_hidden: Tensor, temperatures: bool,
                 outs: list[GenOut | None]) -> None:
         from llm_calib.models import lm_head_logits, split_decoder_head
-        from llm_calib.scoring.open_ended import _eos_ids, _finish
+        from llm_calib.scoring.open_ended import eos_token_ids, finish_answer
 
         decoder, head = split_decoder_head(model)
         kw = _cache_kw(decoder)
-        eos = _eos_ids(model, self.tokenizer)
+        eos = eos_token_ids(model, self.tokenizer)
         temps = torch.tensor(TEMPERATURE_GRID, dtype=torch.float32)
         B = len(gb.idx)
         active = list(range(B))
@@ -652,10 +635,10 @@ class OpenGenerator:
             out = decoder(input_ids=top[:, None], attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache})
             logits = lm_head_logits(model, head, out.last_hidden_state[:, -1])
         for b, i in enumerate(gb.idx):
-            ans = _finish(self.tokenizer, gen[b], probs[b], eos, True)
+            ans = finish_answer(self.tokenizer, gen[b], probs[b], eos, True)
             temp_probs = None
             if temperatures:
-                kept = _finish(self.tokenizer, gen[b], [float(p) for p in range(len(gen[b]))], eos, True).token_probs
+                kept = finish_answer(self.tokenizer, gen[b], [float(p) for p in range(len(gen[b]))], eos, True).token_probs
                 temp_probs = np.stack([tprobs[b][int(p)] for p in kept])
             outs[i] = GenOut(ans.text, ans.token_ids, ans.token_probs, temp_probs)
 
@@ -883,8 +866,9 @@ def _timed_calibrate(ctx: Ctx, task: Task, cfg: Any, memo: dict[Any, Any]) -> tu
     from llm_calib.calm.trainer import calibrate
 
     model = copy.deepcopy(ctx.model)
-    with shared_encodings(memo), Phase() as phase:
-        result = calibrate(model, ctx.tokenizer, task.train, task.heldout, cfg, progress=ctx.progress)
+    with Phase() as phase:
+        train, heldout = (shared_encoding(memo, ctx.tokenizer, r, cfg) for r in (task.train, task.heldout))
+        result = calibrate(model, ctx.tokenizer, train, heldout, cfg, progress=ctx.progress)
     return result, phase
 
 
@@ -1294,7 +1278,7 @@ PARALLEL_PHASES = ("mc training", "mc evaluation of trained models", "open train
 
 
 def _mean_tokens(enc: Any) -> float:
-    return float(np.mean([enc._length(i) for i in range(len(enc.records))])) if enc.records else 0.0
+    return float(np.mean([enc.length(i) for i in range(len(enc.records))])) if enc.records else 0.0
 
 
 def estimate(ctx: Ctx, tasks: dict[str, Task]) -> dict[str, float] | None:

@@ -52,9 +52,9 @@ def build(args: argparse.Namespace):
 def run_kind(kind: str, args: argparse.Namespace) -> list[dict]:
     from llm_calib.adjustment import LogitAdjustment
     from llm_calib.calm import CalibrationConfig, LoraSettings
+    from llm_calib.calm.encoding import encode_records
     from llm_calib.calm.lora import FunctionalLM, attach_lora
     from llm_calib.calm.objectives import CalmLosses
-    from llm_calib.calm.trainer import encode_batch_source
     from llm_calib.calm.verify import check_hypergradients, proximal_problem
 
     model, tok, train, unlabeled, dtype = build(args)
@@ -65,8 +65,8 @@ def run_kind(kind: str, args: argparse.Namespace) -> list[dict]:
     adjustment = LogitAdjustment(kind, lm.head.out_features)
     losses = CalmLosses(lm, adjustment, "sum")
     pad = tok.pad_token_id or 0
-    inner_batch = encode_batch_source(tok, train, config).batch(range(len(train)), pad, lm)
-    outer_batch = encode_batch_source(tok, unlabeled, config).batch(range(len(unlabeled)), pad, lm)
+    inner_batch = encode_records(tok, train, config).batch(range(len(train)), pad, lm)
+    outer_batch = encode_records(tok, unlabeled, config).batch(range(len(unlabeled)), pad, lm)
     problem = hg.BilevelProblem(inner=losses.inner, outer=losses.outer)
 
     def f2sa() -> hg.Penalty:

@@ -14,7 +14,7 @@ Two paths compute the same numbers:
 
 * **naive**: every option scored as its own sequence ``prompt + option`` through the whole model,
   the output head over every position; for training, LoRA on every layer and the differentiable
-  reference :func:`llm_calib.scoring.naive.option_scores_naive` inside the CALM losses.
+  reference ``naive_scoring.option_scores_naive`` (beside this script) inside the CALM losses.
 * **default**: what ``llm_calib`` does: one packed row per question (the prompt computed once,
   options under a 4-D mask), the output head only at the rows that predict option tokens; for
   training, LoRA on the top ``k`` layers (the demo's ``k = 6``) with the frozen bottom layers'
@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -58,17 +59,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
 from _memory import Phase
+from naive_scoring import option_scores_naive, score_option_likelihood_naive
 from torch import Tensor
 
 import hypergrad as hg
 from llm_calib.adjustment import LogitAdjustment
-from llm_calib.calm import trainer as trainer_module
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.encoding import encode_records as encode_batch_source
 from llm_calib.calm.lora import FunctionalLM, attach_lora
+from llm_calib.calm.methods import make_solver, theta_optimizer
 from llm_calib.calm.objectives import Batch, CalmLosses
-from llm_calib.calm.trainer import _batch_indices, _evaluate, _make_method, encode_batch_source
+from llm_calib.calm.sampling import batch_indices
+from llm_calib.calm.training import evaluate
 from llm_calib.data.records import MultipleChoice
-from llm_calib.scoring.naive import option_scores_naive, score_option_likelihood_naive
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 from llm_calib.scoring.packing import PackedQuestions
 
@@ -265,12 +268,7 @@ class NaiveCalmLosses(CalmLosses):
 
     def model_params(self, theta: dict[str, Tensor]) -> dict[str, Tensor]:
         """θ (decoder-relative, as :class:`FunctionalLM` holds it) as parameters of the base model."""
-        theta = dict(theta)
-        split = getattr(self.lm, "_split_scale", None)  # the output scale, where FunctionalLM has one
-        if split is not None:
-            theta, norm_weight = split(theta)
-            theta.update({f"norm.{k}": v for k, v in norm_weight.items()})
-        return {self._prefix + k: v for k, v in theta.items()}
+        return {self._prefix + k: v for k, v in self.lm.decoder_parameters(theta).items()}
 
     def scores(self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch) -> Tensor:
         if getattr(batch, "open_ended", False):
@@ -329,12 +327,12 @@ class Trainer:
 
     def inner_batch(self, step: int) -> Batch:
         cfg = self.config
-        inner = _batch_indices(len(self.train_enc.records), cfg.batch_size, step, cfg.seed, 0)
+        inner = batch_indices(len(self.train_enc.records), cfg.batch_size, step, cfg.seed, 0)
         return self.train_enc.batch(inner, self.pad_id, self.lm)
 
     def batches(self, step: int) -> tuple[Batch, Batch]:
         cfg = self.config
-        outer = _batch_indices(len(self.heldout_enc.records), cfg.heldout_batch_size, step, cfg.seed, 1)
+        outer = batch_indices(len(self.heldout_enc.records), cfg.heldout_batch_size, step, cfg.seed, 1)
         return self.inner_batch(step), self.heldout_enc.batch(outer, self.pad_id, self.lm)
 
     def bome_step(self, step: int | None = None) -> dict[str, float]:
@@ -389,9 +387,8 @@ def setup_trainer(
     theta = lm.theta()
     lam0 = adjustment.init(dtype=torch.float32, device=lm.device)
     lam = {k: v.clone().requires_grad_(True) for k, v in lam0.items()}
-    theta_opt = trainer_module._theta_optimizer(config) if hasattr(trainer_module, "_theta_optimizer") else (
-        hg.inner.Adam(lr=config.lr))
-    method = _make_method(config)
+    theta_opt = theta_optimizer(config)
+    method = make_solver(config)
     return Trainer(
         lm, losses, adjustment, config, encode_batch_source(tokenizer, train, config),
         encode_batch_source(tokenizer, heldout, config),
@@ -529,9 +526,10 @@ def step_speed(base: Any, tok: Any, train: list[MultipleChoice], heldout: list[M
             for other in ("ce",):  # share the cache (same frozen trunk): the CE trainer reuses it
                 trainers[path][other].train_enc.trunk_cache.update(tr.train_enc.trunk_cache)
                 trainers[path][other].heldout_enc.trunk_cache.update(tr.heldout_enc.trunk_cache)
-            _evaluate(tr.losses, tr.heldout_enc, tr.pad_id)  # warm-up
+            run = types.SimpleNamespace(lm=tr.lm, losses=tr.losses, heldout=tr.heldout_enc, pad_id=tr.pad_id)
+            evaluate(run)  # warm-up
             t0 = time.perf_counter()
-            _evaluate(tr.losses, tr.heldout_enc, tr.pad_id)
+            evaluate(run)
             info["heldout_eval_s_per_question"] = (time.perf_counter() - t0) / len(tr.heldout_enc.records)
         out["paths"][path] = info
     runners = {
@@ -628,10 +626,10 @@ def _split_means(per_domain: dict[str, dict[str, float]], in_domain: Sequence[st
 
 
 def demo_data(s: Settings) -> tuple[Any, list, list, dict[str, list]]:
-    from llm_calib.demo import DemoSettings, _split
+    from llm_calib.demo import DemoSettings, split_data
 
     settings = DemoSettings(**s.demo)
-    train, heldout, test = _split(settings)
+    train, heldout, test = split_data(settings)
     return settings, train, heldout, test
 
 
@@ -1113,7 +1111,7 @@ def render(result: dict[str, Any], out: Path | None) -> str:
         "",
         "## (e) Calibration quality against k (top-k LoRA layers)",
         "",
-        f"Demo data (`llm_calib.demo._split`): {q['n_train']} training questions, {q['n_heldout']} held-out inputs, "
+        f"Demo data (`llm_calib.demo.split_data`): {q['n_train']} training questions, {q['n_heldout']} held-out inputs, "
         f"{q['n_test']} test questions; in-domain = {', '.join(q['settings']['in_domain'])}, out-of-domain = "
         f"{', '.join(q['settings']['out_of_domain'])} (ECE averaged over domains, 10 bins). The demo's CALM "
         f"settings with {s.quality_steps} steps; `calibrate` keeps the parameters with the best held-out ECE "

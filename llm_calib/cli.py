@@ -16,10 +16,11 @@ Errors in the user's input (a bad data spec, a missing file, an unknown model) p
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["build_parser", "main"]
 
@@ -280,9 +281,9 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--heldout", required=True, metavar="SPEC",
-        help="data spec of the held-out split, of the same kind as --train: its inputs drive "
-        "CALM's entropy objective, its labels model selection, the accuracy guard and (multiple "
-        "choice only) the temperature fit",
+        help="data spec of the held-out split, of the same kind as --train: its labels serve "
+        "model selection, the accuracy guard and (multiple choice only) the temperature fit; its "
+        "inputs drive CALM's entropy objective unless --unlabeled is given",
     )
     p.add_argument(
         "--eval", action="append", required=True, metavar="SPEC",
@@ -299,30 +300,20 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "confidence_penalty (default: the config file's 'method' if it sets one, else all four)",
     )
     p.add_argument(
-        "--solver", choices=("bome", "f2sa"), default=None,
-        help="first-order bilevel solver of calm (default: config, else bome)",
-    )
-    p.add_argument(
-        "--steps", type=_positive_int, default=None, metavar="N",
-        help="training steps per method (default: config, else 60)",
-    )
-    p.add_argument(
-        "--batch-size", type=_positive_int, default=None, metavar="B",
-        help="training questions per step, the global batch over all ranks (default: config, else 8)",
-    )
-    p.add_argument(
         "--limit", type=_positive_int, default=None, metavar="N",
         help="at most N questions per data spec (a seeded subsample; --train, --heldout, --eval)",
     )
     p.add_argument(
-        "--seed", type=int, default=None, metavar="S",
-        help="seed of the data order, LoRA initialisation, --limit subsample and bootstrap "
-        "(default: config, else 0)",
+        "--unlabeled", action="append", default=None, metavar="SPEC",
+        help="data spec of unlabelled upper-level inputs (CALM's entropy objective and the "
+        "confidence penalty's entropy term), of the same kind as --train; labels in it are "
+        "ignored; repeat for several sets (default: the --heldout inputs; then --heldout "
+        "serves only model selection, the accuracy guard and the temperature fit)",
     )
     p.add_argument(
-        "--checkpoint-every", type=_non_negative_int, default=None, metavar="N",
-        help="write a checkpoint every N steps to --out/checkpoints/<method>/ (0: never; "
-        "default: config, else 0)",
+        "--unlabeled-limit", type=_positive_int, default=None, metavar="N",
+        help="at most N records per --unlabeled spec (a seeded subsample; default: all, "
+        "--limit does not apply to --unlabeled)",
     )
     p.add_argument(
         "--resume", action="store_true",
@@ -350,38 +341,126 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "--cache-dir", default=None,
         help="cache of the converted built-in model, or hub cache for hub names",
     )
+    _add_config_flags(p.add_argument_group(
+        "calibration settings",
+        "every CalibrationConfig field (llm_calib.calm.config); a flag overrides --config, which "
+        "overrides the defaults",
+    ))
     p.set_defaults(func=_cmd_calibrate)
+
+
+def _plain(text: str) -> str:
+    """Docstring text for --help: no reST roles or literals, %% escaped for argparse."""
+    text = re.sub(r":\w+:`~?([^`<]*?)(?: <[^>]*>)?`", r"\1", text).replace("``", "")
+    return text.replace("%", "%%")
+
+
+def _optional(parse: Callable[[str], _T]) -> Callable[[str], _T | None]:
+    def parse_optional(text: str) -> _T | None:
+        return None if text.lower() in ("null", "none") else parse(text)
+
+    parse_optional.__name__ = getattr(parse, "__name__", "value")
+    return parse_optional
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "yes", "1"):
+        return True
+    if text.lower() in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _csv(item: Callable[[str], _T]) -> Callable[[str], tuple[_T, ...]]:
+    def parse(text: str) -> tuple[_T, ...]:
+        try:
+            return tuple(item(t.strip()) for t in text.split(",") if t.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+
+    return parse
+
+
+def _config_fields() -> list[tuple[str, str, Any, str]]:
+    """``(flag, dotted field, type hint, help)`` of every CalibrationConfig field but ``method``."""
+    import dataclasses
+    import typing
+
+    from llm_calib.calm.config import CalibrationConfig, LoraSettings, field_help
+
+    out = []
+    for cls, prefix in ((CalibrationConfig, ""), (LoraSettings, "lora.")):
+        hints, helps = typing.get_type_hints(cls), field_help(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in ("method", "lora") and cls is CalibrationConfig:
+                continue
+            name = prefix + f.name
+            out.append(("--" + name.replace(".", "-").replace("_", "-"), name, hints[f.name], helps.get(f.name, "")))
+    return out
+
+
+def _flag_type(hint: Any) -> tuple[Callable[[str], Any], str]:
+    """An argparse type for a config field's type hint, and the metavar."""
+    import typing
+
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = type(None) in typing.get_args(hint)
+    base = args[0] if optional and len(args) == 1 else hint
+    if typing.get_origin(base) is tuple:
+        item = typing.get_args(base)[0]
+        parse, metavar = _csv(int if item is int else str), "A,B,..."
+    elif base is bool:
+        parse, metavar = _bool, "{true,false}"
+    elif base in (int, float):
+        parse, metavar = base, base.__name__.upper()
+    else:
+        parse, metavar = str, "VALUE"
+    return (_optional(parse), metavar + "|null") if optional else (parse, metavar)
+
+
+def _add_config_flags(group: Any) -> None:
+    from llm_calib.calm.config import CHOICES, CalibrationConfig, LoraSettings
+
+    defaults = {**CalibrationConfig().to_dict(), **{f"lora.{k}": v for k, v in LoraSettings().__dict__.items()}}
+    for flag, name, hint, text in _config_fields():
+        parse, metavar = _flag_type(hint)
+        choices = CHOICES.get(name)
+        default = defaults[name]
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else "null" if default is None else default
+        group.add_argument(
+            flag, dest=f"cfg:{name}", type=None if choices else parse, choices=choices, default=None,
+            metavar=None if choices else metavar, help=f"{_plain(text)} (default: config, else {shown})",
+        )
+
+
+def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields set by explicit flags, as a (nested) CalibrationConfig dict."""
+    out: dict[str, Any] = {}
+    for key, value in vars(args).items():
+        if key.startswith("cfg:") and value is not None:
+            name = key[4:]
+            if name.startswith("lora."):
+                out.setdefault("lora", {})[name[5:]] = list(value) if isinstance(value, tuple) else value
+            else:
+                out[name] = value
+    return out
 
 
 def _calibration_config(args: argparse.Namespace) -> tuple[object, list[str]]:
     """The run's CalibrationConfig (defaults < --config < flags) and the methods to train."""
-    from llm_calib.calm.config import METHODS, CalibrationConfig
+    from llm_calib.calm.config import METHODS, CalibrationConfig, read_config_file
 
     data: dict = {}
+    methods = list(METHODS)
     if args.config:
-        config = _user_call(lambda: CalibrationConfig.from_file(args.config), f"--config {args.config}")
-        data = config.to_dict()
-        import json
-        from pathlib import Path
-
-        path = Path(args.config)
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            explicit = yaml.safe_load(path.read_text()) or {}
-        else:
-            explicit = json.loads(path.read_text())
-        methods = [explicit["method"]] if "method" in explicit else list(METHODS)
-    else:
-        methods = list(METHODS)
-    flags = {
-        "solver": args.solver,
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "seed": args.seed,
-        "checkpoint_every": args.checkpoint_every,
-    }
-    data.update({k: v for k, v in flags.items() if v is not None})
+        data = _user_call(lambda: read_config_file(args.config), f"--config {args.config}")
+        # validate the file alone first, so that an error names the file
+        _user_call(lambda: CalibrationConfig.from_dict(data), f"--config {args.config}")
+        if "method" in data:
+            methods = [data["method"]]
+    flags = _config_overrides(args)
+    lora = {**(data.get("lora") or {}), **flags.pop("lora", {})}
+    data = {**data, **flags, **({"lora": lora} if lora else {})}
     if args.methods is not None:
         methods = args.methods
     data["method"] = methods[0]
@@ -439,6 +518,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         record_kind(heldout[1], what=f"--heldout {args.heldout}", expected=kind)
     except ValueError as exc:
         raise _UserError(str(exc)) from exc
+    unlabeled = None
+    if args.unlabeled:
+        parts = [_user_call(lambda spec=spec: load_data(spec, limit=args.unlabeled_limit, seed=seed).records,
+                            f"--unlabeled {spec}") for spec in args.unlabeled]
+        unlabeled = ("+".join(args.unlabeled), [r for part in parts for r in part])
+        try:
+            record_kind(unlabeled[1], what=f"--unlabeled {unlabeled[0]}", expected=kind)
+        except ValueError as exc:
+            raise _UserError(str(exc)) from exc
+        log(f"loaded {len(unlabeled[1])} unlabelled inputs from {unlabeled[0]}")
     evals = [(spec, records("--eval", spec)) for spec in args.eval]
     load_s = time.perf_counter() - t0
     device = _device(args.device)
@@ -453,7 +542,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     try:
         cmp = run_comparison(
             lambda: fresh_model()[0], tokenizer, train, heldout, evals, config, methods, args.out,
-            resume=args.resume, progress=not args.no_progress, n_bins=args.bins,
+            unlabeled=unlabeled, resume=args.resume, progress=not args.no_progress, n_bins=args.bins,
             bootstrap=args.bootstrap, log=log,
         )
     except TrainingDiverged as exc:

@@ -153,6 +153,7 @@ def run_comparison(
     methods: Sequence[str],
     out_dir: str | Path,
     *,
+    unlabeled: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]] | None = None,
     checkpoints: bool = True,
     resume: bool = False,
     progress: bool = True,
@@ -176,6 +177,8 @@ def run_comparison(
         methods: the methods to train (see :data:`llm_calib.calm.config.METHODS`).
         out_dir: results go to ``out_dir/<method>/``; checkpoints to
             ``out_dir/checkpoints/<method>/`` when ``config.checkpoint_every > 0``.
+        unlabeled: ``(name, records)`` of unlabelled upper-level inputs, of the same kind (see
+            :func:`~llm_calib.calm.trainer.calibrate`); default: the held-out inputs.
         checkpoints: write checkpoints (when ``config.checkpoint_every > 0``).
         resume: reuse a method's finished result directory when its saved config matches, and
             continue an unfinished method from its newest checkpoint.
@@ -202,6 +205,8 @@ def run_comparison(
         raise ValueError(f"methods must be a non-empty list from {METHODS}, got {list(methods)}")
     kind = record_kind(train[1], what=train[0])
     record_kind(heldout[1], what=heldout[0], expected=kind)
+    if unlabeled is not None:
+        record_kind(unlabeled[1], what=unlabeled[0], expected=kind)
     # a temperature is fitted on option scores, which open questions do not have
     temperature_fit = heldout if kind == "multiple_choice" else None
     out = Path(out_dir)
@@ -263,7 +268,7 @@ def run_comparison(
             use_ckpt = checkpoints and cfg.checkpoint_every > 0
             log(f"[{method}] training {cfg.steps} steps")
             result = calibrate(
-                model, tokenizer, train[1], heldout[1], cfg,
+                model, tokenizer, train[1], heldout[1], cfg, unlabeled=None if unlabeled is None else unlabeled[1],
                 checkpoint_dir=ckpt_dir if use_ckpt else None, resume=resume, progress=progress,
             )
             if writer:
@@ -285,6 +290,7 @@ def run_comparison(
     run_config = {
         "train": {"spec": train[0], "n": len(train[1]), "kind": kind},
         "heldout": {"spec": heldout[0], "n": len(heldout[1])},
+        **({} if unlabeled is None else {"unlabeled": {"spec": unlabeled[0], "n": len(unlabeled[1])}}),
         "eval": [name for name, _ in evals],
         "calibration": {k: v for k, v in config.to_dict().items() if k != "method"},
         "evaluation": {

@@ -20,7 +20,7 @@ import torch
 
 import hypergrad as hg
 
-__all__ = ["DemoSettings", "ridge_hypergradient_demo", "run_demo"]
+__all__ = ["DemoSettings", "ridge_hypergradient_demo", "run_demo", "split_data"]
 
 IN_DOMAIN = ("arithmetic", "unit_conversion", "capitals")
 OUT_OF_DOMAIN = ("calendar", "chemical_symbols")
@@ -61,7 +61,18 @@ class DemoSettings:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def _split(settings: DemoSettings) -> tuple[list, list, dict[str, list]]:
+def split_data(settings: DemoSettings) -> tuple[list, list, dict[str, list]]:
+    """The demo's data: ``(train, heldout, test_by_domain)`` from the built-in generated questions.
+
+    Each in-domain set gives ``n_train`` training and ``n_heldout`` held-out questions and keeps
+    the rest for testing; the out-of-domain sets are test questions only.
+
+    Example:
+        >>> train, heldout, test = split_data(DemoSettings(n_per_domain=8, n_train=4, n_heldout=2))
+        >>> d = DemoSettings()
+        >>> len(train) == 4 * len(d.in_domain), sorted(test) == sorted(d.in_domain + d.out_of_domain)
+        (True, True)
+    """
     from llm_calib.data import builtin_multiple_choice
 
     questions = builtin_multiple_choice(
@@ -106,7 +117,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     t = time.perf_counter()
     model, tokenizer = load(settings.model)
     timings["load model"] = time.perf_counter() - t
-    train, heldout, test = _split(settings)
+    train, heldout, test = split_data(settings)
     all_test = [q for d in test for q in test[d]]
 
     t = time.perf_counter()

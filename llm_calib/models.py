@@ -22,7 +22,9 @@ import torch
 
 __all__ = [
     "ALIASES",
+    "CACHE_MARKER",
     "GGUFAlias",
+    "cache_is_valid",
     "default_cache_dir",
     "lm_head_logits",
     "load",
@@ -33,7 +35,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_MARKER = "llm_calib_source.json"
+CACHE_MARKER = "llm_calib_source.json"
+"""File in a converted model cache naming the GGUF file (name and size) it was converted from."""
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,19 @@ def resolve_gguf(alias: str) -> Path:
     )
 
 
-def _cache_is_valid(cache_dir: Path, gguf: Path) -> bool:
-    marker = cache_dir / _MARKER
+def cache_is_valid(cache_dir: str | Path, gguf: str | Path) -> bool:
+    """True when ``cache_dir`` holds a complete conversion of ``gguf`` (same file name and size).
+
+    A cache is complete when it has ``config.json``, safetensors weights and a
+    :data:`CACHE_MARKER` naming this GGUF file; anything else is converted again.
+
+    Example:
+        >>> import tempfile
+        >>> cache_is_valid(tempfile.mkdtemp(), "model.gguf")
+        False
+    """
+    cache_dir, gguf = Path(cache_dir), Path(gguf)
+    marker = cache_dir / CACHE_MARKER
     if not (marker.is_file() and (cache_dir / "config.json").is_file()):
         return False
     if not any(cache_dir.glob("*.safetensors")):
@@ -157,15 +171,15 @@ def _convert_gguf(gguf: Path, cache_dir: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         marker = {"gguf_file": gguf.name, "gguf_size": gguf.stat().st_size}
-        (tmp / _MARKER).write_text(json.dumps(marker))
+        (tmp / CACHE_MARKER).write_text(json.dumps(marker))
         if cache_dir.exists():
-            if _cache_is_valid(cache_dir, gguf):  # another process finished first
+            if cache_is_valid(cache_dir, gguf):  # another process finished first
                 return
             shutil.rmtree(cache_dir, ignore_errors=True)
         try:
             os.replace(tmp, cache_dir)
         except OSError:
-            if not _cache_is_valid(cache_dir, gguf):
+            if not cache_is_valid(cache_dir, gguf):
                 raise
     finally:
         if tmp.exists():
@@ -232,7 +246,7 @@ def load(
     if name_or_path in ALIASES:
         gguf = resolve_gguf(name_or_path)
         target = Path(cache_dir).expanduser() if cache_dir else default_cache_dir(name_or_path)
-        if not _cache_is_valid(target, gguf):
+        if not cache_is_valid(target, gguf):
             _convert_gguf(gguf, target)
         model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(target)

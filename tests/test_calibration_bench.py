@@ -14,8 +14,8 @@ import torch
 from _benchmarks import load_benchmark
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.encoding import encode_records as encode_batch_source
 from llm_calib.calm.lora import FunctionalLM, attach_lora
-from llm_calib.calm.trainer import encode_batch_source
 from llm_calib.data import MultipleChoice, OpenQA, builtin_multiple_choice
 from llm_calib.metrics import ece
 from llm_calib.models import tiny_random_model

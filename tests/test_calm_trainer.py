@@ -33,7 +33,7 @@ RUN_SCRIPT = '''
 import json, sys
 import torch
 torch.set_num_threads(1)
-import llm_calib.calm.trainer as trainer
+import llm_calib.calm.sampling as sampling
 from llm_calib import CalibrationConfig, calibrate
 from llm_calib.data import load
 from llm_calib.models import tiny_random_model
@@ -61,8 +61,8 @@ if __name__ == "__main__":
     from safetensors.torch import save_file
     method, ckpt, resume, out = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
     calls = []
-    sampler = trainer._batch_indices
-    trainer._batch_indices = lambda n, b, step, seed, stream: calls.append(step) or sampler(n, b, step, seed, stream)
+    sampler = sampling.batch_indices
+    sampling.batch_indices = lambda n, b, step, seed, stream: calls.append(step) or sampler(n, b, step, seed, stream)
     result = run(method, ckpt, resume)
     save_file(final_tensors(result), out)
     with open(out + ".json", "w") as fh:

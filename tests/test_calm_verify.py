@@ -13,9 +13,9 @@ import torch
 import hypergrad as hg
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.objectives import CalmLosses
-from llm_calib.calm.trainer import encode_batch_source
 from llm_calib.calm.verify import (
     check_hypergradients,
     compare_directions,
@@ -46,8 +46,8 @@ def calm_problem():
     lm = FunctionalLM(attach_lora(model, LoraSettings(rank=1, layers=(1,), target_modules=("v_proj",))))
     adjustment = LogitAdjustment("option_length", lm.head.out_features)
     losses = CalmLosses(lm, adjustment, "sum")
-    inner_batch = encode_batch_source(tok, qs[:8], config).batch(range(8), 0, lm)
-    outer_batch = encode_batch_source(tok, qs[8:], config).batch(range(8), 0, lm)
+    inner_batch = encode_records(tok, qs[:8], config).batch(range(8), 0, lm)
+    outer_batch = encode_records(tok, qs[8:], config).batch(range(8), 0, lm)
     anchor = {k: v + 0.3 * torch.randn_like(v) for k, v in lm.theta().items()}
     problem = proximal_problem(hg.BilevelProblem(inner=losses.inner, outer=losses.outer), anchor, mu=1.0)
     lam = {"log_a": torch.tensor([0.2], dtype=torch.float64), "length": torch.tensor([-0.1], dtype=torch.float64)}

@@ -25,8 +25,8 @@ from llm_calib.data import (
     load_selfaware,
     load_webquestions,
     mmlu_group,
+    repair_utf8,
 )
-from llm_calib.data._io import repair_utf8
 from llm_calib.data.mmlu import mmlu_subject
 
 REAL = Path(__file__).resolve().parents[1].parent / "shared" / "data"

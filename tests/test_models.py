@@ -81,11 +81,11 @@ def test_cache_validity_needs_marker_matching_the_gguf(tmp_path):
     cache.mkdir()
     (cache / "config.json").write_text("{}")
     (cache / "model.safetensors").write_bytes(b"")
-    assert not models._cache_is_valid(cache, gguf)
-    (cache / models._MARKER).write_text(json.dumps({"gguf_file": "m.gguf", "gguf_size": 10}))
-    assert models._cache_is_valid(cache, gguf)
+    assert not models.cache_is_valid(cache, gguf)
+    (cache / models.CACHE_MARKER).write_text(json.dumps({"gguf_file": "m.gguf", "gguf_size": 10}))
+    assert models.cache_is_valid(cache, gguf)
     gguf.write_bytes(b"x" * 11)  # a different file: convert again
-    assert not models._cache_is_valid(cache, gguf)
+    assert not models.cache_is_valid(cache, gguf)
 
 
 def test_alias_uses_valid_cache_without_converting(monkeypatch, tmp_path, tiny):
@@ -96,12 +96,12 @@ def test_alias_uses_valid_cache_without_converting(monkeypatch, tmp_path, tiny):
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     marker = {"gguf_file": gguf.name, "gguf_size": gguf.stat().st_size}
-    (tmp_path / models._MARKER).write_text(json.dumps(marker))
+    (tmp_path / models.CACHE_MARKER).write_text(json.dumps(marker))
     converted = []
     monkeypatch.setattr(models, "_convert_gguf", lambda g, d: converted.append(d))
     loaded, _ = load("tiny-alias", cache_dir=tmp_path)
     assert converted == [] and loaded.config.hidden_size == model.config.hidden_size
-    (tmp_path / models._MARKER).unlink()
+    (tmp_path / models.CACHE_MARKER).unlink()
     load("tiny-alias", cache_dir=tmp_path)
     assert converted == [tmp_path]
 

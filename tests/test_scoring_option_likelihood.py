@@ -6,11 +6,15 @@ import math
 
 import pytest
 import torch
+from _benchmarks import load_benchmark
 
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.prompts import PromptFormat
-from llm_calib.scoring import score_option_likelihood, score_option_likelihood_naive
+from llm_calib.scoring import score_option_likelihood
 from llm_calib.scoring.option_likelihood import encode_questions
+
+# the slow one-sequence-per-option reference (benchmarks/naive_scoring.py, not library API)
+score_option_likelihood_naive = load_benchmark("naive_scoring").score_option_likelihood_naive
 
 
 def _max_diff(a, b) -> float:

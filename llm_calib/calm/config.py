@@ -10,7 +10,7 @@ from typing import Any
 
 from llm_calib.adjustment import ADJUSTMENT_KINDS
 
-__all__ = ["METHODS", "SOLVERS", "CalibrationConfig", "LoraSettings"]
+__all__ = ["CHOICES", "METHODS", "SOLVERS", "CalibrationConfig", "LoraSettings", "field_help", "read_config_file"]
 
 METHODS = ("calm", "lora_ce", "label_smoothing", "confidence_penalty")
 """Training objectives run by the same code path, CALM (bilevel) and the one-level baselines."""
@@ -19,8 +19,19 @@ SOLVERS = ("bome", "f2sa")
 """First-order bilevel solvers from :mod:`hypergrad` used by ``method="calm"``."""
 
 
+CHOICES: dict[str, tuple[str, ...]] = {
+    "method": METHODS,
+    "solver": SOLVERS,
+    "adjustment": ADJUSTMENT_KINDS,
+    "scorer": ("option_likelihood", "letter"),
+    "normalize": ("sum", "mean"),
+    "prompt_style": ("cloze", "listed"),
+    "bome_barrier": ("value", "gradient"),
+}
+"""The allowed values of each string field of :class:`CalibrationConfig`."""
+
 _FLOAT_FIELDS = (
-    "lr", "lam_lr", "inner_lr", "bome_eta", "f2sa_sigma", "label_smoothing", "penalty_beta",
+    "lr", "lam_lr", "bome_eta", "f2sa_sigma", "label_smoothing", "penalty_beta",
     "max_log_scale", "max_bias", "guard_accuracy", "output_scale_lr",
 )
 
@@ -100,12 +111,15 @@ class CalibrationConfig:
             entropy only by changing which answers the model prefers, which costs accuracy.
         output_scale_lr: learning rate of that log-scale (Adam).
         steps: outer steps (one batch each).
-        batch_size: training questions per step (inner batch).
-        heldout_batch_size: held-out inputs per step (outer batch; labels unused).
+        batch_size: training questions per step (inner batch; the global batch over all ranks).
+        heldout_batch_size: unlabelled upper-level inputs per step (outer batch; CALM's f and the
+            confidence penalty's entropy term; labels unused).
         lr: learning rate of θ (LoRA).
         lam_lr: learning rate of λ (Adam).
         inner_steps: BOME's T / F2SA's inner steps.
-        inner_lr: step size of BOME's T plain-SGD inner steps that define the value function.
+        inner_lr: step size of the solver's inner steps: BOME's T plain-SGD steps that define
+            the value function, F2SA's T Adam steps of each iterate. None (default): BOME 1e-2,
+            F2SA θ's rate ``lr`` (see :func:`llm_calib.calm.methods.inner_lr`).
         bome_eta: BOME's barrier coefficient η.
         bome_barrier: BOME's barrier, ``"value"`` (φ = η q) or ``"gradient"`` (φ = η‖∇q‖²,
             which keeps the lower-level loss decreasing at every step), see :class:`hypergrad.BOME`.
@@ -143,7 +157,7 @@ class CalibrationConfig:
     lr: float = 1e-3
     lam_lr: float = 5e-2
     inner_steps: int = 1
-    inner_lr: float = 1e-2
+    inner_lr: float | None = None
     bome_eta: float = 0.5
     bome_barrier: str = "value"
     f2sa_sigma: float = 0.1
@@ -170,6 +184,10 @@ class CalibrationConfig:
             raise ValueError(f"lora must be a mapping of LoRA settings, got {self.lora!r}")
         for name in _FLOAT_FIELDS:
             setattr(self, name, _number(name, getattr(self, name)))
+        if self.inner_lr is not None:
+            self.inner_lr = _number("inner_lr", self.inner_lr)
+            if not self.inner_lr > 0:
+                raise ValueError(f"inner_lr must be > 0 or null, got {self.inner_lr!r}")
         for name in ("method", "solver", "adjustment", "scorer", "normalize", "prompt_style", "bome_barrier"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
@@ -178,24 +196,15 @@ class CalibrationConfig:
         for name in ("seed", "checkpoint_every"):
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
-        checks = {
-            "method": (self.method, METHODS),
-            "solver": (self.solver, SOLVERS),
-            "adjustment": (self.adjustment, ADJUSTMENT_KINDS),
-            "scorer": (self.scorer, ("option_likelihood", "letter")),
-            "normalize": (self.normalize, ("sum", "mean")),
-            "prompt_style": (self.prompt_style, ("cloze", "listed")),
-            "bome_barrier": (self.bome_barrier, ("value", "gradient")),
-        }
-        for name, (value, allowed) in checks.items():
-            if value not in allowed:
+        for name, allowed in CHOICES.items():
+            if (value := getattr(self, name)) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         for name in ("steps", "batch_size", "heldout_batch_size", "inner_steps", "eval_every", "guard_patience"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.output_scale, bool):
             raise ValueError(f"output_scale must be true or false, got {self.output_scale!r}")
-        for name in ("lr", "lam_lr", "inner_lr", "bome_eta", "f2sa_sigma", "max_log_scale", "output_scale_lr"):
+        for name in ("lr", "lam_lr", "bome_eta", "f2sa_sigma", "max_log_scale", "output_scale_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.label_smoothing < 1.0:
@@ -227,24 +236,79 @@ class CalibrationConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> CalibrationConfig:
-        """Load from a ``.yaml``/``.yml`` or ``.json`` file."""
-        path = Path(path)
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            try:
-                data = yaml.safe_load(text) or {}
-            except yaml.YAMLError as err:
-                raise ValueError(f"{path}: not valid YAML: {err}") from err
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: not valid JSON: {err}") from err
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: the config must be a mapping of keys to values")
+        """Load from a ``.yaml``/``.yml`` or ``.json`` file (see :func:`read_config_file`)."""
+        data = read_config_file(path)
         try:
             return cls.from_dict(data)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from err
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping stored in a ``.yaml``/``.yml`` or ``.json`` config file, not yet validated.
+
+    The keys a file sets matter to callers that layer settings (defaults < file < flags), so
+    this returns them as written; :meth:`CalibrationConfig.from_dict` validates them.
+
+    Raises:
+        ValueError: the file is not valid YAML/JSON or does not hold a mapping (names the file).
+        OSError: the file cannot be read.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.yaml"
+        >>> _ = path.write_text("steps: 5\\nlora: {rank: 2}\\n")
+        >>> read_config_file(path)
+        {'steps': 5, 'lora': {'rank': 2}}
+    """
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: not valid YAML: {err}") from err
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config must be a mapping of keys to values")
+    return data
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """One line of help per field of a config dataclass, read from its ``Attributes:`` docstring.
+
+    Fields documented together (``max_log_scale, max_bias: ...``) share their text.
+
+    Example:
+        >>> field_help(LoraSettings)["rank"]
+        'adapter rank ``r``.'
+    """
+    out: dict[str, str] = {}
+    lines = (cls.__doc__ or "").splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Attributes:")
+    except StopIteration:
+        return out
+    indent, names = None, []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        indent = depth if indent is None else indent
+        if depth < indent:
+            break
+        if depth == indent and ":" in line:
+            head, text = line.strip().split(":", 1)
+            names = [n.strip() for n in head.split(",")]
+            for n in names:
+                out[n] = text.strip()
+        else:
+            for n in names:
+                out[n] += " " + line.strip()
+    return out

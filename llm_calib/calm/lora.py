@@ -15,11 +15,11 @@ from llm_calib.scoring.packing import PackedQuestions
 __all__ = ["OUTPUT_LOG_SCALE", "FunctionalLM", "attach_lora"]
 
 OUTPUT_LOG_SCALE = "output_log_scale"
+"""Name of the θ leaf holding the log of the final norm's scale (see ``output_scale``)."""
 
 # Decoders whose forward is exactly: token embedding, then the layers (no embedding scale or
 # extra inputs), so the cached trunk can run the bottom layers alone.
 _EMBED_THEN_LAYERS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
-"""Name of the θ leaf holding the log of the final norm's scale (see ``output_scale``)."""
 
 
 def _final_norm_name(model: Any) -> str:
@@ -198,6 +198,21 @@ class FunctionalLM:
             raise ValueError(f"theta has {OUTPUT_LOG_SCALE!r} but the model's final norm has no adapter copy")
         return theta, {self._scaled_norm: self._norm_base_weight * torch.exp(log_scale)}
 
+    def decoder_parameters(self, theta: dict[str, Tensor]) -> dict[str, Tensor]:
+        """θ as parameters of the decoder module (names relative to it), for
+        :func:`torch.func.functional_call`: the output log-scale becomes the final norm's weight.
+
+        Example:
+            >>> from llm_calib.models import tiny_random_model
+            >>> from llm_calib.calm.config import LoraSettings
+            >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True))
+            >>> [k for k in lm.decoder_parameters(lm.theta()) if k.startswith("norm.")]
+            ['norm.modules_to_save.default.weight']
+        """
+        theta, norm_weight = self._split_scale(theta)
+        theta.update({f"norm.{k}": v for k, v in norm_weight.items()})
+        return theta
+
     def _current_log_scale(self) -> Tensor:
         copy = dict(self.decoder.norm.named_parameters())[self._scaled_norm].detach()
         base = self._norm_base_weight.detach()
@@ -257,9 +272,7 @@ class FunctionalLM:
         if theta is None:
             out = self.decoder(**kwargs)
         else:
-            theta, norm_weight = self._split_scale(theta)
-            theta.update({f"norm.{k}": v for k, v in norm_weight.items()})
-            out = torch.func.functional_call(self.decoder, theta, (), kwargs, strict=False)
+            out = torch.func.functional_call(self.decoder, self.decoder_parameters(theta), (), kwargs, strict=False)
         hidden = out.last_hidden_state
         return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(device)]
 

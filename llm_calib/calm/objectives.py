@@ -67,10 +67,6 @@ class Batch:
     open_ended: bool = False
 
 
-def _masked_log_softmax(scores: Tensor) -> Tensor:
-    return torch.log_softmax(scores, dim=-1)
-
-
 def cross_entropy(scores: Tensor, labels: Tensor, smoothing: float = 0.0) -> Tensor:
     """Per-question cross-entropy over options; padded options (``-inf``) get no smoothing mass.
 
@@ -80,7 +76,7 @@ def cross_entropy(scores: Tensor, labels: Tensor, smoothing: float = 0.0) -> Ten
         >>> round(cross_entropy(s, torch.tensor([0])).item(), 4)   # log 2
         0.6931
     """
-    logp = _masked_log_softmax(scores)
+    logp = torch.log_softmax(scores, dim=-1)  # padded options are -inf: probability 0, no masking needed
     nll = -logp.gather(-1, labels.to(scores.device)[:, None]).squeeze(-1)
     if smoothing == 0.0:
         return nll
@@ -97,7 +93,7 @@ def entropy(scores: Tensor) -> Tensor:
         >>> round(entropy(torch.tensor([[0.0, 0.0, float("-inf")]])).item(), 4)
         0.6931
     """
-    logp = _masked_log_softmax(scores)
+    logp = torch.log_softmax(scores, dim=-1)
     p = logp.exp()
     # Mask log p, not the product: with p = 0, log p = -inf, and p * log p is NaN in the backward
     # pass even inside the branch torch.where does not take (padded options of mixed-size batches).

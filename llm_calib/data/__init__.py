@@ -12,6 +12,7 @@ Example:
     (8, 'arithmetic')
 """
 
+from llm_calib.data._io import repair_utf8
 from llm_calib.data.ai2 import AI2_DATASETS, ai2_domain, load_ai2
 from llm_calib.data.builtin import BUILTIN_DOMAINS, CAPITALS, ELEMENTS, builtin_multiple_choice
 from llm_calib.data.errors import MAX_ERRORS, DataError, OnError
@@ -63,5 +64,6 @@ __all__ = [
     "openqa_from_dict",
     "parse_spec",
     "record_kind",
+    "repair_utf8",
     "subsample",
 ]

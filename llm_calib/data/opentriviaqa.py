@@ -15,7 +15,7 @@ Quirks of the real files, and what the loader does about them:
   lines are joined with ``\\n``.
 * Mixed encodings: the files are UTF-8 except a few dozen lines holding Windows-1252 bytes (``é``
   as ``E9``, curly quotes as ``93``/``94``) or UTF-8 characters whose last byte became ``?``. By
-  default such lines are repaired (:func:`~llm_calib.data._io.repair_utf8`) and the record gets
+  default such lines are repaired (:func:`~llm_calib.data.repair_utf8`) and the record gets
   ``meta["encoding"] = "repaired"``; with ``repair_encoding=False`` they are DataErrors.
 * Windows line ends (CRLF) mixed with LF: both are accepted.
 * Empty options (``A`` with no text, 4 blocks) are dropped, and repeated option texts (24 blocks)

@@ -6,7 +6,6 @@ Multiple choice (both return a :class:`ScoredSet`):
   (summed or length-normalised), softmax over options; cloze prompt by default. Batched, one
   forward pass per batch of questions.
 * :func:`score_letter`: log-probabilities of the option letters with the options listed.
-* :func:`score_option_likelihood_naive`: the slow one-sequence-per-option reference.
 
 Open-ended: :func:`score_open_ended` (greedy answers, token-probability confidences, SQuAD exact
 match and F1).
@@ -21,7 +20,6 @@ from llm_calib.data.records import MultipleChoice
 from llm_calib.prompts import PromptFormat
 from llm_calib.scoring.base import ScoredSet
 from llm_calib.scoring.letter import letter_token_ids, score_letter
-from llm_calib.scoring.naive import score_option_likelihood_naive
 from llm_calib.scoring.open_ended import (
     GreedyAnswer,
     OpenEndedSet,
@@ -52,7 +50,6 @@ __all__ = [
     "score_multiple_choice",
     "score_open_ended",
     "score_option_likelihood",
-    "score_option_likelihood_naive",
     "token_f1",
 ]
 

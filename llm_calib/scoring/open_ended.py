@@ -27,7 +27,9 @@ __all__ = [
     "GreedyAnswer",
     "OpenEndedSet",
     "encode_open_prompts",
+    "eos_token_ids",
     "exact_match",
+    "finish_answer",
     "generate_greedy",
     "normalize_answer",
     "score_open_ended",
@@ -130,7 +132,16 @@ class GreedyAnswer:
     stop: str
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every end-of-sequence token id of a model: its generation config's, its config's and the
+    tokenizer's (generation stops at any of them).
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> tok.eos_token_id in eos_token_ids(model, tok)
+        True
+    """
     ids: set[int] = set()
     for src in (getattr(model, "generation_config", None), model.config):
         eos = getattr(src, "eos_token_id", None)
@@ -185,7 +196,7 @@ def generate_greedy(
         return []
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_token_ids(model, tokenizer)
     B, L = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     attn = torch.zeros((B, L), dtype=torch.long)
@@ -236,14 +247,30 @@ def generate_greedy(
             step_ids = top[:, None]
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
     return [
-        _finish(tokenizer, g, pr, eos, stop_at_newline)
+        finish_answer(tokenizer, g, pr, eos, stop_at_newline)
         for g, pr in zip(generated, probs, strict=True)
     ]
 
 
-def _finish(
-    tokenizer: Any, ids: list[int], probs: list[float], eos: set[int], stop_at_newline: bool
+def finish_answer(
+    tokenizer: Any, ids: Sequence[int], probs: Sequence[float], eos: set[int], stop_at_newline: bool = True
 ) -> GreedyAnswer:
+    """The :class:`GreedyAnswer` of generated token ids and their probabilities (the stopping
+    rule of :func:`generate_greedy`, for decoding loops of one's own).
+
+    A final EOS token is dropped; a final token containing a newline (with ``stop_at_newline``)
+    is dropped too, except for text before the newline inside it, which stays with its
+    probability. An empty answer takes the probability of the stop token as its confidence.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> _, tok = tiny_random_model()
+        >>> ids = tok.encode(" Paris", add_special_tokens=False)
+        >>> ans = finish_answer(tok, [*ids, tok.eos_token_id], [0.9] * len(ids) + [0.5], {tok.eos_token_id})
+        >>> ans.text, ans.stop, ans.token_probs == (0.9,) * len(ids)
+        ('Paris', 'eos', True)
+    """
+    ids, probs = list(ids), list(probs)
     stop, keep, extra = "length", len(ids), ""
     if ids and ids[-1] in eos:
         stop, keep = "eos", len(ids) - 1

@@ -1,7 +1,7 @@
 """Slow reference implementation of option likelihood: one full forward pass per option.
 
-Used by the tests (the batched scorer must agree to 1e-5) and as the baseline of the speed
-comparison. It runs the model's own forward on ``prompt + option`` with no padding, no custom
+Not part of the library: the baseline of the speed benchmark (``llm_speed.py``) and the reference
+the tests compare the batched scorer with (it must agree to 1e-5). It runs the model's own forward on ``prompt + option`` with no padding, no custom
 masks and the full output head, so its correctness is easy to check by reading.
 
 :func:`option_scores_naive` is the differentiable counterpart used for training references: the

@@ -1,0 +1,578 @@
+"""The public training loop of a calibration run, as small functions on two dataclasses.
+
+:class:`Trainer` holds what a run does not change (the LoRA-adapted model, the losses, the
+encoded record sets, the solver); :class:`TrainState` what it changes (θ, λ, optimiser states,
+the history, the selected parameters). A run is then, in the style of ``optax``'s ``init`` /
+``update`` pairs::
+
+    trainer = build_trainer(model, tokenizer, train, heldout, config)
+    state = init_state(trainer)                     # evaluates the initial model
+    while not done(trainer, state):
+        record = train_step(trainer, state)         # one step of the configured method
+        if evaluation_due(trainer.config, state.step):
+            record.update(select(trainer, state, evaluate(trainer, state.theta)))
+        state.history.append(record)
+
+which is what :func:`llm_calib.calm.trainer.calibrate` runs, with checkpoints
+(:func:`save_state`, :func:`resume_state`) and a progress bar around it. Benchmarks and research
+code call the same functions to time or inspect single steps.
+
+Each step draws a batch of training questions (lower level g: adjusted cross-entropy) and, for
+CALM and the confidence penalty, a batch of unlabelled upper-level inputs (CALM's f, the penalty's
+entropy term), each from its own seeded stream (:mod:`llm_calib.calm.sampling`). The unlabelled
+inputs default to the held-out inputs; the held-out labels serve only model selection and the
+accuracy guard (:func:`select`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import hypergrad as hg
+from llm_calib.calm import sampling
+from llm_calib.calm.config import CalibrationConfig
+from llm_calib.calm.encoding import EncodedRecords, encode_records
+from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
+from llm_calib.calm.methods import lam_optimizer, make_adjustment, make_solver, theta_optimizer
+from llm_calib.calm.objectives import Batch, CalmLosses
+from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
+from llm_calib.metrics import ece as ece_metric
+
+__all__ = [
+    "RESUMABLE_CHANGES",
+    "TrainState",
+    "Trainer",
+    "TrainingDiverged",
+    "build_trainer",
+    "data_fingerprint",
+    "done",
+    "evaluate",
+    "evaluation_due",
+    "init_state",
+    "is_selectable",
+    "parameter_summary",
+    "resume_state",
+    "save_state",
+    "select",
+    "train_step",
+]
+
+Records = Sequence[MultipleChoice] | Sequence[OpenQA] | EncodedRecords
+
+
+class TrainingDiverged(FloatingPointError):  # noqa: N818 (public name)
+    """A loss or update became NaN/inf; the last good checkpoint is left untouched."""
+
+
+class _FirstValues:
+    """Keeps the first value of each wrapped loss since the last :meth:`reset` (a step's start)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.values = {}
+
+    def wrap(self, name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def recorded(*args: Any) -> Tensor:
+            value = fn(*args)
+            if name not in self.values:
+                self.values[name] = float(value.detach())
+            return value
+
+        return recorded
+
+
+@dataclass
+class Trainer:
+    """What a calibration run keeps fixed: model, losses, data, solver.
+
+    Attributes:
+        config: the run's configuration.
+        model: the peft model (LoRA attached; its adapter weights are the deployed θ).
+        lm: the functional view of ``model`` that the losses evaluate.
+        losses: g, f, the baselines and the held-out monitor (:class:`CalmLosses`).
+        train: encoded training questions (lower level).
+        heldout: encoded held-out questions (model selection and the accuracy guard).
+        unlabeled: encoded upper-level inputs (CALM's f, the confidence penalty's entropy); the
+            same object as ``heldout`` unless other inputs were given.
+        pad_id: the tokenizer's padding id.
+        theta_optimizer: θ's optimiser for the one-level baselines (:func:`theta_optimizer`).
+        solver: the bilevel solver of CALM (:func:`make_solver`), None for a baseline.
+        problem: ``BilevelProblem(inner=g, outer=f)`` the solver is called on (None for a baseline).
+    """
+
+    config: CalibrationConfig
+    model: Any
+    lm: FunctionalLM
+    losses: CalmLosses
+    train: EncodedRecords
+    heldout: EncodedRecords
+    unlabeled: EncodedRecords
+    pad_id: int
+    theta_optimizer: Any
+    solver: Any | None
+    problem: hg.BilevelProblem | None
+    _recorder: _FirstValues = field(default_factory=_FirstValues, repr=False)
+
+    @property
+    def adjustment(self) -> Any:
+        """The logit adjustment λ (:class:`~llm_calib.adjustment.LogitAdjustment`)."""
+        return self.losses.adjustment
+
+    def train_batch(self, step: int) -> Batch:
+        """This rank's training batch of ``step`` (0-based)."""
+        n = len(self.train.records)
+        idx = sampling.shard(sampling.batch_indices(n, self.config.batch_size, step, self.config.seed, sampling.TRAIN_STREAM))
+        return self.train.batch(idx, self.pad_id, self.lm)
+
+    def unlabeled_batch(self, step: int) -> Batch:
+        """This rank's batch of upper-level inputs of ``step`` (labels unused)."""
+        n = len(self.unlabeled.records)
+        cfg = self.config
+        idx = sampling.shard(sampling.batch_indices(n, cfg.heldout_batch_size, step, cfg.seed, sampling.UPPER_STREAM))
+        return self.unlabeled.batch(idx, self.pad_id, self.lm)
+
+
+@dataclass
+class TrainState:
+    """What a calibration run changes, step by step (everything a checkpoint stores).
+
+    Attributes:
+        step: steps taken.
+        theta: the current LoRA parameters θ (detached tensors).
+        lam: the current λ (leaf tensors with ``requires_grad``, stepped by ``lam_optimizer``).
+        lam_optimizer: λ's :class:`torch.optim.Adam`.
+        theta_opt_state: θ's optimiser state (the baselines').
+        solver_state: the solver's state (BOME's θ optimiser, F2SA's iterates), or None.
+        history: one record per step (see :func:`train_step`, :func:`select`).
+        before: held-out metrics of the initial model.
+        best: the selected step, its held-out ECE and the count of consecutive evaluations
+            below the accuracy floor.
+        best_theta, best_lam: θ and λ of the selected step.
+        stopped_early: the accuracy guard stopped the run.
+    """
+
+    step: int
+    theta: dict[str, Tensor]
+    lam: dict[str, Tensor]
+    lam_optimizer: torch.optim.Optimizer
+    theta_opt_state: Any
+    solver_state: Any
+    history: list[dict[str, float]]
+    before: dict[str, float]
+    best: dict[str, float]
+    best_theta: dict[str, Tensor]
+    best_lam: dict[str, Tensor]
+    stopped_early: bool = False
+
+
+def _encode(tokenizer: Any, data: Records, config: CalibrationConfig) -> EncodedRecords:
+    return data if isinstance(data, EncodedRecords) else encode_records(tokenizer, data, config)
+
+
+def _records(data: Records) -> Sequence[Any]:
+    return data.records if isinstance(data, EncodedRecords) else data
+
+
+def build_trainer(
+    model: Any,
+    tokenizer: Any,
+    train: Records,
+    heldout: Records,
+    config: CalibrationConfig,
+    *,
+    unlabeled: Records | None = None,
+) -> Trainer:
+    """Attach LoRA to ``model`` (in place) and set up a run: encodings, λ's shape, losses, solver.
+
+    Seeds torch with ``config.seed`` first (the LoRA initialisation draws from it).
+
+    Args:
+        model: a Hugging Face causal LM (a fresh copy per run).
+        tokenizer: its tokenizer.
+        train: training records, or an :class:`EncodedRecords` of them (reused as is, trunk
+            cache included: pass the same object to several runs on the same base model).
+        heldout: held-out records (or their encoding), of the same kind.
+        config: the run's configuration.
+        unlabeled: upper-level inputs (or their encoding), of the same kind; their labels are
+            ignored. Default: the held-out inputs.
+
+    Returns:
+        A :class:`Trainer`.
+
+    Raises:
+        ValueError: records of mixed kinds or of another type (naming the record).
+
+    Example:
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
+        >>> cfg = CalibrationConfig(steps=2, batch_size=2, heldout_batch_size=2)
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], cfg, unlabeled=qs)
+        >>> len(trainer.unlabeled), trainer.unlabeled is trainer.heldout
+        (4, False)
+    """
+    kind = record_kind(_records(train), what="train")
+    record_kind(_records(heldout), what="heldout", expected=kind)
+    if unlabeled is not None:
+        record_kind(_records(unlabeled), what="unlabeled", expected=kind)
+    torch.manual_seed(config.seed)
+    peft_model = attach_lora(model, config.lora, output_scale=config.output_scale)
+    peft_model.eval()  # no dropout randomness unless configured; LoRA dropout is applied in eval too when > 0
+    lm = FunctionalLM(peft_model)
+    vocab = lm.head.out_features if hasattr(lm.head, "out_features") else lm.base.config.vocab_size
+    train_enc = _encode(tokenizer, train, config)
+    heldout_enc = _encode(tokenizer, heldout, config)
+    unlabeled_enc = heldout_enc if unlabeled is None else _encode(tokenizer, unlabeled, config)
+    sources = (train_enc, heldout_enc) if unlabeled is None else (train_enc, heldout_enc, unlabeled_enc)
+    tokens = {t for src in sources for opts in src.options for o in opts for t in o} if config.adjustment == "answer_tokens" else ()
+    adjustment = make_adjustment(config, vocab, tokens)
+    losses = CalmLosses(lm, adjustment, config.normalize, config.label_smoothing, config.penalty_beta)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    recorder = _FirstValues()
+    solver = make_solver(config) if config.method == "calm" else None
+    problem = None
+    if solver is not None:
+        problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner), outer=recorder.wrap("f", losses.outer))
+    return Trainer(config, peft_model, lm, losses, train_enc, heldout_enc, unlabeled_enc, pad_id,
+                   theta_optimizer(config), solver, problem, recorder)
+
+
+def evaluate(trainer: Trainer, theta: dict[str, Tensor] | None = None, batch_size: int = 16) -> dict[str, float]:
+    """Held-out metrics of the deployed model (no adjustment), computed in inference mode.
+
+    Args:
+        trainer: the run.
+        theta: load these LoRA parameters into the model first (default: as it is).
+        batch_size: questions per forward pass.
+
+    Returns:
+        ``accuracy``, ``ece`` (10 bins, :func:`llm_calib.metrics.ece`), ``nll``, ``entropy``
+        and ``confidence`` (means). The per-question statistics come from :meth:`CalmLosses.monitor
+        <llm_calib.calm.objectives.CalmLosses.monitor>`: exact option metrics for multiple choice,
+        a teacher-forced proxy of greedy answering for open questions, with the same keys, so
+        model selection and the accuracy guard do not depend on the kind of record.
+    """
+    if theta is not None:
+        trainer.lm.load_theta(theta)
+    data = trainer.heldout
+    parts = []
+    with torch.inference_mode():
+        for start in range(0, len(data.records), batch_size):
+            batch = data.batch(range(start, min(start + batch_size, len(data.records))), trainer.pad_id, trainer.lm)
+            parts.append(trainer.losses.monitor(batch))
+    stats = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
+    conf, correct = stats["confidence"], stats["correct"]
+    return {
+        "accuracy": float(correct.mean()),
+        "ece": float(ece_metric(conf.numpy(), correct.numpy(), n_bins=10)),
+        "nll": float(stats["nll"].mean()),
+        "entropy": float(stats["entropy"].mean()),
+        "confidence": float(conf.mean()),
+    }
+
+
+def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
+    """The state at step 0: θ from the model, λ at the identity, fresh optimisers.
+
+    Args:
+        trainer: the run.
+        evaluate_before: score the initial model on the held-out set (the reference of the
+            accuracy guard and the ECE to beat); without it ``before`` holds NaNs (for timing
+            steps only: :func:`select` then never selects).
+
+    Example:
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(batch_size=2, heldout_batch_size=2))
+        >>> state = init_state(trainer)
+        >>> record = train_step(trainer, state)
+        >>> state.step, sorted(k for k in ("g", "phi", "q", "unlabeled_entropy") if k in record)
+        (1, ['g', 'phi', 'q', 'unlabeled_entropy'])
+    """
+    lm = trainer.lm
+    theta = lm.theta()
+    # λ in the float precision of the model (float32 for half-precision models)
+    lam0 = trainer.adjustment.init(dtype=torch.float64 if lm.dtype == torch.float64 else torch.float32, device=lm.device)
+    lam = {k: v.clone().requires_grad_(True) for k, v in lam0.items()}
+    opt = lam_optimizer(lam.values(), trainer.config)
+    theta_opt_state = trainer.theta_optimizer.init(theta)
+    if evaluate_before:
+        before = evaluate(trainer)
+    else:
+        before = dict.fromkeys(("accuracy", "ece", "nll", "entropy", "confidence"), math.nan)
+    return TrainState(
+        step=0, theta=theta, lam=lam, lam_optimizer=opt, theta_opt_state=theta_opt_state, solver_state=None,
+        history=[], before=before, best={"ece": before["ece"], "step": 0},
+        best_theta={k: v.clone() for k, v in theta.items()}, best_lam={k: v.detach().clone() for k, v in lam.items()},
+    )
+
+
+def parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[str, float]:
+    """The trajectory diagnostics of a step: the output log-scale and λ's mean and largest absolute entry.
+
+    Example:
+        >>> parameter_summary({}, {"b": torch.tensor([1.0, -3.0])})
+        {'lambda_b_mean': -1.0, 'lambda_b_absmax': 3.0}
+    """
+    out = {}
+    if OUTPUT_LOG_SCALE in theta:
+        out[OUTPUT_LOG_SCALE] = float(theta[OUTPUT_LOG_SCALE])
+    for name, value in lam.items():
+        v = value.detach().double()
+        out[f"lambda_{name}_mean"] = float(v.mean())
+        out[f"lambda_{name}_absmax"] = float(v.abs().max())
+    return out
+
+
+def _calm_step(trainer: Trainer, state: TrainState, inner: Batch) -> dict[str, float]:
+    outer = trainer.unlabeled_batch(state.step)
+    lam_now = {k: v.detach() for k, v in state.lam.items()}
+    trainer._recorder.reset()
+    r = trainer.solver.hypergrad(trainer.problem, state.theta, lam_now, inner, outer, state.solver_state)
+    state.lam_optimizer.zero_grad(set_to_none=False)
+    for k, p in state.lam.items():
+        p.grad = r.grad[k].detach().clone()
+    state.lam_optimizer.step()
+    trainer.adjustment.clamp_(state.lam)
+    seen = trainer._recorder.values
+    record = {"g": seen["g"]}
+    if trainer.config.solver == "bome":  # BOME evaluates f once, at the step's θ
+        record["unlabeled_entropy"] = -seen["f"]
+    else:  # F2SA evaluates f at its penalised iterate only; score the step's θ (no grad)
+        with torch.no_grad():
+            record["unlabeled_entropy"] = -float(trainer.losses.outer(state.theta, lam_now, outer))
+    state.theta, state.solver_state = r.w, r.state
+    record.update({k: float(v) for k, v in r.info.extra.items() if isinstance(v, (int, float))})
+    return record
+
+
+def _baseline_step(trainer: Trainer, state: TrainState, inner: Batch) -> dict[str, float]:
+    cfg, losses = trainer.config, trainer.losses
+    parts: dict[str, Tensor] = {}
+    if cfg.method == "confidence_penalty":
+        # CE on the training batch - β·H on the unlabelled batch CALM's f sees (a fair ablation)
+        outer = trainer.unlabeled_batch(state.step)
+
+        def loss_fn(w: dict[str, Tensor], _lam: Any) -> Tensor:
+            parts["ce"] = losses.baseline("lora_ce", w, inner)
+            parts["f"] = losses.outer(w, None, outer)
+            return parts["ce"] + cfg.penalty_beta * parts["f"]
+    else:
+
+        def loss_fn(w: dict[str, Tensor], _lam: Any) -> Tensor:
+            return losses.baseline(cfg.method, w, inner)
+
+    loss, grad, _ = hg.autodiff.loss_and_grads(loss_fn, state.theta, {"_": torch.zeros(1)}, wrt_lam=False,
+                                               what=f"{cfg.method} loss")
+    with torch.no_grad():
+        theta, state.theta_opt_state = trainer.theta_optimizer.update(state.theta, grad, state.theta_opt_state)
+    state.theta = {k: v.detach() for k, v in theta.items()}
+    record = {"loss": float(loss)}
+    if parts:
+        record.update({"ce": float(parts["ce"].detach()), "unlabeled_entropy": -float(parts["f"].detach())})
+    return record
+
+
+def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
+    """Take step ``state.step + 1`` of the configured method; update ``state`` in place.
+
+    CALM: the solver's joint step of θ and the λ-direction, then one Adam step of λ projected
+    onto its bounds. Baselines: one Adam step of θ on the one-level loss (the confidence
+    penalty's entropy term on the unlabelled batch).
+
+    Returns:
+        The step's record: ``step`` (1-based), for CALM ``g`` (adjusted cross-entropy of the
+        training batch at the step's θ), ``unlabeled_entropy`` (mean entropy of the deployed
+        model on the unlabelled batch) and the solver's diagnostics (BOME: ``phi``, ``q``,
+        ``grad_q_norm``); for a baseline ``loss`` (and for the penalty ``ce`` and
+        ``unlabeled_entropy``); then :func:`parameter_summary` of the new θ and λ. Not appended
+        to ``state.history`` (the caller adds evaluation results first).
+
+    Raises:
+        TrainingDiverged: a loss or update is NaN/inf (names the step and the batch).
+    """
+    inner = trainer.train_batch(state.step)
+    calm = trainer.config.method == "calm"
+    try:
+        record = _calm_step(trainer, state, inner) if calm else _baseline_step(trainer, state, inner)
+        hg.tree.check_finite(state.theta, "updated LoRA parameters")
+    except (hg.NonFiniteError, FloatingPointError) as err:
+        raise TrainingDiverged(
+            f"step {state.step + 1}: {err}; batch ids {inner.ids[:8]}{'...' if len(inner.ids) > 8 else ''}. "
+            "No checkpoint was written for this step; lower the learning rates or check the data."
+        ) from err
+    state.step += 1
+    return {"step": state.step, **record, **parameter_summary(state.theta, state.lam if calm else {})}
+
+
+def evaluation_due(config: CalibrationConfig, step: int) -> bool:
+    """True when the held-out set is scored after ``step`` (every ``eval_every`` and the last)."""
+    return step % config.eval_every == 0 or step == config.steps
+
+
+def done(trainer: Trainer, state: TrainState) -> bool:
+    """True when the run has taken ``config.steps`` steps or the accuracy guard stopped it."""
+    return state.stopped_early or state.step >= trainer.config.steps
+
+
+def is_selectable(accuracy: float, reference_accuracy: float, config: CalibrationConfig) -> bool:
+    """The accuracy floor of model selection: ``accuracy >= guard_accuracy * reference_accuracy``.
+
+    The one rule behind :func:`select` and the benchmarks' hyperparameter choice.
+
+    Example:
+        >>> cfg = CalibrationConfig(guard_accuracy=0.9)
+        >>> is_selectable(0.45, 0.5, cfg), is_selectable(0.44, 0.5, cfg)
+        (True, False)
+    """
+    return accuracy + 1e-12 >= config.guard_accuracy * reference_accuracy
+
+
+def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> dict[str, float]:
+    """Model selection and the accuracy guard after an evaluation of ``state.theta``.
+
+    The parameters become the selected ones when they are :func:`is_selectable` (against the
+    initial accuracy) and their held-out ECE is the lowest so far; after ``guard_patience``
+    consecutive evaluations below the floor ``state.stopped_early`` is set.
+
+    Returns:
+        The evaluation's entries for the step's record: ``heldout_<metric>``.
+    """
+    cfg, before, best = trainer.config, state.before, state.best
+    if is_selectable(metrics["accuracy"], before["accuracy"], cfg) and metrics["ece"] < best["ece"]:
+        best = state.best = {"ece": metrics["ece"], "step": state.step, "violations": 0}
+        state.best_theta = {k: v.clone() for k, v in state.theta.items()}
+        state.best_lam = {k: v.detach().clone() for k, v in state.lam.items()}
+    below = metrics["accuracy"] < cfg.guard_accuracy * before["accuracy"]
+    best["violations"] = best.get("violations", 0) + 1 if below else 0
+    if best["violations"] >= cfg.guard_patience:
+        state.stopped_early = True
+    return {f"heldout_{k}": v for k, v in metrics.items()}
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+RESUMABLE_CHANGES = ("steps", "checkpoint_every")
+"""Fields a resumed run may change: how long it runs and how often it saves. Any other difference
+would silently splice two different runs into one trajectory."""
+
+
+def data_fingerprint(train: Records, heldout: Records, unlabeled: Records | None = None) -> dict[str, Any]:
+    """Counts and a hash of the record ids and contents, to recognise the data a checkpoint saw.
+
+    Example:
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> qs = builtin_multiple_choice(n_per_domain=2, domains=["capitals"])
+        >>> data_fingerprint(qs[:1], qs[1:])["train"]
+        1
+    """
+    digest = hashlib.sha256()
+    parts = [_records(train), _records(heldout)] + ([] if unlabeled is None else [_records(unlabeled)])
+    for part in parts:
+        for r in part:
+            digest.update(repr(r).encode())
+        digest.update(b"|")
+    out = {"train": len(parts[0]), "heldout": len(parts[1]), "sha256": digest.hexdigest()[:16]}
+    if unlabeled is not None:
+        out["unlabeled"] = len(parts[2])
+    return out
+
+
+def _tree_to_flat(prefix: str, tree: dict[str, Any], out: dict[str, Tensor]) -> None:
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            _tree_to_flat(f"{prefix}{k}/", v, out)
+        elif isinstance(v, Tensor):
+            out[f"{prefix}{k}"] = v
+
+
+def _flat_to_tree(prefix: str, flat: dict[str, Tensor]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if not key.startswith(prefix):
+            continue
+        parts = key[len(prefix) :].split("/")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
+
+
+def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any] | None) -> Path:
+    """Write ``state`` as checkpoint ``state.step`` into ``directory`` (atomically, see
+    :func:`llm_calib.checkpoint.save_checkpoint`), with the configuration and ``data`` (a
+    :func:`data_fingerprint`) that :func:`resume_state` checks."""
+    tensors: dict[str, Tensor] = {}
+    _tree_to_flat("theta/", state.theta, tensors)
+    _tree_to_flat("best_theta/", state.best_theta, tensors)
+    _tree_to_flat("lam/", {k: v.detach() for k, v in state.lam.items()}, tensors)
+    _tree_to_flat("best_lam/", state.best_lam, tensors)
+    _tree_to_flat("theta_opt/", state.theta_opt_state, tensors)
+    if state.solver_state:
+        _tree_to_flat("method/", state.solver_state, tensors)
+    meta = {
+        "step": state.step, "history": state.history, "best": state.best, "before": state.before,
+        "stopped_early": state.stopped_early, "lam_optimizer": state.lam_optimizer.state_dict(),
+        "rng": torch.get_rng_state(), "run": {"config": trainer.config.to_dict(), "data": data},
+    }
+    return save_checkpoint(directory, state.step, tensors, meta)
+
+
+def _check_resumable(path: Path, saved: dict[str, Any] | None, config: CalibrationConfig, data: dict[str, Any]) -> None:
+    if saved is None:  # checkpoints written before configs were recorded
+        return
+    now = config.to_dict()
+    changed = sorted(k for k in set(now) | set(saved["config"])
+                     if k not in RESUMABLE_CHANGES and now.get(k) != saved["config"].get(k))
+    if changed:
+        diffs = "; ".join(f"{k}: checkpoint {saved['config'].get(k)!r}, now {now.get(k)!r}" for k in changed)
+        raise ValueError(f"cannot resume from {path}: the configuration differs ({diffs}). Use the checkpoint's "
+                         f"configuration, or another checkpoint_dir to start a new run.")
+    if saved["data"] != data:
+        raise ValueError(f"cannot resume from {path}: it was trained on other data (checkpoint: "
+                         f"{saved['data']['train']} train / {saved['data']['heldout']} held-out records, hash "
+                         f"{saved['data']['sha256']}; now {data['train']} / {data['heldout']}, hash {data['sha256']}).")
+
+
+def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any]) -> bool:
+    """Load the newest checkpoint in ``directory`` into ``state`` (and torch's RNG); False if none.
+
+    Raises:
+        ValueError: the checkpoint comes from another configuration (``steps`` and
+            ``checkpoint_every`` may differ) or other data (``data`` is compared with the saved
+            :func:`data_fingerprint`); the message names the fields.
+    """
+    ckpt = latest_checkpoint(directory)
+    if ckpt is None:
+        return False
+    tensors, meta = load_checkpoint(ckpt)
+    _check_resumable(ckpt, meta.get("run"), trainer.config, data)
+    tensors = {k: v.to(trainer.lm.device) for k, v in tensors.items()}
+    state.theta = _flat_to_tree("theta/", tensors)
+    state.best_theta = _flat_to_tree("best_theta/", tensors)
+    for k, v in _flat_to_tree("lam/", tensors).items():
+        with torch.no_grad():
+            state.lam[k].copy_(v)
+    state.best_lam = _flat_to_tree("best_lam/", tensors)
+    state.theta_opt_state = _flat_to_tree("theta_opt/", tensors)
+    state.solver_state = _flat_to_tree("method/", tensors) or None
+    state.lam_optimizer.load_state_dict(meta["lam_optimizer"])
+    state.history, state.best, state.step, state.before = meta["history"], meta["best"], meta["step"], meta["before"]
+    torch.set_rng_state(meta["rng"])
+    state.stopped_early = bool(meta.get("stopped_early", False))
+    return True

@@ -1,0 +1,197 @@
+"""The public training loop (llm_calib.calm.training): it is what calibrate runs, the unlabelled
+upper-level inputs reach f (and only f), the confidence penalty takes its entropy on them, and
+the per-step records hold independently checkable values."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from llm_calib.calm import training
+from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.encoding import encode_records
+from llm_calib.calm.methods import make_solver
+from llm_calib.calm.trainer import calibrate
+from llm_calib.data import load as load_data
+from llm_calib.models import tiny_random_model
+from llm_calib.prompts import PromptFormat
+from llm_calib.scoring import score_option_likelihood
+
+
+@pytest.fixture(scope="module")
+def data():
+    train = load_data("builtin:arithmetic,capitals:n=8").records
+    heldout = load_data("builtin:arithmetic,capitals:n=4,seed=1").records
+    unlabeled = load_data("builtin:chemical_symbols,calendar:n=6,seed=5").records
+    return train, heldout, unlabeled
+
+
+def _cfg(**kw) -> CalibrationConfig:
+    base = dict(steps=4, batch_size=4, heldout_batch_size=4, lr=1e-2, lam_lr=1e-1, eval_every=2,
+                guard_accuracy=0.0, lora=LoraSettings(rank=2, layers=(1,)))
+    base.update(kw)
+    return CalibrationConfig(**base)
+
+
+def _model():
+    return tiny_random_model(seed=0, init_std=0.1)[0]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_random_model(seed=0, init_std=0.1)[1]
+
+
+def _final(result) -> dict[str, torch.Tensor]:
+    theta = {n: p.detach().clone() for n, p in result.model.named_parameters() if "lora_" in n or "modules_to_save" in n}
+    return {**theta, **{f"lam/{k}": v.detach().clone() for k, v in result.lam.items()}}
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("method", ["calm", "confidence_penalty"])
+def test_the_public_loop_is_what_calibrate_runs(data, tok, method):
+    train, heldout, _ = data
+    cfg = _cfg(method=method)
+    result = calibrate(_model(), tok, train, heldout, cfg, progress=False)
+
+    trainer = training.build_trainer(_model(), tok, train, heldout, cfg)
+    state = training.init_state(trainer)
+    while not training.done(trainer, state):
+        record = training.train_step(trainer, state)
+        if training.evaluation_due(cfg, state.step):
+            record.update(training.select(trainer, state, training.evaluate(trainer, state.theta)))
+        state.history.append(record)
+    after = training.evaluate(trainer, state.best_theta)
+    assert state.history == result.history
+    assert after["ece"] == result.metrics["after"]["ece"] and state.best["step"] == result.metrics["after"]["selected_step"]
+    mine = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n or "modules_to_save" in n}
+    _assert_same({**mine, **{f"lam/{k}": v for k, v in state.best_lam.items()}}, _final(result))
+
+
+def _mc_stats(model, tok, records):
+    """Mean NLL of gold and mean entropy of the option distribution, by the evaluation scorer
+    (length-normalised scores: the tiny model's summed scores are so far apart that the entropy
+    is ~1e-4, where float32 rounding of the scores dominates its relative error)."""
+    scored = score_option_likelihood(model, tok, records, normalize="mean", prompt=PromptFormat(style="cloze"))
+    probs = [p.astype(np.float64) for p in scored.probs_numpy]
+    nll = np.mean([-np.log(p[r.gold]) for p, r in zip(probs, records, strict=True)])
+    ent = np.mean([-(p * np.log(p)).sum() for p in probs])
+    return nll, ent
+
+
+def test_step_records_hold_g_and_the_unlabelled_entropy(data, tok):
+    """Step 1 starts from the base model (LoRA B = 0) and λ = identity: g is the plain CE of the
+    training batch and the recorded entropy the base model's on the unlabelled batch, both
+    computed here by the evaluation scorer on the same records."""
+    train, heldout, unlabeled = data
+    trainer = training.build_trainer(_model(), tok, train, heldout, _cfg(normalize="mean"), unlabeled=unlabeled)
+    inner_ids, outer_ids = trainer.train_batch(0).ids, trainer.unlabeled_batch(0).ids
+    state = training.init_state(trainer)
+    record = training.train_step(trainer, state)
+    base = _model()
+    by_id = {r.id: r for r in [*train, *unlabeled]}
+    nll, _ = _mc_stats(base, tok, [by_id[i] for i in inner_ids])
+    _, ent = _mc_stats(base, tok, [by_id[i] for i in outer_ids])
+    assert set(outer_ids) <= {r.id for r in unlabeled}
+    assert record["g"] == pytest.approx(nll, rel=1e-5)
+    assert ent > 0.1 and record["unlabeled_entropy"] == pytest.approx(ent, rel=1e-5)
+    assert {"phi", "q", "grad_q_norm"} <= set(record)
+    for name, value in state.lam.items():  # λ summaries of the λ after the step, every step
+        assert float(value.detach().abs().max()) > 0
+        assert record[f"lambda_{name}_absmax"] == pytest.approx(float(value.detach().abs().max()), rel=1e-6)
+    record2 = training.train_step(trainer, state)
+    assert record2["step"] == 2 and "lambda_b_mean" in record2
+
+
+def test_unlabeled_inputs_drive_f_and_their_labels_are_ignored(data, tok):
+    train, heldout, unlabeled = data
+    cfg = _cfg()
+    default = calibrate(_model(), tok, train, heldout, cfg, progress=False)
+    # the held-out inputs given explicitly (a separate encoding): the same run
+    explicit = calibrate(_model(), tok, train, heldout, cfg, unlabeled=list(heldout), progress=False)
+    _assert_same(_final(default), _final(explicit))
+    # other inputs: f sees them, the run changes; selection still uses the held-out set
+    other = calibrate(_model(), tok, train, heldout, cfg, unlabeled=unlabeled, progress=False)
+    assert other.metrics["before"] == default.metrics["before"]
+    assert not torch.equal(other.lam["b"], default.lam["b"])
+    # the unlabelled records' labels play no part
+    relabelled = [dataclasses.replace(r, gold=(r.gold + 1) % len(r.options)) for r in unlabeled]
+    again = calibrate(_model(), tok, train, heldout, cfg, unlabeled=relabelled, progress=False)
+    _assert_same(_final(other), _final(again))
+    assert [h.get("unlabeled_entropy") for h in other.history] == [h.get("unlabeled_entropy") for h in again.history]
+
+
+def test_confidence_penalty_takes_its_entropy_on_the_unlabelled_batch(data, tok):
+    """loss = CE(training batch) - β·H(unlabelled batch) at step 1, from an independent computation."""
+    train, heldout, unlabeled = data
+    beta = 0.7
+    trainer = training.build_trainer(_model(), tok, train, heldout, _cfg(method="confidence_penalty", penalty_beta=beta, normalize="mean"),
+                                     unlabeled=unlabeled)
+    inner_ids, outer_ids = trainer.train_batch(0).ids, trainer.unlabeled_batch(0).ids
+    assert not set(inner_ids) & set(outer_ids)
+    state = training.init_state(trainer)
+    record = training.train_step(trainer, state)
+    base = _model()
+    by_id = {r.id: r for r in [*train, *unlabeled]}
+    nll, _ = _mc_stats(base, tok, [by_id[i] for i in inner_ids])
+    _, ent = _mc_stats(base, tok, [by_id[i] for i in outer_ids])
+    assert record["ce"] == pytest.approx(nll, rel=1e-5)
+    assert ent > 0.1 and record["unlabeled_entropy"] == pytest.approx(ent, rel=1e-5)
+    assert record["loss"] == pytest.approx(nll - beta * ent, rel=1e-5)
+
+
+def test_f2sa_steps_with_inner_lr_and_defaults_to_lr(data, tok):
+    train, heldout, _ = data
+    cfg = _cfg(solver="f2sa", steps=2, eval_every=1)
+    assert make_solver(cfg).inner_optimizer.lr == cfg.lr  # default: θ's rate, as before inner_lr was read
+    assert make_solver(dataclasses.replace(cfg, inner_lr=0.05)).inner_optimizer.lr == 0.05
+    default = calibrate(_model(), tok, train, heldout, cfg, progress=False)
+    same = calibrate(_model(), tok, train, heldout, dataclasses.replace(cfg, inner_lr=cfg.lr), progress=False)
+    _assert_same(_final(default), _final(same))
+    faster = calibrate(_model(), tok, train, heldout, dataclasses.replace(cfg, inner_lr=10 * cfg.lr), progress=False)
+    assert not torch.equal(faster.lam["b"], default.lam["b"])
+
+
+def test_an_encoding_is_reused_with_its_trunk_cache(data, tok):
+    train, heldout, _ = data
+    cfg = _cfg(method="lora_ce")
+    enc_train, enc_held = encode_records(tok, train, cfg), encode_records(tok, heldout, cfg)
+    first = calibrate(_model(), tok, enc_train, enc_held, cfg, progress=False)
+    assert len(enc_train.trunk_cache) == len(train) and len(enc_held.trunk_cache) == len(heldout)
+    cached = {i: v.clone() for i, v in enc_train.trunk_cache.items()}
+    second = calibrate(_model(), tok, enc_train, enc_held, dataclasses.replace(cfg, seed=1), progress=False)
+    assert all(torch.equal(enc_train.trunk_cache[i], v) for i, v in cached.items())
+    fresh = calibrate(_model(), tok, train, heldout, dataclasses.replace(cfg, seed=1), progress=False)
+    _assert_same(_final(second), _final(fresh))
+    _assert_same(_final(first), _final(calibrate(_model(), tok, train, heldout, cfg, progress=False)))
+
+
+def test_unlabeled_of_another_kind_is_rejected(data, tok):
+    from llm_calib.data import OpenQA
+
+    train, heldout, _ = data
+    with pytest.raises(ValueError, match="unlabeled"):
+        training.build_trainer(_model(), tok, train, heldout, _cfg(), unlabeled=[OpenQA("q?", ("a",), "d", "o1")])
+
+
+def test_is_selectable_is_the_guard_of_select(data, tok):
+    cfg = _cfg(guard_accuracy=0.9)
+    assert training.is_selectable(0.9, 1.0, cfg) and not training.is_selectable(0.899, 1.0, cfg)
+    train, heldout, _ = data
+    trainer = training.build_trainer(_model(), tok, train, heldout, cfg)
+    state = training.init_state(trainer)
+    state.before = {**state.before, "accuracy": 1.0}
+    training.select(trainer, state, {"accuracy": 0.95, "ece": state.before["ece"] - 0.1})
+    assert state.best["step"] == 0 and state.best["ece"] == pytest.approx(state.before["ece"] - 0.1)
+    assert copy.deepcopy(state.best)["violations"] == 0
+    training.select(trainer, state, {"accuracy": 0.5, "ece": 0.0})  # below the floor: not selected
+    assert state.best["ece"] == pytest.approx(state.before["ece"] - 0.1) and state.best["violations"] == 1
