@@ -15,8 +15,9 @@ __all__ = ["CHOICES", "METHODS", "SOLVERS", "CalibrationConfig", "LoraSettings",
 METHODS = ("calm", "lora_ce", "label_smoothing", "confidence_penalty")
 """Training objectives run by the same code path, CALM (bilevel) and the one-level baselines."""
 
-SOLVERS = ("bome", "f2sa")
-"""First-order bilevel solvers from :mod:`hypergrad` used by ``method="calm"``."""
+SOLVERS = ("bome", "f2sa", "implicit")
+"""Bilevel solvers used by ``method="calm"``: first-order BOME and F2SA, and exact implicit
+differentiation after lower-level steps (see :func:`llm_calib.calm.methods.make_solver`)."""
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -32,7 +33,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 _FLOAT_FIELDS = (
     "lr", "lam_lr", "bome_eta", "f2sa_sigma", "label_smoothing", "penalty_beta",
-    "max_log_scale", "max_bias", "guard_accuracy", "output_scale_lr",
+    "max_log_scale", "max_bias", "guard_accuracy", "output_scale_lr", "cg_damping", "cg_tol",
 )
 
 
@@ -116,7 +117,7 @@ class CalibrationConfig:
             confidence penalty's entropy term; labels unused).
         lr: learning rate of θ (LoRA).
         lam_lr: learning rate of λ (Adam).
-        inner_steps: BOME's T / F2SA's inner steps.
+        inner_steps: BOME's T / F2SA's inner steps / the implicit solver's lower-level steps per step.
         inner_lr: step size of the solver's inner steps: BOME's T plain-SGD steps that define
             the value function, F2SA's T Adam steps of each iterate. None (default): BOME 1e-2,
             F2SA θ's rate ``lr`` (see :func:`llm_calib.calm.methods.inner_lr`).
@@ -124,6 +125,11 @@ class CalibrationConfig:
         bome_barrier: BOME's barrier, ``"value"`` (φ = η q) or ``"gradient"`` (φ = η‖∇q‖²,
             which keeps the lower-level loss decreasing at every step), see :class:`hypergrad.BOME`.
         f2sa_sigma: F2SA's penalty weight σ.
+        cg_maxiter: ``solver="implicit"``: conjugate-gradient iterations per hypergradient
+            (warm-started from the previous step's solution).
+        cg_damping: ``solver="implicit"``: damping μ of the Hessian, (H + μI) v = ∇_θ f (LoRA's
+            lower level is not convex; μ > 0 keeps the system positive definite).
+        cg_tol: ``solver="implicit"``: relative residual at which CG stops early.
         label_smoothing: ε for the label-smoothing baseline.
         penalty_beta: β for the confidence-penalty baseline.
         max_log_scale, max_bias: bounds on λ.
@@ -161,6 +167,9 @@ class CalibrationConfig:
     bome_eta: float = 0.5
     bome_barrier: str = "value"
     f2sa_sigma: float = 0.1
+    cg_maxiter: int = 10
+    cg_damping: float = 1e-2
+    cg_tol: float = 1e-3
     label_smoothing: float = 0.1
     penalty_beta: float = 0.5
     max_log_scale: float = 3.0
@@ -199,12 +208,12 @@ class CalibrationConfig:
         for name, allowed in CHOICES.items():
             if (value := getattr(self, name)) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-        for name in ("steps", "batch_size", "heldout_batch_size", "inner_steps", "eval_every", "guard_patience"):
+        for name in ("steps", "batch_size", "heldout_batch_size", "inner_steps", "eval_every", "guard_patience", "cg_maxiter"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.output_scale, bool):
             raise ValueError(f"output_scale must be true or false, got {self.output_scale!r}")
-        for name in ("lr", "lam_lr", "bome_eta", "f2sa_sigma", "max_log_scale", "output_scale_lr"):
+        for name in ("lr", "lam_lr", "bome_eta", "f2sa_sigma", "max_log_scale", "output_scale_lr", "cg_tol"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0.0 <= self.label_smoothing < 1.0:
@@ -213,7 +222,7 @@ class CalibrationConfig:
             raise ValueError(f"guard_accuracy must be in [0, 1], got {self.guard_accuracy}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        for name in ("max_bias", "penalty_beta"):
+        for name in ("max_bias", "penalty_beta", "cg_damping"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
