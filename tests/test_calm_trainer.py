@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import hypergrad as hg
 import llm_calib
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM
@@ -385,3 +386,41 @@ def test_config_yaml_round_trip_and_unknown_key(tmp_path):
     bad.write_text("lr: -2\n")
     with pytest.raises(ValueError, match=r"bad\.yaml.*lr"):
         CalibrationConfig.from_file(bad)
+
+
+@pytest.mark.parametrize(("solver", "method_class"), [("bome", "BOME"), ("f2sa", "Penalty")])
+def test_calm_solves_the_bilevel_problem_the_right_way_round_and_steps_lambda(tmp_path, data, monkeypatch, solver,
+                                                                             method_class):
+    """g (the adjusted CE) is the lower level, on training batches; f (minus the held-out entropy) the
+    upper one, on held-out batches; λ takes Adam steps along the solver's hypergradients."""
+    train, heldout = data
+    train_ids, heldout_ids = {r.id for r in train}, {r.id for r in heldout}
+    calls: dict[str, list[set[str]]] = {"inner": [], "outer": []}
+    for name in calls:
+        loss = getattr(CalmLosses, name)
+        monkeypatch.setattr(CalmLosses, name, lambda self, theta, lam, batch, _loss=loss, _name=name:
+                            calls[_name].append(set(batch.ids)) or _loss(self, theta, lam, batch))
+    results = []
+    cls = getattr(hg, method_class)
+    hypergrad = cls.hypergrad
+    monkeypatch.setattr(cls, "hypergrad", lambda self, *a, **k: results.append(hypergrad(self, *a, **k)) or results[-1])
+    lam_lr, steps = 0.05, 3
+    calibrate(*_model(), train, heldout, _cfg(method="calm", solver=solver, steps=steps, lam_lr=lam_lr, checkpoint_every=1),
+              checkpoint_dir=tmp_path / "ckpt", progress=False)
+    # the lower level g sees only training questions, the upper level f only held-out ones
+    assert calls["inner"] and all(ids <= train_ids for ids in calls["inner"])
+    assert calls["outer"] and all(ids <= heldout_ids for ids in calls["outer"])
+    # λ after the last step: λ0 = 0 (the identity) moved by torch's Adam along the solver's
+    # hypergradient of every step, replayed here (the bounds max_log_scale / max_bias are far)
+    assert len(results) == steps
+    tensors, _ = load_checkpoint(latest_checkpoint(tmp_path / "ckpt"))
+    replay = {k: torch.zeros_like(g, requires_grad=True) for k, g in results[0].grad.items()}
+    assert set(replay) == {"log_a", "b"}
+    adam = torch.optim.Adam(list(replay.values()), lr=lam_lr)
+    for r in results:
+        for k, p in replay.items():
+            p.grad = r.grad[k].detach().clone()
+        adam.step()
+    for k, p in replay.items():
+        assert float(p.detach().abs().max()) > 0.5 * lam_lr  # λ really moved
+        torch.testing.assert_close(tensors[f"lam/{k}"], p.detach(), rtol=1e-6, atol=1e-6 * lam_lr)
