@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.models import tiny_random_model
 from llm_calib.scoring import (
     exact_match,
     generate_greedy,
@@ -91,6 +93,28 @@ def test_greedy_projects_only_the_last_position(tiny):
         hook.remove()
     assert len(seen) == 3 and len(prompt) > 1
     assert all(keep == 1 and positions == 1 for keep, positions in seen)
+
+
+def test_greedy_on_a_peft_model_uses_the_current_cache_name_and_one_head_row():
+    """A peft wrapper's forward takes **kwargs: the wrapped model's signature decides the names."""
+    from llm_calib.calm.config import LoraSettings
+    from llm_calib.calm.lora import attach_lora
+
+    model, tok = tiny_random_model(seed=0, init_std=0.1)
+    peft_model = attach_lora(model, LoraSettings(rank=2, layers=(1,)))
+    seen = []
+    hook = peft_model.get_base_model().register_forward_hook(
+        lambda m, args, kwargs, out: seen.append(sorted(kwargs)), with_kwargs=True
+    )
+    prompt = tok("What is 2 + 3?")["input_ids"]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # transformers' past_key_values deprecation
+            out = generate_greedy(peft_model, tok, [prompt], max_new_tokens=3, stop_at_newline=False)
+    finally:
+        hook.remove()
+    assert out[0].token_ids == generate_greedy(model, tok, [prompt], max_new_tokens=3, stop_at_newline=False)[0].token_ids
+    assert seen and all("cache" in k and "logits_to_keep" in k and "past_key_values" not in k for k in seen)
 
 
 class _ScriptedLM(torch.nn.Module):
