@@ -21,6 +21,15 @@ Binning: equal-width bins are ``[k/B, (k+1)/B)`` for ``k < B - 1`` and ``[(B-1)/
 last, so a confidence of exactly 0 lands in the first bin and exactly 1 in the last; a confidence
 exactly on an inner edge ``k/B`` belongs to bin ``k``. The binned calibration error is
 ``sum_b (n_b / N) * |acc_b - conf_b|`` over non-empty bins.
+
+Comparison with torchmetrics: :func:`ece` equals torchmetrics'
+``multiclass_calibration_error(..., norm="l1")`` with the same number of bins (the test suite
+checks it on random confidences), except for a confidence of exactly 1.0. torchmetrics gives 1.0
+a bin of its own (``bucketize`` against the edges ``linspace(0, 1, B + 1)`` with ``right=True``
+puts it past the last edge); here it belongs to the last bin ``[(B-1)/B, 1]``. Example: 0.95
+(right) and 1.0 (wrong) give 0.475 here (one bin, ``|0.5 - 0.975|``) and 0.525 in torchmetrics
+(``|1 - 0.95| / 2 + |0 - 1| / 2``). torchmetrics also computes in float32, so the two agree to
+float32 rounding.
 """
 
 from __future__ import annotations
@@ -262,7 +271,8 @@ def _classwise_ece(mat: np.ndarray, y: np.ndarray, n_bins: int) -> float:
 def ece(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
     """Expected calibration error with ``n_bins`` equal-width bins (edges in the module doc).
 
-    ``ECE = sum_b (n_b / N) |acc_b - conf_b|``.
+    ``ECE = sum_b (n_b / N) |acc_b - conf_b|``. A confidence of exactly 1.0 falls in the last bin
+    (torchmetrics, otherwise equal, gives it a bin of its own: see the module doc).
 
     Args:
         confidences: ``(N,)`` confidences in ``[0, 1]``.

@@ -132,28 +132,30 @@ def _ridge(n: int, d: int, seed: int, lam0: float, noise_v: float):
     return hg.BilevelProblem(g, f), w_star, dF, L
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), lam0=st.floats(-1.5, -0.5))
 def test_reaches_the_bilevel_solution_of_ridge_regression(seed, lam0):
     d, n = 5, 30
     problem, w_star, dF, L = _ridge(n, d, seed, lam0, noise_v=0.002)
-    # The outer optimum is unique: F' changes sign once on a grid.
+    # The outer optimum is unique: F' changes sign once on a grid; bisection on the closed-form
+    # F' inside that bracket gives the reference lam* (to float64 resolution).
     grid = torch.linspace(-4.0, 2.0, 61).tolist()
     signs = [dF(x) > 0 for x in grid]
     assert sum(a != b for a, b in itertools.pairwise(signs)) == 1
+    i = signs.index(True)
+    assert i > 0  # F' < 0 at the left end: the minimiser is inside the grid
+    lo, hi = grid[i - 1], grid[i]
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if dF(mid) < 0 else (lo, mid)
+    lam_star = 0.5 * (lo + hi)
     w0, lam_init = {"w": torch.zeros(d, dtype=DT)}, {"lam": torch.zeros(1, dtype=DT)}
-    # Reference: gradient descent (heavy ball) on F with exact implicit hypergradients.
     outer = lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.7)  # noqa: E731
-    ref = hg.solve(problem, w0, lam_init, hg.Implicit(hg.linear.Dense()), outer,
-                   steps=150, inner_steps=20,
-                   inner_optimizer=hg.inner.SGD(lr=1.0 / L), progress=False)
-    lam_star = ref.lam["lam"].item()
-    assert abs(dF(lam_star)) < 1e-7  # the reference is stationary, checked in closed form
     assert abs(lam_init["lam"].item() - lam_star) > 0.4  # BOME has somewhere to go
     for barrier in ("value", "gradient"):
         bome = hg.BOME(hg.inner.SGD(lr=1.0 / L), w_lr=0.3, inner_steps=10, eta=0.5, barrier=barrier)
-        # w moves with w_lr = 0.3, lam with the same outer optimizer as the reference (no inner
-        # steps in the driver: BOME advances w itself).
+        # w moves with w_lr = 0.3, lam with a heavy-ball outer optimizer (no inner steps in the
+        # driver: BOME advances w itself).
         res = hg.solve(problem, w0, lam_init, bome, outer, steps=300, progress=False)
         lam_bome = res.lam["lam"].item()
         assert abs(lam_bome - lam_star) < 1e-3, (barrier, lam_bome, lam_star)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -73,6 +74,13 @@ def test_gradient_of_the_log_scale_matches_finite_differences(scaled):
         fd = (loss(s + eps) - loss(s - eps)) / (2 * eps)
     assert float(grad) == pytest.approx(float(fd), rel=1e-6)
     assert abs(float(grad)) > 1e-3
+
+
+def test_attaching_lora_raises_no_transformers_deprecation_warning():
+    model, _ = tiny_random_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # peft reads is_gradient_checkpointing
+        attach_lora(model, LoraSettings(rank=2))
 
 
 def test_without_output_scale_theta_is_lora_only():

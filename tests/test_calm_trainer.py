@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import hypergrad as hg
 import llm_calib
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM
@@ -203,14 +204,41 @@ def test_history_logs_the_output_scale_and_lambda_of_the_selected_step(data):
         assert record[f"lambda_{name}_mean"] == pytest.approx(float(value.double().mean()), abs=1e-6)
 
 
-def test_overflowing_learning_rate_raises_training_diverged(tmp_path, data):
+def test_a_non_finite_loss_raises_training_diverged_and_keeps_the_last_checkpoint(tmp_path, data, monkeypatch):
+    """The inner loss turns NaN from the third step's batch on (each step builds a new batch).
+
+    Injected, not provoked with a huge learning rate: whether a float32 overflow of that kind gives
+    inf/NaN or saturates to a finite, gradient-free model depends on the CPU's matmul kernels
+    (with MKL's AVX2 code path lr = 1e30 trains on, finite, on this set-up).
+    """
     train, heldout = data
-    model, tok = _model()
-    with pytest.raises(TrainingDiverged, match=r"step \d+: .*batch ids") as info:
-        calibrate(model, tok, train, heldout, _cfg(method="calm", lr=1e30, steps=6, checkpoint_every=1),
+    seen: list = []
+    inner = CalmLosses.inner
+
+    def poisoned(self, theta, lam, batch):
+        if not seen or batch is not seen[-1]:
+            seen.append(batch)
+        loss = inner(self, theta, lam, batch)
+        return loss * float("nan") if len(seen) >= 3 else loss
+
+    monkeypatch.setattr(CalmLosses, "inner", poisoned)
+    with pytest.raises(TrainingDiverged) as info:
+        calibrate(*_model(), train, heldout, _cfg(method="calm", steps=6, checkpoint_every=1),
                   checkpoint_dir=tmp_path / "ckpt", progress=False)
-    failed = int(str(info.value).split(":")[0].removeprefix("step "))
-    assert 0 < _latest_step(tmp_path / "ckpt") == failed - 1
+    assert len(seen) == 3
+    assert str(info.value).startswith("step 3: ")
+    assert f"batch ids {seen[-1].ids[:8]}" in str(info.value)
+    assert _latest_step(tmp_path / "ckpt") == 2  # steps 1 and 2 were saved, step 3 was not
+
+
+def test_a_learning_rate_beyond_float32_range_raises_at_the_first_step(tmp_path, data):
+    """lr = 1e39 overflows float32 in the first update on any CPU (IEEE: 1e39 > 3.4e38)."""
+    train, heldout = data
+    with pytest.raises(TrainingDiverged, match=r"^step 1: updated LoRA parameters: .*non-finite.*batch ids \['") as info:
+        calibrate(*_model(), train, heldout, _cfg(method="lora_ce", lr=1e39, steps=3, checkpoint_every=1),
+                  checkpoint_dir=tmp_path / "ckpt", progress=False)
+    assert isinstance(info.value.__cause__, FloatingPointError)
+    assert _latest_step(tmp_path / "ckpt") == 0
 
 
 def _spawn(script: Path, method: str, ckpt: Path, resume: bool, out: Path) -> subprocess.Popen:
@@ -301,7 +329,7 @@ def test_accuracy_guard_stops_and_returns_the_initial_parameters(data):
     assert after["selected_step"] == 0.0
     assert after["ece"] == pytest.approx(before["ece"], abs=1e-9)
     lora_b = [p for n, p in result.model.named_parameters() if "lora_B" in n]
-    assert lora_b and all(float(p.abs().max()) == 0.0 for p in lora_b)  # rolled back to the start
+    assert lora_b and all(float(p.detach().abs().max()) == 0.0 for p in lora_b)  # rolled back to the start
 
 
 @pytest.mark.parametrize(
@@ -358,3 +386,41 @@ def test_config_yaml_round_trip_and_unknown_key(tmp_path):
     bad.write_text("lr: -2\n")
     with pytest.raises(ValueError, match=r"bad\.yaml.*lr"):
         CalibrationConfig.from_file(bad)
+
+
+@pytest.mark.parametrize(("solver", "method_class"), [("bome", "BOME"), ("f2sa", "Penalty")])
+def test_calm_solves_the_bilevel_problem_the_right_way_round_and_steps_lambda(tmp_path, data, monkeypatch, solver,
+                                                                             method_class):
+    """g (the adjusted CE) is the lower level, on training batches; f (minus the held-out entropy) the
+    upper one, on held-out batches; λ takes Adam steps along the solver's hypergradients."""
+    train, heldout = data
+    train_ids, heldout_ids = {r.id for r in train}, {r.id for r in heldout}
+    calls: dict[str, list[set[str]]] = {"inner": [], "outer": []}
+    for name in calls:
+        loss = getattr(CalmLosses, name)
+        monkeypatch.setattr(CalmLosses, name, lambda self, theta, lam, batch, _loss=loss, _name=name:
+                            calls[_name].append(set(batch.ids)) or _loss(self, theta, lam, batch))
+    results = []
+    cls = getattr(hg, method_class)
+    hypergrad = cls.hypergrad
+    monkeypatch.setattr(cls, "hypergrad", lambda self, *a, **k: results.append(hypergrad(self, *a, **k)) or results[-1])
+    lam_lr, steps = 0.05, 3
+    calibrate(*_model(), train, heldout, _cfg(method="calm", solver=solver, steps=steps, lam_lr=lam_lr, checkpoint_every=1),
+              checkpoint_dir=tmp_path / "ckpt", progress=False)
+    # the lower level g sees only training questions, the upper level f only held-out ones
+    assert calls["inner"] and all(ids <= train_ids for ids in calls["inner"])
+    assert calls["outer"] and all(ids <= heldout_ids for ids in calls["outer"])
+    # λ after the last step: λ0 = 0 (the identity) moved by torch's Adam along the solver's
+    # hypergradient of every step, replayed here (the bounds max_log_scale / max_bias are far)
+    assert len(results) == steps
+    tensors, _ = load_checkpoint(latest_checkpoint(tmp_path / "ckpt"))
+    replay = {k: torch.zeros_like(g, requires_grad=True) for k, g in results[0].grad.items()}
+    assert set(replay) == {"log_a", "b"}
+    adam = torch.optim.Adam(list(replay.values()), lr=lam_lr)
+    for r in results:
+        for k, p in replay.items():
+            p.grad = r.grad[k].detach().clone()
+        adam.step()
+    for k, p in replay.items():
+        assert float(p.detach().abs().max()) > 0.5 * lam_lr  # λ really moved
+        torch.testing.assert_close(tensors[f"lam/{k}"], p.detach(), rtol=1e-6, atol=1e-6 * lam_lr)

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
+import _reference as ref
 import numpy as np
 import pytest
+import torch
 
-from llm_calib import metrics
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.data.records import OpenQA
 from llm_calib.evaluate import evaluate, evaluate_records, score_records
 from llm_calib.prompts import PromptFormat
-from llm_calib.scoring import ScoredSet, score_option_likelihood
-from llm_calib.temperature import fit_temperature
+from llm_calib.scoring import ScoredSet
 
 
 @pytest.fixture(scope="module")
@@ -32,23 +33,28 @@ def test_domains_metrics_and_temperature_transfer(tiny, builtin_small):
         n_resamples=50,
     )
     assert list(res.domains) == ["capitals", "arithmetic"]
-    fit_scores = score_option_likelihood(model, tok, fit_records)
-    T = fit_temperature(fit_scores.logits, fit_scores.labels)
+    # independently: one forward pass per option, metrics by loops (tests/_reference.py)
+    prompt = PromptFormat()
     assert res.temperature is not None
-    assert res.temperature.temperature == pytest.approx(T, rel=1e-6)
-    assert res.temperature.nll_after <= res.temperature.nll_before + 1e-9
+    T = res.temperature.temperature
+    fit_scores = ref.option_log_likelihoods(model, tok, fit_records, prompt)
+    ref.assert_minimises_nll(fit_scores, [r.gold for r in fit_records], T)
+    assert res.temperature.nll_before == pytest.approx(ref.nll_at(fit_scores, [r.gold for r in fit_records], 1.0),
+                                                       abs=ref.TOL)
+    assert res.temperature.nll_after == pytest.approx(ref.nll_at(fit_scores, [r.gold for r in fit_records], T),
+                                                      abs=ref.TOL)
+    assert res.temperature.nll_after < res.temperature.nll_before
     assert res.temperature.domains == ["calendar"]
-    direct = score_option_likelihood(model, tok, builtin_small).by_domain()
     for dom, r in res.domains.items():
-        s = direct[dom]
+        recs = [q for q in builtin_small if q.domain == dom]
+        scores, labels = ref.option_log_likelihoods(model, tok, recs, prompt), [q.gold for q in recs]
         assert r.n == 6 and r.kind == "multiple_choice"
-        ref = metrics.summarize(s.probs_numpy, s.labels, n_resamples=50)
-        for key in ("accuracy", "ece", "brier", "nll", "auroc", "ece_ci_low"):
-            np.testing.assert_allclose(r.uncalibrated[key], ref[key], atol=1e-9, equal_nan=True)
-        scaled = metrics.summarize(s.scaled(T).probs_numpy, s.labels, n_resamples=50)
+        expected = ref.summary(scores, labels)
+        assert not math.isnan(expected["ece"])
+        ref.assert_matches(r.uncalibrated, expected, ("n", "accuracy", "ece", "brier", "nll"), dom)
+        assert r.uncalibrated["ece_ci_low"] <= r.uncalibrated["ece"] <= r.uncalibrated["ece_ci_high"]
         assert r.temperature_scaled is not None
-        np.testing.assert_allclose(r.temperature_scaled["ece"], scaled["ece"], atol=1e-6)
-        assert r.temperature_scaled["accuracy"] == r.uncalibrated["accuracy"]
+        ref.assert_matches(r.temperature_scaled, ref.summary(scores, labels, T), ("accuracy", "ece", "brier", "nll"), dom)
         assert sum(r.reliability["counts"]) == 6
     d = res.to_dict()
     assert set(d) == {"config", "temperature", "timing", "domains", "macro_average"}
@@ -93,9 +99,50 @@ def test_open_questions_get_binary_calibration_metrics(tiny):
     assert r.kind == "open" and r.n == 4
     for key in ("accuracy", "f1", "ece", "brier", "nll", "mean_confidence", "ece_product"):
         assert key in r.uncalibrated
-    assert 0.0 <= r.uncalibrated["mean_confidence"] <= 1.0
     with pytest.raises(ValueError, match="temperature_fit"):
         evaluate_records(model, tok, [("open", recs)], temperature_fit=("open", recs))
+
+
+class _ScriptedLM(torch.nn.Module):
+    """Answers every question with the same tokens, each with probability ``p``, then stops."""
+
+    def __init__(self, script: list[int], vocab: int, eos: int, p: float):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.script, self.vocab, self.p = script, vocab, p
+        self.config = SimpleNamespace(eos_token_id=eos)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=True, cache=None):
+        step = 0 if cache is None else cache
+        probs = torch.full((input_ids.shape[0], self.vocab), (1 - self.p) / (self.vocab - 1), dtype=torch.float64)
+        probs[:, self.script[min(step, len(self.script) - 1)]] = self.p
+        logits = torch.log(probs)[:, None, :].expand(-1, input_ids.shape[1], -1)
+        return SimpleNamespace(logits=logits, cache=step + 1)
+
+
+def test_open_ended_metrics_by_hand(tiny_tokenizer):
+    """Every answer is "Paris" at confidence 0.7: 3 of 4 right (one via an alias), one wrong."""
+    tok = tiny_tokenizer
+    paris = tok(" Paris", add_special_tokens=False)["input_ids"]
+    lm = _ScriptedLM([*paris, tok.eos_token_id], len(tok), tok.eos_token_id, p=0.7)
+    recs = [OpenQA("Capital of France?", ("Paris",), "geo", "a"),
+            OpenQA("City of Light?", ("the City of Light", "Paris"), "geo", "b"),
+            OpenQA("Where is the Louvre?", ("Paris.",), "geo", "c"),
+            OpenQA("Capital of Italy?", ("Rome",), "geo", "d")]
+    res = evaluate_records(lm, tok, [("open", recs)], ci=False, max_new_tokens=5)
+    got = res.domains["geo"].uncalibrated
+    c, k = 0.7, np.array([1.0, 1.0, 1.0, 0.0])
+    expected = {
+        "n": 4, "accuracy": 0.75, "f1": 0.75, "mean_confidence": c,
+        "ece": abs(0.75 - c),  # one bin, [0.7, 0.8)
+        "ece_product": abs(0.75 - c ** len(paris)),  # the product of the token probabilities
+        "brier": float(np.mean((c - k) ** 2)),
+        "nll": float(-np.mean(k * math.log(c) + (1 - k) * math.log(1 - c))),
+        "auroc": 0.5,  # one confidence for all: ties
+    }
+    # the token probabilities come from a float32 softmax (a few 1e-8 off 0.7, CPU-dependent)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=1e-6), key
 
 
 def test_score_records_rejects_mixed_kinds(tiny, builtin_small):

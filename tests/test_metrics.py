@@ -417,3 +417,44 @@ def test_perfectly_calibrated_data_has_small_ece():
     correct = rng.uniform(size=20000) < conf
     assert ece(conf, correct) < 0.02 and adaptive_ece(conf, correct) < 0.02
     assert ece(conf, ~correct) > 0.2
+
+
+# --------------------------------------------------------------------------- torchmetrics
+
+
+@pytest.mark.parametrize(("seed", "n", "n_classes"), [(0, 400, 4), (1, 1000, 2), (2, 250, 5)])
+def test_ece_agrees_with_torchmetrics(seed, n, n_classes):
+    """An independent implementation: torchmetrics' multiclass L1 calibration error, 10 bins."""
+    tm = pytest.importorskip("torchmetrics.functional.classification")
+    rng = np.random.default_rng(seed)
+    # Dirichlet(0.5) rows put the top probabilities all over [1/K, 1]; labels drawn from a
+    # flattened copy, so the model is over-confident and the ECE is far from 0.
+    probs = rng.dirichlet(np.full(n_classes, 0.5), size=n)
+    flat = probs**0.3 / (probs**0.3).sum(1, keepdims=True)
+    labels = np.array([rng.choice(n_classes, p=row) for row in flat])
+    # Three right answers at 0.5, an inner bin edge exact in float32 too: both implementations
+    # put it in the upper bin [0.5, 0.6). (Right answers, so that the bin they join changes the
+    # ECE: for K = 2 the lower bin is otherwise empty.)
+    probs[:3] = [[0.5, 0.5] + [0.0] * (n_classes - 2)] * 3
+    labels[:3] = 0
+    theirs = float(tm.multiclass_calibration_error(
+        torch.tensor(probs, dtype=torch.float32), torch.tensor(labels), n_classes, n_bins=10, norm="l1"
+    ))
+    conf, correct = confidence_correct(probs, labels)
+    ours = ece(conf, correct, n_bins=10)
+    assert ours > 0.05
+    # torchmetrics computes in float32 (confidences cast with .float()): compare at its rounding
+    assert ours == pytest.approx(theirs, abs=1e-5)
+
+
+def test_ece_convention_for_a_confidence_of_one_differs_from_torchmetrics():
+    """Exactly 1.0: ours joins the last bin [0.9, 1]; torchmetrics gives it a bin of its own."""
+    tm = pytest.importorskip("torchmetrics.functional.classification")
+    probs = torch.tensor([[0.95, 0.05], [1.0, 0.0]])
+    labels = torch.tensor([0, 1])
+    conf, correct = confidence_correct(probs, labels)
+    # ours: one bin {0.95 right, 1.0 wrong}: |0.5 - 0.975| = 0.475
+    assert ece(conf, correct) == pytest.approx(0.475, abs=1e-7)
+    # torchmetrics: |1 - 0.95| / 2 + |0 - 1| / 2 = 0.525
+    theirs = tm.multiclass_calibration_error(probs, labels, 2, n_bins=10, norm="l1")
+    assert float(theirs) == pytest.approx(0.525, abs=1e-7)

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import hypergrad as hg
@@ -38,16 +38,20 @@ def _check_linear(errors):
     assert all(1.7 < r < 2.3 for r in ratios), (errors, ratios)
 
 
-@settings(max_examples=10, deadline=None)
-@given(n=st.integers(2, 12), p=st.integers(1, 4), log_cond=st.floats(0.0, 1.0),
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(2, 12), p=st.integers(1, 4), log_cond=st.floats(0.0, 2.0),
        seed=st.integers(0, 10_000))
+@example(n=12, p=4, log_cond=2.0, seed=1)  # the worst conditioning, always
 def test_bias_is_first_order_in_sigma_on_random_quadratics(n, p, log_cond, seed):
     q = Quadratic.random(n, p, 10.0**log_cond, seed)
     lam = torch.randn(p, dtype=DT, generator=torch.Generator().manual_seed(seed + 1))
     eig = torch.linalg.eigvalsh(q.A)
     L_f = float(torch.linalg.eigvalsh(q.C.T @ q.C).max())
+    # SGD at lr = 1/L contracts by (1 - 1/cond) a step: the step count grows with cond (condition
+    # numbers up to 100; the start, w*(lam), is already O(sigma) from the penalised minimiser)
+    steps = 300 + int(10 * float(eig.max() / eig.min()))
     errors = _sigma_errors(q.problem(), {"w": q.w_star(lam)}, {"lam": lam}, q.hypergrad(lam),
-                           float(eig.max()), float(eig.min()), L_f, steps=300)
+                           float(eig.max()), float(eig.min()), L_f, steps=steps)
     _check_linear(errors)
 
 

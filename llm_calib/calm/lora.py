@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -74,7 +75,13 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
         task_type="CAUSAL_LM",
         modules_to_save=modules_to_save,
     )
-    peft_model = get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft reads ``model.is_gradient_checkpointing``, deprecated in transformers 5 (renamed
+        # ``is_activation_checkpointing``); the warning is about peft's call, not ours
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        peft_model = get_peft_model(model, config)
     if not any(p.requires_grad for n, p in peft_model.named_parameters() if "lora_" in n):
         raise ValueError(
             f"LoRA target_modules={settings.target_modules} matched no module of "

@@ -209,8 +209,10 @@ def generate_greedy(
     generated: list[list[int]] = [[] for _ in range(B)]
     probs: list[list[float]] = [[] for _ in range(B)]
     done = [False] * B
-    # transformers >= 5.2x renamed ``past_key_values`` to ``cache`` (input and output)
-    params = inspect.signature(model.forward).parameters
+    # transformers >= 5.2x renamed ``past_key_values`` to ``cache`` (input and output). A peft
+    # wrapper's forward takes ``**kwargs`` and hands them on: read the wrapped model's signature.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(base.forward).parameters
     cache_kw = "cache" if "cache" in params else "past_key_values"
     # Only the last position's logits are used: skip the vocabulary projection of the rest of
     # the prompt (a (B, L, vocab) tensor) where the model supports it.
