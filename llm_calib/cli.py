@@ -477,7 +477,6 @@ def _device(name: str) -> str:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    import warnings
 
     from llm_calib import distributed
     from llm_calib.calm.trainer import TrainingDiverged
@@ -486,8 +485,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from llm_calib.data.records import record_kind
     from llm_calib.models import load as load_model
 
-    # peft calls a transformers API deprecated in v5; the warning is noise for users of the CLI
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     config, methods = _calibration_config(args)
     distributed.init_from_env()
     main_rank = distributed.rank() == 0

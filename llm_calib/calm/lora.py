@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -13,7 +15,7 @@ from llm_calib.calm.config import LoraSettings
 from llm_calib.models import lm_head_logits, split_decoder_head
 from llm_calib.scoring.packing import PackedQuestions
 
-__all__ = ["OUTPUT_LOG_SCALE", "FunctionalLM", "attach_lora"]
+__all__ = ["OUTPUT_LOG_SCALE", "FunctionalLM", "attach_lora", "peft_deprecations_silenced"]
 
 OUTPUT_LOG_SCALE = "output_log_scale"
 """Name of the θ leaf holding the log of the final norm's scale (see ``output_scale``)."""
@@ -33,6 +35,23 @@ def _final_norm_name(model: Any) -> str:
         f"output_scale needs a decoder with a final norm module `norm`; {type(model).__name__} has none "
         "(set output_scale=False)"
     )
+
+
+@contextlib.contextmanager
+def peft_deprecations_silenced() -> Iterator[None]:
+    """Silence the transformers deprecation that peft's own calls trigger (not ours to fix).
+
+    peft reads ``model.is_gradient_checkpointing``, deprecated in transformers 5 (renamed
+    ``is_activation_checkpointing``) when it wraps or loads an adapter.
+
+    Example:
+        >>> import warnings
+        >>> with peft_deprecations_silenced():
+        ...     warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning)
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) -> Any:
@@ -75,12 +94,7 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
         task_type="CAUSAL_LM",
         modules_to_save=modules_to_save,
     )
-    with warnings.catch_warnings():
-        # peft reads ``model.is_gradient_checkpointing``, deprecated in transformers 5 (renamed
-        # ``is_activation_checkpointing``); the warning is about peft's call, not ours
-        warnings.filterwarnings(
-            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
-        )
+    with peft_deprecations_silenced():
         peft_model = get_peft_model(model, config)
     if not any(p.requires_grad for n, p in peft_model.named_parameters() if "lora_" in n):
         raise ValueError(

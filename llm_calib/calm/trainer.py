@@ -36,6 +36,7 @@ from llm_calib import distributed
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.encoding import EncodedRecords, encode_records
+from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.training import TrainingDiverged
 from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
 
@@ -94,7 +95,8 @@ class CalibrationResult:
         src = Path(directory)
         if not (src / "adapter").is_dir():
             raise FileNotFoundError(f"{src}: no adapter/ directory (not a saved CalibrationResult)")
-        model = PeftModel.from_pretrained(base_model, str(src / "adapter"))
+        with peft_deprecations_silenced():
+            model = PeftModel.from_pretrained(base_model, str(src / "adapter"))
         model.eval()
         lam = load_file(str(src / "lambda.safetensors")) if (src / "lambda.safetensors").exists() else {}
         config = CalibrationConfig.from_dict(json.loads((src / "config.json").read_text()))
