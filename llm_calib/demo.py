@@ -38,7 +38,8 @@ class DemoSettings:
             the rest are the in-domain test questions.
         steps, batch_size, top_layers: CALM budget; LoRA sits on the top ``top_layers`` layers.
         lr, lam_lr: learning rates of θ (LoRA) and λ.
-        bome_barrier, bome_eta: BOME's barrier (see :class:`~llm_calib.calm.config.CalibrationConfig`).
+        solver, adjustment: CALM's solver and λ (see :class:`~llm_calib.calm.config.CalibrationConfig`).
+        bome_barrier, bome_eta: BOME's barrier (used with ``solver="bome"``).
         out: output directory for the report.
         seed: data and training seed.
     """
@@ -54,6 +55,8 @@ class DemoSettings:
     top_layers: int = 6
     lr: float = 1e-3
     lam_lr: float = 5e-2
+    solver: str = "bome"
+    adjustment: str = "vector"
     bome_barrier: str = "value"
     bome_eta: float = 0.5
     out: str = "llm-calib-demo"
@@ -131,7 +134,8 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     n_layers = model.config.num_hidden_layers
     config = CalibrationConfig(
         method="calm", steps=settings.steps, batch_size=settings.batch_size, heldout_batch_size=settings.batch_size,
-        lr=settings.lr, lam_lr=settings.lam_lr, eval_every=5, seed=settings.seed, inner_lr=0.1,
+        lr=settings.lr, lam_lr=settings.lam_lr, eval_every=5, seed=settings.seed,
+        inner_lr=0.1 if settings.solver == "bome" else None, solver=settings.solver, adjustment=settings.adjustment,
         bome_barrier=settings.bome_barrier, bome_eta=settings.bome_eta,
         lora=LoraSettings(rank=8, layers=tuple(range(n_layers - settings.top_layers, n_layers))),
     )
@@ -152,7 +156,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     report = (
         "# llm-calib demo\n\n"
-        f"Model `{settings.model}`; CALM (BOME) trained on {', '.join(settings.in_domain)} "
+        f"Model `{settings.model}`; CALM ({settings.solver}, λ = {settings.adjustment}) trained on {', '.join(settings.in_domain)} "
         f"({len(train)} questions, {len(heldout)} held-out inputs), {settings.steps} steps, LoRA on the top "
         f"{settings.top_layers} layers. Temperature fitted on the in-domain held-out split.\n\n"
         + table + "\n\nWall time per phase (s): "
