@@ -119,6 +119,40 @@ def run_kind(kind: str, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def write_report(rows: list[dict], args: argparse.Namespace, seconds: float) -> Path:
+    """Write the markdown table and the JSON rows (also usable on rows of an interrupted run)."""
+    out = args.out or ROOT / "benchmarks" / "results" / ("calm_hypergradient_tiny.md" if args.tiny else "calm_hypergradient.md")
+    cmd = "python benchmarks/calm_hypergradient.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "data_dir", "tiny") and v is not None
+    ) + (" --tiny" if args.tiny else "")
+    lines = [
+        "# CALM: first-order λ directions against exact implicit hypergradients",
+        "",
+        f"- Command: `{cmd}`",
+        f"- Machine: {platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}; "
+        f"date {time.strftime('%Y-%m-%d %H:%M')}; {seconds:.0f} s wall",
+        f"- Model: {'tiny random Llama (float64)' if args.tiny else 'SmolLM2-135M-Instruct (float32)'}, LoRA rank "
+        f"{args.rank} on the top {args.layers} layers; lower batch {args.n_train} "
+        f"{'built-in' if args.tiny else 'ARC-Easy train'} questions, upper batch {args.n_unlabeled} unlabelled "
+        f"{'built-in' if args.tiny else 'ARC-Easy dev'} inputs; proximal μ = {args.mu}.",
+        "- exact: Implicit + CG at θ*(λ); `descent` is the exact directional derivative of F along the method's "
+        "λ step (negative = descends F); F2SA after its warm-up calls at the fixed λ, BOME at the run's θ.",
+        "",
+        "| λ | step | ‖∇F‖ | ‖∇g‖ at θ* | CG it. (conv.) | F2SA cos | F2SA rel. norm | F2SA descent | BOME cos | BOME descent | BOME φ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['kind']} | {r['step']} | {r['exact_norm']:.3g} | {r['lower_grad_norm']:.2g} | {r['cg_iterations']} "
+            f"({'yes' if r['cg_converged'] else 'no'}) | {r['f2sa_cosine']:.3f} | {r['f2sa_relative_norm']:.3g} | "
+            f"{r['f2sa_descent']:.3g} | {r['bome_cosine']:.3f} | {r['bome_descent']:.3g} | {r['bome_phi']:.3g} |"
+        )
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    print(f"wrote {out}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
@@ -152,35 +186,7 @@ def main() -> None:
     torch.manual_seed(0)
     start = time.time()
     rows = [row for kind in args.kinds.split(",") for row in run_kind(kind, args)]
-    out = args.out or ROOT / "benchmarks" / "results" / ("calm_hypergradient_tiny.md" if args.tiny else "calm_hypergradient.md")
-    cmd = "python benchmarks/calm_hypergradient.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "data_dir", "tiny") and v is not None
-    ) + (" --tiny" if args.tiny else "")
-    lines = [
-        "# CALM: first-order λ directions against exact implicit hypergradients",
-        "",
-        f"- Command: `{cmd}`",
-        f"- Machine: {platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}; "
-        f"date {time.strftime('%Y-%m-%d %H:%M')}; {time.time() - start:.0f} s wall",
-        f"- Model: {'tiny random Llama (float64)' if args.tiny else 'SmolLM2-135M-Instruct (float32)'}, LoRA rank "
-        f"{args.rank} on the top {args.layers} layers; lower batch {args.n_train} "
-        f"{'built-in' if args.tiny else 'ARC-Easy train'} questions, upper batch {args.n_unlabeled} unlabelled "
-        f"{'built-in' if args.tiny else 'ARC-Easy dev'} inputs; proximal μ = {args.mu}.",
-        "- exact: Implicit + CG at θ*(λ); `descent` is the exact directional derivative of F along the method's "
-        "λ step (negative = descends F); F2SA after its warm-up calls at the fixed λ, BOME at the run's θ.",
-        "",
-        "| λ | step | ‖∇F‖ | ‖∇g‖ at θ* | CG it. (conv.) | F2SA cos | F2SA rel. norm | F2SA descent | BOME cos | BOME descent | BOME φ |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['kind']} | {r['step']} | {r['exact_norm']:.3g} | {r['lower_grad_norm']:.2g} | {r['cg_iterations']} "
-            f"({'yes' if r['cg_converged'] else 'no'}) | {r['f2sa_cosine']:.3f} | {r['f2sa_relative_norm']:.3g} | "
-            f"{r['f2sa_descent']:.3g} | {r['bome_cosine']:.3f} | {r['bome_descent']:.3g} | {r['bome_phi']:.3g} |"
-        )
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    print(f"wrote {out}")
+    write_report(rows, args, time.time() - start)
 
 
 if __name__ == "__main__":
