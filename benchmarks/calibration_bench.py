@@ -18,7 +18,7 @@ one torch thread each: on a busy 2-core machine two threads were slower than one
 Resuming: every (task, method, seed) result is one JSON file under the results directory
 (``calibration_runs/<task>/<method>-seed<k>.json``), written atomically when finished; re-running
 skips every result whose settings fingerprint matches and runs the missing ones (delete a file to
-re-run it). ``--trunk-cache-dir DIR`` keeps the frozen trunk on disk too.
+re-run it).
 
 Protocol: multiple choice (option likelihood, cloze, summed scores) trained on ARC-Easy +
 ARC-Challenge train, held-out inputs and temperature fit on ARC-Easy dev, tested in domain on ARC
@@ -317,28 +317,16 @@ class Phase(MeasuredPhase):
     """Wall time and peak RSS of one phase, as a result-file record."""
 
     def record(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "peak_rss_mb": self.peak / MB, "peak_over_start_mb": self.over / MB,
-                "how": self.how}
-
-
-# ----------------------------------------------------------------- shared encodings (training)
+        return {"seconds": self.seconds, "peak_rss_mb": self.peak / MB, "peak_over_start_mb": self.over / MB, "how": self.how}
 
 
 def shared_encoding(memo: dict[Any, Any], tokenizer: Any, records: Sequence[Any], config: Any) -> Any:
-    """One encoding (and its trunk cache) per split, shared by every run of a task: every run
-    trains on the same records with the same LoRA layers, so the encodings are memoised by
-    (record ids, scorer, prompt, LoRA layers) and passed to ``calibrate`` as they are."""
-    from llm_calib.calm.encoding import encode_records
-
-    key = _encoding_key(records, config)
+    """One encoding (and trunk cache) per split, reused by every run of a task (same records and LoRA layers)."""
+    key = (tuple(f"{r.domain}/{r.id}" for r in records), config.scorer, config.prompt_style, config.chat_template,
+           config.lora.layers)
     if key not in memo:
         memo[key] = encode_records(tokenizer, records, config)
     return memo[key]
-
-
-def _encoding_key(records: Sequence[Any], config: Any) -> tuple[Any, ...]:
-    return (tuple(f"{r.domain}/{r.id}" for r in records), config.scorer, config.prompt_style,
-            config.chat_template, config.lora.layers)
 
 
 # ---------------------------------------------------------------- multiple choice: scoring
@@ -441,7 +429,6 @@ class Ctx:
     hparams_source: str
     progress: bool = True
     plots: bool = True
-    trunk_dir: Path | None = None
     workers: int = 1
     worker: int | None = None  # set inside a forked worker
     log_lines: list[str] = field(default_factory=list)
@@ -534,29 +521,21 @@ def _timed_calibrate(ctx: Ctx, task: Task, cfg: Any, memo: dict[Any, Any]) -> tu
 
 
 def _prefill_training(ctx: Ctx, task: Task, memo: dict[Any, Any]) -> None:
-    """Encode the training and held-out splits as ``calibrate`` will, and fill their trunk caches
-    (the same fixed chunks ``calibrate`` would compute lazily), once for every run of the task."""
+    """Fill the trunk caches of the training and held-out encodings once for every run of the task."""
+    from llm_calib.calm.encoding import TRUNK_CHUNK
     from llm_calib.calm.lora import FunctionalLM, attach_lora
 
     cfg = ctx.encoding_config()
-    pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
     lm = FunctionalLM(attach_lora(copy.deepcopy(ctx.model), cfg.lora))
-    encs = []
-    for records in (task.train, task.heldout):
-        key = _encoding_key(records, cfg)
-        if key not in memo:
-            memo[key] = encode_records(ctx.tokenizer, records, cfg)
-        encs.append(memo[key])
-    n = sum(len(e.records) - len(e.trunk_cache) for e in encs)
+    encs = [shared_encoding(memo, ctx.tokenizer, r, cfg) for r in (task.train, task.heldout)]
+    n = sum(len(e) - len(e.trunk_cache) for e in encs)
     ctx.log(f"[{task.name}] trunk of the training and held-out questions ({n} to compute)")
     bar = ctx.bar(n, f"{task.name} training trunk")
-    with torch.inference_mode():
-        for enc in encs:
-            for start in range(0, len(enc.records), 16):
-                missing = sum(i not in enc.trunk_cache for i in range(start, min(start + 16, len(enc.records))))
-                if missing:
-                    enc.batch(range(start, min(start + 16, len(enc.records))), pad_id, lm)
-                    bar.update(missing)
+    for enc in encs:
+        for start in range(0, len(enc), TRUNK_CHUNK):
+            chunk = range(start, min(start + TRUNK_CHUNK, len(enc)))
+            bar.update(sum(i not in enc.trunk_cache for i in chunk))
+            enc.fill_trunk_cache(lm, ctx.tokenizer.pad_token_id or 0, chunk)
     bar.close()
     del lm
     free_memory()
@@ -612,27 +591,9 @@ class MCRunner:
         self.enc_cfg = ctx.encoding_config()
 
         self.memo: dict[Any, Any] = {}
-        self.heldout = encode_records(self.tok, task.heldout, self.enc_cfg)
-        self.memo[_encoding_key(task.heldout, self.enc_cfg)] = self.heldout
+        self.heldout = shared_encoding(self.memo, self.tok, task.heldout, self.enc_cfg)
         self.tests = {name: encode_records(self.tok, recs, self.enc_cfg) for name, recs in task.tests.items()}
         self.base_scores: dict[str, list[Tensor]] | None = None
-
-    def _trunk_file(self, name: str) -> Path | None:
-        if self.ctx.trunk_dir is None:
-            return None
-        key = _hash({"task": self.task.fingerprint(), "model": self.ctx.sizes.model, "k": self.ctx.trunk_layers,
-                     "set": name})
-        return self.ctx.trunk_dir / f"mc-{name}-{key}.pt"
-
-    def _load_trunks(self) -> bool:
-        files = {name: self._trunk_file(name) for name in ["heldout", *self.tests]}
-        if any(f is None or not f.is_file() for f in files.values()):
-            return False
-        for name, f in files.items():
-            enc = self.heldout if name == "heldout" else self.tests[name]
-            enc.trunk_cache.update(torch.load(f, mmap=True))
-        self.ctx.log(f"[mc] trunk hidden states loaded from {self.ctx.trunk_dir}")
-        return True
 
     def prepare_training(self) -> None:
         _prefill_training(self.ctx, self.task, self.memo)
@@ -647,11 +608,6 @@ class MCRunner:
             self.base_scores = {name: base_scores(self.ctx.model, enc, self.ctx.trunk_layers, s.eval_batch_size,
                                                    self.pad_id, self.enc_cfg.normalize, bar) for name, enc in encs.items()}
         bar.close()
-        for name, enc in encs.items():
-            f = self._trunk_file(name)
-            if f is not None:
-                f.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(dict(enc.trunk_cache), f)
         self.ctx.timings["mc base pass"] = self.ctx.timings.get("mc base pass", 0.0) + phase.seconds
         return phase
 
@@ -734,23 +690,6 @@ class OpenRunner:
             start += len(recs)
         return out
 
-    def _trunk_file(self) -> Path | None:
-        if self.ctx.trunk_dir is None:
-            return None
-        key = _hash({"task": self.task.fingerprint(), "model": self.ctx.sizes.model, "k": self.ctx.trunk_layers,
-                     "gen": [self.ctx.sizes.gen_batch_size, self.ctx.sizes.max_new_tokens]})
-        return self.ctx.trunk_dir / f"open-{key}.pt"
-
-    def _load_trunks(self) -> bool:
-        f = self._trunk_file()
-        if f is None or not f.is_file():
-            return False
-        saved = torch.load(f, mmap=True)
-        for gb, (trunk, kv) in zip(self.gen.batches, saved, strict=True):
-            gb.trunk, gb.kv = trunk, kv
-        self.ctx.log(f"[open] trunk state loaded from {f}")
-        return True
-
     def prepare_training(self) -> None:
         _prefill_training(self.ctx, self.task, self.memo)
 
@@ -763,10 +702,6 @@ class OpenRunner:
             self.temperature = fit_open_temperature(self.task.heldout, held)
             self.base_outs = self.gen.base(self.ctx.model, keep_trunk=True, temperatures=True, bar=bar)
         bar.close()
-        f = self._trunk_file()
-        if f is not None:
-            f.parent.mkdir(parents=True, exist_ok=True)
-            torch.save([(gb.trunk, gb.kv) for gb in self.gen.batches], f)
         self.ctx.timings["open base pass"] = self.ctx.timings.get("open base pass", 0.0) + phase.seconds
         return phase
 
@@ -828,10 +763,9 @@ def run_task(ctx: Ctx, task: Task) -> None:
         return
     runner: MCRunner | OpenRunner = MCRunner(ctx, task) if task.name == "mc" else OpenRunner(ctx, task)
     pending_baselines = {m for m, _ in pending if m in BASELINES}
-    if pending_baselines or not runner._load_trunks():
-        phase = runner.base_pass()
-        if pending_baselines:
-            runner.baselines(pending_baselines, phase)
+    phase = runner.base_pass()  # the uncalibrated predictions and the trunk every trained model starts from
+    if pending_baselines:
+        runner.baselines(pending_baselines, phase)
     jobs = [(m, s) for m, s in pending if m in TRAINED]
     if not jobs:
         return
@@ -1061,90 +995,73 @@ def targets(mc: Aggregate | None, op: Aggregate | None) -> list[dict[str, Any]]:
     """The issue's targets for CALM (BOME and F2SA columns), with the measured numbers."""
     rows: list[dict[str, Any]] = []
 
-    def add(name: str, limit: str, fn: Callable[[str], tuple[float | None, bool | None, str]]) -> None:
-        row = {"target": name, "limit": limit}
+    def add(name: str, limit: str, agg: Aggregate | None, needs: str,
+            fn: Callable[[str], tuple[float | None, bool | None, str]]) -> None:
+        row: dict[str, Any] = {"target": name, "limit": limit}
         for m in ("calm_bome", "calm_f2sa"):
             try:
+                if agg is None or m not in agg.runs or needs not in agg.runs:
+                    raise KeyError(m)
                 value, ok, detail = fn(m)
             except (KeyError, ValueError, ZeroDivisionError, StopIteration):
                 value, ok, detail = None, None, "missing results"
             row[m] = {"value": value, "pass": ok, "detail": detail}
         rows.append(row)
 
-    def have(agg: Aggregate | None, *methods: str) -> bool:
-        return agg is not None and all(m in agg.runs for m in methods)
-
     if mc is not None:
         ood, ind = mc.task.ood, mc.task.in_domain
 
         def ratio(base: str, factor: float) -> Callable[[str], tuple[float | None, bool | None, str]]:
             def fn(m: str) -> tuple[float | None, bool | None, str]:
-                if not have(mc, m, base):
-                    return None, None, "missing results"
                 c, b = mc.group_mean(m, ood, "ece"), mc.group_mean(base, ood, "ece")
                 return c / b, c <= factor * b, f"CALM {c:.3f} vs {LABELS[base]} {b:.3f}"
             return fn
 
-        add("MC OOD: mean conf-ECE / uncalibrated", "≤ 0.5", ratio("uncalibrated", 0.5))
-        add("MC OOD: mean conf-ECE / temperature scaling (carried over)", "≤ 0.8", ratio("temperature_scaling", 0.8))
-
         def lower_than_ts(m: str) -> tuple[float | None, bool | None, str]:
-            if not have(mc, m, "temperature_scaling"):
-                return None, None, "missing results"
             wins = sum(mc.mean(m, n, "ece") < mc.mean("temperature_scaling", n, "ece") for n in ood)
             return wins / len(ood), wins >= math.ceil(0.75 * len(ood)), f"{wins} of {len(ood)} sets"
 
-        add("MC OOD: sets with conf-ECE below temperature scaling", "≥ 3/4", lower_than_ts)
-
         def acc_ratio(m: str) -> tuple[float | None, bool | None, str]:
-            if not have(mc, m, "uncalibrated"):
-                return None, None, "missing results"
             c, b = mc.group_mean(m, ood, "accuracy"), mc.group_mean("uncalibrated", ood, "accuracy")
             return c / b, c >= 0.95 * b, f"CALM {c:.3f} vs uncalibrated {b:.3f}"
 
-        add("MC OOD: mean accuracy / uncalibrated", "≥ 0.95", acc_ratio)
-
         def worst_set(m: str) -> tuple[float | None, bool | None, str]:
-            if not have(mc, m, "uncalibrated"):
-                return None, None, "missing results"
             margins = {}
             for n in ood:
                 low = mc.runs["uncalibrated"][0]["sets"][n].get("accuracy_ci_low")
-                low = mc.mean("uncalibrated", n, "accuracy") if low is None else low
-                margins[n] = mc.mean(m, n, "accuracy") - low
+                margins[n] = mc.mean(m, n, "accuracy") - (mc.mean("uncalibrated", n, "accuracy") if low is None else low)
             n = min(margins, key=margins.get)
             bad = [k for k, v in margins.items() if v < 0]
             return margins[n], not bad, (f"worst {n}: CALM {mc.mean(m, n, 'accuracy'):.3f} vs uncalibrated CI low "
                                          f"{mc.mean(m, n, 'accuracy') - margins[n]:.3f}" + (f"; below on {', '.join(bad)}" if bad else ""))
 
-        add("MC OOD: no set's accuracy below the uncalibrated 95% bootstrap interval (min margin)", "≥ 0", worst_set)
-
         def in_domain(m: str) -> tuple[float | None, bool | None, str]:
-            if not have(mc, m, "temperature_scaling"):
-                return None, None, "missing results"
             c, b = mc.group_mean(m, ind, "ece"), mc.group_mean("temperature_scaling", ind, "ece")
             return c - b, c <= b + 0.01, f"CALM {c:.3f} vs temperature scaling {b:.3f}"
 
-        add("MC in-domain: conf-ECE − temperature scaling", "≤ 0.01", in_domain)
+        add("MC OOD: mean conf-ECE / uncalibrated", "≤ 0.5", mc, "uncalibrated", ratio("uncalibrated", 0.5))
+        add("MC OOD: mean conf-ECE / temperature scaling (carried over)", "≤ 0.8", mc, "temperature_scaling",
+            ratio("temperature_scaling", 0.8))
+        add("MC OOD: sets with conf-ECE below temperature scaling", "≥ 3/4", mc, "temperature_scaling", lower_than_ts)
+        add("MC OOD: mean accuracy / uncalibrated", "≥ 0.95", mc, "uncalibrated", acc_ratio)
+        add("MC OOD: no set's accuracy below the uncalibrated 95% bootstrap interval (min margin)", "≥ 0", mc,
+            "uncalibrated", worst_set)
+        add("MC in-domain: conf-ECE − temperature scaling", "≤ 0.01", mc, "temperature_scaling", in_domain)
     if op is not None:
         def open_ood(m: str) -> tuple[float | None, bool | None, str]:
-            if not have(op, m, "uncalibrated"):
-                return None, None, "missing results"
             c, b = op.group_mean(m, op.task.ood, "ece"), op.group_mean("uncalibrated", op.task.ood, "ece")
             return 1 - c / b, c <= 0.8 * b, f"CALM {c:.3f} vs uncalibrated {b:.3f}"
 
-        add("Open-ended OOD: conf-ECE reduction vs uncalibrated", "≥ 0.20", open_ood)
+        add("Open-ended OOD: conf-ECE reduction vs uncalibrated", "≥ 0.20", op, "uncalibrated", open_ood)
     for agg, tag in ((mc, "MC"), (op, "Open-ended")):
         if agg is None:
             continue
 
         def ablation(m: str, agg: Aggregate = agg) -> tuple[float | None, bool | None, str]:
-            if not have(agg, m, "confidence_penalty"):
-                return None, None, "missing results"
             c, p = agg.group_mean(m, agg.task.ood, "ece"), agg.group_mean("confidence_penalty", agg.task.ood, "ece")
             return c - p, None, f"CALM {c:.3f} vs flat penalty {p:.3f} ({'CALM lower' if c < p else 'penalty lower or equal'})"
 
-        add(f"{tag} OOD ablation: conf-ECE CALM − flat confidence penalty (info)", "-", ablation)
+        add(f"{tag} OOD ablation: conf-ECE CALM − flat confidence penalty (info)", "-", agg, "confidence_penalty", ablation)
     return rows
 
 
@@ -1194,14 +1111,6 @@ def _task_tables(agg: Aggregate) -> list[str]:
                 cells.append(cell)
             out.append(f"| {name} ({tag}) | " + " | ".join(cells) + " |")
         out.append("")
-    out += ["<details><summary>every metric per set</summary>", ""]
-    for name in (*t.in_domain, *t.ood):
-        out += [f"*{name}* — {t.sources.get(name, '')}", "", "| method | " + " | ".join(METRIC_NAMES[m] for m in agg.metrics) + " |",
-                "|---|" + "---|" * len(agg.metrics)]
-        for m in methods:
-            out.append(f"| {LABELS[m]} | " + " | ".join(_mean_sd(agg.values(m, name, metric)) for metric in agg.metrics) + " |")
-        out.append("")
-    out += ["</details>", ""]
     return out
 
 
@@ -1269,88 +1178,48 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
     s = ctx.sizes
     compute = sum(r["timing"]["train_s"] + (0 if r["method"] == "temperature_scaling" else r["timing"]["eval_s"])
                   for agg in aggs.values() for runs in agg.runs.values() for r in runs)
+    guard = f"{ctx.config('mc', 'lora_ce', 0).guard_accuracy:.0%}"
     lines = [
-        "# Calibration benchmark: CALM against post-hoc and training-time baselines",
-        "",
-        f"- Command: `{command}` ({s.name} mode)",
+        "# Calibration benchmark: CALM against post-hoc and training-time baselines", "",
+        f"- Command: `{command}` ({s.name} mode); date {meta['date']}",
         f"- Machine: {meta['cpu']}, {meta['cores']} cores, {meta['threads']} torch threads; torch {meta['torch']}, "
-        f"transformers {meta['transformers']}, Python {meta['python']}; date {meta['date']}; load average at the end "
+        f"transformers {meta['transformers']}, Python {meta['python']}; load average at the end "
         + (", ".join(f"{x:.1f}" for x in meta["load"]) if meta["load"] else "?"),
-        f"- Wall time of this invocation: {elapsed / 60:.1f} min; compute recorded in the result files (all "
-        f"invocations): {compute / 60:.1f} min",
-        f"- Model: `{s.model}`; LoRA rank {s.lora_rank} (alpha {2 * s.lora_rank}) on q_proj/v_proj of the top "
-        f"{s.top_layers} of {ctx.n_layers} layers; {s.seeds} seeds per trained method; every trained method gets "
-        f"the same data, {s.steps} steps (open-ended: {s.open_steps}) of batch {s.batch_size} (held-out batch "
-        f"{s.batch_size}) and the library's selection rule (lowest held-out ECE among evaluations whose held-out "
-        "accuracy is at least 95% of the initial one).",
+        f"- Wall time of this invocation: {elapsed / 60:.1f} min; compute recorded in the result files: {compute / 60:.1f} min",
+        f"- Model: `{s.model}`; LoRA rank {s.lora_rank} (alpha {2 * s.lora_rank}) on q_proj/v_proj of the top {s.top_layers} "
+        f"of {ctx.n_layers} layers; {s.seeds} seeds per trained method; the same data, {s.steps} steps (open-ended: "
+        f"{s.open_steps}) of batch {s.batch_size} (held-out batch {s.batch_size}) and the library's selection rule (lowest "
+        f"held-out ECE among evaluations whose held-out accuracy is at least {guard} of the initial one) for every method.",
         f"- Hyperparameters: {ctx.hparams_source}.",
-        f"- Per-(method, seed) results: `{_rel(ctx.runs)}/<task>/<method>-seed<k>.json` (resumable; see the "
-        "script's docstring).",
-        "",
-        "## Targets",
-        "",
-        "CALM is `calm_bome` (the default solver); the F2SA column is the same method with the other solver. "
-        "Means over seeds; out-of-domain (OOD) means average the sets with equal weight.",
-        "",
-        *_target_table(targets(aggs.get("mc"), aggs.get("open"))),
-        "",
+        f"- Per-(method, seed) results: `{_rel(ctx.runs)}/<task>/<method>-seed<k>.json` (resumable).", "",
+        "## Targets", "", "CALM is `calm_bome`; the F2SA column is the other solver. Means over seeds; out-of-domain "
+        "(OOD) means weigh the sets equally.", "", *_target_table(targets(aggs.get("mc"), aggs.get("open"))), "",
     ]
     for name, agg in aggs.items():
-        task = agg.task
-        lines += [f"## {TASK_TITLES[name]}", ""]
-        if name == "mc":
-            lines += [f"{task.description} Cloze prompt (chat template, question only, `The answer is:`), each option "
-                      "scored by its summed token log-probability, softmax over the options; confidence = maximum "
-                      "probability. Test sets: " + "; ".join(f"{k}: {v}" for k, v in task.sources.items()) + ".", ""]
-        else:
-            lines += [f"{task.description} The held-out split is also the temperature fit: one temperature on the "
-                      "answer-token logits, chosen on a grid by the log-loss of correctness of the held-out greedy "
-                      f"answers. Greedy answers up to {s.max_new_tokens} new tokens, stop at newline/EOS; correct = "
-                      "SQuAD exact match against any alias; confidence = mean token probability. Test sets: "
-                      + "; ".join(f"{k}: {v}" for k, v in task.sources.items()) + ".", ""]
+        how = ("Cloze prompt, options scored by summed token log-probability, softmax over options" if name == "mc" else
+               f"Greedy answers up to {s.max_new_tokens} tokens, SQuAD exact match, confidence = mean token probability; "
+               "temperature on the answer-token logits fitted on the held-out greedy answers")
+        lines += [f"## {TASK_TITLES[name]}", "", f"{agg.task.description} {how}. Test sets: "
+                  + "; ".join(f"{k}: {v}" for k, v in agg.task.sources.items()) + ".", ""]
         temps = [r.get("temperature") for r in agg.runs.get("temperature_scaling", [])]
-        if temps and temps[0]:
-            lines += [f"Fitted temperature: T = {temps[0]:.3f}.", ""]
+        lines += [f"Fitted temperature: T = {temps[0]:.3f}.", ""] if temps and temps[0] else []
         lines += _task_tables(agg)
-    lines += ["## Training: what the selection rule kept", "",
-              "The library keeps the parameters with the lowest held-out ECE among the evaluations (step 0, the "
-              "initial model, included) whose held-out accuracy stays above 95% of the initial one; selected step 0 "
-              "means the run deployed the base model unchanged. Open-ended held-out metrics are the library's "
-              "teacher-forced proxy, not greedy answers.", "", *_training_table(aggs), "",
-              "## Wall time and peak memory per method", "",
-              "Wall seconds per (method, seed) run, mean ± sd over seeds: training (`calibrate`, including its "
-              "held-out evaluations) and evaluation on every test set. The two baselines share one full-model "
-              "pass (its time is shown for both; temperature scaling's train column is the temperature fit). "
-              "Peak memory: the process's peak RSS during the phase, from the kernel's high-water mark reset "
-              "at the phase start (`/proc/self/clear_refs`, `VmHWM`), maximum over seeds; in parentheses the "
-              "peak above the RSS at the phase start, i.e. what that method itself added on top of the "
-              "resident model and cached trunk. Trained runs run in `--workers` forked processes (this "
-              f"invocation: {ctx.workers}, {torch.get_num_threads()} torch thread(s) each; recorded per run in its "
-              "file), so with two workers on a 2-core machine two runs share the cores and each run's wall time "
-              "includes that sharing.", "", *_cost_table(aggs), ""]
+    lines += ["## Training: what the selection rule kept", "", "Selected step 0 means the run deployed the base model "
+              "unchanged; open-ended held-out metrics are the library's teacher-forced proxy.", "", *_training_table(aggs), "",
+              "## Wall time and peak memory per method", "", "Seconds per run (mean ± sd over seeds), training and "
+              "evaluation; peak RSS of the phase (`VmHWM` after a reset), max over seeds, in parentheses above the RSS at "
+              f"the phase start. Trained runs in {ctx.workers} forked worker(s), {torch.get_num_threads()} thread(s) each.",
+              "", *_cost_table(aggs), ""]
     if ctx.timings:
         lines += ["Phases of this invocation (s): " + ", ".join(f"{k} {v:.0f}" for k, v in ctx.timings.items()), ""]
-    lines += ["## Reliability diagrams", "",
-              "One PNG per method and task: the out-of-domain pool (all OOD sets, all seeds) and the in-domain pool.", ""]
-    lines += [f"![{f.stem}]({_rel(f, ctx.out)})" for f in files] + [""]
-    lines += ["## Method and hyperparameter selection", "",
-              "Hyperparameters are chosen on in-domain data only: `python benchmarks/calibration_bench.py --search` "
-              f"runs a small grid per method and writes `{_rel(DEFAULT_HPARAMS)}` (read by the main run when present). "
-              f"Rule: {SEARCH_RULE}", "", "Settings used (per task):", ""]
+    lines += ["## Reliability diagrams", "", "Per method and task: the out-of-domain and in-domain pools (all seeds).", "",
+              *[f"![{f.stem}]({_rel(f, ctx.out)})" for f in files], "", "## Hyperparameters", "",
+              f"Chosen on in-domain data only (`--search` writes `{_rel(DEFAULT_HPARAMS)}`). Rule: {SEARCH_RULE}", ""]
     for name in tasks:
         for m in [m for m in ctx.methods if m in TRAINED]:
             cfg = ctx.config(name, m, 0).to_dict()
-            used = {k: cfg[k] for k in RELEVANT[m]}
-            lines.append(f"- {name} / {LABELS[m]}: `{json.dumps(used)}`")
-    lines += ["", "## How the evaluation is made fast", "",
-              "Every trained method adapts only the top layers, so the hidden states entering the first adapted "
-              "layer are the base model's. The base pass computes them once per test question (the same forward "
-              "pass gives the uncalibrated and temperature-scaled predictions) and each trained model is scored by "
-              "running only its top layers on them (`trunk_scores_mc`, checked against `score_option_likelihood` "
-              "on the merged model in `tests/test_calibration_bench.py`). Open questions keep the prompt's trunk "
-              "and the bottom layers' key/value cache; a trained model runs its top layers over the prompt and "
-              "decodes greedily from there (checked against `score_open_ended`). Training reuses one encoding "
-              "(and trunk) of the training and held-out questions across all runs.", ""]
+            lines.append(f"- {name} / {LABELS[m]}: `{json.dumps({k: cfg[k] for k in RELEVANT[m]})}`")
+    lines.append("")
     text = "\n".join(lines)
     ctx.out.mkdir(parents=True, exist_ok=True)
     (ctx.out / "calibration.md").write_text(text)
@@ -1388,8 +1257,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="report directory: calibration.md, calibration/*.png, calibration_runs/ (default "
                         "benchmarks/results; --quick: a temporary directory)")
     p.add_argument("--results-dir", type=Path, default=None, help="per-run JSON files (default OUT/calibration_runs)")
-    p.add_argument("--trunk-cache-dir", type=Path, default=None,
-                   help="keep the frozen trunk's hidden states here (on disk) so a resumed run reuses them")
     p.add_argument("--tasks", default="mc,open", help="comma-separated: mc, open")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
     p.add_argument("--seeds", type=int, default=None, help="seeds per trained method")
@@ -1440,7 +1307,7 @@ def build_ctx(args: argparse.Namespace) -> Ctx:
     hp_path = args.hparams if args.hparams is not None else (None if args.quick else DEFAULT_HPARAMS)
     hparams, source = load_hparams(None if args.search else hp_path)
     return Ctx(sizes, data_dir, out, args.results_dir or out / "calibration_runs", methods, tasks, hparams, source,
-               progress=not args.no_progress, plots=not args.no_plots, trunk_dir=args.trunk_cache_dir,
+               progress=not args.no_progress, plots=not args.no_plots,
                workers=args.workers if args.workers is not None else (1 if args.quick else 2))
 
 

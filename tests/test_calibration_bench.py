@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _benchmarks import load_benchmark
@@ -38,12 +38,7 @@ def test_quick_run_reports_every_method_and_resumes(bench, tmp_path, capsys) -> 
         assert f"| {label} |" in report, label
     targets = [line for line in report.splitlines() if line.startswith("| MC ") or line.startswith("| Open-ended ")]
     assert len(targets) == 9, targets
-    for line in targets:
-        cells = line.split(" | ")
-        for value in (cells[2], cells[4]):  # BOME and F2SA columns: "<number> (<detail>)"
-            number = float(value.split(" ")[0])
-            assert math.isfinite(number), line
-        assert re.search(r"\| (PASS|\*\*MISS\*\*|info) \|", line), line
+    _check_targets_against_the_result_files(targets, tmp_path / "calibration_runs")
     pngs = sorted((tmp_path / "calibration").glob("*.png"))
     assert len(pngs) == 2 * len(bench.METHODS)
     runs = tmp_path / "calibration_runs"
@@ -105,3 +100,54 @@ def test_search_selects_on_in_domain_data_and_the_run_uses_it(bench, tmp_path, c
     rec = json.loads((tmp_path / "calibration_runs" / "mc" / "lora_ce-seed0.json").read_text())
     assert rec["config"]["lr"] == pytest.approx(0.0123)
     assert "from the in-domain search" in (tmp_path / "calibration.md").read_text()
+
+
+def _check_targets_against_the_result_files(lines: list[str], runs: Path) -> None:
+    """Recompute every target row from the per-run JSON files (not with the benchmark's own
+    aggregation) and check the reported value (3 decimals) and the PASS / MISS / info verdict."""
+
+    def sets(task, method):
+        files = sorted((runs / task).glob(f"{method}-seed*.json"))
+        assert files, (task, method)
+        return [json.loads(f.read_text())["sets"] for f in files]
+
+    def mean(task, method, names, metric="ece"):  # mean over seeds of the mean over the sets
+        return float(np.mean([np.mean([r[n][metric] for n in names]) for r in sets(task, method)]))
+
+    mc_ood = ("calendar", "capitals", "chemical_symbols")
+    mc_in = ("arithmetic", "unit_conversion")
+    open_ood = ("capitals", "elements")
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        name = cells[0]
+        for col, method in ((2, "calm_bome"), (4, "calm_f2sa")):
+            value, status = float(cells[col].split(" ")[0]), cells[col + 1]
+            if name.startswith("MC OOD: mean conf-ECE / uncalibrated"):
+                want = mean("mc", method, mc_ood) / mean("mc", "uncalibrated", mc_ood)
+                ok = want <= 0.5
+            elif name.startswith("MC OOD: mean conf-ECE / temperature"):
+                want = mean("mc", method, mc_ood) / mean("mc", "temperature_scaling", mc_ood)
+                ok = want <= 0.8
+            elif name.startswith("MC OOD: sets with conf-ECE below"):
+                wins = sum(mean("mc", method, [n]) < mean("mc", "temperature_scaling", [n]) for n in mc_ood)
+                want, ok = wins / 3, wins >= 3
+            elif name.startswith("MC OOD: mean accuracy"):
+                want = mean("mc", method, mc_ood, "accuracy") / mean("mc", "uncalibrated", mc_ood, "accuracy")
+                ok = want >= 0.95
+            elif name.startswith("MC OOD: no set"):
+                unc = sets("mc", "uncalibrated")[0]
+                margins = [mean("mc", method, [n], "accuracy") - unc[n]["accuracy_ci_low"] for n in mc_ood]
+                want, ok = min(margins), min(margins) >= 0
+            elif name.startswith("MC in-domain"):
+                want = mean("mc", method, mc_in) - mean("mc", "temperature_scaling", mc_in)
+                ok = want <= 0.01
+            elif name.startswith("Open-ended OOD: conf-ECE reduction"):
+                want = 1 - mean("open", method, open_ood) / mean("open", "uncalibrated", open_ood)
+                ok = want >= 0.2
+            elif "ablation" in name:
+                task, ood = ("mc", mc_ood) if name.startswith("MC") else ("open", open_ood)
+                want, ok = mean(task, method, ood) - mean(task, "confidence_penalty", ood), None
+            else:
+                raise AssertionError(f"unknown target row {name!r}")
+            assert value == pytest.approx(want, abs=6e-4), (name, method, value, want)
+            assert status == {True: "PASS", False: "**MISS**", None: "info"}[ok], (name, method, status)
