@@ -6,53 +6,32 @@ Usage (from the repository root, after ``make setup``)::
     .venv/bin/python benchmarks/calibration_bench.py                  # full run, SmolLM2-135M-Instruct,
                                                                       # data from ../shared/data; writes
                                                                       # benchmarks/results/calibration.md
-    .venv/bin/python benchmarks/calibration_bench.py --estimate-only  # print the time estimate, exit
     .venv/bin/python benchmarks/calibration_bench.py --quick          # random-init tiny model, built-in
                                                                       # data, seconds; report to a temp dir
     .venv/bin/python benchmarks/calibration_bench.py --search         # hyperparameter search on in-domain
                                                                       # data only -> calibration_hparams.json
     .venv/bin/python benchmarks/calibration_bench.py --set open_test=200 --steps 40   # other sizes
 
-The full run is estimated at about 75 minutes on 2 cores (about 2 hours when its two worker processes
-get only one core between them); it prints its estimate at the start and a revised one after the
-first full-model pass. Defaults: one torch thread per process (on a busy 2-core machine two threads
-were 1.5-3.6x slower for scoring and 5-10x slower for greedy decoding than one) and the trained runs
-in ``--workers 2`` forked processes.
+The full run takes about 75 minutes on 2 cores (trained runs in ``--workers 2`` forked processes,
+one torch thread each: on a busy 2-core machine two threads were slower than one).
 
 Resuming: every (task, method, seed) result is one JSON file under the results directory
-(default ``benchmarks/results/calibration_runs/<task>/<method>-seed<k>.json``), written atomically
-(temporary file, then rename) as soon as it is finished. Re-running the same command skips every
-finished result whose settings fingerprint matches (the log says ``skipped``) and runs only the
-missing ones; delete a file to re-run that one. ``--trunk-cache-dir DIR`` keeps the frozen trunk's
-hidden states on disk too, so a resumed run does not recompute them.
+(``calibration_runs/<task>/<method>-seed<k>.json``), written atomically when finished; re-running
+skips every result whose settings fingerprint matches and runs the missing ones (delete a file to
+re-run it).
 
-Protocol (see ``benchmarks/results/calibration.md`` for the numbers):
+Protocol: multiple choice (option likelihood, cloze, summed scores) trained on ARC-Easy +
+ARC-Challenge train, held-out inputs and temperature fit on ARC-Easy dev, tested in domain on ARC
+test and out of domain on OpenBookQA, QASC, CommonsenseQA, the four MMLU groups and four
+OpenTriviaQA categories; open-ended QA (greedy, mean token probability, exact match) trained on
+NQ-open dev, tested on NQ-open, WebQuestions and SelfAware (TriviaQA part). Methods: uncalibrated,
+temperature scaling carried over, LoRA CE, label smoothing, the flat confidence penalty, CALM with
+BOME and with F2SA; same data, steps, batch and LoRA layers (top ``k``) for every trained method.
 
-* Multiple choice, option-likelihood scorer (cloze prompt, summed scores). Lower level: ARC-Easy +
-  ARC-Challenge train; upper level held-out inputs and the temperature fit: ARC-Easy dev; in-domain
-  tests: ARC-Easy and ARC-Challenge test; out-of-domain tests, each reported separately and
-  averaged: OpenBookQA, QASC dev, CommonsenseQA dev, the four MMLU groups (test) and four
-  OpenTriviaQA categories. 300 questions per test set (fixed seeded subsample).
-* Open-ended QA (greedy answers, confidence = mean token probability, SQuAD exact match): train on
-  NQ-open dev (a held-out part split off), test in-domain on the rest of NQ-open and out of domain on
-  WebQuestions test and the answerable TriviaQA-sourced questions of SelfAware.
-* Methods: uncalibrated; temperature scaling fitted in-domain and carried everywhere (for open
-  questions: one temperature on the answer-token logits, fitted on the held-out greedy answers by
-  the log-loss of correctness); plain LoRA fine-tuning (CE); label smoothing; the flat confidence
-  penalty CE - beta * H; CALM with BOME; CALM with F2SA. Same data, steps and batch size for every
-  trained method; LoRA on the top ``k`` decoder layers (default 6); several seeds each.
-
-Speed (2 CPU cores): the trained methods adapt only the top ``k`` layers, so the frozen bottom
-layers' hidden states are the same for every method and seed. They are computed once per test
-question, in the same full-model pass that gives the uncalibrated (and temperature-scaled)
-predictions, and every trained model is scored by running only its top layers on them. Open
-questions keep, per prompt, the hidden states entering layer ``n - k`` and the bottom layers' key/value
-cache; a trained model's greedy answer starts from those (its own top layers over the prompt) and
-decodes on. Training shares the encoded training and held-out questions (and their trunk) across
-runs. Per (method, seed) wall time and peak memory are measured around its training and its
-evaluation separately: peak RSS read from ``VmHWM`` after resetting the kernel's high-water mark
-(``/proc/self/clear_refs``) at the start of each phase, so each number belongs to that phase alone
-(each worker is its own process, so its high-water mark is its own run's).
+Speed: every trained method adapts only the top ``k`` layers, so one full-model pass gives the
+uncalibrated predictions and the frozen trunk, and each trained model runs only its top layers
+(``llm_calib.calm.fast_eval``). Wall time and peak RSS (``VmHWM`` after resetting the high-water
+mark) are measured per run for training and evaluation separately.
 """
 
 from __future__ import annotations
@@ -62,18 +41,14 @@ import contextlib
 import copy
 import dataclasses
 import datetime as _dt
-import gc
 import hashlib
-import inspect
 import json
 import math
 import os
-import platform
-import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -83,8 +58,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
 from _memory import Phase as MeasuredPhase
-from _memory import malloc_trim
 from torch import Tensor
+
+from llm_calib.calm.encoding import encode_records
+from llm_calib.calm.fast_eval import GenOut, TrunkGenerator, base_scores, trunk_scores
+from llm_calib.calm.training import is_selectable
+from llm_calib.checkpoint import write_json_atomic
+from llm_calib.metrics import ece_resamples
+from llm_calib.models import free_memory
+from llm_calib.report import machine_info
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -156,34 +138,15 @@ METRIC_NAMES = {
     "accuracy": "accuracy", "ece": "conf-ECE", "adaptive_ece": "adaptive ECE",
     "classwise_ece": "class-wise ECE", "brier": "Brier", "auroc": "AUROC",
 }
+STEP_COST = {"confidence_penalty": 1.2, "calm_bome": 2.4, "calm_f2sa": 6.0}  # per step, CE = 1: longest runs first
 TEMPERATURE_GRID = np.exp(np.linspace(np.log(0.25), np.log(64.0), 41))  # open-ended TS (T = 1 included)
-
-# Reference speeds of SmolLM2-135M-Instruct with ONE torch thread (the default here), measured with
-# this script's code paths on the development machine (2-core Intel Xeon, torch 2.13 CPU, shared
-# with other jobs, load average about 4), used for the estimate printed at the start. On that busy
-# machine two threads were 1.5-3.6x slower for scoring and 5-10x slower for greedy decoding than one
-# (threads spin waiting for each other), hence --threads 1 by default. 0.165 s per ARC question of
-# about 75 tokens for the full packed scorer matches the 5.5 questions/s measured elsewhere with two
-# threads on a quiet machine.
-REF = {
-    "full_token_s": 2.4e-3,  # full forward, per token of a packed question
-    "top_overhead": 1.2,  # top-k layers from the trunk cost 1.2 k / n of a full pass (the head)
-    "ce_step_token_s": 1.8e-3,  # one CE training step (top 6 layers), per token of the inner batch
-    "decode_q_step_s": 0.018,  # one greedy token of one question with the KV cache (batch 16)
-    "temperature_grid_q_step_s": 0.012,  # the temperature grid of the base pass, per token
-    "step_factor": {"lora_ce": 1.0, "label_smoothing": 1.0, "confidence_penalty": 1.2,
-                    "calm_bome": 2.4, "calm_f2sa": 6.0},
-    "ref_layers": 30, "ref_top": 6,
-}
-
 
 # ----------------------------------------------------------------------------------- settings
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """Sizes and budgets of one mode. The full run's defaults are estimated at about 75 minutes on 2
-    cores with the trained runs in two worker processes, about 2 hours if those get one core."""
+    """Sizes and budgets of one mode (the full run: about 75 minutes on 2 cores)."""
 
     name: str
     model: str = ALIAS  # a model name for llm_calib.models.load, or "tiny" (tiny_random_model)
@@ -354,302 +317,19 @@ class Phase(MeasuredPhase):
     """Wall time and peak RSS of one phase, as a result-file record."""
 
     def record(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "peak_rss_mb": self.peak / MB, "peak_over_start_mb": self.over / MB,
-                "how": self.how}
-
-
-# ----------------------------------------------------------------- shared encodings (training)
+        return {"seconds": self.seconds, "peak_rss_mb": self.peak / MB, "peak_over_start_mb": self.over / MB, "how": self.how}
 
 
 def shared_encoding(memo: dict[Any, Any], tokenizer: Any, records: Sequence[Any], config: Any) -> Any:
-    """One encoding (and its trunk cache) per split, shared by every run of a task: every run
-    trains on the same records with the same LoRA layers, so the encodings are memoised by
-    (record ids, scorer, prompt, LoRA layers) and passed to ``calibrate`` as they are."""
-    from llm_calib.calm.encoding import encode_records
-
-    key = _encoding_key(records, config)
+    """One encoding (and trunk cache) per split, reused by every run of a task (same records and LoRA layers)."""
+    key = (tuple(f"{r.domain}/{r.id}" for r in records), config.scorer, config.prompt_style, config.chat_template,
+           config.lora.layers)
     if key not in memo:
         memo[key] = encode_records(tokenizer, records, config)
     return memo[key]
 
 
-def _encoding_key(records: Sequence[Any], config: Any) -> tuple[Any, ...]:
-    return (tuple(f"{r.domain}/{r.id}" for r in records), config.scorer, config.prompt_style,
-            config.chat_template, config.lora.layers)
-
-
 # ---------------------------------------------------------------- multiple choice: scoring
-
-
-def _length_order(enc: Any) -> list[int]:
-    return sorted(range(len(enc.records)), key=enc.length)
-
-
-def _batches(order: list[int], size: int) -> Iterator[list[int]]:
-    for start in range(0, len(order), size):
-        yield order[start : start + size]
-
-
-@contextlib.contextmanager
-def capture_layer_input(decoder: Any, index: int) -> Iterator[dict[str, Tensor]]:
-    """Record the hidden states entering ``decoder.layers[index]`` during a forward pass (cheaper
-    than ``output_hidden_states``, which keeps every layer's states for the whole batch)."""
-    box: dict[str, Tensor] = {}
-
-    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        box["hidden"] = args[0] if args else kwargs["hidden_states"]
-
-    handle = decoder.layers[index].register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield box
-    finally:
-        handle.remove()
-
-
-def base_pass_mc(model: Any, enc: Any, trunk_layers: int, batch_size: int, pad_id: int, normalize: str,
-                 bar: Any = None) -> list[Tensor]:
-    """Full-model option scores of every question (the uncalibrated predictions) and, in the same
-    forward pass, the hidden states entering layer ``trunk_layers`` (kept in ``enc.trunk_cache``)."""
-    from llm_calib.models import lm_head_logits, split_decoder_head
-    from llm_calib.scoring.packing import option_scores_from_logits
-
-    decoder, head = split_decoder_head(model)
-    dtype = next(model.parameters()).dtype
-    scores: list[Tensor | None] = [None] * len(enc.records)
-    with torch.inference_mode():
-        for idx in _batches(_length_order(enc), batch_size):
-            packed = enc.pack(idx, pad_id)
-            with capture_layer_input(decoder, trunk_layers) as box:
-                out = decoder(input_ids=packed.input_ids, attention_mask=packed.additive_mask(dtype),
-                              position_ids=packed.position_ids, use_cache=False)
-            if trunk_layers > 0:
-                trunk = box["hidden"]
-                for row, i in enumerate(idx):
-                    enc.trunk_cache[i] = trunk[row, : enc.length(i)].clone()
-            hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[packed.rows]
-            s = option_scores_from_logits(lm_head_logits(model, head, hidden), packed, normalize)
-            for row, i in enumerate(idx):
-                scores[i] = s[row, : len(enc.options[i])].double().cpu()
-            if bar is not None:
-                bar.update(len(idx))
-    return [s for s in scores if s is not None]
-
-
-def trunk_scores_mc(lm: Any, enc: Any, batch_size: int, pad_id: int, normalize: str, bar: Any = None) -> list[Tensor]:
-    """Option scores of a trained (top-layer LoRA) model from the cached trunk: only layers
-    ``lm.trunk_layers ..`` run. ``enc.trunk_cache`` must hold every question (see
-    :func:`base_pass_mc`); missing entries would be computed on the fly by the trainer's code."""
-    from llm_calib.scoring.packing import option_scores_from_logits
-
-    if not lm.caches_trunk:
-        raise ValueError("the model does not cache a trunk (LoRA must sit on the top layers only)")
-    scores: list[Tensor | None] = [None] * len(enc.records)
-    with torch.inference_mode():
-        for idx in _batches(_length_order(enc), batch_size):
-            batch = enc.batch(idx, pad_id, lm)
-            s = option_scores_from_logits(lm.head_logits(None, batch.packed, batch.trunk), batch.packed, normalize)
-            for row, i in enumerate(idx):
-                scores[i] = s[row, : len(enc.options[i])].double().cpu()
-            if bar is not None:
-                bar.update(len(idx))
-    return [s for s in scores if s is not None]
-
-
-# ------------------------------------------------------------- open-ended: greedy generation
-
-
-@dataclass
-class GenBatch:
-    """One batch of left-padded prompts, with the trunk state saved by the base pass."""
-
-    idx: list[int]
-    ids: Tensor
-    attn: Tensor
-    trunk: Tensor | None = None  # (B, P, H) hidden states entering the first adapted layer
-    kv: list[tuple[Tensor, Tensor]] | None = None  # keys/values of the frozen bottom layers
-
-
-@dataclass
-class GenOut:
-    """A greedy answer with the kept positions' probabilities (at T = 1 and on a temperature grid)."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    token_probs: tuple[float, ...]
-    temp_probs: np.ndarray | None = None  # (kept positions, len(TEMPERATURE_GRID))
-
-
-def _cache_kw(module: Any) -> str:
-    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
-
-
-def _layer_kv(cache: Any, j: int) -> tuple[Tensor, Tensor]:
-    if hasattr(cache, "layers"):
-        return cache.layers[j].keys, cache.layers[j].values
-    return cache.key_cache[j], cache.value_cache[j]  # pragma: no cover - older transformers
-
-
-def _select_rows(cache: Any, keep: Tensor) -> None:
-    if hasattr(cache, "layers"):
-        for layer in cache.layers:
-            layer.batch_select_indices(keep)
-    else:  # pragma: no cover - older transformers
-        cache.batch_select_indices(keep)
-
-
-class OpenGenerator:
-    """Greedy answers to a fixed list of prompts, batch by batch, as
-    :func:`llm_calib.scoring.open_ended.generate_greedy` decodes them (same stopping rule, same
-    answer and probability bookkeeping), with two additions: the base pass keeps each batch's trunk
-    state so that a top-layer LoRA model can start from it (:meth:`trained`), and it records each
-    answer token's probability on :data:`TEMPERATURE_GRID` for temperature scaling. Rows that have
-    stopped leave the batch."""
-
-    def __init__(self, tokenizer: Any, prompts: Sequence[Sequence[int]], batch_size: int, max_new_tokens: int,
-                 trunk_layers: int) -> None:
-        self.tokenizer = tokenizer
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.max_new_tokens = max_new_tokens
-        self.trunk_layers = trunk_layers
-        self.n = len(prompts)
-        self.newline: dict[int, bool] = {}
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        self.batches = []
-        for idx in _batches(order, batch_size):
-            B, L = len(idx), max(len(prompts[i]) for i in idx)
-            ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-            attn = torch.zeros((B, L), dtype=torch.long)
-            for b, i in enumerate(idx):
-                p = list(prompts[i])
-                ids[b, L - len(p) :] = torch.tensor(p)
-                attn[b, L - len(p) :] = 1
-            self.batches.append(GenBatch(idx, ids, attn))
-
-    def _is_newline(self, tok: int) -> bool:
-        if tok not in self.newline:
-            self.newline[tok] = "\n" in self.tokenizer.decode([tok])
-        return self.newline[tok]
-
-    def base(self, model: Any, *, keep_trunk: bool, temperatures: bool, bar: Any = None) -> list[GenOut]:
-        """Greedy answers of the full model; with ``keep_trunk`` each batch keeps its trunk state."""
-        from transformers import DynamicCache
-
-        from llm_calib.models import split_decoder_head
-
-        decoder, _ = split_decoder_head(model)
-        kw = _cache_kw(decoder)
-        k = self.trunk_layers
-        outs: list[GenOut | None] = [None] * self.n
-        with torch.inference_mode():
-            for gb in self.batches:
-                cache = DynamicCache(config=model.config)
-                pos = (gb.attn.cumsum(-1) - 1).clamp(min=0)
-                with capture_layer_input(decoder, k) as box:
-                    out = decoder(input_ids=gb.ids, attention_mask=gb.attn, position_ids=pos, use_cache=True, **{kw: cache})
-                if keep_trunk and k > 0:
-                    gb.trunk = box["hidden"].clone()
-                    gb.kv = [_layer_kv(cache, j) for j in range(k)]
-                self._decode(model, gb, cache, out.last_hidden_state[:, -1], temperatures, outs)
-                if bar is not None:
-                    bar.update(len(gb.idx))
-        return [o for o in outs if o is not None]
-
-    def trained(self, model: Any, bar: Any = None) -> list[GenOut]:
-        """Greedy answers of a model whose layers below ``trunk_layers`` are the base model's: the
-        bottom layers' prompt cache and the trunk come from :meth:`base`, only the top layers run
-        over the prompt, then decoding continues through the whole model."""
-        from transformers import DynamicCache
-
-        from llm_calib.models import split_decoder_head
-
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        decoder, _ = split_decoder_head(base)
-        k = self.trunk_layers
-        dtype = next(base.parameters()).dtype
-        outs: list[GenOut | None] = [None] * self.n
-        with torch.inference_mode():
-            for gb in self.batches:
-                if gb.trunk is None or gb.kv is None:
-                    raise RuntimeError("run base(keep_trunk=True) first")
-                cache = DynamicCache(config=base.config)
-                for j, (key, value) in enumerate(gb.kv):
-                    cache.update(key, value, j)
-                pos = (gb.attn.cumsum(-1) - 1).clamp(min=0)
-                hidden = gb.trunk
-                mask = _left_padded_causal_mask(gb.attn, dtype)
-                pe = decoder.rotary_emb(hidden, position_ids=pos)
-                for j in range(k, len(decoder.layers)):
-                    layer = decoder.layers[j]
-                    hidden = layer(hidden, attention_mask=mask, position_ids=pos, use_cache=True,
-                                   position_embeddings=pe, **{_cache_kw(layer): cache})
-                    if isinstance(hidden, tuple):
-                        hidden = hidden[0]
-                hidden = decoder.norm(hidden)
-                self._decode(base, gb, cache, hidden[:, -1], False, outs)
-                if bar is not None:
-                    bar.update(len(gb.idx))
-        return [o for o in outs if o is not None]
-
-    def _decode(self, model: Any, gb: GenBatch, cache: Any, last_hidden: Tensor, temperatures: bool,
-                outs: list[GenOut | None]) -> None:
-        from llm_calib.models import lm_head_logits, split_decoder_head
-        from llm_calib.scoring.open_ended import eos_token_ids, finish_answer
-
-        decoder, head = split_decoder_head(model)
-        kw = _cache_kw(decoder)
-        eos = eos_token_ids(model, self.tokenizer)
-        temps = torch.tensor(TEMPERATURE_GRID, dtype=torch.float32)
-        B = len(gb.idx)
-        active = list(range(B))
-        gen: list[list[int]] = [[] for _ in range(B)]
-        probs: list[list[float]] = [[] for _ in range(B)]
-        tprobs: list[list[np.ndarray]] = [[] for _ in range(B)]
-        attn = gb.attn
-        logits = lm_head_logits(model, head, last_hidden)
-        for step in range(self.max_new_tokens):
-            z = logits.float()
-            top_p, top = torch.softmax(z, dim=-1).max(dim=-1)
-            pt = None
-            if temperatures:  # probability of the greedy (argmax) token at every grid temperature
-                zmax = z.max(-1, keepdim=True).values
-                pt = torch.exp(zmax / temps - torch.logsumexp(z[:, :, None] / temps, dim=1)).numpy()
-            done_rows = []
-            for r, b in enumerate(active):
-                tok = int(top[r])
-                gen[b].append(tok)
-                probs[b].append(float(top_p[r]))
-                if pt is not None:
-                    tprobs[b].append(pt[r])
-                if tok in eos or self._is_newline(tok):
-                    done_rows.append(r)
-            keep = [r for r in range(len(active)) if r not in set(done_rows)]
-            if not keep or step == self.max_new_tokens - 1:
-                break
-            if done_rows:
-                sel = torch.tensor(keep)
-                _select_rows(cache, sel)
-                attn, top = attn[sel], top[sel]
-                active = [active[r] for r in keep]
-            attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype)], dim=1)
-            pos = attn.sum(-1, keepdim=True) - 1
-            out = decoder(input_ids=top[:, None], attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache})
-            logits = lm_head_logits(model, head, out.last_hidden_state[:, -1])
-        for b, i in enumerate(gb.idx):
-            ans = finish_answer(self.tokenizer, gen[b], probs[b], eos, True)
-            temp_probs = None
-            if temperatures:
-                kept = finish_answer(self.tokenizer, gen[b], [float(p) for p in range(len(gen[b]))], eos, True).token_probs
-                temp_probs = np.stack([tprobs[b][int(p)] for p in kept])
-            outs[i] = GenOut(ans.text, ans.token_ids, ans.token_probs, temp_probs)
-
-
-def _left_padded_causal_mask(attn: Tensor, dtype: torch.dtype) -> Tensor:
-    """Additive ``(B, 1, L, L)`` mask: causal, padded keys hidden, a padded query sees itself."""
-    keys = attn.bool()
-    L = keys.shape[1]
-    allowed = torch.ones(L, L, dtype=torch.bool).tril()[None] & keys[:, None, :]
-    allowed |= torch.eye(L, dtype=torch.bool)[None]
-    return torch.zeros((keys.shape[0], 1, L, L), dtype=dtype).masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
 
 
 def open_set(records: Sequence[Any], outs: Sequence[GenOut], temperature_index: int | None = None) -> Any:
@@ -713,37 +393,7 @@ def conf_correct(task: str, q: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(q["conf"], dtype=np.float64), np.asarray(q["correct"], dtype=np.float64)
 
 
-def _bin_index(c: np.ndarray, n_bins: int = 10) -> np.ndarray:
-    inner = np.arange(1, n_bins, dtype=np.float64) / n_bins  # as llm_calib.metrics: last bin holds 1.0
-    return np.searchsorted(inner, c, side="right")
-
-
-def boot_ece(conf: np.ndarray, correct: np.ndarray, idx: np.ndarray, n_bins: int = 10) -> np.ndarray:
-    """conf-ECE of each bootstrap resample ``idx`` (``(R, n)`` question indices), vectorised."""
-    R, n = idx.shape
-    c, k = conf[idx], correct[idx]
-    b = _bin_index(c, n_bins) + np.arange(R)[:, None] * n_bins
-    gap = np.bincount(b.ravel(), weights=(k - c).ravel(), minlength=R * n_bins).reshape(R, n_bins)
-    return np.abs(gap).sum(1) / n
-
-
 # ------------------------------------------------------------------------------ result files
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    from llm_calib.report import jsonable
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(jsonable(obj), fh, allow_nan=False)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def result_path(runs: Path, task: str, method: str, seed: int) -> Path:
@@ -779,12 +429,10 @@ class Ctx:
     hparams_source: str
     progress: bool = True
     plots: bool = True
-    trunk_dir: Path | None = None
     workers: int = 1
     worker: int | None = None  # set inside a forked worker
     log_lines: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    estimate: dict[str, float] | None = None
     model: Any = None
     tokenizer: Any = None
 
@@ -873,33 +521,24 @@ def _timed_calibrate(ctx: Ctx, task: Task, cfg: Any, memo: dict[Any, Any]) -> tu
 
 
 def _prefill_training(ctx: Ctx, task: Task, memo: dict[Any, Any]) -> None:
-    """Encode the training and held-out splits as ``calibrate`` will, and fill their trunk caches
-    (the same fixed chunks ``calibrate`` would compute lazily), once for every run of the task."""
+    """Fill the trunk caches of the training and held-out encodings once for every run of the task."""
+    from llm_calib.calm.encoding import TRUNK_CHUNK
     from llm_calib.calm.lora import FunctionalLM, attach_lora
-    from llm_calib.calm.trainer import encode_batch_source
 
     cfg = ctx.encoding_config()
-    pad_id = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else 0
     lm = FunctionalLM(attach_lora(copy.deepcopy(ctx.model), cfg.lora))
-    encs = []
-    for records in (task.train, task.heldout):
-        key = _encoding_key(records, cfg)
-        if key not in memo:
-            memo[key] = encode_batch_source(ctx.tokenizer, records, cfg)
-        encs.append(memo[key])
-    n = sum(len(e.records) - len(e.trunk_cache) for e in encs)
+    encs = [shared_encoding(memo, ctx.tokenizer, r, cfg) for r in (task.train, task.heldout)]
+    n = sum(len(e) - len(e.trunk_cache) for e in encs)
     ctx.log(f"[{task.name}] trunk of the training and held-out questions ({n} to compute)")
     bar = ctx.bar(n, f"{task.name} training trunk")
-    with torch.inference_mode():
-        for enc in encs:
-            for start in range(0, len(enc.records), 16):
-                missing = sum(i not in enc.trunk_cache for i in range(start, min(start + 16, len(enc.records))))
-                if missing:
-                    enc.batch(range(start, min(start + 16, len(enc.records))), pad_id, lm)
-                    bar.update(missing)
+    for enc in encs:
+        for start in range(0, len(enc), TRUNK_CHUNK):
+            chunk = range(start, min(start + TRUNK_CHUNK, len(enc)))
+            bar.update(sum(i not in enc.trunk_cache for i in chunk))
+            enc.fill_trunk_cache(lm, ctx.tokenizer.pad_token_id or 0, chunk)
     bar.close()
     del lm
-    _free()
+    free_memory()
 
 
 def _training_record(result: Any) -> dict[str, Any]:
@@ -939,11 +578,6 @@ def _write_trained_run(ctx: Ctx, task: Task, method: str, seed: int, cfg: Any, r
             f"OOD mean ECE {np.mean([sets[n]['ece'] for n in task.ood]):.3f})")
 
 
-def _free() -> None:
-    gc.collect()
-    malloc_trim()
-
-
 # ------------------------------------------------------------------------- the MC task
 
 
@@ -955,30 +589,11 @@ class MCRunner:
         self.tok = ctx.tokenizer
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.enc_cfg = ctx.encoding_config()
-        from llm_calib.calm.trainer import encode_batch_source
 
         self.memo: dict[Any, Any] = {}
-        self.heldout = encode_batch_source(self.tok, task.heldout, self.enc_cfg)
-        self.memo[_encoding_key(task.heldout, self.enc_cfg)] = self.heldout
-        self.tests = {name: encode_batch_source(self.tok, recs, self.enc_cfg) for name, recs in task.tests.items()}
+        self.heldout = shared_encoding(self.memo, self.tok, task.heldout, self.enc_cfg)
+        self.tests = {name: encode_records(self.tok, recs, self.enc_cfg) for name, recs in task.tests.items()}
         self.base_scores: dict[str, list[Tensor]] | None = None
-
-    def _trunk_file(self, name: str) -> Path | None:
-        if self.ctx.trunk_dir is None:
-            return None
-        key = _hash({"task": self.task.fingerprint(), "model": self.ctx.sizes.model, "k": self.ctx.trunk_layers,
-                     "set": name})
-        return self.ctx.trunk_dir / f"mc-{name}-{key}.pt"
-
-    def _load_trunks(self) -> bool:
-        files = {name: self._trunk_file(name) for name in ["heldout", *self.tests]}
-        if any(f is None or not f.is_file() for f in files.values()):
-            return False
-        for name, f in files.items():
-            enc = self.heldout if name == "heldout" else self.tests[name]
-            enc.trunk_cache.update(torch.load(f, mmap=True))
-        self.ctx.log(f"[mc] trunk hidden states loaded from {self.ctx.trunk_dir}")
-        return True
 
     def prepare_training(self) -> None:
         _prefill_training(self.ctx, self.task, self.memo)
@@ -990,14 +605,9 @@ class MCRunner:
         self.ctx.log(f"[mc] base pass: {total} questions through the full model (uncalibrated scores + trunk at layer {self.ctx.trunk_layers})")
         bar = self.ctx.bar(total, "mc base pass")
         with Phase() as phase:
-            self.base_scores = {name: base_pass_mc(self.ctx.model, enc, self.ctx.trunk_layers, s.eval_batch_size,
+            self.base_scores = {name: base_scores(self.ctx.model, enc, self.ctx.trunk_layers, s.eval_batch_size,
                                                    self.pad_id, self.enc_cfg.normalize, bar) for name, enc in encs.items()}
         bar.close()
-        for name, enc in encs.items():
-            f = self._trunk_file(name)
-            if f is not None:
-                f.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(dict(enc.trunk_cache), f)
         self.ctx.timings["mc base pass"] = self.ctx.timings.get("mc base pass", 0.0) + phase.seconds
         return phase
 
@@ -1038,7 +648,7 @@ class MCRunner:
         total = sum(len(e.records) for e in self.tests.values())
         bar = ctx.bar(total, f"mc eval {method} s{seed}")
         with Phase() as eval_phase:
-            scores = {name: trunk_scores_mc(lm, enc, ctx.sizes.eval_batch_size, self.pad_id, cfg.normalize, bar)
+            scores = {name: trunk_scores(lm, enc, ctx.sizes.eval_batch_size, self.pad_id, cfg.normalize, bar)
                       for name, enc in self.tests.items()}
         bar.close()
         sets, questions = {}, {}
@@ -1048,7 +658,7 @@ class MCRunner:
             questions[name] = _mc_questions(scores[name], labels)
         _write_trained_run(ctx, self.task, method, seed, cfg, result, sets, questions, train_phase, eval_phase)
         del result, lm
-        _free()
+        free_memory()
 
 
 # ---------------------------------------------------------------------- the open-ended task
@@ -1065,11 +675,11 @@ class OpenRunner:
         self.memo: dict[Any, Any] = {}
         s = ctx.sizes
         fmt = PromptFormat()
-        self.held_gen = OpenGenerator(ctx.tokenizer, encode_open_prompts(ctx.tokenizer, task.heldout, fmt),
-                                      s.gen_batch_size, s.max_new_tokens, ctx.trunk_layers)
+        self.held_gen = TrunkGenerator(ctx.tokenizer, encode_open_prompts(ctx.tokenizer, task.heldout, fmt),
+                                      s.gen_batch_size, s.max_new_tokens, ctx.trunk_layers, TEMPERATURE_GRID)
         self.test_records = [r for recs in task.tests.values() for r in recs]
-        self.gen = OpenGenerator(ctx.tokenizer, encode_open_prompts(ctx.tokenizer, self.test_records, fmt),
-                                 s.gen_batch_size, s.max_new_tokens, ctx.trunk_layers)
+        self.gen = TrunkGenerator(ctx.tokenizer, encode_open_prompts(ctx.tokenizer, self.test_records, fmt),
+                                 s.gen_batch_size, s.max_new_tokens, ctx.trunk_layers, TEMPERATURE_GRID)
         self.base_outs: list[GenOut] | None = None
         self.temperature: tuple[float, int] | None = None
 
@@ -1079,23 +689,6 @@ class OpenRunner:
             out[name] = slice(start, start + len(recs))
             start += len(recs)
         return out
-
-    def _trunk_file(self) -> Path | None:
-        if self.ctx.trunk_dir is None:
-            return None
-        key = _hash({"task": self.task.fingerprint(), "model": self.ctx.sizes.model, "k": self.ctx.trunk_layers,
-                     "gen": [self.ctx.sizes.gen_batch_size, self.ctx.sizes.max_new_tokens]})
-        return self.ctx.trunk_dir / f"open-{key}.pt"
-
-    def _load_trunks(self) -> bool:
-        f = self._trunk_file()
-        if f is None or not f.is_file():
-            return False
-        saved = torch.load(f, mmap=True)
-        for gb, (trunk, kv) in zip(self.gen.batches, saved, strict=True):
-            gb.trunk, gb.kv = trunk, kv
-        self.ctx.log(f"[open] trunk state loaded from {f}")
-        return True
 
     def prepare_training(self) -> None:
         _prefill_training(self.ctx, self.task, self.memo)
@@ -1109,10 +702,6 @@ class OpenRunner:
             self.temperature = fit_open_temperature(self.task.heldout, held)
             self.base_outs = self.gen.base(self.ctx.model, keep_trunk=True, temperatures=True, bar=bar)
         bar.close()
-        f = self._trunk_file()
-        if f is not None:
-            f.parent.mkdir(parents=True, exist_ok=True)
-            torch.save([(gb.trunk, gb.kv) for gb in self.gen.batches], f)
         self.ctx.timings["open base pass"] = self.ctx.timings.get("open base pass", 0.0) + phase.seconds
         return phase
 
@@ -1148,7 +737,7 @@ class OpenRunner:
         sets, questions = self._sets(outs)
         _write_trained_run(ctx, self.task, method, seed, cfg, result, sets, questions, train_phase, eval_phase)
         del result
-        _free()
+        free_memory()
 
 
 def run_task(ctx: Ctx, task: Task) -> None:
@@ -1174,16 +763,9 @@ def run_task(ctx: Ctx, task: Task) -> None:
         return
     runner: MCRunner | OpenRunner = MCRunner(ctx, task) if task.name == "mc" else OpenRunner(ctx, task)
     pending_baselines = {m for m, _ in pending if m in BASELINES}
-    if pending_baselines or not runner._load_trunks():
-        phase = runner.base_pass()
-        key = f"{task.name} base pass"
-        if ctx.estimate and ctx.estimate.get(key):
-            factor = phase.seconds / ctx.estimate[key]
-            ctx.log(f"[{task.name}] base pass took {phase.seconds:.0f}s, estimated {ctx.estimate[key]:.0f}s "
-                    f"(x{factor:.2f}); at that speed the whole run takes about "
-                    f"{factor * wall_estimate(ctx.estimate, ctx.workers) / 60:.0f} min (finished results are skipped)")
-        if pending_baselines:
-            runner.baselines(pending_baselines, phase)
+    phase = runner.base_pass()  # the uncalibrated predictions and the trunk every trained model starts from
+    if pending_baselines:
+        runner.baselines(pending_baselines, phase)
     jobs = [(m, s) for m, s in pending if m in TRAINED]
     if not jobs:
         return
@@ -1213,7 +795,7 @@ def run_forked(ctx: Ctx, task: Task, runner: MCRunner | OpenRunner, jobs: list[t
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob("*.lock"):
         stale.unlink()
-    order = sorted(jobs, key=lambda j: -REF["step_factor"].get(j[0], 1.0))
+    order = sorted(jobs, key=lambda j: -STEP_COST.get(j[0], 1.0))
     ctx.log(f"[{task.name}] {len(jobs)} runs on {workers} forked workers")
     sys.stdout.flush()
     sys.stderr.flush()
@@ -1265,72 +847,12 @@ def run_forked(ctx: Ctx, task: Task, runner: MCRunner | OpenRunner, jobs: list[t
         ctx.log(f"[{task.name}] {len(failed)} worker(s) failed; missing results: {', '.join(missing) or 'none'}")
 
 
-def wall_estimate(est: dict[str, float], workers: int) -> float:
-    """Wall seconds of an estimate when the trained runs are spread over ``workers`` processes."""
-    par = max(1, min(workers, os.cpu_count() or 1))
-    return sum(v / par if k in PARALLEL_PHASES else v for k, v in est.items())
-
-
-# ------------------------------------------------------------------------------ estimate
-
-
-PARALLEL_PHASES = ("mc training", "mc evaluation of trained models", "open training", "open evaluation of trained models")
-
-
-def _mean_tokens(enc: Any) -> float:
-    return float(np.mean([enc.length(i) for i in range(len(enc.records))])) if enc.records else 0.0
-
-
-def estimate(ctx: Ctx, tasks: dict[str, Task]) -> dict[str, float] | None:
-    """Seconds per phase from the reference speeds :data:`REF` (SmolLM2-135M-Instruct only)."""
-    if ctx.sizes.model != ALIAS:
-        return None
-    from llm_calib.calm.trainer import encode_batch_source
-    from llm_calib.prompts import PromptFormat
-    from llm_calib.scoring.open_ended import encode_open_prompts
-
-    s, cfg = ctx.sizes, ctx.encoding_config()
-    top = REF["top_overhead"] * s.top_layers / ctx.n_layers
-    step_factor = sum(REF["step_factor"][m] for m in ctx.methods if m in TRAINED)
-    n_trained = sum(1 for m in ctx.methods if m in TRAINED)
-    evals = s.evals_per_run + 2
-    out: dict[str, float] = {}
-    tok_s = REF["full_token_s"]
-    if "mc" in tasks:
-        t = tasks["mc"]
-        test_tokens = sum(_mean_tokens(e) * len(e.records) for e in
-                          (encode_batch_source(ctx.tokenizer, r, cfg) for r in t.tests.values()))
-        held = encode_batch_source(ctx.tokenizer, t.heldout, cfg)
-        train = encode_batch_source(ctx.tokenizer, t.train, cfg)
-        held_tokens = _mean_tokens(held) * len(held.records)
-        out["mc base pass"] = (test_tokens + held_tokens) * tok_s
-        step = REF["ce_step_token_s"] * s.batch_size * _mean_tokens(train) * (s.top_layers / REF["ref_top"])
-        out["mc training"] = (_mean_tokens(train) * min(len(train.records), s.steps * s.batch_size * s.seeds) * tok_s
-                              + s.seeds * (s.steps * step * step_factor + n_trained * evals * held_tokens * tok_s * top))
-        out["mc evaluation of trained models"] = s.seeds * n_trained * test_tokens * tok_s * top
-    if "open" in tasks:
-        t = tasks["open"]
-        recs = [r for v in t.tests.values() for r in v]
-        p_test = float(np.mean([len(p) for p in encode_open_prompts(ctx.tokenizer, recs, PromptFormat())]))
-        n_test, n_held = len(recs), len(t.heldout)
-        decode = REF["decode_q_step_s"] * 0.75 * s.max_new_tokens
-        grid = REF["temperature_grid_q_step_s"] * 0.75 * s.max_new_tokens
-        out["open base pass"] = (n_test + n_held) * (p_test * tok_s + decode + grid)
-        train_tokens = p_test + 6
-        step = REF["ce_step_token_s"] * s.batch_size * train_tokens * (s.top_layers / REF["ref_top"])
-        out["open training"] = (train_tokens * min(len(t.train), s.open_steps * s.batch_size * s.seeds) * tok_s
-                                + s.seeds * (s.open_steps * step * step_factor + n_trained * evals * n_held * train_tokens * tok_s * top))
-        out["open evaluation of trained models"] = s.seeds * n_trained * n_test * (p_test * tok_s * top + decode)
-    return out
-
-
 # --------------------------------------------------------------------------------- search
 
 
 def run_search(ctx: Ctx, tasks: dict[str, Task], hparams_out: Path) -> dict[str, Any]:
     """Choose each trained method's hyperparameters on in-domain selection data only."""
     from llm_calib.calm.lora import FunctionalLM
-    from llm_calib.calm.trainer import encode_batch_source
     from llm_calib.prompts import PromptFormat
     from llm_calib.scoring.open_ended import encode_open_prompts
 
@@ -1341,12 +863,12 @@ def run_search(ctx: Ctx, tasks: dict[str, Task], hparams_out: Path) -> dict[str,
         pad_id = ctx.tokenizer.pad_token_id or 0
         memo: dict[Any, Any] = {}
         if name == "mc":
-            sel = encode_batch_source(ctx.tokenizer, task.select, ctx.encoding_config())
-            base = base_pass_mc(ctx.model, sel, ctx.trunk_layers, s.eval_batch_size, pad_id, "sum")
+            sel = encode_records(ctx.tokenizer, task.select, ctx.encoding_config())
+            base = base_scores(ctx.model, sel, ctx.trunk_layers, s.eval_batch_size, pad_id, "sum")
             base_m = mc_metrics(base, [r.gold for r in task.select], 0)
         else:
-            sel_gen = OpenGenerator(ctx.tokenizer, encode_open_prompts(ctx.tokenizer, task.select, PromptFormat()),
-                                    s.gen_batch_size, s.max_new_tokens, ctx.trunk_layers)
+            sel_gen = TrunkGenerator(ctx.tokenizer, encode_open_prompts(ctx.tokenizer, task.select, PromptFormat()),
+                                     s.gen_batch_size, s.max_new_tokens, ctx.trunk_layers)
             base_m = open_metrics(open_set(task.select, sel_gen.base(ctx.model, keep_trunk=True, temperatures=False)), 0)
         ctx.log(f"[search/{name}] uncalibrated on the selection split ({len(task.select)}): "
                 f"accuracy {base_m['accuracy']:.3f}, ECE {base_m['ece']:.3f}")
@@ -1361,18 +883,19 @@ def run_search(ctx: Ctx, tasks: dict[str, Task], hparams_out: Path) -> dict[str,
                     ctx.log(f"[search/{name}] {method} candidate {ci} {cand}")
                     result, phase = _timed_calibrate(ctx, task, cfg, memo)
                     if name == "mc":
-                        sc = trunk_scores_mc(FunctionalLM(result.model), sel, s.eval_batch_size, pad_id, cfg.normalize)
+                        sc = trunk_scores(FunctionalLM(result.model), sel, s.eval_batch_size, pad_id, cfg.normalize)
                         m = mc_metrics(sc, [r.gold for r in task.select], 0)
                     else:
                         m = open_metrics(open_set(task.select, sel_gen.trained(result.model)), 0)
                     rec = {"fingerprint": fp, "method": method, "candidate": cand, "metrics": m, "train_s": phase.seconds}
                     write_json_atomic(path, rec)
                     del result
-                    _free()
+                    free_memory()
                 else:
                     ctx.log(f"[search/{name}] {method} candidate {ci}: skipped (finished)")
                 rows.append(rec)
-            ok = [r for r in rows if r["metrics"]["accuracy"] >= 0.95 * base_m["accuracy"] - 1e-12]
+            guard = ctx.config(name, method, 0)  # the library's selection rule (guard_accuracy) picks the candidate
+            ok = [r for r in rows if is_selectable(r["metrics"]["accuracy"], base_m["accuracy"], guard)]
             best = min(ok, key=lambda r: r["metrics"]["ece"]) if ok else max(rows, key=lambda r: r["metrics"]["accuracy"])
             chosen[name][method] = best["candidate"]
             for r in rows:
@@ -1452,7 +975,7 @@ class Aggregate:
             return math.nan, math.nan
         total = np.zeros(next(iter(self.idx.values())).shape[0])
         for name in names:
-            per_seed = [boot_ece(*conf_correct(self.task.name, r["questions"][name]), self.idx[name]) for r in runs]
+            per_seed = [ece_resamples(*conf_correct(self.task.name, r["questions"][name]), self.idx[name]) for r in runs]
             total += np.mean(per_seed, axis=0)
         vals = total / len(names)
         lo, hi = np.percentile(vals, [2.5, 97.5])
@@ -1472,90 +995,73 @@ def targets(mc: Aggregate | None, op: Aggregate | None) -> list[dict[str, Any]]:
     """The issue's targets for CALM (BOME and F2SA columns), with the measured numbers."""
     rows: list[dict[str, Any]] = []
 
-    def add(name: str, limit: str, fn: Callable[[str], tuple[float | None, bool | None, str]]) -> None:
-        row = {"target": name, "limit": limit}
+    def add(name: str, limit: str, agg: Aggregate | None, needs: str,
+            fn: Callable[[str], tuple[float | None, bool | None, str]]) -> None:
+        row: dict[str, Any] = {"target": name, "limit": limit}
         for m in ("calm_bome", "calm_f2sa"):
             try:
+                if agg is None or m not in agg.runs or needs not in agg.runs:
+                    raise KeyError(m)
                 value, ok, detail = fn(m)
             except (KeyError, ValueError, ZeroDivisionError, StopIteration):
                 value, ok, detail = None, None, "missing results"
             row[m] = {"value": value, "pass": ok, "detail": detail}
         rows.append(row)
 
-    def have(agg: Aggregate | None, *methods: str) -> bool:
-        return agg is not None and all(m in agg.runs for m in methods)
-
     if mc is not None:
         ood, ind = mc.task.ood, mc.task.in_domain
 
         def ratio(base: str, factor: float) -> Callable[[str], tuple[float | None, bool | None, str]]:
             def fn(m: str) -> tuple[float | None, bool | None, str]:
-                if not have(mc, m, base):
-                    return None, None, "missing results"
                 c, b = mc.group_mean(m, ood, "ece"), mc.group_mean(base, ood, "ece")
                 return c / b, c <= factor * b, f"CALM {c:.3f} vs {LABELS[base]} {b:.3f}"
             return fn
 
-        add("MC OOD: mean conf-ECE / uncalibrated", "≤ 0.5", ratio("uncalibrated", 0.5))
-        add("MC OOD: mean conf-ECE / temperature scaling (carried over)", "≤ 0.8", ratio("temperature_scaling", 0.8))
-
         def lower_than_ts(m: str) -> tuple[float | None, bool | None, str]:
-            if not have(mc, m, "temperature_scaling"):
-                return None, None, "missing results"
             wins = sum(mc.mean(m, n, "ece") < mc.mean("temperature_scaling", n, "ece") for n in ood)
             return wins / len(ood), wins >= math.ceil(0.75 * len(ood)), f"{wins} of {len(ood)} sets"
 
-        add("MC OOD: sets with conf-ECE below temperature scaling", "≥ 3/4", lower_than_ts)
-
         def acc_ratio(m: str) -> tuple[float | None, bool | None, str]:
-            if not have(mc, m, "uncalibrated"):
-                return None, None, "missing results"
             c, b = mc.group_mean(m, ood, "accuracy"), mc.group_mean("uncalibrated", ood, "accuracy")
             return c / b, c >= 0.95 * b, f"CALM {c:.3f} vs uncalibrated {b:.3f}"
 
-        add("MC OOD: mean accuracy / uncalibrated", "≥ 0.95", acc_ratio)
-
         def worst_set(m: str) -> tuple[float | None, bool | None, str]:
-            if not have(mc, m, "uncalibrated"):
-                return None, None, "missing results"
             margins = {}
             for n in ood:
                 low = mc.runs["uncalibrated"][0]["sets"][n].get("accuracy_ci_low")
-                low = mc.mean("uncalibrated", n, "accuracy") if low is None else low
-                margins[n] = mc.mean(m, n, "accuracy") - low
+                margins[n] = mc.mean(m, n, "accuracy") - (mc.mean("uncalibrated", n, "accuracy") if low is None else low)
             n = min(margins, key=margins.get)
             bad = [k for k, v in margins.items() if v < 0]
             return margins[n], not bad, (f"worst {n}: CALM {mc.mean(m, n, 'accuracy'):.3f} vs uncalibrated CI low "
                                          f"{mc.mean(m, n, 'accuracy') - margins[n]:.3f}" + (f"; below on {', '.join(bad)}" if bad else ""))
 
-        add("MC OOD: no set's accuracy below the uncalibrated 95% bootstrap interval (min margin)", "≥ 0", worst_set)
-
         def in_domain(m: str) -> tuple[float | None, bool | None, str]:
-            if not have(mc, m, "temperature_scaling"):
-                return None, None, "missing results"
             c, b = mc.group_mean(m, ind, "ece"), mc.group_mean("temperature_scaling", ind, "ece")
             return c - b, c <= b + 0.01, f"CALM {c:.3f} vs temperature scaling {b:.3f}"
 
-        add("MC in-domain: conf-ECE − temperature scaling", "≤ 0.01", in_domain)
+        add("MC OOD: mean conf-ECE / uncalibrated", "≤ 0.5", mc, "uncalibrated", ratio("uncalibrated", 0.5))
+        add("MC OOD: mean conf-ECE / temperature scaling (carried over)", "≤ 0.8", mc, "temperature_scaling",
+            ratio("temperature_scaling", 0.8))
+        add("MC OOD: sets with conf-ECE below temperature scaling", "≥ 3/4", mc, "temperature_scaling", lower_than_ts)
+        add("MC OOD: mean accuracy / uncalibrated", "≥ 0.95", mc, "uncalibrated", acc_ratio)
+        add("MC OOD: no set's accuracy below the uncalibrated 95% bootstrap interval (min margin)", "≥ 0", mc,
+            "uncalibrated", worst_set)
+        add("MC in-domain: conf-ECE − temperature scaling", "≤ 0.01", mc, "temperature_scaling", in_domain)
     if op is not None:
         def open_ood(m: str) -> tuple[float | None, bool | None, str]:
-            if not have(op, m, "uncalibrated"):
-                return None, None, "missing results"
             c, b = op.group_mean(m, op.task.ood, "ece"), op.group_mean("uncalibrated", op.task.ood, "ece")
             return 1 - c / b, c <= 0.8 * b, f"CALM {c:.3f} vs uncalibrated {b:.3f}"
 
-        add("Open-ended OOD: conf-ECE reduction vs uncalibrated", "≥ 0.20", open_ood)
+        add("Open-ended OOD: conf-ECE reduction vs uncalibrated", "≥ 0.20", op, "uncalibrated", open_ood)
     for agg, tag in ((mc, "MC"), (op, "Open-ended")):
         if agg is None:
             continue
 
         def ablation(m: str, agg: Aggregate = agg) -> tuple[float | None, bool | None, str]:
-            if not have(agg, m, "confidence_penalty"):
-                return None, None, "missing results"
             c, p = agg.group_mean(m, agg.task.ood, "ece"), agg.group_mean("confidence_penalty", agg.task.ood, "ece")
             return c - p, None, f"CALM {c:.3f} vs flat penalty {p:.3f} ({'CALM lower' if c < p else 'penalty lower or equal'})"
 
-        add(f"{tag} OOD ablation: conf-ECE CALM − flat confidence penalty (info)", "-", ablation)
+        add(f"{tag} OOD ablation: conf-ECE CALM − flat confidence penalty (info)", "-", agg, "confidence_penalty", ablation)
     return rows
 
 
@@ -1605,14 +1111,6 @@ def _task_tables(agg: Aggregate) -> list[str]:
                 cells.append(cell)
             out.append(f"| {name} ({tag}) | " + " | ".join(cells) + " |")
         out.append("")
-    out += ["<details><summary>every metric per set</summary>", ""]
-    for name in (*t.in_domain, *t.ood):
-        out += [f"*{name}* — {t.sources.get(name, '')}", "", "| method | " + " | ".join(METRIC_NAMES[m] for m in agg.metrics) + " |",
-                "|---|" + "---|" * len(agg.metrics)]
-        for m in methods:
-            out.append(f"| {LABELS[m]} | " + " | ".join(_mean_sd(agg.values(m, name, metric)) for metric in agg.metrics) + " |")
-        out.append("")
-    out += ["</details>", ""]
     return out
 
 
@@ -1672,19 +1170,7 @@ def _plots(ctx: Ctx, aggs: dict[str, Aggregate], plot_dir: Path) -> list[str]:
     return files
 
 
-def machine_info(threads: int) -> dict[str, Any]:
-    cpu = "unknown"
-    with contextlib.suppress(OSError):
-        match = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
-        cpu = match.group(1).strip() if match else cpu
-    import transformers
-
-    return {"date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "cores": os.cpu_count(),
-            "threads": threads, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "load": os.getloadavg() if hasattr(os, "getloadavg") else None}
-
-
-def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float, est: dict[str, float] | None) -> str:
+def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float) -> str:
     aggs = {name: Aggregate(ctx, task) for name, task in tasks.items()}
     plot_dir = ctx.out / "calibration"
     files = _plots(ctx, aggs, plot_dir) if ctx.plots else []
@@ -1692,93 +1178,48 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float,
     s = ctx.sizes
     compute = sum(r["timing"]["train_s"] + (0 if r["method"] == "temperature_scaling" else r["timing"]["eval_s"])
                   for agg in aggs.values() for runs in agg.runs.values() for r in runs)
+    guard = f"{ctx.config('mc', 'lora_ce', 0).guard_accuracy:.0%}"
     lines = [
-        "# Calibration benchmark: CALM against post-hoc and training-time baselines",
-        "",
-        f"- Command: `{command}` ({s.name} mode)",
+        "# Calibration benchmark: CALM against post-hoc and training-time baselines", "",
+        f"- Command: `{command}` ({s.name} mode); date {meta['date']}",
         f"- Machine: {meta['cpu']}, {meta['cores']} cores, {meta['threads']} torch threads; torch {meta['torch']}, "
-        f"transformers {meta['transformers']}, Python {meta['python']}; date {meta['date']}; load average at the end "
+        f"transformers {meta['transformers']}, Python {meta['python']}; load average at the end "
         + (", ".join(f"{x:.1f}" for x in meta["load"]) if meta["load"] else "?"),
-        f"- Wall time of this invocation: {elapsed / 60:.1f} min; compute recorded in the result files (all "
-        f"invocations): {compute / 60:.1f} min"
-        + (f"; estimate printed at the start: {wall_estimate(est, ctx.workers) / 60:.0f} min with {ctx.workers} "
-           f"parallel worker(s), {sum(est.values()) / 60:.0f} min on one core" if est else ""),
-        f"- Model: `{s.model}`; LoRA rank {s.lora_rank} (alpha {2 * s.lora_rank}) on q_proj/v_proj of the top "
-        f"{s.top_layers} of {ctx.n_layers} layers; {s.seeds} seeds per trained method; every trained method gets "
-        f"the same data, {s.steps} steps (open-ended: {s.open_steps}) of batch {s.batch_size} (held-out batch "
-        f"{s.batch_size}) and the library's selection rule (lowest held-out ECE among evaluations whose held-out "
-        "accuracy is at least 95% of the initial one).",
+        f"- Wall time of this invocation: {elapsed / 60:.1f} min; compute recorded in the result files: {compute / 60:.1f} min",
+        f"- Model: `{s.model}`; LoRA rank {s.lora_rank} (alpha {2 * s.lora_rank}) on q_proj/v_proj of the top {s.top_layers} "
+        f"of {ctx.n_layers} layers; {s.seeds} seeds per trained method; the same data, {s.steps} steps (open-ended: "
+        f"{s.open_steps}) of batch {s.batch_size} (held-out batch {s.batch_size}) and the library's selection rule (lowest "
+        f"held-out ECE among evaluations whose held-out accuracy is at least {guard} of the initial one) for every method.",
         f"- Hyperparameters: {ctx.hparams_source}.",
-        f"- Per-(method, seed) results: `{_rel(ctx.runs)}/<task>/<method>-seed<k>.json` (resumable; see the "
-        "script's docstring).",
-        "",
-        "## Targets",
-        "",
-        "CALM is `calm_bome` (the default solver); the F2SA column is the same method with the other solver. "
-        "Means over seeds; out-of-domain (OOD) means average the sets with equal weight.",
-        "",
-        *_target_table(targets(aggs.get("mc"), aggs.get("open"))),
-        "",
+        f"- Per-(method, seed) results: `{_rel(ctx.runs)}/<task>/<method>-seed<k>.json` (resumable).", "",
+        "## Targets", "", "CALM is `calm_bome`; the F2SA column is the other solver. Means over seeds; out-of-domain "
+        "(OOD) means weigh the sets equally.", "", *_target_table(targets(aggs.get("mc"), aggs.get("open"))), "",
     ]
     for name, agg in aggs.items():
-        task = agg.task
-        lines += [f"## {TASK_TITLES[name]}", ""]
-        if name == "mc":
-            lines += [f"{task.description} Cloze prompt (chat template, question only, `The answer is:`), each option "
-                      "scored by its summed token log-probability, softmax over the options; confidence = maximum "
-                      "probability. Test sets: " + "; ".join(f"{k}: {v}" for k, v in task.sources.items()) + ".", ""]
-        else:
-            lines += [f"{task.description} The held-out split is also the temperature fit: one temperature on the "
-                      "answer-token logits, chosen on a grid by the log-loss of correctness of the held-out greedy "
-                      f"answers. Greedy answers up to {s.max_new_tokens} new tokens, stop at newline/EOS; correct = "
-                      "SQuAD exact match against any alias; confidence = mean token probability. Test sets: "
-                      + "; ".join(f"{k}: {v}" for k, v in task.sources.items()) + ".", ""]
+        how = ("Cloze prompt, options scored by summed token log-probability, softmax over options" if name == "mc" else
+               f"Greedy answers up to {s.max_new_tokens} tokens, SQuAD exact match, confidence = mean token probability; "
+               "temperature on the answer-token logits fitted on the held-out greedy answers")
+        lines += [f"## {TASK_TITLES[name]}", "", f"{agg.task.description} {how}. Test sets: "
+                  + "; ".join(f"{k}: {v}" for k, v in agg.task.sources.items()) + ".", ""]
         temps = [r.get("temperature") for r in agg.runs.get("temperature_scaling", [])]
-        if temps and temps[0]:
-            lines += [f"Fitted temperature: T = {temps[0]:.3f}.", ""]
+        lines += [f"Fitted temperature: T = {temps[0]:.3f}.", ""] if temps and temps[0] else []
         lines += _task_tables(agg)
-    lines += ["## Training: what the selection rule kept", "",
-              "The library keeps the parameters with the lowest held-out ECE among the evaluations (step 0, the "
-              "initial model, included) whose held-out accuracy stays above 95% of the initial one; selected step 0 "
-              "means the run deployed the base model unchanged. Open-ended held-out metrics are the library's "
-              "teacher-forced proxy, not greedy answers.", "", *_training_table(aggs), "",
-              "## Wall time and peak memory per method", "",
-              "Wall seconds per (method, seed) run, mean ± sd over seeds: training (`calibrate`, including its "
-              "held-out evaluations) and evaluation on every test set. The two baselines share one full-model "
-              "pass (its time is shown for both; temperature scaling's train column is the temperature fit). "
-              "Peak memory: the process's peak RSS during the phase, from the kernel's high-water mark reset "
-              "at the phase start (`/proc/self/clear_refs`, `VmHWM`), maximum over seeds; in parentheses the "
-              "peak above the RSS at the phase start, i.e. what that method itself added on top of the "
-              "resident model and cached trunk. Trained runs run in `--workers` forked processes (this "
-              f"invocation: {ctx.workers}, {torch.get_num_threads()} torch thread(s) each; recorded per run in its "
-              "file), so with two workers on a 2-core machine two runs share the cores and each run's wall time "
-              "includes that sharing.", "", *_cost_table(aggs), ""]
+    lines += ["## Training: what the selection rule kept", "", "Selected step 0 means the run deployed the base model "
+              "unchanged; open-ended held-out metrics are the library's teacher-forced proxy.", "", *_training_table(aggs), "",
+              "## Wall time and peak memory per method", "", "Seconds per run (mean ± sd over seeds), training and "
+              "evaluation; peak RSS of the phase (`VmHWM` after a reset), max over seeds, in parentheses above the RSS at "
+              f"the phase start. Trained runs in {ctx.workers} forked worker(s), {torch.get_num_threads()} thread(s) each.",
+              "", *_cost_table(aggs), ""]
     if ctx.timings:
         lines += ["Phases of this invocation (s): " + ", ".join(f"{k} {v:.0f}" for k, v in ctx.timings.items()), ""]
-    if est:
-        lines += ["Estimate printed at the start (reference speeds in the script, one process): "
-                  + ", ".join(f"{k} {v / 60:.1f} min" for k, v in est.items()), ""]
-    lines += ["## Reliability diagrams", "",
-              "One PNG per method and task: the out-of-domain pool (all OOD sets, all seeds) and the in-domain pool.", ""]
-    lines += [f"![{f.stem}]({_rel(f, ctx.out)})" for f in files] + [""]
-    lines += ["## Method and hyperparameter selection", "",
-              "Hyperparameters are chosen on in-domain data only: `python benchmarks/calibration_bench.py --search` "
-              f"runs a small grid per method and writes `{_rel(DEFAULT_HPARAMS)}` (read by the main run when present). "
-              f"Rule: {SEARCH_RULE}", "", "Settings used (per task):", ""]
+    lines += ["## Reliability diagrams", "", "Per method and task: the out-of-domain and in-domain pools (all seeds).", "",
+              *[f"![{f.stem}]({_rel(f, ctx.out)})" for f in files], "", "## Hyperparameters", "",
+              f"Chosen on in-domain data only (`--search` writes `{_rel(DEFAULT_HPARAMS)}`). Rule: {SEARCH_RULE}", ""]
     for name in tasks:
         for m in [m for m in ctx.methods if m in TRAINED]:
             cfg = ctx.config(name, m, 0).to_dict()
-            used = {k: cfg[k] for k in RELEVANT[m]}
-            lines.append(f"- {name} / {LABELS[m]}: `{json.dumps(used)}`")
-    lines += ["", "## How the evaluation is made fast", "",
-              "Every trained method adapts only the top layers, so the hidden states entering the first adapted "
-              "layer are the base model's. The base pass computes them once per test question (the same forward "
-              "pass gives the uncalibrated and temperature-scaled predictions) and each trained model is scored by "
-              "running only its top layers on them (`trunk_scores_mc`, checked against `score_option_likelihood` "
-              "on the merged model in `tests/test_calibration_bench.py`). Open questions keep the prompt's trunk "
-              "and the bottom layers' key/value cache; a trained model runs its top layers over the prompt and "
-              "decodes greedily from there (checked against `score_open_ended`). Training reuses one encoding "
-              "(and trunk) of the training and held-out questions across all runs.", ""]
+            lines.append(f"- {name} / {LABELS[m]}: `{json.dumps({k: cfg[k] for k in RELEVANT[m]})}`")
+    lines.append("")
     text = "\n".join(lines)
     ctx.out.mkdir(parents=True, exist_ok=True)
     (ctx.out / "calibration.md").write_text(text)
@@ -1816,8 +1257,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="report directory: calibration.md, calibration/*.png, calibration_runs/ (default "
                         "benchmarks/results; --quick: a temporary directory)")
     p.add_argument("--results-dir", type=Path, default=None, help="per-run JSON files (default OUT/calibration_runs)")
-    p.add_argument("--trunk-cache-dir", type=Path, default=None,
-                   help="keep the frozen trunk's hidden states here (on disk) so a resumed run reuses them")
     p.add_argument("--tasks", default="mc,open", help="comma-separated: mc, open")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
     p.add_argument("--seeds", type=int, default=None, help="seeds per trained method")
@@ -1832,7 +1271,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hparams", type=Path, default=None,
                    help=f"search result to read (main run) or write (--search); default {_rel(DEFAULT_HPARAMS)}")
     p.add_argument("--search", action="store_true", help="choose hyperparameters on in-domain data only, then exit")
-    p.add_argument("--estimate-only", action="store_true", help="print the time estimate and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--no-plots", action="store_true", help="skip the reliability diagrams")
     p.add_argument("--workers", type=int, default=None,
@@ -1869,7 +1307,7 @@ def build_ctx(args: argparse.Namespace) -> Ctx:
     hp_path = args.hparams if args.hparams is not None else (None if args.quick else DEFAULT_HPARAMS)
     hparams, source = load_hparams(None if args.search else hp_path)
     return Ctx(sizes, data_dir, out, args.results_dir or out / "calibration_runs", methods, tasks, hparams, source,
-               progress=not args.no_progress, plots=not args.no_plots, trunk_dir=args.trunk_cache_dir,
+               progress=not args.no_progress, plots=not args.no_plots,
                workers=args.workers if args.workers is not None else (1 if args.quick else 2))
 
 
@@ -1897,23 +1335,13 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         t = tasks[name]
         ctx.log(f"[{name}] train {len(t.train)}, held-out {len(t.heldout)}, tests "
                 + ", ".join(f"{k} {len(v)}" for k, v in t.tests.items()))
-    est = ctx.estimate = estimate(ctx, tasks)
-    if est:
-        ctx.log(f"estimate ({torch.get_num_threads()} thread(s), reference speeds in the script): " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in est.items())
-                + f"; total {wall_estimate(est, ctx.workers) / 60:.0f} min with the trained runs on {ctx.workers} "
-                f"worker(s) in parallel, {sum(est.values()) / 60:.0f} min if they get one core between them "
-                "(finished results are skipped)")
-    else:
-        ctx.log("no reference speeds for this model: no time estimate")
-    if args.estimate_only:
-        return 0
     if args.search:
         run_search(ctx, tasks, args.hparams or (ctx.out / "calibration_hparams.json" if args.quick else DEFAULT_HPARAMS))
         return 0
     for task in tasks.values():
         run_task(ctx, task)
     elapsed = time.perf_counter() - t_start
-    write_report(ctx, tasks, command, elapsed, est)
+    write_report(ctx, tasks, command, elapsed)
     ctx.log(f"wrote {ctx.out / 'calibration.md'} ({elapsed / 60:.1f} min)")
     return 0
 

@@ -18,12 +18,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from llm_calib.adjustment import LogitAdjustment
+from llm_calib.calm.lora import FunctionalLM
+from llm_calib.calm.objectives import Batch, CalmLosses
 from llm_calib.data.records import MultipleChoice
 from llm_calib.prompts import PromptFormat, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, check_records, progress_bar
 from llm_calib.scoring.option_likelihood import NORMALIZE_MODES, EncodedQuestion, encode_questions
+from llm_calib.scoring.packing import PackedQuestions
 
-__all__ = ["option_scores_naive", "score_option_likelihood_naive"]
+__all__ = ["NaiveCalmLosses", "option_scores_naive", "score_option_likelihood_naive", "unpack_questions"]
 
 # One question for option_scores_naive: an encoded question or (prompt_ids, [option_ids, ...]).
 _Item = EncodedQuestion | tuple[Sequence[int], Sequence[Sequence[int]]]
@@ -176,3 +180,59 @@ def score_option_likelihood_naive(
             "answer_prefix": fmt.answer_prefix,
         },
     )
+
+
+def unpack_questions(packed: PackedQuestions) -> list[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]]:
+    """``(prompt, options)`` token ids per question, recovered from a ``pack_questions`` batch."""
+    if packed.attention_mask.dim() != 4:
+        raise ValueError("unpack_questions needs a pack_questions batch (4-D mask)")
+    L = packed.input_ids.shape[1]
+    ids = packed.input_ids.tolist()
+    rows, target_rows = packed.rows.tolist(), packed.target_rows.tolist()
+    lengths = packed.option_lengths.tolist()
+    first_target: dict[int, int] = {}
+    for t, o in enumerate(packed.target_option.tolist()):
+        first_target.setdefault(o, t)
+    out, option = [], 0
+    for b, k in enumerate(packed.n_options):
+        p = rows[target_rows[first_target[option]]] - b * L + 1
+        offset, opts = p, []
+        for n in lengths[option : option + k]:
+            opts.append(tuple(ids[b][offset : offset + n]))
+            offset += n
+        out.append((tuple(ids[b][:p]), tuple(opts)))
+        option += k
+    return out
+
+
+class NaiveCalmLosses(CalmLosses):
+    """:class:`CalmLosses` whose option scores come from the naive one-sequence-per-option path.
+
+    The batch's packed layout only tells which tokens to score; every option then runs alone
+    through the whole model (θ substituted with ``functional_call``), with the full output head.
+    The losses themselves (g, f, the baselines) are :class:`CalmLosses`' own: only the option
+    scores they are computed from change. Multiple choice only.
+    """
+
+    def __init__(self, lm: FunctionalLM, adjustment: LogitAdjustment, *args: Any, **kwargs: Any) -> None:
+        super().__init__(lm, adjustment, *args, **kwargs)
+        name = next(n for n, m in lm.base.named_modules() if m is lm.decoder)
+        self._prefix = f"{name}." if name else ""
+
+    def model_params(self, theta: dict[str, Tensor]) -> dict[str, Tensor]:
+        """θ (decoder-relative, as :class:`FunctionalLM` holds it) as parameters of the base model."""
+        return {self._prefix + k: v for k, v in self.lm.decoder_parameters(theta).items()}
+
+    def scores(self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch) -> Tensor:
+        if getattr(batch, "open_ended", False):
+            raise NotImplementedError("the naive reference scores multiple-choice batches only")
+        items = unpack_questions(batch.packed)
+        params = None if theta is None else self.model_params(theta)
+        transform = None if lam is None else (lambda z: self.adjustment.apply(z, lam))
+        return option_scores_naive(self.lm.base, items, params, normalize=self.normalize, logits_transform=transform)
+
+    def _categorical(self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None,
+                     batch: Batch) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+        # CalmLosses.inner / baseline read their option scores here (multiple choice)
+        scores = self.scores(theta, lam, batch)
+        return scores, batch.labels.to(scores.device), lambda x: x

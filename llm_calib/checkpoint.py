@@ -9,6 +9,8 @@ leaves the previous checkpoint intact and ``LATEST`` pointing at a complete one.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -18,16 +20,51 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint", "write_json_atomic", "write_text_atomic"]
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` atomically: a temporary file beside it, fsynced, then renamed.
+
+    A reader sees the old file or the new one, never a partial write; the parent directory is
+    created if missing, and the temporary file is removed if writing fails.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> path = write_text_atomic(pathlib.Path(tempfile.mkdtemp()) / "a" / "note.txt", "done")
+        >>> path.read_text()
+        'done'
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
+    """Write ``obj`` as strict JSON (NaN and infinities as null, see :func:`llm_calib.report.jsonable`)
+    to ``path`` atomically (:func:`write_text_atomic`).
+
+    Example:
+        >>> import json, pathlib, tempfile
+        >>> path = write_json_atomic(pathlib.Path(tempfile.mkdtemp()) / "r.json", {"ece": float("nan")})
+        >>> json.loads(path.read_text())
+        {'ece': None}
+    """
+    from llm_calib.report import jsonable
+
+    return write_text_atomic(path, json.dumps(jsonable(obj), allow_nan=False))
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
@@ -86,7 +123,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_text_atomic(root / "LATEST", final.name)
+    write_text_atomic(root / "LATEST", final.name)
     for old in sorted(root.glob("ckpt-*"))[:-keep]:
         if old.name != final.name:
             shutil.rmtree(old, ignore_errors=True)

@@ -21,7 +21,6 @@ either (open questions are answered greedily, :func:`~llm_calib.scoring.open_end
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
 import shutil
@@ -37,6 +36,7 @@ from llm_calib import distributed
 from llm_calib.calm.config import CalibrationConfig
 from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
 from llm_calib.evaluate import HEADLINE_METRICS, EvaluationResult, TemperatureFit, evaluate_records
+from llm_calib.models import free_memory
 from llm_calib.prompts import PromptFormat
 from llm_calib.report import (
     format_metric,
@@ -129,18 +129,6 @@ class Comparison:
 def _prompt(config: CalibrationConfig) -> PromptFormat:
     style = "listed" if config.scorer == "letter" else config.prompt_style
     return PromptFormat(style=style, chat_template=config.chat_template)
-
-
-def _free() -> None:
-    """Release memory of a model the caller has just dropped."""
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:  # pragma: no cover
-        pass
 
 
 def run_comparison(
@@ -237,7 +225,7 @@ def run_comparison(
     model = load_model()
     base = evaluate_records(model, tokenizer, evals, temperature_fit=temperature_fit, **eval_kwargs)
     del model
-    _free()
+    free_memory()
     domains: dict[str, DomainComparison] = {}
     collect(base, domains, {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature_scaled"})
     timings = {"baselines_s": time.perf_counter() - t0}
@@ -286,7 +274,7 @@ def run_comparison(
             "timings": {**result.timings, "train_total_s": train_s, "evaluate_s": time.perf_counter() - t0},
         }
         del model, result, res
-        _free()
+        free_memory()
     run_config = {
         "train": {"spec": train[0], "n": len(train[1]), "kind": kind},
         "heldout": {"spec": heldout[0], "n": len(heldout[1])},

@@ -26,6 +26,7 @@ __all__ = [
     "GGUFAlias",
     "cache_is_valid",
     "default_cache_dir",
+    "free_memory",
     "lm_head_logits",
     "load",
     "resolve_gguf",
@@ -121,6 +122,25 @@ def resolve_gguf(alias: str) -> Path:
         f"{spec.package!r}, which is not installed (or lacks the file). Install it with: "
         f"{spec.install}"
     )
+
+
+def free_memory() -> None:
+    """Give memory of models the caller has just dropped back: garbage-collect, empty the CUDA
+    cache, and return the C heap's free pages to the OS (glibc ``malloc_trim``; elsewhere a no-op),
+    so that the next model or a memory measurement starts from live memory only.
+
+    Example:
+        >>> free_memory()
+    """
+    import contextlib
+    import ctypes
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def cache_is_valid(cache_dir: str | Path, gguf: str | Path) -> bool:

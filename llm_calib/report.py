@@ -21,6 +21,7 @@ __all__ = [
     "domain_table",
     "format_metric",
     "jsonable",
+    "machine_info",
     "markdown_report",
     "metrics_table",
     "plot_reliability",
@@ -37,6 +38,32 @@ METRIC_LABELS: dict[str, str] = {
     "auroc": "AUROC",
 }
 """Row labels of the report tables."""
+
+
+def machine_info(threads: int | None = None) -> dict[str, Any]:
+    """What a benchmark report states about where it ran: date, CPU model, cores, torch threads,
+    torch / transformers / Python versions and the load average (a shared machine shows in it).
+
+    Example:
+        >>> sorted(machine_info(1))[:4]
+        ['cores', 'cpu', 'date', 'load']
+    """
+    import datetime
+    import platform
+
+    import torch
+    import transformers
+
+    cpu = "unknown"
+    try:
+        match = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+        cpu = match.group(1).strip() if match else cpu
+    except OSError:
+        pass
+    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "cores": os.cpu_count(),
+            "threads": torch.get_num_threads() if threads is None else threads, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "load": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
 def jsonable(obj: Any) -> Any:

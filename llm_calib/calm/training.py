@@ -26,6 +26,7 @@ accuracy guard (:func:`select`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Sequence
@@ -123,6 +124,15 @@ class Trainer:
     solver: Any | None
     problem: hg.BilevelProblem | None
     _recorder: _FirstValues = field(default_factory=_FirstValues, repr=False)
+
+    def with_losses(self, losses: CalmLosses) -> Trainer:
+        """A copy computing g, f and the baselines with ``losses`` (same model, data and solver):
+        to run another implementation of the objectives, e.g. a slow reference, on the same steps."""
+        recorder = _FirstValues()
+        problem = None
+        if self.solver is not None:
+            problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner), outer=recorder.wrap("f", losses.outer))
+        return dataclasses.replace(self, losses=losses, problem=problem, _recorder=recorder)
 
     @property
     def adjustment(self) -> Any:
