@@ -99,8 +99,12 @@ def _add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> No
     )
 
 
-def _load_records(args: argparse.Namespace, flag: str, spec: str, log: Callable[[str], None]) -> list:
-    """Load one spec with the shared data-loading flags; report skipped rows; no records is an error."""
+def _load_records(args: argparse.Namespace, flag: str, spec: str) -> list:
+    """Load one spec with the shared data-loading flags; no records is an error.
+
+    Skipped rows (``--on-error skip``) are reported on stderr even with ``--quiet``, one line
+    per row naming its file, line and field, and kept in ``args.skipped_rows``.
+    """
     from llm_calib.data import load as load_data
 
     res = _user_call(
@@ -117,11 +121,11 @@ def _load_records(args: argparse.Namespace, flag: str, spec: str, log: Callable[
         if not hasattr(args, "skipped_rows"):
             args.skipped_rows = {}
         args.skipped_rows[spec] = {"count": res.skipped, "errors": list(res.errors)}
-        log(f"{flag} {spec}: skipped {res.skipped} malformed rows:")
-        for message in res.errors:
-            log(f"  {message}")
+        lines = [f"{flag} {spec}: skipped {res.skipped} malformed rows:"]
+        lines += [f"  {message}" for message in res.errors]
         if res.skipped > len(res.errors):
-            log(f"  ... and {res.skipped - len(res.errors)} more")
+            lines.append(f"  ... and {res.skipped - len(res.errors)} more")
+        print("\n".join(lines), file=sys.stderr, flush=True)
     if not res.records:
         raise _UserError(f"{flag} {spec}: no records")
     return res.records
@@ -745,13 +749,13 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     # Load every data set before the model, so a bad spec fails fast.
     datasets = []
     for spec in args.data:
-        records = _load_records(args, "--data", spec, lambda m: _log(args, m))
+        records = _load_records(args, "--data", spec)
         _log(args, f"loaded {len(records)} questions from {spec}")
         datasets.append((spec, records))
     fit = None
     if args.temperature_fit:
         spec = args.temperature_fit
-        fit = (spec, _load_records(args, "--temperature-fit", spec, lambda m: _log(args, m)))
+        fit = (spec, _load_records(args, "--temperature-fit", spec))
         _log(args, f"loaded {len(fit[1])} questions from {spec} (temperature fit)")
     if prompt.fewshot:
         evaluated = [r for _, recs in datasets for r in recs] + (list(fit[1]) if fit else [])
