@@ -99,7 +99,7 @@ def _add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> No
     )
 
 
-def _load_records(args: argparse.Namespace, flag: str, spec: str) -> list:
+def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int | None = None) -> list:
     """Load one spec with the shared data-loading flags; no records is an error.
 
     Skipped rows (``--on-error skip``) are reported on stderr even with ``--quiet``, one line
@@ -111,7 +111,7 @@ def _load_records(args: argparse.Namespace, flag: str, spec: str) -> list:
         lambda: load_data(
             spec,
             limit=args.limit,
-            seed=args.seed if args.seed is not None else 0,
+            seed=seed if seed is not None else (args.seed if args.seed is not None else 0),
             on_error=getattr(args, "on_error", "raise"),
             limit_mode=getattr(args, "limit_mode", "sample"),
         ),
@@ -493,9 +493,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "--batch-size", type=_positive_int, default=None, metavar="B",
         help="training questions per step, the global batch over all ranks (default: config, else 8)",
     )
-    p.add_argument(
-        "--limit", type=_positive_int, default=None, metavar="N",
-        help="at most N questions per data spec (a seeded subsample; --train, --heldout, --eval)",
+    _add_data_loading_args(
+        p, limit_help="at most N questions per data spec (--train, --heldout, --eval; see --limit-mode)"
     )
     p.add_argument(
         "--seed", type=int, default=None, metavar="S",
@@ -586,7 +585,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from llm_calib import distributed
     from llm_calib.calm.trainer import TrainingDiverged
     from llm_calib.compare import run_comparison, write_comparison_report
-    from llm_calib.data import load as load_data
     from llm_calib.data.records import record_kind
     from llm_calib.models import load as load_model
 
@@ -608,9 +606,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
 
     def records(flag: str, spec: str) -> list:
-        recs = _user_call(lambda: load_data(spec, limit=args.limit, seed=seed).records, f"{flag} {spec}")
-        if not recs:
-            raise _UserError(f"{flag} {spec}: no records")
+        recs = _load_records(args, flag, spec, seed=seed)
         log(f"loaded {len(recs)} questions from {spec}")
         return recs
 
@@ -646,6 +642,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise _UserError(str(exc)) from exc
     cmp.config["model"] = args.model
     cmp.config["limit"] = args.limit
+    cmp.config["limit_mode"] = args.limit_mode
+    cmp.config["skipped"] = getattr(args, "skipped_rows", {})
     cmp.config["timings"]["data_loading_s"] = load_s
     if not main_rank:
         return 0

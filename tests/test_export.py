@@ -54,7 +54,7 @@ def test_export_loads_with_plain_transformers_and_matches_the_peft_model(adapter
     path, _ = adapter
     base, tok = load_model(str(tiny_model_dir))
     peft_model = load_adapter(base, path)
-    want, peft_scored = _probs(peft_model, tok)
+    want, _ = _probs(peft_model, tok)
     base_probs, _ = _probs(load_model(str(tiny_model_dir))[0], tok)
     # the adapter really changes the model (so equality below is not trivial)
     assert max(np.abs(a - b).max() for a, b in zip(want, base_probs, strict=True)) > 1e-3

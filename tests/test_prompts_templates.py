@@ -88,7 +88,7 @@ def test_template_fields_and_a_missing_field_is_named():
         PromptFormat(choices="numbers")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fewshot"):
         PromptFormat(fewshot=-1)
-    with pytest.raises(ValueError, match="unknown prompt preset 'arc'.*lm_eval_arc"):
+    with pytest.raises(ValueError, match=r"unknown prompt preset 'arc'.*lm_eval_arc"):
         preset("arc")
 
 
@@ -136,7 +136,7 @@ def test_fewshot_pool_excludes_the_evaluated_questions_and_checks_its_size():
     evaluated = [pool[0], MultipleChoice("  example QUESTION 1? ", ("a", "b"), 0, "other", "x")]
     fmt = with_fewshot(PromptFormat(fewshot=2), pool, exclude=evaluated)
     assert [r.id for r in fmt.fewshot_pool] == ["toy-2", "toy-3", "toy-4"]  # id and text removed
-    with pytest.raises(ValueError, match="2 examples left.*need fewshot=3"):
+    with pytest.raises(ValueError, match=r"2 examples left.*need fewshot=3"):
         with_fewshot(PromptFormat(fewshot=3), pool[:4], exclude=pool[:2])
     with pytest.raises(ValueError, match="needs examples"):
         record_prompt(None, ARC_Q, PromptFormat(fewshot=1))

@@ -6,6 +6,7 @@ options (softmax over the letter scores).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -13,8 +14,6 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.models import lm_head_logits, split_decoder_head
-from dataclasses import replace
-
 from llm_calib.prompts import PromptFormat, option_letters, record_prompt, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, check_records, encode_prompt, progress_bar
 
