@@ -156,3 +156,26 @@ def test_dtype_flag_changes_the_model_precision(tiny_model_dir, jsonl_file, tmp_
     assert not np.allclose(la, lb, rtol=1e-6, atol=0)  # bfloat16 rounding shows
     np.testing.assert_allclose(la, lb, rtol=0.1, atol=0.5)  # but it is the same model
     assert json.loads((b / "metrics.json").read_text())["config"]["dtype"] == "bfloat16"
+
+
+def test_write_samples_is_atomic(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    from llm_calib import evaluate as ev
+
+    res = ev.evaluate(tiny_model, tiny_tokenizer, ["builtin:capitals:n=4"], ci=False)
+    path = ev.write_samples(res, tmp_path / "samples.jsonl")
+    before = path.read_text()
+    assert len(before.splitlines()) == 4
+    calls = {"n": 0}
+    real_dumps = json.dumps
+
+    def failing_dumps(obj, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("disk full")
+        return real_dumps(obj, **kw)
+
+    monkeypatch.setattr(ev.json, "dumps", failing_dumps)
+    with pytest.raises(RuntimeError, match="disk full"):
+        ev.write_samples(res, path)
+    assert path.read_text() == before  # the old file is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["samples.jsonl"]  # no temporary file left
