@@ -657,12 +657,6 @@ def evaluate(
     return result
 
 
-def _source(meta: dict[str, str]) -> str | None:
-    if "source_file" in meta:
-        return f"{meta['source_file']}:{meta['line']}" if "line" in meta else meta["source_file"]
-    return None
-
-
 def sample_rows(result: EvaluationResult) -> Iterator[dict[str, Any]]:
     """One JSON-ready dict per evaluated question, domain by domain.
 
