@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Time: llm-calib scored both sets in {total_ours:.1f} s (model already loaded); the lm-eval",
         f"subprocess took {wall_theirs:.1f} s wall, {theirs['seconds']:.1f} s inside `simple_evaluate`"
-        f" (ratio {theirs['seconds'] / total_ours:.1f}x; shared machine, indicative only).",
+        f" (ratio {theirs['seconds'] / total_ours:.1f}x; measured one after the other, not interleaved, on a shared machine: indicative only).",
         "",
     ]
     Path(args.out).write_text("\n".join(lines))
