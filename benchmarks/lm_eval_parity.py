@@ -93,12 +93,30 @@ SETS = {
 }
 
 
+def _lm_eval_contexts(cfg: dict[str, Any]) -> None:
+    """Build lm-eval's few-shot requests (no model) and write each document's context."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    tm = TaskManager(include_path=cfg["task_dir"])
+    out: dict[str, dict[str, str]] = {}
+    for name, task in get_task_dict(cfg["tasks"], tm).items():
+        task.set_config(key="num_fewshot", value=cfg["num_fewshot"])
+        task.set_fewshot_seed(seed=1234)
+        task.build_all_requests()
+        docs = {i: d for i, d in enumerate(task.eval_docs)}
+        out[name] = {docs[inst.doc_id]["id"]: inst.args[0] for inst in task.instances}
+    Path(cfg["out"]).write_text(json.dumps(out))
+
+
 def _lm_eval_worker(config_path: str) -> None:
     """Run lm-eval on the written tasks (in a subprocess that can import lm_eval)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     cfg = json.loads(Path(config_path).read_text())
+    if cfg.get("contexts_only"):
+        _lm_eval_contexts(cfg)
+        return
     tm = TaskManager(include_path=cfg["task_dir"])
     t0 = time.perf_counter()
     res = lm_eval.simple_evaluate(
@@ -172,6 +190,84 @@ def _compare(ours: Any, records: list[Any], theirs: list[dict[str, Any]]) -> dic
     }
 
 
+FEWSHOT_YAML = """\
+task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+    dev: {dev}
+output_type: multiple_choice
+test_split: test
+fewshot_split: dev
+fewshot_config:
+  sampler: first_n
+{body}
+"""
+
+
+def _fewshot_check(args: argparse.Namespace, records: dict[str, list[Any]], env: dict[str, str]) -> dict[str, Any]:
+    """Prompt-level parity of k-shot prompts (lm-eval's first_n sampler; no model is run)."""
+    from llm_calib.data import load as load_data
+    from llm_calib.prompts import preset, record_prompt, with_fewshot
+
+    k = args.fewshot_check
+    work = Path(tempfile.mkdtemp(prefix="lm_eval_fewshot_"))
+    # the task bodies after test_split, with the str.format escapes undone
+    bodies = {
+        name: yaml.split("test_split: test\n", 1)[1].replace("{{", "{").replace("}}", "}")
+        for name, yaml in (("arc_easy", ARC_YAML), ("mmlu", MMLU_YAML))
+    }
+
+    def write(path: Path, recs: list[Any]) -> None:
+        path.write_text("".join(json.dumps({"id": r.id, "question": r.question, "choices": list(r.options),
+                                            "gold": r.gold, "subject": (r.meta.get("subject") or "").replace("_", " ")}) + "\n"
+                                for r in recs))
+
+    ours: dict[str, dict[str, str]] = {}
+    tasks = []
+    # ARC-Easy: k examples from train (first_n)
+    arc = records["arc_easy"][: args.fewshot_n]
+    train = load_data(f"arc_easy:{args.data_root}:train").records
+    write(work / "arc_test.jsonl", arc)
+    write(work / "arc_dev.jsonl", train[: 4 * k])
+    (work / "fs_arc_easy.yaml").write_text(FEWSHOT_YAML.format(
+        task="fs_arc_easy", data=work / "arc_test.jsonl", dev=work / "arc_dev.jsonl", body=bodies["arc_easy"]))
+    tasks.append("fs_arc_easy")
+    fmt = with_fewshot(preset("lm_eval_arc", fewshot=k, fewshot_sampler="first_n"), train[: 4 * k], exclude=arc)
+    ours["fs_arc_easy"] = {r.id: record_prompt(None, r, fmt) for r in arc}
+    # MMLU: one task per subject, k examples of that subject's dev split (lm-eval's mmlu k-shot)
+    mmlu = records["mmlu"][: args.fewshot_n]
+    dev = load_data(f"mmlu:{args.data_root}/mmlu/dev").records
+    fmt = with_fewshot(preset("lm_eval_mmlu", fewshot=k), dev, exclude=mmlu)
+    ours_mmlu = {}
+    for subject in sorted({r.meta["subject"] for r in mmlu}):
+        name = f"fs_mmlu_{subject}"
+        test = [r for r in mmlu if r.meta["subject"] == subject]
+        write(work / f"{name}_test.jsonl", test)
+        write(work / f"{name}_dev.jsonl", [r for r in dev if r.meta["subject"] == subject])
+        (work / f"{name}.yaml").write_text(FEWSHOT_YAML.format(
+            task=name, data=work / f"{name}_test.jsonl", dev=work / f"{name}_dev.jsonl", body=bodies["mmlu"]))
+        tasks.append(name)
+        ours_mmlu.update({r.id: record_prompt(None, r, fmt) for r in test})
+    cfg = {"task_dir": str(work), "tasks": tasks, "num_fewshot": k, "contexts_only": True,
+           "out": str(work / "contexts.json")}
+    (work / "config.json").write_text(json.dumps(cfg))
+    subprocess.run([sys.executable, __file__, "--worker", str(work / "config.json")], env=env, check=True)
+    theirs = json.loads((work / "contexts.json").read_text())
+    arc_theirs = theirs["fs_arc_easy"]
+    mmlu_theirs = {i: c for t in tasks[1:] for i, c in theirs[t].items()}
+    out = {}
+    for name, mine, other in (("arc_easy", ours["fs_arc_easy"], arc_theirs), ("mmlu", ours_mmlu, mmlu_theirs)):
+        diff = [i for i in mine if mine[i] != other.get(i)]
+        # "Answer:" cues per lm-eval context: k examples + the question (the examples are really there)
+        cues = float(np.mean([c.count("Answer:") for c in other.values()]))
+        out[name] = {"n": len(mine), "k": k, "prompt_mismatches": len(diff), "lm_eval_answer_cues": cues}
+        if diff:
+            out[name]["example"] = {"id": diff[0], "llm_calib": mine[diff[0]], "lm_eval": other.get(diff[0])}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=300, help="questions per set (default: %(default)s)")
@@ -183,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lm_eval_parity.md"))
     p.add_argument("--write-fixture", default=None, metavar="PATH")
     p.add_argument("--fixture-n", type=int, default=4, help="questions per set in the fixture")
+    p.add_argument("--fewshot-check", type=int, default=5, metavar="K",
+                   help="also compare K-shot prompt texts with lm-eval's (first_n sampler; 0: skip) (default: %(default)s)")
+    p.add_argument("--fewshot-n", type=int, default=50, help="questions per set in the few-shot prompt check")
+    p.add_argument("--fewshot-only", action="store_true", help="run only the few-shot prompt check")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -197,6 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     from llm_calib.scoring import score_option_likelihood
 
     n = 20 if args.quick else args.n
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if args.lm_eval_path:
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(args.lm_eval_path).resolve()), env.get("PYTHONPATH", "")])
+    if args.fewshot_only:
+        records = {name: load_data(spec.format(root=args.data_root), limit=n, limit_mode=mode, seed=0).records
+                   for name, (spec, mode, _, _) in SETS.items()}
+        fs = _fewshot_check(args, records, env)
+        print(json.dumps(fs, indent=2))
+        if not args.quick:
+            _write_fewshot_section(Path(args.out), fs, argv)
+        return 0
     model, tok = load_model(args.model)  # converts the GGUF into the cache directory once
     model_dir = str(default_cache_dir(args.model)) if args.model in ALIASES else args.model
     work = Path(tempfile.mkdtemp(prefix="lm_eval_parity_"))
@@ -216,9 +327,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"task_dir": str(work), "model_dir": model_dir, "tasks": [f"parity_{k}" for k in SETS],
            "batch_size": args.batch_size, "out": str(work / "lm_eval.json")}
     (work / "config.json").write_text(json.dumps(cfg))
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    if args.lm_eval_path:
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(args.lm_eval_path).resolve()), env.get("PYTHONPATH", "")])
     t0 = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--worker", str(work / "config.json")], env=env, check=True)
     wall_theirs = time.perf_counter() - t0
@@ -285,8 +393,31 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     Path(args.out).write_text("\n".join(lines))
+    if args.fewshot_check:
+        _write_fewshot_section(Path(args.out), _fewshot_check(args, records, env), argv)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _write_fewshot_section(path: Path, fs: dict[str, Any], argv: list[str] | None) -> None:
+    """Replace the few-shot section of the result file."""
+    text = path.read_text() if path.is_file() else "# lm-eval parity: llm-calib evaluate vs lm-evaluation-harness\n"
+    text = text.split("\n## Few-shot prompts")[0].rstrip("\n") + "\n"
+    cmd = "python benchmarks/lm_eval_parity.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    a, m = fs["arc_easy"], fs["mmlu"]
+    text += (
+        "\n## Few-shot prompts\n\n"
+        f"`{cmd.strip()}` builds lm-eval's {a['k']}-shot requests (no model run) with the `first_n` sampler "
+        "(ARC-Easy: examples from train; MMLU: one task per subject, examples from that subject's dev "
+        "split, as lm-eval's `mmlu` does) and compares each context with `record_prompt` under "
+        f"`preset(..., fewshot={a['k']}, fewshot_sampler=\"first_n\")` (the MMLU preset matches the subject).\n\n"
+        "| | ARC-Easy | MMLU |\n|---|---|---|\n"
+        f"| questions | {a['n']} | {m['n']} |\n"
+        f"| prompt texts differing | {a['prompt_mismatches']} | {m['prompt_mismatches']} |\n"
+        f"| `Answer:` cues per lm-eval context (k + 1 expected) | {a['lm_eval_answer_cues']:.2f} | "
+        f"{m['lm_eval_answer_cues']:.2f} |\n"
+    )
+    path.write_text(text)
 
 
 if __name__ == "__main__":

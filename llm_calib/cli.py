@@ -235,6 +235,13 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         help="seed of the per-question draw of examples (default: 1234, as lm-eval)",
     )
     p.add_argument(
+        "--fewshot-sampler",
+        choices=("random", "first_n"),
+        default=None,
+        help="random: a seeded draw per question; first_n: the first K examples of the split "
+        "(lm-eval's first_n sampler; its MMLU default) (default: random, or the preset's)",
+    )
+    p.add_argument(
         "--prompt-style",
         choices=("cloze", "listed"),
         default=None,
@@ -709,6 +716,7 @@ def _evaluate_prompt(args: argparse.Namespace) -> object:
         "fewshot": args.fewshot,
         "fewshot_split": args.fewshot_split,
         "fewshot_seed": args.fewshot_seed,
+        "fewshot_sampler": args.fewshot_sampler,
     }
     given = {k: v for k, v in overrides.items() if v is not None}
     if args.prompt_preset is None:

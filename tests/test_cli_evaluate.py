@@ -43,7 +43,7 @@ def _samples(out):
 
 def test_every_new_flag_is_in_help(capsys):
     new = ["--prompt-preset", "--template", "--target-delimiter", "--choices", "--fewshot",
-           "--fewshot-split", "--fewshot-seed", "--log-samples", "--limit-mode", "--on-error",
+           "--fewshot-split", "--fewshot-seed", "--fewshot-sampler", "--log-samples", "--limit-mode", "--on-error",
            "--dtype", "--adapter"]
     with pytest.raises(SystemExit):
         cli.main(["evaluate", "--help"])
@@ -130,6 +130,12 @@ def test_fewshot_prompts_in_the_cli(tiny_model_dir, jsonl_file, tmp_path, capsys
     for row, rec in zip(_samples(out), records, strict=True):
         assert row["prompt"] == record_prompt(None, rec, fmt)
         assert row["prompt"].count("Question: ") == 3
+    out_first = tmp_path / "fs_first"
+    assert _run(tiny_model_dir, out_first, "--data", spec, "--prompt-preset", "lm_eval_arc", "--fewshot", "2",
+                "--fewshot-split", pool_spec, "--fewshot-sampler", "first_n", "--log-samples") == 0
+    pool = load_data(pool_spec).records
+    head = "".join(f"Question: {ex.question}\nAnswer: {ex.options[ex.gold]}\n\n" for ex in pool[:2])
+    assert all(r["prompt"].startswith(head) for r in _samples(out_first))
     cfg = json.loads((out / "metrics.json").read_text())["config"]["prompt"]
     assert cfg["fewshot"] == 2 and cfg["fewshot_split"] == pool_spec and cfg["fewshot_pool_size"] == 12
     assert _run(tiny_model_dir, tmp_path / "x", "--data", spec, "--fewshot", "2") == 2
