@@ -7,6 +7,8 @@ Subcommands:
 * ``llm-calib calibrate``: train CALM and the baselines on the same data (one fresh model per
   method), save each result, and compare them with the uncalibrated and temperature-scaled model
   per domain in ``report.md``, ``metrics.json`` and reliability diagrams.
+* ``llm-calib export``: merge a saved adapter (LoRA and the output scale) into its base model and
+  save a standalone Hugging Face model.
 * ``llm-calib demo``: the main job on the embedded default.
 
 Errors in the user's input (a bad data spec, a missing file, an unknown model) print one line
@@ -21,6 +23,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+
+from llm_calib.prompts import PRESETS
 
 __all__ = ["build_parser", "main"]
 
@@ -41,6 +45,14 @@ example:
   llm-calib evaluate --model smollm2-135m-instruct \\
       --data arc_easy:../shared/data/arc_easy/test.jsonl --limit 200 \\
       --temperature-fit arc_easy:../shared/data/arc_easy/dev.jsonl --out /tmp/eval
+
+lm-eval's prompt, its first 300 questions, 5 examples from train, per-sample log:
+  llm-calib evaluate --data arc_easy:../shared/data:test --prompt-preset lm_eval_arc \\
+      --limit 300 --limit-mode first --fewshot 5 --fewshot-split arc_easy:../shared/data:train \\
+      --log-samples --out /tmp/eval_lm_eval
+
+a saved calibration result (or any peft adapter) on its base model:
+  llm-calib evaluate --model smollm2-135m-instruct --adapter runs/calm/calm --data ... --out ...
 """
 
 
@@ -66,6 +78,59 @@ def _int_at_least(minimum: int):
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> None:
+    """``--limit``, ``--limit-mode`` and ``--on-error``: how every command that loads data reads it."""
+    p.add_argument("--limit", type=_positive_int, default=None, metavar="N", help=limit_help)
+    p.add_argument(
+        "--limit-mode",
+        choices=("sample", "first"),
+        default="sample",
+        help="which N questions --limit keeps: a seeded subsample in file order (sample), or the "
+        "first N rows of the file (first, as lm-eval's --limit) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="a malformed data row stops the run (raise) or is skipped and reported with its "
+        "file:line:field (skip) (default: %(default)s)",
+    )
+
+
+def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int | None = None) -> list:
+    """Load one spec with the shared data-loading flags; no records is an error.
+
+    Skipped rows (``--on-error skip``) are reported on stderr even with ``--quiet``, one line
+    per row naming its file, line and field, and kept in ``args.skipped_rows``.
+    """
+    from llm_calib.data import load as load_data
+
+    res = _user_call(
+        lambda: load_data(
+            spec,
+            limit=args.limit,
+            seed=seed if seed is not None else (args.seed if args.seed is not None else 0),
+            on_error=getattr(args, "on_error", "raise"),
+            limit_mode=getattr(args, "limit_mode", "sample"),
+        ),
+        f"{flag} {spec}",
+    )
+    if res.skipped:
+        if not hasattr(args, "skipped_rows"):
+            args.skipped_rows = {}
+        args.skipped_rows[spec] = {"count": res.skipped, "errors": list(res.errors)}
+        lines = [f"{flag} {spec}: skipped {res.skipped} malformed rows:"]
+        lines += [f"  {message}" for message in res.errors]
+        if res.skipped > len(res.errors):
+            lines.append(f"  ... and {res.skipped - len(res.errors)} more")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    if not res.records:
+        raise _UserError(f"{flag} {spec}: no records")
+    return res.records
+
 
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -86,6 +151,19 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         "name (default: %(default)s)",
     )
     p.add_argument(
+        "--adapter",
+        default=None,
+        metavar="DIR",
+        help="put this adapter on --model first: a saved calibration result (llm-calib "
+        "calibrate's --out/<method>) or any peft adapter directory",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default="float32",
+        help="parameter dtype of the model (default: %(default)s)",
+    )
+    p.add_argument(
         "--data",
         action="append",
         required=True,
@@ -101,10 +179,68 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--normalize",
-        choices=("sum", "mean"),
+        choices=("sum", "mean", "char", "byte"),
         default="sum",
-        help="option likelihood: summed token log-probabilities, or their mean per token "
-        "(length-normalised) (default: %(default)s)",
+        help="option likelihood: summed token log-probabilities (lm-eval's acc), their mean per "
+        "token, or the sum divided by the choice's characters (acc_norm) or bytes (acc_bytes); "
+        "the report shows all four side by side either way (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-preset",
+        choices=tuple(PRESETS),
+        default=None,
+        help="a named prompt format; the lm_eval_* presets reproduce lm-eval's prompts "
+        "(lm_eval_arc, lm_eval_mmlu, lm_eval_openbookqa, lm_eval_commonsenseqa, lm_eval_qasc, "
+        "lm_eval_piqa), qa is the open-ended 'Q: ...\\nA:' format; other prompt flags override it",
+    )
+    p.add_argument(
+        "--template",
+        default=None,
+        metavar="TEXT",
+        help="question template with named fields {question}, {options} (listed A. ... lines), "
+        "{subject}, {context}, {answer_prefix} or any record meta key, e.g. "
+        "'Question: {question}\\nAnswer:' ('\\n' is a newline)",
+    )
+    p.add_argument(
+        "--target-delimiter",
+        default=None,
+        metavar="TEXT",
+        help="text between the prompt and each scored choice (default: ' ')",
+    )
+    p.add_argument(
+        "--choices",
+        choices=("text", "letters"),
+        default=None,
+        help="score each option's text, or its letter (for templates that list the options) "
+        "(default: text, or the preset's)",
+    )
+    p.add_argument(
+        "--fewshot",
+        type=_non_negative_int,
+        default=None,
+        metavar="K",
+        help="solved examples before each question, drawn from --fewshot-split (never an "
+        "evaluated question) (default: 0, zero-shot)",
+    )
+    p.add_argument(
+        "--fewshot-split",
+        default=None,
+        metavar="SPEC",
+        help="data spec the few-shot examples come from, e.g. arc_easy:../shared/data:train",
+    )
+    p.add_argument(
+        "--fewshot-seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="seed of the per-question draw of examples (default: 1234, as lm-eval)",
+    )
+    p.add_argument(
+        "--fewshot-sampler",
+        choices=("random", "first_n"),
+        default=None,
+        help="random: a seeded draw per question; first_n: the first K examples of the split "
+        "(lm-eval's first_n sampler; its MMLU default) (default: random, or the preset's)",
     )
     p.add_argument(
         "--prompt-style",
@@ -125,15 +261,13 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--answer-prefix",
-        default="The answer is:",
-        help="text after the generation prompt, before the scored answer (default: %(default)r)",
-    )
-    p.add_argument(
-        "--limit",
-        type=_positive_int,
         default=None,
-        metavar="N",
-        help="at most N questions per data set (a seeded subsample; also for --temperature-fit)",
+        help="text after the generation prompt, before the scored answer (default: "
+        "'The answer is:'; with a template only where it has {answer_prefix})",
+    )
+    _add_data_loading_args(
+        p,
+        limit_help="at most N questions per data set (see --limit-mode; also for --temperature-fit)",
     )
     p.add_argument(
         "--batch-size",
@@ -197,9 +331,65 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument(
+        "--log-samples",
+        action="store_true",
+        help="also write --out/samples.jsonl: one JSON line per question (id, domain, prompt, "
+        "options, per-option log-likelihood and token count, probabilities, prediction, gold, "
+        "confidence, correct), written atomically",
+    )
+    p.add_argument(
         "--out", required=True, metavar="DIR", help="output directory (created if missing)"
     )
     p.set_defaults(func=_cmd_evaluate)
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="merge a saved adapter into its base model and save a standalone model",
+        description=(
+            "Load --model, put the adapter of DIR on it (a saved calibration result or any peft "
+            "adapter), fold LoRA and the output scale into the base weights and save the merged "
+            "model with save_pretrained (safetensors) plus its tokenizer to --out. The result "
+            "loads with plain transformers (AutoModelForCausalLM.from_pretrained), without peft "
+            "or llm_calib, and runs at the base model's cost."
+        ),
+        epilog="example:\n  llm-calib export runs/calm/calm --model smollm2-135m-instruct --out smollm2-calm\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("adapter", metavar="DIR", help="saved calibration result or peft adapter directory")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="the base model the adapter was trained on: built-in alias, local directory, .gguf "
+        "file or hub name (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype", choices=_DTYPES, default="float32",
+        help="dtype of the merged weights (default: %(default)s)",
+    )
+    p.add_argument("--cache-dir", default=None, help="cache of the converted built-in model, or hub cache")
+    p.add_argument("--out", required=True, metavar="MERGED", help="output directory (created if missing)")
+    p.set_defaults(func=_cmd_export)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import warnings
+
+    import torch
+
+    from llm_calib.export import adapter_directory, export_merged
+    from llm_calib.models import load as load_model
+
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    _user_call(lambda: adapter_directory(args.adapter), "export")  # fail before loading the model
+    model, tokenizer = _user_call(
+        lambda: load_model(args.model, cache_dir=args.cache_dir, dtype=getattr(torch, args.dtype)),
+        f"--model {args.model}",
+    )
+    out = _user_call(lambda: export_merged(model, tokenizer, args.adapter, args.out), "export")
+    print(f"wrote the merged model to {out}")
+    return 0
 
 
 _CALIBRATE_EPILOG = """\
@@ -299,9 +489,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         help="comma-separated methods to train: calm, lora_ce, label_smoothing, "
         "confidence_penalty (default: the config file's 'method' if it sets one, else all four)",
     )
-    p.add_argument(
-        "--limit", type=_positive_int, default=None, metavar="N",
-        help="at most N questions per data spec (a seeded subsample; --train, --heldout, --eval)",
+    _add_data_loading_args(
+        p, limit_help="at most N questions per data spec (--train, --heldout, --eval; see --limit-mode)"
     )
     p.add_argument(
         "--unlabeled", action="append", default=None, metavar="SPEC",
@@ -501,9 +690,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
 
     def records(flag: str, spec: str) -> list:
-        recs = _user_call(lambda: load_data(spec, limit=args.limit, seed=seed).records, f"{flag} {spec}")
-        if not recs:
-            raise _UserError(f"{flag} {spec}: no records")
+        recs = _load_records(args, flag, spec, seed=seed)
         log(f"loaded {len(recs)} questions from {spec}")
         return recs
 
@@ -549,6 +736,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise _UserError(str(exc)) from exc
     cmp.config["model"] = args.model
     cmp.config["limit"] = args.limit
+    cmp.config["limit_mode"] = args.limit_mode
+    cmp.config["skipped"] = getattr(args, "skipped_rows", {})
     cmp.config["timings"]["data_loading_s"] = load_s
     if not main_rank:
         return 0
@@ -582,6 +771,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_evaluate(sub)
     _add_calibrate(sub)
+    _add_export(sub)
     _add_demo(sub)
     return parser
 
@@ -591,13 +781,52 @@ def _log(args: argparse.Namespace, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def _unescape(text: str | None) -> str | None:
+    """Command-line text with ``\\n`` and ``\\t`` written as escapes."""
+    if text is None:
+        return None
+    return text.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def _evaluate_prompt(args: argparse.Namespace) -> object:
+    """The PromptFormat of ``llm-calib evaluate``: the preset (or the default), then explicit flags."""
+    from llm_calib.prompts import PromptFormat, preset
+
+    overrides = {
+        "style": args.prompt_style,
+        "chat_template": False if args.no_chat_template else None,
+        "system_message": args.system_message,
+        "answer_prefix": _unescape(args.answer_prefix),
+        "template": _unescape(args.template),
+        "target_delimiter": _unescape(args.target_delimiter),
+        "choices": args.choices,
+        "fewshot": args.fewshot,
+        "fewshot_split": args.fewshot_split,
+        "fewshot_seed": args.fewshot_seed,
+        "fewshot_sampler": args.fewshot_sampler,
+    }
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if args.prompt_preset is None:
+        given.setdefault("style", "listed" if args.scorer == "letter" else "cloze")
+    if args.no_chat_template:
+        given["chat_template"] = False
+    fmt = _user_call(
+        lambda: preset(args.prompt_preset, **given) if args.prompt_preset else PromptFormat(**given),
+        "prompt",
+    )
+    if args.scorer == "letter" and fmt.style != "listed" and fmt.template is None:
+        raise _UserError("--scorer letter needs --prompt-style listed (the options must be listed)")
+    if fmt.fewshot and not fmt.fewshot_split:
+        raise _UserError(f"--fewshot {fmt.fewshot} needs --fewshot-split SPEC (the split the examples come from)")
+    return fmt
+
+
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     import torch
 
-    from llm_calib.data import load as load_data
-    from llm_calib.evaluate import evaluate_records
+    from llm_calib.evaluate import evaluate_records, write_samples
     from llm_calib.models import load as load_model
-    from llm_calib.prompts import PromptFormat
+    from llm_calib.prompts import prompt_dict, resolve_fewshot
     from llm_calib.report import write_report
 
     if args.threads:
@@ -608,37 +837,26 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         hf_logging.disable_progress_bar()
     if args.bootstrap < 0:
         raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
-    style = args.prompt_style or ("listed" if args.scorer == "letter" else "cloze")
-    if args.scorer == "letter" and style != "listed":
-        raise _UserError("--scorer letter needs --prompt-style listed (the options must be listed)")
-    prompt = PromptFormat(
-        style=style,
-        chat_template=False if args.no_chat_template else None,
-        system_message=args.system_message,
-        answer_prefix=args.answer_prefix,
-    )
+    prompt = _evaluate_prompt(args)
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
     datasets = []
     for spec in args.data:
-        records = _user_call(
-            lambda s=spec: load_data(s, limit=args.limit, seed=args.seed).records, f"--data {spec}"
-        )
-        if not records:
-            raise _UserError(f"--data {spec}: no records")
+        records = _load_records(args, "--data", spec)
         _log(args, f"loaded {len(records)} questions from {spec}")
         datasets.append((spec, records))
     fit = None
     if args.temperature_fit:
         spec = args.temperature_fit
-        records = _user_call(
-            lambda: load_data(spec, limit=args.limit, seed=args.seed).records,
-            f"--temperature-fit {spec}",
+        fit = (spec, _load_records(args, "--temperature-fit", spec))
+        _log(args, f"loaded {len(fit[1])} questions from {spec} (temperature fit)")
+    if prompt.fewshot:
+        evaluated = [r for _, recs in datasets for r in recs] + (list(fit[1]) if fit else [])
+        prompt = _user_call(
+            lambda: resolve_fewshot(prompt, exclude=evaluated, on_error=args.on_error),
+            f"--fewshot-split {prompt.fewshot_split}",
         )
-        if not records:
-            raise _UserError(f"--temperature-fit {spec}: no records")
-        fit = (spec, records)
-        _log(args, f"loaded {len(records)} questions from {spec} (temperature fit)")
+        _log(args, f"few-shot pool: {len(prompt.fewshot_pool)} examples from {prompt.fewshot_split}")
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     model, tokenizer = _user_call(
@@ -646,12 +864,20 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             args.model,
             cache_dir=args.cache_dir,
             device=args.device,
+            dtype=getattr(torch, args.dtype),
             trust_remote_code=args.trust_remote_code,
         ),
         f"--model {args.model}",
     )
+    if args.adapter:
+        import warnings
+
+        from llm_calib.export import load_adapter
+
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = _user_call(lambda: load_adapter(model, args.adapter), f"--adapter {args.adapter}")
     model_s = time.perf_counter() - t0
-    _log(args, f"loaded model {args.model} in {model_s:.1f} s")
+    _log(args, f"loaded model {args.model}{' + ' + args.adapter if args.adapter else ''} in {model_s:.1f} s")
     result = _user_call(
         lambda: evaluate_records(
             model,
@@ -671,17 +897,37 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         ),
         "evaluate",
         # only argument problems of the records themselves are user errors here
-        errors=(ValueError, TypeError),
+        errors=(ValueError, TypeError, KeyError),
     )
-    result.config.update({"model": args.model, "limit": args.limit})
+    result.config.update(
+        {
+            "model": args.model,
+            "adapter": args.adapter,
+            "dtype": args.dtype,
+            "limit": args.limit,
+            "limit_mode": args.limit_mode,
+            "on_error": args.on_error,
+            "skipped": getattr(args, "skipped_rows", {}),
+            "prompt": prompt_dict(prompt),
+        }
+    )
     result.timing.update({"data_loading_s": load_s, "model_loading_s": model_s})
     paths = write_report(result, args.out)
+    if args.log_samples:
+        from pathlib import Path
+
+        write_samples(result, Path(args.out) / "samples.jsonl")
+        paths["samples"] = Path(args.out) / "samples.jsonl"
     for dom, r in result.domains.items():
         unc = r.uncalibrated
         line = f"{dom}: n={r.n} accuracy={unc['accuracy']:.3f} ECE={unc['ece']:.3f}"
         if r.temperature_scaled:
             line += (
                 f" ECE(T={result.temperature.temperature:.2f})={r.temperature_scaled['ece']:.3f}"
+            )
+        if r.normalizations:
+            line += " | " + " ".join(
+                f"{name}={m['accuracy']:.3f}" for name, m in r.normalizations.items()
             )
         print(line)
     print(f"wrote {len(paths)} files to {args.out}")

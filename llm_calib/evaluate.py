@@ -7,10 +7,14 @@ are grouped by the ``domain`` of the records (one spec such as ``builtin`` may h
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -18,11 +22,13 @@ import numpy as np
 from llm_calib import metrics
 from llm_calib.data import load as load_data
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.prompts import PromptFormat
+from llm_calib.prompts import PromptFormat, prompt_dict, resolve_fewshot
 from llm_calib.scoring import (
+    LM_EVAL_NORMALIZATIONS,
     SCORERS,
     OpenEndedSet,
     ScoredSet,
+    normalized,
     score_multiple_choice,
     score_open_ended,
 )
@@ -34,8 +40,11 @@ __all__ = [
     "TemperatureFit",
     "evaluate",
     "evaluate_records",
+    "normalization_summary",
     "open_ended_summary",
+    "sample_rows",
     "score_records",
+    "write_samples",
 ]
 
 HEADLINE_METRICS = ("accuracy", "ece", "adaptive_ece", "brier", "nll", "auroc")
@@ -91,6 +100,9 @@ class DomainResult:
         reliability: per-bin statistics (:meth:`llm_calib.metrics.ReliabilityBins.to_dict`).
         reliability_scaled: the same after temperature scaling, or None.
         scored: the raw scores (not serialised).
+        normalizations: multiple choice with per-option details: accuracy and ECE of every
+            option-score normalisation side by side, by lm-eval name (``acc``, ``acc_norm``,
+            ``acc_bytes``, ``acc_token``; see :func:`normalization_summary`), else None.
 
     Example:
         >>> r = DomainResult("toy", "multiple_choice", {"n": 3, "accuracy": 0.5}, None, {}, None)
@@ -105,6 +117,7 @@ class DomainResult:
     reliability: dict[str, list[float]]
     reliability_scaled: dict[str, list[float]] | None
     scored: ScoredSet | OpenEndedSet | None = field(default=None, repr=False)
+    normalizations: dict[str, dict[str, float]] | None = None
 
     @property
     def n(self) -> int:
@@ -122,6 +135,7 @@ class DomainResult:
             else None,
             "reliability": self.reliability,
             "reliability_scaled": self.reliability_scaled,
+            "normalizations": self.normalizations,
         }
 
 
@@ -178,7 +192,7 @@ def score_records(
     records: Sequence[MultipleChoice | OpenQA],
     *,
     scorer: str = "option_likelihood",
-    normalize: Literal["sum", "mean"] = "sum",
+    normalize: Literal["sum", "mean", "char", "byte"] = "sum",
     prompt: PromptFormat | None = None,
     batch_size: int = 8,
     max_new_tokens: int = 32,
@@ -195,7 +209,8 @@ def score_records(
         records: all :class:`~llm_calib.data.records.MultipleChoice` or all
             :class:`~llm_calib.data.records.OpenQA`.
         scorer: multiple-choice scorer, ``"option_likelihood"`` or ``"letter"``.
-        normalize: ``"sum"`` or ``"mean"`` option log-probabilities (option likelihood).
+        normalize: option log-probabilities summed, per token, per character or per byte
+            (``"sum"``, ``"mean"``, ``"char"``, ``"byte"``; option likelihood).
         prompt: prompt format; None uses the scorer's default.
         batch_size: questions per forward pass.
         max_new_tokens: generation budget for open questions.
@@ -247,7 +262,48 @@ def score_records(
 def _open_prompt(prompt: PromptFormat | None) -> PromptFormat | None:
     if prompt is None or prompt.style == "cloze":
         return prompt
-    return PromptFormat("cloze", prompt.chat_template, prompt.system_message, prompt.answer_prefix)
+    return replace(prompt, style="cloze")
+
+
+def normalization_summary(scored: ScoredSet, n_bins: int = 10) -> dict[str, dict[str, float]] | None:
+    """Accuracy and ECE of each option-score normalisation, side by side.
+
+    For every entry of :data:`llm_calib.scoring.LM_EVAL_NORMALIZATIONS` (``acc``: summed
+    log-likelihood, ``acc_norm``: per character, ``acc_bytes``: per byte, ``acc_token``: per
+    token) the options are re-scored from ``scored.details`` and the probabilities are the
+    softmax over the normalised scores: ``accuracy`` (what lm-eval reports under that name),
+    ``ece``, ``nll`` and ``brier``.
+
+    Args:
+        scored: multiple-choice scores with details.
+        n_bins: ECE bins.
+
+    Returns:
+        Name to metrics, or None when ``scored`` has no details.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> from llm_calib.scoring import score_option_likelihood
+        >>> model, tok = tiny_random_model()
+        >>> s = score_option_likelihood(model, tok, builtin_multiple_choice(4, domains=["capitals"]))
+        >>> sorted(normalization_summary(s))
+        ['acc', 'acc_bytes', 'acc_norm', 'acc_token']
+    """
+    if scored.details is None or not len(scored):
+        return None
+    out: dict[str, dict[str, float]] = {}
+    for name in LM_EVAL_NORMALIZATIONS:
+        s = normalized(scored, name)
+        probs, labels = s.probs_numpy, s.labels_numpy
+        conf, correct = metrics.confidence_correct(probs, labels)
+        out[name] = {
+            "accuracy": s.accuracy,
+            "ece": metrics.ece(conf, correct, n_bins),
+            "nll": metrics.nll(probs, labels),
+            "brier": metrics.brier(probs, labels),
+        }
+    return out
 
 
 def open_ended_summary(
@@ -338,7 +394,10 @@ def _mc_domain(
     scaled = rb_scaled = None
     if temperature is not None:
         scaled, rb_scaled = summary(scored.scaled(temperature))
-    return DomainResult(domain, "multiple_choice", unc, scaled, rb, rb_scaled, scored)
+    return DomainResult(
+        domain, "multiple_choice", unc, scaled, rb, rb_scaled, scored,
+        normalizations=normalization_summary(scored, n_bins),
+    )
 
 
 def _open_domain(
@@ -357,7 +416,7 @@ def evaluate_records(
     datasets: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]],
     *,
     scorer: str = "option_likelihood",
-    normalize: Literal["sum", "mean"] = "sum",
+    normalize: Literal["sum", "mean", "char", "byte"] = "sum",
     prompt: PromptFormat | None = None,
     batch_size: int = 8,
     temperature_fit: tuple[str, Sequence[MultipleChoice]] | None = None,
@@ -375,8 +434,10 @@ def evaluate_records(
         tokenizer: its tokenizer.
         datasets: ``(name, records)`` pairs; results are grouped by record domain.
         scorer: multiple-choice scorer, a key of :data:`llm_calib.scoring.SCORERS`.
-        normalize: option-likelihood aggregation, ``"sum"`` or ``"mean"``.
-        prompt: prompt format (None: the scorer's default).
+        normalize: option-likelihood aggregation, ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"``.
+        prompt: prompt format (None: the scorer's default). With ``fewshot > 0`` and no pool,
+            the pool is loaded from ``prompt.fewshot_split`` without the evaluated and
+            temperature-fit questions (:func:`~llm_calib.prompts.resolve_fewshot`).
         batch_size: questions per forward pass.
         temperature_fit: ``(name, records)`` of the split the temperature is fitted on, or None.
         n_bins: bins of ECE and the reliability diagrams.
@@ -406,6 +467,11 @@ def evaluate_records(
     """
     if scorer not in SCORERS:
         raise ValueError(f"scorer must be one of {tuple(SCORERS)}, got {scorer!r}")
+    if prompt is not None and prompt.fewshot > 0:
+        evaluated = [r for _, recs in datasets for r in recs]
+        if temperature_fit is not None:
+            evaluated += list(temperature_fit[1])
+        prompt = resolve_fewshot(prompt, exclude=evaluated)
     kwargs = {
         "scorer": scorer,
         "normalize": normalize,
@@ -480,17 +546,15 @@ def _concat_open(sets: Sequence[OpenEndedSet]) -> OpenEndedSet:
         [i for s in sets for i in s.ids],
         [p for s in sets for p in s.token_probs],
         dict(sets[0].info),
+        [d for s in sets for d in s.details]  # type: ignore[union-attr]
+        if all(s.details is not None for s in sets)
+        else None,
     )
 
 
 def _prompt_dict(prompt: PromptFormat | None, scorer: str) -> dict[str, Any]:
     p = prompt or PromptFormat(style="listed" if scorer == "letter" else "cloze")
-    return {
-        "style": p.style,
-        "chat_template": p.chat_template,
-        "system_message": p.system_message,
-        "answer_prefix": p.answer_prefix,
-    }
+    return prompt_dict(p)
 
 
 def evaluate(
@@ -499,9 +563,11 @@ def evaluate(
     data: Sequence[str],
     *,
     scorer: str = "option_likelihood",
-    normalize: Literal["sum", "mean"] = "sum",
+    normalize: Literal["sum", "mean", "char", "byte"] = "sum",
     prompt: PromptFormat | None = None,
     limit: int | None = None,
+    limit_mode: Literal["sample", "first"] = "sample",
+    on_error: Literal["raise", "skip"] = "raise",
     batch_size: int = 8,
     temperature_fit: str | None = None,
     n_bins: int = 10,
@@ -519,11 +585,15 @@ def evaluate(
         data: data specs (grammar in :mod:`llm_calib.data.spec`), e.g.
             ``"arc_easy:../shared/data/arc_easy/test.jsonl"`` or ``"builtin"``.
         scorer: ``"option_likelihood"`` (default) or ``"letter"``.
-        normalize: ``"sum"`` or ``"mean"`` (option likelihood only).
+        normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` (option likelihood only).
         prompt: prompt format; None uses the scorer's default (cloze for option likelihood,
             listed for letter), with the chat template when the tokenizer has one.
         limit: at most this many questions per spec (a seeded subsample, ``seed``); also applied
             to the temperature-fit split.
+        limit_mode: ``"sample"`` (the seeded subsample) or ``"first"`` (the first ``limit``
+            questions in file order, as lm-eval's ``--limit``).
+        on_error: ``"raise"`` at the first bad row, or ``"skip"`` bad rows; skipped rows are
+            listed in ``result.config["skipped"]`` (spec to count and messages).
         batch_size: questions per forward pass.
         temperature_fit: spec of the split to fit a temperature on (multiple choice), carried to
             every evaluated domain; None for no temperature scaling.
@@ -553,10 +623,18 @@ def evaluate(
     if not data:
         raise ValueError("data must name at least one data spec")
     t0 = time.perf_counter()
-    loaded = [(spec, load_data(spec, limit=limit, seed=seed).records) for spec in data]
+    skipped: dict[str, dict[str, Any]] = {}
+
+    def _load(spec: str) -> list[Any]:
+        res = load_data(spec, limit=limit, seed=seed, limit_mode=limit_mode, on_error=on_error)
+        if res.skipped:
+            skipped[spec] = {"count": res.skipped, "errors": list(res.errors)}
+        return res.records
+
+    loaded = [(spec, _load(spec)) for spec in data]
     fit = None
     if temperature_fit is not None:
-        fit = (temperature_fit, load_data(temperature_fit, limit=limit, seed=seed).records)
+        fit = (temperature_fit, _load(temperature_fit))
     load_s = time.perf_counter() - t0
     result = evaluate_records(
         model,
@@ -575,5 +653,114 @@ def evaluate(
         progress=progress,
     )
     result.timing["data_loading_s"] = load_s
-    result.config["limit"] = limit
+    result.config.update({"limit": limit, "limit_mode": limit_mode, "skipped": skipped})
     return result
+
+
+def sample_rows(result: EvaluationResult) -> Iterator[dict[str, Any]]:
+    """One JSON-ready dict per evaluated question, domain by domain.
+
+    Multiple choice: ``id``, ``domain``, ``prompt``, ``options`` (the scored choices),
+    ``continuations``, ``loglik`` and ``n_tokens`` per option, ``token_ids`` per option,
+    ``probs`` (softmax of the run's option scores), ``prediction``, ``gold``, ``confidence``,
+    ``correct``, and ``predictions`` by normalisation (``acc``, ``acc_norm``, ...). Open
+    questions: ``id``, ``domain``, ``prompt``, ``answer``, ``references``, ``token_ids``,
+    ``token_probs``, ``confidence`` (mean token probability), ``correct`` (exact match), ``f1``,
+    ``stop``.
+
+    Args:
+        result: an evaluation result whose domains keep their scores.
+
+    Yields:
+        The rows.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> res = evaluate(model, tok, ["builtin:capitals:n=2"], ci=False)
+        >>> row = next(sample_rows(res))
+        >>> sorted(row)[:5], row["prediction"] == int(np.argmax(row["probs"]))
+        (['confidence', 'continuations', 'correct', 'domain', 'gold'], True)
+    """
+    for dom, r in result.domains.items():
+        s = r.scored
+        if isinstance(s, ScoredSet):
+            probs, preds, conf = s.probs_numpy, s.predictions, s.confidences
+            by_norm = (
+                {n: normalized(s, n).predictions for n in LM_EVAL_NORMALIZATIONS}
+                if s.details is not None
+                else {}
+            )
+            for i in range(len(s)):
+                d = s.details[i] if s.details is not None else {}
+                yield {
+                    "id": s.ids[i],
+                    "domain": dom,
+                    "prompt": d.get("prompt"),
+                    "options": d.get("choices"),
+                    "continuations": d.get("continuations"),
+                    "loglik": d.get("loglik"),
+                    "n_tokens": d.get("n_tokens"),
+                    "token_ids": d.get("token_ids"),
+                    "probs": [float(x) for x in probs[i]],
+                    "prediction": int(preds[i]),
+                    "gold": int(s.labels[i]),
+                    "confidence": float(conf[i]),
+                    "correct": bool(preds[i] == s.labels[i]),
+                    "predictions": {n: int(p[i]) for n, p in by_norm.items()},
+                }
+        elif isinstance(s, OpenEndedSet):
+            conf, correct, f1 = s.confidence("mean"), s.correct, s.f1
+            for i in range(len(s)):
+                d = s.details[i] if s.details is not None else {}
+                yield {
+                    "id": s.ids[i],
+                    "domain": dom,
+                    "prompt": d.get("prompt"),
+                    "answer": s.answers[i],
+                    "references": list(s.references[i]),
+                    "token_ids": d.get("token_ids"),
+                    "token_probs": list(s.token_probs[i]),
+                    "confidence": float(conf[i]),
+                    "correct": bool(correct[i]),
+                    "f1": float(f1[i]),
+                    "stop": d.get("stop"),
+                }
+
+
+def write_samples(result: EvaluationResult, path: str | os.PathLike[str]) -> Path:
+    """Write :func:`sample_rows` as JSON lines to ``path``, atomically.
+
+    The rows go to a temporary file in the same directory, which then replaces ``path``, so a
+    reader never sees a half-written file and an interrupted run leaves any previous file intact.
+
+    Args:
+        result: an evaluation result.
+        path: the ``.jsonl`` file to write (its directory is created).
+
+    Returns:
+        The path.
+
+    Example:
+        >>> import tempfile
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> res = evaluate(model, tok, ["builtin:capitals:n=3"], ci=False)
+        >>> out = write_samples(res, Path(tempfile.mkdtemp()) / "samples.jsonl")
+        >>> len(out.read_text().splitlines())
+        3
+    """
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in sample_rows(result):
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out

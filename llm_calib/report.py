@@ -200,7 +200,10 @@ def markdown_report(result: EvaluationResult, *, title: str = "Calibration repor
     """
     cfg = result.config
     lines = [f"# {title}", ""]
-    for key in ("model", "scorer", "normalize", "prompt", "datasets", "limit", "n_bins", "seed"):
+    for key in (
+        "model", "adapter", "dtype", "scorer", "normalize", "prompt", "datasets", "limit", "limit_mode",
+        "n_bins", "seed",
+    ):
         value = cfg.get(key)
         if value is None:
             continue
@@ -248,6 +251,21 @@ def markdown_report(result: EvaluationResult, *, title: str = "Calibration repor
                 f"{r.uncalibrated.get('f1', math.nan):.3f}."
             )
         lines += ["", domain_table(r.uncalibrated, r.temperature_scaled), ""]
+        if r.normalizations:
+            lines += [
+                "Option-score normalisations (lm-eval names; probabilities are the softmax over "
+                "the normalised scores):",
+                "",
+                "| normalisation | divides the log-likelihood by | accuracy | ECE | NLL | Brier |",
+                "|---|---|---|---|---|---|",
+            ]
+            per = {"acc": "1 (sum)", "acc_norm": "characters", "acc_bytes": "bytes", "acc_token": "tokens"}
+            for name, m in r.normalizations.items():
+                lines.append(
+                    f"| {name} | {per.get(name, '')} | {m['accuracy']:.4f} | {m['ece']:.4f} | "
+                    f"{m['nll']:.4f} | {m['brier']:.4f} |"
+                )
+            lines.append("")
         lines += [f"![reliability diagram]({reliability_filename(dom)})", ""]
     return "\n".join(lines)
 

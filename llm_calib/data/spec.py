@@ -261,7 +261,12 @@ def _load_spec(s: Spec, spec: str, on_error: OnError) -> LoadResult[Any]:
 
 
 def load(
-    spec: str, *, limit: int | None = None, seed: int = 0, on_error: OnError = "raise"
+    spec: str,
+    *,
+    limit: int | None = None,
+    seed: int = 0,
+    on_error: OnError = "raise",
+    limit_mode: str = "sample",
 ) -> LoadResult[Any]:
     """Load the data set a spec string names (grammar in the module docstring).
 
@@ -272,12 +277,15 @@ def load(
         seed: the subsample seed.
         on_error: ``"raise"`` at the first bad row, or ``"skip"`` bad rows (counted in
             ``skipped``, messages in ``errors``).
+        limit_mode: ``"sample"`` (the seeded subsample) or ``"first"`` (the first ``limit``
+            records in file order, lm-eval's ``--limit``).
 
     Returns:
         A :class:`LoadResult` whose ``source`` is ``spec``.
 
     Raises:
         SpecError: a malformed spec.
+        ValueError: an unknown ``limit_mode``.
         DataError: a bad row under ``on_error="raise"``.
         FileNotFoundError: the target path does not exist.
 
@@ -288,9 +296,19 @@ def load(
         >>> load("builtin:capitals:n=10", limit=5, seed=1).records == load(
         ...     "builtin:capitals:n=10", limit=5, seed=1).records
         True
+        >>> [r.id for r in load("builtin:capitals:n=10", limit=2, limit_mode="first")] == [
+        ...     r.id for r in load("builtin:capitals:n=10").records[:2]]
+        True
     """
+    if limit_mode not in ("sample", "first"):
+        raise ValueError(f"limit_mode must be 'sample' or 'first', got {limit_mode!r}")
     parsed = parse_spec(spec)
     result = _load_spec(parsed, spec, on_error)
-    result.records = subsample(result.records, limit, seed)
+    if limit_mode == "first" and limit is not None:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        result.records = list(result.records[:limit])
+    else:
+        result.records = subsample(result.records, limit, seed)
     result.source = spec
     return result

@@ -30,12 +30,15 @@ from llm_calib.scoring.open_ended import (
     token_f1,
 )
 from llm_calib.scoring.option_likelihood import (
+    LM_EVAL_NORMALIZATIONS,
     NORMALIZE_MODES,
     STRATEGIES,
+    normalized,
     score_option_likelihood,
 )
 
 __all__ = [
+    "LM_EVAL_NORMALIZATIONS",
     "NORMALIZE_MODES",
     "SCORERS",
     "STRATEGIES",
@@ -46,6 +49,7 @@ __all__ = [
     "generate_greedy",
     "letter_token_ids",
     "normalize_answer",
+    "normalized",
     "score_letter",
     "score_multiple_choice",
     "score_open_ended",
@@ -66,7 +70,7 @@ def score_multiple_choice(
     records: Sequence[MultipleChoice],
     *,
     scorer: str = "option_likelihood",
-    normalize: Literal["sum", "mean"] = "sum",
+    normalize: Literal["sum", "mean", "char", "byte"] = "sum",
     prompt: PromptFormat | None = None,
     batch_size: int = 8,
     progress: bool = False,
@@ -78,7 +82,8 @@ def score_multiple_choice(
         tokenizer: its tokenizer.
         records: multiple-choice records.
         scorer: ``"option_likelihood"`` or ``"letter"``.
-        normalize: ``"sum"`` or ``"mean"`` (option likelihood only; ignored by letter).
+        normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` (option likelihood only;
+            ignored by letter).
         prompt: the prompt format (None: the scorer's default).
         batch_size: questions per forward pass.
         progress: show a progress bar.

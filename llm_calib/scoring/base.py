@@ -45,6 +45,11 @@ class ScoredSet:
         ids: record id per question.
         scorer: name of the scorer that produced the scores.
         info: scorer settings and diagnostics (JSON-serialisable).
+        details: per question, what the scorer saw (or None): ``prompt`` (text), ``choices``
+            (the scored choice strings, without the target delimiter), ``continuations``,
+            ``token_ids`` (per option), ``loglik`` (summed log-probability per option),
+            ``n_tokens``, ``n_chars``, ``n_bytes`` (per option). The option-likelihood and letter
+            scorers fill it; it feeds :func:`llm_calib.scoring.normalized` and per-sample logs.
 
     Example:
         >>> import torch
@@ -64,9 +69,12 @@ class ScoredSet:
     ids: list[str]
     scorer: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    details: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.logits)
+        if self.details is not None and len(self.details) != n:
+            raise ValueError(f"ScoredSet: details must have one entry per question ({n}), got {len(self.details)}")
         if not len(self.labels) == len(self.domains) == len(self.ids) == n:
             raise ValueError(
                 "ScoredSet: logits, labels, domains and ids must have the same length, got "
@@ -122,6 +130,7 @@ class ScoredSet:
             [self.ids[i] for i in idx],
             self.scorer,
             dict(self.info),
+            [self.details[i] for i in idx] if self.details is not None else None,
         )
 
     def by_domain(self) -> dict[str, ScoredSet]:
@@ -152,6 +161,9 @@ class ScoredSet:
             [i for s in sets for i in s.ids],
             sets[0].scorer,
             dict(sets[0].info),
+            [d for s in sets for d in s.details]  # type: ignore[union-attr]
+            if all(s.details is not None for s in sets)
+            else None,
         )
 
 

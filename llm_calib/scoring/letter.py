@@ -6,6 +6,7 @@ options (softmax over the letter scores).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.models import lm_head_logits, split_decoder_head
-from llm_calib.prompts import PromptFormat, build_prompt, option_letters, uses_chat_template
+from llm_calib.prompts import PromptFormat, option_letters, record_prompt, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, check_records, encode_prompt, progress_bar
 
 __all__ = ["letter_token_ids", "score_letter"]
@@ -94,21 +95,20 @@ def score_letter(
         (2, 1.0)
     """
     fmt = prompt or PromptFormat(style="listed")
-    if fmt.style != "listed":
+    if fmt.style != "listed" and fmt.template is None:
         raise ValueError(
             f"the letter scorer needs the options listed in the prompt: prompt.style must be "
-            f"'listed', got {fmt.style!r}"
+            f"'listed' (or a template that lists them), got {fmt.style!r}"
         )
+    fmt = replace(fmt, choices="letters")  # few-shot examples are answered with their letter
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     records = check_records(records)
     chat = uses_chat_template(tokenizer, fmt)
     max_k = max((len(r.options) for r in records), default=2)
     letter_ids = letter_token_ids(tokenizer, max_k)
-    prompts = [
-        encode_prompt(tokenizer, build_prompt(tokenizer, r.question, r.options, fmt), chat=chat)
-        for r in records
-    ]
+    texts = [record_prompt(tokenizer, r, fmt) for r in records]
+    prompts = [encode_prompt(tokenizer, t, chat=chat) for t in texts]
     decoder, head = split_decoder_head(model)
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -151,4 +151,18 @@ def score_letter(
             "answer_prefix": fmt.answer_prefix,
             "letter_mass": float(np.mean(mass)) if mass else float("nan"),
         },
+        details=[
+            {
+                "prompt": t,
+                "choices": list(option_letters(len(r.options))),
+                "continuations": [tokenizer.decode([i]) for i in letter_ids[: len(r.options)]],
+                "token_ids": [[i] for i in letter_ids[: len(r.options)]],
+                "loglik": [float(v) for v in s],
+                "n_tokens": [1] * len(r.options),
+                "n_chars": [1] * len(r.options),
+                "n_bytes": [1] * len(r.options),
+            }
+            for t, r, s in zip(texts, records, scores, strict=True)
+            if s is not None
+        ],
     )

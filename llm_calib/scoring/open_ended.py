@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from llm_calib.data.records import OpenQA
-from llm_calib.prompts import PromptFormat, build_prompt, uses_chat_template
+from llm_calib.prompts import PromptFormat, record_prompt, uses_chat_template
 from llm_calib.scoring.base import encode_prompt, progress_bar
 
 __all__ = [
@@ -299,6 +299,8 @@ class OpenEndedSet:
         ids: record id per question.
         token_probs: answer-token probabilities per question.
         info: settings (JSON-serialisable).
+        details: per question ``prompt`` (text), ``token_ids`` (of the answer) and ``stop``
+            (why generation ended), or None.
 
     Example:
         >>> s = OpenEndedSet(["Paris", "Rome"], [("Paris",), ("Oslo",)], ["geo", "geo"],
@@ -313,6 +315,7 @@ class OpenEndedSet:
     ids: list[str]
     token_probs: list[tuple[float, ...]]
     info: dict[str, Any] = field(default_factory=dict)
+    details: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.answers)
@@ -347,6 +350,7 @@ class OpenEndedSet:
             [self.ids[i] for i in indices],
             [self.token_probs[i] for i in indices],
             dict(self.info),
+            [self.details[i] for i in indices] if self.details is not None else None,
         )
 
     def by_domain(self) -> dict[str, OpenEndedSet]:
@@ -393,10 +397,7 @@ def encode_open_prompts(
             f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}"
         )
     chat = uses_chat_template(tokenizer, fmt)
-    return [
-        encode_prompt(tokenizer, build_prompt(tokenizer, r.question, None, fmt), chat=chat)
-        for r in records
-    ]
+    return [encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat) for r in records]
 
 
 def score_open_ended(
@@ -467,5 +468,11 @@ def score_open_ended(
             "max_new_tokens": max_new_tokens,
             "chat_template": chat,
             "answer_prefix": fmt.answer_prefix,
+            "template": fmt.template,
+            "fewshot": fmt.fewshot,
         },
+        details=[
+            {"prompt": record_prompt(tokenizer, r, fmt), "token_ids": list(a.token_ids), "stop": a.stop}
+            for r, a in zip(records, done, strict=True)
+        ],
     )

@@ -25,7 +25,12 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.models import lm_head_logits, split_decoder_head
-from llm_calib.prompts import PromptFormat, build_prompt, continuation_text, uses_chat_template
+from llm_calib.prompts import (
+    PromptFormat,
+    option_continuations,
+    record_prompt,
+    uses_chat_template,
+)
 from llm_calib.scoring.base import (
     ScoredSet,
     check_records,
@@ -36,16 +41,21 @@ from llm_calib.scoring.base import (
 from llm_calib.scoring.packing import pack_questions
 
 __all__ = [
+    "LM_EVAL_NORMALIZATIONS",
     "NORMALIZE_MODES",
     "STRATEGIES",
     "EncodedQuestion",
     "encode_questions",
+    "normalized",
     "option_log_likelihoods",
+    "question_details",
     "score_option_likelihood",
 ]
 
-NORMALIZE_MODES = ("sum", "mean")
-"""``"sum"`` (summed token log-probabilities) or ``"mean"`` (mean per token, length-normalised)."""
+NORMALIZE_MODES = ("sum", "mean", "char", "byte")
+"""``"sum"`` (summed token log-probabilities), ``"mean"`` (per token), ``"char"`` (divided by the
+choice's length in characters, lm-eval's ``acc_norm``) or ``"byte"`` (by its UTF-8 length,
+lm-eval's ``acc_bytes``)."""
 
 STRATEGIES = ("packed", "padded")
 """Batch layouts of :func:`score_option_likelihood`."""
@@ -96,16 +106,58 @@ def encode_questions(
     chat = uses_chat_template(tokenizer, fmt)
     out = []
     for r in records:
-        prompt = encode_prompt(
-            tokenizer, build_prompt(tokenizer, r.question, r.options, fmt), chat=chat
-        )
+        prompt = encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat)
         if not prompt:
             raise ValueError(f"record {r.id!r}: the prompt tokenises to no tokens")
         options = tuple(
-            tuple(encode_continuation(tokenizer, continuation_text(o))) for o in r.options
+            tuple(encode_continuation(tokenizer, c)) for c in option_continuations(r, fmt)
         )
         out.append(EncodedQuestion(tuple(prompt), options))
     return out
+
+
+def _choices(record: MultipleChoice, fmt: PromptFormat) -> list[str]:
+    """The scored choice strings without the target delimiter (what lm-eval measures)."""
+    if fmt.choices == "letters":
+        return [c[len(fmt.target_delimiter):] for c in option_continuations(record, fmt)]
+    return [o.strip() for o in record.options]
+
+
+def question_details(
+    tokenizer: Any, record: MultipleChoice, fmt: PromptFormat, item: EncodedQuestion,
+    token_logprobs: Sequence[torch.Tensor],
+) -> dict[str, Any]:
+    """What was scored for one question (see :attr:`ScoredSet.details`).
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> _, tok = tiny_random_model()
+        >>> q = MultipleChoice("Capital?", ("Paris", "Rome"), 0, "geo", "q0")
+        >>> item = encode_questions(tok, [q], PromptFormat())[0]
+        >>> lps = [torch.full((len(o),), -1.0, dtype=torch.float64) for o in item.options]
+        >>> d = question_details(tok, q, PromptFormat(), item, lps)
+        >>> d["choices"], d["n_chars"], d["loglik"][0] == -len(item.options[0])
+        (['Paris', 'Rome'], [5, 4], True)
+    """
+    choices = _choices(record, fmt)
+    return {
+        "prompt": record_prompt(tokenizer, record, fmt),
+        "choices": choices,
+        "continuations": list(option_continuations(record, fmt)),
+        "token_ids": [list(o) for o in item.options],
+        "loglik": [float(lp.sum()) for lp in token_logprobs],
+        "n_tokens": [len(o) for o in item.options],
+        "n_chars": [len(c) for c in choices],
+        "n_bytes": [len(c.encode("utf-8")) for c in choices],
+    }
+
+
+def _aggregate(lp: torch.Tensor, normalize: str, n_chars: int, n_bytes: int) -> torch.Tensor:
+    if normalize == "sum":
+        return lp.sum()
+    if normalize == "mean":
+        return lp.mean()
+    return lp.sum() / (n_chars if normalize == "char" else n_bytes)
 
 
 def _device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
@@ -241,16 +293,19 @@ def score_option_likelihood(
 ) -> ScoredSet:
     """Score multiple-choice questions by the likelihood of each option's text.
 
-    The score of option ``k`` is the summed (``normalize="sum"``) or mean per token
-    (``normalize="mean"``) log-probability of the continuation ``" " + option`` after the prompt;
-    probabilities are the softmax over options. Questions are sorted by length and scored
+    The score of option ``k`` is the summed (``normalize="sum"``), per-token (``"mean"``),
+    per-character (``"char"``, lm-eval's ``acc_norm``) or per-byte (``"byte"``) log-probability
+    of the continuation ``target_delimiter + option`` after the prompt; probabilities are the
+    softmax over options. ``details`` of the result keep every option's summed log-likelihood and
+    lengths, so the other normalisations need no second pass
+    (:func:`llm_calib.scoring.normalized`). Questions are sorted by length and scored
     ``batch_size`` at a time, one forward pass per batch; results come back in input order.
 
     Args:
         model: a Hugging Face causal LM (eval mode).
         tokenizer: its tokenizer.
         records: :class:`~llm_calib.data.records.MultipleChoice` records.
-        normalize: ``"sum"`` or ``"mean"``.
+        normalize: one of :data:`NORMALIZE_MODES`.
         prompt: the prompt format; default ``PromptFormat()`` (cloze, the reference format).
         batch_size: questions per forward pass (>= 1).
         strategy: ``"packed"`` (default) or ``"padded"`` batch layout.
@@ -283,6 +338,7 @@ def score_option_likelihood(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     order = sorted(range(len(items)), key=lambda i: items[i].n_tokens)
     scores: list[torch.Tensor | None] = [None] * len(items)
+    details: list[dict[str, Any]] = [{}] * len(items)
     bar = progress_bar(total=len(items), desc="option likelihood", enabled=progress)
     try:
         for start in range(0, len(order), batch_size):
@@ -291,8 +347,13 @@ def score_option_likelihood(
                 model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy
             )
             for i, per_option in zip(idx, lps, strict=True):
-                agg = [lp.sum() if normalize == "sum" else lp.mean() for lp in per_option]
+                d = question_details(tokenizer, records[i], fmt, items[i], per_option)
+                agg = [
+                    _aggregate(lp, normalize, c, b)
+                    for lp, c, b in zip(per_option, d["n_chars"], d["n_bytes"], strict=True)
+                ]
                 scores[i] = torch.stack(agg)
+                details[i] = d
             bar.update(len(idx))
     finally:
         bar.close()
@@ -308,5 +369,64 @@ def score_option_likelihood(
             "chat_template": uses_chat_template(tokenizer, fmt),
             "answer_prefix": fmt.answer_prefix,
             "strategy": strategy,
+            "template": fmt.template,
+            "fewshot": fmt.fewshot,
         },
+        details=details,
     )
+
+
+LM_EVAL_NORMALIZATIONS: dict[str, str] = {
+    "acc": "sum",
+    "acc_norm": "char",
+    "acc_bytes": "byte",
+    "acc_token": "mean",
+}
+"""Report names of the option-score normalisations and the ``normalize`` mode of each: ``acc``
+(summed log-likelihood), ``acc_norm`` (per character of the choice) and ``acc_bytes`` (per UTF-8
+byte) mean what lm-eval's metrics of those names mean; ``acc_token`` (per token) is ours."""
+
+
+def normalized(scored: ScoredSet, normalize: str) -> ScoredSet:
+    """The same questions with option scores normalised another way, without a second pass.
+
+    Needs ``scored.details`` (filled by :func:`score_option_likelihood` and the letter scorer):
+    the score of an option becomes its summed log-likelihood divided by its token count
+    (``"mean"``), its character count (``"char"``) or its byte count (``"byte"``), or the sum
+    itself (``"sum"``).
+
+    Args:
+        scored: a scored set with details.
+        normalize: one of :data:`NORMALIZE_MODES`, or a key of :data:`LM_EVAL_NORMALIZATIONS`.
+
+    Returns:
+        A :class:`~llm_calib.scoring.base.ScoredSet` (``info["normalize"]`` updated).
+
+    Raises:
+        ValueError: an unknown ``normalize`` or a set without details.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> qs = [MultipleChoice("Capital of France?", ("Paris", "Rome"), 0, "geo", "q0")]
+        >>> s = score_option_likelihood(model, tok, qs)
+        >>> n = normalized(s, "acc_norm")
+        >>> bool(torch.allclose(n.logits[0] * torch.tensor([5.0, 4.0], dtype=torch.float64), s.logits[0]))
+        True
+    """
+    mode = LM_EVAL_NORMALIZATIONS.get(normalize, normalize)
+    if mode not in NORMALIZE_MODES:
+        raise ValueError(
+            f"normalize must be one of {NORMALIZE_MODES} or {tuple(LM_EVAL_NORMALIZATIONS)}, got {normalize!r}"
+        )
+    if scored.details is None:
+        raise ValueError("normalized() needs ScoredSet.details (score with score_option_likelihood)")
+    key = {"mean": "n_tokens", "char": "n_chars", "byte": "n_bytes"}.get(mode)
+    logits = []
+    for d in scored.details:
+        ll = torch.tensor(d["loglik"], dtype=torch.float64)
+        logits.append(ll if key is None else ll / torch.tensor(d[key], dtype=torch.float64))
+    out = scored.select(range(len(scored)))
+    out.logits = logits
+    out.info["normalize"] = mode
+    return out

@@ -1,0 +1,152 @@
+"""Loading a saved adapter onto its base model, and exporting a merged standalone model.
+
+A calibration result (:meth:`llm_calib.calm.trainer.CalibrationResult.save`) is a peft adapter:
+LoRA matrices plus, with ``output_scale``, an adapter-owned copy of the final norm whose weight is
+the base weight times ``exp(output_log_scale)`` (peft ``modules_to_save``). Merging folds both into
+ordinary weights: each adapted linear layer becomes ``W + (alpha / r) B A`` and the final norm's
+weight becomes the trained copy, so the exported directory is a plain Hugging Face model that
+``AutoModelForCausalLM.from_pretrained`` loads without peft or llm_calib, at the base model's
+inference cost. λ (the training-time logit adjustment) is not part of the deployed model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["adapter_directory", "export_merged", "load_adapter", "merge_adapter"]
+
+
+def adapter_directory(path: str | os.PathLike[str]) -> Path:
+    """The peft adapter directory of ``path``: a saved calibration result or an adapter itself.
+
+    Args:
+        path: a directory written by ``CalibrationResult.save`` (holds ``adapter/``) or by a
+            peft model's ``save_pretrained`` (holds ``adapter_config.json``).
+
+    Returns:
+        The directory holding ``adapter_config.json``.
+
+    Raises:
+        FileNotFoundError: ``path`` is neither (the message names what was looked for).
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp()); (d / "adapter").mkdir()
+        >>> _ = (d / "adapter" / "adapter_config.json").write_text("{}")
+        >>> adapter_directory(d) == d / "adapter"
+        True
+    """
+    src = Path(path)
+    for candidate in (src, src / "adapter"):
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{src}: not a saved calibration result (no adapter/adapter_config.json) nor a peft adapter "
+        "(no adapter_config.json)"
+    )
+
+
+def load_adapter(base_model: Any, path: str | os.PathLike[str]) -> Any:
+    """Put the adapter saved at ``path`` on ``base_model`` (in eval mode).
+
+    Args:
+        base_model: the Hugging Face causal LM the adapter was trained on.
+        path: a saved calibration result or peft adapter directory (:func:`adapter_directory`).
+
+    Returns:
+        The :class:`peft.PeftModel`.
+
+    Raises:
+        FileNotFoundError: no adapter at ``path``.
+
+    Example:
+        >>> import tempfile
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.calm.lora import attach_lora
+        >>> from llm_calib.calm.config import LoraSettings
+        >>> d = tempfile.mkdtemp()
+        >>> attach_lora(tiny_random_model()[0], LoraSettings(rank=2)).save_pretrained(d)
+        >>> type(load_adapter(tiny_random_model()[0], d)).__name__
+        'PeftModelForCausalLM'
+    """
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base_model, str(adapter_directory(path)))
+    model.eval()
+    return model
+
+
+def merge_adapter(model: Any) -> Any:
+    """Fold a peft model's adapters (LoRA and ``modules_to_save`` copies) into plain weights.
+
+    Args:
+        model: a :class:`peft.PeftModel`, or a plain model (returned as it is).
+
+    Returns:
+        The base model class with merged weights (no peft modules left).
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.calm.lora import attach_lora
+        >>> from llm_calib.calm.config import LoraSettings
+        >>> merged = merge_adapter(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))
+        >>> type(merged).__name__, any("lora_" in n for n, _ in merged.named_parameters())
+        ('LlamaForCausalLM', False)
+    """
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    merged = model.merge_and_unload()
+    leftover = [n for n, _ in merged.named_modules() if "lora_" in n or "modules_to_save" in n]
+    if leftover:  # pragma: no cover - peft guarantees this; a clear error if it ever does not
+        raise RuntimeError(f"merging left adapter modules behind: {leftover[:3]}")
+    merged.eval()
+    return merged
+
+
+def export_merged(
+    base_model: Any,
+    tokenizer: Any,
+    adapter: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+) -> Path:
+    """Merge the adapter at ``adapter`` into ``base_model`` and save a standalone model to ``out``.
+
+    Writes ``save_pretrained`` with safetensors (config, weights, generation config), the
+    tokenizer, and ``llm_calib_export.json`` naming the adapter it came from.
+
+    Args:
+        base_model: the base causal LM (its weights are changed in place by the merge).
+        tokenizer: its tokenizer (saved alongside).
+        adapter: a saved calibration result or peft adapter directory.
+        out: the output directory (created; existing files of the same names are replaced).
+
+    Returns:
+        The output directory.
+
+    Raises:
+        FileNotFoundError: no adapter at ``adapter``.
+
+    Example:
+        >>> import tempfile
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.calm.lora import attach_lora
+        >>> from llm_calib.calm.config import LoraSettings
+        >>> d, out = tempfile.mkdtemp(), tempfile.mkdtemp()
+        >>> attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True).save_pretrained(d)
+        >>> model, tok = tiny_random_model()
+        >>> sorted(p.name for p in export_merged(model, tok, d, out).glob("*.safetensors"))
+        ['model.safetensors']
+    """
+    src = adapter_directory(adapter)
+    merged = merge_adapter(load_adapter(base_model, src))
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(str(target), safe_serialization=True)
+    tokenizer.save_pretrained(str(target))
+    (target / "llm_calib_export.json").write_text(
+        json.dumps({"adapter": str(src.resolve()), "merged": ["lora", "modules_to_save"]}, indent=2)
+    )
+    return target
