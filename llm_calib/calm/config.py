@@ -99,8 +99,12 @@ class CalibrationConfig:
     Attributes:
         method: ``"calm"`` (bilevel), or a baseline: ``"lora_ce"`` (plain fine-tuning),
             ``"label_smoothing"``, ``"confidence_penalty"`` (CE − β·entropy).
-        solver: ``"bome"`` (default) or ``"f2sa"`` for ``method="calm"``.
-        adjustment: λ variant: ``"vector"``, ``"temperature"`` or ``"answer_tokens"``.
+        solver: ``"bome"`` (default), ``"f2sa"`` or ``"implicit"`` (exact hypergradients after
+            lower-level steps, :class:`llm_calib.calm.methods.AlternatingImplicit`) for
+            ``method="calm"``.
+        adjustment: λ variant: token level ``"vector"``, ``"temperature"``, ``"answer_tokens"``,
+            or option level ``"option_temperature"``, ``"option_length"`` (option-likelihood
+            multiple choice; see :mod:`llm_calib.adjustment`).
         scorer: ``"option_likelihood"`` or ``"letter"`` (multiple choice; open questions are
             always trained on their reference answer's tokens).
         normalize: option scores summed (``"sum"``) or length-normalised (``"mean"``) (multiple
