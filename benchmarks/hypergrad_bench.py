@@ -498,6 +498,7 @@ class Runner:
     info: dict[str, Any] = field(default_factory=dict)
     warm: Callable[[], Any] | None = None  # cheaper warm-up for the memory worker
     group: str = ""  # the make_runners selector that builds it
+    clock: str = "thread"  # "thread": the calling thread's CPU time; "process": all threads'
 
 
 def _peers() -> tuple[Any, Any]:
@@ -551,6 +552,80 @@ def _torchopt_implicit(b: Bench, solve: Any, name: str, family: str) -> Runner:
         return flat(torch.autograd.grad(value, list(lam_.values())))
 
     return Runner(name, "torchopt", family, fn)
+
+
+_JAX: dict[str, Any] = {}
+
+
+def _jax() -> Any | None:
+    """jax (float64, one XLA thread) and jaxopt, or None when the bench extra is not installed."""
+    if "mod" not in _JAX:
+        # one intra-op thread, like torch.set_num_threads(1) for the other libraries; must be set
+        # before jax creates its CPU backend
+        os.environ.setdefault(
+            "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+        try:
+            import jax
+            import jaxopt  # noqa: F401
+
+            jax.config.update("jax_enable_x64", True)
+            _JAX["mod"] = jax
+        except Exception:  # not installed (the bench extra is optional): rows are left out
+            _JAX["mod"] = None
+    return _JAX["mod"]
+
+
+def _jaxopt_implicit(b: Bench, tol: float, maxiter: int) -> Runner | None:
+    """jaxopt's ``custom_root`` + ``solve_cg`` under ``jax.jit`` on the same data, losses and w*.
+
+    Ridge and logistic regression only (the losses are re-written in jax.numpy; the model is
+    ``X @ w``). The first call (tracing and XLA compilation) is timed separately and reported;
+    the timed calls reuse the compiled executable.
+    """
+    jax = _jax()
+    if jax is None or b.kind not in ("ridge", "logistic"):
+        return None
+    from functools import partial
+
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxopt import implicit_diff, linear_solve
+
+    X, y, Xv, yv = (jnp.asarray(b.data[k].numpy()) for k in ("X", "y", "Xv", "yv"))
+    w_star = jnp.asarray(b.w["weight"][0].numpy())
+    lam0 = jnp.asarray(b.lam["log_l2"].numpy())
+    kind = b.kind
+
+    def data_loss(z: Any, target: Any) -> Any:
+        if kind == "ridge":
+            r = z - target
+            return 0.5 * (r @ r) / r.shape[0]
+        return jnp.mean(jnp.logaddexp(0.0, z) - target * z)  # binary_cross_entropy_with_logits
+
+    def g(w: Any, log_l2: Any) -> Any:
+        return data_loss(X @ w, y) + 0.5 * jnp.sum(jnp.exp(log_l2) * w**2)
+
+    def f(w: Any, log_l2: Any) -> Any:
+        return data_loss(Xv @ w, yv)
+
+    solve = partial(linear_solve.solve_cg, tol=tol, maxiter=maxiter)
+
+    @implicit_diff.custom_root(jax.grad(g, argnums=0), solve=solve)
+    def inner(w_init: Any, log_l2: Any) -> Any:
+        return w_star  # the inner problem is solved beforehand, as for every method here
+
+    w_init = jnp.zeros_like(w_star)
+    hypergrad = jax.jit(jax.grad(lambda log_l2: f(inner(w_init, log_l2), log_l2)))
+    t0 = time.perf_counter()
+    hypergrad(lam0).block_until_ready()
+    compile_s = time.perf_counter() - t0
+
+    def fn() -> Tensor:
+        return torch.from_numpy(np.array(hypergrad(lam0).block_until_ready()))
+
+    # XLA runs the executable on its own (single) thread: CPU time of the whole process
+    return Runner("custom_root + solve_cg (jax.jit)", "jaxopt", "implicit-cg", fn,
+                  {"compile_s": compile_s}, clock="process")
 
 
 def _load(model: nn.Module, w: Tree, requires_grad: bool) -> nn.Module:
@@ -681,6 +756,9 @@ def make_runners(b: Bench, sizes: Sizes, which: list[str] | None = None, K: int 
             _torchopt_implicit(
                 b, torchopt.linear_solve.solve_cg(rtol=cg_tol, maxiter=cg_maxiter, ridge=b.damping or None),
                 "custom_root + solve_cg", "implicit-cg"))
+        jx = _jaxopt_implicit(b, cg_tol, cg_maxiter)
+        if jx is not None:
+            add("implicit-cg", jx)
     if want("implicit-neumann"):
         steps = b.extra.get("neumann_steps") or _neumann_steps(b, tol, sizes.neumann_cap)
         b.extra["neumann_steps"] = steps
@@ -730,9 +808,11 @@ def time_interleaved(runners: list[Runner], sizes: Sizes, log: Callable[[str], N
                      threads: int = 1) -> dict[str, Any]:
     """Warm up, then time rounds A B C ... (rotating the start), until ``repeats`` rounds or the
     time budget. Returns per-runner medians, all samples and the first call's output."""
-    clock = cpu_timer(threads)
+    thread_clock = cpu_timer(threads)
+    clocks = {r.name: time.process_time if r.clock == "process" else thread_clock for r in runners}
     outputs: dict[str, Tensor] = {}
     samples: dict[str, list[float]] = {r.name: [] for r in runners}
+    wall: dict[str, list[float]] = {r.name: [] for r in runners}
     start = time.perf_counter()
     for r in runners:  # warm-up (unrolled runners: a 2-step call exercises the same code)
         (r.warm or r.fn)()
@@ -745,9 +825,12 @@ def time_interleaved(runners: list[Runner], sizes: Sizes, log: Callable[[str], N
         gc.disable()  # as timeit does: no collector pauses inside the timed calls
         try:
             for r in order:
+                clock = clocks[r.name]
+                w0 = time.perf_counter()
                 t0 = clock()
                 out = r.fn()
                 samples[r.name].append(clock() - t0)
+                wall[r.name].append(time.perf_counter() - w0)
                 outputs.setdefault(r.name, out)  # the accuracy sample: first timed call
         finally:
             gc.enable()
@@ -762,6 +845,7 @@ def time_interleaved(runners: list[Runner], sizes: Sizes, log: Callable[[str], N
         f"{time.perf_counter() - start:.1f}s (warm-up {warm_s:.1f}s)")
     return {
         "median": {k: statistics.median(v) for k, v in samples.items()},
+        "wall_median": {k: statistics.median(v) for k, v in wall.items()},
         "samples": samples,
         "outputs": outputs,
         "rounds": rounds,
@@ -807,6 +891,7 @@ def _measure_one(config: dict[str, Any]) -> dict[str, Any]:
 def _worker(config_path: str) -> None:
     """Hidden ``--worker`` entry: one forked child per configuration, JSON lines on stdout."""
     configs = json.loads(Path(config_path).read_text())
+    _JAX["mod"] = None  # no jax in the memory worker: it forks, and jax is multithreaded
     _peers()  # import once in the parent; children start from this import-only state
     import sklearn.datasets  # noqa: F401
 
@@ -925,16 +1010,20 @@ def run_problem(
                if b.reference is not None and not r.family.startswith("unit") else None)
         fam = "unrolled-reverse" if r.family.startswith("unrolled-reverse") else r.family
         agree = None
-        if r.library in ("torchopt", "higher") and fam in by_family:
+        if r.library in ("torchopt", "higher", "jaxopt") and fam in by_family:
             agree = rel_err(outs[r.name], by_family[fam])
+        extra = {"n_params": b.n_params, "n_hyper": b.n_hyper, "wall_s": timing["wall_median"][r.name]}
+        if "compile_s" in r.info:
+            extra["compile_s"] = r.info["compile_s"]
         rows.append(Row(b.key, r.name, r.library, r.family, t, t / unit, err, agree,
-                        r.info.get("iterations"), r.info.get("grad_evals"),
-                        extra={"n_params": b.n_params, "n_hyper": b.n_hyper}))
+                        r.info.get("iterations"), r.info.get("grad_evals"), extra=extra))
     if sizes.memory_only is not None and not b.key.startswith(sizes.memory_only):
         memory = False
     if memory and cache is not None:
         for r in runners:
-            if r.family.startswith("unit"):
+            # jaxopt: XLA's own allocator and threads; not measured (forking after jax starts
+            # its threads is unsafe)
+            if r.family.startswith("unit") or r.library == "jaxopt":
                 continue
             row = next(x for x in rows if x.name == r.name)
             row.extra["memory_config"] = {
@@ -1183,6 +1272,7 @@ def pair_ratios(rows: list[Row]) -> list[dict[str, Any]]:
     """ours/peer per problem for every comparable pair: time and peak memory."""
     pairs = [
         ("implicit-cg", "implicit-cg", "torchopt", "Implicit CG / torchopt custom_root+solve_cg"),
+        ("implicit-cg", "implicit-cg", "jaxopt", "Implicit CG / jaxopt custom_root+solve_cg (jit)"),
         ("implicit-neumann", "implicit-neumann", "torchopt", "Implicit Neumann / torchopt solve_inv(ns)"),
         ("unrolled-reverse", "unrolled-reverse", "higher", "Unrolled reverse / higher"),
         ("unrolled-reverse", "unrolled-reverse-metasgd", "torchopt", "Unrolled reverse / torchopt MetaSGD"),
@@ -1223,6 +1313,12 @@ def targets(rows: list[Row], sizes: Sizes) -> list[dict[str, Any]]:
         if a and b:
             note = f"errors {a.error:.1e} vs {b.error:.1e}" if a.error is not None and b.error is not None else ""
             add("Implicit CG time <= 0.5x torchopt", p, _ratio(a.time_s, b.time_s), 0.5, note)
+        j = _find(rows, p, "implicit-cg", "jaxopt")
+        if a and j:
+            limit = 1.0 if a.extra.get("n_params", 0) >= 1000 else 2.0
+            note = (f"{a.time_s * 1e3:.3g} vs {j.time_s * 1e3:.3g} ms; jit compile "
+                    f"{j.extra.get('compile_s', float('nan')):.2f} s excluded")
+            add(f"Implicit CG time <= {limit:g}x jaxopt-jit", p, _ratio(a.time_s, j.time_s), limit, note)
     k_target = 100 if 100 in sizes.ks else max(sizes.ks)
     label = f"ksweep_K{k_target}"
     a = _find(rows, label, "unrolled-reverse", "hypergrad")
