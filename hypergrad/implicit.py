@@ -74,9 +74,12 @@ class Implicit:
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
-        if self.compile and (not isinstance(self.solver, CG) or self.fixed_point is not None):
+        if self.compile and (
+            not isinstance(self.solver, CG) or self.fixed_point is not None
+            or self.solver.preconditioner is not None
+        ):
             raise ValueError(
-                "compile=True needs solver=hypergrad.linear.CG(...) and the gradient form "
+                "compile=True needs solver=hypergrad.linear.CG(...) without a preconditioner and the gradient form "
                 f"(fixed_point=None), got solver={self.solver!r}, fixed_point={self.fixed_point!r}"
             )
         if not callable(self.solver):
