@@ -100,6 +100,8 @@ class Sizes:
     memory: bool = True
     memory_only: tuple[str, ...] | None = None  # measure memory only for these problem prefixes
     lbfgs_iters: int = 500  # cap of the LBFGS inner solves that set up the problems
+    ridge_large_d: tuple[int, ...] = (1000,)  # per-feature ridge, implicit runners only
+    compiled_max_d: int = 1000  # Implicit(compile=True) rows for ridge/logistic up to this d (0: none)
 
 
 FULL = Sizes("full")
@@ -127,6 +129,7 @@ QUICK = Sizes(
     memory=True,
     memory_only=("ksweep", "fwdflat"),
     lbfgs_iters=150,
+    ridge_large_d=(),
 )
 TINY = replace(
     QUICK,
@@ -151,6 +154,7 @@ TINY = replace(
     min_repeats=1,
     budget_s=1.0,
     memory=False,
+    compiled_max_d=0,  # compilation takes tens of seconds per problem; tests/test_compiled.py checks it
 )
 MODES = {"full": FULL, "quick": QUICK, "tiny": TINY}
 
@@ -525,6 +529,17 @@ def _ours(b: Bench, method: Any, name: str, family: str, state: dict | None = No
     return Runner(name, "hypergrad", family, fn, info)
 
 
+def _compiled_ours(b: Bench, tol: float, maxiter: int) -> Runner:
+    """``Implicit(compile=True)``: the first call (compilation) is timed separately."""
+    method = hg.Implicit(hg.linear.CG(tol=tol, maxiter=maxiter, damping=b.damping), compile=True)
+    t0 = time.perf_counter()
+    first = method.hypergrad(b.problem, b.w, b.lam)
+    compile_s = time.perf_counter() - t0
+    runner = _ours(b, method, "Implicit CG, compile=True", "implicit-cg-compiled")
+    runner.info.update(compile_s=compile_s, compiled=bool(first.info.extra.get("compiled")))
+    return runner
+
+
 def _penalty_state(b: Bench) -> dict[str, Any]:
     return {"w_sigma": b.w_sigma}
 
@@ -759,6 +774,8 @@ def make_runners(b: Bench, sizes: Sizes, which: list[str] | None = None, K: int 
         jx = _jaxopt_implicit(b, cg_tol, cg_maxiter)
         if jx is not None:
             add("implicit-cg", jx)
+    if want("implicit-cg-compiled") and b.kind in ("ridge", "logistic") and b.n_params <= sizes.compiled_max_d:
+        add("implicit-cg-compiled", _compiled_ours(b, cg_tol, cg_maxiter))
     if want("implicit-neumann"):
         steps = b.extra.get("neumann_steps") or _neumann_steps(b, tol, sizes.neumann_cap)
         b.extra["neumann_steps"] = steps
@@ -786,6 +803,10 @@ def make_runners(b: Bench, sizes: Sizes, which: list[str] | None = None, K: int 
     if want("penalty"):
         add("penalty", _ours(b, hg.Penalty(sigma=b.sigma, inner_optimizer=hg.inner.SGD(lr=b.lr)),
                              f"Penalty / F2SA (T=1, sigma={b.sigma:g})", "penalty", state=_penalty_state(b)))
+        add("penalty", _ours(b, hg.Penalty(sigma=b.sigma, inner_optimizer=hg.inner.SGD(lr=b.lr),
+                                           evaluate="current"),
+                             f"Penalty / F2SA, evaluate='current' (T=1, sigma={b.sigma:g})",
+                             "penalty-current", state=_penalty_state(b)))
     return runners
 
 
@@ -1012,9 +1033,12 @@ def run_problem(
         agree = None
         if r.library in ("torchopt", "higher", "jaxopt") and fam in by_family:
             agree = rel_err(outs[r.name], by_family[fam])
+        if r.family == "implicit-cg-compiled" and "implicit-cg" in by_family:  # vs the eager path
+            agree = rel_err(outs[r.name], by_family["implicit-cg"])
         extra = {"n_params": b.n_params, "n_hyper": b.n_hyper, "wall_s": timing["wall_median"][r.name]}
-        if "compile_s" in r.info:
-            extra["compile_s"] = r.info["compile_s"]
+        for key in ("compile_s", "compiled"):
+            if key in r.info:
+                extra[key] = r.info[key]
         rows.append(Row(b.key, r.name, r.library, r.family, t, t / unit, err, agree,
                         r.info.get("iterations"), r.info.get("grad_evals"), extra=extra))
     if sizes.memory_only is not None and not b.key.startswith(sizes.memory_only):
@@ -1023,7 +1047,7 @@ def run_problem(
         for r in runners:
             # jaxopt: XLA's own allocator and threads; not measured (forking after jax starts
             # its threads is unsafe)
-            if r.family.startswith("unit") or r.library == "jaxopt":
+            if r.family.startswith("unit") or r.library == "jaxopt" or r.family == "implicit-cg-compiled":
                 continue
             row = next(x for x in rows if x.name == r.name)
             row.extra["memory_config"] = {
@@ -1064,6 +1088,7 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
     memory = sizes.memory
     t_start = time.perf_counter()
     rows: list[Row] = []
+    precond: list[dict[str, Any]] = []
     all_families = None
 
     # 1. ridge
@@ -1072,16 +1097,29 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
                 "d": sizes.ridge_d, "scalar": scalar, "K": sizes.unroll_k}
         b = _spec_bench(spec, cache)
         rows += run_problem(b, sizes, make_runners(b, sizes, all_families), cache, threads, log, memory)
+        if not scalar:
+            precond += preconditioning(b, sizes)
+
+    # 1b. per-feature ridge at a larger d: the implicit runners only (jaxopt's comparison)
+    for d in sizes.ridge_large_d:
+        spec = {"key": f"ridge_feature_d{d}", "kind": "ridge", "n": sizes.ridge_n, "d": d,
+                "scalar": False, "K": sizes.unroll_k}
+        b = _spec_bench(spec, cache)
+        fams = ["unit", "unit-hvp", "implicit-cg", "implicit-cg-compiled", "penalty"]
+        rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
+        precond += preconditioning(b, sizes)
 
     # 2. logistic, d sweep
     for d in sizes.logistic_ds:
         spec = {"key": f"logistic_d{d}", "kind": "logistic", "n": sizes.logistic_n, "d": d,
                 "scalar": False, "K": sizes.unroll_k}
         b = _spec_bench(spec, cache)
-        fams = ["unit", "unit-hvp", "implicit-cg", "implicit-neumann", "fd", "penalty"]
+        fams = ["unit", "unit-hvp", "implicit-cg", "implicit-cg-compiled", "implicit-neumann", "fd",
+                "penalty"]
         if d <= sizes.logistic_unrolled_max_d:
             fams += ["unrolled-reverse", "unrolled-truncated"]
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
+        precond += preconditioning(b, sizes)
 
     # 3. hyper-cleaning: single hypergradients, then the outer loop
     spec = {"key": "clean", "kind": "clean", "n_train": sizes.clean_train, "K": sizes.clean_unroll_k,
@@ -1089,6 +1127,7 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
     b_clean = _spec_bench(spec, cache)
     rows += run_problem(b_clean, sizes, make_runners(b_clean, sizes, all_families), cache, threads,
                         log, memory)
+    precond += preconditioning(b_clean, sizes)
     cleaning = hyper_cleaning(b_clean, sizes, log)
 
     # 4. MLP: scaling in the parameter count
@@ -1127,7 +1166,7 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
     if own_cache:
         shutil.rmtree(cache, ignore_errors=True)
     elapsed = time.perf_counter() - t_start
-    return {"rows": rows, "cleaning": cleaning, "elapsed_s": elapsed, "threads": threads,
+    return {"rows": rows, "cleaning": cleaning, "precond": precond, "elapsed_s": elapsed, "threads": threads,
             "sizes": sizes, "meta": metadata(threads), "titles": dict(_TITLES),
             "ref_notes": dict(_REF_NOTES)}
 
@@ -1145,6 +1184,37 @@ def _retrain(b: Bench, lam: Tree, w0: Tree | None = None) -> Tree:
     return _minimize(lambda w: b.g(w, lam), b.w if w0 is None else w0, max_iter=200, tol=1e-6)
 
 
+def preconditioning(b: Bench, sizes: Sizes) -> list[dict[str, Any]]:
+    """CG iterations, products and time to the same relative residual, with and without Jacobi
+    preconditioning (Hutchinson estimate; for ridge/logistic also the exact diagonal, supplied as a
+    callable)."""
+    variants: list[tuple[str, Any, int]] = [("none", None, 0), ("Jacobi, Hutchinson 10 probes", "jacobi", 10),
+                                            ("Jacobi, Hutchinson 50 probes", "jacobi", 50)]
+    if b.kind in ("ridge", "logistic"):
+        X, n = b.data["X"], b.data["X"].shape[0]
+        wv = b.w["weight"][0]
+        s = (torch.ones(n, dtype=X.dtype) if b.kind == "ridge"
+             else torch.sigmoid(X @ wv) * (1 - torch.sigmoid(X @ wv)))
+        diag = (s[:, None] * X**2).sum(0) / n + torch.exp(b.lam["log_l2"]).expand(X.shape[1])
+        variants.append(("Jacobi, exact diagonal (user callable)", lambda r: r / diag, 0))
+    out = []
+    clock = cpu_timer(1)
+    for name, pre, probes in variants:
+        cg = hg.linear.CG(tol=sizes.tol, maxiter=20000, preconditioner=pre, probes=max(probes, 1))
+        method = hg.Implicit(cg)
+        r = method.hypergrad(b.problem, b.w, b.lam)
+        times = []
+        for _ in range(3):
+            t0 = clock()
+            method.hypergrad(b.problem, b.w, b.lam)
+            times.append(clock() - t0)
+        err = rel_err(flat(r.grad), b.reference) if b.reference is not None else None
+        out.append({"problem": b.key, "variant": name, "iterations": r.info.iterations,
+                    "matvecs": r.info.extra["matvecs"], "time_s": min(times), "error": err,
+                    "converged": r.info.converged})
+    return out
+
+
 def hyper_cleaning(b: Bench, sizes: Sizes, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """A short outer loop per method (Adam on the per-example logits), then test accuracy."""
     torchopt, higher = _peers()
@@ -1154,11 +1224,15 @@ def hyper_cleaning(b: Bench, sizes: Sizes, log: Callable[[str], None]) -> list[d
     names = [k for k, _ in b.model.named_parameters()]
     results = []
 
-    def implicit_ours(w: Tree, lam: Tree, st: dict) -> tuple[Tree, Tree]:
+    def implicit_ours(w: Tree, lam: Tree, st: dict, warm: bool = True) -> tuple[Tree, Tree]:
         w, _, _ = hg.inner_solve(problem, w, lam, inner_steps, inner_opt)
-        r = hg.Implicit(hg.linear.CG(tol=sizes.tol), warm_start=True).hypergrad(problem, w, lam, state=st.get("s"))
+        r = hg.Implicit(hg.linear.CG(tol=sizes.tol), warm_start=warm).hypergrad(problem, w, lam, state=st.get("s"))
         st["s"] = r.state
+        st.setdefault("cg_iters", []).append(r.info.iterations)
         return r.grad, w
+
+    def implicit_cold(w: Tree, lam: Tree, st: dict) -> tuple[Tree, Tree]:
+        return implicit_ours(w, lam, st, warm=False)
 
     def implicit_torchopt(w: Tree, lam: Tree, st: dict) -> tuple[Tree, Tree]:
         w, _, _ = hg.inner_solve(problem, w, lam, inner_steps, inner_opt)
@@ -1208,6 +1282,7 @@ def hyper_cleaning(b: Bench, sizes: Sizes, log: Callable[[str], None]) -> list[d
 
     methods = [
         ("Implicit CG (warm start)", "hypergrad", implicit_ours),
+        ("Implicit CG (cold start)", "hypergrad", implicit_cold),
         ("custom_root + solve_cg", "torchopt", implicit_torchopt),
         (f"Unrolled reverse (K={K})", "hypergrad", unrolled_ours),
         (f"higher unrolled (K={K})", "higher", unrolled_higher),
@@ -1242,6 +1317,7 @@ def hyper_cleaning(b: Bench, sizes: Sizes, log: Callable[[str], None]) -> list[d
             "name": name, "library": library, "steps": steps, "total_s": total,
             "per_step_s": hyper_s / steps, "test_acc": acc,
             "w_clean": float(weights[clean].mean()), "w_corrupt": float(weights[~clean].mean()),
+            "cg_iters": statistics.mean(st["cg_iters"]) if st.get("cg_iters") else None,
         })
         log(f"    {name:34s} test acc {acc:.3f}  {total:.1f}s")
     base = _accuracy(b, b.w)
@@ -1273,6 +1349,8 @@ def pair_ratios(rows: list[Row]) -> list[dict[str, Any]]:
     pairs = [
         ("implicit-cg", "implicit-cg", "torchopt", "Implicit CG / torchopt custom_root+solve_cg"),
         ("implicit-cg", "implicit-cg", "jaxopt", "Implicit CG / jaxopt custom_root+solve_cg (jit)"),
+        ("implicit-cg-compiled", "implicit-cg", "jaxopt", "Implicit CG compile=True / jaxopt (jit)"),
+        ("implicit-cg-compiled", "implicit-cg", "hypergrad", "Implicit CG compile=True / eager"),
         ("implicit-neumann", "implicit-neumann", "torchopt", "Implicit Neumann / torchopt solve_inv(ns)"),
         ("unrolled-reverse", "unrolled-reverse", "higher", "Unrolled reverse / higher"),
         ("unrolled-reverse", "unrolled-reverse-metasgd", "torchopt", "Unrolled reverse / torchopt MetaSGD"),
@@ -1292,6 +1370,33 @@ def pair_ratios(rows: list[Row]) -> list[dict[str, Any]]:
                 "ours_mb": a.peak_mb, "peer_mb": b.peak_mb,
             })
     return out
+
+
+def side_by_side(rows: list[Row]) -> list[str]:
+    """Implicit CG on ridge/logistic: jaxopt (jit), hypergrad eager and compiled, torchopt."""
+    lines = [
+        "| problem | d | CG iterations | jaxopt-jit ms | hypergrad ms | hypergrad compile=True ms | "
+        "torchopt ms | hypergrad / jaxopt | compile=True / jaxopt | hypergrad / torchopt | "
+        "wall-time hypergrad / jaxopt | jit compile s | torch.compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    n = 0
+    for p in dict.fromkeys(r.problem for r in rows):
+        a = _find(rows, p, "implicit-cg", "hypergrad")
+        j = _find(rows, p, "implicit-cg", "jaxopt")
+        t = _find(rows, p, "implicit-cg", "torchopt")
+        c = _find(rows, p, "implicit-cg-compiled", "hypergrad")
+        if a is None or j is None or t is None:
+            continue
+        n += 1
+        wall = _ratio(a.extra.get("wall_s"), j.extra.get("wall_s"))
+        lines.append(
+            f"| {p} | {a.extra.get('n_params', '-')} | {_fmt(a.iterations, 'd')} | {_fmt_time(j.time_s)} | "
+            f"{_fmt_time(a.time_s)} | {_fmt_time(c.time_s) if c else '-'} | {_fmt_time(t.time_s)} | "
+            f"**{_fmt(_ratio(a.time_s, j.time_s))}** | {_fmt(_ratio(c.time_s, j.time_s)) if c else '-'} | "
+            f"{_fmt(_ratio(a.time_s, t.time_s))} | {_fmt(wall)} | {_fmt(j.extra.get('compile_s'))} | "
+            f"{_fmt(c.extra.get('compile_s')) if c else '-'} |")
+    return lines if n else []
 
 
 def targets(rows: list[Row], sizes: Sizes) -> list[dict[str, Any]]:
@@ -1355,7 +1460,7 @@ def targets(rows: list[Row], sizes: Sizes) -> list[dict[str, Any]]:
         add(f"Unrolled forward memory flat in K (K={lo.problem.split('K')[-1]} -> "
             f"{hi.problem.split('K')[-1]}, within 10%)", where, value, 1.10, note, ok=ok)
     for fam, label in (("fd-identity", "FiniteDifference (identity)"), ("fd-cg", "FiniteDifference (CG)"),
-                       ("penalty", "Penalty (T=1)")):
+                       ("penalty", "Penalty (T=1)"), ("penalty-current", "Penalty (T=1, evaluate='current')")):
         sel = [r for r in rows if r.family == fam]
         if sel:
             worst = max(sel, key=lambda r: r.geq)
@@ -1550,7 +1655,7 @@ def render(result: dict[str, Any], out: Path | None) -> str:
     meta = result["meta"]
     sizes: Sizes = result["sizes"]
     lines = [
-        "# hypergrad vs torchopt and higher",
+        "# hypergrad vs jaxopt, torchopt and higher",
         "",
         f"- Command: `{result.get('command', 'python benchmarks/hypergrad_bench.py')}` "
         f"({sizes.name} mode; wall time {result['elapsed_s'] / 60:.1f} min)",
@@ -1559,6 +1664,7 @@ def render(result: dict[str, Any], out: Path | None) -> str:
         f"library (load average of the shared machine at the end: "
         f"{', '.join(f'{x:.1f}' for x in meta['load']) if meta['load'] else '?'})",
         f"- Versions: torch {meta['torch']}, torchopt {meta['torchopt']}, higher {meta['higher']}, "
+        f"jax {meta.get('jax', '-')}, jaxopt {meta.get('jaxopt', '-')}, "
         f"hypergrad {meta['hypergrad']}, Python {meta['python']}",
         "- Timing: CPU time of the computation (with one torch thread every kernel and the autograd "
         "engine run on the calling thread, so on an idle machine this is the wall time; on a shared "
@@ -1592,6 +1698,16 @@ def render(result: dict[str, Any], out: Path | None) -> str:
             f"| {p['pair']} | {p['problem']} | {p['ours_ms']:.3g} | {p['peer_ms']:.3g} | {_fmt(p['time_ratio'])} | "
             f"{_fmt(p['ours_mb'], '.1f')} | {_fmt(p['peer_mb'], '.1f')} | {_fmt(p['mem_ratio'])} | "
             f"{_fmt(p['ours_err'], '.1e')} | {_fmt(p['peer_err'], '.1e')} | {_fmt(p['agree'], '.0e')} |")
+    sbs = side_by_side(rows)
+    if sbs:
+        lines += [
+            "", "## Implicit CG side by side: jaxopt (jit), hypergrad, torchopt", "",
+            "Same data, losses, inner solution `w*` and CG tolerance; jaxopt runs `custom_root` + "
+            "`solve_cg` under `jax.jit` in float64 with one XLA thread (`XLA_FLAGS="
+            "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`), its CPU time "
+            "taken over the whole process (XLA executes on its own thread); compile times are "
+            "excluded from the medians and listed. The wall-time column is the same ratio from "
+            "wall clocks (noisier on a shared machine).", "", *sbs]
     lines += ["", "## Per problem", ""]
     titles = result.get("titles", {})
     for problem in dict.fromkeys(r.problem for r in rows):
@@ -1611,19 +1727,31 @@ def render(result: dict[str, Any], out: Path | None) -> str:
                   f"Adam (lr 0.1) on the per-example logits for {sizes.clean_outer_steps} outer steps; "
                   f"implicit methods take {sizes.clean_inner_steps} warm-started inner SGD steps before each "
                   "hypergradient; the final weights are then used to retrain the classifier to convergence.",
-                  "", "| method | library | s / outer step | total s | test accuracy | mean weight clean | mean weight corrupted |",
-                  "|---|---|---|---|---|---|---|"]
+                  "", "| method | library | s / outer step | total s | test accuracy | mean weight clean | mean weight corrupted | mean CG iterations |",
+                  "|---|---|---|---|---|---|---|---|"]
         for c in result["cleaning"]:
             lines.append(
                 f"| {c['name']} | {c['library']} | {_fmt(c.get('per_step_s'), '.3f')} | {_fmt(c.get('total_s'), '.1f')} | "
-                f"{c['test_acc']:.3f} | {_fmt(c.get('w_clean'), '.2f')} | {_fmt(c.get('w_corrupt'), '.2f')} |")
+                f"{c['test_acc']:.3f} | {_fmt(c.get('w_clean'), '.2f')} | {_fmt(c.get('w_corrupt'), '.2f')} | "
+                f"{_fmt(c.get('cg_iters'), '.1f')} |")
+        lines.append("")
+    if result.get("precond"):
+        lines += ["## CG preconditioning: iterations to the same relative residual", "",
+                  f"`hg.linear.CG(tol={sizes.tol:g}, preconditioner=...)` at the benchmark's `w*`; the "
+                  "Hutchinson estimate's probes are products too (counted in *products*); CPU time is "
+                  "the best of 3 calls.", "",
+                  "| problem | preconditioner | iterations | products | ms | error | converged |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in result["precond"]:
+            lines.append(f"| {c['problem']} | {c['variant']} | {c['iterations']} | {c['matvecs']} | "
+                         f"{_fmt_time(c['time_s'])} | {_fmt(c['error'], '.1e')} | {c['converged']} |")
         lines.append("")
     lines += ["## What limits the targets", "", *notes(result), *result.get("notes", [])]
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         raw = {
             "meta": meta, "command": result.get("command"), "elapsed_s": result["elapsed_s"],
-            "sizes": asdict(sizes), "cleaning": result.get("cleaning"),
+            "sizes": asdict(sizes), "cleaning": result.get("cleaning"), "precond": result.get("precond"),
             "titles": result.get("titles", {}), "ref_notes": result.get("ref_notes", {}),
             "notes": result.get("notes", []), "rows": [asdict(r) for r in rows],
         }
@@ -1643,16 +1771,18 @@ def metadata(threads: int) -> dict[str, Any]:
         match = re.search(r"model name\s*:\s*(.+)", with_path.read_text())
         cpu = match.group(1).strip() if match else cpu
     torchopt, _ = _peers()
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        higher_v = version("higher")
-    except Exception:
-        higher_v = "?"
+    def _version(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
     return {
         "date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu, "cores": os.cpu_count(), "threads": threads,
-        "torch": torch.__version__, "torchopt": torchopt.__version__, "higher": higher_v,
+        "torch": torch.__version__, "torchopt": torchopt.__version__, "higher": _version("higher"),
+        "jax": _version("jax"), "jaxopt": _version("jaxopt"),
         "hypergrad": hg.__version__, "python": platform.python_version(),
         "load": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
