@@ -1590,7 +1590,8 @@ def pair_ratios(rows: list[Row]) -> list[dict[str, Any]]:
             out.append({
                 "pair": label, "problem": p, "time_ratio": _ratio(a.time_s, b.time_s),
                 "mem_ratio": _ratio(a.peak_mb, b.peak_mb), "ours_err": a.error, "peer_err": b.error,
-                "agree": b.agree, "ours_ms": a.time_s * 1e3, "peer_ms": b.time_s * 1e3,
+                "agree": b.agree if b.agree is not None else a.agree,
+                "ours_ms": a.time_s * 1e3, "peer_ms": b.time_s * 1e3,
                 "ours_mb": a.peak_mb, "peer_mb": b.peak_mb,
             })
     return out
@@ -1809,7 +1810,7 @@ def notes(result: dict[str, Any]) -> list[str]:
             "XLA compiles the whole hypergradient (both gradients, the CG loop, the mixed product) into "
             "one executable; eager PyTorch pays the autograd engine per product (one backward pass "
             "through the retained graph of the inner gradient: about 10 autograd nodes, 5-10 us of "
-            "engine overhead each, measured with torch.profiler on logistic d = 100: 75 us per product, "
+            "engine overhead each; profiled with torch.profiler during development on logistic d = 100: 75 us per product, "
             "1.2 of 2.3 ms per hypergradient; the rest is the outer gradient, the inner gradient with its "
             "graph and the mixed product). Measured: " + "; ".join(parts) + ". The compiled path "
             "(`Implicit(compile=True)`, torch.compile/inductor of the CG chunk with a functional "
@@ -1989,7 +1990,9 @@ def render(result: dict[str, Any], out: Path | None) -> str:
             "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`), its CPU time "
             "taken over the whole process (XLA executes on its own thread); compile times are "
             "excluded from the medians and listed. The wall-time column is the same ratio from "
-            "wall clocks (noisier on a shared machine).", "", *sbs]
+            "wall clocks: on a loaded shared machine it is dominated by preemption (a long eager call "
+            "is interrupted more often than a short compiled one) and is shown only for transparency.",
+            "", *sbs]
     lines += ["", "## Per problem", ""]
     titles = result.get("titles", {})
     for problem in dict.fromkeys(r.problem for r in rows):

@@ -11,12 +11,15 @@ and the iteration count, solution and residual are those of :class:`~hypergrad.l
 round-off (checked to 1e-10 in float64 by the tests). It is selected by
 ``Implicit(solver=CG(...), compile=True)``.
 
-**When it pays.** Compilation takes seconds to a minute (inductor generates and compiles C++ on
-the CPU; a C++ compiler must be installed) and is done once per problem shape and dtype: later
-calls with new values of ``w``, ``lam`` and the batch tensors reuse it without recompiling. It
-removes the per-product overhead of the autograd engine, which dominates small problems; on large
-ones the matrix kernels dominate and both paths cost the same (see
-``benchmarks/results/hypergrad.md``). The default is therefore eager.
+**When it pays.** Compilation takes tens of seconds (inductor generates and compiles C++ on the
+CPU; a C++ compiler must be installed) and is done once per problem shape and dtype: later calls
+with new values of ``w``, ``lam`` and the batch tensors reuse it without recompiling. It removes
+the autograd engine's per-product overhead, but on the CPU benchmarks it was slower than the
+eager path (1.5x on logistic regression with 100 features, 3-4x on ridge and at 1000 features;
+``benchmarks/results/hypergrad.md``): inductor lowers the small matrix-vector products of the
+traced product into its own loops, slower than the BLAS calls of eager PyTorch, and the
+functional product recomputes forward quantities that the retained graph stores. The default is
+therefore eager; the option is for inner losses and devices where those trade-offs differ.
 
 **Fallback.** If compilation fails (no C++ compiler, an inner loss dynamo cannot trace without a
 graph break, an unsupported operator), one warning is logged on the ``hypergrad`` logger and the

@@ -141,7 +141,25 @@ def preconditioned_cg(
     precondition: Callable[[Tensor], Tensor],
     like: Tree,
 ) -> LinearSolveResult:
-    """Preconditioned CG on flat vectors; stops on the unpreconditioned residual ``||b - A x||``."""
+    """Preconditioned CG on flat vectors; stops on the unpreconditioned residual ``||b - A x||``.
+
+    Args:
+        op: ``v -> A v`` (symmetric positive definite ``A``).
+        b: the right-hand side (flat).
+        x0: optional warm start, shaped like ``like``.
+        tol: stop when ``||b - A x|| <= tol * ||b||``.
+        maxiter: iteration cap (default ``min(n, 1000) + 10``).
+        precondition: ``r -> M^{-1} r`` for a symmetric positive definite ``M``.
+        like: the pytree the solution is returned as.
+
+    Example:
+        >>> import torch
+        >>> A = torch.diag(torch.tensor([1.0, 100.0], dtype=torch.float64))
+        >>> r = preconditioned_cg(lambda v: A @ v, torch.ones(2, dtype=torch.float64), None, 1e-12,
+        ...                       None, lambda v: v / torch.diagonal(A), {"x": torch.zeros(2)})
+        >>> r.iterations, [round(v, 6) for v in r.solution["x"].tolist()]
+        (1, [1.0, 0.01])
+    """
     n = b.numel()
     maxiter = maxiter if maxiter is not None else min(n, 1000) + 10
     b_norm = float(torch.linalg.vector_norm(b))
