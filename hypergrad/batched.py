@@ -11,9 +11,9 @@ between the lanes of ``vmap``) on functional Hessian-vector products
 batch, so the per-task Python and autograd-engine overhead of a loop over tasks is paid once.
 
 For iMAML (Rajeswaran et al., 2019) the inner loss is the task's training loss plus
-:math:`\tfrac{\rho}{2}\lVert w - \theta\rVert^2`, the inner start is :math:`\theta` itself, and the
-system is :math:`(I + H_i/\rho)`-shaped and well conditioned, so a few CG iterations suffice; see
-:doc:`/tutorials/meta_learning`.
+:math:`\tfrac{\rho}{2}\lVert w - \theta\rVert^2` and the inner start is :math:`\theta` itself; the
+system :math:`\rho I + \nabla^2 L_i` is well conditioned while the curvature of the task loss is
+small against :math:`\rho`, so a few CG iterations suffice; see :doc:`/tutorials/meta_learning`.
 """
 
 from __future__ import annotations
