@@ -92,11 +92,11 @@ def test_times_ratios_and_targets_are_finite(result, bench, tmp_path) -> None:
         assert p["time_ratio"] == pytest.approx(ours.time_s / peer.time_s, rel=1e-12), p
         assert p["ours_ms"] == pytest.approx(ours.time_s * 1e3) and p["peer_ms"] == pytest.approx(peer.time_s * 1e3)
     # the unrolled reverse runners of the three libraries build the same graph of K steps: their
-    # times agree within a factor of 4 on every problem (a stub, or a runner that skips the K
-    # steps, is far outside that)
+    # times agree within a factor of 10 on every problem even on a loaded machine (a stub, or a
+    # runner that skips the K steps, is about 100x off)
     for p in ratios:
         if p["pair"].startswith("Unrolled reverse"):
-            assert 0.25 < p["time_ratio"] < 4.0, p
+            assert 0.1 < p["time_ratio"] < 10.0, p
     names = [t["target"] for t in bench.targets(rows, result["sizes"])]
     assert any(n.startswith("Implicit CG time") for n in names)
     assert any(n.startswith("Penalty") for n in names)
