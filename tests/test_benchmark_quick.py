@@ -134,3 +134,27 @@ def test_memory_measurement_of_one_configuration(bench, tmp_path) -> None:
     assert math.isfinite(rev["peak_mb"]) and rev["seconds"] > 0.0
     assert rev["peak_mb"] >= 0.8 * stored_mb, (rev, stored_mb)
     assert ck["peak_mb"] < 0.5 * rev["peak_mb"], (ck, rev)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_imaml_comparison_on_tiny_sizes(bench, tmp_path) -> None:
+    """The batched iMAML section: the three methods compute the same meta-gradient (float32
+    round-off), and the report states the tasks-per-second ratio of its rows."""
+    sizes = bench.IMAMLSizes("tiny", meta_steps=2, meta_batch=3, shots=5, width=8, test_tasks=4,
+                             timing_steps=1)
+    threads = torch.get_num_threads()
+    try:
+        result = bench.imaml_suite(sizes, log=lambda _: None)
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["name"]: r for r in result["results"]}
+    ours = rows["hypergrad BatchedImplicit (vmap over tasks)"]
+    loop = rows["hypergrad Implicit, loop over tasks"]
+    peer = rows["torchopt custom_root + solve_cg, loop over tasks"]
+    assert ours["agree"] == 0.0 and loop["agree"] < 1e-3 and peer["agree"] < 1e-3
+    for r in (ours, loop, peer):
+        assert r["tasks_per_s"] == pytest.approx(3 / r["step_s"])
+        assert math.isfinite(r["meta_test_loss"]) and r["meta_test_loss"] > 0
+    text = bench.render_imaml(result, tmp_path, "python benchmarks/hypergrad_bench.py --imaml")
+    assert (tmp_path / "hypergrad_imaml.md").read_text() == text
+    assert f"{ours['tasks_per_s'] / peer['tasks_per_s']:.1f}x the tasks per second" in text
