@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # HTML docs, warnings as errors; -E re-reads every page so no warning hides in a cached one.
 DOCS_BUILD := $(VENV)/bin/sphinx-build -E -W --keep-going -q -b html docs docs/_build/html
 
-.PHONY: demo test setup lint docs clean
+.PHONY: demo test setup setup-bench lint docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# the optional benchmark extra (jax, jaxopt) for benchmarks/hypergrad_bench.py
+setup-bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
 
 demo: $(STAMP)
 	$(VENV)/bin/llm-calib demo

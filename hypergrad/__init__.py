@@ -4,7 +4,7 @@ Exact implicit differentiation, unrolled differentiation and first-order methods
 interface: ``method.hypergrad(problem, w, lam, inner_batch, outer_batch) -> HypergradResult``.
 """
 
-from hypergrad import autodiff, inner, linear, tree
+from hypergrad import autodiff, batched, compiled, inner, linear, tree
 from hypergrad.bome import BOME
 from hypergrad.driver import SolveResult, inner_solve, solve
 from hypergrad.errors import ConvergenceWarning, NonFiniteError
@@ -30,6 +30,8 @@ __all__ = [
     "StepBatches",
     "Unrolled",
     "autodiff",
+    "batched",
+    "compiled",
     "functional",
     "inner",
     "inner_solve",

@@ -94,16 +94,24 @@ class BOME:
     Args:
         inner_optimizer: optimizer for the ``T`` steps producing :math:`\hat w_T`, e.g.
             ``hg.inner.SGD(lr=1 / L_g)``.
-        w_lr: step size of ``w`` along :math:`-d_w` (> 0).
+        w_lr: step size of ``w`` along :math:`-d_w` (> 0). Optional when ``w_optimizer`` is
+            given (which then sets the step and ``w_lr`` is not used); required otherwise.
         inner_steps: ``T >= 1``.
         eta: barrier coefficient :math:`\eta > 0`.
         barrier: ``"value"`` or ``"gradient"``, see above.
         w_optimizer: optional optimizer (e.g. ``hg.inner.Adam(lr)``) that steps ``w`` along
             :math:`d_w` instead of plain ``w - w_lr * d_w``; its state is carried in
             ``result.state["w_opt_state"]`` (pass it back through ``state``).
+        tol: tolerance on the value-function gap for ``info.converged`` (>= 0).
+
+    ``info.converged`` is True when the constraint holds to ``tol`` at the given ``w``:
+    :math:`q = g(w, \lambda) - g(\hat w_T, \lambda) \le` ``tol``, i.e. ``T`` more inner steps
+    would lower :math:`g` by at most ``tol`` (``w`` is nearly inner-optimal, so ``d`` is close to
+    a step on the bilevel objective). :math:`q` is in ``info.extra["q"]``.
 
     Raises:
-        ValueError: ``inner_steps < 1``, ``eta <= 0``, ``w_lr <= 0``, unknown ``barrier``.
+        ValueError: ``inner_steps < 1``, ``eta <= 0``, ``w_lr <= 0``, ``tol < 0``, unknown
+            ``barrier``, or neither ``w_lr`` nor ``w_optimizer`` given.
         TypeError: non-numeric arguments or an optimizer without ``init``/``update``.
 
     Example:
@@ -115,14 +123,19 @@ class BOME:
         ...                bome, lambda p: torch.optim.SGD(p, lr=0.1), steps=500, progress=False)
         >>> round(res.lam["c"].item(), 3), round(res.w["x"].item(), 3)   # bilevel solution c = 3
         (3.0, 3.0)
+        >>> adam = hg.BOME(hg.inner.SGD(lr=0.5), w_optimizer=hg.inner.Adam(lr=0.1))  # no w_lr needed
+        >>> r = adam.hypergrad(hg.BilevelProblem(g, f), res.w, res.lam)
+        >>> r.info.converged, r.info.extra["q"] < 1e-6   # w is inner-optimal for lam
+        (True, True)
     """
 
     inner_optimizer: InnerOptimizer
-    w_lr: float
+    w_lr: float | None = None
     inner_steps: int = 10
     eta: float = 0.5
     barrier: str = "value"
     w_optimizer: InnerOptimizer | None = None
+    tol: float = 1e-6
 
     def __post_init__(self) -> None:
         opt = self.inner_optimizer
@@ -134,8 +147,14 @@ class BOME:
         w_opt = self.w_optimizer
         if w_opt is not None and not (callable(getattr(w_opt, "init", None)) and callable(getattr(w_opt, "update", None))):
             raise TypeError(f"w_optimizer must be None or an inner optimizer (e.g. hypergrad.inner.Adam(lr=1e-3)), got {w_opt!r}")
+        if self.w_lr is None and w_opt is None:
+            raise ValueError(
+                "w_lr must be a number > 0 unless w_optimizer is given (it then sets the step of w)"
+            )
         for name in ("w_lr", "eta"):
             value = getattr(self, name)
+            if value is None:  # w_lr with a w_optimizer
+                continue
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
             if not 0.0 < value < float("inf"):
@@ -146,6 +165,10 @@ class BOME:
             raise ValueError(f"inner_steps must be >= 1, got {self.inner_steps}")
         if self.barrier not in _BARRIERS:
             raise ValueError(f"barrier must be one of {_BARRIERS}, got {self.barrier!r}")
+        if not isinstance(self.tol, (int, float)) or isinstance(self.tol, bool):
+            raise TypeError(f"tol must be a real number, got {type(self.tol).__name__}")
+        if not self.tol >= 0.0:
+            raise ValueError(f"tol must be >= 0, got {self.tol!r}")
 
     def hypergrad(
         self,
@@ -201,6 +224,7 @@ class BOME:
         check_finite(d_w, "BOME direction d_w")
         new_state: dict[str, Any] | None = None
         if self.w_optimizer is None:
+            assert self.w_lr is not None
             new_w = tree_detach(tree_axpy(-float(self.w_lr), d_w, w))
         else:
             w_opt_state = (state or {}).get("w_opt_state") or self.w_optimizer.init(w)
@@ -211,7 +235,7 @@ class BOME:
         info = HypergradInfo(
             iterations=self.inner_steps,
             residual=sq_norm**0.5,
-            converged=True,
+            converged=q <= float(self.tol),
             grad_evals=self.inner_steps + 2,
             extra={"phi": phi, "q": q, "grad_q_norm": sq_norm**0.5},
         )

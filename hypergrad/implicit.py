@@ -47,6 +47,13 @@ class Implicit:
         products: ``"reverse"`` (retained graph, fastest measured) or ``"forward"``
             (``torch.func`` jvp over grad, recomputed each product).
         warm_start: reuse the previous solve's ``u`` (passed through ``state``) as ``x0``.
+        compile: solve with the CG iterations and their Hessian-vector products compiled by
+            :func:`torch.compile` (:mod:`hypergrad.compiled`); needs ``solver`` to be a
+            :class:`~hypergrad.linear.CG` and the gradient form (``fixed_point=None``). Compiled
+            once per problem shape (seconds to a minute), then reused; falls back to the eager
+            solver, with a log line, where compilation fails. ``info.extra["compiled"]`` says
+            which path ran. Off by default: it wins only where per-product overhead dominates
+            (small problems, long outer loops), see :doc:`/methods/implicit`.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -62,8 +69,19 @@ class Implicit:
     fixed_point: Callable[[Tree, Tree, Any], Tree] | None = None
     products: str = "reverse"
     warm_start: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
+        if self.compile and (
+            not isinstance(self.solver, CG) or self.fixed_point is not None
+            or self.solver.preconditioner is not None
+        ):
+            raise ValueError(
+                "compile=True needs solver=hypergrad.linear.CG(...) without a preconditioner and the gradient form "
+                f"(fixed_point=None), got solver={self.solver!r}, fixed_point={self.fixed_point!r}"
+            )
         if not callable(self.solver):
             raise TypeError(f"solver must be a linear solver from hypergrad.linear, got {self.solver!r}")
         if self.products not in ("reverse", "forward"):
@@ -92,7 +110,14 @@ class Implicit:
             flat_matvec=root.rmatvec_flat,
         )
         x0 = state.get("u") if (self.warm_start and state) else None
-        solve = self.solver(system, x0)
+        compiled = False
+        if self.compile:
+            from hypergrad.compiled import compiled_cg
+
+            assert isinstance(self.solver, CG)
+            solve, compiled = compiled_cg(problem, w, lam, inner_batch, system, self.solver, x0)
+        else:
+            solve = self.solver(system, x0)
         for message in solve.warnings:
             _warnings.warn(message, ConvergenceWarning, stacklevel=2)
         check_finite(solve.solution, "implicit linear solve")
@@ -105,7 +130,8 @@ class Implicit:
             converged=solve.converged,
             warnings=list(solve.warnings),
             grad_evals=3 + solve.matvecs,
-            extra={"inner_residual": float(tree_norm(root.residual)), "matvecs": solve.matvecs},
+            extra={"inner_residual": float(tree_norm(root.residual)), "matvecs": solve.matvecs,
+                   "compiled": compiled},
         )
         new_state = {"u": tree_detach(solve.solution)} if self.warm_start else None
         return HypergradResult(tree_detach(grad), tree_detach(w), info, new_state)

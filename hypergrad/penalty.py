@@ -24,6 +24,9 @@ from hypergrad.tree import (
 __all__ = ["Penalty"]
 
 
+_EVALUATE = ("advanced", "current")
+
+
 def _check_optimizer(opt: object, name: str) -> None:
     if not (callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))):
         raise TypeError(
@@ -56,11 +59,27 @@ class Penalty:
     variance, and needs more accurate inner iterates. Kwon et al. increase :math:`1/\sigma`
     slowly over the outer iterations; here ``sigma`` is fixed per instance.
 
-    Each call runs ``inner_steps`` (``T``) optimizer steps on both iterates, then evaluates the
-    estimate at the advanced iterates (Algorithm 1 of Kwon et al.). Every evaluation is one
-    backward pass giving the ``w``- and :math:`\lambda`-gradients together: of :math:`g` at ``w``,
-    and of :math:`g + \sigma f` at :math:`w_\sigma`. Cost: ``2 * T + 2`` gradient evaluations
-    (4 at ``T = 1``; ``info.grad_evals``).
+    Each call runs ``inner_steps`` (``T``) optimizer steps on both iterates. Every evaluation is
+    one backward pass giving the ``w``- and :math:`\lambda`-gradients together: of :math:`g` at
+    ``w``, and of :math:`g + \sigma f` at :math:`w_\sigma`. Where the estimate is taken is set by
+    ``evaluate``:
+
+    * ``"advanced"`` (default; Algorithm 1 of Kwon et al.): after the ``T`` steps, one more
+      evaluation of both losses at the advanced iterates. Cost ``2 T + 2`` evaluations (4 at
+      ``T = 1``; ``info.grad_evals``).
+    * ``"current"``: the backward passes of the last step also give the :math:`\lambda`-gradients,
+      so the estimate is taken at the iterates before that step (after ``T - 1`` steps), and
+      nothing is evaluated twice. Cost ``2 T`` evaluations, the floor of the method: 2 at
+      ``T = 1``, about :math:`3` inner-gradient-equivalents when :math:`f` costs what :math:`g`
+      does (``g`` once, ``g + sigma f`` once). Across an outer loop it is Algorithm 1 with the
+      estimate lagging the iterates by one inner step; at a steady state (iterates at their
+      optima) both give the same number.
+
+    ``info.converged`` is True when both inner residuals at the evaluation point,
+    :math:`\lVert\nabla_w g(w)\rVert` and :math:`\lVert\nabla_w (g + \sigma f)(w_\sigma)\rVert`
+    (``info.extra["inner_residual"]`` and ``["sigma_residual"]``), are at most ``tol``: only then
+    is the estimate within :math:`O(\sigma)` of the hypergradient (an error :math:`\delta` in the
+    iterates enters as :math:`O(\delta / \sigma)`, see above).
 
     State: ``state["w_sigma"]`` and the two optimizer states ``state["opt_state"]`` (of ``w``)
     and ``state["sigma_opt_state"]`` (of :math:`w_\sigma`) are carried between calls;
@@ -73,10 +92,12 @@ class Penalty:
         inner_steps: steps ``T >= 1`` on each iterate per call.
         sigma_optimizer: optimizer stepping :math:`w_\sigma` on :math:`g + \sigma f`; defaults to
             ``inner_optimizer`` (fine while :math:`\sigma L_f \ll L_g`).
+        evaluate: ``"advanced"`` or ``"current"``, where the estimate is taken (see above).
+        tol: gradient-norm tolerance on both inner residuals for ``info.converged`` (>= 0).
 
     Raises:
-        ValueError: ``sigma <= 0`` or ``inner_steps < 1``; a ``state`` whose ``w_sigma`` does not
-            match ``w``.
+        ValueError: ``sigma <= 0``, ``inner_steps < 1``, ``tol < 0`` or an unknown ``evaluate``; a
+            ``state`` whose ``w_sigma`` does not match ``w``.
         TypeError: non-numeric ``sigma``, non-integer ``inner_steps``, or an optimizer without
             ``init``/``update``.
 
@@ -90,14 +111,20 @@ class Penalty:
         >>> r = method.hypergrad(hg.BilevelProblem(g, f), w0, lam)
         >>> [round(x, 2) for x in r.grad["c"].tolist()]   # exact: dF/dc = c
         [1.0, 2.0]
-        >>> sorted(r.state), r.info.grad_evals
-        (['opt_state', 'sigma_opt_state', 'w', 'w_sigma'], 102)
+        >>> sorted(r.state), r.info.grad_evals, r.info.converged
+        (['opt_state', 'sigma_opt_state', 'w', 'w_sigma'], 102, True)
+        >>> cheap = hg.Penalty(sigma=1e-3, inner_optimizer=hg.inner.SGD(lr=0.5), evaluate="current")
+        >>> r = cheap.hypergrad(hg.BilevelProblem(g, f), r.w, lam, state=r.state)
+        >>> [round(x, 2) for x in r.grad["c"].tolist()], r.info.grad_evals
+        ([1.0, 2.0], 2)
     """
 
     sigma: float
     inner_optimizer: InnerOptimizer
     inner_steps: int = 1
     sigma_optimizer: InnerOptimizer | None = None
+    evaluate: str = "advanced"
+    tol: float = 1e-4
 
     def __post_init__(self) -> None:
         if not isinstance(self.sigma, (int, float)) or isinstance(self.sigma, bool):
@@ -108,6 +135,12 @@ class Penalty:
             raise TypeError(f"inner_steps must be an int, got {type(self.inner_steps).__name__}")
         if self.inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {self.inner_steps}")
+        if self.evaluate not in _EVALUATE:
+            raise ValueError(f"evaluate must be one of {_EVALUATE}, got {self.evaluate!r}")
+        if not isinstance(self.tol, (int, float)) or isinstance(self.tol, bool):
+            raise TypeError(f"tol must be a real number, got {type(self.tol).__name__}")
+        if not self.tol >= 0.0:
+            raise ValueError(f"tol must be >= 0, got {self.tol!r}")
         _check_optimizer(self.inner_optimizer, "inner_optimizer")
         if self.sigma_optimizer is not None:
             _check_optimizer(self.sigma_optimizer, "sigma_optimizer")
@@ -150,38 +183,47 @@ class Penalty:
             )
 
         T = self.inner_steps
+        current = self.evaluate == "current"
         grad_lam_g: Tree | None = None
         grad_lam_pen: Tree | None = None
-        # T steps, then one more evaluation at the advanced iterates. Each evaluation is a single
-        # backward giving the w-gradient (for a step) and the lam-gradient (used after the last).
-        for t in range(T + 1):
-            last = t == T
-            _, gw, grad_lam_g = loss_and_grads(g, w, lam, wrt_lam=last, what="inner loss")
-            _, gws, grad_lam_pen = loss_and_grads(
-                penalised, w_sigma, lam, wrt_lam=last, what="penalised loss g + sigma f"
+        # "advanced": T steps, then one more evaluation at the advanced iterates; "current": the
+        # last step's evaluation is the estimate's. Each evaluation is a single backward giving the
+        # w-gradient (for a step) and, where it is the estimate's, the lam-gradient.
+        n_evals = T if current else T + 1
+        estimate_at = n_evals - 1
+        for t in range(n_evals):
+            here = t == estimate_at
+            _, gw, lam_g = loss_and_grads(g, w, lam, wrt_lam=here, what="inner loss")
+            _, gws, lam_pen = loss_and_grads(
+                penalised, w_sigma, lam, wrt_lam=here, what="penalised loss g + sigma f"
             )
-            if last:
-                break
             assert gw is not None and gws is not None
+            if here:
+                grad_lam_g, grad_lam_pen = lam_g, lam_pen
+                inner_residual, sigma_residual = float(tree_norm(gw)), float(tree_norm(gws))
+                gap = float(tree_norm(tree_sub(w_sigma, w)))
+                if not current:
+                    break
             with torch.no_grad():
                 w, opt_state = opt.update(w, gw, opt_state)
                 w_sigma, sigma_opt_state = sigma_opt.update(w_sigma, gws, sigma_opt_state)
             w, w_sigma = tree_detach(w), tree_detach(w_sigma)
         assert grad_lam_g is not None and grad_lam_pen is not None
-        assert gw is not None and gws is not None
         check_finite(w_sigma, "Penalty iterate w_sigma")
         grad = tree_scale(tree_sub(grad_lam_pen, grad_lam_g), 1.0 / sigma)
         check_finite(grad, "Penalty (F2SA) hypergradient")
+        tol = float(self.tol)
         info = HypergradInfo(
             iterations=T,
-            residual=float(tree_norm(gw)),
-            converged=True,
-            grad_evals=2 * T + 2,
+            residual=inner_residual,
+            converged=inner_residual <= tol and sigma_residual <= tol,
+            grad_evals=2 * n_evals,
             extra={
                 "sigma": sigma,
-                "inner_residual": float(tree_norm(gw)),
-                "sigma_residual": float(tree_norm(gws)),
-                "gap": float(tree_norm(tree_sub(w_sigma, w))),
+                "inner_residual": inner_residual,
+                "sigma_residual": sigma_residual,
+                "gap": gap,
+                "evaluate": self.evaluate,
             },
         )
         new_state: dict[str, Any] = {

@@ -227,3 +227,34 @@ def test_w_optimizer_steps_w_and_carries_its_state():
     assert float(r2.state["w_opt_state"]["t"]) == 2.0
     with pytest.raises(TypeError, match="w_optimizer"):
         hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, w_optimizer="adam")
+
+
+def test_w_lr_is_optional_with_a_w_optimizer_and_required_without():
+    g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()  # noqa: E731
+    f = lambda w, lam, b: 0.5 * ((w["x"] - 3.0) ** 2).sum()  # noqa: E731
+    problem = hg.BilevelProblem(g, f)
+    w, lam = {"x": torch.zeros(2, dtype=DT)}, {"c": torch.ones(2, dtype=DT)}
+    with pytest.raises(ValueError, match="w_lr must be a number > 0 unless w_optimizer"):
+        hg.BOME(hg.inner.SGD(lr=0.5))
+    with_lr = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, w_optimizer=hg.inner.Adam(lr=0.1))
+    without = hg.BOME(hg.inner.SGD(lr=0.5), w_optimizer=hg.inner.Adam(lr=0.1))
+    a, b = with_lr.hypergrad(problem, w, lam), without.hypergrad(problem, w, lam)
+    assert torch.equal(a.w["x"], b.w["x"]) and torch.equal(a.grad["c"], b.grad["c"])
+
+
+def test_converged_means_the_value_function_gap_is_below_tol():
+    g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()  # noqa: E731
+    f = lambda w, lam, b: 0.5 * ((w["x"] - 3.0) ** 2).sum()  # noqa: E731
+    problem = hg.BilevelProblem(g, f)
+    lam = {"c": torch.ones(2, dtype=DT)}
+    bome = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=3, tol=1e-8)
+    far = bome.hypergrad(problem, {"x": torch.zeros(2, dtype=DT)}, lam)
+    # q = g(0) - g(w_hat_3): g(0) = 1, w_hat_3 = 1 - 0.5^3 per coordinate
+    assert far.info.extra["q"] == pytest.approx(1.0 - 0.5**6, rel=1e-12)
+    assert far.info.converged is False
+    near = bome.hypergrad(problem, {"x": lam["c"] + 1e-5}, lam)
+    assert near.info.extra["q"] < 1e-8 and near.info.converged is True
+    loose = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=3, tol=1.0)
+    assert loose.hypergrad(problem, {"x": torch.zeros(2, dtype=DT)}, lam).info.converged is True
+    with pytest.raises(ValueError, match="tol"):
+        hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, tol=-1.0)

@@ -210,3 +210,59 @@ def test_invalid_arguments_raise_naming_the_argument(kwargs, error, name):
     args = {"sigma": 0.1, "inner_optimizer": hg.inner.SGD(lr=0.1)} | kwargs
     with pytest.raises(error, match=name):
         hg.Penalty(**args)
+
+
+def test_evaluate_current_is_the_advanced_estimate_one_step_earlier_at_2T_cost():
+    """evaluate="current" with T steps gives the estimate "advanced" gives with T - 1 steps, and
+    the iterates "advanced" reaches with T steps, for 2 T gradient evaluations."""
+    q = Quadratic.random(6, 2, 10.0, 3)
+    problem = q.problem()
+    lam = {"lam": torch.tensor([0.3, -0.2], dtype=DT)}
+    w0 = {"w": torch.zeros(6, dtype=DT)}
+    for T in (2, 4):
+        cur = hg.Penalty(0.05, hg.inner.SGD(lr=0.05), inner_steps=T, evaluate="current")
+        adv_before = hg.Penalty(0.05, hg.inner.SGD(lr=0.05), inner_steps=T - 1)
+        adv_after = hg.Penalty(0.05, hg.inner.SGD(lr=0.05), inner_steps=T)
+        rc = cur.hypergrad(problem, w0, lam)
+        rb = adv_before.hypergrad(problem, w0, lam)
+        ra = adv_after.hypergrad(problem, w0, lam)
+        assert rel_err(rc.grad["lam"], rb.grad["lam"]) < 1e-12
+        assert rel_err(rc.grad["lam"], ra.grad["lam"]) > 1e-6  # a different point, not a copy
+        assert torch.allclose(rc.w["w"], ra.w["w"], rtol=0, atol=1e-14)
+        assert torch.allclose(rc.state["w_sigma"]["w"], ra.state["w_sigma"]["w"], rtol=0, atol=1e-14)
+        assert rc.info.grad_evals == 2 * T and ra.info.grad_evals == 2 * T + 2
+
+
+def test_evaluate_current_costs_two_evaluations_at_T1(monkeypatch):
+    q = Quadratic.random(5, 2, 3.0, 0)
+    base = q.problem()
+    cg, cf = _Counter(), _Counter()
+    problem = hg.BilevelProblem(_counting(base.inner, cg), _counting(base.outer, cf))
+    lam = {"lam": torch.ones(2, dtype=DT)}
+    r = hg.Penalty(0.1, hg.inner.SGD(lr=0.1), evaluate="current").hypergrad(
+        problem, {"w": torch.zeros(5, dtype=DT)}, lam
+    )
+    # one backward of g at w, one of g + sigma f at w_sigma: about 3 gradients when f costs what g does
+    assert r.info.grad_evals == 2 and cg.backward == 2 and cf.backward == 1
+
+
+def test_converged_means_both_inner_residuals_below_tol():
+    q = Quadratic.random(4, 1, 3.0, 2)
+    problem = q.problem()
+    lam = {"lam": torch.ones(1, dtype=DT)}
+    w_star = {"w": q.w_star(lam["lam"])}
+    method = hg.Penalty(0.01, hg.inner.SGD(lr=0.1), tol=1e-6)
+    # at w*: the w residual is ~0 but w_sigma (starting at w*) is O(sigma) off its optimum
+    r = method.hypergrad(problem, w_star, lam)
+    assert r.info.extra["inner_residual"] < 1e-6 < r.info.extra["sigma_residual"]
+    assert r.info.converged is False
+    for _ in range(2000):  # one step per call, carrying the state: both iterates converge
+        r = method.hypergrad(problem, r.w, lam, state=r.state)
+    assert max(r.info.extra["inner_residual"], r.info.extra["sigma_residual"]) < 1e-6
+    assert r.info.converged is True
+    far = hg.Penalty(0.01, hg.inner.SGD(lr=0.1), tol=1e-6).hypergrad(problem, {"w": torch.zeros(4, dtype=DT)}, lam)
+    assert far.info.converged is False
+    with pytest.raises(ValueError, match="tol"):
+        hg.Penalty(0.1, hg.inner.SGD(lr=0.1), tol=-1.0)
+    with pytest.raises(ValueError, match="evaluate"):
+        hg.Penalty(0.1, hg.inner.SGD(lr=0.1), evaluate="later")
