@@ -23,7 +23,7 @@ $(STAMP): $(PY) pyproject.toml
 
 setup: $(STAMP)
 
-# the optional benchmark extra (jax, jaxopt) for benchmarks/hypergrad_bench.py
+# the optional benchmark extra: jax and jaxopt (hypergrad_bench.py), lm-eval (lm_eval_parity.py)
 setup-bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 
