@@ -152,10 +152,14 @@ def solve_lower_level(
 
     opt.step(closure)
     solved = {k: v.detach() for k, v in leaves.items()}
+    return solved, _lower_gradient_norm(problem, solved, lam, batch)
+
+
+def _lower_gradient_norm(problem: hg.BilevelProblem, theta: dict[str, Tensor], lam: dict[str, Tensor], batch: Any) -> float:
     _, grad, _ = hg.autodiff.loss_and_grads(
-        lambda w, l_: problem.inner_loss(w, l_, batch), solved, lam, wrt_lam=False, what="lower level"
+        lambda w, l_: problem.inner_loss(w, l_, batch), theta, lam, wrt_lam=False, what="lower level"
     )
-    return solved, float(tree_norm(grad))
+    return float(tree_norm(grad))
 
 
 @dataclass(frozen=True)
@@ -308,10 +312,7 @@ def check_hypergradients(
         theta_star, lower_norm = solve_lower_level(problem, theta, lam, inner_batch, max_iter=max(lower_steps, 1))
     else:
         theta_star, _, _ = hg.inner_solve(problem, theta, lam, lower_steps, lower_optimizer, batches=[inner_batch])
-        _, grad_theta, _ = hg.autodiff.loss_and_grads(
-            lambda w, l_: problem.inner_loss(w, l_, inner_batch), theta_star, lam, wrt_lam=False, what="lower level"
-        )
-        lower_norm = float(tree_norm(grad_theta))
+        lower_norm = _lower_gradient_norm(problem, theta_star, lam, inner_batch)
     exact = exact_hypergradient(problem, theta_star, lam, inner_batch, outer_batch, solver)
     checks = []
     for name, method in methods.items():
