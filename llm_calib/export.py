@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llm_calib.calm.lora import peft_deprecations_silenced
+
 __all__ = ["adapter_directory", "export_merged", "load_adapter", "merge_adapter"]
 
 
@@ -74,7 +76,8 @@ def load_adapter(base_model: Any, path: str | os.PathLike[str]) -> Any:
     """
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(base_model, str(adapter_directory(path)))
+    with peft_deprecations_silenced():
+        model = PeftModel.from_pretrained(base_model, str(adapter_directory(path)))
     model.eval()
     return model
 

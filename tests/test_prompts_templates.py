@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from _benchmarks import load_benchmark
 
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.prompts import (
@@ -26,8 +27,10 @@ from llm_calib.scoring import (
     score_letter,
     score_open_ended,
     score_option_likelihood,
-    score_option_likelihood_naive,
 )
+
+# the slow one-sequence-per-option reference (benchmarks/naive_scoring.py, not library API)
+score_option_likelihood_naive = load_benchmark("naive_scoring").score_option_likelihood_naive
 
 ARC_Q = MultipleChoice(
     "Which gas do plants absorb?", ("oxygen", "carbon dioxide", "helium"), 1, "arc_easy", "a1"
