@@ -110,6 +110,8 @@ class Trainer:
         theta_optimizer: θ's optimiser for the one-level baselines (:func:`theta_optimizer`).
         solver: the bilevel solver of CALM (:func:`make_solver`), None for a baseline.
         problem: ``BilevelProblem(inner=g, outer=f)`` the solver is called on (None for a baseline).
+        step_losses: the first value of g and f the solver computed in the current step (recorded
+            in the step's history without an extra forward pass).
     """
 
     config: CalibrationConfig
@@ -123,7 +125,7 @@ class Trainer:
     theta_optimizer: Any
     solver: Any | None
     problem: hg.BilevelProblem | None
-    _recorder: _FirstValues = field(default_factory=_FirstValues, repr=False)
+    step_losses: _FirstValues = field(default_factory=_FirstValues, repr=False)
 
     def with_losses(self, losses: CalmLosses) -> Trainer:
         """A copy computing g, f and the baselines with ``losses`` (same model, data and solver):
@@ -132,7 +134,7 @@ class Trainer:
         problem = None
         if self.solver is not None:
             problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner), outer=recorder.wrap("f", losses.outer))
-        return dataclasses.replace(self, losses=losses, problem=problem, _recorder=recorder)
+        return dataclasses.replace(self, losses=losses, problem=problem, step_losses=recorder)
 
     @property
     def adjustment(self) -> Any:
@@ -351,14 +353,14 @@ def parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[
 def _calm_step(trainer: Trainer, state: TrainState, inner: Batch) -> dict[str, float]:
     outer = trainer.unlabeled_batch(state.step)
     lam_now = {k: v.detach() for k, v in state.lam.items()}
-    trainer._recorder.reset()
+    trainer.step_losses.reset()
     r = trainer.solver.hypergrad(trainer.problem, state.theta, lam_now, inner, outer, state.solver_state)
     state.lam_optimizer.zero_grad(set_to_none=False)
     for k, p in state.lam.items():
         p.grad = r.grad[k].detach().clone()
     state.lam_optimizer.step()
     trainer.adjustment.clamp_(state.lam)
-    seen = trainer._recorder.values
+    seen = trainer.step_losses.values
     record = {"g": seen["g"]}
     if trainer.config.solver == "bome":  # BOME evaluates f once, at the step's θ
         record["unlabeled_entropy"] = -seen["f"]
