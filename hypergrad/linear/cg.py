@@ -160,20 +160,12 @@ def preconditioned_cg(
         >>> r.iterations, [round(v, 6) for v in r.solution["x"].tolist()]
         (1, [1.0, 0.01])
     """
-    n = b.numel()
-    maxiter = maxiter if maxiter is not None else min(n, 1000) + 10
+    maxiter = maxiter if maxiter is not None else min(b.numel(), 1000) + 10
     b_norm = float(torch.linalg.vector_norm(b))
     warnings: list[str] = []
     if b_norm == 0.0:
         return LinearSolveResult(tree_zeros_like(like), 0, 0.0, True, 0, warnings)
-    matvecs = 0
-    if x0 is None:
-        x = torch.zeros_like(b)
-        r = b.clone()
-    else:
-        x = tree_flatten(x0).to(b.dtype)
-        r = b - op(x)
-        matvecs += 1
+    x, r, matvecs = _start(op, b, x0)
     threshold2 = (tol * b_norm) ** 2
     rs = float(torch.dot(r, r))
     z = precondition(r)
@@ -206,10 +198,24 @@ def preconditioned_cg(
             break
         p = torch.add(z, p, alpha=rz_new / rz)
         rz = rz_new
+    return _finish("CG", x, like, iterations, rs, b_norm, tol, converged, matvecs, warnings)
+
+
+def _start(op: Callable[[Tensor], Tensor], b: Tensor, x0: Tree | None) -> tuple[Tensor, Tensor, int]:
+    """The first iterate, its residual and the products spent on it (one for a warm start)."""
+    if x0 is None:
+        return torch.zeros_like(b), b.clone(), 0
+    x = tree_flatten(x0).to(b.dtype)  # a fresh copy, safe to update in place
+    return x, b - op(x), 1
+
+
+def _finish(name: str, x: Tensor, like: Tree, iterations: int, rs: float, b_norm: float, tol: float,
+            converged: bool, matvecs: int, warnings: list[str]) -> LinearSolveResult:
+    """The result, with a non-convergence warning unless another one explains the stop."""
     residual = math.sqrt(rs) if rs >= 0.0 else float("nan")
     if not converged and not warnings:
         warnings.append(
-            f"CG: not converged after {iterations} iterations (relative residual "
+            f"{name}: not converged after {iterations} iterations (relative residual "
             f"{residual / b_norm:.3e} > tol {tol:.1e}); raise maxiter or add damping"
         )
     return LinearSolveResult(tree_unflatten(x, like), iterations, residual, converged, matvecs, warnings)
@@ -247,21 +253,13 @@ def conjugate_gradient(
         out = mv(v)
         return out.add(v, alpha=damping) if damping else out
 
-    n = tree_numel(b)
-    maxiter = maxiter if maxiter is not None else min(n, 1000) + 10
+    maxiter = maxiter if maxiter is not None else min(tree_numel(b), 1000) + 10
     b_flat = tree_flatten_view(b)
     b_norm = float(torch.linalg.vector_norm(b_flat))
     warnings: list[str] = []
     if b_norm == 0.0:
         return LinearSolveResult(tree_zeros_like(b), 0, 0.0, True, 0, warnings)
-    matvecs = 0
-    if x0 is None:
-        x = torch.zeros_like(b_flat)
-        r = b_flat.clone()
-    else:
-        x = tree_flatten(x0).to(b_flat.dtype)  # a fresh copy, safe to update in place
-        r = b_flat - op(x)
-        matvecs += 1
+    x, r, matvecs = _start(op, b_flat, x0)
     p = r.clone()
     rs = float(torch.dot(r, r))
     threshold2 = (tol * b_norm) ** 2
@@ -288,10 +286,4 @@ def conjugate_gradient(
             break
         p = torch.add(r, p, alpha=rs_new / rs)  # out of place: matvec may have kept a view of p
         rs = rs_new
-    residual = math.sqrt(rs) if rs >= 0.0 else float("nan")
-    if not converged and not warnings:
-        warnings.append(
-            f"{name}: not converged after {iterations} iterations (relative residual "
-            f"{residual / b_norm:.3e} > tol {tol:.1e}); raise maxiter or add damping"
-        )
-    return LinearSolveResult(tree_unflatten(x, b), iterations, residual, converged, matvecs, warnings)
+    return _finish(name, x, b, iterations, rs, b_norm, tol, converged, matvecs, warnings)
