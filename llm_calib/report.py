@@ -20,9 +20,12 @@ __all__ = [
     "METRIC_LABELS",
     "domain_table",
     "format_metric",
+    "format_number",
     "jsonable",
     "machine_info",
     "markdown_report",
+    "markdown_table",
+    "mean_sd",
     "metrics_table",
     "plot_reliability",
     "reliability_filename",
@@ -121,6 +124,53 @@ def format_metric(metrics: dict[str, float] | None, name: str, digits: int = 3) 
     if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
         text += f" [{lo:.{digits}f}, {hi:.{digits}f}]"
     return text
+
+
+def format_number(x: Any, spec: str = ".3f", missing: str = "n/a") -> str:
+    """``format(x, spec)``, or ``missing`` for None, NaN and infinities.
+
+    Example:
+        >>> format_number(0.12345), format_number(None), format_number(float("nan"), ".2g", "-")
+        ('0.123', 'n/a', '-')
+    """
+    if x is None or (isinstance(x, float | int) and not math.isfinite(x)):
+        return missing
+    return format(x, spec)
+
+
+def mean_sd(values: Any, digits: int = 3) -> str:
+    """``mean ± sd`` (sample standard deviation) of the finite values; the value alone for one,
+    ``n/a`` for none (None and NaN are dropped).
+
+    Example:
+        >>> mean_sd([0.1, 0.2, None]), mean_sd([0.5]), mean_sd([float("nan")])
+        ('0.150 ± 0.071', '0.500', 'n/a')
+    """
+    import numpy as np
+
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=np.float64)
+    if v.size == 0:
+        return "n/a"
+    if v.size == 1:
+        return f"{v[0]:.{digits}f}"
+    return f"{v.mean():.{digits}f} ± {v.std(ddof=1):.{digits}f}"
+
+
+def markdown_table(header: Any, rows: Any) -> list[str]:
+    """The lines of a markdown table: the header, the rule, one line per row (cells as ``str``).
+
+    Example:
+        >>> for line in markdown_table(("k", "ECE"), [(2, "0.10"), (6, "0.08")]):
+        ...     print(line)
+        | k | ECE |
+        |---|---|
+        | 2 | 0.10 |
+        | 6 | 0.08 |
+    """
+    header = list(header)
+    return ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(map(str, r)) + " |" for r in rows
+    ]
 
 
 def metrics_table(

@@ -53,6 +53,7 @@ __all__ = [
     "TrainState",
     "Trainer",
     "TrainingDiverged",
+    "best_candidate",
     "build_trainer",
     "data_fingerprint",
     "done",
@@ -452,6 +453,36 @@ def is_selectable(accuracy: float, reference_accuracy: float, config: Calibratio
         (True, False)
     """
     return accuracy + 1e-12 >= config.guard_accuracy * reference_accuracy
+
+
+def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: float, config: CalibrationConfig) -> int:
+    """The selection rule of :func:`select` over finished candidates (say, a hyperparameter grid):
+    among those :func:`is_selectable` against ``reference_accuracy``, the lowest ``ece`` (the
+    first on ties); when none is, the most accurate.
+
+    Args:
+        candidates: metric dicts with ``accuracy`` and ``ece``, scored on the same selection data.
+        reference_accuracy: the accuracy to guard (e.g. the uncalibrated model's).
+        config: gives ``guard_accuracy``.
+
+    Returns:
+        The index of the chosen candidate.
+
+    Raises:
+        ValueError: no candidates.
+
+    Example:
+        >>> cfg = CalibrationConfig(guard_accuracy=0.9)
+        >>> rows = [{"accuracy": 0.5, "ece": 0.2}, {"accuracy": 0.3, "ece": 0.01}, {"accuracy": 0.46, "ece": 0.1}]
+        >>> best_candidate(rows, 0.5, cfg), best_candidate(rows[1:2], 0.5, cfg)
+        (2, 0)
+    """
+    if not candidates:
+        raise ValueError("best_candidate needs at least one candidate")
+    ok = [i for i, m in enumerate(candidates) if is_selectable(m["accuracy"], reference_accuracy, config)]
+    if ok:
+        return min(ok, key=lambda i: candidates[i]["ece"])
+    return max(range(len(candidates)), key=lambda i: candidates[i]["accuracy"])
 
 
 def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> dict[str, float]:

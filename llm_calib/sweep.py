@@ -1,0 +1,157 @@
+"""Resumable sweeps: one JSON result file per job, fingerprinted settings, forked workers.
+
+A sweep (methods x seeds, a hyperparameter grid) writes each job's result atomically
+(:func:`llm_calib.checkpoint.write_json_atomic`) with a :func:`fingerprint` of everything that
+determines it. A re-run reads a finished result back with :func:`read_result` when its fingerprint
+still matches and runs only the missing or stale jobs, serially or in forked workers
+(:func:`run_forked`), which share the parent's memory (a loaded model, cached encodings)
+copy-on-write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Hashable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = ["fingerprint", "read_result", "run_forked"]
+
+J = TypeVar("J", bound=Hashable)
+
+
+def fingerprint(obj: Any) -> str:
+    """A short stable hash (16 hex digits) of a JSON-serialisable object, key order aside
+    (other objects enter as their ``str``).
+
+    Example:
+        >>> fingerprint({"a": 1, "b": [2, 3]}) == fingerprint({"b": [2, 3], "a": 1})
+        True
+        >>> len(fingerprint("x"))
+        16
+    """
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_result(path: str | os.PathLike[str], fingerprint: str | None = None) -> dict[str, Any] | None:
+    """A finished result file, or None when it is missing, unreadable, or (with ``fingerprint``)
+    was written for other settings (its ``"fingerprint"`` entry differs).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "r.json"
+        >>> _ = p.write_text('{"fingerprint": "abc", "ece": 0.1}')
+        >>> read_result(p, "abc")["ece"], read_result(p, "other"), read_result(p.with_name("none.json"))
+        (0.1, None, None)
+    """
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(data, dict) or (fingerprint is not None and data.get("fingerprint") != fingerprint):
+        return None
+    return data
+
+
+def run_forked(
+    jobs: Sequence[J],
+    run: Callable[[J, int | None], None],
+    workers: int,
+    *,
+    finished: Callable[[J], bool],
+    lock: Callable[[J], Path],
+    progress: Callable[[int], None] | None = None,
+    poll_s: float = 1.0,
+) -> tuple[int, list[J]]:
+    """Run every job once, in ``workers`` forked processes (serially for one worker or without
+    ``os.fork``).
+
+    A child claims a job by creating its lock file (``O_CREAT | O_EXCL``), so each job runs once and
+    the given order (say, longest first) keeps the workers busy; ``run`` must write the job's
+    result itself (``finished`` then sees it). Locks are removed before and after.
+
+    Args:
+        jobs: the jobs, in the order to start them.
+        run: ``run(job, worker)``: computes and writes one job; ``worker`` is the child's index
+            (None when run serially in this process).
+        workers: processes (at least 1).
+        finished: whether a job's result exists.
+        lock: the lock file of a job (its folder must exist).
+        progress: called with the number of finished jobs while waiting.
+        poll_s: seconds between checks of the children.
+
+    Returns:
+        ``(failed, missing)``: how many workers exited with an error, and the jobs without a result.
+
+    Raises:
+        ValueError: ``workers`` < 1.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> def work(job, worker):
+        ...     (d / f"{job}.json").write_text("{}")
+        >>> run_forked(["a", "b", "c"], work, 2, finished=lambda j: (d / f"{j}.json").is_file(),
+        ...            lock=lambda j: d / f"{j}.lock", poll_s=0.05)
+        (0, [])
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    for job in jobs:
+        lock(job).unlink(missing_ok=True)
+    failed = 0
+    if workers == 1 or not hasattr(os, "fork"):
+        for job in jobs:
+            run(job, None)
+    else:
+        failed = _fork(jobs, run, workers, finished, lock, progress, poll_s)
+    for job in jobs:
+        lock(job).unlink(missing_ok=True)
+    return failed, [j for j in jobs if not finished(j)]
+
+
+def _fork(jobs: Sequence[J], run: Callable[[J, int | None], None], workers: int, finished: Callable[[J], bool],
+          lock: Callable[[J], Path], progress: Callable[[int], None] | None, poll_s: float) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for w in range(workers):
+        pid = os.fork()
+        if pid == 0:  # child: claim jobs until none is left
+            code = 0
+            try:
+                for job in jobs:
+                    try:
+                        os.close(os.open(lock(job), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                    except FileExistsError:
+                        continue
+                    run(job, w)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    alive, failed = set(pids), 0
+    while alive:
+        for pid in list(alive):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                alive.discard(pid)
+                failed += status != 0
+        if progress is not None:
+            progress(sum(finished(j) for j in jobs))
+        if alive:
+            time.sleep(poll_s)
+    return failed
