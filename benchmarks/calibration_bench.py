@@ -68,7 +68,14 @@ from llm_calib.metrics import confidence_correct, ece, ece_resamples, reliabilit
 from llm_calib.models import free_memory, tiny_random_model
 from llm_calib.models import load as load_model
 from llm_calib.profiling import Phase
-from llm_calib.report import format_number, machine_info, markdown_table, mean_sd, plot_reliability
+from llm_calib.report import (
+    format_number,
+    machine_info,
+    markdown_table,
+    mean_sd,
+    plot_reliability,
+    provenance_lines,
+)
 from llm_calib.scoring.base import ScoredSet
 from llm_calib.sweep import fingerprint, read_result, run_forked
 from llm_calib.temperature import fit_temperature
@@ -884,11 +891,8 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
     guard = f"{ctx.config('mc', 'lora_ce', 0).guard_accuracy:.0%}"
     lines = [
         "# Calibration benchmark: CALM against post-hoc and training-time baselines", "",
-        f"- Command: `{command}` ({s.name} mode); date {meta['date']}",
-        f"- Machine: {meta['cpu']}, {meta['cores']} cores, {meta['threads']} torch threads; torch {meta['torch']}, "
-        f"transformers {meta['transformers']}, Python {meta['python']}; load average at the end "
-        + (", ".join(f"{x:.1f}" for x in meta["load"]) if meta["load"] else "?"),
-        f"- Wall time of this invocation: {elapsed / 60:.1f} min; compute recorded in the result files: {compute / 60:.1f} min",
+        *provenance_lines(command, meta, mode=s.name, elapsed_s=elapsed),
+        f"- Compute recorded in the result files: {compute / 60:.1f} min",
         f"- Model: `{s.model}`; LoRA rank {s.lora_rank} (alpha {2 * s.lora_rank}) on q_proj/v_proj of the top {s.top_layers} "
         f"of {ctx.n_layers} layers; {s.seeds} seeds per trained method; the same data, {s.steps} steps (open-ended: "
         f"{ctx.steps('open')}) of batch {s.batch_size} (held-out batch {s.batch_size}) and the library's selection rule (lowest "

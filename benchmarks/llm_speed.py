@@ -29,9 +29,7 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -41,23 +39,33 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
-from _memory import Phase
 from naive_scoring import NaiveCalmLosses, score_option_likelihood_naive
 from torch import Tensor
 
 import hypergrad as hg
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.methods import inner_lr
+from llm_calib.calm.trainer import calibrate
 from llm_calib.data.records import MultipleChoice
-from llm_calib.report import machine_info
+from llm_calib.flags import add_dataclass_flags, dataclass_overrides
+from llm_calib.profiling import (
+    MB,
+    Phase,
+    interleave,
+    measurement_env,
+    median,
+    run_json_worker,
+    timed,
+)
+from llm_calib.report import format_number, machine_info, markdown_table, provenance_lines
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 ALIAS = "smollm2-135m-instruct"
-MB = 1024.0 * 1024.0
 LOAD_START = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 EPOCH_QUESTIONS = 1000
 HELDOUT_QUESTIONS = 300
@@ -65,12 +73,25 @@ HELDOUT_QUESTIONS = 300
 
 @dataclass(frozen=True)
 class Settings:
-    """Sizes of one mode: evaluation questions and rounds, step-timing pools and rounds, the
-    default path's ``top_k``, the quality sweep's ``ks`` and steps, the demo split, the fast-vs-slow
-    trajectory, whether to measure memory, and the training batch size (None: the demo's)."""
+    """Sizes of one mode; every field but ``name`` and ``demo`` has its flag (``--n-eval 96``).
+
+    Attributes:
+        name: the mode.
+        model: ``real``, ``random`` (same shape; ``fallback`` without the model cache), ``fallback``, ``tiny``.
+        n_eval, eval_batch_size, eval_rounds_naive: (a) evaluation questions, batch, naive rounds.
+        n_train, n_heldout: (b) the step-timing pools.
+        rounds_naive, rounds_default, budget_s: (b) timed rounds per path and their soft time limit.
+        top_k: the default path's LoRA layers.
+        ks: (e) the quality sweep's LoRA layers (none: every layer).
+        quality_steps: (e) steps per run.
+        demo: (e) the demo split (``DemoSettings`` fields).
+        trajectory_steps, slow_eval_per_domain: the fast-vs-slow trajectory and test subset.
+        memory: (c) measure peak memory in fresh processes.
+        batch_size: the training batch (null: the demo's).
+    """
 
     name: str
-    model: str = "real"  # "real", "random" (same shape; "fallback" without the cache), "fallback", "tiny"
+    model: str = "real"
     n_eval: int = 48
     eval_batch_size: int = 16
     eval_rounds_naive: int = 2
@@ -105,29 +126,20 @@ MODES = {"full": FULL, "quick": QUICK, "tiny": TINY}
 
 def build_model(kind: str, seed: int = 0) -> tuple[Any, Any, str, str]:
     """``(model, tokenizer, kind, description)``; ``kind`` may change to ``"fallback"``."""
-    from llm_calib.models import default_cache_dir, load, tiny_random_model
+    from llm_calib.models import default_cache_dir, load, random_init_model, tiny_random_model
 
     if kind == "real":
         model, tok = load(ALIAS)
         return model, tok, kind, f"{ALIAS} (real weights, float32)"
     if kind == "random":
-        cache = default_cache_dir(ALIAS)
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
         try:
-            if not (cache / "config.json").is_file():
-                raise FileNotFoundError(cache / "config.json")
-            config, tok = AutoConfig.from_pretrained(cache), AutoTokenizer.from_pretrained(cache)
+            model, tok = random_init_model(ALIAS, seed)
         except (OSError, ValueError) as err:
             model, tok, _, desc = build_model("fallback", seed)
-            return model, tok, "fallback", f"{desc}; model cache {cache} unavailable ({type(err).__name__})"
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        n = sum(p.numel() for p in model.parameters())
-        return model, tok, kind, (f"random init from the {ALIAS} config ({config.num_hidden_layers} layers, hidden "
-                                  f"{config.hidden_size}, {n / 1e6:.0f}M parameters) with its tokenizer")
+            return model, tok, "fallback", f"{desc}; model cache {default_cache_dir(ALIAS)} unavailable ({type(err).__name__})"
+        c, n = model.config, sum(p.numel() for p in model.parameters())
+        return model, tok, kind, (f"random init from the {ALIAS} config ({c.num_hidden_layers} layers, hidden "
+                                  f"{c.hidden_size}, {n / 1e6:.0f}M parameters) with its tokenizer")
     if kind == "fallback":
         model, tok = tiny_random_model(seed, hidden_size=64, num_layers=8, init_std=0.1)
         return model, tok, kind, (f"FALLBACK (no {ALIAS} cache): random Llama, 8 layers, hidden 64, with the "
@@ -186,8 +198,7 @@ class Run:
         return training.train_step(self.trainer, self.state)
 
 
-def make_run(model: Any, tok: Any, train: Sequence[MultipleChoice], heldout: Sequence[MultipleChoice],
-             config: CalibrationConfig, naive: bool) -> Run:
+def make_run(model: Any, tok: Any, train: Any, heldout: Any, config: CalibrationConfig, naive: bool) -> Run:
     """Attach LoRA to ``model`` (in place) as ``calibrate`` does; ``naive``: the reference losses."""
     trainer = training.build_trainer(model, tok, train, heldout, config)
     if naive:
@@ -196,61 +207,14 @@ def make_run(model: Any, tok: Any, train: Sequence[MultipleChoice], heldout: Seq
     return Run(trainer, training.init_state(trainer, evaluate_before=False))
 
 
-def interleave(runners: dict[str, Callable[[], Any]], rounds: dict[str, int], budget_s: float,
-               log: Callable[[str], None]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Warm each runner up once, then time them in interleaved rounds (rotating start): wall and CPU samples."""
-    for name, fn in runners.items():
-        t0 = time.perf_counter()
-        fn()
-        log(f"    warm-up {name}: {time.perf_counter() - t0:.2f}s")
-    wall: dict[str, list[float]] = {k: [] for k in runners}
-    cpu: dict[str, list[float]] = {k: [] for k in runners}
-    names, t_start, r = list(runners), time.perf_counter(), 0
-    while pending := [n for n in names if len(wall[n]) < rounds[n]]:
-        if r >= min(rounds.values()) and time.perf_counter() - t_start > budget_s:
-            pending = [n for n in pending if len(wall[n]) < min(rounds.values())]
-            if not pending:
-                break
-        shift = r % len(pending)
-        for name in pending[shift:] + pending[:shift]:
-            c0, t0 = time.process_time(), time.perf_counter()
-            runners[name]()
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-        r += 1
-    return wall, cpu
-
-
-def timed(fn: Callable[[], Any], repeats: int = 1) -> tuple[float, float, Any]:
-    """Median wall and CPU seconds of ``repeats`` calls, and the last result."""
-    walls, cpus, out = [], [], None
-    for _ in range(repeats):
-        c0, t0 = time.process_time(), time.perf_counter()
-        out = fn()
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-    return median(walls), median(cpus), out
-
-
-def median(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def eval_speed(model: Any, tok: Any, records: list[MultipleChoice], s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
     """(a) questions per second, naive vs default, on the same questions; score agreement."""
-    warm = records[: min(4, len(records))]
-    score_option_likelihood(model, tok, warm, batch_size=s.eval_batch_size)
-    score_option_likelihood_naive(model, tok, warm[:1])
-    runs: dict[str, list[tuple[float, float]]] = {"naive": [], "default": []}
     results: dict[str, Any] = {}
-    for r in range(max(s.eval_rounds_naive, 3)):  # interleaved: naive, default, naive, default, ...
-        if r < s.eval_rounds_naive:
-            wall, cpu_s, results["naive"] = timed(lambda: score_option_likelihood_naive(model, tok, records))
-            runs["naive"].append((wall, cpu_s))
-        wall, cpu_s, results["default"] = timed(lambda: score_option_likelihood(model, tok, records, batch_size=s.eval_batch_size))
-        runs["default"].append((wall, cpu_s))
-    (t_naive, c_naive), (t_fast, c_fast) = ((median([w for w, _ in runs[p]]), median([c for _, c in runs[p]]))
-                                            for p in ("naive", "default"))
+    runners = {"naive": lambda: results.__setitem__("naive", score_option_likelihood_naive(model, tok, records)),
+               "default": lambda: results.__setitem__("default", score_option_likelihood(
+                   model, tok, records, batch_size=s.eval_batch_size))}
+    wall, cpu = interleave(runners, {"naive": s.eval_rounds_naive, "default": max(s.eval_rounds_naive, 3)}, math.inf, log)
+    (t_naive, c_naive), (t_fast, c_fast) = ((median(wall[p]), median(cpu[p])) for p in ("naive", "default"))
     diff = max(float((a - b).abs().max()) for a, b in zip(results["naive"].logits, results["default"].logits, strict=True))
     out = {"n": len(records), "naive_s": t_naive, "default_s": t_fast, "naive_cpu_s": c_naive, "default_cpu_s": c_fast,
            "naive_qps": len(records) / t_naive, "default_qps": len(records) / t_fast, "max_abs_score_diff": diff}
@@ -271,7 +235,8 @@ def step_speed(base: Any, tok: Any, train: list[MultipleChoice], heldout: list[M
     out: dict[str, Any] = {"paths": {}}
     for path, (k, naive) in paths.items():
         cfg = demo_config(n_layers, k, steps=10**6, batch_size=s.batch_size)
-        runs[path] = {kind: make_run(copy.deepcopy(base), tok, train, heldout, replace(cfg, method=m), naive)
+        encs = [encode_records(tok, r, cfg) for r in (train, heldout)]  # shared: the CE run reuses BOME's trunk cache
+        runs[path] = {kind: make_run(copy.deepcopy(base), tok, *encs, replace(cfg, method=m), naive)
                       for kind, m in (("bome", "calm"), ("ce", "lora_ce"))}
         tr = runs[path]["bome"].trainer
         info = {"k": k if k is not None else n_layers, "lora_layers": list(cfg.lora.layers or ()),
@@ -284,9 +249,6 @@ def step_speed(base: Any, tok: Any, train: list[MultipleChoice], heldout: list[M
             n_q = len(tr.train) + len(tr.heldout)
             info["trunk_s_per_question"] = (time.perf_counter() - t0) / n_q
             info["trunk_bytes_per_question"] = (tr.train.trunk_cache_bytes + tr.heldout.trunk_cache_bytes) / n_q
-            ce = runs[path]["ce"].trainer  # same frozen trunk: the CE run shares the cache
-            ce.train.trunk_cache.update(tr.train.trunk_cache)
-            ce.heldout.trunk_cache.update(tr.heldout.trunk_cache)
             training.evaluate(tr)  # warm-up
             t0 = time.perf_counter()
             training.evaluate(tr)
@@ -375,8 +337,6 @@ def demo_data(s: Settings) -> tuple[Any, list, list, dict[str, list]]:
 
 def quality(base: Any, tok: Any, s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
     """(e) a short CALM run per k on the demo data; in- and out-of-domain ECE next to the speed."""
-    from llm_calib.calm.trainer import calibrate
-
     settings, train, heldout, test = demo_data(s)
     all_test = [q for d in test for q in test[d]]
     n_layers = base.config.num_hidden_layers
@@ -516,23 +476,17 @@ def measure_one(config: dict[str, Any]) -> dict[str, Any]:
 def measure_memory(s: Settings, model_kind: str, data_dir: Path | None, threads: int,
                    log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
     """One fresh subprocess per configuration (``--worker``)."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS=str(threads))
     out: dict[str, dict[str, Any]] = {}
-    for name in MEMORY_CONFIGS:  # large blocks through mmap: freed tensors leave RSS
+    for name in MEMORY_CONFIGS:  # large blocks through mmap (measurement_env): freed tensors leave RSS
         config = {"name": name, "mode": s.name, "model": model_kind, "threads": threads,
                   "data_dir": str(data_dir) if data_dir else None}
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-            json.dump(config, fh)
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", fh.name],
-                              capture_output=True, text=True, env=env, check=False, cwd=str(ROOT))
-        os.unlink(fh.name)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode != 0 or not lines:
+        answers, proc = run_json_worker(Path(__file__).resolve(), config, env=measurement_env(threads), cwd=ROOT)
+        if proc.returncode != 0 or not answers:
             out[name] = {"error": (proc.stderr or "no output")[-300:]}
             log(f"  (c) {name}: FAILED ({proc.returncode})")
             continue
-        out[name] = json.loads(lines[-1])
+        out[name] = answers[-1]
         log(f"  (c) {name}: +{out[name]['peak_mb']:.0f} MB over {out[name]['baseline_mb']:.0f} MB "
             f"({time.perf_counter() - t0:.0f}s in a fresh process)")
     return out
@@ -542,7 +496,6 @@ def full_run(data_dir: Path | None, log: Callable[[str], None], n_train: int = E
              n_heldout: int = HELDOUT_QUESTIONS) -> dict[str, Any]:
     """``calibrate`` with the demo's settings on 1,000 ARC-Easy train + 300 dev questions, 1 epoch
     (held-out evaluation every 25 steps: every 5 would cost more than the steps themselves)."""
-    from llm_calib.calm.trainer import calibrate
     from llm_calib.demo import DemoSettings
     from llm_calib.models import load
 
@@ -561,10 +514,6 @@ def full_run(data_dir: Path | None, log: Callable[[str], None], n_train: int = E
     log(f"  full run: {wall:.0f}s ({res.timings})")
     return {"n_train": len(train), "n_heldout": len(heldout), "steps": steps, "wall_s": wall, "load_s": t_load,
             "timings": res.timings, "metrics": res.metrics, "config": cfg.to_dict()}
-
-
-def _f(x: Any, fmt: str = ".3g") -> str:
-    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -597,33 +546,24 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(map(str, r)) + " |" for r in rows]
-
-
 def render(result: dict[str, Any], out: Path | None) -> str:
     meta, s = result["meta"], Settings(**result["settings"]) if isinstance(result["settings"], dict) else result["settings"]
     ev, st, q, fs = result["eval"], result["steps"], result["quality"], result["fast_vs_slow"]
     n, d, bd, ch = st["paths"]["naive"], st["paths"]["default"], st["bome_breakdown"], fs["losses"]
-    load = ", ".join(f"{x:.1f}" for x in (meta.get("load_start") or [])) or "?"
-    busy = max([x for x in (meta.get("load_start") or [])[:1] + (meta.get("load") or [])[:1]] or [0]) > (meta["cores"] or 1)
     lines = [
         "# llm_calib speed: default path vs naive", "",
-        f"- Command: `{result['command']}` ({s.name} mode; wall time {result['elapsed_s'] / 60:.1f} min); date {meta['date']}",
-        f"- Machine: {meta['cpu']}, {meta['cores']} cores, torch threads {meta['threads']}; load average at the start "
-        f"{load}, at the end {', '.join(f'{x:.1f}' for x in meta['load'] or []) or '?'}"
-        + (" (**busy machine**: wall times inflated, trust the CPU-time ratios more)" if busy else ""),
-        f"- Versions: torch {meta['torch']}, transformers {meta['transformers']}, Python {meta['python']}",
+        *provenance_lines(result["command"], meta, mode=s.name, elapsed_s=result["elapsed_s"],
+                          load_start=meta.get("load_start") or []),
         f"- Model: {result['model_desc']}",
         f"- Data: evaluation {result['data']['eval']}; steps {result['data']['train']} (inner) and "
         f"{result['data']['heldout']} (outer)",
         f"- Timing: interleaved after a warm-up, medians ({s.rounds_naive} naive / up to {s.rounds_default} default "
         "rounds); process CPU time beside it (robust to other jobs on a shared machine).", "",
         "## Targets", "", "| target | measured | limit | result | note |", "|---|---|---|---|---|",
-        *[f"| {t['target']} | {_f(t['value'])} | {t['limit']:g} | {({True: 'PASS', False: '**MISS**', None: 'n/a'})[t['pass']]} "
+        *[f"| {t['target']} | {format_number(t['value'], '.3g')} | {t['limit']:g} | {({True: 'PASS', False: '**MISS**', None: 'n/a'})[t['pass']]} "
           f"| {t['note']} |" for t in targets(result)],
         "", "## (a) Evaluation", "", f"{ev['n']} questions for both paths, default batch {s.eval_batch_size}.", "",
-        *_table(("path", "seconds", "CPU seconds", "questions / s"), [
+        *markdown_table(("path", "seconds", "CPU seconds", "questions / s"), [
             ("naive (`score_option_likelihood_naive`)", f"{ev['naive_s']:.2f}", f"{ev['naive_cpu_s']:.2f}", f"{ev['naive_qps']:.3g}"),
             ("default (`score_option_likelihood`)", f"{ev['default_s']:.2f}", f"{ev['default_cpu_s']:.2f}", f"{ev['default_qps']:.3g}"),
             ("**ratio naive / default**", "", f"{ev['speedup_cpu']:.2f}x", f"**{ev['speedup']:.2f}x**")]),
@@ -631,20 +571,20 @@ def render(result: dict[str, Any], out: Path | None) -> str:
         "## (b) Calibration steps, (d) BOME / plain LoRA", "",
         f"Batch {d['batch_size']} + {d['batch_size']} held-out inputs (CALM only); the demo's CALM settings; one step = "
         "`llm_calib.calm.training.train_step`, what `calibrate` does per step.", "",
-        *_table(("path", "LoRA layers (k)", "trainable params", "CALM (BOME) s / step", "plain LoRA (CE) s / step",
+        *markdown_table(("path", "LoRA layers (k)", "trainable params", "CALM (BOME) s / step", "plain LoRA (CE) s / step",
                  "BOME / CE", "CPU s / step: BOME, CE (ratio)"),
                 [(name, p["k"], f"{p['trainable_params']:,}", f"{p['bome_s']:.3g}", f"{p['ce_s']:.3g}", f"{p['bome_over_ce']:.2f}",
                   f"{p['bome_cpu_s']:.3g}, {p['ce_cpu_s']:.3g} ({p['bome_over_ce_cpu']:.2f})") for name, p in (("naive", n), ("default", d))]
                 + [("**ratio naive / default**", "", "", f"**{st['step_speedup']:.1f}x**", f"**{st['ce_speedup']:.1f}x**", "",
                     f"BOME {st['step_speedup_cpu']:.1f}x")]),
         "", f"Where a default-path BOME step goes (k = {d['k']}, one batch, each part timed alone):", "",
-        *_table(("part", "wall s", "CPU s"), [(k, f"{v['wall_s']:.3g}", f"{v['cpu_s']:.3g}") for k, v in bd.items() if isinstance(v, dict)]
+        *markdown_table(("part", "wall s", "CPU s"), [(k, f"{v['wall_s']:.3g}", f"{v['cpu_s']:.3g}") for k, v in bd.items() if isinstance(v, dict)]
                 + [("**sum of BOME's three parts / plain LoRA (CPU)**", "", f"**{bd['floor_ratio']:.2f}x**"),
                    ("**whole BOME call / plain LoRA (CPU)**", "", f"**{bd['call_ratio']:.2f}x**")]),
         "", f"Seconds per CALM epoch over {EPOCH_QUESTIONS:,} questions ({d['epoch_steps']:.0f} steps), extrapolated; the "
         f"one-time trunk cache for {EPOCH_QUESTIONS:,} + {HELDOUT_QUESTIONS} questions from "
-        f"{_f(d.get('trunk_s_per_question'))} s / question:", "",
-        *_table(("path", "steps", "trunk cache (one-time)", "epoch", "questions / s"), [
+        f"{format_number(d.get('trunk_s_per_question'), '.3g')} s / question:", "",
+        *markdown_table(("path", "steps", "trunk cache (one-time)", "epoch", "questions / s"), [
             ("naive", f"{n['epoch_steps_s']:.0f} s", "-", f"{n['epoch_s']:.0f} s", f"{EPOCH_QUESTIONS / n['epoch_s']:.3g}"),
             ("default", f"{d['epoch_steps_s']:.0f} s", f"{d['epoch_trunk_s']:.0f} s", f"{d['epoch_s']:.0f} s",
              f"{EPOCH_QUESTIONS / d['epoch_s']:.3g}"),
@@ -663,7 +603,7 @@ def render(result: dict[str, Any], out: Path | None) -> str:
     if mem:
         lines += [f"One fresh process per configuration, one warm-up call, then the RSS high-water mark reset and one "
                   f"measured call (evaluation: default {s.eval_batch_size} questions, naive {MEMORY_NAIVE_EVAL}).", "",
-                  *_table(("configuration", "peak over baseline MB", "peak RSS MB", "baseline RSS MB", "seconds"),
+                  *markdown_table(("configuration", "peak over baseline MB", "peak RSS MB", "baseline RSS MB", "seconds"),
                           [(k, f"error: {m['error'][-80:]!r}", "", "", "") if "error" in m else
                            (k, f"{m['peak_mb']:.0f}", f"{m['peak_abs_mb']:.0f}", f"{m['baseline_mb']:.0f}", f"{m['seconds']:.2f}")
                            for k, m in mem.items()])]
@@ -679,14 +619,14 @@ def render(result: dict[str, Any], out: Path | None) -> str:
     lines += ["", "## (e) Calibration quality against k (top-k LoRA layers)", "",
               f"Demo data (`llm_calib.demo.split_data`): {q['n_train']} training, {q['n_heldout']} held-out, {q['n_test']} test "
               f"questions; ECE averaged over domains; {s.quality_steps} steps; s / step includes held-out evaluations.", "",
-              *_table(("k", "trainable params", "s / step", "selected step", "acc in", "ECE in", "acc out", "ECE out"),
+              *markdown_table(("k", "trainable params", "s / step", "selected step", "acc in", "ECE in", "acc out", "ECE out"),
                       [(*((r["k"], "-", "-", "-") if r["k"] == "uncalibrated" else (r["k"], f"{r['trainable_params']:,}",
-                          f"{r['s_per_step']:.2f}", _f(r["selected_step"], ".0f"))),
+                          f"{r['s_per_step']:.2f}", format_number(r["selected_step"], ".0f"))),
                         *(f"{r[k]:.3f}" for k in ("acc_in", "ece_in", "acc_out", "ece_out"))) for r in q["rows"]]),
               "", "## Fast path vs slow path (same adapted layers, computed the naive way)", "",
               f"LoRA on the top {fs['k']} layers from " + ("the quality sweep's θ and λ" if fs["from_trained"] else
               "perturbed LoRA weights") + f"; {s.trajectory_steps} BOME steps on the same batches by each path.", "",
-              *_table(("quantity", "fast", "slow", "difference"), [
+              *markdown_table(("quantity", "fast", "slow", "difference"), [
                   ("option scores (one batch)", "", "", f"max abs {ch['scores_max_abs_diff']:.1e}"),
                   ("g(θ, λ)", f"{ch['g']['fast']:.6g}", f"{ch['g']['slow']:.6g}", f"abs {ch['g']['abs_diff']:.1e}"),
                   ("f(θ)", f"{ch['f']['fast']:.6g}", f"{ch['f']['slow']:.6g}", f"abs {ch['f']['abs_diff']:.1e}"),
@@ -753,8 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data",
                         help="directory holding arc_easy/{train,dev,test}.jsonl (falls back to built-in questions)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
-    parser.add_argument("--no-memory", action="store_true", help="skip the per-configuration memory processes")
-    parser.add_argument("--model", choices=("real", "random"), help="override the mode's model (e.g. --quick --model real)")
+    add_dataclass_flags(parser.add_argument_group("settings (default: the mode's)"), Settings, exclude=("name", "demo"))
     parser.add_argument("--full-run-size", help=argparse.SUPPRESS)  # "TRAIN,HELDOUT" for a short smoke run
     parser.add_argument("--mode", choices=sorted(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -763,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_one(json.loads(Path(args.worker).read_text()))), flush=True)
         return 0
     s = MODES[args.mode] if args.mode else (QUICK if args.quick else FULL)
-    s = dataclasses.replace(s, **({"memory": False} if args.no_memory else {}), **({"model": args.model} if args.model else {}))
+    s = dataclasses.replace(s, **dataclass_overrides(args, Settings))  # e.g. --quick --model real --memory false
     full_size = tuple(int(x) for x in args.full_run_size.split(",")) if args.full_run_size else None
     data_dir = args.data_dir if args.data_dir and args.data_dir.is_dir() else None
     command = " ".join(["python benchmarks/llm_speed.py", *(argv if argv is not None else sys.argv[1:])])

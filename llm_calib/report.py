@@ -28,6 +28,7 @@ __all__ = [
     "mean_sd",
     "metrics_table",
     "plot_reliability",
+    "provenance_lines",
     "reliability_filename",
     "write_report",
 ]
@@ -67,6 +68,50 @@ def machine_info(threads: int | None = None) -> dict[str, Any]:
             "threads": torch.get_num_threads() if threads is None else threads, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "load": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def provenance_lines(
+    command: str,
+    meta: dict[str, Any],
+    *,
+    mode: str | None = None,
+    elapsed_s: float | None = None,
+    load_start: list[float] | None = None,
+) -> list[str]:
+    """The first lines of a benchmark report: the command, mode, wall time and date; the machine
+    (CPU, cores, torch threads, load averages, flagged busy when a load average exceeds the cores);
+    the versions.
+
+    Args:
+        command: the command line that produced the report.
+        meta: :func:`machine_info` (taken at the end of the run).
+        mode: the benchmark's mode, if any.
+        elapsed_s: wall time of the run.
+        load_start: the load averages at the start of the run.
+
+    Example:
+        >>> meta = {"date": "2026-01-01 00:00", "cpu": "X", "cores": 2, "threads": 1, "torch": "2", "transformers": "4",
+        ...         "python": "3.12", "load": [3.5, 1.0, 1.0]}
+        >>> for line in provenance_lines("python b.py --quick", meta, mode="quick", elapsed_s=90):
+        ...     print(line)
+        - Command: `python b.py --quick` (quick mode, wall time 1.5 min); date 2026-01-01 00:00
+        - Machine: X, 2 cores, 1 torch threads; load average at the end 3.5, 1.0, 1.0 (**busy machine**: wall times inflated, trust the CPU-time ratios more)
+        - Versions: torch 2, transformers 4, Python 3.12
+    """
+    run = ", ".join(x for x in (f"{mode} mode" if mode else "",
+                                f"wall time {elapsed_s / 60:.1f} min" if elapsed_s is not None else "") if x)
+
+    def loads(xs: list[float] | None) -> str:
+        return ", ".join(f"{x:.1f}" for x in xs) if xs else "?"
+
+    busy = max([*(load_start or [])[:1], *(meta.get("load") or [])[:1], 0.0]) > (meta.get("cores") or 1)
+    return [
+        f"- Command: `{command}`" + (f" ({run})" if run else "") + f"; date {meta['date']}",
+        f"- Machine: {meta['cpu']}, {meta['cores']} cores, {meta['threads']} torch threads; load average "
+        + (f"at the start {loads(load_start)}, " if load_start is not None else "") + f"at the end {loads(meta.get('load'))}"
+        + (" (**busy machine**: wall times inflated, trust the CPU-time ratios more)" if busy else ""),
+        f"- Versions: torch {meta['torch']}, transformers {meta['transformers']}, Python {meta['python']}",
+    ]
 
 
 def jsonable(obj: Any) -> Any:

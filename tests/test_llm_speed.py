@@ -157,7 +157,7 @@ def test_tiny_benchmark_writes_a_consistent_report(bench, tmp_path) -> None:
         torch.set_num_threads(threads)
     text = out.read_text()
     raw = json.loads(out.with_suffix(".json").read_text())
-    assert "python benchmarks/llm_speed.py --mode tiny" in text and "torch threads 1" in text
+    assert "python benchmarks/llm_speed.py --mode tiny" in text and "1 torch threads" in text
     assert "built-in set (ARC-Easy absent)" in text
     # every target has a finite, positive measured value and a verdict
     target_rows = re.findall(r"^\| (.+?) \| " + _NUM + r" \| [0-9.]+ \| (PASS|\*\*MISS\*\*|n/a) \|", text, re.M)
