@@ -64,7 +64,7 @@ from llm_calib.checkpoint import write_json_atomic, write_text_atomic
 from llm_calib.data import builtin_multiple_choice, builtin_open_questions, load, split_items
 from llm_calib.evaluate import summarize_scored
 from llm_calib.flags import add_dataclass_flags, dataclass_overrides
-from llm_calib.metrics import confidence_correct, ece, ece_resamples, reliability_bins
+from llm_calib.metrics import confidence_correct, ece, reliability_bins
 from llm_calib.models import free_memory, tiny_random_model
 from llm_calib.models import load as load_model
 from llm_calib.profiling import Phase
@@ -77,7 +77,7 @@ from llm_calib.report import (
     provenance_lines,
 )
 from llm_calib.scoring.base import ScoredSet
-from llm_calib.sweep import fingerprint, read_result, run_forked
+from llm_calib.sweep import SeedResults, fingerprint, read_result, run_forked
 from llm_calib.temperature import fit_temperature
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -645,63 +645,16 @@ def run_search(ctx: Ctx, tasks: dict[str, Task], hparams_out: Path) -> dict[str,
 # --------------------------------------------------------------------------------- report
 
 
-def _num(x: Any) -> float:
-    return math.nan if x is None else float(x)
-
-
-class Aggregate:
+class Aggregate(SeedResults):
     """Results of one task, all methods and seeds, with seed-averaged metrics and bootstrap CIs."""
 
     def __init__(self, ctx: Ctx, task: Task) -> None:
         self.task, self.ctx = task, ctx
         self.metrics = MC_METRICS if task.name == "mc" else OPEN_METRICS
-        self.runs: dict[str, list[dict[str, Any]]] = {}
-        for method in ctx.methods:
-            runs = [read_result(result_path(ctx.runs, task.name, method, s)) for s in ctx.seeds(method)]
-            runs = [r for r in runs if r is not None]
-            if runs:
-                self.runs[method] = runs
-        rng = np.random.default_rng(12345)
-        R = max(ctx.sizes.bootstrap, 1)
-        self.idx = {name: rng.integers(0, len(recs), size=(R, len(recs))) for name, recs in task.tests.items() if recs}
-
-    def values(self, method: str, name: str, metric: str) -> list[float]:
-        return [_num(r["sets"][name].get(metric)) for r in self.runs.get(method, [])]
-
-    def mean(self, method: str, name: str, metric: str) -> float:
-        v = self.values(method, name, metric)
-        return float(np.nanmean(v)) if v and not all(np.isnan(v)) else math.nan
-
-    def group_values(self, method: str, names: Sequence[str], metric: str) -> list[float]:
-        """Per seed, the mean over the sets ``names``."""
-        return [float(np.mean([_num(r["sets"][n].get(metric)) for n in names])) for r in self.runs.get(method, [])]
-
-    def group_mean(self, method: str, names: Sequence[str], metric: str) -> float:
-        v = self.group_values(method, names, metric)
-        return float(np.mean(v)) if v else math.nan
-
-    def ece_ci(self, method: str, names: Sequence[str]) -> tuple[float, float]:
-        """Bootstrap 95% interval of the seed-mean ECE averaged over ``names`` (questions resampled
-        within each set, the same resamples for every seed and method)."""
-        runs = self.runs.get(method, [])
-        if not runs:
-            return math.nan, math.nan
-        total = np.zeros(next(iter(self.idx.values())).shape[0])
-        for name in names:
-            per_seed = [ece_resamples(*conf_correct(self.task.name, r["questions"][name]), self.idx[name]) for r in runs]
-            total += np.mean(per_seed, axis=0)
-        vals = total / len(names)
-        lo, hi = np.percentile(vals, [2.5, 97.5])
-        return float(lo), float(hi)
-
-    def pooled(self, method: str, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        cs, ks = [], []
-        for r in self.runs.get(method, []):
-            for name in names:
-                c, k = conf_correct(self.task.name, r["questions"][name])
-                cs.append(c)
-                ks.append(k)
-        return np.concatenate(cs), np.concatenate(ks)
+        runs = {m: [r for s in ctx.seeds(m) if (r := read_result(result_path(ctx.runs, task.name, m, s)))]
+                for m in ctx.methods}
+        super().__init__(runs, lambda q: conf_correct(task.name, q), {n: len(r) for n, r in task.tests.items()},
+                         max(ctx.sizes.bootstrap, 1))
 
 
 def targets(mc: Aggregate | None, op: Aggregate | None) -> list[dict[str, Any]]:
@@ -804,7 +757,7 @@ def _task_tables(agg: Aggregate) -> list[str]:
             for metric in agg.metrics:
                 cell = mean_sd(agg.group_values(m, names, metric))
                 if metric == "ece":
-                    lo, hi = agg.ece_ci(m, names)
+                    lo, hi = agg.ece_interval(m, names)
                     cell += f" [{lo:.3f}, {hi:.3f}]"
                 cells.append(cell)
             out.append(f"| {LABELS[m]} | {len(agg.runs[m])} | " + " | ".join(cells) + " |")
@@ -819,7 +772,7 @@ def _task_tables(agg: Aggregate) -> list[str]:
             for m in methods:
                 cell = mean_sd(agg.values(m, name, metric))
                 if metric == "ece":
-                    lo, hi = agg.ece_ci(m, [name])
+                    lo, hi = agg.ece_interval(m, [name])
                     cell += f" [{lo:.2f}, {hi:.2f}]"
                 cells.append(cell)
             out.append(f"| {name} ({tag}) | " + " | ".join(cells) + " |")

@@ -5,21 +5,26 @@ A sweep (methods x seeds, a hyperparameter grid) writes each job's result atomic
 determines it. A re-run reads a finished result back with :func:`read_result` when its fingerprint
 still matches and runs only the missing or stale jobs, serially or in forked workers
 (:func:`run_forked`), which share the parent's memory (a loaded model, cached encodings)
-copy-on-write.
+copy-on-write. :class:`SeedResults` then aggregates the finished records over seeds.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["fingerprint", "read_result", "run_forked"]
+import numpy as np
+
+from llm_calib.metrics import ece_resamples
+
+__all__ = ["SeedResults", "fingerprint", "read_result", "run_forked"]
 
 J = TypeVar("J", bound=Hashable)
 
@@ -155,3 +160,77 @@ def _fork(jobs: Sequence[J], run: Callable[[J, int | None], None], workers: int,
         if alive:
             time.sleep(poll_s)
     return failed
+
+
+def _num(x: Any) -> float:
+    return math.nan if x is None else float(x)
+
+
+class SeedResults:
+    """Result records of several methods over seeds, on the same named sets: seed means of the
+    metrics, means over groups of sets, pooled predictions, and a bootstrap interval of the
+    seed-mean ECE.
+
+    A record is a mapping with ``"sets"`` (set name -> metric name -> value) and ``"questions"``
+    (set name -> per-question data that ``conf_correct`` turns into confidences and correctness).
+
+    Args:
+        runs: method -> its records, one per seed (methods without records are left out).
+        conf_correct: per-question data of one set -> ``(confidences, correct)`` arrays.
+        set_sizes: set name -> questions, in a fixed order (it fixes the bootstrap resamples).
+        n_resamples: bootstrap resamples (at least 1).
+        seed: the seed of the resamples, shared by every method and seed.
+
+    Example:
+        >>> rec = lambda e, c: {"sets": {"a": {"ece": e}}, "questions": {"a": {"conf": c, "correct": [1, 0]}}}
+        >>> res = SeedResults({"m": [rec(0.1, [0.9, 0.6]), rec(0.3, [0.8, 0.7])]},
+        ...                   lambda q: (np.asarray(q["conf"]), np.asarray(q["correct"], dtype=float)), {"a": 2}, 20)
+        >>> round(res.mean("m", "a", "ece"), 6), res.values("m", "a", "ece"), len(res.pooled("m", ["a"])[0])
+        (0.2, [0.1, 0.3], 4)
+    """
+
+    def __init__(self, runs: Mapping[str, Sequence[Mapping[str, Any]]],
+                 conf_correct: Callable[[Any], tuple[np.ndarray, np.ndarray]], set_sizes: Mapping[str, int],
+                 n_resamples: int, seed: int = 12345) -> None:
+        if n_resamples < 1:
+            raise ValueError(f"n_resamples must be at least 1, got {n_resamples}")
+        self.runs = {m: list(r) for m, r in runs.items() if r}
+        self.conf_correct = conf_correct
+        rng = np.random.default_rng(seed)
+        self.idx = {name: rng.integers(0, n, size=(n_resamples, n)) for name, n in set_sizes.items() if n}
+
+    def values(self, method: str, name: str, metric: str) -> list[float]:
+        """Per seed, ``metric`` on set ``name`` (NaN where missing)."""
+        return [_num(r["sets"][name].get(metric)) for r in self.runs.get(method, [])]
+
+    def mean(self, method: str, name: str, metric: str) -> float:
+        """The seed mean of :meth:`values` (NaNs ignored; NaN without values)."""
+        v = self.values(method, name, metric)
+        return float(np.nanmean(v)) if v and not all(np.isnan(v)) else math.nan
+
+    def group_values(self, method: str, names: Sequence[str], metric: str) -> list[float]:
+        """Per seed, the mean of ``metric`` over the sets ``names``."""
+        return [float(np.mean([_num(r["sets"][n].get(metric)) for n in names])) for r in self.runs.get(method, [])]
+
+    def group_mean(self, method: str, names: Sequence[str], metric: str) -> float:
+        """The seed mean of :meth:`group_values` (NaN without records)."""
+        v = self.group_values(method, names, metric)
+        return float(np.mean(v)) if v else math.nan
+
+    def ece_interval(self, method: str, names: Sequence[str], n_bins: int = 10) -> tuple[float, float]:
+        """Bootstrap 95% interval of the seed-mean ECE averaged over the sets ``names`` (questions
+        resampled within each set, the same resamples for every seed and method)."""
+        runs = self.runs.get(method, [])
+        if not runs or not names:
+            return math.nan, math.nan
+        total = np.zeros(next(iter(self.idx.values())).shape[0])
+        for name in names:
+            total += np.mean([ece_resamples(*self.conf_correct(r["questions"][name]), self.idx[name], n_bins)
+                              for r in runs], axis=0)
+        lo, hi = np.percentile(total / len(names), [2.5, 97.5])
+        return float(lo), float(hi)
+
+    def pooled(self, method: str, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Confidences and correctness of every question of the sets ``names`` over every seed."""
+        pairs = [self.conf_correct(r["questions"][n]) for r in self.runs.get(method, []) for n in names]
+        return np.concatenate([c for c, _ in pairs]), np.concatenate([k for _, k in pairs])
