@@ -38,7 +38,6 @@ mark) are measured per run for training and evaluation separately.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime as _dt
 import json
@@ -47,7 +46,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -56,12 +55,18 @@ import numpy as np
 import torch
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
-from llm_calib.calm.encoding import encode_records
+from llm_calib.calm.encoding import EncodingCache
 from llm_calib.calm.fast_eval import SharedTrunkEval, fill_trunk_caches, fit_open_temperature
 from llm_calib.calm.trainer import calibrate
 from llm_calib.calm.training import best_candidate
 from llm_calib.checkpoint import write_json_atomic, write_text_atomic
-from llm_calib.data import builtin_multiple_choice, builtin_open_questions, load, split_items
+from llm_calib.data import (
+    BUILTIN_DOMAINS,
+    builtin_multiple_choice,
+    builtin_open_questions,
+    load,
+    split_items,
+)
 from llm_calib.evaluate import summarize_scored
 from llm_calib.flags import add_dataclass_flags, dataclass_overrides
 from llm_calib.metrics import confidence_correct, ece, reliability_bins
@@ -75,9 +80,10 @@ from llm_calib.report import (
     mean_sd,
     plot_reliability,
     provenance_lines,
+    verdict,
 )
 from llm_calib.scoring.base import ScoredSet
-from llm_calib.sweep import SeedResults, fingerprint, read_result, run_forked
+from llm_calib.sweep import SeedResults, SweepLog, fingerprint, read_result, run_forked
 from llm_calib.temperature import fit_temperature
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,10 +247,7 @@ class Task:
 def mc_task(data_dir: Path | None, sizes: Sizes) -> Task:
     """The multiple-choice task: real data from ``data_dir``, or the built-in generated set."""
     if data_dir is None:
-        qs = builtin_multiple_choice(n_per_domain=sizes.builtin_per_domain, seed=0)
-        by: dict[str, list[Any]] = {}
-        for q in qs:
-            by.setdefault(q.domain, []).append(q)
+        by = {d: builtin_multiple_choice(n_per_domain=sizes.builtin_per_domain, seed=0, domains=[d]) for d in BUILTIN_DOMAINS}
         half = sizes.mc_train // 2
         a_train, a_held, a_sel, a_test = split_items(by["arithmetic"], [half, sizes.mc_heldout, sizes.mc_select // 2, sizes.mc_test])
         u_train, u_sel, u_test = split_items(by["unit_conversion"], [sizes.mc_train - half, sizes.mc_select - sizes.mc_select // 2, sizes.mc_test])
@@ -311,15 +314,6 @@ def open_task(data_dir: Path | None, sizes: Sizes) -> Task:
 # ----------------------------------------------------------------------------------- scoring
 
 
-def shared_encoding(memo: dict[Any, Any], tokenizer: Any, records: Sequence[Any], config: Any) -> Any:
-    """One encoding (and trunk cache) per split, reused by every run of a task (same records and LoRA layers)."""
-    key = (tuple(f"{r.domain}/{r.id}" for r in records), config.scorer, config.prompt_style, config.chat_template,
-           config.lora.layers)
-    if key not in memo:
-        memo[key] = encode_records(tokenizer, records, config)
-    return memo[key]
-
-
 def set_metrics(scored: Any, bootstrap: int) -> dict[str, float]:
     return summarize_scored(scored, n_bins=10, ci=bootstrap > 0, n_resamples=max(bootstrap, 1), seed=0)
 
@@ -365,20 +359,12 @@ class Ctx:
     progress: bool = True
     plots: bool = True
     workers: int = 1
-    worker: int | None = None  # set inside a forked worker
     timings: dict[str, float] = field(default_factory=dict)
     model: Any = None
     tokenizer: Any = None
 
-    def log(self, message: str) -> None:
-        tag = f" (worker {self.worker})" if self.worker is not None else ""
-        line = f"[{_dt.datetime.now().strftime('%H:%M:%S')}] {message}{tag}"
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-        with contextlib.suppress(OSError):
-            self.runs.mkdir(parents=True, exist_ok=True)
-            with (self.runs / "bench.log").open("a") as fh:
-                fh.write(line + "\n")
+    def __post_init__(self) -> None:
+        self.log = SweepLog(self.runs / "bench.log")  # a forked worker sets log.worker
 
     def bar(self, total: int, desc: str) -> Any:
         from tqdm.auto import tqdm
@@ -443,10 +429,10 @@ class Ctx:
                             "config": cfg.to_dict() if cfg is not None else None})
 
 
-def _timed_calibrate(ctx: Ctx, task: Task, cfg: Any, memo: dict[Any, Any]) -> tuple[Any, Phase]:
+def _timed_calibrate(ctx: Ctx, task: Task, cfg: Any, memo: EncodingCache) -> tuple[Any, Phase]:
     model = copy.deepcopy(ctx.model)
     with Phase() as phase:
-        train, heldout = (shared_encoding(memo, ctx.tokenizer, r, cfg) for r in (task.train, task.heldout))
+        train, heldout = (memo(ctx.tokenizer, r, cfg) for r in (task.train, task.heldout))
         result = calibrate(model, ctx.tokenizer, train, heldout, cfg, progress=ctx.progress)
     return result, phase
 
@@ -459,10 +445,10 @@ class Runner:
     model starts from), then the trained (method, seed) runs, scored from the trunk."""
 
     def __init__(self, ctx: Ctx, task: Task) -> None:
-        self.ctx, self.task, self.memo = ctx, task, {}
+        self.ctx, self.task, self.memo = ctx, task, EncodingCache()
         grid = TEMPERATURE_GRID if task.name == "open" else None
-        held = task.heldout if grid is not None else shared_encoding(
-            self.memo, ctx.tokenizer, task.heldout, CalibrationConfig(lora=ctx.lora()))  # its trunk serves training
+        held = task.heldout if grid is not None else self.memo(  # its trunk serves training
+            ctx.tokenizer, task.heldout, CalibrationConfig(lora=ctx.lora()))
         self.held = ctx.evaluator(task.name, {"heldout": held}, grid)
         self.tests = ctx.evaluator(task.name, task.tests, grid)
         self.base: dict[str, Any] = {}
@@ -501,7 +487,7 @@ class Runner:
     def prepare_training(self) -> None:
         """Fill the trunk caches of the training and held-out encodings once for every run of the task."""
         ctx, cfg = self.ctx, CalibrationConfig(lora=self.ctx.lora())
-        encs = [shared_encoding(self.memo, ctx.tokenizer, r, cfg) for r in (self.task.train, self.task.heldout)]
+        encs = [self.memo(ctx.tokenizer, r, cfg) for r in (self.task.train, self.task.heldout)]
         n = sum(len(e) - len(e.trunk_cache) for e in encs)
         ctx.log(f"[{self.task.name}] trunk of the training and held-out questions ({n} to compute)")
         bar = ctx.bar(n, f"{self.task.name} training trunk")
@@ -577,7 +563,7 @@ def run_task(ctx: Ctx, task: Task) -> None:
 
     def run(job: tuple[str, int], worker: int | None) -> None:
         if worker is not None:  # in a forked child: it shares the base model, trunk and encodings copy-on-write
-            ctx.progress, ctx.worker = False, worker
+            ctx.progress, ctx.log.worker = False, worker
         runner.trained(*job)
 
     failed, missing = run_forked(jobs, run, workers, finished=lambda j: result_path(ctx.runs, task.name, *j).is_file(),
@@ -599,7 +585,7 @@ def run_search(ctx: Ctx, tasks: dict[str, Task], hparams_out: Path) -> dict[str,
     chosen: dict[str, Any] = {"procedure": SEARCH_RULE, "grid": SEARCH_GRID, "mc": {}, "open": {}, "candidates": []}
     grid = {m: SEARCH_GRID[m][: 2 if ctx.sizes.name == "quick" else None] for m in ctx.methods if m in TRAINED}
     for name, task in tasks.items():
-        memo: dict[Any, Any] = {}
+        memo = EncodingCache()
         sel = ctx.evaluator(name, {"select": task.select})
         base_m = set_metrics(sel.base()["select"], 0)
         ctx.log(f"[search/{name}] uncalibrated on the selection split ({len(task.select)}): "
@@ -737,46 +723,25 @@ def _target_table(rows: list[dict[str, Any]]) -> list[str]:
         cells = []
         for m in ("calm_bome", "calm_f2sa"):
             c = r[m]
-            status = {True: "PASS", False: "**MISS**", None: "info" if c["value"] is not None else "n/a"}[c["pass"]]
-            cells += [f"{format_number(c['value'])} ({c['detail']})", status]
+            cells += [f"{format_number(c['value'])} ({c['detail']})", verdict(c["pass"], c["value"] is not None)]
         out.append(f"| {r['target']} | {r['limit']} | " + " | ".join(cells) + " |")
     return out
 
 
 def _task_tables(agg: Aggregate) -> list[str]:
-    t = agg.task
+    t, out = agg.task, []
     methods = [m for m in agg.ctx.methods if m in agg.runs]
-    out: list[str] = []
     for title, names in (("out-of-domain average", t.ood), ("in-domain average", t.in_domain)):
+        rows = [(LABELS[m], len(agg.runs[m]), *(agg.cell(m, names, k, 3 if k == "ece" else None) for k in agg.metrics))
+                for m in methods]
         out += [f"**{title}** ({len(names)} sets: {', '.join(names)}); mean ± sd over seeds, conf-ECE with the "
                 "bootstrap 95% interval of the seed-mean", "",
-                "| method | seeds | " + " | ".join(METRIC_NAMES[m] for m in agg.metrics) + " |",
-                "|---|---|" + "---|" * len(agg.metrics)]
-        for m in methods:
-            cells = []
-            for metric in agg.metrics:
-                cell = mean_sd(agg.group_values(m, names, metric))
-                if metric == "ece":
-                    lo, hi = agg.ece_interval(m, names)
-                    cell += f" [{lo:.3f}, {hi:.3f}]"
-                cells.append(cell)
-            out.append(f"| {LABELS[m]} | {len(agg.runs[m])} | " + " | ".join(cells) + " |")
-        out.append("")
+                *markdown_table(("method", "seeds", *(METRIC_NAMES[k] for k in agg.metrics)), rows), ""]
     for metric, title in (("ece", "conf-ECE per set (mean ± sd [bootstrap 95% interval of the seed-mean])"),
                           ("accuracy", "accuracy per set (mean ± sd)")):
-        out += [f"**{title}**", "", "| set | " + " | ".join(LABELS[m] for m in methods) + " |",
-                "|---|" + "---|" * len(methods)]
-        for name in (*t.in_domain, *t.ood):
-            tag = "ID" if name in t.in_domain else "OOD"
-            cells = []
-            for m in methods:
-                cell = mean_sd(agg.values(m, name, metric))
-                if metric == "ece":
-                    lo, hi = agg.ece_interval(m, [name])
-                    cell += f" [{lo:.2f}, {hi:.2f}]"
-                cells.append(cell)
-            out.append(f"| {name} ({tag}) | " + " | ".join(cells) + " |")
-        out.append("")
+        rows = [(f"{n} ({'ID' if n in t.in_domain else 'OOD'})", *(agg.cell(m, [n], metric, 2 if metric == "ece" else None)
+                                                                  for m in methods)) for n in (*t.in_domain, *t.ood)]
+        out += [f"**{title}**", "", *markdown_table(("set", *(LABELS[m] for m in methods)), rows), ""]
     return out
 
 

@@ -28,10 +28,9 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,9 @@ from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.methods import inner_lr
 from llm_calib.calm.trainer import calibrate
+from llm_calib.calm.verify import compare_losses, relative_difference
 from llm_calib.data.records import MultipleChoice
+from llm_calib.evaluate import group_means
 from llm_calib.flags import add_dataclass_flags, dataclass_overrides
 from llm_calib.profiling import (
     MB,
@@ -60,7 +61,7 @@ from llm_calib.profiling import (
     run_json_worker,
     timed,
 )
-from llm_calib.report import format_number, machine_info, markdown_table, provenance_lines
+from llm_calib.report import format_number, machine_info, markdown_table, provenance_lines, verdict
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,9 +245,7 @@ def step_speed(base: Any, tok: Any, train: list[MultipleChoice], heldout: list[M
                 "trunk_layers": tr.lm.trunk_layers, "caches_trunk": tr.lm.caches_trunk}
         if tr.lm.caches_trunk:  # one-time costs on the timing pools: trunk cache, then held-out evaluation
             t0 = time.perf_counter()
-            tr.train.fill_trunk_cache(tr.lm, tr.pad_id)
-            tr.heldout.fill_trunk_cache(tr.lm, tr.pad_id)
-            n_q = len(tr.train) + len(tr.heldout)
+            n_q = tr.fill_trunk_caches()
             info["trunk_s_per_question"] = (time.perf_counter() - t0) / n_q
             info["trunk_bytes_per_question"] = (tr.train.trunk_cache_bytes + tr.heldout.trunk_cache_bytes) / n_q
             training.evaluate(tr)  # warm-up
@@ -316,18 +315,6 @@ def bome_breakdown(run: Run, ce: Run, repeats: int = 2) -> dict[str, Any]:
     return out
 
 
-def _split_means(scored: Any, in_domain: Sequence[str], out_domain: Sequence[str]) -> dict[str, float]:
-    from llm_calib.metrics import summarize
-
-    per = {d: summarize(p.probs_numpy, p.labels_numpy, ci=False) for d, p in scored.by_domain().items()}
-    out = {}
-    for name, domains in (("in", in_domain), ("out", out_domain)):
-        present = [d for d in domains if d in per]
-        out[f"ece_{name}"] = statistics.mean(per[d]["ece"] for d in present)
-        out[f"acc_{name}"] = statistics.mean(per[d]["accuracy"] for d in present)
-    return out
-
-
 def demo_data(s: Settings) -> tuple[Any, list, list, dict[str, list]]:
     from llm_calib.demo import DemoSettings, split_data
 
@@ -340,9 +327,9 @@ def quality(base: Any, tok: Any, s: Settings, log: Callable[[str], None]) -> dic
     settings, train, heldout, test = demo_data(s)
     all_test = [q for d in test for q in test[d]]
     n_layers = base.config.num_hidden_layers
-    split = (settings.in_domain, settings.out_of_domain)
+    split = {"in": settings.in_domain, "out": settings.out_of_domain}
     uncal = score_option_likelihood(base, tok, all_test, batch_size=s.eval_batch_size)
-    rows: list[dict[str, Any]] = [{"k": "uncalibrated", **_split_means(uncal, *split)}]
+    rows: list[dict[str, Any]] = [{"k": "uncalibrated", **group_means(uncal, split)}]
     results: dict[Any, Any] = {}
     for k in s.ks:
         kk = n_layers if k is None else min(k, n_layers)
@@ -356,18 +343,13 @@ def quality(base: Any, tok: Any, s: Settings, log: Callable[[str], None]) -> dic
                "steps": s.quality_steps, "wall_s": wall, "train_s": train_s, "s_per_step": train_s / s.quality_steps,
                "score_s": time.perf_counter() - t1, "selected_step": res.metrics["after"].get("selected_step"),
                "heldout_ece_before": res.metrics["before"]["ece"], "heldout_ece_after": res.metrics["after"]["ece"],
-               **_split_means(scored, *split)}
+               **group_means(scored, split)}
         rows.append(row)
         results[kk] = res
         log(f"  (e) k={kk}: {row['s_per_step']:.2f}s/step (incl. held-out evals), ECE in {row['ece_in']:.3f} "
             f"out {row['ece_out']:.3f}")
     return {"rows": rows, "results": results, "settings": asdict(settings) | {"timings": None},
             "n_train": len(train), "n_heldout": len(heldout), "n_test": len(all_test)}
-
-
-def _tree_rel(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
-    x, y = (torch.cat([t[k].detach().double().reshape(-1) for k in sorted(t)]) for t in (a, b))
-    return float((x - y).norm() / y.norm().clamp_min(1e-30))
 
 
 def fast_vs_slow(base: Any, tok: Any, s: Settings, start: Any | None, log: Callable[[str], None]) -> dict[str, Any]:
@@ -392,28 +374,13 @@ def fast_vs_slow(base: Any, tok: Any, s: Settings, start: Any | None, log: Calla
         fast.state.theta, slow.state.theta = ({k: v.clone() for k, v in theta.items()} for _ in range(2))
     out: dict[str, Any] = {"k": s.top_k, "from_trained": start is not None}
     tf, sf, ts, ss = fast.trainer, fast.state, slow.trainer, slow.state
-    inner_f, outer_f, inner_s, outer_s = tf.train_batch(0), tf.unlabeled_batch(0), ts.train_batch(0), ts.unlabeled_batch(0)
-    lam = {k: v.detach() for k, v in sf.lam.items()}
-    checks: dict[str, Any] = {}
-    for name, fn_f, fn_s, b_f, b_s in (("g", tf.losses.inner, ts.losses.inner, inner_f, inner_s),
-                                       ("f", tf.losses.outer, ts.losses.outer, outer_f, outer_s)):
-        vf, gw_f, gl_f = hg.autodiff.loss_and_grads(lambda w, l_, fn=fn_f, b=b_f: fn(w, l_, b), sf.theta, lam)
-        vs, gw_s, gl_s = hg.autodiff.loss_and_grads(lambda w, l_, fn=fn_s, b=b_s: fn(w, l_, b), ss.theta, lam)
-        checks[name] = {"fast": float(vf), "slow": float(vs), "abs_diff": abs(float(vf) - float(vs)),
-                        "grad_theta_rel": _tree_rel(gw_f, gw_s)}
-        if name == "g":
-            checks[name]["grad_lam_rel"] = _tree_rel(gl_f, gl_s)
-    sc_f, sc_s = tf.losses.scores(sf.theta, lam, inner_f), ts.losses.scores(ss.theta, lam, inner_s)
-    finite = torch.isfinite(sc_s)
-    checks["scores_max_abs_diff"] = float((sc_f[finite] - sc_s[finite]).abs().max())
-    out["losses"] = checks
+    out["losses"] = checks = compare_losses(tf, sf.theta, ts, ss.theta, sf.lam)  # a: fast, b: slow (the reference)
     for tag, r in (("fast", fast), ("slow", slow)):
         t0 = time.perf_counter()
         for _ in range(s.trajectory_steps):
             r.step()
         out[f"{tag}_steps_s"] = time.perf_counter() - t0
-    out["theta_rel"] = _tree_rel(sf.theta, ss.theta)
-    out["lam_rel"] = _tree_rel({k: v.detach() for k, v in sf.lam.items()}, {k: v.detach() for k, v in ss.lam.items()})
+    out["theta_rel"], out["lam_rel"] = relative_difference(sf.theta, ss.theta), relative_difference(sf.lam, ss.lam)
     subset = [q for d in test for q in test[d][: s.slow_eval_per_domain]]
     tf.lm.load_theta(sf.theta)
     ts.lm.load_theta(ss.theta)
@@ -424,7 +391,8 @@ def fast_vs_slow(base: Any, tok: Any, s: Settings, start: Any | None, log: Calla
     out["slow_eval_s"] = time.perf_counter() - t0
     out["n_test"] = len(subset)
     out["test_scores_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(scored_f.logits, scored_s.logits, strict=True))
-    out["fast"], out["slow"] = (_split_means(sc, settings.in_domain, settings.out_of_domain) for sc in (scored_f, scored_s))
+    out["fast"], out["slow"] = (group_means(sc, {"in": settings.in_domain, "out": settings.out_of_domain})
+                              for sc in (scored_f, scored_s))
     out["ece_max_abs_diff"] = max(abs(out["fast"][k] - out["slow"][k]) for k in ("ece_in", "ece_out"))
     log(f"  fast vs slow: scores {checks['scores_max_abs_diff']:.1e}, g {checks['g']['abs_diff']:.1e}, "
         f"grad g {checks['g']['grad_theta_rel']:.1e}, theta after {s.trajectory_steps} steps {out['theta_rel']:.1e}, "
@@ -462,8 +430,7 @@ def measure_one(config: dict[str, Any]) -> dict[str, Any]:
                           batch_size=s.batch_size)
         run = make_run(model, tok, train, heldout, replace(cfg, method="calm" if what == "bome" else "lora_ce"),
                        naive=path == "naive")
-        run.trainer.train.fill_trunk_cache(run.trainer.lm, run.trainer.pad_id)  # one-time cost, not part of a step
-        run.trainer.heldout.fill_trunk_cache(run.trainer.lm, run.trainer.pad_id)
+        run.trainer.fill_trunk_caches()  # one-time cost, not part of a step
         fn = run.step
     fn()
     with Phase() as phase:
@@ -560,7 +527,7 @@ def render(result: dict[str, Any], out: Path | None) -> str:
         f"- Timing: interleaved after a warm-up, medians ({s.rounds_naive} naive / up to {s.rounds_default} default "
         "rounds); process CPU time beside it (robust to other jobs on a shared machine).", "",
         "## Targets", "", "| target | measured | limit | result | note |", "|---|---|---|---|---|",
-        *[f"| {t['target']} | {format_number(t['value'], '.3g')} | {t['limit']:g} | {({True: 'PASS', False: '**MISS**', None: 'n/a'})[t['pass']]} "
+        *[f"| {t['target']} | {format_number(t['value'], '.3g')} | {t['limit']:g} | {verdict(t['pass'], measured=False)} "
           f"| {t['note']} |" for t in targets(result)],
         "", "## (a) Evaluation", "", f"{ev['n']} questions for both paths, default batch {s.eval_batch_size}.", "",
         *markdown_table(("path", "seconds", "CPU seconds", "questions / s"), [
@@ -622,14 +589,14 @@ def render(result: dict[str, Any], out: Path | None) -> str:
               *markdown_table(("k", "trainable params", "s / step", "selected step", "acc in", "ECE in", "acc out", "ECE out"),
                       [(*((r["k"], "-", "-", "-") if r["k"] == "uncalibrated" else (r["k"], f"{r['trainable_params']:,}",
                           f"{r['s_per_step']:.2f}", format_number(r["selected_step"], ".0f"))),
-                        *(f"{r[k]:.3f}" for k in ("acc_in", "ece_in", "acc_out", "ece_out"))) for r in q["rows"]]),
+                        *(f"{r[k]:.3f}" for k in ("accuracy_in", "ece_in", "accuracy_out", "ece_out"))) for r in q["rows"]]),
               "", "## Fast path vs slow path (same adapted layers, computed the naive way)", "",
               f"LoRA on the top {fs['k']} layers from " + ("the quality sweep's θ and λ" if fs["from_trained"] else
               "perturbed LoRA weights") + f"; {s.trajectory_steps} BOME steps on the same batches by each path.", "",
               *markdown_table(("quantity", "fast", "slow", "difference"), [
                   ("option scores (one batch)", "", "", f"max abs {ch['scores_max_abs_diff']:.1e}"),
-                  ("g(θ, λ)", f"{ch['g']['fast']:.6g}", f"{ch['g']['slow']:.6g}", f"abs {ch['g']['abs_diff']:.1e}"),
-                  ("f(θ)", f"{ch['f']['fast']:.6g}", f"{ch['f']['slow']:.6g}", f"abs {ch['f']['abs_diff']:.1e}"),
+                  ("g(θ, λ)", f"{ch['g']['a']:.6g}", f"{ch['g']['b']:.6g}", f"abs {ch['g']['abs_diff']:.1e}"),
+                  ("f(θ)", f"{ch['f']['a']:.6g}", f"{ch['f']['b']:.6g}", f"abs {ch['f']['abs_diff']:.1e}"),
                   ("∇θ g", "", "", f"rel {ch['g']['grad_theta_rel']:.1e}"), ("∇λ g", "", "", f"rel {ch['g']['grad_lam_rel']:.1e}"),
                   ("∇θ f", "", "", f"rel {ch['f']['grad_theta_rel']:.1e}"),
                   (f"θ after {s.trajectory_steps} steps", f"{fs['fast_steps_s']:.2f} s", f"{fs['slow_steps_s']:.2f} s", f"rel {fs['theta_rel']:.1e}"),

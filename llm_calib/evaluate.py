@@ -40,6 +40,7 @@ __all__ = [
     "TemperatureFit",
     "evaluate",
     "evaluate_records",
+    "group_means",
     "normalization_summary",
     "open_ended_summary",
     "sample_rows",
@@ -408,6 +409,37 @@ def summarize_scored(
         return metrics.summarize(scored.probs_numpy, scored.labels_numpy, n_bins=n_bins, ci=ci,
                                  n_resamples=n_resamples, seed=seed)
     raise TypeError(f"scored must be a ScoredSet or an OpenEndedSet, got {type(scored).__name__}")
+
+
+def group_means(
+    scored: ScoredSet | OpenEndedSet, groups: dict[str, Sequence[str]], metrics: Sequence[str] = ("ece", "accuracy")
+) -> dict[str, float]:
+    """Macro averages over groups of domains: each domain's metrics (:func:`summarize_scored`, no
+    intervals), then per group the mean over its domains present in ``scored``.
+
+    Args:
+        scored: questions of several domains.
+        groups: group name -> its domains (e.g. ``{"in": [...], "out": [...]}``).
+        metrics: which metrics.
+
+    Returns:
+        ``{"<metric>_<group>": mean}``; NaN for a group with no domain present.
+
+    Example:
+        >>> import torch
+        >>> s = ScoredSet([torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0])], [1, 1], ["a", "b"], ["0", "1"])
+        >>> group_means(s, {"in": ["a"], "all": ["a", "b"]}, ["accuracy"])
+        {'accuracy_in': 1.0, 'accuracy_all': 0.5}
+    """
+    import statistics
+
+    per = {d: summarize_scored(p, ci=False) for d, p in scored.by_domain().items()}
+    out = {}
+    for group, domains in groups.items():
+        present = [d for d in domains if d in per]
+        for m in metrics:
+            out[f"{m}_{group}"] = statistics.mean(per[d][m] for d in present) if present else float("nan")
+    return out
 
 
 def _mc_domain(

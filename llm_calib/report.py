@@ -30,6 +30,7 @@ __all__ = [
     "plot_reliability",
     "provenance_lines",
     "reliability_filename",
+    "verdict",
     "write_report",
 ]
 
@@ -181,6 +182,16 @@ def format_number(x: Any, spec: str = ".3f", missing: str = "n/a") -> str:
     if x is None or (isinstance(x, float | int) and not math.isfinite(x)):
         return missing
     return format(x, spec)
+
+
+def verdict(ok: bool | None, measured: bool = True) -> str:
+    """A target's status cell: ``PASS``, ``**MISS**``, or for no verdict ``info`` (measured) / ``n/a``.
+
+    Example:
+        >>> verdict(True), verdict(False), verdict(None), verdict(None, measured=False)
+        ('PASS', '**MISS**', 'info', 'n/a')
+    """
+    return {True: "PASS", False: "**MISS**"}.get(ok, "info" if measured else "n/a")  # type: ignore[arg-type]
 
 
 def mean_sd(values: Any, digits: int = 3) -> str:

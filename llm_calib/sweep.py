@@ -10,6 +10,8 @@ copy-on-write. :class:`SeedResults` then aggregates the finished records over se
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
 import json
 import math
@@ -24,9 +26,39 @@ import numpy as np
 
 from llm_calib.metrics import ece_resamples
 
-__all__ = ["SeedResults", "fingerprint", "read_result", "run_forked"]
+__all__ = ["SeedResults", "SweepLog", "fingerprint", "read_result", "run_forked"]
 
 J = TypeVar("J", bound=Hashable)
+
+
+class SweepLog:
+    """Progress lines of a sweep: ``[HH:MM:SS] message``, printed and appended to a log file that
+    forked workers share (a worker's lines end with ``(worker k)``: set :attr:`worker` in the child).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> log = SweepLog(pathlib.Path(tempfile.mkdtemp()) / "sweep.log")
+        >>> log.worker = 1
+        >>> log("run 3 done")  # doctest: +ELLIPSIS
+        [...] run 3 done (worker 1)
+        >>> log.path.read_text().endswith("run 3 done (worker 1)\n")
+        True
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.worker: int | None = None
+
+    def __call__(self, message: str) -> None:
+        """Print one line and append it to the file (a file that cannot be written is skipped)."""
+        tag = f" (worker {self.worker})" if self.worker is not None else ""
+        line = f"[{datetime.datetime.now().strftime('%H:%M:%S')}] {message}{tag}"
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as fh:
+                fh.write(line + "\n")
 
 
 def fingerprint(obj: Any) -> str:
@@ -187,6 +219,8 @@ class SeedResults:
         ...                   lambda q: (np.asarray(q["conf"]), np.asarray(q["correct"], dtype=float)), {"a": 2}, 20)
         >>> round(res.mean("m", "a", "ece"), 6), res.values("m", "a", "ece"), len(res.pooled("m", ["a"])[0])
         (0.2, [0.1, 0.3], 4)
+        >>> res.cell("m", ["a"], "ece")
+        '0.200 ± 0.141'
     """
 
     def __init__(self, runs: Mapping[str, Sequence[Mapping[str, Any]]],
@@ -229,6 +263,18 @@ class SeedResults:
                               for r in runs], axis=0)
         lo, hi = np.percentile(total / len(names), [2.5, 97.5])
         return float(lo), float(hi)
+
+    def cell(self, method: str, names: Sequence[str], metric: str, interval_digits: int | None = None) -> str:
+        """A table cell: ``mean ± sd`` over seeds of ``metric`` averaged over the sets ``names``
+        (:func:`llm_calib.report.mean_sd`); with ``interval_digits``, then the bootstrap 95% interval
+        of the seed-mean ECE (:meth:`ece_interval`) with that many decimals."""
+        from llm_calib.report import mean_sd
+
+        text = mean_sd(self.group_values(method, names, metric))
+        if interval_digits is not None:
+            lo, hi = self.ece_interval(method, names)
+            text += f" [{lo:.{interval_digits}f}, {hi:.{interval_digits}f}]"
+        return text
 
     def pooled(self, method: str, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Confidences and correctness of every question of the sets ``names`` over every seed."""

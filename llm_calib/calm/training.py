@@ -137,6 +137,25 @@ class Trainer:
             problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner), outer=recorder.wrap("f", losses.outer))
         return dataclasses.replace(self, losses=losses, problem=problem, step_losses=recorder)
 
+    def fill_trunk_caches(self) -> int:
+        """Compute the cached trunk of every training, held-out and upper-level question now (a
+        one-time cost that the first steps and evaluations would otherwise pay); nothing without a
+        trunk-caching model. Returns the cached questions' count.
+
+        Example:
+            >>> from llm_calib.calm.config import LoraSettings
+            >>> from llm_calib.data import builtin_multiple_choice
+            >>> from llm_calib.models import tiny_random_model
+            >>> model, tok = tiny_random_model()
+            >>> qs = builtin_multiple_choice(n_per_domain=3, domains=["capitals"])
+            >>> build_trainer(model, tok, qs, qs[:2], CalibrationConfig(lora=LoraSettings(layers=(1,)))).fill_trunk_caches()
+            5
+        """
+        encodings = list({id(e): e for e in (self.train, self.heldout, self.unlabeled)}.values())
+        for enc in encodings:
+            enc.fill_trunk_cache(self.lm, self.pad_id)
+        return sum(len(e.trunk_cache) for e in encodings)
+
     @property
     def adjustment(self) -> Any:
         """The logit adjustment λ (:class:`~llm_calib.adjustment.LogitAdjustment`)."""
