@@ -39,27 +39,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
 from naive_scoring import NaiveCalmLosses, score_option_likelihood_naive
-from torch import Tensor
 
-import hypergrad as hg
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM
-from llm_calib.calm.methods import inner_lr
 from llm_calib.calm.trainer import calibrate
 from llm_calib.calm.verify import compare_losses, relative_difference
-from llm_calib.data.records import MultipleChoice
+from llm_calib.data import BUILTIN_DOMAINS, MultipleChoice, builtin_multiple_choice
+from llm_calib.data import load as load_data
+from llm_calib.demo import DemoSettings, split_data
 from llm_calib.evaluate import group_means
 from llm_calib.flags import add_dataclass_flags, dataclass_overrides
+from llm_calib.models import default_cache_dir, load, random_init_model, tiny_random_model
 from llm_calib.profiling import (
     MB,
     Phase,
+    bome_step_breakdown,
     interleave,
     measurement_env,
     median,
     run_json_worker,
-    timed,
 )
 from llm_calib.report import format_number, machine_info, markdown_table, provenance_lines, verdict
 from llm_calib.scoring.option_likelihood import score_option_likelihood
@@ -127,8 +127,6 @@ MODES = {"full": FULL, "quick": QUICK, "tiny": TINY}
 
 def build_model(kind: str, seed: int = 0) -> tuple[Any, Any, str, str]:
     """``(model, tokenizer, kind, description)``; ``kind`` may change to ``"fallback"``."""
-    from llm_calib.models import default_cache_dir, load, random_init_model, tiny_random_model
-
     if kind == "real":
         model, tok = load(ALIAS)
         return model, tok, kind, f"{ALIAS} (real weights, float32)"
@@ -152,20 +150,15 @@ def build_model(kind: str, seed: int = 0) -> tuple[Any, Any, str, str]:
 
 
 def _ai2(data_dir: Path | None, split: str) -> list[MultipleChoice] | None:
-    path = None if data_dir is None else Path(data_dir) / "arc_easy" / f"{split}.jsonl"
-    if path is None or not path.is_file():
+    if data_dir is None or not (Path(data_dir) / "arc_easy" / f"{split}.jsonl").is_file():
         return None
-    from llm_calib.data import load_ai2
-
-    return list(load_ai2(path, on_error="skip").records)
+    return list(load_data(f"arc_easy:{data_dir}:{split}", on_error="skip").records)
 
 
 def questions(data_dir: Path | None, split: str, n: int, seed: int = 0) -> tuple[list[MultipleChoice], str]:
     """``n`` ARC-Easy questions of ``split`` (a seeded sample), else built-in questions."""
     records = _ai2(data_dir, split)
     if records is None:
-        from llm_calib.data import BUILTIN_DOMAINS, builtin_multiple_choice
-
         seed += {"train": 0, "dev": 1, "test": 2}[split]
         qs = builtin_multiple_choice(n_per_domain=max(1, math.ceil(n / len(BUILTIN_DOMAINS))), seed=seed)
         order = torch.randperm(len(qs), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -176,8 +169,6 @@ def questions(data_dir: Path | None, split: str, n: int, seed: int = 0) -> tuple
 
 def demo_config(n_layers: int, k: int | None, steps: int, seed: int = 0, batch_size: int | None = None) -> CalibrationConfig:
     """The demo's CALM configuration (``llm_calib.demo.run_demo``) with LoRA on the top ``k`` layers."""
-    from llm_calib.demo import DemoSettings
-
     d = DemoSettings()
     k = n_layers if k is None else min(k, n_layers)
     bs = batch_size or d.batch_size
@@ -228,8 +219,6 @@ def eval_speed(model: Any, tok: Any, records: list[MultipleChoice], s: Settings,
 def step_speed(base: Any, tok: Any, train: list[MultipleChoice], heldout: list[MultipleChoice], s: Settings,
                log: Callable[[str], None]) -> dict[str, Any]:
     """(b, d) seconds per BOME and CE step on both paths, the trunk cache and held-out eval costs."""
-    from llm_calib.demo import DemoSettings
-
     n_layers = base.config.num_hidden_layers
     paths = {"naive": (None, True), "default": (s.top_k, False)}
     runs: dict[str, dict[str, Run]] = {}
@@ -278,46 +267,11 @@ def step_speed(base: Any, tok: Any, train: list[MultipleChoice], heldout: list[M
     out.update(step_speedup=n["bome_s"] / d["bome_s"], step_speedup_cpu=n["bome_cpu_s"] / d["bome_cpu_s"],
                epoch_speedup=n["epoch_s"] / d["epoch_s"], ce_speedup=n["ce_s"] / d["ce_s"],
                config=runs["default"]["bome"].trainer.config.to_dict())
-    out["bome_breakdown"] = bome_breakdown(runs["default"]["bome"], runs["default"]["ce"])
-    return out
-
-
-def bome_breakdown(run: Run, ce: Run, repeats: int = 2) -> dict[str, Any]:
-    """Where a BOME step's time goes (default path, one batch): its three gradient evaluations
-    (T = 1) against the plain LoRA step's one, each timed alone (wall and CPU medians)."""
-    tr, step = run.trainer, run.state.step
-    inner, outer = tr.train_batch(step), tr.unlabeled_batch(step)
-    lam, theta = {k: v.detach() for k, v in run.state.lam.items()}, run.state.theta
-
-    def g(w: Any, l_: Any) -> Tensor:
-        return tr.losses.inner(w, l_, inner)
-
-    _, grad_w, _ = hg.autodiff.loss_and_grads(g, theta, lam)
-    w_hat = {k: (v - inner_lr(tr.config) * grad_w[k]).detach() for k, v in theta.items()}
-    parts = {
-        "grad g(w) (theta and lambda)": lambda: hg.autodiff.loss_and_grads(g, theta, lam),
-        "g(w_hat) and its lambda-gradient": lambda: hg.autodiff.loss_and_grads(g, w_hat, lam, wrt_w=False),
-        "grad f(w) (held-out batch)": lambda: hg.autodiff.loss_and_grads(
-            lambda w, l_: tr.losses.outer(w, l_, outer), theta, lam),
-        "plain LoRA: grad CE(w)": lambda: hg.autodiff.loss_and_grads(
-            lambda w, _l: ce.trainer.losses.baseline("lora_ce", w, inner), theta, {"_": torch.zeros(1)}, wrt_lam=False),
-        "whole BOME direction (hypergrad call)": lambda: tr.solver.hypergrad(
-            tr.problem, theta, lam, inner, outer, run.state.solver_state),
-    }
-    out: dict[str, Any] = {}
-    for name, fn in parts.items():
-        fn()  # warm-up
-        wall, cpu_s, _ = timed(fn, repeats)
-        out[name] = {"wall_s": wall, "cpu_s": cpu_s}
-    ce_cpu = out["plain LoRA: grad CE(w)"]["cpu_s"]
-    out["floor_ratio"] = sum(v["cpu_s"] for k, v in out.items() if not k.startswith(("plain", "whole"))) / ce_cpu
-    out["call_ratio"] = out["whole BOME direction (hypergrad call)"]["cpu_s"] / ce_cpu
+    out["bome_breakdown"] = bome_step_breakdown(runs["default"]["bome"].trainer, runs["default"]["bome"].state)
     return out
 
 
 def demo_data(s: Settings) -> tuple[Any, list, list, dict[str, list]]:
-    from llm_calib.demo import DemoSettings, split_data
-
     settings = DemoSettings(**s.demo)
     return (settings, *split_data(settings))
 
@@ -463,9 +417,6 @@ def full_run(data_dir: Path | None, log: Callable[[str], None], n_train: int = E
              n_heldout: int = HELDOUT_QUESTIONS) -> dict[str, Any]:
     """``calibrate`` with the demo's settings on 1,000 ARC-Easy train + 300 dev questions, 1 epoch
     (held-out evaluation every 25 steps: every 5 would cost more than the steps themselves)."""
-    from llm_calib.demo import DemoSettings
-    from llm_calib.models import load
-
     train, heldout = _ai2(data_dir, "train"), _ai2(data_dir, "dev")
     if train is None or heldout is None:
         raise SystemExit(f"--full-run needs ARC-Easy train and dev under {data_dir}/arc_easy/")

@@ -6,7 +6,8 @@ fallback elsewhere).
 * :func:`timed` and :func:`interleave`: medians of wall and CPU seconds, several candidates timed
   in interleaved rounds after a warm-up (fair on a machine shared with other jobs);
 * :func:`run_json_worker` and :func:`measurement_env`: one configuration per fresh process (a
-  peak of one configuration is not inflated by what an earlier one left on the heap).
+  peak of one configuration is not inflated by what an earlier one left on the heap);
+* :func:`bome_step_breakdown`: where a CALM (BOME) step's time goes, against a plain LoRA step.
 """
 
 from __future__ import annotations
@@ -25,7 +26,17 @@ from typing import Any
 
 from llm_calib.models import free_memory
 
-__all__ = ["MB", "Phase", "interleave", "measurement_env", "median", "proc_status", "run_json_worker", "timed"]
+__all__ = [
+    "MB",
+    "Phase",
+    "bome_step_breakdown",
+    "interleave",
+    "measurement_env",
+    "median",
+    "proc_status",
+    "run_json_worker",
+    "timed",
+]
 
 MB = 1024.0 * 1024.0
 """Bytes in a mebibyte."""
@@ -241,3 +252,64 @@ def run_json_worker(
     finally:
         os.unlink(fh.name)
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], proc
+
+
+def bome_step_breakdown(trainer: Any, state: Any, repeats: int = 2) -> dict[str, Any]:
+    """Where a BOME step's time goes, on the current step's batches: BOME's three gradient
+    evaluations (one inner step, T = 1) and the whole hypergradient call, against the one gradient
+    evaluation of a plain LoRA (cross-entropy) step on the same batch; each timed alone after a
+    warm-up (wall and CPU medians of ``repeats`` calls).
+
+    Args:
+        trainer: a :class:`~llm_calib.calm.training.Trainer` of a CALM run with the BOME solver.
+        state: its :class:`~llm_calib.calm.training.TrainState`.
+        repeats: timed calls per part.
+
+    Returns:
+        Per part ``{"wall_s", "cpu_s"}``; ``floor_ratio``: CPU time of the three evaluations over
+        the plain step's; ``call_ratio``: the whole call's over the plain step's.
+
+    Example:
+        >>> from llm_calib.calm.config import CalibrationConfig, LoraSettings
+        >>> from llm_calib.calm.training import build_trainer, init_state
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> qs = builtin_multiple_choice(n_per_domain=2, domains=["capitals"])
+        >>> tr = build_trainer(model, tok, qs, qs, CalibrationConfig(batch_size=2, lora=LoraSettings(layers=(1,))))
+        >>> out = bome_step_breakdown(tr, init_state(tr, evaluate_before=False), repeats=1)
+        >>> out["call_ratio"] > 0, len(out)
+        (True, 7)
+    """
+    import torch
+
+    import hypergrad as hg
+    from llm_calib.calm.methods import inner_lr
+
+    inner, outer = trainer.train_batch(state.step), trainer.unlabeled_batch(state.step)
+    lam, theta = {k: v.detach() for k, v in state.lam.items()}, state.theta
+
+    def g(w: Any, l_: Any) -> Any:
+        return trainer.losses.inner(w, l_, inner)
+
+    _, grad_w, _ = hg.autodiff.loss_and_grads(g, theta, lam)
+    w_hat = {k: (v - inner_lr(trainer.config) * grad_w[k]).detach() for k, v in theta.items()}
+    parts = {
+        "grad g(w) (theta and lambda)": lambda: hg.autodiff.loss_and_grads(g, theta, lam),
+        "g(w_hat) and its lambda-gradient": lambda: hg.autodiff.loss_and_grads(g, w_hat, lam, wrt_w=False),
+        "grad f(w) (held-out batch)": lambda: hg.autodiff.loss_and_grads(
+            lambda w, l_: trainer.losses.outer(w, l_, outer), theta, lam),
+        "plain LoRA: grad CE(w)": lambda: hg.autodiff.loss_and_grads(
+            lambda w, _l: trainer.losses.baseline("lora_ce", w, inner), theta, {"_": torch.zeros(1)}, wrt_lam=False),
+        "whole BOME direction (hypergrad call)": lambda: trainer.solver.hypergrad(
+            trainer.problem, theta, lam, inner, outer, state.solver_state),
+    }
+    out: dict[str, Any] = {}
+    for name, fn in parts.items():
+        fn()  # warm-up
+        wall, cpu_s, _ = timed(fn, repeats)
+        out[name] = {"wall_s": wall, "cpu_s": cpu_s}
+    ce_cpu = out["plain LoRA: grad CE(w)"]["cpu_s"]
+    out["floor_ratio"] = sum(v["cpu_s"] for k, v in out.items() if not k.startswith(("plain", "whole"))) / ce_cpu
+    out["call_ratio"] = out["whole BOME direction (hypergrad call)"]["cpu_s"] / ce_cpu
+    return out
