@@ -122,8 +122,9 @@ def add_dataclass_flags(parser: Any, cls: type, *, exclude: Iterable[str] = (), 
                         defaults: Any = None) -> list[str]:
     """Add one flag per field of the dataclass ``cls`` (``--top-layers`` for ``top_layers``).
 
-    Every flag defaults to None, so :func:`dataclass_overrides` returns the fields given only; the
-    help names the default (of ``defaults``, an instance, else of the class).
+    A flag not given leaves no entry in the parsed namespace, so :func:`dataclass_overrides` returns
+    the fields given only (``null`` included, for an optional field); the help names the default (of
+    ``defaults``, an instance, else of the class).
 
     Args:
         parser: an :class:`argparse.ArgumentParser` or argument group.
@@ -165,7 +166,7 @@ def add_dataclass_flags(parser: Any, cls: type, *, exclude: Iterable[str] = (), 
             default = "required"
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else "null" if default is None else default
         text = plain_help(helps.get(f.name, f.name.replace("_", " ")))
-        parser.add_argument(_flag(f.name), dest=dest_prefix + f.name, type=parse, metavar=metavar, default=None,
+        parser.add_argument(_flag(f.name), dest=dest_prefix + f.name, type=parse, metavar=metavar, default=argparse.SUPPRESS,
                             help=f"{text} (default: {plain_help(str(shown))})")
         added.append(f.name)
     return added
@@ -177,12 +178,12 @@ def dataclass_overrides(args: argparse.Namespace, cls: type, *, dest_prefix: str
     Example:
         >>> import argparse
         >>> from llm_calib.calm.config import LoraSettings
-        >>> dataclass_overrides(argparse.Namespace(**{"field:rank": None, "field:alpha": 8.0}), LoraSettings)
+        >>> dataclass_overrides(argparse.Namespace(**{"field:alpha": 8.0, "other": 1}), LoraSettings)
         {'alpha': 8.0}
     """
     names = {f.name for f in dataclasses.fields(cls)}
     out = {}
     for key, value in vars(args).items():
-        if key.startswith(dest_prefix) and key[len(dest_prefix):] in names and value is not None:
+        if key.startswith(dest_prefix) and key[len(dest_prefix):] in names:
             out[key[len(dest_prefix):]] = value
     return out
