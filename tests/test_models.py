@@ -132,7 +132,7 @@ def test_random_init_model_has_the_cached_shape_and_tokenizer(monkeypatch, tmp_p
     from llm_calib.models import random_init_model
 
     monkeypatch.setenv("LLM_CALIB_CACHE", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="no converted model cache for 'm'.*config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no converted model cache for 'm'.*config\.json"):
         random_init_model("m")
     model, tok = tiny
     model.save_pretrained(tmp_path / "m")

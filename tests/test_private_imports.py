@@ -3,7 +3,7 @@
 A private name is one with a leading underscore (dunders aside): a module-level ``_helper``, or
 a private module such as ``llm_calib.data._io``. Allowed: a package's own private modules used by
 the modules of that package (``llm_calib/data/ai2.py`` importing ``llm_calib.data._io``), and the
-helper modules of ``tests/`` and ``benchmarks/`` (``tests/_problems.py``, ``benchmarks/_memory.py``)
+helper modules of ``tests/`` and ``benchmarks/`` (``tests/_problems.py``, ``tests/_benchmarks.py``)
 used from their own folder. Checked statically (``ast``): ``from M import _x``, ``import M._x``,
 ``alias._x`` where ``alias`` names an imported project module, and dotted strings such as
 ``"llm_calib.calm.trainer._x"`` (monkeypatch targets, docs references).
@@ -58,7 +58,7 @@ def _module_allowed(module: str, path: Path, folder: str) -> bool:
     """A dotted module with private parts is importable only from inside the package that owns it."""
     parts = module.split(".")
     if parts[0] in _local_helpers(folder) or (parts[0] == folder and len(parts) == 2):
-        return True  # tests/_problems.py from tests/, benchmarks/_memory.py from benchmarks/
+        return True  # tests/_problems.py from tests/, a benchmarks/_helper.py from benchmarks/
     for i, part in enumerate(parts):
         if _private(part):
             owner = ".".join(parts[:i])

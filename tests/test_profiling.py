@@ -65,12 +65,13 @@ def test_interleave_warms_up_rotates_and_respects_rounds_and_budget() -> None:
 
 def test_run_json_worker_passes_the_config_and_reads_json_lines(tmp_path) -> None:
     script = tmp_path / "worker.py"
-    script.write_text("import json, sys\ncfg = json.load(open(sys.argv[2]))\nprint('noise')\n"
-                      "print(json.dumps({'x': cfg['x'] * 2, 'arg': sys.argv[3:]}))\nsys.exit(cfg.get('code', 0))\n")
+    script.write_text("import json, sys\ncfg = json.load(open(sys.argv[2]))\nprint('{\"first\": 1}')\n"
+                      "print(json.dumps({'x': cfg['x'] * 2, 'arg': sys.argv[3:]}))\nprint('noise')\n"
+                      "sys.exit(cfg.get('code', 0))\n")
     answers, proc = run_json_worker(script, {"x": 21}, args=["--flag"], env=measurement_env(1))
-    assert answers == [{"x": 42, "arg": ["--flag"]}] and proc.returncode == 0
+    assert answers == [{"first": 1}, {"x": 42, "arg": ["--flag"]}] and proc.returncode == 0
     answers, proc = run_json_worker(script, {"x": 1, "code": 3})
-    assert proc.returncode == 3 and answers[0]["x"] == 2
+    assert proc.returncode == 3 and answers[1]["x"] == 2
     env = measurement_env(3)
     assert env["OMP_NUM_THREADS"] == "3" and env["MALLOC_TRIM_THRESHOLD_"] == "0"
     assert json.dumps(env) and sys.executable  # a plain str -> str mapping
