@@ -41,7 +41,7 @@ class SweepLog:
         >>> log.worker = 1
         >>> log("run 3 done")  # doctest: +ELLIPSIS
         [...] run 3 done (worker 1)
-        >>> log.path.read_text().endswith("run 3 done (worker 1)\n")
+        >>> log.path.read_text().splitlines()[-1].endswith("run 3 done (worker 1)")
         True
     """
 

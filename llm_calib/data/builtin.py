@@ -1,6 +1,7 @@
-"""A built-in, procedurally generated multiple-choice set for offline tests and demos.
+"""Built-in, procedurally generated questions for offline tests and demos: multiple choice, and
+open questions with one reference answer (:func:`builtin_open_questions`).
 
-Five clearly different domains (:data:`BUILTIN_DOMAINS`), four options per question:
+Multiple choice: five clearly different domains (:data:`BUILTIN_DOMAINS`), four options per question:
 
 * ``arithmetic``: ``What is 47 + 38?`` (addition, subtraction, multiplication); distractors are
   near misses (off by 1, 2, 10 or one operand).
