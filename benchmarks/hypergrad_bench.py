@@ -52,13 +52,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
-from _memory import Phase
 from torch import Tensor, nn
 from torch.func import functional_call
 
 import hypergrad as hg
+from llm_calib.profiling import Phase, measurement_env
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torchopt's functorch deprecations
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -955,11 +953,7 @@ def measure_memory(configs: list[dict[str, Any]], threads: int, log: Callable[[s
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(configs, fh)
         path = fh.name
-    env = dict(os.environ)
-    # Large allocations through mmap, returned to the OS on free: RSS then tracks live tensors.
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    env["MALLOC_TRIM_THRESHOLD_"] = "0"
-    env["OMP_NUM_THREADS"] = str(threads)
+    env = measurement_env(threads)  # large allocations through mmap, returned on free: RSS tracks live tensors
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--worker", path, "--threads", str(threads)],

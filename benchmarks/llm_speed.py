@@ -28,12 +28,9 @@ import dataclasses
 import json
 import math
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -41,23 +38,35 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
-from _memory import Phase
 from naive_scoring import NaiveCalmLosses, score_option_likelihood_naive
-from torch import Tensor
 
-import hypergrad as hg
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM
-from llm_calib.calm.methods import inner_lr
-from llm_calib.data.records import MultipleChoice
-from llm_calib.report import machine_info
+from llm_calib.calm.trainer import calibrate
+from llm_calib.calm.verify import compare_losses, relative_difference
+from llm_calib.data import BUILTIN_DOMAINS, MultipleChoice, builtin_multiple_choice
+from llm_calib.data import load as load_data
+from llm_calib.demo import DemoSettings, split_data
+from llm_calib.evaluate import group_means
+from llm_calib.flags import add_dataclass_flags, dataclass_overrides
+from llm_calib.models import default_cache_dir, load, random_init_model, tiny_random_model
+from llm_calib.profiling import (
+    MB,
+    Phase,
+    bome_step_breakdown,
+    interleave,
+    measurement_env,
+    median,
+    run_json_worker,
+)
+from llm_calib.report import format_number, machine_info, markdown_table, provenance_lines, verdict
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 ALIAS = "smollm2-135m-instruct"
-MB = 1024.0 * 1024.0
 LOAD_START = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 EPOCH_QUESTIONS = 1000
 HELDOUT_QUESTIONS = 300
@@ -65,12 +74,25 @@ HELDOUT_QUESTIONS = 300
 
 @dataclass(frozen=True)
 class Settings:
-    """Sizes of one mode: evaluation questions and rounds, step-timing pools and rounds, the
-    default path's ``top_k``, the quality sweep's ``ks`` and steps, the demo split, the fast-vs-slow
-    trajectory, whether to measure memory, and the training batch size (None: the demo's)."""
+    """Sizes of one mode; every field but ``name`` and ``demo`` has its flag (``--n-eval 96``).
+
+    Attributes:
+        name: the mode.
+        model: ``real``, ``random`` (same shape; ``fallback`` without the model cache), ``fallback``, ``tiny``.
+        n_eval, eval_batch_size, eval_rounds_naive: (a) evaluation questions, batch, naive rounds.
+        n_train, n_heldout: (b) the step-timing pools.
+        rounds_naive, rounds_default, budget_s: (b) timed rounds per path and their soft time limit.
+        top_k: the default path's LoRA layers.
+        ks: (e) the quality sweep's LoRA layers (none: every layer).
+        quality_steps: (e) steps per run.
+        demo: (e) the demo split (``DemoSettings`` fields).
+        trajectory_steps, slow_eval_per_domain: the fast-vs-slow trajectory and test subset.
+        memory: (c) measure peak memory in fresh processes.
+        batch_size: the training batch (null: the demo's).
+    """
 
     name: str
-    model: str = "real"  # "real", "random" (same shape; "fallback" without the cache), "fallback", "tiny"
+    model: str = "real"
     n_eval: int = 48
     eval_batch_size: int = 16
     eval_rounds_naive: int = 2
@@ -105,29 +127,18 @@ MODES = {"full": FULL, "quick": QUICK, "tiny": TINY}
 
 def build_model(kind: str, seed: int = 0) -> tuple[Any, Any, str, str]:
     """``(model, tokenizer, kind, description)``; ``kind`` may change to ``"fallback"``."""
-    from llm_calib.models import default_cache_dir, load, tiny_random_model
-
     if kind == "real":
         model, tok = load(ALIAS)
         return model, tok, kind, f"{ALIAS} (real weights, float32)"
     if kind == "random":
-        cache = default_cache_dir(ALIAS)
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
         try:
-            if not (cache / "config.json").is_file():
-                raise FileNotFoundError(cache / "config.json")
-            config, tok = AutoConfig.from_pretrained(cache), AutoTokenizer.from_pretrained(cache)
+            model, tok = random_init_model(ALIAS, seed)
         except (OSError, ValueError) as err:
             model, tok, _, desc = build_model("fallback", seed)
-            return model, tok, "fallback", f"{desc}; model cache {cache} unavailable ({type(err).__name__})"
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        n = sum(p.numel() for p in model.parameters())
-        return model, tok, kind, (f"random init from the {ALIAS} config ({config.num_hidden_layers} layers, hidden "
-                                  f"{config.hidden_size}, {n / 1e6:.0f}M parameters) with its tokenizer")
+            return model, tok, "fallback", f"{desc}; model cache {default_cache_dir(ALIAS)} unavailable ({type(err).__name__})"
+        c, n = model.config, sum(p.numel() for p in model.parameters())
+        return model, tok, kind, (f"random init from the {ALIAS} config ({c.num_hidden_layers} layers, hidden "
+                                  f"{c.hidden_size}, {n / 1e6:.0f}M parameters) with its tokenizer")
     if kind == "fallback":
         model, tok = tiny_random_model(seed, hidden_size=64, num_layers=8, init_std=0.1)
         return model, tok, kind, (f"FALLBACK (no {ALIAS} cache): random Llama, 8 layers, hidden 64, with the "
@@ -139,20 +150,15 @@ def build_model(kind: str, seed: int = 0) -> tuple[Any, Any, str, str]:
 
 
 def _ai2(data_dir: Path | None, split: str) -> list[MultipleChoice] | None:
-    path = None if data_dir is None else Path(data_dir) / "arc_easy" / f"{split}.jsonl"
-    if path is None or not path.is_file():
+    if data_dir is None or not (Path(data_dir) / "arc_easy" / f"{split}.jsonl").is_file():
         return None
-    from llm_calib.data import load_ai2
-
-    return list(load_ai2(path, on_error="skip").records)
+    return list(load_data(f"arc_easy:{data_dir}:{split}", on_error="skip").records)
 
 
 def questions(data_dir: Path | None, split: str, n: int, seed: int = 0) -> tuple[list[MultipleChoice], str]:
     """``n`` ARC-Easy questions of ``split`` (a seeded sample), else built-in questions."""
     records = _ai2(data_dir, split)
     if records is None:
-        from llm_calib.data import BUILTIN_DOMAINS, builtin_multiple_choice
-
         seed += {"train": 0, "dev": 1, "test": 2}[split]
         qs = builtin_multiple_choice(n_per_domain=max(1, math.ceil(n / len(BUILTIN_DOMAINS))), seed=seed)
         order = torch.randperm(len(qs), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -163,8 +169,6 @@ def questions(data_dir: Path | None, split: str, n: int, seed: int = 0) -> tuple
 
 def demo_config(n_layers: int, k: int | None, steps: int, seed: int = 0, batch_size: int | None = None) -> CalibrationConfig:
     """The demo's CALM configuration (``llm_calib.demo.run_demo``) with LoRA on the top ``k`` layers."""
-    from llm_calib.demo import DemoSettings
-
     d = DemoSettings()
     k = n_layers if k is None else min(k, n_layers)
     bs = batch_size or d.batch_size
@@ -186,8 +190,7 @@ class Run:
         return training.train_step(self.trainer, self.state)
 
 
-def make_run(model: Any, tok: Any, train: Sequence[MultipleChoice], heldout: Sequence[MultipleChoice],
-             config: CalibrationConfig, naive: bool) -> Run:
+def make_run(model: Any, tok: Any, train: Any, heldout: Any, config: CalibrationConfig, naive: bool) -> Run:
     """Attach LoRA to ``model`` (in place) as ``calibrate`` does; ``naive``: the reference losses."""
     trainer = training.build_trainer(model, tok, train, heldout, config)
     if naive:
@@ -196,61 +199,14 @@ def make_run(model: Any, tok: Any, train: Sequence[MultipleChoice], heldout: Seq
     return Run(trainer, training.init_state(trainer, evaluate_before=False))
 
 
-def interleave(runners: dict[str, Callable[[], Any]], rounds: dict[str, int], budget_s: float,
-               log: Callable[[str], None]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Warm each runner up once, then time them in interleaved rounds (rotating start): wall and CPU samples."""
-    for name, fn in runners.items():
-        t0 = time.perf_counter()
-        fn()
-        log(f"    warm-up {name}: {time.perf_counter() - t0:.2f}s")
-    wall: dict[str, list[float]] = {k: [] for k in runners}
-    cpu: dict[str, list[float]] = {k: [] for k in runners}
-    names, t_start, r = list(runners), time.perf_counter(), 0
-    while pending := [n for n in names if len(wall[n]) < rounds[n]]:
-        if r >= min(rounds.values()) and time.perf_counter() - t_start > budget_s:
-            pending = [n for n in pending if len(wall[n]) < min(rounds.values())]
-            if not pending:
-                break
-        shift = r % len(pending)
-        for name in pending[shift:] + pending[:shift]:
-            c0, t0 = time.process_time(), time.perf_counter()
-            runners[name]()
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-        r += 1
-    return wall, cpu
-
-
-def timed(fn: Callable[[], Any], repeats: int = 1) -> tuple[float, float, Any]:
-    """Median wall and CPU seconds of ``repeats`` calls, and the last result."""
-    walls, cpus, out = [], [], None
-    for _ in range(repeats):
-        c0, t0 = time.process_time(), time.perf_counter()
-        out = fn()
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-    return median(walls), median(cpus), out
-
-
-def median(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def eval_speed(model: Any, tok: Any, records: list[MultipleChoice], s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
     """(a) questions per second, naive vs default, on the same questions; score agreement."""
-    warm = records[: min(4, len(records))]
-    score_option_likelihood(model, tok, warm, batch_size=s.eval_batch_size)
-    score_option_likelihood_naive(model, tok, warm[:1])
-    runs: dict[str, list[tuple[float, float]]] = {"naive": [], "default": []}
     results: dict[str, Any] = {}
-    for r in range(max(s.eval_rounds_naive, 3)):  # interleaved: naive, default, naive, default, ...
-        if r < s.eval_rounds_naive:
-            wall, cpu_s, results["naive"] = timed(lambda: score_option_likelihood_naive(model, tok, records))
-            runs["naive"].append((wall, cpu_s))
-        wall, cpu_s, results["default"] = timed(lambda: score_option_likelihood(model, tok, records, batch_size=s.eval_batch_size))
-        runs["default"].append((wall, cpu_s))
-    (t_naive, c_naive), (t_fast, c_fast) = ((median([w for w, _ in runs[p]]), median([c for _, c in runs[p]]))
-                                            for p in ("naive", "default"))
+    runners = {"naive": lambda: results.__setitem__("naive", score_option_likelihood_naive(model, tok, records)),
+               "default": lambda: results.__setitem__("default", score_option_likelihood(
+                   model, tok, records, batch_size=s.eval_batch_size))}
+    wall, cpu = interleave(runners, {"naive": s.eval_rounds_naive, "default": max(s.eval_rounds_naive, 3)}, math.inf, log)
+    (t_naive, c_naive), (t_fast, c_fast) = ((median(wall[p]), median(cpu[p])) for p in ("naive", "default"))
     diff = max(float((a - b).abs().max()) for a, b in zip(results["naive"].logits, results["default"].logits, strict=True))
     out = {"n": len(records), "naive_s": t_naive, "default_s": t_fast, "naive_cpu_s": c_naive, "default_cpu_s": c_fast,
            "naive_qps": len(records) / t_naive, "default_qps": len(records) / t_fast, "max_abs_score_diff": diff}
@@ -263,15 +219,14 @@ def eval_speed(model: Any, tok: Any, records: list[MultipleChoice], s: Settings,
 def step_speed(base: Any, tok: Any, train: list[MultipleChoice], heldout: list[MultipleChoice], s: Settings,
                log: Callable[[str], None]) -> dict[str, Any]:
     """(b, d) seconds per BOME and CE step on both paths, the trunk cache and held-out eval costs."""
-    from llm_calib.demo import DemoSettings
-
     n_layers = base.config.num_hidden_layers
     paths = {"naive": (None, True), "default": (s.top_k, False)}
     runs: dict[str, dict[str, Run]] = {}
     out: dict[str, Any] = {"paths": {}}
     for path, (k, naive) in paths.items():
         cfg = demo_config(n_layers, k, steps=10**6, batch_size=s.batch_size)
-        runs[path] = {kind: make_run(copy.deepcopy(base), tok, train, heldout, replace(cfg, method=m), naive)
+        encs = [encode_records(tok, r, cfg) for r in (train, heldout)]  # shared: the CE run reuses BOME's trunk cache
+        runs[path] = {kind: make_run(copy.deepcopy(base), tok, *encs, replace(cfg, method=m), naive)
                       for kind, m in (("bome", "calm"), ("ce", "lora_ce"))}
         tr = runs[path]["bome"].trainer
         info = {"k": k if k is not None else n_layers, "lora_layers": list(cfg.lora.layers or ()),
@@ -279,14 +234,9 @@ def step_speed(base: Any, tok: Any, train: list[MultipleChoice], heldout: list[M
                 "trunk_layers": tr.lm.trunk_layers, "caches_trunk": tr.lm.caches_trunk}
         if tr.lm.caches_trunk:  # one-time costs on the timing pools: trunk cache, then held-out evaluation
             t0 = time.perf_counter()
-            tr.train.fill_trunk_cache(tr.lm, tr.pad_id)
-            tr.heldout.fill_trunk_cache(tr.lm, tr.pad_id)
-            n_q = len(tr.train) + len(tr.heldout)
+            n_q = tr.fill_trunk_caches()
             info["trunk_s_per_question"] = (time.perf_counter() - t0) / n_q
             info["trunk_bytes_per_question"] = (tr.train.trunk_cache_bytes + tr.heldout.trunk_cache_bytes) / n_q
-            ce = runs[path]["ce"].trainer  # same frozen trunk: the CE run shares the cache
-            ce.train.trunk_cache.update(tr.train.trunk_cache)
-            ce.heldout.trunk_cache.update(tr.heldout.trunk_cache)
             training.evaluate(tr)  # warm-up
             t0 = time.perf_counter()
             training.evaluate(tr)
@@ -317,72 +267,23 @@ def step_speed(base: Any, tok: Any, train: list[MultipleChoice], heldout: list[M
     out.update(step_speedup=n["bome_s"] / d["bome_s"], step_speedup_cpu=n["bome_cpu_s"] / d["bome_cpu_s"],
                epoch_speedup=n["epoch_s"] / d["epoch_s"], ce_speedup=n["ce_s"] / d["ce_s"],
                config=runs["default"]["bome"].trainer.config.to_dict())
-    out["bome_breakdown"] = bome_breakdown(runs["default"]["bome"], runs["default"]["ce"])
-    return out
-
-
-def bome_breakdown(run: Run, ce: Run, repeats: int = 2) -> dict[str, Any]:
-    """Where a BOME step's time goes (default path, one batch): its three gradient evaluations
-    (T = 1) against the plain LoRA step's one, each timed alone (wall and CPU medians)."""
-    tr, step = run.trainer, run.state.step
-    inner, outer = tr.train_batch(step), tr.unlabeled_batch(step)
-    lam, theta = {k: v.detach() for k, v in run.state.lam.items()}, run.state.theta
-
-    def g(w: Any, l_: Any) -> Tensor:
-        return tr.losses.inner(w, l_, inner)
-
-    _, grad_w, _ = hg.autodiff.loss_and_grads(g, theta, lam)
-    w_hat = {k: (v - inner_lr(tr.config) * grad_w[k]).detach() for k, v in theta.items()}
-    parts = {
-        "grad g(w) (theta and lambda)": lambda: hg.autodiff.loss_and_grads(g, theta, lam),
-        "g(w_hat) and its lambda-gradient": lambda: hg.autodiff.loss_and_grads(g, w_hat, lam, wrt_w=False),
-        "grad f(w) (held-out batch)": lambda: hg.autodiff.loss_and_grads(
-            lambda w, l_: tr.losses.outer(w, l_, outer), theta, lam),
-        "plain LoRA: grad CE(w)": lambda: hg.autodiff.loss_and_grads(
-            lambda w, _l: ce.trainer.losses.baseline("lora_ce", w, inner), theta, {"_": torch.zeros(1)}, wrt_lam=False),
-        "whole BOME direction (hypergrad call)": lambda: tr.solver.hypergrad(
-            tr.problem, theta, lam, inner, outer, run.state.solver_state),
-    }
-    out: dict[str, Any] = {}
-    for name, fn in parts.items():
-        fn()  # warm-up
-        wall, cpu_s, _ = timed(fn, repeats)
-        out[name] = {"wall_s": wall, "cpu_s": cpu_s}
-    ce_cpu = out["plain LoRA: grad CE(w)"]["cpu_s"]
-    out["floor_ratio"] = sum(v["cpu_s"] for k, v in out.items() if not k.startswith(("plain", "whole"))) / ce_cpu
-    out["call_ratio"] = out["whole BOME direction (hypergrad call)"]["cpu_s"] / ce_cpu
-    return out
-
-
-def _split_means(scored: Any, in_domain: Sequence[str], out_domain: Sequence[str]) -> dict[str, float]:
-    from llm_calib.metrics import summarize
-
-    per = {d: summarize(p.probs_numpy, p.labels_numpy, ci=False) for d, p in scored.by_domain().items()}
-    out = {}
-    for name, domains in (("in", in_domain), ("out", out_domain)):
-        present = [d for d in domains if d in per]
-        out[f"ece_{name}"] = statistics.mean(per[d]["ece"] for d in present)
-        out[f"acc_{name}"] = statistics.mean(per[d]["accuracy"] for d in present)
+    out["bome_breakdown"] = bome_step_breakdown(runs["default"]["bome"].trainer, runs["default"]["bome"].state)
     return out
 
 
 def demo_data(s: Settings) -> tuple[Any, list, list, dict[str, list]]:
-    from llm_calib.demo import DemoSettings, split_data
-
     settings = DemoSettings(**s.demo)
     return (settings, *split_data(settings))
 
 
 def quality(base: Any, tok: Any, s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
     """(e) a short CALM run per k on the demo data; in- and out-of-domain ECE next to the speed."""
-    from llm_calib.calm.trainer import calibrate
-
     settings, train, heldout, test = demo_data(s)
     all_test = [q for d in test for q in test[d]]
     n_layers = base.config.num_hidden_layers
-    split = (settings.in_domain, settings.out_of_domain)
+    split = {"in": settings.in_domain, "out": settings.out_of_domain}
     uncal = score_option_likelihood(base, tok, all_test, batch_size=s.eval_batch_size)
-    rows: list[dict[str, Any]] = [{"k": "uncalibrated", **_split_means(uncal, *split)}]
+    rows: list[dict[str, Any]] = [{"k": "uncalibrated", **group_means(uncal, split)}]
     results: dict[Any, Any] = {}
     for k in s.ks:
         kk = n_layers if k is None else min(k, n_layers)
@@ -396,18 +297,13 @@ def quality(base: Any, tok: Any, s: Settings, log: Callable[[str], None]) -> dic
                "steps": s.quality_steps, "wall_s": wall, "train_s": train_s, "s_per_step": train_s / s.quality_steps,
                "score_s": time.perf_counter() - t1, "selected_step": res.metrics["after"].get("selected_step"),
                "heldout_ece_before": res.metrics["before"]["ece"], "heldout_ece_after": res.metrics["after"]["ece"],
-               **_split_means(scored, *split)}
+               **group_means(scored, split)}
         rows.append(row)
         results[kk] = res
         log(f"  (e) k={kk}: {row['s_per_step']:.2f}s/step (incl. held-out evals), ECE in {row['ece_in']:.3f} "
             f"out {row['ece_out']:.3f}")
     return {"rows": rows, "results": results, "settings": asdict(settings) | {"timings": None},
             "n_train": len(train), "n_heldout": len(heldout), "n_test": len(all_test)}
-
-
-def _tree_rel(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
-    x, y = (torch.cat([t[k].detach().double().reshape(-1) for k in sorted(t)]) for t in (a, b))
-    return float((x - y).norm() / y.norm().clamp_min(1e-30))
 
 
 def fast_vs_slow(base: Any, tok: Any, s: Settings, start: Any | None, log: Callable[[str], None]) -> dict[str, Any]:
@@ -432,28 +328,13 @@ def fast_vs_slow(base: Any, tok: Any, s: Settings, start: Any | None, log: Calla
         fast.state.theta, slow.state.theta = ({k: v.clone() for k, v in theta.items()} for _ in range(2))
     out: dict[str, Any] = {"k": s.top_k, "from_trained": start is not None}
     tf, sf, ts, ss = fast.trainer, fast.state, slow.trainer, slow.state
-    inner_f, outer_f, inner_s, outer_s = tf.train_batch(0), tf.unlabeled_batch(0), ts.train_batch(0), ts.unlabeled_batch(0)
-    lam = {k: v.detach() for k, v in sf.lam.items()}
-    checks: dict[str, Any] = {}
-    for name, fn_f, fn_s, b_f, b_s in (("g", tf.losses.inner, ts.losses.inner, inner_f, inner_s),
-                                       ("f", tf.losses.outer, ts.losses.outer, outer_f, outer_s)):
-        vf, gw_f, gl_f = hg.autodiff.loss_and_grads(lambda w, l_, fn=fn_f, b=b_f: fn(w, l_, b), sf.theta, lam)
-        vs, gw_s, gl_s = hg.autodiff.loss_and_grads(lambda w, l_, fn=fn_s, b=b_s: fn(w, l_, b), ss.theta, lam)
-        checks[name] = {"fast": float(vf), "slow": float(vs), "abs_diff": abs(float(vf) - float(vs)),
-                        "grad_theta_rel": _tree_rel(gw_f, gw_s)}
-        if name == "g":
-            checks[name]["grad_lam_rel"] = _tree_rel(gl_f, gl_s)
-    sc_f, sc_s = tf.losses.scores(sf.theta, lam, inner_f), ts.losses.scores(ss.theta, lam, inner_s)
-    finite = torch.isfinite(sc_s)
-    checks["scores_max_abs_diff"] = float((sc_f[finite] - sc_s[finite]).abs().max())
-    out["losses"] = checks
+    out["losses"] = checks = compare_losses(tf, sf.theta, ts, ss.theta, sf.lam)  # a: fast, b: slow (the reference)
     for tag, r in (("fast", fast), ("slow", slow)):
         t0 = time.perf_counter()
         for _ in range(s.trajectory_steps):
             r.step()
         out[f"{tag}_steps_s"] = time.perf_counter() - t0
-    out["theta_rel"] = _tree_rel(sf.theta, ss.theta)
-    out["lam_rel"] = _tree_rel({k: v.detach() for k, v in sf.lam.items()}, {k: v.detach() for k, v in ss.lam.items()})
+    out["theta_rel"], out["lam_rel"] = relative_difference(sf.theta, ss.theta), relative_difference(sf.lam, ss.lam)
     subset = [q for d in test for q in test[d][: s.slow_eval_per_domain]]
     tf.lm.load_theta(sf.theta)
     ts.lm.load_theta(ss.theta)
@@ -464,7 +345,8 @@ def fast_vs_slow(base: Any, tok: Any, s: Settings, start: Any | None, log: Calla
     out["slow_eval_s"] = time.perf_counter() - t0
     out["n_test"] = len(subset)
     out["test_scores_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(scored_f.logits, scored_s.logits, strict=True))
-    out["fast"], out["slow"] = (_split_means(sc, settings.in_domain, settings.out_of_domain) for sc in (scored_f, scored_s))
+    out["fast"], out["slow"] = (group_means(sc, {"in": settings.in_domain, "out": settings.out_of_domain})
+                              for sc in (scored_f, scored_s))
     out["ece_max_abs_diff"] = max(abs(out["fast"][k] - out["slow"][k]) for k in ("ece_in", "ece_out"))
     log(f"  fast vs slow: scores {checks['scores_max_abs_diff']:.1e}, g {checks['g']['abs_diff']:.1e}, "
         f"grad g {checks['g']['grad_theta_rel']:.1e}, theta after {s.trajectory_steps} steps {out['theta_rel']:.1e}, "
@@ -502,8 +384,7 @@ def measure_one(config: dict[str, Any]) -> dict[str, Any]:
                           batch_size=s.batch_size)
         run = make_run(model, tok, train, heldout, replace(cfg, method="calm" if what == "bome" else "lora_ce"),
                        naive=path == "naive")
-        run.trainer.train.fill_trunk_cache(run.trainer.lm, run.trainer.pad_id)  # one-time cost, not part of a step
-        run.trainer.heldout.fill_trunk_cache(run.trainer.lm, run.trainer.pad_id)
+        run.trainer.fill_trunk_caches()  # one-time cost, not part of a step
         fn = run.step
     fn()
     with Phase() as phase:
@@ -516,23 +397,17 @@ def measure_one(config: dict[str, Any]) -> dict[str, Any]:
 def measure_memory(s: Settings, model_kind: str, data_dir: Path | None, threads: int,
                    log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
     """One fresh subprocess per configuration (``--worker``)."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS=str(threads))
     out: dict[str, dict[str, Any]] = {}
-    for name in MEMORY_CONFIGS:  # large blocks through mmap: freed tensors leave RSS
+    for name in MEMORY_CONFIGS:  # large blocks through mmap (measurement_env): freed tensors leave RSS
         config = {"name": name, "mode": s.name, "model": model_kind, "threads": threads,
                   "data_dir": str(data_dir) if data_dir else None}
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-            json.dump(config, fh)
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", fh.name],
-                              capture_output=True, text=True, env=env, check=False, cwd=str(ROOT))
-        os.unlink(fh.name)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode != 0 or not lines:
+        answers, proc = run_json_worker(Path(__file__).resolve(), config, env=measurement_env(threads), cwd=ROOT)
+        if proc.returncode != 0 or not answers:
             out[name] = {"error": (proc.stderr or "no output")[-300:]}
             log(f"  (c) {name}: FAILED ({proc.returncode})")
             continue
-        out[name] = json.loads(lines[-1])
+        out[name] = answers[-1]
         log(f"  (c) {name}: +{out[name]['peak_mb']:.0f} MB over {out[name]['baseline_mb']:.0f} MB "
             f"({time.perf_counter() - t0:.0f}s in a fresh process)")
     return out
@@ -542,10 +417,6 @@ def full_run(data_dir: Path | None, log: Callable[[str], None], n_train: int = E
              n_heldout: int = HELDOUT_QUESTIONS) -> dict[str, Any]:
     """``calibrate`` with the demo's settings on 1,000 ARC-Easy train + 300 dev questions, 1 epoch
     (held-out evaluation every 25 steps: every 5 would cost more than the steps themselves)."""
-    from llm_calib.calm.trainer import calibrate
-    from llm_calib.demo import DemoSettings
-    from llm_calib.models import load
-
     train, heldout = _ai2(data_dir, "train"), _ai2(data_dir, "dev")
     if train is None or heldout is None:
         raise SystemExit(f"--full-run needs ARC-Easy train and dev under {data_dir}/arc_easy/")
@@ -561,10 +432,6 @@ def full_run(data_dir: Path | None, log: Callable[[str], None], n_train: int = E
     log(f"  full run: {wall:.0f}s ({res.timings})")
     return {"n_train": len(train), "n_heldout": len(heldout), "steps": steps, "wall_s": wall, "load_s": t_load,
             "timings": res.timings, "metrics": res.metrics, "config": cfg.to_dict()}
-
-
-def _f(x: Any, fmt: str = ".3g") -> str:
-    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -597,33 +464,24 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(map(str, r)) + " |" for r in rows]
-
-
 def render(result: dict[str, Any], out: Path | None) -> str:
     meta, s = result["meta"], Settings(**result["settings"]) if isinstance(result["settings"], dict) else result["settings"]
     ev, st, q, fs = result["eval"], result["steps"], result["quality"], result["fast_vs_slow"]
     n, d, bd, ch = st["paths"]["naive"], st["paths"]["default"], st["bome_breakdown"], fs["losses"]
-    load = ", ".join(f"{x:.1f}" for x in (meta.get("load_start") or [])) or "?"
-    busy = max([x for x in (meta.get("load_start") or [])[:1] + (meta.get("load") or [])[:1]] or [0]) > (meta["cores"] or 1)
     lines = [
         "# llm_calib speed: default path vs naive", "",
-        f"- Command: `{result['command']}` ({s.name} mode; wall time {result['elapsed_s'] / 60:.1f} min); date {meta['date']}",
-        f"- Machine: {meta['cpu']}, {meta['cores']} cores, torch threads {meta['threads']}; load average at the start "
-        f"{load}, at the end {', '.join(f'{x:.1f}' for x in meta['load'] or []) or '?'}"
-        + (" (**busy machine**: wall times inflated, trust the CPU-time ratios more)" if busy else ""),
-        f"- Versions: torch {meta['torch']}, transformers {meta['transformers']}, Python {meta['python']}",
+        *provenance_lines(result["command"], meta, mode=s.name, elapsed_s=result["elapsed_s"],
+                          load_start=meta.get("load_start") or []),
         f"- Model: {result['model_desc']}",
         f"- Data: evaluation {result['data']['eval']}; steps {result['data']['train']} (inner) and "
         f"{result['data']['heldout']} (outer)",
         f"- Timing: interleaved after a warm-up, medians ({s.rounds_naive} naive / up to {s.rounds_default} default "
         "rounds); process CPU time beside it (robust to other jobs on a shared machine).", "",
         "## Targets", "", "| target | measured | limit | result | note |", "|---|---|---|---|---|",
-        *[f"| {t['target']} | {_f(t['value'])} | {t['limit']:g} | {({True: 'PASS', False: '**MISS**', None: 'n/a'})[t['pass']]} "
+        *[f"| {t['target']} | {format_number(t['value'], '.3g')} | {t['limit']:g} | {verdict(t['pass'], measured=False)} "
           f"| {t['note']} |" for t in targets(result)],
         "", "## (a) Evaluation", "", f"{ev['n']} questions for both paths, default batch {s.eval_batch_size}.", "",
-        *_table(("path", "seconds", "CPU seconds", "questions / s"), [
+        *markdown_table(("path", "seconds", "CPU seconds", "questions / s"), [
             ("naive (`score_option_likelihood_naive`)", f"{ev['naive_s']:.2f}", f"{ev['naive_cpu_s']:.2f}", f"{ev['naive_qps']:.3g}"),
             ("default (`score_option_likelihood`)", f"{ev['default_s']:.2f}", f"{ev['default_cpu_s']:.2f}", f"{ev['default_qps']:.3g}"),
             ("**ratio naive / default**", "", f"{ev['speedup_cpu']:.2f}x", f"**{ev['speedup']:.2f}x**")]),
@@ -631,20 +489,20 @@ def render(result: dict[str, Any], out: Path | None) -> str:
         "## (b) Calibration steps, (d) BOME / plain LoRA", "",
         f"Batch {d['batch_size']} + {d['batch_size']} held-out inputs (CALM only); the demo's CALM settings; one step = "
         "`llm_calib.calm.training.train_step`, what `calibrate` does per step.", "",
-        *_table(("path", "LoRA layers (k)", "trainable params", "CALM (BOME) s / step", "plain LoRA (CE) s / step",
+        *markdown_table(("path", "LoRA layers (k)", "trainable params", "CALM (BOME) s / step", "plain LoRA (CE) s / step",
                  "BOME / CE", "CPU s / step: BOME, CE (ratio)"),
                 [(name, p["k"], f"{p['trainable_params']:,}", f"{p['bome_s']:.3g}", f"{p['ce_s']:.3g}", f"{p['bome_over_ce']:.2f}",
                   f"{p['bome_cpu_s']:.3g}, {p['ce_cpu_s']:.3g} ({p['bome_over_ce_cpu']:.2f})") for name, p in (("naive", n), ("default", d))]
                 + [("**ratio naive / default**", "", "", f"**{st['step_speedup']:.1f}x**", f"**{st['ce_speedup']:.1f}x**", "",
                     f"BOME {st['step_speedup_cpu']:.1f}x")]),
         "", f"Where a default-path BOME step goes (k = {d['k']}, one batch, each part timed alone):", "",
-        *_table(("part", "wall s", "CPU s"), [(k, f"{v['wall_s']:.3g}", f"{v['cpu_s']:.3g}") for k, v in bd.items() if isinstance(v, dict)]
+        *markdown_table(("part", "wall s", "CPU s"), [(k, f"{v['wall_s']:.3g}", f"{v['cpu_s']:.3g}") for k, v in bd.items() if isinstance(v, dict)]
                 + [("**sum of BOME's three parts / plain LoRA (CPU)**", "", f"**{bd['floor_ratio']:.2f}x**"),
                    ("**whole BOME call / plain LoRA (CPU)**", "", f"**{bd['call_ratio']:.2f}x**")]),
         "", f"Seconds per CALM epoch over {EPOCH_QUESTIONS:,} questions ({d['epoch_steps']:.0f} steps), extrapolated; the "
         f"one-time trunk cache for {EPOCH_QUESTIONS:,} + {HELDOUT_QUESTIONS} questions from "
-        f"{_f(d.get('trunk_s_per_question'))} s / question:", "",
-        *_table(("path", "steps", "trunk cache (one-time)", "epoch", "questions / s"), [
+        f"{format_number(d.get('trunk_s_per_question'), '.3g')} s / question:", "",
+        *markdown_table(("path", "steps", "trunk cache (one-time)", "epoch", "questions / s"), [
             ("naive", f"{n['epoch_steps_s']:.0f} s", "-", f"{n['epoch_s']:.0f} s", f"{EPOCH_QUESTIONS / n['epoch_s']:.3g}"),
             ("default", f"{d['epoch_steps_s']:.0f} s", f"{d['epoch_trunk_s']:.0f} s", f"{d['epoch_s']:.0f} s",
              f"{EPOCH_QUESTIONS / d['epoch_s']:.3g}"),
@@ -663,7 +521,7 @@ def render(result: dict[str, Any], out: Path | None) -> str:
     if mem:
         lines += [f"One fresh process per configuration, one warm-up call, then the RSS high-water mark reset and one "
                   f"measured call (evaluation: default {s.eval_batch_size} questions, naive {MEMORY_NAIVE_EVAL}).", "",
-                  *_table(("configuration", "peak over baseline MB", "peak RSS MB", "baseline RSS MB", "seconds"),
+                  *markdown_table(("configuration", "peak over baseline MB", "peak RSS MB", "baseline RSS MB", "seconds"),
                           [(k, f"error: {m['error'][-80:]!r}", "", "", "") if "error" in m else
                            (k, f"{m['peak_mb']:.0f}", f"{m['peak_abs_mb']:.0f}", f"{m['baseline_mb']:.0f}", f"{m['seconds']:.2f}")
                            for k, m in mem.items()])]
@@ -679,17 +537,17 @@ def render(result: dict[str, Any], out: Path | None) -> str:
     lines += ["", "## (e) Calibration quality against k (top-k LoRA layers)", "",
               f"Demo data (`llm_calib.demo.split_data`): {q['n_train']} training, {q['n_heldout']} held-out, {q['n_test']} test "
               f"questions; ECE averaged over domains; {s.quality_steps} steps; s / step includes held-out evaluations.", "",
-              *_table(("k", "trainable params", "s / step", "selected step", "acc in", "ECE in", "acc out", "ECE out"),
+              *markdown_table(("k", "trainable params", "s / step", "selected step", "acc in", "ECE in", "acc out", "ECE out"),
                       [(*((r["k"], "-", "-", "-") if r["k"] == "uncalibrated" else (r["k"], f"{r['trainable_params']:,}",
-                          f"{r['s_per_step']:.2f}", _f(r["selected_step"], ".0f"))),
-                        *(f"{r[k]:.3f}" for k in ("acc_in", "ece_in", "acc_out", "ece_out"))) for r in q["rows"]]),
+                          f"{r['s_per_step']:.2f}", format_number(r["selected_step"], ".0f"))),
+                        *(f"{r[k]:.3f}" for k in ("accuracy_in", "ece_in", "accuracy_out", "ece_out"))) for r in q["rows"]]),
               "", "## Fast path vs slow path (same adapted layers, computed the naive way)", "",
               f"LoRA on the top {fs['k']} layers from " + ("the quality sweep's θ and λ" if fs["from_trained"] else
               "perturbed LoRA weights") + f"; {s.trajectory_steps} BOME steps on the same batches by each path.", "",
-              *_table(("quantity", "fast", "slow", "difference"), [
+              *markdown_table(("quantity", "fast", "slow", "difference"), [
                   ("option scores (one batch)", "", "", f"max abs {ch['scores_max_abs_diff']:.1e}"),
-                  ("g(θ, λ)", f"{ch['g']['fast']:.6g}", f"{ch['g']['slow']:.6g}", f"abs {ch['g']['abs_diff']:.1e}"),
-                  ("f(θ)", f"{ch['f']['fast']:.6g}", f"{ch['f']['slow']:.6g}", f"abs {ch['f']['abs_diff']:.1e}"),
+                  ("g(θ, λ)", f"{ch['g']['a']:.6g}", f"{ch['g']['b']:.6g}", f"abs {ch['g']['abs_diff']:.1e}"),
+                  ("f(θ)", f"{ch['f']['a']:.6g}", f"{ch['f']['b']:.6g}", f"abs {ch['f']['abs_diff']:.1e}"),
                   ("∇θ g", "", "", f"rel {ch['g']['grad_theta_rel']:.1e}"), ("∇λ g", "", "", f"rel {ch['g']['grad_lam_rel']:.1e}"),
                   ("∇θ f", "", "", f"rel {ch['f']['grad_theta_rel']:.1e}"),
                   (f"θ after {s.trajectory_steps} steps", f"{fs['fast_steps_s']:.2f} s", f"{fs['slow_steps_s']:.2f} s", f"rel {fs['theta_rel']:.1e}"),
@@ -753,8 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data",
                         help="directory holding arc_easy/{train,dev,test}.jsonl (falls back to built-in questions)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
-    parser.add_argument("--no-memory", action="store_true", help="skip the per-configuration memory processes")
-    parser.add_argument("--model", choices=("real", "random"), help="override the mode's model (e.g. --quick --model real)")
+    add_dataclass_flags(parser.add_argument_group("settings (default: the mode's)"), Settings, exclude=("name", "demo"))
     parser.add_argument("--full-run-size", help=argparse.SUPPRESS)  # "TRAIN,HELDOUT" for a short smoke run
     parser.add_argument("--mode", choices=sorted(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -763,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_one(json.loads(Path(args.worker).read_text()))), flush=True)
         return 0
     s = MODES[args.mode] if args.mode else (QUICK if args.quick else FULL)
-    s = dataclasses.replace(s, **({"memory": False} if args.no_memory else {}), **({"model": args.model} if args.model else {}))
+    s = dataclasses.replace(s, **dataclass_overrides(args, Settings))  # e.g. --quick --model real --memory false
     full_size = tuple(int(x) for x in args.full_run_size.split(",")) if args.full_run_size else None
     data_dir = args.data_dir if args.data_dir and args.data_dir.is_dir() else None
     command = " ".join(["python benchmarks/llm_speed.py", *(argv if argv is not None else sys.argv[1:])])

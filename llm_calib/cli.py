@@ -18,7 +18,6 @@ Errors in the user's input (a bad data spec, a missing file, an unknown model) p
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -538,38 +537,6 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_calibrate)
 
 
-def _plain(text: str) -> str:
-    """Docstring text for --help: no reST roles or literals, %% escaped for argparse."""
-    text = re.sub(r":\w+:`~?([^`<]*?)(?: <[^>]*>)?`", r"\1", text).replace("``", "")
-    return text.replace("%", "%%")
-
-
-def _optional(parse: Callable[[str], _T]) -> Callable[[str], _T | None]:
-    def parse_optional(text: str) -> _T | None:
-        return None if text.lower() in ("null", "none") else parse(text)
-
-    parse_optional.__name__ = getattr(parse, "__name__", "value")
-    return parse_optional
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("true", "yes", "1"):
-        return True
-    if text.lower() in ("false", "no", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _csv(item: Callable[[str], _T]) -> Callable[[str], tuple[_T, ...]]:
-    def parse(text: str) -> tuple[_T, ...]:
-        try:
-            return tuple(item(t.strip()) for t in text.split(",") if t.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
-
-    return parse
-
-
 def _config_fields() -> list[tuple[str, str, Any, str]]:
     """``(flag, dotted field, type hint, help)`` of every CalibrationConfig field but ``method``."""
     import dataclasses
@@ -588,37 +555,19 @@ def _config_fields() -> list[tuple[str, str, Any, str]]:
     return out
 
 
-def _flag_type(hint: Any) -> tuple[Callable[[str], Any], str]:
-    """An argparse type for a config field's type hint, and the metavar."""
-    import typing
-
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    optional = type(None) in typing.get_args(hint)
-    base = args[0] if optional and len(args) == 1 else hint
-    if typing.get_origin(base) is tuple:
-        item = typing.get_args(base)[0]
-        parse, metavar = _csv(int if item is int else str), "A,B,..."
-    elif base is bool:
-        parse, metavar = _bool, "{true,false}"
-    elif base in (int, float):
-        parse, metavar = base, base.__name__.upper()
-    else:
-        parse, metavar = str, "VALUE"
-    return (_optional(parse), metavar + "|null") if optional else (parse, metavar)
-
-
 def _add_config_flags(group: Any) -> None:
     from llm_calib.calm.config import CHOICES, CalibrationConfig, LoraSettings
+    from llm_calib.flags import flag_type, plain_help
 
     defaults = {**CalibrationConfig().to_dict(), **{f"lora.{k}": v for k, v in LoraSettings().__dict__.items()}}
     for flag, name, hint, text in _config_fields():
-        parse, metavar = _flag_type(hint)
+        parse, metavar = flag_type(hint)
         choices = CHOICES.get(name)
         default = defaults[name]
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else "null" if default is None else default
         group.add_argument(
             flag, dest=f"cfg:{name}", type=None if choices else parse, choices=choices, default=None,
-            metavar=None if choices else metavar, help=f"{_plain(text)} (default: config, else {shown})",
+            metavar=None if choices else metavar, help=f"{plain_help(text)} (default: config, else {shown})",
         )
 
 

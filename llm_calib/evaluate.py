@@ -40,10 +40,12 @@ __all__ = [
     "TemperatureFit",
     "evaluate",
     "evaluate_records",
+    "group_means",
     "normalization_summary",
     "open_ended_summary",
     "sample_rows",
     "score_records",
+    "summarize_scored",
     "write_samples",
 ]
 
@@ -374,6 +376,72 @@ def open_ended_summary(
     return out
 
 
+def summarize_scored(
+    scored: ScoredSet | OpenEndedSet, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0
+) -> dict[str, float]:
+    """The calibration metrics of one scored set, multiple choice
+    (:func:`llm_calib.metrics.summarize` of its option probabilities) or open answers
+    (:func:`open_ended_summary`).
+
+    Args:
+        scored: a :class:`~llm_calib.scoring.base.ScoredSet` or an
+            :class:`~llm_calib.scoring.open_ended.OpenEndedSet`.
+        n_bins: equal-width ECE bins.
+        ci: add 95% bootstrap intervals.
+        n_resamples: bootstrap resamples.
+        seed: bootstrap seed.
+
+    Returns:
+        The metrics by name.
+
+    Raises:
+        TypeError: ``scored`` is neither.
+
+    Example:
+        >>> import torch
+        >>> s = ScoredSet([torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0])], [1, 1], ["d", "d"], ["a", "b"])
+        >>> summarize_scored(s, ci=False)["accuracy"]
+        0.5
+    """
+    if isinstance(scored, OpenEndedSet):
+        return open_ended_summary(scored, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
+    if isinstance(scored, ScoredSet):
+        return metrics.summarize(scored.probs_numpy, scored.labels_numpy, n_bins=n_bins, ci=ci,
+                                 n_resamples=n_resamples, seed=seed)
+    raise TypeError(f"scored must be a ScoredSet or an OpenEndedSet, got {type(scored).__name__}")
+
+
+def group_means(
+    scored: ScoredSet | OpenEndedSet, groups: dict[str, Sequence[str]], metrics: Sequence[str] = ("ece", "accuracy")
+) -> dict[str, float]:
+    """Macro averages over groups of domains: each domain's metrics (:func:`summarize_scored`, no
+    intervals), then per group the mean over its domains present in ``scored``.
+
+    Args:
+        scored: questions of several domains.
+        groups: group name -> its domains (e.g. ``{"in": [...], "out": [...]}``).
+        metrics: which metrics.
+
+    Returns:
+        ``{"<metric>_<group>": mean}``; NaN for a group with no domain present.
+
+    Example:
+        >>> import torch
+        >>> s = ScoredSet([torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0])], [1, 1], ["a", "b"], ["0", "1"])
+        >>> group_means(s, {"in": ["a"], "all": ["a", "b"]}, ["accuracy"])
+        {'accuracy_in': 1.0, 'accuracy_all': 0.5}
+    """
+    import statistics
+
+    per = {d: summarize_scored(p, ci=False) for d, p in scored.by_domain().items()}
+    out = {}
+    for group, domains in groups.items():
+        present = [d for d in domains if d in per]
+        for m in metrics:
+            out[f"{m}_{group}"] = statistics.mean(per[d][m] for d in present) if present else float("nan")
+    return out
+
+
 def _mc_domain(
     domain: str,
     scored: ScoredSet,
@@ -384,9 +452,7 @@ def _mc_domain(
     seed: int,
 ) -> DomainResult:
     def summary(s: ScoredSet) -> tuple[dict[str, float], dict[str, list[float]]]:
-        m = metrics.summarize(
-            s.probs_numpy, s.labels_numpy, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed
-        )
+        m = summarize_scored(s, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
         rb = metrics.reliability_bins(s.confidences, s.correct, n_bins=n_bins).to_dict()
         return m, rb
 
@@ -403,7 +469,7 @@ def _mc_domain(
 def _open_domain(
     domain: str, scored: OpenEndedSet, n_bins: int, ci: bool, n_resamples: int, seed: int
 ) -> DomainResult:
-    summary = open_ended_summary(scored, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
+    summary = summarize_scored(scored, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
     rb = metrics.reliability_bins(
         np.clip(scored.confidence("mean"), 0, 1), scored.correct, n_bins=n_bins
     )

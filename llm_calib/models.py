@@ -29,6 +29,7 @@ __all__ = [
     "free_memory",
     "lm_head_logits",
     "load",
+    "random_init_model",
     "resolve_gguf",
     "split_decoder_head",
     "tiny_random_model",
@@ -431,4 +432,37 @@ def tiny_random_model(
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.eval()
+    return model, tokenizer
+
+
+def random_init_model(alias: str = "smollm2-135m-instruct", seed: int = 0) -> tuple[Any, Any]:
+    """A randomly initialised float32 model with the architecture and tokenizer of a converted model
+    cache (:func:`default_cache_dir`): the real model's shape and cost without its weights, for
+    timing and memory measurements. Nothing is converted or downloaded.
+
+    Args:
+        alias: a model alias with a converted cache.
+        seed: seed of the weight initialisation.
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode, the tokenizer with a padding token.
+
+    Raises:
+        FileNotFoundError: the cache has no ``config.json`` (naming the path).
+        OSError, ValueError: the cache's config or tokenizer cannot be read.
+
+    Example:
+        >>> random_init_model("no-such-model")  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        FileNotFoundError: ...
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cache = default_cache_dir(alias)
+    if not (cache / "config.json").is_file():
+        raise FileNotFoundError(f"no converted model cache for {alias!r}: {cache / 'config.json'} is missing")
+    config, tokenizer = AutoConfig.from_pretrained(cache), AutoTokenizer.from_pretrained(cache)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _ensure_pad_token(tokenizer, model)
     return model, tokenizer

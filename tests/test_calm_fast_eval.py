@@ -7,11 +7,21 @@ import copy
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
-from llm_calib.calm.fast_eval import TrunkGenerator, base_scores, trunk_scores
+from llm_calib.calm.fast_eval import (
+    GenOut,
+    SharedTrunkEval,
+    TrunkGenerator,
+    base_scores,
+    fill_trunk_caches,
+    fit_open_temperature,
+    open_ended_set,
+    trunk_scores,
+)
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.data import MultipleChoice, OpenQA, builtin_multiple_choice
 from llm_calib.metrics import ece, ece_resamples
@@ -104,3 +114,96 @@ def test_resampled_ece_equals_ece_on_each_resample() -> None:
     for row, value in zip(idx, got, strict=True):  # each resample's ECE by the one-set function
         assert math.isclose(value, ece(conf[row], correct[row], 10), abs_tol=1e-12)
     assert len(set(np.round(got, 12))) > 10  # the resamples differ: the check is not vacuous
+
+
+def test_shared_trunk_eval_scores_each_set_as_the_plain_scorers() -> None:
+    """Multiple choice: base = the plain scorer on the base model, adapted = on the merged model,
+    set by set; open: the same for greedy answers, with one generator over the sets in order."""
+    model, tok = tiny_random_model(seed=0, num_layers=3)
+    sets = {d: builtin_multiple_choice(n_per_domain=4, seed=0, domains=[d]) for d in ("capitals", "arithmetic")}
+    ev = SharedTrunkEval(model, tok, sets, 2, batch_size=3)
+    base, adapted_model = ev.base(), _adapted(model)
+    adapted = ev.adapted(adapted_model)
+    assert list(base) == list(adapted) == ["capitals", "arithmetic"] and len(ev) == 8
+    for name, recs in sets.items():
+        for got, ref in ((base[name], score_option_likelihood(model, tok, recs)),
+                         (adapted[name], score_option_likelihood(_merged(adapted_model), tok, recs))):
+            assert got.ids == [r.id for r in recs] and got.labels == [r.gold for r in recs]
+            for a, b in zip(got.probs_numpy, ref.probs_numpy, strict=True):
+                np.testing.assert_allclose(a, b, atol=1e-5)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(base["capitals"].probs_numpy, adapted["capitals"].probs_numpy,
+                                                          strict=True)) > 1e-3
+    with pytest.raises(ValueError, match="adapted layers start at 1, expected 2"):
+        ev.adapted(_adapted(model, layers=(1, 2)))
+
+    open_sets = {"sums": [OpenQA(f"What is {a} plus {b}?", (str(a + b),), "sums", f"s{a}{b}") for a in range(3) for b in range(2)],
+                 "geo": [OpenQA("Name the capital of France, please.", ("Paris",), "geo", "g0")]}
+    oev = SharedTrunkEval(model, tok, open_sets, 2, batch_size=4, max_new_tokens=5, temperatures=GRID)
+    obase, oadapted = oev.base(), oev.adapted(adapted_model)
+    g1 = int(np.argmin(np.abs(GRID - 1.0)))
+    for name, recs in open_sets.items():
+        for got, ref in ((obase[name], score_open_ended(model, tok, recs, max_new_tokens=5)),
+                         (oadapted[name], score_open_ended(_merged(adapted_model), tok, recs, max_new_tokens=5))):
+            assert got.answers == ref.answers and got.ids == [r.id for r in recs]
+            for a, b in zip(got.token_probs, ref.token_probs, strict=True):
+                np.testing.assert_allclose(a, b, atol=1e-5)
+        for a, b in zip(oev.scaled(g1)[name].token_probs, obase[name].token_probs, strict=True):  # T = 1 column
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_shared_trunk_eval_rejects_bad_sets() -> None:
+    model, tok = tiny_random_model(seed=0, num_layers=3)
+    mc = builtin_multiple_choice(n_per_domain=2, domains=["capitals"])
+    with pytest.raises(ValueError, match="trunk_layers must be in \\[1, 2\\], got 3"):
+        SharedTrunkEval(model, tok, {"a": mc}, 3)
+    with pytest.raises(ValueError, match="non-empty"):
+        SharedTrunkEval(model, tok, {"a": []}, 1)
+    with pytest.raises(ValueError, match="all multiple choice or all open"):
+        SharedTrunkEval(model, tok, {"a": mc, "b": [OpenQA("q?", ("a",), "d", "0")]}, 1)
+    with pytest.raises(RuntimeError, match="base\\(\\) on open questions"):
+        SharedTrunkEval(model, tok, {"a": mc}, 1).scaled(0)
+
+
+def test_fit_open_temperature_minimises_the_log_loss_on_the_grid() -> None:
+    rng = np.random.default_rng(0)
+    recs = [OpenQA(f"q{i}?", ("yes",), "d", str(i)) for i in range(40)]
+    grid = np.array([0.5, 1.0, 2.0, 4.0])
+    outs = []
+    for i in range(40):
+        p = np.clip(rng.uniform(0.2, 0.99, size=(2, 1)) ** (1 / grid), 1e-6, 1 - 1e-6)  # confidences drop with T
+        outs.append(GenOut("yes" if i % 2 else "no", (1, 2), tuple(p[:, 1]), p))
+    t, g = fit_open_temperature(recs, outs, grid)
+    correct = np.array([i % 2 for i in range(40)], dtype=float)
+    losses = []
+    for j in range(len(grid)):  # by hand: log-loss of correctness of the mean token probability
+        c = np.array([o.temp_probs[:, j].mean() for o in outs])
+        losses.append(-np.mean(correct * np.log(c) + (1 - correct) * np.log(1 - c)))
+    assert g == int(np.argmin(losses)) and t == grid[g]
+    assert len(set(np.round(losses, 6))) == len(grid)  # the grid points differ: the check is not vacuous
+    s = open_ended_set(recs, outs, temperature_index=2)
+    assert s.token_probs[3] == tuple(outs[3].temp_probs[:, 2]) and s.correct.tolist() == [bool(k) for k in correct]
+    with pytest.raises(ValueError, match="same length"):
+        open_ended_set(recs[:3], outs)
+    with pytest.raises(ValueError, match="for the 3 grid temperatures"):
+        fit_open_temperature(recs, outs, grid[:3])
+
+
+def test_fill_trunk_caches_computes_each_missing_trunk_once() -> None:
+    model, tok = tiny_random_model(seed=0, num_layers=3)
+    cfg = CalibrationConfig(lora=LoraSettings(rank=2, layers=(2,)))
+    a = encode_records(tok, builtin_multiple_choice(n_per_domain=20, domains=["capitals"]), cfg)
+    b = encode_records(tok, builtin_multiple_choice(n_per_domain=3, domains=["arithmetic"]), cfg)
+    b.trunk_cache[0] = torch.zeros(1)  # already cached: not counted (its chunk is computed whole)
+    updates: list[int] = []
+
+    class Bar:
+        def update(self, n: int) -> None:
+            updates.append(n)
+
+    assert fill_trunk_caches(model, [a, b], cfg.lora, tok.pad_token_id, Bar()) == 22
+    assert updates == [16, 4, 2] and len(a.trunk_cache) == 20 and len(b.trunk_cache) == 3
+    lm = FunctionalLM(attach_lora(copy.deepcopy(model), cfg.lora))
+    ref = lm.trunk_hidden(a.pack([5], tok.pad_token_id))[0, : a.length(5)]
+    torch.testing.assert_close(a.trunk_cache[5], ref, rtol=1e-5, atol=1e-6)
+    assert fill_trunk_caches(model, [a, b], cfg.lora, tok.pad_token_id) == 0  # all cached now
+    assert fill_trunk_caches(model, [a], LoraSettings(rank=2), tok.pad_token_id) == 0  # LoRA everywhere: no trunk

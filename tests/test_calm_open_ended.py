@@ -147,7 +147,8 @@ def test_trunk_cache_equals_full_forward(setup):
     idx = [5, 0, 2, 4]
     cached, full = enc.batch(idx, 0, lm), enc.batch(idx, 0, None)
     assert cached.trunk is not None and full.trunk is None
-    assert torch.allclose(losses._logits(theta, None, cached), losses._logits(theta, None, full), atol=1e-5, rtol=0)
+    head = losses.lm.head_logits  # the logits the losses read (no λ)
+    assert torch.allclose(head(theta, cached.packed, cached.trunk), head(theta, full.packed, full.trunk), atol=1e-5, rtol=0)
     lam = _random_lam(adjustment)
     for fn in (lambda b: losses.inner(theta, lam, b), lambda b: losses.outer(theta, lam, b)):
         assert float(fn(cached)) == pytest.approx(float(fn(full)), abs=1e-5)

@@ -195,3 +195,33 @@ def test_is_selectable_is_the_guard_of_select(data, tok):
     assert copy.deepcopy(state.best)["violations"] == 0
     training.select(trainer, state, {"accuracy": 0.5, "ece": 0.0})  # below the floor: not selected
     assert state.best["ece"] == pytest.approx(state.before["ece"] - 0.1) and state.best["violations"] == 1
+
+
+def test_best_candidate_is_the_selection_rule_over_a_grid() -> None:
+    cfg = CalibrationConfig(guard_accuracy=0.9)
+    rows = [{"accuracy": 0.60, "ece": 0.20}, {"accuracy": 0.40, "ece": 0.01}, {"accuracy": 0.54, "ece": 0.05},
+            {"accuracy": 0.55, "ece": 0.05}]
+    assert training.best_candidate(rows, 0.6, cfg) == 2  # lowest ECE above 0.54, first on ties
+    assert training.best_candidate(rows, 0.6, dataclasses.replace(cfg, guard_accuracy=0.95)) == 0
+    assert training.best_candidate(rows[1:2], 0.6, cfg) == 0 and training.best_candidate(rows, 0.9, cfg) == 0
+    with pytest.raises(ValueError, match="at least one candidate"):
+        training.best_candidate([], 0.5, cfg)
+
+
+def test_fill_trunk_caches_and_the_encoding_cache() -> None:
+    from llm_calib.calm.encoding import EncodingCache
+
+    model, tok = tiny_random_model(seed=0, num_layers=2)
+    qs = load_data("builtin:capitals:n=6").records
+    cache, cfg = EncodingCache(), CalibrationConfig(lora=LoraSettings(rank=2, layers=(1,)))
+    train = cache(tok, qs, cfg)
+    assert cache(tok, list(qs), dataclasses.replace(cfg, lr=0.5, seed=3)) is train  # settings that do not encode
+    assert cache(tok, qs, dataclasses.replace(cfg, prompt_style="listed")) is not train
+    assert cache(tok, qs, dataclasses.replace(cfg, lora=LoraSettings(rank=2, layers=(0, 1)))) is not train
+    assert cache(tok, qs[:4], cfg) is not train and len(cache.encodings) == 4
+    tr = training.build_trainer(copy.deepcopy(model), tok, train, cache(tok, qs[:4], cfg), cfg)
+    assert tr.fill_trunk_caches() == 10 and len(train.trunk_cache) == 6
+    ref = tr.lm.trunk_hidden(train.pack([2], tok.pad_token_id))[0, : train.length(2)]
+    torch.testing.assert_close(train.trunk_cache[2], ref)
+    everywhere = training.build_trainer(copy.deepcopy(model), tok, qs, qs, CalibrationConfig(lora=LoraSettings(rank=2)))
+    assert everywhere.fill_trunk_caches() == 0  # no trunk below LoRA on every layer

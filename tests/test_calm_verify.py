@@ -19,8 +19,10 @@ from llm_calib.calm.objectives import CalmLosses
 from llm_calib.calm.verify import (
     check_hypergradients,
     compare_directions,
+    compare_losses,
     exact_hypergradient,
     proximal_problem,
+    relative_difference,
     solve_lower_level,
 )
 from llm_calib.data import builtin_multiple_choice
@@ -101,3 +103,25 @@ def test_compare_directions_of_opposite_vectors() -> None:
     assert c.cosine == pytest.approx(-1.0)
     assert c.relative_norm == pytest.approx(2.0)
     assert c.descent == pytest.approx(5**0.5)
+
+
+def test_compare_losses_is_zero_for_one_path_and_sees_a_different_one() -> None:
+    import copy
+
+    from llm_calib.calm.training import build_trainer
+
+    model, tok = tiny_random_model(seed=0, num_layers=2)
+    qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals", "arithmetic"])
+    cfg = CalibrationConfig(batch_size=4, heldout_batch_size=4, lora=LoraSettings(rank=2, layers=(1,)))
+    a = build_trainer(copy.deepcopy(model), tok, qs, qs, cfg)
+    theta = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(0)) for k, v in a.lm.theta().items()}
+    lam = {k: v + 0.1 for k, v in a.adjustment.init().items()}
+    same = compare_losses(a, theta, a, theta, lam, step=1)
+    assert same["scores_max_abs_diff"] == 0 and same["g"]["abs_diff"] == 0 and same["f"]["grad_theta_rel"] == 0
+    b = a.with_losses(CalmLosses(a.lm, a.adjustment, "mean"))  # another option normalisation: another g
+    other = compare_losses(a, theta, b, theta, lam, step=1)
+    assert other["g"]["abs_diff"] > 1e-3 and other["g"]["grad_theta_rel"] > 1e-3 and other["g"]["grad_lam_rel"] > 1e-3
+    assert other["scores_max_abs_diff"] > 1e-3 and other["g"]["a"] == pytest.approx(same["g"]["a"])
+    assert relative_difference({"x": torch.tensor([3.0, 4.0])}, {"x": torch.tensor([0.0, 0.0])}) == 5e30
+    with pytest.raises(ValueError, match="different keys"):
+        relative_difference({"x": torch.zeros(1)}, {"y": torch.zeros(1)})

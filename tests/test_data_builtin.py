@@ -105,3 +105,24 @@ def test_errors():
     with pytest.raises(ValueError, match="only 100 distinct"):
         builtin_multiple_choice(101, domains=["chemical_symbols"])
     assert builtin_multiple_choice(0) == []
+
+
+def test_builtin_open_questions_are_answered_by_their_tables() -> None:
+    from llm_calib.data import BUILTIN_OPEN_DOMAINS, builtin_open_questions
+
+    qs = builtin_open_questions(1000)
+    counts = Counter(q.domain for q in qs)
+    assert list(counts) == list(BUILTIN_OPEN_DOMAINS) and counts == {"sums": 60, "capitals": len(CAPITALS),
+                                                                      "elements": len(ELEMENTS)}
+    assert len({q.id for q in qs}) == len(qs)
+    for q in qs:
+        if q.domain == "sums":
+            a, b = map(int, re.findall(r"\d+", q.question))
+            assert q.answers == (str(a + b),)
+    caps = {c[0]: c[1] for c in CAPITALS}
+    assert all(q.answers == (caps[q.question[len("What is the capital of "):-1]],) for q in qs if q.domain == "capitals")
+    assert [q.domain for q in builtin_open_questions(2, ["elements", "sums"])] == ["elements"] * 2 + ["sums"] * 2
+    with pytest.raises(ValueError, match="unknown builtin open domain"):
+        builtin_open_questions(2, ["nope"])
+    with pytest.raises(ValueError, match="n_per_domain must be >= 0"):
+        builtin_open_questions(-1)

@@ -261,3 +261,20 @@ def test_real_data_specs():
     res = load(f"opentriviaqa:{REAL}/opentriviaqa/categories/geography", limit=200, seed=0)
     assert len(res) == 200 and {r.domain for r in res} == {"opentriviaqa_geography"}
     assert len(load(f"selfaware:{REAL}:triviaqa")) == 668
+
+
+def test_split_items_gives_disjoint_seeded_parts_in_order() -> None:
+    from llm_calib.data import split_items
+
+    items = list(range(50))
+    parts = split_items(items, [10, 0, 25], seed=3)
+    assert [len(p) for p in parts] == [10, 0, 25] and all(p == sorted(p) for p in parts)
+    assert not set(parts[0]) & set(parts[2])
+    assert parts[0] == subsample(items, 10, seed=3) and parts == split_items(items, [10, 0, 25], seed=3)
+    assert split_items(items, [10], seed=4)[0] != parts[0]
+    first, second = split_items(items, [20, 30], seed=1)
+    assert sorted(first + second) == items
+    with pytest.raises(ValueError, match="need 51 items, have 50"):
+        split_items(items, [50, 1])
+    with pytest.raises(ValueError, match="sizes must be >= 0"):
+        split_items(items, [-1])

@@ -159,3 +159,25 @@ def test_prompt_is_recorded(tiny, builtin_small):
     assert res.config["prompt"]["answer_prefix"] == "Answer:"
     assert res.config["prompt"]["chat_template"] is False
     assert math.isfinite(res.domains["capitals"].uncalibrated["nll"])
+
+
+def test_summarize_scored_and_group_means() -> None:
+    from llm_calib.evaluate import group_means, open_ended_summary, summarize_scored
+    from llm_calib.metrics import summarize
+    from llm_calib.scoring.open_ended import OpenEndedSet
+
+    rng = np.random.default_rng(0)
+    logits = [torch.tensor(rng.normal(size=3)) for _ in range(30)]
+    s = ScoredSet(logits, [int(x) for x in rng.integers(0, 3, 30)], ["a"] * 10 + ["b"] * 12 + ["c"] * 8,
+                  [str(i) for i in range(30)])
+    got = summarize_scored(s, n_bins=5, ci=False)
+    assert got == summarize(s.probs_numpy, s.labels_numpy, n_bins=5, ci=False)
+    o = OpenEndedSet(["x", "y"], [("x",), ("z",)], ["d", "d"], ["0", "1"], [(0.9,), (0.4, 0.2)])
+    assert summarize_scored(o, ci=False) == open_ended_summary(o, ci=False)
+    with pytest.raises(TypeError, match="ScoredSet or an OpenEndedSet, got list"):
+        summarize_scored([])
+    per = {d: summarize_scored(x, ci=False) for d, x in s.by_domain().items()}
+    means = group_means(s, {"in": ["a", "b"], "out": ["c", "missing"], "none": ["zz"]})
+    assert means["ece_in"] == pytest.approx((per["a"]["ece"] + per["b"]["ece"]) / 2, rel=1e-12)
+    assert means["accuracy_out"] == per["c"]["accuracy"] and math.isnan(means["ece_none"])
+    assert means["ece_in"] != pytest.approx(summarize_scored(s, ci=False)["ece"])  # a macro, not a pooled mean

@@ -157,7 +157,7 @@ def test_tiny_benchmark_writes_a_consistent_report(bench, tmp_path) -> None:
         torch.set_num_threads(threads)
     text = out.read_text()
     raw = json.loads(out.with_suffix(".json").read_text())
-    assert "python benchmarks/llm_speed.py --mode tiny" in text and "torch threads 1" in text
+    assert "python benchmarks/llm_speed.py --mode tiny" in text and "1 torch threads" in text
     assert "built-in set (ARC-Easy absent)" in text
     # every target has a finite, positive measured value and a verdict
     target_rows = re.findall(r"^\| (.+?) \| " + _NUM + r" \| [0-9.]+ \| (PASS|\*\*MISS\*\*|n/a) \|", text, re.M)
@@ -215,21 +215,6 @@ def test_memory_of_one_configuration_in_process(bench) -> None:
     assert out["seconds"] > 0 and out["peak_abs_mb"] >= out["baseline_mb"] > 0
     # the reported peak is the high-water mark of the measured call over its baseline
     assert out["peak_mb"] == pytest.approx(max(0.0, out["peak_abs_mb"] - out["baseline_mb"]), abs=1e-9)
-
-
-def test_the_memory_phase_sees_an_allocation_of_known_size() -> None:
-    """A stub reporting 0 fails: 64 MB allocated and touched inside the phase show in its peak."""
-    phase_cls = load_benchmark("_memory").Phase
-    with phase_cls() as phase:
-        block = torch.ones(16 * 1024 * 1024)  # 64 MB of float32, written
-        assert float(block[-1]) == 1.0
-        del block
-    if not phase.how.startswith("VmHWM"):
-        pytest.skip("no /proc high-water-mark reset on this system")
-    assert phase.over / (1024 * 1024) >= 60
-    with phase_cls() as idle:
-        pass
-    assert idle.over / (1024 * 1024) < phase.over / (1024 * 1024) / 2
 
 
 def test_quick_model_falls_back_without_the_model_cache(bench, tmp_path, monkeypatch) -> None:

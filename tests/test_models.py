@@ -126,3 +126,23 @@ def test_split_decoder_head_and_softcapping(tiny):
 def test_bad_name(tmp_path):
     with pytest.raises(ValueError, match="name_or_path"):
         load("")
+
+
+def test_random_init_model_has_the_cached_shape_and_tokenizer(monkeypatch, tmp_path, tiny):
+    from llm_calib.models import random_init_model
+
+    monkeypatch.setenv("LLM_CALIB_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"no converted model cache for 'm'.*config\.json"):
+        random_init_model("m")
+    model, tok = tiny
+    model.save_pretrained(tmp_path / "m")
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path / "m")
+    tok.pad_token = "<|endoftext|>"
+    a, a_tok = random_init_model("m", seed=1)
+    b, _ = random_init_model("m", seed=1)
+    c, _ = random_init_model("m", seed=2)
+    assert a.config.num_hidden_layers == model.config.num_hidden_layers and a.dtype == torch.float32 and not a.training
+    assert a_tok.pad_token is not None and a_tok("Paris")["input_ids"] == tok("Paris")["input_ids"]
+    wa, wb, wc, w0 = (m.model.embed_tokens.weight for m in (a, b, c, model))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc) and not torch.equal(wa, w0)  # seeded, not the saved weights

@@ -34,7 +34,7 @@ from llm_calib.scoring.packing import (
     pack_questions,
 )
 
-__all__ = ["LAYOUTS", "TRUNK_CHUNK", "EncodedRecords", "encode_records"]
+__all__ = ["LAYOUTS", "TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records"]
 
 LAYOUTS = ("options", "letter", "open")
 """How an :class:`EncodedRecords` packs its questions (see its ``layout``)."""
@@ -190,3 +190,30 @@ def encode_records(
     fmt = PromptFormat(style=config.prompt_style, chat_template=config.chat_template)
     enc = encode_questions(tokenizer, records, fmt)
     return EncodedRecords(records, [e.prompt for e in enc], [e.options for e in enc], layout="options")
+
+
+class EncodingCache:
+    """One :class:`EncodedRecords` (and so one trunk cache) per record set, prompt format and
+    adapted layers, reused by every run that asks for it: several methods and seeds on the same
+    base model pay for tokenisation and the frozen trunk once.
+
+    Example:
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> from llm_calib.models import tiny_random_model
+        >>> _, tok = tiny_random_model()
+        >>> qs, cache = builtin_multiple_choice(n_per_domain=2, domains=["capitals"]), EncodingCache()
+        >>> cache(tok, qs, CalibrationConfig()) is cache(tok, list(qs), CalibrationConfig(lr=0.1))
+        True
+    """
+
+    def __init__(self) -> None:
+        self.encodings: dict[Any, EncodedRecords] = {}
+
+    def __call__(self, tokenizer: Any, records: Sequence[Any], config: CalibrationConfig) -> EncodedRecords:
+        """The encoding of ``records`` under ``config``'s scorer, prompt style, chat template and
+        LoRA layers (records are recognised by domain and id); made on first use."""
+        key = (tuple(f"{r.domain}/{r.id}" for r in records), config.scorer, config.prompt_style, config.chat_template,
+               config.lora.layers)
+        if key not in self.encodings:
+            self.encodings[key] = encode_records(tokenizer, records, config)
+        return self.encodings[key]

@@ -8,11 +8,15 @@ predictions, and each adapted model then runs only its top layers:
 * multiple choice: :func:`base_scores` (full model: option scores, and the trunk kept in the
   :class:`~llm_calib.calm.encoding.EncodedRecords`' ``trunk_cache``) and :func:`trunk_scores`
   (an adapted model's option scores from that trunk);
+* both at once, over named record sets: :class:`SharedTrunkEval` (``base`` once, then ``adapted``
+  per trained model), with :func:`fill_trunk_caches` for the training encodings;
 * open questions: :class:`TrunkGenerator`, KV-cached greedy decoding with the stopping rule and
   answer bookkeeping of :func:`~llm_calib.scoring.open_ended.generate_greedy`; its base pass keeps,
   per prompt batch, the trunk and the bottom layers' key/value cache, so an adapted model's answer
   runs its top layers over the prompt and decodes on. It can also record each answer token's
-  probability on a grid of temperatures (for temperature scaling of open answers).
+  probability on a grid of temperatures (for temperature scaling of open answers, fitted with
+  :func:`fit_open_temperature`; :func:`open_ended_set` turns answers into an
+  :class:`~llm_calib.scoring.open_ended.OpenEndedSet`).
 
 Both give the numbers of the plain scorers on the merged model (to float rounding); the tests
 compare them with :func:`~llm_calib.scoring.option_likelihood.score_option_likelihood` and
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,13 +35,34 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from llm_calib.calm.encoding import EncodedRecords
-from llm_calib.calm.lora import FunctionalLM
+from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.encoding import TRUNK_CHUNK, EncodedRecords, encode_records
+from llm_calib.calm.lora import FunctionalLM, attach_lora
+from llm_calib.data.records import OpenQA, record_kind
 from llm_calib.models import lm_head_logits, split_decoder_head
-from llm_calib.scoring.open_ended import eos_token_ids, finish_answer
+from llm_calib.prompts import PromptFormat
+from llm_calib.scoring.base import ScoredSet
+from llm_calib.scoring.open_ended import (
+    OpenEndedSet,
+    encode_open_prompts,
+    eos_token_ids,
+    finish_answer,
+)
 from llm_calib.scoring.packing import option_scores_from_logits
 
-__all__ = ["GenBatch", "GenOut", "TrunkGenerator", "base_scores", "capture_layer_input", "length_batches", "trunk_scores"]
+__all__ = [
+    "GenBatch",
+    "GenOut",
+    "SharedTrunkEval",
+    "TrunkGenerator",
+    "base_scores",
+    "capture_layer_input",
+    "fill_trunk_caches",
+    "fit_open_temperature",
+    "length_batches",
+    "open_ended_set",
+    "trunk_scores",
+]
 
 
 def length_batches(lengths: Sequence[int], size: int) -> Iterator[list[int]]:
@@ -344,3 +369,218 @@ class TrunkGenerator:
                 kept = finish_answer(self.tokenizer, gen[b], [float(p) for p in range(len(gen[b]))], eos, True).token_probs
                 temp_probs = np.stack([tprobs[b][int(p)] for p in kept])
             outs[i] = GenOut(ans.text, ans.token_ids, ans.token_probs, temp_probs)
+
+
+def open_ended_set(records: Sequence[OpenQA], outs: Sequence[GenOut], temperature_index: int | None = None) -> OpenEndedSet:
+    """The :class:`~llm_calib.scoring.open_ended.OpenEndedSet` of greedy answers to ``records``;
+    with ``temperature_index``, the token probabilities at that temperature of the base pass's grid.
+
+    Raises:
+        ValueError: ``records`` and ``outs`` differ in length, or an answer has no grid probabilities.
+
+    Example:
+        >>> outs = [GenOut("Paris", (1,), (0.9,), np.array([[0.9, 0.6]]))]
+        >>> s = open_ended_set([OpenQA("Capital of France?", ("Paris",), "geo", "q0")], outs, temperature_index=1)
+        >>> s.correct.tolist(), s.token_probs
+        ([True], [(0.6,)])
+    """
+    if len(records) != len(outs):
+        raise ValueError(f"records and outs must have the same length, got {len(records)} and {len(outs)}")
+    if temperature_index is None:
+        token_probs = [o.token_probs for o in outs]
+    else:
+        if any(o.temp_probs is None for o in outs):
+            raise ValueError("temperature_index needs answers from a base pass with a temperature grid")
+        token_probs = [tuple(float(p) for p in o.temp_probs[:, temperature_index]) for o in outs]
+    return OpenEndedSet([o.text for o in outs], [tuple(r.answers) for r in records], [r.domain for r in records],
+                        [r.id for r in records], token_probs)
+
+
+def fit_open_temperature(records: Sequence[OpenQA], outs: Sequence[GenOut], grid: Sequence[float]) -> tuple[float, int]:
+    """Temperature scaling of open answers: the grid temperature minimising the log-loss of
+    correctness of the mean-token-probability confidence (answers do not change with T; their
+    confidences do).
+
+    Args:
+        records: the held-out questions.
+        outs: their greedy answers from :meth:`TrunkGenerator.base` with the temperature grid ``grid``.
+        grid: the temperatures of that grid, in its order.
+
+    Returns:
+        ``(T, index)``: the best temperature and its index in ``grid``.
+
+    Raises:
+        ValueError: an answer's grid probabilities do not match ``grid``.
+
+    Example:
+        >>> recs = [OpenQA("q?", ("a",), "d", "0"), OpenQA("q?", ("a",), "d", "1")]
+        >>> outs = [GenOut("a", (1,), (0.9,), np.array([[0.99, 0.6]])), GenOut("b", (1,), (0.9,), np.array([[0.99, 0.6]]))]
+        >>> fit_open_temperature(recs, outs, [1.0, 2.0])
+        (2.0, 1)
+    """
+    grid = np.asarray(grid, dtype=np.float64)
+    if any(o.temp_probs is None or o.temp_probs.shape[1] != len(grid) for o in outs):
+        raise ValueError(f"every answer needs grid probabilities for the {len(grid)} grid temperatures")
+    correct = open_ended_set(records, outs).correct.astype(np.float64)[:, None]
+    conf = np.clip(np.stack([o.temp_probs.mean(0) for o in outs]), 1e-12, 1 - 1e-12)  # (N, G)
+    loss = -(correct * np.log(conf) + (1 - correct) * np.log(1 - conf)).mean(0)
+    g = int(np.argmin(loss))
+    return float(grid[g]), g
+
+
+def fill_trunk_caches(model: Any, encodings: Sequence[EncodedRecords], lora: LoraSettings, pad_id: int,
+                      bar: Any = None) -> int:
+    """Fill the trunk caches of ``encodings`` once, for every later run with LoRA on ``lora.layers``
+    of ``model`` (the trunk depends on the frozen base only). ``model`` is not modified.
+
+    Args:
+        model: the base causal LM.
+        encodings: encodings from :func:`~llm_calib.calm.encoding.encode_records`.
+        lora: the adapted layers of the runs (must be the top layers for a trunk to exist).
+        pad_id: padding id.
+        bar: optional progress bar (``update(n)`` per :data:`~llm_calib.calm.encoding.TRUNK_CHUNK`).
+
+    Returns:
+        How many questions were computed (0 when every trunk was cached, or none can be).
+
+    Example:
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> enc = encode_records(tok, builtin_multiple_choice(n_per_domain=3, domains=["capitals"]), CalibrationConfig())
+        >>> fill_trunk_caches(model, [enc], LoraSettings(layers=(1,)), tok.pad_token_id), len(enc.trunk_cache)
+        (3, 3)
+    """
+    import copy
+
+    lm = FunctionalLM(attach_lora(copy.deepcopy(model), lora))
+    if not lm.caches_trunk:
+        return 0
+    n = 0
+    for enc in encodings:
+        for start in range(0, len(enc), TRUNK_CHUNK):
+            chunk = range(start, min(start + TRUNK_CHUNK, len(enc)))
+            todo = sum(i not in enc.trunk_cache for i in chunk)
+            enc.fill_trunk_cache(lm, pad_id, chunk)
+            n += todo
+            if bar is not None:
+                bar.update(todo)
+    return n
+
+
+class SharedTrunkEval:
+    """Score named record sets with a base model once (:meth:`base`) and then with many models
+    adapted only from layer ``trunk_layers`` up (:meth:`adapted`), each running only its top layers.
+
+    Multiple-choice sets give :class:`~llm_calib.scoring.base.ScoredSet` s (option likelihood,
+    ``config``'s prompt style and normalisation), open-question sets
+    :class:`~llm_calib.scoring.open_ended.OpenEndedSet` s (greedy answers, one
+    :class:`TrunkGenerator` over all sets in order). The numbers are those of the plain scorers.
+
+    Args:
+        model: the base causal LM (not modified).
+        tokenizer: its tokenizer.
+        sets: set name -> records (all multiple choice or all open questions); a multiple-choice set
+            may be given as an :class:`~llm_calib.calm.encoding.EncodedRecords`, whose trunk cache
+            the base pass then fills (e.g. the held-out split that training reuses).
+        trunk_layers: the first adapted layer (at least 1, below the number of layers).
+        config: encoding settings (``scorer``, ``prompt_style``, ``chat_template``, ``normalize``);
+            default :class:`~llm_calib.calm.config.CalibrationConfig`.
+        batch_size: questions (prompts) per forward pass.
+        max_new_tokens: open questions: the generation budget.
+        temperatures: open questions: a temperature grid recorded by :meth:`base` (for
+            :func:`fit_open_temperature` and :meth:`scaled`).
+
+    Raises:
+        ValueError: no sets, an empty set, sets of both kinds, or ``trunk_layers`` out of range.
+
+    Example:
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> ev = SharedTrunkEval(model, tok, {"caps": builtin_multiple_choice(n_per_domain=2, domains=["capitals"])}, 1)
+        >>> base = ev.base()
+        >>> adapted = ev.adapted(attach_lora(model, LoraSettings(layers=(1,))))
+        >>> [float((a - b).abs().max()) < 1e-5 for a, b in zip(base["caps"].logits, adapted["caps"].logits)]
+        [True, True]
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, sets: Mapping[str, Sequence[Any] | EncodedRecords], trunk_layers: int,
+                 *, config: CalibrationConfig | None = None, batch_size: int = 16, max_new_tokens: int = 10,
+                 temperatures: Sequence[float] | None = None) -> None:
+        if not sets or any(len(v) == 0 for v in sets.values()):
+            raise ValueError("sets must name at least one non-empty record set")
+        n_layers = int(model.config.num_hidden_layers)
+        if not 0 < trunk_layers < n_layers:
+            raise ValueError(f"trunk_layers must be in [1, {n_layers - 1}], got {trunk_layers}")
+        self.model, self.tokenizer, self.trunk_layers = model, tokenizer, trunk_layers
+        self.config = config or CalibrationConfig()
+        self.batch_size = batch_size
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        records = {k: v.records if isinstance(v, EncodedRecords) else list(v) for k, v in sets.items()}
+        kinds = {record_kind(v) for v in records.values()}
+        if len(kinds) != 1:
+            raise ValueError("sets must be all multiple choice or all open questions")
+        self.kind = kinds.pop()
+        self.records = records
+        self.base_outputs: dict[str, list[GenOut]] = {}
+        if self.kind == "open":
+            flat = [r for recs in records.values() for r in recs]
+            prompts = encode_open_prompts(tokenizer, flat, PromptFormat(chat_template=self.config.chat_template))
+            self.generator = TrunkGenerator(tokenizer, prompts, batch_size, max_new_tokens, trunk_layers, temperatures)
+        else:
+            self.encodings = {k: v if isinstance(v, EncodedRecords) else encode_records(tokenizer, v, self.config)
+                              for k, v in sets.items()}
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.records.values())
+
+    def _split(self, outs: Sequence[GenOut]) -> dict[str, list[GenOut]]:
+        out, start = {}, 0
+        for name, recs in self.records.items():
+            out[name] = list(outs[start : start + len(recs)])
+            start += len(recs)
+        return out
+
+    def _mc(self, name: str, scores: list[Tensor]) -> ScoredSet:
+        recs = self.records[name]
+        return ScoredSet(scores, [r.gold for r in recs], [r.domain for r in recs], [r.id for r in recs],
+                         "option_likelihood")
+
+    def base(self, *, keep_trunk: bool = True, bar: Any = None) -> dict[str, ScoredSet | OpenEndedSet]:
+        """The base model's scored sets; with ``keep_trunk`` the trunk is kept for :meth:`adapted`."""
+        k = self.trunk_layers if keep_trunk else 0
+        if self.kind == "open":
+            outs = self.generator.base(self.model, keep_trunk=keep_trunk, temperatures=True, bar=bar)
+            self.base_outputs = self._split(outs)
+            return {n: open_ended_set(self.records[n], o) for n, o in self.base_outputs.items()}
+        return {n: self._mc(n, base_scores(self.model, enc, k, self.batch_size, self.pad_id, self.config.normalize, bar))
+                for n, enc in self.encodings.items()}
+
+    def scaled(self, temperature_index: int) -> dict[str, OpenEndedSet]:
+        """Open questions: the base answers with the token probabilities at grid temperature
+        ``temperature_index`` (after :meth:`base`). Multiple choice: use ``ScoredSet.scaled``."""
+        if not self.base_outputs:
+            raise RuntimeError("scaled() needs the answers of base() on open questions")
+        return {n: open_ended_set(self.records[n], o, temperature_index) for n, o in self.base_outputs.items()}
+
+    def adapted(self, model: Any, *, normalize: str | None = None, bar: Any = None) -> dict[str, ScoredSet | OpenEndedSet]:
+        """The scored sets of a model adapted from layer ``trunk_layers`` up (after :meth:`base`).
+
+        Args:
+            model: the base model with LoRA (peft) on the top layers only.
+            normalize: multiple choice: option-score normalisation (default: the config's).
+            bar: optional progress bar.
+
+        Raises:
+            ValueError: ``model``'s adapted layers do not start at ``trunk_layers``.
+        """
+        if self.kind == "open":
+            return {n: open_ended_set(self.records[n], o)
+                    for n, o in self._split(self.generator.trained(model, bar)).items()}
+        lm = FunctionalLM(model)
+        if lm.trunk_layers != self.trunk_layers:
+            raise ValueError(f"the model's adapted layers start at {lm.trunk_layers}, expected {self.trunk_layers}")
+        norm = normalize or self.config.normalize
+        return {n: self._mc(n, trunk_scores(lm, enc, self.batch_size, self.pad_id, norm, bar))
+                for n, enc in self.encodings.items()}

@@ -53,6 +53,7 @@ __all__ = [
     "TrainState",
     "Trainer",
     "TrainingDiverged",
+    "best_candidate",
     "build_trainer",
     "data_fingerprint",
     "done",
@@ -135,6 +136,25 @@ class Trainer:
         if self.solver is not None:
             problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner), outer=recorder.wrap("f", losses.outer))
         return dataclasses.replace(self, losses=losses, problem=problem, step_losses=recorder)
+
+    def fill_trunk_caches(self) -> int:
+        """Compute the cached trunk of every training, held-out and upper-level question now (a
+        one-time cost that the first steps and evaluations would otherwise pay); nothing without a
+        trunk-caching model. Returns the cached questions' count.
+
+        Example:
+            >>> from llm_calib.calm.config import LoraSettings
+            >>> from llm_calib.data import builtin_multiple_choice
+            >>> from llm_calib.models import tiny_random_model
+            >>> model, tok = tiny_random_model()
+            >>> qs = builtin_multiple_choice(n_per_domain=3, domains=["capitals"])
+            >>> build_trainer(model, tok, qs, qs[:2], CalibrationConfig(lora=LoraSettings(layers=(1,)))).fill_trunk_caches()
+            5
+        """
+        encodings = list({id(e): e for e in (self.train, self.heldout, self.unlabeled)}.values())
+        for enc in encodings:
+            enc.fill_trunk_cache(self.lm, self.pad_id)
+        return sum(len(e.trunk_cache) for e in encodings)
 
     @property
     def adjustment(self) -> Any:
@@ -452,6 +472,36 @@ def is_selectable(accuracy: float, reference_accuracy: float, config: Calibratio
         (True, False)
     """
     return accuracy + 1e-12 >= config.guard_accuracy * reference_accuracy
+
+
+def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: float, config: CalibrationConfig) -> int:
+    """The selection rule of :func:`select` over finished candidates (say, a hyperparameter grid):
+    among those :func:`is_selectable` against ``reference_accuracy``, the lowest ``ece`` (the
+    first on ties); when none is, the most accurate.
+
+    Args:
+        candidates: metric dicts with ``accuracy`` and ``ece``, scored on the same selection data.
+        reference_accuracy: the accuracy to guard (e.g. the uncalibrated model's).
+        config: gives ``guard_accuracy``.
+
+    Returns:
+        The index of the chosen candidate.
+
+    Raises:
+        ValueError: no candidates.
+
+    Example:
+        >>> cfg = CalibrationConfig(guard_accuracy=0.9)
+        >>> rows = [{"accuracy": 0.5, "ece": 0.2}, {"accuracy": 0.3, "ece": 0.01}, {"accuracy": 0.46, "ece": 0.1}]
+        >>> best_candidate(rows, 0.5, cfg), best_candidate(rows[1:2], 0.5, cfg)
+        (2, 0)
+    """
+    if not candidates:
+        raise ValueError("best_candidate needs at least one candidate")
+    ok = [i for i, m in enumerate(candidates) if is_selectable(m["accuracy"], reference_accuracy, config)]
+    if ok:
+        return min(ok, key=lambda i: candidates[i]["ece"])
+    return max(range(len(candidates)), key=lambda i: candidates[i]["accuracy"])
 
 
 def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> dict[str, float]:

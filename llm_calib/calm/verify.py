@@ -22,6 +22,9 @@ derivatives through the top layers) and compares it with what each first-order m
   :math:`F` along its λ step, :math:`-\langle\nabla F, d_\lambda\rangle` (negative: the step
   descends :math:`F`), and the cosine.
 
+:func:`compare_losses` checks two implementations of the losses against each other (the
+trunk-cached fast path against a reference): values and gradients at the same point.
+
 ``benchmarks/calm_hypergradient.py`` runs it on the real model at several points of a run; the
 test suite runs it on a tiny model in float64.
 """
@@ -31,7 +34,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -39,13 +42,18 @@ from torch import Tensor
 import hypergrad as hg
 from hypergrad.tree import tree_dot, tree_norm
 
+if TYPE_CHECKING:
+    from llm_calib.calm.training import Trainer
+
 __all__ = [
     "DirectionCheck",
     "HypergradientCheck",
     "check_hypergradients",
     "compare_directions",
+    "compare_losses",
     "exact_hypergradient",
     "proximal_problem",
+    "relative_difference",
     "second_order_attention",
     "solve_lower_level",
 ]
@@ -337,3 +345,64 @@ def check_hypergradients(
         solver_residual=exact.info.residual,
         checks=checks,
     )
+
+
+def relative_difference(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float:
+    """``‖a - b‖ / ‖b‖`` over all entries of two parameter trees (float64; keys in sorted order).
+
+    Example:
+        >>> relative_difference({"w": torch.tensor([1.0, 1.0])}, {"w": torch.tensor([1.0, 2.0])})
+        0.4472135954999579
+    """
+    if sorted(a) != sorted(b):
+        raise ValueError(f"the trees have different keys: {sorted(a)} and {sorted(b)}")
+    x, y = (torch.cat([t[k].detach().double().reshape(-1) for k in sorted(t)]) for t in (a, b))
+    return float((x - y).norm() / y.norm().clamp_min(1e-30))
+
+
+def compare_losses(a: Trainer, a_theta: dict[str, Tensor], b: Trainer, b_theta: dict[str, Tensor],
+                   lam: dict[str, Tensor], step: int = 0) -> dict[str, Any]:
+    """Two implementations of CALM's losses (say, the trunk-cached path and a reference that runs
+    the whole model) at the same point, on the batches of ``step``.
+
+    Args:
+        a, b: trainers over the same data and configuration (:func:`llm_calib.calm.training.build_trainer`,
+            ``b`` perhaps with other losses via ``Trainer.with_losses``).
+        a_theta, b_theta: the same parameters in each trainer's keys.
+        lam: the logit adjustment's parameters.
+        step: which step's training and unlabelled batches.
+
+    Returns:
+        ``{"g": {...}, "f": {...}, "scores_max_abs_diff": float}``: per loss ``a`` and ``b`` (its
+        values), ``abs_diff``, ``grad_theta_rel`` (:func:`relative_difference` of the θ-gradients,
+        ``b`` the reference) and, for ``g``, ``grad_lam_rel``; the largest difference of the finite
+        option scores.
+
+    Example:
+        >>> from llm_calib.calm.config import CalibrationConfig, LoraSettings
+        >>> from llm_calib.calm.training import build_trainer
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> qs = builtin_multiple_choice(n_per_domain=2, domains=["capitals"])
+        >>> tr = build_trainer(model, tok, qs, qs, CalibrationConfig(batch_size=2, lora=LoraSettings(layers=(1,))))
+        >>> theta, lam = tr.lm.theta(), {k: v.detach() for k, v in tr.adjustment.init().items()}
+        >>> compare_losses(tr, theta, tr, theta, lam)["g"]["abs_diff"]
+        0.0
+    """
+    lam = {k: v.detach() for k, v in lam.items()}
+    out: dict[str, Any] = {}
+    batches = {"g": (a.train_batch(step), b.train_batch(step)), "f": (a.unlabeled_batch(step), b.unlabeled_batch(step))}
+    for name, (ba, bb) in batches.items():
+        fa, fb = (a.losses.inner, b.losses.inner) if name == "g" else (a.losses.outer, b.losses.outer)
+        va, ga, la = hg.autodiff.loss_and_grads(lambda w, l_, fn=fa, x=ba: fn(w, l_, x), a_theta, lam)
+        vb, gb, lb = hg.autodiff.loss_and_grads(lambda w, l_, fn=fb, x=bb: fn(w, l_, x), b_theta, lam)
+        out[name] = {"a": float(va), "b": float(vb), "abs_diff": abs(float(va) - float(vb)),
+                     "grad_theta_rel": relative_difference(ga, gb)}
+        if name == "g":
+            out[name]["grad_lam_rel"] = relative_difference(la, lb)
+    ba, bb = batches["g"]
+    sa, sb = a.losses.scores(a_theta, lam, ba), b.losses.scores(b_theta, lam, bb)
+    finite = torch.isfinite(sb)
+    out["scores_max_abs_diff"] = float((sa[finite] - sb[finite]).abs().max())
+    return out

@@ -14,7 +14,14 @@ Example:
 
 from llm_calib.data._io import repair_utf8
 from llm_calib.data.ai2 import AI2_DATASETS, ai2_domain, load_ai2
-from llm_calib.data.builtin import BUILTIN_DOMAINS, CAPITALS, ELEMENTS, builtin_multiple_choice
+from llm_calib.data.builtin import (
+    BUILTIN_DOMAINS,
+    BUILTIN_OPEN_DOMAINS,
+    CAPITALS,
+    ELEMENTS,
+    builtin_multiple_choice,
+    builtin_open_questions,
+)
 from llm_calib.data.errors import MAX_ERRORS, DataError, OnError
 from llm_calib.data.hub import HUB_DATASETS, hub_row_to_record, load_hub
 from llm_calib.data.jsonl import load_jsonl, mc_from_dict, openqa_from_dict
@@ -22,13 +29,14 @@ from llm_calib.data.mmlu import MMLU_GROUPS, MMLU_SUBJECTS, load_mmlu, mmlu_grou
 from llm_calib.data.openqa import load_nq_open, load_openqa_jsonl, load_webquestions
 from llm_calib.data.opentriviaqa import OPENTRIVIAQA_CATEGORIES, load_opentriviaqa
 from llm_calib.data.records import RECORD_KINDS, MultipleChoice, OpenQA, record_kind
-from llm_calib.data.result import LoadResult, subsample
+from llm_calib.data.result import LoadResult, split_items, subsample
 from llm_calib.data.selfaware import filter_selfaware, load_selfaware
 from llm_calib.data.spec import LOADERS, Spec, SpecError, load, parse_spec
 
 __all__ = [
     "AI2_DATASETS",
     "BUILTIN_DOMAINS",
+    "BUILTIN_OPEN_DOMAINS",
     "CAPITALS",
     "ELEMENTS",
     "HUB_DATASETS",
@@ -47,6 +55,7 @@ __all__ = [
     "SpecError",
     "ai2_domain",
     "builtin_multiple_choice",
+    "builtin_open_questions",
     "filter_selfaware",
     "hub_row_to_record",
     "load",
@@ -65,5 +74,6 @@ __all__ = [
     "parse_spec",
     "record_kind",
     "repair_utf8",
+    "split_items",
     "subsample",
 ]

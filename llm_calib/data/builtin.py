@@ -1,6 +1,7 @@
-"""A built-in, procedurally generated multiple-choice set for offline tests and demos.
+"""Built-in, procedurally generated questions for offline tests and demos: multiple choice, and
+open questions with one reference answer (:func:`builtin_open_questions`).
 
-Five clearly different domains (:data:`BUILTIN_DOMAINS`), four options per question:
+Multiple choice: five clearly different domains (:data:`BUILTIN_DOMAINS`), four options per question:
 
 * ``arithmetic``: ``What is 47 + 38?`` (addition, subtraction, multiplication); distractors are
   near misses (off by 1, 2, 10 or one operand).
@@ -25,9 +26,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator, Sequence
 
-from llm_calib.data.records import MultipleChoice
+from llm_calib.data.records import MultipleChoice, OpenQA
 
-__all__ = ["BUILTIN_DOMAINS", "CAPITALS", "ELEMENTS", "builtin_multiple_choice"]
+__all__ = ["BUILTIN_DOMAINS", "BUILTIN_OPEN_DOMAINS", "CAPITALS", "ELEMENTS", "builtin_multiple_choice", "builtin_open_questions"]
 
 BUILTIN_DOMAINS: tuple[str, ...] = (
     "arithmetic",
@@ -328,3 +329,42 @@ def builtin_multiple_choice(
             f"unknown builtin domain(s) {unknown}; valid: {', '.join(BUILTIN_DOMAINS)}"
         )
     return [q for domain in chosen for q in _domain(domain, n_per_domain, seed)]
+
+
+BUILTIN_OPEN_DOMAINS: tuple[str, ...] = ("sums", "capitals", "elements")
+"""The domains of :func:`builtin_open_questions`, in output order."""
+
+
+def builtin_open_questions(n_per_domain: int = 40, domains: Sequence[str] | None = None) -> list[OpenQA]:
+    """Built-in open questions with one reference answer, for offline tests and demos: ``sums``
+    (``What is 5 plus 7?``, 60 questions), ``capitals`` (56) and ``elements`` (chemical symbols, 50).
+
+    Args:
+        n_per_domain: at most this many questions per domain (the first ones, in a fixed order).
+        domains: which domains, in this order (default: :data:`BUILTIN_OPEN_DOMAINS`).
+
+    Returns:
+        The questions, domain by domain.
+
+    Raises:
+        ValueError: an unknown domain or a negative ``n_per_domain``.
+
+    Example:
+        >>> qs = builtin_open_questions(2, domains=["capitals", "sums"])
+        >>> [(q.domain, q.answers) for q in qs][1:3]
+        [('capitals', ('Berlin',)), ('sums', ('5',))]
+    """
+    if n_per_domain < 0:
+        raise ValueError(f"n_per_domain must be >= 0, got {n_per_domain}")
+    chosen = tuple(domains) if domains is not None else BUILTIN_OPEN_DOMAINS
+    unknown = [d for d in chosen if d not in BUILTIN_OPEN_DOMAINS]
+    if unknown:
+        raise ValueError(f"unknown builtin open domain(s) {unknown}; valid: {', '.join(BUILTIN_OPEN_DOMAINS)}")
+    make = {
+        "sums": lambda: [OpenQA(f"What is {a} plus {b}?", (str(a + b),), "sums", f"sum-{a}-{b}")
+                         for a in range(2, 12) for b in range(3, 9)],
+        "capitals": lambda: [OpenQA(f"What is the capital of {c[0]}?", (c[1],), "capitals", f"cap-{c[0]}") for c in CAPITALS],
+        "elements": lambda: [OpenQA(f"What is the chemical symbol of {e[0]}?", (e[1],), "elements", f"el-{e[0]}")
+                             for e in ELEMENTS],
+    }
+    return [q for d in chosen for q in make[d]()[:n_per_domain]]

@@ -88,3 +88,36 @@ def subsample(items: Sequence[T], limit: int | None, seed: int = 0) -> list[T]:
         raise ValueError(f"limit must be >= 0, got {limit}")
     order = np.random.default_rng(seed).permutation(len(items))[:limit]
     return [items[int(i)] for i in np.sort(order)]
+
+
+def split_items(items: Sequence[T], sizes: Sequence[int], seed: int = 0) -> list[list[T]]:
+    """Disjoint seeded parts of ``items`` of the given sizes, each in the items' original order
+    (consecutive stretches of one seeded permutation; the first part is :func:`subsample`'s).
+
+    Args:
+        items: the full sequence.
+        sizes: the size of each part (>= 0; they may add up to less than ``len(items)``).
+        seed: the seed of the permutation.
+
+    Returns:
+        One list per size.
+
+    Raises:
+        ValueError: a negative size, or sizes adding up to more than ``len(items)``.
+
+    Example:
+        >>> train, test = split_items(range(10), [6, 3], seed=1)
+        >>> len(train), len(test), set(train) & set(test), train == sorted(train)
+        (6, 3, set(), True)
+        >>> split_items(range(10), [4], seed=1)[0] == subsample(range(10), 4, seed=1)
+        True
+    """
+    if any(n < 0 for n in sizes):
+        raise ValueError(f"sizes must be >= 0, got {list(sizes)}")
+    if sum(sizes) > len(items):
+        raise ValueError(f"sizes {list(sizes)} need {sum(sizes)} items, have {len(items)}")
+    perm, out, start = np.random.default_rng(seed).permutation(len(items)), [], 0
+    for n in sizes:
+        out.append([items[int(i)] for i in np.sort(perm[start : start + n])])
+        start += n
+    return out
