@@ -99,3 +99,22 @@ def test_trunk_of_the_bottom_layers_alone_equals_the_full_forward(scaled):
         full = lm.decoder(input_ids=packed.input_ids, attention_mask=packed.additive_mask(lm.dtype),
                           position_ids=packed.position_ids, use_cache=False, output_hidden_states=True)
     torch.testing.assert_close(lm.trunk_hidden(packed), full.hidden_states[lm.trunk_layers], atol=1e-12, rtol=0)
+
+
+def test_top_layers_adapts_only_the_top_layers_and_explicit_layers_win() -> None:
+    model, _ = tiny_random_model()
+    n = model.config.num_hidden_layers
+
+    def adapted(settings: LoraSettings) -> list[int]:
+        peft_model = attach_lora(tiny_random_model()[0], settings)
+        return sorted({int(name.split(".layers.")[1].split(".")[0]) for name, p in peft_model.named_parameters()
+                       if p.requires_grad and "lora_" in name})
+
+    assert adapted(LoraSettings(top_layers=1)) == [n - 1]
+    assert adapted(LoraSettings(top_layers=n + 5)) == list(range(n))  # fewer layers than asked: all of them
+    assert adapted(LoraSettings(top_layers=None)) == list(range(n))
+    assert adapted(LoraSettings(layers=(0,), top_layers=1)) == [0]
+    with pytest.raises(ValueError, match=r"out of range for a model with \d+ layers"):
+        attach_lora(model, LoraSettings(layers=(n,)))
+    with pytest.raises(ValueError, match="top_layers must be an int >= 1"):
+        LoraSettings(top_layers=0)

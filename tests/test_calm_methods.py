@@ -67,3 +67,24 @@ def test_an_implicit_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(
         assert a.get("g") == pytest.approx(b.get("g"), rel=1e-6)
     for k in full.lam:
         torch.testing.assert_close(resumed.lam[k], full.lam[k])
+
+
+@pytest.mark.parametrize(("layout", "kind"), [("options", "option_temperature"), ("letter", "answer_tokens"),
+                                              ("open", "vector")])
+def test_auto_adjustment_acts_where_the_prediction_is_made(layout, kind) -> None:
+    from llm_calib.calm.methods import make_adjustment, resolve_adjustment
+
+    assert resolve_adjustment("auto", layout) == kind
+    assert resolve_adjustment("option_length", layout) == "option_length"  # explicit kinds are kept
+    assert make_adjustment(CalibrationConfig(adjustment="auto"), 16, [3, 5], layout).kind == kind
+    with pytest.raises(ValueError, match="layout must be one of"):
+        resolve_adjustment("auto", "pixels")
+
+
+def test_auto_adjustment_trains_an_option_temperature_on_option_scores() -> None:
+    from llm_calib.calm.training import build_trainer
+
+    qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
+    trainer = build_trainer(tiny_random_model()[0], tiny_random_model()[1], qs[:2], qs[2:],
+                            CalibrationConfig(adjustment="auto", steps=1, batch_size=2, heldout_batch_size=2))
+    assert trainer.adjustment.kind == "option_temperature"

@@ -23,7 +23,7 @@ differentiation after lower-level steps (see :func:`llm_calib.calm.methods.make_
 CHOICES: dict[str, tuple[str, ...]] = {
     "method": METHODS,
     "solver": SOLVERS,
-    "adjustment": ADJUSTMENT_KINDS,
+    "adjustment": ("auto", *ADJUSTMENT_KINDS),
     "scorer": ("option_likelihood", "letter"),
     "normalize": ("sum", "mean"),
     "prompt_style": ("cloze", "listed"),
@@ -62,12 +62,17 @@ class LoraSettings:
         alpha: scaling ``lora_alpha``.
         dropout: ``lora_dropout`` (0 keeps training deterministic and resumable bit-for-bit).
         target_modules: module names to adapt (Llama-style attention and MLP projections).
-        layers: indices of the decoder layers that get adapters (None: all); adapting only the
-            top layers lets the frozen bottom be computed once.
+        layers: indices of the decoder layers that get adapters; None: the top ``top_layers``.
+        top_layers: with ``layers=None``, adapt the top this many layers (all of them when the
+            model has fewer; None: every layer). Adapting only the top layers lets the frozen
+            bottom be computed once per question (trunk caching), which makes a step several
+            times cheaper; on SmolLM2-135M the top 6 of 30 calibrate as well as more.
 
     Example:
         >>> LoraSettings(rank=4).target_modules
         ('q_proj', 'v_proj')
+        >>> LoraSettings().layer_indices(30), LoraSettings(top_layers=None).layer_indices(30)
+        ([24, 25, 26, 27, 28, 29], None)
     """
 
     rank: int = 8
@@ -75,8 +80,11 @@ class LoraSettings:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
     layers: tuple[int, ...] | None = None
+    top_layers: int | None = 6
 
     def __post_init__(self) -> None:
+        if self.top_layers is not None and (not _is_int(self.top_layers) or self.top_layers < 1):
+            raise ValueError(f"lora.top_layers must be an int >= 1 or null, got {self.top_layers!r}")
         self.alpha = _number("lora.alpha", self.alpha)
         self.dropout = _number("lora.dropout", self.dropout)
         if not _is_int(self.rank) or self.rank < 1:
@@ -90,6 +98,21 @@ class LoraSettings:
         self.target_modules = tuple(self.target_modules)
         if self.layers is not None:
             self.layers = tuple(int(i) for i in self.layers)
+
+    def layer_indices(self, n_layers: int) -> list[int] | None:
+        """The adapted layers of a model with ``n_layers`` decoder layers (None: all of them).
+
+        Raises:
+            ValueError: an index in ``layers`` outside ``0 .. n_layers - 1``.
+        """
+        if self.layers is not None:
+            bad = [i for i in self.layers if not 0 <= i < n_layers]
+            if bad:
+                raise ValueError(f"lora.layers {bad} out of range for a model with {n_layers} layers (0..{n_layers - 1})")
+            return list(self.layers)
+        if self.top_layers is None or self.top_layers >= n_layers:
+            return None
+        return list(range(n_layers - self.top_layers, n_layers))
 
 
 @dataclass

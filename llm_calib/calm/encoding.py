@@ -213,7 +213,7 @@ class EncodingCache:
         """The encoding of ``records`` under ``config``'s scorer, prompt style, chat template and
         LoRA layers (records are recognised by domain and id); made on first use."""
         key = (tuple(f"{r.domain}/{r.id}" for r in records), config.scorer, config.prompt_style, config.chat_template,
-               config.lora.layers)
+               config.lora.layers, config.lora.top_layers)
         if key not in self.encodings:
             self.encodings[key] = encode_records(tokenizer, records, config)
         return self.encodings[key]

@@ -28,8 +28,13 @@ __all__ = [
     "lam_optimizer",
     "make_adjustment",
     "make_solver",
+    "resolve_adjustment",
     "theta_optimizer",
 ]
+
+AUTO_ADJUSTMENT = {"options": "option_temperature", "letter": "answer_tokens", "open": "vector"}
+"""What ``adjustment="auto"`` means per encoding layout: λ acts where the prediction is made (the
+option scores, the answer letters' logits, or the vocabulary logits of an open answer)."""
 
 
 def theta_optimizer(config: CalibrationConfig, lr: float | None = None) -> hg.inner.Adam:
@@ -162,22 +167,46 @@ def make_solver(config: CalibrationConfig) -> Any:
     raise ValueError(f"solver must be one of 'bome', 'f2sa', 'implicit', got {config.solver!r}")
 
 
-def make_adjustment(config: CalibrationConfig, vocab_size: int, token_ids: Iterable[int] = ()) -> LogitAdjustment:
-    """The logit adjustment λ of ``config.adjustment``.
+def resolve_adjustment(adjustment: str, layout: str) -> str:
+    """The λ kind a run uses: ``adjustment`` itself, or for ``"auto"`` the kind of
+    :data:`AUTO_ADJUSTMENT` for the records' layout (``"options"``: option-likelihood multiple
+    choice, ``"letter"``, ``"open"``).
+
+    Raises:
+        ValueError: an unknown layout with ``"auto"``.
+
+    Example:
+        >>> resolve_adjustment("auto", "options"), resolve_adjustment("auto", "open"), resolve_adjustment("vector", "options")
+        ('option_temperature', 'vector', 'vector')
+    """
+    if adjustment != "auto":
+        return adjustment
+    if layout not in AUTO_ADJUSTMENT:
+        raise ValueError(f"layout must be one of {tuple(AUTO_ADJUSTMENT)}, got {layout!r}")
+    return AUTO_ADJUSTMENT[layout]
+
+
+def make_adjustment(config: CalibrationConfig, vocab_size: int, token_ids: Iterable[int] = (),
+                    layout: str = "options") -> LogitAdjustment:
+    """The logit adjustment λ of ``config.adjustment`` (resolved for ``layout`` when ``"auto"``).
 
     Args:
         config: the run's configuration (``adjustment``, ``max_log_scale``, ``max_bias``).
         vocab_size: the model's vocabulary size.
         token_ids: the adjusted tokens for ``adjustment="answer_tokens"`` (ignored otherwise).
+        layout: the layout of the training records (see :func:`resolve_adjustment`).
 
     Example:
         >>> make_adjustment(CalibrationConfig(adjustment="answer_tokens"), 10, [3, 1, 3]).token_ids
         (1, 3)
+        >>> make_adjustment(CalibrationConfig(adjustment="auto"), 10).kind
+        'option_temperature'
     """
     bounds = {"max_log_scale": config.max_log_scale, "max_bias": config.max_bias}
-    if config.adjustment == "answer_tokens":
+    kind = resolve_adjustment(config.adjustment, layout)
+    if kind == "answer_tokens":
         return LogitAdjustment.for_tokens(sorted(set(token_ids)), vocab_size, **bounds)
-    return LogitAdjustment(config.adjustment, vocab_size, **bounds)
+    return LogitAdjustment(kind, vocab_size, **bounds)
 
 
 def lam_optimizer(params: Iterable[torch.Tensor], config: CalibrationConfig) -> torch.optim.Optimizer:

@@ -42,7 +42,7 @@ from llm_calib.calm import sampling
 from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.encoding import EncodedRecords, encode_records
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
-from llm_calib.calm.methods import lam_optimizer, make_adjustment, make_solver, theta_optimizer
+from llm_calib.calm.methods import lam_optimizer, make_adjustment, make_solver, resolve_adjustment, theta_optimizer
 from llm_calib.calm.objectives import Batch, CalmLosses
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
@@ -268,8 +268,9 @@ def build_trainer(
     heldout_enc = _encode(tokenizer, heldout, config)
     unlabeled_enc = heldout_enc if unlabeled is None else _encode(tokenizer, unlabeled, config)
     sources = (train_enc, heldout_enc) if unlabeled is None else (train_enc, heldout_enc, unlabeled_enc)
-    tokens = {t for src in sources for opts in src.options for o in opts for t in o} if config.adjustment == "answer_tokens" else ()
-    adjustment = make_adjustment(config, vocab, tokens)
+    lam_kind = resolve_adjustment(config.adjustment, train_enc.layout)
+    tokens = {t for src in sources for opts in src.options for o in opts for t in o} if lam_kind == "answer_tokens" else ()
+    adjustment = make_adjustment(config, vocab, tokens, train_enc.layout)
     losses = CalmLosses(lm, adjustment, config.normalize, config.label_smoothing, config.penalty_beta)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     recorder = _FirstValues()
