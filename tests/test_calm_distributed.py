@@ -42,7 +42,7 @@ def run(checkpoint_dir):
     heldout = load("builtin:arithmetic,capitals:n=4,seed=1").records
     # global batch 4 (2 per rank with 2 ranks); eval every step exercises model selection
     cfg = CalibrationConfig(method="calm", solver="bome", steps=STEPS, batch_size=4, heldout_batch_size=4,
-                            lr=1e-2, lam_lr=1e-1, eval_every=1, checkpoint_every=STEPS, guard_accuracy=0.0,
+                            lr=1e-2, lam_lr=1e-1, eval_every=1, checkpoint_every=STEPS, guard_accuracy=0.0, adjustment="vector",
                             lora=dict(rank=2, layers=[1]))
     return calibrate(model, tok, train, heldout, cfg, checkpoint_dir=checkpoint_dir, progress=False)
 

@@ -47,7 +47,7 @@ def run(method, checkpoint_dir, resume):
     train = load("builtin:arithmetic,capitals:n=8").records
     heldout = load("builtin:arithmetic,capitals:n=4,seed=1").records
     cfg = CalibrationConfig(method=method, steps=STEPS, batch_size=4, heldout_batch_size=4, lr=1e-2,
-                            lam_lr=1e-1, eval_every=2, checkpoint_every=2, guard_accuracy=0.0,
+                            lam_lr=1e-1, eval_every=2, checkpoint_every=2, guard_accuracy=0.0, adjustment="vector",
                             lora=dict(rank=2, layers=[1]))
     return calibrate(model, tok, train, heldout, cfg, checkpoint_dir=checkpoint_dir, resume=resume,
                      progress=False)
@@ -88,7 +88,7 @@ def data():
 
 
 def _cfg(**kw) -> CalibrationConfig:
-    base = dict(steps=3, batch_size=4, heldout_batch_size=4, lr=1e-2, eval_every=1, guard_accuracy=0.0,
+    base = dict(steps=3, batch_size=4, heldout_batch_size=4, lr=1e-2, eval_every=1, guard_accuracy=0.0, adjustment="vector",
                 lora=LoraSettings(rank=2, layers=(1,)))
     base.update(kw)
     return CalibrationConfig(**base)

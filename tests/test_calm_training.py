@@ -32,7 +32,8 @@ def data():
 
 def _cfg(**kw) -> CalibrationConfig:
     base = dict(steps=4, batch_size=4, heldout_batch_size=4, lr=1e-2, lam_lr=1e-1, eval_every=2,
-                guard_accuracy=0.0, lora=LoraSettings(rank=2, layers=(1,)))
+                guard_accuracy=0.0, adjustment="vector", inner_steps=1, bome_barrier="value",
+                lora=LoraSettings(rank=2, layers=(1,)))
     base.update(kw)
     return CalibrationConfig(**base)
 

@@ -125,9 +125,10 @@ class CalibrationConfig:
         solver: ``"bome"`` (default), ``"f2sa"`` or ``"implicit"`` (exact hypergradients after
             lower-level steps, :class:`llm_calib.calm.methods.AlternatingImplicit`) for
             ``method="calm"``.
-        adjustment: λ variant: token level ``"vector"``, ``"temperature"``, ``"answer_tokens"``,
-            or option level ``"option_temperature"``, ``"option_length"`` (option-likelihood
-            multiple choice; see :mod:`llm_calib.adjustment`).
+        adjustment: λ variant: ``"auto"`` (default: where the prediction is made, see
+            :func:`llm_calib.calm.methods.resolve_adjustment`), token level ``"vector"``,
+            ``"temperature"``, ``"answer_tokens"``, or option level ``"option_temperature"``,
+            ``"option_length"`` (option-likelihood multiple choice; see :mod:`llm_calib.adjustment`).
         scorer: ``"option_likelihood"`` or ``"letter"`` (multiple choice; open questions are
             always trained on their reference answer's tokens).
         normalize: option scores summed (``"sum"``) or length-normalised (``"mean"``) (multiple
@@ -146,10 +147,10 @@ class CalibrationConfig:
         lam_lr: learning rate of λ (Adam).
         inner_steps: BOME's T / F2SA's inner steps / the implicit solver's lower-level steps per step.
         inner_lr: step size of the solver's inner steps: BOME's T plain-SGD steps that define
-            the value function, F2SA's T Adam steps of each iterate. None (default): BOME 1e-2,
+            the value function, F2SA's T Adam steps of each iterate. None (default): BOME 5e-2,
             F2SA θ's rate ``lr`` (see :func:`llm_calib.calm.methods.inner_lr`).
         bome_eta: BOME's barrier coefficient η.
-        bome_barrier: BOME's barrier, ``"value"`` (φ = η q) or ``"gradient"`` (φ = η‖∇q‖²,
+        bome_barrier: BOME's barrier, ``"value"`` (φ = η q) or ``"gradient"`` (default, φ = η‖∇q‖²,
             which keeps the lower-level loss decreasing at every step), see :class:`hypergrad.BOME`.
         f2sa_sigma: F2SA's penalty weight σ.
         cg_maxiter: ``solver="implicit"``: conjugate-gradient iterations per hypergradient
@@ -178,7 +179,7 @@ class CalibrationConfig:
 
     method: str = "calm"
     solver: str = "bome"
-    adjustment: str = "vector"
+    adjustment: str = "auto"
     scorer: str = "option_likelihood"
     normalize: str = "sum"
     lora: LoraSettings = field(default_factory=LoraSettings)
@@ -189,10 +190,10 @@ class CalibrationConfig:
     heldout_batch_size: int = 8
     lr: float = 1e-3
     lam_lr: float = 5e-2
-    inner_steps: int = 1
+    inner_steps: int = 5
     inner_lr: float | None = None
     bome_eta: float = 0.5
-    bome_barrier: str = "value"
+    bome_barrier: str = "gradient"
     f2sa_sigma: float = 0.1
     cg_maxiter: int = 10
     cg_damping: float = 1e-2

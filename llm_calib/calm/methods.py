@@ -58,15 +58,16 @@ def theta_optimizer(config: CalibrationConfig, lr: float | None = None) -> hg.in
 
 def inner_lr(config: CalibrationConfig) -> float:
     """The inner step size of the configured solver: ``config.inner_lr`` when set, else the
-    solver's default (BOME: ``1e-2``, plain SGD; F2SA: ``config.lr``, θ's Adam rate).
+    solver's default (BOME: ``5e-2``, plain SGD, large enough that the value function's
+    ``inner_steps`` steps make the lower level bind; F2SA: ``config.lr``, θ's Adam rate).
 
     Example:
         >>> inner_lr(CalibrationConfig(solver="f2sa", lr=3e-3)), inner_lr(CalibrationConfig())
-        (0.003, 0.01)
+        (0.003, 0.05)
     """
     if config.inner_lr is not None:
         return config.inner_lr
-    return 1e-2 if config.solver == "bome" else config.lr
+    return 5e-2 if config.solver == "bome" else config.lr
 
 
 @dataclass(frozen=True)
