@@ -21,6 +21,7 @@ __all__ = [
     "TRUNK_CACHE_ARCHITECTURES",
     "FunctionalLM",
     "attach_lora",
+    "detach_lora",
     "peft_deprecations_silenced",
 ]
 
@@ -110,7 +111,7 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
         peft_model = get_peft_model(model, config)
     # Half-precision (or k-bit) base: the trained adapters, hence θ and its optimiser states, are
     # float32 master weights (peft's default autocast does this; made explicit here).
-    for name, param in peft_model.named_parameters():
+    for param in peft_model.parameters():
         if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
             param.data = param.data.float()
     if not any(p.requires_grad for n, p in peft_model.named_parameters() if "lora_" in n):
@@ -124,6 +125,51 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
             if ".modules_to_save." in name:
                 param.requires_grad_(False)
     return peft_model
+
+
+def detach_lora(model: Any) -> Any:
+    """Remove every adapter from a peft model (no merge) and return the bare base model.
+
+    The base weights were frozen and never changed, so the result computes exactly what the base
+    did before :func:`attach_lora`: the next run can attach fresh adapters to it instead of
+    loading the base model again (what ``llm-calib calibrate`` does between methods).
+
+    Args:
+        model: a :class:`peft.PeftModel` (or a plain model, returned as is).
+
+    Returns:
+        The base model, in eval mode.
+
+    Raises:
+        RuntimeError: an adapter module survived the removal.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> base, _ = tiny_random_model()
+        >>> names = sorted(base.state_dict())
+        >>> before = base.model.norm.weight.clone()
+        >>> lm = FunctionalLM(attach_lora(base, LoraSettings(rank=2), output_scale=True))
+        >>> lm.load_theta({**lm.theta(), OUTPUT_LOG_SCALE: torch.tensor(0.5)})  # a trained scale
+        >>> back = detach_lora(lm.model)
+        >>> back is base, sorted(back.state_dict()) == names, bool((back.model.norm.weight == before).all())
+        (True, True, True)
+    """
+    if not hasattr(model, "get_base_model"):
+        return model.eval()
+    # peft's unload keeps a trained modules_to_save copy (the output scale's norm) in the base;
+    # put the original module back first
+    for name, module in list(model.named_modules()):
+        if hasattr(module, "original_module") and hasattr(module, "modules_to_save"):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, module.original_module)
+    with peft_deprecations_silenced():
+        base = model.unload()
+    left = [n for n, m in base.named_modules() if "lora_" in n or hasattr(m, "modules_to_save")]
+    if left:
+        raise RuntimeError(f"adapter modules left after unloading: {left[:4]}")
+    for param in base.parameters():
+        param.requires_grad_(False)
+    return base.eval()
 
 
 class FunctionalLM:
@@ -214,7 +260,7 @@ class FunctionalLM:
         try:
             yield
         finally:
-            for m, flag in zip(modules, previous):
+            for m, flag in zip(modules, previous, strict=True):
                 m.training = flag
 
     @property

@@ -27,9 +27,9 @@ __all__ = [
     "PackedQuestions",
     "accepts_packed_masks",
     "option_scores_from_logits",
+    "option_sequences",
     "pack_continuations",
     "pack_letters",
-    "option_sequences",
     "pack_questions",
     "reduce_per_option",
 ]
