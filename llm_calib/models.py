@@ -29,6 +29,7 @@ __all__ = [
     "ModelLoadConfig",
     "cache_is_valid",
     "default_cache_dir",
+    "enable_checkpointing",
     "free_memory",
     "lm_head_logits",
     "load",
@@ -359,12 +360,47 @@ def _finish(model: Any, cfg: ModelLoadConfig, device: str | torch.device) -> Non
         # LoRA, the output log-scale and λ are float32 anyway)
         for param in model.parameters():
             param.requires_grad_(False)
+        for module in model.modules():
+            # bitsandbytes repacks a CPU 4-bit weight for inference on its first forward without
+            # gradients in eval mode, and from then on multiplies with a kernel that has no
+            # backward: every later LoRA gradient through that layer would be silently wrong
+            # (calibration evaluates in eval mode between training steps)
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
     elif cfg.device_map is None:
         model.to(device)
     if cfg.gradient_checkpointing:
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise ValueError(f"gradient_checkpointing: {type(model).__name__} does not support it")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
+
+
+def enable_checkpointing(model: Any) -> Any:
+    """Switch on gradient (activation) checkpointing of every decoder layer (non-reentrant).
+
+    :class:`~llm_calib.calm.lora.FunctionalLM` then recomputes the trained layers in the backward
+    pass with the substituted θ, in training steps only.
+
+    Args:
+        model: a Hugging Face causal LM that supports it.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: the model does not support gradient checkpointing.
+
+    Example:
+        >>> model, _ = tiny_random_model()
+        >>> enable_checkpointing(model).model.layers[0].gradient_checkpointing
+        True
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} does not support it")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x (the old name warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
 
 
 def _ensure_pad_token(tokenizer: Any, model: Any) -> None:

@@ -41,6 +41,11 @@ every time (logged once at construction): slower for top-k LoRA, never wrong."""
 def _final_norm_name(model: Any) -> str:
     decoder, _ = split_decoder_head(model)
     norm = getattr(decoder, "norm", None)
+    if norm is not None and not _scales_with_weight(norm):
+        raise ValueError(
+            f"output_scale needs a final norm whose output scales with its weight; {type(norm).__name__} does "
+            "not (e.g. Gemma's RMSNorm multiplies by 1 + weight): set output_scale=False"
+        )
     for name, module in model.named_modules():
         if norm is not None and module is norm:
             return name
@@ -48,6 +53,18 @@ def _final_norm_name(model: Any) -> str:
         f"output_scale needs a decoder with a final norm module `norm`; {type(model).__name__} has none "
         "(set output_scale=False)"
     )
+
+
+def _scales_with_weight(norm: Any) -> bool:
+    """True when doubling the norm's weight doubles its output (what the output scale relies on)."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 1 or not bool(weight.detach().abs().sum() > 0):
+        return False
+    x = torch.linspace(-1.0, 1.0, 2 * weight.shape[0], device=weight.device).reshape(2, -1).to(weight.dtype)
+    with torch.no_grad():
+        once = norm(x).float()
+        twice = torch.func.functional_call(norm, {"weight": 2 * weight.detach()}, (x,)).float()
+    return torch.allclose(twice, 2 * once, rtol=2e-2, atol=1e-3)
 
 
 @contextlib.contextmanager
@@ -111,8 +128,8 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
         peft_model = get_peft_model(model, config)
     # Half-precision (or k-bit) base: the trained adapters, hence θ and its optimiser states, are
     # float32 master weights (peft's default autocast does this; made explicit here).
-    for param in peft_model.parameters():
-        if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
+    for name, param in peft_model.named_parameters():
+        if "lora_" in name and param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
             param.data = param.data.float()
     if not any(p.requires_grad for n, p in peft_model.named_parameters() if "lora_" in n):
         raise ValueError(
@@ -211,7 +228,8 @@ class FunctionalLM:
         )
         layered = all(hasattr(self.decoder, a) for a in ("layers", "norm", "rotary_emb"))
         known = type(self.decoder).__name__ in TRUNK_CACHE_ARCHITECTURES
-        self.packed_masks = accepts_packed_masks(self.base)
+        self._four_d_masks = accepts_packed_masks(self.base)
+        self.packed_masks = self._four_d_masks
         """Whether the attention takes the packed 4-D masks; otherwise one sequence per option."""
         self._checkpointed = _install_functional_checkpointing(self.decoder)
         self.checkpointing = bool(self._checkpointed)
@@ -295,7 +313,7 @@ class FunctionalLM:
         """Run decoder layers ``indices`` on ``hidden``, with θ substituted in the layers of ``per_layer``."""
         device = self.device
         pos = packed.position_ids.to(device)
-        if self.packed_masks or packed.attention_mask.dim() == 4:
+        if self._four_d_masks or packed.attention_mask.dim() == 4:
             mask = _four_d_additive(packed, self.dtype).to(device)
         else:  # flash-style kernels take the 2-D padding mask
             mask = packed.attention_mask.to(device)

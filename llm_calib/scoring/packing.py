@@ -399,13 +399,13 @@ def option_sequences(packed: PackedQuestions) -> OptionSequences:
     if packed.attention_mask.dim() != 4:
         raise ValueError("option_sequences needs questions packed with the 4-D mask (pack_questions)")
     B, L = packed.input_ids.shape
-    mask = packed.attention_mask[:, 0]
-    valid = mask[:, :, 0].sum(dim=1).tolist()  # every real token attends to the first prompt token
     lengths = packed.option_lengths.tolist()
     per_question: list[list[int]] = [[] for _ in range(B)]
     for k, q in enumerate(packed.option_question.tolist()):
         per_question[q].append(lengths[k])
-    prompt_len = [valid[b] - sum(per_question[b]) for b in range(B)]
+    # the row predicting a question's first answer token is the last prompt token, b * L + P - 1
+    last_prompt = packed.rows[packed.answer_start_rows()].tolist()
+    prompt_len = [last_prompt[b] - b * L + 1 for b in range(B)]
     L2 = max(prompt_len[b] + n for b in range(B) for n in per_question[b])
     R = len(lengths)
     ids = torch.zeros((R, L2), dtype=packed.input_ids.dtype)
