@@ -59,6 +59,7 @@ def test_bf16_calibrate_keeps_float32_masters_and_tracks_float32():
     _, ref_state, ref_records, ref_after = runs[torch.float32]
     assert trainer.lm.dtype == torch.bfloat16
     assert all(math.isfinite(r["g"]) and math.isfinite(r["unlabeled_entropy"]) for r in records)
+    assert {v.dtype for v in trainer.lm.theta().values()} == {torch.float32}  # from the start
     assert {v.dtype for v in state.theta.values()} == {torch.float32}
     assert state.theta[OUTPUT_LOG_SCALE].dtype == torch.float32
     assert {v.dtype for v in state.lam.values()} == {torch.float32}
@@ -162,20 +163,57 @@ def test_option_sequences_equal_the_packed_layout(layers, normalize, mc_records)
         torch.testing.assert_close(out[False][2], out[True][2], rtol=1e-5, atol=1e-5)
 
 
-def test_eager_attention_loads_and_scores_packed(tiny_model_dir, mc_records):
+def _padding_only_attention():
+    """Register ``padding_only``: SDPA behind the interface of flash attention, which takes a 2-D
+    padding mask (or none) and refuses anything else, like flash_attention_2 on a GPU."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    def padding_only(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(f"padding_only attention takes 2-D padding masks, got {attention_mask.dim()}-D")
+        L = query.shape[-2]
+        allowed = torch.ones(L, L, dtype=torch.bool, device=query.device).tril()[None, None]
+        if attention_mask is not None:
+            allowed = allowed & attention_mask.bool()[:, None, None, :]
+        allowed = allowed | torch.eye(L, dtype=torch.bool, device=query.device)  # padding rows stay finite
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, query, key, value, allowed, is_causal=False, **kwargs)
+
+    AttentionInterface.register("padding_only", padding_only)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("padding_only", flash_attention_mask)
+    return "padding_only"
+
+
+def test_attention_without_4d_masks_is_detected_and_exact(tiny_model_dir, mc_records):
+    """With an attention kernel that takes padding masks only, scoring and training switch to
+    one sequence per option by themselves, and compute what the packed layout computes (1e-5)."""
     from llm_calib.models import load as load_model
     from llm_calib.prompts import PromptFormat
     from llm_calib.scoring.option_likelihood import encode_questions, option_log_likelihoods
     from llm_calib.scoring.packing import accepts_packed_masks
 
-    model, tok = load_model(str(tiny_model_dir), attn_implementation="eager")
+    impl = _padding_only_attention()
+    flash_like, tok = load_model(str(tiny_model_dir))
+    flash_like.set_attn_implementation(impl)
     sdpa, _ = load_model(str(tiny_model_dir), attn_implementation="sdpa")
-    assert accepts_packed_masks(model) and accepts_packed_masks(sdpa)
+    assert not accepts_packed_masks(flash_like) and accepts_packed_masks(sdpa)
     items = encode_questions(tok, mc_records, PromptFormat())
-    for a, b in zip(option_log_likelihoods(model, items, pad_id=tok.pad_token_id),
-                    option_log_likelihoods(sdpa, items, pad_id=tok.pad_token_id, strategy="padded"), strict=True):
+    for a, b in zip(option_log_likelihoods(flash_like, items, pad_id=tok.pad_token_id),
+                    option_log_likelihoods(sdpa, items, pad_id=tok.pad_token_id), strict=True):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    # training: two CALM steps (trunk cache on, LoRA on layer 1) reach the same θ
+    results = [_run(m, tok, _config(), steps=2) for m in (flash_like, sdpa)]
+    assert not results[0][0].lm.packed_masks and results[0][0].lm.caches_trunk
+    for k, v in results[1][1].theta.items():
+        torch.testing.assert_close(results[0][1].theta[k], v, rtol=1e-5, atol=1e-5, msg=k)
+    # the kernel really refuses the packed layout
+    packed = results[0][0].train_batch(0).packed
+    with pytest.raises(ValueError, match="takes 2-D padding masks"):
+        flash_like.model(input_ids=packed.input_ids, attention_mask=packed.additive_mask(torch.float32),
+                         position_ids=packed.position_ids)
 
 
 def _tiny_gemma(tok):
