@@ -212,7 +212,8 @@ def _convert_gguf(gguf: Path, cache_dir: Path) -> None:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-"""Accepted values of :attr:`ModelLoadConfig.dtype` (``"auto"``: the checkpoint's own dtype)."""
+"""The values of ``--dtype`` and :attr:`ModelLoadConfig.dtype` (``"auto"``: the checkpoint's own
+dtype; the Python API also takes ``"float64"``, for exactness checks)."""
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 """Attention implementations :attr:`ModelLoadConfig.attn_implementation` names explicitly
@@ -248,7 +249,7 @@ class ModelLoadConfig:
         >>> ModelLoadConfig(dtype="half")
         Traceback (most recent call last):
         ...
-        ValueError: dtype must be one of ('auto', 'float32', 'bfloat16', 'float16'), got 'half'
+        ValueError: dtype must be one of ('auto', 'float32', 'bfloat16', 'float16') (or float64), got 'half'
     """
 
     dtype: str = "float32"
@@ -260,8 +261,8 @@ class ModelLoadConfig:
     device_map: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in (*DTYPES, "float64"):
+            raise ValueError(f"dtype must be one of {DTYPES} (or float64), got {self.dtype!r}")
         if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"attn_implementation must be None or one of {ATTN_IMPLEMENTATIONS}, got {self.attn_implementation!r}"
