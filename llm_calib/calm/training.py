@@ -210,7 +210,8 @@ def build_trainer(
     Seeds torch with ``config.seed`` first (the LoRA initialisation draws from it).
 
     Args:
-        model: a Hugging Face causal LM (a fresh copy per run).
+        model: a Hugging Face causal LM without adapters (a fresh copy, or one whose previous
+            adapters :func:`~llm_calib.calm.lora.detach_lora` removed).
         tokenizer: its tokenizer.
         train: training records, or an :class:`EncodedRecords` of them (reused as is, trunk
             cache included: pass the same object to several runs on the same base model).
