@@ -112,3 +112,17 @@ def test_cli_rejects_bad_flags(tiny_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main([*base, "--load-in-4bit", "--load-in-8bit"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_evaluate_takes_the_loading_flags(tiny_model_dir, tmp_path):
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        d = tmp_path / dtype
+        argv = ["evaluate", "--model", str(tiny_model_dir), "--data", EVAL, "--out", str(d), "--bootstrap", "0",
+                "--quiet", "--dtype", dtype, "--attn-implementation", "eager"]
+        assert cli.main(argv) == 0
+        out[dtype] = json.loads((d / "metrics.json").read_text())
+    assert out["bfloat16"]["config"]["dtype"] == "bfloat16"
+    a = out["float32"]["domains"]["capitals"]["uncalibrated"]
+    b = out["bfloat16"]["domains"]["capitals"]["uncalibrated"]
+    assert a["nll"] != b["nll"] and b["nll"] == pytest.approx(a["nll"], rel=2e-2)  # bf16 rounding, no more
