@@ -250,7 +250,7 @@ def test_unknown_decoder_falls_back_to_the_full_forward(caplog, mc_records):
                          position_ids=p.position_ids, use_cache=False).last_hidden_state
     torch.testing.assert_close(hidden, ref.reshape(-1, ref.shape[-1])[p.rows], rtol=1e-5, atol=1e-5)
     # and a whole calibration run on it trains with finite losses
-    trainer, state, records, _ = _run(_tiny_gemma(tok), tok, cfg, steps=2)
+    trainer, _, records, _ = _run(_tiny_gemma(tok), tok, cfg, steps=2)
     assert not trainer.lm.caches_trunk
     assert all(math.isfinite(r["g"]) for r in records)
 
@@ -267,7 +267,7 @@ def _bnb_cpu_reason() -> str | None:
         layer = layer.to("cpu")
         layer.weight = bnb.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4").to("cpu")
         layer(torch.randn(2, 64, dtype=torch.bfloat16))
-    except Exception as exc:  # noqa: BLE001 (any failure means: no CPU 4-bit backend here)
+    except Exception as exc:  # any failure means: no CPU 4-bit backend here
         return f"this bitsandbytes build has no working CPU 4-bit backend ({type(exc).__name__}: {exc})"
     return None
 
