@@ -4,8 +4,8 @@ Subcommands:
 
 * ``llm-calib evaluate``: score data sets with a model and write ``metrics.json``, ``report.md``
   and one reliability diagram per domain.
-* ``llm-calib calibrate``: train CALM and the baselines on the same data (one fresh model per
-  method), save each result, and compare them with the uncalibrated and temperature-scaled model
+* ``llm-calib calibrate``: train CALM and the baselines on the same data (one model load; each
+  method trains and removes its own adapters), save each result, and compare them with the uncalibrated and temperature-scaled model
   per domain in ``report.md``, ``metrics.json`` and reliability diagrams.
 * ``llm-calib export``: merge a saved adapter (LoRA and the output scale) into its base model and
   save a standalone Hugging Face model.
@@ -21,6 +21,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from llm_calib.prompts import PRESETS
@@ -78,6 +79,57 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _add_model_loading_args(p: argparse.ArgumentParser, *, training: bool) -> None:
+    """``--dtype``, ``--load-in-4bit/8bit``, ``--attn-implementation``, ``--trust-remote-code``
+    (and for training ``--gradient-checkpointing``): the fields of ``ModelLoadConfig``."""
+    from llm_calib.models import ATTN_IMPLEMENTATIONS, DTYPES
+
+    p.add_argument(
+        "--dtype", choices=DTYPES, default="float32",
+        help="parameter dtype of the base model; auto: the checkpoint's own. With bfloat16/float16 "
+        "the LoRA weights, the output scale, λ and the optimiser states stay float32 "
+        "(default: %(default)s)",
+    )
+    quant = p.add_mutually_exclusive_group()
+    quant.add_argument(
+        "--load-in-4bit", action="store_true",
+        help="quantise the frozen base weights to 4-bit NF4 (QLoRA; needs bitsandbytes: pip install "
+        "'llm-calib[quant]'); computes in --dtype, bfloat16 when that is float32 or auto",
+    )
+    quant.add_argument("--load-in-8bit", action="store_true", help="8-bit (LLM.int8) base weights instead")
+    p.add_argument(
+        "--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default=None,
+        help="attention kernel (default: transformers' choice, sdpa where available); with a kernel "
+        "other than eager/sdpa each option is scored as its own sequence instead of packed",
+    )
+    if training:
+        p.add_argument(
+            "--gradient-checkpointing", action="store_true",
+            help="recompute the trained layers' activations in the backward pass instead of storing "
+            "them (less memory, about a third more compute; same gradients)",
+        )
+    p.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="allow custom model code from the hub (only for repositories you trust)",
+    )
+
+
+def _model_loading(args: argparse.Namespace, device: str) -> Any:
+    """The ``ModelLoadConfig`` of the flags; on a GPU the weights load straight onto it."""
+    from llm_calib.models import ModelLoadConfig
+
+    return _user_call(
+        lambda: ModelLoadConfig(
+            dtype=args.dtype, load_in_4bit=args.load_in_4bit, load_in_8bit=args.load_in_8bit,
+            attn_implementation=args.attn_implementation,
+            gradient_checkpointing=getattr(args, "gradient_checkpointing", False),
+            trust_remote_code=args.trust_remote_code,
+            device_map=device if str(device).startswith("cuda") else None,
+        ),
+        "model loading flags",
+    )
 
 
 def _add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> None:
@@ -156,12 +208,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         help="put this adapter on --model first: a saved calibration result (llm-calib "
         "calibrate's --out/<method>) or any peft adapter directory",
     )
-    p.add_argument(
-        "--dtype",
-        choices=_DTYPES,
-        default="float32",
-        help="parameter dtype of the model (default: %(default)s)",
-    )
+    _add_model_loading_args(p, training=False)
     p.add_argument(
         "--data",
         action="append",
@@ -323,11 +370,6 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         help="cache of the converted built-in model (default: $LLM_CALIB_CACHE/<alias> or "
         "~/.cache/llm_calib/<alias>) or hub cache for hub names",
     )
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow custom model code from the hub (only for repositories you trust)",
-    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument(
         "--log-samples",
@@ -448,8 +490,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "calibrate",
         help="train CALM and baselines, compare them per domain",
         description=(
-            "Train each method (CALM and the one-level baselines) on a fresh copy of the model "
-            "with the same data, seed and budget; save each result to --out/<method>/; evaluate "
+            "Train each method (CALM and the one-level baselines) with fresh LoRA adapters on the "
+            "model (loaded once) with the same data, seed and budget; save each result to --out/<method>/; evaluate "
             "the uncalibrated model, temperature scaling (T fitted on the held-out split) and "
             "every trained method on each --eval set, domain by domain; write report.md, "
             "metrics.json and reliability_<domain>.png to --out."
@@ -461,7 +503,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "--model",
         default="smollm2-135m-instruct",
         help="built-in alias (smollm2-135m-instruct), local model directory, .gguf file or hub "
-        "name; reloaded fresh for every method (default: %(default)s)",
+        "name; loaded once, every method trains its own adapters on it (default: %(default)s)",
     )
     p.add_argument(
         "--train", required=True, metavar="SPEC",
@@ -529,6 +571,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "--cache-dir", default=None,
         help="cache of the converted built-in model, or hub cache for hub names",
     )
+    _add_model_loading_args(p.add_argument_group("model loading", "how the base model is loaded (once per run)"),
+                            training=True)
     _add_config_flags(p.add_argument_group(
         "calibration settings",
         "every CalibrationConfig field (llm_calib.calm.config); a flag overrides --config, which "
@@ -664,17 +708,17 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     evals = [(spec, records("--eval", spec)) for spec in args.eval]
     load_s = time.perf_counter() - t0
     device = _device(args.device)
-
-    def fresh_model():
-        return _user_call(
-            lambda: load_model(args.model, cache_dir=args.cache_dir, device=device),
-            f"--model {args.model}",
-        )
-
-    _, tokenizer = fresh_model()  # fail fast on a bad --model, and keep the tokenizer
+    loading = _model_loading(args, device)
+    t1 = time.perf_counter()
+    model, tokenizer = _user_call(
+        lambda: load_model(args.model, cache_dir=args.cache_dir, device=device, config=loading),
+        f"--model {args.model}",
+    )  # once: every method attaches, trains and removes its own adapters
+    log(f"loaded {args.model} ({loading.dtype}{', 4-bit' if loading.load_in_4bit else ''}"
+        f"{', 8-bit' if loading.load_in_8bit else ''}) in {time.perf_counter() - t1:.1f} s")
     try:
         cmp = run_comparison(
-            lambda: fresh_model()[0], tokenizer, train, heldout, evals, config, methods, args.out,
+            model, tokenizer, train, heldout, evals, config, methods, args.out,
             unlabeled=unlabeled, resume=args.resume, progress=not args.no_progress, n_bins=args.bins,
             bootstrap=args.bootstrap, log=log,
         )
@@ -684,6 +728,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise _UserError(str(exc)) from exc
     cmp.config["model"] = args.model
+    cmp.config["model_loading"] = loading.to_dict()
     cmp.config["limit"] = args.limit
     cmp.config["limit_mode"] = args.limit_mode
     cmp.config["skipped"] = getattr(args, "skipped_rows", {})
@@ -691,6 +736,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if not main_rank:
         return 0
     paths = write_comparison_report(cmp, args.out)
+    paths["model_loading"] = loading.save(Path(args.out) / "model_loading.json")
     for dom, d in cmp.domains.items():
         cells = ", ".join(
             f"{col}={(d.columns.get(col) or {}).get('ece', float('nan')):.3f}" for col in cmp.columns
@@ -810,11 +856,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model, tokenizer = _user_call(
         lambda: load_model(
-            args.model,
-            cache_dir=args.cache_dir,
-            device=args.device,
-            dtype=getattr(torch, args.dtype),
-            trust_remote_code=args.trust_remote_code,
+            args.model, cache_dir=args.cache_dir, device=args.device, config=_model_loading(args, args.device),
         ),
         f"--model {args.model}",
     )
@@ -863,8 +905,6 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     result.timing.update({"data_loading_s": load_s, "model_loading_s": model_s})
     paths = write_report(result, args.out)
     if args.log_samples:
-        from pathlib import Path
-
         write_samples(result, Path(args.out) / "samples.jsonl")
         paths["samples"] = Path(args.out) / "samples.jsonl"
     for dom, r in result.domains.items():

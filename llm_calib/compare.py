@@ -1,8 +1,11 @@
 """Train every calibration method on the same data and compare them per domain (``llm-calib calibrate``).
 
-For each method a fresh copy of the base model is trained by :func:`llm_calib.calm.trainer.calibrate`
-with the same data, seed and budget, and saved (:meth:`CalibrationResult.save`) to
-``<out>/<method>/``. Every evaluation set is then scored, each domain separately, for:
+The base model is loaded once. Each method attaches fresh LoRA adapters to it, is trained by
+:func:`llm_calib.calm.trainer.calibrate` with the same data, seed and budget, saved
+(:meth:`CalibrationResult.save`) to ``<out>/<method>/`` and evaluated; its adapters are then
+removed again (:func:`~llm_calib.calm.lora.detach_lora`; the frozen base weights never change), so
+no method sees another's adapters. The encoded records, and with them the trunk cache of the frozen
+bottom layers, are shared by all methods. Every evaluation set is then scored, each domain separately, for:
 
 * ``uncalibrated``: the base model;
 * ``temperature_scaled``: the base model with one temperature fitted on the held-out split's
@@ -132,7 +135,7 @@ def _prompt(config: CalibrationConfig) -> PromptFormat:
 
 
 def run_comparison(
-    load_model: Callable[[], Any],
+    model: Any,
     tokenizer: Any,
     train: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
     heldout: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
@@ -153,8 +156,9 @@ def run_comparison(
     """Train each method on a fresh base model, save it, and evaluate every column per domain.
 
     Args:
-        load_model: returns a fresh copy of the base model (called once for the baselines and
-            once per method, so no run sees another's adapters).
+        model: the base model, used for the baselines and by every method in turn (adapters
+            attached, trained, evaluated, removed), or a zero-argument callable returning it
+            (called once).
         tokenizer: the model's tokenizer.
         train: ``(name, records)`` of the lower-level training split (all multiple choice or all
             open questions).
@@ -185,7 +189,11 @@ def run_comparison(
             different configuration.
         llm_calib.calm.trainer.TrainingDiverged: a method's training diverged.
     """
+    import torch
+
     from llm_calib.calm.config import METHODS
+    from llm_calib.calm.encoding import encode_records
+    from llm_calib.calm.lora import detach_lora
     from llm_calib.calm.trainer import CalibrationResult, calibrate
 
     unknown = [m for m in methods if m not in METHODS]
@@ -222,21 +230,22 @@ def run_comparison(
     t0 = time.perf_counter()
     fitted = f" (temperature fitted on {heldout[0]})" if temperature_fit else ""
     log(f"evaluating the base model{fitted}")
-    model = load_model()
+    if callable(model) and not isinstance(model, torch.nn.Module):
+        model = model()
     base = evaluate_records(model, tokenizer, evals, temperature_fit=temperature_fit, **eval_kwargs)
-    del model
-    free_memory()
     domains: dict[str, DomainComparison] = {}
     collect(base, domains, {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature_scaled"})
     timings = {"baselines_s": time.perf_counter() - t0}
 
+    # encoded once: every method (and its trunk cache) reads the same token ids of the same records
+    train_enc, heldout_enc = encode_records(tokenizer, train[1], config), encode_records(tokenizer, heldout[1], config)
+    unlabeled_enc = None if unlabeled is None else encode_records(tokenizer, unlabeled[1], config)
     training: dict[str, dict[str, Any]] = {}
     for method in methods:
         cfg = dataclasses.replace(config, method=method)
         target = out / method
         ckpt_dir = out / "checkpoints" / method
         t0 = time.perf_counter()
-        model = load_model()
         reused = False
         if resume and (target / "metrics.json").is_file():
             result = CalibrationResult.load(target, model)
@@ -256,7 +265,7 @@ def run_comparison(
             use_ckpt = checkpoints and cfg.checkpoint_every > 0
             log(f"[{method}] training {cfg.steps} steps")
             result = calibrate(
-                model, tokenizer, train[1], heldout[1], cfg, unlabeled=None if unlabeled is None else unlabeled[1],
+                model, tokenizer, train_enc, heldout_enc, cfg, unlabeled=unlabeled_enc,
                 checkpoint_dir=ckpt_dir if use_ckpt else None, resume=resume, progress=progress,
             )
             if writer:
@@ -273,7 +282,8 @@ def run_comparison(
             "heldout_after": result.metrics.get("after", {}),
             "timings": {**result.timings, "train_total_s": train_s, "evaluate_s": time.perf_counter() - t0},
         }
-        del model, result, res
+        model = detach_lora(result.model)  # the bare base again, for the next method
+        del result, res
         free_memory()
     run_config = {
         "train": {"spec": train[0], "n": len(train[1]), "kind": kind},

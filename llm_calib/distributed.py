@@ -15,7 +15,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["global_mean", "init_from_env", "is_distributed", "rank", "sync_gradients", "world_size"]
+__all__ = [
+    "BUCKET_BYTES",
+    "buckets",
+    "global_mean",
+    "init_from_env",
+    "is_distributed",
+    "rank",
+    "sync_gradients",
+    "world_size",
+]
+
+BUCKET_BYTES = 25 * 2**20
+"""Largest all-reduce bucket of :func:`sync_gradients` (25 MiB, as in DDP): LoRA gradients are
+flattened into as few collectives as fit, instead of one per parameter."""
 
 
 def is_distributed() -> bool:
@@ -93,16 +106,52 @@ class _GlobalMean(torch.autograd.Function):
         return grad / dist.get_world_size()
 
 
+def buckets(tensors: list[Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    """Group tensor indices into all-reduce buckets: same dtype and device, at most
+    ``bucket_bytes`` each (a larger tensor gets a bucket of its own), in order.
+
+    Example:
+        >>> import torch
+        >>> buckets([torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.float64)], bucket_bytes=32)
+        [[0, 1], [2]]
+        >>> buckets([torch.zeros(4)] * 3, bucket_bytes=16)
+        [[0], [1], [2]]
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    out: list[list[int]] = []
+    open_bucket: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    for i, t in enumerate(tensors):
+        key, size = (t.dtype, t.device), t.numel() * t.element_size()
+        current = open_bucket.get(key)
+        if current is not None and current[1] + size <= bucket_bytes:
+            current[0].append(i)
+            open_bucket[key] = (current[0], current[1] + size)
+            continue
+        bucket = [i]
+        out.append(bucket)
+        open_bucket[key] = (bucket, size)
+    return out
+
+
 class _SyncGradients(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor) -> Tensor:
-        return tensor.view_as(tensor)
+    def forward(ctx: Any, bucket_bytes: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.bucket_bytes = bucket_bytes
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        # called once, with every parameter's gradient (zeros where unused): one flat
+        # all-reduce per bucket
+        grads_list = [g.contiguous() for g in grads]
+        out: list[Tensor] = list(grads_list)
+        for bucket in buckets(grads_list, ctx.bucket_bytes):
+            flat = torch.cat([grads_list[i].reshape(-1) for i in bucket])
+            dist.all_reduce(flat)
+            for i, part in zip(bucket, flat.split([grads_list[i].numel() for i in bucket]), strict=True):
+                out[i] = part.view_as(grads_list[i])
+        return (None, *out)
 
 
 def global_mean(value: Tensor) -> Tensor:
@@ -126,11 +175,16 @@ def global_mean(value: Tensor) -> Tensor:
     return _GlobalMean.apply(value) if is_distributed() else value
 
 
-def sync_gradients(params: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Route each parameter through an identity whose backward sums gradients over ranks.
+def sync_gradients(params: dict[str, Tensor], bucket_bytes: int = BUCKET_BYTES) -> dict[str, Tensor]:
+    """Route the parameters through one identity whose backward sums their gradients over ranks.
+
+    The backward runs once all of them have their gradient and all-reduces them flattened into
+    :func:`buckets` of at most ``bucket_bytes``: a handful of collectives per loss instead of one per
+    LoRA matrix.
 
     Args:
-        params: the parameters (a pytree) about to be used in a loss.
+        params: the parameters (a flat dict) about to be used in a loss.
+        bucket_bytes: largest bucket.
 
     Returns:
         The same values, wrapped so that gradients reaching them are all-reduced; ``params``
@@ -142,6 +196,8 @@ def sync_gradients(params: dict[str, Tensor]) -> dict[str, Tensor]:
         >>> sync_gradients(p)["w"] is p["w"]
         True
     """
-    if not is_distributed():
+    if not is_distributed() or not params:
         return params
-    return {k: _SyncGradients.apply(v) for k, v in params.items()}
+    keys = list(params)
+    synced = _SyncGradients.apply(bucket_bytes, *(params[k] for k in keys))
+    return dict(zip(keys, synced, strict=True))

@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +22,18 @@ import torch
 
 __all__ = [
     "ALIASES",
+    "ATTN_IMPLEMENTATIONS",
     "CACHE_MARKER",
+    "DTYPES",
     "GGUFAlias",
+    "ModelLoadConfig",
     "cache_is_valid",
     "default_cache_dir",
+    "enable_checkpointing",
     "free_memory",
     "lm_head_logits",
     "load",
+    "load_count",
     "random_init_model",
     "resolve_gguf",
     "split_decoder_head",
@@ -207,6 +212,199 @@ def _convert_gguf(gguf: Path, cache_dir: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""The values of ``--dtype`` and :attr:`ModelLoadConfig.dtype` (``"auto"``: the checkpoint's own
+dtype; the Python API also takes ``"float64"``, for exactness checks)."""
+
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+"""Attention implementations :attr:`ModelLoadConfig.attn_implementation` names explicitly
+(``None`` leaves the choice to transformers, which picks ``sdpa`` where it can). Only ``eager`` and
+``sdpa`` accept the packed 4-D masks; with any other one, scoring and training switch to one
+sequence per (question, option) automatically (:func:`llm_calib.scoring.packing.accepts_packed_masks`)."""
+
+
+@dataclass(frozen=True)
+class ModelLoadConfig:
+    """How :func:`load` materialises a model: precision, quantisation, attention, placement.
+
+    Attributes:
+        dtype: parameter dtype, one of :data:`DTYPES`. ``"bfloat16"`` halves the weights' memory;
+            λ, LoRA weights, the output log-scale and every optimiser state stay float32.
+        load_in_4bit: quantise the frozen base weights to 4-bit NF4 with bitsandbytes (QLoRA;
+            needs the ``quant`` extra, ``pip install 'llm-calib[quant]'``); compute in ``dtype``
+            (``"auto"``/``"float32"`` compute in bfloat16).
+        load_in_8bit: 8-bit (LLM.int8) quantisation instead; exclusive with ``load_in_4bit``.
+        attn_implementation: one of :data:`ATTN_IMPLEMENTATIONS`, or None (transformers' default).
+        gradient_checkpointing: recompute each decoder layer's activations in the backward pass
+            instead of storing them (activation memory of one layer instead of all trained ones;
+            about a third more compute for the trained layers).
+        trust_remote_code: allow custom model code from the hub (only for repositories you trust).
+        device_map: passed to ``from_pretrained`` (e.g. ``"cuda:0"``): the weights are loaded
+            straight onto that device instead of host RAM first. Default None: load on the CPU and
+            move to ``device``. Quantised models always load with a device map (``device``).
+
+    Example:
+        >>> cfg = ModelLoadConfig(dtype="bfloat16", gradient_checkpointing=True)
+        >>> ModelLoadConfig.from_dict(cfg.to_dict()) == cfg, cfg.torch_dtype
+        (True, torch.bfloat16)
+        >>> ModelLoadConfig(dtype="half")
+        Traceback (most recent call last):
+        ...
+        ValueError: dtype must be one of ('auto', 'float32', 'bfloat16', 'float16') (or float64), got 'half'
+    """
+
+    dtype: str = "float32"
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    attn_implementation: str | None = None
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    device_map: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (*DTYPES, "float64"):
+            raise ValueError(f"dtype must be one of {DTYPES} (or float64), got {self.dtype!r}")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attn_implementation must be None or one of {ATTN_IMPLEMENTATIONS}, got {self.attn_implementation!r}"
+            )
+        for name in ("load_in_4bit", "load_in_8bit", "gradient_checkpointing", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("load_in_4bit and load_in_8bit are exclusive; choose one")
+        if self.device_map is not None and not isinstance(self.device_map, str):
+            raise ValueError(f"device_map must be a device name such as 'cuda:0' or null, got {self.device_map!r}")
+
+    @property
+    def quantized(self) -> bool:
+        """True when the base weights are loaded in 4 or 8 bits."""
+        return self.load_in_4bit or self.load_in_8bit
+
+    @property
+    def torch_dtype(self) -> torch.dtype | str:
+        """The ``dtype`` argument of ``from_pretrained`` (``"auto"`` stays a string)."""
+        return "auto" if self.dtype == "auto" else getattr(torch, self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-ready)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelLoadConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError`` naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelLoadConfig fields {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the config as JSON to ``path``; returns the path."""
+        out = Path(path)
+        out.write_text(json.dumps(self.to_dict(), indent=2))
+        return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ModelLoadConfig:
+        """Read a config written by :meth:`save`."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+_LOADS = {"count": 0}
+
+
+def load_count() -> int:
+    """How many models :func:`load` has materialised in this process (tests and benchmarks count
+    the base-model loads of a run with it).
+
+    Example:
+        >>> isinstance(load_count(), int)
+        True
+    """
+    return _LOADS["count"]
+
+
+def _quantization_config(cfg: ModelLoadConfig) -> Any:
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(
+            "load_in_4bit / load_in_8bit need bitsandbytes, which is not installed: "
+            "pip install 'llm-calib[quant]' (or pip install bitsandbytes)"
+        )
+    from transformers import BitsAndBytesConfig
+
+    if cfg.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = torch.bfloat16 if cfg.dtype in ("auto", "float32") else getattr(torch, cfg.dtype)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute,
+    )
+
+
+def _from_pretrained_kwargs(cfg: ModelLoadConfig, device: str | torch.device) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"dtype": cfg.torch_dtype, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation is not None:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    if cfg.quantized:
+        kwargs["quantization_config"] = _quantization_config(cfg)
+        if cfg.dtype in ("auto", "float32"):
+            kwargs["dtype"] = torch.bfloat16  # the non-quantised rest (norms, embeddings)
+        kwargs["device_map"] = cfg.device_map or {"": str(device)}
+    elif cfg.device_map is not None:
+        kwargs["device_map"] = cfg.device_map
+    return kwargs
+
+
+def _finish(model: Any, cfg: ModelLoadConfig, device: str | torch.device) -> None:
+    if cfg.quantized:
+        # already placed by its device map; the frozen rest (norms, embeddings) stays in the
+        # compute dtype (no float32 upcast of embeddings and head as in peft's k-bit preparation:
+        # LoRA, the output log-scale and λ are float32 anyway)
+        for param in model.parameters():
+            param.requires_grad_(False)
+        for module in model.modules():
+            # bitsandbytes repacks a CPU 4-bit weight for inference on its first forward without
+            # gradients in eval mode, and from then on multiplies with a kernel that has no
+            # backward: every later LoRA gradient through that layer would be silently wrong
+            # (calibration evaluates in eval mode between training steps)
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
+    elif cfg.device_map is None:
+        model.to(device)
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(model)
+
+
+def enable_checkpointing(model: Any) -> Any:
+    """Switch on gradient (activation) checkpointing of every decoder layer (non-reentrant).
+
+    :class:`~llm_calib.calm.lora.FunctionalLM` then recomputes the trained layers in the backward
+    pass with the substituted θ, in training steps only.
+
+    Args:
+        model: a Hugging Face causal LM that supports it.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: the model does not support gradient checkpointing.
+
+    Example:
+        >>> model, _ = tiny_random_model()
+        >>> enable_checkpointing(model).model.layers[0].gradient_checkpointing
+        True
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} does not support it")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x (the old name warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
 def _ensure_pad_token(tokenizer: Any, model: Any) -> None:
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
@@ -226,21 +424,28 @@ def load(
     name_or_path: str = "smollm2-135m-instruct",
     *,
     cache_dir: str | os.PathLike[str] | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
-    trust_remote_code: bool = False,
+    trust_remote_code: bool | None = None,
+    config: ModelLoadConfig | None = None,
+    **options: Any,
 ) -> tuple[Any, Any]:
-    """Load a causal LM and its tokenizer, ready for scoring.
+    """Load a causal LM and its tokenizer, ready for scoring and calibration.
 
     Args:
         name_or_path: a built-in alias (``"smollm2-135m-instruct"``), a local model directory, a
             local ``.gguf`` file, or a Hugging Face hub name (needs internet or a warm hub cache).
         cache_dir: for an alias, where the converted safetensors copy lives (default
             :func:`default_cache_dir`); otherwise passed to ``from_pretrained`` as the hub cache.
-        dtype: parameter dtype.
-        device: device to move the model to.
+        dtype: parameter dtype (a ``torch.dtype`` or a name from :data:`DTYPES`); overrides
+            ``config.dtype``. Default float32.
+        device: device to move the model to (or to load a quantised model onto).
         trust_remote_code: passed to ``from_pretrained``; leave ``False`` unless you trust the
-            repository.
+            repository. Overrides ``config.trust_remote_code``.
+        config: the :class:`ModelLoadConfig` (precision, 4/8-bit quantisation, attention
+            implementation, gradient checkpointing, device map).
+        **options: any other :class:`ModelLoadConfig` field, overriding ``config``
+            (e.g. ``load_in_4bit=True, gradient_checkpointing=True``).
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode and the tokenizer has a pad token.
@@ -248,6 +453,8 @@ def load(
     Raises:
         FileNotFoundError: if an alias's package is missing (the message names the install
             command).
+        ImportError: 4/8-bit loading without bitsandbytes (names the install command).
+        ValueError: an invalid option (names the field and the allowed values).
         OSError: if a hub name cannot be resolved.
 
     Example:
@@ -258,18 +465,34 @@ def load(
         >>> model, tok = load(d)
         >>> model.training, tok.pad_token
         (False, '<|endoftext|>')
+        >>> model, _ = load(d, dtype="bfloat16", attn_implementation="eager")
+        >>> model.dtype, model.config._attn_implementation
+        (torch.bfloat16, 'eager')
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ValueError(f"name_or_path must be a non-empty string, got {name_or_path!r}")
-    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    overrides = dict(options)
+    if dtype is not None:
+        overrides["dtype"] = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    if trust_remote_code is not None:
+        overrides["trust_remote_code"] = trust_remote_code
+    unknown = sorted(set(overrides) - {f.name for f in fields(ModelLoadConfig)})
+    if unknown:
+        raise TypeError(f"load() got unknown options {unknown}; ModelLoadConfig fields: "
+                        f"{[f.name for f in fields(ModelLoadConfig)]}")
+    cfg = ModelLoadConfig(**{**(config or ModelLoadConfig()).to_dict(), **overrides})
+    kwargs = _from_pretrained_kwargs(cfg, device)
     if name_or_path in ALIASES:
         gguf = resolve_gguf(name_or_path)
         target = Path(cache_dir).expanduser() if cache_dir else default_cache_dir(name_or_path)
         if not cache_is_valid(target, gguf):
             _convert_gguf(gguf, target)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+        kwargs.pop("trust_remote_code")
+        if kwargs["dtype"] == "auto":
+            kwargs["dtype"] = torch.float32  # the cache is a float32 de-quantisation of the GGUF file
+        model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(target)
     elif name_or_path.endswith(".gguf") and Path(name_or_path).is_file():
         path = Path(name_or_path)
@@ -279,10 +502,11 @@ def load(
         if cache_dir is not None:
             kwargs["cache_dir"] = str(cache_dir)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
-        tok_kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+        tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "cache_dir") if k in kwargs}
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **tok_kwargs)
+    _LOADS["count"] += 1
     _ensure_pad_token(tokenizer, model)
-    model.to(device)
+    _finish(model, cfg, device)
     model.eval()
     return model, tokenizer
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -13,21 +14,38 @@ from torch import Tensor
 
 from llm_calib.calm.config import LoraSettings
 from llm_calib.models import lm_head_logits, split_decoder_head
-from llm_calib.scoring.packing import PackedQuestions
+from llm_calib.scoring.packing import PackedQuestions, accepts_packed_masks, option_sequences
 
-__all__ = ["OUTPUT_LOG_SCALE", "FunctionalLM", "attach_lora", "peft_deprecations_silenced"]
+__all__ = [
+    "OUTPUT_LOG_SCALE",
+    "TRUNK_CACHE_ARCHITECTURES",
+    "FunctionalLM",
+    "attach_lora",
+    "detach_lora",
+    "peft_deprecations_silenced",
+]
+
+logger = logging.getLogger(__name__)
 
 OUTPUT_LOG_SCALE = "output_log_scale"
 """Name of the θ leaf holding the log of the final norm's scale (see ``output_scale``)."""
 
-# Decoders whose forward is exactly: token embedding, then the layers (no embedding scale or
-# extra inputs), so the cached trunk can run the bottom layers alone.
-_EMBED_THEN_LAYERS = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+TRUNK_CACHE_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+"""Decoders whose forward is exactly: token embedding, then the layers called as
+``layer(hidden, attention_mask=, position_ids=, position_embeddings=decoder.rotary_emb(...))``, then
+the final norm (no embedding scale, sliding windows or extra inputs), so :class:`FunctionalLM` can
+cache the frozen bottom layers and run the top ones alone. Any other decoder runs the full forward
+every time (logged once at construction): slower for top-k LoRA, never wrong."""
 
 
 def _final_norm_name(model: Any) -> str:
     decoder, _ = split_decoder_head(model)
     norm = getattr(decoder, "norm", None)
+    if norm is not None and not _scales_with_weight(norm):
+        raise ValueError(
+            f"output_scale needs a final norm whose output scales with its weight; {type(norm).__name__} does "
+            "not (e.g. Gemma's RMSNorm multiplies by 1 + weight): set output_scale=False"
+        )
     for name, module in model.named_modules():
         if norm is not None and module is norm:
             return name
@@ -35,6 +53,18 @@ def _final_norm_name(model: Any) -> str:
         f"output_scale needs a decoder with a final norm module `norm`; {type(model).__name__} has none "
         "(set output_scale=False)"
     )
+
+
+def _scales_with_weight(norm: Any) -> bool:
+    """True when doubling the norm's weight doubles its output (what the output scale relies on)."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 1 or not bool(weight.detach().abs().sum() > 0):
+        return False
+    x = torch.linspace(-1.0, 1.0, 2 * weight.shape[0], device=weight.device).reshape(2, -1).to(weight.dtype)
+    with torch.no_grad():
+        once = norm(x).float()
+        twice = torch.func.functional_call(norm, {"weight": 2 * weight.detach()}, (x,)).float()
+    return torch.allclose(twice, 2 * once, rtol=2e-2, atol=1e-3)
 
 
 @contextlib.contextmanager
@@ -96,6 +126,11 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
     )
     with peft_deprecations_silenced():
         peft_model = get_peft_model(model, config)
+    # Half-precision (or k-bit) base: the trained adapters, hence θ and its optimiser states, are
+    # float32 master weights (peft's default autocast does this; made explicit here).
+    for name, param in peft_model.named_parameters():
+        if "lora_" in name and param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
+            param.data = param.data.float()
     if not any(p.requires_grad for n, p in peft_model.named_parameters() if "lora_" in n):
         raise ValueError(
             f"LoRA target_modules={settings.target_modules} matched no module of "
@@ -107,6 +142,51 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
             if ".modules_to_save." in name:
                 param.requires_grad_(False)
     return peft_model
+
+
+def detach_lora(model: Any) -> Any:
+    """Remove every adapter from a peft model (no merge) and return the bare base model.
+
+    The base weights were frozen and never changed, so the result computes exactly what the base
+    did before :func:`attach_lora`: the next run can attach fresh adapters to it instead of
+    loading the base model again (what ``llm-calib calibrate`` does between methods).
+
+    Args:
+        model: a :class:`peft.PeftModel` (or a plain model, returned as is).
+
+    Returns:
+        The base model, in eval mode.
+
+    Raises:
+        RuntimeError: an adapter module survived the removal.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> base, _ = tiny_random_model()
+        >>> names = sorted(base.state_dict())
+        >>> before = base.model.norm.weight.clone()
+        >>> lm = FunctionalLM(attach_lora(base, LoraSettings(rank=2), output_scale=True))
+        >>> lm.load_theta({**lm.theta(), OUTPUT_LOG_SCALE: torch.tensor(0.5)})  # a trained scale
+        >>> back = detach_lora(lm.model)
+        >>> back is base, sorted(back.state_dict()) == names, bool((back.model.norm.weight == before).all())
+        (True, True, True)
+    """
+    if not hasattr(model, "get_base_model"):
+        return model.eval()
+    # peft's unload keeps a trained modules_to_save copy (the output scale's norm) in the base;
+    # put the original module back first
+    for name, module in list(model.named_modules()):
+        if hasattr(module, "original_module") and hasattr(module, "modules_to_save"):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, module.original_module)
+    with peft_deprecations_silenced():
+        base = model.unload()
+    left = [n for n, m in base.named_modules() if "lora_" in n or hasattr(m, "modules_to_save")]
+    if left:
+        raise RuntimeError(f"adapter modules left after unloading: {left[:4]}")
+    for param in base.parameters():
+        param.requires_grad_(False)
+    return base.eval()
 
 
 class FunctionalLM:
@@ -147,14 +227,59 @@ class FunctionalLM:
             p.requires_grad and not n.startswith("layers.") for n, p in self.decoder.named_parameters()
         )
         layered = all(hasattr(self.decoder, a) for a in ("layers", "norm", "rotary_emb"))
+        known = type(self.decoder).__name__ in TRUNK_CACHE_ARCHITECTURES
+        self._four_d_masks = accepts_packed_masks(self.base)
+        self.packed_masks = self._four_d_masks
+        """Whether the attention takes the packed 4-D masks; otherwise one sequence per option."""
+        self._checkpointed = _install_functional_checkpointing(self.decoder)
+        self.checkpointing = bool(self._checkpointed)
+        """Whether the decoder layers recompute activations in the backward pass (see
+        :meth:`train_mode`)."""
         norm = getattr(self.decoder, "norm", None)
         self._scaled_norm: str | None = None  # name (relative to the norm) of its adapter copy's weight
         if norm is not None and hasattr(norm, "original_module") and hasattr(norm, "modules_to_save"):
             self._scaled_norm = next(n for n, _ in norm.named_parameters() if n.startswith("modules_to_save."))
             self._norm_base_weight = norm.original_module.weight
         self.trunk_layers = 0
-        if cache_trunk and layered and trainable_layers and not has_other_trainable:
-            self.trunk_layers = trainable_layers[0]
+        if cache_trunk and trainable_layers and trainable_layers[0] > 0 and not has_other_trainable:
+            if layered and known:
+                self.trunk_layers = trainable_layers[0]
+            else:
+                logger.info(
+                    "trunk cache off for %s (not one of %s): every step runs the full forward through "
+                    "all %s layers, slower for top-k LoRA but exact", type(self.decoder).__name__,
+                    sorted(TRUNK_CACHE_ARCHITECTURES), len(getattr(self.decoder, "layers", ())) or "its",
+                )
+
+    @contextlib.contextmanager
+    def train_mode(self) -> Iterator[None]:
+        """Training mode exactly where the trained parts need it, for the duration of a step.
+
+        Sets ``training`` on the LoRA dropout modules (when ``dropout > 0``) and, with gradient
+        checkpointing, on the checkpointed decoder layers themselves (transformers checkpoints only
+        in training mode), not on their children: the frozen base keeps its eval behaviour
+        (attention dropout off), so with ``dropout=0`` a step computes what it computes in eval
+        mode. Restores the previous flags afterwards.
+
+        Example:
+            >>> from llm_calib.models import tiny_random_model
+            >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2, dropout=0.1)).eval())
+            >>> with lm.train_mode():  # the 4 LoRA dropouts (q_proj, v_proj of 2 layers)
+            ...     sum(m.training for m in lm.model.modules())
+            4
+            >>> sum(m.training for m in lm.model.modules())
+            0
+        """
+        modules = [m for n, m in self.model.named_modules() if ".lora_dropout." in f".{n}" and isinstance(m, torch.nn.Dropout)]
+        modules += self._checkpointed
+        previous = [m.training for m in modules]
+        for m in modules:
+            m.training = True
+        try:
+            yield
+        finally:
+            for m, flag in zip(modules, previous, strict=True):
+                m.training = flag
 
     @property
     def caches_trunk(self) -> bool:
@@ -163,9 +288,14 @@ class FunctionalLM:
 
     def trunk_hidden(self, packed: PackedQuestions) -> Tensor:
         """Hidden states entering the first trainable layer, ``(B, L, hidden)`` (no grad)."""
+        if packed.attention_mask.dim() == 4 and not self.packed_masks:
+            seq = option_sequences(packed)
+            hidden = self.trunk_hidden(seq.packed)
+            B, L = packed.input_ids.shape
+            return hidden.reshape(-1, hidden.shape[-1])[seq.target.to(hidden.device)].reshape(B, L, -1)
         device = self.device
         with torch.inference_mode():
-            if type(self.decoder).__name__ in _EMBED_THEN_LAYERS:
+            if type(self.decoder).__name__ in TRUNK_CACHE_ARCHITECTURES:
                 # Only the bottom layers: the full forward would also run the top ones and keep
                 # every layer's states (about a quarter more time for the default top 6 of 30).
                 hidden = self.decoder.embed_tokens(packed.input_ids.to(device))
@@ -183,7 +313,10 @@ class FunctionalLM:
         """Run decoder layers ``indices`` on ``hidden``, with θ substituted in the layers of ``per_layer``."""
         device = self.device
         pos = packed.position_ids.to(device)
-        mask = _four_d_additive(packed, self.dtype).to(device)
+        if self._four_d_masks or packed.attention_mask.dim() == 4:
+            mask = _four_d_additive(packed, self.dtype).to(device)
+        else:  # flash-style kernels take the 2-D padding mask
+            mask = packed.attention_mask.to(device)
         kwargs = {"attention_mask": mask, "position_ids": pos,
                   "position_embeddings": self.decoder.rotary_emb(hidden, position_ids=pos)}
         for index in indices:
@@ -217,7 +350,9 @@ class FunctionalLM:
             return theta, {}
         if self._scaled_norm is None:
             raise ValueError(f"theta has {OUTPUT_LOG_SCALE!r} but the model's final norm has no adapter copy")
-        return theta, {self._scaled_norm: self._norm_base_weight * torch.exp(log_scale)}
+        base = self._norm_base_weight
+        # the log-scale is a float32 master value; the product is cast to the norm's dtype
+        return theta, {self._scaled_norm: (base.to(log_scale.dtype) * torch.exp(log_scale)).to(base.dtype)}
 
     def decoder_parameters(self, theta: dict[str, Tensor]) -> dict[str, Tensor]:
         """θ as parameters of the decoder module (names relative to it), for
@@ -238,7 +373,9 @@ class FunctionalLM:
         copy = dict(self.decoder.norm.named_parameters())[self._scaled_norm].detach()
         base = self._norm_base_weight.detach()
         # The copy is always base * exp(s) with one scalar s, so the norm ratio recovers s exactly.
-        return torch.log(copy.double().norm() / base.double().norm()).to(base.dtype)
+        # float32 (float64 for float64 models) whatever the model's dtype: θ's master copy.
+        master = torch.float64 if base.dtype == torch.float64 else torch.float32
+        return torch.log(copy.double().norm() / base.double().norm()).to(master)
 
     def theta(self) -> dict[str, Tensor]:
         """Detached copies of the trainable parameters (``requires_grad``) of the decoder."""
@@ -264,7 +401,13 @@ class FunctionalLM:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.decoder.parameters()).dtype
+        """The compute dtype of the base model (of its input embeddings: quantised weights are
+        stored as integers)."""
+        embed = self.base.get_input_embeddings() if hasattr(self.base, "get_input_embeddings") else None
+        weight = getattr(embed, "weight", None)
+        if weight is not None and weight.is_floating_point():
+            return weight.dtype
+        return next(p.dtype for p in self.decoder.parameters() if p.is_floating_point())
 
     @property
     def device(self) -> torch.device:
@@ -279,6 +422,12 @@ class FunctionalLM:
         run; the result equals the full forward.
         """
         device = self.device
+        if packed.attention_mask.dim() == 4 and not self.packed_masks:
+            seq = option_sequences(packed)
+            if trunk is not None:
+                trunk = trunk.reshape(-1, trunk.shape[-1])[seq.source.to(trunk.device)]
+                trunk = trunk.reshape(*seq.packed.input_ids.shape, -1)
+            return self.hidden_rows(theta, seq.packed, trunk)
         if trunk is not None:
             hidden = self._top_layers(theta, packed, trunk)
             return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(device)]
@@ -325,3 +474,51 @@ def _four_d_additive(packed: PackedQuestions, dtype: torch.dtype) -> Tensor:
     allowed |= torch.eye(L, dtype=torch.bool)[None]
     out = torch.zeros((keys.shape[0], 1, L, L), dtype=dtype)
     return out.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+
+
+@contextlib.contextmanager
+def _parameters_set(module: torch.nn.Module, tensors: dict[str, Tensor]) -> Iterator[None]:
+    """Temporarily make ``tensors`` (by parameter name) the parameters of ``module``."""
+    swapped = []
+    for name, tensor in tensors.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        current = owner._parameters[leaf]
+        if current is not tensor:
+            owner._parameters[leaf] = tensor  # type: ignore[assignment]
+            swapped.append((owner, leaf, current))
+    try:
+        yield
+    finally:
+        for owner, leaf, current in reversed(swapped):
+            owner._parameters[leaf] = current
+
+
+def _functional_checkpoint(layer: torch.nn.Module) -> Callable[..., Any]:
+    """A checkpointing function for ``layer`` that stays correct under ``functional_call``.
+
+    transformers' default recomputes the layer in the backward pass with whatever parameters the
+    module holds then, which after :func:`torch.func.functional_call` has returned are the module's
+    own, not the θ that was substituted: silently wrong gradients. This one captures the
+    parameters the forward saw and substitutes them again for the recomputation.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    def run(forward: Callable[..., Any], *args: Any) -> Any:
+        seen = dict(layer.named_parameters())
+
+        def replay(*inputs: Any) -> Any:
+            with _parameters_set(layer, seen):
+                return forward(*inputs)
+
+        return checkpoint(replay, *args, use_reentrant=False)
+
+    return run
+
+
+def _install_functional_checkpointing(decoder: torch.nn.Module) -> list[torch.nn.Module]:
+    """Give every checkpointed layer of ``decoder`` :func:`_functional_checkpoint`; return them."""
+    layers = [m for m in decoder.modules() if getattr(m, "gradient_checkpointing", False) and m is not decoder]
+    for layer in layers:
+        layer._gradient_checkpointing_func = _functional_checkpoint(layer)
+    return layers

@@ -121,7 +121,8 @@ def calibrate(
 
     Args:
         model: a Hugging Face causal LM; LoRA adapters are attached to it (its own weights stay
-            frozen). Pass a fresh copy per run.
+            frozen). Pass a model without adapters: a fresh copy, or the previous run's
+            ``result.model`` after :func:`~llm_calib.calm.lora.detach_lora`.
         tokenizer: its tokenizer.
         train: labelled questions for the lower level (task cross-entropy): all
             multiple-choice, or all open questions (trained on their first reference alias); or

@@ -230,7 +230,8 @@ def build_trainer(
     Seeds torch with ``config.seed`` first (the LoRA initialisation draws from it).
 
     Args:
-        model: a Hugging Face causal LM (a fresh copy per run).
+        model: a Hugging Face causal LM without adapters (a fresh copy, or one whose previous
+            adapters :func:`~llm_calib.calm.lora.detach_lora` removed).
         tokenizer: its tokenizer.
         train: training records, or an :class:`EncodedRecords` of them (reused as is, trunk
             cache included: pass the same object to several runs on the same base model).
@@ -261,7 +262,10 @@ def build_trainer(
         record_kind(_records(unlabeled), what="unlabeled", expected=kind)
     torch.manual_seed(config.seed)
     peft_model = attach_lora(model, config.lora, output_scale=config.output_scale)
-    peft_model.eval()  # no dropout randomness unless configured; LoRA dropout is applied in eval too when > 0
+    # Eval mode throughout: the frozen base never needs training behaviour. train_step switches
+    # on training mode only where the trained parts need it (FunctionalLM.train_mode: LoRA dropout
+    # when > 0, the layers of gradient checkpointing); evaluation runs in eval mode.
+    peft_model.eval()
     lm = FunctionalLM(peft_model)
     vocab = lm.head.out_features if hasattr(lm.head, "out_features") else lm.base.config.vocab_size
     train_enc = _encode(tokenizer, train, config)
@@ -441,7 +445,8 @@ def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
     inner = trainer.train_batch(state.step)
     calm = trainer.config.method == "calm"
     try:
-        record = _calm_step(trainer, state, inner) if calm else _baseline_step(trainer, state, inner)
+        with trainer.lm.train_mode():
+            record = _calm_step(trainer, state, inner) if calm else _baseline_step(trainer, state, inner)
         hg.tree.check_finite(state.theta, "updated LoRA parameters")
     except (hg.NonFiniteError, FloatingPointError) as err:
         raise TrainingDiverged(

@@ -38,7 +38,7 @@ from llm_calib.scoring.base import (
     encode_prompt,
     progress_bar,
 )
-from llm_calib.scoring.packing import pack_questions
+from llm_calib.scoring.packing import accepts_packed_masks, pack_questions
 
 __all__ = [
     "LM_EVAL_NORMALIZATIONS",
@@ -250,7 +250,9 @@ def option_log_likelihoods(
         model: a Hugging Face causal LM.
         items: encoded questions (from :func:`encode_questions`).
         pad_id: id used for padding (its value never influences the result).
-        strategy: ``"packed"`` or ``"padded"`` (see the module docstring).
+        strategy: ``"packed"`` or ``"padded"`` (see the module docstring). ``"packed"`` falls
+            back to ``"padded"`` for attention implementations without 4-D masks
+            (:func:`~llm_calib.scoring.packing.accepts_packed_masks`).
 
     Returns:
         ``out[q][k]``: float64 tensor of the log-probabilities of option ``k``'s tokens of question
@@ -270,7 +272,9 @@ def option_log_likelihoods(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if not items:
         return []
-    forward = _packed_forward if strategy == "packed" else _padded_forward
+    # the packed layout's 4-D masks need eager or sdpa attention; flash kernels get one row per option
+    packed = strategy == "packed" and accepts_packed_masks(model)
+    forward = _packed_forward if packed else _padded_forward
     with torch.inference_mode():
         flat = forward(model, items, pad_id)
     out, i = [], 0

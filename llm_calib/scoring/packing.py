@@ -16,13 +16,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "PACKED_MASK_ATTENTION",
+    "OptionSequences",
     "PackedQuestions",
+    "accepts_packed_masks",
     "option_scores_from_logits",
+    "option_sequences",
     "pack_continuations",
     "pack_letters",
     "pack_questions",
@@ -328,3 +333,103 @@ def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize
     out = torch.full((B, K), float("-inf"), dtype=token_lp.dtype, device=device)
     slot = torch.cat([torch.arange(k) for k in packed.n_options]).to(device)
     return out.index_put((packed.option_question.to(device), slot), per_option)
+
+
+PACKED_MASK_ATTENTION = ("eager", "sdpa")
+"""Attention implementations that accept the packed layout's 4-D masks (``flash_attention_*`` and
+the kernels that take a padding mask or sequence boundaries do not)."""
+
+
+def accepts_packed_masks(model: Any) -> bool:
+    """True when ``model``'s attention implementation accepts the packed 4-D masks.
+
+    With any other implementation (``flash_attention_2``, ...) scoring and training use
+    :func:`option_sequences`: one right-padded causal sequence per (question, option).
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> accepts_packed_masks(tiny_random_model()[0])
+        True
+    """
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    return impl in PACKED_MASK_ATTENTION
+
+
+class OptionSequences(NamedTuple):
+    """The packed questions laid out as one plain causal sequence per (question, option).
+
+    Attributes:
+        packed: the same questions with a 2-D padding mask (``(R, L')``, R = number of options);
+            its ``rows`` pick the hidden states the packed ``rows`` picked, in the same order, and
+            every other field is the packed one's.
+        source: for each flat position of ``packed`` (``R * L'``), the packed flat position
+            (``B * L``) holding the same token in the same context (padding: 0).
+        target: for each packed flat position, a flat position of ``packed`` with the same
+            hidden state (prompt tokens: in the question's first option's sequence; padding: 0).
+    """
+
+    packed: PackedQuestions
+    source: Tensor
+    target: Tensor
+
+
+def option_sequences(packed: PackedQuestions) -> OptionSequences:
+    """Lay out packed questions (:func:`pack_questions`) as one sequence ``prompt + option`` per option.
+
+    Each option sees exactly the context it sees in the packed row, so the hidden states (and
+    every score) are the same; the prompt is computed once per option instead of once per
+    question. This is the layout for attention kernels that take padding masks only.
+
+    Args:
+        packed: questions packed with the 4-D mask.
+
+    Returns:
+        An :class:`OptionSequences`.
+
+    Raises:
+        ValueError: ``packed`` has a 2-D mask already.
+
+    Example:
+        >>> p = pack_questions([((1, 2), ((3,), (4, 5)))], pad_id=0)
+        >>> seq = option_sequences(p)
+        >>> seq.packed.input_ids.tolist(), seq.packed.rows.tolist()
+        ([[1, 2, 3, 0], [1, 2, 4, 5]], [1, 6])
+    """
+    if packed.attention_mask.dim() != 4:
+        raise ValueError("option_sequences needs questions packed with the 4-D mask (pack_questions)")
+    B, L = packed.input_ids.shape
+    lengths = packed.option_lengths.tolist()
+    per_question: list[list[int]] = [[] for _ in range(B)]
+    for k, q in enumerate(packed.option_question.tolist()):
+        per_question[q].append(lengths[k])
+    # the row predicting a question's first answer token is the last prompt token, b * L + P - 1
+    last_prompt = packed.rows[packed.answer_start_rows()].tolist()
+    prompt_len = [last_prompt[b] - b * L + 1 for b in range(B)]
+    L2 = max(prompt_len[b] + n for b in range(B) for n in per_question[b])
+    R = len(lengths)
+    ids = torch.zeros((R, L2), dtype=packed.input_ids.dtype)
+    attn = torch.zeros((R, L2), dtype=torch.long)
+    pos = torch.zeros((R, L2), dtype=torch.long)
+    source = torch.zeros(R * L2, dtype=torch.long)
+    target = torch.zeros(B * L, dtype=torch.long)
+    r = 0
+    for b in range(B):
+        p = prompt_len[b]
+        offset = p
+        for k, n in enumerate(per_question[b]):
+            src = torch.cat([torch.arange(p), torch.arange(offset, offset + n)]) + b * L
+            ids[r, : p + n] = packed.input_ids.reshape(-1)[src]
+            attn[r, : p + n] = 1
+            pos[r, : p + n] = torch.arange(p + n)
+            source[r * L2 : r * L2 + p + n] = src
+            if k == 0:
+                target[b * L : b * L + p] = torch.arange(p) + r * L2
+            target[b * L + offset : b * L + offset + n] = torch.arange(p, p + n) + r * L2
+            offset += n
+            r += 1
+    seq = PackedQuestions(
+        ids, attn, pos, target[packed.rows], packed.target_rows, packed.target_ids, packed.target_option,
+        packed.option_question, packed.option_lengths, packed.n_options,
+    )
+    return OptionSequences(seq, source, target)

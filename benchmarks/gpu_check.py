@@ -1,0 +1,182 @@
+"""GPU check of real-model calibration: bf16, gradient checkpointing and 4-bit on a ~1B Llama.
+
+Needs nothing from outside the machine: the model is a randomly initialised Llama-style
+configuration built in code (TinyLlama-1.1B's shape: 22 layers, hidden 2048, 32 heads, 4 KV heads,
+vocabulary 32,000), the tokenizer is the tiny byte-level BPE built in code
+(:func:`llm_calib.models.tiny_random_model`), the questions are the built-in multiple-choice set.
+For each mode it runs 20 CALM (BOME) steps with LoRA rank 8 on the top 4 layers and the output
+scale, and prints the peak accelerator memory of the steps (on CPU: the peak resident set size), tokens per second (real tokens of the
+step's training and upper-level batches, per second of step time) and whether every loss was
+finite. Modes: ``bf16``, ``bf16+ckpt`` (gradient checkpointing) and, when bitsandbytes is
+installed, ``4bit`` (NF4 base, bf16 compute, via ``llm_calib.models.load(load_in_4bit=True)``
+from a checkpoint of the same random model written to a temporary directory).
+Exit status 1 when a loss is not finite. Expected time on one recent GPU: well under 5 minutes.
+
+Run::
+
+    python benchmarks/gpu_check.py                       # on cuda
+    python benchmarks/gpu_check.py --device cpu --tiny   # a seconds-long CPU smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def llama_config(tiny: bool, vocab: int, tok):
+    from transformers import LlamaConfig
+
+    shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=max(vocab, 512))
+             if tiny else
+             dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                  num_key_value_heads=4, vocab_size=32000))
+    return LlamaConfig(**shape, max_position_embeddings=2048, initializer_range=0.02, tie_word_embeddings=False,
+                       bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"), eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id)
+
+
+def build_model(config, device: str, mode: str, workdir: Path):
+    """The random model for ``mode``: built on the device in bf16, or 4-bit via a checkpoint."""
+    from transformers import LlamaForCausalLM
+
+    from llm_calib.models import enable_checkpointing
+    from llm_calib.models import load as load_model
+
+    torch.manual_seed(0)
+    if mode == "4bit":
+        ckpt = workdir / "random_llama"
+        if not ckpt.exists():
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+            model.save_pretrained(ckpt)
+            TOKENIZER.save_pretrained(ckpt)
+            del model
+        model, _ = load_model(str(ckpt), load_in_4bit=True, device=device, gradient_checkpointing=True)
+        return model
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model = model.to(torch.bfloat16).eval()
+    if mode == "bf16+ckpt":
+        enable_checkpointing(model)
+    return model
+
+
+def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
+    from llm_calib.calm import training
+    from llm_calib.calm.config import CalibrationConfig
+    from llm_calib.data import builtin_multiple_choice
+
+    cuda = args.device.startswith("cuda")
+    config = llama_config(args.tiny, len(TOKENIZER), TOKENIZER)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = build_model(config, args.device, mode, workdir)
+    load_s = time.perf_counter() - t0
+    weights_mb = (torch.cuda.memory_allocated() if cuda else 0) / 2**20
+    n_layers = config.num_hidden_layers
+    records = builtin_multiple_choice(n_per_domain=24, seed=0)
+    train, heldout = records[::2], records[1::2]
+    cfg = CalibrationConfig(method="calm", solver="bome", steps=args.steps, batch_size=args.batch_size,
+                            heldout_batch_size=args.batch_size, eval_every=args.steps, guard_accuracy=0.0,
+                            lora=dict(rank=8, layers=list(range(n_layers - args.top_k, n_layers))))
+    trainer = training.build_trainer(model, TOKENIZER, train, heldout, cfg)
+    state = training.init_state(trainer, evaluate_before=False)
+    trainer.train.fill_trunk_cache(trainer.lm, trainer.pad_id)  # the one-off trunk pass, not timed
+    trainer.unlabeled.fill_trunk_cache(trainer.lm, trainer.pad_id)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    from _memory import Phase
+
+    tokens, losses, t_steps = 0, [], 0.0
+    phase = Phase().__enter__()  # CPU: peak RSS of the steps (absolute)
+    for step in range(args.steps):
+        inner, outer = trainer.train_batch(step), trainer.unlabeled_batch(step)
+        tokens += int(sum((b.packed.input_ids != trainer.pad_id).sum() for b in (inner, outer)))
+        t1 = time.perf_counter()
+        try:
+            record = training.train_step(trainer, state)
+        except training.TrainingDiverged as err:
+            print(f"[{mode}] diverged: {err}", flush=True)
+            losses.append(math.nan)
+            break
+        if cuda:
+            torch.cuda.synchronize()
+        t_steps += time.perf_counter() - t1
+        losses.append(record["g"])
+    phase.__exit__(None, None, None)
+    peak_mb = torch.cuda.max_memory_allocated() / 2**20 if cuda else phase.peak / 2**20
+    result = {
+        "mode": mode, "layers": n_layers, "hidden": config.hidden_size,
+        "parameters_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "trained_layers": args.top_k, "load_s": load_s, "weights_mb": weights_mb,
+        "steps": len(losses), "step_s": t_steps / max(len(losses), 1), "tokens_per_s": tokens / max(t_steps, 1e-9),
+        "peak_step_mb": peak_mb, "finite": all(math.isfinite(x) for x in losses), "g_first_last": [losses[0], losses[-1]],
+        "theta_dtypes": sorted({str(v.dtype) for v in state.theta.values()}),
+        "lam_dtypes": sorted({str(v.dtype) for v in state.lam.values()}),
+    }
+    del trainer, state, model
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> int:
+    global TOKENIZER
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a 6-layer width-64 model (CPU smoke check)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=4, help="LoRA on the top K layers")
+    p.add_argument("--modes", default="bf16,bf16+ckpt,4bit")
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    args = p.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device; use --device cpu --tiny for a smoke check", file=sys.stderr)
+        return 2
+    from llm_calib.models import tiny_random_model
+
+    TOKENIZER = tiny_random_model()[1]
+    modes = [m for m in args.modes.split(",") if m]
+    if "4bit" in modes and importlib.util.find_spec("bitsandbytes") is None:
+        print("bitsandbytes not installed: skipping 4bit", flush=True)
+        modes.remove("4bit")
+    machine = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
+               "torch": torch.__version__, "python": platform.python_version()}
+    print(json.dumps(machine), flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in modes:
+            t0 = time.perf_counter()
+            r = run_mode(mode, args, Path(tmp))
+            r["wall_s"] = time.perf_counter() - t0
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    print(f"{'mode':<10} {'params M':>9} {'weights MB':>11} {'peak step MB':>13} {'step s':>7} {'tok/s':>8} finite")
+    for r in results:
+        print(f"{r['mode']:<10} {r['parameters_m']:>9.0f} {r['weights_mb']:>11.0f} {r['peak_step_mb']:>13.0f} "
+              f"{r['step_s']:>7.3f} {r['tokens_per_s']:>8.0f} {r['finite']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"machine": machine, "results": results}, indent=2))
+    return 0 if all(r["finite"] for r in results) else 1
+
+
+TOKENIZER = None
+
+if __name__ == "__main__":
+    raise SystemExit(main())
