@@ -65,6 +65,43 @@ def fast_summary(model, tok, evals, encodings, cfg, in_domain: str) -> dict[str,
     }
 
 
+def write_report(rows: list[dict], path: Path) -> None:
+    """A markdown table of every finished setting, base columns first."""
+    base = next(r for r in rows if r["name"] == "base")
+    ts = base["ts"]
+    ood_ts = sum(v for d, v in ts.items() if d in OOD) / len([d for d in ts if d in OOD])
+    lines = [
+        "# CALM settings searched (SmolLM2-135M-Instruct, one seed)",
+        "",
+        "- Command: `python benchmarks/calm_search.py --settings benchmarks/calm_search.jsonl --config "
+        "benchmarks/calm_regimes.yaml --regime A` (and `--regime B`); every setting overrides the base config "
+        "`benchmarks/calm_regimes.yaml` (BOME, 5 inner SGD steps of 0.05, gradient barrier, LoRA on layers 24-29, "
+        "60 steps of 8).",
+        f"- Machine: {rows[-1].get('machine', '')}, shared with other jobs (load 3-6); dates {rows[1].get('date', '')} "
+        f"to {rows[-1].get('date', '')}.",
+        "- Data as `benchmarks/calm_regimes.py`: ARC train 400, ARC-Easy dev 150 (selection), unlabelled A = 300 ARC "
+        "dev questions, B = 300 prompts of the five OOD sets disjoint from their test questions; tests: ARC-Easy 100 "
+        "(in domain) and OpenBookQA, QASC, CommonsenseQA, MMLU humanities, MMLU STEM, 100 each.",
+        "- Choose settings on the in-domain columns only (held-out = selection split, ARC-Easy test); the OOD "
+        "columns are reported, not searched on.",
+        "",
+        "| regime | setting | selected step | held-out ECE before → after | in-domain acc / conf / ECE | OOD mean acc / conf / ECE | train s |",
+        "|---|---|---|---|---|---|---|",
+        f"| - | uncalibrated | - | - | {base['in_acc']:.3f} / {base['in_conf']:.3f} / {base['in_ece']:.3f} | "
+        f"{base['ood_acc']:.3f} / {base['ood_conf']:.3f} / {base['ood_ece']:.3f} | - |",
+        f"| - | temperature (T = {base['T']:.2f}, selection split) | - | - | {base['in_acc']:.3f} / - / {ts['arc_easy']:.3f} | "
+        f"{base['ood_acc']:.3f} / - / {ood_ts:.3f} | - |",
+    ]
+    for r in rows:
+        if r["name"] == "base":
+            continue
+        lines.append(
+            f"| {r['regime']} | {r['name']} `{json.dumps(r['setting'])}` | {int(r['selected_step'])} | "
+            f"{r['heldout_before']:.3f} → {r['heldout_after']:.3f} | {r['in_acc']:.3f} / {r['in_conf']:.3f} / "
+            f"{r['in_ece']:.3f} | {r['ood_acc']:.3f} / {r['ood_conf']:.3f} / {r['ood_ece']:.3f} | {r['train_s']:.0f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     from llm_calib.calm.config import CalibrationConfig
     from llm_calib.calm.encoding import encode_records
@@ -85,7 +122,12 @@ def main() -> None:
     p.add_argument("--n-eval", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "calm_search.jsonl")
+    p.add_argument("--report", action="store_true", help="only write the markdown table of --out next to it")
     args = p.parse_args()
+    if args.report:
+        write_report([json.loads(line) for line in args.out.read_text().splitlines() if line.strip()],
+                     args.out.with_suffix(".md"))
+        return
     torch.set_num_threads(args.threads)
     data = real_data(args)
     base_cfg = CalibrationConfig.from_file(args.config) if args.config else CalibrationConfig()

@@ -40,6 +40,9 @@ class DemoSettings:
         lr, lam_lr: learning rates of θ (LoRA) and λ.
         solver, adjustment: CALM's solver and λ (see :class:`~llm_calib.calm.config.CalibrationConfig`).
         bome_barrier, bome_eta: BOME's barrier (used with ``solver="bome"``).
+        inner_steps, inner_lr: the solver's inner steps and their size (None: the solver's
+            default, see :func:`llm_calib.calm.methods.inner_lr`). The defaults are those of
+            :class:`~llm_calib.calm.config.CalibrationConfig`.
         out: output directory for the report.
         seed: data and training seed.
     """
@@ -56,9 +59,11 @@ class DemoSettings:
     lr: float = 1e-3
     lam_lr: float = 5e-2
     solver: str = "bome"
-    adjustment: str = "vector"
-    bome_barrier: str = "value"
+    adjustment: str = "auto"
+    bome_barrier: str = "gradient"
     bome_eta: float = 0.5
+    inner_steps: int = 5
+    inner_lr: float | None = None
     out: str = "llm-calib-demo"
     seed: int = 0
     timings: dict[str, float] = field(default_factory=dict)
@@ -135,7 +140,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     config = CalibrationConfig(
         method="calm", steps=settings.steps, batch_size=settings.batch_size, heldout_batch_size=settings.batch_size,
         lr=settings.lr, lam_lr=settings.lam_lr, eval_every=5, seed=settings.seed,
-        inner_lr=0.1 if settings.solver == "bome" else None, solver=settings.solver, adjustment=settings.adjustment,
+        inner_lr=settings.inner_lr, inner_steps=settings.inner_steps, solver=settings.solver, adjustment=settings.adjustment,
         bome_barrier=settings.bome_barrier, bome_eta=settings.bome_eta,
         lora=LoraSettings(rank=8, layers=tuple(range(n_layers - settings.top_layers, n_layers))),
     )

@@ -22,7 +22,7 @@ HELDOUT = "builtin:arithmetic,capitals:n=4,seed=1"
 
 def _config(**kw):
     base = dict(method="calm", steps=3, batch_size=4, heldout_batch_size=4, lr=1e-2, lam_lr=1e-1, eval_every=1,
-                guard_accuracy=0.0, lora=dict(rank=2, layers=[1]))
+                guard_accuracy=0.0, adjustment="vector", inner_steps=1, bome_barrier="value", lora=dict(rank=2, layers=[1]))
     return CalibrationConfig(**{**base, **kw})
 
 
