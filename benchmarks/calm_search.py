@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from calm_regimes import OOD, real_data
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.lora import FunctionalLM
-from llm_calib.calm.objectives import Batch, CalmLosses
+from llm_calib.calm.objectives import Batch, CalmLosses, option_lengths
 from llm_calib.data.records import MultipleChoice
 from llm_calib.prompts import PromptFormat, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, check_records, progress_bar
@@ -228,8 +228,12 @@ class NaiveCalmLosses(CalmLosses):
             raise NotImplementedError("the naive reference scores multiple-choice batches only")
         items = unpack_questions(batch.packed)
         params = None if theta is None else self.model_params(theta)
-        transform = None if lam is None else (lambda z: self.adjustment.apply(z, lam))
-        return option_scores_naive(self.lm.base, items, params, normalize=self.normalize, logits_transform=transform)
+        on_options = lam is not None and self.adjustment.acts_on_options
+        transform = None if lam is None or on_options else (lambda z: self.adjustment.apply(z, lam))
+        scores = option_scores_naive(self.lm.base, items, params, normalize=self.normalize, logits_transform=transform)
+        if on_options:  # an option-level λ acts on the finished option scores
+            scores = self.adjustment.apply_options(scores, option_lengths(batch.packed).to(scores.device), lam)
+        return scores
 
     def _categorical(self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None,
                      batch: Batch) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:

@@ -115,8 +115,9 @@ def test_memory_measurement_of_one_configuration(bench, tmp_path) -> None:
 
     Reverse unrolling keeps every step's residual (n float64 values) for the backward pass, so
     its peak over the baseline is at least K * n * 8 bytes; the checkpointed variant keeps only
-    the d-dimensional iterates and must measure well below that."""
-    n, d, K = 4000, 8, 100
+    the d-dimensional iterates and must measure well below that. The graph (12 MB) is sized well
+    above the allocator's noise in a process that ran other tests (about 2 MB)."""
+    n, d, K = 16000, 8, 100
     spec = {"key": "ridge_mem", "kind": "ridge", "n": n, "d": d, "scalar": True, "K": K}
     bench.build_bench(spec, tmp_path)  # fills the cache the worker reads
     threads = torch.get_num_threads()
@@ -129,7 +130,7 @@ def test_memory_measurement_of_one_configuration(bench, tmp_path) -> None:
             out[group] = bench._measure_one(config)
     finally:
         torch.set_num_threads(threads)
-    stored_mb = K * n * 8 / 2**20  # 3.05 MB
+    stored_mb = K * n * 8 / 2**20  # 12.2 MB
     rev, ck = out["unrolled-reverse"], out["unrolled-checkpoint"]
     assert math.isfinite(rev["peak_mb"]) and rev["seconds"] > 0.0
     assert rev["peak_mb"] >= 0.8 * stored_mb, (rev, stored_mb)

@@ -42,7 +42,13 @@ from llm_calib.calm import sampling
 from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.encoding import EncodedRecords, encode_records
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
-from llm_calib.calm.methods import lam_optimizer, make_adjustment, make_solver, resolve_adjustment, theta_optimizer
+from llm_calib.calm.methods import (
+    lam_optimizer,
+    make_adjustment,
+    make_solver,
+    resolve_adjustment,
+    theta_optimizer,
+)
 from llm_calib.calm.objectives import Batch, CalmLosses
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
