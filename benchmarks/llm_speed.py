@@ -482,8 +482,8 @@ def render(result: dict[str, Any], out: Path | None) -> str:
           f"| {t['note']} |" for t in targets(result)],
         "", "## (a) Evaluation", "", f"{ev['n']} questions for both paths, default batch {s.eval_batch_size}.", "",
         *markdown_table(("path", "seconds", "CPU seconds", "questions / s"), [
-            ("naive (`score_option_likelihood_naive`)", f"{ev['naive_s']:.2f}", f"{ev['naive_cpu_s']:.2f}", f"{ev['naive_qps']:.3g}"),
-            ("default (`score_option_likelihood`)", f"{ev['default_s']:.2f}", f"{ev['default_cpu_s']:.2f}", f"{ev['default_qps']:.3g}"),
+            ("naive (`score_option_likelihood_naive`)", f"{ev['naive_s']:.3g}", f"{ev['naive_cpu_s']:.3g}", f"{ev['naive_qps']:.3g}"),
+            ("default (`score_option_likelihood`)", f"{ev['default_s']:.3g}", f"{ev['default_cpu_s']:.3g}", f"{ev['default_qps']:.3g}"),
             ("**ratio naive / default**", "", f"{ev['speedup_cpu']:.2f}x", f"**{ev['speedup']:.2f}x**")]),
         "", f"Largest |score difference| between the two paths: {ev['max_abs_score_diff']:.1e}.", "",
         "## (b) Calibration steps, (d) BOME / plain LoRA", "",
