@@ -61,7 +61,7 @@ class DemoSettings:
     solver: str = "bome"
     adjustment: str = "auto"
     bome_barrier: str = "gradient"
-    bome_eta: float = 0.5
+    bome_eta: float = 2.0
     inner_steps: int = 5
     inner_lr: float | None = None
     out: str = "llm-calib-demo"

@@ -63,7 +63,7 @@ def test_precedence_file_read_once_and_unlabeled(tiny_model_dir, tmp_path, monke
     assert (saved["steps"], saved["penalty_beta"], saved["heldout_batch_size"]) == (2, 0.9, 2)   # flags
     assert (saved["lora"]["rank"], saved["lora"]["layers"]) == (3, [1])  # flag inside a file's mapping
     assert (saved["lam_lr"], saved["eval_every"]) == (0.3, 1)            # file
-    assert saved["inner_lr"] is None and saved["bome_eta"] == 0.5         # defaults
+    assert saved["inner_lr"] is None and saved["bome_eta"] == 2.0         # defaults
     report = json.loads((out / "metrics.json").read_text())
     assert report["config"]["unlabeled"] == {"spec": f"{UNLABELED}+builtin:chemical_symbols:n=2,seed=4", "n": 7}
     history = json.loads((out / "confidence_penalty" / "history.json").read_text())
