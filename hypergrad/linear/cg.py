@@ -15,7 +15,6 @@ from hypergrad.tree import (
     Tree,
     tree_flatten,
     tree_flatten_view,
-    tree_numel,
     tree_unflatten,
     tree_zeros_like,
 )
@@ -160,6 +159,13 @@ def preconditioned_cg(
         >>> r.iterations, [round(v, 6) for v in r.solution["x"].tolist()]
         (1, [1.0, 0.01])
     """
+    return _cg_loop("CG", op, b, x0, tol, maxiter, precondition, like)
+
+
+def _cg_loop(name: str, op: Callable[[Tensor], Tensor], b: Tensor, x0: Tree | None, tol: float,
+             maxiter: int | None, precondition: Callable[[Tensor], Tensor] | None, like: Tree) -> LinearSolveResult:
+    """The CG iteration on flat vectors, preconditioned or (``precondition=None``) plain; the
+    plain form reuses ``r^T r`` as ``r^T z`` instead of computing it again."""
     maxiter = maxiter if maxiter is not None else min(b.numel(), 1000) + 10
     b_norm = float(torch.linalg.vector_norm(b))
     warnings: list[str] = []
@@ -168,9 +174,9 @@ def preconditioned_cg(
     x, r, matvecs = _start(op, b, x0)
     threshold2 = (tol * b_norm) ** 2
     rs = float(torch.dot(r, r))
-    z = precondition(r)
+    z = r if precondition is None else precondition(r)
     p = z.clone()
-    rz = float(torch.dot(r, z))
+    rz = rs if precondition is None else float(torch.dot(r, z))
     iterations = 0
     converged = rs <= threshold2
     while not converged and iterations < maxiter:
@@ -179,7 +185,7 @@ def preconditioned_cg(
         curvature = float(torch.dot(p, Ap))
         if not curvature > 0.0:
             warnings.append(
-                f"CG: non-positive curvature p^T A p = {curvature:.3e} at iteration {iterations}; "
+                f"{name}: non-positive curvature p^T A p = {curvature:.3e} at iteration {iterations}; "
                 "the matrix is not positive definite (add damping or use Dense)"
             )
             break
@@ -191,14 +197,17 @@ def preconditioned_cg(
         if rs <= threshold2:
             converged = True
             break
-        z = precondition(r)
-        rz_new = float(torch.dot(r, z))
-        if not rz_new > 0.0:
-            warnings.append(f"CG: the preconditioner is not positive definite (r^T M^-1 r = {rz_new:.3e})")
-            break
-        p = torch.add(z, p, alpha=rz_new / rz)
+        if precondition is None:
+            z, rz_new = r, rs
+        else:
+            z = precondition(r)
+            rz_new = float(torch.dot(r, z))
+            if not rz_new > 0.0:
+                warnings.append(f"{name}: the preconditioner is not positive definite (r^T M^-1 r = {rz_new:.3e})")
+                break
+        p = torch.add(z, p, alpha=rz_new / rz)  # out of place: matvec may have kept a view of p
         rz = rz_new
-    return _finish("CG", x, like, iterations, rs, b_norm, tol, converged, matvecs, warnings)
+    return _finish(name, x, like, iterations, rs, b_norm, tol, converged, matvecs, warnings)
 
 
 def _start(op: Callable[[Tensor], Tensor], b: Tensor, x0: Tree | None) -> tuple[Tensor, Tensor, int]:
@@ -253,37 +262,4 @@ def conjugate_gradient(
         out = mv(v)
         return out.add(v, alpha=damping) if damping else out
 
-    maxiter = maxiter if maxiter is not None else min(tree_numel(b), 1000) + 10
-    b_flat = tree_flatten_view(b)
-    b_norm = float(torch.linalg.vector_norm(b_flat))
-    warnings: list[str] = []
-    if b_norm == 0.0:
-        return LinearSolveResult(tree_zeros_like(b), 0, 0.0, True, 0, warnings)
-    x, r, matvecs = _start(op, b_flat, x0)
-    p = r.clone()
-    rs = float(torch.dot(r, r))
-    threshold2 = (tol * b_norm) ** 2
-    iterations = 0
-    converged = rs <= threshold2
-    while not converged and iterations < maxiter:
-        Ap = op(p)
-        matvecs += 1
-        curvature = float(torch.dot(p, Ap))
-        if not curvature > 0.0:
-            warnings.append(
-                f"{name}: non-positive curvature p^T A p = {curvature:.3e} at iteration "
-                f"{iterations}; the matrix is not positive definite (add damping or use Dense)"
-            )
-            break
-        alpha = rs / curvature
-        x.add_(p, alpha=alpha)
-        r.add_(Ap, alpha=-alpha)
-        rs_new = float(torch.dot(r, r))
-        iterations += 1
-        if rs_new <= threshold2:
-            converged = True
-            rs = rs_new
-            break
-        p = torch.add(r, p, alpha=rs_new / rs)  # out of place: matvec may have kept a view of p
-        rs = rs_new
-    return _finish(name, x, b, iterations, rs, b_norm, tol, converged, matvecs, warnings)
+    return _cg_loop(name, op, tree_flatten_view(b), x0, tol, maxiter, None, b)
