@@ -120,6 +120,8 @@ def main() -> None:
     p.add_argument("--n-unlabeled-per-set", type=int, default=60)
     p.add_argument("--n-eval", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--normalize", default=None, choices=("sum", "mean"),
+                   help="option-score aggregation of every setting and of the base columns (default: the config's)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "calm_search.jsonl")
     p.add_argument("--report", action="store_true", help="only write the markdown table of --out next to it")
     args = p.parse_args()
@@ -130,6 +132,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     data = real_data(args)
     base_cfg = CalibrationConfig.from_file(args.config) if args.config else CalibrationConfig()
+    if args.normalize:
+        base_cfg = CalibrationConfig.from_dict({**base_cfg.to_dict(), "normalize": args.normalize})
     model, tok = load_model("smollm2-135m-instruct")
     in_domain = data["evals"][0][0]
     done = {}
@@ -137,7 +141,8 @@ def main() -> None:
         done = {(r["regime"], r["name"]): r for r in map(json.loads, args.out.read_text().splitlines()) if r}
     if ("-", "base") not in done:
         t0 = time.perf_counter()
-        base = evaluate_records(model, tok, data["evals"], temperature_fit=("select", data["select"]), ci=False)
+        base = evaluate_records(model, tok, data["evals"], temperature_fit=("select", data["select"]), ci=False,
+                                normalize=base_cfg.normalize)
         row = {"regime": "-", "name": "base", **summarize(base, in_domain),
                "ts": {dom: r.temperature_scaled["ece"] for dom, r in base.domains.items()},
                "T": base.temperature.temperature, "seconds": time.perf_counter() - t0}
