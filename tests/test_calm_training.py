@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -226,3 +227,16 @@ def test_fill_trunk_caches_and_the_encoding_cache() -> None:
     torch.testing.assert_close(train.trunk_cache[2], ref)
     everywhere = training.build_trainer(copy.deepcopy(model), tok, qs, qs, CalibrationConfig(lora=LoraSettings(rank=2)))
     assert everywhere.fill_trunk_caches() == 0  # no trunk below LoRA on every layer
+
+
+def test_a_small_heldout_split_warns_that_the_guard_is_noise(data, tok):
+    train, heldout, _ = data
+    with pytest.warns(UserWarning, match=r"8 held-out questions.*at least 500"):
+        training.build_trainer(_model(), tok, train, heldout, _cfg(guard_accuracy=0.95))
+    # no guard, no warning; 500 questions, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        training.build_trainer(_model(), tok, train, heldout, _cfg(guard_accuracy=0.0))
+        assert not training.warn_small_heldout(training.MIN_GUARD_QUESTIONS, CalibrationConfig())
+    with pytest.warns(UserWarning, match="standard error of up to 0.022"):
+        assert training.warn_small_heldout(499, CalibrationConfig())

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
 from llm_calib.metrics import ece as ece_metric
 
 __all__ = [
+    "MIN_GUARD_QUESTIONS",
     "RESUMABLE_CHANGES",
     "TrainState",
     "Trainer",
@@ -72,6 +74,7 @@ __all__ = [
     "save_state",
     "select",
     "train_step",
+    "warn_small_heldout",
 ]
 
 Records = Sequence[MultipleChoice] | Sequence[OpenQA] | EncodedRecords
@@ -264,6 +267,7 @@ def build_trainer(
     """
     kind = record_kind(_records(train), what="train")
     record_kind(_records(heldout), what="heldout", expected=kind)
+    warn_small_heldout(len(_records(heldout)), config)
     if unlabeled is not None:
         record_kind(_records(unlabeled), what="unlabeled", expected=kind)
     torch.manual_seed(config.seed)
@@ -290,6 +294,39 @@ def build_trainer(
         problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner), outer=recorder.wrap("f", losses.outer))
     return Trainer(config, peft_model, lm, losses, train_enc, heldout_enc, unlabeled_enc, pad_id,
                    theta_optimizer(config), solver, problem, recorder)
+
+
+MIN_GUARD_QUESTIONS = 500
+"""Held-out questions below which :func:`build_trainer` warns that model selection is noisy."""
+
+
+def warn_small_heldout(n: int, config: CalibrationConfig) -> bool:
+    """Warn when ``n`` held-out questions make the accuracy guard and the ECE selection noisy.
+
+    The guard compares held-out accuracies whose standard error is up to ``0.5 / sqrt(n)``
+    (0.041 at 150 questions, 0.022 at 500), against a margin of ``1 - guard_accuracy`` times the
+    initial accuracy (0.025 at accuracy 0.5): below about 500 questions, a few questions decide.
+
+    Returns:
+        Whether it warned.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     warn_small_heldout(150, CalibrationConfig()), warn_small_heldout(600, CalibrationConfig())
+        (True, False)
+        >>> "150 held-out questions" in str(seen[0].message)
+        True
+    """
+    if n >= MIN_GUARD_QUESTIONS or config.guard_accuracy <= 0:
+        return False
+    warnings.warn(
+        f"{n} held-out questions: model selection and the accuracy guard (guard_accuracy="
+        f"{config.guard_accuracy}) compare accuracies with a standard error of up to {0.5 / math.sqrt(n):.3f}; "
+        f"use at least {MIN_GUARD_QUESTIONS} held-out questions (unlabelled upper-level inputs can be passed "
+        "separately with unlabeled=)", UserWarning, stacklevel=3)
+    return True
 
 
 def evaluate(trainer: Trainer, theta: dict[str, Tensor] | None = None, batch_size: int = 16) -> dict[str, float]:
