@@ -48,14 +48,15 @@ def main() -> None:
     p.add_argument("--n-unlabeled-per-set", type=int, default=60)
     p.add_argument("--n-eval", type=int, default=100)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--normalize", default="sum", choices=("sum", "mean"), help="option-score aggregation")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "temperature_frontier.md")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     data = real_data(args)
     model, tok = load_model("smollm2-135m-instruct")
-    select = score_records(model, tok, data["select"])
-    sets = {name: score_records(model, tok, recs) for name, recs in data["evals"]}
+    select = score_records(model, tok, data["select"], normalize=args.normalize)
+    sets = {name: score_records(model, tok, recs, normalize=args.normalize) for name, recs in data["evals"]}
     in_domain = data["evals"][0][0]
     ood = [n for n in sets if n in OOD]
     t_nll = fit_temperature(select.logits, select.labels)
@@ -75,12 +76,12 @@ def main() -> None:
     lines = [
         "# One global temperature: in domain against out of domain (SmolLM2-135M-Instruct)",
         "",
-        f"- Command: `python benchmarks/temperature_frontier.py` ({time.perf_counter() - t0:.0f} s)",
+        f"- Command: `python benchmarks/temperature_frontier.py --normalize {args.normalize}` ({time.perf_counter() - t0:.0f} s)",
         f"- Machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}; "
         f"date {time.strftime('%Y-%m-%d %H:%M')}",
         f"- Data as `benchmarks/calm_regimes.py`: selection = {len(data['select'])} ARC-Easy dev questions; "
         f"in domain = {in_domain} test ({len(data['evals'][0][1])}); OOD = {', '.join(ood)} "
-        f"({args.n_eval} each). Cloze prompts, summed option log-likelihoods.",
+        f"({args.n_eval} each). Cloze prompts, option log-likelihoods aggregated by `{args.normalize}`.",
         "",
         "| temperature | T | selection ECE | in-domain acc / conf / ECE | OOD mean acc / conf / ECE |",
         "|---|---|---|---|---|",
