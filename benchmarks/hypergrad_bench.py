@@ -101,6 +101,7 @@ class Sizes:
     lbfgs_iters: int = 500  # cap of the LBFGS inner solves that set up the problems
     ridge_large_d: tuple[int, ...] = (1000,)  # per-feature ridge, implicit runners only
     compiled_max_d: int = 1000  # Implicit(compile=True) rows for ridge/logistic up to this d (0: none)
+    dense_max_d: int = 1000  # Implicit(Dense()) rows for ridge/logistic up to this d (0: none)
 
 
 FULL = Sizes("full")
@@ -775,6 +776,9 @@ def make_runners(b: Bench, sizes: Sizes, which: list[str] | None = None, K: int 
             add("implicit-cg", jx)
     if want("implicit-cg-compiled") and b.kind in ("ridge", "logistic") and b.n_params <= sizes.compiled_max_d:
         add("implicit-cg-compiled", _compiled_ours(b, cg_tol, cg_maxiter))
+    if want("implicit-dense") and b.kind in ("ridge", "logistic") and b.n_params <= sizes.dense_max_d:
+        # the Hessian from one batched backward, then Cholesky (benchmarks/implicit_dense.py)
+        add("implicit-dense", _ours(b, hg.Implicit(hg.linear.Dense()), "Implicit Dense", "implicit-dense"))
     if want("implicit-neumann"):
         steps = b.extra.get("neumann_steps") or _neumann_steps(b, tol, sizes.neumann_cap)
         b.extra["neumann_steps"] = steps
@@ -1028,7 +1032,7 @@ def run_problem(
         agree = None
         if r.library in ("torchopt", "higher", "jaxopt") and fam in by_family:
             agree = rel_err(outs[r.name], by_family[fam])
-        if r.family == "implicit-cg-compiled" and "implicit-cg" in by_family:  # vs the eager path
+        if r.family in ("implicit-cg-compiled", "implicit-dense") and "implicit-cg" in by_family:  # vs CG
             agree = rel_err(outs[r.name], by_family["implicit-cg"])
         extra = {"n_params": b.n_params, "n_hyper": b.n_hyper, "wall_s": timing["wall_median"][r.name]}
         for key in ("compile_s", "compiled"):
@@ -1100,7 +1104,7 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
         spec = {"key": f"ridge_feature_d{d}", "kind": "ridge", "n": sizes.ridge_n, "d": d,
                 "scalar": False, "K": sizes.unroll_k}
         b = _spec_bench(spec, cache)
-        fams = ["unit", "unit-hvp", "implicit-cg", "implicit-cg-compiled", "penalty"]
+        fams = ["unit", "unit-hvp", "implicit-cg", "implicit-cg-compiled", "implicit-dense", "penalty"]
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
         precond += preconditioning(b, sizes)
 
@@ -1109,8 +1113,8 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
         spec = {"key": f"logistic_d{d}", "kind": "logistic", "n": sizes.logistic_n, "d": d,
                 "scalar": False, "K": sizes.unroll_k}
         b = _spec_bench(spec, cache)
-        fams = ["unit", "unit-hvp", "implicit-cg", "implicit-cg-compiled", "implicit-neumann", "fd",
-                "penalty"]
+        fams = ["unit", "unit-hvp", "implicit-cg", "implicit-cg-compiled", "implicit-dense", "implicit-neumann",
+                "fd", "penalty"]
         if d <= sizes.logistic_unrolled_max_d:
             fams += ["unrolled-reverse", "unrolled-truncated"]
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
@@ -1593,6 +1597,9 @@ def pair_ratios(rows: list[Row]) -> list[dict[str, Any]]:
         ("implicit-cg", "implicit-cg", "jaxopt", "Implicit CG / jaxopt custom_root+solve_cg (jit)"),
         ("implicit-cg-compiled", "implicit-cg", "jaxopt", "Implicit CG compile=True / jaxopt (jit)"),
         ("implicit-cg-compiled", "implicit-cg", "hypergrad", "Implicit CG compile=True / eager"),
+        ("implicit-dense", "implicit-cg", "jaxopt", "Implicit Dense (not the default) / jaxopt CG (jit)"),
+        ("implicit-dense", "implicit-cg", "torchopt", "Implicit Dense (not the default) / torchopt CG"),
+        ("implicit-dense", "implicit-cg", "hypergrad", "Implicit Dense / Implicit CG"),
         ("implicit-neumann", "implicit-neumann", "torchopt", "Implicit Neumann / torchopt solve_inv(ns)"),
         ("unrolled-reverse", "unrolled-reverse", "higher", "Unrolled reverse / higher"),
         ("unrolled-reverse", "unrolled-reverse-metasgd", "torchopt", "Unrolled reverse / torchopt MetaSGD"),

@@ -44,6 +44,15 @@ def test_exact_methods_are_accurate_and_peers_agree(result, bench) -> None:
                                 ("unrolled-reverse-metasgd", "torchopt")):
             (peer,) = _rows(result, problem, family, library)
             assert peer.agree is not None and peer.agree < 1e-5, (problem, family, peer.agree)
+    # Implicit Dense on ridge/logistic: exact (closed form / explicit IFT solve), agrees with CG to
+    # CG's tolerance, and appears in the ours/peer ratio rows next to CG
+    for problem in ("ridge_scalar", "ridge_feature", "logistic_d50"):
+        (dense,) = _rows(result, problem, "implicit-dense", "hypergrad")
+        assert dense.error is not None and dense.error < 1e-10, (problem, dense.error)
+        assert dense.agree is not None and dense.agree < 1e-4, (problem, dense.agree)
+        pairs = {r["pair"] for r in bench.pair_ratios(result["rows"]) if r["problem"] == problem}
+        assert {"Implicit Dense / Implicit CG", "Implicit Dense (not the default) / torchopt CG"} <= pairs
+    assert not _rows(result, "clean", "implicit-dense")  # ridge/logistic only
     # jaxopt (when the bench extra is installed): the same CG solve, the same number
     if bench._jax() is not None:
         for problem in ("ridge_scalar", "ridge_feature", "logistic_d50"):
