@@ -694,13 +694,14 @@ def _metasgd(b: Bench, K: int, warm_K: int = 2) -> Runner:
 
 
 def _unrolled(b: Bench, K: int, mode: str = "reverse", truncate: int | None = None,
-              warm_K: int = 2, checkpoint: bool = False) -> Runner:
+              warm_K: int = 2, checkpoint: bool = False, recompute: bool = True) -> Runner:
     problem = b.problem
     info: dict[str, Any] = {}
 
     def run(steps: int) -> Tensor:
         t = None if truncate is None else min(truncate, steps)
-        m = hg.Unrolled(hg.inner.SGD(lr=b.lr), steps=steps, mode=mode, truncate=t, checkpoint=checkpoint)
+        m = hg.Unrolled(hg.inner.SGD(lr=b.lr), steps=steps, mode=mode, truncate=t, checkpoint=checkpoint,
+                        recompute=recompute)
         r = m.hypergrad(problem, b.w, b.lam)
         info.update(iterations=r.info.iterations, grad_evals=r.info.grad_evals)
         return flat(r.grad)
@@ -711,6 +712,8 @@ def _unrolled(b: Bench, K: int, mode: str = "reverse", truncate: int | None = No
         name, family = f"Unrolled truncated (K={K}, k={truncate})", "unrolled-truncated"
     elif checkpoint:
         name, family = f"Unrolled reverse, checkpoint=True (K={K})", "unrolled-checkpoint"
+    elif not recompute:
+        name, family = f"Unrolled reverse, recompute=False (K={K})", "unrolled-stored"
     else:
         name, family = f"Unrolled reverse (K={K})", "unrolled-reverse"
     return Runner(name, "hypergrad", family, lambda: run(K), info, warm=lambda: run(min(K, warm_K)))
@@ -791,6 +794,8 @@ def make_runners(b: Bench, sizes: Sizes, which: list[str] | None = None, K: int 
         add("unrolled-reverse", _unrolled(b, K), _higher(b, K), _metasgd(b, K))
     if want("unrolled-checkpoint"):
         add("unrolled-checkpoint", _unrolled(b, K, checkpoint=True))
+    if want("unrolled-stored"):  # the stored graph without recomputation (the default before)
+        add("unrolled-stored", _unrolled(b, K, recompute=False))
     if want("unrolled-truncated"):
         add("unrolled-truncated", _unrolled(b, K, truncate=max(1, K // 10)))
     if want("unrolled-forward") and b.n_hyper <= 8:
@@ -1034,6 +1039,8 @@ def run_problem(
             agree = rel_err(outs[r.name], by_family[fam])
         if r.family in ("implicit-cg-compiled", "implicit-dense") and "implicit-cg" in by_family:  # vs CG
             agree = rel_err(outs[r.name], by_family["implicit-cg"])
+        if r.family == "unrolled-stored" and "unrolled-reverse" in by_family:  # vs recompute=True
+            agree = rel_err(outs[r.name], by_family["unrolled-reverse"])
         extra = {"n_params": b.n_params, "n_hyper": b.n_hyper, "wall_s": timing["wall_median"][r.name]}
         for key in ("compile_s", "compiled"):
             if key in r.info:
@@ -1135,7 +1142,7 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
                 "K": sizes.mlp_k, "maxiter": 10, "sigma": 1e-2,
                 "inner_iters": 100 if width >= 512 else min(200, sizes.lbfgs_iters)}
         b = _spec_bench(spec, cache)
-        fams = ["unit", "unit-hvp", "implicit-cg", "unrolled-reverse", "unrolled-checkpoint",
+        fams = ["unit", "unit-hvp", "implicit-cg", "unrolled-reverse", "unrolled-stored", "unrolled-checkpoint",
                 "unrolled-forward", "fd", "penalty"]
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
 
@@ -1145,7 +1152,7 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
                 "width": sizes.ksweep_width, "batch": sizes.mlp_batch, "K": K, "maxiter": 10,
                 "sigma": 1e-2, "inner_iters": min(200, sizes.lbfgs_iters)}
         b = _spec_bench(spec, cache)
-        fams = ["unit", "unrolled-reverse", "unrolled-checkpoint", "unrolled-truncated",
+        fams = ["unit", "unrolled-reverse", "unrolled-stored", "unrolled-checkpoint", "unrolled-truncated",
                 "unrolled-forward"]
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
 
@@ -1684,6 +1691,13 @@ def targets(rows: list[Row], sizes: Sizes) -> list[dict[str, Any]]:
             f"{a.peak_mb:.1f} vs {b.peak_mb:.1f} MB" if a.peak_mb and b.peak_mb else "not measured")
         add(f"Unrolled reverse time <= 1.0x higher (K={k_target})", label, _ratio(a.time_s, b.time_s), 1.0,
             f"{a.time_s * 1e3:.0f} vs {b.time_s * 1e3:.0f} ms")
+        st = _find(rows, label, "unrolled-stored", "hypergrad")
+        if st:
+            add(f"  same, Unrolled(recompute=False): peak memory <= 0.8x higher (K={k_target})", label,
+                _ratio(st.peak_mb, b.peak_mb), 0.8,
+                f"{st.peak_mb:.1f} vs {b.peak_mb:.1f} MB" if st.peak_mb and b.peak_mb else "not measured")
+            add(f"  same, Unrolled(recompute=False): time <= 1.0x higher (K={k_target})", label,
+                _ratio(st.time_s, b.time_s), 1.0, f"{st.time_s * 1e3:.0f} vs {b.time_s * 1e3:.0f} ms")
         c = _find(rows, label, "unrolled-checkpoint", "hypergrad")
         if c:
             add(f"  same, Unrolled(checkpoint=True): peak memory <= 0.8x higher (K={k_target})", label,
