@@ -102,6 +102,7 @@ class Sizes:
     ridge_large_d: tuple[int, ...] = (1000,)  # per-feature ridge, implicit runners only
     compiled_max_d: int = 1000  # Implicit(compile=True) rows for ridge/logistic up to this d (0: none)
     dense_max_d: int = 1000  # Implicit(Dense()) rows for ridge/logistic up to this d (0: none)
+    problems: tuple[int, ...] | None = None  # run only these numbered problems (1-6, see _suite); None: all
 
 
 FULL = Sizes("full")
@@ -1097,8 +1098,12 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
     precond: list[dict[str, Any]] = []
     all_families = None
 
+    def run(n: int) -> bool:
+        return sizes.problems is None or n in sizes.problems
+
+    cleaning: list[dict[str, Any]] = []
     # 1. ridge
-    for scalar in (True, False):
+    for scalar in ((True, False) if run(1) else ()):
         spec = {"key": f"ridge_{'scalar' if scalar else 'feature'}", "kind": "ridge", "n": sizes.ridge_n,
                 "d": sizes.ridge_d, "scalar": scalar, "K": sizes.unroll_k}
         b = _spec_bench(spec, cache)
@@ -1107,7 +1112,7 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
             precond += preconditioning(b, sizes)
 
     # 1b. per-feature ridge at a larger d: the implicit runners only (jaxopt's comparison)
-    for d in sizes.ridge_large_d:
+    for d in (sizes.ridge_large_d if run(1) else ()):
         spec = {"key": f"ridge_feature_d{d}", "kind": "ridge", "n": sizes.ridge_n, "d": d,
                 "scalar": False, "K": sizes.unroll_k}
         b = _spec_bench(spec, cache)
@@ -1116,7 +1121,7 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
         precond += preconditioning(b, sizes)
 
     # 2. logistic, d sweep
-    for d in sizes.logistic_ds:
+    for d in (sizes.logistic_ds if run(2) else ()):
         spec = {"key": f"logistic_d{d}", "kind": "logistic", "n": sizes.logistic_n, "d": d,
                 "scalar": False, "K": sizes.unroll_k}
         b = _spec_bench(spec, cache)
@@ -1128,16 +1133,17 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
         precond += preconditioning(b, sizes)
 
     # 3. hyper-cleaning: single hypergradients, then the outer loop
-    spec = {"key": "clean", "kind": "clean", "n_train": sizes.clean_train, "K": sizes.clean_unroll_k,
-            "sigma": 1e-2, "inner_iters": sizes.lbfgs_iters}
-    b_clean = _spec_bench(spec, cache)
-    rows += run_problem(b_clean, sizes, make_runners(b_clean, sizes, all_families), cache, threads,
-                        log, memory)
-    precond += preconditioning(b_clean, sizes)
-    cleaning = hyper_cleaning(b_clean, sizes, log)
+    if run(3):
+        spec = {"key": "clean", "kind": "clean", "n_train": sizes.clean_train, "K": sizes.clean_unroll_k,
+                "sigma": 1e-2, "inner_iters": sizes.lbfgs_iters}
+        b_clean = _spec_bench(spec, cache)
+        rows += run_problem(b_clean, sizes, make_runners(b_clean, sizes, all_families), cache, threads,
+                            log, memory)
+        precond += preconditioning(b_clean, sizes)
+        cleaning = hyper_cleaning(b_clean, sizes, log)
 
     # 4. MLP: scaling in the parameter count
-    for width in sizes.mlp_widths:
+    for width in (sizes.mlp_widths if run(4) else ()):
         spec = {"key": f"mlp_w{width}", "kind": "mlp", "width": width, "batch": sizes.mlp_batch,
                 "K": sizes.mlp_k, "maxiter": 10, "sigma": 1e-2,
                 "inner_iters": 100 if width >= 512 else min(200, sizes.lbfgs_iters)}
@@ -1147,7 +1153,7 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
 
     # 5. unroll length sweep on a small MLP
-    for K in sizes.ks:
+    for K in (sizes.ks if run(5) else ()):
         spec = {"key": f"mlp_w{sizes.ksweep_width}", "label": f"ksweep_K{K}", "kind": "mlp",
                 "width": sizes.ksweep_width, "batch": sizes.mlp_batch, "K": K, "maxiter": 10,
                 "sigma": 1e-2, "inner_iters": min(200, sizes.lbfgs_iters)}
@@ -1159,7 +1165,7 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
     # 6. forward-mode memory against K on a larger MLP (a working set well above the ~0.3 MB the
     #    Python interpreter's free lists and heap add to any long loop)
     width = sizes.mlp_widths[min(1, len(sizes.mlp_widths) - 1)]
-    for K in sizes.flat_ks:
+    for K in (sizes.flat_ks if run(6) else ()):
         spec = {"key": f"mlp_w{width}", "label": f"fwdflat_K{K}", "kind": "mlp", "width": width,
                 "batch": sizes.mlp_batch, "K": K, "maxiter": 10, "sigma": 1e-2,
                 "inner_iters": 100 if width >= 512 else min(200, sizes.lbfgs_iters)}
@@ -2118,6 +2124,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the report here")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, same for every library")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-configuration processes")
+    parser.add_argument("--problems", default=None,
+                        help="comma-separated problems to run: 1 ridge, 2 logistic, 3 hyper-cleaning, "
+                             "4 MLP widths, 5 unroll-length sweep, 6 forward-mode memory in K; default all. "
+                             "The report then covers only these (give --out to keep results/ intact)")
     parser.add_argument("--imaml", action="store_true",
                         help="only the batched iMAML comparison (writes hypergrad_imaml.md)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -2144,9 +2154,15 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     if args.no_memory:
         sizes = replace(sizes, memory=False)
+    if args.problems:
+        chosen = tuple(int(x) for x in args.problems.split(","))
+        if not set(chosen) <= set(range(1, 7)):
+            parser.error(f"--problems: numbers in 1-6, got {args.problems!r}")
+        sizes = replace(sizes, problems=chosen)
     out = args.out if args.out is not None else (None if args.quick else RESULTS)
     command = "python benchmarks/hypergrad_bench.py" + (" --quick" if args.quick else "") + (
-        f" --threads {args.threads}" if args.threads != 1 else "")
+        f" --threads {args.threads}" if args.threads != 1 else "") + (
+        f" --problems {args.problems}" if args.problems else "")
     print(f"hypergrad benchmark ({sizes.name}), torch {torch.__version__}, {args.threads} thread(s)")
     result = suite(sizes, threads=args.threads, log=lambda m: print(m, flush=True))
     result["command"] = command

@@ -147,6 +147,24 @@ def test_memory_measurement_of_one_configuration(bench, tmp_path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore")
+def test_a_subset_of_problems_runs_and_renders(bench, tmp_path) -> None:
+    """--problems 5: only the unroll-length sweep, with the recompute=False rows and targets."""
+    from dataclasses import replace
+
+    threads = torch.get_num_threads()
+    try:
+        result = bench.suite(replace(bench.TINY, problems=(5,)), threads=1, log=lambda _: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert {r.problem for r in result["rows"]} == {"ksweep_K10"}
+    (stored,) = _rows(result, "ksweep_K10", "unrolled-stored", "hypergrad")
+    assert stored.agree is not None and stored.agree == 0.0  # recompute changes no bit
+    text = bench.render(result, tmp_path)
+    assert "Unrolled reverse, recompute=False (K=10)" in text
+    assert "same, Unrolled(recompute=False): time <= 1.0x higher (K=10)" in text
+
+
+@pytest.mark.filterwarnings("ignore")
 def test_recompute_lowers_the_stored_graph_memory(bench, tmp_path) -> None:
     """Unrolled(recompute=True), the default, against recompute=False on a tanh MLP (the ksweep
     problem's shape: 64-64-64-10, batch 256, float32, K = 100), peak RSS over the baseline as the
