@@ -551,22 +551,36 @@ _VIEWS: dict[str, Callable[[Any], Callable[[Tensor], Tensor]]] = {
 }
 
 
+_RELEVANT: dict[type, bool] = {}  # autograd node class -> named in _VIEWS or _RECOMPUTABLE
+
+
 class _Recipe:
-    """A saved tensor replaced by the node that produced it (and a view to re-apply)."""
+    """A saved tensor replaced by the node that produced it (and a view to re-apply).
 
-    __slots__ = ("fn", "node", "view")
+    ``memo`` (shared by the recipes of one loop) keeps the last recomputed node output: a tensor
+    and its transpose, or a tensor saved by two ops, are unpacked one after the other in the
+    backward sweep, and the second use then costs nothing. It holds at most one tensor.
+    """
 
-    def __init__(self, node: Any, fn: Callable[[Any], Tensor], view: Callable[[Tensor], Tensor] | None) -> None:
-        self.node, self.fn, self.view = node, fn, view
+    __slots__ = ("fn", "memo", "node", "view")
+
+    def __init__(self, node: Any, fn: Callable[[Any], Tensor], view: Callable[[Tensor], Tensor] | None,
+                 memo: list[Any]) -> None:
+        self.node, self.fn, self.view, self.memo = node, fn, view, memo
 
     def __call__(self) -> Tensor:
-        enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # the context manager costs more than a pointwise op here
-        try:
-            out = self.fn(self.node)
-            return self.view(out) if self.view is not None else out
-        finally:
-            torch._C._set_grad_enabled(enabled)
+        memo = self.memo
+        if memo[0] is self.node:
+            out = memo[1]
+        else:
+            enabled = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)  # the context manager costs more than a pointwise op here
+            try:
+                out = self.fn(self.node)
+            finally:
+                torch._C._set_grad_enabled(enabled)
+            memo[0], memo[1] = self.node, out
+        return self.view(out) if self.view is not None else out
 
 
 class _RecomputeSaved:
@@ -584,6 +598,7 @@ class _RecomputeSaved:
     def __init__(self) -> None:
         self.replaced = 0
         self._verified: dict[tuple[Any, ...], bool] = {}
+        self._memo: list[Any] = [None, None]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._active = False
 
@@ -608,6 +623,14 @@ class _RecomputeSaved:
         node = t.grad_fn
         if node is None:
             return t
+        # fast exit for the many saved tensors that are neither a candidate nor a view (the node
+        # classes are fixed per op, so this is one dict lookup per save)
+        cls = type(node)
+        relevant = _RELEVANT.get(cls)
+        if relevant is None:
+            relevant = _RELEVANT[cls] = node.name() in _VIEWS or node.name() in _RECOMPUTABLE
+        if not relevant:
+            return t
         view = None
         name = node.name()
         view_name = ""
@@ -622,7 +645,7 @@ class _RecomputeSaved:
             fn = _RECOMPUTABLE.get(name)
             if fn is None or (fn is _small_mm and not _is_small_mm(node)):
                 return t
-            recipe = _Recipe(node, fn, view)
+            recipe = _Recipe(node, fn, view, self._memo)
             kind = (view_name, name, tuple(t.shape), t.stride(), t.dtype, t.device)
             ok = self._verified.get(kind)
             if ok is None:
