@@ -164,8 +164,9 @@ class Unrolled:
             per replaced tensor. Short matrix products are recomputed as well (at most 16
             multiply-adds per entry, e.g. the backward into the last hidden layer, summed over the
             classes). Measured at K = 100 on a tanh MLP (8,970 parameters, batch 256): peak
-            memory 0.91x -> 0.63x higher's, time 0.93x -> 1.05x higher's (the Python hooks on
-            the saved tensors; ``benchmarks/results/hypergrad.md``). When the first step has
+            memory 0.89x -> 0.63x higher's, time 0.93x -> 1.04x higher's (the Python hooks on
+            the saved tensors: 11-16 % slower on small MLPs, 1 % on a 1M-parameter one;
+            ``benchmarks/results/hypergrad.md``). ``recompute=False`` keeps every saved tensor. When the first step has
             nothing to recompute (e.g. linear models), the hooks are off for the other steps;
             under the caller's own saved-tensor hooks (``torch.autograd.graph.save_on_cpu``)
             they are not installed. ``info.extra["recomputed"]`` counts the saves replaced (a
