@@ -101,6 +101,8 @@ class Sizes:
     lbfgs_iters: int = 500  # cap of the LBFGS inner solves that set up the problems
     ridge_large_d: tuple[int, ...] = (1000,)  # per-feature ridge, implicit runners only
     compiled_max_d: int = 1000  # Implicit(compile=True) rows for ridge/logistic up to this d (0: none)
+    dense_max_d: int = 1000  # Implicit(Dense()) rows for ridge/logistic up to this d (0: none)
+    problems: tuple[int, ...] | None = None  # run only these numbered problems (1-6, see _suite); None: all
 
 
 FULL = Sizes("full")
@@ -693,13 +695,14 @@ def _metasgd(b: Bench, K: int, warm_K: int = 2) -> Runner:
 
 
 def _unrolled(b: Bench, K: int, mode: str = "reverse", truncate: int | None = None,
-              warm_K: int = 2, checkpoint: bool = False) -> Runner:
+              warm_K: int = 2, checkpoint: bool = False, recompute: bool = True) -> Runner:
     problem = b.problem
     info: dict[str, Any] = {}
 
     def run(steps: int) -> Tensor:
         t = None if truncate is None else min(truncate, steps)
-        m = hg.Unrolled(hg.inner.SGD(lr=b.lr), steps=steps, mode=mode, truncate=t, checkpoint=checkpoint)
+        m = hg.Unrolled(hg.inner.SGD(lr=b.lr), steps=steps, mode=mode, truncate=t, checkpoint=checkpoint,
+                        recompute=recompute)
         r = m.hypergrad(problem, b.w, b.lam)
         info.update(iterations=r.info.iterations, grad_evals=r.info.grad_evals)
         return flat(r.grad)
@@ -710,6 +713,8 @@ def _unrolled(b: Bench, K: int, mode: str = "reverse", truncate: int | None = No
         name, family = f"Unrolled truncated (K={K}, k={truncate})", "unrolled-truncated"
     elif checkpoint:
         name, family = f"Unrolled reverse, checkpoint=True (K={K})", "unrolled-checkpoint"
+    elif not recompute:
+        name, family = f"Unrolled reverse, recompute=False (K={K})", "unrolled-stored"
     else:
         name, family = f"Unrolled reverse (K={K})", "unrolled-reverse"
     return Runner(name, "hypergrad", family, lambda: run(K), info, warm=lambda: run(min(K, warm_K)))
@@ -775,6 +780,9 @@ def make_runners(b: Bench, sizes: Sizes, which: list[str] | None = None, K: int 
             add("implicit-cg", jx)
     if want("implicit-cg-compiled") and b.kind in ("ridge", "logistic") and b.n_params <= sizes.compiled_max_d:
         add("implicit-cg-compiled", _compiled_ours(b, cg_tol, cg_maxiter))
+    if want("implicit-dense") and b.kind in ("ridge", "logistic") and b.n_params <= sizes.dense_max_d:
+        # the Hessian from one batched backward, then Cholesky (benchmarks/implicit_dense.py)
+        add("implicit-dense", _ours(b, hg.Implicit(hg.linear.Dense()), "Implicit Dense", "implicit-dense"))
     if want("implicit-neumann"):
         steps = b.extra.get("neumann_steps") or _neumann_steps(b, tol, sizes.neumann_cap)
         b.extra["neumann_steps"] = steps
@@ -787,6 +795,8 @@ def make_runners(b: Bench, sizes: Sizes, which: list[str] | None = None, K: int 
         add("unrolled-reverse", _unrolled(b, K), _higher(b, K), _metasgd(b, K))
     if want("unrolled-checkpoint"):
         add("unrolled-checkpoint", _unrolled(b, K, checkpoint=True))
+    if want("unrolled-stored"):  # the stored graph without recomputation (the default before)
+        add("unrolled-stored", _unrolled(b, K, recompute=False))
     if want("unrolled-truncated"):
         add("unrolled-truncated", _unrolled(b, K, truncate=max(1, K // 10)))
     if want("unrolled-forward") and b.n_hyper <= 8:
@@ -1028,8 +1038,10 @@ def run_problem(
         agree = None
         if r.library in ("torchopt", "higher", "jaxopt") and fam in by_family:
             agree = rel_err(outs[r.name], by_family[fam])
-        if r.family == "implicit-cg-compiled" and "implicit-cg" in by_family:  # vs the eager path
+        if r.family in ("implicit-cg-compiled", "implicit-dense") and "implicit-cg" in by_family:  # vs CG
             agree = rel_err(outs[r.name], by_family["implicit-cg"])
+        if r.family == "unrolled-stored" and "unrolled-reverse" in by_family:  # vs recompute=True
+            agree = rel_err(outs[r.name], by_family["unrolled-reverse"])
         extra = {"n_params": b.n_params, "n_hyper": b.n_hyper, "wall_s": timing["wall_median"][r.name]}
         for key in ("compile_s", "compiled"):
             if key in r.info:
@@ -1086,8 +1098,12 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
     precond: list[dict[str, Any]] = []
     all_families = None
 
+    def run(n: int) -> bool:
+        return sizes.problems is None or n in sizes.problems
+
+    cleaning: list[dict[str, Any]] = []
     # 1. ridge
-    for scalar in (True, False):
+    for scalar in ((True, False) if run(1) else ()):
         spec = {"key": f"ridge_{'scalar' if scalar else 'feature'}", "kind": "ridge", "n": sizes.ridge_n,
                 "d": sizes.ridge_d, "scalar": scalar, "K": sizes.unroll_k}
         b = _spec_bench(spec, cache)
@@ -1096,59 +1112,60 @@ def _suite(sizes: Sizes, threads: int, log: Callable[[str], None], cache: Path |
             precond += preconditioning(b, sizes)
 
     # 1b. per-feature ridge at a larger d: the implicit runners only (jaxopt's comparison)
-    for d in sizes.ridge_large_d:
+    for d in (sizes.ridge_large_d if run(1) else ()):
         spec = {"key": f"ridge_feature_d{d}", "kind": "ridge", "n": sizes.ridge_n, "d": d,
                 "scalar": False, "K": sizes.unroll_k}
         b = _spec_bench(spec, cache)
-        fams = ["unit", "unit-hvp", "implicit-cg", "implicit-cg-compiled", "penalty"]
+        fams = ["unit", "unit-hvp", "implicit-cg", "implicit-cg-compiled", "implicit-dense", "penalty"]
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
         precond += preconditioning(b, sizes)
 
     # 2. logistic, d sweep
-    for d in sizes.logistic_ds:
+    for d in (sizes.logistic_ds if run(2) else ()):
         spec = {"key": f"logistic_d{d}", "kind": "logistic", "n": sizes.logistic_n, "d": d,
                 "scalar": False, "K": sizes.unroll_k}
         b = _spec_bench(spec, cache)
-        fams = ["unit", "unit-hvp", "implicit-cg", "implicit-cg-compiled", "implicit-neumann", "fd",
-                "penalty"]
+        fams = ["unit", "unit-hvp", "implicit-cg", "implicit-cg-compiled", "implicit-dense", "implicit-neumann",
+                "fd", "penalty"]
         if d <= sizes.logistic_unrolled_max_d:
             fams += ["unrolled-reverse", "unrolled-truncated"]
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
         precond += preconditioning(b, sizes)
 
     # 3. hyper-cleaning: single hypergradients, then the outer loop
-    spec = {"key": "clean", "kind": "clean", "n_train": sizes.clean_train, "K": sizes.clean_unroll_k,
-            "sigma": 1e-2, "inner_iters": sizes.lbfgs_iters}
-    b_clean = _spec_bench(spec, cache)
-    rows += run_problem(b_clean, sizes, make_runners(b_clean, sizes, all_families), cache, threads,
-                        log, memory)
-    precond += preconditioning(b_clean, sizes)
-    cleaning = hyper_cleaning(b_clean, sizes, log)
+    if run(3):
+        spec = {"key": "clean", "kind": "clean", "n_train": sizes.clean_train, "K": sizes.clean_unroll_k,
+                "sigma": 1e-2, "inner_iters": sizes.lbfgs_iters}
+        b_clean = _spec_bench(spec, cache)
+        rows += run_problem(b_clean, sizes, make_runners(b_clean, sizes, all_families), cache, threads,
+                            log, memory)
+        precond += preconditioning(b_clean, sizes)
+        cleaning = hyper_cleaning(b_clean, sizes, log)
 
     # 4. MLP: scaling in the parameter count
-    for width in sizes.mlp_widths:
+    for width in (sizes.mlp_widths if run(4) else ()):
         spec = {"key": f"mlp_w{width}", "kind": "mlp", "width": width, "batch": sizes.mlp_batch,
                 "K": sizes.mlp_k, "maxiter": 10, "sigma": 1e-2,
                 "inner_iters": 100 if width >= 512 else min(200, sizes.lbfgs_iters)}
         b = _spec_bench(spec, cache)
-        fams = ["unit", "unit-hvp", "implicit-cg", "unrolled-reverse", "unrolled-checkpoint",
+        fams = ["unit", "unit-hvp", "implicit-cg", "unrolled-reverse", "unrolled-stored", "unrolled-checkpoint",
                 "unrolled-forward", "fd", "penalty"]
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
 
     # 5. unroll length sweep on a small MLP
-    for K in sizes.ks:
+    for K in (sizes.ks if run(5) else ()):
         spec = {"key": f"mlp_w{sizes.ksweep_width}", "label": f"ksweep_K{K}", "kind": "mlp",
                 "width": sizes.ksweep_width, "batch": sizes.mlp_batch, "K": K, "maxiter": 10,
                 "sigma": 1e-2, "inner_iters": min(200, sizes.lbfgs_iters)}
         b = _spec_bench(spec, cache)
-        fams = ["unit", "unrolled-reverse", "unrolled-checkpoint", "unrolled-truncated",
+        fams = ["unit", "unrolled-reverse", "unrolled-stored", "unrolled-checkpoint", "unrolled-truncated",
                 "unrolled-forward"]
         rows += run_problem(b, sizes, make_runners(b, sizes, fams), cache, threads, log, memory)
 
     # 6. forward-mode memory against K on a larger MLP (a working set well above the ~0.3 MB the
     #    Python interpreter's free lists and heap add to any long loop)
     width = sizes.mlp_widths[min(1, len(sizes.mlp_widths) - 1)]
-    for K in sizes.flat_ks:
+    for K in (sizes.flat_ks if run(6) else ()):
         spec = {"key": f"mlp_w{width}", "label": f"fwdflat_K{K}", "kind": "mlp", "width": width,
                 "batch": sizes.mlp_batch, "K": K, "maxiter": 10, "sigma": 1e-2,
                 "inner_iters": 100 if width >= 512 else min(200, sizes.lbfgs_iters)}
@@ -1593,6 +1610,9 @@ def pair_ratios(rows: list[Row]) -> list[dict[str, Any]]:
         ("implicit-cg", "implicit-cg", "jaxopt", "Implicit CG / jaxopt custom_root+solve_cg (jit)"),
         ("implicit-cg-compiled", "implicit-cg", "jaxopt", "Implicit CG compile=True / jaxopt (jit)"),
         ("implicit-cg-compiled", "implicit-cg", "hypergrad", "Implicit CG compile=True / eager"),
+        ("implicit-dense", "implicit-cg", "jaxopt", "Implicit Dense (not the default) / jaxopt CG (jit)"),
+        ("implicit-dense", "implicit-cg", "torchopt", "Implicit Dense (not the default) / torchopt CG"),
+        ("implicit-dense", "implicit-cg", "hypergrad", "Implicit Dense / Implicit CG"),
         ("implicit-neumann", "implicit-neumann", "torchopt", "Implicit Neumann / torchopt solve_inv(ns)"),
         ("unrolled-reverse", "unrolled-reverse", "higher", "Unrolled reverse / higher"),
         ("unrolled-reverse", "unrolled-reverse-metasgd", "torchopt", "Unrolled reverse / torchopt MetaSGD"),
@@ -1677,6 +1697,13 @@ def targets(rows: list[Row], sizes: Sizes) -> list[dict[str, Any]]:
             f"{a.peak_mb:.1f} vs {b.peak_mb:.1f} MB" if a.peak_mb and b.peak_mb else "not measured")
         add(f"Unrolled reverse time <= 1.0x higher (K={k_target})", label, _ratio(a.time_s, b.time_s), 1.0,
             f"{a.time_s * 1e3:.0f} vs {b.time_s * 1e3:.0f} ms")
+        st = _find(rows, label, "unrolled-stored", "hypergrad")
+        if st:
+            add(f"  same, Unrolled(recompute=False): peak memory <= 0.8x higher (K={k_target})", label,
+                _ratio(st.peak_mb, b.peak_mb), 0.8,
+                f"{st.peak_mb:.1f} vs {b.peak_mb:.1f} MB" if st.peak_mb and b.peak_mb else "not measured")
+            add(f"  same, Unrolled(recompute=False): time <= 1.0x higher (K={k_target})", label,
+                _ratio(st.time_s, b.time_s), 1.0, f"{st.time_s * 1e3:.0f} vs {b.time_s * 1e3:.0f} ms")
         c = _find(rows, label, "unrolled-checkpoint", "hypergrad")
         if c:
             add(f"  same, Unrolled(checkpoint=True): peak memory <= 0.8x higher (K={k_target})", label,
@@ -1791,22 +1818,32 @@ def notes(result: dict[str, Any]) -> list[str]:
         hig = _find(rows, "ksweep_K100", "unrolled-reverse", "higher")
         ck = _find(rows, "ksweep_K100", "unrolled-checkpoint", "hypergrad")
         fw = _find(rows, "ksweep_K100", "unrolled-forward", "hypergrad")
+        st = _find(rows, "ksweep_K100", "unrolled-stored", "hypergrad")
         if ours and hig and ours.peak_mb and hig.peak_mb:
             line = (
                 "**Unrolled reverse memory vs higher.** hypergrad, higher and torchopt's MetaSGD record the "
                 "same autograd graph for the K steps (every step's parameters, activations and "
-                "double-backward buffers, all needed by the backward pass), so the stored-graph default "
-                f"measures {ours.peak_mb:.1f} MB vs higher's {hig.peak_mb:.1f} MB at K = 100 "
-                f"({ours.peak_mb / hig.peak_mb:.2f}x) and 0.9-1.0x on every problem. Keeping less "
-                "requires recomputation: the new `Unrolled(checkpoint=True)` keeps only the iterates and "
-                "rebuilds one step's graph at a time in the backward sweep")
+                "double-backward buffers). hypergrad's default (`recompute=True`) then replaces the saved "
+                "tensors it can recompute cheaply and bitwise equal (tanh/sigmoid backward outputs, matrix "
+                "products summed over <= 16 terms) with references to the ops that produced them: "
+                f"{ours.peak_mb:.1f} MB vs higher's {hig.peak_mb:.1f} MB at K = 100 "
+                f"({ours.peak_mb / hig.peak_mb:.2f}x) at {ours.time_s / hig.time_s:.2f}x its time")
+            if st and st.peak_mb:
+                line += (f"; `recompute=False` keeps every saved tensor: {st.peak_mb:.1f} MB "
+                         f"({st.peak_mb / hig.peak_mb:.2f}x) at {st.time_s / hig.time_s:.2f}x")
+            line += (". Keeping only the iterates takes more recomputation: `Unrolled(checkpoint=True)` "
+                     "rebuilds one step's graph at a time in the backward sweep")
             if ck and ck.peak_mb:
                 line += (f": {ck.peak_mb:.1f} MB ({ck.peak_mb / hig.peak_mb:.2f}x higher's) but "
                          f"{ck.time_s / hig.time_s:.2f}x its time, one extra inner gradient per step")
             if fw and fw.peak_mb:
                 line += (f". For a few hyperparameters forward mode needs neither: {fw.peak_mb:.1f} MB at "
                          f"{fw.time_s / hig.time_s:.2f}x higher's time at K = 100")
-            out += [line + ". No reverse-mode variant meets both halves of the target at once.", ""]
+            both = [r for r in (ours, st, ck) if r and r.peak_mb
+                    and r.peak_mb <= 0.8 * hig.peak_mb and r.time_s <= hig.time_s]
+            out += [line + (". No reverse-mode variant meets both halves of the target (memory <= 0.8x, "
+                            "time <= 1.0x) at once." if not both else
+                            f". {', '.join(r.name for r in both)} meets both halves of the target."), ""]
     # 2b. Implicit CG against jaxopt under jit, and the compiled path
     parts = []
     for p in dict.fromkeys(r.problem for r in rows):
@@ -2097,6 +2134,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the report here")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, same for every library")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-configuration processes")
+    parser.add_argument("--problems", default=None,
+                        help="comma-separated problems to run: 1 ridge, 2 logistic, 3 hyper-cleaning, "
+                             "4 MLP widths, 5 unroll-length sweep, 6 forward-mode memory in K; default all. "
+                             "The report then covers only these (give --out to keep results/ intact)")
     parser.add_argument("--imaml", action="store_true",
                         help="only the batched iMAML comparison (writes hypergrad_imaml.md)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -2123,9 +2164,15 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     if args.no_memory:
         sizes = replace(sizes, memory=False)
+    if args.problems:
+        chosen = tuple(int(x) for x in args.problems.split(","))
+        if not set(chosen) <= set(range(1, 7)):
+            parser.error(f"--problems: numbers in 1-6, got {args.problems!r}")
+        sizes = replace(sizes, problems=chosen)
     out = args.out if args.out is not None else (None if args.quick else RESULTS)
     command = "python benchmarks/hypergrad_bench.py" + (" --quick" if args.quick else "") + (
-        f" --threads {args.threads}" if args.threads != 1 else "")
+        f" --threads {args.threads}" if args.threads != 1 else "") + (
+        f" --problems {args.problems}" if args.problems else "")
     print(f"hypergrad benchmark ({sizes.name}), torch {torch.__version__}, {args.threads} thread(s)")
     result = suite(sizes, threads=args.threads, log=lambda m: print(m, flush=True))
     result["command"] = command

@@ -44,6 +44,15 @@ def test_exact_methods_are_accurate_and_peers_agree(result, bench) -> None:
                                 ("unrolled-reverse-metasgd", "torchopt")):
             (peer,) = _rows(result, problem, family, library)
             assert peer.agree is not None and peer.agree < 1e-5, (problem, family, peer.agree)
+    # Implicit Dense on ridge/logistic: exact (closed form / explicit IFT solve), agrees with CG to
+    # CG's tolerance, and appears in the ours/peer ratio rows next to CG
+    for problem in ("ridge_scalar", "ridge_feature", "logistic_d50"):
+        (dense,) = _rows(result, problem, "implicit-dense", "hypergrad")
+        assert dense.error is not None and dense.error < 1e-10, (problem, dense.error)
+        assert dense.agree is not None and dense.agree < 1e-4, (problem, dense.agree)
+        pairs = {r["pair"] for r in bench.pair_ratios(result["rows"]) if r["problem"] == problem}
+        assert {"Implicit Dense / Implicit CG", "Implicit Dense (not the default) / torchopt CG"} <= pairs
+    assert not _rows(result, "clean", "implicit-dense")  # ridge/logistic only
     # jaxopt (when the bench extra is installed): the same CG solve, the same number
     if bench._jax() is not None:
         for problem in ("ridge_scalar", "ridge_feature", "logistic_d50"):
@@ -135,6 +144,45 @@ def test_memory_measurement_of_one_configuration(bench, tmp_path) -> None:
     assert math.isfinite(rev["peak_mb"]) and rev["seconds"] > 0.0
     assert rev["peak_mb"] >= 0.8 * stored_mb, (rev, stored_mb)
     assert ck["peak_mb"] < 0.5 * rev["peak_mb"], (ck, rev)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_subset_of_problems_runs_and_renders(bench, tmp_path) -> None:
+    """--problems 5: only the unroll-length sweep, with the recompute=False rows and targets."""
+    from dataclasses import replace
+
+    threads = torch.get_num_threads()
+    try:
+        result = bench.suite(replace(bench.TINY, problems=(5,)), threads=1, log=lambda _: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert {r.problem for r in result["rows"]} == {"ksweep_K10"}
+    (stored,) = _rows(result, "ksweep_K10", "unrolled-stored", "hypergrad")
+    assert stored.agree is not None and stored.agree == 0.0  # recompute changes no bit
+    text = bench.render(result, tmp_path)
+    assert "Unrolled reverse, recompute=False (K=10)" in text
+    assert "same, Unrolled(recompute=False): time <= 1.0x higher (K=10)" in text
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_recompute_lowers_the_stored_graph_memory(bench, tmp_path) -> None:
+    """Unrolled(recompute=True), the default, against recompute=False on a tanh MLP (the ksweep
+    problem's shape: 64-64-64-10, batch 256, float32, K = 100), peak RSS over the baseline as the
+    benchmark measures it: in its worker, one fresh process per configuration, freed tensors
+    returned to the system. Per step the recomputation drops two 256 x 64 tensors of about eight
+    that the graph keeps; the stored graph (about 45 MB) dwarfs the allocator's noise."""
+    K = 100
+    spec = {"key": "mlp_w64", "label": "recompute_mem", "kind": "mlp", "width": 64, "batch": 256, "K": K,
+            "maxiter": 10, "sigma": 1e-2, "inner_iters": 20}
+    bench.build_bench(spec, tmp_path)
+    configs = [{"id": group, "spec": spec, "cache": str(tmp_path), "mode": "tiny", "threads": 1,
+                "group": group, "name": name, "K": K}
+               for group, name in (("unrolled-stored", f"Unrolled reverse, recompute=False (K={K})"),
+                                   ("unrolled-reverse", f"Unrolled reverse (K={K})"))]
+    out = bench.measure_memory(configs, 1, lambda _: None)
+    on, off = out["unrolled-reverse"]["peak_mb"], out["unrolled-stored"]["peak_mb"]
+    assert off > 30.0, out
+    assert on < 0.8 * off, out
 
 
 @pytest.mark.filterwarnings("ignore")
