@@ -15,7 +15,6 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from calm_regimes import OOD, real_data
+from calm_regimes import OOD, one_setting, one_setting_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,29 +40,17 @@ def domain_metrics(trainer, encodings, normalize: str) -> dict[str, dict[str, fl
 
 def main() -> None:
     from llm_calib.calm import training
-    from llm_calib.calm.config import CalibrationConfig
     from llm_calib.calm.encoding import encode_records
     from llm_calib.models import load as load_model
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("setting", help="JSON object of CalibrationConfig fields")
-    p.add_argument("regime", choices=("A", "B"))
-    p.add_argument("--config", type=Path, default=ROOT / "benchmarks" / "calm_regimes.yaml")
-    p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
+    p = one_setting_parser(__doc__.splitlines()[0])
     p.add_argument("--normalize", default="sum", choices=("sum", "mean"))
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--every", type=int, default=20)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    sizes = argparse.Namespace(data_dir=args.data_dir, n_train=400, n_select=150, n_unlabeled=300,
-                               n_unlabeled_per_set=60, n_eval=100)
-    data = real_data(sizes)
-    setting = json.loads(args.setting)
-    cfg = CalibrationConfig.from_dict({**CalibrationConfig.from_file(args.config).to_dict(), **setting,
-                                       "normalize": args.normalize, "steps": args.steps, "eval_every": args.every})
+    data, cfg = one_setting(args, normalize=args.normalize, steps=args.steps, eval_every=args.every)
     model, tok = load_model("smollm2-135m-instruct")
     trainer = training.build_trainer(model, tok, data["train"], data["select"], cfg,
                                      unlabeled=data["unlabeled"][args.regime])

@@ -57,6 +57,30 @@ def real_data(args: argparse.Namespace) -> dict:
             "unlabeled": {"A": pool_a[: args.n_unlabeled], "B": pool_b}}
 
 
+def one_setting_parser(description: str) -> argparse.ArgumentParser:
+    """Arguments of the scripts that study one setting on this benchmark's data: the setting (JSON
+    object of CalibrationConfig fields over ``--config``), the regime, data folder and threads."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("setting", help="JSON object of CalibrationConfig fields")
+    p.add_argument("regime", choices=("A", "B"))
+    p.add_argument("--config", type=Path, default=ROOT / "benchmarks" / "calm_regimes.yaml")
+    p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
+    p.add_argument("--threads", type=int, default=1)
+    return p
+
+
+def one_setting(args: argparse.Namespace, **overrides) -> tuple[dict, object]:
+    """The data (default sizes of this benchmark) and the config of a :func:`one_setting_parser` run."""
+    from llm_calib.calm.config import CalibrationConfig
+
+    torch.set_num_threads(args.threads)
+    sizes = argparse.Namespace(data_dir=args.data_dir, n_train=400, n_select=150, n_unlabeled=300,
+                               n_unlabeled_per_set=60, n_eval=100)
+    cfg = CalibrationConfig.from_dict({**CalibrationConfig.from_file(args.config).to_dict(),
+                                       **json.loads(args.setting), **overrides})
+    return real_data(sizes), cfg
+
+
 def quick_data() -> dict:
     from llm_calib.data import builtin_multiple_choice
 

@@ -13,13 +13,11 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
-import torch
-from calm_regimes import real_data
+from calm_regimes import one_setting, one_setting_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("step", "loss", "ce", "g", "unlabeled_entropy", "output_log_scale", "phi", "heldout_accuracy", "heldout_ece",
@@ -27,22 +25,11 @@ KEYS = ("step", "loss", "ce", "g", "unlabeled_entropy", "output_log_scale", "phi
 
 
 def main() -> None:
-    from llm_calib.calm.config import CalibrationConfig
     from llm_calib.calm.trainer import calibrate
     from llm_calib.models import load as load_model
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("setting", help="JSON object of CalibrationConfig fields")
-    p.add_argument("regime", choices=("A", "B"))
-    p.add_argument("--config", type=Path, default=ROOT / "benchmarks" / "calm_regimes.yaml")
-    p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
-    p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    sizes = argparse.Namespace(data_dir=args.data_dir, n_train=400, n_select=150, n_unlabeled=300,
-                               n_unlabeled_per_set=60, n_eval=100)
-    data = real_data(sizes)
-    cfg = CalibrationConfig.from_dict({**CalibrationConfig.from_file(args.config).to_dict(), **json.loads(args.setting)})
+    args = one_setting_parser(__doc__.splitlines()[0]).parse_args()
+    data, cfg = one_setting(args)
     model, tok = load_model("smollm2-135m-instruct")
     t0 = time.perf_counter()
     res = calibrate(model, tok, data["train"], data["select"], cfg, unlabeled=data["unlabeled"][args.regime],
