@@ -120,30 +120,26 @@ def test_times_ratios_and_targets_are_finite(result, bench, tmp_path) -> None:
 
 @pytest.mark.filterwarnings("ignore")
 def test_memory_measurement_of_one_configuration(bench, tmp_path) -> None:
-    """The worker's per-configuration measurement (run in-process here) sees the stored graph.
+    """The worker's per-configuration measurement sees the stored graph, and checkpointing drops it.
 
-    Reverse unrolling keeps every step's residual (n float64 values) for the backward pass, so
-    its peak over the baseline is at least K * n * 8 bytes; the checkpointed variant keeps only
-    the d-dimensional iterates and must measure well below that. The graph (12 MB) is sized well
-    above the allocator's noise in a process that ran other tests (about 2 MB)."""
-    n, d, K = 16000, 8, 100
-    spec = {"key": "ridge_mem", "kind": "ridge", "n": n, "d": d, "scalar": True, "K": K}
+    On a tanh MLP (64-64-64-10, batch 256, float32, K = 100) reverse unrolling keeps every step's
+    activations and double-backward buffers (tens of MB); checkpoint=True keeps only the iterates
+    and one step's graph. Measured as the benchmark does, one fresh process per configuration:
+    an earlier in-process version on a ridge problem passed or failed with the allocator's state
+    (its stored graph was smaller than the test assumed)."""
+    K = 100
+    spec = {"key": "mlp_w64", "label": "checkpoint_mem", "kind": "mlp", "width": 64, "batch": 256, "K": K,
+            "maxiter": 10, "sigma": 1e-2, "inner_iters": 20}
     bench.build_bench(spec, tmp_path)  # fills the cache the worker reads
-    threads = torch.get_num_threads()
-    out = {}
-    try:
-        for group, name in (("unrolled-reverse", f"Unrolled reverse (K={K})"),
-                            ("unrolled-checkpoint", f"Unrolled reverse, checkpoint=True (K={K})")):
-            config = {"spec": spec, "cache": str(tmp_path), "mode": "tiny", "threads": 1,
-                      "group": group, "name": name, "K": K}
-            out[group] = bench._measure_one(config)
-    finally:
-        torch.set_num_threads(threads)
-    stored_mb = K * n * 8 / 2**20  # 12.2 MB
+    configs = [{"id": group, "spec": spec, "cache": str(tmp_path), "mode": "tiny", "threads": 1,
+                "group": group, "name": name, "K": K}
+               for group, name in (("unrolled-reverse", f"Unrolled reverse (K={K})"),
+                                   ("unrolled-checkpoint", f"Unrolled reverse, checkpoint=True (K={K})"))]
+    out = bench.measure_memory(configs, 1, lambda _: None)
     rev, ck = out["unrolled-reverse"], out["unrolled-checkpoint"]
     assert math.isfinite(rev["peak_mb"]) and rev["seconds"] > 0.0
-    assert rev["peak_mb"] >= 0.8 * stored_mb, (rev, stored_mb)
-    assert ck["peak_mb"] < 0.5 * rev["peak_mb"], (ck, rev)
+    assert rev["peak_mb"] > 20.0, out
+    assert ck["peak_mb"] < 0.5 * rev["peak_mb"], out
 
 
 @pytest.mark.filterwarnings("ignore")
