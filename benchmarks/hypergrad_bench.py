@@ -1697,20 +1697,14 @@ def targets(rows: list[Row], sizes: Sizes) -> list[dict[str, Any]]:
             f"{a.peak_mb:.1f} vs {b.peak_mb:.1f} MB" if a.peak_mb and b.peak_mb else "not measured")
         add(f"Unrolled reverse time <= 1.0x higher (K={k_target})", label, _ratio(a.time_s, b.time_s), 1.0,
             f"{a.time_s * 1e3:.0f} vs {b.time_s * 1e3:.0f} ms")
-        st = _find(rows, label, "unrolled-stored", "hypergrad")
-        if st:
-            add(f"  same, Unrolled(recompute=False): peak memory <= 0.8x higher (K={k_target})", label,
-                _ratio(st.peak_mb, b.peak_mb), 0.8,
-                f"{st.peak_mb:.1f} vs {b.peak_mb:.1f} MB" if st.peak_mb and b.peak_mb else "not measured")
-            add(f"  same, Unrolled(recompute=False): time <= 1.0x higher (K={k_target})", label,
-                _ratio(st.time_s, b.time_s), 1.0, f"{st.time_s * 1e3:.0f} vs {b.time_s * 1e3:.0f} ms")
-        c = _find(rows, label, "unrolled-checkpoint", "hypergrad")
-        if c:
-            add(f"  same, Unrolled(checkpoint=True): peak memory <= 0.8x higher (K={k_target})", label,
-                _ratio(c.peak_mb, b.peak_mb), 0.8,
-                f"{c.peak_mb:.1f} vs {b.peak_mb:.1f} MB" if c.peak_mb and b.peak_mb else "not measured")
-            add(f"  same, Unrolled(checkpoint=True): time <= 1.0x higher (K={k_target})", label,
-                _ratio(c.time_s, b.time_s), 1.0, f"{c.time_s * 1e3:.0f} vs {b.time_s * 1e3:.0f} ms")
+        for family, variant in (("unrolled-stored", "recompute=False"), ("unrolled-checkpoint", "checkpoint=True")):
+            v = _find(rows, label, family, "hypergrad")
+            if v:
+                add(f"  same, Unrolled({variant}): peak memory <= 0.8x higher (K={k_target})", label,
+                    _ratio(v.peak_mb, b.peak_mb), 0.8,
+                    f"{v.peak_mb:.1f} vs {b.peak_mb:.1f} MB" if v.peak_mb and b.peak_mb else "not measured")
+                add(f"  same, Unrolled({variant}): time <= 1.0x higher (K={k_target})", label,
+                    _ratio(v.time_s, b.time_s), 1.0, f"{v.time_s * 1e3:.0f} vs {b.time_s * 1e3:.0f} ms")
     for prefix in ("fwdflat_K", "ksweep_K"):
         fwd = [r for r in rows if r.problem.startswith(prefix) and r.family == "unrolled-forward"]
         if len(fwd) < 2:
