@@ -109,3 +109,28 @@ class Ridge:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(a - b) / torch.clamp(torch.linalg.vector_norm(b), min=1e-300))
+
+
+def mlp_classification(build_model, classes: int = 3):
+    """A small classifier's bilevel problem: inner = CE of temperature-scaled logits (log_t) + weight
+    decay (log_wd) on 40 examples, outer = validation CE on 30; 5 input features, float64.
+
+    ``build_model()`` is called after ``torch.manual_seed(0)`` and before the data are drawn.
+    Returns ``(problem, w0, lam, model)``."""
+    torch.manual_seed(0)
+    model = build_model().to(DT)
+    X, y = torch.randn(40, 5, dtype=DT), torch.randint(0, classes, (40,))
+    Xv, yv = torch.randn(30, 5, dtype=DT), torch.randint(0, classes, (30,))
+    ce = torch.nn.functional.cross_entropy
+    call = hg.functional(model)
+
+    def inner(w, lam, batch):
+        decay = sum((torch.exp(lam["log_wd"]) * (p * p).sum()) for k, p in w.items() if "weight" in k)
+        return ce(call(w, X) * torch.exp(lam["log_t"]), y) + decay
+
+    def outer(w, lam, batch):
+        return ce(call(w, Xv), yv)
+
+    w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    lam = {"log_wd": torch.tensor(-3.0, dtype=DT), "log_t": torch.tensor(0.1, dtype=DT)}
+    return hg.BilevelProblem(inner, outer), w0, lam, model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _problems import mlp_classification
 
 import hypergrad as hg
 
@@ -11,25 +12,9 @@ DT = torch.float64
 
 
 def _mlp_problem(dropout: float = 0.0):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
+    return mlp_classification(lambda: torch.nn.Sequential(
         torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 3)
-    ).to(DT)
-    X, y = torch.randn(40, 5, dtype=DT), torch.randint(0, 3, (40,))
-    Xv, yv = torch.randn(30, 5, dtype=DT), torch.randint(0, 3, (30,))
-    ce = torch.nn.functional.cross_entropy
-    call = hg.functional(model)
-
-    def inner(w, lam, batch):
-        decay = sum((torch.exp(lam["log_wd"]) * (p * p).sum()) for k, p in w.items() if "weight" in k)
-        return ce(call(w, X) * torch.exp(lam["log_t"]), y) + decay
-
-    def outer(w, lam, batch):
-        return ce(call(w, Xv), yv)
-
-    w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
-    lam = {"log_wd": torch.tensor(-3.0, dtype=DT), "log_t": torch.tensor(0.1, dtype=DT)}
-    return hg.BilevelProblem(inner, outer), w0, lam, model
+    ))
 
 
 def _close(a, b, tol):
