@@ -397,6 +397,7 @@ def plot_reliability(
     path: str | os.PathLike[str],
     *,
     title: str = "",
+    columns: int | None = None,
 ) -> Path:
     """Draw reliability diagrams (accuracy bars per bin + confidence histogram) to a PNG.
 
@@ -406,9 +407,13 @@ def plot_reliability(
             ``mean_confidence``, ``accuracy``).
         path: output file.
         title: figure title.
+        columns: panels per row (None: all in one row); more panels wrap onto further rows.
 
     Returns:
         The path written.
+
+    Raises:
+        ValueError: ``columns`` below 1.
 
     Example:
         >>> import tempfile, os
@@ -424,16 +429,23 @@ def plot_reliability(
     import matplotlib.pyplot as plt
     import numpy as np
 
+    if columns is not None and columns < 1:
+        raise ValueError(f"columns must be at least 1 (or None), got {columns}")
     n = len(panels)
+    cols = max(1, min(n, columns or n))
+    rows = -(-n // cols)
     fig, axes = plt.subplots(
-        2,
-        n,
-        figsize=(4.2 * n, 5.2),
+        2 * rows,
+        cols,
+        figsize=(4.2 * cols, 5.2 * rows),
         squeeze=False,
-        gridspec_kw={"height_ratios": [3, 1]},
+        gridspec_kw={"height_ratios": [3, 1] * rows},
         sharex="col",
     )
-    for j, (label, bins) in enumerate(panels):
+    for spare in range(n, rows * cols):
+        for r in (2 * (spare // cols), 2 * (spare // cols) + 1):
+            axes[r, spare % cols].set_visible(False)
+    for i, (label, bins) in enumerate(panels):
         edges = np.asarray(bins["edges"], dtype=float)
         counts = np.asarray(bins["counts"], dtype=float)
         acc = np.asarray([np.nan if a is None else a for a in bins["accuracy"]], dtype=float)
@@ -441,7 +453,7 @@ def plot_reliability(
             [np.nan if c is None else c for c in bins["mean_confidence"]], dtype=float
         )
         width, left = np.diff(edges), edges[:-1]
-        top, bottom = axes[0, j], axes[1, j]
+        top, bottom = axes[2 * (i // cols), i % cols], axes[2 * (i // cols) + 1, i % cols]
         top.bar(
             left,
             np.nan_to_num(acc),

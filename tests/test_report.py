@@ -89,6 +89,17 @@ def test_plot_with_empty_bins(tmp_path):
     assert p.read_bytes()[:8] == PNG_MAGIC
 
 
+def test_plot_wraps_panels_into_rows_of_columns(tmp_path):
+    from PIL import Image
+
+    bins = {"edges": [0, 0.5, 1], "counts": [1, 1], "mean_confidence": [0.3, 0.8], "accuracy": [0.0, 1.0]}
+    one_row = Image.open(plot_reliability([("p", bins)] * 5, tmp_path / "row.png")).size
+    wrapped = Image.open(plot_reliability([("p", bins)] * 5, tmp_path / "grid.png", columns=2)).size
+    assert wrapped[0] < one_row[0] / 2 and wrapped[1] > 2.5 * one_row[1]  # 2 columns, 3 rows
+    with pytest.raises(ValueError, match="columns must be at least 1"):
+        plot_reliability([("p", bins)], tmp_path / "bad.png", columns=0)
+
+
 def test_number_cells_tables_and_verdicts() -> None:
     from llm_calib.report import format_number, markdown_table, mean_sd, verdict
 
