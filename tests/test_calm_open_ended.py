@@ -10,6 +10,7 @@ from _directional import directional_derivatives
 
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.encoding import EncodingCache
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.objectives import Batch, CalmLosses
 from llm_calib.calm.trainer import (
@@ -22,8 +23,13 @@ from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.data.records import OpenQA
 from llm_calib.models import tiny_random_model
-from llm_calib.prompts import PromptFormat
-from llm_calib.scoring.open_ended import encode_open_prompts, generate_greedy
+from llm_calib.prompts import PromptFormat, short_answer_format
+from llm_calib.scoring.base import encode_continuation
+from llm_calib.scoring.open_ended import (
+    encode_open_prompts,
+    finish_answer,
+    generate_greedy,
+)
 from llm_calib.scoring.packing import pack_continuations
 
 
@@ -74,6 +80,34 @@ def test_encoding_uses_the_open_ended_scorer_prompt_and_the_first_alias(setup):
     assert tok.decode(enc.options[0][0]) == " " + rec.answers[0]
     batch = enc.batch([0, 1], 0)
     assert batch.open_ended and batch.labels.tolist() == [0, 0]
+
+
+EXAMPLES = (("Capital of Italy?", "Rome"), ("What is 1 + 1?", "2"))
+
+
+def test_short_answer_encoding_ends_the_target_with_the_stop_token_of_the_examples(setup):
+    """With ``open_examples`` the prompt is the few-shot prompt and the target is the answer's own
+    tokens followed by the newline token that follows each example's answer in that prompt, a
+    token at which greedy answering stops (so training teaches the model to stop there)."""
+    *_, tok = setup
+    records = open_records(2)
+    cfg = CalibrationConfig(open_examples=EXAMPLES)
+    enc = encode_batch_source(tok, records, cfg)
+    assert [list(p) for p in enc.prompts] == encode_open_prompts(tok, records, short_answer_format(EXAMPLES))
+    prompt = list(enc.prompts[0])
+    rome = encode_continuation(tok, " Rome")
+    after = next(prompt[i + len(rome)] for i in range(len(prompt)) if prompt[i : i + len(rome)] == rome)
+    for rec, (target,) in zip(records, enc.options, strict=True):
+        answer = encode_continuation(tok, " " + rec.answers[0])
+        assert list(target) == [*answer, after]  # the answer's tokens, then the examples' stop token
+        done = finish_answer(tok, list(target), [0.5] * len(target), {tok.eos_token_id})
+        assert (done.stop, done.text, done.token_ids) == ("newline", rec.answers[0], tuple(answer))
+    # the chat prompt keeps the bare answer (no stop token), and the cache tells the two apart
+    chat = encode_batch_source(tok, records, CalibrationConfig())
+    assert [list(o[0]) for o in chat.options] == [encode_continuation(tok, " " + r.answers[0]) for r in records]
+    cache = EncodingCache()
+    assert cache(tok, records, cfg) is cache(tok, records, CalibrationConfig(open_examples=EXAMPLES, lr=0.1))
+    assert cache(tok, records, cfg) is not cache(tok, records, CalibrationConfig())
 
 
 def test_adjusted_loss_equals_a_hand_computation(setup):
