@@ -20,7 +20,7 @@ from llm_calib.calm.trainer import (
     encode_batch_source,
 )
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
-from llm_calib.data import builtin_multiple_choice
+from llm_calib.data import builtin_multiple_choice, one_record_per_alias
 from llm_calib.data.records import OpenQA
 from llm_calib.models import tiny_random_model
 from llm_calib.prompts import PromptFormat, short_answer_format
@@ -105,6 +105,7 @@ def test_short_answer_encoding_ends_the_target_with_the_stop_token_of_the_exampl
     # the chat prompt keeps the bare answer (no stop token), and the cache tells the two apart
     chat = encode_batch_source(tok, records, CalibrationConfig())
     assert [list(o[0]) for o in chat.options] == [encode_continuation(tok, " " + r.answers[0]) for r in records]
+    assert enc.batch([0, 1], 0).answer_stop and not chat.batch([0, 1], 0).answer_stop
     cache = EncodingCache()
     assert cache(tok, records, cfg) is cache(tok, records, CalibrationConfig(open_examples=EXAMPLES, lr=0.1))
     assert cache(tok, records, cfg) is not cache(tok, records, CalibrationConfig())
@@ -215,6 +216,8 @@ def test_monitor_proxy_equals_the_greedy_scorer_where_greedy_follows_the_referen
         bad = [*good[:-1], (good[-1] + 1) % lm.head.out_features]
         stats = losses.monitor(Batch(pack_continuations([(prompt, good), (prompt, bad)], 0), torch.zeros(2), ["g", "b"],
                                      open_ended=True))
+        stops = losses.monitor(Batch(pack_continuations([(prompt, good), (prompt, bad)], 0), torch.zeros(2),
+                                     ["g", "b"], open_ended=True, answer_stop=True))
     finally:
         lm.load_theta(saved)
     assert stats["correct"].tolist() == [1.0, 0.0]
@@ -223,6 +226,14 @@ def test_monitor_proxy_equals_the_greedy_scorer_where_greedy_follows_the_referen
     assert float(stats["confidence"][0]) == pytest.approx(expected, abs=1e-6)
     assert float(stats["confidence"][1]) == pytest.approx(expected, abs=1e-6)  # same argmax path
     assert float(stats["nll"][1]) > float(stats["nll"][0])
+    # answer_stop: the last reference token is the stop token; it still decides correctness (greedy
+    # must stop with it) but its probability is left out of the confidence, as the scorer does
+    assert float(stops["correct"][0]) == 1.0 and float(stops["correct"][1]) == 0.0
+    short = sum(greedy.token_probs[:-1]) / (len(greedy.token_probs) - 1)
+    assert float(stops["confidence"][0]) == pytest.approx(short, abs=1e-6)
+    assert float(stops["confidence"][1]) == pytest.approx(short, abs=1e-6)
+    assert abs(short - expected) > 1e-4
+    torch.testing.assert_close(stops["nll"], stats["nll"])
 
 
 # ---- training runs -------------------------------------------------------------------------
@@ -264,6 +275,27 @@ def test_calibrate_each_method_on_open_questions(method, solver, data, tmp_path)
         assert float(tensors["lam/b"].abs().max()) > 1e-4
     if (method, solver) == ("calm", "bome"):
         assert {"q", "phi"} <= set(result.history[0])
+
+
+def test_calibrate_with_the_short_answer_prompt_trains_on_every_alias(data, tmp_path, monkeypatch):
+    """A run with ``open_examples`` on one record per alias: the trainer encodes the few-shot
+    prompt with stop-terminated answers, and its held-out metrics are those of the monitor on them."""
+    import llm_calib.calm.training as training_module
+
+    train, heldout = data
+    seen = []
+    original = training_module.encode_records
+    monkeypatch.setattr(training_module, "encode_records", lambda *a, **k: seen.append(original(*a, **k)) or seen[-1])
+    model, tok = tiny_random_model(seed=0, init_std=0.1)
+    cfg = _cfg(method="lora_ce", open_examples=EXAMPLES)
+    expanded = one_record_per_alias(train)
+    assert len(expanded) == 2 * len(train)
+    result = calibrate(model, tok, expanded, heldout, cfg, checkpoint_dir=tmp_path, progress=False)
+    assert [h["step"] for h in result.history] == [1, 2]
+    assert seen and all(e.answer_stop and e.batch([0], 0).answer_stop for e in seen)
+    fewshot = encode_open_prompts(tok, [*expanded, *heldout], short_answer_format(EXAMPLES))
+    assert sorted(list(p) for e in seen for p in e.prompts) == sorted(fewshot)
+    assert all(0.0 < result.metrics[p]["confidence"] <= 1.0 for p in ("before", "after"))
 
 
 def test_mixing_record_kinds_raises_naming_the_record(data):

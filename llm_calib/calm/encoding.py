@@ -57,6 +57,9 @@ class EncodedRecords:
         layout: ``"options"`` (option likelihood: prompt + every option, packed), ``"letter"``
             (listed prompt, one answer-letter token per option) or ``"open"`` (open questions,
             prompt + reference answer as a plain causal sequence).
+        answer_stop: ``"open"``: each reference ends with the stop token of greedy answering (the
+            short-answer prompt, :func:`encode_records`); its batches say so
+            (:attr:`Batch.answer_stop <llm_calib.calm.objectives.Batch>`).
         trunk_cache: hidden states entering the first trainable layer, per record index, filled
             by :meth:`batch` and :meth:`fill_trunk_cache` with a trunk-caching model. They depend
             on the frozen base model only, so an encoding may be reused by every run on the same
@@ -77,6 +80,7 @@ class EncodedRecords:
     options: list[tuple[tuple[int, ...], ...]]
     layout: str
     trunk_cache: dict[int, Tensor] = field(default_factory=dict)
+    answer_stop: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -136,7 +140,8 @@ class EncodedRecords:
             trunk = torch.stack(
                 [torch.nn.functional.pad(self.trunk_cache[i], (0, 0, 0, L - self.trunk_cache[i].shape[0])) for i in idx]
             )
-        return Batch(packed, labels, [self.records[i].id for i in idx], trunk, open_ended)
+        return Batch(packed, labels, [self.records[i].id for i in idx], trunk, open_ended,
+                     answer_stop=open_ended and self.answer_stop)
 
 
 def encode_records(
@@ -184,7 +189,8 @@ def encode_records(
         prompts = encode_open_prompts(tokenizer, records, open_prompt_format(config))
         stop = "\n" if config.open_examples else ""
         answers = [(tuple(encode_continuation(tokenizer, continuation_text(r.answers[0]) + stop)),) for r in records]
-        return EncodedRecords(records, [tuple(p) for p in prompts], answers, layout="open")
+        return EncodedRecords(records, [tuple(p) for p in prompts], answers, layout="open",
+                              answer_stop=bool(config.open_examples))
     if config.scorer == "letter":
         fmt = PromptFormat(style="listed", chat_template=config.chat_template)
         chat = uses_chat_template(tokenizer, fmt)
