@@ -17,6 +17,12 @@ option texts, a ``description`` written once before everything, and ``fewshot`` 
 drawn reproducibly per question from a pool (:func:`resolve_fewshot` loads it from a named split
 and removes the evaluated questions). :data:`PRESETS` reproduce the zero-shot prompts of
 EleutherAI's lm-evaluation-harness for the tasks the loaders read (:func:`preset`).
+
+Open questions have a few-shot short-answer prompt (:func:`short_answer_format`: fixed solved
+``Q: ...`` / ``A: ...`` examples, e.g. :func:`draw_short_answer_examples` of a training split, then
+the question), under which greedy answers are short and end at the newline; CALM trains and
+evaluates with it when :attr:`CalibrationConfig.open_examples
+<llm_calib.calm.config.CalibrationConfig>` is set.
 """
 
 from __future__ import annotations

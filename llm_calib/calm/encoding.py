@@ -153,7 +153,7 @@ def encode_records(
     use the open-ended scorer's prompt (:func:`~llm_calib.scoring.open_ended.encode_open_prompts`)
     of :func:`~llm_calib.calm.config.open_prompt_format`, followed by the first reference alias as
     the continuation, tokenised on its own like an option: ``" " + alias`` under the chat prompt,
-    ``" " + alias + "\n"`` under the few-shot short-answer prompt (``config.open_examples``), so
+    ``" " + alias + "\\n"`` under the few-shot short-answer prompt (``config.open_examples``), so
     the trained answer ends with the newline token at which greedy answering stops (to train on
     every alias, give one record per alias: :func:`~llm_calib.data.one_record_per_alias`).
 
