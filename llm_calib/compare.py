@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from llm_calib import distributed
-from llm_calib.calm.config import CalibrationConfig
+from llm_calib.calm.config import CalibrationConfig, open_prompt_format
 from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
 from llm_calib.evaluate import HEADLINE_METRICS, EvaluationResult, TemperatureFit, evaluate_records
 from llm_calib.models import free_memory
@@ -211,6 +211,7 @@ def run_comparison(
         "scorer": config.scorer,
         "normalize": config.normalize,
         "prompt": _prompt(config),
+        "open_prompt": open_prompt_format(config) if config.open_examples else None,
         "batch_size": eval_batch_size,
         "n_bins": n_bins,
         "ci": bootstrap > 0,

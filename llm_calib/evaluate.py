@@ -199,6 +199,7 @@ def score_records(
     batch_size: int = 8,
     max_new_tokens: int = 32,
     progress: bool = False,
+    open_prompt: PromptFormat | None = None,
 ) -> ScoredSet | OpenEndedSet:
     """Score records with the scorer that fits their type.
 
@@ -217,6 +218,8 @@ def score_records(
         batch_size: questions per forward pass.
         max_new_tokens: generation budget for open questions.
         progress: show a progress bar.
+        open_prompt: prompt format of open questions (e.g. the short-answer prompt of
+            :func:`~llm_calib.calm.config.open_prompt_format`); None: ``prompt`` in the cloze style.
 
     Returns:
         A :class:`~llm_calib.scoring.base.ScoredSet` (multiple choice) or an
@@ -240,7 +243,7 @@ def score_records(
             model,
             tokenizer,
             records,
-            prompt=_open_prompt(prompt),
+            prompt=open_prompt if open_prompt is not None else _open_prompt(prompt),
             max_new_tokens=max_new_tokens,
             batch_size=batch_size,
             progress=progress,
@@ -492,6 +495,7 @@ def evaluate_records(
     seed: int = 0,
     max_new_tokens: int = 32,
     progress: bool = False,
+    open_prompt: PromptFormat | None = None,
 ) -> EvaluationResult:
     """Evaluate already-loaded records (see :func:`evaluate` for the arguments).
 
@@ -512,6 +516,7 @@ def evaluate_records(
         seed: bootstrap seed.
         max_new_tokens: generation budget for open questions.
         progress: show progress bars.
+        open_prompt: prompt format of open questions (see :func:`score_records`).
 
     Returns:
         An :class:`EvaluationResult`.
@@ -545,6 +550,7 @@ def evaluate_records(
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "progress": progress,
+        "open_prompt": open_prompt,
     }
     timing: dict[str, float] = {}
     fit = None
@@ -601,6 +607,8 @@ def evaluate_records(
         "datasets": [name for name, _ in datasets],
         **stats,
     }
+    if open_prompt is not None:
+        config["open_prompt"] = prompt_dict(open_prompt)
     return EvaluationResult(domains, fit, config, timing)
 
 

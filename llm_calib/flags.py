@@ -18,7 +18,10 @@ from typing import Any, TypeVar
 
 from llm_calib.calm.config import field_help
 
-__all__ = ["add_dataclass_flags", "dataclass_overrides", "flag_type", "optional", "parse_bool", "parse_csv", "plain_help"]
+__all__ = [
+    "add_dataclass_flags", "dataclass_overrides", "flag_type", "optional", "parse_bool", "parse_csv", "parse_json_pairs",
+    "plain_help",
+]
 
 T = TypeVar("T")
 
@@ -83,10 +86,33 @@ def parse_csv(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
     return parse
 
 
+def parse_json_pairs(text: str) -> tuple[tuple[Any, ...], ...]:
+    """A JSON list of lists as a tuple of tuples (flags of ``tuple[tuple[...], ...]`` fields, e.g.
+    ``--open-examples '[["2 + 2?", "4"]]'``); the field's own validation checks the items.
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or not a list of lists.
+
+    Example:
+        >>> parse_json_pairs('[["2 + 2?", "4"], ["Capital of Italy?", "Rome"]]')
+        (('2 + 2?', '4'), ('Capital of Italy?', 'Rome'))
+    """
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of lists, got {text!r} ({err})") from None
+    if not isinstance(value, list) or not all(isinstance(v, list) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of lists, got {text!r}")
+    return tuple(tuple(v) for v in value)
+
+
 def flag_type(hint: Any) -> tuple[Callable[[str], Any], str]:
     """An argparse ``type`` and ``metavar`` for a field's type hint: ``bool``, ``int``, ``float``,
-    ``str``, ``tuple[int | str | None, ...]`` (comma-separated; ``none`` items are None), each
-    optionally ``| None`` (then ``null`` gives None).
+    ``str``, ``tuple[int | str | None, ...]`` (comma-separated; ``none`` items are None),
+    ``tuple[tuple[...], ...]`` (a JSON list of lists, :func:`parse_json_pairs`), each optionally
+    ``| None`` (then ``null`` gives None).
 
     Example:
         >>> parse, metavar = flag_type(int | None)
@@ -94,6 +120,8 @@ def flag_type(hint: Any) -> tuple[Callable[[str], Any], str]:
         (3, None, 'INT|null')
         >>> flag_type(tuple[int, ...])[0]("1,2")
         (1, 2)
+        >>> flag_type(tuple[tuple[str, str], ...])[1]
+        'JSON'
     """
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     is_optional = type(None) in typing.get_args(hint)
@@ -101,7 +129,9 @@ def flag_type(hint: Any) -> tuple[Callable[[str], Any], str]:
     if typing.get_origin(base) is tuple:
         items = [a for a in typing.get_args(base) if a is not Ellipsis]
         kinds = {k for a in items for k in (typing.get_args(a) or (a,))}
-        if int in kinds:
+        if any(typing.get_origin(a) is tuple for a in items):
+            parse, metavar = parse_json_pairs, "JSON"
+        elif int in kinds:
             parse, metavar = parse_csv(optional(int) if type(None) in kinds else int), "A,B,..."
         else:
             parse, metavar = parse_csv(str), "A,B,..."

@@ -17,6 +17,12 @@ option texts, a ``description`` written once before everything, and ``fewshot`` 
 drawn reproducibly per question from a pool (:func:`resolve_fewshot` loads it from a named split
 and removes the evaluated questions). :data:`PRESETS` reproduce the zero-shot prompts of
 EleutherAI's lm-evaluation-harness for the tasks the loaders read (:func:`preset`).
+
+Open questions have a few-shot short-answer prompt (:func:`short_answer_format`: fixed solved
+``Q: ...`` / ``A: ...`` examples, e.g. :func:`draw_short_answer_examples` of a training split, then
+the question), under which greedy answers are short and end at the newline; CALM trains and
+evaluates with it when :attr:`CalibrationConfig.open_examples
+<llm_calib.calm.config.CalibrationConfig>` is set.
 """
 
 from __future__ import annotations
@@ -30,16 +36,19 @@ from typing import Any, Literal
 __all__ = [
     "LETTERS",
     "PRESETS",
+    "SHORT_ANSWER_TEMPLATE",
     "PromptFormat",
     "build_prompt",
     "continuation_text",
     "draw_fewshot",
+    "draw_short_answer_examples",
     "option_continuations",
     "option_letters",
     "preset",
     "prompt_dict",
     "record_prompt",
     "resolve_fewshot",
+    "short_answer_format",
     "template_fields",
     "user_message",
     "uses_chat_template",
@@ -635,6 +644,111 @@ PRESETS: dict[str, dict[str, Any]] = {
 All but ``default`` are plain text (no chat template), as lm-eval without
 ``--apply_chat_template``.
 """
+
+SHORT_ANSWER_TEMPLATE = "Q: {question}\nA:"
+"""The question block of :func:`short_answer_format` (each example is this, a space, its answer)."""
+
+
+def _short_answer_pairs(examples: Any, what: str) -> tuple[tuple[str, str], ...]:
+    """``examples`` as stripped (question, answer) pairs; ValueError naming ``what[i]`` otherwise."""
+    if isinstance(examples, (str, bytes)) or not isinstance(examples, Sequence):
+        raise ValueError(f"{what} must be a list of [question, answer] pairs, got {examples!r}")
+    out = []
+    for i, pair in enumerate(examples):
+        if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
+                or not all(isinstance(t, str) and t.strip() for t in pair)):
+            raise ValueError(f"{what}[{i}] must be a [question, answer] pair of two non-empty strings, got {pair!r}")
+        out.append((" ".join(pair[0].split()), " ".join(pair[1].split())))
+    return tuple(out)
+
+
+def short_answer_format(examples: Sequence[tuple[str, str]]) -> PromptFormat:
+    """The few-shot short-answer prompt of open questions: solved examples, then the question.
+
+    Plain text (no chat template)::
+
+        Q: <example question 1>
+        A: <example answer 1>
+
+        Q: <the question>
+        A:
+
+    The examples are fixed (the same before every question) and written into ``description``
+    (braces escaped, whitespace runs squeezed to one space); the question is the template
+    :data:`SHORT_ANSWER_TEMPLATE`. A greedy answer (:func:`~llm_calib.scoring.open_ended.generate_greedy`)
+    then stops at the newline the examples end their answers with; trained answers end with it too
+    (:func:`~llm_calib.calm.encoding.encode_records`).
+
+    Args:
+        examples: ``(question, answer)`` pairs (e.g. :func:`draw_short_answer_examples`);
+            empty gives the zero-shot ``Q: ...\\nA:`` prompt.
+
+    Returns:
+        The prompt format (cloze, ``chat_template=False``).
+
+    Raises:
+        ValueError: an example that is not a pair of two non-empty strings (names its index).
+
+    Example:
+        >>> from llm_calib.data.records import OpenQA
+        >>> fmt = short_answer_format([("Capital of Italy?", "Rome"), ("2 + 2?", "4")])
+        >>> print(record_prompt(None, OpenQA("Capital of France?", ("Paris",), "geo", "q0"), fmt))
+        Q: Capital of Italy?
+        A: Rome
+        <BLANKLINE>
+        Q: 2 + 2?
+        A: 4
+        <BLANKLINE>
+        Q: Capital of France?
+        A:
+    """
+    pairs = _short_answer_pairs(examples, "examples")
+
+    def escape(text: str) -> str:
+        return text.replace("{", "{{").replace("}", "}}")
+
+    description = "".join(f"Q: {escape(q)}\nA: {escape(a)}\n\n" for q, a in pairs)
+    return PromptFormat(chat_template=False, template=SHORT_ANSWER_TEMPLATE, description=description)
+
+
+def draw_short_answer_examples(records: Sequence[Any], k: int, seed: int = 0) -> tuple[tuple[str, str], ...]:
+    """Draw ``k`` solved examples for :func:`short_answer_format` from open questions.
+
+    Records without an accepted answer (e.g. SelfAware's unanswerable questions) are skipped;
+    each example is the question and its first alias. The draw depends only on ``seed`` and the
+    order of ``records``.
+
+    Args:
+        records: :class:`~llm_calib.data.records.OpenQA` records (a training split).
+        k: number of examples (>= 0).
+        seed: seed of the draw.
+
+    Returns:
+        ``k`` ``(question, answer)`` pairs.
+
+    Raises:
+        ValueError: ``k`` negative or more than the records with answers; a record that is not
+            open-ended.
+
+    Example:
+        >>> from llm_calib.data.records import OpenQA
+        >>> pool = [OpenQA(f"Q{i}?", (f"A{i}",), "toy", f"p{i}") for i in range(5)]
+        >>> ex = draw_short_answer_examples(pool, 2, seed=1)
+        >>> len(ex), ex == draw_short_answer_examples(pool, 2, seed=1), ex[0] in [(r.question, r.answers[0]) for r in pool]
+        (2, True, True)
+    """
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"k (number of examples) must be an integer >= 0, got {k!r}")
+    from llm_calib.data.records import OpenQA
+
+    bad = next((r for r in records if not isinstance(r, OpenQA)), None)
+    if bad is not None:
+        raise ValueError(f"short-answer examples come from open questions (OpenQA), got {type(bad).__name__}")
+    answered = [r for r in records if r.answers and r.answers[0].strip()]
+    if len(answered) < k:
+        raise ValueError(f"k={k} short-answer examples requested but only {len(answered)} records have an answer")
+    drawn = random.Random(seed).sample(answered, k)
+    return _short_answer_pairs([(r.question, r.answers[0]) for r in drawn], "records")
 
 
 def preset(name: str, **overrides: Any) -> PromptFormat:

@@ -26,6 +26,7 @@ from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.data import MultipleChoice, OpenQA, builtin_multiple_choice
 from llm_calib.metrics import ece, ece_resamples
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts import short_answer_format
 from llm_calib.scoring.open_ended import encode_open_prompts, score_open_ended
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
@@ -149,6 +150,26 @@ def test_shared_trunk_eval_scores_each_set_as_the_plain_scorers() -> None:
                 np.testing.assert_allclose(a, b, atol=1e-5)
         for a, b in zip(oev.scaled(g1)[name].token_probs, obase[name].token_probs, strict=True):  # T = 1 column
             np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_shared_trunk_eval_answers_open_questions_with_the_configs_short_answer_prompt() -> None:
+    """With ``open_examples`` the trunk-cached answers are those of ``score_open_ended`` under
+    ``short_answer_format`` (base and adapted model), and not those of the chat prompt."""
+    model, tok = tiny_random_model(seed=0, num_layers=3)
+    examples = (("What is 1 plus 1?", "2"), ("Name the capital of Italy.", "Rome"))
+    recs = [OpenQA(f"What is {a} plus {b}?", (str(a + b),), "sums", f"s{a}{b}") for a in range(3) for b in range(3)]
+    ev = SharedTrunkEval(model, tok, {"sums": recs}, 2, config=CalibrationConfig(open_examples=examples),
+                         batch_size=4, max_new_tokens=5)
+    fmt = short_answer_format(examples)
+    adapted_model = _adapted(model)
+    base, adapted = ev.base()["sums"], ev.adapted(adapted_model)["sums"]
+    for got, ref in ((base, score_open_ended(model, tok, recs, prompt=fmt, max_new_tokens=5)),
+                     (adapted, score_open_ended(_merged(adapted_model), tok, recs, prompt=fmt, max_new_tokens=5))):
+        assert got.answers == ref.answers
+        for a, b in zip(got.token_probs, ref.token_probs, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    chat = score_open_ended(model, tok, recs, max_new_tokens=5)
+    assert chat.token_probs != base.token_probs
 
 
 def test_shared_trunk_eval_rejects_bad_sets() -> None:

@@ -10,6 +10,7 @@ from _directional import directional_derivatives
 
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.encoding import EncodingCache
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.objectives import Batch, CalmLosses
 from llm_calib.calm.trainer import (
@@ -19,11 +20,16 @@ from llm_calib.calm.trainer import (
     encode_batch_source,
 )
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
-from llm_calib.data import builtin_multiple_choice
+from llm_calib.data import builtin_multiple_choice, one_record_per_alias
 from llm_calib.data.records import OpenQA
 from llm_calib.models import tiny_random_model
-from llm_calib.prompts import PromptFormat
-from llm_calib.scoring.open_ended import encode_open_prompts, generate_greedy
+from llm_calib.prompts import PromptFormat, short_answer_format
+from llm_calib.scoring.base import encode_continuation
+from llm_calib.scoring.open_ended import (
+    encode_open_prompts,
+    finish_answer,
+    generate_greedy,
+)
 from llm_calib.scoring.packing import pack_continuations
 
 
@@ -74,6 +80,35 @@ def test_encoding_uses_the_open_ended_scorer_prompt_and_the_first_alias(setup):
     assert tok.decode(enc.options[0][0]) == " " + rec.answers[0]
     batch = enc.batch([0, 1], 0)
     assert batch.open_ended and batch.labels.tolist() == [0, 0]
+
+
+EXAMPLES = (("Capital of Italy?", "Rome"), ("What is 1 + 1?", "2"))
+
+
+def test_short_answer_encoding_ends_the_target_with_the_stop_token_of_the_examples(setup):
+    """With ``open_examples`` the prompt is the few-shot prompt and the target is the answer's own
+    tokens followed by the newline token that follows each example's answer in that prompt, a
+    token at which greedy answering stops (so training teaches the model to stop there)."""
+    *_, tok = setup
+    records = open_records(2)
+    cfg = CalibrationConfig(open_examples=EXAMPLES)
+    enc = encode_batch_source(tok, records, cfg)
+    assert [list(p) for p in enc.prompts] == encode_open_prompts(tok, records, short_answer_format(EXAMPLES))
+    prompt = list(enc.prompts[0])
+    rome = encode_continuation(tok, " Rome")
+    after = next(prompt[i + len(rome)] for i in range(len(prompt)) if prompt[i : i + len(rome)] == rome)
+    for rec, (target,) in zip(records, enc.options, strict=True):
+        answer = encode_continuation(tok, " " + rec.answers[0])
+        assert list(target) == [*answer, after]  # the answer's tokens, then the examples' stop token
+        done = finish_answer(tok, list(target), [0.5] * len(target), {tok.eos_token_id})
+        assert (done.stop, done.text, done.token_ids) == ("newline", rec.answers[0], tuple(answer))
+    # the chat prompt keeps the bare answer (no stop token), and the cache tells the two apart
+    chat = encode_batch_source(tok, records, CalibrationConfig())
+    assert [list(o[0]) for o in chat.options] == [encode_continuation(tok, " " + r.answers[0]) for r in records]
+    assert enc.batch([0, 1], 0).answer_stop and not chat.batch([0, 1], 0).answer_stop
+    cache = EncodingCache()
+    assert cache(tok, records, cfg) is cache(tok, records, CalibrationConfig(open_examples=EXAMPLES, lr=0.1))
+    assert cache(tok, records, cfg) is not cache(tok, records, CalibrationConfig())
 
 
 def test_adjusted_loss_equals_a_hand_computation(setup):
@@ -181,6 +216,8 @@ def test_monitor_proxy_equals_the_greedy_scorer_where_greedy_follows_the_referen
         bad = [*good[:-1], (good[-1] + 1) % lm.head.out_features]
         stats = losses.monitor(Batch(pack_continuations([(prompt, good), (prompt, bad)], 0), torch.zeros(2), ["g", "b"],
                                      open_ended=True))
+        stops = losses.monitor(Batch(pack_continuations([(prompt, good), (prompt, bad)], 0), torch.zeros(2),
+                                     ["g", "b"], open_ended=True, answer_stop=True))
     finally:
         lm.load_theta(saved)
     assert stats["correct"].tolist() == [1.0, 0.0]
@@ -189,6 +226,14 @@ def test_monitor_proxy_equals_the_greedy_scorer_where_greedy_follows_the_referen
     assert float(stats["confidence"][0]) == pytest.approx(expected, abs=1e-6)
     assert float(stats["confidence"][1]) == pytest.approx(expected, abs=1e-6)  # same argmax path
     assert float(stats["nll"][1]) > float(stats["nll"][0])
+    # answer_stop: the last reference token is the stop token; it still decides correctness (greedy
+    # must stop with it) but its probability is left out of the confidence, as the scorer does
+    assert float(stops["correct"][0]) == 1.0 and float(stops["correct"][1]) == 0.0
+    short = sum(greedy.token_probs[:-1]) / (len(greedy.token_probs) - 1)
+    assert float(stops["confidence"][0]) == pytest.approx(short, abs=1e-6)
+    assert float(stops["confidence"][1]) == pytest.approx(short, abs=1e-6)
+    assert abs(short - expected) > 1e-4
+    torch.testing.assert_close(stops["nll"], stats["nll"])
 
 
 # ---- training runs -------------------------------------------------------------------------
@@ -230,6 +275,27 @@ def test_calibrate_each_method_on_open_questions(method, solver, data, tmp_path)
         assert float(tensors["lam/b"].abs().max()) > 1e-4
     if (method, solver) == ("calm", "bome"):
         assert {"q", "phi"} <= set(result.history[0])
+
+
+def test_calibrate_with_the_short_answer_prompt_trains_on_every_alias(data, tmp_path, monkeypatch):
+    """A run with ``open_examples`` on one record per alias: the trainer encodes the few-shot
+    prompt with stop-terminated answers, and its held-out metrics are those of the monitor on them."""
+    import llm_calib.calm.training as training_module
+
+    train, heldout = data
+    seen = []
+    original = training_module.encode_records
+    monkeypatch.setattr(training_module, "encode_records", lambda *a, **k: seen.append(original(*a, **k)) or seen[-1])
+    model, tok = tiny_random_model(seed=0, init_std=0.1)
+    cfg = _cfg(method="lora_ce", open_examples=EXAMPLES)
+    expanded = one_record_per_alias(train)
+    assert len(expanded) == 2 * len(train)
+    result = calibrate(model, tok, expanded, heldout, cfg, checkpoint_dir=tmp_path, progress=False)
+    assert [h["step"] for h in result.history] == [1, 2]
+    assert seen and all(e.answer_stop and e.batch([0], 0).answer_stop for e in seen)
+    fewshot = encode_open_prompts(tok, [*expanded, *heldout], short_answer_format(EXAMPLES))
+    assert sorted(list(p) for e in seen for p in e.prompts) == sorted(fewshot)
+    assert all(0.0 < result.metrics[p]["confidence"] <= 1.0 for p in ("before", "after"))
 
 
 def test_mixing_record_kinds_raises_naming_the_record(data):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,14 +17,14 @@ from safetensors.torch import load_file
 
 import hypergrad as hg
 import llm_calib
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.config import CalibrationConfig, LoraSettings, open_prompt_format
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM
 from llm_calib.calm.objectives import CalmLosses
 from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.data import load as load_data
 from llm_calib.models import tiny_random_model
-from llm_calib.prompts import PromptFormat
+from llm_calib.prompts import PromptFormat, short_answer_format
 from llm_calib.scoring import score_multiple_choice
 
 REPO = Path(__file__).resolve().parents[1]
@@ -352,10 +353,14 @@ def test_accuracy_guard_stops_and_returns_the_initial_parameters(data):
         ({"lora": {"rank": 0}}, "lora.rank"),
         ({"lora": {"dropout": 2.0}}, "lora.dropout"),
         ({"lora": {"rnak": 4}}, "rnak"),
+        ({"open_examples": "Q: 2 + 2? A: 4"}, "open_examples must be a list"),
+        ({"open_examples": [["2 + 2?", "4"], ["3 + 3?"]]}, "open_examples[1]"),
+        ({"open_examples": [["2 + 2?", " "]]}, "open_examples[0]"),
+        ({"open_examples": [["2 + 2?", 4]]}, "open_examples[0]"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(field)):
         CalibrationConfig(**kwargs)
 
 
@@ -363,10 +368,14 @@ def test_config_yaml_round_trip_and_unknown_key(tmp_path):
     import yaml
 
     cfg = CalibrationConfig(method="confidence_penalty", solver="f2sa", steps=7, lr=3e-4,
-                            lora=LoraSettings(rank=4, target_modules=("q_proj",), layers=(0, 1)))
+                            lora=LoraSettings(rank=4, target_modules=("q_proj",), layers=(0, 1)),
+                            open_examples=(("Capital of Italy?", "Rome"), ("2 + 2?", "4")))
+    assert cfg.to_dict()["open_examples"] == [["Capital of Italy?", "Rome"], ["2 + 2?", "4"]]
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     assert CalibrationConfig.from_file(path) == cfg
+    assert CalibrationConfig.from_file(path).open_examples == (("Capital of Italy?", "Rome"), ("2 + 2?", "4"))
+    assert CalibrationConfig(open_examples=[[" 2 + 2? ", "4 "]]).open_examples == (("2 + 2?", "4"),)
     # hand-written YAML: 1e-3 is a string in YAML 1.1 and still reads as a number
     hand = tmp_path / "hand.yml"
     hand.write_text("steps: 5\nlr: 1e-3\nlora:\n  rank: 2\n")
@@ -386,6 +395,18 @@ def test_config_yaml_round_trip_and_unknown_key(tmp_path):
     bad.write_text("lr: -2\n")
     with pytest.raises(ValueError, match=r"bad\.yaml.*lr"):
         CalibrationConfig.from_file(bad)
+    bad.write_text('open_examples:\n  - ["Capital of Italy?", Rome]\n  - ["2 + 2?"]\n')
+    with pytest.raises(ValueError, match=r"bad\.yaml.*open_examples\[1\]"):
+        CalibrationConfig.from_file(bad)
+
+
+def test_open_prompt_format_is_the_chat_prompt_or_the_short_answer_prompt():
+    assert open_prompt_format(CalibrationConfig()) == PromptFormat()
+    assert open_prompt_format(CalibrationConfig(chat_template=False)) == PromptFormat(chat_template=False)
+    examples = (("Capital of Italy?", "Rome"), ("2 + 2?", "4"))
+    assert open_prompt_format(CalibrationConfig(open_examples=examples)) == short_answer_format(examples)
+    # the few-shot prompt is plain text whatever chat_template says
+    assert open_prompt_format(CalibrationConfig(open_examples=examples, chat_template=True)).chat_template is False
 
 
 @pytest.mark.parametrize(("solver", "method_class"), [("bome", "BOME"), ("f2sa", "Penalty")])

@@ -205,8 +205,11 @@ def _write_open(path, start, n):
     return f"nq_open:{path}"
 
 
-def test_open_ended_training_and_report(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("examples", [None, (("What is 1 + 1?", "2"), ("Capital of Italy?", "Rome"))])
+def test_open_ended_training_and_report(tiny_model_dir, tmp_path, examples):
+    """Also with --open-examples: the evaluation sets are answered with the same short-answer prompt."""
     from llm_calib.evaluate import open_ended_summary
+    from llm_calib.prompts import PromptFormat, short_answer_format
     from llm_calib.scoring import score_open_ended
 
     train, heldout, test = (_write_open(tmp_path / f"{name}.jsonl", start, 4)
@@ -215,6 +218,9 @@ def test_open_ended_training_and_report(tiny_model_dir, tmp_path):
     argv = ["calibrate", "--model", str(tiny_model_dir), "--train", train, "--heldout", heldout, "--eval", test,
             "--out", str(out), "--methods", "calm", "--steps", "1", "--batch-size", "4", "--bootstrap", "0",
             "--no-progress"]
+    if examples:
+        argv += ["--open-examples", json.dumps(examples)]
+    fmt = short_answer_format(examples) if examples else PromptFormat()
     assert cli.main(argv) == 0
     data = json.loads((out / "metrics.json").read_text())
     assert data["temperature"] is None and data["config"]["train"]["kind"] == "open"
@@ -224,9 +230,12 @@ def test_open_ended_training_and_report(tiny_model_dir, tmp_path):
     # the calm column is the greedy open-ended scorer on the saved result
     model, tok = load_model(str(tiny_model_dir))
     loaded = CalibrationResult.load(out / "calm", model)
-    ref = open_ended_summary(score_open_ended(loaded.model, tok, load_data(test).records), ci=False)
+    ref = open_ended_summary(score_open_ended(loaded.model, tok, load_data(test).records, prompt=fmt), ci=False)
     for key in ("accuracy", "ece", "mean_confidence"):
         assert dom["columns"]["calm"][key] == pytest.approx(ref[key], abs=1e-6), key
+    base = open_ended_summary(score_open_ended(load_model(str(tiny_model_dir))[0], tok, load_data(test).records,
+                                               prompt=fmt), ci=False)
+    assert dom["columns"]["uncalibrated"]["mean_confidence"] == pytest.approx(base["mean_confidence"], abs=1e-6)
     assert "trained on open questions" in (out / "report.md").read_text()
 
 

@@ -3,6 +3,7 @@ defaults < --config < flags for every field; --unlabeled reaches the trainer."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
@@ -37,6 +38,10 @@ def test_every_config_field_is_a_flag_with_help_and_type():
     assert options["--steps"].type("3") == 3 and options["--lr"].type("1e-3") == 1e-3
     assert options["--inner-lr"].type("null") is None and options["--lora-layers"].type("4,5") == (4, 5)
     assert options["--output-scale"].type("false") is False
+    assert options["--open-examples"].type('[["2 + 2?", "4"], ["Capital of Italy?", "Rome"]]') == (
+        ("2 + 2?", "4"), ("Capital of Italy?", "Rome"))
+    with pytest.raises(argparse.ArgumentTypeError, match="JSON list of lists"):
+        options["--open-examples"].type("2 + 2?=4")
 
 
 def _argv(model_dir, out, *extra):
@@ -74,6 +79,7 @@ def test_precedence_file_read_once_and_unlabeled(tiny_model_dir, tmp_path, monke
     ("--steps", "0", "steps must be an int >= 1"),
     ("--guard-accuracy", "2", "guard_accuracy must be in [0, 1]"),
     ("--inner-lr", "-1", "inner_lr must be > 0"),
+    ("--open-examples", '[["2 + 2?", "4"], ["3 + 3?"]]', "open_examples[1] must be a [question, answer] pair"),
 ])
 def test_a_bad_flag_value_is_a_one_line_error_naming_the_field(flag, value, needle, tiny_model_dir, tmp_path, capsys):
     assert cli.main(_argv(tiny_model_dir, tmp_path / "out", flag, value)) == 2

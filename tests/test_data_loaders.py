@@ -25,6 +25,7 @@ from llm_calib.data import (
     load_selfaware,
     load_webquestions,
     mmlu_group,
+    one_record_per_alias,
     repair_utf8,
 )
 from llm_calib.data.mmlu import mmlu_subject
@@ -653,3 +654,21 @@ def test_real_mmlu_groups_and_opentriviaqa_categories():
     assert per_group == {"stem": 3018, "humanities": 4705, "social_sciences": 3077, "other": 3242}
     geo = load_opentriviaqa(REAL / "opentriviaqa" / "categories" / "geography")
     assert len(geo) == 842 and {len(r.options) for r in geo} <= {2, 3, 4, 5}
+
+
+def test_one_record_per_alias_expands_dedupes_and_keeps_unanswerable():
+    q = OpenQA("Who sang Help!?", ("The Beatles", "Beatles", "beatles.", "John Lennon"), "music", "q7",
+               {"source_file": "f"})
+    r = OpenQA("2 + 2?", ("4",), "math", "q8")
+    u = OpenQA("What happens after death?", (), "selfaware", "u1", answerable=False)
+    out = one_record_per_alias([q, u, r])
+    # aliases that normalise equal to an earlier one ("Beatles", "beatles.") are dropped; ids keep
+    # the alias index; unanswerable records pass through unchanged
+    assert [(x.id, x.answers) for x in out] == [
+        ("q7#0", ("The Beatles",)), ("q7#3", ("John Lennon",)), ("u1", ()), ("q8#0", ("4",)),
+    ]
+    assert all(x.question == q.question and x.domain == "music" for x in out[:2])
+    assert out[1].meta == {"source_file": "f", "source_id": "q7"} and q.meta == {"source_file": "f"}
+    assert out[2] is u and one_record_per_alias([]) == []
+    with pytest.raises(TypeError, match="OpenQA"):
+        one_record_per_alias([MultipleChoice("q?", ("a", "b"), 0, "d", "m")])

@@ -15,10 +15,12 @@ from llm_calib.prompts import (
     PromptFormat,
     build_prompt,
     draw_fewshot,
+    draw_short_answer_examples,
     option_continuations,
     preset,
     record_prompt,
     resolve_fewshot,
+    short_answer_format,
     template_fields,
     with_fewshot,
 )
@@ -28,6 +30,8 @@ from llm_calib.scoring import (
     score_open_ended,
     score_option_likelihood,
 )
+from llm_calib.scoring.base import encode_prompt
+from llm_calib.scoring.open_ended import encode_open_prompts
 
 # the slow one-sequence-per-option reference (benchmarks/naive_scoring.py, not library API)
 score_option_likelihood_naive = load_benchmark("naive_scoring").score_option_likelihood_naive
@@ -212,3 +216,51 @@ def test_normalizations_divide_the_summed_loglik(tiny_model, tiny_tokenizer):
     assert all(math.isfinite(v) for v in d["loglik"])
     with pytest.raises(ValueError, match="normalize must be one of"):
         normalized(s, "per_word")
+
+
+SHORT_EXAMPLES = (("Capital of {Italy}?", "Rome"), ("  How many\nlegs has a spider? ", " 8 "))
+
+
+def test_short_answer_format_is_exactly_the_few_shot_text(tiny_tokenizer):
+    """Fixed examples, blank line between blocks, plain text even with a chat-template tokenizer;
+    braces in an example are literal and whitespace runs become one space."""
+    fmt = short_answer_format(SHORT_EXAMPLES)
+    q = OpenQA("Who wrote Hamlet?", ("Shakespeare",), "toy", "q0")
+    text = ("Q: Capital of {Italy}?\nA: Rome\n\n"
+            "Q: How many legs has a spider?\nA: 8\n\n"
+            "Q: Who wrote Hamlet?\nA:")
+    assert tiny_tokenizer.chat_template  # the tokenizer has one, the format does not use it
+    assert record_prompt(tiny_tokenizer, q, fmt) == text
+    other = record_prompt(tiny_tokenizer, OpenQA("Other?", ("x",), "toy", "q1"), fmt)
+    assert other == text.replace("Who wrote Hamlet?", "Other?")  # the same examples before every question
+    # tokenised as plain text: no chat special tokens, and BOS only where the tokenizer adds one
+    ids = encode_open_prompts(tiny_tokenizer, [q], fmt)[0]
+    assert ids == encode_prompt(tiny_tokenizer, text, chat=False) == tiny_tokenizer(text)["input_ids"]
+    assert record_prompt(None, q, short_answer_format([])) == "Q: Who wrote Hamlet?\nA:"
+
+
+@pytest.mark.parametrize(("examples", "needle"), [
+    ([("q?", "")], r"examples\[0\]"),
+    ([("q?", "a"), ("q2?",)], r"examples\[1\]"),
+    ([("q?", "a"), ("q2?", 3)], r"examples\[1\]"),
+    ("q? a", "list of \\[question, answer\\] pairs"),
+])
+def test_short_answer_format_rejects_bad_examples_by_index(examples, needle):
+    with pytest.raises(ValueError, match=needle):
+        short_answer_format(examples)
+
+
+def test_draw_short_answer_examples_is_reproducible_and_skips_unanswered():
+    pool = [OpenQA(f"Question {i}?", (f"answer {i}", f"alias {i}"), "toy", f"p{i}") for i in range(12)]
+    pool.insert(3, OpenQA("Unanswerable?", (), "toy", "u", answerable=False))
+    drawn = draw_short_answer_examples(pool, 5, seed=0)
+    assert drawn == draw_short_answer_examples(pool, 5, seed=0) != draw_short_answer_examples(pool, 5, seed=1)
+    assert len(set(drawn)) == 5
+    assert all(q.startswith("Question ") and a == "answer " + q[9:-1] for q, a in drawn)  # question + first alias
+    assert len(draw_short_answer_examples(pool, 12)) == 12 and draw_short_answer_examples(pool, 0) == ()
+    with pytest.raises(ValueError, match=r"k=13 .* only 12 records have an answer"):
+        draw_short_answer_examples(pool, 13)
+    with pytest.raises(ValueError, match="k \\(number of examples\\) must be an integer >= 0"):
+        draw_short_answer_examples(pool, -1)
+    with pytest.raises(ValueError, match="OpenQA"):
+        draw_short_answer_examples([ARC_Q], 1)

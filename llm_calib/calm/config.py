@@ -9,8 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from llm_calib.adjustment import ADJUSTMENT_KINDS
+from llm_calib.prompts import PromptFormat, short_answer_format
 
-__all__ = ["CHOICES", "METHODS", "SOLVERS", "CalibrationConfig", "LoraSettings", "field_help", "read_config_file"]
+__all__ = [
+    "CHOICES", "METHODS", "SOLVERS", "CalibrationConfig", "LoraSettings", "field_help", "open_prompt_format",
+    "read_config_file",
+]
 
 METHODS = ("calm", "lora_ce", "label_smoothing", "confidence_penalty")
 """Training objectives run by the same code path, CALM (bilevel) and the one-level baselines."""
@@ -172,6 +176,12 @@ class CalibrationConfig:
         seed: seed for data order and initialisation.
         prompt_style, chat_template: prompt format (see :class:`llm_calib.prompts.PromptFormat`);
             open questions always use the cloze style of the open-ended scorer.
+        open_examples: open questions: ``(question, answer)`` solved examples shown before every
+            question in the plain-text short-answer prompt ``Q: ...\\nA: ...`` of
+            :func:`llm_calib.prompts.short_answer_format` (e.g. drawn from the training split with
+            :func:`llm_calib.prompts.draw_short_answer_examples`); trained answers then end with
+            the newline greedy answers stop at. Empty (default): the chat prompt ``The answer is:``
+            (see :func:`open_prompt_format`). On the command line: a JSON list of pairs.
 
     Example:
         >>> cfg = CalibrationConfig(steps=10)
@@ -211,6 +221,7 @@ class CalibrationConfig:
     seed: int = 0
     prompt_style: str = "cloze"
     chat_template: bool | None = None
+    open_examples: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
@@ -255,10 +266,12 @@ class CalibrationConfig:
         for name in ("max_bias", "penalty_beta", "cg_damping"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        self.open_examples = _question_answer_pairs(self.open_examples)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (also valid YAML for :meth:`from_file`)."""
         d = dataclasses.asdict(self)
+        d["open_examples"] = [list(pair) for pair in self.open_examples]
         d["lora"]["target_modules"] = list(self.lora.target_modules)
         if self.lora.layers is not None:
             d["lora"]["layers"] = list(self.lora.layers)
@@ -281,6 +294,41 @@ class CalibrationConfig:
             return cls.from_dict(data)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from err
+
+
+def _question_answer_pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    """``open_examples`` as a tuple of stripped ``(question, answer)`` pairs (lists accepted)."""
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"open_examples must be a list of [question, answer] pairs, got {value!r}")
+    pairs = []
+    for i, pair in enumerate(value):
+        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                or not all(isinstance(t, str) and t.strip() for t in pair)):
+            raise ValueError(f"open_examples[{i}] must be a [question, answer] pair of two non-empty strings, "
+                             f"got {pair!r}")
+        pairs.append((pair[0].strip(), pair[1].strip()))
+    return tuple(pairs)
+
+
+def open_prompt_format(config: CalibrationConfig) -> PromptFormat:
+    """The prompt of open questions under ``config``: the one place training
+    (:func:`~llm_calib.calm.encoding.encode_records`) and the trunk-cached evaluator
+    (:class:`~llm_calib.calm.fast_eval.SharedTrunkEval`) get it from; pass it as ``prompt`` to
+    :func:`~llm_calib.scoring.open_ended.score_open_ended` to answer the same way.
+
+    With ``config.open_examples``: the few-shot short-answer prompt of
+    :func:`~llm_calib.prompts.short_answer_format` (plain text; ``chat_template`` is not used).
+    Without: the scorer's reference prompt, ``PromptFormat(chat_template=config.chat_template)``.
+
+    Example:
+        >>> open_prompt_format(CalibrationConfig()).answer_prefix
+        'The answer is:'
+        >>> open_prompt_format(CalibrationConfig(open_examples=[["2 + 2?", "4"]])).description
+        'Q: 2 + 2?\\nA: 4\\n\\n'
+    """
+    if config.open_examples:
+        return short_answer_format(config.open_examples)
+    return PromptFormat(chat_template=config.chat_template)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llm_calib.calm.config import CalibrationConfig
+from llm_calib.calm.config import CalibrationConfig, open_prompt_format
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.objectives import Batch
 from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
@@ -57,6 +57,9 @@ class EncodedRecords:
         layout: ``"options"`` (option likelihood: prompt + every option, packed), ``"letter"``
             (listed prompt, one answer-letter token per option) or ``"open"`` (open questions,
             prompt + reference answer as a plain causal sequence).
+        answer_stop: ``"open"``: each reference ends with the stop token of greedy answering (the
+            short-answer prompt, :func:`encode_records`); its batches say so
+            (:attr:`Batch.answer_stop <llm_calib.calm.objectives.Batch>`).
         trunk_cache: hidden states entering the first trainable layer, per record index, filled
             by :meth:`batch` and :meth:`fill_trunk_cache` with a trunk-caching model. They depend
             on the frozen base model only, so an encoding may be reused by every run on the same
@@ -77,6 +80,7 @@ class EncodedRecords:
     options: list[tuple[tuple[int, ...], ...]]
     layout: str
     trunk_cache: dict[int, Tensor] = field(default_factory=dict)
+    answer_stop: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -136,7 +140,8 @@ class EncodedRecords:
             trunk = torch.stack(
                 [torch.nn.functional.pad(self.trunk_cache[i], (0, 0, 0, L - self.trunk_cache[i].shape[0])) for i in idx]
             )
-        return Batch(packed, labels, [self.records[i].id for i in idx], trunk, open_ended)
+        return Batch(packed, labels, [self.records[i].id for i in idx], trunk, open_ended,
+                     answer_stop=open_ended and self.answer_stop)
 
 
 def encode_records(
@@ -145,15 +150,18 @@ def encode_records(
     """Tokenise records once for the configured scorer and prompt format.
 
     Multiple-choice records follow ``config.scorer`` and ``config.prompt_style``. Open questions
-    use the open-ended scorer's prompt (:func:`~llm_calib.scoring.open_ended.encode_open_prompts`,
-    cloze, ``config.chat_template``) followed by the first reference alias as the continuation
-    ``" " + alias``, tokenised on its own like an option.
+    use the open-ended scorer's prompt (:func:`~llm_calib.scoring.open_ended.encode_open_prompts`)
+    of :func:`~llm_calib.calm.config.open_prompt_format`, followed by the first reference alias as
+    the continuation, tokenised on its own like an option: ``" " + alias`` under the chat prompt,
+    ``" " + alias + "\\n"`` under the few-shot short-answer prompt (``config.open_examples``), so
+    the trained answer ends with the newline token at which greedy answering stops (to train on
+    every alias, give one record per alias: :func:`~llm_calib.data.one_record_per_alias`).
 
     Args:
         tokenizer: the model's tokenizer.
         records: all multiple choice or all open questions.
-        config: the run's configuration (only ``scorer``, ``prompt_style`` and
-            ``chat_template`` matter).
+        config: the run's configuration (only ``scorer``, ``prompt_style``, ``chat_template``
+            and ``open_examples`` matter).
 
     Returns:
         An :class:`EncodedRecords` with an empty trunk cache.
@@ -178,9 +186,11 @@ def encode_records(
         unanswered = [r.id for r in records if not r.answers]
         if unanswered:
             raise ValueError(f"open question {unanswered[0]!r} has no reference answer to train or monitor on")
-        prompts = encode_open_prompts(tokenizer, records, PromptFormat(chat_template=config.chat_template))
-        answers = [(tuple(encode_continuation(tokenizer, continuation_text(r.answers[0]))),) for r in records]
-        return EncodedRecords(records, [tuple(p) for p in prompts], answers, layout="open")
+        prompts = encode_open_prompts(tokenizer, records, open_prompt_format(config))
+        stop = "\n" if config.open_examples else ""
+        answers = [(tuple(encode_continuation(tokenizer, continuation_text(r.answers[0]) + stop)),) for r in records]
+        return EncodedRecords(records, [tuple(p) for p in prompts], answers, layout="open",
+                              answer_stop=bool(config.open_examples))
     if config.scorer == "letter":
         fmt = PromptFormat(style="listed", chat_template=config.chat_template)
         chat = uses_chat_template(tokenizer, fmt)
@@ -210,10 +220,10 @@ class EncodingCache:
         self.encodings: dict[Any, EncodedRecords] = {}
 
     def __call__(self, tokenizer: Any, records: Sequence[Any], config: CalibrationConfig) -> EncodedRecords:
-        """The encoding of ``records`` under ``config``'s scorer, prompt style, chat template and
-        LoRA layers (records are recognised by domain and id); made on first use."""
+        """The encoding of ``records`` under ``config``'s scorer, prompt style, chat template, open
+        examples and LoRA layers (records are recognised by domain and id); made on first use."""
         key = (tuple(f"{r.domain}/{r.id}" for r in records), config.scorer, config.prompt_style, config.chat_template,
-               config.lora.layers, config.lora.top_layers)
+               config.open_examples, config.lora.layers, config.lora.top_layers)
         if key not in self.encodings:
             self.encodings[key] = encode_records(tokenizer, records, config)
         return self.encodings[key]

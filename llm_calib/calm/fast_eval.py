@@ -35,12 +35,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.config import CalibrationConfig, LoraSettings, open_prompt_format
 from llm_calib.calm.encoding import TRUNK_CHUNK, EncodedRecords, encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.data.records import OpenQA, record_kind
 from llm_calib.models import lm_head_logits, split_decoder_head
-from llm_calib.prompts import PromptFormat
 from llm_calib.scoring.base import ScoredSet
 from llm_calib.scoring.open_ended import (
     OpenEndedSet,
@@ -484,7 +483,8 @@ class SharedTrunkEval:
             may be given as an :class:`~llm_calib.calm.encoding.EncodedRecords`, whose trunk cache
             the base pass then fills (e.g. the held-out split that training reuses).
         trunk_layers: the first adapted layer (at least 1, below the number of layers).
-        config: encoding settings (``scorer``, ``prompt_style``, ``chat_template``, ``normalize``);
+        config: encoding settings (``scorer``, ``prompt_style``, ``chat_template``, ``normalize``;
+            open questions: the prompt of :func:`~llm_calib.calm.config.open_prompt_format`);
             default :class:`~llm_calib.calm.config.CalibrationConfig`.
         batch_size: questions (prompts) per forward pass.
         max_new_tokens: open questions: the generation budget.
@@ -526,7 +526,7 @@ class SharedTrunkEval:
         self.base_outputs: dict[str, list[GenOut]] = {}
         if self.kind == "open":
             flat = [r for recs in records.values() for r in recs]
-            prompts = encode_open_prompts(tokenizer, flat, PromptFormat(chat_template=self.config.chat_template))
+            prompts = encode_open_prompts(tokenizer, flat, open_prompt_format(self.config))
             self.generator = TrunkGenerator(tokenizer, prompts, batch_size, max_new_tokens, trunk_layers, temperatures)
         else:
             self.encodings = {k: v if isinstance(v, EncodedRecords) else encode_records(tokenizer, v, self.config)

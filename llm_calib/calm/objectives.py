@@ -58,6 +58,10 @@ class Batch:
             None to run the whole decoder.
         open_ended: True for open questions packed with their reference answer
             (:func:`~llm_calib.scoring.packing.pack_continuations`), False for multiple choice.
+        answer_stop: open questions: each reference ends with the token at which greedy answering
+            stops (the newline of the short-answer prompt); it is trained on like the answer's
+            tokens, and :meth:`CalmLosses.monitor` leaves it out of the confidence, as the
+            scorer's confidence leaves out the stop token.
     """
 
     packed: PackedQuestions
@@ -65,6 +69,7 @@ class Batch:
     ids: list[str]
     trunk: Tensor | None = None
     open_ended: bool = False
+    answer_stop: bool = False
 
 
 def cross_entropy(scores: Tensor, labels: Tensor, smoothing: float = 0.0) -> Tensor:
@@ -239,7 +244,10 @@ class CalmLosses:
         ``confidence`` the mean over the answer positions of the largest token probability,
         which equals the scorer's mean token probability of the greedy answer wherever greedy
         follows the reference; ``nll`` the mean token NLL of the reference; ``entropy`` the
-        entropy at the first answer position (so its mean is ``-f``).
+        entropy at the first answer position (so its mean is ``-f``). With ``batch.answer_stop``
+        the reference ends with the stop token: ``correct`` then also needs greedy decoding to
+        stop right after the answer (with that very token), and ``confidence`` leaves the stop
+        token's position out, like the scorer.
         """
         with torch.inference_mode():
             if not batch.open_ended:
@@ -259,8 +267,19 @@ class CalmLosses:
             top_logp, top = token_logp.max(-1)
             wrong = (top != packed.target_ids).double()
             token_nll = -token_logp[torch.arange(len(packed.target_ids)), packed.target_ids]
+            top_p = top_logp.exp()
+            if batch.answer_stop:  # leave each answer's final (stop) token out of the confidence
+                option = packed.target_option
+                pos = torch.arange(len(option))
+                last = torch.full((len(packed.option_lengths),), -1, dtype=torch.long).scatter_reduce(
+                    0, option, pos, "amax")
+                keep = (pos != last[option]) | (packed.option_lengths[option] == 1)
+                confidence = (reduce_per_option(top_p * keep, packed, "sum")
+                              / reduce_per_option(keep.double(), packed, "sum"))
+            else:
+                confidence = reduce_per_option(top_p, packed, "mean")
             return {
-                "confidence": reduce_per_option(top_logp.exp(), packed, "mean"),
+                "confidence": confidence,
                 "correct": (reduce_per_option(wrong, packed, "sum") == 0).double(),
                 "nll": reduce_per_option(token_nll, packed, "mean"),
                 "entropy": entropy(logp[packed.answer_start_rows()]),

@@ -26,7 +26,12 @@ from llm_calib.data.errors import MAX_ERRORS, DataError, OnError
 from llm_calib.data.hub import HUB_DATASETS, hub_row_to_record, load_hub
 from llm_calib.data.jsonl import load_jsonl, mc_from_dict, openqa_from_dict
 from llm_calib.data.mmlu import MMLU_GROUPS, MMLU_SUBJECTS, load_mmlu, mmlu_group
-from llm_calib.data.openqa import load_nq_open, load_openqa_jsonl, load_webquestions
+from llm_calib.data.openqa import (
+    load_nq_open,
+    load_openqa_jsonl,
+    load_webquestions,
+    one_record_per_alias,
+)
 from llm_calib.data.opentriviaqa import OPENTRIVIAQA_CATEGORIES, load_opentriviaqa
 from llm_calib.data.records import RECORD_KINDS, MultipleChoice, OpenQA, record_kind
 from llm_calib.data.result import LoadResult, split_items, subsample
@@ -70,6 +75,7 @@ __all__ = [
     "load_webquestions",
     "mc_from_dict",
     "mmlu_group",
+    "one_record_per_alias",
     "openqa_from_dict",
     "parse_spec",
     "record_kind",

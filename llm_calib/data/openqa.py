@@ -6,6 +6,8 @@ rows add prediction lists, which are ignored. A single string answer is accepted
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from llm_calib.data.errors import DataError, ErrorLog, OnError
 from llm_calib.data.records import OpenQA
 from llm_calib.data.result import LoadResult
 
-__all__ = ["answer_aliases", "load_nq_open", "load_openqa_jsonl", "load_webquestions"]
+__all__ = ["answer_aliases", "load_nq_open", "load_openqa_jsonl", "load_webquestions", "one_record_per_alias"]
 
 
 def answer_aliases(value: Any, source: str, line: int, field: str) -> tuple[str, ...]:
@@ -135,3 +137,47 @@ def load_webquestions(path: str | Path, *, on_error: OnError = "raise") -> LoadR
         ('webquestions', '7')
     """
     return load_openqa_jsonl(path, domain="webquestions", on_error=on_error)
+
+
+def one_record_per_alias(records: Sequence[OpenQA]) -> list[OpenQA]:
+    """One record per (question, accepted answer), to train on every alias and not only the first.
+
+    Record ``r`` with aliases ``a_0, a_1, ...`` becomes records with ``answers=(a_j,)`` and ids
+    ``f"{r.id}#{j}"`` (``j`` the alias's index in ``r.answers``; the first is ``#0``), in order,
+    with ``meta["source_id"] = r.id``. An alias whose SQuAD-normalised form
+    (:func:`~llm_calib.scoring.open_ended.normalize_answer`) equals an earlier one's is dropped
+    (``"The Beatles"`` after ``"Beatles"``: the scorer counts them as the same answer). Records
+    without answers (unanswerable questions) are kept as they are. Meant for a training split:
+    evaluate on the original records, whose every alias counts as correct.
+
+    Args:
+        records: open questions.
+
+    Returns:
+        The expanded records.
+
+    Raises:
+        TypeError: a record that is not :class:`~llm_calib.data.records.OpenQA`.
+
+    Example:
+        >>> q = OpenQA("Who sang Help!?", ("Beatles", "The Beatles", "John Lennon"), "music", "q7")
+        >>> [(r.id, r.answers) for r in one_record_per_alias([q])]
+        [('q7#0', ('Beatles',)), ('q7#2', ('John Lennon',))]
+    """
+    from llm_calib.scoring.open_ended import normalize_answer
+
+    out: list[OpenQA] = []
+    for r in records:
+        if not isinstance(r, OpenQA):
+            raise TypeError(f"records must be OpenQA records, got {type(r).__name__}")
+        if not r.answers:
+            out.append(r)
+            continue
+        seen: set[str] = set()
+        for j, alias in enumerate(r.answers):
+            key = normalize_answer(alias)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(replace(r, answers=(alias,), id=f"{r.id}#{j}", meta={**r.meta, "source_id": r.id}))
+    return out
