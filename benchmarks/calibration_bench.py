@@ -470,6 +470,7 @@ class Ctx:
     plots: bool = True
     workers: int = 1
     base_threads: int = 1
+    open_methods: tuple[str, ...] | None = None  # None: the same as ``methods``
     timings: dict[str, float] = field(default_factory=dict)
     model: Any = None
     tokenizer: Any = None
@@ -489,7 +490,9 @@ class Ctx:
 
     def methods_for(self, task: str) -> tuple[str, ...]:
         """The methods run on a task (open-ended QA: regime A only, no LoRA CE + temperature row)."""
-        return tuple(m for m in self.methods if task == "mc" or m not in OPEN_SKIPS)
+        if task == "mc":
+            return self.methods
+        return tuple(m for m in (self.open_methods or self.methods) if m not in OPEN_SKIPS)
 
     def steps(self, task: str) -> int:
         return self.sizes.steps if task == "mc" or self.sizes.open_steps is None else self.sizes.open_steps
@@ -1132,6 +1135,10 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
         f"{s.batch_size}, held-out evaluations every {s.eval_every} steps and the library's selection rule (lowest "
         f"held-out ECE among evaluations whose held-out accuracy is at least {guard} of the initial one) for every method.",
         f"- Hyperparameters: {ctx.hparams_source}.",
+        "- Methods without results (not run: time): " + ("; ".join(
+            f"{name}: " + ", ".join(LABELS[m] for m in missing) for name, agg in aggs.items()
+            if (missing := [m for m in METHODS if m not in agg.runs and not (name == "open" and m in OPEN_SKIPS)]))
+            or "none") + ".",
         f"- Per-(method, seed) results: `{_rel(ctx.runs)}/<task>/<method>-seed<k>.json` (resumable).", "",
         "## Targets", "", "Columns: CALM with BOME (the default solver) and with F2SA; rows `MC A` use regime A's CALM, "
         "`MC B` regime B's. Means over seeds; out-of-domain (OOD) means weigh the sets equally. The seed spread is the "
@@ -1216,6 +1223,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tasks", default="mc,open", help="comma-separated: mc, open")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated subset of {', '.join(METHODS)} (default: all but calm_f2sa_B)")
+    p.add_argument("--open-methods", default=None,
+                   help="comma-separated methods of the open-ended task (default: --methods)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the trained runs (default 1: faster than 2 on a busy 2-core machine)")
     p.add_argument("--base-threads", type=int, default=None,
@@ -1243,8 +1252,9 @@ def build_ctx(args: argparse.Namespace) -> Ctx:
     if data_dir is not None and not data_dir.is_dir():
         raise SystemExit(f"data directory {data_dir} not found (pass --data-dir)")
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    open_methods = tuple(m.strip() for m in args.open_methods.split(",") if m.strip()) if args.open_methods else None
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
-    bad = [m for m in methods if m not in METHODS] + [t for t in tasks if t not in ("mc", "open")]
+    bad = [m for m in (*methods, *(open_methods or ())) if m not in METHODS] + [t for t in tasks if t not in ("mc", "open")]
     if bad:
         raise SystemExit(f"unknown method(s)/task(s): {bad} (methods: {', '.join(METHODS)}; tasks: mc, open)")
     if args.search and args.hparams is None:
@@ -1253,7 +1263,8 @@ def build_ctx(args: argparse.Namespace) -> Ctx:
     base_threads = args.base_threads if args.base_threads is not None else (1 if args.quick else 2)
     return Ctx(sizes, data_dir, out, args.results_dir or out / "calibration_runs", methods, tasks, hparams, source,
                progress=not args.no_progress, plots=not args.no_plots,
-               workers=args.workers if args.workers is not None else (1 if args.quick else 2), base_threads=base_threads)
+               workers=args.workers if args.workers is not None else (1 if args.quick else 2), base_threads=base_threads,
+               open_methods=open_methods)
 
 
 def main(argv: list[str] | None = None) -> int:
