@@ -1232,6 +1232,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hparams", type=Path, default=None,
                    help="search result to read (main run) or write (--search); default: the built-in settings")
     p.add_argument("--search", action="store_true", help="choose hyperparameters on in-domain data only, then exit")
+    p.add_argument("--report-only", action="store_true",
+                   help="write the report from the finished result files and run nothing (missing runs are listed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--no-plots", action="store_true", help="skip the figures")
     p.add_argument("--workers", type=int, default=None,
@@ -1297,7 +1299,7 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     if args.search:
         run_search(ctx, tasks, args.hparams)
         return 0
-    for task in tasks.values():
+    for task in tasks.values() if not args.report_only else ():
         run_task(ctx, task)
     elapsed = time.perf_counter() - t_start
     write_report(ctx, tasks, command, elapsed)

@@ -84,6 +84,13 @@ def test_quick_run_reports_every_method_and_resumes(bench, tmp_path, capsys) -> 
     assert redo["questions"] == rec["questions"]
     assert redo["sets"]["calendar"]["ece"] == pytest.approx(rec["sets"]["calendar"]["ece"], abs=1e-12)
 
+    # --report-only runs nothing: a missing result stays missing and the report names it
+    (runs / "mc" / "label_smoothing-seed0.json").unlink()
+    assert bench.main([*argv, "--no-plots", "--report-only"]) == 0
+    assert "training" not in capsys.readouterr().out and not (runs / "mc" / "label_smoothing-seed0.json").exists()
+    report = (tmp_path / "calibration.md").read_text()
+    assert "- Methods without results (not run: time): mc: label smoothing, CALM (F2SA, B).\n" in report
+
 
 def _ece_of_scores(scores, labels, temperature: float = 1.0) -> float:
     from llm_calib.metrics import confidence_correct, ece
