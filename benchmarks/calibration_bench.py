@@ -49,6 +49,7 @@ mark) are measured per run for training and evaluation separately.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime as _dt
 import json
@@ -59,7 +60,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -574,6 +575,17 @@ def _timed_calibrate(ctx: Ctx, task: Task, cfg: Any, memo: EncodingCache, unlabe
     return result, phase
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch threads, restoring the previous count afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _temperature_of(scored: ScoredSet) -> float:
     return fit_temperature(scored.logits, scored.labels)
 
@@ -615,14 +627,9 @@ class Runner:
         self.ctx.log(f"[{self.task.name}] base pass: {n} questions (held-out + tests) through the full model "
                      f"(uncalibrated predictions + trunk at layer {self.ctx.trunk_layers})")
         bar = self.ctx.bar(n, f"{self.task.name} base pass")
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.ctx.base_threads)
-        try:
-            with Phase() as phase:
-                self.held_base = self.held.base(keep_trunk=self.mc, bar=bar)["heldout"]
-                self.base = self.tests.base(bar=bar)
-        finally:
-            torch.set_num_threads(threads)
+        with torch_threads(self.ctx.base_threads), Phase() as phase:
+            self.held_base = self.held.base(keep_trunk=self.mc, bar=bar)["heldout"]
+            self.base = self.tests.base(bar=bar)
         bar.close()
         self.ctx.timings[f"{self.task.name} base pass"] = phase.seconds
         return phase
@@ -677,12 +684,8 @@ class Runner:
         n = sum(len(e) - len(e.trunk_cache) for e in encs)
         ctx.log(f"[{self.task.name}] trunk of the training, held-out and unlabelled questions ({n} to compute)")
         bar = ctx.bar(n, f"{self.task.name} training trunk")
-        threads = torch.get_num_threads()
-        torch.set_num_threads(ctx.base_threads)
-        try:
+        with torch_threads(ctx.base_threads):
             fill_trunk_caches(ctx.model, encs, cfg.lora, ctx.tokenizer.pad_token_id or 0, bar)
-        finally:
-            torch.set_num_threads(threads)
         bar.close()
         free_memory()
 
@@ -1272,12 +1275,8 @@ def build_ctx(args: argparse.Namespace) -> Ctx:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         return _main(args, argv)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _main(args: argparse.Namespace, argv: list[str]) -> int:
