@@ -1,58 +1,62 @@
-r"""Conjugate gradient with the Hessian-vector products compiled by :func:`torch.compile`.
+r"""Compiled products for implicit differentiation: trace the losses once, then run kernels.
 
-The eager solvers take each Hessian-vector product as one backward pass through a graph of
-:math:`\nabla_w g` that is built once and retained (:class:`~hypergrad.autodiff.RootSystem`); a
-backward pass cannot be compiled. The compiled path instead traces a functional product,
-forward-over-reverse ``torch.func.jvp`` over ``torch.func.grad`` of the inner loss on the flat
-parameter vector, together with the CG update, into one graph of ``chunk`` iterations. The
-stopping test runs between chunks, so the arithmetic is the eager CG's: iterations past the
-tolerance (or past ``maxiter``, or after a non-positive curvature) are masked and change nothing,
-and the iteration count, solution and residual are those of :class:`~hypergrad.linear.CG` up to
-round-off (checked to 1e-10 in float64 by the tests). It is selected by
-``Implicit(solver=CG(...), compile=True)``.
+The eager products of :class:`~hypergrad.autodiff.RootSystem` are backward passes through a
+retained graph: each one walks the autograd engine's node list (tens of microseconds per node on
+small problems), although the arithmetic of a Hessian-vector product is often a few microseconds.
+This module removes that overhead the way a tracing compiler does:
 
-**When it pays.** Compilation takes tens of seconds (inductor generates and compiles C++ on the
-CPU; a C++ compiler must be installed) and is done once per problem shape and dtype: later calls
-with new values of ``w``, ``lam`` and the batch tensors reuse it without recompiling. It removes
-the autograd engine's per-product overhead, but on the CPU benchmarks it was slower than the
-eager path (1.5x on logistic regression with 100 features, 3-4x on ridge and at 1000 features;
-``benchmarks/results/hypergrad.md``): inductor lowers the small matrix-vector products of the
-traced product into its own loops, slower than the BLAS calls of eager PyTorch, and the
-functional product recomputes forward quantities that the retained graph stores. The default is
-therefore eager; the option is for inner losses and devices where those trade-offs differ.
+1. :func:`torch.compile` (dynamo) traces one *stage* function of ``(w, lam, batches, v, u)`` that
+   returns the outer gradients, the inner gradient (the optimality residual), a Hessian-vector
+   product ``H v`` and a mixed product ``(\partial_\lambda \nabla_w g)^\top u`` (both by
+   ``torch.func.vjp`` of ``torch.func.grad``). Dynamo's guards re-trace when the problem's code,
+   the shapes or the dtypes change, and tensors the losses read from closures or globals are
+   graph inputs, read afresh on every call (never frozen at trace time).
+2. The traced ATen graph is split by dependence: the nodes that depend on neither ``v`` nor ``u``
+   (the *primal* part: forward passes, first backward, everything the products reuse) run once
+   per hypergradient; the nodes that depend on ``v`` form the Hessian-vector product, and those
+   that depend on ``u`` the mixed product. Each part is compiled by inductor.
+3. Per hypergradient, one guarded call runs the primal part and hands over the residual tensors
+   the products need; every solver iteration then calls the compiled product directly (no guard
+   evaluation, no autograd engine, no Python per operator).
 
-**Fallback.** If compilation fails (no C++ compiler, an inner loss dynamo cannot trace without a
-graph break, an unsupported operator), one warning is logged on the ``hypergrad`` logger and the
-eager :class:`~hypergrad.linear.CG` solves the system instead; ``info.extra["compiled"]`` says
-which path ran. Failures are remembered per inner loss, so the compiler is not retried each call.
+It is selected by ``Implicit(compile=True)`` and works with any solver of
+:mod:`hypergrad.linear` for the gradient form (the system is symmetric). The arithmetic is the
+eager products' up to floating-point reassociation (the tests check 1e-10 in float64).
+
+**Cost.** Compilation takes about 1-4 s per problem on a CPU (inductor generates C++; a C++
+compiler must be on ``PATH``) and happens once per problem, shape and dtype; later calls with new
+values of ``w``, ``lam`` and the batches reuse it. Measured gains are in
+``benchmarks/results/hypergrad.md``.
+
+**Fallback.** If tracing or compilation fails (no C++ compiler, Python control flow that depends
+on tensor values, an operator dynamo cannot trace, the recompile limit), one warning is logged on
+the ``hypergrad`` logger and the eager products are used; ``info.extra["compiled"]`` says which
+path ran. Failures are remembered per problem, so the compiler is not retried on every call.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import threading
+import time
+import types
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from hypergrad.linear.base import LinearSolveResult, LinearSystem
-from hypergrad.linear.cg import CG
 from hypergrad.problem import BilevelProblem
-from hypergrad.tree import Tree, tree_flatten, tree_flatten_view, tree_unflatten, tree_zeros_like
+from hypergrad.tree import Tree
 
-__all__ = ["DEFAULT_CHUNK", "compiled_cg", "compiler_available"]
+__all__ = ["CompiledStage", "compiled_stage", "compiler_available"]
 
 logger = logging.getLogger("hypergrad")
 
-DEFAULT_CHUNK = 8
-"""CG iterations traced into one compiled graph (the stopping test runs between chunks)."""
-
-# inner losses whose compilation failed, by id (the value keeps the object alive, so the id is not
-# reused): not retried
-_FAILED: dict[int, object] = {}
-_COMPILED: dict[int, Callable[..., Any]] = {}  # chunk -> compiled chunk function
+PRIMAL, TANGENT_V, TANGENT_U = 0, 1, 2
 
 
 def compiler_available() -> tuple[bool, str]:
@@ -73,155 +77,311 @@ def compiler_available() -> tuple[bool, str]:
     return False, "no C++ compiler (g++, c++ or clang++) on PATH; inductor needs one on the CPU"
 
 
-def _cg_chunk(
-    problem: BilevelProblem,
-    batch: Any,
-    lam: Tree,
-    w: Tensor,
-    x: Tensor,
-    r: Tensor,
-    p: Tensor,
-    rs: Tensor,
-    threshold2: Tensor,
-    iterations: Tensor,
-    ok: Tensor,
-    maxiter: Tensor,
-    damping: Tensor,
-    shapes: tuple[tuple[int, ...], ...],
-    keys: tuple[str, ...],
-    chunk: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``chunk`` masked CG iterations on ``(H + damping I) x = b``, H the Hessian of g at ``w``."""
-    numels = [int(torch.Size(s).numel()) for s in shapes]
+@dataclass
+class CompiledStage:
+    r"""What one compiled call hands to a hypergradient method.
 
-    def grad_flat(w_flat: Tensor) -> Tensor:
-        parts = w_flat.split(numels) if len(numels) > 1 else (w_flat,)
-        tree = {k: v.reshape(s) for k, v, s in zip(keys, parts, shapes, strict=True)}
-        grads = torch.func.grad(lambda t: problem.inner_loss(t, lam, batch))(tree)
-        return torch.cat([grads[k].reshape(-1) for k in keys])
+    Attributes:
+        outer_value: :math:`f(w, \lambda)` (detached scalar).
+        inner_value: :math:`g(w, \lambda)` (detached scalar).
+        grad_w_f: :math:`\nabla_w f`, shaped like ``w``.
+        grad_lam_f: :math:`\nabla_\lambda f`, shaped like ``lam``.
+        residual: :math:`\nabla_w g` (zero at an exact inner solution), shaped like ``w``.
+        hvp_flat: ``v -> H v`` on the flat vector (the leaves of ``w`` concatenated in key order),
+            :math:`H = \nabla^2_{ww} g` at the stage's point.
+        mixed: ``u -> (\partial_\lambda \nabla_w g)^\top u`` for a flat ``u``, shaped like ``lam``.
+        cg_step: one conjugate-gradient iteration on ``(H + damping I) x = b`` fused with its
+            product, ``(x, r, p, rs, damping) -> (x', r', p', rs', curvature)`` (``rs = r^T r``
+            and ``damping`` 0-dim tensors); see :class:`~hypergrad.linear.LinearSystem`.
+        compile_s: seconds spent compiling during this call (0 when the cache was used).
+    """
 
-    zero = torch.zeros_like(rs)
-    for _ in range(chunk):
-        _, Ap = torch.func.jvp(grad_flat, (w,), (p,))
-        Ap = Ap + damping * p
-        curvature = torch.dot(p, Ap)
-        active = (rs > threshold2) & ok & (iterations < maxiter)
-        good = curvature > 0
-        ok = ok & (good | ~active)
-        step = active & good
-        alpha = torch.where(step, rs / curvature, zero)
-        x = x + alpha * p
-        r = r - alpha * Ap
-        rs_new = torch.dot(r, r)
-        p = torch.where(step, r + (rs_new / rs) * p, p)
-        rs = torch.where(step, rs_new, rs)
-        iterations = iterations + step.to(iterations.dtype)
-    return x, r, p, rs, iterations, ok
+    outer_value: Tensor
+    inner_value: Tensor
+    grad_w_f: Tree
+    grad_lam_f: Tree
+    residual: Tree
+    hvp_flat: Callable[[Tensor], Tensor]
+    mixed: Callable[[Tensor], Tree]
+    cg_step: Callable[..., tuple[Tensor, ...]]
+    compile_s: float
 
 
-def _compiled_chunk(chunk: int) -> Callable[..., Any]:
-    fn = _COMPILED.get(chunk)
-    if fn is None:
-        fn = torch.compile(_cg_chunk, fullgraph=True, dynamic=False)
-        _COMPILED[chunk] = fn
-    return fn
+# --------------------------------------------------------------------------- the traced stage
 
 
-def compiled_cg(
-    problem: BilevelProblem,
-    w: Tree,
-    lam: Tree,
-    batch: Any,
-    system: LinearSystem,
-    solver: CG,
-    x0: Tree | None = None,
-    chunk: int = DEFAULT_CHUNK,
-) -> tuple[LinearSolveResult, bool]:
-    r"""Solve ``system`` (the Hessian system of ``problem`` at ``(w, lam)``) with compiled CG.
+def _unflat(v: Tensor, like: Tree) -> Tree:
+    out, offset = {}, 0
+    for k, x in like.items():
+        out[k] = v[offset : offset + x.numel()].view(x.shape)
+        offset += x.numel()
+    return out
+
+
+def _flat(t: Tree, like: Tree) -> Tensor:
+    return torch.cat([t[k].reshape(-1) for k in like])
+
+
+def _stage(problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any, outer_batch: Any,
+           v: Tensor, u: Tensor) -> tuple[Any, ...]:
+    (grad_w_f, grad_lam_f), f_value = torch.func.grad_and_value(
+        lambda w_, l_: problem.outer_loss(w_, l_, outer_batch), argnums=(0, 1))(w, lam)
+
+    def grad_w_g(w_: Tree, l_: Tree) -> tuple[Tree, Tensor]:
+        return torch.func.grad_and_value(lambda t: problem.inner_loss(t, l_, inner_batch))(w_)
+
+    residual, hvp, g_value = torch.func.vjp(lambda w_: grad_w_g(w_, lam), w, has_aux=True)
+    _, mixed, _ = torch.func.vjp(lambda l_: grad_w_g(w, l_), lam, has_aux=True)
+    (hv,) = hvp(_unflat(v, w))
+    (mu,) = mixed(_unflat(u, w))
+    return f_value, g_value, grad_w_f, grad_lam_f, residual, _flat(hv, w), _flat(mu, lam)
+
+
+# ------------------------------------------------------------------------ splitting the graph
+
+
+def _dependence(graph: torch.fx.Graph, v_node: torch.fx.Node, u_node: torch.fx.Node) -> dict[torch.fx.Node, int]:
+    kind: dict[torch.fx.Node, int] = {}
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        if node is v_node:
+            kind[node] = TANGENT_V
+        elif node is u_node:
+            kind[node] = TANGENT_U
+        else:
+            kinds = {kind[a] for a in node.all_input_nodes} - {PRIMAL}
+            if len(kinds) > 1:
+                raise RuntimeError(f"node {node.name} depends on both product vectors")
+            kind[node] = kinds.pop() if kinds else PRIMAL
+    return kind
+
+
+def _tangent_module(gm: torch.fx.GraphModule, kind: dict[torch.fx.Node, int], which: int,
+                    vector: torch.fx.Node, outputs: list[torch.fx.Node]) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
+    """The nodes of one product as their own graph: inputs the vector, then the primal residuals."""
+    nodes = [n for n in gm.graph.nodes if n.op != "output" and kind[n] == which and n is not vector]
+    residuals: list[torch.fx.Node] = []
+    for node in nodes:
+        for a in node.all_input_nodes:
+            if kind[a] == PRIMAL and a not in residuals:
+                residuals.append(a)
+    graph = torch.fx.Graph()
+    env = {vector: graph.placeholder("vector")}
+    for i, a in enumerate(residuals):
+        env[a] = graph.placeholder(f"residual_{i}")
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(tuple(env[o] for o in outputs if kind[o] == which))
+    module = torch.fx.GraphModule(gm, graph)
+    module.graph.eliminate_dead_code()
+    module.recompile()
+    return module, residuals
+
+
+def _cg_step_module(hvp_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """One CG iteration around the product: ``(x, r, p, rs, damping, *residuals)``, the arithmetic
+    of :func:`hypergrad.linear.cg.conjugate_gradient` (its caller checks the curvature)."""
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x, r, p, rs, damping = (graph.placeholder(n) for n in ("x", "r", "p", "rs", "damping"))
+    env: dict[torch.fx.Node, Any] = {}
+    for node in hvp_module.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = p if node.target == "vector" else graph.placeholder(node.target)
+        elif node.op == "output":
+            (product,) = node.args[0]
+            hp = env[product]
+        else:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+
+    def op(fn: Any, *args: Any) -> torch.fx.Node:
+        return graph.call_function(fn, args)
+
+    ap = op(aten.add.Tensor, hp, op(aten.mul.Tensor, p, damping))
+    curvature = op(aten.dot.default, p, ap)
+    alpha = op(aten.div.Tensor, rs, curvature)
+    x_new = op(aten.add.Tensor, x, op(aten.mul.Tensor, p, alpha))
+    r_new = op(aten.sub.Tensor, r, op(aten.mul.Tensor, ap, alpha))
+    rs_new = op(aten.dot.default, r_new, r_new)
+    p_new = op(aten.add.Tensor, r_new, op(aten.mul.Tensor, p, op(aten.div.Tensor, rs_new, rs)))
+    graph.output((x_new, r_new, p_new, rs_new, curvature))
+    module = torch.fx.GraphModule(hvp_module, graph)
+    module.recompile()
+    return module
+
+
+def _primal_module(gm: torch.fx.GraphModule, kind: dict[torch.fx.Node, int], outputs: list[torch.fx.Node],
+                   residuals: list[torch.fx.Node]) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op != "output" and kind[node] == PRIMAL:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(tuple(env[o] for o in outputs if kind[o] == PRIMAL) + tuple(env[r] for r in residuals))
+    module = torch.fx.GraphModule(gm, graph)
+    module.graph.eliminate_dead_code()
+    module.recompile()
+    return module
+
+
+class _Handoff(threading.local):
+    """What the compiled stage leaves for its caller (set by the runner on every call)."""
+
+    parts: tuple[Any, ...] | None = None
+    vectors: tuple[Tensor, Tensor] | None = None  # v, u of the call being traced
+    compiled: bool = False  # the backend ran during this call
+
+
+_HANDOFF = _Handoff()
+
+
+def _backend(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable[..., Any]:
+    """Dynamo backend: lower to ATen (aot_autograd), split by dependence, compile each part."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor import compile as inductor_compile
+
+    _HANDOFF.compiled = True
+    assert _HANDOFF.vectors is not None
+    v, u = _HANDOFF.vectors
+    v_index = next(i for i, t in enumerate(example_inputs) if t is v)
+    u_index = next(i for i, t in enumerate(example_inputs) if t is u)
+    n_inputs = len(example_inputs)
+
+    def forward_compiler(aten: torch.fx.GraphModule, inputs: list[Tensor]) -> Callable[..., Any]:
+        placeholders = [n for n in aten.graph.nodes if n.op == "placeholder"]
+        offset = len(placeholders) - n_inputs  # aot_autograd puts lifted parameters first
+        vi, ui = offset + v_index, offset + u_index
+        v_node, u_node = placeholders[vi], placeholders[ui]
+        if tuple(inputs[vi].shape) != tuple(v.shape) or tuple(inputs[ui].shape) != tuple(u.shape):
+            raise RuntimeError("could not identify the product vectors among the traced inputs")
+        outputs = list(next(n for n in aten.graph.nodes if n.op == "output").args[0])
+        kind = _dependence(aten.graph, v_node, u_node)
+        hvp_module, hvp_residuals = _tangent_module(aten, kind, TANGENT_V, v_node, outputs)
+        mixed_module, mixed_residuals = _tangent_module(aten, kind, TANGENT_U, u_node, outputs)
+        primal_module = _primal_module(aten, kind, outputs, hvp_residuals + mixed_residuals)
+        primal_inputs = [x for i, x in enumerate(inputs) if i not in (vi, ui)]
+        n_primal_out = sum(1 for o in outputs if kind[o] == PRIMAL)
+        n_hvp_res = len(hvp_residuals)
+        primal = inductor_compile(primal_module, primal_inputs)
+        fake = primal_module(*primal_inputs)  # fake tensors: the residuals' shapes and strides
+        hvp_fake = fake[n_primal_out:n_primal_out + n_hvp_res]
+        hvp = inductor_compile(hvp_module, [inputs[vi], *hvp_fake])
+        mixed = inductor_compile(mixed_module, [inputs[ui], *fake[n_primal_out + n_hvp_res:]])
+        vec, scalar = inputs[vi], inputs[vi].new_zeros(())
+        step = inductor_compile(_cg_step_module(hvp_module), [vec, vec, vec, scalar, scalar, *hvp_fake])
+        empties = [(tuple(o.meta["val"].shape), o.meta["val"].dtype) if kind[o] != PRIMAL else None for o in outputs]
+
+        def run(args: list[Tensor]) -> list[Tensor]:
+            device = args[vi].device
+            values = primal(*[x for i, x in enumerate(args) if i not in (vi, ui)])
+            args.clear()
+            residuals = values[n_primal_out:]
+            _HANDOFF.parts = (hvp, step, residuals[:n_hvp_res], mixed, residuals[n_hvp_res:])
+            it = iter(values[:n_primal_out])
+            # the products' own outputs are not computed here: the caller runs them directly
+            return [next(it) if e is None else torch.empty(e[0], dtype=e[1], device=device) for e in empties]
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    return aot_autograd(fw_compiler=forward_compiler)(gm, example_inputs)
+
+
+# ------------------------------------------------------------------------------- the cache
+
+# per problem: its own copy of the stage's code object (dynamo's cache and recompile limit are
+# per code object, so problems do not evict each other), or the reason compilation failed
+_STAGES: weakref.WeakKeyDictionary[BilevelProblem, Callable[..., Any] | str] = weakref.WeakKeyDictionary()
+
+
+def _stage_for(problem: BilevelProblem) -> Callable[..., Any] | str:
+    entry = _STAGES.get(problem)
+    if entry is None:
+        ok, detail = compiler_available()
+        if not ok:
+            entry = detail
+        else:
+            fn = types.FunctionType(_stage.__code__.replace(), _stage.__globals__, "_stage")
+            entry = torch.compile(fn, backend=_backend, fullgraph=True, dynamic=False)
+        _STAGES[problem] = entry
+    return entry
+
+
+def _fail(problem: BilevelProblem, reason: str) -> None:
+    _STAGES[problem] = reason
+    logger.warning("hypergrad: compiling the implicit products failed (%s); using the eager products "
+                   "for this problem", reason)
+
+
+def compiled_stage(problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any = None,
+                   outer_batch: Any = None) -> CompiledStage | None:
+    r"""Run the compiled stage of ``problem`` at ``(w, lam)``; None where compilation is unavailable.
 
     Args:
-        problem: the bilevel problem; its inner loss is traced by :func:`torch.compile`.
-        w, lam: the linearisation point (dicts of tensors).
-        batch: the inner batch (tensors in it are graph inputs; other values are guarded on).
-        system: the same system for the eager fallback (its ``rhs`` is ``b``).
-        solver: the :class:`~hypergrad.linear.CG` whose ``tol``, ``maxiter`` and ``damping``
-            are used.
-        x0: optional warm start.
-        chunk: CG iterations per compiled graph.
+        problem: the bilevel problem; its losses are traced once by :func:`torch.compile`.
+        w, lam: the point (dicts of floating tensors; gradients are not tracked through them).
+        inner_batch, outer_batch: the batches passed to the losses (their tensors are graph inputs;
+            other values are guarded on).
 
     Returns:
-        The solve and whether the compiled path ran (False: the eager fallback did).
+        A :class:`CompiledStage`, or None when tracing or compiling failed now or before for this
+        problem (logged once on the ``hypergrad`` logger): use the eager products then.
 
     Example:
         >>> import torch, hypergrad as hg
-        >>> from hypergrad.compiled import compiled_cg
-        >>> g = lambda w, lam, b: 0.5 * (lam["c"] * w["x"] ** 2).sum()
-        >>> w, lam = {"x": torch.ones(3, dtype=torch.float64)}, {"c": torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)}
-        >>> system = hg.linear.LinearSystem(matvec=lambda v: {"x": lam["c"] * v["x"]}, rhs={"x": torch.ones(3, dtype=torch.float64)})
-        >>> result, _ = compiled_cg(hg.BilevelProblem(g, g), w, lam, None, system, hg.linear.CG(tol=1e-12))
-        >>> [round(v, 6) for v in result.solution["x"].tolist()]
-        [1.0, 0.5, 0.25]
+        >>> from hypergrad.compiled import compiled_stage
+        >>> g = lambda w, lam, b: 0.5 * (torch.exp(lam["c"]) * w["x"] ** 2).sum()
+        >>> f = lambda w, lam, b: w["x"].sum()
+        >>> w = {"x": torch.ones(3, dtype=torch.float64)}
+        >>> lam = {"c": torch.zeros(3, dtype=torch.float64)}
+        >>> stage = compiled_stage(hg.BilevelProblem(g, f), w, lam)
+        >>> stage is None or stage.hvp_flat(torch.ones(3, dtype=torch.float64)).tolist() == [1.0, 1.0, 1.0]
+        True
     """
-    key = id(problem.inner)
-    if key in _FAILED:
-        return solver(system, x0), False
-    b = tree_flatten_view(system.rhs)
-    b_norm = float(torch.linalg.vector_norm(b))
-    if b_norm == 0.0:
-        return LinearSolveResult(tree_zeros_like(system.rhs), 0, 0.0, True, 0, []), True
-    keys = tuple(w)
-    shapes = tuple(tuple(w[k].shape) for k in keys)
-    w_flat = torch.cat([w[k].detach().reshape(-1) for k in keys])
-    lam_d = {k: v.detach() for k, v in lam.items()}
-    n = b.numel()
-    maxiter = solver.maxiter if solver.maxiter is not None else min(n, 1000) + 10
-    matvecs = 0
-    if x0 is None:
-        x = torch.zeros_like(b)
-        r = b.clone()
-    else:
-        x = tree_flatten(x0).to(b.dtype)
-        mv = system.flat_matvec
-        Ax = mv(x) if mv is not None else tree_flatten(system.matvec(tree_unflatten(x, system.rhs)))
-        if solver.damping:
-            Ax = Ax + solver.damping * x
-        r = b - Ax
-        matvecs += 1
-    p = r.clone()
-    rs = torch.dot(r, r)
-    thr = torch.tensor((solver.tol * b_norm) ** 2, dtype=b.dtype, device=b.device)
-    it = torch.zeros((), dtype=torch.int64, device=b.device)
-    ok = torch.ones((), dtype=torch.bool, device=b.device)
-    max_t = torch.tensor(maxiter, dtype=torch.int64, device=b.device)
-    damping = torch.tensor(float(solver.damping), dtype=b.dtype, device=b.device)
-    fn = _compiled_chunk(chunk)
-    while float(rs) > float(thr) and bool(ok) and int(it) < maxiter:
-        try:
-            x, r, p, rs, it, ok = fn(problem, batch, lam_d, w_flat, x, r, p, rs, thr, it, ok,
-                                     max_t, damping, shapes, keys, chunk)
-        except Exception as exc:  # compilation or tracing failed: eager from here on
-            _FAILED[key] = problem.inner
-            logger.warning(
-                "hypergrad: torch.compile of the CG solve failed (%s: %s); falling back to the "
-                "eager solver for this inner loss", type(exc).__name__, str(exc).split("\n")[0][:200],
-            )
-            return solver(system, x0), False
-        matvecs += chunk
-    iterations = int(it)
-    rs_f = float(rs)
-    residual = rs_f**0.5 if rs_f >= 0 else float("nan")
-    converged = rs_f <= float(thr)
-    warnings: list[str] = []
-    if not bool(ok):
-        warnings.append(
-            f"CG: non-positive curvature at iteration {iterations}; the matrix is not positive "
-            "definite (add damping or use Dense)"
-        )
-    elif not converged:
-        warnings.append(
-            f"CG: not converged after {iterations} iterations (relative residual "
-            f"{residual / b_norm:.3e} > tol {solver.tol:.1e}); raise maxiter or add damping"
-        )
-    result = LinearSolveResult(tree_unflatten(x, system.rhs), iterations, residual, converged,
-                               matvecs, warnings)
-    return result, True
+    fn = _stage_for(problem)
+    if isinstance(fn, str):
+        return None
+    w_ = {k: x.detach() for k, x in w.items()}
+    lam_ = {k: x.detach() for k, x in lam.items()}
+    ref = next(iter(w_.values()))
+    n_w = sum(x.numel() for x in w_.values())
+    v = torch.zeros(n_w, dtype=ref.dtype, device=ref.device)
+    u = torch.zeros(n_w, dtype=ref.dtype, device=ref.device)
+    _HANDOFF.parts, _HANDOFF.vectors, _HANDOFF.compiled = None, (v, u), False
+    start = time.perf_counter()
+    try:
+        f_value, g_value, grad_w_f, grad_lam_f, residual, _, _ = fn(problem, w_, lam_, inner_batch, outer_batch, v, u)
+    except Exception as exc:
+        _fail(problem, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        return None
+    finally:
+        _HANDOFF.vectors = None
+    compile_s = time.perf_counter() - start if _HANDOFF.compiled else 0.0
+    parts, _HANDOFF.parts = _HANDOFF.parts, None
+    if parts is None:  # dynamo ran the stage eagerly (e.g. past its recompile limit)
+        _fail(problem, "torch.compile ran the stage without the compiled graph (recompile limit?)")
+        return None
+    hvp, step, hvp_residuals, mixed, mixed_residuals = parts
+    shape, dtype = v.shape, v.dtype
+
+    def hvp_flat(p: Tensor) -> Tensor:
+        if p.shape != shape or p.dtype != dtype:
+            raise ValueError(f"the compiled Hessian-vector product takes a flat {dtype} vector of shape "
+                             f"{tuple(shape)}, got {p.dtype} {tuple(p.shape)}")
+        return hvp(p.contiguous(), *hvp_residuals)[0]
+
+    def cg_step(x: Tensor, r: Tensor, p: Tensor, rs: Tensor, damping: Tensor) -> tuple[Tensor, ...]:
+        if p.shape != shape or p.dtype != dtype:
+            raise ValueError(f"the compiled CG step takes flat {dtype} vectors of shape {tuple(shape)}, "
+                             f"got {p.dtype} {tuple(p.shape)}")
+        return tuple(step(x, r, p, rs, damping, *hvp_residuals))
+
+    def mixed_product(q: Tensor) -> Tree:
+        if q.shape != shape or q.dtype != dtype:
+            raise ValueError(f"the compiled mixed product takes a flat {dtype} vector of shape "
+                             f"{tuple(shape)}, got {q.dtype} {tuple(q.shape)}")
+        return _unflat(mixed(q.contiguous(), *mixed_residuals)[0], lam_)
+
+    return CompiledStage(f_value.detach(), g_value.detach(), grad_w_f, grad_lam_f, residual,
+                         hvp_flat, mixed_product, cg_step, compile_s)

@@ -7,14 +7,33 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from hypergrad.autodiff import RootSystem, loss_and_grads, outer_fn
+from hypergrad.compiled import compiled_stage
 from hypergrad.errors import ConvergenceWarning
 from hypergrad.linear import CG
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
-from hypergrad.tree import Tree, check_finite, tree_detach, tree_norm, tree_sub
+from hypergrad.tree import (
+    Tree,
+    check_finite,
+    tree_detach,
+    tree_flatten_view,
+    tree_norm,
+    tree_sub,
+    tree_unflatten,
+)
 
 __all__ = ["Implicit"]
+
+def _check_value(value: Tensor, message: str) -> None:
+    if not bool(torch.isfinite(value)):
+        from hypergrad.errors import NonFiniteError
+
+        raise NonFiniteError(message.format(float(value)))
+
 
 LinearSolver = Callable[[LinearSystem, Tree | None], LinearSolveResult]
 
@@ -47,13 +66,15 @@ class Implicit:
         products: ``"reverse"`` (retained graph, fastest measured) or ``"forward"``
             (``torch.func`` jvp over grad, recomputed each product).
         warm_start: reuse the previous solve's ``u`` (passed through ``state``) as ``x0``.
-        compile: solve with the CG iterations and their Hessian-vector products compiled by
-            :func:`torch.compile` (:mod:`hypergrad.compiled`); needs ``solver`` to be a
-            :class:`~hypergrad.linear.CG` and the gradient form (``fixed_point=None``). Compiled
-            once per problem shape (seconds to a minute), then reused; falls back to the eager
-            solver, with a log line, where compilation fails. ``info.extra["compiled"]`` says
-            which path ran. Off by default: it wins only where per-product overhead dominates
-            (small problems, long outer loops), see :doc:`/methods/implicit`.
+        compile: take the gradients and products from a stage traced once by
+            :func:`torch.compile` and compiled by inductor (:mod:`hypergrad.compiled`): per
+            hypergradient one guarded call runs the forward and first backward passes, and every
+            solver iteration calls the compiled Hessian-vector product directly, without the
+            autograd engine. Any solver of :mod:`hypergrad.linear` works; the gradient form only
+            (``fixed_point=None``, ``products="reverse"``). Compiles once per problem, shape and
+            dtype (about 1-4 s on a CPU), then reuses it; falls back to the eager products, with
+            a log line, where compilation fails. ``info.extra["compiled"]`` says which path ran
+            and ``info.extra["compile_s"]`` how long this call spent compiling.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -74,13 +95,10 @@ class Implicit:
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
-        if self.compile and (
-            not isinstance(self.solver, CG) or self.fixed_point is not None
-            or self.solver.preconditioner is not None
-        ):
+        if self.compile and (self.fixed_point is not None or self.products != "reverse"):
             raise ValueError(
-                "compile=True needs solver=hypergrad.linear.CG(...) without a preconditioner and the gradient form "
-                f"(fixed_point=None), got solver={self.solver!r}, fixed_point={self.fixed_point!r}"
+                "compile=True needs the gradient form (fixed_point=None) and products='reverse', got "
+                f"fixed_point={self.fixed_point!r}, products={self.products!r}"
             )
         if not callable(self.solver):
             raise TypeError(f"solver must be a linear solver from hypergrad.linear, got {self.solver!r}")
@@ -98,30 +116,42 @@ class Implicit:
     ) -> HypergradResult:
         """Return the implicit hypergradient at ``(w, lam)``; ``w`` is returned unchanged."""
         w, lam = problem.validate(w, lam)
-        _, grad_w_f, grad_lam_f = loss_and_grads(outer_fn(problem, outer_batch), w, lam, what="outer loss")
-        assert grad_w_f is not None and grad_lam_f is not None
-        root = RootSystem(problem, w, lam, inner_batch, self.fixed_point, self.products)
-        system = LinearSystem(
-            matvec=root.rmatvec,
-            rhs=grad_w_f,
-            rmatvec=root.matvec,
-            symmetric=root.symmetric,
-            dense=root.dense_rmatrix,
-            flat_matvec=root.rmatvec_flat,
-        )
         x0 = state.get("u") if (self.warm_start and state) else None
-        compiled = False
-        if self.compile:
-            from hypergrad.compiled import compiled_cg
+        stage = compiled_stage(problem, w, lam, inner_batch, outer_batch) if self.compile else None
+        if stage is not None:
+            _check_value(stage.outer_value, "outer loss is {} (non-finite)")
+            _check_value(stage.inner_value, "inner loss is {} (non-finite) at the linearisation point")
+            check_finite(stage.residual, "optimality residual F(w, lam)")
+            grad_lam_f, residual_tree = stage.grad_lam_f, stage.residual
 
-            assert isinstance(self.solver, CG)
-            solve, compiled = compiled_cg(problem, w, lam, inner_batch, system, self.solver, x0)
+            def mixed_product(u: Tree) -> Tree:
+                return stage.mixed(tree_flatten_view(u))
+
+            system = LinearSystem(
+                matvec=lambda v: tree_unflatten(stage.hvp_flat(tree_flatten_view(v)), w),
+                rhs=stage.grad_w_f, flat_matvec=stage.hvp_flat, flat_cg_step=stage.cg_step,
+            )
         else:
-            solve = self.solver(system, x0)
+            _, grad_w_f, grad_lam_f = loss_and_grads(outer_fn(problem, outer_batch), w, lam, what="outer loss")
+            assert grad_w_f is not None and grad_lam_f is not None
+            root = RootSystem(problem, w, lam, inner_batch, self.fixed_point, self.products)
+            residual_tree = root.residual
+
+            mixed_product = root.rmatvec_lam
+
+            system = LinearSystem(
+                matvec=root.rmatvec,
+                rhs=grad_w_f,
+                rmatvec=root.matvec,
+                symmetric=root.symmetric,
+                dense=root.dense_rmatrix,
+                flat_matvec=root.rmatvec_flat,
+            )
+        solve = self.solver(system, x0)
         for message in solve.warnings:
             _warnings.warn(message, ConvergenceWarning, stacklevel=2)
         check_finite(solve.solution, "implicit linear solve")
-        mixed = root.rmatvec_lam(solve.solution)
+        mixed = mixed_product(solve.solution)
         grad = tree_sub(grad_lam_f, mixed)
         check_finite(grad, "Implicit hypergradient")
         info = HypergradInfo(
@@ -130,8 +160,8 @@ class Implicit:
             converged=solve.converged,
             warnings=list(solve.warnings),
             grad_evals=3 + solve.matvecs,
-            extra={"inner_residual": float(tree_norm(root.residual)), "matvecs": solve.matvecs,
-                   "compiled": compiled},
+            extra={"inner_residual": float(tree_norm(residual_tree)), "matvecs": solve.matvecs,
+                   "compiled": stage is not None, "compile_s": stage.compile_s if stage is not None else 0.0},
         )
         new_state = {"u": tree_detach(solve.solution)} if self.warm_start else None
         return HypergradResult(tree_detach(grad), tree_detach(w), info, new_state)

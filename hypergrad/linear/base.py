@@ -28,6 +28,13 @@ class LinearSystem:
             key order of ``rhs``); when given, the iterative solvers use it instead of ``matvec``
             and skip the per-iteration pytree bookkeeping. It must equal ``matvec`` and must not
             modify its argument in place.
+        flat_cg_step: optional fused conjugate-gradient iteration on ``(A + damping I) x = b``
+            over flat vectors, ``(x, r, p, rs, damping) -> (x', r', p', rs', curvature)`` with
+            ``rs = r^T r`` and ``damping`` 0-dim tensors, ``curvature = p^T (A + damping I) p``,
+            ``alpha = rs / curvature``, ``x' = x + alpha p``, ``r' = r - alpha (A + damping I) p``,
+            ``rs' = r'^T r'``, ``p' = r' + (rs' / rs) p``. Plain :class:`~hypergrad.linear.CG`
+            uses it instead of ``flat_matvec`` and its own vector updates (one call per
+            iteration; :mod:`hypergrad.compiled` provides one).
 
     Example:
         >>> import torch
@@ -46,6 +53,7 @@ class LinearSystem:
     symmetric: bool = True
     dense: Callable[[], Tensor] | None = None
     flat_matvec: Callable[[Tensor], Tensor] | None = None
+    flat_cg_step: Callable[..., tuple[Tensor, ...]] | None = None
 
 
 @dataclass

@@ -19,7 +19,7 @@ from hypergrad.tree import (
     tree_zeros_like,
 )
 
-__all__ = ["CG", "hutchinson_diagonal", "preconditioned_cg"]
+__all__ = ["CG", "fused_conjugate_gradient", "hutchinson_diagonal", "preconditioned_cg"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ class CG:
                 "fixed-point form"
             )
         if self.preconditioner is None:
+            if system.flat_cg_step is not None:
+                return fused_conjugate_gradient(system, x0, self.tol, self.maxiter, self.damping)
             return conjugate_gradient(
                 system.matvec, system.rhs, x0, self.tol, self.maxiter, self.damping, "CG",
                 flat_matvec=system.flat_matvec,
@@ -208,6 +210,67 @@ def _cg_loop(name: str, op: Callable[[Tensor], Tensor], b: Tensor, x0: Tree | No
         p = torch.add(z, p, alpha=rz_new / rz)  # out of place: matvec may have kept a view of p
         rz = rz_new
     return _finish(name, x, like, iterations, rs, b_norm, tol, converged, matvecs, warnings)
+
+
+def fused_conjugate_gradient(system: LinearSystem, x0: Tree | None, tol: float, maxiter: int | None,
+                             damping: float) -> LinearSolveResult:
+    """Plain CG driven by ``system.flat_cg_step`` (one fused call per iteration).
+
+    The same iteration, stopping test and warnings as :func:`conjugate_gradient`; the scalars are
+    read back once per iteration for the stopping test.
+
+    Example:
+        >>> import torch
+        >>> from hypergrad.linear import LinearSystem
+        >>> A = torch.tensor([[3.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
+        >>> def step(x, r, p, rs, damping):
+        ...     ap = A @ p + damping * p
+        ...     curvature = p @ ap
+        ...     x, r = x + rs / curvature * p, r - rs / curvature * ap
+        ...     return x, r, r + (r @ r) / rs * p, r @ r, curvature
+        >>> system = LinearSystem(matvec=lambda v: {"x": A @ v["x"]}, rhs={"x": torch.ones(2, dtype=torch.float64)},
+        ...                       flat_cg_step=step)
+        >>> [round(v, 6) for v in fused_conjugate_gradient(system, None, 1e-12, None, 0.0).solution["x"].tolist()]
+        [0.2, 0.4]
+    """
+    assert system.flat_cg_step is not None
+    step = system.flat_cg_step
+    mv = flat_operator(system.matvec, system.rhs, system.flat_matvec)
+    b = tree_flatten_view(system.rhs)
+    maxiter = maxiter if maxiter is not None else min(b.numel(), 1000) + 10
+    b_norm = float(torch.linalg.vector_norm(b))
+    warnings: list[str] = []
+    if b_norm == 0.0:
+        return LinearSolveResult(tree_zeros_like(system.rhs), 0, 0.0, True, 0, warnings)
+
+    def op(v: Tensor) -> Tensor:
+        out = mv(v)
+        return out.add(v, alpha=damping) if damping else out
+
+    x, r, matvecs = _start(op, b, x0)
+    threshold2 = (tol * b_norm) ** 2
+    rs_t = torch.dot(r, r)
+    rs = float(rs_t)
+    p = r.clone()
+    damping_t = torch.tensor(float(damping), dtype=b.dtype, device=b.device)
+    iterations = 0
+    converged = rs <= threshold2
+    while not converged and iterations < maxiter:
+        x_new, r_new, p_new, rs_new, curvature_t = step(x, r, p, rs_t, damping_t)
+        matvecs += 1
+        curvature = float(curvature_t)
+        if not curvature > 0.0:
+            warnings.append(
+                f"CG: non-positive curvature p^T A p = {curvature:.3e} at iteration {iterations}; "
+                "the matrix is not positive definite (add damping or use Dense)"
+            )
+            break
+        x, r, p, rs_t = x_new, r_new, p_new, rs_new
+        rs = float(rs_t)
+        iterations += 1
+        if rs <= threshold2:
+            converged = True
+    return _finish("CG", x, system.rhs, iterations, rs, b_norm, tol, converged, matvecs, warnings)
 
 
 def _start(op: Callable[[Tensor], Tensor], b: Tensor, x0: Tree | None) -> tuple[Tensor, Tensor, int]:
