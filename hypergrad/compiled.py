@@ -41,7 +41,7 @@ import shutil
 import threading
 import time
 import types
-import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -290,14 +290,19 @@ def _backend(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable
 
 # ------------------------------------------------------------------------------- the cache
 
-# per problem: its own copy of the stage's code object (dynamo's cache and recompile limit are
-# per code object, so problems do not evict each other), or the reason compilation failed
-_STAGES: weakref.WeakKeyDictionary[BilevelProblem, Callable[..., Any] | str] = weakref.WeakKeyDictionary()
+# per problem (BilevelProblem compares by its two losses, so a new instance over the same losses
+# finds the entry): its own copy of the stage's code object (dynamo's cache and recompile limit
+# are per code object, so problems do not evict each other), or the reason compilation failed.
+# Least recently used first; the oldest entries are dropped beyond MAX_PROBLEMS.
+_STAGES: OrderedDict[BilevelProblem, Callable[..., Any] | str] = OrderedDict()
+MAX_PROBLEMS = 16
 
 
 def _stage_for(problem: BilevelProblem) -> Callable[..., Any] | str:
     entry = _STAGES.get(problem)
-    if entry is None:
+    if entry is not None:
+        _STAGES.move_to_end(problem)
+    else:
         ok, detail = compiler_available()
         if not ok:
             entry = detail
@@ -305,6 +310,8 @@ def _stage_for(problem: BilevelProblem) -> Callable[..., Any] | str:
             fn = types.FunctionType(_stage.__code__.replace(), _stage.__globals__, "_stage")
             entry = torch.compile(fn, backend=_backend, fullgraph=True, dynamic=False)
         _STAGES[problem] = entry
+        while len(_STAGES) > MAX_PROBLEMS:
+            _STAGES.popitem(last=False)
     return entry
 
 

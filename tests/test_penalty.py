@@ -161,7 +161,7 @@ def test_cost_is_two_T_plus_two_gradients(T, monkeypatch):
 
     monkeypatch.setattr(torch.autograd, "grad", grad)
     lam = {"lam": torch.ones(2, dtype=DT)}
-    r = hg.Penalty(0.1, hg.inner.SGD(lr=0.1), inner_steps=T).hypergrad(
+    r = hg.Penalty(0.1, hg.inner.SGD(lr=0.1), inner_steps=T, evaluate="advanced").hypergrad(
         problem, {"w": torch.zeros(5, dtype=DT)}, lam
     )
     # T+1 backward passes of g at w and T+1 of g + sigma f at w_sigma, each one autograd.grad
@@ -212,6 +212,10 @@ def test_invalid_arguments_raise_naming_the_argument(kwargs, error, name):
         hg.Penalty(**args)
 
 
+def test_default_is_evaluate_current():
+    assert hg.Penalty(0.1, hg.inner.SGD(lr=0.1)).evaluate == "current"
+
+
 def test_evaluate_current_is_the_advanced_estimate_one_step_earlier_at_2T_cost():
     """evaluate="current" with T steps gives the estimate "advanced" gives with T - 1 steps, and
     the iterates "advanced" reaches with T steps, for 2 T gradient evaluations."""
@@ -221,8 +225,8 @@ def test_evaluate_current_is_the_advanced_estimate_one_step_earlier_at_2T_cost()
     w0 = {"w": torch.zeros(6, dtype=DT)}
     for T in (2, 4):
         cur = hg.Penalty(0.05, hg.inner.SGD(lr=0.05), inner_steps=T, evaluate="current")
-        adv_before = hg.Penalty(0.05, hg.inner.SGD(lr=0.05), inner_steps=T - 1)
-        adv_after = hg.Penalty(0.05, hg.inner.SGD(lr=0.05), inner_steps=T)
+        adv_before = hg.Penalty(0.05, hg.inner.SGD(lr=0.05), inner_steps=T - 1, evaluate="advanced")
+        adv_after = hg.Penalty(0.05, hg.inner.SGD(lr=0.05), inner_steps=T, evaluate="advanced")
         rc = cur.hypergrad(problem, w0, lam)
         rb = adv_before.hypergrad(problem, w0, lam)
         ra = adv_after.hypergrad(problem, w0, lam)
