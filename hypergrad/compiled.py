@@ -23,10 +23,13 @@ It is selected by ``Implicit(compile=True)`` and works with any solver of
 :mod:`hypergrad.linear` for the gradient form (the system is symmetric). The arithmetic is the
 eager products' up to floating-point reassociation (the tests check 1e-10 in float64).
 
-**Cost.** Compilation takes about 1-4 s per problem on a CPU (inductor generates C++; a C++
-compiler must be on ``PATH``) and happens once per problem, shape and dtype; later calls with new
-values of ``w``, ``lam`` and the batches reuse it. Measured gains are in
-``benchmarks/results/hypergrad.md``.
+**Cost.** Compilation happens once per problem, shape and dtype; later calls with new values of
+``w``, ``lam`` and the batches reuse it. Measured on a 2-core CPU (inductor generates C++; a C++
+compiler must be on ``PATH``): the first compilation in a process takes 15-45 s with an empty
+inductor cache (it builds its C++ runtime as well as the kernels), 5-8 s with inductor's on-disk
+cache warm, and 1-6 s for further problems in the same process. Once compiled a hypergradient
+takes 0.5-1.0x the eager time (``benchmarks/results/hypergrad.md``), so compiling pays back after
+hundreds to thousands of calls: in long outer loops, not in a few calls.
 
 **Fallback.** If tracing or compilation fails (no C++ compiler, Python control flow that depends
 on tensor values, an operator dynamo cannot trace, the recompile limit), one warning is logged on

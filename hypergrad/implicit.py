@@ -72,7 +72,7 @@ class Implicit:
             solver iteration calls the compiled Hessian-vector product directly, without the
             autograd engine. Any solver of :mod:`hypergrad.linear` works; the gradient form only
             (``fixed_point=None``, ``products="reverse"``). Compiles once per problem, shape and
-            dtype (about 1-4 s on a CPU), then reuses it; falls back to the eager products, with
+            dtype (5-45 s for the first problem of a process on a CPU, 1-6 s for later ones), then reuses it; falls back to the eager products, with
             a log line, where compilation fails. ``info.extra["compiled"]`` says which path ran
             and ``info.extra["compile_s"]`` how long this call spent compiling.
 
