@@ -269,10 +269,15 @@ def _backend(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable
         primal = inductor_compile(primal_module, primal_inputs)
         fake = primal_module(*primal_inputs)  # fake tensors: the residuals' shapes and strides
         hvp_fake = fake[n_primal_out:n_primal_out + n_hvp_res]
-        hvp = inductor_compile(hvp_module, [inputs[vi], *hvp_fake])
-        mixed = inductor_compile(mixed_module, [inputs[ui], *fake[n_primal_out + n_hvp_res:]])
+        # The products run once per solver iteration, so their per-call checks of every input's
+        # size and stride are dropped: the residuals come from the primal part above (fixed
+        # layout) and the wrappers in compiled_stage check and make contiguous the vectors.
+        fast = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+        hvp = inductor_compile(hvp_module, [inputs[vi], *hvp_fake], options=fast)
+        mixed = inductor_compile(mixed_module, [inputs[ui], *fake[n_primal_out + n_hvp_res:]], options=fast)
         vec, scalar = inputs[vi], inputs[vi].new_zeros(())
-        step = inductor_compile(_cg_step_module(hvp_module), [vec, vec, vec, scalar, scalar, *hvp_fake])
+        step = inductor_compile(_cg_step_module(hvp_module), [vec, vec, vec, scalar, scalar, *hvp_fake],
+                                options=fast)
         empties = [(tuple(o.meta["val"].shape), o.meta["val"].dtype) if kind[o] != PRIMAL else None for o in outputs]
 
         def run(args: list[Tensor]) -> list[Tensor]:
@@ -382,10 +387,13 @@ def compiled_stage(problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any
         return hvp(p.contiguous(), *hvp_residuals)[0]
 
     def cg_step(x: Tensor, r: Tensor, p: Tensor, rs: Tensor, damping: Tensor) -> tuple[Tensor, ...]:
-        if p.shape != shape or p.dtype != dtype:
-            raise ValueError(f"the compiled CG step takes flat {dtype} vectors of shape {tuple(shape)}, "
-                             f"got {p.dtype} {tuple(p.shape)}")
-        return tuple(step(x, r, p, rs, damping, *hvp_residuals))
+        for t in (x, r, p):
+            if t.shape != shape or t.dtype != dtype:
+                raise ValueError(f"the compiled CG step takes flat {dtype} vectors of shape {tuple(shape)}, "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+        if rs.shape or damping.shape or rs.dtype != dtype or damping.dtype != dtype:
+            raise ValueError(f"the compiled CG step takes rs and damping as 0-dim {dtype} tensors")
+        return tuple(step(x.contiguous(), r.contiguous(), p.contiguous(), rs, damping, *hvp_residuals))
 
     def mixed_product(q: Tensor) -> Tree:
         if q.shape != shape or q.dtype != dtype:
