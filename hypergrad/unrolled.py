@@ -177,20 +177,33 @@ class Unrolled:
         checkpoint: reverse mode only: rebuild each step's graph in the backward sweep instead of
             storing all of them (see Modes).
         recompute: reverse mode with stored graphs only: do not store the outputs of cheap
-            pointwise backward ops whose inputs the graph keeps anyway (the first backward's
-            ``tanh_backward`` and ``sigmoid_backward``, and transposes of them). Each is kept as a reference to the op that produced it and recomputed when
-            the backward sweep needs it. Exact: the same op runs on the same saved inputs, and a
-            tensor is replaced only after its recomputation compared equal. Costs one pointwise op
-            per replaced tensor. Short matrix products are recomputed as well (at most 16
-            multiply-adds per entry, e.g. the backward into the last hidden layer, summed over the
-            classes). Measured at K = 100 on a tanh MLP (8,970 parameters, batch 256): peak
-            memory 0.89x -> 0.63x higher's, time 0.93x -> 1.04x higher's (the Python hooks on
-            the saved tensors: 11-16 % slower on small MLPs, 1 % on a 1M-parameter one;
-            ``benchmarks/results/hypergrad.md``). ``recompute=False`` keeps every saved tensor. When the first step has
-            nothing to recompute (e.g. linear models), the hooks are off for the other steps;
-            under the caller's own saved-tensor hooks (``torch.autograd.graph.save_on_cpu``)
-            they are not installed. ``info.extra["recomputed"]`` counts the saves replaced (a
-            tensor saved by two ops counts twice).
+            backward ops whose inputs the graph keeps anyway (the first backward's
+            ``tanh_backward`` and ``sigmoid_backward``, transposes of them, and matrix products
+            summed over at most 16 terms, e.g. the gradient into the last hidden layer, summed
+            over the classes). Each is kept as a reference to the op that produced it and
+            recomputed when the backward sweep needs it. Exact: the same op runs on the same
+            saved inputs, and a kind of tensor is replaced only after its recomputation compared
+            bitwise equal. The first step finds the replaceable tensors under saved-tensor hooks
+            and records where they sit in its graph (a plan); the later steps, which repeat the
+            same ops, run without hooks and replace just the planned tensors
+            (``info.extra["recompute_planned_steps"]`` counts them; a step whose graph does not
+            match the plan switches the remaining steps back to the hooks). Measured at K = 100
+            on a tanh MLP (8,970 parameters, batch 256, float32): peak memory 0.90x -> 0.77x
+            higher's, time 0.92x -> 0.95x higher's (``benchmarks/results/hypergrad_problems_4_5.md``).
+            ``recompute=False`` keeps every saved tensor. When the first step has nothing to
+            recompute (e.g. linear models), nothing is done for the other steps; under the
+            caller's own saved-tensor hooks (``torch.autograd.graph.save_on_cpu``) nothing is
+            done at all. ``info.extra["recomputed"]`` counts the saves replaced (a tensor saved
+            by two ops counts twice).
+        recompute_min_bytes: with ``recompute``, replace a tensor in the planned steps only if it
+            frees at least this many bytes per save it takes to replace (its storage's size over
+            the number of saves holding it; a storage some save of which cannot be replaced frees
+            nothing and is kept). Each replaced save costs about 15-30 us of Python per step
+            whatever its size, so small tensors saved twice are not worth it where a step takes
+            about a millisecond: the default 48 KiB keeps, on the 64-wide MLP above, the matrix
+            product (64 KiB, one save) and not the tanh backward output (64 KiB held by two
+            saves, it and its transpose; with it: 0.64x higher's memory at 0.98x its time).
+            0 replaces every replaceable tensor.
 
     Inner batches: ``inner_batch`` is one batch reused for all ``K`` steps, or a
     :class:`StepBatches` holding one batch per step. In forward mode without vmap the inner loss
@@ -221,6 +234,7 @@ class Unrolled:
     vectorize: bool = True
     checkpoint: bool = False
     recompute: bool = True
+    recompute_min_bytes: int = 48 * 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, InnerOptimizer):
@@ -255,6 +269,12 @@ class Unrolled:
             raise TypeError(f"checkpoint must be a bool, got {type(self.checkpoint).__name__}")
         if not isinstance(self.recompute, bool):
             raise TypeError(f"recompute must be a bool, got {type(self.recompute).__name__}")
+        if not _is_int(self.recompute_min_bytes):
+            raise TypeError(
+                f"recompute_min_bytes must be an int, got {type(self.recompute_min_bytes).__name__}"
+            )
+        if self.recompute_min_bytes < 0:
+            raise ValueError(f"recompute_min_bytes must be >= 0, got {self.recompute_min_bytes}")
         if self.checkpoint and self.mode != "reverse":
             raise ValueError("checkpoint is only supported with mode='reverse', got mode='forward'")
 
@@ -331,7 +351,7 @@ class Unrolled:
             w, s = _plain_step(problem, opt, w, lam, batches[i], s, i)
         lam_ = tree_requires_grad(lam)
         w = tree_requires_grad(w)  # a constant start; requires grad only so that grad_w g exists
-        saver = _RecomputeSaved() if self.recompute else None
+        saver = _RecomputeSaved(self.recompute_min_bytes) if self.recompute else None
         for i in range(K - k, K):
             value = problem.inner_loss(w, lam_, batches[i])
             # the recomputable tensors are those the first backward saves (the forward's are kept)
@@ -586,12 +606,13 @@ class _Recipe:
     ``kind`` and ``view_cls`` describe the replaced tensor for the plan of :class:`_RecomputeSaved`.
     """
 
-    __slots__ = ("fn", "kind", "memo", "node", "view", "view_cls")
+    __slots__ = ("fn", "kind", "memo", "node", "storage", "view", "view_cls")
 
     def __init__(self, node: Any, fn: Callable[[Any], Tensor], view: Callable[[Tensor], Tensor] | None,
                  memo: list[Any], kind: tuple[Any, ...] = (), view_cls: type | None = None) -> None:
         self.node, self.fn, self.view, self.memo = node, fn, view, memo
         self.kind, self.view_cls = kind, view_cls
+        self.storage: tuple[int, int] | None = None  # (data_ptr, nbytes) in the discovery step
 
     def pack(self, _: Tensor) -> _Recipe:
         """The pack hook for ``SavedTensor.register_hooks``: the tensor is dropped, the recipe kept."""
@@ -627,24 +648,16 @@ _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}  # autograd node class -> its "_r
 _MAX_SEARCH = 4096
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """Where one replaced saved tensor sits in the graph of a step's first backward.
-
-    Follow ``hops`` from the ``grad_fn`` of the ``root``-th gradient (at each hop the node must be
-    of the recorded class; then take that ``next_functions`` index), arrive at a node of class
-    ``holder``, whose saved tensor ``attr`` must be of ``kind`` (produced by a node of class
-    ``producer``, through a view node of class ``view_cls`` if not None).
-    """
-
-    root: int
-    hops: tuple[tuple[type, int], ...]
-    holder: type
-    attr: str
-    kind: tuple[Any, ...]
-    producer: type
-    view_cls: type | None
-    fn: Callable[[Any], Tensor]
+# One replaced saved tensor of a step's first backward, as :meth:`_RecomputeSaved._search` found
+# it: follow ``hops`` from the ``grad_fn`` of the ``root``-th gradient (at each hop the node must
+# be of the recorded class; then take that ``next_functions`` index) to a node of class
+# ``holder``, whose saved tensor ``attr`` must be produced by a node of class ``producer`` (through
+# a view node of class ``view_cls`` if not None, re-applied by ``view_of(view_node)``), with the
+# recorded shape, strides, dtype and device; ``fn(producer)`` recomputes it. A plain tuple: the
+# later steps unpack it once per entry.
+_Entry = tuple[int, tuple[tuple[type, int], ...], type, str, "type | None",
+               "Callable[[Any], Callable[[Tensor], Tensor]] | None", type, Callable[[Any], Tensor],
+               torch.Size, tuple[int, ...], torch.dtype, torch.device]
 
 
 class _RecomputeSaved:
@@ -663,20 +676,27 @@ class _RecomputeSaved:
     its node (a plan). The later steps repeat the same ops: they run without hooks, follow the
     plan (checking every node's class and the tensor's kind on the way) and replace just those
     tensors with ``SavedTensor.register_hooks``, so only the replaced tensors ever reach Python.
-    A plan that does not match a later step (other shapes, other ops) is dropped and the hooks
-    are used for the remaining steps. Where hooks cannot be installed (inside transforms that
-    disable them) or the caller has installed its own (``torch.autograd.graph.save_on_cpu``, ...),
-    it does nothing.
+    The plan keeps only the tensors that free at least ``min_bytes`` per save (:meth:`_select`);
+    an empty plan turns the replacement off for the later steps. A plan that does not match a
+    later step (other shapes, other ops) is dropped and the hooks are used for the remaining
+    steps (replacing the candidates whose storage has at least ``min_bytes``). Where hooks cannot
+    be installed (inside transforms that disable them) or the caller has installed its own
+    (``torch.autograd.graph.save_on_cpu``, ...), it does nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, min_bytes: int = 0) -> None:
         self.replaced = 0
         self.planned_steps = 0  # steps replaced by following the plan (no saved-tensor hooks)
+        self.min_bytes = min_bytes
         self._verified: dict[tuple[Any, ...], bool] = {}
         self._memo: list[Any] = [None, None, None, None]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._state = "discover"  # -> "plan" | "hooks" | "off"
         self._plan: tuple[_Entry, ...] = ()
+        # discovery step only: saves per storage (data_ptr), and the replaced tensors kept alive
+        # until the plan is made, so that no later tensor of that step reuses their addresses
+        self._saves: dict[int, int] | None = {}
+        self._held: list[Tensor] = []
 
     def grad(self, value: Tensor, inputs: Tree) -> Tree:
         """``_grad_or_zeros(value, inputs, create_graph=True)``, with recipes for cheap saves."""
@@ -701,15 +721,30 @@ class _RecomputeSaved:
             self._hooks.__exit__(None, None, None)
         if self._state == "discover":
             new = self.replaced - before
-            if new == 0:
+            found = self._search(grads) if new else None
+            if not new:
                 self._state = "off"  # nothing recomputable in this step: the later steps repeat its ops
+            elif found is not None and len(found) == new:
+                self._plan = self._select(found)
+                self._state = "plan" if self._plan else "off"
             else:
-                plan = self._search(grads)
-                if plan is not None and len(plan) == new:
-                    self._plan, self._state = plan, "plan"
-                else:
-                    self._state = "hooks"
+                self._state = "hooks"
+            self._saves, self._held = None, []
         return grads_to_tree(grads, inputs)
+
+    def _select(self, found: list[tuple[_Entry, tuple[int, int]]]) -> tuple[_Entry, ...]:
+        """The entries worth replacing in the later steps.
+
+        A tensor frees memory only if every save of its storage is replaced, and each replaced
+        save costs the same Python work per step whatever its size: keep the entries of the
+        storages all of whose saves were replaced and that free at least ``min_bytes`` per save.
+        """
+        saves = self._saves or {}
+        replaced: dict[int, int] = {}
+        for _, (ptr, _) in found:
+            replaced[ptr] = replaced.get(ptr, 0) + 1
+        return tuple(entry for entry, (ptr, nbytes) in found
+                     if replaced[ptr] == saves.get(ptr, 0) and nbytes >= self.min_bytes * replaced[ptr])
 
     def _enter(self) -> bool:
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -722,6 +757,13 @@ class _RecomputeSaved:
         return True
 
     def _pack(self, t: Tensor) -> Tensor | _Recipe:
+        saves = self._saves
+        if saves is not None:  # the discovery step: count the saves of each storage
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except Exception:  # no storage (sparse, nested, ...): never grouped with a candidate
+                ptr = -1
+            saves[ptr] = saves.get(ptr, 0) + 1
         node = t.grad_fn
         if node is None:
             return t
@@ -758,17 +800,26 @@ class _RecomputeSaved:
             return t
         if not ok:
             return t
+        try:
+            storage = t.untyped_storage()
+        except Exception:  # no storage (sparse, nested, ...)
+            return t
+        if saves is not None:  # the discovery step replaces every candidate (see _select)
+            recipe.storage = (storage.data_ptr(), storage.nbytes())
+            self._held.append(t)
+        elif storage.nbytes() < self.min_bytes:  # the hooks fallback: saves per storage unknown
+            return t
         self.replaced += 1
         return recipe
 
-    def _search(self, grads: tuple[Tensor | None, ...]) -> tuple[_Entry, ...] | None:
+    def _search(self, grads: tuple[Tensor | None, ...]) -> list[tuple[_Entry, tuple[int, int]]] | None:
         """Breadth-first from the gradients' ``grad_fn``: the path to every node holding a recipe."""
         queue: deque[tuple[Any, int, tuple[tuple[type, int], ...]]] = deque()
         for r, g_ in enumerate(grads):
             if g_ is not None and g_.grad_fn is not None:
                 queue.append((g_.grad_fn, r, ()))
         seen: dict[int, Any] = {}  # id -> node (kept alive so that ids stay unique)
-        plan: list[_Entry] = []
+        plan: list[tuple[_Entry, tuple[int, int]]] = []
         try:
             while queue:
                 node, root, hops = queue.popleft()
@@ -785,13 +836,17 @@ class _RecomputeSaved:
                     raw = getattr(node, attr)
                     if isinstance(raw, _SavedTensor) and isinstance(raw.data, _Recipe):
                         rec = raw.data
-                        plan.append(_Entry(root, hops, cls, attr, rec.kind, type(rec.node), rec.view_cls, rec.fn))
+                        view_name, _, shape, stride, dtype, device = rec.kind
+                        view_of = _VIEWS[view_name] if rec.view_cls is not None else None
+                        entry = (root, hops, cls, attr, rec.view_cls, view_of, type(rec.node), rec.fn,
+                                 torch.Size(shape), stride, dtype, device)
+                        plan.append((entry, rec.storage or (-1, 0)))
                 for idx, (nxt, _) in enumerate(node.next_functions):
                     if nxt is not None:
                         queue.append((nxt, root, (*hops, (cls, idx))))
         except Exception:  # an attribute this torch version lacks, ...
             return None
-        return tuple(plan)
+        return plan
 
     def _follow_plan(self, grads: tuple[Tensor | None, ...]) -> int:
         """Replace the planned saved tensors of this step, in order, up to the first that differs.
@@ -801,31 +856,33 @@ class _RecomputeSaved:
         memo = self._memo
         done = 0
         try:
-            for e in self._plan:
-                g_ = grads[e.root]
+            for (root, hops, holder, attr, view_cls, view_of, producer_cls, fn, shape, stride, dtype,
+                 device) in self._plan:
+                g_ = grads[root]
                 node = g_.grad_fn if g_ is not None else None
-                for cls, idx in e.hops:
+                for cls, idx in hops:
                     if type(node) is not cls:
                         return done
                     node = node.next_functions[idx][0]
-                if type(node) is not e.holder:
+                if type(node) is not holder:
                     return done
-                raw = getattr(node, e.attr)
+                raw = getattr(node, attr)
                 t = raw.unpack()
+                if t.shape != shape or t.stride() != stride or t.dtype is not dtype or t.device != device:
+                    return done
                 producer = t.grad_fn
                 view = None
-                if e.view_cls is not None:
-                    if type(producer) is not e.view_cls:
+                if view_cls is not None:
+                    if type(producer) is not view_cls:
                         return done
-                    view = _VIEWS[e.kind[0]](producer)
+                    view = view_of(producer)  # type: ignore[misc]
                     producer = producer.next_functions[0][0]
-                kind = e.kind
-                if (type(producer) is not e.producer or t.shape != kind[2] or t.stride() != kind[3]
-                        or t.dtype != kind[4] or t.device != kind[5]
-                        or (e.fn is _small_mm and not _is_small_mm(producer))):
+                if type(producer) is not producer_cls or (fn is _small_mm and not _is_small_mm(producer)):
                     return done
+                # t still alive: the pack hook gets its Python object instead of a new one
+                recipe = _Recipe(producer, fn, view, memo)
+                raw.register_hooks(recipe.pack, _Recipe.__call__)
                 del t
-                raw.register_hooks(_Recipe(producer, e.fn, view, memo).pack, _unpack)
                 done += 1
         except Exception:  # a freed buffer, hooks disabled here, ...
             return done
