@@ -1876,7 +1876,8 @@ def notes(result: dict[str, Any]) -> list[str]:
                     and r.peak_mb <= 0.8 * hig.peak_mb and r.time_s <= hig.time_s]
             out += [line + (". No reverse-mode variant meets both halves of the target (memory <= 0.8x, "
                             "time <= 1.0x) at once." if not both else
-                            f". {', '.join(r.name for r in both)} meets both halves of the target."), ""]
+                            f". {' and '.join(r.name for r in both)} {'meets' if len(both) == 1 else 'meet'} "
+                            "both halves of the target."), ""]
     # 2b. Implicit CG against jaxopt under jit, and the compiled path
     parts = []
     for p in dict.fromkeys(r.problem for r in rows):
