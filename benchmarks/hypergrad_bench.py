@@ -1799,6 +1799,12 @@ CORE_CHANGES = [
     "that step the iterates, 2T evaluations (`evaluate=\"advanced\"`, 2T + 2, is Algorithm 1 as "
     "written); `Penalty` and `BOME` now report `converged` from the inner "
     "residuals / the value-function gap against a `tol`; `BOME(w_lr=None)` with a `w_optimizer`.",
+    "- `Unrolled(recompute=True)`: the first step finds the replaceable saved tensors under "
+    "saved-tensor hooks and records where they sit in its graph; the later steps run without hooks "
+    "and replace just those (`SavedTensor.register_hooks`), so only they reach Python; "
+    "`recompute_min_bytes` (default 48 KiB) skips tensors that free less per save; the per-step "
+    "gradient calls the autograd engine directly (rows `recompute_min_bytes=0` above: every "
+    "replaceable tensor).",
     "",
 ]
 

@@ -188,8 +188,9 @@ class Unrolled:
             same ops, run without hooks and replace just the planned tensors
             (``info.extra["recompute_planned_steps"]`` counts them; a step whose graph does not
             match the plan switches the remaining steps back to the hooks). Measured at K = 100
-            on a tanh MLP (8,970 parameters, batch 256, float32): peak memory 0.90x -> 0.77x
-            higher's, time 0.92x -> 0.95x higher's (``benchmarks/results/hypergrad_problems_4_5.md``).
+            on a tanh MLP (8,970 parameters, batch 256, float32): peak memory 0.89x -> 0.76x
+            higher's, time 0.89x -> 0.92x higher's (0.97x in another run;
+            ``benchmarks/results/hypergrad_problems_4_5.md``).
             ``recompute=False`` keeps every saved tensor. When the first step has nothing to
             recompute (e.g. linear models), nothing is done for the other steps; under the
             caller's own saved-tensor hooks (``torch.autograd.graph.save_on_cpu``) nothing is
