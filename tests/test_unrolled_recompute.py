@@ -72,6 +72,38 @@ def test_recompute_min_bytes_counts_the_bytes_freed_per_save(min_bytes, per_step
     assert on.info.extra["recompute_planned_steps"] == (K - 1 if per_step else 0), on.info.extra
 
 
+def test_a_tensor_with_a_save_that_cannot_be_replaced_is_kept() -> None:
+    """The second pre-activation also feeds a batched product, whose backward saves a view of the
+    tanh backward output (unsqueezed, not a plain transpose) that cannot be replaced: that storage
+    would stay alive anyway, so the plan keeps its two replaceable saves too; only the matrix
+    product into the second hidden layer (one save) is replaced in the later steps."""
+    torch.manual_seed(0)
+    X, y = torch.randn(40, 5, dtype=DT), torch.randint(0, 3, (40,))
+    w0 = {"W1": torch.randn(16, 5, dtype=DT) * 0.5, "W2": torch.randn(16, 16, dtype=DT) * 0.3,
+          "U2": torch.randn(16, 16, dtype=DT) * 0.3, "W3": torch.randn(3, 16, dtype=DT) * 0.3}
+
+    def net(w):
+        h1 = torch.tanh(X @ w["W1"].T)
+        z2 = h1 @ w["W2"].T + torch.matmul(h1.unsqueeze(0), w["U2"].T).squeeze(0)
+        return torch.tanh(z2) @ w["W3"].T
+
+    ce = torch.nn.functional.cross_entropy
+
+    def inner(w, lam, b):
+        return ce(net(w), y) + torch.exp(lam["l"]) * sum((p * p).sum() for p in w.values())
+
+    problem = hg.BilevelProblem(inner, lambda w, lam, b: ce(net(w), y))
+    lam = {"l": torch.tensor(-3.0, dtype=DT)}
+    K = 5
+    on = hg.Unrolled(hg.inner.SGD(lr=0.3), steps=K, recompute_min_bytes=0).hypergrad(problem, w0, lam)
+    off = hg.Unrolled(hg.inner.SGD(lr=0.3), steps=K, recompute=False).hypergrad(problem, w0, lam)
+    assert torch.equal(on.grad["l"], off.grad["l"])
+    assert float(off.grad["l"].abs()) > 1e-8
+    # the first step replaces all three candidates (it finds them), the later ones only the product
+    assert on.info.extra["recomputed"] == 3 + 1 * (K - 1), on.info.extra
+    assert on.info.extra["recompute_planned_steps"] == K - 1, on.info.extra
+
+
 def _batched_mlp_problem():
     """The tanh MLP with the inner batch ``(X, y)`` taken from ``inner_batch``."""
     torch.manual_seed(0)
