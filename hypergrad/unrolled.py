@@ -834,9 +834,13 @@ class _RecomputeSaved:
                 if attrs is None:
                     attrs = _SAVED_ATTRS[cls] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
                 for attr in attrs:
-                    raw = getattr(node, attr)
-                    if isinstance(raw, _SavedTensor) and isinstance(raw.data, _Recipe):
-                        rec = raw.data
+                    try:
+                        raw = getattr(node, attr)
+                        packed = raw.data if isinstance(raw, _SavedTensor) else None
+                    except Exception:  # e.g. a buffer freed by an earlier backward: not ours
+                        continue
+                    if isinstance(packed, _Recipe):
+                        rec = packed
                         view_name, _, shape, stride, dtype, device = rec.kind
                         view_of = _VIEWS[view_name] if rec.view_cls is not None else None
                         entry = (root, hops, cls, attr, rec.view_cls, view_of, type(rec.node), rec.fn,
