@@ -2,7 +2,7 @@ r"""Hypergradients by differentiating through K steps of an inner optimizer (unr
 
 from __future__ import annotations
 
-import contextlib
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -73,13 +73,33 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# The C++ autograd engine entry that torch.autograd.grad ends in. The unrolled loop takes one
+# gradient with a graph per step; calling the engine directly skips torch.autograd.grad's argument
+# normalisation (measured about 30 us of a 1.4 ms step on a 64-64-64-10 MLP, 2 % of the call).
+_ENGINE = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+
+
+def _step_grads(value: Tensor, leaves: list[Tensor]) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad(value, leaves, create_graph=True, allow_unused=True)``.
+
+    The same engine call without the wrapper for a plain real scalar on the CPU (the engine runs
+    the backward on the calling thread there) and no ``__torch_function__`` override or mode;
+    anything else goes through the wrapper.
+    """
+    if (_ENGINE is not None and type(value) is Tensor and value.dim() == 0 and value.is_floating_point()
+            and value.device.type == "cpu" and all(type(x) is Tensor for x in leaves)
+            and not torch.overrides.has_torch_function((value, *leaves))):
+        return _ENGINE.run_backward((value,), (torch.ones_like(value),), True, True, tuple(leaves), True, False)
+    return torch.autograd.grad(value, leaves, create_graph=True, allow_unused=True)
+
+
 def _grad_or_zeros(value: Tensor, inputs: Tree, create_graph: bool) -> Tree:
     """``d value / d inputs`` as a tree, zeros where ``value`` does not depend on an input."""
     if not value.requires_grad:
         return {k: torch.zeros_like(v) for k, v in inputs.items()}
-    grads = torch.autograd.grad(
-        value, list(inputs.values()), create_graph=create_graph, allow_unused=True
-    )
+    if create_graph:
+        return grads_to_tree(_step_grads(value, list(inputs.values())), inputs)
+    grads = torch.autograd.grad(value, list(inputs.values()), allow_unused=True)
     return grads_to_tree(grads, inputs)
 
 
@@ -157,20 +177,34 @@ class Unrolled:
         checkpoint: reverse mode only: rebuild each step's graph in the backward sweep instead of
             storing all of them (see Modes).
         recompute: reverse mode with stored graphs only: do not store the outputs of cheap
-            pointwise backward ops whose inputs the graph keeps anyway (the first backward's
-            ``tanh_backward`` and ``sigmoid_backward``, and transposes of them). Each is kept as a reference to the op that produced it and recomputed when
-            the backward sweep needs it. Exact: the same op runs on the same saved inputs, and a
-            tensor is replaced only after its recomputation compared equal. Costs one pointwise op
-            per replaced tensor. Short matrix products are recomputed as well (at most 16
-            multiply-adds per entry, e.g. the backward into the last hidden layer, summed over the
-            classes). Measured at K = 100 on a tanh MLP (8,970 parameters, batch 256): peak
-            memory 0.89x -> 0.63x higher's, time 0.93x -> 1.04x higher's (the Python hooks on
-            the saved tensors: 11-16 % slower on small MLPs, 1 % on a 1M-parameter one;
-            ``benchmarks/results/hypergrad.md``). ``recompute=False`` keeps every saved tensor. When the first step has
-            nothing to recompute (e.g. linear models), the hooks are off for the other steps;
-            under the caller's own saved-tensor hooks (``torch.autograd.graph.save_on_cpu``)
-            they are not installed. ``info.extra["recomputed"]`` counts the saves replaced (a
-            tensor saved by two ops counts twice).
+            backward ops whose inputs the graph keeps anyway (the first backward's
+            ``tanh_backward`` and ``sigmoid_backward``, transposes of them, and matrix products
+            summed over at most 16 terms, e.g. the gradient into the last hidden layer, summed
+            over the classes). Each is kept as a reference to the op that produced it and
+            recomputed when the backward sweep needs it. Exact: the same op runs on the same
+            saved inputs, and a kind of tensor is replaced only after its recomputation compared
+            bitwise equal. The first step finds the replaceable tensors under saved-tensor hooks
+            and records where they sit in its graph (a plan); the later steps, which repeat the
+            same ops, run without hooks and replace just the planned tensors
+            (``info.extra["recompute_planned_steps"]`` counts them; a step whose graph does not
+            match the plan switches the remaining steps back to the hooks). Measured at K = 100
+            on a tanh MLP (8,970 parameters, batch 256, float32): peak memory 0.89x -> 0.76x
+            higher's, time 0.89x -> 0.92x higher's (0.97x in another run;
+            ``benchmarks/results/hypergrad_problems_4_5.md``).
+            ``recompute=False`` keeps every saved tensor. When the first step has nothing to
+            recompute (e.g. linear models), nothing is done for the other steps; under the
+            caller's own saved-tensor hooks (``torch.autograd.graph.save_on_cpu``) nothing is
+            done at all. ``info.extra["recomputed"]`` counts the saves replaced (a tensor saved
+            by two ops counts twice).
+        recompute_min_bytes: with ``recompute``, replace a tensor in the planned steps only if it
+            frees at least this many bytes per save it takes to replace (its storage's size over
+            the number of saves holding it; a storage some save of which cannot be replaced frees
+            nothing and is kept). Each replaced save costs about 15-30 us of Python per step
+            whatever its size, so small tensors saved twice are not worth it where a step takes
+            about a millisecond: the default 48 KiB keeps, on the 64-wide MLP above, the matrix
+            product (64 KiB, one save) and not the tanh backward output (64 KiB held by two
+            saves, it and its transpose; with it: 0.64x higher's memory at 0.98x its time).
+            0 replaces every replaceable tensor.
 
     Inner batches: ``inner_batch`` is one batch reused for all ``K`` steps, or a
     :class:`StepBatches` holding one batch per step. In forward mode without vmap the inner loss
@@ -201,6 +235,7 @@ class Unrolled:
     vectorize: bool = True
     checkpoint: bool = False
     recompute: bool = True
+    recompute_min_bytes: int = 48 * 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.optimizer, InnerOptimizer):
@@ -235,6 +270,12 @@ class Unrolled:
             raise TypeError(f"checkpoint must be a bool, got {type(self.checkpoint).__name__}")
         if not isinstance(self.recompute, bool):
             raise TypeError(f"recompute must be a bool, got {type(self.recompute).__name__}")
+        if not _is_int(self.recompute_min_bytes):
+            raise TypeError(
+                f"recompute_min_bytes must be an int, got {type(self.recompute_min_bytes).__name__}"
+            )
+        if self.recompute_min_bytes < 0:
+            raise ValueError(f"recompute_min_bytes must be >= 0, got {self.recompute_min_bytes}")
         if self.checkpoint and self.mode != "reverse":
             raise ValueError("checkpoint is only supported with mode='reverse', got mode='forward'")
 
@@ -311,20 +352,21 @@ class Unrolled:
             w, s = _plain_step(problem, opt, w, lam, batches[i], s, i)
         lam_ = tree_requires_grad(lam)
         w = tree_requires_grad(w)  # a constant start; requires grad only so that grad_w g exists
-        saver = _RecomputeSaved() if self.recompute else None
+        saver = _RecomputeSaved(self.recompute_min_bytes) if self.recompute else None
         for i in range(K - k, K):
             value = problem.inner_loss(w, lam_, batches[i])
             # the recomputable tensors are those the first backward saves (the forward's are kept)
-            with saver if saver is not None else contextlib.nullcontext():
+            if saver is not None:
+                grad_w = saver.grad(value, w)
+            else:
                 grad_w = _grad_or_zeros(value, w, create_graph=True)
-            if saver is not None and saver.replaced == 0:
-                saver = None  # nothing recomputable in this step: the later steps repeat its ops
             w, s = opt.update(w, grad_w, s)
         f_value = problem.outer_loss(w, lam_, outer_batch)
         grad = _grad_or_zeros(f_value, lam_, create_graph=False)
         extra: dict[str, Any] = {"differentiated_steps": k}
-        if self.recompute:
-            extra["recomputed"] = saver.replaced if saver is not None else 0
+        if saver is not None:
+            extra["recomputed"] = saver.replaced
+            extra["recompute_planned_steps"] = saver.planned_steps
         return grad, w, s, extra, K + k + 1
 
     def _reverse_checkpointed(
@@ -558,69 +600,171 @@ _RELEVANT: dict[type, bool] = {}  # autograd node class -> named in _VIEWS or _R
 class _Recipe:
     """A saved tensor replaced by the node that produced it (and a view to re-apply).
 
-    ``memo`` (shared by the recipes of one loop) keeps the last recomputed node output: a tensor
-    and its transpose, or a tensor saved by two ops, are unpacked one after the other in the
-    backward sweep, and the second use then costs nothing. It holds at most one tensor.
+    ``memo`` (shared by the recipes of one loop) keeps the last two recomputed node outputs: a
+    tensor and its transpose, or a tensor saved by two ops, are unpacked close together in the
+    backward sweep, and the second use then costs nothing; two slots because recomputing one
+    tensor may unpack (and recompute) another in between. It holds at most two tensors.
+    ``kind`` and ``view_cls`` describe the replaced tensor for the plan of :class:`_RecomputeSaved`.
     """
 
-    __slots__ = ("fn", "memo", "node", "view")
+    __slots__ = ("fn", "kind", "memo", "node", "storage", "view", "view_cls")
 
     def __init__(self, node: Any, fn: Callable[[Any], Tensor], view: Callable[[Tensor], Tensor] | None,
-                 memo: list[Any]) -> None:
+                 memo: list[Any], kind: tuple[Any, ...] = (), view_cls: type | None = None) -> None:
         self.node, self.fn, self.view, self.memo = node, fn, view, memo
+        self.kind, self.view_cls = kind, view_cls
+        self.storage: tuple[int, int] | None = None  # (data_ptr, nbytes) in the discovery step
+
+    def pack(self, _: Tensor) -> _Recipe:
+        """The pack hook for ``SavedTensor.register_hooks``: the tensor is dropped, the recipe kept."""
+        return self
 
     def __call__(self) -> Tensor:
-        memo = self.memo
-        if memo[0] is self.node:
+        memo, node = self.memo, self.node
+        if memo[0] is node:
             out = memo[1]
+        elif memo[2] is node:
+            out = memo[3]
         else:
-            enabled = torch.is_grad_enabled()
-            torch._C._set_grad_enabled(False)  # the context manager costs more than a pointwise op here
-            try:
-                out = self.fn(self.node)
-            finally:
-                torch._C._set_grad_enabled(enabled)
-            memo[0], memo[1] = self.node, out
+            if torch.is_grad_enabled():  # the backward sweep runs without grad mode: no switch there
+                torch._C._set_grad_enabled(False)  # the context manager costs more than a pointwise op
+                try:
+                    out = self.fn(node)
+                finally:
+                    torch._C._set_grad_enabled(True)
+            else:
+                out = self.fn(node)
+            memo[2], memo[3], memo[0], memo[1] = memo[0], memo[1], node, out
         return self.view(out) if self.view is not None else out
 
 
-class _RecomputeSaved:
-    """``saved_tensors_hooks`` that store a recipe instead of a recomputable saved tensor.
+def _unpack(packed: Tensor | _Recipe) -> Tensor:
+    return packed() if isinstance(packed, _Recipe) else packed
 
-    Used around the first backward of each step of the stored-graph reverse unrolling (see
-    ``Unrolled(recompute=...)``). A kind of tensor (producing op, view, shape, strides, dtype,
-    device) is replaced only after the first tensor of that kind recomputed bitwise equal to
-    itself; a kind that did not is kept from then on, as is anything unexpected. The later
-    steps repeat the same ops, so the check runs once per kind, not once per step. Where hooks
-    cannot be installed (inside transforms that disable them) or the caller has installed its
-    own (``torch.autograd.graph.save_on_cpu``, ...), it does nothing.
+
+_SavedTensor = getattr(torch._C._autograd, "SavedTensor", None)
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}  # autograd node class -> its "_raw_saved_*" names
+# The first backward of one step creates a few dozen nodes; a search that visits more than this
+# has wandered into a graph the loss closed over, and the plan is not used.
+_MAX_SEARCH = 4096
+
+
+# One replaced saved tensor of a step's first backward, as :meth:`_RecomputeSaved._search` found
+# it: follow ``hops`` from the ``grad_fn`` of the ``root``-th gradient (at each hop the node must
+# be of the recorded class; then take that ``next_functions`` index) to a node of class
+# ``holder``, whose saved tensor ``attr`` must be produced by a node of class ``producer`` (through
+# a view node of class ``view_cls`` if not None, re-applied by ``view_of(view_node)``), with the
+# recorded shape, strides, dtype and device; ``fn(producer)`` recomputes it. A plain tuple: the
+# later steps unpack it once per entry.
+_Entry = tuple[int, tuple[tuple[type, int], ...], type, str, "type | None",
+               "Callable[[Any], Callable[[Tensor], Tensor]] | None", type, Callable[[Any], Tensor],
+               torch.Size, tuple[int, ...], torch.dtype, torch.device]
+
+
+class _RecomputeSaved:
+    """Replace recomputable saved tensors of each step's first backward by recipes.
+
+    Used for the first backward of each step of the stored-graph reverse unrolling (see
+    ``Unrolled(recompute=...)``); :meth:`grad` replaces ``torch.autograd.grad``. A kind of tensor
+    (producing op, view, shape, strides, dtype, device) is replaced only after the first tensor of
+    that kind recomputed bitwise equal to itself; a kind that did not is kept from then on, as is
+    anything unexpected.
+
+    The first step runs under ``saved_tensors_hooks`` (a Python call for every tensor the backward
+    saves: about 29 per step of a 3-layer MLP, measured 7 % of the whole unrolled call even for a
+    hook that does nothing). It then searches that step's graph for the nodes holding the
+    replaced tensors and records, per replaced tensor, the path from a gradient's ``grad_fn`` to
+    its node (a plan). The later steps repeat the same ops: they run without hooks, follow the
+    plan (checking every node's class and the tensor's kind on the way) and replace just those
+    tensors with ``SavedTensor.register_hooks``, so only the replaced tensors ever reach Python.
+    The plan keeps only the tensors that free at least ``min_bytes`` per save (:meth:`_select`);
+    an empty plan turns the replacement off for the later steps. A plan that does not match a
+    later step (other shapes, other ops) is dropped and the hooks are used for the remaining
+    steps (replacing the candidates whose storage has at least ``min_bytes``). Where hooks cannot
+    be installed (inside transforms that disable them) or the caller has installed its own
+    (``torch.autograd.graph.save_on_cpu``, ...), it does nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, min_bytes: int = 0) -> None:
         self.replaced = 0
+        self.planned_steps = 0  # steps replaced by following the plan (no saved-tensor hooks)
+        self.min_bytes = min_bytes
         self._verified: dict[tuple[Any, ...], bool] = {}
-        self._memo: list[Any] = [None, None]
+        self._memo: list[Any] = [None, None, None, None]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        self._active = False
+        self._state = "discover"  # -> "plan" | "hooks" | "off"
+        self._plan: tuple[_Entry, ...] = ()
+        # discovery step only: saves per storage (data_ptr), and the replaced tensors kept alive
+        # until the plan is made, so that no later tensor of that step reuses their addresses
+        self._saves: dict[int, int] | None = {}
+        self._held: list[Tensor] = []
 
-    def __enter__(self) -> _RecomputeSaved:
-        self._active = False
+    def grad(self, value: Tensor, inputs: Tree) -> Tree:
+        """``_grad_or_zeros(value, inputs, create_graph=True)``, with recipes for cheap saves."""
+        if self._state == "off" or not value.requires_grad:
+            return _grad_or_zeros(value, inputs, create_graph=True)
+        if self._state == "plan":
+            grads = _step_grads(value, list(inputs.values()))
+            done = self._follow_plan(grads)
+            self.replaced += done
+            if done == len(self._plan):
+                self.planned_steps += 1
+            else:
+                self._state = "hooks"  # this step keeps what the plan did not reach
+            return grads_to_tree(grads, inputs)
+        if not self._enter():
+            self._state = "off"
+            return _grad_or_zeros(value, inputs, create_graph=True)
+        before = self.replaced
+        try:
+            grads = _step_grads(value, list(inputs.values()))
+        finally:
+            self._hooks.__exit__(None, None, None)
+        if self._state == "discover":
+            new = self.replaced - before
+            found = self._search(grads) if new else None
+            if not new:
+                self._state = "off"  # nothing recomputable in this step: the later steps repeat its ops
+            elif found is not None and len(found) == new:
+                self._plan = self._select(found)
+                self._state = "plan" if self._plan else "off"
+            else:
+                self._state = "hooks"
+            self._saves, self._held = None, []
+        return grads_to_tree(grads, inputs)
+
+    def _select(self, found: list[tuple[_Entry, tuple[int, int]]]) -> tuple[_Entry, ...]:
+        """The entries worth replacing in the later steps.
+
+        A tensor frees memory only if every save of its storage is replaced, and each replaced
+        save costs the same Python work per step whatever its size: keep the entries of the
+        storages all of whose saves were replaced and that free at least ``min_bytes`` per save.
+        """
+        saves = self._saves or {}
+        replaced: dict[int, int] = {}
+        for _, (ptr, _) in found:
+            replaced[ptr] = replaced.get(ptr, 0) + 1
+        return tuple(entry for entry, (ptr, nbytes) in found
+                     if replaced[ptr] == saves.get(ptr, 0) and nbytes >= self.min_bytes * replaced[ptr])
+
+    def _enter(self) -> bool:
         top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-        if top is None or top(False) is not None:
-            return self  # the caller's own hooks (save_on_cpu, a memory probe) take precedence
+        if top is None or _SavedTensor is None or top(False) is not None:
+            return False  # the caller's own hooks (save_on_cpu, a memory probe) take precedence
         try:
             self._hooks.__enter__()
-            self._active = True
         except RuntimeError:  # saved tensor hooks disabled here
-            pass
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._active:
-            self._hooks.__exit__(*exc)
-            self._active = False
+            return False
+        return True
 
     def _pack(self, t: Tensor) -> Tensor | _Recipe:
+        saves = self._saves
+        if saves is not None:  # the discovery step: count the saves of each storage
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except Exception:  # no storage (sparse, nested, ...): never grouped with a candidate
+                ptr = -1
+            saves[ptr] = saves.get(ptr, 0) + 1
         node = t.grad_fn
         if node is None:
             return t
@@ -633,11 +777,12 @@ class _RecomputeSaved:
         if not relevant:
             return t
         view = None
+        view_cls = None
         name = node.name()
         view_name = ""
         try:
             if name in _VIEWS:
-                view_name = name
+                view_name, view_cls = name, cls
                 view = _VIEWS[name](node)
                 node = node.next_functions[0][0]
                 if node is None:
@@ -646,24 +791,114 @@ class _RecomputeSaved:
             fn = _RECOMPUTABLE.get(name)
             if fn is None or (fn is _small_mm and not _is_small_mm(node)):
                 return t
-            recipe = _Recipe(node, fn, view, self._memo)
             kind = (view_name, name, tuple(t.shape), t.stride(), t.dtype, t.device)
+            recipe = _Recipe(node, fn, view, self._memo, kind, view_cls)
             ok = self._verified.get(kind)
             if ok is None:
-                again = recipe()
-                ok = (again.shape == t.shape and again.stride() == t.stride() and again.dtype == t.dtype
-                      and again.device == t.device and bool(torch.equal(again, t)))
+                ok = _recomputes(recipe, t)
                 self._verified[kind] = ok
         except Exception:  # an attribute missing in this torch version, a freed buffer, ...
             return t
         if not ok:
             return t
+        try:
+            storage = t.untyped_storage()
+        except Exception:  # no storage (sparse, nested, ...)
+            return t
+        if saves is not None:  # the discovery step replaces every candidate (see _select)
+            recipe.storage = (storage.data_ptr(), storage.nbytes())
+            self._held.append(t)
+        elif storage.nbytes() < self.min_bytes:  # the hooks fallback: saves per storage unknown
+            return t
         self.replaced += 1
         return recipe
 
+    def _search(self, grads: tuple[Tensor | None, ...]) -> list[tuple[_Entry, tuple[int, int]]] | None:
+        """Breadth-first from the gradients' ``grad_fn``: the path to every node holding a recipe."""
+        queue: deque[tuple[Any, int, tuple[tuple[type, int], ...]]] = deque()
+        for r, g_ in enumerate(grads):
+            if g_ is not None and g_.grad_fn is not None:
+                queue.append((g_.grad_fn, r, ()))
+        seen: dict[int, Any] = {}  # id -> node (kept alive so that ids stay unique)
+        plan: list[tuple[_Entry, tuple[int, int]]] = []
+        try:
+            while queue:
+                node, root, hops = queue.popleft()
+                if id(node) in seen:
+                    continue
+                seen[id(node)] = node
+                if len(seen) > _MAX_SEARCH:
+                    return None
+                cls = type(node)
+                attrs = _SAVED_ATTRS.get(cls)
+                if attrs is None:
+                    attrs = _SAVED_ATTRS[cls] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+                for attr in attrs:
+                    try:
+                        raw = getattr(node, attr)
+                        packed = raw.data if isinstance(raw, _SavedTensor) else None
+                    except Exception:  # e.g. a buffer freed by an earlier backward: not ours
+                        continue
+                    if isinstance(packed, _Recipe):
+                        rec = packed
+                        view_name, _, shape, stride, dtype, device = rec.kind
+                        view_of = _VIEWS[view_name] if rec.view_cls is not None else None
+                        entry = (root, hops, cls, attr, rec.view_cls, view_of, type(rec.node), rec.fn,
+                                 torch.Size(shape), stride, dtype, device)
+                        plan.append((entry, rec.storage or (-1, 0)))
+                for idx, (nxt, _) in enumerate(node.next_functions):
+                    if nxt is not None:
+                        queue.append((nxt, root, (*hops, (cls, idx))))
+        except Exception:  # an attribute this torch version lacks, ...
+            return None
+        return plan
 
-def _unpack(packed: Tensor | _Recipe) -> Tensor:
-    return packed() if isinstance(packed, _Recipe) else packed
+    def _follow_plan(self, grads: tuple[Tensor | None, ...]) -> int:
+        """Replace the planned saved tensors of this step, in order, up to the first that differs.
+
+        Returns how many were replaced (``len(plan)`` when the whole plan matched).
+        """
+        memo = self._memo
+        done = 0
+        try:
+            for (root, hops, holder, attr, view_cls, view_of, producer_cls, fn, shape, stride, dtype,
+                 device) in self._plan:
+                g_ = grads[root]
+                node = g_.grad_fn if g_ is not None else None
+                for cls, idx in hops:
+                    if type(node) is not cls:
+                        return done
+                    node = node.next_functions[idx][0]
+                if type(node) is not holder:
+                    return done
+                raw = getattr(node, attr)
+                t = raw.unpack()
+                if t.shape != shape or t.stride() != stride or t.dtype is not dtype or t.device != device:
+                    return done
+                producer = t.grad_fn
+                view = None
+                if view_cls is not None:
+                    if type(producer) is not view_cls:
+                        return done
+                    view = view_of(producer)  # type: ignore[misc]
+                    producer = producer.next_functions[0][0]
+                if type(producer) is not producer_cls or (fn is _small_mm and not _is_small_mm(producer)):
+                    return done
+                # t still alive: the pack hook gets its Python object instead of a new one
+                recipe = _Recipe(producer, fn, view, memo)
+                raw.register_hooks(recipe.pack, _Recipe.__call__)
+                del t
+                done += 1
+        except Exception:  # a freed buffer, hooks disabled here, ...
+            return done
+        return done
+
+
+def _recomputes(recipe: _Recipe, t: Tensor) -> bool:
+    """Whether ``recipe`` recomputes ``t`` bitwise (values, shape, strides, dtype, device)."""
+    again = recipe()
+    return bool(again.shape == t.shape and again.stride() == t.stride() and again.dtype == t.dtype
+                and again.device == t.device and torch.equal(again, t))
 
 
 def _get_rng(device: torch.device) -> tuple[Tensor, Tensor | None]:
