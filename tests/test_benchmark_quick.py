@@ -305,3 +305,31 @@ def test_t_interval_quantiles_and_bad_input(bench) -> None:
         bench.t_interval([1.0])
     with pytest.raises(ValueError, match=r"IMAMLSizes\.seeds"):
         bench.imaml_suite(bench.IMAMLSizes("bad", seeds=1), log=lambda _: None)
+
+
+def test_imaml_verdict_follows_both_criteria(bench, imaml_tiny) -> None:
+    """The conclusion line applies the stated criteria: float64 trajectories together (theta
+    difference < 1e-6, final MSEs to 4 digits) and a float32 interval containing 0 give "equal";
+    a float64 separation (and the meta-step where it starts) gives "not exact"; an interval
+    excluding 0 gives "not established"."""
+    contains = [(1.65, 2.41, 2.62, 1.88), (1.90, 1.70, 2.05, 1.61), (2.20, 2.35, 1.98, 2.31)]
+    excludes = [(1.65, 2.41, 2.62, 1.88), (1.90, 1.70, 2.95, 1.61), (2.20, 2.35, 3.18, 2.31)]
+    steps = imaml_tiny["sizes"].meta_steps
+    together = _with_losses(imaml_tiny, contains)
+    together["trajectory"]["drift"] = [[0.0] * steps, [1e-15] * steps, [1e-12] * steps]
+    together["trajectory"]["meta_test_loss"] = [2.0, 2.0, 2.00001]
+    text = bench.render_imaml(together, None, "x")
+    assert "the trajectories stay together" in text
+    assert "equal meta-test loss is **equal** by both criteria" in text
+    apart = copy.deepcopy(together)
+    apart["trajectory"]["drift"][2] = [1e-12, 3e-3, 5e-2][:steps]
+    text = bench.render_imaml(apart, None, "x")
+    assert "the trajectories separate" in text and "above 1e-6 from meta-step 2 (torchopt)" in text
+    assert "equal meta-test loss is **not exact**" in text
+    row = next(line for line in text.splitlines() if line.startswith(f"| {bench.IMAML_TORCHOPT} | 1.0e-12"))
+    assert "| 5.0e-02 | 2 |" in row, row
+    off = copy.deepcopy(together)
+    off["trajectory"]["meta_test_loss"] = [2.0, 2.0, 2.001]  # 5e-4 apart: not 4 digits
+    assert "equal meta-test loss is **not exact**" in bench.render_imaml(off, None, "x")
+    worse = _with_losses(together, excludes)
+    assert "equal meta-test loss is **not established**" in bench.render_imaml(worse, None, "x")
