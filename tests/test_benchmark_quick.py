@@ -333,3 +333,21 @@ def test_imaml_verdict_follows_both_criteria(bench, imaml_tiny) -> None:
     assert "equal meta-test loss is **not exact**" in bench.render_imaml(off, None, "x")
     worse = _with_losses(together, excludes)
     assert "equal meta-test loss is **not established**" in bench.render_imaml(worse, None, "x")
+
+
+def test_imaml_render_from_json_reproduces_the_report(bench, imaml_tiny, tmp_path) -> None:
+    """`--imaml --render hypergrad_imaml.json` (the raw numbers the full run writes) gives the
+    same report as rendering the in-memory result."""
+    import json
+    from dataclasses import asdict
+
+    command = "python benchmarks/hypergrad_bench.py --imaml"
+    raw = {**imaml_tiny, "sizes": asdict(imaml_tiny["sizes"]), "command": command}
+    (tmp_path / "hypergrad_imaml.json").write_text(json.dumps(raw))
+    out = tmp_path / "again"
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--imaml", "--render", str(tmp_path / "hypergrad_imaml.json"), "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert (out / "hypergrad_imaml.md").read_text() == bench.render_imaml(imaml_tiny, None, command)
