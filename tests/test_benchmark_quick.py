@@ -284,6 +284,17 @@ def test_imaml_report_recomputes_the_seed_statistics(bench, imaml_tiny, tmp_path
         assert close(lo_c, lo) and close(hi_c, hi), (name, cells, lo, hi)
         verdicts[name] = lo <= 0 <= hi
         assert cells[n + 3] == ("yes" if verdicts[name] else "no"), (name, cells)
+    # exploratory row: the per-seed mean of the three hypergrad-estimator runs minus torchopt
+    names_ = (bench.IMAML_BATCHED, bench.IMAML_LOOP, bench.IMAML_CONTROL)
+    d = [sum(values[k][j] for k in names_) / 3 - values[bench.IMAML_TORCHOPT][j] for j in range(n)]
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    lo, hi = mean - t * sd / math.sqrt(n), mean + t * sd / math.sqrt(n)
+    cells = next(v for k, v in diff_rows.items() if k.startswith("(exploratory)"))
+    assert all(close(c, x) for c, x in zip(cells[:n], d, strict=True)), (cells, d)
+    assert close(cells[n], mean) and close(cells[n + 1], sd), (cells, mean, sd)
+    lo_c, hi_c = cells[n + 2].strip("[]").split(",")
+    assert close(lo_c, lo) and close(hi_c, hi), (cells, lo, hi)
     peer = verdicts[bench.IMAML_TORCHOPT]
     assert f"which {'contains' if peer else 'does not contain'} 0" in text
     if synthetic:
