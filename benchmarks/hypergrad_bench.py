@@ -2209,6 +2209,10 @@ def notes(result: dict[str, Any]) -> list[str]:
             "w- and lambda-gradients from the same pass): 2T = 2 evaluations at `inner_steps=1`, about "
             f"2 + c_f inner gradients, c_f = cost(f) / cost(g) - measured {statistics.median(r.geq for r in pen):.1f} "
             f"(median), worst {worst.geq:.1f} on {worst.problem}")
+        if worst.problem == "ridge_feature_d1000":
+            line += (" (3.25 there when timed in rounds with the unit gradient only, measured during "
+                     "development: the other runners' data, 8 MB design matrices and jaxopt's copies of "
+                     "them, evict X and Xv from the caches between the calls)")
         if adv:
             line += (". `evaluate=\"advanced\"` (Algorithm 1 of Kwon et al. as written) evaluates both "
                      "losses once more at the advanced iterates, 2T + 2 = 4 evaluations, about 2 + 2(1 + c_f) - "
