@@ -18,6 +18,7 @@ small against :math:`\rho`, so a few CG iterations suffice; see :doc:`/tutorials
 
 from __future__ import annotations
 
+import warnings as _warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hypergrad.errors import ConvergenceWarning
 from hypergrad.problem import BilevelProblem
 from hypergrad.tree import Tree, check_tree
 
@@ -43,6 +45,9 @@ class BatchedResult:
         inner_residual: every task's :math:`\\lVert\\nabla_w g\\rVert` at its final iterate.
         cg_residual: every task's relative CG residual after ``cg_iters`` iterations (a lane
             that met a non-positive curvature stops there, as :class:`~hypergrad.linear.CG` does).
+        indefinite: per task, whether its CG met a non-positive curvature (p^T H p <= 0)
+            and stopped there (its system is not positive definite, e.g. the inner steps have
+            not reached a minimum); :meth:`BatchedImplicit.hypergrad` warns when any task did.
 
     Example:
         >>> BatchedResult.__dataclass_fields__.keys() >= {"grad", "task_grads", "outer_loss"}
@@ -55,6 +60,7 @@ class BatchedResult:
     outer_loss: Tensor
     inner_residual: Tensor
     cg_residual: Tensor
+    indefinite: Tensor
 
 
 def _tensors(tree: Any) -> list[Tensor]:
@@ -121,8 +127,8 @@ class BatchedImplicit:
                 raise ValueError(f"{name} must be {'> 0' if strict else '>= 0'} and finite, got {value!r}")
 
     def task_fn(self, problem: BilevelProblem, w0: Tree, lam: Tree) -> Callable[[Any, Any], tuple]:
-        """The per-task computation ``(inner_batch, outer_batch) -> (grad, w, f, residuals)``,
-        unbatched (``vmap`` it, or call it on one task)."""
+        """The per-task computation ``(inner_batch, outer_batch) -> (grad, w, f, inner residual, CG
+        residual, indefinite)``, unbatched (``vmap`` it, or call it on one task)."""
         keys = list(w0)
         shapes = [w0[k].shape for k in keys]
         numels = [w0[k].numel() for k in keys]
@@ -158,11 +164,13 @@ class BatchedImplicit:
             p = r
             rs = torch.dot(r, r)
             ok = torch.ones((), dtype=torch.bool, device=w.device)
+            indefinite = torch.zeros((), dtype=torch.bool, device=w.device)
             zero = torch.zeros((), dtype=w.dtype, device=w.device)
             for _ in range(iters):
                 Ap = hvp(p)
                 curvature = torch.dot(p, Ap)
                 # a lane stops (as the eager CG does) at a non-positive curvature or a zero residual
+                indefinite = indefinite | (ok & (rs > 0) & ~(curvature > 0))
                 ok = ok & (curvature > 0) & (rs > 0)
                 alpha = torch.where(ok, rs / torch.clamp(curvature, min=tiny), zero)
                 x = x + alpha * p
@@ -175,7 +183,7 @@ class BatchedImplicit:
             grad = {k: gf_lam[k] - mixed[k] for k in gf_lam}
             cg_res = torch.sqrt(rs) / torch.clamp(torch.linalg.vector_norm(gf_w), min=tiny)
             inner_res = torch.linalg.vector_norm(grad_w(w, lam))
-            return grad, unflat(w), f_value, inner_res, cg_res
+            return grad, unflat(w), f_value, inner_res, cg_res, indefinite
 
         return run
 
@@ -197,8 +205,16 @@ class BatchedImplicit:
                 f"leading task dimension, got leading sizes {sorted(tasks)}"
             )
         with torch.no_grad():
-            grads, w, f, inner_res, cg_res = torch.func.vmap(self.task_fn(problem, w0, lam))(
+            grads, w, f, inner_res, cg_res, indefinite = torch.func.vmap(self.task_fn(problem, w0, lam))(
                 inner_batches, outer_batches
             )
+        n_bad = int(indefinite.sum())
+        if n_bad:
+            _warnings.warn(
+                f"BatchedImplicit: CG met a non-positive curvature in {n_bad} of {indefinite.numel()} tasks "
+                "and stopped their solves there (result.indefinite): their Hessians are not positive "
+                "definite at the final inner iterate (more or smaller inner steps, or damping)",
+                ConvergenceWarning, stacklevel=2,
+            )
         mean = {k: v.mean(0) for k, v in grads.items()}
-        return BatchedResult(mean, grads, w, f, inner_res, cg_res)
+        return BatchedResult(mean, grads, w, f, inner_res, cg_res, indefinite)

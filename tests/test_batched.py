@@ -88,8 +88,14 @@ def test_a_lane_with_negative_curvature_stops_like_the_eager_cg():
     problem = hg.BilevelProblem(g, f)
     lam = {"s": torch.ones(2, dtype=DT)}
     w0 = {"x": torch.tensor([0.3, -0.2], dtype=DT)}
-    r = hg.batched.BatchedImplicit(inner_steps=0, cg_iters=3).hypergrad(problem, w0, lam, (A, c), (A, c))
+    with pytest.warns(hg.ConvergenceWarning, match="non-positive curvature in 1 of 2 tasks"):
+        r = hg.batched.BatchedImplicit(inner_steps=0, cg_iters=3).hypergrad(problem, w0, lam, (A, c), (A, c))
+    assert r.indefinite.tolist() == [False, True]
     assert torch.isfinite(r.task_grads["s"]).all()
+    with warnings.catch_warnings():  # positive definite tasks only: flagged nowhere, no warning
+        warnings.simplefilter("error", hg.ConvergenceWarning)
+        ok = hg.batched.BatchedImplicit(inner_steps=0, cg_iters=3).hypergrad(problem, w0, lam, (A[:1], c[:1]), (A[:1], c[:1]))
+    assert ok.indefinite.tolist() == [False]
     for i in range(2):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", hg.ConvergenceWarning)
