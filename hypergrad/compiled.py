@@ -137,7 +137,10 @@ def _stage(problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any, outer_
     _, mixed, _ = torch.func.vjp(lambda l_: grad_w_g(w, l_), lam, has_aux=True)
     (hv,) = hvp(_unflat(v, w))
     (mu,) = mixed(_unflat(u, w))
-    return f_value, g_value, grad_w_f, grad_lam_f, residual, _flat(hv, w), _flat(mu, lam)
+    # "+ 0 * vector": each product depends on its vector in the traced graph even where it is
+    # constant (an inner loss without lam, or linear in w), so the split always finds both
+    return (f_value, g_value, grad_w_f, grad_lam_f, residual, _flat(hv, w) + 0.0 * v,
+            _flat(mu, lam) + 0.0 * u.sum())
 
 
 # ------------------------------------------------------------------------ splitting the graph

@@ -198,6 +198,29 @@ def test_fused_conjugate_gradient_is_the_plain_iteration():
 
 
 @needs_compiler
+def test_products_that_do_not_depend_on_their_vector():
+    """An inner loss without lam (the mixed product is zero) and one linear in w (H = 0)."""
+    gen = torch.Generator().manual_seed(7)
+    X, y = torch.randn(20, 3, generator=gen, dtype=DT), torch.randn(20, generator=gen, dtype=DT)
+
+    def g(w, lam, b):
+        return 0.5 * ((X @ w["x"] - y) ** 2).mean() + 0.5 * (w["x"] ** 2).sum()
+
+    def f(w, lam, b):
+        return ((w["x"] - lam["t"]) ** 2).sum()
+
+    w, lam = {"x": torch.randn(3, generator=gen, dtype=DT)}, {"t": torch.ones(3, dtype=DT)}
+    solver = hg.linear.CG(tol=1e-12)
+    a = hg.Implicit(solver, compile=True).hypergrad(hg.BilevelProblem(g, f), w, lam)
+    b = hg.Implicit(solver).hypergrad(hg.BilevelProblem(g, f), w, lam)
+    assert a.info.extra["compiled"] and _rel(a.grad["t"], b.grad["t"]) < 1e-12
+    stage = compiled_stage(hg.BilevelProblem(lambda w_, l_, b_: (l_["t"] * w_["x"]).sum(), f), w, lam)
+    assert stage is not None
+    assert stage.hvp_flat(torch.ones(3, dtype=DT)).tolist() == [0.0, 0.0, 0.0]
+    torch.testing.assert_close(stage.mixed(torch.arange(3.0, dtype=DT))["t"], torch.arange(3.0, dtype=DT))
+
+
+@needs_compiler
 def test_fallback_to_eager_with_a_log_line(caplog):
     """An inner loss with data-dependent Python control flow cannot be traced into one graph."""
     problem, w, lam = _logistic(seed=1)
