@@ -5,13 +5,13 @@ from __future__ import annotations
 import warnings as _warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from hypergrad.autodiff import RootSystem, loss_and_grads, outer_fn
-from hypergrad.compiled import compiled_stage
+from hypergrad.compiled import CompiledStage, compiled_stage
 from hypergrad.errors import ConvergenceWarning
 from hypergrad.linear import CG
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
@@ -27,6 +27,7 @@ from hypergrad.tree import (
 )
 
 __all__ = ["Implicit"]
+
 
 def _check_value(value: Tensor, message: str) -> None:
     if not bool(torch.isfinite(value)):
@@ -72,8 +73,9 @@ class Implicit:
             solver iteration calls the compiled Hessian-vector product directly, without the
             autograd engine. Any solver of :mod:`hypergrad.linear` works; the gradient form only
             (``fixed_point=None``, ``products="reverse"``). Compiles once per problem, shape and
-            dtype (5-45 s for the first problem of a process on a CPU, 1-6 s for later ones), then reuses it; falls back to the eager products, with
-            a log line, where compilation fails. ``info.extra["compiled"]`` says which path ran
+            dtype (5-45 s for the first problem of a process on a CPU, 1-6 s for later ones),
+            then reuses it; falls back to the eager products, with a log line, where
+            compilation fails. ``info.extra["compiled"]`` says which path ran
             and ``info.extra["compile_s"]`` how long this call spent compiling.
 
     Example:
@@ -119,34 +121,10 @@ class Implicit:
         x0 = state.get("u") if (self.warm_start and state) else None
         stage = compiled_stage(problem, w, lam, inner_batch, outer_batch) if self.compile else None
         if stage is not None:
-            _check_value(stage.outer_value, "outer loss is {} (non-finite)")
-            _check_value(stage.inner_value, "inner loss is {} (non-finite) at the linearisation point")
-            check_finite(stage.residual, "optimality residual F(w, lam)")
-            grad_lam_f, residual_tree = stage.grad_lam_f, stage.residual
-
-            def mixed_product(u: Tree) -> Tree:
-                return stage.mixed(tree_flatten_view(u))
-
-            system = LinearSystem(
-                matvec=lambda v: tree_unflatten(stage.hvp_flat(tree_flatten_view(v)), w),
-                rhs=stage.grad_w_f, flat_matvec=stage.hvp_flat, flat_cg_step=stage.cg_step,
-            )
+            system, grad_lam_f, residual_tree, mixed_product = _compiled_parts(stage, w)
         else:
-            _, grad_w_f, grad_lam_f = loss_and_grads(outer_fn(problem, outer_batch), w, lam, what="outer loss")
-            assert grad_w_f is not None and grad_lam_f is not None
-            root = RootSystem(problem, w, lam, inner_batch, self.fixed_point, self.products)
-            residual_tree = root.residual
-
-            mixed_product = root.rmatvec_lam
-
-            system = LinearSystem(
-                matvec=root.rmatvec,
-                rhs=grad_w_f,
-                rmatvec=root.matvec,
-                symmetric=root.symmetric,
-                dense=root.dense_rmatrix,
-                flat_matvec=root.rmatvec_flat,
-            )
+            system, grad_lam_f, residual_tree, mixed_product = self._eager_parts(
+                problem, w, lam, inner_batch, outer_batch)
         solve = self.solver(system, x0)
         for message in solve.warnings:
             _warnings.warn(message, ConvergenceWarning, stacklevel=2)
@@ -165,3 +143,38 @@ class Implicit:
         )
         new_state = {"u": tree_detach(solve.solution)} if self.warm_start else None
         return HypergradResult(tree_detach(grad), tree_detach(w), info, new_state)
+
+    def _eager_parts(self, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any,
+                     outer_batch: Any) -> _Parts:
+        """The system and products from autograd: a retained graph of the optimality condition."""
+        _, grad_w_f, grad_lam_f = loss_and_grads(outer_fn(problem, outer_batch), w, lam, what="outer loss")
+        assert grad_w_f is not None and grad_lam_f is not None
+        root = RootSystem(problem, w, lam, inner_batch, self.fixed_point, self.products)
+        system = LinearSystem(
+            matvec=root.rmatvec,
+            rhs=grad_w_f,
+            rmatvec=root.matvec,
+            symmetric=root.symmetric,
+            dense=root.dense_rmatrix,
+            flat_matvec=root.rmatvec_flat,
+        )
+        return _Parts(system, grad_lam_f, root.residual, root.rmatvec_lam)
+
+
+class _Parts(NamedTuple):
+    system: LinearSystem
+    grad_lam_f: Tree
+    residual: Tree
+    mixed_product: Callable[[Tree], Tree]
+
+
+def _compiled_parts(stage: CompiledStage, w: Tree) -> _Parts:
+    """The system and products from a compiled stage (checked like the eager ones)."""
+    _check_value(stage.outer_value, "outer loss is {} (non-finite)")
+    _check_value(stage.inner_value, "inner loss is {} (non-finite) at the linearisation point")
+    check_finite(stage.residual, "optimality residual F(w, lam)")
+    system = LinearSystem(
+        matvec=lambda v: tree_unflatten(stage.hvp_flat(tree_flatten_view(v)), w),
+        rhs=stage.grad_w_f, flat_matvec=stage.hvp_flat, flat_cg_step=stage.cg_step,
+    )
+    return _Parts(system, stage.grad_lam_f, stage.residual, lambda u: stage.mixed(tree_flatten_view(u)))
