@@ -20,7 +20,7 @@ from torch import Tensor
 from hypergrad.problem import BilevelProblem
 from hypergrad.tree import Tree, check_finite, grads_to_tree, tree_requires_grad
 
-__all__ = ["RootSystem", "inner_fn", "loss_and_grads", "outer_fn"]
+__all__ = ["RootSystem", "grad_with_graph", "inner_fn", "loss_and_grads", "outer_fn"]
 
 LossFn = Callable[[Tree, Tree, Any], Tensor]
 
@@ -33,6 +33,28 @@ _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", Non
 # The engine itself, one level further down (skips the wrapper's context stash, which only matters
 # for backward passes that run on device threads, i.e. not on the CPU): measured 20 of 280 us.
 _engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+
+
+def grad_with_graph(value: Tensor, leaves: list[Tensor]) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad(value, leaves, create_graph=True, allow_unused=True)``.
+
+    For a plain real scalar on the CPU with plain tensor leaves and no ``__torch_function__``
+    override, the engine is called directly (it runs the backward on the calling thread there),
+    skipping the wrapper's argument normalisation: measured about 30 us of a 1.4 ms unrolled step
+    on a 64-64-64-10 MLP. Anything else goes through :func:`torch.autograd.grad`.
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> (g,) = grad_with_graph((x ** 3).sum(), [x])
+        >>> g.tolist(), g.requires_grad
+        ([3.0, 12.0], True)
+    """
+    if (_engine is not None and type(value) is Tensor and value.dim() == 0 and value.is_floating_point()
+            and value.device.type == "cpu" and all(type(x) is Tensor for x in leaves)
+            and not torch.overrides.has_torch_function((value, *leaves))):
+        return _engine.run_backward((value,), (torch.ones_like(value),), True, True, tuple(leaves), True, False)
+    return torch.autograd.grad(value, leaves, create_graph=True, allow_unused=True)
 
 
 def loss_and_grads(

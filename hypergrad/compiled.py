@@ -383,26 +383,23 @@ def compiled_stage(problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any
     hvp, step, hvp_residuals, mixed, mixed_residuals = parts
     shape, dtype = v.shape, v.dtype
 
+    def check(t: Tensor, what: str) -> Tensor:
+        if t.shape != shape or t.dtype != dtype:
+            raise ValueError(f"the compiled {what} takes a flat {dtype} vector of shape {tuple(shape)}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+        return t.contiguous()
+
     def hvp_flat(p: Tensor) -> Tensor:
-        if p.shape != shape or p.dtype != dtype:
-            raise ValueError(f"the compiled Hessian-vector product takes a flat {dtype} vector of shape "
-                             f"{tuple(shape)}, got {p.dtype} {tuple(p.shape)}")
-        return hvp(p.contiguous(), *hvp_residuals)[0]
+        return hvp(check(p, "Hessian-vector product"), *hvp_residuals)[0]
 
     def cg_step(x: Tensor, r: Tensor, p: Tensor, rs: Tensor, damping: Tensor) -> tuple[Tensor, ...]:
-        for t in (x, r, p):
-            if t.shape != shape or t.dtype != dtype:
-                raise ValueError(f"the compiled CG step takes flat {dtype} vectors of shape {tuple(shape)}, "
-                                 f"got {t.dtype} {tuple(t.shape)}")
         if rs.shape or damping.shape or rs.dtype != dtype or damping.dtype != dtype:
             raise ValueError(f"the compiled CG step takes rs and damping as 0-dim {dtype} tensors")
-        return tuple(step(x.contiguous(), r.contiguous(), p.contiguous(), rs, damping, *hvp_residuals))
+        vectors = (check(t, "CG step") for t in (x, r, p))
+        return tuple(step(*vectors, rs, damping, *hvp_residuals))
 
     def mixed_product(q: Tensor) -> Tree:
-        if q.shape != shape or q.dtype != dtype:
-            raise ValueError(f"the compiled mixed product takes a flat {dtype} vector of shape "
-                             f"{tuple(shape)}, got {q.dtype} {tuple(q.shape)}")
-        return _unflat(mixed(q.contiguous(), *mixed_residuals)[0], lam_)
+        return _unflat(mixed(check(q, "mixed product"), *mixed_residuals)[0], lam_)
 
     return CompiledStage(f_value.detach(), g_value.detach(), grad_w_f, grad_lam_f, residual,
                          hvp_flat, mixed_product, cg_step, compile_s)

@@ -11,7 +11,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
-from hypergrad.autodiff import inner_fn, loss_and_grads, outer_fn
+from hypergrad.autodiff import grad_with_graph, inner_fn, loss_and_grads, outer_fn
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.tree import (
@@ -73,32 +73,12 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# The C++ autograd engine entry that torch.autograd.grad ends in. The unrolled loop takes one
-# gradient with a graph per step; calling the engine directly skips torch.autograd.grad's argument
-# normalisation (measured about 30 us of a 1.4 ms step on a 64-64-64-10 MLP, 2 % of the call).
-_ENGINE = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
-
-
-def _step_grads(value: Tensor, leaves: list[Tensor]) -> tuple[Tensor | None, ...]:
-    """``torch.autograd.grad(value, leaves, create_graph=True, allow_unused=True)``.
-
-    The same engine call without the wrapper for a plain real scalar on the CPU (the engine runs
-    the backward on the calling thread there) and no ``__torch_function__`` override or mode;
-    anything else goes through the wrapper.
-    """
-    if (_ENGINE is not None and type(value) is Tensor and value.dim() == 0 and value.is_floating_point()
-            and value.device.type == "cpu" and all(type(x) is Tensor for x in leaves)
-            and not torch.overrides.has_torch_function((value, *leaves))):
-        return _ENGINE.run_backward((value,), (torch.ones_like(value),), True, True, tuple(leaves), True, False)
-    return torch.autograd.grad(value, leaves, create_graph=True, allow_unused=True)
-
-
 def _grad_or_zeros(value: Tensor, inputs: Tree, create_graph: bool) -> Tree:
     """``d value / d inputs`` as a tree, zeros where ``value`` does not depend on an input."""
     if not value.requires_grad:
         return {k: torch.zeros_like(v) for k, v in inputs.items()}
     if create_graph:
-        return grads_to_tree(_step_grads(value, list(inputs.values())), inputs)
+        return grads_to_tree(grad_with_graph(value, list(inputs.values())), inputs)
     grads = torch.autograd.grad(value, list(inputs.values()), allow_unused=True)
     return grads_to_tree(grads, inputs)
 
@@ -704,7 +684,7 @@ class _RecomputeSaved:
         if self._state == "off" or not value.requires_grad:
             return _grad_or_zeros(value, inputs, create_graph=True)
         if self._state == "plan":
-            grads = _step_grads(value, list(inputs.values()))
+            grads = grad_with_graph(value, list(inputs.values()))
             done = self._follow_plan(grads)
             self.replaced += done
             if done == len(self._plan):
@@ -717,7 +697,7 @@ class _RecomputeSaved:
             return _grad_or_zeros(value, inputs, create_graph=True)
         before = self.replaced
         try:
-            grads = _step_grads(value, list(inputs.values()))
+            grads = grad_with_graph(value, list(inputs.values()))
         finally:
             self._hooks.__exit__(None, None, None)
         if self._state == "discover":

@@ -86,13 +86,7 @@ class CG:
         return self._preconditioned(system, x0)
 
     def _preconditioned(self, system: LinearSystem, x0: Tree | None) -> LinearSolveResult:
-        mv = flat_operator(system.matvec, system.rhs, system.flat_matvec)
-        damping = self.damping
-
-        def op(v: Tensor) -> Tensor:
-            out = mv(v)
-            return out.add(v, alpha=damping) if damping else out
-
+        op = damped_operator(system.matvec, system.rhs, system.flat_matvec, self.damping)
         b = tree_flatten_view(system.rhs)
         matvecs = 0
         pre = self.preconditioner
@@ -168,7 +162,7 @@ def _cg_loop(name: str, op: Callable[[Tensor], Tensor], b: Tensor, x0: Tree | No
              maxiter: int | None, precondition: Callable[[Tensor], Tensor] | None, like: Tree) -> LinearSolveResult:
     """The CG iteration on flat vectors, preconditioned or (``precondition=None``) plain; the
     plain form reuses ``r^T r`` as ``r^T z`` instead of computing it again."""
-    maxiter = maxiter if maxiter is not None else min(b.numel(), 1000) + 10
+    maxiter = _iteration_cap(maxiter, b)
     b_norm = float(torch.linalg.vector_norm(b))
     warnings: list[str] = []
     if b_norm == 0.0:
@@ -186,10 +180,7 @@ def _cg_loop(name: str, op: Callable[[Tensor], Tensor], b: Tensor, x0: Tree | No
         matvecs += 1
         curvature = float(torch.dot(p, Ap))
         if not curvature > 0.0:
-            warnings.append(
-                f"{name}: non-positive curvature p^T A p = {curvature:.3e} at iteration {iterations}; "
-                "the matrix is not positive definite (add damping or use Dense)"
-            )
+            warnings.append(_non_positive_curvature(name, curvature, iterations))
             break
         alpha = rz / curvature
         x.add_(p, alpha=alpha)
@@ -235,19 +226,13 @@ def fused_conjugate_gradient(system: LinearSystem, x0: Tree | None, tol: float, 
     """
     assert system.flat_cg_step is not None
     step = system.flat_cg_step
-    mv = flat_operator(system.matvec, system.rhs, system.flat_matvec)
     b = tree_flatten_view(system.rhs)
-    maxiter = maxiter if maxiter is not None else min(b.numel(), 1000) + 10
+    maxiter = _iteration_cap(maxiter, b)
     b_norm = float(torch.linalg.vector_norm(b))
     warnings: list[str] = []
     if b_norm == 0.0:
         return LinearSolveResult(tree_zeros_like(system.rhs), 0, 0.0, True, 0, warnings)
-
-    def op(v: Tensor) -> Tensor:
-        out = mv(v)
-        return out.add(v, alpha=damping) if damping else out
-
-    x, r, matvecs = _start(op, b, x0)
+    x, r, matvecs = _start(damped_operator(system.matvec, system.rhs, system.flat_matvec, damping), b, x0)
     threshold2 = (tol * b_norm) ** 2
     rs_t = torch.dot(r, r)
     rs = float(rs_t)
@@ -260,10 +245,7 @@ def fused_conjugate_gradient(system: LinearSystem, x0: Tree | None, tol: float, 
         matvecs += 1
         curvature = float(curvature_t)
         if not curvature > 0.0:
-            warnings.append(
-                f"CG: non-positive curvature p^T A p = {curvature:.3e} at iteration {iterations}; "
-                "the matrix is not positive definite (add damping or use Dense)"
-            )
+            warnings.append(_non_positive_curvature("CG", curvature, iterations))
             break
         x, r, p, rs_t = x_new, r_new, p_new, rs_new
         rs = float(rs_t)
@@ -271,6 +253,16 @@ def fused_conjugate_gradient(system: LinearSystem, x0: Tree | None, tol: float, 
         if rs <= threshold2:
             converged = True
     return _finish("CG", x, system.rhs, iterations, rs, b_norm, tol, converged, matvecs, warnings)
+
+
+def _iteration_cap(maxiter: int | None, b: Tensor) -> int:
+    """``maxiter``, or by default ``min(n, 1000)`` plus a margin of 10 for round-off."""
+    return maxiter if maxiter is not None else min(b.numel(), 1000) + 10
+
+
+def _non_positive_curvature(name: str, curvature: float, iteration: int) -> str:
+    return (f"{name}: non-positive curvature p^T A p = {curvature:.3e} at iteration {iteration}; "
+            "the matrix is not positive definite (add damping or use Dense)")
 
 
 def _start(op: Callable[[Tensor], Tensor], b: Tensor, x0: Tree | None) -> tuple[Tensor, Tensor, int]:
@@ -291,6 +283,23 @@ def _finish(name: str, x: Tensor, like: Tree, iterations: int, rs: float, b_norm
             f"{residual / b_norm:.3e} > tol {tol:.1e}); raise maxiter or add damping"
         )
     return LinearSolveResult(tree_unflatten(x, like), iterations, residual, converged, matvecs, warnings)
+
+
+def damped_operator(
+    matvec: Callable[[Tree], Tree], like: Tree, flat_matvec: Callable[[Tensor], Tensor] | None, damping: float
+) -> Callable[[Tensor], Tensor]:
+    """``v -> (A + damping I) v`` on flattened vectors (see :func:`flat_operator`).
+
+    Example:
+        >>> import torch
+        >>> op = damped_operator(lambda x: {"x": 2 * x["x"]}, {"x": torch.zeros(2)}, None, 0.5)
+        >>> op(torch.ones(2)).tolist()
+        [2.5, 2.5]
+    """
+    mv = flat_operator(matvec, like, flat_matvec)
+    if not damping:
+        return mv
+    return lambda v: mv(v).add(v, alpha=damping)
 
 
 def flat_operator(
@@ -319,10 +328,5 @@ def conjugate_gradient(
     (measured: the pytree form spent about as long in bookkeeping as in the product on small
     problems). Scalars are read back once per iteration, as the stopping test needs them anyway.
     """
-    mv = flat_operator(matvec, b, flat_matvec)
-
-    def op(v: Tensor) -> Tensor:
-        out = mv(v)
-        return out.add(v, alpha=damping) if damping else out
-
+    op = damped_operator(matvec, b, flat_matvec, damping)
     return _cg_loop(name, op, tree_flatten_view(b), x0, tol, maxiter, None, b)
