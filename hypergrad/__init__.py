@@ -4,7 +4,8 @@ Exact implicit differentiation, unrolled differentiation and first-order methods
 interface: ``method.hypergrad(problem, w, lam, inner_batch, outer_batch) -> HypergradResult``.
 """
 
-from hypergrad import autodiff, batched, compiled, inner, linear, tree
+from hypergrad import autodiff, batched, batches, compiled, inner, linear, tree
+from hypergrad.batches import StepBatches
 from hypergrad.bome import BOME
 from hypergrad.driver import SolveResult, inner_solve, solve
 from hypergrad.errors import ConvergenceWarning, NonFiniteError
@@ -13,7 +14,7 @@ from hypergrad.implicit import Implicit
 from hypergrad.modules import functional, load_params, module_params
 from hypergrad.penalty import Penalty
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradMethod, HypergradResult
-from hypergrad.unrolled import StepBatches, Unrolled
+from hypergrad.unrolled import Unrolled
 
 __all__ = [
     "BOME",
@@ -31,6 +32,7 @@ __all__ = [
     "Unrolled",
     "autodiff",
     "batched",
+    "batches",
     "compiled",
     "functional",
     "inner",

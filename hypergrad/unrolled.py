@@ -12,6 +12,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
 from hypergrad.autodiff import grad_with_graph, inner_fn, loss_and_grads, outer_fn
+from hypergrad.batches import StepBatches, per_step  # noqa: F401  (StepBatches: the old import path)
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.tree import (
@@ -25,48 +26,9 @@ from hypergrad.tree import (
     tree_unflatten,
 )
 
-__all__ = ["StepBatches", "Unrolled"]
+__all__ = ["Unrolled"]
 
 _MODES = ("reverse", "forward")
-
-
-@dataclass(frozen=True)
-class StepBatches:
-    """Per-step inner batches for :class:`Unrolled`: step ``i`` uses the ``i``-th batch.
-
-    Wrap a sequence or an iterator (e.g. ``iter(loader)``) of batches and pass it as
-    ``inner_batch``. Each call of :meth:`Unrolled.hypergrad` draws exactly ``steps`` batches from
-    ``iter(batches)``: a list is read from its start on every call (extra entries are ignored), an
-    iterator is consumed, so consecutive calls see fresh batches. Fewer than ``steps`` batches
-    raises :class:`ValueError`. Any ``inner_batch`` that is not a ``StepBatches`` (a tensor, a
-    tuple ``(x, y)``, ``None``, ...) is one batch reused for all steps.
-
-    Args:
-        batches: a sequence or an iterator of batches.
-
-    Example:
-        >>> from hypergrad.unrolled import StepBatches
-        >>> StepBatches([0, 1, 2]).take(2)
-        [0, 1]
-    """
-
-    batches: Iterable[Any]
-
-    def take(self, n: int) -> list[Any]:
-        """Return the first ``n`` batches of ``iter(batches)``."""
-        iterator = iter(self.batches)
-        out: list[Any] = []
-        for _ in range(n):
-            try:
-                out.append(next(iterator))
-            except StopIteration:
-                break
-        if len(out) < n:
-            raise ValueError(
-                f"inner_batch=StepBatches(...) yielded {len(out)} batch(es), "
-                f"but steps={n} are needed"
-            )
-        return out
 
 
 def _is_int(value: object) -> bool:
@@ -187,7 +149,7 @@ class Unrolled:
             0 replaces every replaceable tensor.
 
     Inner batches: ``inner_batch`` is one batch reused for all ``K`` steps, or a
-    :class:`StepBatches` holding one batch per step. In forward mode without vmap the inner loss
+    :class:`~hypergrad.batches.StepBatches` holding one batch per step. In forward mode without vmap the inner loss
     is re-evaluated once per direction, so it must then be deterministic (no dropout).
 
     Example:
@@ -271,11 +233,7 @@ class Unrolled:
         """Unroll ``steps`` inner steps from ``w``; return ``dF_K/dlam`` and ``w_K`` (detached)."""
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
-        batches = (
-            inner_batch.take(self.steps)
-            if isinstance(inner_batch, StepBatches)
-            else [inner_batch] * self.steps
-        )
+        batches = per_step(inner_batch, self.steps)
         opt_state = self._initial_state(w, state)
         with torch.enable_grad():
             if self.mode == "reverse":
