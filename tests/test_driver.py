@@ -286,3 +286,17 @@ def test_outer_loss_is_evaluated_only_every_k_steps(every, evaluated):
             assert len(drawn) == 7 and set(calls) <= set(method.outer)
         else:                       # the method drew its own batch: the record draws one more
             assert len(drawn) == 7 + len(evaluated) and not set(calls) & set(method.outer)
+
+
+def test_inner_solve_reads_streams_like_solve():
+    seen = []
+
+    def g(w, lam, batch):
+        seen.append(batch)
+        return 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
+
+    problem, w, lam = hg.BilevelProblem(g, g), {"x": torch.zeros(1)}, {"c": torch.ones(1)}
+    hg.inner_solve(problem, w, lam, 5, hg.inner.SGD(0.5), batches=["a", "b"])
+    assert seen == ["a", "b", "a", "b", "a"]
+    with pytest.raises(ValueError, match="batches ran out after 2 batch"):
+        hg.inner_solve(problem, w, lam, 5, hg.inner.SGD(0.5), batches=iter(["a", "b"]))
