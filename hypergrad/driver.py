@@ -422,6 +422,5 @@ def solve(
         if callback is not None and callback(step, w, {k: v.detach() for k, v in lam_params.items()}, result):
             stopped_early = step + 1 < steps
             break
-    bar.close()
     return SolveResult(w, {k: v.detach().clone() for k, v in lam_params.items()}, history, state,
                        steps_run, stopped_early)
