@@ -127,22 +127,27 @@ class _BatchStream:
 
         ``per_step``: the method reads its batches through :func:`hypergrad.batches.per_step`,
         so it gets a :class:`StepBatches` drawing one fresh batch per step from this stream (a
-        constant stream hands over its one batch).
+        constant stream hands over its one batch). A stream that itself yields ``StepBatches``
+        (the older idiom ``[StepBatches(iterator)]``) hands each one over as it is.
         """
         if self.constant or not per_step:
             return self.next()
-        return StepBatches(self._draws())
+        first = self.next()
+        if isinstance(first, StepBatches):
+            return first
+        return StepBatches(self._draws(first))
 
-    def _draws(self) -> Iterator[Any]:
+    def _draws(self, first: Any) -> Iterator[Any]:
+        batch = first
         while True:
-            batch = self.next()
             if isinstance(batch, StepBatches):
                 raise TypeError(
-                    f"{self.name} yielded a StepBatches, but solve already hands methods that "
-                    f"take several steps a fresh batch per step: pass {self.name}=<the batches> "
-                    "directly (e.g. a list or a DataLoader), not [StepBatches(...)]"
+                    f"{self.name} mixes StepBatches with plain batches: pass the batches "
+                    f"themselves ({self.name}=<a list, a DataLoader, an iterator>); solve hands "
+                    "methods that take several steps a fresh batch per step"
                 )
             yield batch
+            batch = self.next()
 
 
 def _check_steps(steps: Any, name: str) -> None:
@@ -281,7 +286,10 @@ def solve(
     batches through :func:`hypergrad.batches.per_step`) gets a
     :class:`~hypergrad.batches.StepBatches` over each stream, so every one of its steps draws a
     fresh batch; any other method (``Implicit``, ``FiniteDifference``, your own) gets one batch
-    per call. For minibatch ``Implicit``, a larger ``hypergrad_batches`` batch keeps the linear
+    per call. (A stream of :class:`~hypergrad.batches.StepBatches`, the older idiom
+    ``inner_batches=[StepBatches(iterator)]``, still works: each is handed over as it is.) Such
+    a method draws the first batch of each stream when the call starts. For minibatch
+    ``Implicit``, a larger ``hypergrad_batches`` batch keeps the linear
     solve well posed (see :doc:`/methods/implicit`).
 
     **Loop controls.** ``callback(step, w, lam, result)`` runs after each outer step; returning a

@@ -237,12 +237,14 @@ def test_penalty_and_bome_see_T_distinct_batches_per_call_through_solve():
         assert first_call == [1.0, 2.0, 3.0][:per_call], (method, seen)
 
 
-def test_the_old_step_batches_idiom_raises_a_clear_error():
-    stream = hg.StepBatches(iter(range(100)))
-    with pytest.raises(TypeError, match=r"inner_batches yielded a StepBatches.*inner_batches=<the batches>"):
-        _run(Recording(steps=2), inner_batches=[stream])
+def test_the_older_step_batches_idiom_still_works_and_mixing_raises_a_clear_error():
+    method = Recording(steps=2)
+    _run(method, steps=3, inner_batches=[hg.StepBatches(iter(range(100)))])
+    assert method.inner == [[0, 1], [2, 3], [4, 5]]       # the StepBatches itself, as before
+    with pytest.raises(TypeError, match=r"inner_batches mixes StepBatches with plain batches"):
+        _run(Recording(steps=2), inner_batches=[0, hg.StepBatches(iter(range(100)))])
     with pytest.raises(TypeError, match="inner_batches must be batches, not a StepBatches"):
-        _run(Recording(steps=2), inner_batches=stream)
+        _run(Recording(steps=2), inner_batches=hg.StepBatches(iter(range(100))))
 
 
 def test_callback_returning_true_stops_the_loop():
