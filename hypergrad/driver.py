@@ -35,7 +35,7 @@ class SolveResult:
             was not evaluated, see ``outer_loss_every``), ``grad_norm`` (of the hypergradient
             estimate), ``inner_residual`` (‖∇_w g‖ before the estimate), ``converged`` (the
             method's own flag) and ``lr`` (the learning rate of the outer optimizer's first
-            parameter group for that step).
+            parameter group for that step; NaN for an optimizer without one).
         state: the method's state after the last step (pass it to a later call to resume).
         steps_run: outer steps taken (``steps`` unless the callback stopped the loop).
         stopped_early: whether the callback stopped the loop before ``steps``.
@@ -409,7 +409,7 @@ def solve(
             batch = outer_stream.next() if isinstance(outer_batch, StepBatches) else outer_batch
             with torch.no_grad():
                 outer_loss = last_outer_loss = float(problem.outer_loss(w, lam_now, batch))
-        lr = float(optimizer.param_groups[0]["lr"])
+        lr = float(optimizer.param_groups[0].get("lr", float("nan")))  # NaN: an optimizer without "lr"
         optimizer.zero_grad(set_to_none=False)
         for k, p in lam_params.items():
             p.grad = result.grad[k].detach().to(p.dtype).clone()

@@ -302,3 +302,17 @@ def test_inner_solve_reads_streams_like_solve():
     assert seen == ["a", "b", "a", "b", "a"]
     with pytest.raises(ValueError, match="batches ran out after 2 batch"):
         hg.inner_solve(problem, w, lam, 5, hg.inner.SGD(0.5), batches=iter(["a", "b"]))
+
+
+def test_an_outer_optimizer_without_lr_records_nan():
+    class SignStep(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"step_size": 0.5})
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.add_(p.grad.sign(), alpha=-group["step_size"])
+
+    res = _run(Recording(), steps=2, outer_optimizer=SignStep)
+    assert all(math.isnan(v) for v in res.history["lr"]) and float(res.lam["c"]) == -1.0
