@@ -5,7 +5,7 @@ The runners of the ``fd`` group (``FiniteDifference`` with a CG solve, and with 
 DARTS) and of the ``penalty`` group (``Penalty`` at its steady state, ``evaluate="current"`` and
 ``"advanced"``). Further first-order or stochastic methods join as new groups here: a name in
 ``GROUPS``, a block in ``add_runners``, and the group in the family lists of the suite's problems
-(``hg_harness._suite``).
+(``hg_harness.suite``).
 
 Alone, on the problems these runners serve (the report covers only them; printed unless ``--out``)::
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import hg_cli
 import torch
-from hg_harness import Add, Bench, Sizes, Want, cg_settings, ours
+from hg_harness import Add, Bench, Sizes, Want, cg_settings, no_experiments, ours
 
 import hypergrad as hg
 
@@ -50,9 +50,7 @@ def add_runners(b: Bench, sizes: Sizes, K: int, want: Want, add: Add) -> None:
                             "penalty-advanced", state=_penalty_state(b)))
 
 
-def after_problem(b: Bench, sizes: Sizes, log: Any) -> dict[str, list[dict[str, Any]]]:
-    """No per-problem experiment beyond the timings."""
-    return {}
+after_problem = no_experiments
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,9 @@ What every part uses, in one place:
 A *concern* is a module (``hg_implicit``, ``hg_unrolled``, ``hg_first_order``) with ``GROUPS``,
 the ``make_runners`` selectors it serves, ``add_runners(b, sizes, K, want, add)``, which adds the
 runners of the wanted groups, and ``after_problem(b, sizes, log)``, which runs its per-problem
-experiments (preconditioning, the hyper-cleaning loop) and returns their result lists by key.
+experiments (preconditioning, the hyper-cleaning loop) and returns their result lists by key
+(:func:`no_experiments` where there are none). The suite times every runner of one problem
+interleaved, whichever concern it comes from; the entry ``hypergrad_bench.py`` passes them all.
 """
 
 from __future__ import annotations
@@ -156,16 +158,19 @@ MODES = {"full": FULL, "quick": QUICK, "tiny": TINY}
 
 
 def flat(t: Tree | tuple[Tensor, ...] | list[Tensor]) -> Tensor:
+    """The leaves of ``t``, detached, as one flat vector."""
     values = t.values() if isinstance(t, dict) else t
     return torch.cat([v.detach().reshape(-1) for v in values])
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
     a, b = a.double(), b.double()
     return float(torch.linalg.vector_norm(a - b) / torch.clamp(torch.linalg.vector_norm(b), min=1e-300))
 
 
 def fresh_leaves(t: Tree) -> Tree:
+    """Detached copies of ``t``'s tensors that require grad (new leaves of a graph)."""
     return {k: v.detach().clone().requires_grad_(True) for k, v in t.items()}
 
 
@@ -498,6 +503,7 @@ class Runner:
 
 
 def peers() -> tuple[Any, Any]:
+    """torchopt and higher, imported on first use (their import warnings silenced)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import higher
@@ -526,6 +532,7 @@ def jax_module() -> Any | None:
 
 
 def ours(b: Bench, method: Any, name: str, family: str, state: dict | None = None) -> Runner:
+    """hypergrad's ``method`` on ``b`` as a runner (its iterations and gradient evaluations in ``info``)."""
     problem = b.problem
     holder: dict[str, Any] = {"state": state}
     info: dict[str, Any] = {}
@@ -542,6 +549,7 @@ def ours(b: Bench, method: Any, name: str, family: str, state: dict | None = Non
 
 
 def loaded_copy(model: nn.Module, w: Tree, requires_grad: bool) -> nn.Module:
+    """A deep copy of ``model`` holding the parameters ``w`` (for higher and MetaSGD)."""
     m = copy.deepcopy(model)
     with torch.no_grad():
         for k, p in m.named_parameters():
@@ -592,6 +600,11 @@ class Concern(Protocol):
     def add_runners(self, b: Bench, sizes: Sizes, K: int, want: Want, add: Add) -> None: ...
 
     def after_problem(self, b: Bench, sizes: Sizes, log: Callable[[str], None]) -> dict[str, list]: ...
+
+
+def no_experiments(b: Bench, sizes: Sizes, log: Callable[[str], None]) -> dict[str, list]:
+    """``after_problem`` of a concern with no experiment beyond the timings."""
+    return {}
 
 
 def make_runners(b: Bench, sizes: Sizes, concerns: tuple[Concern, ...], which: list[str] | None = None,
@@ -910,7 +923,7 @@ def _suite(sizes: Sizes, concerns: tuple[Concern, ...], threads: int, log: Calla
     rows: list[Row] = []
     extras: dict[str, list[dict[str, Any]]] = {}  # the concerns' per-problem results, by key
     all_families = None
-    served = {group for concern in concerns for group in concern.GROUPS}  # "unit" rows time nothing alone
+    served = {group for concern in concerns for group in concern.GROUPS}  # units alone compare nothing
 
     def run(n: int) -> bool:
         return sizes.problems is None or n in sizes.problems
@@ -1014,10 +1027,12 @@ def _suite(sizes: Sizes, concerns: tuple[Concern, ...], threads: int, log: Calla
 
 
 def fmt_value(x: float | None, spec: str = ".2f", none: str = "-") -> str:
+    """``x`` formatted with ``spec``; ``none`` for None or NaN."""
     return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
 def metadata(threads: int) -> dict[str, Any]:
+    """Date, machine, load and library versions for a report header."""
     cpu = "unknown"
     with_path = Path("/proc/cpuinfo")
     if with_path.exists():

@@ -33,10 +33,10 @@ from hg_harness import (
     cpu_timer,
     flat,
     fresh_leaves,
-    ours,
     jax_module,
     loaded_copy,
     minimize,
+    ours,
     peers,
     rel_err,
 )

@@ -18,7 +18,18 @@ from typing import Any
 
 import hg_cli
 import torch
-from hg_harness import Add, Bench, Runner, Sizes, Want, flat, fresh_leaves, loaded_copy, peers
+from hg_harness import (
+    Add,
+    Bench,
+    Runner,
+    Sizes,
+    Want,
+    flat,
+    fresh_leaves,
+    loaded_copy,
+    no_experiments,
+    peers,
+)
 from torch import Tensor
 
 import hypergrad as hg
@@ -114,9 +125,7 @@ def add_runners(b: Bench, sizes: Sizes, K: int, want: Want, add: Add) -> None:
         add("unrolled-forward", _unrolled(b, K, mode="forward"))
 
 
-def after_problem(b: Bench, sizes: Sizes, log: Any) -> dict[str, list[dict[str, Any]]]:
-    """No per-problem experiment beyond the timings."""
-    return {}
+after_problem = no_experiments
 
 
 def main(argv: list[str] | None = None) -> int:
