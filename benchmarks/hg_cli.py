@@ -14,7 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from hg_harness import FULL, QUICK, Concern, Row, Sizes, suite
+from hg_harness import Concern, Row, suite
+from hg_problems import FULL, QUICK, Sizes
 from hg_report import CORE_CHANGES, render
 
 

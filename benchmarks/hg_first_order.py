@@ -19,7 +19,8 @@ from typing import Any
 
 import hg_cli
 import torch
-from hg_harness import Add, Bench, Sizes, Want, cg_settings, no_experiments, ours
+from hg_harness import Add, Want, cg_settings, no_experiments, ours
+from hg_problems import Bench, Sizes
 
 import hypergrad as hg
 

@@ -24,22 +24,16 @@ import hg_cli
 import torch
 from hg_harness import (
     Add,
-    Bench,
     Runner,
-    Sizes,
-    Tree,
     Want,
     cg_settings,
     cpu_timer,
-    flat,
-    fresh_leaves,
     jax_module,
     loaded_copy,
-    minimize,
     ours,
     peers,
-    rel_err,
 )
+from hg_problems import Bench, Sizes, Tree, flat, fresh_leaves, minimize, rel_err
 from torch import Tensor
 from torch.func import functional_call
 

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hg_harness import MB, RESULTS, Tree, cpu_timer, flat, fmt_value, metadata, peers, rel_err
+from hg_harness import MB, RESULTS, cpu_timer, fmt_value, metadata, peers
+from hg_problems import Tree, flat, rel_err
 from torch import Tensor
 
 import hypergrad as hg

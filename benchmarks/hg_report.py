@@ -16,7 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from hg_harness import Row, Sizes, fmt_value
+from hg_harness import Row, fmt_value
+from hg_problems import Sizes
 
 
 def _find(rows: list[Row], problem: str, family: str, library: str) -> Row | None:

@@ -18,18 +18,8 @@ from typing import Any
 
 import hg_cli
 import torch
-from hg_harness import (
-    Add,
-    Bench,
-    Runner,
-    Sizes,
-    Want,
-    flat,
-    fresh_leaves,
-    loaded_copy,
-    no_experiments,
-    peers,
-)
+from hg_harness import Add, Runner, Want, loaded_copy, no_experiments, peers
+from hg_problems import Bench, Sizes, flat, fresh_leaves
 from torch import Tensor
 
 import hypergrad as hg

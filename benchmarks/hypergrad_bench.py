@@ -30,9 +30,9 @@ reports the peak RSS over that baseline for one hypergradient.
 The parts, each runnable alone with ``--quick`` (see its docstring): ``hg_implicit.py`` (implicit
 differentiation vs torchopt and jaxopt, preconditioning, the hyper-cleaning loop),
 ``hg_unrolled.py`` (unrolling vs higher and MetaSGD), ``hg_first_order.py`` (finite differences,
-Penalty/F2SA), ``hg_meta.py`` (batched iMAML, ``--imaml`` here), over the shared harness
-``hg_harness.py`` (problems, runners, timing, memory, the suite), ``hg_report.py`` (the report)
-and ``hg_cli.py`` (the command line).
+Penalty/F2SA), ``hg_meta.py`` (batched iMAML, ``--imaml`` here), over ``hg_problems.py``
+(sizes and problems), the shared harness ``hg_harness.py`` (runners, timing, memory, the suite),
+``hg_report.py`` (the report) and ``hg_cli.py`` (the command line).
 """
 
 from __future__ import annotations
@@ -49,24 +49,10 @@ import hg_implicit
 import hg_meta
 import hg_unrolled
 import torch
-from hg_harness import (
-    FULL,
-    QUICK,
-    RESULTS,
-    TINY,
-    Bench,
-    Concern,
-    Runner,
-    Sizes,
-    build_bench,
-    flat,
-    metadata,
-    rel_err,
-    time_interleaved,
-    worker,
-)
+from hg_harness import RESULTS, Concern, Runner, metadata, time_interleaved, worker
 from hg_harness import make_runners as make_concern_runners
 from hg_harness import suite as concern_suite
+from hg_problems import FULL, QUICK, TINY, Bench, Sizes, build_bench, flat, rel_err
 
 __all__ = [
     "CONCERNS", "FULL", "QUICK", "TINY", "Bench", "Runner", "Sizes", "build_bench", "flat", "main",

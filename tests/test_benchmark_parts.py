@@ -1,6 +1,6 @@
 """The hypergrad benchmark's parts (benchmarks/hg_implicit.py, hg_unrolled.py, hg_first_order.py
-over hg_harness.py): each alone times only its own families, on the problems it serves; together,
-through hypergrad_bench.py, every family in the order of the report."""
+over hg_problems.py and hg_harness.py): each alone times only its own families, on the problems
+it serves; together, through hypergrad_bench.py, every family in the order of the report."""
 
 from __future__ import annotations
 
@@ -29,12 +29,17 @@ def harness():
     return load_benchmark("hg_harness")
 
 
+@pytest.fixture(scope="module")
+def problems():
+    return load_benchmark("hg_problems")
+
+
 def _families(result, problem):
     return [r.family for r in result["rows"] if r.problem == problem]
 
 
-def _suite(harness, concerns, problems):
-    sizes = replace(harness.TINY, problems=problems, memory=False)
+def _suite(harness, concerns, numbers):
+    sizes = replace(load_benchmark("hg_problems").TINY, problems=numbers, memory=False)
     threads = torch.get_num_threads()
     try:
         return harness.suite(sizes, concerns, threads=1, log=lambda _: None)
@@ -69,14 +74,14 @@ def test_a_problem_no_part_serves_is_left_out(harness) -> None:
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_the_entry_runs_every_family_in_the_single_file_order(harness) -> None:
+def test_the_entry_runs_every_family_in_the_single_file_order(problems) -> None:
     bench = load_benchmark("hypergrad_bench")
     b = bench.build_bench({"key": "ridge_feature", "kind": "ridge", "n": 60, "d": 5, "scalar": False, "K": 3})
-    runners = bench.make_runners(b, harness.TINY)
+    runners = bench.make_runners(b, problems.TINY)
     assert [r.family for r in runners] == RIDGE_FEATURE_FAMILIES
     # each runner knows the group that builds it again in the memory worker
     for r in runners:
-        again = bench.make_runners(b, harness.TINY, [r.group])
+        again = bench.make_runners(b, problems.TINY, [r.group])
         assert r.name in {x.name for x in again}, (r.group, r.name)
 
 

@@ -24,6 +24,11 @@ def harness():
 
 
 @pytest.fixture(scope="module")
+def problems():
+    return load_benchmark("hg_problems")
+
+
+@pytest.fixture(scope="module")
 def report():
     return load_benchmark("hg_report")
 
@@ -130,7 +135,7 @@ def test_times_ratios_and_targets_are_finite(result, report, tmp_path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_memory_measurement_of_one_configuration(harness, tmp_path) -> None:
+def test_memory_measurement_of_one_configuration(harness, problems, tmp_path) -> None:
     """The worker's per-configuration measurement sees the stored graph, and checkpointing drops it.
 
     On a tanh MLP (64-64-64-10, batch 256, float32, K = 100) reverse unrolling keeps every step's
@@ -141,7 +146,7 @@ def test_memory_measurement_of_one_configuration(harness, tmp_path) -> None:
     K = 100
     spec = {"key": "mlp_w64", "label": "checkpoint_mem", "kind": "mlp", "width": 64, "batch": 256, "K": K,
             "maxiter": 10, "sigma": 1e-2, "inner_iters": 20}
-    harness.build_bench(spec, tmp_path)  # fills the cache the worker reads
+    problems.build_bench(spec, tmp_path)  # fills the cache the worker reads
     configs = [{"id": group, "spec": spec, "cache": str(tmp_path), "mode": "tiny", "threads": 1,
                 "group": group, "name": name, "K": K}
                for group, name in (("unrolled-reverse", f"Unrolled reverse (K={K})"),
@@ -172,7 +177,7 @@ def test_a_subset_of_problems_runs_and_renders(bench, report, tmp_path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_recompute_lowers_the_stored_graph_memory(harness, tmp_path) -> None:
+def test_recompute_lowers_the_stored_graph_memory(harness, problems, tmp_path) -> None:
     """Unrolled(recompute=True), the default, and with recompute_min_bytes=0, against
     recompute=False on a tanh MLP (the ksweep problem's shape: 64-64-64-10, batch 256, float32,
     K = 100), peak RSS over the baseline as the benchmark measures it: in its worker, one fresh
@@ -184,7 +189,7 @@ def test_recompute_lowers_the_stored_graph_memory(harness, tmp_path) -> None:
     K = 100
     spec = {"key": "mlp_w64", "label": "recompute_mem", "kind": "mlp", "width": 64, "batch": 256, "K": K,
             "maxiter": 10, "sigma": 1e-2, "inner_iters": 20}
-    harness.build_bench(spec, tmp_path)
+    problems.build_bench(spec, tmp_path)
     configs = [{"id": group, "spec": spec, "cache": str(tmp_path), "mode": "tiny", "threads": 1,
                 "group": group, "name": name, "K": K}
                for group, name in (("unrolled-stored", f"Unrolled reverse, recompute=False (K={K})"),
