@@ -14,6 +14,7 @@ pytest.importorskip("torchopt")
 pytest.importorskip("higher")
 pytest.importorskip("sklearn")
 
+HARNESS, PROBLEMS = load_benchmark("hg_harness"), load_benchmark("hg_problems")
 UNITS = {"unit", "unit-hvp"}
 # hypergrad_bench.py's runners on the per-feature ridge problem, in the order the single-file
 # benchmark built them (its make_runners): implicit, unrolled, then first-order families
@@ -24,25 +25,15 @@ RIDGE_FEATURE_FAMILIES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def harness():
-    return load_benchmark("hg_harness")
-
-
-@pytest.fixture(scope="module")
-def problems():
-    return load_benchmark("hg_problems")
-
-
 def _families(result, problem):
     return [r.family for r in result["rows"] if r.problem == problem]
 
 
-def _suite(harness, concerns, numbers):
-    sizes = replace(load_benchmark("hg_problems").TINY, problems=numbers, memory=False)
+def _suite(concerns, numbers):
+    sizes = replace(PROBLEMS.TINY, problems=numbers, memory=False)
     threads = torch.get_num_threads()
     try:
-        return harness.suite(sizes, concerns, threads=1, log=lambda _: None)
+        return HARNESS.suite(sizes, concerns, threads=1, log=lambda _: None)
     finally:
         torch.set_num_threads(threads)
 
@@ -51,9 +42,9 @@ def _suite(harness, concerns, numbers):
 @pytest.mark.parametrize(("part", "prefixes"), [("hg_implicit", ("implicit-",)),
                                                  ("hg_unrolled", ("unrolled-",)),
                                                  ("hg_first_order", ("fd-", "penalty"))])
-def test_a_part_alone_times_only_its_families(harness, part, prefixes) -> None:
+def test_a_part_alone_times_only_its_families(part, prefixes) -> None:
     concern = load_benchmark(part)
-    result = _suite(harness, (concern,), (1,))
+    result = _suite((concern,), (1,))
     assert {r.problem for r in result["rows"]} == {"ridge_scalar", "ridge_feature"}
     for problem in ("ridge_scalar", "ridge_feature"):
         families = _families(result, problem)
@@ -66,22 +57,22 @@ def test_a_part_alone_times_only_its_families(harness, part, prefixes) -> None:
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_a_problem_no_part_serves_is_left_out(harness) -> None:
+def test_a_problem_no_part_serves_is_left_out() -> None:
     """The unroll-length sweep (problem 5) has no finite-difference or penalty runners: the
     first-order part alone builds nothing there (not even the unit gradient's rows)."""
-    result = _suite(harness, (load_benchmark("hg_first_order"),), (5,))
+    result = _suite((load_benchmark("hg_first_order"),), (5,))
     assert result["rows"] == []
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_the_entry_runs_every_family_in_the_single_file_order(problems) -> None:
+def test_the_entry_runs_every_family_in_the_single_file_order() -> None:
     bench = load_benchmark("hypergrad_bench")
     b = bench.build_bench({"key": "ridge_feature", "kind": "ridge", "n": 60, "d": 5, "scalar": False, "K": 3})
-    runners = bench.make_runners(b, problems.TINY)
+    runners = bench.make_runners(b, PROBLEMS.TINY)
     assert [r.family for r in runners] == RIDGE_FEATURE_FAMILIES
     # each runner knows the group that builds it again in the memory worker
     for r in runners:
-        again = bench.make_runners(b, problems.TINY, [r.group])
+        again = bench.make_runners(b, PROBLEMS.TINY, [r.group])
         assert r.name in {x.name for x in again}, (r.group, r.name)
 
 
