@@ -462,3 +462,15 @@ def test_scheduled_sgd_and_decreasing() -> None:
     torch.testing.assert_close(p.detach(), torch.full((2,), expected))
     with pytest.raises(ValueError, match="step_size must be a finite number > 0"):
         ScheduledSGD([p], 0.0)
+
+
+def test_step_batches_flags_and_one_batch_methods() -> None:
+    assert hg.AmIGO.takes_step_batches and hg.StocBiO.takes_step_batches
+    q = make_quadratic(seed=20, dim=2, p=1, kappa=2.0)
+    w, lam, v = point(q)
+    # SOBA and SABA use one inner batch per call: a StepBatches gives its next batch
+    stream = iter([(2, None), (0, None)])
+    r = hg.SOBA(0.1).hypergrad(q.problem, w, lam, hg.StepBatches(stream), (1, None), {"v": v})
+    plain = hg.SOBA(0.1).hypergrad(q.problem, w, lam, (2, None), (1, None), {"v": v})
+    torch.testing.assert_close(r.grad["lam"], plain.grad["lam"])
+    assert next(stream) == (0, None)
