@@ -11,6 +11,7 @@ from hypergrad.stochastic import (
     OracleCounts,
     StepSize,
     check_step_size,
+    hessian_products,
     inner_products,
     linear_iterate,
     one_batch,
@@ -142,10 +143,9 @@ class AmIGO:
         check_finite(w, "AmIGO inner iterate w")
         grad_w_f, grad_lam_f = outer_grads(problem, w, lam, one_batch(outer_batch))
         linear_residual: float | None = None
+        hvp = hessian_products(problem, w, lam, inner_batch)
         for batch in batches[T : T + L]:
-            hvp = inner_products(problem, w, lam, batch, v, hvp=True).hvp
-            assert hvp is not None
-            d_v = tree_sub(hvp, grad_w_f)
+            d_v = tree_sub(hvp(batch, v), grad_w_f)
             linear_residual = float(tree_norm(d_v))
             v = tree_detach(tree_axpy(-eta, d_v, v))
         check_finite(v, "AmIGO linear-system iterate v")

@@ -125,10 +125,10 @@ class SABA:
         >>> a = torch.tensor([1.0, 2.0, 3.0, 6.0])        # four samples, one batch each
         >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"] * a[b[0]]) ** 2).sum()
         >>> f = lambda w, lam, b: 0.5 * ((w["x"] - 9.0) ** 2).sum()
-        >>> batches = [(i, None) for i in torch.randperm(4, generator=torch.Generator().manual_seed(0)).tolist()] * 400
+        >>> batches = [(i, None) for i in torch.randperm(4, generator=torch.Generator().manual_seed(0)).tolist()] * 100
         >>> res = hg.solve(hg.BilevelProblem(g, f), {"x": torch.zeros(1)}, {"c": torch.zeros(1)},
         ...                hg.SABA(step_size=0.5, n_inner=4, n_outer=1), lambda p: torch.optim.SGD(p, lr=0.02),
-        ...                steps=1600, inner_batches=batches, outer_batches=[(0, None)], progress=False)
+        ...                steps=400, inner_batches=batches, outer_batches=[(0, None)], progress=False)
         >>> round(res.lam["c"].item(), 4)   # w* = c * mean(a) = 3c, F minimal at c* = 3
         3.0
     """

@@ -11,6 +11,7 @@ from hypergrad.stochastic import (
     OracleCounts,
     StepSize,
     check_step_size,
+    hessian_products,
     inner_products,
     one_batch,
     outer_grads,
@@ -147,10 +148,9 @@ class StocBiO:
         check_finite(w, "StocBiO inner iterate w")
         grad_w_f, grad_lam_f = outer_grads(problem, w, lam, one_batch(outer_batch))
         term, total = grad_w_f, grad_w_f
+        hvp = hessian_products(problem, w, lam, inner_batch)
         for batch in batches[T : T + Q]:
-            hvp = inner_products(problem, w, lam, batch, term, hvp=True).hvp
-            assert hvp is not None
-            term = tree_detach(tree_axpy(-eta, hvp, term))
+            term = tree_detach(tree_axpy(-eta, hvp(batch, term), term))
             total = tree_add(total, term)
         v = tree_scale(total, eta)
         check_finite(v, "StocBiO Neumann estimate v")

@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from hypergrad.autodiff import grad_with_graph, loss_and_grads, outer_fn
-from hypergrad.batches import per_step
+from hypergrad.autodiff import RootSystem, grad_with_graph, loss_and_grads, outer_fn
+from hypergrad.batches import StepBatches, per_step
 from hypergrad.problem import BilevelProblem
 from hypergrad.tree import (
     Tree,
@@ -48,6 +48,7 @@ __all__ = [
     "ScheduledSGD",
     "StepSize",
     "check_step_size",
+    "hessian_products",
     "inner_products",
     "linear_iterate",
     "one_batch",
@@ -303,6 +304,48 @@ def inner_products(
     if cross_tree is not None:
         check_finite(cross_tree, "mixed product")
     return InnerProducts(grad, hvp_tree, cross_tree)
+
+
+def hessian_products(problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any) -> Callable[[Any, Tree], Tree]:
+    r"""A function ``(batch, v) -> H_batch v`` for the repeated products of one call at ``(w, lam)``.
+
+    When ``inner_batch`` is a plain batch (reused for every step, see
+    :func:`hypergrad.batches.per_step`), the graph of :math:`\nabla_w g` is built once and every
+    product is one backward pass through it (about half the cost of building it per product).
+    With a :class:`~hypergrad.batches.StepBatches` every product builds the graph of its own
+    batch (no reuse on object identity: a loader may refill one buffer in place).
+
+    Raises:
+        hypergrad.NonFiniteError: the loss or a product holds NaN or inf.
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> from hypergrad.stochastic import hessian_products
+        >>> g = lambda w, lam, b: 0.5 * (lam["a"] * w["x"] ** 2).sum()
+        >>> w, lam = {"x": torch.tensor([1.0, 2.0])}, {"a": torch.tensor(3.0)}
+        >>> hvp = hessian_products(hg.BilevelProblem(g, g), w, lam, None)
+        >>> hvp(None, {"x": torch.ones(2)})["x"].tolist()
+        [3.0, 3.0]
+    """
+    if isinstance(inner_batch, StepBatches):
+
+        def fresh(batch: Any, v: Tree) -> Tree:
+            out = inner_products(problem, w, lam, batch, v, hvp=True).hvp
+            assert out is not None
+            return out
+
+        return fresh
+    system: RootSystem | None = None
+
+    def reused(batch: Any, v: Tree) -> Tree:
+        nonlocal system
+        if system is None:
+            system = RootSystem(problem, w, tree_detach(lam), batch)
+        out = system.rmatvec(v)
+        check_finite(out, "Hessian-vector product")
+        return out
+
+    return reused
 
 
 def outer_grads(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any) -> tuple[Tree, Tree]:
