@@ -72,8 +72,8 @@ class AmIGO:
     :math:`\lVert H_{i} v - \nabla_w f_j \rVert` (before its step; None when ``linear_steps=0``). ``info.converged`` is always True.
 
     Step sizes: :math:`\rho, \eta < 2 / L_g` for stable recursions (:math:`L_g`: the largest
-    batch-Hessian eigenvalue); the paper uses constant steps with enough inner steps
-    (:math:`T, L` of order :math:`\kappa \log \kappa`) for its rates.
+    batch-Hessian eigenvalue); the paper uses constant steps, with numbers of inner steps
+    :math:`T, L` that grow with the condition number :math:`\kappa` of the inner Hessian.
 
     Args:
         step_size: :math:`\rho` of the inner SGD: a number > 0 or a schedule ``t -> rho_t``.

@@ -65,9 +65,10 @@ class SOBA:
     ``info.converged`` is always True (a single step solves nothing; judge convergence by the
     iterates).
 
-    Step sizes: the paper proves convergence for :math:`\rho_t, \gamma_t \propto t^{-1/2}` (up
-    to :math:`\log` factors) with :math:`\gamma_t / \rho_t` small enough; with constant steps the
-    iterates reach a noise ball of radius :math:`O(\rho)` (see :doc:`/methods/stochastic`).
+    Step sizes: the paper's analysis takes :math:`\rho_t \propto t^{-2/5}`,
+    :math:`\gamma_t \propto t^{-3/5}` (``Decreasing(rho, 0.4)`` and ``Decreasing(gamma, 0.6)``);
+    benchmark_bilevel uses :math:`t^{-1/2}` for both; with constant steps the iterates reach a
+    noise ball of radius :math:`O(\rho)` (see :doc:`/methods/stochastic`).
     :math:`\rho` must be below :math:`2 / L` (:math:`L`: the largest eigenvalue of the batch
     Hessians) for the :math:`w` and :math:`v` recursions to be stable.
 
