@@ -2,12 +2,14 @@ r"""BOME: first-order bilevel optimization by a value-function constraint (Liu e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from hypergrad.autodiff import loss_and_grads
+from hypergrad.batches import per_step
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.tree import Tree, check_finite, tree_axpy, tree_detach, tree_dot, tree_sub
@@ -38,6 +40,10 @@ def bome_phi(q: float, dot: float, sq_norm: float, eta: float, barrier: str) -> 
         return 0.0
     target = eta * q if barrier == "value" else eta * sq_norm
     return max((target - dot) / sq_norm, 0.0)
+
+
+def _inner_loss(problem: BilevelProblem, batch: Any) -> Callable[[Tree, Tree], torch.Tensor]:
+    return lambda w_, lam_: problem.inner_loss(w_, lam_, batch)
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,12 @@ class BOME:
     :math:`\hat w_T` (for :math:`g(\hat w_T)` and :math:`\nabla_\lambda g(\hat w_T)`); one for
     :math:`\nabla f`. No second derivatives.
 
+    Batches: ``inner_batch`` is one batch reused for all ``T`` inner steps, or a
+    :class:`~hypergrad.batches.StepBatches` giving a fresh batch per step (:func:`hypergrad.solve`
+    passes these for batch streams); :math:`q` and its gradients are taken on the first step's
+    batch, so both values of :math:`g` in :math:`q` see the same data. ``outer_batch`` (one
+    batch, or a ``StepBatches`` of which one is drawn) is that of :math:`\nabla f`.
+
     Args:
         inner_optimizer: optimizer for the ``T`` steps producing :math:`\hat w_T`, e.g.
             ``hg.inner.SGD(lr=1 / L_g)``.
@@ -128,6 +140,8 @@ class BOME:
         >>> r.info.converged, r.info.extra["q"] < 1e-6   # w is inner-optimal for lam
         (True, True)
     """
+
+    takes_step_batches: ClassVar[bool] = True
 
     inner_optimizer: InnerOptimizer
     w_lr: float | None = None
@@ -187,8 +201,11 @@ class BOME:
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
 
-        def g(w_: Tree, lam_: Tree) -> torch.Tensor:
-            return problem.inner_loss(w_, lam_, inner_batch)
+        # One inner batch per inner step; q = g(w) - g(w_hat_T) is taken on the first step's
+        # batch, so that its two values (and their lam-gradients) are on the same batch.
+        batches = per_step(inner_batch, self.inner_steps)
+        (outer_batch,) = per_step(outer_batch, 1)
+        g = _inner_loss(problem, batches[0])
 
         # Inner steps from w; the first backward also gives q's gradients at (w, lam).
         g_w, grad_w_g, grad_lam_g = loss_and_grads(g, w, lam, what="inner loss")
@@ -198,8 +215,8 @@ class BOME:
         with torch.no_grad():
             w_hat, opt_state = opt.update(w, grad_w_g, opt_state)
         w_hat = tree_detach(w_hat)
-        for _ in range(self.inner_steps - 1):
-            _, gw, _ = loss_and_grads(g, w_hat, lam, wrt_lam=False, what="inner loss")
+        for batch in batches[1:]:
+            _, gw, _ = loss_and_grads(_inner_loss(problem, batch), w_hat, lam, wrt_lam=False, what="inner loss")
             assert gw is not None
             with torch.no_grad():
                 w_hat, opt_state = opt.update(w_hat, gw, opt_state)
