@@ -52,7 +52,9 @@ class AmIGO:
     ``result.w`` is the ``w`` of step 1. Inner batches are read through
     :func:`hypergrad.batches.per_step`: a :class:`~hypergrad.batches.StepBatches` gives the
     :math:`T + L + 1` fresh batches of a call (in the order above), a plain batch is reused for
-    all. With exact solves (``w`` at :math:`w^*(\lambda)`, :math:`v` at
+    all (and its graph of :math:`\nabla_w g` is built once for the :math:`L` products).
+    ``takes_step_batches`` is True, so :func:`hypergrad.solve` hands AmIGO a ``StepBatches`` over
+    its batch stream: every step draws a fresh batch, as in the paper. With exact solves (``w`` at :math:`w^*(\lambda)`, :math:`v` at
     :math:`H^{-1} \nabla_w f`, full batches) the direction is :class:`~hypergrad.implicit.Implicit`'s
     hypergradient.
 

@@ -65,7 +65,10 @@ class StocBiO:
 
     Inner batches are read through :func:`hypergrad.batches.per_step`: a
     :class:`~hypergrad.batches.StepBatches` gives the :math:`T + Q + 1` fresh batches of a call
-    (in the order above), a plain batch is reused for all.
+    (in the order above), a plain batch is reused for all (and its graph of :math:`\nabla_w g`
+    is built once for the :math:`Q` products). ``takes_step_batches`` is True, so
+    :func:`hypergrad.solve` hands StocBiO a ``StepBatches`` over its batch stream: every term
+    draws a fresh batch, as in the paper.
 
     Mapping from benchmark_bilevel's ``stocbio.py`` (``step_size``, ``outer_ratio``,
     ``n_inner_steps``, ``n_shia_steps``, constant steps): ``StocBiO(step_size,
