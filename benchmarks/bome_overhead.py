@@ -90,7 +90,7 @@ def torch_problem(f_inner_fb: Any, f_outer_fb: Any) -> hg.BilevelProblem:
         A = jax.jacfwd(lambda y: grad(y, zero_out)[0])(zero_in)
         B = jax.jacfwd(lambda x: grad(zero_in, x)[1])(zero_out)
         C = jax.jacfwd(lambda y: grad(y, zero_out)[1])(zero_in)  # d/dy of (Bx + Cy + b) = C
-        return {k: torch.from_numpy(np.asarray(v)).clone() for k, v in
+        return {k: torch.from_numpy(np.array(v)) for k, v in
                 {"A": A, "B": B, "C": C, "a": a, "b": b}.items()}
 
     gi, go = coefficients(f_inner_fb, 100, 100), coefficients(f_outer_fb, 100, 100)
