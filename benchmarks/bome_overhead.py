@@ -46,10 +46,10 @@ from typing import Any
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-import hypergrad as hg  # noqa: E402
+import hypergrad as hg
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEP, T, ETA = 0.1, 10, 0.5
@@ -187,7 +187,7 @@ def main() -> None:
 
     loads, samples = [], {name: [] for name in runners}
     for _ in range(rounds):
-        loads.append(open("/proc/loadavg").read().split()[0])
+        loads.append(Path("/proc/loadavg").read_text().split()[0])
         for name, run in runners.items():
             samples[name].append(per_iteration(run, n1, n2))
     jax_name = "JAX (benchmark_bilevel BOME)"

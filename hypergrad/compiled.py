@@ -1,4 +1,4 @@
-r"""Compiled products for implicit differentiation: trace the losses once, then run kernels.
+r"""Compiled hypergradient stages (implicit products, BOME, F2SA): trace the losses once, then run kernels.
 
 The eager products of :class:`~hypergrad.autodiff.RootSystem` are backward passes through a
 retained graph: each one walks the autograd engine's node list (tens of microseconds per node on
@@ -35,6 +35,15 @@ hundreds to thousands of calls: in long outer loops, not in a few calls.
 on tensor values, an operator dynamo cannot trace, the recompile limit), one warning is logged on
 the ``hypergrad`` logger and the eager products are used; ``info.extra["compiled"]`` says which
 path ran. Failures are remembered per problem, so the compiler is not retried on every call.
+
+**First-order methods.** ``BOME(compile=True)`` and ``Penalty(compile=True)`` take no products
+inside a call, so their stage is the whole call (:func:`compiled_bome`, :func:`compiled_penalty`):
+the inner steps, the final gradients and the direction or estimate are traced and compiled by
+inductor as one graph, the same cache, guards, fallback and ``info.extra`` fields as above. Per
+call that is one guarded call of compiled code and one read-back of the floats of ``info``. On
+benchmark_bilevel's averaged quadratic (d = 100, T = 10) a compiled BOME call took 0.5x the CPU time
+of the benchmark's jitted JAX BOME iteration, the eager call 4.4x
+(``benchmarks/results/bome_overhead.md``).
 """
 
 from __future__ import annotations

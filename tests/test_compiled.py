@@ -447,9 +447,12 @@ def test_first_order_non_finite_values_raise_the_eager_diagnostic():
     assert bome.hypergrad(problem, w, lam).info.extra["compiled"]
     with pytest.raises(hg.NonFiniteError, match=r"^inner loss is nan \(non-finite\)"):
         bome.hypergrad(problem, w, nan_lam)
-    huge = hg.BOME(hg.inner.SGD(lr=1e200), w_lr=0.1, inner_steps=2, compile=True)  # w_hat overflows
-    with pytest.raises(hg.NonFiniteError, match="inner loss is (inf|nan)|BOME inner iterate w_hat"):
-        huge.hypergrad(problem, w, lam)
+    huge = {"inner_optimizer": hg.inner.SGD(lr=1e200), "w_lr": 0.1, "inner_steps": 2}  # w_hat overflows
+    with pytest.raises(hg.NonFiniteError) as eager_error:
+        hg.BOME(**huge).hypergrad(problem, w, lam)
+    with pytest.raises(hg.NonFiniteError) as compiled_error:
+        hg.BOME(**huge, compile=True).hypergrad(problem, w, lam)
+    assert str(compiled_error.value) == str(eager_error.value)
     f2sa = hg.Penalty(1e-2, hg.inner.SGD(lr=0.5), inner_steps=2, compile=True)
     with pytest.raises(hg.NonFiniteError, match=r"^inner loss is nan \(non-finite\)"):
         f2sa.hypergrad(problem, w, nan_lam)
