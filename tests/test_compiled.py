@@ -344,7 +344,8 @@ def test_first_order_steps_read_closure_batch_and_step_batch_tensors_afresh():
     def g(w, lam, batch):
         X, y = (data["X"], data["y"]) if batch is None else batch
         r = X @ w["x"] - y
-        return 0.5 * (r @ r) / len(y) + 0.5 * (torch.exp(lam["c"]) * w["x"] ** 2).sum()
+        # lam scales the data term too, so that its gradient (the gap's) depends on the batch
+        return 0.5 * (r @ r) / len(y) * torch.exp(lam["c"]).mean() + 0.5 * (torch.exp(lam["c"]) * w["x"] ** 2).sum()
 
     def f(w, lam, batch):
         return 0.5 * ((batch["Xv"] @ w["x"] - batch["yv"]) ** 2).sum()
