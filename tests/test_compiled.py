@@ -465,3 +465,20 @@ def test_first_order_compile_flag_is_checked():
         with pytest.raises(TypeError, match="compile must be a bool, got str"):
             make("yes")
         assert make(True).compile is True and make(False).compile is False
+
+
+@needs_compiler
+def test_first_order_past_the_recompile_limit_runs_eagerly(caplog):
+    """Past dynamo's recompile limit (torch 2.13 raises under fullgraph=True; the stage's "ran" flag
+    covers versions that run the frame eagerly instead): the eager step, with a log line."""
+    import torch._dynamo.config
+
+    problem, w, lam = _logistic(seed=8, n=20, d=3)
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING, logger="hypergrad"):
+        first = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=1, compile=True).hypergrad(problem, w, lam)
+        assert first.info.extra["compiled"] is True
+        other = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=2)  # a guard fails: a second graph
+        result = dataclasses.replace(other, compile=True).hypergrad(problem, w, lam)
+    assert result.info.extra["compiled"] is False
+    assert any("RecompileLimit" in m or "recompile limit" in m for m in caplog.messages)
+    assert torch.equal(result.grad["log_l2"], other.hypergrad(problem, w, lam).grad["log_l2"])
