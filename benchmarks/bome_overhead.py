@@ -130,6 +130,18 @@ def torch_runner(method: hg.BOME, problem: hg.BilevelProblem, w0: dict, lam0: di
     return run
 
 
+def penalty_runner(method: hg.Penalty, problem: hg.BilevelProblem, w0: dict, lam0: dict) -> Callable[[int], Any]:
+    """F2SA on the same problem: its two iterates and optimizer states carried across calls."""
+    def run(n: int) -> Any:
+        w, lam, state = dict(w0), dict(lam0), None
+        for _ in range(n):
+            r = method.hypergrad(problem, w, lam, state=state)
+            w, state, lam = r.w, r.state, {"x": lam["x"] - STEP * r.grad["x"]}
+        return lam["x"].numpy()
+
+    return run
+
+
 def per_iteration(run: Callable[[int], Any], n1: int, n2: int) -> tuple[float, float]:
     """(wall, process CPU) seconds per iteration from the difference of an n2 and an n1 run."""
     w0, c0 = time.perf_counter(), time.process_time()
@@ -175,20 +187,25 @@ def main() -> None:
     first = compiled.hypergrad(problem, w0, lam0)
     assert first.info.extra["compiled"], "compilation failed (see the hypergrad log line)"
     compile_s = first.info.extra["compile_s"]
+    f2sa = {"sigma": 0.01, "inner_optimizer": hg.inner.SGD(lr=STEP), "inner_steps": T}
+    assert hg.Penalty(**f2sa, compile=True).hypergrad(problem, w0, lam0).info.extra["compiled"]
 
     runners = {"JAX (benchmark_bilevel BOME)": jax_runner(solver),
                "hypergrad BOME eager": torch_runner(eager, problem, w0, lam0),
                "hypergrad BOME compile=True": torch_runner(compiled, problem, w0, lam0)}
+    f2sa_runners = {"hypergrad F2SA (Penalty) eager": penalty_runner(hg.Penalty(**f2sa), problem, w0, lam0),
+                    "hypergrad F2SA (Penalty) compile=True":
+                        penalty_runner(hg.Penalty(**f2sa, compile=True), problem, w0, lam0)}
     # trajectory: the same iterations from the same start
     k = 300
     finals = {name: run(k) for name, run in runners.items()}
     ref = finals["JAX (benchmark_bilevel BOME)"]
     drift = {name: float(np.linalg.norm(x - ref) / np.linalg.norm(ref)) for name, x in finals.items()}
 
-    loads, samples = [], {name: [] for name in runners}
+    loads, samples = [], {name: [] for name in [*runners, *f2sa_runners]}
     for _ in range(rounds):
         loads.append(Path("/proc/loadavg").read_text().split()[0])
-        for name, run in runners.items():
+        for name, run in [*runners.items(), *f2sa_runners.items()]:
             samples[name].append(per_iteration(run, n1, n2))
     jax_name = "JAX (benchmark_bilevel BOME)"
     lines = ["| runner | wall us/iter (median) | CPU us/iter (median) | wall ratio to JAX (median of rounds) "
@@ -199,6 +216,15 @@ def main() -> None:
         wall_ratio = statistics.median(a[0] / b[0] for a, b in zip(samples[name], samples[jax_name], strict=True))
         cpu_ratio = statistics.median(a[1] / b[1] for a, b in zip(samples[name], samples[jax_name], strict=True))
         lines.append(f"| {name} | {wall:.0f} | {cpu:.0f} | {wall_ratio:.2f} | {cpu_ratio:.2f} | {drift[name]:.1e} |")
+    eager_name, compiled_name = f2sa_runners
+    lines += ["", "F2SA (`Penalty(sigma=0.01, SGD(lr=0.1), inner_steps=10)`, lam <- lam - 0.1 grad) on the same problem "
+              "(benchmark_bilevel's F2SA is a stochastic scan-jitted solver, not timed here):", "",
+              "| runner | wall us/iter (median) | CPU us/iter (median) | CPU ratio compile=True / eager |", "|---|---|---|---|"]
+    for name in f2sa_runners:
+        ratio = statistics.median(a[1] / b[1] for a, b in zip(samples[compiled_name], samples[eager_name], strict=True))
+        lines.append(f"| {name} | {statistics.median(s[0] for s in samples[name]) * 1e6:.0f} | "
+                     f"{statistics.median(s[1] for s in samples[name]) * 1e6:.0f} | "
+                     f"{ratio if name == compiled_name else 1.0:.2f} |")
     table = "\n".join(lines)
     profile = profile_compiled(runners["hypergrad BOME compile=True"], 200)
     command = "PYTHONPATH=. " + " ".join([Path(sys.executable).as_posix(), *sys.argv])
