@@ -41,9 +41,9 @@ inside a call, so their stage is the whole call (:func:`compiled_bome`, :func:`c
 the inner steps, the final gradients and the direction or estimate are traced and compiled by
 inductor as one graph, the same cache, guards, fallback and ``info.extra`` fields as above. Per
 call that is one guarded call of compiled code and one read-back of the floats of ``info``. On
-benchmark_bilevel's averaged quadratic (d = 100, T = 10) a compiled BOME call took 0.5x the CPU time
-of the benchmark's jitted JAX BOME iteration, the eager call 4.4x
-(``benchmarks/results/bome_overhead.md``).
+benchmark_bilevel's averaged quadratic (d = 100, T = 10) a compiled BOME call took 0.46x the CPU
+time of the benchmark's jitted JAX BOME iteration, the eager call 3.7x; a compiled F2SA call 0.11x
+the eager one (``benchmarks/results/bome_overhead.md``).
 """
 
 from __future__ import annotations
@@ -608,7 +608,8 @@ def compiled_bome(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inne
     ``w_optimizer`` of :mod:`hypergrad.inner`). Compiles once per problem, shape, dtype and
     method configuration; new values of ``w``, ``lam``, the state and the batch tensors are read
     afresh. With a :class:`~hypergrad.batches.StepBatches` inner batch, inner step ``t`` uses the
-    ``t``-th batch, and the gap :math:`g(w) - g(\hat w_T)` is taken on the first. Falls back to
+    ``t``-th batch, and the gap :math:`g(w) - g(\hat w_T)` is taken on the first; one outer batch
+    is drawn from a ``StepBatches`` outer batch. Falls back to
     the eager call (logged once per problem) where compilation fails; a non-finite value reruns
     the eager call, which raises its :class:`~hypergrad.errors.NonFiniteError`.
 
@@ -634,6 +635,7 @@ def compiled_bome(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inne
     if method.w_optimizer is not None:
         w_opt_state = (state or {}).get("w_opt_state") or method.w_optimizer.init(w)
     batches = per_step(inner_batch, method.inner_steps)
+    (outer_batch,) = per_step(outer_batch, 1)  # one outer batch per call, as in the eager call
     ran = _run_stage(problem, _bome_stage, method, w, lam, batches, batches[0], outer_batch, w_opt_state)
     if ran is None:
         return _eager(method, problem, args)
