@@ -482,3 +482,37 @@ def test_first_order_past_the_recompile_limit_runs_eagerly(caplog):
     assert result.info.extra["compiled"] is False
     assert any("RecompileLimit" in m or "recompile limit" in m for m in caplog.messages)
     assert torch.equal(result.grad["log_l2"], other.hypergrad(problem, w, lam).grad["log_l2"])
+
+
+@needs_compiler
+def test_penalty_compiled_reads_one_batch_per_evaluation():
+    """With StepBatches, F2SA's T evaluations read T batch pairs: the same as T eager one-step calls
+    with the state carried, one batch pair each (evaluate="current": the estimate is the last's)."""
+    gen = torch.Generator().manual_seed(9)
+
+    def g(w, lam, batch):
+        r = batch[0] @ w["x"] - batch[1]
+        return 0.5 * (r @ r) / len(r) * torch.exp(lam["c"]).mean() + 0.5 * (torch.exp(lam["c"]) * w["x"] ** 2).sum()
+
+    def f(w, lam, batch):
+        return 0.5 * ((batch[0] @ w["x"] - batch[1]) ** 2).mean()
+
+    def batch():
+        return torch.randn(25, 4, generator=gen, dtype=DT), torch.randn(25, generator=gen, dtype=DT)
+
+    problem = hg.BilevelProblem(g, f)
+    w, lam = {"x": torch.randn(4, generator=gen, dtype=DT)}, {"c": 0.1 * torch.randn(4, generator=gen, dtype=DT)}
+    kwargs = {"sigma": 0.05, "inner_optimizer": hg.inner.SGD(lr=0.2)}
+    for _ in range(2):
+        inner, outer = [batch() for _ in range(3)], [batch() for _ in range(3)]
+        stream = iter(inner)
+        result = hg.Penalty(**kwargs, inner_steps=3, compile=True).hypergrad(
+            problem, w, lam, hg.batches.StepBatches(stream), hg.batches.StepBatches(outer))
+        assert result.info.extra["compiled"] and next(stream, None) is None  # three drawn
+        state, one_step = None, hg.Penalty(**kwargs, inner_steps=1)
+        for inner_batch, outer_batch in zip(inner, outer, strict=True):
+            expected = one_step.hypergrad(problem, state["w"] if state else w, lam, inner_batch, outer_batch, state)
+            state = expected.state
+        torch.testing.assert_close(result.grad["c"], expected.grad["c"], rtol=1e-10, atol=1e-13)
+        for key in ("w", "w_sigma"):
+            torch.testing.assert_close(result.state[key]["x"], expected.state[key]["x"], rtol=1e-10, atol=1e-13)
