@@ -433,6 +433,11 @@ def test_first_order_fallback_to_eager_with_a_log_line(caplog):
         assert any("using the eager step" in m for m in caplog.messages)
         b = method.hypergrad(broken, w, lam)
         assert torch.equal(a.grad["log_l2"], b.grad["log_l2"]) and a.info.grad_evals == b.info.grad_evals
+        if getattr(type(method), "takes_step_batches", False):  # the eager call reads per-step batches
+            drawn = []
+            stream = hg.batches.StepBatches(drawn.append(i) or i for i in range(100))
+            compiled.hypergrad(broken, w, lam, inner_batch=stream)
+            assert len(drawn) == 2  # the eager fallback re-reads the batches the compiled path drew
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="hypergrad"):  # remembered: not retried
             assert compiled.hypergrad(broken, w, lam).info.extra["compiled"] is False
