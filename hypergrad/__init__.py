@@ -5,6 +5,7 @@ interface: ``method.hypergrad(problem, w, lam, inner_batch, outer_batch) -> Hype
 """
 
 from hypergrad import autodiff, batched, batches, compiled, inner, linear, tree
+from hypergrad.alternating import AlternatingImplicit
 from hypergrad.batches import StepBatches
 from hypergrad.bome import BOME
 from hypergrad.driver import SolveResult, inner_solve, solve
@@ -17,6 +18,7 @@ from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradMethod, Hy
 from hypergrad.unrolled import Unrolled
 
 __all__ = [
+    "AlternatingImplicit",
     "BOME",
     "BilevelProblem",
     "ConvergenceWarning",
