@@ -52,11 +52,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness.profiling import Phase, measurement_env
 from torch import Tensor, nn
 from torch.func import functional_call
 
 import hypergrad as hg
-from llm_calib.profiling import Phase, measurement_env
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torchopt's functorch deprecations
 warnings.filterwarnings("ignore", category=DeprecationWarning)
