@@ -18,8 +18,8 @@ from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradMethod, Hy
 from hypergrad.unrolled import Unrolled
 
 __all__ = [
-    "AlternatingImplicit",
     "BOME",
+    "AlternatingImplicit",
     "BilevelProblem",
     "ConvergenceWarning",
     "FiniteDifference",
