@@ -8,7 +8,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+
+try:  # the progress bar is optional: hypergrad itself needs only torch and numpy
+    from tqdm.auto import tqdm
+except ImportError:
+
+    class tqdm:  # noqa: N801  (stands in for tqdm.auto.tqdm without a bar: iterates, drops the postfix)
+        def __init__(self, iterable: Iterable[Any], **_options: Any) -> None:
+            self.iterable = iterable
+
+        def __iter__(self) -> Iterator[Any]:
+            return iter(self.iterable)
+
+        def set_postfix(self, **_values: Any) -> None:
+            pass
+
 
 from hypergrad.autodiff import inner_fn, loss_and_grads
 from hypergrad.inner import SGD, InnerOptimizer
@@ -146,7 +160,7 @@ def solve(
         inner_batches: an iterable of inner batches (cycled; one per inner step and one per
             hypergradient), a single batch, or None.
         outer_batches: likewise for the outer loss (one per outer step).
-        progress: show a tqdm progress bar with F and ‖grad‖.
+        progress: show a tqdm progress bar with F and ‖grad‖ (when tqdm is installed; else no bar).
         callback: called as ``callback(step, w, lam, result)`` after each outer step.
         state: method state to resume from (``SolveResult.state`` of a previous run).
 
