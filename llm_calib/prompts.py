@@ -14,8 +14,8 @@ Templates and few-shot (:func:`record_prompt`, :func:`option_continuations`): a
 ``{subject}``, ``{context}``, any ``meta`` key of the record), a ``target_delimiter`` between the
 prompt and each scored choice, ``choices="letters"`` to score the option letters instead of the
 option texts, a ``description`` written once before everything, and ``fewshot`` solved examples
-drawn reproducibly per question from a pool (:func:`~llm_calib.fewshot.resolve_fewshot` loads it from a named split
-and removes the evaluated questions). :data:`PRESETS` reproduce the zero-shot prompts of
+drawn reproducibly per question from a pool (:func:`~llm_calib.fewshot.resolve_fewshot` loads it
+from a named split and removes the evaluated questions). :data:`PRESETS` reproduce the zero-shot prompts of
 EleutherAI's lm-evaluation-harness for the tasks the loaders read (:func:`preset`).
 
 Open questions have a few-shot short-answer prompt (:func:`short_answer_format`: fixed solved
@@ -96,8 +96,9 @@ class PromptFormat:
             ``fewshot`` candidates in split order, lm-eval's MMLU sampler).
         fewshot_match: a ``meta`` key (e.g. ``"subject"``) whose value an example must share
             with the question (MMLU: examples from the same subject's dev split); None: any.
-        fewshot_pool: the candidate examples (records); filled by :func:`~llm_calib.fewshot.resolve_fewshot` or
-            :func:`with_fewshot`, not compared or shown.
+        fewshot_pool: the candidate examples (records); filled by
+            :func:`~llm_calib.fewshot.resolve_fewshot` or :func:`with_fewshot`, not compared or
+            shown.
 
     Example:
         >>> fmt = PromptFormat(style="listed", chat_template=False)
