@@ -67,6 +67,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from harness.flags import add_dataclass_flags, dataclass_overrides
+from harness.profiling import Phase
+from harness.report import (
+    format_number,
+    machine_info,
+    markdown_table,
+    mean_sd,
+    provenance_lines,
+    verdict,
+)
+from harness.sweep import SeedResults, SweepLog, fingerprint, read_result, run_forked
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import EncodingCache
@@ -87,23 +98,12 @@ from llm_calib.data import (
     split_items,
 )
 from llm_calib.evaluate import summarize_scored
-from llm_calib.flags import add_dataclass_flags, dataclass_overrides
 from llm_calib.metrics import confidence_correct, ece, reliability_bins
 from llm_calib.models import free_memory, tiny_random_model
 from llm_calib.models import load as load_model
-from llm_calib.profiling import Phase
 from llm_calib.prompts import continuation_text
-from llm_calib.report import (
-    format_number,
-    machine_info,
-    markdown_table,
-    mean_sd,
-    plot_reliability,
-    provenance_lines,
-    verdict,
-)
+from llm_calib.report import plot_reliability
 from llm_calib.scoring.base import ScoredSet
-from llm_calib.sweep import SeedResults, SweepLog, fingerprint, read_result, run_forked
 from llm_calib.temperature import fit_temperature
 
 ROOT = Path(__file__).resolve().parent.parent

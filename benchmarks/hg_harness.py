@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from harness.profiling import Phase, measurement_env
 from hg_problems import (
     MODES,
     TINY,
@@ -55,7 +56,6 @@ from hg_problems import (
 from torch import Tensor, nn
 
 import hypergrad as hg
-from llm_calib.profiling import Phase, measurement_env
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torchopt's functorch deprecations
 warnings.filterwarnings("ignore", category=DeprecationWarning)

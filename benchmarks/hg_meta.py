@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness.profiling import Phase
 from hg_harness import MB, RESULTS, cpu_timer, fmt_value, metadata, peers
 from hg_problems import Tree, flat, rel_err
 from torch import Tensor
 
 import hypergrad as hg
-from llm_calib.profiling import Phase
 
 
 def sinusoid_tasks(n: int, shots: int, gen: torch.Generator, dtype: torch.dtype) -> tuple[tuple, tuple]:

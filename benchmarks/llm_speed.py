@@ -38,6 +38,17 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
+from harness.flags import add_dataclass_flags, dataclass_overrides
+from harness.profiling import (
+    MB,
+    Phase,
+    bome_step_breakdown,
+    interleave,
+    measurement_env,
+    median,
+    run_json_worker,
+)
+from harness.report import format_number, machine_info, markdown_table, provenance_lines, verdict
 from naive_scoring import NaiveCalmLosses, score_option_likelihood_naive
 
 from llm_calib.calm import training
@@ -50,18 +61,7 @@ from llm_calib.data import BUILTIN_DOMAINS, MultipleChoice, builtin_multiple_cho
 from llm_calib.data import load as load_data
 from llm_calib.demo import DemoSettings, split_data
 from llm_calib.evaluate import group_means
-from llm_calib.flags import add_dataclass_flags, dataclass_overrides
 from llm_calib.models import default_cache_dir, load, random_init_model, tiny_random_model
-from llm_calib.profiling import (
-    MB,
-    Phase,
-    bome_step_breakdown,
-    interleave,
-    measurement_env,
-    median,
-    run_json_worker,
-)
-from llm_calib.report import format_number, machine_info, markdown_table, provenance_lines, verdict
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,6 +5,7 @@ interface: ``method.hypergrad(problem, w, lam, inner_batch, outer_batch) -> Hype
 """
 
 from hypergrad import autodiff, batched, batches, compiled, inner, linear, stochastic, tree
+from hypergrad.alternating import AlternatingImplicit
 from hypergrad.amigo import AmIGO
 from hypergrad.batches import StepBatches
 from hypergrad.bome import BOME
@@ -24,6 +25,7 @@ __all__ = [
     "BOME",
     "SABA",
     "SOBA",
+    "AlternatingImplicit",
     "AmIGO",
     "BilevelProblem",
     "ConvergenceWarning",

@@ -7,7 +7,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+
+try:  # the progress bar is optional: hypergrad itself needs only torch and numpy
+    from tqdm.auto import tqdm
+except ImportError:
+
+    class tqdm:  # noqa: N801  (stands in for tqdm.auto.tqdm without a bar: iterates, drops the postfix)
+        def __init__(self, iterable: Iterable[Any], **_options: Any) -> None:
+            self.iterable = iterable
+
+        def __iter__(self) -> Iterator[Any]:
+            return iter(self.iterable)
+
+        def set_postfix(self, **_values: Any) -> None:
+            pass
+
 
 from hypergrad.autodiff import inner_fn, loss_and_grads
 from hypergrad.batches import StepBatches
@@ -315,7 +329,7 @@ def solve(
         inner_batches: the batches of the plain inner steps (and, by default, of the method's
             ``inner_batch``); see "Batch streams".
         outer_batches: the batches of the outer loss (the method's ``outer_batch``).
-        progress: show a tqdm progress bar with F and ‖grad‖.
+        progress: show a tqdm progress bar with F and ‖grad‖ (when tqdm is installed; else no bar).
         callback: called as ``callback(step, w, lam, result)`` after each outer step; a true
             return value stops the loop.
         state: method state to resume from (``SolveResult.state`` of a previous run).

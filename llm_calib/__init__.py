@@ -12,7 +12,31 @@ cheap)::
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import sys
 from typing import TYPE_CHECKING, Any
+
+_LLM_EXTRA = {"transformers": "transformers", "peft": "peft", "gguf": "gguf", "tqdm": "tqdm",
+             "matplotlib": "matplotlib", "safetensors": "safetensors", "yaml": "pyyaml"}
+"""Import name -> distribution of what ``llm_calib`` needs beyond ``hypergrad`` (torch, numpy):
+the ``llm`` extra of ``pyproject.toml``."""
+
+
+def _require_llm_extra() -> None:
+    """Fail at ``import llm_calib`` with one line naming the extra, not later with a traceback
+    from deep inside a loader; checked without importing anything (``import llm_calib`` stays cheap)."""
+    missing = [dist for name, dist in _LLM_EXTRA.items() if importlib.util.find_spec(name) is None]
+    if not missing:
+        return
+    message = (f"llm_calib needs the 'llm' extra: pip install 'llm-calib[llm]' (missing: {', '.join(missing)}); "
+               "hypergrad alone needs only torch and numpy")
+    if os.path.basename(sys.argv[0] if sys.argv else "") == "llm-calib":
+        raise SystemExit(f"llm-calib: error: {message}")  # the command line: this one line, no traceback
+    raise ImportError(message)
+
+
+_require_llm_extra()
 
 __all__ = ["CalibrationConfig", "CalibrationResult", "LoraSettings", "TrainingDiverged", "calibrate"]
 

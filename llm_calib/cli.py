@@ -820,8 +820,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     import torch
 
     from llm_calib.evaluate import evaluate_records, write_samples
+    from llm_calib.fewshot import resolve_fewshot
     from llm_calib.models import load as load_model
-    from llm_calib.prompts import prompt_dict, resolve_fewshot
+    from llm_calib.prompts import prompt_dict
     from llm_calib.report import write_report
 
     if args.threads:

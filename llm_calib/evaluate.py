@@ -22,7 +22,8 @@ import numpy as np
 from llm_calib import metrics
 from llm_calib.data import load as load_data
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.prompts import PromptFormat, prompt_dict, resolve_fewshot
+from llm_calib.fewshot import resolve_fewshot
+from llm_calib.prompts import PromptFormat, prompt_dict
 from llm_calib.scoring import (
     LM_EVAL_NORMALIZATIONS,
     SCORERS,
@@ -507,7 +508,7 @@ def evaluate_records(
         normalize: option-likelihood aggregation, ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"``.
         prompt: prompt format (None: the scorer's default). With ``fewshot > 0`` and no pool,
             the pool is loaded from ``prompt.fewshot_split`` without the evaluated and
-            temperature-fit questions (:func:`~llm_calib.prompts.resolve_fewshot`).
+            temperature-fit questions (:func:`~llm_calib.fewshot.resolve_fewshot`).
         batch_size: questions per forward pass.
         temperature_fit: ``(name, records)`` of the split the temperature is fitted on, or None.
         n_bins: bins of ECE and the reliability diagrams.

@@ -14,8 +14,8 @@ Templates and few-shot (:func:`record_prompt`, :func:`option_continuations`): a
 ``{subject}``, ``{context}``, any ``meta`` key of the record), a ``target_delimiter`` between the
 prompt and each scored choice, ``choices="letters"`` to score the option letters instead of the
 option texts, a ``description`` written once before everything, and ``fewshot`` solved examples
-drawn reproducibly per question from a pool (:func:`resolve_fewshot` loads it from a named split
-and removes the evaluated questions). :data:`PRESETS` reproduce the zero-shot prompts of
+drawn reproducibly per question from a pool (:func:`~llm_calib.fewshot.resolve_fewshot` loads it
+from a named split and removes the evaluated questions). :data:`PRESETS` reproduce the zero-shot prompts of
 EleutherAI's lm-evaluation-harness for the tasks the loaders read (:func:`preset`).
 
 Open questions have a few-shot short-answer prompt (:func:`short_answer_format`: fixed solved
@@ -47,7 +47,6 @@ __all__ = [
     "preset",
     "prompt_dict",
     "record_prompt",
-    "resolve_fewshot",
     "short_answer_format",
     "template_fields",
     "user_message",
@@ -90,15 +89,16 @@ class PromptFormat:
             the same fields as the template (lm-eval's ``description``).
         fewshot: number of solved examples before each question (0: zero-shot).
         fewshot_split: data spec of the split the examples are drawn from (e.g.
-            ``"arc_easy:../shared/data:train"``); :func:`resolve_fewshot` loads it.
+            ``"arc_easy:../shared/data:train"``); :func:`~llm_calib.fewshot.resolve_fewshot` loads it.
         fewshot_seed: seed of the per-question draw of examples.
         fewshot_delimiter: text between examples, and between the last example and the question.
         fewshot_sampler: ``"random"`` (a seeded draw per question) or ``"first_n"`` (the first
             ``fewshot`` candidates in split order, lm-eval's MMLU sampler).
         fewshot_match: a ``meta`` key (e.g. ``"subject"``) whose value an example must share
             with the question (MMLU: examples from the same subject's dev split); None: any.
-        fewshot_pool: the candidate examples (records); filled by :func:`resolve_fewshot` or
-            :func:`with_fewshot`, not compared or shown.
+        fewshot_pool: the candidate examples (records); filled by
+            :func:`~llm_calib.fewshot.resolve_fewshot` or :func:`with_fewshot`, not compared or
+            shown.
 
     Example:
         >>> fmt = PromptFormat(style="listed", chat_template=False)
@@ -410,7 +410,7 @@ def draw_fewshot(fmt: PromptFormat, record: Any) -> list[Any]:
     if not fmt.fewshot_pool:
         raise ValueError(
             f"PromptFormat.fewshot={k} needs examples: set fewshot_split to a data spec and call "
-            "resolve_fewshot(), or pass them with with_fewshot()"
+            "llm_calib.fewshot.resolve_fewshot(), or pass them with with_fewshot()"
         )
     kind = type(record)
     question = record.question.strip()
@@ -549,45 +549,6 @@ def with_fewshot(
             f"removing the evaluated questions, need fewshot={fmt.fewshot}"
         )
     return replace(fmt, fewshot_pool=kept)
-
-
-def resolve_fewshot(
-    fmt: PromptFormat | None, exclude: Sequence[Any] = (), *, on_error: str = "raise"
-) -> PromptFormat | None:
-    """Load ``fmt.fewshot_split`` as the few-shot pool, without the ``exclude`` records.
-
-    A format without few-shot examples, or one that already has a pool, is returned as it is
-    (a given pool is still filtered by ``exclude``).
-
-    Args:
-        fmt: the prompt format, or None.
-        exclude: the evaluated records (never used as examples).
-        on_error: ``"raise"`` or ``"skip"`` bad rows of the few-shot split.
-
-    Returns:
-        The format with ``fewshot_pool`` filled.
-
-    Raises:
-        ValueError: ``fewshot > 0`` without ``fewshot_split`` or pool, or too few examples.
-
-    Example:
-        >>> fmt = resolve_fewshot(PromptFormat(fewshot=2, fewshot_split="builtin:capitals:n=10"))
-        >>> len(fmt.fewshot_pool)
-        10
-    """
-    if fmt is None or fmt.fewshot == 0:
-        return fmt
-    if fmt.fewshot_pool:
-        return with_fewshot(fmt, fmt.fewshot_pool, exclude)
-    if not fmt.fewshot_split:
-        raise ValueError(
-            f"PromptFormat.fewshot={fmt.fewshot} needs fewshot_split (a data spec of the split "
-            "the examples come from, e.g. arc_easy:../shared/data:train)"
-        )
-    from llm_calib.data import load as load_data
-
-    pool = load_data(fmt.fewshot_split, on_error=on_error).records  # type: ignore[arg-type]
-    return with_fewshot(fmt, pool, exclude)
 
 
 def prompt_dict(fmt: PromptFormat) -> dict[str, Any]:

@@ -1,4 +1,9 @@
-"""Import a script from ``benchmarks/`` (not a package) as a module, for the benchmark tests."""
+"""Import a script from ``benchmarks/`` (not a package) as a module, for the benchmark tests.
+
+Importing this module also puts ``benchmarks/`` on ``sys.path``, as running a script from it
+does, so that the scripts' own imports (``harness.*``, ``naive_scoring``) and the tests of the
+benchmark tooling (``from harness.sweep import ...``) resolve.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ from pathlib import Path
 from types import ModuleType
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
 
 
 def load_benchmark(name: str) -> ModuleType:

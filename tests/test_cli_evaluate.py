@@ -11,8 +11,9 @@ import torch
 
 from llm_calib import cli
 from llm_calib.data import load as load_data
+from llm_calib.fewshot import resolve_fewshot
 from llm_calib.models import load as load_model
-from llm_calib.prompts import preset, record_prompt, resolve_fewshot
+from llm_calib.prompts import preset, record_prompt
 from llm_calib.scoring import normalized, score_option_likelihood
 
 ROWS = [

@@ -1,15 +1,19 @@
-"""llm_calib.flags: a typed, documented flag per dataclass field, parsed back to the fields given."""
+"""llm_calib.flags (a parser and metavar per field type, help text from docstrings) and the
+benchmarks' harness.flags built on it: a typed, documented flag per dataclass field, parsed back
+to the fields given."""
 
 from __future__ import annotations
 
 import argparse
+import doctest
 from dataclasses import dataclass
 
 import pytest
+from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
+from harness import flags as harness_flags
+from harness.flags import add_dataclass_flags, dataclass_overrides
 
 from llm_calib.flags import (
-    add_dataclass_flags,
-    dataclass_overrides,
     flag_type,
     optional,
     parse_bool,
@@ -89,3 +93,9 @@ def test_the_parsers() -> None:
     assert flag_type(str)[1] == "VALUE" and flag_type(tuple[str, ...])[0]("a,b") == ("a", "b")
     assert flag_type(bool | None)[0]("null") is None and flag_type(int | None)[1] == "INT|null"
     assert plain_help(":func:`llm_calib.calm.trainer.calibrate` and ``x``") == "llm_calib.calm.trainer.calibrate and x"
+
+
+def test_the_harness_docstring_examples_run() -> None:
+    """benchmarks/ is outside the doctest paths: its examples run here."""
+    results = doctest.testmod(harness_flags, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert results.attempted >= 4 and results.failed == 0

@@ -1,18 +1,18 @@
-"""llm_calib.profiling: the memory phase sees what a block allocates, the timers interleave and
-count as documented, a worker process answers in JSON, the BOME breakdown covers its parts."""
+"""harness.profiling (benchmarks/harness): the memory phase sees what a block allocates, the timers
+interleave and count as documented, a worker process answers in JSON, the BOME breakdown covers its
+parts."""
 
 from __future__ import annotations
 
+import doctest
 import json
 import sys
 
 import pytest
 import torch
-
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
-from llm_calib.calm.training import build_trainer, init_state
-from llm_calib.data import builtin_multiple_choice
-from llm_calib.profiling import (
+from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
+from harness import profiling
+from harness.profiling import (
     MB,
     Phase,
     bome_step_breakdown,
@@ -22,6 +22,10 @@ from llm_calib.profiling import (
     run_json_worker,
     timed,
 )
+
+from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.training import build_trainer, init_state
+from llm_calib.data import builtin_multiple_choice
 
 
 def test_the_memory_phase_sees_an_allocation_of_known_size() -> None:
@@ -90,3 +94,9 @@ def test_bome_step_breakdown_times_each_part(tiny_model, tiny_tokenizer) -> None
     three = sum(out[k]["cpu_s"] for k in parts if not k.startswith(("plain", "whole")))
     assert out["floor_ratio"] == pytest.approx(three / ce)
     assert out["call_ratio"] == pytest.approx(out["whole BOME direction (hypergrad call)"]["cpu_s"] / ce)
+
+
+def test_the_docstring_examples_run() -> None:
+    """benchmarks/ is outside the doctest paths: its examples run here."""
+    results = doctest.testmod(profiling, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert results.attempted >= 6 and results.failed == 0

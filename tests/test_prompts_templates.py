@@ -10,6 +10,7 @@ import torch
 from _benchmarks import load_benchmark
 
 from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.fewshot import resolve_fewshot
 from llm_calib.prompts import (
     PRESETS,
     PromptFormat,
@@ -19,7 +20,6 @@ from llm_calib.prompts import (
     option_continuations,
     preset,
     record_prompt,
-    resolve_fewshot,
     short_answer_format,
     template_fields,
     with_fewshot,

@@ -98,27 +98,3 @@ def test_plot_wraps_panels_into_rows_of_columns(tmp_path):
     assert wrapped[0] < one_row[0] / 2 and wrapped[1] > 2.5 * one_row[1]  # 2 columns, 3 rows
     with pytest.raises(ValueError, match="columns must be at least 1"):
         plot_reliability([("p", bins)], tmp_path / "bad.png", columns=0)
-
-
-def test_number_cells_tables_and_verdicts() -> None:
-    from llm_calib.report import format_number, markdown_table, mean_sd, verdict
-
-    assert format_number(0.98765) == "0.988" and format_number(12345, ",") == "12,345"
-    assert format_number(None) == format_number(float("inf")) == "n/a" and format_number(float("nan"), missing="-") == "-"
-    assert mean_sd([1.0, 2.0, 3.0], 1) == "2.0 ± 1.0" and mean_sd([None, float("nan")]) == "n/a"
-    assert mean_sd([0.25, None]) == "0.250"
-    assert markdown_table(["a", "b"], [(1, None), ("x", 2.5)]) == ["| a | b |", "|---|---|", "| 1 | None |", "| x | 2.5 |"]
-    assert [verdict(True), verdict(False), verdict(None), verdict(None, False)] == ["PASS", "**MISS**", "info", "n/a"]
-
-
-def test_provenance_lines_name_command_machine_and_a_busy_load() -> None:
-    from llm_calib.report import machine_info, provenance_lines
-
-    meta = machine_info(1)
-    quiet = {**meta, "cores": 64, "load": [0.5, 0.5, 0.5]}
-    lines = provenance_lines("python b.py --quick", quiet, mode="quick", elapsed_s=30, load_start=[0.2, 0.1, 0.1])
-    assert lines[0] == f"- Command: `python b.py --quick` (quick mode, wall time 0.5 min); date {meta['date']}"
-    assert "64 cores, 1 torch threads; load average at the start 0.2, 0.1, 0.1, at the end 0.5, 0.5, 0.5" in lines[1]
-    assert "busy" not in lines[1] and lines[2].startswith(f"- Versions: torch {meta['torch']}, transformers ")
-    busy = provenance_lines("c", {**quiet, "cores": 2, "load": None}, load_start=[3.0])
-    assert busy[0] == f"- Command: `c`; date {meta['date']}" and "at the end ?" in busy[1] and "**busy machine**" in busy[1]

@@ -1,17 +1,20 @@
-"""llm_calib.sweep: fingerprints, fingerprinted result files, forked workers running each job
-once, the seed aggregation and its bootstrap interval, the shared sweep log."""
+"""harness.sweep (benchmarks/harness): fingerprints, fingerprinted result files, forked workers
+running each job once, the seed aggregation and its bootstrap interval, the shared sweep log."""
 
 from __future__ import annotations
 
+import doctest
 import math
 import os
 
 import numpy as np
 import pytest
+from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
+from harness import sweep
+from harness.sweep import SeedResults, SweepLog, fingerprint, read_result, run_forked
 
 from llm_calib.checkpoint import write_json_atomic
 from llm_calib.metrics import ece
-from llm_calib.sweep import SeedResults, SweepLog, fingerprint, read_result, run_forked
 
 
 def test_fingerprint_ignores_key_order_and_sees_values() -> None:
@@ -114,3 +117,9 @@ def test_sweep_log_tags_workers_and_survives_an_unwritable_file(tmp_path, capsys
     (tmp_path / "file").write_text("")
     SweepLog(tmp_path / "file" / "x.log")("still printed")  # its folder is a file: not written, no error
     assert "still printed" in capsys.readouterr().out
+
+
+def test_the_docstring_examples_run() -> None:
+    """benchmarks/ is outside the doctest paths: its examples run here."""
+    results = doctest.testmod(sweep, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert results.attempted >= 3 and results.failed == 0

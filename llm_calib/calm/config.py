@@ -127,7 +127,7 @@ class CalibrationConfig:
         method: ``"calm"`` (bilevel), or a baseline: ``"lora_ce"`` (plain fine-tuning),
             ``"label_smoothing"``, ``"confidence_penalty"`` (CE − β·entropy).
         solver: ``"bome"`` (default), ``"f2sa"`` or ``"implicit"`` (exact hypergradients after
-            lower-level steps, :class:`llm_calib.calm.methods.AlternatingImplicit`) for
+            lower-level steps, :class:`hypergrad.AlternatingImplicit`) for
             ``method="calm"``.
         adjustment: λ variant: ``"auto"`` (default: where the prediction is made, see
             :func:`llm_calib.calm.methods.resolve_adjustment`), token level ``"vector"``,

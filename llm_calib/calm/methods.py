@@ -9,21 +9,20 @@ state)`` that returns a :class:`hypergrad.HypergradResult`), for example ``hg.Im
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 import hypergrad as hg
 from llm_calib.adjustment import LogitAdjustment
+from llm_calib.calm.attention import second_order_attention
 from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE
-from llm_calib.calm.verify import second_order_attention
 
 __all__ = [
-    "AlternatingImplicit",
     "inner_lr",
     "lam_optimizer",
     "make_adjustment",
@@ -70,68 +69,13 @@ def inner_lr(config: CalibrationConfig) -> float:
     return 5e-2 if config.solver == "bome" else config.lr
 
 
-@dataclass(frozen=True)
-class AlternatingImplicit:
-    r"""Lower-level steps on θ, then the exact hypergradient at the new θ (implicit differentiation).
-
-    Each call takes ``inner_steps`` steps of ``inner_optimizer`` on :math:`g(\cdot, \lambda)`
-    from the given θ (the deployed model only ever descends the task loss), then returns
-    :math:`\nabla F(\lambda) = -\nabla^2_{\lambda\theta} g\, v` with
-    :math:`(\nabla^2_{\theta\theta} g + \mu I)\, v = \nabla_\theta f` solved by ``implicit``'s
-    linear solver, warm-started from the previous call's :math:`v` (carried in ``state``, with
-    the optimizer's state). The first-order solvers approximate this direction; on CALM's problem
-    they can point away from it (``benchmarks/results/calm_hypergradient.md``).
-
-    Args:
-        inner_optimizer: a :mod:`hypergrad.inner` optimizer stepping θ on g.
-        inner_steps: steps per call (>= 1).
-        implicit: the :class:`hypergrad.Implicit` method (e.g. damped CG, ``warm_start=True``).
-
-    Example:
-        >>> import torch, hypergrad as hg
-        >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
-        >>> f = lambda w, lam, b: 0.5 * ((w["x"] - 1.0) ** 2).sum()
-        >>> method = AlternatingImplicit(hg.inner.SGD(lr=1.0), 1, hg.Implicit(hg.linear.CG(tol=1e-10)))
-        >>> lam = {"c": torch.tensor([3.0], dtype=torch.float64)}
-        >>> r = method.hypergrad(hg.BilevelProblem(g, f), {"x": torch.zeros(1, dtype=torch.float64)}, lam)
-        >>> r.w["x"].tolist(), r.grad["c"].tolist()   # one exact step reaches w* = c; dF/dc = c - 1
-        ([3.0], [2.0])
-    """
-
-    inner_optimizer: Any
-    inner_steps: int
-    implicit: hg.Implicit
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.inner_steps, int) or self.inner_steps < 1:
-            raise ValueError(f"inner_steps must be an int >= 1, got {self.inner_steps!r}")
-
-    def hypergrad(
-        self,
-        problem: hg.BilevelProblem,
-        w: dict[str, torch.Tensor],
-        lam: dict[str, torch.Tensor],
-        inner_batch: Any = None,
-        outer_batch: Any = None,
-        state: dict[str, Any] | None = None,
-    ) -> hg.HypergradResult:
-        """Step θ on g, then return the implicit hypergradient at the new θ (``result.w``)."""
-        state = state or {}
-        opt_state = state.get("opt_state") or self.inner_optimizer.init(w)
-        for _ in range(self.inner_steps):
-            _, grad, _ = hg.autodiff.loss_and_grads(
-                lambda w_, l_: problem.inner_loss(w_, l_, inner_batch), w, lam, wrt_lam=False, what="inner loss"
-            )
-            with torch.no_grad():
-                w, opt_state = self.inner_optimizer.update(w, grad, opt_state)
-            w = {k: v.detach() for k, v in w.items()}
-        with second_order_attention(), warnings.catch_warnings():
-            # A capped CG solve is the normal case here: info.converged reports it per step.
-            warnings.simplefilter("ignore", hg.ConvergenceWarning)
-            r = self.implicit.hypergrad(problem, w, lam, inner_batch, outer_batch, {"u": state["u"]} if "u" in state else None)
-        info = r.info
-        info.extra = {**info.extra, "cg_iterations": info.iterations, "cg_converged": float(info.converged)}
-        return hg.HypergradResult(r.grad, w, info, {"opt_state": opt_state, **(r.state or {})})
+@contextlib.contextmanager
+def _capped_second_order_solve() -> Iterator[None]:
+    """The implicit step of ``solver="implicit"``: attention with second derivatives, and a CG
+    solve capped at ``cg_maxiter`` without a warning per step (``info.converged`` reports it)."""
+    with second_order_attention(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", hg.ConvergenceWarning)
+        yield
 
 
 def make_solver(config: CalibrationConfig) -> Any:
@@ -142,9 +86,12 @@ def make_solver(config: CalibrationConfig) -> Any:
       :func:`theta_optimizer`.
     * ``"f2sa"``: :class:`hypergrad.Penalty` whose two iterates (θ on g, θ_σ on g + σ f) take
       ``inner_steps`` Adam steps of :func:`inner_lr` (by default θ's rate ``config.lr``).
-    * ``"implicit"``: :class:`AlternatingImplicit`: ``inner_steps`` Adam steps of θ on g, then
-      the exact hypergradient by damped CG (``cg_maxiter``, ``cg_damping``, ``cg_tol``), warm
-      started across steps.
+    * ``"implicit"``: :class:`hypergrad.AlternatingImplicit`: ``inner_steps`` Adam steps of θ on
+      g, then the exact hypergradient by damped CG (``cg_maxiter``, ``cg_damping``, ``cg_tol``),
+      warm started across steps, in attention's math kernel (second derivatives); a capped CG
+      solve is reported per step (``cg_converged``), not warned about. The first-order solvers
+      approximate this direction; on CALM's problem they can point away from it
+      (``benchmarks/results/calm_hypergradient.md``).
 
     Raises:
         ValueError: an unknown solver.
@@ -165,8 +112,8 @@ def make_solver(config: CalibrationConfig) -> Any:
                           inner_steps=config.inner_steps, evaluate="advanced")
     if config.solver == "implicit":
         cg = hg.linear.CG(tol=config.cg_tol, maxiter=config.cg_maxiter, damping=config.cg_damping)
-        return AlternatingImplicit(theta_optimizer(config, inner_lr(config)), config.inner_steps,
-                                   hg.Implicit(solver=cg, warm_start=True))
+        return hg.AlternatingImplicit(theta_optimizer(config, inner_lr(config)), config.inner_steps,
+                                      hg.Implicit(solver=cg, warm_start=True), solve_context=_capped_second_order_solve)
     raise ValueError(f"solver must be one of 'bome', 'f2sa', 'implicit', got {config.solver!r}")
 
 

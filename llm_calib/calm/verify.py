@@ -25,14 +25,16 @@ derivatives through the top layers) and compares it with what each first-order m
 :func:`compare_losses` checks two implementations of the losses against each other (the
 trunk-cached fast path against a reference): values and gradients at the same point.
 
+It is a user-facing check, not only research tooling: run :func:`check_hypergradients` on your
+own model, data and configuration to see how far the first-order solver you train with is from
+the exact hypergradient (the README documents it as such).
 ``benchmarks/calm_hypergradient.py`` runs it on the real model at several points of a run; the
 test suite runs it on a tiny model in float64.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +43,7 @@ from torch import Tensor
 
 import hypergrad as hg
 from hypergrad.tree import tree_dot, tree_norm
+from llm_calib.calm.attention import second_order_attention
 
 if TYPE_CHECKING:
     from llm_calib.calm.training import Trainer
@@ -54,32 +57,8 @@ __all__ = [
     "exact_hypergradient",
     "proximal_problem",
     "relative_difference",
-    "second_order_attention",
     "solve_lower_level",
 ]
-
-
-@contextlib.contextmanager
-def second_order_attention() -> Iterator[None]:
-    """Run scaled-dot-product attention in its math kernel, the one with second derivatives.
-
-    The fused CPU (flash) and CUDA kernels implement only first derivatives; Hessian-vector
-    products through attention need this context.
-
-    Example:
-        >>> import torch
-        >>> with second_order_attention():
-        ...     q = torch.randn(1, 1, 3, 4, dtype=torch.float64, requires_grad=True)
-        ...     out = torch.nn.functional.scaled_dot_product_attention(q, q, q).sum()
-        ...     (g,) = torch.autograd.grad(out, q, create_graph=True)
-        ...     (h,) = torch.autograd.grad(g.sum(), q)
-        >>> h.shape
-        torch.Size([1, 1, 3, 4])
-    """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.MATH]):
-        yield
 
 
 def proximal_problem(problem: hg.BilevelProblem, anchor: Mapping[str, Tensor], mu: float) -> hg.BilevelProblem:

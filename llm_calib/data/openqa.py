@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from llm_calib.answers import normalize_answer
 from llm_calib.data._io import decode_line, iter_lines
 from llm_calib.data._rows import domain_from_name, parse_json_line, require_text
 from llm_calib.data.errors import DataError, ErrorLog, OnError
@@ -145,7 +146,7 @@ def one_record_per_alias(records: Sequence[OpenQA]) -> list[OpenQA]:
     Record ``r`` with aliases ``a_0, a_1, ...`` becomes records with ``answers=(a_j,)`` and ids
     ``f"{r.id}#{j}"`` (``j`` the alias's index in ``r.answers``; the first is ``#0``), in order,
     with ``meta["source_id"] = r.id``. An alias whose SQuAD-normalised form
-    (:func:`~llm_calib.scoring.open_ended.normalize_answer`) equals an earlier one's is dropped
+    (:func:`~llm_calib.answers.normalize_answer`) equals an earlier one's is dropped
     (``"The Beatles"`` after ``"Beatles"``: the scorer counts them as the same answer). Records
     without answers (unanswerable questions) are kept as they are. Meant for a training split:
     evaluate on the original records, whose every alias counts as correct.
@@ -164,8 +165,6 @@ def one_record_per_alias(records: Sequence[OpenQA]) -> list[OpenQA]:
         >>> [(r.id, r.answers) for r in one_record_per_alias([q])]
         [('q7#0', ('Beatles',)), ('q7#2', ('John Lennon',))]
     """
-    from llm_calib.scoring.open_ended import normalize_answer
-
     out: list[OpenQA] = []
     for r in records:
         if not isinstance(r, OpenQA):

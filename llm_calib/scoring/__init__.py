@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+from llm_calib.answers import exact_match, normalize_answer, token_f1
 from llm_calib.data.records import MultipleChoice
 from llm_calib.prompts import PromptFormat
 from llm_calib.scoring.base import ScoredSet
@@ -23,11 +24,8 @@ from llm_calib.scoring.letter import letter_token_ids, score_letter
 from llm_calib.scoring.open_ended import (
     GreedyAnswer,
     OpenEndedSet,
-    exact_match,
     generate_greedy,
-    normalize_answer,
     score_open_ended,
-    token_f1,
 )
 from llm_calib.scoring.option_likelihood import (
     LM_EVAL_NORMALIZATIONS,

@@ -6,6 +6,9 @@ determines it. A re-run reads a finished result back with :func:`read_result` wh
 still matches and runs only the missing or stale jobs, serially or in forked workers
 (:func:`run_forked`), which share the parent's memory (a loaded model, cached encodings)
 copy-on-write. :class:`SeedResults` then aggregates the finished records over seeds.
+
+Benchmark-only tooling (not installed with ``llm_calib``): the benchmark scripts beside this
+package import it as ``harness.sweep``.
 """
 
 from __future__ import annotations
@@ -266,9 +269,9 @@ class SeedResults:
 
     def cell(self, method: str, names: Sequence[str], metric: str, interval_digits: int | None = None) -> str:
         """A table cell: ``mean ± sd`` over seeds of ``metric`` averaged over the sets ``names``
-        (:func:`llm_calib.report.mean_sd`); with ``interval_digits``, then the bootstrap 95% interval
+        (:func:`harness.report.mean_sd`); with ``interval_digits``, then the bootstrap 95% interval
         of the seed-mean ECE (:meth:`ece_interval`) with that many decimals."""
-        from llm_calib.report import mean_sd
+        from harness.report import mean_sd
 
         text = mean_sd(self.group_values(method, names, metric))
         if interval_digits is not None:

@@ -8,6 +8,9 @@ fallback elsewhere).
 * :func:`run_json_worker` and :func:`measurement_env`: one configuration per fresh process (a
   peak of one configuration is not inflated by what an earlier one left on the heap);
 * :func:`bome_step_breakdown`: where a CALM (BOME) step's time goes, against a plain LoRA step.
+
+Benchmark-only tooling (not installed with ``llm_calib``): the benchmark scripts beside this
+package import it as ``harness.profiling``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,32 @@
+"""Attention kernels for second derivatives: the context the Hessian-vector products of CALM's
+exact hypergradients (:mod:`llm_calib.calm.verify`, ``solver="implicit"``) run in."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+__all__ = ["second_order_attention"]
+
+
+@contextlib.contextmanager
+def second_order_attention() -> Iterator[None]:
+    """Run scaled-dot-product attention in its math kernel, the one with second derivatives.
+
+    The fused CPU (flash) and CUDA kernels implement only first derivatives; Hessian-vector
+    products through attention need this context.
+
+    Example:
+        >>> import torch
+        >>> with second_order_attention():
+        ...     q = torch.randn(1, 1, 3, 4, dtype=torch.float64, requires_grad=True)
+        ...     out = torch.nn.functional.scaled_dot_product_attention(q, q, q).sum()
+        ...     (g,) = torch.autograd.grad(out, q, create_graph=True)
+        ...     (h,) = torch.autograd.grad(g.sum(), q)
+        >>> h.shape
+        torch.Size([1, 1, 3, 4])
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        yield
