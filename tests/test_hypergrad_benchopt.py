@@ -157,11 +157,13 @@ def test_targets_ratio_bound_and_miss(hb) -> None:
         hb.Comparison("A", fast, slow),  # ratio 2/5 = 0.4: met
         hb.Comparison("B", fast, never),  # only hypergrad reached: bound 2/8 = 0.25, met
         hb.Comparison("C", never, slow),  # hypergrad never reached: missed
+        hb.Comparison("D", slow, slow),  # ratio 1: missed; not the fastest of either library
     ])
     by_name = {c.name.split(":")[0]: c for c in checks}
     assert by_name["A"].measured == pytest.approx(0.4) and by_name["A"].met
     assert by_name["B"].measured == pytest.approx(0.25) and by_name["B"].met and "upper bound" in by_name["B"].detail
     assert by_name["C"].measured is None and not by_name["C"].met
+    assert by_name["D"].measured == pytest.approx(1.0) and not by_name["D"].met
     fastest = by_name["fastest hypergrad <= 0.5x fastest benchmark"]
     assert fastest.measured == pytest.approx(2 / 5) and fastest.met
 
