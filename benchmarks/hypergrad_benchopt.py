@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import datetime
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -54,6 +55,7 @@ from typing import Any
 import numpy as np
 
 TARGET_FRACTION = 1e-3
+BATCH_SIZE = 64  # every stochastic solver of config/quadratics_021424*.yml
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPORT_NAME = "hypergrad_benchopt"
 
@@ -265,7 +267,7 @@ def render_report(meta: dict[str, Any], comparisons: list[Comparison], checks: l
         f"- machine: {meta.get('cpu', '-')}, {meta.get('cores', '-')} cores; load average before / after: "
         f"{meta.get('load_before', '-')} / {meta.get('load_after', '-')}",
         f"- versions: {meta.get('versions', '-')}",
-        f"- benchmark_bilevel commit: {meta.get('benchmark_commit', '-')}",
+        f"- benchmark_bilevel commit: {meta.get('benchmark_commit', '-')}; hypergrad: {meta.get('hypergrad', '-')}",
         f"- instance: {meta.get('instance', '-')}",
         f"- target: ‖∇F‖² ≤ {TARGET_FRACTION:g} × the initial value "
         f"({_fmt(meta.get('initial_value'))}); exact ‖∇F‖² in float64 outside the timed region",
@@ -543,6 +545,9 @@ class HypergradSolver:
     oracles_per_iteration: int
     settings: str
     eval_every: int = 1
+    outer_optimizer: Callable[[list[Any]], Any] | None = None  # default torch.optim.SGD(lr=outer_lr)
+    step_batches: bool = False  # a fresh inner batch per step inside a call (hg.StepBatches)
+    indexed: bool = False  # batches are (batch index, data) pairs (SABA's memory is per batch)
 
 
 def with_compile(cls: type, compile_: bool, **kwargs: Any) -> Any:
@@ -556,15 +561,22 @@ class _StopRunError(Exception):
     """Raised by the hypergrad clock to end :func:`hypergrad.solve` (target reached or budget spent)."""
 
 
-def _batch_stream(samples: tuple[Any, ...], batch_size: int, seed: int) -> Iterator[tuple[Any, ...]]:
-    """Contiguous batches in a fresh random order each epoch, as the benchmark's sampler draws them."""
+def _batch_stream(samples: tuple[Any, ...], batch_size: int, seed: int, indexed: bool = False) -> Iterator[Any]:
+    """Contiguous batches in a fresh random order each epoch, as the benchmark's sampler draws them
+    (``(index, batch)`` pairs when ``indexed``)."""
     n = samples[0].shape[0]
     n_batches = (n + batch_size - 1) // batch_size
     rng = np.random.default_rng(seed)
     while True:
         for i in rng.permutation(n_batches):
             start = int(i) * batch_size
-            yield tuple(a[start:start + batch_size] for a in samples)
+            batch = tuple(a[start:start + batch_size] for a in samples)
+            yield (int(i), batch) if indexed else batch
+
+
+def indexed_quadratic_loss(w: dict[str, Any], lam: dict[str, Any], batch: tuple[int, tuple[Any, ...]]) -> Any:
+    """:func:`quadratic_loss` of an ``(index, batch)`` pair (the index is for SABA's memory)."""
+    return quadratic_loss(w, lam, batch[1])
 
 
 def _averaged(samples: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -586,17 +598,24 @@ def run_hypergrad_solver(adapter: HypergradSolver, instance: Instance, budget_s:
 
     def streams() -> tuple[Any, Any]:
         if adapter.oracle == "minibatch":
-            return _batch_stream(inner, batch_size, seed), _batch_stream(outer, batch_size, seed + 1)
+            inner_stream = _batch_stream(inner, batch_size, seed, adapter.indexed)
+            outer_stream = _batch_stream(outer, batch_size, seed + 1, adapter.indexed)
+            if adapter.step_batches:  # every call draws the batches of its steps from one stream
+                inner_stream = itertools.repeat(hg.StepBatches(inner_stream))
+            return inner_stream, outer_stream
         if adapter.oracle == "full":
             return inner, outer
         return _averaged(inner), _averaged(outer)
 
-    problem = hg.BilevelProblem(inner=quadratic_loss, outer=quadratic_loss)
+    loss = indexed_quadratic_loss if adapter.indexed else quadratic_loss
+    problem = hg.BilevelProblem(inner=loss, outer=loss)
     w0 = {"y": torch.from_numpy(np.array(instance.objective["inner_var0"], dtype=np.float32))}
     lam0 = {"x": torch.from_numpy(np.array(instance.objective["outer_var0"], dtype=np.float32))}
     method = adapter.make_method(compile_)
 
     def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if adapter.outer_optimizer is not None:
+            return adapter.outer_optimizer(params)
         return torch.optim.SGD(params, lr=adapter.outer_lr)
 
     warm_inner, warm_outer = streams()
@@ -661,7 +680,67 @@ BOME_PARAMS = {"step_size": 0.1, "outer_ratio": 1.0, "eta": 0.5, "n_inner_steps"
                "random_state": 1}
 
 
-def comparisons_to_run(sigma: float) -> list[tuple[str, list[HypergradSolver], BenchmarkSolver, str]]:
+# config/quadratics_021424_best_params.yml (AmIGO, SABA, StocBiO); SOBA has none there: its defaults
+# (step .1, outer_ratio 1) with the eval_freq of config/quadratics_021424.yml
+SOBA_PARAMS = {"batch_size": 64, "eval_freq": 16, "outer_ratio": 1.0, "step_size": 0.1, "random_state": 1}
+SABA_PARAMS = {"batch_size": 64, "eval_freq": 64, "mode_init_memory": "zero", "outer_ratio": 1.0, "step_size": 0.1,
+               "random_state": 1}
+AMIGO_PARAMS = {"batch_size": 64, "eval_freq": 16, "n_inner_steps": 10, "outer_ratio": 0.1, "step_size": 0.01,
+                "random_state": 1}
+STOCBIO_PARAMS = {"batch_size": 64, "eval_freq": 16, "n_inner_steps": 10, "n_shia_steps": 10, "outer_ratio": 1.0,
+                  "step_size": 0.1, "random_state": 1}
+
+
+def stochastic_comparisons(n_inner_batches: int, n_outer_batches: int
+                           ) -> list[tuple[str, list[HypergradSolver], BenchmarkSolver, str]]:
+    """SOBA, SABA, AmIGO and StocBiO, for those this hypergrad has (``hg.SOBA``, ...); SABA keeps a
+    memory per batch of 64 (``n_inner_batches``, ``n_outer_batches``)."""
+    import hypergrad as hg
+
+    out: list[tuple[str, list[HypergradSolver], BenchmarkSolver, str]] = []
+    note = "Stochastic, batch 64; hypergrad set up by the mapping in its class docstring."
+    if hasattr(hg, "SOBA"):
+        step, outer = SOBA_PARAMS["step_size"], SOBA_PARAMS["step_size"] / SOBA_PARAMS["outer_ratio"]
+        out.append(("SOBA", [HypergradSolver(
+            "SOBA", lambda c: with_compile(hg.SOBA, c, step_size=hg.stochastic.Decreasing(step, 0.5)),
+            outer_lr=outer, oracle="minibatch", oracles_per_iteration=4,
+            settings="steps .1/sqrt(t+1) (w, v) and outer .1/sqrt(t+1) (ScheduledSGD)",
+            eval_every=SOBA_PARAMS["eval_freq"],
+            outer_optimizer=lambda p: hg.stochastic.ScheduledSGD(p, hg.stochastic.Decreasing(outer, 0.5)))],
+            BenchmarkSolver("SOBA", "soba.py", SOBA_PARAMS, "minibatch", 4, SOBA_PARAMS["eval_freq"],
+                            "defaults: step .1, outer .1, both decaying (t+1)^-1/2"), note))
+    if hasattr(hg, "SABA"):
+        step, outer = SABA_PARAMS["step_size"], SABA_PARAMS["step_size"] / SABA_PARAMS["outer_ratio"]
+        out.append(("SABA", [HypergradSolver(
+            "SABA", lambda c: with_compile(hg.SABA, c, step_size=step, n_inner=n_inner_batches,
+                                                n_outer=n_outer_batches),
+            outer_lr=outer, oracle="minibatch", oracles_per_iteration=4, settings="constant steps .1, outer .1",
+            eval_every=SABA_PARAMS["eval_freq"], indexed=True)],
+            BenchmarkSolver("SABA", "saba.py", SABA_PARAMS, "minibatch", 4, SABA_PARAMS["eval_freq"],
+                            "best params: step .1, outer .1, constant, memory starts at zero"), note))
+    if hasattr(hg, "AmIGO"):
+        step, outer, T = AMIGO_PARAMS["step_size"], AMIGO_PARAMS["step_size"] / AMIGO_PARAMS["outer_ratio"], 10
+        out.append(("AmIGO", [HypergradSolver(
+            "AmIGO", lambda c: with_compile(hg.AmIGO, c, step_size=step, inner_steps=T, linear_steps=T),
+            outer_lr=outer, oracle="minibatch", oracles_per_iteration=2 * T + 2,
+            settings="T=L=10, steps .01, outer .1, constant", eval_every=AMIGO_PARAMS["eval_freq"],
+            step_batches=True)],
+            BenchmarkSolver("AmIGO", "amigo.py", AMIGO_PARAMS, "minibatch", 2 * T + 2, AMIGO_PARAMS["eval_freq"],
+                            "best params: T=10, step .01, outer .1, constant"), note))
+    if hasattr(hg, "StocBiO"):
+        step, outer, T = STOCBIO_PARAMS["step_size"], STOCBIO_PARAMS["step_size"] / STOCBIO_PARAMS["outer_ratio"], 10
+        out.append(("StocBiO", [HypergradSolver(
+            "StocBiO", lambda c: with_compile(hg.StocBiO, c, step_size=step, inner_steps=T, neumann_steps=T),
+            outer_lr=outer, oracle="minibatch", oracles_per_iteration=2 * T + 2,
+            settings="T=10, 10 Neumann steps, steps .1, outer .1, constant",
+            eval_every=STOCBIO_PARAMS["eval_freq"], step_batches=True)],
+            BenchmarkSolver("StocBiO", "stocbio.py", STOCBIO_PARAMS, "minibatch", 2 * T + 2,
+                            STOCBIO_PARAMS["eval_freq"], "best params: T=10, 10 SHIA steps, step .1, outer .1"),
+            note))
+    return out
+
+
+def comparisons_to_run(sigma: float, n_inner_batches: int, n_outer_batches: int) -> list[tuple[str, list[HypergradSolver], BenchmarkSolver, str]]:
     """(algorithm, hypergrad adapters, benchmark solver, note) for every algorithm of both libraries."""
     import hypergrad as hg
 
@@ -696,7 +775,7 @@ def comparisons_to_run(sigma: float) -> list[tuple[str, list[HypergradSolver], B
 
     averaged, averaged_bench = bome("averaged")
     full, full_bench = bome("full")
-    return [
+    return [*stochastic_comparisons(n_inner_batches, n_outer_batches),
         ("F2SA", [penalty(T), penalty(1)], f2sa_bench,
          "Stochastic, batch 64, same instance and base step sizes. The benchmark's F2SA decays its step sizes "
          "and grows lmbda = 1/sigma each step; hypergrad's Penalty keeps them fixed (no schedule)."),
@@ -718,6 +797,19 @@ def _versions() -> str:
         except PackageNotFoundError:
             out.append(f"{name} -")
     return ", ".join(out)
+
+
+def _hypergrad_source() -> str:
+    """Where the hypergrad that ran comes from (path and git commit of its checkout)."""
+    import hypergrad
+
+    root = Path(hypergrad.__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %D"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "not a git checkout"
+    return f"{root} ({commit})"
 
 
 def _cpu() -> tuple[str, str]:
@@ -750,6 +842,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute seconds per solver run (default 60, --quick 3)")
     parser.add_argument("--sigma", type=float, default=0.01, help="Penalty's fixed sigma (default 0.01)")
     parser.add_argument("--only", default=None, help="run only the algorithms whose name contains this")
+    parser.add_argument("--skip", default="", help="comma-separated algorithms to leave out (e.g. 'BOME (full)')")
+    parser.add_argument("--n-samples-inner", type=int, default=None,
+                        help="inner samples (default 32768, the benchmark's instance; --quick 2048). The "
+                             "benchmark's jax solvers compile with the samples as constants: at 32768, jax "
+                             "took more than 13 GB of memory compiling F2SA")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / REPORT_NAME,
                         help="output path without suffix (writes .md and .json)")
     args = parser.parse_args(argv)
@@ -760,7 +857,9 @@ def main(argv: list[str] | None = None) -> int:
     compile_timer = CompileTimer()
     params = {"n_samples_inner": 32768, "n_samples_outer": 1024, "dim_inner": 100, "dim_outer": 10,
               "mu_inner": 0.1, "L_cross_inner": 0.1, "L_cross_outer": 0.1}
-    if args.quick:
+    if args.n_samples_inner is not None:
+        params["n_samples_inner"] = args.n_samples_inner
+    elif args.quick:
         params["n_samples_inner"] = 2048
     budget = args.budget if args.budget is not None else (3.0 if args.quick else 60.0)
     instance = build_instance(bench, params)
@@ -770,8 +869,9 @@ def main(argv: list[str] | None = None) -> int:
 
     comparisons: list[Comparison] = []
     bome_rounds: dict[str, Any] | None = None
-    for algorithm, adapters, spec, note in comparisons_to_run(args.sigma):
-        if args.only and args.only not in algorithm:
+    for algorithm, adapters, spec, note in comparisons_to_run(
+            args.sigma, -(-params["n_samples_inner"] // BATCH_SIZE), -(-params["n_samples_outer"] // BATCH_SIZE)):
+        if (args.only and args.only not in algorithm) or algorithm in args.skip.split(","):
             continue
         if algorithm == "BOME (averaged)":
             bome_rounds = interleaved_rounds(bench, spec, adapters[0], instance, compile_timer, args.compile,
@@ -781,7 +881,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{spec.name:24s} benchmark   final {theirs.values[-1]:.3e} after {theirs.iterations[-1]} it, "
               f"{theirs.times[-1]:.2f} s ({theirs.stopped}); target at {time_to_target(theirs)}")
         for adapter in adapters:
-            mine = run_hypergrad_solver(adapter, instance, budget, args.compile, F2SA_PARAMS["batch_size"])
+            mine = run_hypergrad_solver(adapter, instance, budget, args.compile, BATCH_SIZE)
             print(f"{adapter.name:24s} hypergrad   final {mine.values[-1]:.3e} after {mine.iterations[-1]} it, "
                   f"{mine.times[-1]:.2f} s ({mine.stopped}); target at {time_to_target(mine)}")
             comparisons.append(Comparison(algorithm if len(adapters) == 1 else f"{algorithm} ({adapter.name})",
@@ -792,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu, "cores": cores, "load_before": load_before, "load_after": _loadavg(),
-        "versions": _versions(), "benchmark_commit": bench.commit(),
+        "versions": _versions(), "benchmark_commit": bench.commit(), "hypergrad": _hypergrad_source(),
         "instance": f"simulated {instance.params}, init y=0, x=-2 (objective.py); torch/jax loss gap {gap:.1e}",
         "initial_value": initial, "quick": args.quick, "compile": args.compile, "budget_s": budget,
         "bome_interleaved_rounds": bome_rounds,
