@@ -28,7 +28,9 @@ Setup::
     git clone https://github.com/benchopt/benchmark_bilevel /path/to/benchmark_bilevel
     python benchmarks/hypergrad_benchopt.py --benchmark-dir /path/to/benchmark_bilevel [--quick]
 
-``--quick`` (< 2 min) uses a smaller instance and short budgets; the default run uses the
+``--quick`` (a smoke run, about 2 min of CPU) uses a smaller instance, 1.5 s budgets and leaves out
+the full-batch BOME (the benchmark's jax BOME compiles every sample into its program); the default
+run uses the
 benchmark's instance of ``config/quadratics_021424*.yml`` (32768 inner and 1024 outer samples,
 dimensions 100 and 10). ``--compile`` passes ``compile=True`` to the hypergrad methods that accept
 it. Results go to ``benchmarks/results/hypergrad_benchopt.md`` and ``.json``.
@@ -835,11 +837,12 @@ def main(argv: list[str] | None = None) -> int:
                     "the bench extra (make setup-bench: jax, jaxopt, benchopt).")
     parser.add_argument("--benchmark-dir", type=Path, required=True,
                         help="a checkout of https://github.com/benchopt/benchmark_bilevel")
-    parser.add_argument("--quick", action="store_true", help="smaller instance and budgets (< 2 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller instance, 1.5 s budgets, no full-batch BOME (a smoke run)")
     parser.add_argument("--compile", action="store_true",
                         help="compile=True for the hypergrad methods that accept it")
     parser.add_argument("--budget", type=float, default=None,
-                        help="compute seconds per solver run (default 60, --quick 3)")
+                        help="compute seconds per solver run (default 60, --quick 1.5)")
     parser.add_argument("--sigma", type=float, default=0.01, help="Penalty's fixed sigma (default 0.01)")
     parser.add_argument("--only", default=None, help="run only the algorithms whose name contains this")
     parser.add_argument("--skip", default="", help="comma-separated algorithms to leave out (e.g. 'BOME (full)')")
@@ -861,7 +864,8 @@ def main(argv: list[str] | None = None) -> int:
         params["n_samples_inner"] = args.n_samples_inner
     elif args.quick:
         params["n_samples_inner"] = 2048
-    budget = args.budget if args.budget is not None else (3.0 if args.quick else 60.0)
+    budget = args.budget if args.budget is not None else (1.5 if args.quick else 60.0)
+    skip = set(args.skip.split(",")) | ({"BOME (full)"} if args.quick else set())
     instance = build_instance(bench, params)
     gap = check_same_instance(instance)
     initial = instance.grad_sq_norm(instance.objective["outer_var0"])
@@ -871,11 +875,11 @@ def main(argv: list[str] | None = None) -> int:
     bome_rounds: dict[str, Any] | None = None
     for algorithm, adapters, spec, note in comparisons_to_run(
             args.sigma, -(-params["n_samples_inner"] // BATCH_SIZE), -(-params["n_samples_outer"] // BATCH_SIZE)):
-        if (args.only and args.only not in algorithm) or algorithm in args.skip.split(","):
+        if (args.only and args.only not in algorithm) or algorithm in skip:
             continue
         if algorithm == "BOME (averaged)":
             bome_rounds = interleaved_rounds(bench, spec, adapters[0], instance, compile_timer, args.compile,
-                                             rounds=3 if args.quick else 5, iterations=50 if args.quick else 200)
+                                             rounds=2 if args.quick else 5, iterations=30 if args.quick else 200)
             print(f"BOME (averaged) interleaved ms/iteration: {bome_rounds}")
         theirs = run_benchmark_solver(bench, spec, instance, budget, compile_timer)
         print(f"{spec.name:24s} benchmark   final {theirs.values[-1]:.3e} after {theirs.iterations[-1]} it, "

@@ -236,3 +236,26 @@ def test_same_instance_as_the_benchmark(hb) -> None:
                                                                  "dim_inner": 10, "dim_outer": 3})
     assert hb.check_same_instance(instance, batch_size=64) < 1e-5
     assert instance.grad_sq_norm(instance.objective["outer_var0"]) > 0
+
+
+@pytest.mark.parametrize("method", ["penalty", "bome"])
+def test_benchopt_solver_runs_hypergrad_in_the_benchmark(hb, method: str) -> None:
+    """benchmarks/benchopt_hypergrad_solver.py on the benchmark's own objective lowers ‖∇F‖²."""
+    pytest.importorskip("jax", reason="needs the bench extra (make setup-bench)")
+    pytest.importorskip("benchopt", reason="needs the bench extra (make setup-bench)")
+    directory = os.environ.get("BENCHMARK_BILEVEL_DIR")
+    if not directory:
+        pytest.skip("set BENCHMARK_BILEVEL_DIR to a checkout of https://github.com/benchopt/benchmark_bilevel")
+    instance = hb.build_instance(hb.Benchmark(Path(directory)), {"n_samples_inner": 256, "n_samples_outer": 128,
+                                                                 "dim_inner": 10, "dim_outer": 3})
+    module = load_benchmark("benchopt_hypergrad_solver")
+    solver = module.Solver.get_instance(method=method, eval_freq=8, n_inner_steps=10 if method == "bome" else 1)
+    solver.set_objective(**instance.objective)
+    calls = []
+
+    def callback() -> bool:
+        calls.append(instance.grad_sq_norm(solver.get_result()["outer_var"]))
+        return len(calls) <= 25
+
+    solver.run(callback)
+    assert calls[-1] < 0.2 * calls[0], calls
