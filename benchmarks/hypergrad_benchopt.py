@@ -789,6 +789,31 @@ def comparisons_to_run(sigma: float, n_inner_batches: int, n_outer_batches: int)
     ]
 
 
+def profile_hypergrad(name: str, instance: Instance, sigma: float, compile_: bool, steps: int) -> str:
+    """cProfile of ``steps`` steps of one hypergrad solver (after its warm-up): the top functions
+    by own time, and the mean time per step under the profiler."""
+    import cProfile
+    import io
+    import pstats
+
+    params = instance.params
+    adapters = [a for _, mine, _, _ in comparisons_to_run(sigma, -(-params["n_samples_inner"] // BATCH_SIZE),
+                                                          -(-params["n_samples_outer"] // BATCH_SIZE))
+                for a in mine]
+    adapter = next((a for a in adapters if a.name == name), None)
+    if adapter is None:
+        raise SystemExit(f"--profile {name!r}: no such hypergrad solver; one of {[a.name for a in adapters]}")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    traj = run_hypergrad_solver(adapter, instance, float("inf"), compile_, BATCH_SIZE, max_iterations=steps)
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
+    per_step = traj.seconds_per_iteration()
+    return (f"{name}: {traj.iterations[-1]} steps, {per_step * 1e3 if per_step else float('nan'):.3g} ms per step "
+            f"under cProfile (load {_loadavg()})\n{out.getvalue()}")
+
+
 def _versions() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -846,6 +871,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sigma", type=float, default=0.01, help="Penalty's fixed sigma (default 0.01)")
     parser.add_argument("--only", default=None, help="run only the algorithms whose name contains this")
     parser.add_argument("--skip", default="", help="comma-separated algorithms to leave out (e.g. 'BOME (full)')")
+    parser.add_argument("--profile", default=None, metavar="SOLVER",
+                        help="only profile this hypergrad solver (e.g. 'BOME (averaged)') with cProfile for "
+                             "--profile-steps steps and print the top functions")
+    parser.add_argument("--profile-steps", type=int, default=200)
     parser.add_argument("--n-samples-inner", type=int, default=None,
                         help="inner samples (default 32768, the benchmark's instance; --quick 2048). The "
                              "benchmark's jax solvers compile with the samples as constants: at 32768, jax "
@@ -871,6 +900,9 @@ def main(argv: list[str] | None = None) -> int:
     initial = instance.grad_sq_norm(instance.objective["outer_var0"])
     print(f"instance {instance.params}; torch vs benchmark loss relative gap {gap:.2e}; ‖∇F(x0)‖² = {initial:.6g}")
 
+    if args.profile:
+        print(profile_hypergrad(args.profile, instance, args.sigma, args.compile, args.profile_steps))
+        return 0
     comparisons: list[Comparison] = []
     bome_rounds: dict[str, Any] | None = None
     for algorithm, adapters, spec, note in comparisons_to_run(
