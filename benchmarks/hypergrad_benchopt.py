@@ -52,6 +52,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import importlib.util  # noqa: E402
+import inspect  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
@@ -652,10 +653,13 @@ def run_hypergrad_solver(adapter: HypergradSolver, instance: Instance, budget_s:
         clock["resume"] = time.perf_counter()
 
     inner_stream, outer_stream = streams()
+    # the benchmark's solvers never evaluate the outer loss; hypergrad.solve does it for its history
+    # unless told not to (outer_loss_every=0, where this hypergrad has it)
+    quiet = {"outer_loss_every": 0} if "outer_loss_every" in inspect.signature(hg.solve).parameters else {}
     clock["resume"] = time.perf_counter()
     try:
         hg.solve(problem, w0, lam0, method, sgd, steps=10**9, inner_steps=0, inner_batches=inner_stream,
-                 outer_batches=outer_stream, progress=False, callback=callback)
+                 outer_batches=outer_stream, progress=False, callback=callback, **quiet)
     except _StopRunError:
         pass
     except hg.NonFiniteError as err:  # a diverging run is a result, not a crash
@@ -893,6 +897,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     single_thread()
+    hypergrad_source = _hypergrad_source()  # before the run: a checkout may move while it runs
     load_before = _loadavg()
     bench = Benchmark(args.benchmark_dir)
     compile_timer = CompileTimer()
@@ -937,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu, "cores": cores, "load_before": load_before, "load_after": _loadavg(),
-        "versions": _versions(), "benchmark_commit": bench.commit(), "hypergrad": _hypergrad_source(),
+        "versions": _versions(), "benchmark_commit": bench.commit(), "hypergrad": hypergrad_source,
         "instance": f"simulated {instance.params}, init y=0, x=-2 (objective.py); torch/jax loss gap {gap:.1e}",
         "initial_value": initial, "quick": args.quick, "compile": args.compile, "budget_s": budget,
         "bome_interleaved_rounds": bome_rounds,
@@ -949,9 +954,10 @@ def main(argv: list[str] | None = None) -> int:
             "Runs stop at 0.1x the target, on divergence, or when the compute budget is spent.",
             f"Penalty's sigma is fixed at {args.sigma:g} (hypergrad has no default sigma); its minibatches are "
             "drawn by a numpy sampler of the same kind (contiguous blocks, reshuffled each epoch), not the "
-            "benchmark's jax keys, and one inner batch serves all T steps of a call.",
-            "hypergrad.solve also evaluates the outer loss once per step for its history (a forward, not counted "
-            "as an oracle call, but inside the timed region).",
+            "benchmark's jax keys.",
+            "hypergrad.solve runs with outer_loss_every=0 where it has it (no outer-loss history, as the "
+            "benchmark's solvers keep none); methods with takes_step_batches (Penalty, BOME, AmIGO, StocBiO) "
+            "draw a fresh batch per inner step, as the benchmark's solvers do.",
         ],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,8 @@ Exact implicit differentiation, unrolled differentiation and first-order methods
 interface: ``method.hypergrad(problem, w, lam, inner_batch, outer_batch) -> HypergradResult``.
 """
 
-from hypergrad import autodiff, batched, batches, compiled, inner, linear, tree
+from hypergrad import autodiff, batched, batches, compiled, inner, linear, stochastic, tree
+from hypergrad.amigo import AmIGO
 from hypergrad.batches import StepBatches
 from hypergrad.bome import BOME
 from hypergrad.driver import SolveResult, inner_solve, solve
@@ -14,10 +15,16 @@ from hypergrad.implicit import Implicit
 from hypergrad.modules import functional, load_params, module_params
 from hypergrad.penalty import Penalty
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradMethod, HypergradResult
+from hypergrad.saba import SABA
+from hypergrad.soba import SOBA
+from hypergrad.stocbio import StocBiO
 from hypergrad.unrolled import Unrolled
 
 __all__ = [
     "BOME",
+    "SABA",
+    "SOBA",
+    "AmIGO",
     "BilevelProblem",
     "ConvergenceWarning",
     "FiniteDifference",
@@ -29,6 +36,7 @@ __all__ = [
     "Penalty",
     "SolveResult",
     "StepBatches",
+    "StocBiO",
     "Unrolled",
     "autodiff",
     "batched",
@@ -41,6 +49,7 @@ __all__ = [
     "load_params",
     "module_params",
     "solve",
+    "stochastic",
     "tree",
 ]
 

@@ -4,6 +4,12 @@ A method that runs several inner steps (or several stochastic products) inside o
 ``hypergrad(...)`` call reads its batches through :func:`per_step`: a :class:`StepBatches`
 passed as ``inner_batch`` (or ``outer_batch``) yields a fresh batch for every step; any other
 value is one batch reused for all of them.
+
+A method that reads both its ``inner_batch`` and its ``outer_batch`` this way says so with the
+class attribute ``takes_step_batches: ClassVar[bool] = True``; :func:`hypergrad.solve` then
+hands it a :class:`StepBatches` over each stream of batches, so every step draws a fresh
+batch. Without the attribute (``Implicit``, ``FiniteDifference``, a user's own method) the
+driver passes one batch per call.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hypergrad.autodiff import inner_fn, loss_and_grads
+from hypergrad.batches import StepBatches
 from hypergrad.inner import SGD, InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradMethod
 from hypergrad.tree import Tree, check_finite, check_like, tree_detach, tree_norm
@@ -18,6 +18,10 @@ from hypergrad.tree import Tree, check_finite, check_like, tree_detach, tree_nor
 __all__ = ["SolveResult", "inner_solve", "solve"]
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+# A batch object itself (not an iterable of batches): reused for every step.
+_SINGLE_BATCH = (torch.Tensor, dict, tuple)
 
 
 @dataclass
@@ -27,33 +31,149 @@ class SolveResult:
     Attributes:
         w: final inner parameters.
         lam: final outer parameters.
-        history: per outer step: ``outer_loss`` (f at the current ``w``), ``grad_norm`` (of the
-            hypergradient estimate), ``inner_residual`` (‖∇_w g‖ before the estimate) and
-            ``converged`` (the method's own flag).
+        history: per outer step: ``outer_loss`` (f at the current ``w``; NaN at the steps where it
+            was not evaluated, see ``outer_loss_every``), ``grad_norm`` (of the hypergradient
+            estimate), ``inner_residual`` (‖∇_w g‖ before the estimate), ``converged`` (the
+            method's own flag) and ``lr`` (the learning rate of the outer optimizer's first
+            parameter group for that step; NaN for an optimizer without one).
         state: the method's state after the last step (pass it to a later call to resume).
+        steps_run: outer steps taken (``steps`` unless the callback stopped the loop).
+        stopped_early: whether the callback stopped the loop before ``steps``.
 
     Example:
         >>> import torch, hypergrad as hg
         >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
         >>> res = hg.solve(hg.BilevelProblem(g, g), {"x": torch.zeros(1)}, {"c": torch.ones(1)},
         ...                hg.Implicit(), steps=3, inner_steps=5, progress=False)
-        >>> sorted(res.history), len(res.history["outer_loss"])
-        (['converged', 'grad_norm', 'inner_residual', 'outer_loss'], 3)
+        >>> sorted(res.history), len(res.history["outer_loss"]), res.steps_run, res.stopped_early
+        (['converged', 'grad_norm', 'inner_residual', 'lr', 'outer_loss'], 3, 3, False)
     """
 
     w: Tree
     lam: Tree
     history: dict[str, list[float]] = field(default_factory=dict)
     state: dict[str, Any] | None = None
+    steps_run: int = 0
+    stopped_early: bool = False
 
 
-def _cycle(batches: Iterable[Any] | None) -> Iterator[Any]:
-    if batches is None:
-        return itertools.repeat(None)
-    if isinstance(batches, torch.Tensor | dict | tuple):
-        # A single batch object (not an iterable of batches): reuse it every step.
-        return itertools.repeat(batches)
-    return itertools.cycle(batches)
+class _BatchStream:
+    """One stream of batches, drawn one at a time and never buffered.
+
+    ``None`` or a single batch (a tensor, dict or tuple) is reused for every draw. A re-iterable
+    (a list, a ``DataLoader``) is read epoch after epoch, each epoch from a fresh ``iter(...)``
+    (so a shuffling loader reshuffles). A one-shot iterator (a generator, ``iter(loader)``, an
+    infinite sampler) is read once; running out is an error naming the stream.
+    """
+
+    def __init__(self, batches: Any, name: str) -> None:
+        self.name = name
+        self.drawn = 0
+        self.constant = batches is None or isinstance(batches, _SINGLE_BATCH)
+        self._batches = batches
+        self._iterator: Iterator[Any] | None = None
+        self._one_shot = False
+        self._epoch_drawn = 0
+        if self.constant:
+            return
+        if isinstance(batches, StepBatches):
+            raise TypeError(
+                f"{name} must be batches, not a StepBatches: solve draws a fresh batch per step "
+                f"for methods that take several (pass {name}=<the batches> directly)"
+            )
+        try:
+            self._iterator = iter(batches)
+        except TypeError:
+            raise TypeError(
+                f"{name} must be None, a single batch (a Tensor, dict or tuple), or an iterable of "
+                f"batches (a list, a DataLoader, an iterator), got {type(batches).__name__}"
+            ) from None
+        self._one_shot = self._iterator is batches
+
+    def next(self) -> Any:
+        """The next batch: the same object for a constant stream, a fresh draw otherwise."""
+        if self.constant:
+            return self._batches
+        assert self._iterator is not None
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            batch = self._next_epoch()
+        self.drawn += 1
+        self._epoch_drawn += 1
+        return batch
+
+    def _next_epoch(self) -> Any:
+        if self._one_shot:
+            raise ValueError(
+                f"{self.name} ran out after {self.drawn} batch(es): it is a one-shot iterator, which "
+                "solve cannot restart; pass the re-iterable itself (a list or a DataLoader, "
+                "re-read each epoch) or an infinite iterator"
+            )
+        if self._epoch_drawn == 0 and self.drawn == 0:
+            raise ValueError(f"{self.name} is empty: it yielded no batch")
+        self._iterator = iter(self._batches)
+        self._epoch_drawn = 0
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            raise ValueError(
+                f"{self.name} yielded no batch in a new epoch (after {self.drawn} batch(es) in "
+                "earlier epochs)"
+            ) from None
+
+    def for_call(self, per_step: bool) -> Any:
+        """The batch argument of one ``method.hypergrad`` call.
+
+        ``per_step``: the method reads its batches through :func:`hypergrad.batches.per_step`,
+        so it gets a :class:`StepBatches` drawing one fresh batch per step from this stream (a
+        constant stream hands over its one batch). A stream that itself yields ``StepBatches``
+        (the older idiom ``[StepBatches(iterator)]``) hands each one over as it is.
+        """
+        if self.constant or not per_step:
+            return self.next()
+        first = self.next()
+        if isinstance(first, StepBatches):
+            return first
+        return StepBatches(self._draws(first))
+
+    def _draws(self, first: Any) -> Iterator[Any]:
+        batch = first
+        while True:
+            if isinstance(batch, StepBatches):
+                raise TypeError(
+                    f"{self.name} mixes StepBatches with plain batches: pass the batches "
+                    f"themselves ({self.name}=<a list, a DataLoader, an iterator>); solve hands "
+                    "methods that take several steps a fresh batch per step"
+                )
+            yield batch
+            batch = self.next()
+
+
+def _check_steps(steps: Any, name: str) -> None:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {steps!r}")
+
+
+def _inner_steps(
+    problem: BilevelProblem,
+    w: Tree,
+    lam: Tree,
+    steps: int,
+    optimizer: InnerOptimizer,
+    stream: _BatchStream,
+    opt_state: Tree | None,
+) -> tuple[Tree, Tree, float]:
+    state = optimizer.init(w) if opt_state is None else opt_state
+    residual = float("nan")
+    for _ in range(steps):
+        _, gw, _ = loss_and_grads(inner_fn(problem, stream.next()), w, lam, wrt_lam=False, what="inner loss")
+        assert gw is not None
+        residual = float(tree_norm(gw))
+        with torch.no_grad():
+            w, state = optimizer.update(w, gw, state)
+        w = tree_detach(w)
+    return w, state, residual
 
 
 def inner_solve(
@@ -73,8 +193,10 @@ def inner_solve(
         lam: outer parameters, held fixed.
         steps: number of steps (>= 0).
         optimizer: an inner optimizer from :mod:`hypergrad.inner`.
-        batches: an iterable of inner batches (cycled, one per step), a single batch (a tensor,
-            dict or tuple, reused), or None.
+        batches: the inner batches, one per step, drawn as :func:`solve` draws them: an iterable
+            of batches (a list or a ``DataLoader`` is re-read from a fresh ``iter(...)`` each
+            epoch, an iterator is consumed and must not run out), a single batch (a tensor, dict
+            or tuple, reused), or None.
         opt_state: optimizer state to continue from (default ``optimizer.init(w)``).
 
     Returns:
@@ -82,7 +204,9 @@ def inner_solve(
         taken (NaN when ``steps == 0``).
 
     Raises:
-        ValueError: ``steps`` is not an int >= 0.
+        ValueError: ``steps`` is not an int >= 0; an iterator ``batches`` ran out, or an iterable
+            is empty.
+        TypeError: ``batches`` is not one of the forms above.
         hypergrad.errors.NonFiniteError: the inner loss or its gradient became NaN or inf (a
             step size too large for the problem).
 
@@ -94,19 +218,26 @@ def inner_solve(
         >>> w["x"].tolist(), res < 1e-6
         ([1.0, 1.0], True)
     """
-    if not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"inner_steps must be an int >= 0, got {steps!r}")
-    state = optimizer.init(w) if opt_state is None else opt_state
-    batch_iter = _cycle(batches)
-    residual = float("nan")
-    for _ in range(steps):
-        _, gw, _ = loss_and_grads(inner_fn(problem, next(batch_iter)), w, lam, wrt_lam=False, what="inner loss")
-        assert gw is not None
-        residual = float(tree_norm(gw))
-        with torch.no_grad():
-            w, state = optimizer.update(w, gw, state)
-        w = tree_detach(w)
-    return w, state, residual
+    _check_steps(steps, "inner_steps")
+    return _inner_steps(problem, w, lam, steps, optimizer, _BatchStream(batches, "batches"), opt_state)
+
+
+def _make_scheduler(factory: SchedulerFactory | None, optimizer: torch.optim.Optimizer,
+                    outer_loss_every: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+    if factory is None:
+        return None
+    scheduler = factory(optimizer)
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError(
+            "scheduler must be a factory optimizer -> torch.optim.lr_scheduler.LRScheduler (e.g. "
+            f"lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)), got {type(scheduler).__name__}"
+        )
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and outer_loss_every != 1:
+        raise ValueError(
+            "scheduler=ReduceLROnPlateau is stepped with the outer loss of every step, so it needs "
+            f"outer_loss_every=1, got {outer_loss_every!r}"
+        )
+    return scheduler
 
 
 def solve(
@@ -121,17 +252,55 @@ def solve(
     inner_batches: Iterable[Any] | None = None,
     outer_batches: Iterable[Any] | None = None,
     progress: bool = True,
-    callback: Callable[[int, Tree, Tree, Any], None] | None = None,
+    callback: Callable[[int, Tree, Tree, Any], Any] | None = None,
     state: dict[str, Any] | None = None,
+    hypergrad_batches: Iterable[Any] | None = None,
+    scheduler: SchedulerFactory | None = None,
+    outer_loss_every: int = 1,
 ) -> SolveResult:
     r"""Minimise :math:`F(\lambda) = f(w^*(\lambda), \lambda)` with any hypergradient method.
 
     Each outer step runs ``inner_steps`` plain steps of ``inner_optimizer`` on ``w`` (warm
     started from the previous step), asks ``method`` for the hypergradient, and steps ``lam``
-    with a :mod:`torch.optim` optimizer. Methods that advance ``w`` themselves (``Unrolled``,
-    ``Penalty``, ``BOME``) usually need ``inner_steps=0``; ``Implicit`` and
-    ``FiniteDifference`` assume ``w`` solves the inner problem, so give them enough
-    ``inner_steps`` (the residual is recorded in ``history["inner_residual"]``).
+    with a :mod:`torch.optim` optimizer (and its learning-rate ``scheduler``, if any). Methods
+    that advance ``w`` themselves (``Unrolled``, ``Penalty``, ``BOME``) usually need
+    ``inner_steps=0``; ``Implicit`` and ``FiniteDifference`` assume ``w`` solves the inner
+    problem, so give them enough ``inner_steps`` (the residual is recorded in
+    ``history["inner_residual"]``).
+
+    **Batch streams.** ``inner_batches``, ``hypergrad_batches`` and ``outer_batches`` each take
+    one of: None (the losses get ``batch=None``); a single batch, a tensor, dict or tuple,
+    reused for every step; a re-iterable such as a list or a :class:`torch.utils.data.DataLoader`,
+    read epoch after epoch, each epoch from a fresh ``iter(...)`` (a shuffling loader reshuffles
+    every epoch; epochs run on across outer steps); or a one-shot iterator (a generator,
+    ``iter(loader)``, an infinite sampler), read once and never buffered: a finite one running
+    out raises :class:`ValueError` naming the stream and how many batches it gave. Batches are
+    drawn only as they are used.
+
+    Who draws what, per outer step: the ``inner_steps`` plain steps draw one batch each from
+    ``inner_batches``; the method's ``inner_batch`` (the batch of its inner steps, linear solve
+    and Hessian products) comes from ``hypergrad_batches``, by default the same stream as
+    ``inner_batches`` (the next batches after the plain steps'); its ``outer_batch`` from
+    ``outer_batches``. A method that takes several steps per call and says so with the class
+    attribute ``takes_step_batches = True`` (``Unrolled``, ``Penalty``, ``BOME``; it reads its
+    batches through :func:`hypergrad.batches.per_step`) gets a
+    :class:`~hypergrad.batches.StepBatches` over each stream, so every one of its steps draws a
+    fresh batch; any other method (``Implicit``, ``FiniteDifference``, your own) gets one batch
+    per call. (A stream of :class:`~hypergrad.batches.StepBatches`, the older idiom
+    ``inner_batches=[StepBatches(iterator)]``, still works: each is handed over as it is.) Such
+    a method draws the first batch of each stream when the call starts. For minibatch
+    ``Implicit``, a larger ``hypergrad_batches`` batch keeps the linear
+    solve well posed (see :doc:`/methods/implicit`).
+
+    **Loop controls.** ``callback(step, w, lam, result)`` runs after each outer step; returning a
+    true value (e.g. ``True``) stops the loop after that step (``SolveResult.steps_run`` and
+    ``stopped_early`` record it). ``scheduler`` is a factory ``optimizer -> LRScheduler`` (e.g.
+    ``lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)``), stepped once
+    after each outer step; ``ReduceLROnPlateau`` is stepped with that step's outer loss.
+    ``outer_loss_every=k`` evaluates the outer loss for ``history`` (and the progress bar) at
+    every ``k``-th step (0: never); skipped steps record NaN. Each evaluation is one extra
+    forward pass of ``f``, and for a method that takes step batches one more batch drawn from
+    ``outer_batches``.
 
     Args:
         problem: the bilevel problem.
@@ -140,24 +309,34 @@ def solve(
         method: any object with the ``hypergrad`` method (``Implicit``, ``Unrolled``, ...).
         outer_optimizer: factory ``params -> torch.optim.Optimizer``; default
             ``torch.optim.Adam(params, lr=1e-2)``.
-        steps: number of outer steps.
-        inner_steps: plain inner steps before each hypergradient.
+        steps: maximum number of outer steps (>= 1).
+        inner_steps: plain inner steps before each hypergradient (>= 0).
         inner_optimizer: optimizer for those steps (default ``hg.inner.SGD(lr=0.1)``).
-        inner_batches: an iterable of inner batches (cycled; one per inner step and one per
-            hypergradient), a single batch, or None.
-        outer_batches: likewise for the outer loss (one per outer step).
+        inner_batches: the batches of the plain inner steps (and, by default, of the method's
+            ``inner_batch``); see "Batch streams".
+        outer_batches: the batches of the outer loss (the method's ``outer_batch``).
         progress: show a tqdm progress bar with F and ‖grad‖.
-        callback: called as ``callback(step, w, lam, result)`` after each outer step.
+        callback: called as ``callback(step, w, lam, result)`` after each outer step; a true
+            return value stops the loop.
         state: method state to resume from (``SolveResult.state`` of a previous run).
+        hypergrad_batches: the batches of the method's ``inner_batch`` (its inner steps, linear
+            solve and products); default None: drawn from ``inner_batches``.
+        scheduler: factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler`` for the outer
+            learning rate, stepped once per outer step; default None (constant).
+        outer_loss_every: evaluate the outer loss for ``history`` every this many steps
+            (int >= 0; 0: never; default 1: every step).
 
     Returns:
         A :class:`SolveResult`.
 
     Raises:
-        TypeError: ``method`` has no ``hypergrad`` method, or ``outer_optimizer`` does not
-            return a :class:`torch.optim.Optimizer`.
-        ValueError: ``steps < 1``, ``inner_steps < 0``, malformed ``w``/``lam``, or a
-            hypergradient not shaped like ``lam``.
+        TypeError: ``method`` has no ``hypergrad`` method; ``outer_optimizer`` does not return a
+            :class:`torch.optim.Optimizer` or ``scheduler`` an ``LRScheduler``; a batch stream is
+            not one of the forms above.
+        ValueError: ``steps < 1``, ``inner_steps < 0``, ``outer_loss_every < 0``, malformed
+            ``w``/``lam``, a hypergradient not shaped like ``lam``; a one-shot batch iterator
+            ran out or an iterable of batches is empty; ``ReduceLROnPlateau`` without
+            ``outer_loss_every=1``.
         hypergrad.errors.NonFiniteError: a loss, gradient or hypergradient became NaN or inf.
 
     Example:
@@ -169,54 +348,87 @@ def solve(
         ...                steps=30, inner_steps=20, inner_optimizer=hg.inner.SGD(0.5), progress=False)
         >>> round(res.lam["c"].item(), 4)
         3.0
+
+        Stop early from the callback, with a decaying learning rate and the outer loss
+        evaluated every 5th step only:
+
+        >>> res = hg.solve(hg.BilevelProblem(g, f), {"x": torch.zeros(1)}, {"c": torch.zeros(1)},
+        ...                hg.Implicit(hg.linear.CG()), lambda p: torch.optim.SGD(p, lr=0.5),
+        ...                steps=100, inner_steps=20, inner_optimizer=hg.inner.SGD(0.5), progress=False,
+        ...                scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10, gamma=0.5),
+        ...                outer_loss_every=5,
+        ...                callback=lambda step, w, lam, r: r.grad["c"].abs().max() < 1e-4)
+        >>> res.stopped_early, res.steps_run < 100, round(res.lam["c"].item(), 3)
+        (True, True, 3.0)
+        >>> import math
+        >>> res.history["lr"][:2], res.history["lr"][10], math.isnan(res.history["outer_loss"][1])
+        ([0.5, 0.5], 0.25, True)
     """
     w, lam = problem.validate(w, lam)
     if not hasattr(method, "hypergrad"):
         raise TypeError(f"method must have a hypergrad(...) method, got {type(method).__name__}")
-    if not isinstance(steps, int) or steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    if not isinstance(inner_steps, int) or inner_steps < 0:
-        raise ValueError(f"inner_steps must be an int >= 0, got {inner_steps!r}")
+    _check_steps(inner_steps, "inner_steps")
+    _check_steps(outer_loss_every, "outer_loss_every")
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
     inner_optimizer = inner_optimizer if inner_optimizer is not None else SGD(lr=0.1)
     lam_params = {k: v.detach().clone().requires_grad_(True) for k, v in lam.items()}
     factory = outer_optimizer if outer_optimizer is not None else (lambda p: torch.optim.Adam(p, lr=1e-2))
     optimizer = factory(list(lam_params.values()))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("outer_optimizer must be a factory returning a torch.optim.Optimizer")
-    inner_iter = _cycle(inner_batches)
-    outer_iter = _cycle(outer_batches)
+    lr_scheduler = _make_scheduler(scheduler, optimizer, outer_loss_every)
+    inner_stream = _BatchStream(inner_batches, "inner_batches")
+    hyper_stream = (
+        inner_stream if hypergrad_batches is None else _BatchStream(hypergrad_batches, "hypergrad_batches")
+    )
+    outer_stream = _BatchStream(outer_batches, "outer_batches")
+    step_batches = bool(getattr(method, "takes_step_batches", False))
     w = tree_detach(w)
     opt_state: Tree | None = None
-    history: dict[str, list[float]] = {"outer_loss": [], "grad_norm": [], "inner_residual": [], "converged": []}
+    history: dict[str, list[float]] = {
+        "outer_loss": [], "grad_norm": [], "inner_residual": [], "converged": [], "lr": []}
+    steps_run, stopped_early = 0, False
+    last_outer_loss = float("nan")
     bar = tqdm(range(steps), desc="hypergrad.solve", disable=not progress, leave=False)
     for step in bar:
         lam_now = {k: v.detach() for k, v in lam_params.items()}
         residual = float("nan")
         if inner_steps:
-            w, opt_state, residual = inner_solve(
-                problem, w, lam_now, inner_steps, inner_optimizer, _batches_from(inner_iter, inner_steps), opt_state
-            )
-        inner_batch, outer_batch = next(inner_iter), next(outer_iter)
+            w, opt_state, residual = _inner_steps(
+                problem, w, lam_now, inner_steps, inner_optimizer, inner_stream, opt_state)
+        inner_batch = hyper_stream.for_call(step_batches)
+        outer_batch = outer_stream.for_call(step_batches)
         result = method.hypergrad(problem, w, lam_now, inner_batch=inner_batch, outer_batch=outer_batch, state=state)
         check_like(result.grad, lam_now, "hypergradient", "lam")
         check_finite(result.grad, f"hypergradient at outer step {step}")
-        with torch.no_grad():
-            outer_loss = float(problem.outer_loss(w, lam_now, outer_batch))
+        outer_loss = float("nan")
+        if outer_loss_every and step % outer_loss_every == 0:
+            batch = outer_stream.next() if isinstance(outer_batch, StepBatches) else outer_batch
+            with torch.no_grad():
+                outer_loss = last_outer_loss = float(problem.outer_loss(w, lam_now, batch))
+        lr = float(optimizer.param_groups[0].get("lr", float("nan")))  # NaN: an optimizer without "lr"
         optimizer.zero_grad(set_to_none=False)
         for k, p in lam_params.items():
             p.grad = result.grad[k].detach().to(p.dtype).clone()
         optimizer.step()
+        if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            lr_scheduler.step(outer_loss)
+        elif lr_scheduler is not None:
+            lr_scheduler.step()
         w, state = tree_detach(result.w), result.state
         grad_norm = float(tree_norm(result.grad))
         history["outer_loss"].append(outer_loss)
         history["grad_norm"].append(grad_norm)
         history["inner_residual"].append(residual)
         history["converged"].append(float(result.info.converged))
-        bar.set_postfix(F=f"{outer_loss:.4g}", grad=f"{grad_norm:.3g}")
-        if callback is not None:
-            callback(step, w, {k: v.detach() for k, v in lam_params.items()}, result)
-    return SolveResult(w, {k: v.detach().clone() for k, v in lam_params.items()}, history, state)
-
-
-def _batches_from(iterator: Iterator[Any], n: int) -> list[Any]:
-    return [next(iterator) for _ in range(n)]
+        history["lr"].append(lr)
+        steps_run = step + 1
+        bar.set_postfix(F=f"{last_outer_loss:.4g}", grad=f"{grad_norm:.3g}")
+        if callback is not None and callback(step, w, {k: v.detach() for k, v in lam_params.items()}, result):
+            stopped_early = step + 1 < steps
+            break
+    return SolveResult(w, {k: v.detach().clone() for k, v in lam_params.items()}, history, state,
+                       steps_run, stopped_early)

@@ -211,7 +211,7 @@ class FiniteDifference:
             system = LinearSystem(matvec=hvp, rhs=grad_w_f, symmetric=True)
             x0 = state.get("v") if (self.warm_start and state) else None
             solve = self.solver(system, x0)
-            for message in solve.warnings:
+            for message in [] if solve.repeated_warnings else solve.warnings:
                 _warnings.warn(message, ConvergenceWarning, stacklevel=2)
             messages = list(solve.warnings)
             iterations, residual, converged = solve.iterations, solve.residual, solve.converged

@@ -126,7 +126,7 @@ class Implicit:
             system, grad_lam_f, residual_tree, mixed_product = self._eager_parts(
                 problem, w, lam, inner_batch, outer_batch)
         solve = self.solver(system, x0)
-        for message in solve.warnings:
+        for message in [] if solve.repeated_warnings else solve.warnings:
             _warnings.warn(message, ConvergenceWarning, stacklevel=2)
         check_finite(solve.solution, "implicit linear solve")
         mixed = mixed_product(solve.solution)

@@ -2,12 +2,15 @@ r"""Fully first-order hypergradients by the penalty method F2SA (Kwon et al., 20
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from hypergrad.autodiff import loss_and_grads
+from hypergrad.batches import per_step
+from hypergrad.compiled import compiled_penalty
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.tree import (
@@ -25,6 +28,16 @@ __all__ = ["Penalty"]
 
 
 _EVALUATE = ("advanced", "current")
+
+
+def _inner_loss(problem: BilevelProblem, batch: Any) -> Callable[[Tree, Tree], torch.Tensor]:
+    return lambda w_, lam_: problem.inner_loss(w_, lam_, batch)
+
+
+def _penalised_loss(problem: BilevelProblem, sigma: float, inner_batch: Any,
+                    outer_batch: Any) -> Callable[[Tree, Tree], torch.Tensor]:
+    return lambda w_, lam_: (problem.inner_loss(w_, lam_, inner_batch)
+                             + sigma * problem.outer_loss(w_, lam_, outer_batch))
 
 
 def _check_optimizer(opt: object, name: str) -> None:
@@ -59,22 +72,28 @@ class Penalty:
     variance, and needs more accurate inner iterates. Kwon et al. increase :math:`1/\sigma`
     slowly over the outer iterations; here ``sigma`` is fixed per instance.
 
-    Each call runs ``inner_steps`` (``T``) optimizer steps on both iterates. Every evaluation is
-    one backward pass giving the ``w``- and :math:`\lambda`-gradients together: of :math:`g` at
-    ``w``, and of :math:`g + \sigma f` at :math:`w_\sigma`. Where the estimate is taken is set by
-    ``evaluate``:
+    Each call runs ``inner_steps`` (``T``) optimizer steps on both iterates. Every evaluation
+    pair is two backward passes giving the ``w``- and :math:`\lambda`-gradients together: of
+    :math:`g` at ``w``, and of :math:`g + \sigma f` at :math:`w_\sigma`, which differentiates
+    both :math:`g` and :math:`f`, so a pair costs 3 gradients (``info.grad_evals`` counts
+    every one). Where the estimate is taken is set by ``evaluate``:
 
     * ``"current"`` (default): the backward passes of the last step also give the :math:`\lambda`-gradients,
       so the estimate is taken at the iterates before that step (after ``T - 1`` steps), and
-      nothing is evaluated twice. Cost ``2 T`` evaluations, the floor of the method: 2 at
-      ``T = 1``, about :math:`3` inner-gradient-equivalents when :math:`f` costs what :math:`g`
-      does (``g`` once, ``g + sigma f`` once). Across an outer loop it is Algorithm 1 with the
-      estimate lagging the iterates by one inner step; at a steady state (iterates at their
-      optima) both give the same number.
+      nothing is evaluated twice. Cost ``3 T`` gradients, the floor of the method: 3 at
+      ``T = 1`` (``g`` at ``w``; ``g`` and ``f`` at :math:`w_\sigma`). Across an outer loop it
+      is Algorithm 1 with the estimate lagging the iterates by one inner step; at a steady state
+      (iterates at their optima) both give the same number.
     * ``"advanced"`` (Algorithm 1 of Kwon et al. as written): after the ``T`` steps, one more
-      evaluation of both losses at the advanced iterates. Cost ``2 T + 2`` evaluations (4 at
-      ``T = 1``; ``info.grad_evals``), twice the floor at ``T = 1``. Use it for a single call
-      from a cold start with small ``T``, where the estimate should see the last step.
+      evaluation of both losses at the advanced iterates. Cost ``3 T + 3`` gradients (6 at
+      ``T = 1``), twice the floor at ``T = 1``. Use it for a single call from a cold start with
+      small ``T``, where the estimate should see the last step.
+
+    Batches: ``inner_batch`` and ``outer_batch`` are each one batch reused for every
+    evaluation, or a :class:`~hypergrad.batches.StepBatches` giving a fresh batch per
+    evaluation pair (``T`` of them, ``T + 1`` with ``"advanced"``; :func:`hypergrad.solve`
+    passes these for batch streams). Both iterates of a pair see the same batches, so the
+    difference of :math:`\lambda`-gradients in the estimate is taken on one batch.
 
     ``info.converged`` is True when both inner residuals at the evaluation point,
     :math:`\lVert\nabla_w g(w)\rVert` and :math:`\lVert\nabla_w (g + \sigma f)(w_\sigma)\rVert`
@@ -95,12 +114,17 @@ class Penalty:
             ``inner_optimizer`` (fine while :math:`\sigma L_f \ll L_g`).
         evaluate: ``"advanced"`` or ``"current"``, where the estimate is taken (see above).
         tol: gradient-norm tolerance on both inner residuals for ``info.converged`` (>= 0).
+        compile: run each call as one graph traced by :func:`torch.compile` and compiled by
+            inductor (:func:`hypergrad.compiled.compiled_penalty`): the same arithmetic, state and
+            counts without the per-operator overhead of eager PyTorch. Compiles once per problem,
+            shape, dtype and configuration, falls back to eager with a log line where compilation
+            fails; ``info.extra["compiled"]`` and ``["compile_s"]`` say what happened.
 
     Raises:
         ValueError: ``sigma <= 0``, ``inner_steps < 1``, ``tol < 0`` or an unknown ``evaluate``; a
             ``state`` whose ``w_sigma`` does not match ``w``.
-        TypeError: non-numeric ``sigma``, non-integer ``inner_steps``, or an optimizer without
-            ``init``/``update``.
+        TypeError: non-numeric ``sigma``, non-integer ``inner_steps``, a non-bool ``compile``, or
+            an optimizer without ``init``/``update``.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -114,12 +138,14 @@ class Penalty:
         >>> [round(x, 2) for x in r.grad["c"].tolist()]   # exact: dF/dc = c
         [1.0, 2.0]
         >>> sorted(r.state), r.info.grad_evals, r.info.converged
-        (['opt_state', 'sigma_opt_state', 'w', 'w_sigma'], 102, True)
+        (['opt_state', 'sigma_opt_state', 'w', 'w_sigma'], 153, True)
         >>> cheap = hg.Penalty(sigma=1e-3, inner_optimizer=hg.inner.SGD(lr=0.5))  # evaluate="current"
         >>> r = cheap.hypergrad(hg.BilevelProblem(g, f), r.w, lam, state=r.state)
         >>> [round(x, 2) for x in r.grad["c"].tolist()], r.info.grad_evals
-        ([1.0, 2.0], 2)
+        ([1.0, 2.0], 3)
     """
+
+    takes_step_batches: ClassVar[bool] = True
 
     sigma: float
     inner_optimizer: InnerOptimizer
@@ -127,8 +153,11 @@ class Penalty:
     sigma_optimizer: InnerOptimizer | None = None
     evaluate: str = "current"
     tol: float = 1e-4
+    compile: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
         if not isinstance(self.sigma, (int, float)) or isinstance(self.sigma, bool):
             raise TypeError(f"sigma must be a real number, got {type(self.sigma).__name__}")
         if not 0.0 < self.sigma < float("inf"):
@@ -161,6 +190,8 @@ class Penalty:
         state: dict[str, Any] | None = None,
     ) -> HypergradResult:
         """Advance ``w`` and ``w_sigma`` by ``inner_steps`` and return the F2SA estimate there."""
+        if self.compile:
+            return compiled_penalty(self, problem, w, lam, inner_batch, outer_batch, state)
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
         opt, sigma_opt = self._optimizers()
@@ -176,14 +207,6 @@ class Penalty:
         opt_state = opt.init(w) if opt_state is None else opt_state
         sigma_opt_state = sigma_opt.init(w_sigma) if sigma_opt_state is None else sigma_opt_state
 
-        def g(w_: Tree, lam_: Tree) -> torch.Tensor:
-            return problem.inner_loss(w_, lam_, inner_batch)
-
-        def penalised(w_: Tree, lam_: Tree) -> torch.Tensor:
-            return problem.inner_loss(w_, lam_, inner_batch) + sigma * problem.outer_loss(
-                w_, lam_, outer_batch
-            )
-
         T = self.inner_steps
         current = self.evaluate == "current"
         grad_lam_g: Tree | None = None
@@ -193,8 +216,13 @@ class Penalty:
         # w-gradient (for a step) and, where it is the estimate's, the lam-gradient.
         n_evals = T if current else T + 1
         estimate_at = n_evals - 1
+        # One inner (and outer) batch per evaluation: both iterates see the same batch, so the
+        # difference of lam-gradients at the estimate is taken on one batch.
+        inner_batches, outer_batches = per_step(inner_batch, n_evals), per_step(outer_batch, n_evals)
         for t in range(n_evals):
             here = t == estimate_at
+            g = _inner_loss(problem, inner_batches[t])
+            penalised = _penalised_loss(problem, sigma, inner_batches[t], outer_batches[t])
             _, gw, lam_g = loss_and_grads(g, w, lam, wrt_lam=here, what="inner loss")
             _, gws, lam_pen = loss_and_grads(
                 penalised, w_sigma, lam, wrt_lam=here, what="penalised loss g + sigma f"
@@ -219,7 +247,7 @@ class Penalty:
             iterations=T,
             residual=inner_residual,
             converged=inner_residual <= tol and sigma_residual <= tol,
-            grad_evals=2 * n_evals,
+            grad_evals=3 * n_evals,
             extra={
                 "sigma": sigma,
                 "inner_residual": inner_residual,

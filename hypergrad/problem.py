@@ -120,7 +120,10 @@ class HypergradMethod(Protocol):
     ``hypergrad(problem, w, lam, inner_batch, outer_batch, state)`` estimates the hypergradient
     at ``(w, lam)`` and returns a :class:`HypergradResult`; ``state`` is the previous result's
     ``state`` (None on the first call). :func:`~hypergrad.driver.solve` accepts any object with
-    this method.
+    this method. A method that takes several steps per call and wants a fresh batch for each
+    declares the class attribute ``takes_step_batches = True``; ``solve`` then hands it
+    :class:`~hypergrad.batches.StepBatches` over its batch streams, which it reads through
+    :func:`~hypergrad.batches.per_step` (see :mod:`hypergrad.batches`).
 
     Example:
         >>> import hypergrad as hg

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -149,7 +149,9 @@ class Unrolled:
             0 replaces every replaceable tensor.
 
     Inner batches: ``inner_batch`` is one batch reused for all ``K`` steps, or a
-    :class:`~hypergrad.batches.StepBatches` holding one batch per step. In forward mode without vmap the inner loss
+    :class:`~hypergrad.batches.StepBatches` holding one batch per step (:func:`hypergrad.solve`
+    passes one for a stream of batches); ``outer_batch`` is one batch, or a ``StepBatches`` of
+    which one is drawn. In forward mode without vmap the inner loss
     is re-evaluated once per direction, so it must then be deterministic (no dropout).
 
     Example:
@@ -168,6 +170,8 @@ class Unrolled:
         >>> torch.allclose(fwd.grad["c"], r.grad["c"]), r.info.iterations
         (True, 3)
     """
+
+    takes_step_batches: ClassVar[bool] = True  # hg.solve hands it a StepBatches per stream
 
     optimizer: InnerOptimizer
     steps: int
@@ -234,6 +238,7 @@ class Unrolled:
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
         batches = per_step(inner_batch, self.steps)
+        (outer_batch,) = per_step(outer_batch, 1)
         opt_state = self._initial_state(w, state)
         with torch.enable_grad():
             if self.mode == "reverse":

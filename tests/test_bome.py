@@ -258,3 +258,27 @@ def test_converged_means_the_value_function_gap_is_below_tol():
     assert loose.hypergrad(problem, {"x": torch.zeros(2, dtype=DT)}, lam).info.converged is True
     with pytest.raises(ValueError, match="tol"):
         hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, tol=-1.0)
+
+
+def test_step_batches_give_a_fresh_batch_per_inner_step_and_count_every_gradient():
+    """With StepBatches the T inner steps read T fresh batches; q's second value of g is on the
+    first step's batch; f reads one outer batch. grad_evals counts each loss differentiated."""
+    seen_g, seen_f = [], []
+
+    def g(w, lam, batch):
+        seen_g.append(batch)
+        return 0.5 * ((w["x"] - lam["c"] * batch) ** 2).sum()
+
+    def f(w, lam, batch):
+        seen_f.append(batch)
+        return 0.5 * ((w["x"] - batch) ** 2).sum()
+
+    T = 3
+    inner, outer = iter([1.0, 2.0, 3.0, 4.0]), iter([-1.0, -2.0])
+    r = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=T).hypergrad(
+        hg.BilevelProblem(g, f), {"x": torch.zeros(2, dtype=DT)}, {"c": torch.ones(2, dtype=DT)},
+        inner_batch=hg.StepBatches(inner), outer_batch=hg.StepBatches(outer))
+    assert seen_g == [1.0, 2.0, 3.0, 1.0]     # steps on batches 1..T, then g(w_hat_T) on batch 1
+    assert seen_f == [-1.0]
+    assert next(inner) == 4.0 and next(outer) == -2.0   # drew exactly what it used
+    assert r.info.grad_evals == len(seen_g) + len(seen_f) == T + 2

@@ -4,6 +4,7 @@ fallback with a log line."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -263,3 +264,260 @@ def test_compile_needs_the_gradient_form():
         hg.Implicit(products="forward", compile=True)
     with pytest.raises(TypeError, match="compile must be a bool"):
         hg.Implicit(compile="yes")
+
+
+# ------------------------------------------------------------ BOME / Penalty (F2SA) compile=True
+
+
+def _same_result(a, b, tol: float = 1e-10) -> None:
+    """Compiled ``a`` against eager ``b``: trees to ``tol``, the same counts and info floats."""
+    for key in b.grad:
+        torch.testing.assert_close(a.grad[key], b.grad[key], rtol=tol, atol=1e-13)
+    for key in b.w:
+        torch.testing.assert_close(a.w[key], b.w[key], rtol=tol, atol=1e-13)
+    assert (a.info.iterations, a.info.grad_evals, a.info.converged) == (
+        b.info.iterations, b.info.grad_evals, b.info.converged)
+    assert a.info.residual == pytest.approx(b.info.residual, rel=tol, abs=1e-14)
+    for key, value in b.info.extra.items():
+        if isinstance(value, float):
+            assert a.info.extra[key] == pytest.approx(value, rel=1e-8, abs=1e-12), key
+        else:
+            assert a.info.extra[key] == value, key
+    assert a.info.extra["compiled"] is True
+    assert (a.state is None) == (b.state is None)
+    for key, tree in (b.state or {}).items():
+        for leaf, value in tree.items():
+            torch.testing.assert_close(a.state[key][leaf], value, rtol=tol, atol=1e-14)
+
+
+@needs_compiler
+def test_bome_compiled_equals_eager_across_calls_and_optimizers():
+    problem, w, lam = _logistic(seed=4)
+    eager = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=5, eta=0.5)
+    compiled = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=5, eta=0.5, compile=True)
+    first = compiled.hypergrad(problem, w, lam)
+    assert first.info.extra["compile_s"] > 0.0
+    _same_result(first, eager.hypergrad(problem, w, lam))
+    assert first.info.extra["phi"] > 0.0  # the correction is active: phi and grad q are tested
+    # the outer loop: new values of w and lam every call, no recompilation, still the eager numbers
+    for _ in range(3):
+        lam = {"log_l2": lam["log_l2"] - 0.1 * first.grad["log_l2"]}
+        again, expected = compiled.hypergrad(problem, first.w, lam), eager.hypergrad(problem, first.w, lam)
+        assert again.info.extra["compile_s"] == 0.0
+        _same_result(again, expected)
+        first = again
+    # inner Adam, w stepped by Momentum with its state carried across calls, the gradient barrier
+    kwargs = {"w_optimizer": hg.inner.Momentum(lr=0.05, beta=0.8), "inner_steps": 4, "barrier": "gradient"}
+    eager = hg.BOME(hg.inner.Adam(lr=0.05), **kwargs)
+    compiled = hg.BOME(hg.inner.Adam(lr=0.05), **kwargs, compile=True)
+    ra, rb = None, None
+    for _ in range(3):
+        ra = compiled.hypergrad(problem, (ra or rb or first).w, lam, state=ra and ra.state)
+        rb = eager.hypergrad(problem, rb.w if rb else first.w, lam, state=rb and rb.state)
+        _same_result(ra, rb)
+    assert float(ra.state["w_opt_state"]["m.weight"].abs().sum()) > 0.0
+
+
+@needs_compiler
+def test_penalty_compiled_equals_eager_with_state_carried():
+    problem, w, lam = _logistic(seed=5)
+    kwargs = {"sigma": 1e-2, "inner_optimizer": hg.inner.Momentum(lr=0.3, beta=0.5), "inner_steps": 3,
+              "sigma_optimizer": hg.inner.Adam(lr=0.05)}
+    eager, compiled = hg.Penalty(**kwargs), hg.Penalty(**kwargs, compile=True)
+    ra = rb = None
+    for call in range(3):
+        ra = compiled.hypergrad(problem, ra.w if ra else w, lam, state=ra and ra.state)
+        rb = eager.hypergrad(problem, rb.w if rb else w, lam, state=rb and rb.state)
+        _same_result(ra, rb)
+        assert (ra.info.extra["compile_s"] > 0.0) == (call == 0)
+    assert _rel(ra.state["w_sigma"]["weight"], w["weight"]) > 1e-3  # the iterates did move
+    advanced = {"sigma": 1e-2, "inner_optimizer": hg.inner.SGD(lr=0.3), "inner_steps": 2, "evaluate": "advanced"}
+    _same_result(hg.Penalty(**advanced, compile=True).hypergrad(problem, w, lam, state=rb.state),
+                 hg.Penalty(**advanced).hypergrad(problem, w, lam, state=rb.state))
+
+
+@needs_compiler
+def test_first_order_steps_read_closure_batch_and_step_batch_tensors_afresh():
+    gen = torch.Generator().manual_seed(6)
+    data = {"X": torch.randn(30, 4, generator=gen, dtype=DT), "y": torch.randn(30, generator=gen, dtype=DT)}
+
+    def g(w, lam, batch):
+        X, y = (data["X"], data["y"]) if batch is None else batch
+        r = X @ w["x"] - y
+        # lam scales the data term too, so that its gradient (the gap's) depends on the batch
+        return 0.5 * (r @ r) / len(y) * torch.exp(lam["c"]).mean() + 0.5 * (torch.exp(lam["c"]) * w["x"] ** 2).sum()
+
+    def f(w, lam, batch):
+        return 0.5 * ((batch["Xv"] @ w["x"] - batch["yv"]) ** 2).sum()
+
+    def outer_batch():
+        return {"Xv": torch.randn(20, 4, generator=gen, dtype=DT), "yv": torch.randn(20, generator=gen, dtype=DT)}
+
+    problem = hg.BilevelProblem(g, f)
+    w, lam = {"x": torch.randn(4, generator=gen, dtype=DT)}, {"c": torch.zeros(4, dtype=DT)}
+    kwargs = {"w_lr": 0.1, "inner_steps": 3, "eta": 50.0, "barrier": "gradient"}
+    eager = hg.BOME(hg.inner.SGD(lr=0.3), **kwargs)
+    compiled = hg.BOME(hg.inner.SGD(lr=0.3), **kwargs, compile=True)
+    batch = outer_batch()
+    first = compiled.hypergrad(problem, w, lam, outer_batch=batch)
+    _same_result(first, eager.hypergrad(problem, w, lam, outer_batch=batch))
+    assert first.info.extra["phi"] > 0.0
+    data["X"] = torch.randn(30, 4, generator=gen, dtype=DT)  # rebind the closure's data
+    batch = outer_batch()
+    second = compiled.hypergrad(problem, w, lam, outer_batch=batch)
+    assert second.info.extra["compile_s"] == 0.0
+    _same_result(second, eager.hypergrad(problem, w, lam, outer_batch=batch))
+    assert _rel(second.grad["c"], first.grad["c"]) > 1e-2
+
+    # per-step batches: inner step t reads batch t, the gap g(w) - g(w_hat) is taken on batch 0
+    drawn = []
+
+    def stream():
+        while True:
+            drawn.append((torch.randn(30, 4, generator=gen, dtype=DT), torch.randn(30, generator=gen, dtype=DT)))
+            yield drawn[-1]
+
+    batches = hg.batches.StepBatches(stream())
+    for _ in range(2):  # a fresh set of batches on every call, read as inputs of the same graph
+        result = compiled.hypergrad(problem, w, lam, inner_batch=batches, outer_batch=batch)
+        steps = drawn[-3:]
+        assert len(drawn) % 3 == 0 and result.info.extra["compiled"]
+        expected = _bome_reference(problem, w, lam, steps, batch, lr=0.3, **kwargs)
+        for got, want in zip((result.grad["c"], result.w["x"]), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+        if getattr(hg.BOME, "takes_step_batches", False):  # the eager BOME reads per-step batches too
+            _same_result(result, eager.hypergrad(problem, w, lam, inner_batch=hg.batches.StepBatches(steps),
+                                                 outer_batch=batch))
+    assert len(drawn) == 6  # three per call: each batch drawn once
+
+
+def _bome_reference(problem, w, lam, steps, outer_batch, lr, w_lr, inner_steps, eta, barrier):
+    """BOME with SGD inner steps on per-step batches, written out with torch.autograd."""
+    def grads(loss, x, c):
+        x, c = x.detach().requires_grad_(), c.detach().requires_grad_()
+        value = loss({"x": x}, {"c": c})
+        return (value.detach(), *torch.autograd.grad(value, (x, c), allow_unused=True, materialize_grads=True))
+
+    x = w["x"]
+    g_w, gx, gc = grads(lambda w_, l_: problem.inner(w_, l_, steps[0]), w["x"], lam["c"])
+    for batch in steps:
+        _, step_grad, _ = grads(lambda w_, l_, b=batch: problem.inner(w_, l_, b), x, lam["c"])
+        x = x - lr * step_grad
+    g_hat, _, gc_hat = grads(lambda w_, l_: problem.inner(w_, l_, steps[0]), x, lam["c"])
+    _, fx, fc = grads(lambda w_, l_: problem.outer(w_, l_, outer_batch), w["x"], lam["c"])
+    qc = gc - gc_hat
+    sq_norm = gx @ gx + qc @ qc
+    target = eta * (g_w - g_hat) if barrier == "value" else eta * sq_norm
+    phi = torch.clamp_min((target - (fx @ gx + fc @ qc)) / sq_norm, 0.0)
+    return fc + phi * qc, w["x"] - w_lr * (fx + phi * gx)
+
+
+@needs_compiler
+def test_first_order_fallback_to_eager_with_a_log_line(caplog):
+    problem, w, lam = _logistic(seed=7)
+
+    def g(w_, lam_, batch):
+        value = problem.inner(w_, lam_, batch)
+        if float(w_["bias"].detach().sum()) > 1e6:  # a graph break under fullgraph=True
+            value = value * 2
+        return value
+
+    broken = hg.BilevelProblem(g, problem.outer)
+    for method in (hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=2),
+                   hg.Penalty(1e-2, hg.inner.SGD(lr=0.5), inner_steps=2)):
+        compiled = dataclasses.replace(method, compile=True)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hypergrad"):
+            a = compiled.hypergrad(broken, w, lam)
+        assert a.info.extra["compiled"] is False and a.info.extra["compile_s"] == 0.0
+        assert any("using the eager step" in m for m in caplog.messages)
+        b = method.hypergrad(broken, w, lam)
+        assert torch.equal(a.grad["log_l2"], b.grad["log_l2"]) and a.info.grad_evals == b.info.grad_evals
+        if getattr(type(method), "takes_step_batches", False):  # the eager call reads per-step batches
+            drawn = []
+            stream = hg.batches.StepBatches(drawn.append(i) or i for i in range(100))
+            compiled.hypergrad(broken, w, lam, inner_batch=stream)
+            assert len(drawn) == 2  # the eager fallback re-reads the batches the compiled path drew
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hypergrad"):  # remembered: not retried
+            assert compiled.hypergrad(broken, w, lam).info.extra["compiled"] is False
+        assert not caplog.messages
+
+
+@needs_compiler
+def test_first_order_non_finite_values_raise_the_eager_diagnostic():
+    problem, w, lam = _logistic(seed=4)  # the losses of the first BOME test: compiled, no recompile
+    nan_lam = {"log_l2": lam["log_l2"].clone()}
+    nan_lam["log_l2"][0] = float("nan")
+    bome = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=5, eta=0.5, compile=True)
+    assert bome.hypergrad(problem, w, lam).info.extra["compiled"]
+    with pytest.raises(hg.NonFiniteError, match=r"^inner loss is nan \(non-finite\)"):
+        bome.hypergrad(problem, w, nan_lam)
+    huge = {"inner_optimizer": hg.inner.SGD(lr=1e200), "w_lr": 0.1, "inner_steps": 2}  # w_hat overflows
+    with pytest.raises(hg.NonFiniteError) as eager_error:
+        hg.BOME(**huge).hypergrad(problem, w, lam)
+    with pytest.raises(hg.NonFiniteError) as compiled_error:
+        hg.BOME(**huge, compile=True).hypergrad(problem, w, lam)
+    assert str(compiled_error.value) == str(eager_error.value)
+    f2sa = hg.Penalty(1e-2, hg.inner.SGD(lr=0.5), inner_steps=2, compile=True)
+    with pytest.raises(hg.NonFiniteError, match=r"^inner loss is nan \(non-finite\)"):
+        f2sa.hypergrad(problem, w, nan_lam)
+
+
+def test_first_order_compile_flag_is_checked():
+    for make in (lambda c: hg.BOME(hg.inner.SGD(lr=0.1), w_lr=0.1, compile=c),
+                 lambda c: hg.Penalty(1e-2, hg.inner.SGD(lr=0.1), compile=c)):
+        with pytest.raises(TypeError, match="compile must be a bool, got str"):
+            make("yes")
+        assert make(True).compile is True and make(False).compile is False
+
+
+@needs_compiler
+def test_first_order_past_the_recompile_limit_runs_eagerly(caplog):
+    """Past dynamo's recompile limit (torch 2.13 raises under fullgraph=True; the stage's "ran" flag
+    covers versions that run the frame eagerly instead): the eager step, with a log line."""
+    import torch._dynamo.config
+
+    problem, w, lam = _logistic(seed=8, n=20, d=3)
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING, logger="hypergrad"):
+        first = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=1, compile=True).hypergrad(problem, w, lam)
+        assert first.info.extra["compiled"] is True
+        other = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=2)  # a guard fails: a second graph
+        result = dataclasses.replace(other, compile=True).hypergrad(problem, w, lam)
+    assert result.info.extra["compiled"] is False
+    assert any("RecompileLimit" in m or "recompile limit" in m for m in caplog.messages)
+    assert torch.equal(result.grad["log_l2"], other.hypergrad(problem, w, lam).grad["log_l2"])
+
+
+@needs_compiler
+def test_penalty_compiled_reads_one_batch_per_evaluation():
+    """With StepBatches, F2SA's T evaluations read T batch pairs: the same as T eager one-step calls
+    with the state carried, one batch pair each (evaluate="current": the estimate is the last's)."""
+    gen = torch.Generator().manual_seed(9)
+
+    def g(w, lam, batch):
+        r = batch[0] @ w["x"] - batch[1]
+        return 0.5 * (r @ r) / len(r) * torch.exp(lam["c"]).mean() + 0.5 * (torch.exp(lam["c"]) * w["x"] ** 2).sum()
+
+    def f(w, lam, batch):
+        return 0.5 * ((batch[0] @ w["x"] - batch[1]) ** 2).mean()
+
+    def batch():
+        return torch.randn(25, 4, generator=gen, dtype=DT), torch.randn(25, generator=gen, dtype=DT)
+
+    problem = hg.BilevelProblem(g, f)
+    w, lam = {"x": torch.randn(4, generator=gen, dtype=DT)}, {"c": 0.1 * torch.randn(4, generator=gen, dtype=DT)}
+    kwargs = {"sigma": 0.05, "inner_optimizer": hg.inner.SGD(lr=0.2)}
+    for _ in range(2):
+        inner, outer = [batch() for _ in range(3)], [batch() for _ in range(3)]
+        stream = iter(inner)
+        result = hg.Penalty(**kwargs, inner_steps=3, compile=True).hypergrad(
+            problem, w, lam, hg.batches.StepBatches(stream), hg.batches.StepBatches(outer))
+        assert result.info.extra["compiled"] and next(stream, None) is None  # three drawn
+        state, one_step = None, hg.Penalty(**kwargs, inner_steps=1)
+        for inner_batch, outer_batch in zip(inner, outer, strict=True):
+            expected = one_step.hypergrad(problem, state["w"] if state else w, lam, inner_batch, outer_batch, state)
+            state = expected.state
+        torch.testing.assert_close(result.grad["c"], expected.grad["c"], rtol=1e-10, atol=1e-13)
+        for key in ("w", "w_sigma"):
+            torch.testing.assert_close(result.state[key]["x"], expected.state[key]["x"], rtol=1e-10, atol=1e-13)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -330,3 +331,15 @@ def test_invalid_inputs_raise():
     q = Quadratic.random(3, 1, 2.0, 0)
     with pytest.raises(TypeError, match="w"):
         hg.FiniteDifference().hypergrad(q.problem(), [1.0], {"lam": torch.ones(1, dtype=DT)})
+
+
+def test_truncated_neumann_warns_once_per_solver_and_reports_every_call():
+    q = Quadratic.random(8, 2, cond=1e3, seed=3)
+    lam = torch.zeros(2, dtype=DT)
+    method = hg.FiniteDifference(solver=hg.linear.Neumann(alpha=1.0 / float(torch.linalg.eigvalsh(q.A).max()), steps=5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [method.hypergrad(q.problem(), {"w": q.w_star(lam)}, {"lam": lam}) for _ in range(6)]
+    convergence = [c for c in caught if issubclass(c.category, hg.ConvergenceWarning)]
+    assert len(convergence) == 1 and "not converged" in str(convergence[0].message)
+    assert all(not r.info.converged and any("not converged" in m for m in r.info.warnings) for r in results)

@@ -205,8 +205,8 @@ def test_report_renders_tables_and_targets(hb) -> None:
 def test_with_compile_only_where_the_method_has_it(hb) -> None:
     assert hb.with_compile(hg.Implicit, True).compile is True
     assert hb.with_compile(hg.Implicit, False).compile is False
-    penalty = hb.with_compile(hg.Penalty, True, sigma=0.1, inner_optimizer=hg.inner.SGD(lr=0.1))
-    assert not hasattr(penalty, "compile") or penalty.compile is False
+    soba = hb.with_compile(hg.SOBA, True, step_size=0.1)  # SOBA has no compile field: left out
+    assert not hasattr(soba, "compile") and soba.step_size == 0.1
 
 
 def test_batch_stream_covers_each_epoch_once(hb) -> None:

@@ -97,6 +97,31 @@ def test_neumann_with_too_large_step_reports_divergence():
     assert not r.info.converged
 
 
+def test_truncated_neumann_warns_once_per_solver_and_reports_every_call():
+    q = Quadratic.random(10, 2, cond=1e3, seed=3)
+    lam = torch.zeros(2, dtype=DT)
+    w = {"w": q.w_star(lam)}
+    method = hg.Implicit(hg.linear.Neumann(alpha=1.0 / float(torch.linalg.eigvalsh(q.A).max()), steps=10))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [method.hypergrad(q.problem(), w, {"lam": lam}) for _ in range(20)]
+        convergence = [c for c in caught if issubclass(c.category, hg.ConvergenceWarning)]
+        assert len(convergence) == 1 and "not converged" in str(convergence[0].message)
+        assert all(not r.info.converged and any("not converged" in m for m in r.info.warnings)
+                   for r in results)
+        # a diverging solve (the same step on a 100x steeper problem) is another kind of warning:
+        # the same instance reports it once too
+        steep = Quadratic.random(10, 2, cond=1e3, seed=3)
+        steep.A = steep.A * 100.0
+        for _ in range(5):
+            r = method.hypergrad(steep.problem(), {"w": steep.w_star(lam)}, {"lam": lam})
+            assert any("diverging" in m for m in r.info.warnings)
+        # another instance (even an equal one) warns on its own first call
+        hg.Implicit(hg.linear.Neumann(steps=3)).hypergrad(q.problem(), w, {"lam": lam})
+    messages = [str(c.message) for c in caught if issubclass(c.category, hg.ConvergenceWarning)]
+    assert len(messages) == 3 and "diverging" in messages[1] and "not converged" in messages[2]
+
+
 def test_neumann_default_step_converges_on_badly_scaled_problem():
     # A fixed alpha = 1 diverges here (lambda_max ~ 1e3); the power-iteration step must not.
     q = Quadratic.random(8, 2, cond=100.0, seed=5)

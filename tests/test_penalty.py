@@ -1,4 +1,4 @@
-"""Penalty (F2SA): O(sigma) bias, state carried across calls, at most 4 gradients at T=1."""
+"""Penalty (F2SA): O(sigma) bias, state carried across calls, 3 gradients per evaluation pair, per-step batches."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def _counting(fn, counter):
 
 
 @pytest.mark.parametrize("T", [1, 2, 5])
-def test_cost_is_two_T_plus_two_gradients(T, monkeypatch):
+def test_cost_counts_every_gradient_3T_plus_3(T, monkeypatch):
     q = Quadratic.random(5, 2, 3.0, 0)
     base = q.problem()
     cg, cf = _Counter(), _Counter()
@@ -166,12 +166,14 @@ def test_cost_is_two_T_plus_two_gradients(T, monkeypatch):
     )
     # T+1 backward passes of g at w and T+1 of g + sigma f at w_sigma, each one autograd.grad
     # call giving the w- and lam-gradients together; f is differentiated only inside g+sigma f.
-    assert calls["grad"] == 2 * T + 2 == r.info.grad_evals
+    # grad_evals counts every gradient: g at w, and g and f at w_sigma, 3 per pair.
+    assert calls["grad"] == 2 * T + 2
+    assert r.info.grad_evals == cg.backward + cf.backward == 3 * T + 3
     assert cg.backward == 2 * T + 2 and cg.forward == 2 * T + 2
     assert cf.backward == T + 1 and cf.forward == T + 1
     assert calls["create_graph"] == 0
     if T == 1:
-        assert r.info.grad_evals <= 4
+        assert r.info.grad_evals == 6
 
 
 def test_non_finite_estimate_raises():
@@ -216,9 +218,9 @@ def test_default_is_evaluate_current():
     assert hg.Penalty(0.1, hg.inner.SGD(lr=0.1)).evaluate == "current"
 
 
-def test_evaluate_current_is_the_advanced_estimate_one_step_earlier_at_2T_cost():
+def test_evaluate_current_is_the_advanced_estimate_one_step_earlier_at_3T_cost():
     """evaluate="current" with T steps gives the estimate "advanced" gives with T - 1 steps, and
-    the iterates "advanced" reaches with T steps, for 2 T gradient evaluations."""
+    the iterates "advanced" reaches with T steps, for 3 T gradient evaluations."""
     q = Quadratic.random(6, 2, 10.0, 3)
     problem = q.problem()
     lam = {"lam": torch.tensor([0.3, -0.2], dtype=DT)}
@@ -234,10 +236,10 @@ def test_evaluate_current_is_the_advanced_estimate_one_step_earlier_at_2T_cost()
         assert rel_err(rc.grad["lam"], ra.grad["lam"]) > 1e-6  # a different point, not a copy
         assert torch.allclose(rc.w["w"], ra.w["w"], rtol=0, atol=1e-14)
         assert torch.allclose(rc.state["w_sigma"]["w"], ra.state["w_sigma"]["w"], rtol=0, atol=1e-14)
-        assert rc.info.grad_evals == 2 * T and ra.info.grad_evals == 2 * T + 2
+        assert rc.info.grad_evals == 3 * T and ra.info.grad_evals == 3 * T + 3
 
 
-def test_evaluate_current_costs_two_evaluations_at_T1(monkeypatch):
+def test_evaluate_current_costs_three_gradients_at_T1(monkeypatch):
     q = Quadratic.random(5, 2, 3.0, 0)
     base = q.problem()
     cg, cf = _Counter(), _Counter()
@@ -246,8 +248,8 @@ def test_evaluate_current_costs_two_evaluations_at_T1(monkeypatch):
     r = hg.Penalty(0.1, hg.inner.SGD(lr=0.1), evaluate="current").hypergrad(
         problem, {"w": torch.zeros(5, dtype=DT)}, lam
     )
-    # one backward of g at w, one of g + sigma f at w_sigma: about 3 gradients when f costs what g does
-    assert r.info.grad_evals == 2 and cg.backward == 2 and cf.backward == 1
+    # one backward of g at w, one of g + sigma f at w_sigma: 3 gradients (g twice, f once)
+    assert r.info.grad_evals == 3 == cg.backward + cf.backward and cg.backward == 2 and cf.backward == 1
 
 
 def test_converged_means_both_inner_residuals_below_tol():
@@ -270,3 +272,28 @@ def test_converged_means_both_inner_residuals_below_tol():
         hg.Penalty(0.1, hg.inner.SGD(lr=0.1), tol=-1.0)
     with pytest.raises(ValueError, match="evaluate"):
         hg.Penalty(0.1, hg.inner.SGD(lr=0.1), evaluate="later")
+
+
+@pytest.mark.parametrize(("evaluate", "pairs"), [("current", 3), ("advanced", 4)])
+def test_step_batches_give_a_fresh_batch_per_evaluation_pair(evaluate, pairs):
+    """With StepBatches each evaluation pair reads the next inner and outer batch; both iterates
+    of a pair see the same batches."""
+    seen_g, seen_f = [], []
+
+    def g(w, lam, batch):
+        seen_g.append(batch)
+        return 0.5 * ((w["x"] - lam["c"] * batch) ** 2).sum()
+
+    def f(w, lam, batch):
+        seen_f.append(batch)
+        return 0.5 * ((w["x"] - batch) ** 2).sum()
+
+    method = hg.Penalty(0.1, hg.inner.SGD(lr=0.5), inner_steps=3, evaluate=evaluate)
+    inner, outer = iter([1.0, 2.0, 3.0, 4.0, 5.0]), iter([-1.0, -2.0, -3.0, -4.0, -5.0])
+    lam = {"c": torch.ones(2, dtype=DT)}
+    method.hypergrad(hg.BilevelProblem(g, f), {"x": torch.zeros(2, dtype=DT)}, lam,
+                     inner_batch=hg.StepBatches(inner), outer_batch=hg.StepBatches(outer))
+    expected = [1.0, 2.0, 3.0, 4.0][:pairs]
+    assert seen_g == [b for b in expected for _ in range(2)]   # g at w, then g + sigma f at w_sigma
+    assert seen_f == [-b for b in expected]
+    assert next(inner) == pairs + 1.0 and next(outer) == -(pairs + 1.0)   # drew exactly what it used

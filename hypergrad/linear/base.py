@@ -67,6 +67,9 @@ class LinearSolveResult:
         converged: whether the tolerance was met.
         matvecs: products with ``A`` or ``A^T`` spent.
         warnings: messages about non-convergence or indefiniteness.
+        repeated_warnings: True when the solver already reported these same kinds of warning on
+            an earlier call and asks callers not to raise them again as Python warnings (they
+            are still listed in ``warnings``); :class:`~hypergrad.linear.Neumann` sets it.
 
     Example:
         >>> import torch
@@ -83,3 +86,4 @@ class LinearSolveResult:
     converged: bool
     matvecs: int
     warnings: list[str] = field(default_factory=list)
+    repeated_warnings: bool = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,6 +71,12 @@ class Neumann:
         tol: stop early when ``||A x - b|| <= tol * ||b||``.
         power_iterations: iterations of the eigenvalue estimate when ``alpha`` is None.
 
+    Warnings: a truncated series (``steps`` terms short of ``tol``) is often intended (e.g.
+    ``Neumann(steps=10)`` as a cheap approximate inverse), so each solver instance reports each
+    kind of warning (not converged, diverging) as a Python warning once: later calls still list
+    it in ``result.warnings`` (and ``Implicit``'s ``info.warnings``), with
+    ``result.repeated_warnings`` set so that callers do not warn again.
+
     Example:
         >>> import torch
         >>> from hypergrad.linear import Neumann, LinearSystem
@@ -85,6 +91,9 @@ class Neumann:
     steps: int = 100
     tol: float = 1e-6
     power_iterations: int = 20
+    # The kinds of warning this instance has already reported (mutable, so shared by the frozen
+    # instance across calls; not part of equality).
+    _reported: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.alpha is not None and not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
@@ -135,6 +144,7 @@ class Neumann:
                 converged = True
                 break
             x.add_(residual, alpha=alpha)
+        kind = "diverging" if warnings else "not converged"
         if converged:
             x.add_(residual, alpha=alpha)
         elif not warnings:
@@ -142,6 +152,9 @@ class Neumann:
                 f"Neumann: not converged after {self.steps} terms (relative residual "
                 f"{res_norm / b_norm:.3e} > tol {self.tol:.1e}); raise steps or use CG"
             )
+        repeated = bool(warnings) and kind in self._reported
+        if warnings:
+            self._reported.add(kind)
         return LinearSolveResult(
-            tree_unflatten(x, system.rhs), iterations, res_norm, converged, matvecs, warnings
+            tree_unflatten(x, system.rhs), iterations, res_norm, converged, matvecs, warnings, repeated
         )
