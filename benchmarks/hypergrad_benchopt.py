@@ -167,6 +167,22 @@ def time_to_target(traj: Trajectory, fraction: float = TARGET_FRACTION) -> tuple
     return None
 
 
+def thinned(traj: Trajectory, max_points: int = 200) -> Trajectory:
+    """At most about ``max_points`` evaluations, evenly spaced, always keeping the first, the last
+    and the one that reached the target (for the raw-numbers file)."""
+    n = len(traj.values)
+    if n <= max_points:
+        return traj
+    keep = set(np.linspace(0, n - 1, max_points).round().astype(int).tolist()) | {0, n - 1}
+    hit = time_to_target(traj)
+    if hit is not None:
+        keep.add(traj.times.index(hit[0]))
+    idx = sorted(keep)
+    return dataclasses.replace(traj, times=[traj.times[i] for i in idx],
+                               oracle_calls=[traj.oracle_calls[i] for i in idx],
+                               iterations=[traj.iterations[i] for i in idx], values=[traj.values[i] for i in idx])
+
+
 @dataclass
 class Comparison:
     """One algorithm run by both libraries."""
@@ -963,7 +979,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(render_report(meta, comparisons, checks))
     args.out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "comparisons": [dataclasses.asdict(c) for c in comparisons],
+        {"meta": meta, "comparisons": [
+            dataclasses.asdict(dataclasses.replace(c, hypergrad=thinned(c.hypergrad),
+                                                   benchmark=thinned(c.benchmark) if c.benchmark else None))
+            for c in comparisons],
          "targets": [dataclasses.asdict(t) for t in checks]}, indent=1))
     print(render_report(meta, comparisons, checks))
     return 0

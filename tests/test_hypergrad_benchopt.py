@@ -259,3 +259,12 @@ def test_benchopt_solver_runs_hypergrad_in_the_benchmark(hb, method: str) -> Non
 
     solver.run(callback)
     assert calls[-1] < 0.2 * calls[0], calls
+
+
+def test_thinned_keeps_ends_and_the_target_point(hb) -> None:
+    values = [10.0] * 500 + [0.005] + [0.001] * 499  # the target (0.01) is first reached at index 500
+    traj = make_traj(hb, [float(i) for i in range(1000)], values)
+    thin = hb.thinned(traj, max_points=50)
+    assert len(thin.values) <= 52 and thin.times[0] == 0.0 and thin.times[-1] == 999.0
+    assert hb.time_to_target(thin) == hb.time_to_target(traj) == (500.0, 3000, 1000)
+    assert hb.thinned(traj, max_points=2000) is traj
