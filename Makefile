@@ -23,7 +23,7 @@ $(STAMP): $(PY) pyproject.toml
 
 setup: $(STAMP)
 
-# the optional benchmark extra: jax and jaxopt (hypergrad_bench.py), lm-eval (lm_eval_parity.py)
+# the optional benchmark extra: jax and jaxopt (hypergrad_bench.py), lm-eval (lm_eval_parity.py), benchopt (hypergrad_benchopt.py)
 setup-bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 

@@ -1,0 +1,270 @@
+"""benchmarks/hypergrad_benchopt.py: its pure pieces, without jax, benchopt or a benchmark checkout.
+
+The exact ‖∇F‖² against autograd through the closed-form inner solution, the torch loss against
+the averaged quadratic, the time-to-target extraction, the targets and the report. The run against
+a real benchmark_bilevel checkout needs jax and benchopt (the bench extra) and is skipped without
+them and without ``BENCHMARK_BILEVEL_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _benchmarks import load_benchmark
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hypergrad as hg
+
+
+@pytest.fixture(scope="module")
+def hb():
+    return load_benchmark("hypergrad_benchopt")
+
+
+def random_quadratics(hb, seed: int, d_in: int = 6, d_out: int = 3):
+    """Two quadratics with non-symmetric matrices (only their symmetric parts should act) and an
+    inner Hessian that is positive definite."""
+    rng = np.random.default_rng(seed)
+
+    def quad(spd: bool):
+        m = rng.standard_normal((d_in, d_in))
+        hess_inner = m @ m.T + d_in * np.eye(d_in) if spd else m
+        hess_inner = hess_inner + np.triu(rng.standard_normal((d_in, d_in)), 1) * 0.3  # not symmetric
+        return hb.Quadratic(hess_inner, rng.standard_normal((d_out, d_out)), rng.standard_normal((d_out, d_in)),
+                            rng.standard_normal(d_in), rng.standard_normal(d_out))
+
+    return quad(True), quad(False), rng.standard_normal(d_out)
+
+
+def autograd_grad_sq_norm(inner, outer, x: np.ndarray) -> float:
+    """‖∇F‖² by autograd of F(x) = f(y*(x), x) with y*(x) solved in closed form (float64)."""
+    def as_t(a: np.ndarray) -> torch.Tensor:
+        return torch.tensor(a, dtype=torch.float64)
+
+    def value(q, y, x_):
+        return (0.5 * y @ as_t(q.hess_inner) @ y + 0.5 * x_ @ as_t(q.hess_outer) @ x_ + x_ @ as_t(q.cross) @ y
+                + as_t(q.linear_inner) @ y + as_t(q.linear_outer) @ x_)
+
+    x_t = as_t(x).requires_grad_(True)
+    h = as_t(inner.hess_inner)
+    y_star = torch.linalg.solve(0.5 * (h + h.T), -(as_t(inner.linear_inner) + as_t(inner.cross).T @ x_t))
+    (grad,) = torch.autograd.grad(value(outer, y_star, x_t), x_t)
+    return float(grad @ grad)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_exact_grad_sq_norm_matches_autograd(hb, seed: int) -> None:
+    inner, outer, x = random_quadratics(hb, seed)
+    assert hb.exact_grad_sq_norm(inner, outer, x) == pytest.approx(autograd_grad_sq_norm(inner, outer, x),
+                                                                   rel=1e-10)
+
+
+@settings(max_examples=15, deadline=2000)
+@given(seed=st.integers(0, 10_000), d_in=st.integers(1, 8), d_out=st.integers(1, 5))
+def test_exact_grad_sq_norm_property(hb, seed: int, d_in: int, d_out: int) -> None:
+    inner, outer, x = random_quadratics(hb, seed, d_in, d_out)
+    expected = autograd_grad_sq_norm(inner, outer, x)
+    assert hb.exact_grad_sq_norm(inner, outer, x) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_exact_grad_vanishes_at_the_bilevel_solution(hb) -> None:
+    """Solve the stationarity condition (linear in x) and check ‖∇F‖² is round-off there."""
+    inner, outer, x0 = random_quadratics(hb, 5)
+    d_out = x0.shape[0]
+    # ∇F is affine in x: recover it from d_out + 1 evaluations of the hand formula's gradient
+    h = 0.5 * (inner.hess_inner + inner.hess_inner.T)
+
+    def grad(x):
+        y = np.linalg.solve(h, -(inner.linear_inner + inner.cross.T @ x))
+        return outer.grad_outer_var(y, x) + inner.cross @ np.linalg.solve(h, -outer.grad_inner_var(y, x))
+
+    g0 = grad(np.zeros(d_out))
+    jac = np.stack([grad(e) - g0 for e in np.eye(d_out)], axis=1)
+    x_star = np.linalg.solve(jac, -g0)
+    assert hb.exact_grad_sq_norm(inner, outer, x_star) < 1e-18 * max(1.0, float(g0 @ g0))
+    assert hb.exact_grad_sq_norm(inner, outer, x_star + 0.1) > 1e-6
+
+
+def test_torch_loss_is_the_averaged_quadratic(hb) -> None:
+    """The mean of per-sample quadratics (the benchmark's batched_quadratic, in torch) has the
+    gradients of the quadratic with the averaged matrices, which the exact ‖∇F‖² uses."""
+    rng = np.random.default_rng(3)
+    n, d_in, d_out = 7, 5, 3
+    samples = (rng.standard_normal((n, d_in, d_in)), rng.standard_normal((n, d_out, d_out)),
+               rng.standard_normal((n, d_out, d_in)), rng.standard_normal((n, d_in)), rng.standard_normal((n, d_out)))
+    avg = hb.Quadratic(*(a.mean(axis=0) for a in samples))
+    y, x = rng.standard_normal(d_in), rng.standard_normal(d_out)
+    w = {"y": torch.tensor(y, requires_grad=True)}
+    lam = {"x": torch.tensor(x, requires_grad=True)}
+    loss = hb.quadratic_loss(w, lam, tuple(torch.tensor(a) for a in samples))
+    gy, gx = torch.autograd.grad(loss, (w["y"], lam["x"]))
+    np.testing.assert_allclose(gy.numpy(), avg.grad_inner_var(y, x), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(gx.numpy(), avg.grad_outer_var(y, x), rtol=1e-12, atol=1e-12)
+
+
+def make_traj(hb, times, values, per_it: int = 3, every: int = 2, name: str = "s"):
+    traj = hb.Trajectory(name, "lib", "")
+    for k, (t, v) in enumerate(zip(times, values, strict=True)):
+        traj.record(t, k * every, per_it, v)
+    return traj
+
+
+def test_time_to_target_is_the_first_crossing(hb) -> None:
+    traj = make_traj(hb, [0.0, 1.0, 2.0, 3.0, 4.0], [10.0, 1.0, 0.01, 0.005, 0.02])
+    # threshold 1e-3 * 10 = 0.01: reached (<=) at the third evaluation, iteration 4, 4 * 3 oracle calls
+    assert hb.time_to_target(traj) == (2.0, 12, 4)
+    assert hb.time_to_target(traj, fraction=1e-4) is None
+    assert hb.time_to_target(traj, fraction=1.0) == (0.0, 0, 0)
+
+
+def test_time_to_target_never_counts_a_diverged_run(hb) -> None:
+    traj = make_traj(hb, [0.0, 1.0, 2.0], [10.0, float("nan"), 0.0])
+    assert hb.time_to_target(traj) is None
+
+
+@pytest.mark.parametrize("fraction", [0.0, -1.0, 1.5, float("nan")])
+def test_time_to_target_rejects_bad_fraction(hb, fraction: float) -> None:
+    with pytest.raises(ValueError, match="fraction must be in"):
+        hb.time_to_target(make_traj(hb, [0.0], [1.0]), fraction=fraction)
+
+
+def test_time_to_target_rejects_empty_trajectory(hb) -> None:
+    with pytest.raises(ValueError, match="no evaluations"):
+        hb.time_to_target(hb.Trajectory("s", "lib", ""))
+
+
+def test_seconds_per_iteration(hb) -> None:
+    traj = make_traj(hb, [0.0, 1.0, 3.0], [1.0, 1.0, 1.0], every=10)
+    assert traj.seconds_per_iteration() == pytest.approx(3.0 / 20)
+    assert hb.Trajectory("s", "lib", "").seconds_per_iteration() is None
+
+
+def comparisons(hb):
+    fast = make_traj(hb, [0, 1, 2], [10, 1, 0.001], name="mine")  # reaches at t=2
+    slow = make_traj(hb, [0, 3, 5], [10, 1, 0.001], name="theirs")  # reaches at t=5
+    never = make_traj(hb, [0, 4, 8], [10, 5, 2], name="never")
+    return fast, slow, never
+
+
+def test_targets_ratio_bound_and_miss(hb) -> None:
+    fast, slow, never = comparisons(hb)
+    checks = hb.target_checks([
+        hb.Comparison("A", fast, slow),  # ratio 2/5 = 0.4: met
+        hb.Comparison("B", fast, never),  # only hypergrad reached: bound 2/8 = 0.25, met
+        hb.Comparison("C", never, slow),  # hypergrad never reached: missed
+        hb.Comparison("D", slow, slow),  # ratio 1: missed; not the fastest of either library
+    ])
+    by_name = {c.name.split(":")[0]: c for c in checks}
+    assert by_name["A"].measured == pytest.approx(0.4) and by_name["A"].met
+    assert by_name["B"].measured == pytest.approx(0.25) and by_name["B"].met and "upper bound" in by_name["B"].detail
+    assert by_name["C"].measured is None and not by_name["C"].met
+    assert by_name["D"].measured == pytest.approx(1.0) and not by_name["D"].met
+    fastest = by_name["fastest hypergrad <= 0.5x fastest benchmark"]
+    assert fastest.measured == pytest.approx(2 / 5) and fastest.met
+
+
+def test_targets_slower_hypergrad_is_missed(hb) -> None:
+    fast, slow, _ = comparisons(hb)
+    (pair, fastest) = hb.target_checks([hb.Comparison("A", slow, fast)])
+    assert pair.measured == pytest.approx(2.5) and not pair.met
+    assert fastest.measured == pytest.approx(2.5) and not fastest.met
+
+
+def test_targets_cheap_bome_per_iteration(hb) -> None:
+    fast, slow, _ = comparisons(hb)
+    rounds = {"iterations": 50, "hypergrad_ms": [3.0, 5.0, 4.0], "benchmark_ms": [1.0, 2.0, 1.0],
+              "ratios": [3.0, 2.5, 4.0]}
+    checks = hb.target_checks([hb.Comparison("BOME (averaged)", fast, slow)], bome_rounds=rounds)
+    bome = checks[-1]
+    assert bome.name.startswith("BOME (averaged): time per iteration")
+    assert bome.measured == pytest.approx(3.0) and not bome.met  # the median ratio, limit 2
+    # without rounds: the two trajectories' mean time per iteration (2/4 vs 5/4 s)
+    bome = hb.target_checks([hb.Comparison("BOME (averaged)", fast, slow)])[-1]
+    assert bome.measured == pytest.approx(0.4) and bome.met
+
+
+def test_report_renders_tables_and_targets(hb) -> None:
+    fast, slow, never = comparisons(hb)
+    comps = [hb.Comparison("F2SA", fast, slow, note="a note"), hb.Comparison("BOME (full)", never, slow)]
+    meta = {"command": "python benchmarks/hypergrad_benchopt.py --quick", "date": "2026-01-01 00:00",
+            "cpu": "cpu-model", "cores": "2", "load_before": "1.0 1.0 1.0", "load_after": "2.0 2.0 2.0",
+            "versions": "torch x", "initial_value": 10.0, "notes": ["single thread"]}
+    text = hb.render_report(meta, comps, hb.target_checks(comps))
+    for needle in ("## F2SA", "## BOME (full)", "a note", "cpu-model", "1.0 1.0 1.0", "single thread",
+                   "--quick", "| lib | mine |", "hypergrad / benchmark time to target: 0.4", "MISSED", "| met |"):
+        assert needle in text, needle
+    # the row of the run that reached the target: time 2, 2 * 2 iterations * 3 oracle calls
+    assert "| lib | mine |  | 2 | 12 | 4 | 0.001 | 4 |" in text
+
+
+def test_with_compile_only_where_the_method_has_it(hb) -> None:
+    assert hb.with_compile(hg.Implicit, True).compile is True
+    assert hb.with_compile(hg.Implicit, False).compile is False
+    soba = hb.with_compile(hg.SOBA, True, step_size=0.1)  # SOBA has no compile field: left out
+    assert not hasattr(soba, "compile") and soba.step_size == 0.1
+
+
+def test_batch_stream_covers_each_epoch_once(hb) -> None:
+    samples = (torch.arange(10.0), torch.arange(10.0) * 2)
+    stream = hb._batch_stream(samples, batch_size=4, seed=0)
+    for _ in range(2):  # two epochs of three batches (4, 4, 2 samples), each a contiguous block
+        epoch = [next(stream) for _ in range(3)]
+        seen = torch.cat([b[0] for b in epoch]).sort().values
+        assert torch.equal(seen, torch.arange(10.0))
+        for b in epoch:
+            assert torch.equal(b[1], b[0] * 2) and torch.equal(b[0], torch.arange(b[0][0], b[0][0] + len(b[0])))
+
+
+def test_benchmark_dir_must_be_a_checkout(hb, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"git clone https://github\.com/benchopt/benchmark_bilevel"):
+        hb.Benchmark(tmp_path)
+
+
+def test_same_instance_as_the_benchmark(hb) -> None:
+    """The torch loss equals the benchmark's jax f_inner / f_outer on its own generated instance."""
+    pytest.importorskip("jax", reason="needs the bench extra (make setup-bench)")
+    pytest.importorskip("benchopt", reason="needs the bench extra (make setup-bench)")
+    directory = os.environ.get("BENCHMARK_BILEVEL_DIR")
+    if not directory:
+        pytest.skip("set BENCHMARK_BILEVEL_DIR to a checkout of https://github.com/benchopt/benchmark_bilevel")
+    instance = hb.build_instance(hb.Benchmark(Path(directory)), {"n_samples_inner": 128, "n_samples_outer": 64,
+                                                                 "dim_inner": 10, "dim_outer": 3})
+    assert hb.check_same_instance(instance, batch_size=64) < 1e-5
+    assert instance.grad_sq_norm(instance.objective["outer_var0"]) > 0
+
+
+@pytest.mark.parametrize("method", ["penalty", "bome"])
+def test_benchopt_solver_runs_hypergrad_in_the_benchmark(hb, method: str) -> None:
+    """benchmarks/benchopt_hypergrad_solver.py on the benchmark's own objective lowers ‖∇F‖²."""
+    pytest.importorskip("jax", reason="needs the bench extra (make setup-bench)")
+    pytest.importorskip("benchopt", reason="needs the bench extra (make setup-bench)")
+    directory = os.environ.get("BENCHMARK_BILEVEL_DIR")
+    if not directory:
+        pytest.skip("set BENCHMARK_BILEVEL_DIR to a checkout of https://github.com/benchopt/benchmark_bilevel")
+    instance = hb.build_instance(hb.Benchmark(Path(directory)), {"n_samples_inner": 256, "n_samples_outer": 128,
+                                                                 "dim_inner": 10, "dim_outer": 3})
+    module = load_benchmark("benchopt_hypergrad_solver")
+    solver = module.Solver.get_instance(method=method, eval_freq=8, n_inner_steps=10 if method == "bome" else 1)
+    solver.set_objective(**instance.objective)
+    calls = []
+
+    def callback() -> bool:
+        calls.append(instance.grad_sq_norm(solver.get_result()["outer_var"]))
+        return len(calls) <= 25
+
+    solver.run(callback)
+    assert calls[-1] < 0.2 * calls[0], calls
+
+
+def test_thinned_keeps_ends_and_the_target_point(hb) -> None:
+    values = [10.0] * 500 + [0.005] + [0.001] * 499  # the target (0.01) is first reached at index 500
+    traj = make_traj(hb, [float(i) for i in range(1000)], values)
+    thin = hb.thinned(traj, max_points=50)
+    assert len(thin.values) <= 52 and thin.times[0] == 0.0 and thin.times[-1] == 999.0
+    assert hb.time_to_target(thin) == hb.time_to_target(traj) == (500.0, 3000, 1000)
+    assert hb.thinned(traj, max_points=2000) is traj
