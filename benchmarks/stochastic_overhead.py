@@ -205,10 +205,12 @@ def main() -> None:
     parser.add_argument("--benchmark", type=Path, required=True, help="checkout of benchmark_bilevel")
     parser.add_argument("--quick", action="store_true", help="fewer rounds and iterations; print, write nothing")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--iterations", type=int, nargs=2, default=None, metavar=("N1", "N2"),
+                        help="iterations of the two timed runs (default 128 640; --quick 64 192)")
     parser.add_argument("--solvers", nargs="+", default=list(JAX_SOLVERS), choices=list(JAX_SOLVERS))
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 7)
-    iterations = (64, 192) if args.quick else (128, 640)  # hypergrad iterations; JAX: as many, in epochs
+    iterations = args.iterations or ((64, 192) if args.quick else (128, 640))  # JAX: as many, in epochs
     torch.set_num_threads(1)
     import jax
 
@@ -236,8 +238,8 @@ def main() -> None:
     for _ in range(rounds):
         loads.append(Path("/proc/loadavg").read_text().split()[0])
         for name, (run, per_unit) in runners.items():
-            n1, n2 = iterations if per_unit == 1 else (max(1, iterations[0] // per_unit), iterations[1] // per_unit)
-            samples[name].append(per_iteration(run, n1, n2, per_unit))
+            n1, n2 = iterations if per_unit == 1 else (iterations[0] // per_unit, iterations[1] // per_unit)
+            samples[name].append(per_iteration(run, n1, max(n2, n1 + 1), per_unit))
 
     lines = ["| solver | runner | wall us/iter (median) | CPU us/iter (median) | wall ratio to JAX | CPU ratio to JAX |",
              "|---|---|---|---|---|---|"]
