@@ -752,11 +752,14 @@ def _inner_products(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any,
     return grad, hv, cross, value
 
 
-def _hessian_product(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any) -> tuple[Callable[[Tree], Tree], Tensor]:
-    """``v -> H v`` of one batch at ``w`` (the gradient's graph traced once, reused per product)."""
-    _, hvp, value = torch.func.vjp(
-        lambda w_: torch.func.grad_and_value(lambda t: problem.inner_loss(t, lam, batch))(w_), w, has_aux=True)
-    return lambda v: hvp(v)[0], value
+def _hessian_product(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any) -> Callable[[Tree], Tree]:
+    """``v -> H v`` of one batch at ``w`` (the gradient's graph traced once, reused per product).
+
+    Neither the gradient nor the loss is an output, so the compiled graph computes only what the
+    product needs (a loss value would cost a full forward pass per product); non-finite losses
+    still surface in the products and in the checked loss values of the mixed product."""
+    _, hvp = torch.func.vjp(torch.func.grad(lambda t: problem.inner_loss(t, lam, batch)), w)
+    return lambda v: hvp(v)[0]
 
 
 def _cross_product(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any, v: Tree) -> tuple[Tree, Tensor]:
@@ -812,61 +815,56 @@ def _saba_stage(problem: BilevelProblem, w: Tree, lam: Tree, v: Tree, rho: Tenso
     return d_lam, new_w, new_v, fresh_inner, fresh_outer, new_inner_mean, new_outer_mean, scalars
 
 
-def _inner_sgd(problem: BilevelProblem, w: Tree, lam: Tree, rho: Tensor, batches: list[Any],
-               values: list[Tensor]) -> tuple[Tree, Tensor]:
-    """The inner SGD steps of AmIGO and StocBiO; the last gradient norm (0 without steps)."""
+def _inner_sgd(problem: BilevelProblem, w: Tree, lam: Tree, rho: Tensor, batches: list[Any]) -> tuple[Tree, Tensor]:
+    """The inner SGD steps of AmIGO and StocBiO; the last gradient norm (0 without steps). No loss
+    values: only the gradients (the steps' outputs are checked for non-finite values)."""
     residual = torch.zeros_like(rho)
     for batch in batches:
-        grad, value = torch.func.grad_and_value(lambda t, b=batch: problem.inner_loss(t, lam, b))(w)
-        values.append(value)
+        grad = torch.func.grad(lambda t, b=batch: problem.inner_loss(t, lam, b))(w)
         residual = tree_norm(grad)
         w = tree_axpy(-rho, grad, w)
     return w, residual
 
 
-def _hessian_products(problem: BilevelProblem, w: Tree, lam: Tree, batches: list[Any], shared: bool,
-                      values: list[Tensor]) -> list[Callable[[Tree], Tree]]:
+def _hessian_products(problem: BilevelProblem, w: Tree, lam: Tree, batches: list[Any],
+                      shared: bool) -> list[Callable[[Tree], Tree]]:
     """One product per batch; one shared product where the call reuses one batch (as the eager
     :func:`hypergrad.stochastic.hessian_products`)."""
     products: list[Callable[[Tree], Tree]] = []
     for batch in batches[:1] if shared else batches:
-        product, value = _hessian_product(problem, w, lam, batch)
-        products.append(product)
-        values.append(value)
+        products.append(_hessian_product(problem, w, lam, batch))
     return products * len(batches) if shared else products
 
 
 def _amigo_stage(problem: BilevelProblem, w: Tree, lam: Tree, v: Tree, rho: Tensor, eta: Tensor,
                  batches: list[Any], outer_batch: Any, shared: bool, inner_steps: int) -> tuple[Any, ...]:
     """One call of :meth:`hypergrad.amigo.AmIGO.hypergrad` as a traceable function (same arithmetic)."""
-    values: list[Tensor] = []
-    w, inner_residual = _inner_sgd(problem, w, lam, rho, batches[:inner_steps], values)
+    w, inner_residual = _inner_sgd(problem, w, lam, rho, batches[:inner_steps])
     grad_w_f, grad_lam_f, f_value = _outer_grads(problem, w, lam, outer_batch)
     linear_residual = torch.zeros_like(rho)
-    for product in _hessian_products(problem, w, lam, batches[inner_steps:-1], shared, values):
+    for product in _hessian_products(problem, w, lam, batches[inner_steps:-1], shared):
         d_v = tree_sub(product(v), grad_w_f)
         linear_residual = tree_norm(d_v)
         v = tree_axpy(-eta, d_v, v)
     cross, g_value = _cross_product(problem, w, lam, batches[-1], v)
     d_lam = tree_sub(grad_lam_f, cross)
-    finite = _all_finite([*values, g_value, f_value], [w, grad_w_f, grad_lam_f, v, d_lam])
+    finite = _all_finite([g_value, f_value], [w, grad_w_f, grad_lam_f, v, d_lam])
     return d_lam, w, v, torch.stack([inner_residual, linear_residual, finite.to(rho.dtype)])
 
 
 def _stocbio_stage(problem: BilevelProblem, w: Tree, lam: Tree, rho: Tensor, eta: Tensor, batches: list[Any],
                    outer_batch: Any, shared: bool, inner_steps: int) -> tuple[Any, ...]:
     """One call of :meth:`hypergrad.stocbio.StocBiO.hypergrad` as a traceable function (same arithmetic)."""
-    values: list[Tensor] = []
-    w, inner_residual = _inner_sgd(problem, w, lam, rho, batches[:inner_steps], values)
+    w, inner_residual = _inner_sgd(problem, w, lam, rho, batches[:inner_steps])
     grad_w_f, grad_lam_f, f_value = _outer_grads(problem, w, lam, outer_batch)
     term = total = grad_w_f
-    for product in _hessian_products(problem, w, lam, batches[inner_steps:-1], shared, values):
+    for product in _hessian_products(problem, w, lam, batches[inner_steps:-1], shared):
         term = tree_axpy(-eta, product(term), term)
         total = tree_add(total, term)
     v = tree_scale(total, eta)
     cross, g_value = _cross_product(problem, w, lam, batches[-1], v)
     d_lam = tree_sub(grad_lam_f, cross)
-    finite = _all_finite([*values, g_value, f_value], [w, grad_w_f, grad_lam_f, v, d_lam])
+    finite = _all_finite([g_value, f_value], [w, grad_w_f, grad_lam_f, v, d_lam])
     return d_lam, w, v, torch.stack([inner_residual, tree_norm(term), finite.to(rho.dtype)])
 
 
