@@ -1,4 +1,4 @@
-r"""Compiled hypergradient stages (implicit products, BOME, F2SA): trace the losses once, then run kernels.
+r"""Compiled hypergradient stages (implicit products, BOME, F2SA, stochastic solvers): trace the losses once, then run kernels.
 
 The eager products of :class:`~hypergrad.autodiff.RootSystem` are backward passes through a
 retained graph: each one walks the autograd engine's node list (tens of microseconds per node on
@@ -35,6 +35,9 @@ hundreds to thousands of calls: in long outer loops, not in a few calls.
 on tensor values, an operator dynamo cannot trace, the recompile limit), one warning is logged on
 the ``hypergrad`` logger and the eager products are used; ``info.extra["compiled"]`` says which
 path ran. Failures are remembered per problem, so the compiler is not retried on every call.
+
+**Stochastic solvers.** ``SOBA``, ``SABA``, ``AmIGO`` and ``StocBiO`` with ``compile=True`` compile
+their whole call the same way (:func:`compiled_stochastic`); see :doc:`/methods/stochastic`.
 
 **First-order methods.** ``BOME(compile=True)`` and ``Penalty(compile=True)`` take no products
 inside a call, so their stage is the whole call (:func:`compiled_bome`, :func:`compiled_penalty`):
@@ -894,7 +897,11 @@ def compiled_stochastic(method: Any, problem: BilevelProblem, w: Tree, lam: Tree
     a :class:`~hypergrad.batches.StepBatches`, AmIGO and StocBiO read their ``T + L + 1`` (or
     ``T + Q + 1``) batches as in the eager call. Falls back to the eager call (logged once per
     problem) where compilation fails; a non-finite value reruns the eager call, which raises its
-    :class:`~hypergrad.errors.NonFiniteError`.
+    :class:`~hypergrad.errors.NonFiniteError`. Checked for non-finite values: every output and
+    state tree, the loss values of the products of SOBA and SABA and of the mixed product and
+    outer gradient of AmIGO and StocBiO; their inner steps and Hessian products compute no loss
+    value (that would cost one more forward pass per step), so a non-finite loss whose gradient is
+    finite there goes unnoticed where the eager call raises.
 
     Returns:
         The eager call's result (same fields, state and counts) with ``info.extra["compiled"]``
