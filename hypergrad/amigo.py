@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from hypergrad.batches import per_step
+from hypergrad.compiled import compiled_stochastic
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.stochastic import (
     OracleCounts,
@@ -82,10 +83,15 @@ class AmIGO:
         inner_steps: :math:`T \ge 0`.
         linear_steps: :math:`L \ge 0`.
         linear_step_size: :math:`\eta` of the linear-system SGD (None: ``step_size``).
+        compile: run each call as one graph traced by :func:`torch.compile` and compiled by
+            inductor (:func:`hypergrad.compiled.compiled_stochastic`): the same arithmetic, state
+            and counts; step sizes and batch tensors are graph inputs (no recompile per step or
+            batch); eager with a log line where compilation fails; ``info.extra["compiled"]``
+            and ``["compile_s"]`` say what happened.
 
     Raises:
-        TypeError: a step count that is not an int, or a step size that is neither a number nor
-            a callable.
+        TypeError: a step count that is not an int, a step size that is neither a number nor
+            a callable, or a non-bool ``compile``.
         ValueError: a negative step count, a step size that is not finite and > 0, a malformed
             state, or a ``StepBatches`` with fewer than :math:`T + L + 1` batches.
         hypergrad.NonFiniteError: a loss, gradient, product or update is NaN or inf.
@@ -110,8 +116,11 @@ class AmIGO:
     inner_steps: int = 10
     linear_steps: int = 10
     linear_step_size: StepSize | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
         check_step_size(self.step_size, "step_size")
         if self.linear_step_size is not None:
             check_step_size(self.linear_step_size, "linear_step_size")
@@ -128,6 +137,8 @@ class AmIGO:
         state: dict[str, Any] | None = None,
     ) -> HypergradResult:
         """One AmIGO outer iteration: ``grad`` is the implicit-gradient estimate at the advanced ``w``."""
+        if self.compile:
+            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state)
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
         t = step_counter(state, "AmIGO")

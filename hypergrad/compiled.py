@@ -1,4 +1,4 @@
-r"""Compiled hypergradient stages (implicit products, BOME, F2SA): trace the losses once, then run kernels.
+r"""Compiled hypergradient stages (implicit products, BOME, F2SA, stochastic solvers): trace the losses once, then run kernels.
 
 The eager products of :class:`~hypergrad.autodiff.RootSystem` are backward passes through a
 retained graph: each one walks the autograd engine's node list (tens of microseconds per node on
@@ -36,6 +36,9 @@ on tensor values, an operator dynamo cannot trace, the recompile limit), one war
 the ``hypergrad`` logger and the eager products are used; ``info.extra["compiled"]`` says which
 path ran. Failures are remembered per problem, so the compiler is not retried on every call.
 
+**Stochastic solvers.** ``SOBA``, ``SABA``, ``AmIGO`` and ``StocBiO`` with ``compile=True`` compile
+their whole call the same way (:func:`compiled_stochastic`); see :doc:`/methods/stochastic`.
+
 **First-order methods.** ``BOME(compile=True)`` and ``Penalty(compile=True)`` take no products
 inside a call, so their stage is the whole call (:func:`compiled_bome`, :func:`compiled_penalty`):
 the inner steps, the final gradients and the direction or estimate are traced and compiled by
@@ -64,10 +67,12 @@ from torch import Tensor
 
 from hypergrad.batches import StepBatches, per_step
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
+from hypergrad.stochastic import OracleCounts, linear_iterate, one_batch, step_counter, step_size_at
 from hypergrad.tree import (
     Tree,
     check_like,
     check_tree,
+    tree_add,
     tree_axpy,
     tree_detach,
     tree_dot,
@@ -76,7 +81,14 @@ from hypergrad.tree import (
     tree_sub,
 )
 
-__all__ = ["CompiledStage", "compiled_bome", "compiled_penalty", "compiled_stage", "compiler_available"]
+__all__ = [
+    "CompiledStage",
+    "compiled_bome",
+    "compiled_penalty",
+    "compiled_stage",
+    "compiled_stochastic",
+    "compiler_available",
+]
 
 logger = logging.getLogger("hypergrad")
 
@@ -343,7 +355,10 @@ def _stage_for(problem: BilevelProblem, stage: Callable[..., Any], backend: Call
             entry = detail
         else:
             fn = types.FunctionType(stage.__code__.replace(), stage.__globals__, stage.__name__)
-            entry = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+            # SABA's batches carry their memory slot index, often a Python int: automatic dynamic
+            # shapes make it symbolic after its first change instead of one graph per index
+            dynamic = None if stage.__name__ in _AUTOMATIC_DYNAMIC else False
+            entry = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
         _STAGES[key] = entry
         while len(_STAGES) > MAX_PROBLEMS:
             _STAGES.popitem(last=False)
@@ -352,7 +367,10 @@ def _stage_for(problem: BilevelProblem, stage: Callable[..., Any], backend: Call
 
 # what each stage compiles, and what its eager fallback is called, for the log line
 _FALLBACK = {"_stage": ("the implicit products", "products"), "_bome_stage": ("the BOME step", "step"),
-             "_penalty_stage": ("the F2SA step", "step")}
+             "_penalty_stage": ("the F2SA step", "step"), "_soba_stage": ("the SOBA step", "step"),
+             "_saba_stage": ("the SABA step", "step"), "_amigo_stage": ("the AmIGO step", "step"),
+             "_stocbio_stage": ("the StocBiO step", "step")}
+_AUTOMATIC_DYNAMIC = {"_saba_stage"}
 _NOT_COMPILED = "torch.compile ran the stage without the compiled graph (recompile limit?)"
 
 
@@ -714,3 +732,299 @@ def compiled_penalty(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, i
     )
     new_state = {"w": w, "w_sigma": w_sigma, "opt_state": opt_state, "sigma_opt_state": sigma_opt_state}
     return HypergradResult(grad, w, info, new_state)
+
+
+# ------------------------------------------------------------------ stochastic solvers
+#
+# SOBA, SABA, AmIGO and StocBiO: one call is a fixed sequence of batch gradients and products
+# (no solver loop with a tolerance), so, as for BOME, the whole call is the stage. What changes
+# from call to call is data, never code: the iterates, the step sizes of the schedules (0-dim
+# tensors, not Python floats, which dynamo would bake into the graph), SABA's stored oracle
+# values of the batch's memory slot (the slot index stays in Python) and every drawn batch's
+# tensors (graph inputs).
+
+
+def _inner_products(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any,
+                    v: Tree) -> tuple[Tree, Tree, Tree, Tensor]:
+    r""":math:`\nabla_w g`, :math:`\nabla^2_{ww} g\, v`, :math:`\nabla^2_{\lambda w} g\, v` and :math:`g` of one batch."""
+    def grad_w_g(w_: Tree, l_: Tree) -> tuple[Tree, Tensor]:
+        return torch.func.grad_and_value(lambda t: problem.inner_loss(t, l_, batch))(w_)
+
+    grad, products, value = torch.func.vjp(grad_w_g, w, lam, has_aux=True)
+    hv, cross = products(v)  # both products in one reverse pass, as the eager oracle
+    return grad, hv, cross, value
+
+
+def _hessian_product(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any) -> Callable[[Tree], Tree]:
+    """``v -> H v`` of one batch at ``w`` (the gradient's graph traced once, reused per product).
+
+    Neither the gradient nor the loss is an output, so the compiled graph computes only what the
+    product needs (a loss value would cost a full forward pass per product); non-finite losses
+    still surface in the products and in the checked loss values of the mixed product."""
+    _, hvp = torch.func.vjp(torch.func.grad(lambda t: problem.inner_loss(t, lam, batch)), w)
+    return lambda v: hvp(v)[0]
+
+
+def _cross_product(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any, v: Tree) -> tuple[Tree, Tensor]:
+    _, cross, value = torch.func.vjp(
+        lambda l_: torch.func.grad_and_value(lambda t: problem.inner_loss(t, l_, batch))(w), lam, has_aux=True)
+    return cross(v)[0], value
+
+
+def _outer_grads(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any) -> tuple[Tree, Tree, Tensor]:
+    (grad_w, grad_lam), value = _grad_and_value(lambda w_, l_: problem.outer_loss(w_, l_, batch), w, lam, (0, 1))
+    return grad_w, grad_lam, value
+
+
+def _soba_stage(problem: BilevelProblem, w: Tree, lam: Tree, v: Tree, rho: Tensor, inner_batch: Any,
+                outer_batch: Any) -> tuple[Any, ...]:
+    """One call of :meth:`hypergrad.soba.SOBA.hypergrad` as a traceable function (same arithmetic)."""
+    grad, hv, cross, g_value = _inner_products(problem, w, lam, inner_batch, v)
+    grad_w_f, grad_lam_f, f_value = _outer_grads(problem, w, lam, outer_batch)
+    d_v = tree_sub(hv, grad_w_f)
+    d_lam = tree_sub(grad_lam_f, cross)
+    new_w, new_v = tree_axpy(-rho, grad, w), tree_axpy(-rho, d_v, v)
+    finite = _all_finite([g_value, f_value], [grad, hv, cross, grad_w_f, grad_lam_f, d_lam, new_w, new_v])
+    return d_lam, new_w, new_v, torch.stack([tree_norm(grad), tree_norm(d_v), finite.to(rho.dtype)])
+
+
+def _saga_estimate(fresh: dict[str, Tree], stored: dict[str, Tree], mean: dict[str, Tree],
+                   inv_n: float) -> tuple[dict[str, Tree], dict[str, Tree]]:
+    """SAGA estimates and updated means; ``stored`` is zeros for a slot never visited (exact)."""
+    estimate, new_mean = {}, {}
+    for name, value in fresh.items():
+        change = tree_sub(value, stored[name])
+        estimate[name] = tree_axpy(1.0, change, mean[name])
+        new_mean[name] = tree_axpy(inv_n, change, mean[name])
+    return estimate, new_mean
+
+
+def _saba_stage(problem: BilevelProblem, w: Tree, lam: Tree, v: Tree, rho: Tensor, inner_batch: Any,
+                outer_batch: Any, stored_inner: dict[str, Tree], inner_mean: dict[str, Tree],
+                stored_outer: dict[str, Tree], outer_mean: dict[str, Tree], inv_n_inner: float,
+                inv_n_outer: float) -> tuple[Any, ...]:
+    """One call of :meth:`hypergrad.saba.SABA.hypergrad` as a traceable function (same arithmetic)."""
+    grad, hv, cross, g_value = _inner_products(problem, w, lam, inner_batch, v)
+    grad_w_f, grad_lam_f, f_value = _outer_grads(problem, w, lam, outer_batch)
+    fresh_inner = {"grad": grad, "hvp": hv, "cross": cross}
+    fresh_outer = {"grad_w": grad_w_f, "grad_lam": grad_lam_f}
+    est_inner, new_inner_mean = _saga_estimate(fresh_inner, stored_inner, inner_mean, inv_n_inner)
+    est_outer, new_outer_mean = _saga_estimate(fresh_outer, stored_outer, outer_mean, inv_n_outer)
+    d_v = tree_sub(est_inner["hvp"], est_outer["grad_w"])
+    d_lam = tree_sub(est_outer["grad_lam"], est_inner["cross"])
+    new_w, new_v = tree_axpy(-rho, est_inner["grad"], w), tree_axpy(-rho, d_v, v)
+    finite = _all_finite([g_value, f_value], [grad, hv, cross, grad_w_f, grad_lam_f, d_lam, new_w, new_v])
+    scalars = torch.stack([tree_norm(est_inner["grad"]), tree_norm(d_v), finite.to(rho.dtype)])
+    return d_lam, new_w, new_v, fresh_inner, fresh_outer, new_inner_mean, new_outer_mean, scalars
+
+
+def _inner_sgd(problem: BilevelProblem, w: Tree, lam: Tree, rho: Tensor, batches: list[Any]) -> tuple[Tree, Tensor]:
+    """The inner SGD steps of AmIGO and StocBiO; the last gradient norm (0 without steps). No loss
+    values: only the gradients (the steps' outputs are checked for non-finite values)."""
+    residual = torch.zeros_like(rho)
+    for batch in batches:
+        grad = torch.func.grad(lambda t, b=batch: problem.inner_loss(t, lam, b))(w)
+        residual = tree_norm(grad)
+        w = tree_axpy(-rho, grad, w)
+    return w, residual
+
+
+def _hessian_products(problem: BilevelProblem, w: Tree, lam: Tree, batches: list[Any],
+                      shared: bool) -> list[Callable[[Tree], Tree]]:
+    """One product per batch; one shared product where the call reuses one batch (as the eager
+    :func:`hypergrad.stochastic.hessian_products`)."""
+    products: list[Callable[[Tree], Tree]] = []
+    for batch in batches[:1] if shared else batches:
+        products.append(_hessian_product(problem, w, lam, batch))
+    return products * len(batches) if shared else products
+
+
+def _amigo_stage(problem: BilevelProblem, w: Tree, lam: Tree, v: Tree, rho: Tensor, eta: Tensor,
+                 batches: list[Any], outer_batch: Any, shared: bool, inner_steps: int) -> tuple[Any, ...]:
+    """One call of :meth:`hypergrad.amigo.AmIGO.hypergrad` as a traceable function (same arithmetic)."""
+    w, inner_residual = _inner_sgd(problem, w, lam, rho, batches[:inner_steps])
+    grad_w_f, grad_lam_f, f_value = _outer_grads(problem, w, lam, outer_batch)
+    linear_residual = torch.zeros_like(rho)
+    for product in _hessian_products(problem, w, lam, batches[inner_steps:-1], shared):
+        d_v = tree_sub(product(v), grad_w_f)
+        linear_residual = tree_norm(d_v)
+        v = tree_axpy(-eta, d_v, v)
+    cross, g_value = _cross_product(problem, w, lam, batches[-1], v)
+    d_lam = tree_sub(grad_lam_f, cross)
+    finite = _all_finite([g_value, f_value], [w, grad_w_f, grad_lam_f, v, d_lam])
+    return d_lam, w, v, torch.stack([inner_residual, linear_residual, finite.to(rho.dtype)])
+
+
+def _stocbio_stage(problem: BilevelProblem, w: Tree, lam: Tree, rho: Tensor, eta: Tensor, batches: list[Any],
+                   outer_batch: Any, shared: bool, inner_steps: int) -> tuple[Any, ...]:
+    """One call of :meth:`hypergrad.stocbio.StocBiO.hypergrad` as a traceable function (same arithmetic)."""
+    w, inner_residual = _inner_sgd(problem, w, lam, rho, batches[:inner_steps])
+    grad_w_f, grad_lam_f, f_value = _outer_grads(problem, w, lam, outer_batch)
+    term = total = grad_w_f
+    for product in _hessian_products(problem, w, lam, batches[inner_steps:-1], shared):
+        term = tree_axpy(-eta, product(term), term)
+        total = tree_add(total, term)
+    v = tree_scale(total, eta)
+    cross, g_value = _cross_product(problem, w, lam, batches[-1], v)
+    d_lam = tree_sub(grad_lam_f, cross)
+    finite = _all_finite([g_value, f_value], [w, grad_w_f, grad_lam_f, v, d_lam])
+    return d_lam, w, v, torch.stack([inner_residual, tree_norm(term), finite.to(rho.dtype)])
+
+
+def _zeros_like_fields(like: dict[str, Tree]) -> dict[str, Tree]:
+    return {name: {k: torch.zeros_like(x) for k, x in tree.items()} for name, tree in like.items()}
+
+
+def _stochastic_info(calls: OracleCounts, iterations: int, residual: float | None,
+                     extra: dict[str, Any], compile_s: float) -> HypergradInfo:
+    return HypergradInfo(iterations=iterations, residual=residual, converged=True, grad_evals=calls.total,
+                         extra={"oracle_calls": calls.as_dict(), **extra, "compiled": True, "compile_s": compile_s})
+
+
+def compiled_stochastic(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any = None,
+                        outer_batch: Any = None, state: dict[str, Any] | None = None) -> HypergradResult:
+    r"""``method.hypergrad(...)`` of a SOBA, SABA, AmIGO or StocBiO from its compiled step.
+
+    Called by ``compile=True`` on :class:`~hypergrad.soba.SOBA`, :class:`~hypergrad.saba.SABA`,
+    :class:`~hypergrad.amigo.AmIGO` and :class:`~hypergrad.stocbio.StocBiO`: the whole call (the
+    batch gradients and products, the SAGA estimates, the inner and linear-system steps) runs as
+    one compiled graph. Compiles once per problem, shape, dtype and method configuration; the
+    iterates, the carried state, the step sizes of the schedules (0-dim tensor inputs) and the
+    tensors of every drawn batch are read afresh, so the graph is not recompiled per step or per
+    batch. SABA's memory slot index stays outside the graph (the slot's stored values are inputs);
+    its stage is traced with dynamo's automatic dynamic shapes, so a batch ``(index, data)`` with a
+    Python ``int`` index costs one recompile (the index becomes symbolic), not one per index. With
+    a :class:`~hypergrad.batches.StepBatches`, AmIGO and StocBiO read their ``T + L + 1`` (or
+    ``T + Q + 1``) batches as in the eager call. Falls back to the eager call (logged once per
+    problem) where compilation fails; a non-finite value reruns the eager call, which raises its
+    :class:`~hypergrad.errors.NonFiniteError`. Checked for non-finite values: every output and
+    state tree, the loss values of the products of SOBA and SABA and of the mixed product and
+    outer gradient of AmIGO and StocBiO; their inner steps and Hessian products compute no loss
+    value (that would cost one more forward pass per step), so a non-finite loss whose gradient is
+    finite there goes unnoticed where the eager call raises.
+
+    Returns:
+        The eager call's result (same fields, state and counts) with ``info.extra["compiled"]``
+        (which path ran) and ``info.extra["compile_s"]`` (seconds this call spent compiling).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
+        >>> f = lambda w, lam, b: 0.5 * ((w["x"] - 3.0) ** 2).sum()
+        >>> soba = hg.SOBA(step_size=0.5, compile=True)
+        >>> w, lam = {"x": torch.zeros(2, dtype=torch.float64)}, {"c": torch.ones(2, dtype=torch.float64)}
+        >>> r = compiled_stochastic(soba, hg.BilevelProblem(g, f), w, lam)
+        >>> r.grad["c"].tolist() == hg.SOBA(step_size=0.5).hypergrad(hg.BilevelProblem(g, f), w, lam).grad["c"].tolist()
+        True
+        >>> sorted(r.state), r.info.extra["oracle_calls"]["hvp"]
+        (['step', 'v'], 1)
+    """
+    name = type(method).__name__
+    if name not in _STOCHASTIC_CALLS:
+        raise TypeError(f"compiled_stochastic takes a SOBA, SABA, AmIGO or StocBiO, got {name}")
+    inner_batch, outer_batch = _replayable(inner_batch), _replayable(outer_batch)
+    args = (w, lam, inner_batch, outer_batch, state)
+    w, lam = problem.validate(w, lam)
+    w, lam = tree_detach(w), tree_detach(lam)
+    t = step_counter(state, name)
+    result = _STOCHASTIC_CALLS[name](method, problem, w, lam, inner_batch, outer_batch, state, t)
+    if result is None:
+        return _eager(method, problem, args)
+    if result is _NON_FINITE:
+        return _non_finite(method, problem, args)
+    return result
+
+
+_NON_FINITE: Any = object()
+
+
+def _tensor_like(value: float, like: Tree) -> Tensor:
+    ref = next(iter(like.values()))
+    return torch.tensor(value, dtype=ref.dtype, device=ref.device)
+
+
+def _soba_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any, outer_batch: Any,
+               state: dict[str, Any] | None, t: int) -> HypergradResult | None:
+    v = linear_iterate(state, w, "SOBA")
+    rho = step_size_at(method.step_size, t, "step_size")
+    ran = _run_stage(problem, _soba_stage, w, lam, v, _tensor_like(rho, w), one_batch(inner_batch),
+                     one_batch(outer_batch))
+    if ran is None:
+        return None
+    (d_lam, new_w, new_v, scalars), compile_s = ran
+    residual, linear_residual, finite = scalars.tolist()
+    if not finite:
+        return _NON_FINITE
+    calls = OracleCounts(inner_grad=1, hvp=1, cross=1, outer_grad=1)
+    info = _stochastic_info(calls, 1, residual,
+                            {"step": t, "step_size": rho, "linear_residual": linear_residual}, compile_s)
+    return HypergradResult(d_lam, new_w, info, {"v": new_v, "step": t + 1})
+
+
+def _saba_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any, outer_batch: Any,
+               state: dict[str, Any] | None, t: int) -> HypergradResult | None:
+    v = linear_iterate(state, w, "SABA")
+    memory = method.read_memory(state, w, lam)
+    rho = step_size_at(method.step_size, t, "step_size")
+    inner_batch, outer_batch = one_batch(inner_batch), one_batch(outer_batch)
+    i, j = method.index_of(inner_batch, "inner"), method.index_of(outer_batch, "outer")
+    stored_inner = memory["inner"].get(i) or _zeros_like_fields(memory["inner_mean"])
+    stored_outer = memory["outer"].get(j) or _zeros_like_fields(memory["outer_mean"])
+    ran = _run_stage(problem, _saba_stage, w, lam, v, _tensor_like(rho, w), inner_batch, outer_batch,
+                     stored_inner, memory["inner_mean"], stored_outer, memory["outer_mean"],
+                     1.0 / method.n_inner, 1.0 / method.n_outer)
+    if ran is None:
+        return None
+    (d_lam, new_w, new_v, fresh_inner, fresh_outer, inner_mean, outer_mean, scalars), compile_s = ran
+    residual, linear_residual, finite = scalars.tolist()
+    if not finite:
+        return _NON_FINITE
+    inner_table, outer_table = dict(memory["inner"]), dict(memory["outer"])
+    inner_table[i], outer_table[j] = fresh_inner, fresh_outer
+    calls = OracleCounts(inner_grad=1, hvp=1, cross=1, outer_grad=1)
+    extra = {"step": t, "step_size": rho, "linear_residual": linear_residual,
+             "seen_inner": len(inner_table), "seen_outer": len(outer_table)}
+    info = _stochastic_info(calls, 1, residual, extra, compile_s)
+    new_memory = {"inner": inner_table, "outer": outer_table, "inner_mean": inner_mean, "outer_mean": outer_mean}
+    return HypergradResult(d_lam, new_w, info, {"v": new_v, "step": t + 1, "memory": new_memory})
+
+
+def _series_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any, outer_batch: Any,
+                 state: dict[str, Any] | None, t: int) -> HypergradResult | None:
+    """AmIGO and StocBiO: ``T`` inner steps, ``L`` (or ``Q``) products, one mixed product."""
+    amigo = type(method).__name__ == "AmIGO"
+    n_products = method.linear_steps if amigo else method.neumann_steps
+    second = method.linear_step_size if amigo else method.neumann_step_size
+    second_name = "linear_step_size" if amigo else "neumann_step_size"
+    T = method.inner_steps
+    rho = step_size_at(method.step_size, t, "step_size")
+    eta = rho if second is None else step_size_at(second, t, second_name)
+    batches = per_step(inner_batch, T + n_products + 1)
+    shared = not isinstance(inner_batch, StepBatches)
+    rho_t, eta_t = _tensor_like(rho, w), _tensor_like(eta, w)
+    if amigo:
+        v = linear_iterate(state, w, "AmIGO")
+        ran = _run_stage(problem, _amigo_stage, w, lam, v, rho_t, eta_t, batches, one_batch(outer_batch), shared, T)
+    else:
+        ran = _run_stage(problem, _stocbio_stage, w, lam, rho_t, eta_t, batches, one_batch(outer_batch), shared, T)
+    if ran is None:
+        return None
+    (d_lam, new_w, v, scalars), compile_s = ran
+    inner_residual, last, finite = scalars.tolist()
+    if not finite:
+        return _NON_FINITE
+    residual = inner_residual if T else None
+    if amigo:
+        calls = OracleCounts(inner_grad=T, hvp=n_products, cross=1, outer_grad=1)
+        extra = {"step": t, "step_size": rho, "linear_step_size": eta,
+                 "linear_residual": last if n_products else None}
+        info = _stochastic_info(calls, T + n_products, residual, extra, compile_s)
+        return HypergradResult(d_lam, new_w, info, {"v": v, "step": t + 1})
+    calls = OracleCounts(inner_grad=T, hvp=n_products, cross=1, outer_grad=1)
+    extra = {"step": t, "step_size": rho, "neumann_step_size": eta, "last_term_norm": eta * last, "v": v}
+    info = _stochastic_info(calls, T + n_products, residual, extra, compile_s)
+    return HypergradResult(d_lam, new_w, info, {"step": t + 1})
+
+
+_STOCHASTIC_CALLS: dict[str, Callable[..., HypergradResult | None]] = {
+    "SOBA": _soba_call, "SABA": _saba_call, "AmIGO": _series_call, "StocBiO": _series_call}

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hypergrad.compiled import compiled_stochastic
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.stochastic import (
     OracleCounts,
@@ -113,9 +114,14 @@ class SABA:
         n_inner: the number of inner batches :math:`n \ge 1`.
         n_outer: the number of outer batches :math:`m \ge 1`.
         batch_index: optional function ``batch -> index``; default: ``batch[0]``.
+        compile: run each call as one graph traced by :func:`torch.compile` and compiled by
+            inductor (:func:`hypergrad.compiled.compiled_stochastic`): the same arithmetic, state
+            and counts; step sizes and batch tensors are graph inputs (no recompile per step or
+            batch); eager with a log line where compilation fails; ``info.extra["compiled"]``
+            and ``["compile_s"]`` say what happened.
 
     Raises:
-        TypeError: a bad argument type, or a batch without an index.
+        TypeError: a bad argument type (``compile`` not a bool), or a batch without an index.
         ValueError: ``step_size`` not a finite number > 0, ``n_inner`` or ``n_outer`` < 1, a
             batch index outside ``range(n_inner)`` / ``range(n_outer)``, or a malformed state.
         hypergrad.NonFiniteError: a loss, gradient, product or update is NaN or inf.
@@ -137,8 +143,11 @@ class SABA:
     n_inner: int
     n_outer: int = 1
     batch_index: Callable[[Any], Any] | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
         check_step_size(self.step_size, "step_size")
         for name in ("n_inner", "n_outer"):
             value = getattr(self, name)
@@ -148,6 +157,42 @@ class SABA:
                 raise ValueError(f"{name} must be >= 1 (the number of batches), got {value}")
         if self.batch_index is not None and not callable(self.batch_index):
             raise TypeError(f"batch_index must be None or a function batch -> index, got {self.batch_index!r}")
+
+    def index_of(self, batch: Any, which: str) -> int:
+        """The memory slot of ``batch``: ``batch_index(batch)`` (or :func:`batch_position`), checked.
+
+        Args:
+            batch: one inner or outer batch.
+            which: ``"inner"`` (slots ``range(n_inner)``) or ``"outer"`` (``range(n_outer)``).
+
+        Raises:
+            TypeError: the index is not an int or a one-element integer tensor.
+            ValueError: the index is out of range.
+
+        Example:
+            >>> from hypergrad.saba import SABA
+            >>> SABA(0.1, n_inner=4).index_of((3, "data"), "inner")
+            3
+        """
+        if which not in ("inner", "outer"):
+            raise ValueError(f"which must be 'inner' or 'outer', got {which!r}")
+        return self._index(batch, self.n_inner if which == "inner" else self.n_outer, which)
+
+    @staticmethod
+    def read_memory(state: dict[str, Any] | None, w: Tree, lam: Tree) -> dict[str, Any]:
+        """The SAGA memory carried in ``state["memory"]`` (empty tables and zero means without one).
+
+        Raises:
+            ValueError: ``state["memory"]`` is not the dict a previous SABA call returned.
+
+        Example:
+            >>> import torch
+            >>> from hypergrad.saba import SABA
+            >>> memory = SABA.read_memory(None, {"x": torch.ones(2)}, {"c": torch.ones(1)})
+            >>> memory["inner"], memory["inner_mean"]["grad"]["x"].tolist()
+            ({}, [0.0, 0.0])
+        """
+        return _read_memory(state, w, lam)
 
     def _index(self, batch: Any, n: int, which: str) -> int:
         raw = (self.batch_index or batch_position)(batch)
@@ -175,6 +220,8 @@ class SABA:
 
         A :class:`~hypergrad.batches.StepBatches` as a batch gives one batch.
         """
+        if self.compile:
+            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state)
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
         t = step_counter(state, "SABA")

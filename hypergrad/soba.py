@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hypergrad.compiled import compiled_stochastic
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.stochastic import (
     OracleCounts,
@@ -75,9 +76,14 @@ class SOBA:
     Args:
         step_size: :math:`\rho` of the :math:`w` and :math:`v` steps: a number > 0 or a schedule
             ``t -> rho_t`` (e.g. ``Decreasing(0.1, 0.5)``).
+        compile: run each call as one graph traced by :func:`torch.compile` and compiled by
+            inductor (:func:`hypergrad.compiled.compiled_stochastic`): the same arithmetic, state
+            and counts; step sizes and batch tensors are graph inputs (no recompile per step or
+            batch); eager with a log line where compilation fails; ``info.extra["compiled"]``
+            and ``["compile_s"]`` say what happened.
 
     Raises:
-        TypeError: ``step_size`` is neither a number nor a callable.
+        TypeError: ``step_size`` is neither a number nor a callable, or ``compile`` is not a bool.
         ValueError: ``step_size`` is not a finite number > 0 (or a schedule returns one),
             ``state["v"]`` is not shaped like ``w``, or ``state["step"]`` is not an int >= 0.
         hypergrad.NonFiniteError: a loss, gradient, product or update is NaN or inf.
@@ -96,8 +102,11 @@ class SOBA:
     """
 
     step_size: StepSize
+    compile: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
         check_step_size(self.step_size, "step_size")
 
     def hypergrad(
@@ -114,6 +123,8 @@ class SOBA:
         A :class:`~hypergrad.batches.StepBatches` as a batch gives one batch (SOBA uses one
         inner and one outer batch per call).
         """
+        if self.compile:
+            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state)
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
         t = step_counter(state, "SOBA")

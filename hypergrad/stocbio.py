@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from hypergrad.batches import per_step
+from hypergrad.compiled import compiled_stochastic
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.stochastic import (
     OracleCounts,
@@ -90,10 +91,15 @@ class StocBiO:
         inner_steps: :math:`T \ge 0`.
         neumann_steps: :math:`Q \ge 0`.
         neumann_step_size: :math:`\eta` of the series (None: ``step_size``).
+        compile: run each call as one graph traced by :func:`torch.compile` and compiled by
+            inductor (:func:`hypergrad.compiled.compiled_stochastic`): the same arithmetic, state
+            and counts; step sizes and batch tensors are graph inputs (no recompile per step or
+            batch); eager with a log line where compilation fails; ``info.extra["compiled"]``
+            and ``["compile_s"]`` say what happened.
 
     Raises:
-        TypeError: a step count that is not an int, or a step size that is neither a number nor
-            a callable.
+        TypeError: a step count that is not an int, a step size that is neither a number nor
+            a callable, or a non-bool ``compile``.
         ValueError: a negative step count, a step size that is not finite and > 0, or a
             ``StepBatches`` with fewer than :math:`T + Q + 1` batches.
         hypergrad.NonFiniteError: a loss, gradient, product or update is NaN or inf.
@@ -117,8 +123,11 @@ class StocBiO:
     inner_steps: int = 10
     neumann_steps: int = 10
     neumann_step_size: StepSize | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
         check_step_size(self.step_size, "step_size")
         if self.neumann_step_size is not None:
             check_step_size(self.neumann_step_size, "neumann_step_size")
@@ -135,6 +144,8 @@ class StocBiO:
         state: dict[str, Any] | None = None,
     ) -> HypergradResult:
         """One StocBiO outer iteration: ``grad`` is the Neumann hypergradient estimate at the advanced ``w``."""
+        if self.compile:
+            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state)
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
         t = step_counter(state, "StocBiO")

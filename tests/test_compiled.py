@@ -521,3 +521,152 @@ def test_penalty_compiled_reads_one_batch_per_evaluation():
         torch.testing.assert_close(result.grad["c"], expected.grad["c"], rtol=1e-10, atol=1e-13)
         for key in ("w", "w_sigma"):
             torch.testing.assert_close(result.state[key]["x"], expected.state[key]["x"], rtol=1e-10, atol=1e-13)
+
+
+# ------------------------------------------------- SOBA / SABA / AmIGO / StocBiO compile=True
+
+
+@pytest.fixture(scope="module")
+def stochastic():
+    """A tiny least-squares bilevel problem with fresh batches (shared by the tests below, so each
+    solver's stage compiles once for the module)."""
+    gen = torch.Generator().manual_seed(11)
+
+    def data(batch):
+        return batch[1] if isinstance(batch[0], int) else batch  # SABA's batches are (index, data)
+
+    def g(w, lam, batch):
+        X, y = data(batch)
+        r = X @ w["x"] - y
+        return 0.5 * (r @ r) / len(r) + 0.5 * (torch.exp(lam["c"]) * w["x"] ** 2).sum()
+
+    def f(w, lam, batch):
+        X, y = data(batch)
+        return 0.5 * ((X @ w["x"] - y) ** 2).mean() + 0.01 * (lam["c"] ** 2).sum()
+
+    def batch():
+        return torch.randn(8, 3, generator=gen, dtype=DT), torch.randn(8, generator=gen, dtype=DT)
+
+    w, lam = {"x": torch.randn(3, generator=gen, dtype=DT)}, {"c": 0.1 * torch.randn(3, generator=gen, dtype=DT)}
+    return hg.BilevelProblem(g, f), w, lam, batch
+
+
+SCHEDULE = hg.stochastic.Decreasing(0.3, 0.5)
+STOCHASTIC_METHODS = {  # name -> (compile flag -> method, indexed batches, StepBatches inner batches)
+    "SOBA": (lambda c: hg.SOBA(SCHEDULE, compile=c), False, False),
+    "SABA": (lambda c: hg.SABA(SCHEDULE, n_inner=3, n_outer=3, compile=c), True, False),
+    "AmIGO": (lambda c: hg.AmIGO(SCHEDULE, inner_steps=2, linear_steps=2,
+                                 linear_step_size=hg.stochastic.Decreasing(0.2, 0.3), compile=c), False, True),
+    "StocBiO": (lambda c: hg.StocBiO(SCHEDULE, inner_steps=2, neumann_steps=2, compile=c), False, False),
+}
+
+
+def _same_nested(a, b, where: str) -> None:
+    """Trees, memory tables and counters of a compiled result against the eager one (1e-10)."""
+    if isinstance(b, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14, msg=where)
+    elif isinstance(b, dict):
+        assert set(a) == set(b), where
+        for key in b:
+            _same_nested(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-10, abs=1e-13), where
+    else:
+        assert a == b, where
+
+
+def _same_stochastic(a, b) -> None:
+    _same_nested(a.grad, b.grad, "grad")
+    _same_nested(a.w, b.w, "w")
+    assert (a.info.iterations, a.info.grad_evals, a.info.converged) == (
+        b.info.iterations, b.info.grad_evals, b.info.converged)
+    _same_nested(a.info.residual, b.info.residual, "residual")
+    assert a.info.extra["compiled"] is True
+    _same_nested({k: a.info.extra[k] for k in b.info.extra}, b.info.extra, "extra")
+    _same_nested(a.state, b.state, "state")
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", list(STOCHASTIC_METHODS))
+def test_stochastic_compiled_equals_eager_across_calls(stochastic, name):
+    """Four calls with the state carried on each path, fresh batches and a decreasing step size:
+    the eager results to 1e-10, and no recompilation per step, per batch or (SABA) per index."""
+    problem, w, lam, batch = stochastic
+    make, indexed, step_batches = STOCHASTIC_METHODS[name]
+    eager, compiled = make(False), make(True)
+    eager_w, eager_state, compiled_w, compiled_state = w, None, w, None
+    compiles = []
+    for call, slot in enumerate((0, 1, 0, 2)):  # SABA revisits slot 0 (its stored values are used)
+        if step_batches:
+            drawn = [batch() for _ in range(compiled.inner_steps + compiled.linear_steps + 1)]
+            stream = iter([*drawn, "not drawn"])
+            inner_eager, inner_compiled = hg.batches.StepBatches(drawn), hg.batches.StepBatches(stream)
+        else:
+            inner_eager = inner_compiled = (slot, batch()) if indexed else batch()
+        outer_batch = (2 - slot, batch()) if indexed else batch()
+        b = eager.hypergrad(problem, eager_w, lam, inner_eager, outer_batch, eager_state)
+        a = compiled.hypergrad(problem, compiled_w, lam, inner_compiled, outer_batch, compiled_state)
+        if step_batches:
+            assert next(stream) == "not drawn"  # T + L + 1 batches read, each a graph input
+        _same_stochastic(a, b)
+        compiles.append(a.info.extra["compile_s"] > 0.0)
+        assert a.info.extra["step"] == call
+        eager_w, eager_state, compiled_w, compiled_state = b.w, b.state, a.w, a.state
+    # one compilation (SABA: at most one more, when the Python int index first changes)
+    assert compiles[2:] == [False, False] and sum(compiles) <= (2 if indexed else 1), compiles
+
+
+@needs_compiler
+def test_stochastic_fallback_to_eager_with_a_log_line(stochastic, caplog):
+    problem, w, lam, batch = stochastic
+
+    def g(w_, lam_, b):
+        value = problem.inner(w_, lam_, b)
+        if float(w_["x"].detach().sum()) > 1e6:  # a graph break under fullgraph=True
+            value = value * 2
+        return value
+
+    broken = hg.BilevelProblem(g, problem.outer)
+    inner_batch, outer_batch = (0, batch()), (1, batch())
+    for name, (make, _, step_batches) in STOCHASTIC_METHODS.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hypergrad"):
+            if step_batches:  # the eager fallback re-reads the batches the compiled path drew
+                drawn = []
+                stream = hg.batches.StepBatches(drawn.append(i) or inner_batch for i in range(100))
+                a = make(True).hypergrad(broken, w, lam, stream, outer_batch)
+                assert len(drawn) == 5
+            else:
+                a = make(True).hypergrad(broken, w, lam, inner_batch, outer_batch)
+        assert a.info.extra["compiled"] is False and a.info.extra["compile_s"] == 0.0, name
+        assert any(f"compiling the {name} step failed" in m and "using the eager step" in m
+                   for m in caplog.messages), caplog.messages
+        b = make(False).hypergrad(broken, w, lam, inner_batch, outer_batch)
+        torch.testing.assert_close(a.grad["c"], b.grad["c"], rtol=1e-12, atol=1e-15)
+        assert a.info.grad_evals == b.info.grad_evals
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hypergrad"):  # remembered: not retried
+            assert make(True).hypergrad(broken, w, lam, inner_batch, outer_batch).info.extra["compiled"] is False
+        assert not caplog.messages
+
+
+@needs_compiler
+def test_stochastic_non_finite_values_raise_the_eager_diagnostic(stochastic):
+    problem, w, lam, batch = stochastic
+    nan_lam = {"c": lam["c"].clone()}
+    nan_lam["c"][0] = float("nan")
+    for name in ("SOBA", "StocBiO"):  # the stages the equality test compiled: no recompilation
+        make, _, _ = STOCHASTIC_METHODS[name]
+        inner_batch, outer_batch = batch(), batch()
+        with pytest.raises(hg.NonFiniteError) as eager_error:
+            make(False).hypergrad(problem, w, nan_lam, inner_batch, outer_batch)
+        with pytest.raises(hg.NonFiniteError) as compiled_error:
+            make(True).hypergrad(problem, w, nan_lam, inner_batch, outer_batch)
+        assert str(compiled_error.value) == str(eager_error.value)
+
+
+def test_stochastic_compile_flag_is_checked():
+    for name, (make, _, _) in STOCHASTIC_METHODS.items():
+        with pytest.raises(TypeError, match="compile must be a bool, got str"):
+            dataclasses.replace(make(False), compile="yes")
+        assert make(True).compile is True and make(False).compile is False, name
