@@ -95,7 +95,7 @@ def test_the_command_line_reaches_it_by_name(tiny_model_dir, tmp_path):
 
 def test_names_are_checked_against_the_registry():
     assert NAME in objective_names()
-    with pytest.raises(ValueError, match="method must be one of .*focal_test"):
+    with pytest.raises(ValueError, match=r"method must be one of .*focal_test"):
         CalibrationConfig(method="focal")
     with pytest.raises(ValueError, match="already registered"):
         register_objective(NAME)(type("Other", (OneLevelObjective,), {}))
