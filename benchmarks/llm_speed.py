@@ -194,8 +194,7 @@ def make_run(model: Any, tok: Any, train: Any, heldout: Any, config: Calibration
     """Attach LoRA to ``model`` (in place) as ``calibrate`` does; ``naive``: the reference losses."""
     trainer = training.build_trainer(model, tok, train, heldout, config)
     if naive:
-        trainer = trainer.with_losses(NaiveCalmLosses(trainer.lm, trainer.adjustment, config.normalize,
-                                                      config.label_smoothing, config.penalty_beta))
+        trainer = trainer.with_losses(NaiveCalmLosses(trainer.lm, trainer.adjustment, config.normalize))
     return Run(trainer, training.init_state(trainer, evaluate_before=False))
 
 

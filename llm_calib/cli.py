@@ -472,13 +472,13 @@ open-ended training (greedy answers, exact match in the report; no temperature c
 
 
 def _methods(text: str) -> list[str]:
-    from llm_calib.calm.config import METHODS
+    from llm_calib.objectives.registry import objective_names
 
     methods = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m not in objective_names()]
     if bad or not methods:
         raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list from {', '.join(METHODS)}, got {text!r}"
+            f"expected a comma-separated list from {', '.join(objective_names())}, got {text!r}"
         )
     if len(set(methods)) != len(methods):
         raise argparse.ArgumentTypeError(f"a method is listed twice in {text!r}")
@@ -528,7 +528,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--methods", type=_methods, default=None, metavar="M[,M...]",
         help="comma-separated methods to train: calm, lora_ce, label_smoothing, "
-        "confidence_penalty (default: the config file's 'method' if it sets one, else all four)",
+        "confidence_penalty, or a registered objective (default: the config file's 'method' if it sets one, "
+        "else the four built-in ones)",
     )
     _add_data_loading_args(
         p, limit_help="at most N questions per data spec (--train, --heldout, --eval; see --limit-mode)"
@@ -602,11 +603,12 @@ def _config_fields() -> list[tuple[str, str, Any, str]]:
 def _add_config_flags(group: Any) -> None:
     from llm_calib.calm.config import CHOICES, CalibrationConfig, LoraSettings
     from llm_calib.flags import flag_type, plain_help
+    from llm_calib.objectives.registry import solver_names
 
     defaults = {**CalibrationConfig().to_dict(), **{f"lora.{k}": v for k, v in LoraSettings().__dict__.items()}}
     for flag, name, hint, text in _config_fields():
         parse, metavar = flag_type(hint)
-        choices = CHOICES.get(name)
+        choices = solver_names() if name == "solver" else CHOICES.get(name)
         default = defaults[name]
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else "null" if default is None else default
         group.add_argument(

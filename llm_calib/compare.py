@@ -166,7 +166,7 @@ def run_comparison(
             selection, and, for multiple choice, the temperature fit).
         evals: ``(name, records)`` evaluation sets; results are per record domain.
         config: the base configuration; ``method`` is replaced by each of ``methods``.
-        methods: the methods to train (see :data:`llm_calib.calm.config.METHODS`).
+        methods: the methods to train (see :func:`llm_calib.objectives.registry.objective_names`).
         out_dir: results go to ``out_dir/<method>/``; checkpoints to
             ``out_dir/checkpoints/<method>/`` when ``config.checkpoint_every > 0``.
         unlabeled: ``(name, records)`` of unlabelled upper-level inputs, of the same kind (see
@@ -191,14 +191,14 @@ def run_comparison(
     """
     import torch
 
-    from llm_calib.calm.config import METHODS
     from llm_calib.calm.encoding import encode_records
     from llm_calib.calm.lora import detach_lora
     from llm_calib.calm.trainer import CalibrationResult, calibrate
+    from llm_calib.objectives.registry import objective_names
 
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in objective_names()]
     if unknown or not methods:
-        raise ValueError(f"methods must be a non-empty list from {METHODS}, got {list(methods)}")
+        raise ValueError(f"methods must be a non-empty list from {objective_names()}, got {list(methods)}")
     kind = record_kind(train[1], what=train[0])
     record_kind(heldout[1], what=heldout[0], expected=kind)
     if unlabeled is not None:

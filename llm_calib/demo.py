@@ -42,7 +42,7 @@ class DemoSettings:
         solver, adjustment: CALM's solver and λ (see :class:`~llm_calib.calm.config.CalibrationConfig`).
         bome_barrier, bome_eta: BOME's barrier (used with ``solver="bome"``).
         inner_steps, inner_lr: the solver's inner steps and their size (None: the solver's
-            default, see :func:`llm_calib.calm.methods.inner_lr`). The defaults are those of
+            default, see :func:`llm_calib.objectives.calm.inner_lr`). The defaults are those of
             :class:`~llm_calib.calm.config.CalibrationConfig`.
         out: output directory for the report.
         seed: data and training seed.

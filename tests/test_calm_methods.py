@@ -10,10 +10,10 @@ import torch
 
 import hypergrad as hg
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
-from llm_calib.calm.methods import make_solver
 from llm_calib.calm.trainer import calibrate
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.models import tiny_random_model
+from llm_calib.objectives.calm import make_solver
 
 
 def test_make_solver_builds_the_implicit_solver_from_the_config() -> None:

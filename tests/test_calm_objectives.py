@@ -82,7 +82,7 @@ def test_lambda_at_init_gives_plain_cross_entropy(setup):
     batch = enc.batch([0, 1, 2, 3], 0, lm)
     lam0 = {k: v.double() for k, v in adjustment.init().items()}
     g = losses.inner(theta, lam0, batch)
-    plain = losses.baseline("lora_ce", theta, batch)
+    plain = losses.one_level(theta, batch)
     assert g.item() == pytest.approx(plain.item(), abs=1e-12)
 
 

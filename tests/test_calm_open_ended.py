@@ -48,7 +48,7 @@ def setup():
     lm = FunctionalLM(peft_model)
     theta = {k: 0.05 * torch.randn_like(v) for k, v in lm.theta().items()}
     adjustment = LogitAdjustment("vector", lm.head.out_features)
-    losses = CalmLosses(lm, adjustment, label_smoothing=0.2, penalty_beta=0.7)
+    losses = CalmLosses(lm, adjustment)
     records = open_records(3)
     enc = encode_batch_source(tok, records, CalibrationConfig())
     return lm, theta, adjustment, losses, enc, tok
@@ -141,7 +141,7 @@ def test_lambda_at_init_gives_plain_token_cross_entropy(setup):
     ]).mean()
     batch = enc.batch(idx, 0, lm)
     assert float(losses.inner(theta, lam0, batch)) == pytest.approx(float(expected), abs=1e-10)
-    assert float(losses.baseline("lora_ce", theta, batch)) == pytest.approx(float(expected), abs=1e-10)
+    assert float(losses.one_level(theta, batch)) == pytest.approx(float(expected), abs=1e-10)
 
 
 def test_baselines_are_token_level_and_match_a_hand_computation(setup):
@@ -157,8 +157,8 @@ def test_baselines_are_token_level_and_match_a_hand_computation(setup):
         smoothing.append((0.8 * nll + 0.2 * uniform).mean())
         penalty.append((nll - 0.7 * ent).mean())
     batch = enc.batch(idx, 0, lm)
-    assert float(losses.baseline("label_smoothing", theta, batch)) == pytest.approx(float(torch.stack(smoothing).mean()), abs=1e-10)
-    assert float(losses.baseline("confidence_penalty", theta, batch)) == pytest.approx(float(torch.stack(penalty).mean()), abs=1e-10)
+    assert float(losses.one_level(theta, batch, smoothing=0.2)) == pytest.approx(float(torch.stack(smoothing).mean()), abs=1e-10)
+    assert float(losses.one_level(theta, batch, entropy_weight=0.7)) == pytest.approx(float(torch.stack(penalty).mean()), abs=1e-10)
 
 
 def test_outer_is_the_entropy_at_the_first_answer_position_of_the_prompt_alone(setup):

@@ -141,14 +141,14 @@ def test_save_and_load_round_trip(tmp_path, data):
 def test_nan_loss_raises_with_step_and_batch_and_keeps_last_good_checkpoint(tmp_path, data, monkeypatch):
     train, heldout = data
     calls = {"n": 0}
-    real = CalmLosses.baseline
+    real = CalmLosses.one_level
 
-    def poisoned(self, method, theta, batch):  # one call per step: step 5 yields NaN
+    def poisoned(self, theta, batch, *args, **kwargs):  # one call per step: step 5 yields NaN
         calls["n"] += 1
-        loss = real(self, method, theta, batch)
+        loss = real(self, theta, batch, *args, **kwargs)
         return loss * float("nan") if calls["n"] == 5 else loss
 
-    monkeypatch.setattr(CalmLosses, "baseline", poisoned)
+    monkeypatch.setattr(CalmLosses, "one_level", poisoned)
     ckpt = tmp_path / "ckpt"
     model, tok = _model()
     with pytest.raises(TrainingDiverged) as info:

@@ -15,10 +15,10 @@ import torch
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
-from llm_calib.calm.methods import make_solver
 from llm_calib.calm.trainer import calibrate
 from llm_calib.data import load as load_data
 from llm_calib.models import tiny_random_model
+from llm_calib.objectives.calm import make_solver
 from llm_calib.prompts import PromptFormat
 from llm_calib.scoring import score_option_likelihood
 

@@ -287,7 +287,7 @@ def bome_step_breakdown(trainer: Any, state: Any, repeats: int = 2) -> dict[str,
     import torch
 
     import hypergrad as hg
-    from llm_calib.calm.methods import inner_lr
+    from llm_calib.objectives.calm import inner_lr
 
     inner, outer = trainer.train_batch(state.step), trainer.unlabeled_batch(state.step)
     lam, theta = {k: v.detach() for k, v in state.lam.items()}, state.theta
@@ -303,7 +303,7 @@ def bome_step_breakdown(trainer: Any, state: Any, repeats: int = 2) -> dict[str,
         "grad f(w) (held-out batch)": lambda: hg.autodiff.loss_and_grads(
             lambda w, l_: trainer.losses.outer(w, l_, outer), theta, lam),
         "plain LoRA: grad CE(w)": lambda: hg.autodiff.loss_and_grads(
-            lambda w, _l: trainer.losses.baseline("lora_ce", w, inner), theta, {"_": torch.zeros(1)}, wrt_lam=False),
+            lambda w, _l: trainer.losses.one_level(w, inner), theta, {"_": torch.zeros(1)}, wrt_lam=False),
         "whole BOME direction (hypergrad call)": lambda: trainer.solver.hypergrad(
             trainer.problem, theta, lam, inner, outer, state.solver_state),
     }

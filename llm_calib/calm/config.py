@@ -9,6 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from llm_calib.adjustment import ADJUSTMENT_KINDS
+from llm_calib.objectives.registry import (
+    BUILTIN_OBJECTIVES,
+    BUILTIN_SOLVERS,
+    objective_names,
+    solver_names,
+)
 from llm_calib.prompts import PromptFormat, short_answer_format
 
 __all__ = [
@@ -16,12 +22,14 @@ __all__ = [
     "read_config_file",
 ]
 
-METHODS = ("calm", "lora_ce", "label_smoothing", "confidence_penalty")
-"""Training objectives run by the same code path, CALM (bilevel) and the one-level baselines."""
+METHODS = BUILTIN_OBJECTIVES
+"""The built-in training objectives, CALM (bilevel) and the one-level baselines; ``method`` also
+accepts any objective registered with :func:`~llm_calib.objectives.registry.register_objective`."""
 
-SOLVERS = ("bome", "f2sa", "implicit")
-"""Bilevel solvers used by ``method="calm"``: first-order BOME and F2SA, and exact implicit
-differentiation after lower-level steps (see :func:`llm_calib.calm.methods.make_solver`)."""
+SOLVERS = BUILTIN_SOLVERS
+"""The built-in bilevel solvers of ``method="calm"``: first-order BOME and F2SA, and exact implicit
+differentiation after lower-level steps (see :mod:`llm_calib.objectives.calm`); ``solver`` also
+accepts any solver registered with :func:`~llm_calib.objectives.registry.register_solver`."""
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -33,7 +41,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "prompt_style": ("cloze", "listed"),
     "bome_barrier": ("value", "gradient"),
 }
-"""The allowed values of each string field of :class:`CalibrationConfig`."""
+"""The allowed values of each string field of :class:`CalibrationConfig` (``method`` and ``solver``:
+the built-in ones; registered objectives and solvers are accepted too)."""
+
+_REGISTERED = {"method": objective_names, "solver": solver_names}
 
 _FLOAT_FIELDS = (
     "lr", "lam_lr", "bome_eta", "f2sa_sigma", "label_smoothing", "penalty_beta",
@@ -124,8 +135,10 @@ class CalibrationConfig:
     """Everything that defines a calibration run.
 
     Attributes:
-        method: ``"calm"`` (bilevel), or a baseline: ``"lora_ce"`` (plain fine-tuning),
-            ``"label_smoothing"``, ``"confidence_penalty"`` (CE − β·entropy).
+        method: the objective: ``"calm"`` (bilevel), or a baseline: ``"lora_ce"`` (plain
+            fine-tuning), ``"label_smoothing"``, ``"confidence_penalty"`` (CE − β·entropy); or
+            the name of an objective registered with
+            :func:`~llm_calib.objectives.registry.register_objective`.
         solver: ``"bome"`` (default), ``"f2sa"`` or ``"implicit"`` (exact hypergradients after
             lower-level steps, :class:`hypergrad.AlternatingImplicit`) for
             ``method="calm"``.
@@ -152,7 +165,7 @@ class CalibrationConfig:
         inner_steps: BOME's T / F2SA's inner steps / the implicit solver's lower-level steps per step.
         inner_lr: step size of the solver's inner steps: BOME's T plain-SGD steps that define
             the value function, F2SA's T Adam steps of each iterate. None (default): BOME 5e-2,
-            F2SA θ's rate ``lr`` (see :func:`llm_calib.calm.methods.inner_lr`).
+            F2SA θ's rate ``lr`` (see :func:`llm_calib.objectives.calm.inner_lr`).
         bome_eta: BOME's barrier coefficient η (default 2: with the gradient barrier θ's step
             weighs the task loss about as much as the flat confidence penalty does; at 0.5 the
             entropy term dominated and held-out accuracy fell below the guard).
@@ -247,6 +260,8 @@ class CalibrationConfig:
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
         for name, allowed in CHOICES.items():
+            if name in _REGISTERED:
+                allowed = _REGISTERED[name]()
             if (value := getattr(self, name)) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         for name in ("steps", "batch_size", "heldout_batch_size", "inner_steps", "eval_every", "guard_patience", "cg_maxiter"):

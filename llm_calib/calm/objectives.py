@@ -117,8 +117,6 @@ class CalmLosses:
         adjustment: the logit adjustment (λ's shape).
         normalize: ``"sum"`` or ``"mean"`` option scores (multiple choice; open-ended answers
             are always averaged over their tokens).
-        label_smoothing: ε for the label-smoothing baseline.
-        penalty_beta: β for the confidence-penalty baseline.
 
     Example:
         >>> import torch
@@ -141,14 +139,10 @@ class CalmLosses:
         lm: FunctionalLM,
         adjustment: LogitAdjustment,
         normalize: str = "sum",
-        label_smoothing: float = 0.1,
-        penalty_beta: float = 0.5,
     ) -> None:
         self.lm = lm
         self.adjustment = adjustment
         self.normalize = normalize
-        self.label_smoothing = label_smoothing
-        self.penalty_beta = penalty_beta
 
     def _logits(
         self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch, select: Tensor | None = None
@@ -218,18 +212,19 @@ class CalmLosses:
         theta = sync_gradients(theta)
         return global_mean(-self._deployed_entropy(theta, batch).mean())
 
-    def baseline(self, method: str, theta: dict[str, Tensor], batch: Batch) -> Tensor:
-        """One-level training loss of a baseline on the unadjusted model."""
+    def one_level(self, theta: dict[str, Tensor], batch: Batch, smoothing: float = 0.0,
+                  entropy_weight: float = 0.0) -> Tensor:
+        """A one-level training loss on the unadjusted model: cross-entropy with label smoothing
+        ``smoothing``, minus ``entropy_weight`` times the entropy of the same predictions.
+
+        The one-level objectives of :mod:`llm_calib.objectives` are built from it (plain CE, label
+        smoothing; the confidence penalty takes its entropy on the unlabelled batch instead).
+        """
         theta = sync_gradients(theta)
         scores, targets, per_question = self._categorical(theta, None, batch)
-        if method == "lora_ce":
-            loss = cross_entropy(scores, targets)
-        elif method == "label_smoothing":
-            loss = cross_entropy(scores, targets, self.label_smoothing)
-        elif method == "confidence_penalty":
-            loss = cross_entropy(scores, targets) - self.penalty_beta * entropy(scores)
-        else:
-            raise ValueError(f"unknown baseline {method!r}")
+        loss = cross_entropy(scores, targets, smoothing)
+        if entropy_weight:
+            loss = loss - entropy_weight * entropy(scores)
         return global_mean(per_question(loss).mean())
 
     def monitor(self, batch: Batch) -> dict[str, Tensor]:

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 import hypergrad as hg
+import llm_calib.objectives.builtin  # noqa: F401  registers the built-in objectives and solvers
 from llm_calib.calm import sampling
 from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.encoding import EncodedRecords, encode_records
@@ -46,7 +47,6 @@ from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
 from llm_calib.calm.methods import (
     lam_optimizer,
     make_adjustment,
-    make_solver,
     resolve_adjustment,
     theta_optimizer,
 )
@@ -54,6 +54,7 @@ from llm_calib.calm.objectives import Batch, CalmLosses
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
 from llm_calib.metrics import ece as ece_metric
+from llm_calib.objectives.registry import build_objective
 
 __all__ = [
     "MIN_GUARD_QUESTIONS",
@@ -118,10 +119,13 @@ class Trainer:
             same object as ``heldout`` unless other inputs were given.
         pad_id: the tokenizer's padding id.
         theta_optimizer: θ's optimiser for the one-level baselines (:func:`theta_optimizer`).
-        solver: the bilevel solver of CALM (:func:`make_solver`), None for a baseline.
+        solver: the bilevel solver of the objective (CALM's, see
+            :mod:`llm_calib.objectives.calm`), None for a one-level objective.
         problem: ``BilevelProblem(inner=g, outer=f)`` the solver is called on (None for a baseline).
         step_losses: the first value of g and f the solver computed in the current step (recorded
             in the step's history without an extra forward pass).
+        objective: the run's objective (:func:`~llm_calib.objectives.registry.build_objective`);
+            :func:`train_step` calls its ``step``. None: built from ``config`` when first needed.
     """
 
     config: CalibrationConfig
@@ -136,6 +140,11 @@ class Trainer:
     solver: Any | None
     problem: hg.BilevelProblem | None
     step_losses: _FirstValues = field(default_factory=_FirstValues, repr=False)
+    objective: Any = None
+
+    def __post_init__(self) -> None:
+        if self.objective is None:
+            self.objective = build_objective(self.config)
 
     def with_losses(self, losses: CalmLosses) -> Trainer:
         """A copy computing g, f and the baselines with ``losses`` (same model, data and solver):
@@ -285,15 +294,16 @@ def build_trainer(
     lam_kind = resolve_adjustment(config.adjustment, train_enc.layout)
     tokens = {t for src in sources for opts in src.options for o in opts for t in o} if lam_kind == "answer_tokens" else ()
     adjustment = make_adjustment(config, vocab, tokens, train_enc.layout)
-    losses = CalmLosses(lm, adjustment, config.normalize, config.label_smoothing, config.penalty_beta)
+    losses = CalmLosses(lm, adjustment, config.normalize)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     recorder = _FirstValues()
-    solver = make_solver(config) if config.method == "calm" else None
+    objective = build_objective(config)
+    solver = objective.make_solver(config)
     problem = None
     if solver is not None:
         problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner), outer=recorder.wrap("f", losses.outer))
     return Trainer(config, peft_model, lm, losses, train_enc, heldout_enc, unlabeled_enc, pad_id,
-                   theta_optimizer(config), solver, problem, recorder)
+                   theta_optimizer(config), solver, problem, recorder, objective)
 
 
 MIN_GUARD_QUESTIONS = 500
@@ -418,61 +428,14 @@ def parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[
     return out
 
 
-def _calm_step(trainer: Trainer, state: TrainState, inner: Batch) -> dict[str, float]:
-    outer = trainer.unlabeled_batch(state.step)
-    lam_now = {k: v.detach() for k, v in state.lam.items()}
-    trainer.step_losses.reset()
-    r = trainer.solver.hypergrad(trainer.problem, state.theta, lam_now, inner, outer, state.solver_state)
-    state.lam_optimizer.zero_grad(set_to_none=False)
-    for k, p in state.lam.items():
-        p.grad = r.grad[k].detach().clone()
-    state.lam_optimizer.step()
-    trainer.adjustment.clamp_(state.lam)
-    seen = trainer.step_losses.values
-    record = {"g": seen["g"]}
-    if trainer.config.solver == "bome":  # BOME evaluates f once, at the step's θ
-        record["unlabeled_entropy"] = -seen["f"]
-    else:  # F2SA evaluates f at its penalised iterate only; score the step's θ (no grad)
-        with torch.no_grad():
-            record["unlabeled_entropy"] = -float(trainer.losses.outer(state.theta, lam_now, outer))
-    state.theta, state.solver_state = r.w, r.state
-    record.update({k: float(v) for k, v in r.info.extra.items() if isinstance(v, (int, float))})
-    return record
-
-
-def _baseline_step(trainer: Trainer, state: TrainState, inner: Batch) -> dict[str, float]:
-    cfg, losses = trainer.config, trainer.losses
-    parts: dict[str, Tensor] = {}
-    if cfg.method == "confidence_penalty":
-        # CE on the training batch - β·H on the unlabelled batch CALM's f sees (a fair ablation)
-        outer = trainer.unlabeled_batch(state.step)
-
-        def loss_fn(w: dict[str, Tensor], _lam: Any) -> Tensor:
-            parts["ce"] = losses.baseline("lora_ce", w, inner)
-            parts["f"] = losses.outer(w, None, outer)
-            return parts["ce"] + cfg.penalty_beta * parts["f"]
-    else:
-
-        def loss_fn(w: dict[str, Tensor], _lam: Any) -> Tensor:
-            return losses.baseline(cfg.method, w, inner)
-
-    loss, grad, _ = hg.autodiff.loss_and_grads(loss_fn, state.theta, {"_": torch.zeros(1)}, wrt_lam=False,
-                                               what=f"{cfg.method} loss")
-    with torch.no_grad():
-        theta, state.theta_opt_state = trainer.theta_optimizer.update(state.theta, grad, state.theta_opt_state)
-    state.theta = {k: v.detach() for k, v in theta.items()}
-    record = {"loss": float(loss)}
-    if parts:
-        record.update({"ce": float(parts["ce"].detach()), "unlabeled_entropy": -float(parts["f"].detach())})
-    return record
-
-
 def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
-    """Take step ``state.step + 1`` of the configured method; update ``state`` in place.
+    """Take step ``state.step + 1`` of the run's objective (``trainer.objective.step``); update
+    ``state`` in place.
 
-    CALM: the solver's joint step of θ and the λ-direction, then one Adam step of λ projected
-    onto its bounds. Baselines: one Adam step of θ on the one-level loss (the confidence
-    penalty's entropy term on the unlabelled batch).
+    CALM (:class:`~llm_calib.objectives.calm.Calm`): the solver's joint step of θ and the
+    λ-direction, then one Adam step of λ projected onto its bounds. One-level objectives
+    (:class:`~llm_calib.objectives.one_level.OneLevelObjective`): one Adam step of θ on their loss
+    (the confidence penalty's entropy term on the unlabelled batch).
 
     Returns:
         The step's record: ``step`` (1-based), for CALM ``g`` (adjusted cross-entropy of the
@@ -486,10 +449,10 @@ def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
         TrainingDiverged: a loss or update is NaN/inf (names the step and the batch).
     """
     inner = trainer.train_batch(state.step)
-    calm = trainer.config.method == "calm"
+    objective = trainer.objective
     try:
         with trainer.lm.train_mode():
-            record = _calm_step(trainer, state, inner) if calm else _baseline_step(trainer, state, inner)
+            record = objective.step(trainer, state, inner)
         hg.tree.check_finite(state.theta, "updated LoRA parameters")
     except (hg.NonFiniteError, FloatingPointError) as err:
         raise TrainingDiverged(
@@ -497,7 +460,8 @@ def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
             "No checkpoint was written for this step; lower the learning rates or check the data."
         ) from err
     state.step += 1
-    return {"step": state.step, **record, **parameter_summary(state.theta, state.lam if calm else {})}
+    return {"step": state.step, **record,
+            **parameter_summary(state.theta, state.lam if objective.trains_adjustment else {})}
 
 
 def evaluation_due(config: CalibrationConfig, step: int) -> bool:

@@ -1,0 +1,68 @@
+"""``confidence_penalty``: CE on the training batch minus β times the entropy on the unlabelled batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from llm_calib.objectives.one_level import OneLevelObjective
+from llm_calib.objectives.registry import register_objective
+
+if TYPE_CHECKING:
+    from llm_calib.calm.config import CalibrationConfig
+    from llm_calib.calm.objectives import Batch
+    from llm_calib.calm.training import Trainer, TrainState
+
+__all__ = ["ConfidencePenalty"]
+
+
+@register_objective("confidence_penalty")
+@dataclass
+class ConfidencePenalty(OneLevelObjective):
+    """The flat confidence penalty ``CE − β·H``: CE on the training batch, H the deployed model's
+    mean entropy on the batch of unlabelled inputs CALM's f sees (a fair one-level ablation of CALM).
+
+    The step's record adds ``ce`` and ``unlabeled_entropy``.
+
+    Attributes:
+        beta: the entropy weight β >= 0 (``CalibrationConfig.penalty_beta``).
+
+    Example:
+        >>> ConfidencePenalty(beta=0.3)
+        ConfidencePenalty(beta=0.3)
+        >>> ConfidencePenalty(beta=-1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: confidence_penalty.beta must be a number >= 0, got -1.0
+    """
+
+    beta: float = 0.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not self.beta >= 0:
+            raise ValueError(f"confidence_penalty.beta must be a number >= 0, got {self.beta!r}")
+        self.beta = float(self.beta)
+
+    @classmethod
+    def from_config(cls, config: CalibrationConfig) -> ConfidencePenalty:
+        """β from ``config.penalty_beta``."""
+        return cls(beta=config.penalty_beta)
+
+    def loss_fn(self, trainer: Trainer, state: TrainState, inner: Batch,
+                parts: dict[str, Tensor]) -> Callable[[dict[str, Tensor]], Tensor]:
+        """CE of ``inner`` plus β times f (minus the entropy) of this step's unlabelled batch."""
+        outer = trainer.unlabeled_batch(state.step)
+
+        def loss(theta: dict[str, Tensor]) -> Tensor:
+            parts["ce"] = trainer.losses.one_level(theta, inner)
+            parts["f"] = trainer.losses.outer(theta, None, outer)
+            return parts["ce"] + self.beta * parts["f"]
+
+        return loss
+
+    def record(self, parts: dict[str, Tensor]) -> dict[str, float]:
+        """``ce`` and ``unlabeled_entropy`` (−f) at the step's θ."""
+        return {"ce": float(parts["ce"].detach()), "unlabeled_entropy": -float(parts["f"].detach())}

@@ -1,0 +1,183 @@
+"""The registry of training objectives and of CALM's bilevel solvers, by name.
+
+A new objective is one module: a class derived from :class:`~llm_calib.objectives.base.Objective`
+decorated with :func:`register_objective`; ``CalibrationConfig(method=<name>)``, config files
+and ``llm-calib calibrate --methods <name>`` then reach it, with no edit elsewhere. Solvers of
+:class:`~llm_calib.objectives.calm.Calm` register the same way with :func:`register_solver`.
+
+The built-in names are known before their modules are imported (:data:`BUILTIN_OBJECTIVES`,
+:data:`BUILTIN_SOLVERS`), so that a configuration can be validated without loading the training
+code; their classes register when :mod:`llm_calib.objectives.builtin` is imported (the training
+loop imports it). This module imports no other module of the project.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = [
+    "BUILTIN_OBJECTIVES",
+    "BUILTIN_SOLVERS",
+    "build_objective",
+    "objective_class",
+    "objective_names",
+    "register_objective",
+    "register_solver",
+    "solver_class",
+    "solver_names",
+    "unregister_objective",
+    "unregister_solver",
+]
+
+BUILTIN_OBJECTIVES = ("calm", "lora_ce", "label_smoothing", "confidence_penalty")
+"""The objectives shipped with llm_calib: CALM (bilevel) and the one-level baselines."""
+
+BUILTIN_SOLVERS = ("bome", "f2sa", "implicit")
+"""CALM's shipped bilevel solvers: first-order BOME and F2SA, and exact implicit differentiation
+after lower-level steps (see :mod:`llm_calib.objectives.calm`)."""
+
+_OBJECTIVES: dict[str, type] = {}
+_SOLVERS: dict[str, type] = {}
+
+T = TypeVar("T", bound=type)
+
+
+def _register(table: dict[str, type], kind: str, name: str) -> Callable[[T], T]:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"{kind} name must be a Python identifier (it is a config value and a flag value), got {name!r}")
+
+    def decorate(cls: T) -> T:
+        if name in table and table[name] is not cls:
+            raise ValueError(f"{kind} {name!r} is already registered (by {table[name].__qualname__}); "
+                             f"unregister it first or choose another name")
+        cls.name = name
+        table[name] = cls
+        return cls
+
+    return decorate
+
+
+def register_objective(name: str) -> Callable[[T], T]:
+    """Class decorator: register an :class:`~llm_calib.objectives.base.Objective` under ``name``
+    (also set as its ``name`` attribute).
+
+    Raises:
+        ValueError: ``name`` is not an identifier, or another class holds it.
+
+    Example:
+        >>> from llm_calib.objectives.base import Objective
+        >>> @register_objective("doc_example")
+        ... class DocExample(Objective):
+        ...     pass
+        >>> objective_class("doc_example") is DocExample, "doc_example" in objective_names()
+        (True, True)
+        >>> unregister_objective("doc_example")
+    """
+    return _register(_OBJECTIVES, "objective", name)
+
+
+def register_solver(name: str) -> Callable[[T], T]:
+    """Class decorator: register a solver config of :class:`~llm_calib.objectives.calm.Calm`
+    under ``name`` (see :class:`~llm_calib.objectives.calm.CalmSolver` for what it provides).
+
+    Example:
+        >>> @register_solver("doc_solver")
+        ... class DocSolver:
+        ...     pass
+        >>> solver_class("doc_solver").name
+        'doc_solver'
+        >>> unregister_solver("doc_solver")
+    """
+    return _register(_SOLVERS, "solver", name)
+
+
+def unregister_objective(name: str) -> None:
+    """Remove a registered objective (tests that register their own clean up with this).
+
+    Raises:
+        ValueError: a built-in objective (they cannot be removed) or an unknown name.
+    """
+    _unregister(_OBJECTIVES, BUILTIN_OBJECTIVES, "objective", name)
+
+
+def unregister_solver(name: str) -> None:
+    """Remove a registered solver (see :func:`unregister_objective`)."""
+    _unregister(_SOLVERS, BUILTIN_SOLVERS, "solver", name)
+
+
+def _unregister(table: dict[str, type], builtin: tuple[str, ...], kind: str, name: str) -> None:
+    if name in builtin:
+        raise ValueError(f"the built-in {kind} {name!r} cannot be unregistered")
+    if name not in table:
+        raise ValueError(f"no {kind} {name!r} is registered")
+    del table[name]
+
+
+def objective_names() -> tuple[str, ...]:
+    """The built-in objectives, then the registered others in registration order.
+
+    Example:
+        >>> objective_names()[:2]
+        ('calm', 'lora_ce')
+    """
+    return tuple(dict.fromkeys(BUILTIN_OBJECTIVES + tuple(_OBJECTIVES)))
+
+
+def solver_names() -> tuple[str, ...]:
+    """The built-in solvers, then the registered others.
+
+    Example:
+        >>> solver_names()[:3]
+        ('bome', 'f2sa', 'implicit')
+    """
+    return tuple(dict.fromkeys(BUILTIN_SOLVERS + tuple(_SOLVERS)))
+
+
+def _lookup(table: dict[str, type], names: tuple[str, ...], field: str, name: str) -> type:
+    if name in table:
+        return table[name]
+    if name in names:  # a built-in whose module is not imported yet
+        raise ValueError(f"{field} {name!r} is built in but not loaded: import llm_calib.objectives.builtin first")
+    raise ValueError(f"{field} must be one of {names}, got {name!r}")
+
+
+def objective_class(name: str) -> type:
+    """The objective class registered as ``name``.
+
+    Raises:
+        ValueError: an unknown name (names the registered ones).
+
+    Example:
+        >>> import llm_calib.objectives.builtin
+        >>> objective_class("label_smoothing").__name__
+        'LabelSmoothing'
+    """
+    return _lookup(_OBJECTIVES, objective_names(), "method", name)
+
+
+def solver_class(name: str) -> type:
+    """The solver config class registered as ``name``.
+
+    Raises:
+        ValueError: an unknown name (names the registered ones).
+
+    Example:
+        >>> import llm_calib.objectives.builtin
+        >>> solver_class("f2sa").__name__
+        'F2SA'
+    """
+    return _lookup(_SOLVERS, solver_names(), "solver", name)
+
+
+def build_objective(config: Any) -> Any:
+    """The objective of a run: the class registered as ``config.method``, built by its
+    ``from_config(config)``.
+
+    Example:
+        >>> import llm_calib.objectives.builtin
+        >>> from llm_calib.calm.config import CalibrationConfig
+        >>> build_objective(CalibrationConfig(method="confidence_penalty", penalty_beta=0.3))
+        ConfidencePenalty(beta=0.3)
+    """
+    return objective_class(config.method).from_config(config)
