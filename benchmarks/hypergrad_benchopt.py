@@ -424,7 +424,9 @@ def build_instance(bench: Benchmark, params: dict[str, Any]) -> Instance:
         data = dataset.get_data()
         from benchmark_utils.gen_matrices import gen_matrices
 
-        p = dataset._parameters
+        names = ("random_state", "n_samples_inner", "n_samples_outer", "dim_inner", "dim_outer", "L_inner_inner",
+                 "L_outer_inner", "L_cross_inner", "L_inner_outer", "L_outer_outer", "L_cross_outer", "mu_inner")
+        p = {name: getattr(dataset, name) for name in names}  # benchopt sets the parameters as attributes
         keys = jax.random.split(jax.random.PRNGKey(p["random_state"]), 2)
         inner = gen_matrices(p["n_samples_inner"], p["dim_inner"], p["dim_outer"], p["L_inner_inner"],
                              p["L_outer_inner"], p["L_cross_inner"], p["mu_inner"], keys[0])

@@ -205,8 +205,9 @@ def test_report_renders_tables_and_targets(hb) -> None:
 def test_with_compile_only_where_the_method_has_it(hb) -> None:
     assert hb.with_compile(hg.Implicit, True).compile is True
     assert hb.with_compile(hg.Implicit, False).compile is False
-    soba = hb.with_compile(hg.SOBA, True, step_size=0.1)  # SOBA has no compile field: left out
-    assert not hasattr(soba, "compile") and soba.step_size == 0.1
+    assert hb.with_compile(hg.SOBA, True, step_size=0.1).compile is True
+    fd = hb.with_compile(hg.FiniteDifference, True, eps=0.1)  # no compile field: left out
+    assert not hasattr(fd, "compile") and fd.eps == 0.1
 
 
 def test_batch_stream_covers_each_epoch_once(hb) -> None:
