@@ -415,30 +415,37 @@ def build_instance(bench: Benchmark, params: dict[str, Any]) -> Instance:
     call, in ``__cache__`` of the checkout, as benchopt does). ``check_same_instance`` then
     compares the two.
     """
-    import jax
-
     cwd = os.getcwd()
     os.chdir(bench.dir)  # gen_matrices caches under ./__cache__ (ignored by the benchmark's .gitignore)
     try:
         dataset = bench.simulated.Dataset.get_instance(**params)
         data = dataset.get_data()
-        from benchmark_utils.gen_matrices import gen_matrices
-
-        names = ("random_state", "n_samples_inner", "n_samples_outer", "dim_inner", "dim_outer", "L_inner_inner",
-                 "L_outer_inner", "L_cross_inner", "L_inner_outer", "L_outer_outer", "L_cross_outer", "mu_inner")
-        p = {name: getattr(dataset, name) for name in names}  # benchopt sets the parameters as attributes
-        keys = jax.random.split(jax.random.PRNGKey(p["random_state"]), 2)
-        inner = gen_matrices(p["n_samples_inner"], p["dim_inner"], p["dim_outer"], p["L_inner_inner"],
-                             p["L_outer_inner"], p["L_cross_inner"], p["mu_inner"], keys[0])
-        outer = gen_matrices(p["n_samples_outer"], p["dim_inner"], p["dim_outer"], p["L_inner_outer"],
-                             p["L_outer_outer"], p["L_cross_outer"], p["mu_inner"], keys[1])
+        p, inner, outer = generator_samples(dataset)
     finally:
         os.chdir(cwd)
     objective = bench.objective.Objective.get_instance()
     objective.set_data(**data)
-    return Instance(dict(p), data, objective.get_objective(),
-                    tuple(np.array(a, dtype=np.float32) for a in inner),
-                    tuple(np.array(a, dtype=np.float32) for a in outer))
+    return Instance(p, data, objective.get_objective(), inner, outer)
+
+
+def generator_samples(dataset: Any) -> tuple[dict[str, Any], tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """The simulated ``dataset``'s parameters and its per-sample arrays (inner, outer; float32, order
+    ``SAMPLE_FIELDS``), from the benchmark's ``gen_matrices`` with the arguments and keys its
+    ``get_data`` uses. Call it with the checkout as the working directory and on ``sys.path``.
+    """
+    import jax
+    from benchmark_utils.gen_matrices import gen_matrices
+
+    names = ("random_state", "n_samples_inner", "n_samples_outer", "dim_inner", "dim_outer", "L_inner_inner",
+             "L_outer_inner", "L_cross_inner", "L_inner_outer", "L_outer_outer", "L_cross_outer", "mu_inner")
+    p = {name: getattr(dataset, name) for name in names}  # benchopt sets the parameters as attributes
+    keys = jax.random.split(jax.random.PRNGKey(p["random_state"]), 2)
+    inner = gen_matrices(p["n_samples_inner"], p["dim_inner"], p["dim_outer"], p["L_inner_inner"],
+                         p["L_outer_inner"], p["L_cross_inner"], p["mu_inner"], keys[0])
+    outer = gen_matrices(p["n_samples_outer"], p["dim_inner"], p["dim_outer"], p["L_inner_outer"],
+                         p["L_outer_outer"], p["L_cross_outer"], p["mu_inner"], keys[1])
+    as32 = lambda arrays: tuple(np.array(a, dtype=np.float32) for a in arrays)  # noqa: E731
+    return p, as32(inner), as32(outer)
 
 
 def quadratic_loss(w: dict[str, Any], lam: dict[str, Any], batch: tuple[Any, ...]) -> Any:

@@ -50,6 +50,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 import torch
+from hypergrad_benchopt import generator_samples
 
 import hypergrad as hg
 
@@ -78,28 +79,16 @@ def _module(path: Path, name: str) -> Any:
 
 def load_instance(path: Path) -> tuple[dict[str, Any], tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """The simulated dataset's ``get_data()`` and the per-sample arrays (inner, outer) of its generator."""
-    import jax
-
     sys.path.insert(0, str(path))
     cwd = os.getcwd()
     os.chdir(path)  # gen_matrices caches with joblib under the checkout
     try:
         dataset = _module(path / "datasets/simulated.py", "bb_simulated").Dataset.get_instance()
         data = dataset.get_data()
-        from benchmark_utils.gen_matrices import gen_matrices
-
-        names = ("random_state", "n_samples_inner", "n_samples_outer", "dim_inner", "dim_outer", "L_inner_inner",
-                 "L_outer_inner", "L_cross_inner", "L_inner_outer", "L_outer_outer", "L_cross_outer", "mu_inner")
-        p = {name: getattr(dataset, name) for name in names}  # benchopt sets the parameters as attributes
-        keys = jax.random.split(jax.random.PRNGKey(p["random_state"]), 2)
-        inner = gen_matrices(p["n_samples_inner"], p["dim_inner"], p["dim_outer"], p["L_inner_inner"],
-                             p["L_outer_inner"], p["L_cross_inner"], p["mu_inner"], keys[0])
-        outer = gen_matrices(p["n_samples_outer"], p["dim_inner"], p["dim_outer"], p["L_inner_outer"],
-                             p["L_outer_outer"], p["L_cross_outer"], p["mu_inner"], keys[1])
+        _, inner, outer = generator_samples(dataset)
     finally:
         os.chdir(cwd)
-    as32 = lambda arrays: tuple(np.array(a, dtype=np.float32) for a in arrays)  # noqa: E731
-    return data, as32(inner), as32(outer)
+    return data, inner, outer
 
 
 def quadratic(w: dict[str, torch.Tensor], lam: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
