@@ -27,7 +27,7 @@ is the identity.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +35,49 @@ from torch import Tensor
 
 __all__ = ["ADJUSTMENT_KINDS", "OPTION_KINDS", "TOKEN_KINDS", "LogitAdjustment"]
 
-TOKEN_KINDS = ("vector", "temperature", "answer_tokens")
+
+@dataclass(frozen=True)
+class _Variant:
+    """What one kind of adjustment is: where it acts, the shapes of its parameters, its map.
+
+    ``sizes(vocab_size, n_tokens)`` gives each parameter's length; ``transform(x, lam, extra)``
+    adjusts logits (token kinds; ``extra`` is the index of the adjusted tokens or None) or option
+    scores (option kinds; ``extra`` is the option lengths).
+    """
+
+    on_options: bool
+    sizes: Callable[[int, int], dict[str, int]]
+    transform: Callable[[Tensor, dict[str, Tensor], Tensor | None], Tensor]
+
+
+def _scale(x: Tensor, lam: dict[str, Tensor]) -> Tensor:
+    return x * torch.exp(lam["log_a"]).to(x.dtype)
+
+
+def _affine(x: Tensor, lam: dict[str, Tensor], _: Tensor | None) -> Tensor:
+    return _scale(x, lam) + lam["b"].to(x.dtype)
+
+
+def _affine_on(x: Tensor, lam: dict[str, Tensor], index: Tensor | None) -> Tensor:
+    return x.index_copy(-1, index, _affine(x.index_select(-1, index), lam, None))
+
+
+def _with_length(x: Tensor, lam: dict[str, Tensor], lengths: Tensor | None) -> Tensor:
+    return _scale(x, lam) + lam["length"].to(x.dtype) * lengths.to(x.dtype)
+
+
+_VARIANTS: dict[str, _Variant] = {
+    "vector": _Variant(False, lambda v, n: {"log_a": v, "b": v}, _affine),
+    "temperature": _Variant(False, lambda v, n: {"log_a": 1}, lambda x, lam, _: _scale(x, lam)),
+    "answer_tokens": _Variant(False, lambda v, n: {"log_a": n, "b": n}, _affine_on),
+    "option_temperature": _Variant(True, lambda v, n: {"log_a": 1}, lambda x, lam, _: _scale(x, lam)),
+    "option_length": _Variant(True, lambda v, n: {"log_a": 1, "length": 1}, _with_length),
+}
+
+TOKEN_KINDS = tuple(k for k, v in _VARIANTS.items() if not v.on_options)
 """Adjustments of the vocabulary logits."""
 
-OPTION_KINDS = ("option_temperature", "option_length")
+OPTION_KINDS = tuple(k for k, v in _VARIANTS.items() if v.on_options)
 """Adjustments of the option scores (multiple choice, option-likelihood scorer)."""
 
 ADJUSTMENT_KINDS = TOKEN_KINDS + OPTION_KINDS
@@ -49,12 +88,15 @@ ADJUSTMENT_KINDS = TOKEN_KINDS + OPTION_KINDS
 class LogitAdjustment:
     """The shape, bounds and application of the logit adjustment λ.
 
+    Each kind is one entry of a table (where it acts, its parameters, its map), so the methods
+    below never branch on the kind.
+
     Args:
-        kind: one of ``"vector"``, ``"temperature"``, ``"answer_tokens"``.
+        kind: one of :data:`ADJUSTMENT_KINDS`.
         vocab_size: size of the model's vocabulary (the last dimension of the logits).
         token_ids: the adjusted token ids for ``kind="answer_tokens"``.
         max_log_scale: bound on ``|log_a|`` (a guard against degenerate solutions).
-        max_bias: bound on ``|b|``.
+        max_bias: bound on ``|b|`` and ``|c|``.
 
     Example:
         >>> import torch
@@ -80,23 +122,28 @@ class LogitAdjustment:
     max_bias: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ADJUSTMENT_KINDS:
+        variant = _VARIANTS.get(self.kind)
+        if variant is None:
             raise ValueError(f"adjustment kind must be one of {ADJUSTMENT_KINDS}, got {self.kind!r}")
+        object.__setattr__(self, "_variant", variant)  # frozen dataclass: set once, here
         if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive int, got {self.vocab_size!r}")
-        if self.kind == "answer_tokens":
-            if not self.token_ids:
-                raise ValueError("kind='answer_tokens' needs a non-empty token_ids")
+        if self.token_ids is not None:
             bad = [t for t in self.token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"token_ids {bad[:5]} are outside [0, vocab_size={self.vocab_size})")
+        if not all(self._sizes().values()):
+            raise ValueError(f"kind={self.kind!r} needs a non-empty token_ids")
         if not self.max_log_scale > 0 or not self.max_bias >= 0:
             raise ValueError("max_log_scale must be > 0 and max_bias >= 0")
+
+    def _sizes(self) -> dict[str, int]:
+        return self._variant.sizes(self.vocab_size, len(self.token_ids or ()))
 
     @property
     def acts_on_options(self) -> bool:
         """True for the option-level kinds (:data:`OPTION_KINDS`)."""
-        return self.kind in OPTION_KINDS
+        return self._variant.on_options
 
     @classmethod
     def for_tokens(cls, token_ids: Sequence[int], vocab_size: int, **kwargs: float) -> LogitAdjustment:
@@ -104,13 +151,8 @@ class LogitAdjustment:
         return cls("answer_tokens", vocab_size, tuple(sorted({int(t) for t in token_ids})), **kwargs)
 
     def init(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict[str, Tensor]:
-        """Return λ at the identity: ``log_a = 0``, ``b = 0``."""
-        if self.kind in ("temperature", "option_temperature"):
-            return {"log_a": torch.zeros(1, dtype=dtype, device=device)}
-        if self.kind == "option_length":
-            return {"log_a": torch.zeros(1, dtype=dtype, device=device), "length": torch.zeros(1, dtype=dtype, device=device)}
-        n = self.vocab_size if self.kind == "vector" else len(self.token_ids or ())
-        return {"log_a": torch.zeros(n, dtype=dtype, device=device), "b": torch.zeros(n, dtype=dtype, device=device)}
+        """Return λ at the identity: every parameter 0 (``log_a = 0``, ``b = 0``, ``c = 0``)."""
+        return {name: torch.zeros(n, dtype=dtype, device=device) for name, n in self._sizes().items()}
 
     def clamp_(self, lam: dict[str, Tensor]) -> None:
         """Project λ in place onto ``|log_a| <= max_log_scale`` and ``|b|, |c| <= max_bias``."""
@@ -131,15 +173,8 @@ class LogitAdjustment:
             raise ValueError(f"adjustment {self.kind!r} acts on option scores: use apply_options")
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} entries in the last dim, expected vocab_size={self.vocab_size}")
-        scale = torch.exp(lam["log_a"]).to(logits.dtype)
-        if self.kind == "temperature":
-            return logits * scale
-        bias = lam["b"].to(logits.dtype)
-        if self.kind == "vector":
-            return logits * scale + bias
-        index = torch.tensor(self.token_ids, device=logits.device)
-        selected = logits.index_select(-1, index) * scale + bias
-        return logits.index_copy(-1, index, selected)
+        index = None if self.token_ids is None else torch.tensor(self.token_ids, device=logits.device)
+        return self._variant.transform(logits, lam, index)
 
     def apply_options(self, scores: Tensor, lengths: Tensor, lam: dict[str, Tensor]) -> Tensor:
         """Return adjusted option scores ``(B, K)``; padded options (``-inf``) stay ``-inf``.
@@ -157,8 +192,5 @@ class LogitAdjustment:
         if scores.shape != lengths.shape:
             raise ValueError(f"scores {tuple(scores.shape)} and lengths {tuple(lengths.shape)} differ in shape")
         valid = torch.isfinite(scores)
-        safe = torch.where(valid, scores, torch.zeros_like(scores))
-        out = safe * torch.exp(lam["log_a"]).to(scores.dtype)
-        if "length" in lam:
-            out = out + lam["length"].to(scores.dtype) * lengths.to(scores.dtype)
+        out = self._variant.transform(torch.where(valid, scores, torch.zeros_like(scores)), lam, lengths)
         return torch.where(valid, out, torch.full_like(out, float("-inf")))
