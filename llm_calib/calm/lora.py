@@ -13,8 +13,13 @@ import torch
 from torch import Tensor
 
 from llm_calib.calm.config import LoraSettings
+from llm_calib.engine.packing import (
+    PackedQuestions,
+    accepts_packed_masks,
+    causal_additive_mask,
+    option_sequences,
+)
 from llm_calib.models import lm_head_logits, split_decoder_head
-from llm_calib.scoring.packing import PackedQuestions, accepts_packed_masks, option_sequences
 
 __all__ = [
     "OUTPUT_LOG_SCALE",
@@ -314,7 +319,9 @@ class FunctionalLM:
         device = self.device
         pos = packed.position_ids.to(device)
         if self._four_d_masks or packed.attention_mask.dim() == 4:
-            mask = _four_d_additive(packed, self.dtype).to(device)
+            mask = packed.attention_mask
+            mask = packed.additive_mask(self.dtype) if mask.dim() == 4 else causal_additive_mask(mask, self.dtype)
+            mask = mask.to(device)
         else:  # flash-style kernels take the 2-D padding mask
             mask = packed.attention_mask.to(device)
         kwargs = {"attention_mask": mask, "position_ids": pos,
@@ -463,17 +470,6 @@ class FunctionalLM:
         if select is not None:
             hidden = hidden[select.to(hidden.device)]
         return lm_head_logits(self.base, self.head, hidden)
-
-
-def _four_d_additive(packed: PackedQuestions, dtype: torch.dtype) -> Tensor:
-    if packed.attention_mask.dim() == 4:
-        return packed.additive_mask(dtype)
-    keys = packed.attention_mask.bool()
-    L = keys.shape[1]
-    allowed = torch.ones(L, L, dtype=torch.bool).tril()[None] & keys[:, None, :]
-    allowed |= torch.eye(L, dtype=torch.bool)[None]
-    out = torch.zeros((keys.shape[0], 1, L, L), dtype=dtype)
-    return out.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
 
 
 @contextlib.contextmanager
