@@ -10,13 +10,14 @@ predictions, and each adapted model then runs only its top layers:
   (an adapted model's option scores from that trunk);
 * both at once, over named record sets: :class:`SharedTrunkEval` (``base`` once, then ``adapted``
   per trained model), with :func:`fill_trunk_caches` for the training encodings;
-* open questions: :class:`TrunkGenerator`, KV-cached greedy decoding with the stopping rule and
-  answer bookkeeping of :func:`~llm_calib.scoring.open_ended.generate_greedy`; its base pass keeps,
-  per prompt batch, the trunk and the bottom layers' key/value cache, so an adapted model's answer
-  runs its top layers over the prompt and decodes on. It can also record each answer token's
-  probability on a grid of temperatures (for temperature scaling of open answers, fitted with
-  :func:`fit_open_temperature`; :func:`open_ended_set` turns answers into an
-  :class:`~llm_calib.scoring.open_ended.OpenEndedSet`).
+* open questions: the engine's :class:`~llm_calib.engine.decode.TrunkGenerator` (the one greedy
+  decoder, :func:`~llm_calib.engine.decode.greedy_loop`, with the trunk kept per prompt batch),
+  which can also record each answer token's probability on a grid of temperatures (for
+  temperature scaling of open answers, fitted with :func:`fit_open_temperature`;
+  :func:`open_ended_set` turns answers into an :class:`~llm_calib.scoring.open_ended.OpenEndedSet`).
+
+The forward passes are the scoring engine's (:mod:`llm_calib.engine`); ``GenBatch``, ``GenOut``,
+``TrunkGenerator``, ``length_batches`` and ``capture_layer_input`` are re-exported from it.
 
 Both give the numbers of the plain scorers on the merged model (to float rounding); the tests
 compare them with :func:`~llm_calib.scoring.option_likelihood.score_option_likelihood` and
