@@ -37,9 +37,9 @@ from llm_calib.calm.config import CalibrationConfig, LoraSettings, open_prompt_f
 from llm_calib.calm.encoding import TRUNK_CHUNK, EncodedRecords, encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.data.records import OpenQA, record_kind
-from llm_calib.engine.decode import GenBatch, GenOut, TrunkGenerator, length_batches
+from llm_calib.engine.decode import GenBatch, GenOut, TrunkGenerator
 from llm_calib.engine.options import capture_layer_input, forward_rows
-from llm_calib.engine.packing import option_scores_from_logits
+from llm_calib.engine.packing import length_batches, option_scores_from_logits
 from llm_calib.models import lm_head_logits, split_decoder_head
 from llm_calib.scoring.base import ScoredSet
 from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts

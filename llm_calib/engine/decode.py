@@ -18,7 +18,7 @@ dropped, text before a newline inside it is kept).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from llm_calib.engine.options import capture_layer_input
-from llm_calib.engine.packing import causal_additive_mask
+from llm_calib.engine.packing import causal_additive_mask, length_batches
 from llm_calib.models import lm_head_logits, split_decoder_head
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "finish_answer",
     "generate_greedy",
     "greedy_loop",
-    "length_batches",
 ]
 
 
@@ -328,18 +327,6 @@ def generate_greedy(
         outs = greedy_loop(step, forward(ids.to(device)), tokenizer, eos, max_new_tokens=max_new_tokens,
                            stop_at_newline=stop_at_newline)
     return [ans for ans, _ in outs]
-
-
-def length_batches(lengths: Sequence[int], size: int) -> Iterator[list[int]]:
-    """Indices in order of increasing length, in batches of ``size`` (little padding per batch).
-
-    Example:
-        >>> list(length_batches([5, 1, 3], 2))
-        [[1, 2], [0]]
-    """
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    for start in range(0, len(order), size):
-        yield order[start : start + size]
 
 
 @dataclass

@@ -14,7 +14,7 @@ single "option" is the answer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -28,6 +28,7 @@ __all__ = [
     "accepts_packed_masks",
     "causal_additive_mask",
     "gather_token_logprobs",
+    "length_batches",
     "option_scores_from_logits",
     "option_sequences",
     "pack_continuations",
@@ -99,6 +100,18 @@ class PackedQuestions:
             raise ValueError("additive_mask needs the 4-D packed mask")
         out = torch.zeros(self.attention_mask.shape, dtype=dtype)
         return out.masked_fill_(~self.attention_mask, torch.finfo(dtype).min)
+
+
+def length_batches(lengths: Sequence[int], size: int) -> Iterator[list[int]]:
+    """Indices in order of increasing length, in batches of ``size`` (little padding per batch).
+
+    Example:
+        >>> list(length_batches([5, 1, 3], 2))
+        [[1, 2], [0]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    for start in range(0, len(order), size):
+        yield order[start : start + size]
 
 
 def causal_additive_mask(attention_mask: Tensor, dtype: torch.dtype) -> Tensor:

@@ -14,7 +14,7 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import target_logprobs
-from llm_calib.engine.packing import pack_letters
+from llm_calib.engine.packing import length_batches, pack_letters
 from llm_calib.prompts import PromptFormat, option_letters, record_prompt, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, check_records, encode_prompt, progress_bar
 
@@ -111,13 +111,11 @@ def score_letter(
     texts = [record_prompt(tokenizer, r, fmt) for r in records]
     prompts = [encode_prompt(tokenizer, t, chat=chat) for t in texts]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    order = sorted(range(len(records)), key=lambda i: len(prompts[i]))
     scores: list[torch.Tensor | None] = [None] * len(records)
     mass: list[float] = [0.0] * len(records)
     bar = progress_bar(total=len(records), desc="letter", enabled=progress)
     try:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
+        for idx in length_batches([len(p) for p in prompts], batch_size):
             letters = [letter_ids[: len(records[i].options)] for i in idx]
             packed = pack_letters([prompts[i] for i in idx], letters, pad_id)
             with torch.inference_mode():

@@ -19,6 +19,7 @@ import numpy as np
 from llm_calib.answers import exact_match, token_f1
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GreedyAnswer, eos_token_ids, finish_answer, generate_greedy
+from llm_calib.engine.packing import length_batches
 from llm_calib.prompts import PromptFormat, record_prompt, uses_chat_template
 from llm_calib.scoring.base import encode_prompt, progress_bar
 
@@ -187,15 +188,11 @@ def score_open_ended(
     fmt = prompt or PromptFormat()
     prompts = encode_open_prompts(tokenizer, records, fmt)
     chat = uses_chat_template(tokenizer, fmt)
-    order = sorted(range(len(records)), key=lambda i: len(prompts[i]))
     answers: list[GreedyAnswer | None] = [None] * len(records)
     bar = progress_bar(total=len(records), desc="open-ended", enabled=progress)
     try:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            outs = generate_greedy(
-                model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens
-            )
+        for idx in length_batches([len(p) for p in prompts], batch_size):
+            outs = generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)
             for i, o in zip(idx, outs, strict=True):
                 answers[i] = o
             bar.update(len(idx))

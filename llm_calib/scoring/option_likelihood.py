@@ -27,7 +27,7 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import forward_rows, target_logprobs
-from llm_calib.engine.packing import accepts_packed_masks, pack_questions
+from llm_calib.engine.packing import accepts_packed_masks, length_batches, pack_questions
 from llm_calib.prompts import (
     PromptFormat,
     option_continuations,
@@ -268,13 +268,11 @@ def score_option_likelihood(
     fmt = prompt or PromptFormat()
     items = encode_questions(tokenizer, records, fmt)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    order = sorted(range(len(items)), key=lambda i: items[i].n_tokens)
     scores: list[torch.Tensor | None] = [None] * len(items)
     details: list[dict[str, Any]] = [{}] * len(items)
     bar = progress_bar(total=len(items), desc="option likelihood", enabled=progress)
     try:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
+        for idx in length_batches([it.n_tokens for it in items], batch_size):
             lps = option_log_likelihoods(
                 model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy
             )
