@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from llm_calib.engine.packing import (
@@ -23,7 +24,7 @@ from llm_calib.engine.packing import (
 )
 from llm_calib.models import lm_head_logits, split_decoder_head
 
-__all__ = ["capture_layer_input", "forward_rows", "target_logprobs"]
+__all__ = ["capture_layer_input", "compute_dtype", "forward_rows", "target_logprobs"]
 
 
 @contextlib.contextmanager
@@ -52,8 +53,25 @@ def capture_layer_input(decoder: Any, index: int) -> Iterator[dict[str, Tensor]]
         handle.remove()
 
 
+def compute_dtype(model: Any) -> torch.dtype:
+    """The compute dtype of a causal LM: that of its input embeddings (quantised weights are
+    stored as integers), else of its first floating-point parameter.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> compute_dtype(tiny_random_model()[0])
+        torch.float32
+    """
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embed, "weight", None)
+    if weight is not None and weight.is_floating_point():
+        return weight.dtype
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
 def forward_rows(
-    model: Any, packed: PackedQuestions, *, trunk_layer: int = 0, packed_masks: bool | None = None
+    model: Any, packed: PackedQuestions, *, trunk_layer: int = 0, packed_masks: bool | None = None,
+    parameters: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Final hidden states at ``packed.rows`` of one decoder pass over a packed batch.
 
@@ -68,6 +86,8 @@ def forward_rows(
         trunk_layer: when > 0, also return the hidden states entering this layer, laid out as
             ``packed.input_ids`` (``(B, L, hidden)``): the trunk cache of fast evaluation.
         packed_masks: whether to use the 4-D mask (default: whether the model accepts it).
+        parameters: decoder parameters to substitute (names relative to the decoder), through
+            :func:`torch.func.functional_call` (the training objectives' θ).
 
     Returns:
         ``(hidden, trunk)``: ``(len(packed.rows), hidden)`` and the trunk (None without ``trunk_layer``).
@@ -89,25 +109,25 @@ def forward_rows(
         packed_masks = accepts_packed_masks(model)
     if packed.attention_mask.dim() == 4 and not packed_masks:
         seq = option_sequences(packed)
-        hidden, trunk = forward_rows(model, seq.packed, trunk_layer=trunk_layer)
+        hidden, trunk = forward_rows(model, seq.packed, trunk_layer=trunk_layer, parameters=parameters)
         if trunk is not None:
             B, L = packed.input_ids.shape
             trunk = trunk.reshape(-1, trunk.shape[-1])[seq.target.to(trunk.device)].reshape(B, L, -1)
         return hidden, trunk
     decoder, _ = split_decoder_head(model)
-    p = next(model.parameters())
+    device = next(decoder.parameters()).device
     mask = packed.attention_mask
-    mask = packed.additive_mask(p.dtype) if mask.dim() == 4 else mask
-    with capture_layer_input(decoder, trunk_layer) as box:
-        out = decoder(
-            input_ids=packed.input_ids.to(p.device),
-            attention_mask=mask.to(p.device),
-            position_ids=packed.position_ids.to(p.device),
-            use_cache=False,
-        )
+    mask = packed.additive_mask(compute_dtype(model)) if mask.dim() == 4 else mask
+    kwargs = {"input_ids": packed.input_ids.to(device), "attention_mask": mask.to(device),
+              "position_ids": packed.position_ids.to(device), "use_cache": False}
+    with capture_layer_input(decoder, trunk_layer) if trunk_layer > 0 else contextlib.nullcontext({}) as box:
+        if parameters is None:
+            out = decoder(**kwargs)
+        else:
+            out = torch.func.functional_call(decoder, parameters, (), kwargs, strict=False)
     hidden = out.last_hidden_state
     trunk = box["hidden"] if trunk_layer > 0 else None
-    return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(p.device)], trunk
+    return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(device)], trunk
 
 
 def target_logprobs(model: Any, packed: PackedQuestions, hidden: Tensor | None = None) -> Tensor:
