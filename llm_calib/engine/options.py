@@ -100,7 +100,7 @@ def forward_rows(
         >>> p = pack_questions([((5, 6), ((7,), (8, 9)))], pad_id=0)
         >>> h, trunk = forward_rows(model, p, trunk_layer=1)
         >>> h.shape[0], trunk.shape[:2]
-        (3, torch.Size([1, 5]))
+        (2, torch.Size([1, 5]))
         >>> h2, _ = forward_rows(model, p, packed_masks=False)   # one sequence per option
         >>> bool(torch.allclose(h, h2, atol=1e-5))
         True
