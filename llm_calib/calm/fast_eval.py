@@ -26,7 +26,7 @@ compare them with :func:`~llm_calib.scoring.option_likelihood.score_option_likel
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.data.records import OpenQA, record_kind
 from llm_calib.engine.decode import GenBatch, GenOut, TrunkGenerator
 from llm_calib.engine.options import capture_layer_input, forward_rows
-from llm_calib.engine.packing import length_batches, option_scores_from_logits
+from llm_calib.engine.packing import PackedQuestions, length_batches, option_scores_from_logits
 from llm_calib.models import lm_head_logits, split_decoder_head
 from llm_calib.scoring.base import ScoredSet
 from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts
@@ -85,20 +85,15 @@ def base_scores(model: Any, enc: EncodedRecords, trunk_layers: int, batch_size: 
         (2, 2)
     """
     _, head = split_decoder_head(model)
-    scores: list[Tensor | None] = [None] * len(enc.records)
-    with torch.inference_mode():
-        for idx in length_batches([enc.length(i) for i in range(len(enc))], batch_size):
-            packed = enc.pack(idx, pad_id)
-            hidden, trunk = forward_rows(model, packed, trunk_layer=trunk_layers)
-            if trunk is not None:
-                for row, i in enumerate(idx):
-                    enc.trunk_cache[i] = trunk[row, : enc.length(i)].clone()
-            s = option_scores_from_logits(lm_head_logits(model, head, hidden), packed, normalize)
-            for row, i in enumerate(idx):
-                scores[i] = s[row, : len(enc.options[i])].double().cpu()
-            if bar is not None:
-                bar.update(len(idx))
-    return [s for s in scores if s is not None]
+
+    def forward(idx: list[int]) -> tuple[PackedQuestions, Tensor]:
+        packed = enc.pack(idx, pad_id)
+        hidden, trunk = forward_rows(model, packed, trunk_layer=trunk_layers)
+        for row, i in enumerate(idx if trunk is not None else ()):
+            enc.trunk_cache[i] = trunk[row, : enc.length(i)].clone()
+        return packed, lm_head_logits(model, head, hidden)
+
+    return _option_scores(enc, batch_size, normalize, bar, forward)
 
 
 def trunk_scores(lm: FunctionalLM, enc: EncodedRecords, batch_size: int, pad_id: int, normalize: str = "sum",
@@ -111,16 +106,28 @@ def trunk_scores(lm: FunctionalLM, enc: EncodedRecords, batch_size: int, pad_id:
     """
     if not lm.caches_trunk:
         raise ValueError("the model does not cache a trunk (LoRA must sit on the top layers only)")
-    scores: list[Tensor | None] = [None] * len(enc.records)
+
+    def forward(idx: list[int]) -> tuple[PackedQuestions, Tensor]:
+        batch = enc.batch(idx, pad_id, lm)
+        return batch.packed, lm.head_logits(None, batch.packed, batch.trunk)
+
+    return _option_scores(enc, batch_size, normalize, bar, forward)
+
+
+def _option_scores(enc: EncodedRecords, batch_size: int, normalize: str, bar: Any,
+                   forward: Callable[[list[int]], tuple[PackedQuestions, Tensor]]) -> list[Tensor]:
+    """Float64 option scores of every question, batched by length; ``forward(idx)`` gives a
+    batch's packed questions and head logits at their rows."""
+    scores: list[Tensor] = [torch.empty(0)] * len(enc.records)
     with torch.inference_mode():
         for idx in length_batches([enc.length(i) for i in range(len(enc))], batch_size):
-            batch = enc.batch(idx, pad_id, lm)
-            s = option_scores_from_logits(lm.head_logits(None, batch.packed, batch.trunk), batch.packed, normalize)
+            packed, logits = forward(idx)
+            s = option_scores_from_logits(logits, packed, normalize)
             for row, i in enumerate(idx):
                 scores[i] = s[row, : len(enc.options[i])].double().cpu()
             if bar is not None:
                 bar.update(len(idx))
-    return [s for s in scores if s is not None]
+    return scores
 
 
 def open_ended_set(records: Sequence[OpenQA], outs: Sequence[GenOut], temperature_index: int | None = None) -> OpenEndedSet:
