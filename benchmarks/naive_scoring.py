@@ -7,7 +7,7 @@ masks and the full output head, so its correctness is easy to check by reading.
 :func:`option_scores_naive` is the differentiable counterpart used for training references: the
 same one-sequence-per-option computation with trainable parameters substituted through
 :func:`torch.func.functional_call`, returning option scores shaped like
-:func:`llm_calib.scoring.packing.option_scores_from_logits`.
+:func:`llm_calib.engine.packing.option_scores_from_logits`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.objectives import Batch, CalmLosses, option_lengths
 from llm_calib.data.records import MultipleChoice
+from llm_calib.engine.packing import PackedQuestions
 from llm_calib.prompts import PromptFormat, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, check_records, progress_bar
 from llm_calib.scoring.option_likelihood import NORMALIZE_MODES, EncodedQuestion, encode_questions
-from llm_calib.scoring.packing import PackedQuestions
 
 __all__ = ["NaiveCalmLosses", "option_scores_naive", "score_option_likelihood_naive", "unpack_questions"]
 
@@ -49,7 +49,7 @@ def option_scores_naive(
     position (the model's own forward), the logits predicting the option's tokens are sliced out,
     optionally transformed (e.g. a logit adjustment), and the option's token log-probabilities are
     summed or averaged. Gradients flow to ``theta`` and to whatever ``logits_transform`` closes
-    over. The result is laid out as :func:`llm_calib.scoring.packing.option_scores_from_logits`
+    over. The result is laid out as :func:`llm_calib.engine.packing.option_scores_from_logits`
     lays out the packed scorer's, so the two can be compared entry by entry.
 
     Args:

@@ -220,7 +220,7 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3
 """Attention implementations :attr:`ModelLoadConfig.attn_implementation` names explicitly
 (``None`` leaves the choice to transformers, which picks ``sdpa`` where it can). Only ``eager`` and
 ``sdpa`` accept the packed 4-D masks; with any other one, scoring and training switch to one
-sequence per (question, option) automatically (:func:`llm_calib.scoring.packing.accepts_packed_masks`)."""
+sequence per (question, option) automatically (:func:`llm_calib.engine.packing.accepts_packed_masks`)."""
 
 
 @dataclass(frozen=True)

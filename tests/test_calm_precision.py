@@ -189,10 +189,10 @@ def _padding_only_attention():
 def test_attention_without_4d_masks_is_detected_and_exact(tiny_model_dir, mc_records):
     """With an attention kernel that takes padding masks only, scoring and training switch to
     one sequence per option by themselves, and compute what the packed layout computes (1e-5)."""
+    from llm_calib.engine.packing import accepts_packed_masks
     from llm_calib.models import load as load_model
     from llm_calib.prompts import PromptFormat
     from llm_calib.scoring.option_likelihood import encode_questions, option_log_likelihoods
-    from llm_calib.scoring.packing import accepts_packed_masks
 
     impl = _padding_only_attention()
     flash_like, tok = load_model(str(tiny_model_dir))

@@ -19,7 +19,7 @@ from llm_calib.calm.encoding import encode_records as encode_batch_source
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.objectives import CalmLosses
 from llm_calib.data.records import MultipleChoice
-from llm_calib.scoring.packing import pack_questions
+from llm_calib.engine.packing import pack_questions
 
 _naive = load_benchmark("naive_scoring")
 option_scores_naive, score_option_likelihood_naive = _naive.option_scores_naive, _naive.score_option_likelihood_naive

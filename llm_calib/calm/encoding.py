@@ -22,17 +22,17 @@ from llm_calib.calm.config import CalibrationConfig, open_prompt_format
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.objectives import Batch
 from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
-from llm_calib.prompts import PromptFormat, build_prompt, continuation_text, uses_chat_template
-from llm_calib.scoring.base import encode_continuation, encode_prompt
-from llm_calib.scoring.letter import letter_token_ids
-from llm_calib.scoring.open_ended import encode_open_prompts
-from llm_calib.scoring.option_likelihood import encode_questions
-from llm_calib.scoring.packing import (
+from llm_calib.engine.packing import (
     PackedQuestions,
     pack_continuations,
     pack_letters,
     pack_questions,
 )
+from llm_calib.prompts import PromptFormat, build_prompt, continuation_text, uses_chat_template
+from llm_calib.scoring.base import encode_continuation, encode_prompt
+from llm_calib.scoring.letter import letter_token_ids
+from llm_calib.scoring.open_ended import encode_open_prompts
+from llm_calib.scoring.option_likelihood import encode_questions
 
 __all__ = ["LAYOUTS", "TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records"]
 

@@ -13,8 +13,14 @@ import torch
 from torch import Tensor
 
 from llm_calib.calm.config import LoraSettings
+from llm_calib.engine.options import compute_dtype, forward_rows
+from llm_calib.engine.packing import (
+    PackedQuestions,
+    accepts_packed_masks,
+    causal_additive_mask,
+    option_sequences,
+)
 from llm_calib.models import lm_head_logits, split_decoder_head
-from llm_calib.scoring.packing import PackedQuestions, accepts_packed_masks, option_sequences
 
 __all__ = [
     "OUTPUT_LOG_SCALE",
@@ -314,7 +320,9 @@ class FunctionalLM:
         device = self.device
         pos = packed.position_ids.to(device)
         if self._four_d_masks or packed.attention_mask.dim() == 4:
-            mask = _four_d_additive(packed, self.dtype).to(device)
+            mask = packed.attention_mask
+            mask = packed.additive_mask(self.dtype) if mask.dim() == 4 else causal_additive_mask(mask, self.dtype)
+            mask = mask.to(device)
         else:  # flash-style kernels take the 2-D padding mask
             mask = packed.attention_mask.to(device)
         kwargs = {"attention_mask": mask, "position_ids": pos,
@@ -403,11 +411,7 @@ class FunctionalLM:
     def dtype(self) -> torch.dtype:
         """The compute dtype of the base model (of its input embeddings: quantised weights are
         stored as integers)."""
-        embed = self.base.get_input_embeddings() if hasattr(self.base, "get_input_embeddings") else None
-        weight = getattr(embed, "weight", None)
-        if weight is not None and weight.is_floating_point():
-            return weight.dtype
-        return next(p.dtype for p in self.decoder.parameters() if p.is_floating_point())
+        return compute_dtype(self.base)
 
     @property
     def device(self) -> torch.device:
@@ -421,30 +425,15 @@ class FunctionalLM:
         With ``trunk`` (from :meth:`trunk_hidden`) only the layers from the first trainable one up
         run; the result equals the full forward.
         """
-        device = self.device
+        if trunk is None:  # the engine's forward pass (one sequence per option where 4-D masks cannot go)
+            params = None if theta is None else self.decoder_parameters(theta)
+            return forward_rows(self.base, packed, packed_masks=self.packed_masks, parameters=params)[0]
         if packed.attention_mask.dim() == 4 and not self.packed_masks:
             seq = option_sequences(packed)
-            if trunk is not None:
-                trunk = trunk.reshape(-1, trunk.shape[-1])[seq.source.to(trunk.device)]
-                trunk = trunk.reshape(*seq.packed.input_ids.shape, -1)
-            return self.hidden_rows(theta, seq.packed, trunk)
-        if trunk is not None:
-            hidden = self._top_layers(theta, packed, trunk)
-            return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(device)]
-        mask = packed.attention_mask
-        mask = packed.additive_mask(self.dtype) if mask.dim() == 4 else mask
-        kwargs = {
-            "input_ids": packed.input_ids.to(device),
-            "attention_mask": mask.to(device),
-            "position_ids": packed.position_ids.to(device),
-            "use_cache": False,
-        }
-        if theta is None:
-            out = self.decoder(**kwargs)
-        else:
-            out = torch.func.functional_call(self.decoder, self.decoder_parameters(theta), (), kwargs, strict=False)
-        hidden = out.last_hidden_state
-        return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(device)]
+            trunk = trunk.reshape(-1, trunk.shape[-1])[seq.source.to(trunk.device)]
+            return self.hidden_rows(theta, seq.packed, trunk.reshape(*seq.packed.input_ids.shape, -1))
+        hidden = self._top_layers(theta, packed, trunk)
+        return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(self.device)]
 
     def head_logits(
         self,
@@ -463,17 +452,6 @@ class FunctionalLM:
         if select is not None:
             hidden = hidden[select.to(hidden.device)]
         return lm_head_logits(self.base, self.head, hidden)
-
-
-def _four_d_additive(packed: PackedQuestions, dtype: torch.dtype) -> Tensor:
-    if packed.attention_mask.dim() == 4:
-        return packed.additive_mask(dtype)
-    keys = packed.attention_mask.bool()
-    L = keys.shape[1]
-    allowed = torch.ones(L, L, dtype=torch.bool).tril()[None] & keys[:, None, :]
-    allowed |= torch.eye(L, dtype=torch.bool)[None]
-    out = torch.zeros((keys.shape[0], 1, L, L), dtype=dtype)
-    return out.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ model:
   :math:`\mathrm{CE} - \beta H`.
 
 Open-ended questions (a batch from
-:func:`~llm_calib.scoring.packing.pack_continuations`: the prompt of the open-ended scorer
+:func:`~llm_calib.engine.packing.pack_continuations`: the prompt of the open-ended scorer
 followed by the reference answer, its first alias). The categorical predictions are the
 next-token distributions over the whole vocabulary at the positions that predict answer tokens:
 
@@ -40,7 +40,7 @@ from torch import Tensor
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.distributed import global_mean, sync_gradients
-from llm_calib.scoring.packing import PackedQuestions, option_scores_from_logits, reduce_per_option
+from llm_calib.engine.packing import PackedQuestions, option_scores_from_logits, reduce_per_option
 
 __all__ = ["Batch", "CalmLosses", "cross_entropy", "entropy", "option_lengths"]
 
@@ -57,7 +57,7 @@ class Batch:
         trunk: cached hidden states entering the first trainable layer (``(B, L, hidden)``), or
             None to run the whole decoder.
         open_ended: True for open questions packed with their reference answer
-            (:func:`~llm_calib.scoring.packing.pack_continuations`), False for multiple choice.
+            (:func:`~llm_calib.engine.packing.pack_continuations`), False for multiple choice.
         answer_stop: open questions: each reference ends with the token at which greedy answering
             stops (the newline of the short-answer prompt); it is trained on like the answer's
             tokens, and :meth:`CalmLosses.monitor` leaves it out of the confidence, as the
@@ -123,7 +123,7 @@ class CalmLosses:
         >>> from llm_calib.models import tiny_random_model
         >>> from llm_calib.calm.config import LoraSettings
         >>> from llm_calib.calm.lora import attach_lora
-        >>> from llm_calib.scoring.packing import pack_continuations
+        >>> from llm_calib.engine.packing import pack_continuations
         >>> model, _ = tiny_random_model()
         >>> lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
         >>> losses = CalmLosses(lm, LogitAdjustment("vector", lm.head.out_features))
@@ -289,7 +289,7 @@ def option_lengths(packed: PackedQuestions) -> Tensor:
     """Option lengths in tokens laid out like the option scores, ``(B, K_max)`` (0 for padding).
 
     Example:
-        >>> from llm_calib.scoring.packing import pack_questions
+        >>> from llm_calib.engine.packing import pack_questions
         >>> option_lengths(pack_questions([((1,), ((2,), (3, 4))), ((5,), ((6, 7, 8),))], 0)).tolist()
         [[1.0, 2.0], [3.0, 0.0]]
     """

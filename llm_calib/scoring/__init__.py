@@ -99,18 +99,7 @@ def score_multiple_choice(
         >>> score_multiple_choice(model, tok, qs, scorer="letter").scorer
         'letter'
     """
-    if scorer == "option_likelihood":
-        return score_option_likelihood(
-            model,
-            tokenizer,
-            records,
-            normalize=normalize,
-            prompt=prompt,
-            batch_size=batch_size,
-            progress=progress,
-        )
-    if scorer == "letter":
-        return score_letter(
-            model, tokenizer, records, prompt=prompt, batch_size=batch_size, progress=progress
-        )
-    raise ValueError(f"scorer must be one of {tuple(SCORERS)}, got {scorer!r}")
+    if scorer not in SCORERS:
+        raise ValueError(f"scorer must be one of {tuple(SCORERS)}, got {scorer!r}")
+    extra = {"normalize": normalize} if scorer == "option_likelihood" else {}
+    return SCORERS[scorer](model, tokenizer, records, prompt=prompt, batch_size=batch_size, progress=progress, **extra)

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from llm_calib.data.records import MultipleChoice
-from llm_calib.models import lm_head_logits, split_decoder_head
+from llm_calib.engine.options import target_logprobs
+from llm_calib.engine.packing import length_batches, pack_letters
 from llm_calib.prompts import PromptFormat, option_letters, record_prompt, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, check_records, encode_prompt, progress_bar
 
@@ -109,33 +110,19 @@ def score_letter(
     letter_ids = letter_token_ids(tokenizer, max_k)
     texts = [record_prompt(tokenizer, r, fmt) for r in records]
     prompts = [encode_prompt(tokenizer, t, chat=chat) for t in texts]
-    decoder, head = split_decoder_head(model)
-    device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    order = sorted(range(len(records)), key=lambda i: len(prompts[i]))
     scores: list[torch.Tensor | None] = [None] * len(records)
     mass: list[float] = [0.0] * len(records)
     bar = progress_bar(total=len(records), desc="letter", enabled=progress)
     try:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            L = max(len(prompts[i]) for i in idx)
-            ids = torch.full((len(idx), L), pad_id, dtype=torch.long)
-            attn = torch.zeros((len(idx), L), dtype=torch.long)
-            for b, i in enumerate(idx):
-                ids[b, : len(prompts[i])] = torch.tensor(prompts[i])
-                attn[b, : len(prompts[i])] = 1
-            last = attn.sum(1) - 1
+        for idx in length_batches([len(p) for p in prompts], batch_size):
+            letters = [letter_ids[: len(records[i].options)] for i in idx]
+            packed = pack_letters([prompts[i] for i in idx], letters, pad_id)
             with torch.inference_mode():
-                hidden = decoder(
-                    input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False
-                ).last_hidden_state
-                h = hidden[torch.arange(len(idx), device=device), last.to(device)]
-                logp = torch.log_softmax(lm_head_logits(model, head, h), dim=-1).double().cpu()
-            for b, i in enumerate(idx):
-                k = len(records[i].options)
-                scores[i] = logp[b, letter_ids[:k]]
-                mass[i] = float(scores[i].exp().sum())
+                token_lp = target_logprobs(model, packed).double().cpu()
+            for i, s in zip(idx, torch.split(token_lp, packed.n_options), strict=True):
+                scores[i] = s
+                mass[i] = float(s.exp().sum())
             bar.update(len(idx))
     finally:
         bar.close()

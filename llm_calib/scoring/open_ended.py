@@ -1,23 +1,25 @@
 """Open-ended QA: greedy answers, token-probability confidences, SQuAD exact match and F1.
 
 The answer is the greedy continuation of the prompt (see :mod:`llm_calib.prompts`) up to the first
-newline or end-of-sequence token. Its confidence is the mean probability of its tokens (product and
+newline or end-of-sequence token, decoded by the scoring engine's one greedy decoder
+(:mod:`llm_calib.engine.decode`; :func:`generate_greedy`, :class:`GreedyAnswer`,
+:func:`eos_token_ids` and :func:`finish_answer` are re-exported here). Its confidence is the mean probability of its tokens (product and
 minimum are reported too). An answer is correct when its SQuAD-normalised form equals that of any
 accepted alias; token F1 (maximum over aliases) is the soft variant.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from llm_calib.answers import exact_match, token_f1
 from llm_calib.data.records import OpenQA
+from llm_calib.engine.decode import GreedyAnswer, eos_token_ids, finish_answer, generate_greedy
+from llm_calib.engine.packing import length_batches
 from llm_calib.prompts import PromptFormat, record_prompt, uses_chat_template
 from llm_calib.scoring.base import encode_prompt, progress_bar
 
@@ -30,183 +32,6 @@ __all__ = [
     "generate_greedy",
     "score_open_ended",
 ]
-
-@dataclass(frozen=True)
-class GreedyAnswer:
-    """One greedy generation.
-
-    Attributes:
-        text: the answer text (stripped, cut at the first newline).
-        token_ids: ids of the answer tokens.
-        token_probs: probability of each answer token under the model (temperature 1).
-        stop: why generation ended: ``"newline"``, ``"eos"`` or ``"length"``.
-
-    Example:
-        >>> GreedyAnswer("Paris", (7,), (0.5,), "eos").text
-        'Paris'
-    """
-
-    text: str
-    token_ids: tuple[int, ...]
-    token_probs: tuple[float, ...]
-    stop: str
-
-
-def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Every end-of-sequence token id of a model: its generation config's, its config's and the
-    tokenizer's (generation stops at any of them).
-
-    Example:
-        >>> from llm_calib.models import tiny_random_model
-        >>> model, tok = tiny_random_model()
-        >>> tok.eos_token_id in eos_token_ids(model, tok)
-        True
-    """
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(src, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
-
-
-def generate_greedy(
-    model: Any,
-    tokenizer: Any,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int = 32,
-    stop_at_newline: bool = True,
-) -> list[GreedyAnswer]:
-    """Greedy decoding of a batch of tokenised prompts, with per-token probabilities.
-
-    A simple loop with the model's KV cache and left padding, so it works for any causal LM.
-    A row stops at an EOS token, at a token whose text contains a newline (if
-    ``stop_at_newline``), or after ``max_new_tokens`` tokens. The stop token is not part of the
-    answer, except that text before a newline inside the same token is kept (with its probability).
-    If the answer has no tokens, ``token_probs`` holds the probability of the stop token.
-
-    Args:
-        model: a Hugging Face causal LM.
-        tokenizer: its tokenizer.
-        prompts: token ids of each prompt.
-        max_new_tokens: generation budget per prompt (>= 1).
-        stop_at_newline: stop at the first newline.
-
-    Returns:
-        One :class:`GreedyAnswer` per prompt.
-
-    Raises:
-        ValueError: ``max_new_tokens < 1`` or an empty prompt.
-
-    Example:
-        >>> from llm_calib.models import tiny_random_model
-        >>> model, tok = tiny_random_model()
-        >>> out = generate_greedy(model, tok, [tok("What is 2 + 3?")["input_ids"]], max_new_tokens=4)
-        >>> len(out[0].token_probs) >= 1
-        True
-    """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not prompts:
-        return []
-    device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos = eos_token_ids(model, tokenizer)
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {b} has no tokens")
-        ids[b, L - len(p) :] = torch.tensor(list(p))
-        attn[b, L - len(p) :] = 1
-    ids, attn = ids.to(device), attn.to(device)
-    generated: list[list[int]] = [[] for _ in range(B)]
-    probs: list[list[float]] = [[] for _ in range(B)]
-    done = [False] * B
-    # transformers >= 5.2x renamed ``past_key_values`` to ``cache`` (input and output). A peft
-    # wrapper's forward takes ``**kwargs`` and hands them on: read the wrapped model's signature.
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    params = inspect.signature(base.forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"
-    # Only the last position's logits are used: skip the vocabulary projection of the rest of
-    # the prompt (a (B, L, vocab) tensor) where the model supports it.
-    keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
-    keep = {keep_kw: 1} if keep_kw else {}
-    has_newline: dict[int, bool] = {}
-    past = None
-    step_ids = ids
-    with torch.inference_mode():
-        for _ in range(max_new_tokens):
-            pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-            out = model(
-                input_ids=step_ids,
-                attention_mask=attn,
-                position_ids=pos,
-                use_cache=True,
-                **{cache_kw: past},
-                **keep,
-            )
-            past = getattr(out, cache_kw)
-            p = torch.softmax(out.logits[:, -1].float(), dim=-1)
-            top_p, top = p.max(dim=-1)
-            for b in range(B):
-                if not done[b]:
-                    generated[b].append(int(top[b]))
-                    probs[b].append(float(top_p[b]))
-                    tok = int(top[b])
-                    if stop_at_newline and tok not in has_newline:
-                        has_newline[tok] = "\n" in tokenizer.decode([tok])
-                    if tok in eos or (stop_at_newline and has_newline[tok]):
-                        done[b] = True
-            if all(done):
-                break
-            step_ids = top[:, None]
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
-    return [
-        finish_answer(tokenizer, g, pr, eos, stop_at_newline)
-        for g, pr in zip(generated, probs, strict=True)
-    ]
-
-
-def finish_answer(
-    tokenizer: Any, ids: Sequence[int], probs: Sequence[float], eos: set[int], stop_at_newline: bool = True
-) -> GreedyAnswer:
-    """The :class:`GreedyAnswer` of generated token ids and their probabilities (the stopping
-    rule of :func:`generate_greedy`, for decoding loops of one's own).
-
-    A final EOS token is dropped; a final token containing a newline (with ``stop_at_newline``)
-    is dropped too, except for text before the newline inside it, which stays with its
-    probability. An empty answer takes the probability of the stop token as its confidence.
-
-    Example:
-        >>> from llm_calib.models import tiny_random_model
-        >>> _, tok = tiny_random_model()
-        >>> ids = tok.encode(" Paris", add_special_tokens=False)
-        >>> ans = finish_answer(tok, [*ids, tok.eos_token_id], [0.9] * len(ids) + [0.5], {tok.eos_token_id})
-        >>> ans.text, ans.stop, ans.token_probs == (0.9,) * len(ids)
-        ('Paris', 'eos', True)
-    """
-    ids, probs = list(ids), list(probs)
-    stop, keep, extra = "length", len(ids), ""
-    if ids and ids[-1] in eos:
-        stop, keep = "eos", len(ids) - 1
-    elif ids and stop_at_newline and "\n" in tokenizer.decode([ids[-1]]):
-        stop, keep = "newline", len(ids) - 1
-        extra = tokenizer.decode([ids[-1]]).split("\n", 1)[0]
-    ans_ids, ans_probs = ids[:keep], probs[:keep]
-    text = tokenizer.decode(ans_ids, skip_special_tokens=True) + extra
-    if extra.strip():  # text before the newline inside the stop token belongs to the answer
-        ans_ids, ans_probs = ids, probs
-    if not ans_probs:  # empty answer: its confidence is that of stopping right away
-        ans_probs = probs[-1:]
-    return GreedyAnswer(text.split("\n", 1)[0].strip(), tuple(ans_ids), tuple(ans_probs), stop)
-
 
 @dataclass
 class OpenEndedSet:
@@ -363,15 +188,11 @@ def score_open_ended(
     fmt = prompt or PromptFormat()
     prompts = encode_open_prompts(tokenizer, records, fmt)
     chat = uses_chat_template(tokenizer, fmt)
-    order = sorted(range(len(records)), key=lambda i: len(prompts[i]))
     answers: list[GreedyAnswer | None] = [None] * len(records)
     bar = progress_bar(total=len(records), desc="open-ended", enabled=progress)
     try:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            outs = generate_greedy(
-                model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens
-            )
+        for idx in length_batches([len(p) for p in prompts], batch_size):
+            outs = generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)
             for i, o in zip(idx, outs, strict=True):
                 answers[i] = o
             bar.update(len(idx))

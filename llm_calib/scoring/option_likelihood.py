@@ -5,14 +5,16 @@ Each question costs one forward pass, shared with the other questions of its bat
 * ``"packed"`` (default): one row per question, ``prompt + option_1 + ... + option_K``, with a 4-D
   attention mask under which every option attends to the prompt and to itself only, and position
   ids that restart after the prompt for every option. The prompt is computed once per question.
-* ``"padded"``: the ``K`` sequences ``prompt + option_i`` as separate right-padded rows (the prompt
-  is recomputed ``K`` times; works with any model that accepts a 2-D padding mask). Use it for
+* ``"padded"``: the ``K`` sequences ``prompt + option_i`` as separate right-padded rows
+  (:func:`~llm_calib.engine.packing.option_sequences`; the prompt is recomputed ``K`` times; works
+  with any model that accepts a 2-D padding mask). Use it for
   models whose attention the packed 4-D mask cannot express (sliding-window attention on inputs
   longer than the window, attention implementations that ignore custom masks).
 
-Either way only the hidden states that predict an option token go through the output head (the
-vocabulary projection is the most expensive single matrix of a small model), and the position
-before the first option token is projected once per question.
+Either way the forward pass is the scoring engine's (:func:`llm_calib.engine.options.forward_rows`,
+:func:`~llm_calib.engine.options.target_logprobs`): only the hidden states that predict an option
+token go through the output head, and the position before the first option token is projected
+once per question.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any, Literal
 import torch
 
 from llm_calib.data.records import MultipleChoice
-from llm_calib.models import lm_head_logits, split_decoder_head
+from llm_calib.engine.options import forward_rows, target_logprobs
+from llm_calib.engine.packing import accepts_packed_masks, length_batches, pack_questions
 from llm_calib.prompts import (
     PromptFormat,
     option_continuations,
@@ -38,7 +41,6 @@ from llm_calib.scoring.base import (
     encode_prompt,
     progress_bar,
 )
-from llm_calib.scoring.packing import accepts_packed_masks, pack_questions
 
 __all__ = [
     "LM_EVAL_NORMALIZATIONS",
@@ -160,83 +162,6 @@ def _aggregate(lp: torch.Tensor, normalize: str, n_chars: int, n_bytes: int) -> 
     return lp.sum() / (n_chars if normalize == "char" else n_bytes)
 
 
-def _device_dtype(model: Any) -> tuple[torch.device, torch.dtype]:
-    p = next(model.parameters())
-    return p.device, p.dtype
-
-
-def _packed_forward(
-    model: Any, items: Sequence[EncodedQuestion], pad_id: int
-) -> list[torch.Tensor]:
-    """Per-option token log-probabilities for a batch of questions, one packed row each.
-
-    The layout is :func:`llm_calib.scoring.packing.pack_questions`, shared with CALM training.
-    """
-    decoder, head = split_decoder_head(model)
-    device, dtype = _device_dtype(model)
-    packed = pack_questions([(it.prompt, it.options) for it in items], pad_id)
-    out = decoder(
-        input_ids=packed.input_ids.to(device),
-        attention_mask=packed.additive_mask(dtype).to(device),
-        position_ids=packed.position_ids.to(device),
-        use_cache=False,
-    )
-    hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
-    return _gather(
-        model, head, hidden, packed.rows.tolist(), packed.target_rows.tolist(), packed.target_ids.tolist(),
-        packed.target_option.tolist(), len(packed.option_lengths),
-    )
-
-
-
-def _padded_forward(
-    model: Any, items: Sequence[EncodedQuestion], pad_id: int
-) -> list[torch.Tensor]:
-    """Per-option token log-probabilities, one right-padded row per (question, option)."""
-    decoder, head = split_decoder_head(model)
-    device, _ = _device_dtype(model)
-    seqs = [(it.prompt, opt) for it in items for opt in it.options]
-    N, L = len(seqs), max(len(p) + len(o) for p, o in seqs)
-    ids = torch.full((N, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((N, L), dtype=torch.long)
-    rows: list[int] = []
-    target_rows: list[int] = []
-    target_ids: list[int] = []
-    option_of_target: list[int] = []
-    for r, (prompt, opt) in enumerate(seqs):
-        full = prompt + opt
-        ids[r, : len(full)] = torch.tensor(full)
-        attn[r, : len(full)] = 1
-        p = len(prompt)
-        for j, tok in enumerate(opt):
-            target_rows.append(len(rows))
-            rows.append(r * L + p - 1 + j)
-            target_ids.append(tok)
-            option_of_target.append(r)
-    out = decoder(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False)
-    hidden = out.last_hidden_state.reshape(N * L, -1)
-    return _gather(model, head, hidden, rows, target_rows, target_ids, option_of_target, N)
-
-
-def _gather(
-    model: Any,
-    head: Any,
-    hidden: torch.Tensor,
-    rows: list[int],
-    target_rows: list[int],
-    target_ids: list[int],
-    option_of_target: list[int],
-    n_options: int,
-) -> list[torch.Tensor]:
-    device = hidden.device
-    logits = lm_head_logits(model, head, hidden[torch.tensor(rows, device=device)])
-    logp = torch.log_softmax(logits, dim=-1)
-    tok_lp = logp[torch.tensor(target_rows, device=device), torch.tensor(target_ids, device=device)]
-    counts = torch.bincount(torch.tensor(option_of_target), minlength=n_options)
-    # targets were appended option by option, so each option's tokens are one contiguous run
-    return list(torch.split(tok_lp.double().cpu(), counts.tolist()))
-
-
 def option_log_likelihoods(
     model: Any,
     items: Sequence[EncodedQuestion],
@@ -252,7 +177,7 @@ def option_log_likelihoods(
         pad_id: id used for padding (its value never influences the result).
         strategy: ``"packed"`` or ``"padded"`` (see the module docstring). ``"packed"`` falls
             back to ``"padded"`` for attention implementations without 4-D masks
-            (:func:`~llm_calib.scoring.packing.accepts_packed_masks`).
+            (:func:`~llm_calib.engine.packing.accepts_packed_masks`).
 
     Returns:
         ``out[q][k]``: float64 tensor of the log-probabilities of option ``k``'s tokens of question
@@ -272,11 +197,14 @@ def option_log_likelihoods(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if not items:
         return []
+    packed = pack_questions([(it.prompt, it.options) for it in items], pad_id)
     # the packed layout's 4-D masks need eager or sdpa attention; flash kernels get one row per option
-    packed = strategy == "packed" and accepts_packed_masks(model)
-    forward = _packed_forward if packed else _padded_forward
+    use_masks = strategy == "packed" and accepts_packed_masks(model)
     with torch.inference_mode():
-        flat = forward(model, items, pad_id)
+        hidden, _ = forward_rows(model, packed, packed_masks=use_masks)
+        token_lp = target_logprobs(model, packed, hidden)
+    # targets are laid out option by option, so each option's tokens are one contiguous run
+    flat = list(torch.split(token_lp.double().cpu(), packed.option_lengths.tolist()))
     out, i = [], 0
     for it in items:
         out.append(flat[i : i + len(it.options)])
@@ -340,13 +268,11 @@ def score_option_likelihood(
     fmt = prompt or PromptFormat()
     items = encode_questions(tokenizer, records, fmt)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    order = sorted(range(len(items)), key=lambda i: items[i].n_tokens)
     scores: list[torch.Tensor | None] = [None] * len(items)
     details: list[dict[str, Any]] = [{}] * len(items)
     bar = progress_bar(total=len(items), desc="option likelihood", enabled=progress)
     try:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
+        for idx in length_batches([it.n_tokens for it in items], batch_size):
             lps = option_log_likelihoods(
                 model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy
             )

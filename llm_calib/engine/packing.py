@@ -14,7 +14,7 @@ single "option" is the answer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -26,6 +26,9 @@ __all__ = [
     "OptionSequences",
     "PackedQuestions",
     "accepts_packed_masks",
+    "causal_additive_mask",
+    "gather_token_logprobs",
+    "length_batches",
     "option_scores_from_logits",
     "option_sequences",
     "pack_continuations",
@@ -97,6 +100,37 @@ class PackedQuestions:
             raise ValueError("additive_mask needs the 4-D packed mask")
         out = torch.zeros(self.attention_mask.shape, dtype=dtype)
         return out.masked_fill_(~self.attention_mask, torch.finfo(dtype).min)
+
+
+def length_batches(lengths: Sequence[int], size: int) -> Iterator[list[int]]:
+    """Indices in order of increasing length, in batches of ``size`` (little padding per batch).
+
+    Example:
+        >>> list(length_batches([5, 1, 3], 2))
+        [[1, 2], [0]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    for start in range(0, len(order), size):
+        yield order[start : start + size]
+
+
+def causal_additive_mask(attention_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Additive ``(B, 1, L, L)`` causal mask of a 2-D padding mask (left or right padding).
+
+    Padded keys are hidden; a padded query sees itself only (keeps softmax rows finite). For
+    running decoder layers one by one, which take no 2-D masks.
+
+    Example:
+        >>> m = causal_additive_mask(torch.tensor([[0, 1, 1]]), torch.float32)
+        >>> (m[0, 0] == 0).int().tolist()
+        [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    """
+    keys = attention_mask.bool()
+    L = keys.shape[1]
+    allowed = torch.ones(L, L, dtype=torch.bool).tril()[None] & keys[:, None, :]
+    allowed |= torch.eye(L, dtype=torch.bool)[None]
+    out = torch.zeros((keys.shape[0], 1, L, L), dtype=dtype)
+    return out.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
 
 
 def pack_questions(
@@ -296,6 +330,31 @@ def reduce_per_option(token_values: Tensor, packed: PackedQuestions, normalize: 
     return out
 
 
+def gather_token_logprobs(logits: Tensor, packed: PackedQuestions) -> Tensor:
+    """Log-probability of every scored token from head logits at ``packed.rows``.
+
+    Half-precision logits are upcast to float32 first. Differentiable in ``logits``.
+
+    Args:
+        logits: ``(len(packed.rows), V)`` logits at the gathered rows.
+        packed: the batch.
+
+    Returns:
+        ``(len(packed.target_ids),)`` log-probabilities, aligned with ``packed.target_ids``.
+
+    Example:
+        >>> import torch
+        >>> p = pack_questions([((1,), ((2,), (3, 4)))], pad_id=0)
+        >>> [round(v, 4) for v in gather_token_logprobs(torch.zeros(2, 5), p).tolist()]
+        [-1.6094, -1.6094, -1.6094]
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    device = logp.device
+    return logp[packed.target_rows.to(device), packed.target_ids.to(device)]
+
+
 def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize: str = "sum") -> Tensor:
     """Option scores ``(B, K_max)`` from head logits at ``packed.rows``; padding holds ``-inf``.
 
@@ -324,10 +383,7 @@ def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize
     if normalize not in ("sum", "mean"):
         raise ValueError(f"normalize must be 'sum' or 'mean', got {normalize!r}")
     device = logits.device
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    token_lp = logp[packed.target_rows.to(device), packed.target_ids.to(device)]
+    token_lp = gather_token_logprobs(logits, packed)
     per_option = reduce_per_option(token_lp, packed, normalize)
     B, K = packed.batch_size, max(packed.n_options)
     out = torch.full((B, K), float("-inf"), dtype=token_lp.dtype, device=device)

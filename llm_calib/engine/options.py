@@ -1,0 +1,159 @@
+"""The one option-scoring forward pass: packed questions in, per-token log-probabilities out.
+
+Every multiple-choice score (option likelihood, letters) and the base model's scores of fast
+evaluation come from :func:`forward_rows` (the decoder over a :class:`~llm_calib.engine.packing.PackedQuestions`,
+hidden states kept at ``packed.rows`` only) followed by :func:`target_logprobs` (the output head
+at those rows, a log-softmax and a gather of the scored tokens). Trunk caching is an option of the
+same pass: ``trunk_layer=k`` also returns the hidden states entering layer ``k``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from llm_calib.engine.packing import (
+    PackedQuestions,
+    accepts_packed_masks,
+    gather_token_logprobs,
+    option_sequences,
+)
+from llm_calib.models import lm_head_logits, split_decoder_head
+
+__all__ = ["capture_layer_input", "compute_dtype", "forward_rows", "target_logprobs"]
+
+
+@contextlib.contextmanager
+def capture_layer_input(decoder: Any, index: int) -> Iterator[dict[str, Tensor]]:
+    """Record (as ``box["hidden"]``) the hidden states entering ``decoder.layers[index]`` during a
+    forward pass: cheaper than ``output_hidden_states``, which keeps every layer's states.
+
+    Example:
+        >>> import torch
+        >>> from llm_calib.models import split_decoder_head, tiny_random_model
+        >>> decoder, _ = split_decoder_head(tiny_random_model()[0])
+        >>> with capture_layer_input(decoder, 1) as box:
+        ...     _ = decoder(input_ids=torch.tensor([[5, 6, 7]]))
+        >>> box["hidden"].shape[:2]
+        torch.Size([1, 3])
+    """
+    box: dict[str, Tensor] = {}
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        box["hidden"] = args[0] if args else kwargs["hidden_states"]
+
+    handle = decoder.layers[index].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield box
+    finally:
+        handle.remove()
+
+
+def compute_dtype(model: Any) -> torch.dtype:
+    """The compute dtype of a causal LM: that of its input embeddings (quantised weights are
+    stored as integers), else of its first floating-point parameter.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> compute_dtype(tiny_random_model()[0])
+        torch.float32
+    """
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embed, "weight", None)
+    if weight is not None and weight.is_floating_point():
+        return weight.dtype
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def forward_rows(
+    model: Any, packed: PackedQuestions, *, trunk_layer: int = 0, packed_masks: bool | None = None,
+    parameters: dict[str, Tensor] | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Final hidden states at ``packed.rows`` of one decoder pass over a packed batch.
+
+    A 4-D (packed) mask goes in as additive biases; where the attention implementation cannot take
+    it (or ``packed_masks=False``) each option runs as its own right-padded sequence
+    (:func:`~llm_calib.engine.packing.option_sequences`): same contexts, same rows. A 2-D padding
+    mask goes in as it is.
+
+    Args:
+        model: a Hugging Face causal LM (not a peft wrapper).
+        packed: the batch.
+        trunk_layer: when > 0, also return the hidden states entering this layer, laid out as
+            ``packed.input_ids`` (``(B, L, hidden)``): the trunk cache of fast evaluation.
+        packed_masks: whether to use the 4-D mask (default: whether the model accepts it).
+        parameters: decoder parameters to substitute (names relative to the decoder), through
+            :func:`torch.func.functional_call` (the training objectives' θ).
+
+    Returns:
+        ``(hidden, trunk)``: ``(len(packed.rows), hidden)`` and the trunk (None without ``trunk_layer``).
+
+    Example:
+        >>> import torch
+        >>> from llm_calib.engine.packing import pack_questions
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, _ = tiny_random_model()
+        >>> p = pack_questions([((5, 6), ((7,), (8, 9)))], pad_id=0)
+        >>> h, trunk = forward_rows(model, p, trunk_layer=1)
+        >>> h.shape[0], trunk.shape[:2]
+        (2, torch.Size([1, 5]))
+        >>> h2, _ = forward_rows(model, p, packed_masks=False)   # one sequence per option
+        >>> bool(torch.allclose(h, h2, atol=1e-5))
+        True
+    """
+    if packed_masks is None:
+        packed_masks = accepts_packed_masks(model)
+    if packed.attention_mask.dim() == 4 and not packed_masks:
+        seq = option_sequences(packed)
+        hidden, trunk = forward_rows(model, seq.packed, trunk_layer=trunk_layer, parameters=parameters)
+        if trunk is not None:
+            B, L = packed.input_ids.shape
+            trunk = trunk.reshape(-1, trunk.shape[-1])[seq.target.to(trunk.device)].reshape(B, L, -1)
+        return hidden, trunk
+    decoder, _ = split_decoder_head(model)
+    device = next(decoder.parameters()).device
+    mask = packed.attention_mask
+    mask = packed.additive_mask(compute_dtype(model)) if mask.dim() == 4 else mask
+    kwargs = {"input_ids": packed.input_ids.to(device), "attention_mask": mask.to(device),
+              "position_ids": packed.position_ids.to(device), "use_cache": False}
+    with capture_layer_input(decoder, trunk_layer) if trunk_layer > 0 else contextlib.nullcontext({}) as box:
+        if parameters is None:
+            out = decoder(**kwargs)
+        else:
+            out = torch.func.functional_call(decoder, parameters, (), kwargs, strict=False)
+    hidden = out.last_hidden_state
+    trunk = box["hidden"] if trunk_layer > 0 else None
+    return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(device)], trunk
+
+
+def target_logprobs(model: Any, packed: PackedQuestions, hidden: Tensor | None = None) -> Tensor:
+    """Log-probability of every scored token of ``packed`` (aligned with ``packed.target_ids``).
+
+    The output head runs on the gathered rows only (the vocabulary projection is the most
+    expensive single matrix of a small model). Per-option sums and means are
+    :func:`~llm_calib.engine.packing.reduce_per_option`.
+
+    Args:
+        model: a Hugging Face causal LM (not a peft wrapper).
+        packed: the batch.
+        hidden: its hidden states at ``packed.rows`` (default: :func:`forward_rows`).
+
+    Returns:
+        ``(len(packed.target_ids),)`` log-probabilities (float32 for half-precision models).
+
+    Example:
+        >>> from llm_calib.engine.packing import pack_letters
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, _ = tiny_random_model()
+        >>> lp = target_logprobs(model, pack_letters([(5, 6, 7)], [(8, 9)], pad_id=0))
+        >>> lp.shape, bool((lp < 0).all())
+        (torch.Size([2]), True)
+    """
+    if hidden is None:
+        hidden, _ = forward_rows(model, packed)
+    _, head = split_decoder_head(model)
+    return gather_token_logprobs(lm_head_logits(model, head, hidden), packed)
