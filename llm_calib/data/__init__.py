@@ -33,7 +33,13 @@ from llm_calib.data.openqa import (
     one_record_per_alias,
 )
 from llm_calib.data.opentriviaqa import OPENTRIVIAQA_CATEGORIES, load_opentriviaqa
-from llm_calib.data.records import RECORD_KINDS, MultipleChoice, OpenQA, record_kind
+from llm_calib.data.records import (
+    RECORD_KINDS,
+    MultipleChoice,
+    OpenQA,
+    RecordKindError,
+    record_kind,
+)
 from llm_calib.data.result import LoadResult, split_items, subsample
 from llm_calib.data.selfaware import filter_selfaware, load_selfaware
 from llm_calib.data.spec import LOADERS, Spec, SpecError, load, parse_spec
@@ -56,6 +62,7 @@ __all__ = [
     "MultipleChoice",
     "OnError",
     "OpenQA",
+    "RecordKindError",
     "Spec",
     "SpecError",
     "ai2_domain",

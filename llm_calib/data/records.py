@@ -6,10 +6,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["RECORD_KINDS", "MultipleChoice", "OpenQA", "record_kind"]
+__all__ = ["RECORD_KINDS", "MultipleChoice", "OpenQA", "RecordKindError", "record_kind"]
 
 RECORD_KINDS = ("multiple_choice", "open")
 """The kinds :func:`record_kind` returns: :class:`MultipleChoice` and :class:`OpenQA` records."""
+
+
+class RecordKindError(ValueError):
+    """Records that are not all of one kind (or not records): raised by :func:`record_kind`.
+
+    Example:
+        >>> issubclass(RecordKindError, ValueError)
+        True
+    """
 
 
 @dataclass(frozen=True)
@@ -100,8 +109,8 @@ def record_kind(
         ``"multiple_choice"`` or ``"open"``.
 
     Raises:
-        ValueError: no records, a record of another type, or a record of the other kind; the
-            message names the offending record's id.
+        RecordKindError: (a ValueError) no records, a record of another type, or a record of the
+            other kind; the message names the offending record's id.
 
     Example:
         >>> record_kind([OpenQA("Capital of France?", ("Paris",), "geo", "q0")])
@@ -110,7 +119,7 @@ def record_kind(
         >>> record_kind([mc], what="heldout", expected="open")
         Traceback (most recent call last):
         ...
-        ValueError: heldout: record 'add-0' is MultipleChoice, expected open records (OpenQA); a run takes one kind of record, all multiple choice or all open-ended
+        llm_calib.data.records.RecordKindError: heldout: record 'add-0' is MultipleChoice, expected open records (OpenQA); a run takes one kind of record, all multiple choice or all open-ended
     """
     names = {"multiple_choice": "MultipleChoice", "open": "OpenQA"}
     if expected is not None and expected not in names:
@@ -120,15 +129,15 @@ def record_kind(
         this = "multiple_choice" if isinstance(r, MultipleChoice) else "open" if isinstance(r, OpenQA) else None
         name = f"record {r.id!r}" if isinstance(getattr(r, "id", None), str) else f"record at position {position}"
         if this is None:
-            raise ValueError(f"{what}: {name} is a {type(r).__name__}, not a MultipleChoice or OpenQA record")
+            raise RecordKindError(f"{what}: {name} is a {type(r).__name__}, not a MultipleChoice or OpenQA record")
         if kind is None:
             kind, first = this, name
         elif this != kind:
             since = f" like {first}" if first is not None else ""
-            raise ValueError(
+            raise RecordKindError(
                 f"{what}: {name} is {type(r).__name__}, expected {kind} records{since} "
                 f"({names[kind]}); a run takes one kind of record, all multiple choice or all open-ended"
             )
     if kind is None:
-        raise ValueError(f"{what}: no records")
+        raise RecordKindError(f"{what}: no records")
     return kind  # type: ignore[return-value]
