@@ -55,7 +55,10 @@ class EncodedRecords:
             (``"letter"``) or the reference answer alone (``"open"``).
         format: the task format that encoded the records; it packs them
             (:meth:`~llm_calib.formats.base.TaskFormat.pack`) and gives their batches' losses
-            their view (:attr:`Batch.format <llm_calib.calm.objectives.Batch>`).
+            their view (:attr:`Batch.format <llm_calib.calm.objectives.Batch>`). The token ids do
+            not depend on the option-score normalisation: training takes it from its losses
+            (:class:`~llm_calib.calm.objectives.CalmLosses`), so one encoding serves every
+            ``normalize`` (:class:`EncodingCache` shares it).
         trunk_cache: hidden states entering the first trainable layer, per record index, filled
             by :meth:`batch` and :meth:`fill_trunk_cache` with a trunk-caching model. They depend
             on the frozen base model only, so an encoding may be reused by every run on the same
@@ -263,8 +266,9 @@ class EncodingCache:
     def __call__(self, tokenizer: Any, records: Sequence[Any], config: CalibrationConfig) -> EncodedRecords:
         """The encoding of ``records`` under ``config``'s scorer, prompt style, chat template, open
         examples and LoRA layers (records are recognised by domain and id); made on first use."""
-        key = (tuple(f"{r.domain}/{r.id}" for r in records), config.scorer, config.prompt_style, config.chat_template,
-               config.open_examples, config.lora.layers, config.lora.top_layers)
+        settings = format_settings(config)  # what the encoding depends on (normalize does not matter)
+        prompts = settings["scorer"], settings["prompt"], settings["open_prompt"], settings["answer_stop"]
+        key = (tuple(f"{r.domain}/{r.id}" for r in records), *prompts, config.lora.layers, config.lora.top_layers)
         if key not in self.encodings:
             self.encodings[key] = encode_records(tokenizer, records, config)
         return self.encodings[key]
