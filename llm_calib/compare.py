@@ -295,8 +295,8 @@ def run_comparison(
         "eval": [name for name, _ in evals],
         "calibration": {k: v for k, v in config.to_dict().items() if k != "method"},
         "evaluation": {
-            "scorer": config.scorer,
-            "normalize": config.normalize,
+            "scorer": settings["scorer"],
+            "normalize": settings["normalize"],
             "prompt_style": eval_kwargs["prompt"].style,
             "n_bins": n_bins,
             "bootstrap": bootstrap,

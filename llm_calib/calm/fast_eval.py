@@ -35,8 +35,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from llm_calib.calm.config import CalibrationConfig, LoraSettings, open_prompt_format
-from llm_calib.calm.encoding import TRUNK_CHUNK, EncodedRecords, encode_records, task_format
+from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.encoding import (
+    TRUNK_CHUNK,
+    EncodedRecords,
+    encode_records,
+    format_settings,
+    task_format,
+)
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.data.records import OpenQA
 from llm_calib.formats.base import TaskFormat
@@ -525,6 +531,7 @@ class SharedTrunkEval:
         for name, recs in records.items():
             fmt.check(recs, what=name)
         self.format: TaskFormat = fmt
+        self.normalize = format_settings(self.config)["normalize"]
         self.records = records
         self._sets = _TRUNK_SETS[fmt.family](self, sets, max_new_tokens, temperatures)
 
@@ -579,7 +586,7 @@ class _ChoiceSets:
     def base(self, keep_trunk: bool, bar: Any) -> dict[str, ScoredSet]:
         ev = self.ev
         k = ev.trunk_layers if keep_trunk else 0
-        return {n: self._scored(n, base_scores(ev.model, enc, k, ev.batch_size, ev.pad_id, ev.config.normalize, bar))
+        return {n: self._scored(n, base_scores(ev.model, enc, k, ev.batch_size, ev.pad_id, ev.normalize, bar))
                 for n, enc in self.encodings.items()}
 
     def adapted(self, model: Any, normalize: str | None, bar: Any) -> dict[str, ScoredSet]:
@@ -587,7 +594,7 @@ class _ChoiceSets:
         lm = FunctionalLM(model)
         if lm.trunk_layers != ev.trunk_layers:
             raise ValueError(f"the model's adapted layers start at {lm.trunk_layers}, expected {ev.trunk_layers}")
-        norm = normalize or ev.config.normalize
+        norm = normalize or ev.normalize
         return {n: self._scored(n, trunk_scores(lm, enc, ev.batch_size, ev.pad_id, norm, bar))
                 for n, enc in self.encodings.items()}
 
@@ -600,7 +607,7 @@ class _AnswerSets:
                  temperatures: Sequence[float] | None) -> None:
         self.ev = ev
         flat = [r for recs in ev.records.values() for r in recs]
-        prompts = encode_open_prompts(ev.tokenizer, flat, open_prompt_format(ev.config))
+        prompts = encode_open_prompts(ev.tokenizer, flat, ev.format.prompt_settings())
         self.generator = TrunkGenerator(ev.tokenizer, prompts, ev.batch_size, max_new_tokens, ev.trunk_layers,
                                         temperatures)
         self.base_outputs: dict[str, list[GenOut]] = {}

@@ -42,7 +42,7 @@ import hypergrad as hg
 import llm_calib.objectives.builtin  # noqa: F401  registers the built-in objectives and solvers
 from llm_calib.calm import sampling
 from llm_calib.calm.config import CalibrationConfig
-from llm_calib.calm.encoding import EncodedRecords, encode_records, task_format
+from llm_calib.calm.encoding import EncodedRecords, encode_records, format_settings, task_format
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
 from llm_calib.calm.methods import (
     lam_optimizer,
@@ -322,7 +322,7 @@ def build_trainer(
     lam_kind = resolve_adjustment(config.adjustment, fmt.layout)
     tokens = {t for src in sources for opts in src.options for o in opts for t in o} if lam_kind == "answer_tokens" else ()
     adjustment = make_adjustment(config, vocab, tokens, fmt.layout)
-    losses = CalmLosses(lm, adjustment, config.normalize)
+    losses = CalmLosses(lm, adjustment, format_settings(config)["normalize"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     recorder = _FirstValues()
     objective = build_objective(config)
