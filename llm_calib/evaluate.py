@@ -506,7 +506,7 @@ def evaluate_records(
     config = {
         "scorer": scorer,
         "normalize": normalize,
-        "prompt": prompt_dict(multiple_choice_format(scorer, normalize=normalize, prompt=prompt).prompt_settings()),
+        "prompt": prompt_dict(prompt if prompt is not None else multiple_choice_format(scorer).prompt_settings()),
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "datasets": [name for name, _ in datasets],
