@@ -21,10 +21,11 @@ import numpy as np
 
 from llm_calib import metrics
 from llm_calib.data import load as load_data
-from llm_calib.data.records import MultipleChoice, OpenQA, RecordKindError
+from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.fewshot import resolve_fewshot
 from llm_calib.formats import (
     MULTIPLE_CHOICE_FORMATS,
+    RecordKindError,
     ScoredResult,
     TaskFormat,
     format_for,

@@ -19,12 +19,13 @@ from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig, open_prompt_format
 from llm_calib.calm.encoding import encode_records, format_settings, task_format
 from llm_calib.data import builtin_multiple_choice
-from llm_calib.data.records import MultipleChoice, OpenQA, RecordKindError
+from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.evaluate import evaluate_records, sample_rows, summarize_scored
 from llm_calib.formats import (
     Letter,
     OpenEnded,
     OptionLikelihood,
+    RecordKindError,
     ScoredResult,
     TaskFormat,
     family_format,

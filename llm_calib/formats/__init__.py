@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-from llm_calib.data.records import RECORD_KINDS, record_kind
-from llm_calib.formats.base import ScoredResult, TaskFormat
+from llm_calib.data.records import RECORD_KINDS
+from llm_calib.formats.base import RecordKindError, ScoredResult, TaskFormat, records_family
 from llm_calib.formats.categorical import cross_entropy, entropy, identity
 from llm_calib.formats.multiple_choice import (
     Letter,
@@ -35,6 +35,7 @@ __all__ = [
     "MultipleChoiceFormat",
     "OpenEnded",
     "OptionLikelihood",
+    "RecordKindError",
     "ScoredResult",
     "TaskFormat",
     "cross_entropy",
@@ -44,6 +45,7 @@ __all__ = [
     "identity",
     "multiple_choice_format",
     "normalization_summary",
+    "records_family",
 ]
 
 MULTIPLE_CHOICE_FORMATS: dict[str, type[MultipleChoiceFormat]] = {
@@ -139,7 +141,7 @@ def format_for(
         >>> format_for([OpenQA("Capital of France?", ("Paris",), "geo", "q0")]).layout
         'open'
     """
-    if record_kind(records, what=what) == "open":
+    if records_family(records, what=what) == "open":
         if open_prompt is None and prompt is not None and prompt.style != "cloze":
             open_prompt = replace(prompt, style="cloze")
         return OpenEnded(open_prompt if open_prompt is not None else prompt, max_new_tokens, answer_stop)

@@ -26,19 +26,82 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import numpy as np
 from torch import Tensor
 
-from llm_calib.data.records import record_kind
+from llm_calib.data.records import RECORD_KINDS, MultipleChoice, OpenQA
 from llm_calib.scoring.packing import PackedQuestions
 
 if TYPE_CHECKING:
     from llm_calib.adjustment import LogitAdjustment
     from llm_calib.calm.objectives import Batch, CalmLosses
 
-__all__ = ["ScoredResult", "TaskFormat"]
+__all__ = ["RecordKindError", "ScoredResult", "TaskFormat", "records_family"]
+
+
+class RecordKindError(ValueError):
+    """Records that are not all of one kind (or not records): raised by :func:`records_family`.
+
+    Example:
+        >>> issubclass(RecordKindError, ValueError)
+        True
+    """
+
+
+def records_family(
+    records: Iterable[Any], *, what: str = "records", expected: str | None = None
+) -> Literal["multiple_choice", "open"]:
+    """The one kind of a collection of records; an error names the first record that breaks it.
+
+    Called where records enter (:func:`llm_calib.formats.format_for`, :meth:`TaskFormat.check`):
+    the result picks the task format, and nothing downstream asks again.
+
+    Args:
+        records: :class:`~llm_calib.data.records.MultipleChoice` or
+            :class:`~llm_calib.data.records.OpenQA` records, all of one kind.
+        what: how to name the collection in error messages (e.g. ``"train"``).
+        expected: the kind the records must have (one of
+            :data:`~llm_calib.data.records.RECORD_KINDS`), or None to take the first record's.
+
+    Returns:
+        ``"multiple_choice"`` or ``"open"``.
+
+    Raises:
+        RecordKindError: (a ValueError) no records, a record of another type, or a record of the
+            other kind; the message names the offending record's id.
+        ValueError: an unknown ``expected``.
+
+    Example:
+        >>> records_family([OpenQA("Capital of France?", ("Paris",), "geo", "q0")])
+        'open'
+        >>> mc = MultipleChoice("2 + 2 = ?", ("3", "4"), 1, "arithmetic", "add-0")
+        >>> records_family([mc], what="heldout", expected="open")
+        Traceback (most recent call last):
+        ...
+        llm_calib.formats.base.RecordKindError: heldout: record 'add-0' is MultipleChoice, expected open records (OpenQA); a run takes one kind of record, all multiple choice or all open-ended
+    """
+    names = {"multiple_choice": "MultipleChoice", "open": "OpenQA"}
+    if expected is not None and expected not in names:
+        raise ValueError(f"expected must be one of {RECORD_KINDS}, got {expected!r}")
+    family, first = expected, None
+    for position, r in enumerate(records):
+        this = "multiple_choice" if isinstance(r, MultipleChoice) else "open" if isinstance(r, OpenQA) else None
+        name = f"record {r.id!r}" if isinstance(getattr(r, "id", None), str) else f"record at position {position}"
+        if this is None:
+            raise RecordKindError(f"{what}: {name} is a {type(r).__name__}, not a MultipleChoice or OpenQA record")
+        if family is None:
+            family, first = this, name
+        elif this != family:
+            since = f" like {first}" if first is not None else ""
+            raise RecordKindError(
+                f"{what}: {name} is {type(r).__name__}, expected {family} records{since} "
+                f"({names[family]}); a run takes one kind of record, all multiple choice or all open-ended"
+            )
+    if family is None:
+        raise RecordKindError(f"{what}: no records")
+    return family  # type: ignore[return-value]
 
 
 @runtime_checkable
@@ -107,8 +170,8 @@ class TaskFormat(ABC):
 
     Attributes:
         family: the record kind the format takes (``"multiple_choice"`` or ``"open"``, see
-            :data:`~llm_calib.data.records.RECORD_KINDS`); it is what results record as their
-            ``kind``.
+            :data:`~llm_calib.data.records.RECORD_KINDS`, :func:`records_family`); results record it
+            as their ``kind``.
         layout: the training-batch layout name (``"options"``, ``"letter"`` or ``"open"``).
         description: how reports name the kind of question.
         temperature_scalable: whether the scores are option logits a temperature can be fitted on
@@ -138,7 +201,7 @@ class TaskFormat(ABC):
         Raises:
             ValueError: no records, or a record of another kind or type (naming it).
         """
-        record_kind(records, what=what, expected=self.family)
+        records_family(records, what=what, expected=self.family)
 
     @classmethod
     def domain_notes(cls, metrics: dict[str, float]) -> list[str]:
