@@ -23,6 +23,7 @@ from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.objectives import Batch, CalmLosses, option_lengths
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import PackedQuestions
+from llm_calib.formats import MultipleChoiceFormat
 from llm_calib.prompts import PromptFormat, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, check_records, progress_bar
 from llm_calib.scoring.option_likelihood import NORMALIZE_MODES, EncodedQuestion, encode_questions
@@ -224,7 +225,7 @@ class NaiveCalmLosses(CalmLosses):
         return {self._prefix + k: v for k, v in self.lm.decoder_parameters(theta).items()}
 
     def scores(self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch) -> Tensor:
-        if getattr(batch, "open_ended", False):
+        if not isinstance(batch.format, MultipleChoiceFormat):
             raise NotImplementedError("the naive reference scores multiple-choice batches only")
         items = unpack_questions(batch.packed)
         params = None if theta is None else self.model_params(theta)
@@ -234,9 +235,3 @@ class NaiveCalmLosses(CalmLosses):
         if on_options:  # an option-level λ acts on the finished option scores
             scores = self.adjustment.apply_options(scores, option_lengths(batch.packed).to(scores.device), lam)
         return scores
-
-    def _categorical(self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None,
-                     batch: Batch) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
-        # CalmLosses.inner / baseline read their option scores here (multiple choice)
-        scores = self.scores(theta, lam, batch)
-        return scores, batch.labels.to(scores.device), lambda x: x

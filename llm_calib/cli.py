@@ -663,10 +663,10 @@ def _device(name: str) -> str:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     from llm_calib import distributed
+    from llm_calib.calm.encoding import task_format
     from llm_calib.calm.trainer import TrainingDiverged
     from llm_calib.compare import run_comparison, write_comparison_report
     from llm_calib.data import load as load_data
-    from llm_calib.data.records import record_kind
     from llm_calib.models import load as load_model
 
     config, methods = _calibration_config(args)
@@ -692,9 +692,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     # Load every data set before the model, so a bad spec fails fast.
     train = (args.train, records("--train", args.train))
     heldout = (args.heldout, records("--heldout", args.heldout))
-    try:  # one kind of record per run; the message names the offending record
-        kind = record_kind(train[1], what=f"--train {args.train}")
-        record_kind(heldout[1], what=f"--heldout {args.heldout}", expected=kind)
+    try:  # one kind of record per run, read here; the message names the offending record
+        fmt = task_format(train[1], config, what=f"--train {args.train}")
+        fmt.check(heldout[1], what=f"--heldout {args.heldout}")
     except ValueError as exc:
         raise _UserError(str(exc)) from exc
     unlabeled = None
@@ -703,7 +703,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                             f"--unlabeled {spec}") for spec in args.unlabeled]
         unlabeled = ("+".join(args.unlabeled), [r for part in parts for r in part])
         try:
-            record_kind(unlabeled[1], what=f"--unlabeled {unlabeled[0]}", expected=kind)
+            fmt.check(unlabeled[1], what=f"--unlabeled {unlabeled[0]}")
         except ValueError as exc:
             raise _UserError(str(exc)) from exc
         log(f"loaded {len(unlabeled[1])} unlabelled inputs from {unlabeled[0]}")
@@ -787,6 +787,7 @@ def _unescape(text: str | None) -> str | None:
 
 def _evaluate_prompt(args: argparse.Namespace) -> object:
     """The PromptFormat of ``llm-calib evaluate``: the preset (or the default), then explicit flags."""
+    from llm_calib.formats import multiple_choice_format
     from llm_calib.prompts import PromptFormat, preset
 
     overrides = {
@@ -804,15 +805,17 @@ def _evaluate_prompt(args: argparse.Namespace) -> object:
     }
     given = {k: v for k, v in overrides.items() if v is not None}
     if args.prompt_preset is None:
-        given.setdefault("style", "listed" if args.scorer == "letter" else "cloze")
+        given.setdefault("style", multiple_choice_format(args.scorer).prompt_settings().style)
     if args.no_chat_template:
         given["chat_template"] = False
     fmt = _user_call(
         lambda: preset(args.prompt_preset, **given) if args.prompt_preset else PromptFormat(**given),
         "prompt",
     )
-    if args.scorer == "letter" and fmt.style != "listed" and fmt.template is None:
-        raise _UserError("--scorer letter needs --prompt-style listed (the options must be listed)")
+    try:  # the scorer's own rules on the prompt (the letter scorer needs the options listed)
+        multiple_choice_format(args.scorer, prompt=fmt)
+    except ValueError as exc:
+        raise _UserError(f"--scorer {args.scorer}: {exc} (see --prompt-style)") from exc
     if fmt.fewshot and not fmt.fewshot_split:
         raise _UserError(f"--fewshot {fmt.fewshot} needs --fewshot-split SPEC (the split the examples come from)")
     return fmt

@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 
 from llm_calib import distributed
-from llm_calib.calm.config import CalibrationConfig, open_prompt_format
-from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
+from llm_calib.calm.config import CalibrationConfig
+from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.evaluate import HEADLINE_METRICS, EvaluationResult, TemperatureFit, evaluate_records
+from llm_calib.formats import family_format
 from llm_calib.models import free_memory
-from llm_calib.prompts import PromptFormat
 from llm_calib.report import (
     format_metric,
     jsonable,
@@ -73,6 +73,11 @@ class DomainComparison:
     n: int
     columns: dict[str, dict[str, float] | None] = field(default_factory=dict)
     reliability: dict[str, dict[str, list[float]] | None] = field(default_factory=dict)
+
+    @property
+    def description(self) -> str:
+        """How the report names the domain's kind of question (its format's description)."""
+        return family_format(self.kind).description
 
 
 @dataclass
@@ -127,11 +132,6 @@ class Comparison:
             },
             "macro_average": self.macro_average(),
         }
-
-
-def _prompt(config: CalibrationConfig) -> PromptFormat:
-    style = "listed" if config.scorer == "letter" else config.prompt_style
-    return PromptFormat(style=style, chat_template=config.chat_template)
 
 
 def run_comparison(
@@ -191,7 +191,7 @@ def run_comparison(
     """
     import torch
 
-    from llm_calib.calm.encoding import encode_records
+    from llm_calib.calm.encoding import encode_records, format_settings, task_format
     from llm_calib.calm.lora import detach_lora
     from llm_calib.calm.trainer import CalibrationResult, calibrate
     from llm_calib.objectives.registry import objective_names
@@ -199,19 +199,20 @@ def run_comparison(
     unknown = [m for m in methods if m not in objective_names()]
     if unknown or not methods:
         raise ValueError(f"methods must be a non-empty list from {objective_names()}, got {list(methods)}")
-    kind = record_kind(train[1], what=train[0])
-    record_kind(heldout[1], what=heldout[0], expected=kind)
+    fmt = task_format(train[1], config, what=train[0])
+    fmt.check(heldout[1], what=heldout[0])
     if unlabeled is not None:
-        record_kind(unlabeled[1], what=unlabeled[0], expected=kind)
+        fmt.check(unlabeled[1], what=unlabeled[0])
     # a temperature is fitted on option scores, which open questions do not have
-    temperature_fit = heldout if kind == "multiple_choice" else None
+    temperature_fit = heldout if fmt.temperature_scalable else None
     out = Path(out_dir)
     writer = distributed.rank() == 0
+    settings = format_settings(config)
     eval_kwargs: dict[str, Any] = {
-        "scorer": config.scorer,
-        "normalize": config.normalize,
-        "prompt": _prompt(config),
-        "open_prompt": open_prompt_format(config) if config.open_examples else None,
+        "scorer": settings["scorer"],
+        "normalize": settings["normalize"],
+        "prompt": settings["prompt"],
+        "open_prompt": settings["open_prompt"],
         "batch_size": eval_batch_size,
         "n_bins": n_bins,
         "ci": bootstrap > 0,
@@ -239,8 +240,9 @@ def run_comparison(
     timings = {"baselines_s": time.perf_counter() - t0}
 
     # encoded once: every method (and its trunk cache) reads the same token ids of the same records
-    train_enc, heldout_enc = encode_records(tokenizer, train[1], config), encode_records(tokenizer, heldout[1], config)
-    unlabeled_enc = None if unlabeled is None else encode_records(tokenizer, unlabeled[1], config)
+    train_enc = encode_records(tokenizer, train[1], config, fmt=fmt)
+    heldout_enc = encode_records(tokenizer, heldout[1], config, fmt=fmt)
+    unlabeled_enc = None if unlabeled is None else encode_records(tokenizer, unlabeled[1], config, fmt=fmt)
     training: dict[str, dict[str, Any]] = {}
     for method in methods:
         cfg = dataclasses.replace(config, method=method)
@@ -287,14 +289,14 @@ def run_comparison(
         del result, res
         free_memory()
     run_config = {
-        "train": {"spec": train[0], "n": len(train[1]), "kind": kind},
+        "train": {"spec": train[0], "n": len(train[1]), "kind": fmt.family},
         "heldout": {"spec": heldout[0], "n": len(heldout[1])},
         **({} if unlabeled is None else {"unlabeled": {"spec": unlabeled[0], "n": len(unlabeled[1])}}),
         "eval": [name for name, _ in evals],
         "calibration": {k: v for k, v in config.to_dict().items() if k != "method"},
         "evaluation": {
-            "scorer": config.scorer,
-            "normalize": config.normalize,
+            "scorer": settings["scorer"],
+            "normalize": settings["normalize"],
             "prompt_style": eval_kwargs["prompt"].style,
             "n_bins": n_bins,
             "bootstrap": bootstrap,
@@ -340,12 +342,7 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
         f"- scorer: `{cfg['evaluation']['scorer']}` ({cfg['evaluation']['normalize']}, "
         f"{cfg['evaluation']['prompt_style']} prompt); solver for calm: `{cal.get('solver')}`",
     ]
-    if cfg["train"].get("kind") == "open":
-        lines.append(
-            "- trained on open questions (token cross-entropy of the first reference answer); the "
-            "held-out accuracy and ECE of the training table are teacher-forced proxies, the "
-            "per-domain tables score greedy answers"
-        )
+    lines += family_format(cfg["train"].get("kind", "multiple_choice")).training_notes
     fit = cmp.temperature
     if fit is not None:
         lines.append(
@@ -373,8 +370,7 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
     if cmp.config["evaluation"].get("bootstrap"):
         lines += ["Values are point estimates with 95% bootstrap confidence intervals.", ""]
     for dom, d in cmp.domains.items():
-        kind = "multiple choice" if d.kind == "multiple_choice" else "open-ended (exact match)"
-        lines += [f"## {dom}", "", f"{d.n} questions, {kind}.", ""]
+        lines += [f"## {dom}", "", f"{d.n} questions, {d.description}.", ""]
         lines.append(metrics_table([(_label(c), d.columns.get(c)) for c in cmp.columns]))
         lines += ["", f"![reliability diagrams]({reliability_filename(dom)})", ""]
     return "\n".join(lines)

@@ -13,7 +13,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,22 +23,25 @@ from llm_calib import metrics
 from llm_calib.data import load as load_data
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.fewshot import resolve_fewshot
-from llm_calib.prompts import PromptFormat, prompt_dict
-from llm_calib.scoring import (
-    LM_EVAL_NORMALIZATIONS,
-    SCORERS,
-    OpenEndedSet,
-    ScoredSet,
-    normalized,
-    score_multiple_choice,
-    score_open_ended,
+from llm_calib.formats import (
+    MULTIPLE_CHOICE_FORMATS,
+    RecordKindError,
+    ScoredResult,
+    TaskFormat,
+    format_for,
+    multiple_choice_format,
+    normalization_summary,
 )
+from llm_calib.prompts import PromptFormat, prompt_dict
+from llm_calib.scoring import OpenEndedSet, ScoredSet
+from llm_calib.scoring.open_ended import open_ended_summary
 from llm_calib.temperature import fit_temperature, temperature_nll
 
 __all__ = [
     "DomainResult",
     "EvaluationResult",
     "TemperatureFit",
+    "domain_result",
     "evaluate",
     "evaluate_records",
     "group_means",
@@ -106,6 +109,8 @@ class DomainResult:
         normalizations: multiple choice with per-option details: accuracy and ECE of every
             option-score normalisation side by side, by lm-eval name (``acc``, ``acc_norm``,
             ``acc_bytes``, ``acc_token``; see :func:`normalization_summary`), else None.
+        task: the task format that scored the domain (not serialised); it writes the
+            per-question rows (:func:`sample_rows`).
 
     Example:
         >>> r = DomainResult("toy", "multiple_choice", {"n": 3, "accuracy": 0.5}, None, {}, None)
@@ -121,6 +126,7 @@ class DomainResult:
     reliability_scaled: dict[str, list[float]] | None
     scored: ScoredSet | OpenEndedSet | None = field(default=None, repr=False)
     normalizations: dict[str, dict[str, float]] | None = None
+    task: TaskFormat | None = field(default=None, repr=False, compare=False)
 
     @property
     def n(self) -> int:
@@ -201,8 +207,9 @@ def score_records(
     max_new_tokens: int = 32,
     progress: bool = False,
     open_prompt: PromptFormat | None = None,
+    task: TaskFormat | None = None,
 ) -> ScoredSet | OpenEndedSet:
-    """Score records with the scorer that fits their type.
+    """Score records with the format that fits them (:func:`~llm_calib.formats.format_for`).
 
     Multiple-choice records go to ``scorer`` (``"option_likelihood"`` or ``"letter"``), open
     questions to :func:`~llm_calib.scoring.score_open_ended`. A mix of both is an error.
@@ -221,10 +228,12 @@ def score_records(
         progress: show a progress bar.
         open_prompt: prompt format of open questions (e.g. the short-answer prompt of
             :func:`~llm_calib.calm.config.open_prompt_format`); None: ``prompt`` in the cloze style.
+        task: score with this :class:`~llm_calib.formats.base.TaskFormat` instead (the scorer
+            settings above are then unused); the records are checked against it.
 
     Returns:
         A :class:`~llm_calib.scoring.base.ScoredSet` (multiple choice) or an
-        :class:`~llm_calib.scoring.open_ended.OpenEndedSet` (open questions).
+        :class:`~llm_calib.scoring.open_ended.OpenEndedSet` (open questions): the format's result.
 
     Raises:
         TypeError: the records mix multiple-choice and open questions.
@@ -238,157 +247,32 @@ def score_records(
         'option_likelihood'
     """
     records = list(records)
-    kinds = {type(r) for r in records}
-    if kinds == {OpenQA}:
-        return score_open_ended(
-            model,
-            tokenizer,
-            records,
-            prompt=open_prompt if open_prompt is not None else _open_prompt(prompt),
-            max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
-            progress=progress,
-        )
-    if kinds <= {MultipleChoice}:
-        return score_multiple_choice(
-            model,
-            tokenizer,
-            records,
-            scorer=scorer,
-            normalize=normalize,
-            prompt=prompt,
-            batch_size=batch_size,
-            progress=progress,
-        )
-    raise TypeError(
-        f"records must be all MultipleChoice or all OpenQA, got {sorted(k.__name__ for k in kinds)}"
-    )
+    fmt = _format(records, task, scorer=scorer, normalize=normalize, prompt=prompt, open_prompt=open_prompt,
+                  max_new_tokens=max_new_tokens)
+    return fmt.score(model, tokenizer, records, batch_size=batch_size, progress=progress)
 
 
-def _open_prompt(prompt: PromptFormat | None) -> PromptFormat | None:
-    if prompt is None or prompt.style == "cloze":
-        return prompt
-    return replace(prompt, style="cloze")
-
-
-def normalization_summary(scored: ScoredSet, n_bins: int = 10) -> dict[str, dict[str, float]] | None:
-    """Accuracy and ECE of each option-score normalisation, side by side.
-
-    For every entry of :data:`llm_calib.scoring.LM_EVAL_NORMALIZATIONS` (``acc``: summed
-    log-likelihood, ``acc_norm``: per character, ``acc_bytes``: per byte, ``acc_token``: per
-    token) the options are re-scored from ``scored.details`` and the probabilities are the
-    softmax over the normalised scores: ``accuracy`` (what lm-eval reports under that name),
-    ``ece``, ``nll`` and ``brier``.
-
-    Args:
-        scored: multiple-choice scores with details.
-        n_bins: ECE bins.
-
-    Returns:
-        Name to metrics, or None when ``scored`` has no details.
-
-    Example:
-        >>> from llm_calib.models import tiny_random_model
-        >>> from llm_calib.data import builtin_multiple_choice
-        >>> from llm_calib.scoring import score_option_likelihood
-        >>> model, tok = tiny_random_model()
-        >>> s = score_option_likelihood(model, tok, builtin_multiple_choice(4, domains=["capitals"]))
-        >>> sorted(normalization_summary(s))
-        ['acc', 'acc_bytes', 'acc_norm', 'acc_token']
-    """
-    if scored.details is None or not len(scored):
-        return None
-    out: dict[str, dict[str, float]] = {}
-    for name in LM_EVAL_NORMALIZATIONS:
-        s = normalized(scored, name)
-        probs, labels = s.probs_numpy, s.labels_numpy
-        conf, correct = metrics.confidence_correct(probs, labels)
-        out[name] = {
-            "accuracy": s.accuracy,
-            "ece": metrics.ece(conf, correct, n_bins),
-            "nll": metrics.nll(probs, labels),
-            "brier": metrics.brier(probs, labels),
-        }
-    return out
-
-
-def open_ended_summary(
-    scored: OpenEndedSet,
-    n_bins: int = 10,
-    ci: bool = True,
-    n_resamples: int = 1000,
-    seed: int = 0,
-) -> dict[str, float]:
-    """Calibration metrics of open-ended answers (confidence = mean token probability).
-
-    Keys: ``n``, ``accuracy`` (exact match), ``f1``, ``ece``, ``ece15``, ``adaptive_ece``,
-    ``mce``, ``brier`` and ``nll`` (of the confidence as a probability of being correct),
-    ``auroc``, ``mean_confidence``, ``ece_product``, ``ece_min`` (ECE of the product and minimum
-    token-probability confidences); with ``ci``, bootstrap intervals of the headline metrics.
-
-    Args:
-        scored: greedy answers with their token probabilities.
-        n_bins: equal-width bins of the ECE variants.
-        ci: add 95% bootstrap intervals.
-        n_resamples: bootstrap resamples.
-        seed: bootstrap seed.
-
-    Returns:
-        The metrics by name.
-
-    Example:
-        >>> s = OpenEndedSet(["Paris", "Rome"], [("Paris",), ("Oslo",)], ["geo"] * 2,
-        ...                  ["q0", "q1"], [(0.9,), (0.2,)])
-        >>> r = open_ended_summary(s, ci=False)
-        >>> r["accuracy"], round(r["brier"], 3)
-        (0.5, 0.025)
-    """
-    c = np.clip(scored.confidence("mean"), 0.0, 1.0)
-    k = scored.correct.astype(np.float64)
-
-    def _brier(c: np.ndarray, k: np.ndarray) -> float:
-        return float(np.mean((np.asarray(c) - np.asarray(k)) ** 2))
-
-    def _nll(c: np.ndarray, k: np.ndarray) -> float:
-        cc = np.clip(np.asarray(c), metrics.NLL_EPS, 1 - metrics.NLL_EPS)
-        kk = np.asarray(k)
-        return float(-np.mean(kk * np.log(cc) + (1 - kk) * np.log(1 - cc)))
-
-    def _acc(c: np.ndarray, k: np.ndarray) -> float:
-        return float(np.mean(k))
-
-    funcs = {
-        "accuracy": _acc,
-        "ece": lambda c, k: metrics.ece(c, k, n_bins),
-        "adaptive_ece": lambda c, k: metrics.adaptive_ece(c, k, n_bins),
-        "brier": _brier,
-        "nll": _nll,
-        "auroc": metrics.auroc,
-    }
-    out: dict[str, float] = {"n": len(scored)}
-    out.update({name: f(c, k) for name, f in funcs.items()})
-    out["f1"] = float(np.mean(scored.f1)) if len(scored) else math.nan
-    out["ece15"] = metrics.ece(c, k, 15)
-    out["mce"] = metrics.mce(c, k, n_bins)
-    out["mean_confidence"] = float(c.mean())
-    out["ece_product"] = metrics.ece(np.clip(scored.confidence("product"), 0, 1), k, n_bins)
-    out["ece_min"] = metrics.ece(np.clip(scored.confidence("min"), 0, 1), k, n_bins)
-    if ci:
-        for name, f in funcs.items():
-            lo, hi = metrics.bootstrap_ci(f, c, k, n_resamples=n_resamples, seed=seed)
-            out[f"{name}_ci_low"], out[f"{name}_ci_high"] = lo, hi
-    return out
+def _format(records: Sequence[Any], task: TaskFormat | None, *, what: str = "records", **settings: Any) -> TaskFormat:
+    """The format of a data set entering evaluation (``task``, checked, or the one of the settings)."""
+    try:
+        if task is not None:
+            task.check(records, what=what)
+            return task
+        return format_for(records, what=what, **settings)
+    except RecordKindError as exc:
+        raise TypeError(f"records must be all MultipleChoice or all OpenQA: {exc}") from exc
 
 
 def summarize_scored(
     scored: ScoredSet | OpenEndedSet, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0
 ) -> dict[str, float]:
-    """The calibration metrics of one scored set, multiple choice
+    """The calibration metrics of one scored set (its ``summary``): multiple choice
     (:func:`llm_calib.metrics.summarize` of its option probabilities) or open answers
     (:func:`open_ended_summary`).
 
     Args:
-        scored: a :class:`~llm_calib.scoring.base.ScoredSet` or an
+        scored: a scored set (:class:`~llm_calib.formats.base.ScoredResult`): a
+            :class:`~llm_calib.scoring.base.ScoredSet` or an
             :class:`~llm_calib.scoring.open_ended.OpenEndedSet`.
         n_bins: equal-width ECE bins.
         ci: add 95% bootstrap intervals.
@@ -399,7 +283,7 @@ def summarize_scored(
         The metrics by name.
 
     Raises:
-        TypeError: ``scored`` is neither.
+        TypeError: ``scored`` is not a scored set.
 
     Example:
         >>> import torch
@@ -407,12 +291,9 @@ def summarize_scored(
         >>> summarize_scored(s, ci=False)["accuracy"]
         0.5
     """
-    if isinstance(scored, OpenEndedSet):
-        return open_ended_summary(scored, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
-    if isinstance(scored, ScoredSet):
-        return metrics.summarize(scored.probs_numpy, scored.labels_numpy, n_bins=n_bins, ci=ci,
-                                 n_resamples=n_resamples, seed=seed)
-    raise TypeError(f"scored must be a ScoredSet or an OpenEndedSet, got {type(scored).__name__}")
+    if not isinstance(scored, ScoredResult):
+        raise TypeError(f"scored must be a scored set, a ScoredSet or an OpenEndedSet, got {type(scored).__name__}")
+    return scored.summary(n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
 
 
 def group_means(
@@ -446,38 +327,58 @@ def group_means(
     return out
 
 
-def _mc_domain(
+def domain_result(
     domain: str,
-    scored: ScoredSet,
-    temperature: float | None,
-    n_bins: int,
-    ci: bool,
-    n_resamples: int,
-    seed: int,
+    task: TaskFormat,
+    scored: ScoredResult,
+    temperature: float | None = None,
+    *,
+    n_bins: int = 10,
+    ci: bool = True,
+    n_resamples: int = 1000,
+    seed: int = 0,
 ) -> DomainResult:
-    def summary(s: ScoredSet) -> tuple[dict[str, float], dict[str, list[float]]]:
-        m = summarize_scored(s, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
+    """The metrics of one domain's scored set, whatever its format.
+
+    The uncalibrated metrics are the set's ``summary`` and reliability bins of its
+    ``confidences``; with a ``temperature`` the format applies it where it has option scores
+    (:meth:`~llm_calib.formats.base.TaskFormat.temperature_scaled`), and adds its own extra metrics
+    (:meth:`~llm_calib.formats.base.TaskFormat.extra_metrics`).
+
+    Args:
+        domain: the domain label.
+        task: the format that scored the set.
+        scored: the domain's scored set.
+        temperature: a fitted temperature to carry to the domain, or None.
+        n_bins: ECE and reliability bins.
+        ci: bootstrap intervals.
+        n_resamples: bootstrap resamples.
+        seed: bootstrap seed.
+
+    Returns:
+        A :class:`DomainResult`.
+
+    Example:
+        >>> import torch
+        >>> from llm_calib.formats import OptionLikelihood
+        >>> s = ScoredSet([torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0])], [1, 1], ["d", "d"], ["a", "b"])
+        >>> r = domain_result("d", OptionLikelihood(), s, 2.0, ci=False)
+        >>> r.n, r.uncalibrated["accuracy"], r.temperature_scaled is not None
+        (2, 0.5, True)
+    """
+
+    def summary(s: ScoredResult) -> tuple[dict[str, float], dict[str, list[float]]]:
+        m = s.summary(n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
         rb = metrics.reliability_bins(s.confidences, s.correct, n_bins=n_bins).to_dict()
         return m, rb
 
     unc, rb = summary(scored)
     scaled = rb_scaled = None
-    if temperature is not None:
-        scaled, rb_scaled = summary(scored.scaled(temperature))
-    return DomainResult(
-        domain, "multiple_choice", unc, scaled, rb, rb_scaled, scored,
-        normalizations=normalization_summary(scored, n_bins),
-    )
-
-
-def _open_domain(
-    domain: str, scored: OpenEndedSet, n_bins: int, ci: bool, n_resamples: int, seed: int
-) -> DomainResult:
-    summary = summarize_scored(scored, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
-    rb = metrics.reliability_bins(
-        np.clip(scored.confidence("mean"), 0, 1), scored.correct, n_bins=n_bins
-    )
-    return DomainResult(domain, "open", summary, None, rb.to_dict(), None, scored)
+    scaled_set = task.temperature_scaled(scored, temperature)
+    if scaled_set is not None:
+        scaled, rb_scaled = summary(scaled_set)
+    return DomainResult(domain, task.family, unc, scaled, rb, rb_scaled, scored,  # type: ignore[arg-type]
+                        normalizations=task.extra_metrics(scored, n_bins), task=task)
 
 
 def evaluate_records(
@@ -497,8 +398,13 @@ def evaluate_records(
     max_new_tokens: int = 32,
     progress: bool = False,
     open_prompt: PromptFormat | None = None,
+    task: TaskFormat | None = None,
 ) -> EvaluationResult:
     """Evaluate already-loaded records (see :func:`evaluate` for the arguments).
+
+    Each data set is scored by its task format (:func:`~llm_calib.formats.format_for` of the
+    scorer settings, or ``task``), and each domain is summarised the same way whatever the
+    format (:func:`domain_result`).
 
     Args:
         model: a Hugging Face causal LM.
@@ -518,6 +424,8 @@ def evaluate_records(
         max_new_tokens: generation budget for open questions.
         progress: show progress bars.
         open_prompt: prompt format of open questions (see :func:`score_records`).
+        task: score every data set with this :class:`~llm_calib.formats.base.TaskFormat`
+            (the scorer settings are then unused).
 
     Returns:
         An :class:`EvaluationResult`.
@@ -537,33 +445,34 @@ def evaluate_records(
         >>> list(res.domains), res.domains["capitals"].n, res.temperature.temperature > 0
         (['capitals', 'arithmetic'], 4, True)
     """
-    if scorer not in SCORERS:
-        raise ValueError(f"scorer must be one of {tuple(SCORERS)}, got {scorer!r}")
+    if scorer not in MULTIPLE_CHOICE_FORMATS:
+        raise ValueError(f"scorer must be one of {tuple(MULTIPLE_CHOICE_FORMATS)}, got {scorer!r}")
     if prompt is not None and prompt.fewshot > 0:
         evaluated = [r for _, recs in datasets for r in recs]
         if temperature_fit is not None:
             evaluated += list(temperature_fit[1])
         prompt = resolve_fewshot(prompt, exclude=evaluated)
-    kwargs = {
+    settings = {
         "scorer": scorer,
         "normalize": normalize,
         "prompt": prompt,
-        "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
-        "progress": progress,
         "open_prompt": open_prompt,
     }
     timing: dict[str, float] = {}
     fit = None
     if temperature_fit is not None:
         name, fit_records = temperature_fit
-        if not fit_records or not all(isinstance(r, MultipleChoice) for r in fit_records):
+        try:
+            fit_format = _format(fit_records, task, what=f"temperature_fit {name!r}", **settings)
+        except TypeError:
+            fit_format = None
+        if not fit_records or fit_format is None or not fit_format.temperature_scalable:
             raise ValueError(
                 f"temperature_fit {name!r} must hold multiple-choice records (got none or open questions)"
             )
         t0 = time.perf_counter()
-        fs = score_records(model, tokenizer, fit_records, **kwargs)
-        assert isinstance(fs, ScoredSet)
+        fs = fit_format.score(model, tokenizer, fit_records, batch_size=batch_size, progress=progress)
         timing["temperature_fit_scoring_s"] = time.perf_counter() - t0
         T = fit_temperature(fs.logits, fs.labels)
         fit = TemperatureFit(
@@ -574,35 +483,31 @@ def evaluate_records(
             nll_before=temperature_nll(fs.logits, fs.labels, 1.0),
             nll_after=temperature_nll(fs.logits, fs.labels, T),
         )
-    groups: dict[str, list[ScoredSet | OpenEndedSet]] = {}
+    groups: dict[str, tuple[TaskFormat, list[Any]]] = {}
     n_scored, score_s = 0, 0.0
     for name, records in datasets:
         if not records:
             raise ValueError(f"data set {name!r} holds no records")
+        fmt = _format(records, task, what=f"data set {name!r}", **settings)
         t0 = time.perf_counter()
-        scored = score_records(model, tokenizer, records, **kwargs)
+        scored = fmt.score(model, tokenizer, records, batch_size=batch_size, progress=progress)
         dt = time.perf_counter() - t0
         timing[f"scoring_s[{name}]"] = dt
         n_scored += len(scored)
         score_s += dt
         for dom, part in scored.by_domain().items():
-            groups.setdefault(dom, []).append(part)
+            groups.setdefault(dom, (fmt, []))[1].append(part)
     timing["scoring_s"] = score_s
     timing["questions_per_s"] = n_scored / score_s if score_s > 0 else math.nan
-    domains: dict[str, DomainResult] = {}
     stats = {"n_bins": n_bins, "ci": ci, "n_resamples": n_resamples, "seed": seed}
-    for dom, parts in groups.items():
-        if isinstance(parts[0], ScoredSet):
-            merged = ScoredSet.concat([p for p in parts if isinstance(p, ScoredSet)])
-            domains[dom] = _mc_domain(dom, merged, fit.temperature if fit else None, **stats)
-        else:
-            opens = [p for p in parts if isinstance(p, OpenEndedSet)]
-            merged_open = opens[0] if len(opens) == 1 else _concat_open(opens)
-            domains[dom] = _open_domain(dom, merged_open, **stats)
+    domains: dict[str, DomainResult] = {}
+    for dom, (fmt, parts) in groups.items():
+        merged = type(parts[0]).concat(parts)
+        domains[dom] = domain_result(dom, fmt, merged, fit.temperature if fit else None, **stats)
     config = {
         "scorer": scorer,
         "normalize": normalize,
-        "prompt": _prompt_dict(prompt, scorer),
+        "prompt": prompt_dict(prompt if prompt is not None else multiple_choice_format(scorer).prompt_settings()),
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "datasets": [name for name, _ in datasets],
@@ -611,25 +516,6 @@ def evaluate_records(
     if open_prompt is not None:
         config["open_prompt"] = prompt_dict(open_prompt)
     return EvaluationResult(domains, fit, config, timing)
-
-
-def _concat_open(sets: Sequence[OpenEndedSet]) -> OpenEndedSet:
-    return OpenEndedSet(
-        [a for s in sets for a in s.answers],
-        [r for s in sets for r in s.references],
-        [d for s in sets for d in s.domains],
-        [i for s in sets for i in s.ids],
-        [p for s in sets for p in s.token_probs],
-        dict(sets[0].info),
-        [d for s in sets for d in s.details]  # type: ignore[union-attr]
-        if all(s.details is not None for s in sets)
-        else None,
-    )
-
-
-def _prompt_dict(prompt: PromptFormat | None, scorer: str) -> dict[str, Any]:
-    p = prompt or PromptFormat(style="listed" if scorer == "letter" else "cloze")
-    return prompt_dict(p)
 
 
 def evaluate(
@@ -758,49 +644,8 @@ def sample_rows(result: EvaluationResult) -> Iterator[dict[str, Any]]:
         (['confidence', 'continuations', 'correct', 'domain', 'gold'], True)
     """
     for dom, r in result.domains.items():
-        s = r.scored
-        if isinstance(s, ScoredSet):
-            probs, preds, conf = s.probs_numpy, s.predictions, s.confidences
-            by_norm = (
-                {n: normalized(s, n).predictions for n in LM_EVAL_NORMALIZATIONS}
-                if s.details is not None
-                else {}
-            )
-            for i in range(len(s)):
-                d = s.details[i] if s.details is not None else {}
-                yield {
-                    "id": s.ids[i],
-                    "domain": dom,
-                    "prompt": d.get("prompt"),
-                    "options": d.get("choices"),
-                    "continuations": d.get("continuations"),
-                    "loglik": d.get("loglik"),
-                    "n_tokens": d.get("n_tokens"),
-                    "token_ids": d.get("token_ids"),
-                    "probs": [float(x) for x in probs[i]],
-                    "prediction": int(preds[i]),
-                    "gold": int(s.labels[i]),
-                    "confidence": float(conf[i]),
-                    "correct": bool(preds[i] == s.labels[i]),
-                    "predictions": {n: int(p[i]) for n, p in by_norm.items()},
-                }
-        elif isinstance(s, OpenEndedSet):
-            conf, correct, f1 = s.confidence("mean"), s.correct, s.f1
-            for i in range(len(s)):
-                d = s.details[i] if s.details is not None else {}
-                yield {
-                    "id": s.ids[i],
-                    "domain": dom,
-                    "prompt": d.get("prompt"),
-                    "answer": s.answers[i],
-                    "references": list(s.references[i]),
-                    "token_ids": d.get("token_ids"),
-                    "token_probs": list(s.token_probs[i]),
-                    "confidence": float(conf[i]),
-                    "correct": bool(correct[i]),
-                    "f1": float(f1[i]),
-                    "stop": d.get("stop"),
-                }
+        if r.task is not None and r.scored is not None:
+            yield from r.task.sample_rows(dom, r.scored)
 
 
 def write_samples(result: EvaluationResult, path: str | os.PathLike[str]) -> Path:

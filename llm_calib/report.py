@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_calib.evaluate import HEADLINE_METRICS, EvaluationResult
+from llm_calib.formats import family_format
 
 __all__ = [
     "METRIC_LABELS",
@@ -216,13 +217,9 @@ def markdown_report(result: EvaluationResult, *, title: str = "Calibration repor
         lines.append("")
     for dom, r in result.domains.items():
         lines += [f"## {dom}", ""]
-        kind = "multiple choice" if r.kind == "multiple_choice" else "open-ended (exact match)"
-        lines.append(f"{r.n} questions, {kind}.")
-        if r.kind == "open":
-            lines.append(
-                f"Confidence = mean answer-token probability; token F1 "
-                f"{r.uncalibrated.get('f1', math.nan):.3f}."
-            )
+        task = family_format(r.kind)
+        lines.append(f"{r.n} questions, {task.description}.")
+        lines += task.domain_notes(r.uncalibrated)
         lines += ["", domain_table(r.uncalibrated, r.temperature_scaled), ""]
         if r.normalizations:
             lines += [

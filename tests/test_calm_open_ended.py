@@ -23,6 +23,7 @@ from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.data import builtin_multiple_choice, one_record_per_alias
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.packing import pack_continuations
+from llm_calib.formats import OpenEnded
 from llm_calib.models import tiny_random_model
 from llm_calib.prompts import PromptFormat, short_answer_format
 from llm_calib.scoring.base import encode_continuation
@@ -79,7 +80,7 @@ def test_encoding_uses_the_open_ended_scorer_prompt_and_the_first_alias(setup):
     assert enc.prompts[0] == tuple(encode_open_prompts(tok, [rec], PromptFormat())[0])
     assert tok.decode(enc.options[0][0]) == " " + rec.answers[0]
     batch = enc.batch([0, 1], 0)
-    assert batch.open_ended and batch.labels.tolist() == [0, 0]
+    assert isinstance(batch.format, OpenEnded) and batch.labels.tolist() == [0, 0]
 
 
 EXAMPLES = (("Capital of Italy?", "Rome"), ("What is 1 + 1?", "2"))
@@ -215,9 +216,9 @@ def test_monitor_proxy_equals_the_greedy_scorer_where_greedy_follows_the_referen
         good = list(greedy.token_ids)
         bad = [*good[:-1], (good[-1] + 1) % lm.head.out_features]
         stats = losses.monitor(Batch(pack_continuations([(prompt, good), (prompt, bad)], 0), torch.zeros(2), ["g", "b"],
-                                     open_ended=True))
+                                     OpenEnded()))
         stops = losses.monitor(Batch(pack_continuations([(prompt, good), (prompt, bad)], 0), torch.zeros(2),
-                                     ["g", "b"], open_ended=True, answer_stop=True))
+                                     ["g", "b"], OpenEnded(answer_stop=True)))
     finally:
         lm.load_theta(saved)
     assert stats["correct"].tolist() == [1.0, 0.0]

@@ -179,7 +179,7 @@ def test_no_private_cross_module_references(folder: str) -> None:
         ("class A:\n    def _f(self):\n        return self._g\n", False),
         # another module's private names on an instance, or by name
         ("def f(enc):\n    return enc.pack([0], 0), enc.trunk_cache\n", False),
-        ("def f(losses, b):\n    return losses._logits(None, None, b)\n", True),
+        ("def f(lm, p, t):\n    return lm._top_layers(None, p, t)\n", True),
         ("def f(tr):\n    return tr._FirstValues\n", True),
         ("def f(lm):\n    return getattr(lm, '_split_scale')\n", True),
         ("def f(mp, t):\n    mp.setattr(t, '_split_scale', None)\n", True),

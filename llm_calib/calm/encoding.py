@@ -21,20 +21,19 @@ from torch import Tensor
 from llm_calib.calm.config import CalibrationConfig, open_prompt_format
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.objectives import Batch
-from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
-from llm_calib.engine.packing import (
-    PackedQuestions,
-    pack_continuations,
-    pack_letters,
-    pack_questions,
-)
-from llm_calib.prompts import PromptFormat, build_prompt, continuation_text, uses_chat_template
-from llm_calib.scoring.base import encode_continuation, encode_prompt
-from llm_calib.scoring.letter import letter_token_ids
-from llm_calib.scoring.open_ended import encode_open_prompts
-from llm_calib.scoring.option_likelihood import encode_questions
+from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.engine.packing import PackedQuestions
+from llm_calib.formats import MULTIPLE_CHOICE_FORMATS, TaskFormat, format_for
 
-__all__ = ["LAYOUTS", "TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records"]
+__all__ = [
+    "LAYOUTS",
+    "TRUNK_CHUNK",
+    "EncodedRecords",
+    "EncodingCache",
+    "encode_records",
+    "format_settings",
+    "task_format",
+]
 
 LAYOUTS = ("options", "letter", "open")
 """How an :class:`EncodedRecords` packs its questions (see its ``layout``)."""
@@ -54,12 +53,12 @@ class EncodedRecords:
         prompts: prompt token ids per record.
         options: per record, the option continuations (``"options"``), one letter id per option
             (``"letter"``) or the reference answer alone (``"open"``).
-        layout: ``"options"`` (option likelihood: prompt + every option, packed), ``"letter"``
-            (listed prompt, one answer-letter token per option) or ``"open"`` (open questions,
-            prompt + reference answer as a plain causal sequence).
-        answer_stop: ``"open"``: each reference ends with the stop token of greedy answering (the
-            short-answer prompt, :func:`encode_records`); its batches say so
-            (:attr:`Batch.answer_stop <llm_calib.calm.objectives.Batch>`).
+        format: the task format that encoded the records; it packs them
+            (:meth:`~llm_calib.formats.base.TaskFormat.pack`) and gives their batches' losses
+            their view (:attr:`Batch.format <llm_calib.calm.objectives.Batch>`). The token ids do
+            not depend on the option-score normalisation: training takes it from its losses
+            (:class:`~llm_calib.calm.objectives.CalmLosses`), so one encoding serves every
+            ``normalize`` (:class:`EncodingCache` shares it).
         trunk_cache: hidden states entering the first trainable layer, per record index, filled
             by :meth:`batch` and :meth:`fill_trunk_cache` with a trunk-caching model. They depend
             on the frozen base model only, so an encoding may be reused by every run on the same
@@ -78,29 +77,33 @@ class EncodedRecords:
     records: list[MultipleChoice] | list[OpenQA]
     prompts: list[tuple[int, ...]]
     options: list[tuple[tuple[int, ...], ...]]
-    layout: str
+    format: TaskFormat
     trunk_cache: dict[int, Tensor] = field(default_factory=dict)
-    answer_stop: bool = False
-
-    def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
 
     def __len__(self) -> int:
         return len(self.records)
 
+    @property
+    def layout(self) -> str:
+        """The format's batch layout: ``"options"`` (option likelihood: prompt + every option,
+        packed), ``"letter"`` (listed prompt, one answer-letter token per option) or ``"open"``
+        (open questions, prompt + reference answer as a plain causal sequence)."""
+        return self.format.layout
+
+    @property
+    def answer_stop(self) -> bool:
+        """Open questions: each reference ends with the stop token of greedy answering (the
+        short-answer prompt, :func:`encode_records`)."""
+        return self.format.answer_stop
+
     def pack(self, indices: Sequence[int], pad_id: int) -> PackedQuestions:
         """Pack the questions at ``indices`` into one model input (no trunk)."""
         idx = list(indices)
-        if self.layout == "letter":
-            return pack_letters([self.prompts[i] for i in idx], [[o[0] for o in self.options[i]] for i in idx], pad_id)
-        if self.layout == "open":
-            return pack_continuations([(self.prompts[i], self.options[i][0]) for i in idx], pad_id)
-        return pack_questions([(self.prompts[i], self.options[i]) for i in idx], pad_id)
+        return self.format.pack([self.prompts[i] for i in idx], [self.options[i] for i in idx], pad_id)
 
     def length(self, i: int) -> int:
         """Packed length (tokens) of question ``i``: its prompt plus its options (not letters)."""
-        return len(self.prompts[i]) + (0 if self.layout == "letter" else sum(len(o) for o in self.options[i]))
+        return self.format.length(self.prompts[i], self.options[i])
 
     @property
     def trunk_cache_bytes(self) -> int:
@@ -130,9 +133,7 @@ class EncodedRecords:
         """
         idx = list(indices)
         packed = self.pack(idx, pad_id)
-        open_ended = self.layout == "open"
-        # an open question's one "option" is its reference answer, hence label 0
-        labels = torch.tensor([0 if open_ended else self.records[i].gold for i in idx], dtype=torch.long)
+        labels = torch.tensor([self.format.label(self.records[i]) for i in idx], dtype=torch.long)
         trunk = None
         if lm is not None and lm.caches_trunk:
             self.fill_trunk_cache(lm, pad_id, idx)
@@ -140,18 +141,71 @@ class EncodedRecords:
             trunk = torch.stack(
                 [torch.nn.functional.pad(self.trunk_cache[i], (0, 0, 0, L - self.trunk_cache[i].shape[0])) for i in idx]
             )
-        return Batch(packed, labels, [self.records[i].id for i in idx], trunk, open_ended,
-                     answer_stop=open_ended and self.answer_stop)
+        return Batch(packed, labels, [self.records[i].id for i in idx], self.format, trunk)
+
+
+def format_settings(config: CalibrationConfig) -> dict[str, Any]:
+    """The scorer settings of a configuration, as :func:`~llm_calib.formats.format_for` and
+    :func:`~llm_calib.evaluate.evaluate_records` take them: the one function that reads the
+    configuration's prompt fields (``scorer``, ``normalize``, ``prompt_style``,
+    ``chat_template``, ``open_examples``).
+
+    The multiple-choice prompt is ``prompt_style`` (listed for the letter scorer, whose options
+    must be listed) with ``chat_template``; open questions use
+    :func:`~llm_calib.calm.config.open_prompt_format`, and with ``open_examples`` each reference
+    answer is trained with the newline that ends a greedy answer (``answer_stop``).
+
+    Example:
+        >>> s = format_settings(CalibrationConfig(scorer="letter"))
+        >>> s["scorer"], s["prompt"].style, s["answer_stop"]
+        ('letter', 'listed', False)
+    """
+    prompt = MULTIPLE_CHOICE_FORMATS[config.scorer].configured_prompt(config.prompt_style, config.chat_template)
+    return {
+        "scorer": config.scorer,
+        "normalize": config.normalize,
+        "prompt": prompt,
+        "open_prompt": open_prompt_format(config),
+        "answer_stop": bool(config.open_examples),
+    }
+
+
+def task_format(records: Iterable[Any], config: CalibrationConfig | None = None, *, what: str = "records") -> TaskFormat:
+    """The task format of a run's records under its configuration
+    (:func:`~llm_calib.formats.format_for` of :func:`format_settings`): what training, its
+    evaluation and a comparison use. This is where a run reads the kind of its records.
+
+    Args:
+        records: all multiple choice or all open questions.
+        config: the configuration (default ``CalibrationConfig()``).
+        what: how error messages name the records (e.g. ``"train"``).
+
+    Returns:
+        The format.
+
+    Raises:
+        ValueError: no records, records of both kinds or of another type (naming the record).
+
+    Example:
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> fmt = task_format(builtin_multiple_choice(1, domains=["capitals"]), CalibrationConfig(normalize="mean"))
+        >>> type(fmt).__name__, fmt.normalize
+        ('OptionLikelihood', 'mean')
+    """
+    return format_for(records, **format_settings(config or CalibrationConfig()), what=what)
 
 
 def encode_records(
-    tokenizer: Any, records: Sequence[MultipleChoice] | Sequence[OpenQA], config: CalibrationConfig
+    tokenizer: Any, records: Sequence[MultipleChoice] | Sequence[OpenQA], config: CalibrationConfig,
+    *, fmt: TaskFormat | None = None,
 ) -> EncodedRecords:
     """Tokenise records once for the configured scorer and prompt format.
 
-    Multiple-choice records follow ``config.scorer`` and ``config.prompt_style``. Open questions
-    use the open-ended scorer's prompt (:func:`~llm_calib.scoring.open_ended.encode_open_prompts`)
-    of :func:`~llm_calib.calm.config.open_prompt_format`, followed by the first reference alias as
+    The format (:func:`task_format` of the records under ``config``, or ``fmt``) does the
+    encoding (:meth:`~llm_calib.formats.base.TaskFormat.encode`). Multiple-choice records follow
+    ``config.scorer`` and ``config.prompt_style``. Open questions use the open-ended scorer's
+    prompt (:func:`~llm_calib.scoring.open_ended.encode_open_prompts`) of
+    :func:`~llm_calib.calm.config.open_prompt_format`, followed by the first reference alias as
     the continuation, tokenised on its own like an option: ``" " + alias`` under the chat prompt,
     ``" " + alias + "\\n"`` under the few-shot short-answer prompt (``config.open_examples``), so
     the trained answer ends with the newline token at which greedy answering stops (to train on
@@ -160,8 +214,10 @@ def encode_records(
     Args:
         tokenizer: the model's tokenizer.
         records: all multiple choice or all open questions.
-        config: the run's configuration (only ``scorer``, ``prompt_style``, ``chat_template``
-            and ``open_examples`` matter).
+        config: the run's configuration (only ``scorer``, ``normalize``, ``prompt_style``,
+            ``chat_template`` and ``open_examples`` matter).
+        fmt: the records' format, when the caller has it already (it is checked against the
+            records); None: :func:`task_format`.
 
     Returns:
         An :class:`EncodedRecords` with an empty trunk cache.
@@ -182,24 +238,12 @@ def encode_records(
     records = list(records)
     if not records:
         raise ValueError("no records to encode")
-    if record_kind(records) == "open":
-        unanswered = [r.id for r in records if not r.answers]
-        if unanswered:
-            raise ValueError(f"open question {unanswered[0]!r} has no reference answer to train or monitor on")
-        prompts = encode_open_prompts(tokenizer, records, open_prompt_format(config))
-        stop = "\n" if config.open_examples else ""
-        answers = [(tuple(encode_continuation(tokenizer, continuation_text(r.answers[0]) + stop)),) for r in records]
-        return EncodedRecords(records, [tuple(p) for p in prompts], answers, layout="open",
-                              answer_stop=bool(config.open_examples))
-    if config.scorer == "letter":
-        fmt = PromptFormat(style="listed", chat_template=config.chat_template)
-        chat = uses_chat_template(tokenizer, fmt)
-        prompts = [tuple(encode_prompt(tokenizer, build_prompt(tokenizer, r.question, r.options, fmt), chat=chat)) for r in records]
-        options = [tuple((t,) for t in letter_token_ids(tokenizer, len(r.options))) for r in records]
-        return EncodedRecords(records, prompts, options, layout="letter")
-    fmt = PromptFormat(style=config.prompt_style, chat_template=config.chat_template)
-    enc = encode_questions(tokenizer, records, fmt)
-    return EncodedRecords(records, [e.prompt for e in enc], [e.options for e in enc], layout="options")
+    if fmt is None:
+        fmt = task_format(records, config)
+    else:
+        fmt.check(records)
+    prompts, options = fmt.encode(tokenizer, records)
+    return EncodedRecords(records, prompts, options, fmt)
 
 
 class EncodingCache:
@@ -222,8 +266,9 @@ class EncodingCache:
     def __call__(self, tokenizer: Any, records: Sequence[Any], config: CalibrationConfig) -> EncodedRecords:
         """The encoding of ``records`` under ``config``'s scorer, prompt style, chat template, open
         examples and LoRA layers (records are recognised by domain and id); made on first use."""
-        key = (tuple(f"{r.domain}/{r.id}" for r in records), config.scorer, config.prompt_style, config.chat_template,
-               config.open_examples, config.lora.layers, config.lora.top_layers)
+        settings = format_settings(config)  # what the encoding depends on (normalize does not matter)
+        prompts = settings["scorer"], settings["prompt"], settings["open_prompt"], settings["answer_stop"]
+        key = (tuple(f"{r.domain}/{r.id}" for r in records), *prompts, config.lora.layers, config.lora.top_layers)
         if key not in self.encodings:
             self.encodings[key] = encode_records(tokenizer, records, config)
         return self.encodings[key]

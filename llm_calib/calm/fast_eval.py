@@ -33,13 +33,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from llm_calib.calm.config import CalibrationConfig, LoraSettings, open_prompt_format
-from llm_calib.calm.encoding import TRUNK_CHUNK, EncodedRecords, encode_records
+from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.encoding import (
+    TRUNK_CHUNK,
+    EncodedRecords,
+    encode_records,
+    format_settings,
+    task_format,
+)
 from llm_calib.calm.lora import FunctionalLM, attach_lora
-from llm_calib.data.records import OpenQA, record_kind
+from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GenBatch, GenOut, TrunkGenerator
 from llm_calib.engine.options import capture_layer_input, forward_rows
 from llm_calib.engine.packing import PackedQuestions, length_batches, option_scores_from_logits
+from llm_calib.formats.base import TaskFormat
 from llm_calib.models import lm_head_logits, split_decoder_head
 from llm_calib.scoring.base import ScoredSet
 from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts
@@ -278,44 +285,27 @@ class SharedTrunkEval:
         self.batch_size = batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         records = {k: v.records if isinstance(v, EncodedRecords) else list(v) for k, v in sets.items()}
-        kinds = {record_kind(v) for v in records.values()}
-        if len(kinds) != 1:
-            raise ValueError("sets must be all multiple choice or all open questions")
-        self.kind = kinds.pop()
+        # the kind of the sets is read here, once: the first set's format, the others checked against it
+        (first, first_set), *_ = sets.items()
+        fmt = first_set.format if isinstance(first_set, EncodedRecords) else task_format(records[first], self.config, what=first)
+        for name, recs in records.items():
+            fmt.check(recs, what=name)
+        self.format: TaskFormat = fmt
+        self.normalize = format_settings(self.config)["normalize"]
         self.records = records
-        self.base_outputs: dict[str, list[GenOut]] = {}
-        if self.kind == "open":
-            flat = [r for recs in records.values() for r in recs]
-            prompts = encode_open_prompts(tokenizer, flat, open_prompt_format(self.config))
-            self.generator = TrunkGenerator(tokenizer, prompts, batch_size, max_new_tokens, trunk_layers, temperatures)
-        else:
-            self.encodings = {k: v if isinstance(v, EncodedRecords) else encode_records(tokenizer, v, self.config)
-                              for k, v in sets.items()}
+        self._sets = _TRUNK_SETS[fmt.family](self, sets, max_new_tokens, temperatures)
+
+    @property
+    def base_outputs(self) -> dict[str, list[GenOut]]:
+        """Open questions: the base model's generations per set (after :meth:`base`); else empty."""
+        return getattr(self._sets, "base_outputs", {})
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.records.values())
 
-    def _split(self, outs: Sequence[GenOut]) -> dict[str, list[GenOut]]:
-        out, start = {}, 0
-        for name, recs in self.records.items():
-            out[name] = list(outs[start : start + len(recs)])
-            start += len(recs)
-        return out
-
-    def _mc(self, name: str, scores: list[Tensor]) -> ScoredSet:
-        recs = self.records[name]
-        return ScoredSet(scores, [r.gold for r in recs], [r.domain for r in recs], [r.id for r in recs],
-                         "option_likelihood")
-
     def base(self, *, keep_trunk: bool = True, bar: Any = None) -> dict[str, ScoredSet | OpenEndedSet]:
         """The base model's scored sets; with ``keep_trunk`` the trunk is kept for :meth:`adapted`."""
-        k = self.trunk_layers if keep_trunk else 0
-        if self.kind == "open":
-            outs = self.generator.base(self.model, keep_trunk=keep_trunk, temperatures=True, bar=bar)
-            self.base_outputs = self._split(outs)
-            return {n: open_ended_set(self.records[n], o) for n, o in self.base_outputs.items()}
-        return {n: self._mc(n, base_scores(self.model, enc, k, self.batch_size, self.pad_id, self.config.normalize, bar))
-                for n, enc in self.encodings.items()}
+        return self._sets.base(keep_trunk, bar)
 
     def scaled(self, temperature_index: int) -> dict[str, OpenEndedSet]:
         """Open questions: the base answers with the token probabilities at grid temperature
@@ -335,12 +325,68 @@ class SharedTrunkEval:
         Raises:
             ValueError: ``model``'s adapted layers do not start at ``trunk_layers``.
         """
-        if self.kind == "open":
-            return {n: open_ended_set(self.records[n], o)
-                    for n, o in self._split(self.generator.trained(model, bar)).items()}
-        lm = FunctionalLM(model)
-        if lm.trunk_layers != self.trunk_layers:
-            raise ValueError(f"the model's adapted layers start at {lm.trunk_layers}, expected {self.trunk_layers}")
-        norm = normalize or self.config.normalize
-        return {n: self._mc(n, trunk_scores(lm, enc, self.batch_size, self.pad_id, norm, bar))
+        return self._sets.adapted(model, normalize, bar)
+
+
+class _ChoiceSets:
+    """Multiple-choice sets of a :class:`SharedTrunkEval`: option scores of the base pass (which
+    fills each encoding's trunk cache), then of each adapted model's top layers."""
+
+    def __init__(self, ev: SharedTrunkEval, sets: Mapping[str, Sequence[Any] | EncodedRecords], max_new_tokens: int,
+                 temperatures: Sequence[float] | None) -> None:
+        self.ev = ev
+        self.encodings = {k: v if isinstance(v, EncodedRecords) else encode_records(ev.tokenizer, v, ev.config, fmt=ev.format)
+                          for k, v in sets.items()}
+
+    def _scored(self, name: str, scores: list[Tensor]) -> ScoredSet:
+        recs = self.ev.records[name]
+        return ScoredSet(scores, [r.gold for r in recs], [r.domain for r in recs], [r.id for r in recs],
+                         "option_likelihood")
+
+    def base(self, keep_trunk: bool, bar: Any) -> dict[str, ScoredSet]:
+        ev = self.ev
+        k = ev.trunk_layers if keep_trunk else 0
+        return {n: self._scored(n, base_scores(ev.model, enc, k, ev.batch_size, ev.pad_id, ev.normalize, bar))
                 for n, enc in self.encodings.items()}
+
+    def adapted(self, model: Any, normalize: str | None, bar: Any) -> dict[str, ScoredSet]:
+        ev = self.ev
+        lm = FunctionalLM(model)
+        if lm.trunk_layers != ev.trunk_layers:
+            raise ValueError(f"the model's adapted layers start at {lm.trunk_layers}, expected {ev.trunk_layers}")
+        norm = normalize or ev.normalize
+        return {n: self._scored(n, trunk_scores(lm, enc, ev.batch_size, ev.pad_id, norm, bar))
+                for n, enc in self.encodings.items()}
+
+
+class _AnswerSets:
+    """Open-question sets of a :class:`SharedTrunkEval`: greedy answers of the base model (one
+    :class:`TrunkGenerator` over all sets in order), then of each adapted model."""
+
+    def __init__(self, ev: SharedTrunkEval, sets: Mapping[str, Sequence[Any] | EncodedRecords], max_new_tokens: int,
+                 temperatures: Sequence[float] | None) -> None:
+        self.ev = ev
+        flat = [r for recs in ev.records.values() for r in recs]
+        prompts = encode_open_prompts(ev.tokenizer, flat, ev.format.prompt_settings())
+        self.generator = TrunkGenerator(ev.tokenizer, prompts, ev.batch_size, max_new_tokens, ev.trunk_layers,
+                                        temperatures)
+        self.base_outputs: dict[str, list[GenOut]] = {}
+
+    def _split(self, outs: Sequence[GenOut]) -> dict[str, list[GenOut]]:
+        out, start = {}, 0
+        for name, recs in self.ev.records.items():
+            out[name] = list(outs[start : start + len(recs)])
+            start += len(recs)
+        return out
+
+    def base(self, keep_trunk: bool, bar: Any) -> dict[str, OpenEndedSet]:
+        outs = self.generator.base(self.ev.model, keep_trunk=keep_trunk, temperatures=True, bar=bar)
+        self.base_outputs = self._split(outs)
+        return {n: open_ended_set(self.ev.records[n], o) for n, o in self.base_outputs.items()}
+
+    def adapted(self, model: Any, normalize: str | None, bar: Any) -> dict[str, OpenEndedSet]:
+        return {n: open_ended_set(self.ev.records[n], o) for n, o in self._split(self.generator.trained(model, bar)).items()}
+
+
+_TRUNK_SETS: dict[str, type[_ChoiceSets] | type[_AnswerSets]] = {"multiple_choice": _ChoiceSets, "open": _AnswerSets}
+"""How :class:`SharedTrunkEval` scores the sets of each record kind (a format's ``family``)."""

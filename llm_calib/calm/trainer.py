@@ -38,7 +38,7 @@ from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.encoding import EncodedRecords, encode_records
 from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.training import TrainingDiverged
-from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
+from llm_calib.data.records import MultipleChoice, OpenQA
 
 __all__ = ["CalibrationResult", "TrainingDiverged", "calibrate", "encode_batch_source"]
 
@@ -168,8 +168,7 @@ def calibrate(
     """
     config = config or CalibrationConfig()
     # Check the kinds before touching the model, so a bad mix fails fast and names the record.
-    kind = record_kind(_records(train), what="train")
-    record_kind(_records(heldout), what="heldout", expected=kind)
+    training.run_format(train, heldout, config)
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
     timings: dict[str, float] = {}
 
@@ -217,6 +216,3 @@ def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
     yield
     timings[name] = time.perf_counter() - t0
 
-
-def _records(data: Records) -> Sequence[Any]:
-    return data.records if isinstance(data, EncodedRecords) else data

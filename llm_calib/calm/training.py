@@ -42,7 +42,7 @@ import hypergrad as hg
 import llm_calib.objectives.builtin  # noqa: F401  registers the built-in objectives and solvers
 from llm_calib.calm import sampling
 from llm_calib.calm.config import CalibrationConfig
-from llm_calib.calm.encoding import EncodedRecords, encode_records
+from llm_calib.calm.encoding import EncodedRecords, encode_records, format_settings, task_format
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
 from llm_calib.calm.methods import (
     lam_optimizer,
@@ -52,7 +52,8 @@ from llm_calib.calm.methods import (
 )
 from llm_calib.calm.objectives import Batch, CalmLosses
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from llm_calib.data.records import MultipleChoice, OpenQA, record_kind
+from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.formats.base import TaskFormat
 from llm_calib.metrics import ece as ece_metric
 from llm_calib.objectives.registry import build_objective
 
@@ -72,6 +73,7 @@ __all__ = [
     "is_selectable",
     "parameter_summary",
     "resume_state",
+    "run_format",
     "save_state",
     "select",
     "train_step",
@@ -226,12 +228,41 @@ class TrainState:
     stopped_early: bool = False
 
 
-def _encode(tokenizer: Any, data: Records, config: CalibrationConfig) -> EncodedRecords:
-    return data if isinstance(data, EncodedRecords) else encode_records(tokenizer, data, config)
+def _encode(tokenizer: Any, data: Records, config: CalibrationConfig, fmt: TaskFormat) -> EncodedRecords:
+    return data if isinstance(data, EncodedRecords) else encode_records(tokenizer, data, config, fmt=fmt)
 
 
 def _records(data: Records) -> Sequence[Any]:
     return data.records if isinstance(data, EncodedRecords) else data
+
+
+def run_format(train: Records, heldout: Records, config: CalibrationConfig, unlabeled: Records | None = None) -> TaskFormat:
+    """The task format of a run: that of the training records (of their encoding, when encoded),
+    with the held-out and upper-level records checked to be of the same kind.
+
+    Args:
+        train: training records or their encoding.
+        heldout: held-out records (or their encoding).
+        config: the run's configuration.
+        unlabeled: upper-level inputs (or their encoding), or None.
+
+    Returns:
+        The :class:`~llm_calib.formats.base.TaskFormat` the run trains and monitors with.
+
+    Raises:
+        ValueError: records of mixed kinds or of another type (naming the record and the set).
+
+    Example:
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> qs = builtin_multiple_choice(n_per_domain=2, domains=["capitals"])
+        >>> run_format(qs[:1], qs[1:], CalibrationConfig()).layout
+        'options'
+    """
+    fmt = train.format if isinstance(train, EncodedRecords) else task_format(train, config, what="train")
+    fmt.check(_records(heldout), what="heldout")
+    if unlabeled is not None:
+        fmt.check(_records(unlabeled), what="unlabeled")
+    return fmt
 
 
 def build_trainer(
@@ -274,11 +305,8 @@ def build_trainer(
         >>> len(trainer.unlabeled), trainer.unlabeled is trainer.heldout
         (4, False)
     """
-    kind = record_kind(_records(train), what="train")
-    record_kind(_records(heldout), what="heldout", expected=kind)
+    fmt = run_format(train, heldout, config, unlabeled)
     warn_small_heldout(len(_records(heldout)), config)
-    if unlabeled is not None:
-        record_kind(_records(unlabeled), what="unlabeled", expected=kind)
     torch.manual_seed(config.seed)
     peft_model = attach_lora(model, config.lora, output_scale=config.output_scale)
     # Eval mode throughout: the frozen base never needs training behaviour. train_step switches
@@ -287,14 +315,14 @@ def build_trainer(
     peft_model.eval()
     lm = FunctionalLM(peft_model)
     vocab = lm.head.out_features if hasattr(lm.head, "out_features") else lm.base.config.vocab_size
-    train_enc = _encode(tokenizer, train, config)
-    heldout_enc = _encode(tokenizer, heldout, config)
-    unlabeled_enc = heldout_enc if unlabeled is None else _encode(tokenizer, unlabeled, config)
+    train_enc = _encode(tokenizer, train, config, fmt)
+    heldout_enc = _encode(tokenizer, heldout, config, fmt)
+    unlabeled_enc = heldout_enc if unlabeled is None else _encode(tokenizer, unlabeled, config, fmt)
     sources = (train_enc, heldout_enc) if unlabeled is None else (train_enc, heldout_enc, unlabeled_enc)
-    lam_kind = resolve_adjustment(config.adjustment, train_enc.layout)
+    lam_kind = resolve_adjustment(config.adjustment, fmt.layout)
     tokens = {t for src in sources for opts in src.options for o in opts for t in o} if lam_kind == "answer_tokens" else ()
-    adjustment = make_adjustment(config, vocab, tokens, train_enc.layout)
-    losses = CalmLosses(lm, adjustment, config.normalize)
+    adjustment = make_adjustment(config, vocab, tokens, fmt.layout)
+    losses = CalmLosses(lm, adjustment, format_settings(config)["normalize"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     recorder = _FirstValues()
     objective = build_objective(config)

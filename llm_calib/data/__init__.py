@@ -33,7 +33,7 @@ from llm_calib.data.openqa import (
     one_record_per_alias,
 )
 from llm_calib.data.opentriviaqa import OPENTRIVIAQA_CATEGORIES, load_opentriviaqa
-from llm_calib.data.records import RECORD_KINDS, MultipleChoice, OpenQA, record_kind
+from llm_calib.data.records import RECORD_KINDS, MultipleChoice, OpenQA
 from llm_calib.data.result import LoadResult, split_items, subsample
 from llm_calib.data.selfaware import filter_selfaware, load_selfaware
 from llm_calib.data.spec import LOADERS, Spec, SpecError, load, parse_spec
@@ -78,7 +78,6 @@ __all__ = [
     "one_record_per_alias",
     "openqa_from_dict",
     "parse_spec",
-    "record_kind",
     "repair_utf8",
     "split_items",
     "subsample",

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
-__all__ = ["RECORD_KINDS", "MultipleChoice", "OpenQA", "record_kind"]
+__all__ = ["RECORD_KINDS", "MultipleChoice", "OpenQA"]
 
 RECORD_KINDS = ("multiple_choice", "open")
-"""The kinds :func:`record_kind` returns: :class:`MultipleChoice` and :class:`OpenQA` records."""
+"""The two kinds of record: :class:`MultipleChoice` and :class:`OpenQA` (the ``family`` of a task
+format, :func:`llm_calib.formats.base.records_family`)."""
 
 
 @dataclass(frozen=True)
@@ -84,51 +83,3 @@ class OpenQA:
         if self.answerable and not self.answers:
             raise ValueError(f"OpenQA {self.id!r}: needs at least one accepted answer")
 
-
-def record_kind(
-    records: Iterable[Any], *, what: str = "records", expected: str | None = None
-) -> Literal["multiple_choice", "open"]:
-    """The one kind of a collection of records; an error names the first record that breaks it.
-
-    Args:
-        records: :class:`MultipleChoice` or :class:`OpenQA` records, all of one kind.
-        what: how to name the collection in error messages (e.g. ``"train"``).
-        expected: the kind the records must have (one of :data:`RECORD_KINDS`), or None to take
-            the first record's.
-
-    Returns:
-        ``"multiple_choice"`` or ``"open"``.
-
-    Raises:
-        ValueError: no records, a record of another type, or a record of the other kind; the
-            message names the offending record's id.
-
-    Example:
-        >>> record_kind([OpenQA("Capital of France?", ("Paris",), "geo", "q0")])
-        'open'
-        >>> mc = MultipleChoice("2 + 2 = ?", ("3", "4"), 1, "arithmetic", "add-0")
-        >>> record_kind([mc], what="heldout", expected="open")
-        Traceback (most recent call last):
-        ...
-        ValueError: heldout: record 'add-0' is MultipleChoice, expected open records (OpenQA); a run takes one kind of record, all multiple choice or all open-ended
-    """
-    names = {"multiple_choice": "MultipleChoice", "open": "OpenQA"}
-    if expected is not None and expected not in names:
-        raise ValueError(f"expected must be one of {RECORD_KINDS}, got {expected!r}")
-    kind, first = expected, None
-    for position, r in enumerate(records):
-        this = "multiple_choice" if isinstance(r, MultipleChoice) else "open" if isinstance(r, OpenQA) else None
-        name = f"record {r.id!r}" if isinstance(getattr(r, "id", None), str) else f"record at position {position}"
-        if this is None:
-            raise ValueError(f"{what}: {name} is a {type(r).__name__}, not a MultipleChoice or OpenQA record")
-        if kind is None:
-            kind, first = this, name
-        elif this != kind:
-            since = f" like {first}" if first is not None else ""
-            raise ValueError(
-                f"{what}: {name} is {type(r).__name__}, expected {kind} records{since} "
-                f"({names[kind]}); a run takes one kind of record, all multiple choice or all open-ended"
-            )
-    if kind is None:
-        raise ValueError(f"{what}: no records")
-    return kind  # type: ignore[return-value]

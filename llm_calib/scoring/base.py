@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from llm_calib import metrics
 from llm_calib.data.records import MultipleChoice
 
 __all__ = [
@@ -33,7 +34,8 @@ __all__ = [
 class ScoredSet:
     """Per-question option scores of a multiple-choice scorer.
 
-    The probabilities of a question are ``softmax(logits[i])``; temperature scaling divides the
+    Follows :class:`~llm_calib.formats.base.ScoredResult`, the interface it shares with
+    :class:`~llm_calib.scoring.open_ended.OpenEndedSet`. The probabilities of a question are ``softmax(logits[i])``; temperature scaling divides the
     logits by ``T``. Option counts may differ between questions (ragged lists).
 
     Attributes:
@@ -119,6 +121,17 @@ class ScoredSet:
     def accuracy(self) -> float:
         """Fraction of questions answered correctly (NaN for an empty set)."""
         return float(self.correct.mean()) if len(self) else float("nan")
+
+    def summary(self, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0) -> dict[str, float]:
+        """The calibration metrics of the option probabilities (:func:`llm_calib.metrics.summarize`).
+
+        Example:
+            >>> s = ScoredSet([torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0])], [1, 1], ["d", "d"], ["a", "b"])
+            >>> s.summary(ci=False)["accuracy"]
+            0.5
+        """
+        return metrics.summarize(self.probs_numpy, self.labels_numpy, n_bins=n_bins, ci=ci,
+                                 n_resamples=n_resamples, seed=seed)
 
     def select(self, indices: Iterable[int]) -> ScoredSet:
         """The sub-set at ``indices`` (same scorer and info)."""

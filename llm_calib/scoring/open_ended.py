@@ -10,12 +10,14 @@ accepted alias; token F1 (maximum over aliases) is the soft variant.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from llm_calib import metrics
 from llm_calib.answers import exact_match, token_f1
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GreedyAnswer, eos_token_ids, finish_answer, generate_greedy
@@ -30,12 +32,16 @@ __all__ = [
     "eos_token_ids",
     "finish_answer",
     "generate_greedy",
+    "open_ended_summary",
     "score_open_ended",
 ]
 
 @dataclass
 class OpenEndedSet:
     """Greedy answers to open questions with confidences and correctness.
+
+    Follows :class:`~llm_calib.formats.base.ScoredResult`, the interface it shares with
+    :class:`~llm_calib.scoring.base.ScoredSet`.
 
     Attributes:
         answers: the generated answer texts.
@@ -86,6 +92,21 @@ class OpenEndedSet:
             [token_f1(a, r) for a, r in zip(self.answers, self.references, strict=True)]
         )
 
+    @property
+    def confidences(self) -> np.ndarray:
+        """The mean token probability of each answer, clipped to ``[0, 1]`` (what the calibration
+        metrics bin)."""
+        return np.clip(self.confidence("mean"), 0.0, 1.0)
+
+    @property
+    def accuracy(self) -> float:
+        """Fraction of exact matches (NaN for an empty set)."""
+        return float(self.correct.mean()) if len(self) else float("nan")
+
+    def summary(self, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0) -> dict[str, float]:
+        """The calibration metrics of the answers (:func:`open_ended_summary`)."""
+        return open_ended_summary(self, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
+
     def select(self, indices: Sequence[int]) -> OpenEndedSet:
         """The sub-set at ``indices``."""
         return OpenEndedSet(
@@ -104,6 +125,97 @@ class OpenEndedSet:
         for i, d in enumerate(self.domains):
             groups.setdefault(d, []).append(i)
         return {d: self.select(idx) for d, idx in groups.items()}
+
+    @staticmethod
+    def concat(sets: Sequence[OpenEndedSet]) -> OpenEndedSet:
+        """Concatenate several sets (the first one's info is kept).
+
+        Example:
+            >>> a = OpenEndedSet(["Paris"], [("Paris",)], ["geo"], ["q0"], [(0.9,)])
+            >>> len(OpenEndedSet.concat([a, a]))
+            2
+        """
+        if not sets:
+            raise ValueError("OpenEndedSet.concat needs at least one set")
+        return OpenEndedSet(
+            [a for s in sets for a in s.answers],
+            [r for s in sets for r in s.references],
+            [d for s in sets for d in s.domains],
+            [i for s in sets for i in s.ids],
+            [p for s in sets for p in s.token_probs],
+            dict(sets[0].info),
+            [d for s in sets for d in s.details]  # type: ignore[union-attr]
+            if all(s.details is not None for s in sets)
+            else None,
+        )
+
+
+def open_ended_summary(
+    scored: OpenEndedSet,
+    n_bins: int = 10,
+    ci: bool = True,
+    n_resamples: int = 1000,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Calibration metrics of open-ended answers (confidence = mean token probability).
+
+    Keys: ``n``, ``accuracy`` (exact match), ``f1``, ``ece``, ``ece15``, ``adaptive_ece``,
+    ``mce``, ``brier`` and ``nll`` (of the confidence as a probability of being correct),
+    ``auroc``, ``mean_confidence``, ``ece_product``, ``ece_min`` (ECE of the product and minimum
+    token-probability confidences); with ``ci``, bootstrap intervals of the headline metrics.
+
+    Args:
+        scored: greedy answers with their token probabilities.
+        n_bins: equal-width bins of the ECE variants.
+        ci: add 95% bootstrap intervals.
+        n_resamples: bootstrap resamples.
+        seed: bootstrap seed.
+
+    Returns:
+        The metrics by name.
+
+    Example:
+        >>> s = OpenEndedSet(["Paris", "Rome"], [("Paris",), ("Oslo",)], ["geo"] * 2,
+        ...                  ["q0", "q1"], [(0.9,), (0.2,)])
+        >>> r = open_ended_summary(s, ci=False)
+        >>> r["accuracy"], round(r["brier"], 3)
+        (0.5, 0.025)
+    """
+    c = np.clip(scored.confidence("mean"), 0.0, 1.0)
+    k = scored.correct.astype(np.float64)
+
+    def _brier(c: np.ndarray, k: np.ndarray) -> float:
+        return float(np.mean((np.asarray(c) - np.asarray(k)) ** 2))
+
+    def _nll(c: np.ndarray, k: np.ndarray) -> float:
+        cc = np.clip(np.asarray(c), metrics.NLL_EPS, 1 - metrics.NLL_EPS)
+        kk = np.asarray(k)
+        return float(-np.mean(kk * np.log(cc) + (1 - kk) * np.log(1 - cc)))
+
+    def _acc(c: np.ndarray, k: np.ndarray) -> float:
+        return float(np.mean(k))
+
+    funcs = {
+        "accuracy": _acc,
+        "ece": lambda c, k: metrics.ece(c, k, n_bins),
+        "adaptive_ece": lambda c, k: metrics.adaptive_ece(c, k, n_bins),
+        "brier": _brier,
+        "nll": _nll,
+        "auroc": metrics.auroc,
+    }
+    out: dict[str, float] = {"n": len(scored)}
+    out.update({name: f(c, k) for name, f in funcs.items()})
+    out["f1"] = float(np.mean(scored.f1)) if len(scored) else math.nan
+    out["ece15"] = metrics.ece(c, k, 15)
+    out["mce"] = metrics.mce(c, k, n_bins)
+    out["mean_confidence"] = float(c.mean())
+    out["ece_product"] = metrics.ece(np.clip(scored.confidence("product"), 0, 1), k, n_bins)
+    out["ece_min"] = metrics.ece(np.clip(scored.confidence("min"), 0, 1), k, n_bins)
+    if ci:
+        for name, f in funcs.items():
+            lo, hi = metrics.bootstrap_ci(f, c, k, n_resamples=n_resamples, seed=seed)
+            out[f"{name}_ci_low"], out[f"{name}_ci_high"] = lo, hi
+    return out
 
 
 def encode_open_prompts(

@@ -1,0 +1,270 @@
+"""The task-format interface: what a kind of question asks of the code that encodes, trains on,
+scores and summarises it.
+
+A :class:`TaskFormat` is one way of putting questions to a model and reading its answer (in the
+sense of lm-evaluation-harness's ``output_type``): option likelihood and option letters for
+multiple choice (:mod:`llm_calib.formats.multiple_choice`), greedy generation for open questions
+(:mod:`llm_calib.formats.open_ended`). The format owns
+
+* the check of the records it takes (:meth:`TaskFormat.check`),
+* the token encoding for training (:meth:`TaskFormat.encode`, :meth:`TaskFormat.pack`,
+  :meth:`TaskFormat.length`, :meth:`TaskFormat.label`),
+* the training-loss view of a packed batch (:meth:`TaskFormat.categorical`,
+  :meth:`TaskFormat.deployed_entropy`, :meth:`TaskFormat.monitor`,
+  :meth:`TaskFormat.check_adjustment`),
+* scoring with the matching scorer (:meth:`TaskFormat.score`) and the result type it returns,
+  which follows :class:`ScoredResult`, and the per-question rows and extra metrics of that result
+  (:meth:`TaskFormat.sample_rows`, :meth:`TaskFormat.extra_metrics`,
+  :meth:`TaskFormat.temperature_scaled`).
+
+Callers (evaluation, comparison, the trainer, the report) hold a format and a result and never ask
+which kind of question they have: the kind is decided once, where data enters
+(:func:`llm_calib.formats.task_format`, :func:`llm_calib.formats.format_for`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+
+import numpy as np
+from torch import Tensor
+
+from llm_calib.data.records import RECORD_KINDS, MultipleChoice, OpenQA
+from llm_calib.engine.packing import PackedQuestions
+
+if TYPE_CHECKING:
+    from llm_calib.adjustment import LogitAdjustment
+    from llm_calib.calm.objectives import Batch, CalmLosses
+
+__all__ = ["RecordKindError", "ScoredResult", "TaskFormat", "records_family"]
+
+
+class RecordKindError(ValueError):
+    """Records that are not all of one kind (or not records): raised by :func:`records_family`.
+
+    Example:
+        >>> issubclass(RecordKindError, ValueError)
+        True
+    """
+
+
+def records_family(
+    records: Iterable[Any], *, what: str = "records", expected: str | None = None
+) -> Literal["multiple_choice", "open"]:
+    """The one kind of a collection of records; an error names the first record that breaks it.
+
+    Called where records enter (:func:`llm_calib.formats.format_for`, :meth:`TaskFormat.check`):
+    the result picks the task format, and nothing downstream asks again.
+
+    Args:
+        records: :class:`~llm_calib.data.records.MultipleChoice` or
+            :class:`~llm_calib.data.records.OpenQA` records, all of one kind.
+        what: how to name the collection in error messages (e.g. ``"train"``).
+        expected: the kind the records must have (one of
+            :data:`~llm_calib.data.records.RECORD_KINDS`), or None to take the first record's.
+
+    Returns:
+        ``"multiple_choice"`` or ``"open"``.
+
+    Raises:
+        RecordKindError: (a ValueError) no records, a record of another type, or a record of the
+            other kind; the message names the offending record's id.
+        ValueError: an unknown ``expected``.
+
+    Example:
+        >>> records_family([OpenQA("Capital of France?", ("Paris",), "geo", "q0")])
+        'open'
+        >>> mc = MultipleChoice("2 + 2 = ?", ("3", "4"), 1, "arithmetic", "add-0")
+        >>> records_family([mc], what="heldout", expected="open")
+        Traceback (most recent call last):
+        ...
+        llm_calib.formats.base.RecordKindError: heldout: record 'add-0' is MultipleChoice, expected open records (OpenQA); a run takes one kind of record, all multiple choice or all open-ended
+    """
+    names = {"multiple_choice": "MultipleChoice", "open": "OpenQA"}
+    if expected is not None and expected not in names:
+        raise ValueError(f"expected must be one of {RECORD_KINDS}, got {expected!r}")
+    family, first = expected, None
+    for position, r in enumerate(records):
+        this = "multiple_choice" if isinstance(r, MultipleChoice) else "open" if isinstance(r, OpenQA) else None
+        name = f"record {r.id!r}" if isinstance(getattr(r, "id", None), str) else f"record at position {position}"
+        if this is None:
+            raise RecordKindError(f"{what}: {name} is a {type(r).__name__}, not a MultipleChoice or OpenQA record")
+        if family is None:
+            family, first = this, name
+        elif this != family:
+            since = f" like {first}" if first is not None else ""
+            raise RecordKindError(
+                f"{what}: {name} is {type(r).__name__}, expected {family} records{since} "
+                f"({names[family]}); a run takes one kind of record, all multiple choice or all open-ended"
+            )
+    if family is None:
+        raise RecordKindError(f"{what}: no records")
+    return family  # type: ignore[return-value]
+
+
+@runtime_checkable
+class ScoredResult(Protocol):
+    """What every scored set offers, whatever the format that produced it.
+
+    :class:`~llm_calib.scoring.base.ScoredSet` (multiple choice) and
+    :class:`~llm_calib.scoring.open_ended.OpenEndedSet` (open questions) both follow it, so
+    evaluation, comparison, the report and model selection read ``correct``, ``confidences`` and
+    ``summary`` without asking which one they hold.
+
+    Example:
+        >>> import torch
+        >>> from llm_calib.scoring import OpenEndedSet, ScoredSet
+        >>> mc = ScoredSet([torch.tensor([0.0, 1.0])], [1], ["d"], ["q0"])
+        >>> op = OpenEndedSet(["Paris"], [("Paris",)], ["d"], ["q1"], [(0.8,)])
+        >>> [isinstance(s, ScoredResult) for s in (mc, op)]
+        [True, True]
+        >>> [s.accuracy for s in (mc, op)]
+        [1.0, 1.0]
+    """
+
+    ids: list[str]
+    domains: list[str]
+
+    def __len__(self) -> int: ...
+
+    @property
+    def correct(self) -> np.ndarray:
+        """Whether each question is answered correctly."""
+        ...
+
+    @property
+    def confidences(self) -> np.ndarray:
+        """The confidence in ``[0, 1]`` of each answer (what calibration metrics bin)."""
+        ...
+
+    @property
+    def accuracy(self) -> float:
+        """Fraction answered correctly (NaN for an empty set)."""
+        ...
+
+    def select(self, indices: Sequence[int]) -> Any:
+        """The sub-set at ``indices``."""
+        ...
+
+    def by_domain(self) -> dict[str, Any]:
+        """Split by domain, in order of first appearance."""
+        ...
+
+    @staticmethod
+    def concat(sets: Sequence[Any]) -> Any:
+        """Several sets of one type as one."""
+        ...
+
+    def summary(self, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0) -> dict[str, float]:
+        """The calibration metrics of the set."""
+        ...
+
+
+class TaskFormat(ABC):
+    """One way of asking questions and reading answers (see the module docstring).
+
+    Subclasses set the class attributes and implement the abstract methods; a format is an
+    immutable value (a frozen dataclass), so equal settings give equal formats.
+
+    Attributes:
+        family: the record kind the format takes (``"multiple_choice"`` or ``"open"``, see
+            :data:`~llm_calib.data.records.RECORD_KINDS`, :func:`records_family`); results record it
+            as their ``kind``.
+        layout: the training-batch layout name (``"options"``, ``"letter"`` or ``"open"``).
+        description: how reports name the kind of question.
+        temperature_scalable: whether the scores are option logits a temperature can be fitted on
+            and carried to (multiple choice) or not (open questions).
+        answer_stop: open questions: each reference answer ends with the stop token of greedy
+            answering (trained on, left out of the monitored confidence).
+        training_notes: lines a comparison report adds about training on this kind.
+
+    Example:
+        >>> from llm_calib.formats import OptionLikelihood
+        >>> fmt = OptionLikelihood()
+        >>> fmt.family, fmt.layout, fmt.temperature_scalable
+        ('multiple_choice', 'options', True)
+    """
+
+    family: ClassVar[str]
+    layout: ClassVar[str]
+    description: ClassVar[str]
+    temperature_scalable: ClassVar[bool] = False
+    training_notes: ClassVar[tuple[str, ...]] = ()
+    answer_stop: bool = False
+
+    # --- data ---------------------------------------------------------------------------------
+    def check(self, records: Iterable[Any], *, what: str = "records") -> None:
+        """Check that ``records`` are all of the kind this format takes.
+
+        Raises:
+            ValueError: no records, or a record of another kind or type (naming it).
+        """
+        records_family(records, what=what, expected=self.family)
+
+    @classmethod
+    def domain_notes(cls, metrics: dict[str, float]) -> list[str]:
+        """Lines a report writes under a domain's heading (after the question count)."""
+        return []
+
+    # --- training encoding --------------------------------------------------------------------
+    @abstractmethod
+    def encode(self, tokenizer: Any, records: Sequence[Any]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
+        """Token ids for training: one prompt per record, and per record its continuations (the
+        options, the option letters, or the reference answer)."""
+
+    @abstractmethod
+    def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
+        """One model input holding the given questions (see :mod:`llm_calib.engine.packing`)."""
+
+    @abstractmethod
+    def length(self, prompt: Sequence[int], options: Sequence[Sequence[int]]) -> int:
+        """Packed length (tokens) of one question."""
+
+    @abstractmethod
+    def label(self, record: Any) -> int:
+        """The target index of a record in its batch (the gold option; 0 for a reference answer)."""
+
+    # --- training-loss view -------------------------------------------------------------------
+    def check_adjustment(self, adjustment: LogitAdjustment) -> None:  # noqa: B027 (optional hook)
+        """Raise ValueError when ``adjustment`` cannot act on this format's predictions."""
+
+    @abstractmethod
+    def categorical(
+        self, losses: CalmLosses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
+    ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+        """The categorical predictions the task loss fits (adjusted by ``lam`` when given), their
+        targets, and the reduction of per-prediction values to per-question values."""
+
+    @abstractmethod
+    def deployed_entropy(self, losses: CalmLosses, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
+        """Per-question entropy of the unadjusted model's prediction (the upper-level target)."""
+
+    @abstractmethod
+    def monitor(self, losses: CalmLosses, batch: Batch) -> dict[str, Tensor]:
+        """Per-question held-out statistics ``confidence``, ``correct``, ``nll``, ``entropy``
+        (float64 on the CPU); called under ``torch.inference_mode``."""
+
+    # --- scoring and results ------------------------------------------------------------------
+    @abstractmethod
+    def score(self, model: Any, tokenizer: Any, records: Sequence[Any], *, batch_size: int = 8,
+              progress: bool = False) -> ScoredResult:
+        """Score ``records`` with this format's scorer."""
+
+    def temperature_scaled(self, scored: Any, temperature: float | None) -> ScoredResult | None:
+        """``scored`` with a fitted temperature applied, or None where the format has none to apply."""
+        return None
+
+    def extra_metrics(self, scored: Any, n_bins: int = 10) -> dict[str, dict[str, float]] | None:
+        """Format-specific metrics reported next to the headline ones (None: none)."""
+        return None
+
+    @abstractmethod
+    def sample_rows(self, domain: str, scored: Any) -> Iterator[dict[str, Any]]:
+        """One JSON-ready dict per question of ``scored``."""
+
+    def prompt_settings(self) -> Any:
+        """The prompt format the scorer uses (its default filled in)."""
+        return getattr(self, "prompt", None)
+

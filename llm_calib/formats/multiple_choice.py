@@ -1,0 +1,290 @@
+"""Multiple-choice formats: option likelihood and option letters.
+
+Both score a question as a distribution over its options (a
+:class:`~llm_calib.scoring.base.ScoredSet`), train on the option distribution (cross-entropy with
+the gold option) and monitor it; they differ in the prompt and in what is scored:
+
+* :class:`OptionLikelihood`: the log-likelihood of each option's text after the prompt (cloze
+  by default), :func:`~llm_calib.scoring.option_likelihood.score_option_likelihood`;
+* :class:`Letter`: the log-probability of each option's letter after a prompt that lists the
+  options, :func:`~llm_calib.scoring.letter.score_letter`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from llm_calib import metrics
+from llm_calib.data.records import MultipleChoice
+from llm_calib.engine.packing import PackedQuestions, pack_letters, pack_questions
+from llm_calib.formats.base import TaskFormat
+from llm_calib.formats.categorical import entropy, identity
+from llm_calib.prompts import PromptFormat, build_prompt, uses_chat_template
+from llm_calib.scoring.base import ScoredSet, encode_prompt
+from llm_calib.scoring.letter import letter_token_ids, score_letter
+from llm_calib.scoring.option_likelihood import (
+    LM_EVAL_NORMALIZATIONS,
+    encode_questions,
+    normalized,
+    score_option_likelihood,
+)
+
+if TYPE_CHECKING:
+    from llm_calib.calm.objectives import Batch, CalmLosses
+
+__all__ = ["Letter", "MultipleChoiceFormat", "OptionLikelihood", "normalization_summary"]
+
+
+def normalization_summary(scored: ScoredSet, n_bins: int = 10) -> dict[str, dict[str, float]] | None:
+    """Accuracy and ECE of each option-score normalisation, side by side.
+
+    For every entry of :data:`llm_calib.scoring.LM_EVAL_NORMALIZATIONS` (``acc``: summed
+    log-likelihood, ``acc_norm``: per character, ``acc_bytes``: per byte, ``acc_token``: per
+    token) the options are re-scored from ``scored.details`` and the probabilities are the
+    softmax over the normalised scores: ``accuracy`` (what lm-eval reports under that name),
+    ``ece``, ``nll`` and ``brier``.
+
+    Args:
+        scored: multiple-choice scores with details.
+        n_bins: ECE bins.
+
+    Returns:
+        Name to metrics, or None when ``scored`` has no details.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> model, tok = tiny_random_model()
+        >>> s = score_option_likelihood(model, tok, builtin_multiple_choice(4, domains=["capitals"]))
+        >>> sorted(normalization_summary(s))
+        ['acc', 'acc_bytes', 'acc_norm', 'acc_token']
+    """
+    if scored.details is None or not len(scored):
+        return None
+    out: dict[str, dict[str, float]] = {}
+    for name in LM_EVAL_NORMALIZATIONS:
+        s = normalized(scored, name)
+        probs, labels = s.probs_numpy, s.labels_numpy
+        conf, correct = metrics.confidence_correct(probs, labels)
+        out[name] = {
+            "accuracy": s.accuracy,
+            "ece": metrics.ece(conf, correct, n_bins),
+            "nll": metrics.nll(probs, labels),
+            "brier": metrics.brier(probs, labels),
+        }
+    return out
+
+
+class MultipleChoiceFormat(TaskFormat):
+    """What the multiple-choice formats share: records, labels, the option-distribution losses
+    and monitor, temperature scaling, normalisation metrics and sample rows.
+
+    Example:
+        >>> issubclass(Letter, MultipleChoiceFormat), Letter().description
+        (True, 'multiple choice')
+    """
+
+    family: ClassVar[str] = "multiple_choice"
+    description: ClassVar[str] = "multiple choice"
+    temperature_scalable: ClassVar[bool] = True
+
+    @classmethod
+    def configured_prompt(cls, style: str, chat_template: bool | None) -> PromptFormat:
+        """The prompt format of a configuration's ``prompt_style`` and ``chat_template``.
+
+        Example:
+            >>> Letter.configured_prompt("cloze", None).style   # the letters need listed options
+            'listed'
+        """
+        return PromptFormat(style=style, chat_template=chat_template)
+
+    def label(self, record: MultipleChoice) -> int:
+        """The gold option index."""
+        return record.gold
+
+    def categorical(
+        self, losses: CalmLosses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
+    ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+        """One option distribution per question (adjusted scores), the gold options, no reduction."""
+        scores = losses.scores(theta, lam, batch)
+        return scores, batch.labels.to(scores.device), identity
+
+    def deployed_entropy(self, losses: CalmLosses, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
+        """Entropy of the unadjusted option distribution."""
+        return entropy(losses.scores(theta, None, batch))
+
+    def monitor(self, losses: CalmLosses, batch: Batch) -> dict[str, Tensor]:
+        """The option distribution's maximum probability, whether its argmax is gold,
+        ``-log p(gold)`` and its entropy."""
+        scores = losses.scores(None, None, batch).double().cpu()
+        p = torch.softmax(scores, -1)
+        conf, pred = p.max(-1)
+        labels = batch.labels.cpu()
+        return {
+            "confidence": conf,
+            "correct": (pred == labels).double(),
+            "nll": -torch.log(p[torch.arange(len(labels)), labels].clamp_min(1e-12)),
+            "entropy": entropy(scores),
+        }
+
+    def temperature_scaled(self, scored: ScoredSet, temperature: float | None) -> ScoredSet | None:
+        """``scored.scaled(temperature)`` (None without a temperature)."""
+        return None if temperature is None else scored.scaled(temperature)
+
+    def extra_metrics(self, scored: ScoredSet, n_bins: int = 10) -> dict[str, dict[str, float]] | None:
+        """Every option-score normalisation side by side (:func:`normalization_summary`)."""
+        return normalization_summary(scored, n_bins)
+
+    def sample_rows(self, domain: str, scored: ScoredSet) -> Iterator[dict[str, Any]]:
+        """``id``, ``domain``, ``prompt``, ``options``, ``continuations``, ``loglik``,
+        ``n_tokens``, ``token_ids``, ``probs``, ``prediction``, ``gold``, ``confidence``,
+        ``correct`` and ``predictions`` by normalisation, per question."""
+        s = scored
+        probs, preds, conf = s.probs_numpy, s.predictions, s.confidences
+        by_norm = (
+            {n: normalized(s, n).predictions for n in LM_EVAL_NORMALIZATIONS}
+            if s.details is not None
+            else {}
+        )
+        for i in range(len(s)):
+            d = s.details[i] if s.details is not None else {}
+            yield {
+                "id": s.ids[i],
+                "domain": domain,
+                "prompt": d.get("prompt"),
+                "options": d.get("choices"),
+                "continuations": d.get("continuations"),
+                "loglik": d.get("loglik"),
+                "n_tokens": d.get("n_tokens"),
+                "token_ids": d.get("token_ids"),
+                "probs": [float(x) for x in probs[i]],
+                "prediction": int(preds[i]),
+                "gold": int(s.labels[i]),
+                "confidence": float(conf[i]),
+                "correct": bool(preds[i] == s.labels[i]),
+                "predictions": {n: int(p[i]) for n, p in by_norm.items()},
+            }
+
+
+@dataclass(frozen=True)
+class OptionLikelihood(MultipleChoiceFormat):
+    """Multiple choice scored by the log-likelihood of each option's text.
+
+    Args:
+        normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` option scores (training takes
+            ``"sum"`` or ``"mean"``, see :class:`~llm_calib.calm.objectives.CalmLosses`).
+        prompt: the prompt format; None: the scorer's default (``PromptFormat()``, cloze).
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> model, tok = tiny_random_model()
+        >>> qs = builtin_multiple_choice(2, domains=["capitals"])
+        >>> fmt = OptionLikelihood()
+        >>> prompts, options = fmt.encode(tok, qs)
+        >>> fmt.pack(prompts, options, 0).batch_size, len(options[0]) == len(qs[0].options)
+        (2, True)
+        >>> fmt.score(model, tok, qs).scorer
+        'option_likelihood'
+    """
+
+    normalize: str = "sum"
+    prompt: PromptFormat | None = None
+
+    layout: ClassVar[str] = "options"
+
+    def prompt_settings(self) -> PromptFormat:
+        """The prompt format (default ``PromptFormat()``: cloze)."""
+        return self.prompt or PromptFormat()
+
+    def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
+        """Prompt ids and each option's continuation ids (:func:`~llm_calib.scoring.option_likelihood.encode_questions`)."""
+        enc = encode_questions(tokenizer, records, self.prompt_settings())
+        return [e.prompt for e in enc], [e.options for e in enc]
+
+    def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
+        """Prompt followed by every option (:func:`~llm_calib.engine.packing.pack_questions`)."""
+        return pack_questions(list(zip(prompts, options, strict=True)), pad_id)
+
+    def length(self, prompt: Sequence[int], options: Sequence[Sequence[int]]) -> int:
+        """Prompt plus every option."""
+        return len(prompt) + sum(len(o) for o in options)
+
+    def score(self, model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, batch_size: int = 8,
+              progress: bool = False) -> ScoredSet:
+        """:func:`~llm_calib.scoring.option_likelihood.score_option_likelihood`."""
+        return score_option_likelihood(model, tokenizer, records, normalize=self.normalize, prompt=self.prompt,
+                                       batch_size=batch_size, progress=progress)
+
+
+@dataclass(frozen=True)
+class Letter(MultipleChoiceFormat):
+    """Multiple choice scored by the option letters after a prompt that lists the options.
+
+    Args:
+        prompt: the prompt format; None: ``PromptFormat(style="listed")``. It must list the
+            options: style ``"listed"``, or a template (which lists them itself).
+        normalize: unused (letter scores are single tokens); accepted so that every
+            multiple-choice format takes the same settings.
+
+    Raises:
+        ValueError: a prompt that does not list the options.
+
+    Example:
+        >>> Letter().prompt_settings().style
+        'listed'
+        >>> Letter(PromptFormat(style="cloze"))
+        Traceback (most recent call last):
+        ...
+        ValueError: the letter scorer needs the options listed in the prompt: prompt style 'listed' (or a template that lists them), got 'cloze'
+    """
+
+    prompt: PromptFormat | None = None
+    normalize: str = "sum"
+
+    layout: ClassVar[str] = "letter"
+
+    def __post_init__(self) -> None:
+        # the one place of the rule "the letter scorer needs a listed prompt"
+        if self.prompt is not None and self.prompt.style != "listed" and self.prompt.template is None:
+            raise ValueError(
+                "the letter scorer needs the options listed in the prompt: prompt style 'listed' "
+                f"(or a template that lists them), got {self.prompt.style!r}"
+            )
+
+    @classmethod
+    def configured_prompt(cls, style: str, chat_template: bool | None) -> PromptFormat:
+        """The listed prompt, whatever ``style`` a configuration gives (its options must be listed)."""
+        return PromptFormat(style="listed", chat_template=chat_template)
+
+    def prompt_settings(self) -> PromptFormat:
+        """The prompt format (default ``PromptFormat(style="listed")``)."""
+        return self.prompt or PromptFormat(style="listed")
+
+    def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
+        """The listed prompt's ids, and one letter token id per option."""
+        fmt = self.prompt_settings()
+        chat = uses_chat_template(tokenizer, fmt)
+        prompts = [tuple(encode_prompt(tokenizer, build_prompt(tokenizer, r.question, r.options, fmt), chat=chat))
+                   for r in records]
+        options = [tuple((t,) for t in letter_token_ids(tokenizer, len(r.options))) for r in records]
+        return prompts, options
+
+    def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
+        """The prompt alone; the letters are read at its last position
+        (:func:`~llm_calib.engine.packing.pack_letters`)."""
+        return pack_letters(list(prompts), [[o[0] for o in opts] for opts in options], pad_id)
+
+    def length(self, prompt: Sequence[int], options: Sequence[Sequence[int]]) -> int:
+        """The prompt (letters are not part of the input)."""
+        return len(prompt)
+
+    def score(self, model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, batch_size: int = 8,
+              progress: bool = False) -> ScoredSet:
+        """:func:`~llm_calib.scoring.letter.score_letter`."""
+        return score_letter(model, tokenizer, records, prompt=self.prompt, batch_size=batch_size, progress=progress)

@@ -1,0 +1,198 @@
+r"""The open-ended format: greedy answers to open questions.
+
+Scoring generates a greedy answer and takes the mean probability of its tokens as the confidence
+(:func:`~llm_calib.scoring.open_ended.score_open_ended`, an
+:class:`~llm_calib.scoring.open_ended.OpenEndedSet`). Training packs the prompt with the reference
+answer (its first alias) as one causal sequence
+(:func:`~llm_calib.engine.packing.pack_continuations`); the categorical predictions are the
+next-token distributions at the answer positions (see :mod:`llm_calib.calm.objectives`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from llm_calib.data.records import OpenQA
+from llm_calib.engine.packing import PackedQuestions, pack_continuations, reduce_per_option
+from llm_calib.formats.base import TaskFormat
+from llm_calib.formats.categorical import entropy
+from llm_calib.prompts import PromptFormat, continuation_text
+from llm_calib.scoring.base import encode_continuation
+from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts, score_open_ended
+
+if TYPE_CHECKING:
+    from llm_calib.adjustment import LogitAdjustment
+    from llm_calib.calm.objectives import Batch, CalmLosses
+
+__all__ = ["OpenEnded"]
+
+
+@dataclass(frozen=True)
+class OpenEnded(TaskFormat):
+    """Open questions answered greedily; exact match against the accepted answers.
+
+    Args:
+        prompt: the prompt format (cloze); None: ``PromptFormat()``.
+        max_new_tokens: generation budget per answer.
+        answer_stop: training: each reference answer is followed by the newline at which greedy
+            answering stops (the few-shot short-answer prompt,
+            :func:`~llm_calib.prompts.short_answer_format`); it is trained on like the answer's
+            tokens, and :meth:`monitor` leaves it out of the confidence, as the scorer's
+            confidence leaves out the stop token.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> qs = [OpenQA("Capital of France?", ("Paris",), "geo", "q0")]
+        >>> fmt = OpenEnded(max_new_tokens=3)
+        >>> prompts, answers = fmt.encode(tok, qs)
+        >>> tok.decode(answers[0][0]), fmt.label(qs[0])
+        (' Paris', 0)
+        >>> len(fmt.score(model, tok, qs))
+        1
+    """
+
+    prompt: PromptFormat | None = None
+    max_new_tokens: int = 32
+    answer_stop: bool = False
+
+    family: ClassVar[str] = "open"
+    layout: ClassVar[str] = "open"
+    description: ClassVar[str] = "open-ended (exact match)"
+    training_notes: ClassVar[tuple[str, ...]] = (
+        "- trained on open questions (token cross-entropy of the first reference answer); the "
+        "held-out accuracy and ECE of the training table are teacher-forced proxies, the "
+        "per-domain tables score greedy answers",
+    )
+
+    @classmethod
+    def domain_notes(cls, metrics: dict[str, float]) -> list[str]:
+        """The confidence used and the token F1."""
+        return [f"Confidence = mean answer-token probability; token F1 {metrics.get('f1', float('nan')):.3f}."]
+
+    def prompt_settings(self) -> PromptFormat:
+        """The prompt format (default ``PromptFormat()``)."""
+        return self.prompt or PromptFormat()
+
+    # --- training encoding --------------------------------------------------------------------
+    def encode(self, tokenizer: Any, records: Sequence[OpenQA]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
+        """The scorer's prompt ids, and the first reference alias as the one continuation,
+        tokenised on its own like an option (``" " + alias``, plus ``"\\n"`` with ``answer_stop``).
+
+        Raises:
+            ValueError: an open question without a reference answer (naming it).
+        """
+        unanswered = [r.id for r in records if not r.answers]
+        if unanswered:
+            raise ValueError(f"open question {unanswered[0]!r} has no reference answer to train or monitor on")
+        prompts = encode_open_prompts(tokenizer, records, self.prompt)
+        stop = "\n" if self.answer_stop else ""
+        answers = [(tuple(encode_continuation(tokenizer, continuation_text(r.answers[0]) + stop)),) for r in records]
+        return [tuple(p) for p in prompts], answers
+
+    def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
+        """Prompt + reference answer, a plain causal sequence (:func:`~llm_calib.engine.packing.pack_continuations`)."""
+        return pack_continuations([(p, o[0]) for p, o in zip(prompts, options, strict=True)], pad_id)
+
+    def length(self, prompt: Sequence[int], options: Sequence[Sequence[int]]) -> int:
+        """Prompt plus answer."""
+        return len(prompt) + sum(len(o) for o in options)
+
+    def label(self, record: OpenQA) -> int:
+        """0: the one "option" of an open question is its reference answer."""
+        return 0
+
+    # --- training-loss view -------------------------------------------------------------------
+    def check_adjustment(self, adjustment: LogitAdjustment) -> None:
+        """Open questions have no options: an option-level adjustment cannot act on them.
+
+        Raises:
+            ValueError: ``adjustment`` acts on option scores.
+        """
+        # the one place of the rule "an option-level adjustment needs options"
+        if adjustment.acts_on_options:
+            raise ValueError(
+                f"adjustment {adjustment.kind!r} acts on option scores; open questions need a token-level "
+                "adjustment ('vector', 'temperature' or 'answer_tokens')"
+            )
+
+    def categorical(
+        self, losses: CalmLosses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
+    ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+        """One vocabulary distribution per answer token, its reference token, and the mean over
+        each answer's tokens."""
+        packed = batch.packed
+        if lam is not None:
+            self.check_adjustment(losses.adjustment)
+        logits = losses.logits(theta, lam, batch)
+        device = logits.device
+        return (
+            logits[packed.target_rows.to(device)],
+            packed.target_ids.to(device),
+            lambda per_token: reduce_per_option(per_token, packed, "mean"),
+        )
+
+    def deployed_entropy(self, losses: CalmLosses, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
+        """Entropy of the unadjusted next-token distribution at the first answer position."""
+        return entropy(losses.logits(theta, None, batch, batch.packed.answer_start_rows()))
+
+    def monitor(self, losses: CalmLosses, batch: Batch) -> dict[str, Tensor]:
+        """A teacher-forced proxy of greedy answering (see
+        :meth:`CalmLosses.monitor <llm_calib.calm.objectives.CalmLosses.monitor>`)."""
+        packed = batch.packed
+        logp = torch.log_softmax(losses.logits(None, None, batch).double(), -1).cpu()
+        token_logp = logp[packed.target_rows]
+        top_logp, top = token_logp.max(-1)
+        wrong = (top != packed.target_ids).double()
+        token_nll = -token_logp[torch.arange(len(packed.target_ids)), packed.target_ids]
+        top_p = top_logp.exp()
+        if self.answer_stop:  # leave each answer's final (stop) token out of the confidence
+            option = packed.target_option
+            pos = torch.arange(len(option))
+            last = torch.full((len(packed.option_lengths),), -1, dtype=torch.long).scatter_reduce(
+                0, option, pos, "amax")
+            keep = (pos != last[option]) | (packed.option_lengths[option] == 1)
+            confidence = (reduce_per_option(top_p * keep, packed, "sum")
+                          / reduce_per_option(keep.double(), packed, "sum"))
+        else:
+            confidence = reduce_per_option(top_p, packed, "mean")
+        return {
+            "confidence": confidence,
+            "correct": (reduce_per_option(wrong, packed, "sum") == 0).double(),
+            "nll": reduce_per_option(token_nll, packed, "mean"),
+            "entropy": entropy(logp[packed.answer_start_rows()]),
+        }
+
+    # --- scoring and results ------------------------------------------------------------------
+    def score(self, model: Any, tokenizer: Any, records: Sequence[OpenQA], *, batch_size: int = 8,
+              progress: bool = False) -> OpenEndedSet:
+        """:func:`~llm_calib.scoring.open_ended.score_open_ended`."""
+        return score_open_ended(model, tokenizer, records, prompt=self.prompt, max_new_tokens=self.max_new_tokens,
+                                batch_size=batch_size, progress=progress)
+
+    def sample_rows(self, domain: str, scored: OpenEndedSet) -> Iterator[dict[str, Any]]:
+        """``id``, ``domain``, ``prompt``, ``answer``, ``references``, ``token_ids``,
+        ``token_probs``, ``confidence`` (mean token probability), ``correct`` (exact match),
+        ``f1`` and ``stop``, per question."""
+        s = scored
+        conf, correct, f1 = s.confidence("mean"), s.correct, s.f1
+        for i in range(len(s)):
+            d = s.details[i] if s.details is not None else {}
+            yield {
+                "id": s.ids[i],
+                "domain": domain,
+                "prompt": d.get("prompt"),
+                "answer": s.answers[i],
+                "references": list(s.references[i]),
+                "token_ids": d.get("token_ids"),
+                "token_probs": list(s.token_probs[i]),
+                "confidence": float(conf[i]),
+                "correct": bool(correct[i]),
+                "f1": float(f1[i]),
+                "stop": d.get("stop"),
+            }
