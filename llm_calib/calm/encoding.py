@@ -149,19 +149,18 @@ def encode_records(
 ) -> EncodedRecords:
     """Tokenise records once for the configured scorer and prompt format.
 
-    Multiple-choice records follow ``config.scorer`` and ``config.prompt_style``. Open questions
+    Multiple-choice records follow ``config.prompt.scorer`` and ``config.prompt.style``. Open questions
     use the open-ended scorer's prompt (:func:`~llm_calib.scoring.open_ended.encode_open_prompts`)
     of :func:`~llm_calib.calm.config.open_prompt_format`, followed by the first reference alias as
     the continuation, tokenised on its own like an option: ``" " + alias`` under the chat prompt,
-    ``" " + alias + "\\n"`` under the few-shot short-answer prompt (``config.open_examples``), so
+    ``" " + alias + "\\n"`` under the few-shot short-answer prompt (``config.prompt.open_examples``), so
     the trained answer ends with the newline token at which greedy answering stops (to train on
     every alias, give one record per alias: :func:`~llm_calib.data.one_record_per_alias`).
 
     Args:
         tokenizer: the model's tokenizer.
         records: all multiple choice or all open questions.
-        config: the run's configuration (only ``scorer``, ``prompt_style``, ``chat_template``
-            and ``open_examples`` matter).
+        config: the run's configuration (only its ``prompt`` part matters).
 
     Returns:
         An :class:`EncodedRecords` with an empty trunk cache.
@@ -187,17 +186,17 @@ def encode_records(
         if unanswered:
             raise ValueError(f"open question {unanswered[0]!r} has no reference answer to train or monitor on")
         prompts = encode_open_prompts(tokenizer, records, open_prompt_format(config))
-        stop = "\n" if config.open_examples else ""
+        stop = "\n" if config.prompt.open_examples else ""
         answers = [(tuple(encode_continuation(tokenizer, continuation_text(r.answers[0]) + stop)),) for r in records]
         return EncodedRecords(records, [tuple(p) for p in prompts], answers, layout="open",
-                              answer_stop=bool(config.open_examples))
-    if config.scorer == "letter":
-        fmt = PromptFormat(style="listed", chat_template=config.chat_template)
+                              answer_stop=bool(config.prompt.open_examples))
+    if config.prompt.scorer == "letter":
+        fmt = PromptFormat(style="listed", chat_template=config.prompt.chat_template)
         chat = uses_chat_template(tokenizer, fmt)
         prompts = [tuple(encode_prompt(tokenizer, build_prompt(tokenizer, r.question, r.options, fmt), chat=chat)) for r in records]
         options = [tuple((t,) for t in letter_token_ids(tokenizer, len(r.options))) for r in records]
         return EncodedRecords(records, prompts, options, layout="letter")
-    fmt = PromptFormat(style=config.prompt_style, chat_template=config.chat_template)
+    fmt = PromptFormat(style=config.prompt.style, chat_template=config.prompt.chat_template)
     enc = encode_questions(tokenizer, records, fmt)
     return EncodedRecords(records, [e.prompt for e in enc], [e.options for e in enc], layout="options")
 
@@ -212,7 +211,8 @@ class EncodingCache:
         >>> from llm_calib.models import tiny_random_model
         >>> _, tok = tiny_random_model()
         >>> qs, cache = builtin_multiple_choice(n_per_domain=2, domains=["capitals"]), EncodingCache()
-        >>> cache(tok, qs, CalibrationConfig()) is cache(tok, list(qs), CalibrationConfig(lr=0.1))
+        >>> from llm_calib.calm.config import TrainingSettings
+        >>> cache(tok, qs, CalibrationConfig()) is cache(tok, list(qs), CalibrationConfig(training=TrainingSettings(lr=0.1)))
         True
     """
 
@@ -222,8 +222,9 @@ class EncodingCache:
     def __call__(self, tokenizer: Any, records: Sequence[Any], config: CalibrationConfig) -> EncodedRecords:
         """The encoding of ``records`` under ``config``'s scorer, prompt style, chat template, open
         examples and LoRA layers (records are recognised by domain and id); made on first use."""
-        key = (tuple(f"{r.domain}/{r.id}" for r in records), config.scorer, config.prompt_style, config.chat_template,
-               config.open_examples, config.lora.layers, config.lora.top_layers)
+        prompt = config.prompt
+        key = (tuple(f"{r.domain}/{r.id}" for r in records), prompt.scorer, prompt.style, prompt.chat_template,
+               prompt.open_examples, config.lora.layers, config.lora.top_layers)
         if key not in self.encodings:
             self.encodings[key] = encode_records(tokenizer, records, config)
         return self.encodings[key]

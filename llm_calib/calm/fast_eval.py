@@ -483,7 +483,7 @@ class SharedTrunkEval:
             may be given as an :class:`~llm_calib.calm.encoding.EncodedRecords`, whose trunk cache
             the base pass then fills (e.g. the held-out split that training reuses).
         trunk_layers: the first adapted layer (at least 1, below the number of layers).
-        config: encoding settings (``scorer``, ``prompt_style``, ``chat_template``, ``normalize``;
+        config: encoding settings (its ``prompt`` part: scorer, style, chat template, normalisation;
             open questions: the prompt of :func:`~llm_calib.calm.config.open_prompt_format`);
             default :class:`~llm_calib.calm.config.CalibrationConfig`.
         batch_size: questions (prompts) per forward pass.
@@ -554,7 +554,7 @@ class SharedTrunkEval:
             outs = self.generator.base(self.model, keep_trunk=keep_trunk, temperatures=True, bar=bar)
             self.base_outputs = self._split(outs)
             return {n: open_ended_set(self.records[n], o) for n, o in self.base_outputs.items()}
-        return {n: self._mc(n, base_scores(self.model, enc, k, self.batch_size, self.pad_id, self.config.normalize, bar))
+        return {n: self._mc(n, base_scores(self.model, enc, k, self.batch_size, self.pad_id, self.config.prompt.normalize, bar))
                 for n, enc in self.encodings.items()}
 
     def scaled(self, temperature_index: int) -> dict[str, OpenEndedSet]:
@@ -581,6 +581,6 @@ class SharedTrunkEval:
         lm = FunctionalLM(model)
         if lm.trunk_layers != self.trunk_layers:
             raise ValueError(f"the model's adapted layers start at {lm.trunk_layers}, expected {self.trunk_layers}")
-        norm = normalize or self.config.normalize
+        norm = normalize or self.config.prompt.normalize
         return {n: self._mc(n, trunk_scores(lm, enc, self.batch_size, self.pad_id, norm, bar))
                 for n, enc in self.encodings.items()}

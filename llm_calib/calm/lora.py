@@ -7,14 +7,16 @@ import logging
 import re
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from llm_calib.calm.config import LoraSettings
 from llm_calib.models import lm_head_logits, split_decoder_head
 from llm_calib.scoring.packing import PackedQuestions, accepts_packed_masks, option_sequences
+
+if TYPE_CHECKING:
+    from llm_calib.calm.config import LoraSettings
 
 __all__ = [
     "OUTPUT_LOG_SCALE",
@@ -107,6 +109,7 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> model, _ = tiny_random_model()
+        >>> from llm_calib.calm.config import LoraSettings
         >>> peft_model = attach_lora(model, LoraSettings(rank=2, layers=(1,)))
         >>> sorted({n.split(".")[4] for n, p in peft_model.named_parameters() if p.requires_grad})
         ['1']
@@ -165,6 +168,7 @@ def detach_lora(model: Any) -> Any:
         >>> base, _ = tiny_random_model()
         >>> names = sorted(base.state_dict())
         >>> before = base.model.norm.weight.clone()
+        >>> from llm_calib.calm.config import LoraSettings
         >>> lm = FunctionalLM(attach_lora(base, LoraSettings(rank=2), output_scale=True))
         >>> lm.load_theta({**lm.theta(), OUTPUT_LOG_SCALE: torch.tensor(0.5)})  # a trained scale
         >>> back = detach_lora(lm.model)
@@ -205,8 +209,8 @@ class FunctionalLM:
 
     Example:
         >>> from llm_calib.models import tiny_random_model
+        >>>         >>> model, _ = tiny_random_model()
         >>> from llm_calib.calm.config import LoraSettings
-        >>> model, _ = tiny_random_model()
         >>> lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
         >>> all("lora_" in k for k in lm.theta())
         True
@@ -263,6 +267,7 @@ class FunctionalLM:
 
         Example:
             >>> from llm_calib.models import tiny_random_model
+            >>> from llm_calib.calm.config import LoraSettings
             >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2, dropout=0.1)).eval())
             >>> with lm.train_mode():  # the 4 LoRA dropouts (q_proj, v_proj of 2 layers)
             ...     sum(m.training for m in lm.model.modules())
@@ -361,7 +366,7 @@ class FunctionalLM:
         Example:
             >>> from llm_calib.models import tiny_random_model
             >>> from llm_calib.calm.config import LoraSettings
-            >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True))
+            >>>             >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True))
             >>> [k for k in lm.decoder_parameters(lm.theta()) if k.startswith("norm.")]
             ['norm.modules_to_save.default.weight']
         """
