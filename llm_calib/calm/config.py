@@ -20,7 +20,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import llm_calib.objectives.builtin  # noqa: F401  registers the built-in objectives and solvers
 from llm_calib.checks import check_int, check_number, is_int
@@ -49,14 +49,6 @@ SOLVERS = BUILTIN_SOLVERS
 """The built-in bilevel solvers of CALM (``objective.solver``): first-order BOME and F2SA, and
 exact implicit differentiation after lower-level steps (see :mod:`llm_calib.objectives.calm`);
 any solver registered with :func:`~llm_calib.objectives.registry.register_solver` is accepted too."""
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "prompt.scorer": ("option_likelihood", "letter"),
-    "prompt.normalize": ("sum", "mean"),
-    "prompt.style": ("cloze", "listed"),
-}
-"""The allowed values of the string fields of :class:`PromptSettings`, by path (the objective's
-and solver's string fields validate themselves)."""
 
 @dataclass
 class LoraSettings:
@@ -144,6 +136,7 @@ class PromptSettings:
             :class:`llm_calib.prompts.PromptFormat`); open questions always use the cloze style
             of the open-ended scorer.
         chat_template: wrap prompts in the model's chat template (None: when it has one).
+        field_choices: the allowed values of ``scorer``, ``normalize`` and ``style``.
         open_examples: open questions: ``(question, answer)`` solved examples shown before every
             question in the plain-text short-answer prompt ``Q: ...\\nA: ...`` of
             :func:`llm_calib.prompts.short_answer_format` (e.g. drawn from the training split with
@@ -156,6 +149,9 @@ class PromptSettings:
         (('2 + 2?', '4'),)
     """
 
+    field_choices: ClassVar[dict[str, tuple[str, ...]]] = {
+        "scorer": ("option_likelihood", "letter"), "normalize": ("sum", "mean"), "style": ("cloze", "listed"),
+    }
     scorer: str = "option_likelihood"
     normalize: str = "sum"
     style: str = "cloze"
@@ -163,8 +159,8 @@ class PromptSettings:
     open_examples: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("scorer", "normalize", "style"):
-            allowed, value = CHOICES[f"prompt.{name}"], getattr(self, name)
+        for name, allowed in self.field_choices.items():
+            value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"prompt.{name} must be one of {allowed}, got {value!r}")
         if self.chat_template is not None and not isinstance(self.chat_template, bool):
@@ -228,6 +224,10 @@ class SelectionSettings:
         if not 0.0 <= self.guard_accuracy <= 1.0:
             raise ValueError(f"selection.guard_accuracy must be in [0, 1], got {self.guard_accuracy}")
 
+
+CHOICES: dict[str, tuple[str, ...]] = {f"prompt.{k}": v for k, v in PromptSettings.field_choices.items()}
+"""The allowed values of the string fields of :class:`PromptSettings`, by path (objectives and
+solvers list theirs in their own ``field_choices``)."""
 
 PARTS: dict[str, type] = {
     "lora": LoraSettings, "prompt": PromptSettings, "training": TrainingSettings, "selection": SelectionSettings,

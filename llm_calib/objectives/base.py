@@ -78,6 +78,8 @@ class Objective:
         name: the registered name (set by ``register_objective``).
         trains_adjustment: True when the objective trains the logit adjustment λ (CALM): then its
             step updates ``state.lam`` and the step's record summarises λ.
+        field_choices: the allowed values of string fields, by field name (the command line
+            offers them as choices; ``__post_init__`` checks them).
 
     Example:
         >>> from llm_calib.objectives.lora_ce import LoraCE
@@ -87,6 +89,7 @@ class Objective:
 
     name: ClassVar[str] = ""
     trains_adjustment: ClassVar[bool] = False
+    field_choices: ClassVar[dict[str, tuple[str, ...]]] = {}
     adjustment = "auto"
     lam_lr = 5e-2
     max_log_scale = 3.0

@@ -55,8 +55,10 @@ class CalmSolver(Protocol):
         scores_f_at_step: True when the solver evaluates f once at the step's θ (BOME), so the
             step records that value as ``unlabeled_entropy``; otherwise (F2SA's f is at its
             penalised iterate) the step scores the step's θ again, without gradients.
-        inner_steps: the solver's lower-level steps per outer step.
-        inner_lr: the step size of those steps; None: the solver's default (:meth:`step_size`).
+        inner_steps: the chosen solver's lower-level steps per outer step (BOME's T, F2SA's and
+            the implicit solver's Adam steps of θ on g).
+        inner_lr: the step size of those steps; None: the solver's default (BOME 5e-2, plain SGD;
+            F2SA and implicit: θ's rate ``training.lr``).
     """
 
     name: ClassVar[str]
@@ -101,12 +103,13 @@ class Bome:
     inner_steps: int = 5
     inner_lr: float | None = None
     scores_f_at_step: ClassVar[bool] = True
+    field_choices: ClassVar[dict[str, tuple[str, ...]]] = {"barrier": ("value", "gradient")}
     default_inner_lr: ClassVar[float] = 5e-2
     """Plain SGD: large enough that the value function's ``inner_steps`` steps make the lower level bind."""
 
     def __post_init__(self) -> None:
         self.eta = check_number("objective.solver.eta", self.eta, positive=True)
-        if self.barrier not in ("value", "gradient"):
+        if self.barrier not in self.field_choices["barrier"]:
             raise ValueError(f"objective.solver.barrier must be 'value' or 'gradient', got {self.barrier!r}")
         _check_inner("objective.solver", self)
 
@@ -253,6 +256,7 @@ class Calm(Objective):
     max_log_scale: float = Objective.max_log_scale
     max_bias: float = Objective.max_bias
     trains_adjustment: ClassVar[bool] = True
+    field_choices: ClassVar[dict[str, tuple[str, ...]]] = {"adjustment": ADJUSTMENT_CHOICES}
 
     def __post_init__(self) -> None:
         if isinstance(self.solver, str):
