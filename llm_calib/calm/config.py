@@ -234,42 +234,41 @@ PARTS: dict[str, type] = {
 }
 """The settings parts of :class:`CalibrationConfig` besides the objective, by field name."""
 
-_CALM = "objective.name: calm"
-FLAT_KEYS: dict[str, tuple[str, str]] = {
-    "method": ("objective.name", ""),
-    "solver": ("objective.solver.name", _CALM),
-    "adjustment": ("objective.adjustment", _CALM),
-    "lam_lr": ("objective.lam_lr", _CALM),
-    "max_log_scale": ("objective.max_log_scale", _CALM),
-    "max_bias": ("objective.max_bias", _CALM),
-    "inner_steps": ("objective.solver.inner_steps", _CALM),
-    "inner_lr": ("objective.solver.inner_lr", _CALM),
-    "bome_eta": ("objective.solver.eta", f"{_CALM}, solver.name: bome"),
-    "bome_barrier": ("objective.solver.barrier", f"{_CALM}, solver.name: bome"),
-    "f2sa_sigma": ("objective.solver.sigma", f"{_CALM}, solver.name: f2sa"),
-    "cg_maxiter": ("objective.solver.maxiter", f"{_CALM}, solver.name: implicit"),
-    "cg_damping": ("objective.solver.damping", f"{_CALM}, solver.name: implicit"),
-    "cg_tol": ("objective.solver.tol", f"{_CALM}, solver.name: implicit"),
-    "label_smoothing": ("objective.eps", "objective.name: label_smoothing"),
-    "penalty_beta": ("objective.beta", "objective.name: confidence_penalty"),
-    "scorer": ("prompt.scorer", ""),
-    "normalize": ("prompt.normalize", ""),
-    "prompt_style": ("prompt.style", ""),
-    "chat_template": ("prompt.chat_template", ""),
-    "open_examples": ("prompt.open_examples", ""),
-    "output_scale": ("lora.output_scale", ""),
-    "output_scale_lr": ("lora.output_scale_lr", ""),
-    "steps": ("training.steps", ""),
-    "batch_size": ("training.batch_size", ""),
-    "heldout_batch_size": ("training.heldout_batch_size", ""),
-    "lr": ("training.lr", ""),
-    "eval_every": ("selection.eval_every", ""),
-    "guard_accuracy": ("selection.guard_accuracy", ""),
-    "guard_patience": ("selection.guard_patience", ""),
+FLAT_KEYS: dict[str, tuple[str, str | None, str | None]] = {
+    "method": ("objective.name", None, None),
+    "solver": ("objective.solver.name", "calm", None),
+    "adjustment": ("objective.adjustment", "calm", None),
+    "scorer": ("prompt.scorer", None, None),
+    "normalize": ("prompt.normalize", None, None),
+    "output_scale": ("lora.output_scale", None, None),
+    "output_scale_lr": ("lora.output_scale_lr", None, None),
+    "steps": ("training.steps", None, None),
+    "batch_size": ("training.batch_size", None, None),
+    "heldout_batch_size": ("training.heldout_batch_size", None, None),
+    "lr": ("training.lr", None, None),
+    "lam_lr": ("objective.lam_lr", "calm", None),
+    "inner_steps": ("objective.solver.inner_steps", "calm", None),
+    "inner_lr": ("objective.solver.inner_lr", "calm", None),
+    "bome_eta": ("objective.solver.eta", "calm", "bome"),
+    "bome_barrier": ("objective.solver.barrier", "calm", "bome"),
+    "f2sa_sigma": ("objective.solver.sigma", "calm", "f2sa"),
+    "cg_maxiter": ("objective.solver.maxiter", "calm", "implicit"),
+    "cg_damping": ("objective.solver.damping", "calm", "implicit"),
+    "cg_tol": ("objective.solver.tol", "calm", "implicit"),
+    "label_smoothing": ("objective.eps", "label_smoothing", None),
+    "penalty_beta": ("objective.beta", "confidence_penalty", None),
+    "max_log_scale": ("objective.max_log_scale", "calm", None),
+    "max_bias": ("objective.max_bias", "calm", None),
+    "guard_accuracy": ("selection.guard_accuracy", None, None),
+    "guard_patience": ("selection.guard_patience", None, None),
+    "eval_every": ("selection.eval_every", None, None),
+    "prompt_style": ("prompt.style", None, None),
+    "chat_template": ("prompt.chat_template", None, None),
+    "open_examples": ("prompt.open_examples", None, None),
 }
-"""The keys of the flat configuration (before the nesting) that moved: key -> (its new path, the
-objective or solver it applies to, "" when any). ``lora``, ``checkpoint_every`` and ``seed``
-kept their place."""
+"""The keys of the flat configuration (before the nesting) that moved, in their old order: key ->
+(new path, the objective it belongs to, the solver it belongs to; None: any). ``lora``,
+``checkpoint_every`` and ``seed`` kept their place."""
 
 
 def flat_key_message(key: str) -> str:
@@ -278,9 +277,12 @@ def flat_key_message(key: str) -> str:
     Example:
         >>> flat_key_message("bome_eta")
         '`bome_eta` is now `objective.solver.eta` (objective.name: calm, solver.name: bome)'
+        >>> flat_key_message("steps")
+        '`steps` is now `training.steps`'
     """
-    path, where = FLAT_KEYS[key]
-    return f"`{key}` is now `{path}`" + (f" ({where})" if where else "")
+    path, objective, solver = FLAT_KEYS[key]
+    where = [f"objective.name: {objective}"] * (objective is not None) + [f"solver.name: {solver}"] * (solver is not None)
+    return f"`{key}` is now `{path}`" + (f" ({', '.join(where)})" if where else "")
 
 
 @dataclass
