@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 import torch
 from harness.flags import add_dataclass_flags, dataclass_overrides
+from harness.flat_config import config_from_flat, flat_config
 from harness.profiling import Phase
 from harness.report import (
     format_number,
@@ -77,7 +78,6 @@ from harness.report import (
     provenance_lines,
     verdict,
 )
-from harness.flat_config import config_from_flat, flat_config
 from harness.sweep import SeedResults, SweepLog, fingerprint, read_result, run_forked
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings

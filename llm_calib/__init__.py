@@ -72,11 +72,11 @@ if TYPE_CHECKING:
         SelectionSettings,
         TrainingSettings,
     )
+    from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
     from llm_calib.objectives.calm import F2SA, Bome, Calm, ImplicitSolver
     from llm_calib.objectives.confidence_penalty import ConfidencePenalty
     from llm_calib.objectives.label_smoothing import LabelSmoothing
     from llm_calib.objectives.lora_ce import LoraCE
-    from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
 
 
 def __getattr__(name: str) -> Any:

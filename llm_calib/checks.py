@@ -7,6 +7,7 @@ fields with these in ``__post_init__``; every message names the field by its pat
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 __all__ = ["check_int", "check_number", "is_int"]
@@ -46,10 +47,8 @@ def check_number(name: str, value: Any, *, minimum: float | None = None, positiv
     """
     number: float | None = None
     if isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             number = float(value)
-        except ValueError:
-            pass
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         number = float(value)
     if number is None:

@@ -108,7 +108,12 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
         >>> settings = DemoSettings()   # doctest: +SKIP
         >>> results = run_demo(settings)   # doctest: +SKIP
     """
-    from llm_calib.calm.config import CalibrationConfig, LoraSettings, SelectionSettings, TrainingSettings
+    from llm_calib.calm.config import (
+        CalibrationConfig,
+        LoraSettings,
+        SelectionSettings,
+        TrainingSettings,
+    )
     from llm_calib.calm.trainer import calibrate
     from llm_calib.calm.training import MIN_GUARD_QUESTIONS
     from llm_calib.models import load

@@ -18,7 +18,7 @@ from typing import Any
 from llm_calib.calm.config import FLAT_KEYS, CalibrationConfig, LoraSettings
 from llm_calib.objectives.registry import objective_class, solver_class
 
-__all__ = ["config_from_flat", "flat_config"]
+__all__ = ["config_from_flat", "flat_config", "with_flat"]
 
 _KEPT = ("lora", "checkpoint_every", "seed")
 _ORDER = (*list(FLAT_KEYS)[:5], "lora", *list(FLAT_KEYS)[5:27], "checkpoint_every", "seed", *list(FLAT_KEYS)[27:])
@@ -100,3 +100,14 @@ def flat_config(config: CalibrationConfig) -> dict[str, Any]:
             default = cls(solver=solver_class(owner_solver)()) if owner_solver else cls()
             out[key] = _get(CalibrationConfig(objective=default).to_dict(), path)
     return out
+
+
+def with_flat(config: CalibrationConfig, **flat: Any) -> CalibrationConfig:
+    """``config`` with flat keys set over it (a benchmark's setting over its base config file): the
+    flat layout of ``config`` updated with ``flat``, then :func:`config_from_flat`.
+
+    Example:
+        >>> with_flat(CalibrationConfig(), method="confidence_penalty", penalty_beta=5.0, steps=4).objective
+        ConfidencePenalty(beta=5.0)
+    """
+    return config_from_flat(**{**flat_config(config), **flat})

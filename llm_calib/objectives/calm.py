@@ -19,12 +19,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 import hypergrad as hg
+from llm_calib.adjustment import ADJUSTMENT_KINDS
 from llm_calib.calm.attention import second_order_attention
 from llm_calib.calm.methods import theta_optimizer
-from llm_calib.adjustment import ADJUSTMENT_KINDS
 from llm_calib.checks import check_int, check_number
 from llm_calib.objectives.base import Objective, settings_from_dict
-from llm_calib.objectives.registry import register_objective, register_solver, solver_class, solver_names
+from llm_calib.objectives.registry import (
+    register_objective,
+    register_solver,
+    solver_class,
+    solver_names,
+)
 
 if TYPE_CHECKING:
     from llm_calib.calm.config import CalibrationConfig
