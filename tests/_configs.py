@@ -30,7 +30,8 @@ def _tagged(base: dict[str, Any], override: dict[str, Any], lookup: Any) -> dict
 
 def configured(base: dict[str, Any], **overrides: Any) -> CalibrationConfig:
     """``base`` (a nested config dict) with ``overrides`` merged in (see the module docstring)."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    out = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else dict(v) if isinstance(v, dict) else v
+           for k, v in base.items()}
     for key, value in overrides.items():
         if key == "objective" and isinstance(value, dict):
             objective = dict(out.get("objective", {"name": "calm"}))

@@ -181,7 +181,7 @@ def test_resume_refuses_a_checkpoint_of_another_configuration_or_other_data(tmp_
     ckpt = tmp_path / "ckpt"
     calibrate(*_model(), train, heldout, _cfg(objective=dict(name="lora_ce"), training=dict(steps=2), checkpoint_every=2),
               checkpoint_dir=ckpt, progress=False)
-    with pytest.raises(ValueError, match=r"configuration differs \(lr: checkpoint 0\.01, now 0\.07\)") as info:
+    with pytest.raises(ValueError, match=r"configuration differs \(training\.lr: checkpoint 0\.01, now 0\.07\)") as info:
         calibrate(*_model(), train, heldout, _cfg(objective=dict(name="lora_ce"), training=dict(steps=4, lr=0.07), checkpoint_every=2),
                   checkpoint_dir=ckpt, resume=True, progress=False)
     assert str(latest_checkpoint(ckpt)) in str(info.value)
