@@ -4,9 +4,10 @@ Subcommands:
 
 * ``llm-calib evaluate``: score data sets with a model and write ``metrics.json``, ``report.md``
   and one reliability diagram per domain.
-* ``llm-calib calibrate``: train CALM and the baselines on the same data (one model load; each
-  method trains and removes its own adapters), save each result, and compare them with the uncalibrated and temperature-scaled model
-  per domain in ``report.md``, ``metrics.json`` and reliability diagrams.
+* ``llm-calib calibrate``: train CALM (or the configured objective; ``--methods`` trains several on
+  the same data, one model load, each method training and removing its own adapters), save each
+  result, and compare them with the uncalibrated and temperature-scaled model per domain in
+  ``report.md``, ``metrics.json`` and reliability diagrams.
 * ``llm-calib export``: merge a saved adapter (LoRA and the output scale) into its base model and
   save a standalone Hugging Face model.
 * ``llm-calib demo``: the main job on the embedded default.

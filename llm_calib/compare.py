@@ -1,4 +1,5 @@
-"""Train every calibration method on the same data and compare them per domain (``llm-calib calibrate``).
+"""Train one or several calibration objectives on the same data and compare them per domain, with
+the uncalibrated and temperature-scaled model (``llm-calib calibrate``).
 
 The base model is loaded once. Each method attaches fresh LoRA adapters to it, is trained by
 :func:`llm_calib.calm.trainer.calibrate` with the same data, seed and budget, saved
