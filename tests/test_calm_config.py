@@ -113,3 +113,22 @@ def test_the_short_yaml_form_and_errors_name_the_part():
         with pytest.raises(ValueError) as info:
             CalibrationConfig.from_dict(data)
         assert needle in str(info.value), (data, str(info.value))
+
+
+def test_the_benchmarks_flat_layout_is_the_old_to_dict():
+    """benchmarks/ keep their flat hyperparameter names and fingerprints (harness.flat_config)."""
+    import doctest
+
+    from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
+    from harness import flat_config
+
+    assert doctest.testmod(flat_config, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0
+    lora = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "layers": None,
+            "top_layers": 6}
+    old = {**dict(list(FLAT_DEFAULTS.items())[:5]), "lora": lora, **dict(list(FLAT_DEFAULTS.items())[5:])}
+    assert json.dumps(flat_config.flat_config(CalibrationConfig())) == json.dumps(old)
+    for method, solver in (("calm", "f2sa"), ("calm", "implicit"), ("lora_ce", "bome"), ("confidence_penalty", "bome")):
+        flat = {**old, "method": method, "solver": solver, "lr": 5e-3, "penalty_beta": 2.0, "inner_steps": 1}
+        assert flat_config.flat_config(flat_config.config_from_flat(**flat)) == {
+            **flat, **({} if method == "calm" else {"inner_steps": 5}),
+            **({} if method == "confidence_penalty" else {"penalty_beta": 0.5})}

@@ -421,7 +421,7 @@ def flat_key_location(path: str | Path, data: dict[str, Any]) -> str:
     Example:
         >>> import pathlib, tempfile
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "old.yaml"
-        >>> _ = path.write_text("seed: 1\nbome_eta: 2.0\n")
+        >>> _ = path.write_text("seed: 1\\nbome_eta: 2.0\\n")
         >>> flat_key_location(path, {"seed": 1, "bome_eta": 2.0}).endswith("old.yaml:2")
         True
     """

@@ -209,8 +209,8 @@ class FunctionalLM:
 
     Example:
         >>> from llm_calib.models import tiny_random_model
-        >>>         >>> model, _ = tiny_random_model()
         >>> from llm_calib.calm.config import LoraSettings
+        >>> model, _ = tiny_random_model()
         >>> lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
         >>> all("lora_" in k for k in lm.theta())
         True
@@ -366,7 +366,7 @@ class FunctionalLM:
         Example:
             >>> from llm_calib.models import tiny_random_model
             >>> from llm_calib.calm.config import LoraSettings
-            >>>             >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True))
+            >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True))
             >>> [k for k in lm.decoder_parameters(lm.theta()) if k.startswith("norm.")]
             ['norm.modules_to_save.default.weight']
         """

@@ -386,7 +386,7 @@ def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(batch_size=2, heldout_batch_size=2))
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(training={"batch_size": 2, "heldout_batch_size": 2}))
         >>> state = init_state(trainer)
         >>> record = train_step(trainer, state)
         >>> state.step, sorted(k for k in ("g", "phi", "q", "unlabeled_entropy") if k in record)
