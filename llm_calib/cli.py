@@ -747,8 +747,8 @@ def _calibration_config(args: argparse.Namespace) -> tuple[object, list[Any]]:
             merged[part] = values
     base = data.get("objective", CalibrationConfig().objective.name)
     base = {"name": base} if isinstance(base, str) else {"name": CalibrationConfig().objective.name, **base}
-    if args.objective_name is not None and args.objective_name != base["name"]:
-        base = {"name": args.objective_name}  # another objective: the file's settings were for the old one
+    if args.objective_name is not None:  # another objective than the file's: its settings were for that one
+        base = {base["name"]: base}.get(args.objective_name, {"name": args.objective_name})
     names = args.methods or [base["name"]]
     given = {base["name"]: base}
     objectives, used_solvers = [], set()
@@ -759,8 +759,8 @@ def _calibration_config(args: argparse.Namespace) -> tuple[object, list[Any]]:
         if "solver" in {f.name for f in dataclasses.fields(cls)} and dataclasses.is_dataclass(default.solver):
             solver = settings.get("solver", {})
             solver = {"name": solver} if isinstance(solver, str) else {"name": default.solver.name, **solver}
-            if args.solver_name is not None and args.solver_name != solver["name"]:
-                solver = {"name": args.solver_name}
+            if args.solver_name is not None:
+                solver = {solver["name"]: solver}.get(args.solver_name, {"name": args.solver_name})
             solver.update(solver_flags.get("*", {}))
             solver.update(solver_flags.get(solver["name"], {}))
             used_solvers |= {"*", solver["name"]}
