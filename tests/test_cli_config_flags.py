@@ -13,7 +13,12 @@ import pytest
 from llm_calib import cli
 from llm_calib.calm import config as config_module
 from llm_calib.calm.config import PARTS, CalibrationConfig
-from llm_calib.objectives.registry import objective_class, objective_names, solver_class, solver_names
+from llm_calib.objectives.registry import (
+    objective_class,
+    objective_names,
+    solver_class,
+    solver_names,
+)
 
 TRAIN = "builtin:arithmetic,capitals:n=4"
 HELDOUT = "builtin:arithmetic,capitals:n=4,seed=1"
