@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 import torch
 from harness.flags import add_dataclass_flags, dataclass_overrides
+from harness.flat_config import config_from_flat, flat_config
 from harness.profiling import Phase
 from harness.report import (
     format_number,
@@ -534,14 +535,16 @@ class Ctx:
 
     def config(self, task: Task, method: str, seed: int, overrides: dict[str, Any] | None = None) -> CalibrationConfig:
         objective, solver, _ = TRAINED[DERIVED.get(method, method)]
-        return CalibrationConfig(
+        # the benchmark's hyperparameters are flat keys of the configuration before it was nested
+        # (stored results are fingerprinted by that layout, see harness.flat_config)
+        return config_from_flat(
             method=objective, solver=solver, steps=self.steps(task.name), batch_size=self.sizes.batch_size,
             heldout_batch_size=self.sizes.batch_size, eval_every=self.sizes.eval_every, seed=seed, lora=self.lora(),
             **{**self.params(task.name, method), **(overrides or {}), **task.config_fields},
         )
 
     def eval_config(self, task: Task) -> CalibrationConfig:
-        return CalibrationConfig(lora=self.lora(), **task.config_fields)
+        return config_from_flat(lora=self.lora(), **task.config_fields)
 
     def evaluator(self, task: Task, sets: dict[str, Any], temperatures: Any = None) -> SharedTrunkEval:
         """Scores ``sets`` with the base model once and with each trained model from the trunk."""
@@ -563,7 +566,7 @@ class Ctx:
 def _config_key(cfg: CalibrationConfig) -> dict[str, Any]:
     """The settings a result depends on: the config without fields left at an empty default (so a
     config field added later, like ``open_examples`` for multiple choice, keeps old results valid)."""
-    return {k: v for k, v in cfg.to_dict().items() if not (k == "open_examples" and not v)}
+    return {k: v for k, v in flat_config(cfg).items() if not (k == "open_examples" and not v)}
 
 
 def _timed_calibrate(ctx: Ctx, task: Task, cfg: Any, memo: EncodingCache, unlabeled: list[Any] | None) -> tuple[Any, Phase]:
@@ -693,24 +696,24 @@ class Runner:
         ctx, task = self.ctx, self.task
         cfg = ctx.config(task, method, seed)
         regime = TRAINED[method][2]
-        ctx.log(f"[{task.name}] {method} seed {seed}: training {cfg.steps} steps"
+        ctx.log(f"[{task.name}] {method} seed {seed}: training {cfg.training.steps} steps"
                 + (f" (unlabelled inputs: regime {regime})" if regime else ""))
         result, train = _timed_calibrate(ctx, task, cfg, self.memo, task.unlabeled.get(regime) if regime else None)
         bar = ctx.bar(len(self.tests), f"{task.name} eval {method} s{seed}")
         with Phase() as ev:
-            sets = self.tests.adapted(result.model, normalize=cfg.normalize, bar=bar)
+            sets = self.tests.adapted(result.model, normalize=cfg.prompt.normalize, bar=bar)
         bar.close()
         char = self.char(sets) if self.mc else None
         training = {"heldout_before": result.metrics.get("before", {}), "heldout_after": result.metrics.get("after", {}),
                     "timings": result.timings, "history": result.history}
-        common = {"config": cfg.to_dict(), "training": training,
+        common = {"config": flat_config(cfg), "training": training,
                   "process": {"workers": ctx.workers, "threads": torch.get_num_threads()}}
         self.write(method, seed, sets, char, {"train": train.to_dict(), "eval": ev.to_dict()},
                    {"train_s": train.seconds, "eval_s": ev.seconds}, **common)
         derived = [d for d, src in DERIVED.items() if src == method and d in ctx.methods_for(task.name)]
         if derived:  # LoRA CE + temperature scaling: T fitted on the trained model's held-out scores
             with Phase() as fit:
-                held = self.held.adapted(result.model, normalize=cfg.normalize)["heldout"]
+                held = self.held.adapted(result.model, normalize=cfg.prompt.normalize)["heldout"]
                 T, T_char = _temperature_of(held), _temperature_of(per_char(held, task.heldout))
             for d in derived:
                 self.write(d, seed, {k: v.scaled(T) for k, v in sets.items()}, {k: v.scaled(T_char) for k, v in char.items()},
@@ -807,12 +810,12 @@ def run_search(ctx: Ctx, tasks: dict[str, Task], hparams_out: Path) -> dict[str,
             for ci, cand in enumerate(candidates):
                 cfg = ctx.config(task, method, 0, cand)
                 path = ctx.runs / "search" / name / f"{method}-c{ci}.json"
-                fp = fingerprint({"task": task.fingerprint(), "config": cfg.to_dict()})
+                fp = fingerprint({"task": task.fingerprint(), "config": flat_config(cfg)})
                 rec = read_result(path, fp)
                 if rec is None:
                     ctx.log(f"[search/{name}] {method} candidate {ci} {cand}")
                     result, phase = _timed_calibrate(ctx, task, cfg, memo, task.unlabeled.get(regime) if regime else None)
-                    m = set_metrics(sel.adapted(result.model, normalize=cfg.normalize)["heldout"], 0)
+                    m = set_metrics(sel.adapted(result.model, normalize=cfg.prompt.normalize)["heldout"], 0)
                     rec = {"fingerprint": fp, "method": method, "candidate": cand, "metrics": m, "train_s": phase.seconds}
                     write_json_atomic(path, rec)
                     del result
@@ -1127,7 +1130,7 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
     compute = sum(r["timing"]["train_s"] + (0 if r["method"] != "uncalibrated" and r["method"] in BASELINES else r["timing"]["eval_s"])
                   for agg in aggs.values() for m, runs in agg.runs.items() if m not in DERIVED for r in runs)
     any_task = next(iter(tasks.values()))
-    guard = f"{ctx.config(any_task, 'lora_ce', 0).guard_accuracy:.0%}"
+    guard = f"{ctx.config(any_task, 'lora_ce', 0).selection.guard_accuracy:.0%}"
     lines = [
         "# Calibration benchmark v2: CALM against post-hoc and training-time baselines, both regimes", "",
         *provenance_lines(command, meta, mode=s.name, elapsed_s=elapsed),
@@ -1184,7 +1187,7 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
               f"Source: {ctx.hparams_source}. `--search` reruns a search on the in-domain held-out split. Rule: {SEARCH_RULE}", ""]
     for name, task in tasks.items():
         for m in [m for m in ctx.methods_for(name) if m in TRAINED]:
-            cfg = ctx.config(task, m, 0).to_dict()
+            cfg = flat_config(ctx.config(task, m, 0))
             lines.append(f"- {name} / {LABELS[m]}: `{json.dumps({k: cfg[k] for k in RELEVANT[base_method(m)]})}`")
     lines.append("")
     text = "\n".join(lines)

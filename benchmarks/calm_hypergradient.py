@@ -51,16 +51,18 @@ def build(args: argparse.Namespace):
 
 def run_kind(kind: str, args: argparse.Namespace) -> list[dict]:
     from llm_calib.adjustment import LogitAdjustment
-    from llm_calib.calm import CalibrationConfig, LoraSettings
+    from llm_calib.calm.config import CalibrationConfig, LoraSettings
     from llm_calib.calm.encoding import encode_records
     from llm_calib.calm.lora import FunctionalLM, attach_lora
     from llm_calib.calm.objectives import CalmLosses
     from llm_calib.calm.verify import check_hypergradients, proximal_problem
+    from llm_calib.objectives.calm import Calm
 
     model, tok, train, unlabeled, dtype = build(args)
     n_layers = model.config.num_hidden_layers
     layers = tuple(range(n_layers - args.layers, n_layers))
-    config = CalibrationConfig(lora=LoraSettings(rank=args.rank, layers=layers), output_scale=False, adjustment=kind)
+    config = CalibrationConfig(lora=LoraSettings(rank=args.rank, layers=layers, output_scale=False),
+                               objective=Calm(adjustment=kind))
     lm = FunctionalLM(attach_lora(model, config.lora))
     adjustment = LogitAdjustment(kind, lm.head.out_features)
     losses = CalmLosses(lm, adjustment, "sum")

@@ -59,9 +59,10 @@ def real_data(args: argparse.Namespace) -> dict:
 
 def one_setting_parser(description: str) -> argparse.ArgumentParser:
     """Arguments of the scripts that study one setting on this benchmark's data: the setting (JSON
-    object of CalibrationConfig fields over ``--config``), the regime, data folder and threads."""
+    object of flat CalibrationConfig fields, see ``harness.flat_config``, over ``--config``), the regime,
+    data folder and threads."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("setting", help="JSON object of CalibrationConfig fields")
+    p.add_argument("setting", help="JSON object of flat CalibrationConfig fields (harness.flat_config)")
     p.add_argument("regime", choices=("A", "B"))
     p.add_argument("--config", type=Path, default=ROOT / "benchmarks" / "calm_regimes.yaml")
     p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
@@ -71,13 +72,14 @@ def one_setting_parser(description: str) -> argparse.ArgumentParser:
 
 def one_setting(args: argparse.Namespace, **overrides) -> tuple[dict, object]:
     """The data (default sizes of this benchmark) and the config of a :func:`one_setting_parser` run."""
+    from harness.flat_config import with_flat
+
     from llm_calib.calm.config import CalibrationConfig
 
     torch.set_num_threads(args.threads)
     sizes = argparse.Namespace(data_dir=args.data_dir, n_train=400, n_select=150, n_unlabeled=300,
                                n_unlabeled_per_set=60, n_eval=100)
-    cfg = CalibrationConfig.from_dict({**CalibrationConfig.from_file(args.config).to_dict(),
-                                       **json.loads(args.setting), **overrides})
+    cfg = with_flat(CalibrationConfig.from_file(args.config), **json.loads(args.setting), **overrides)
     return real_data(sizes), cfg
 
 
@@ -110,17 +112,20 @@ def summary_table(summary: dict, in_domain: str) -> list[str]:
 
 
 def main() -> None:
+    from harness.flat_config import with_flat
+
     from llm_calib.calm.config import CalibrationConfig
     from llm_calib.compare import run_comparison, write_comparison_report
     from llm_calib.models import load as load_model
     from llm_calib.models import tiny_random_model
+    from llm_calib.objectives.registry import objective_from_dict
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
     p.add_argument("--quick", action="store_true", help="tiny random model, built-in data (a smoke test)")
     p.add_argument("--regimes", default="A,B")
     p.add_argument("--methods", default="calm,confidence_penalty")
-    p.add_argument("--config", type=Path, default=None, help="YAML/JSON CalibrationConfig fields for every method")
+    p.add_argument("--config", type=Path, default=None, help="YAML/JSON CalibrationConfig (its objective: the settings of that method)")
     p.add_argument("--n-train", type=int, default=400)
     p.add_argument("--n-select", type=int, default=150)
     p.add_argument("--n-unlabeled", type=int, default=300, help="regime A: unlabelled ARC dev questions")
@@ -134,8 +139,7 @@ def main() -> None:
     config = CalibrationConfig.from_file(args.config) if args.config else CalibrationConfig()
     if args.quick:
         data = quick_data()
-        config = CalibrationConfig.from_dict({**config.to_dict(), "steps": 4, "batch_size": 2, "heldout_batch_size": 2,
-                                              "eval_every": 2})
+        config = with_flat(config, steps=4, batch_size=2, heldout_batch_size=2, eval_every=2)
         tok = tiny_random_model()[1]
 
         def fresh():
@@ -148,9 +152,11 @@ def main() -> None:
             return load_model("smollm2-135m-instruct")[0]
     out = args.out or (Path("/tmp/calm_regimes_quick") if args.quick else ROOT / "benchmarks" / "results" / "calm_regimes")
     summary = {}
+    given = {config.objective.name: config.objective}  # the config's objective keeps its settings
+    methods = [given.get(name) or objective_from_dict(name) for name in args.methods.split(",")]
     for regime in args.regimes.split(","):
         cmp = run_comparison(fresh, tok, ("arc", data["train"]), ("arc_easy_dev", data["select"]), data["evals"], config,
-                             args.methods.split(","), out / regime, unlabeled=(f"regime_{regime}", data["unlabeled"][regime]),
+                             methods, out / regime, unlabeled=(f"regime_{regime}", data["unlabeled"][regime]),
                              checkpoints=False, progress=False, bootstrap=0 if args.quick else 1000, log=print)
         write_comparison_report(cmp, out / regime)
         summary[regime] = json.loads((out / regime / "metrics.json").read_text())

@@ -50,9 +50,9 @@ def fast_summary(model, tok, evals, encodings, cfg, in_domain: str) -> dict[str,
     lm = FunctionalLM(model)
     per = {}
     for name, records in evals:
-        key = (name, cfg.scorer, cfg.prompt_style, cfg.chat_template, cfg.lora.layers)
+        key = (name, cfg.prompt.scorer, cfg.prompt.style, cfg.prompt.chat_template, cfg.lora.layers)
         enc = encodings.setdefault(key, encode_records(tok, records, cfg))
-        scores = trunk_scores(lm, enc, 8, tok.pad_token_id, cfg.normalize)
+        scores = trunk_scores(lm, enc, 8, tok.pad_token_id, cfg.prompt.normalize)
         per[name] = metrics_of([s.softmax(-1).numpy() for s in scores], [r.gold for r in records], ci=False)
     ood = [d for d in per if d in OOD]
     return {
@@ -102,6 +102,8 @@ def write_report(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
+    from harness.flat_config import with_flat
+
     from llm_calib.calm.config import CalibrationConfig
     from llm_calib.calm.encoding import encode_records
     from llm_calib.calm.trainer import calibrate
@@ -133,7 +135,7 @@ def main() -> None:
     data = real_data(args)
     base_cfg = CalibrationConfig.from_file(args.config) if args.config else CalibrationConfig()
     if args.normalize:
-        base_cfg = CalibrationConfig.from_dict({**base_cfg.to_dict(), "normalize": args.normalize})
+        base_cfg = with_flat(base_cfg, normalize=args.normalize)
     model, tok = load_model("smollm2-135m-instruct")
     in_domain = data["evals"][0][0]
     done = {}
@@ -142,7 +144,7 @@ def main() -> None:
     if ("-", "base") not in done:
         t0 = time.perf_counter()
         base = evaluate_records(model, tok, data["evals"], temperature_fit=("select", data["select"]), ci=False,
-                                normalize=base_cfg.normalize)
+                                normalize=base_cfg.prompt.normalize)
         row = {"regime": "-", "name": "base", **summarize(base, in_domain),
                "ts": {dom: r.temperature_scaled["ece"] for dom, r in base.domains.items()},
                "T": base.temperature.temperature, "seconds": time.perf_counter() - t0}
@@ -158,8 +160,8 @@ def main() -> None:
         name = s.pop("name")
         if (wanted and name not in wanted) or (args.regime, name) in done:
             continue
-        cfg = CalibrationConfig.from_dict({**base_cfg.to_dict(), **s})
-        key = (cfg.scorer, cfg.prompt_style, cfg.chat_template, cfg.lora.layers)
+        cfg = with_flat(base_cfg, **s)  # a setting: flat keys (harness.flat_config)
+        key = (cfg.prompt.scorer, cfg.prompt.style, cfg.prompt.chat_template, cfg.lora.layers)
         if key not in encodings:  # the trunk cache is shared by settings adapting the same layers
             encodings[key] = tuple(encode_records(tok, data[k] if k != "unlabeled" else data[k][args.regime], cfg)
                                    for k in ("train", "select", "unlabeled"))

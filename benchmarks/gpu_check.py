@@ -75,8 +75,9 @@ def build_model(config, device: str, mode: str, workdir: Path):
 
 def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     from llm_calib.calm import training
-    from llm_calib.calm.config import CalibrationConfig
+    from llm_calib.calm.config import CalibrationConfig, SelectionSettings, TrainingSettings
     from llm_calib.data import builtin_multiple_choice
+    from llm_calib.objectives.calm import Bome, Calm
 
     cuda = args.device.startswith("cuda")
     config = llama_config(args.tiny, len(TOKENIZER), TOKENIZER)
@@ -90,8 +91,10 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     n_layers = config.num_hidden_layers
     records = builtin_multiple_choice(n_per_domain=24, seed=0)
     train, heldout = records[::2], records[1::2]
-    cfg = CalibrationConfig(method="calm", solver="bome", steps=args.steps, batch_size=args.batch_size,
-                            heldout_batch_size=args.batch_size, eval_every=args.steps, guard_accuracy=0.0,
+    cfg = CalibrationConfig(objective=Calm(solver=Bome()),
+                            training=TrainingSettings(steps=args.steps, batch_size=args.batch_size,
+                                                      heldout_batch_size=args.batch_size),
+                            selection=SelectionSettings(eval_every=args.steps, guard_accuracy=0.0),
                             lora=dict(rank=8, layers=list(range(n_layers - args.top_k, n_layers))))
     trainer = training.build_trainer(model, TOKENIZER, train, heldout, cfg)
     state = training.init_state(trainer, evaluate_before=False)

@@ -52,7 +52,12 @@ from harness.report import format_number, machine_info, markdown_table, provenan
 from naive_scoring import NaiveCalmLosses, score_option_likelihood_naive
 
 from llm_calib.calm import training
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.config import (
+    CalibrationConfig,
+    LoraSettings,
+    SelectionSettings,
+    TrainingSettings,
+)
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.trainer import calibrate
@@ -62,6 +67,7 @@ from llm_calib.data import load as load_data
 from llm_calib.demo import DemoSettings, split_data
 from llm_calib.evaluate import group_means
 from llm_calib.models import default_cache_dir, load, random_init_model, tiny_random_model
+from llm_calib.objectives.lora_ce import LoraCE
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,8 +179,9 @@ def demo_config(n_layers: int, k: int | None, steps: int, seed: int = 0, batch_s
     k = n_layers if k is None else min(k, n_layers)
     bs = batch_size or d.batch_size
     return CalibrationConfig(
-        method="calm", steps=steps, batch_size=bs, heldout_batch_size=bs, lr=d.lr, lam_lr=d.lam_lr, eval_every=5,
-        seed=seed, inner_lr=0.1, bome_barrier=d.bome_barrier, bome_eta=d.bome_eta,
+        objective=replace(d.objective, solver=replace(d.objective.solver, inner_lr=0.1)),
+        training=TrainingSettings(steps=steps, batch_size=bs, heldout_batch_size=bs, lr=d.lr),
+        selection=SelectionSettings(eval_every=5), seed=seed,
         lora=LoraSettings(rank=8, layers=tuple(range(n_layers - k, n_layers))),
     )
 
@@ -194,7 +201,7 @@ def make_run(model: Any, tok: Any, train: Any, heldout: Any, config: Calibration
     """Attach LoRA to ``model`` (in place) as ``calibrate`` does; ``naive``: the reference losses."""
     trainer = training.build_trainer(model, tok, train, heldout, config)
     if naive:
-        trainer = trainer.with_losses(NaiveCalmLosses(trainer.lm, trainer.adjustment, config.normalize))
+        trainer = trainer.with_losses(NaiveCalmLosses(trainer.lm, trainer.adjustment, config.prompt.normalize))
     return Run(trainer, training.init_state(trainer, evaluate_before=False))
 
 
@@ -225,8 +232,8 @@ def step_speed(base: Any, tok: Any, train: list[MultipleChoice], heldout: list[M
     for path, (k, naive) in paths.items():
         cfg = demo_config(n_layers, k, steps=10**6, batch_size=s.batch_size)
         encs = [encode_records(tok, r, cfg) for r in (train, heldout)]  # shared: the CE run reuses BOME's trunk cache
-        runs[path] = {kind: make_run(copy.deepcopy(base), tok, *encs, replace(cfg, method=m), naive)
-                      for kind, m in (("bome", "calm"), ("ce", "lora_ce"))}
+        runs[path] = {kind: make_run(copy.deepcopy(base), tok, *encs, replace(cfg, objective=objective), naive)
+                      for kind, objective in (("bome", cfg.objective), ("ce", LoraCE()))}
         tr = runs[path]["bome"].trainer
         info = {"k": k if k is not None else n_layers, "lora_layers": list(cfg.lora.layers or ()),
                 "trainable_params": sum(v.numel() for v in runs[path]["bome"].state.theta.values()),
@@ -251,12 +258,12 @@ def step_speed(base: Any, tok: Any, train: list[MultipleChoice], heldout: list[M
             info[f"{kind}_samples"] = samples[f"{path} {kind}"]
         info["bome_over_ce"], info["bome_over_ce_cpu"] = info["bome_s"] / info["ce_s"], info["bome_cpu_s"] / info["ce_cpu_s"]
         cfg = runs[path]["bome"].trainer.config
-        info["batch_size"], info["epoch_steps"] = cfg.batch_size, EPOCH_QUESTIONS / cfg.batch_size
+        info["batch_size"], info["epoch_steps"] = cfg.training.batch_size, EPOCH_QUESTIONS / cfg.training.batch_size
         info["epoch_steps_s"] = info["epoch_steps"] * info["bome_s"]
         info["epoch_trunk_s"] = info.get("trunk_s_per_question", 0.0) * (EPOCH_QUESTIONS + HELDOUT_QUESTIONS)
         info["epoch_s"] = info["epoch_steps_s"] + info["epoch_trunk_s"]
         # calibrate's held-out evaluations in the demo's run (batch 8: 125 steps, every 5, + before and after)
-        info["epoch_evals"] = math.ceil(EPOCH_QUESTIONS // DemoSettings().batch_size / cfg.eval_every) + 2
+        info["epoch_evals"] = math.ceil(EPOCH_QUESTIONS // DemoSettings().batch_size / cfg.selection.eval_every) + 2
         if "heldout_eval_s_per_question" in info:
             info["epoch_eval_s"] = info["epoch_evals"] * HELDOUT_QUESTIONS * info["heldout_eval_s_per_question"]
             info["epoch_with_eval_s"] = info["epoch_s"] + info["epoch_eval_s"]
@@ -381,7 +388,7 @@ def measure_one(config: dict[str, Any]) -> dict[str, Any]:
         heldout, _ = questions(data_dir, "dev", s.n_heldout, seed=0)
         cfg = demo_config(model.config.num_hidden_layers, None if path == "naive" else s.top_k, steps=10**6,
                           batch_size=s.batch_size)
-        run = make_run(model, tok, train, heldout, replace(cfg, method="calm" if what == "bome" else "lora_ce"),
+        run = make_run(model, tok, train, heldout, cfg if what == "bome" else replace(cfg, objective=LoraCE()),
                        naive=path == "naive")
         run.trainer.fill_trunk_caches()  # one-time cost, not part of a step
         fn = run.step
@@ -423,7 +430,8 @@ def full_run(data_dir: Path | None, log: Callable[[str], None], n_train: int = E
     t0 = time.perf_counter()
     model, tok = load(d.model)
     t_load, steps = time.perf_counter() - t0, len(train) // d.batch_size
-    cfg = replace(demo_config(model.config.num_hidden_layers, d.top_layers, steps=steps, seed=d.seed), eval_every=25)
+    cfg = demo_config(model.config.num_hidden_layers, d.top_layers, steps=steps, seed=d.seed)
+    cfg = replace(cfg, selection=replace(cfg.selection, eval_every=25))
     log(f"  full run: {len(train)} train, {len(heldout)} held-out, {steps} steps, LoRA top {d.top_layers}")
     t0 = time.perf_counter()
     res = calibrate(model, tok, train, heldout, cfg, progress=True)

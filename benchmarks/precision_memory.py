@@ -146,7 +146,8 @@ train = load_data(f"arc_easy:{data}:train", limit=100, seed=0).records
 heldout = load_data(f"arc_easy:{data}:dev", limit=100, seed=0).records
 free_memory()
 loaded = proc_status()["VmRSS"]
-cfg = llm_calib.CalibrationConfig(steps=10, eval_every=10, lora=dict(rank=8, layers=list(range(24, 30))))
+cfg = llm_calib.CalibrationConfig(training={"steps": 10}, selection={"eval_every": 10},
+                                  lora=dict(rank=8, layers=list(range(24, 30))))
 with Phase() as p:
     result = llm_calib.calibrate(model, tok, train, heldout, cfg, progress=False)
 print(json.dumps({"dtype": dtype, "import_rss_mb": imported / 2**20, "loaded_rss_mb": loaded / 2**20,

@@ -4,8 +4,8 @@ The training entry points are re-exported here (imported lazily, so ``import llm
 cheap)::
 
     import llm_calib
-    result = llm_calib.calibrate(model, tokenizer, train, heldout,
-                                 llm_calib.CalibrationConfig(steps=60))
+    config = llm_calib.CalibrationConfig(training=llm_calib.TrainingSettings(steps=60))
+    result = llm_calib.calibrate(model, tokenizer, train, heldout, config)
     result.save("out/calm")
 """
 
@@ -38,21 +38,45 @@ def _require_llm_extra() -> None:
 
 _require_llm_extra()
 
-__all__ = ["CalibrationConfig", "CalibrationResult", "LoraSettings", "TrainingDiverged", "calibrate"]
+__all__ = [
+    "F2SA", "Bome", "CalibrationConfig", "CalibrationResult", "Calm", "ConfidencePenalty", "ImplicitSolver",
+    "LabelSmoothing", "LoraCE", "LoraSettings", "PromptSettings", "SelectionSettings", "TrainingDiverged",
+    "TrainingSettings", "calibrate",
+]
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "CalibrationConfig": "llm_calib.calm.config",
     "LoraSettings": "llm_calib.calm.config",
+    "PromptSettings": "llm_calib.calm.config",
+    "SelectionSettings": "llm_calib.calm.config",
+    "TrainingSettings": "llm_calib.calm.config",
+    "Calm": "llm_calib.objectives.calm",
+    "Bome": "llm_calib.objectives.calm",
+    "F2SA": "llm_calib.objectives.calm",
+    "ImplicitSolver": "llm_calib.objectives.calm",
+    "LoraCE": "llm_calib.objectives.lora_ce",
+    "LabelSmoothing": "llm_calib.objectives.label_smoothing",
+    "ConfidencePenalty": "llm_calib.objectives.confidence_penalty",
     "CalibrationResult": "llm_calib.calm.trainer",
     "TrainingDiverged": "llm_calib.calm.trainer",
     "calibrate": "llm_calib.calm.trainer",
 }
 
 if TYPE_CHECKING:
-    from llm_calib.calm.config import CalibrationConfig, LoraSettings
+    from llm_calib.calm.config import (
+        CalibrationConfig,
+        LoraSettings,
+        PromptSettings,
+        SelectionSettings,
+        TrainingSettings,
+    )
     from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
+    from llm_calib.objectives.calm import F2SA, Bome, Calm, ImplicitSolver
+    from llm_calib.objectives.confidence_penalty import ConfidencePenalty
+    from llm_calib.objectives.label_smoothing import LabelSmoothing
+    from llm_calib.objectives.lora_ce import LoraCE
 
 
 def __getattr__(name: str) -> Any:

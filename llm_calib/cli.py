@@ -4,9 +4,10 @@ Subcommands:
 
 * ``llm-calib evaluate``: score data sets with a model and write ``metrics.json``, ``report.md``
   and one reliability diagram per domain.
-* ``llm-calib calibrate``: train CALM and the baselines on the same data (one model load; each
-  method trains and removes its own adapters), save each result, and compare them with the uncalibrated and temperature-scaled model
-  per domain in ``report.md``, ``metrics.json`` and reliability diagrams.
+* ``llm-calib calibrate``: train CALM (or the configured objective; ``--methods`` trains several on
+  the same data, one model load, each method training and removing its own adapters), save each
+  result, and compare them with the uncalibrated and temperature-scaled model per domain in
+  ``report.md``, ``metrics.json`` and reliability diagrams.
 * ``llm-calib export``: merge a saved adapter (LoRA and the output scale) into its base model and
   save a standalone Hugging Face model.
 * ``llm-calib demo``: the main job on the embedded default.
@@ -434,18 +435,25 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 _CALIBRATE_EPILOG = """\
+By default one objective is trained: the config's (CALM with BOME unless --config or --objective
+says otherwise); --methods calm,lora_ce,... trains and compares several. The report always has
+the uncalibrated model and temperature scaling next to the trained ones.
+
 configuration precedence: built-in defaults < --config FILE < explicit flags.
-A config file (YAML or JSON) holds CalibrationConfig fields, for example:
-  method: calm            # used when --methods is not given
-  solver: bome
-  steps: 60
-  batch_size: 8
-  heldout_batch_size: 8
-  lr: 1.0e-3
-  lam_lr: 5.0e-2
-  eval_every: 10
-  lora: {rank: 8, alpha: 16, target_modules: [q_proj, v_proj], layers: null}
-Unknown keys are errors. See llm_calib.calm.config.CalibrationConfig for every field.
+A config file (YAML or JSON) holds the nested CalibrationConfig, for example:
+  objective:              # the objective trained without --methods, tagged by name
+    name: calm
+    solver: {name: bome, eta: 2.0, inner_steps: 5}
+    adjustment: auto
+    lam_lr: 5.0e-2
+  lora: {rank: 8, alpha: 16, target_modules: [q_proj, v_proj], top_layers: 6}
+  prompt: {scorer: option_likelihood, style: cloze}
+  training: {steps: 60, batch_size: 8, heldout_batch_size: 8, lr: 1.0e-3}
+  selection: {eval_every: 10, guard_accuracy: 0.95}
+Unknown keys are errors; a key of the old flat format (steps:, bome_eta:, ...) is an error naming
+its new place. Flags of an objective's or solver's settings (--confidence-penalty-beta,
+--f2sa-sigma, ...) apply wherever that objective or solver is trained. See
+llm_calib.calm.config.CalibrationConfig for every field.
 
 outputs in --out DIR:
   <method>/            adapter/ (peft), lambda.safetensors, config.json, history.json, metrics.json
@@ -458,16 +466,19 @@ multi-process (one rank per GPU, or CPU processes with gloo):
   torchrun --nproc_per_node=2 -m llm_calib.cli calibrate ... --device cuda
 (the global --batch-size is split over the ranks; rank 0 writes the outputs.)
 
-example:
+example (CALM, against the uncalibrated and temperature-scaled model):
   llm-calib calibrate --model smollm2-135m-instruct \\
       --train arc_easy:../shared/data:train --heldout arc_easy:../shared/data:dev \\
       --eval arc_easy:../shared/data/arc_easy/test.jsonl --eval mmlu_stem:../shared/data/mmlu/test \\
-      --limit 200 --steps 60 --methods calm,lora_ce --out /tmp/calm
+      --limit 200 --steps 60 --out /tmp/calm
+
+comparing methods (each trained with the same data, seed and budget):
+  llm-calib calibrate ... --methods calm,lora_ce,label_smoothing,confidence_penalty --out /tmp/compare
 
 open-ended training (greedy answers, exact match in the report; no temperature column):
   llm-calib calibrate --train webquestions:../shared/data:train \\
       --heldout webquestions:../shared/data:dev --eval webquestions:../shared/data:test \\
-      --eval nq_open:../shared/data:dev --limit 200 --methods calm,lora_ce --out /tmp/calm_open
+      --eval nq_open:../shared/data:dev --limit 200 --out /tmp/calm_open
 """
 
 
@@ -488,12 +499,12 @@ def _methods(text: str) -> list[str]:
 def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "calibrate",
-        help="train CALM and baselines, compare them per domain",
+        help="calibrate a model (CALM by default; --methods compares several objectives)",
         description=(
-            "Train each method (CALM and the one-level baselines) with fresh LoRA adapters on the "
-            "model (loaded once) with the same data, seed and budget; save each result to --out/<method>/; evaluate "
-            "the uncalibrated model, temperature scaling (T fitted on the held-out split) and "
-            "every trained method on each --eval set, domain by domain; write report.md, "
+            "Train the configured objective (CALM by default), or each of --methods with the same data, "
+            "seed and budget, with fresh LoRA adapters on the model (loaded once); save each result to "
+            "--out/<method>/; evaluate the uncalibrated model, temperature scaling (T fitted on the held-out "
+            "split) and every trained method on each --eval set, domain by domain; write report.md, "
             "metrics.json and reliability_<domain>.png to --out."
         ),
         epilog=_CALIBRATE_EPILOG + "\n" + _EVALUATE_EPILOG.split("\n\nexample:")[0] + "\n",
@@ -523,13 +534,14 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
     p.add_argument(
         "--config", default=None, metavar="FILE",
-        help="YAML or JSON file of CalibrationConfig fields (overridden by explicit flags)",
+        help="YAML or JSON file of the nested CalibrationConfig (overridden by explicit flags)",
     )
     p.add_argument(
         "--methods", type=_methods, default=None, metavar="M[,M...]",
-        help="comma-separated methods to train: calm, lora_ce, label_smoothing, "
-        "confidence_penalty, or a registered objective (default: the config file's 'method' if it sets one, "
-        "else the four built-in ones)",
+        help="compare several objectives: comma-separated names from calm, lora_ce, label_smoothing, "
+        "confidence_penalty or a registered objective, each trained with its settings (the config's for "
+        "its objective, else the defaults, then the flags of that objective) (default: only the "
+        "objective of --objective / the config file, CALM unless set)",
     )
     _add_data_loading_args(
         p, limit_help="at most N questions per data spec (--train, --heldout, --eval; see --limit-mode)"
@@ -574,82 +586,197 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     )
     _add_model_loading_args(p.add_argument_group("model loading", "how the base model is loaded (once per run)"),
                             training=True)
-    _add_config_flags(p.add_argument_group(
-        "calibration settings",
-        "every CalibrationConfig field (llm_calib.calm.config); a flag overrides --config, which "
-        "overrides the defaults",
-    ))
+    _add_config_flags(p)
     p.set_defaults(func=_cmd_calibrate)
 
 
-def _config_fields() -> list[tuple[str, str, Any, str]]:
-    """``(flag, dotted field, type hint, help)`` of every CalibrationConfig field but ``method``."""
+_PART_GROUPS = {
+    "lora": ("LoRA settings (CalibrationConfig.lora)", "--lora-"),
+    "prompt": ("prompt settings (CalibrationConfig.prompt)", "--"),
+    "training": ("training budget (CalibrationConfig.training)", "--"),
+    "selection": ("model selection (CalibrationConfig.selection)", "--"),
+}
+"""Flag group and flag prefix of each settings part of the config."""
+
+_FLAG_NAMES = {"prompt.style": "--prompt-style"}
+"""Flags not named by the prefix rule."""
+
+_FLAG_ALIASES = {
+    "objective:calm.adjustment": "--adjustment", "objective:calm.lam_lr": "--lam-lr",
+    "objective:calm.max_log_scale": "--max-log-scale", "objective:calm.max_bias": "--max-bias",
+    "objective:confidence_penalty.beta": "--penalty-beta", "objective:label_smoothing.eps": "--label-smoothing",
+    "solver:implicit.maxiter": "--cg-maxiter", "solver:implicit.damping": "--cg-damping",
+    "solver:implicit.tol": "--cg-tol", "lora.output_scale": "--output-scale",
+    "lora.output_scale_lr": "--output-scale-lr",
+}
+"""Spellings of the flags before the config was nested, still accepted."""
+
+
+def _dashed(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) if value else "[]"
+    return "null" if value is None else str(value)
+
+
+def _settings_flags(cls: type, dest: str, flag: str, group: Any, key: str, *, skip: Any = None,
+                    help_from: type | None = None) -> None:
+    """One flag per field of the settings dataclass ``cls``: ``flag + field`` (dashed) plus the old
+    spelling of ``_FLAG_ALIASES[key + field]``; stored as ``dest + field``; help from its docstring."""
     import dataclasses
     import typing
 
-    from llm_calib.calm.config import CalibrationConfig, LoraSettings, field_help
-
-    out = []
-    for cls, prefix in ((CalibrationConfig, ""), (LoraSettings, "lora.")):
-        hints, helps = typing.get_type_hints(cls), field_help(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in ("method", "lora") and cls is CalibrationConfig:
-                continue
-            name = prefix + f.name
-            out.append(("--" + name.replace(".", "-").replace("_", "-"), name, hints[f.name], helps.get(f.name, "")))
-    return out
-
-
-def _add_config_flags(group: Any) -> None:
-    from llm_calib.calm.config import CHOICES, CalibrationConfig, LoraSettings
+    from llm_calib.calm.config import field_help
     from llm_calib.flags import flag_type, plain_help
-    from llm_calib.objectives.registry import solver_names
 
-    defaults = {**CalibrationConfig().to_dict(), **{f"lora.{k}": v for k, v in LoraSettings().__dict__.items()}}
-    for flag, name, hint, text in _config_fields():
-        parse, metavar = flag_type(hint)
-        choices = solver_names() if name == "solver" else CHOICES.get(name)
-        default = defaults[name]
-        shown = ",".join(map(str, default)) if isinstance(default, tuple) else "null" if default is None else default
-        group.add_argument(
-            flag, dest=f"cfg:{name}", type=None if choices else parse, choices=choices, default=None,
-            metavar=None if choices else metavar, help=f"{plain_help(text)} (default: config, else {shown})",
-        )
+    hints, helps, choices = typing.get_type_hints(cls), field_help(help_from or cls), getattr(cls, "field_choices", {})
+    try:
+        defaults = cls()
+    except (TypeError, ValueError):
+        defaults = None
+    for f in dataclasses.fields(cls):
+        default = getattr(defaults, f.name, None)
+        if dataclasses.is_dataclass(default) or (skip and skip(f.name)):
+            continue  # a nested part (CALM's solver) has its own flags
+        names = [_FLAG_NAMES.get(key + f.name, flag + _dashed(f.name))]
+        names += [a for a in [_FLAG_ALIASES.get(key + f.name)] if a]
+        parse, metavar = flag_type(hints[f.name])
+        allowed = choices.get(f.name)
+        shown = "" if defaults is None else f" (default: {_shown(default)})"
+        group.add_argument(*names, dest=dest + f.name, type=None if allowed else parse, choices=allowed,
+                           default=None, metavar=None if allowed else metavar,
+                           help=plain_help(helps.get(f.name, f.name)) + shown)
 
 
-def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The config fields set by explicit flags, as a (nested) CalibrationConfig dict."""
-    out: dict[str, Any] = {}
+def _solver_fields() -> tuple[dict[str, type], set[str]]:
+    """The registered solver classes by name, and the field names they all have (``inner_steps``...)."""
+    import dataclasses
+
+    from llm_calib.objectives.registry import solver_class, solver_names
+
+    classes = {n: solver_class(n) for n in solver_names()}
+    common = set.intersection(*({f.name for f in dataclasses.fields(c)} for c in classes.values()))
+    return classes, common
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    """The config's flags, generated from its dataclasses, one group per part."""
+    from llm_calib.calm.config import PARTS, CalibrationConfig
+    from llm_calib.objectives.registry import objective_class, objective_names, solver_names
+
+    group = p.add_argument_group(
+        "objective (CalibrationConfig.objective)",
+        "the objective trained without --methods, and the settings of each objective; a setting's flag "
+        "applies wherever its objective is trained",
+    )
+    group.add_argument("--objective", dest="objective_name", choices=objective_names(), default=None,
+                       help="the objective to train (default: the config file's, else calm)")
+    for name in objective_names():
+        _settings_flags(objective_class(name), f"obj:{name}:", f"--{_dashed(name)}-", group, f"objective:{name}.")
+    classes, common = _solver_fields()
+    group = p.add_argument_group(
+        "solver (CalibrationConfig.objective.solver, CALM's bilevel solver)",
+        "the solver and the settings of each solver; --inner-steps and --inner-lr set those of the chosen one",
+    )
+    group.add_argument("--solver", dest="solver_name", choices=solver_names(), default=None,
+                       help="CALM's bilevel solver: bome (first-order, default), f2sa (first-order penalty) or "
+                       "implicit (exact hypergradients after lower-level steps), or a registered solver")
+    for name, cls in classes.items():
+        _settings_flags(cls, f"solver:{name}:", f"--{_dashed(name)}-", group, f"solver:{name}.",
+                        skip=common.__contains__)
+    from llm_calib.objectives.calm import CalmSolver
+
+    _settings_flags(next(iter(classes.values())), "solver:*:", "--", group, "solver:*.",
+                    skip=lambda f: f not in common, help_from=CalmSolver)
+    for part, cls in PARTS.items():
+        title, prefix = _PART_GROUPS[part]
+        _settings_flags(cls, f"cfg:{part}.", prefix, p.add_argument_group(title), f"{part}.")
+    group = p.add_argument_group("run (CalibrationConfig.checkpoint_every, seed)")
+    _settings_flags(CalibrationConfig, "cfg:", "--", group, "", skip=lambda f: f in PARTS or f == "objective")
+
+
+def _config_overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The settings explicit flags set: ``(config dict of the parts, objective name -> settings,
+    solver name (or "*": the chosen one) -> settings)``."""
+    parts: dict[str, Any] = {}
+    objectives: dict[str, dict[str, Any]] = {}
+    solvers: dict[str, dict[str, Any]] = {}
     for key, value in vars(args).items():
-        if key.startswith("cfg:") and value is not None:
-            name = key[4:]
-            if name.startswith("lora."):
-                out.setdefault("lora", {})[name[5:]] = list(value) if isinstance(value, tuple) else value
-            else:
-                out[name] = value
-    return out
+        if value is None or ":" not in key:
+            continue
+        value = [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, tuple) else value
+        kind, rest = key.split(":", 1)
+        if kind == "cfg":
+            part, _, name = rest.rpartition(".")
+            (parts.setdefault(part, {}) if part else parts)[name] = value
+        elif kind in ("obj", "solver"):
+            owner, name = rest.split(":", 1)
+            (objectives if kind == "obj" else solvers).setdefault(owner, {})[name] = value
+    return parts, objectives, solvers
 
 
-def _calibration_config(args: argparse.Namespace) -> tuple[object, list[str]]:
-    """The run's CalibrationConfig (defaults < --config < flags) and the methods to train."""
-    from llm_calib.calm.config import METHODS, CalibrationConfig, read_config_file
+def _flag_of(dest: str) -> str:
+    """The flag of an objective's or solver's setting stored as ``dest`` (``obj:calm:lam_lr``)."""
+    if dest == "solver_name":
+        return "--solver"
+    _, owner, name = dest.split(":")
+    return "--" + (_dashed(name) if owner == "*" else f"{_dashed(owner)}-{_dashed(name)}")
+
+
+def _calibration_config(args: argparse.Namespace) -> tuple[object, list[Any]]:
+    """The run's CalibrationConfig (defaults < --config < flags) and the objectives to train."""
+    import dataclasses
+
+    from llm_calib.calm.config import CalibrationConfig, flat_key_location, read_config_file
+    from llm_calib.objectives.registry import objective_class, objective_from_dict
 
     data: dict = {}
-    methods = list(METHODS)
     if args.config:
         data = _user_call(lambda: read_config_file(args.config), f"--config {args.config}")
-        # validate the file alone first, so that an error names the file
-        _user_call(lambda: CalibrationConfig.from_dict(data), f"--config {args.config}")
-        if "method" in data:
-            methods = [data["method"]]
-    flags = _config_overrides(args)
-    lora = {**(data.get("lora") or {}), **flags.pop("lora", {})}
-    data = {**data, **flags, **({"lora": lora} if lora else {})}
-    if args.methods is not None:
-        methods = args.methods
-    data["method"] = methods[0]
-    config = _user_call(lambda: CalibrationConfig.from_dict(data), "calibration config")
-    return config, methods
+        # validate the file alone first, so that an error names the file (and an old key its line)
+        _user_call(lambda: CalibrationConfig.from_dict(data), f"--config {flat_key_location(args.config, data)}")
+    parts, objective_flags, solver_flags = _config_overrides(args)
+    merged = {k: v for k, v in data.items() if k != "objective"}
+    for part, values in parts.items():
+        if isinstance(values, dict):
+            merged[part] = {**(merged.get(part) or {}), **values}
+        else:
+            merged[part] = values
+    base = data.get("objective", CalibrationConfig().objective.name)
+    base = {"name": base} if isinstance(base, str) else {"name": CalibrationConfig().objective.name, **base}
+    if args.objective_name is not None:  # another objective than the file's: its settings were for that one
+        base = {base["name"]: base}.get(args.objective_name, {"name": args.objective_name})
+    names = args.methods or [base["name"]]
+    given = {base["name"]: base}
+    objectives, used_solvers = [], set()
+    for name in names:
+        settings = {**given.get(name, {"name": name}), **objective_flags.get(name, {})}
+        cls = objective_class(name)
+        default = _user_call(cls, f"objective {name}")
+        if "solver" in {f.name for f in dataclasses.fields(cls)} and dataclasses.is_dataclass(default.solver):
+            solver = settings.get("solver", {})
+            solver = {"name": solver} if isinstance(solver, str) else {"name": default.solver.name, **solver}
+            if args.solver_name is not None:
+                solver = {solver["name"]: solver}.get(args.solver_name, {"name": args.solver_name})
+            solver.update(solver_flags.get("*", {}))
+            solver.update(solver_flags.get(solver["name"], {}))
+            used_solvers |= {"*", solver["name"]}
+            settings["solver"] = solver
+        objectives.append(_user_call(lambda s=settings: objective_from_dict(s), "calibration config"))
+    unused = [f"obj:{o}:{k}" for o, v in objective_flags.items() if o not in names for k in v]
+    unused += [f"solver:{o}:{k}" for o, v in solver_flags.items() if o not in used_solvers for k in v]
+    if args.solver_name is not None and not used_solvers:
+        unused.append("solver_name")
+    if unused:
+        flags = ", ".join(sorted({_flag_of(d) for d in unused}))
+        raise _UserError(f"{flags}: no trained objective has this setting (objectives: {', '.join(names)}; "
+                         "an objective's or solver's flags apply to the objectives trained with it)")
+    config = _user_call(lambda: CalibrationConfig.from_dict({**merged, "objective": objectives[0]}),
+                        "calibration config")
+    return config, objectives
 
 
 def _device(name: str) -> str:

@@ -1,4 +1,5 @@
-"""Train every calibration method on the same data and compare them per domain (``llm-calib calibrate``).
+"""Train one or several calibration objectives on the same data and compare them per domain, with
+the uncalibrated and temperature-scaled model (``llm-calib calibrate``).
 
 The base model is loaded once. Each method attaches fresh LoRA adapters to it, is trained by
 :func:`llm_calib.calm.trainer.calibrate` with the same data, seed and budget, saved
@@ -36,11 +37,12 @@ from typing import Any
 import numpy as np
 
 from llm_calib import distributed
-from llm_calib.calm.config import CalibrationConfig
+from llm_calib.calm.config import CalibrationConfig, flat_paths
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.evaluate import HEADLINE_METRICS, EvaluationResult, TemperatureFit, evaluate_records
 from llm_calib.formats import family_format
 from llm_calib.models import free_memory
+from llm_calib.objectives.base import Objective
 from llm_calib.report import (
     format_metric,
     jsonable,
@@ -141,7 +143,7 @@ def run_comparison(
     heldout: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
     evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]],
     config: CalibrationConfig,
-    methods: Sequence[str],
+    methods: Sequence[Objective] | None,
     out_dir: str | Path,
     *,
     unlabeled: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]] | None = None,
@@ -165,9 +167,10 @@ def run_comparison(
         heldout: ``(name, records)`` of the held-out split, of the same kind (upper level, model
             selection, and, for multiple choice, the temperature fit).
         evals: ``(name, records)`` evaluation sets; results are per record domain.
-        config: the base configuration; ``method`` is replaced by each of ``methods``.
-        methods: the methods to train (see :func:`llm_calib.objectives.registry.objective_names`).
-        out_dir: results go to ``out_dir/<method>/``; checkpoints to
+        config: the base configuration; its ``objective`` is replaced by each of ``methods``.
+        methods: the objectives to train, each with its settings (at most one per registered
+            name; see :mod:`llm_calib.objectives`); None: only ``config.objective``.
+        out_dir: results go to ``out_dir/<method>/`` (the objective's name); checkpoints to
             ``out_dir/checkpoints/<method>/`` when ``config.checkpoint_every > 0``.
         unlabeled: ``(name, records)`` of unlabelled upper-level inputs, of the same kind (see
             :func:`~llm_calib.calm.trainer.calibrate`); default: the held-out inputs.
@@ -184,7 +187,7 @@ def run_comparison(
         A :class:`Comparison`. Nothing is written by ranks other than 0 under ``torchrun``.
 
     Raises:
-        ValueError: unknown method, training or held-out records that are not all of one kind
+        ValueError: no method or two of one name, training or held-out records that are not all of one kind
             (the message names the record), or (with ``resume``) a saved result trained with a
             different configuration.
         llm_calib.calm.trainer.TrainingDiverged: a method's training diverged.
@@ -194,11 +197,11 @@ def run_comparison(
     from llm_calib.calm.encoding import encode_records, format_settings, task_format
     from llm_calib.calm.lora import detach_lora
     from llm_calib.calm.trainer import CalibrationResult, calibrate
-    from llm_calib.objectives.registry import objective_names
 
-    unknown = [m for m in methods if m not in objective_names()]
-    if unknown or not methods:
-        raise ValueError(f"methods must be a non-empty list from {objective_names()}, got {list(methods)}")
+    objectives = [config.objective] if methods is None else list(methods)
+    names = [o.name for o in objectives]
+    if not objectives or len(set(names)) != len(names):
+        raise ValueError(f"methods must be a non-empty list of objectives of distinct names, got {names}")
     fmt = task_format(train[1], config, what=train[0])
     fmt.check(heldout[1], what=heldout[0])
     if unlabeled is not None:
@@ -244,15 +247,16 @@ def run_comparison(
     heldout_enc = encode_records(tokenizer, heldout[1], config, fmt=fmt)
     unlabeled_enc = None if unlabeled is None else encode_records(tokenizer, unlabeled[1], config, fmt=fmt)
     training: dict[str, dict[str, Any]] = {}
-    for method in methods:
-        cfg = dataclasses.replace(config, method=method)
+    for objective in objectives:
+        method = objective.name
+        cfg = dataclasses.replace(config, objective=objective)
         target = out / method
         ckpt_dir = out / "checkpoints" / method
         t0 = time.perf_counter()
         reused = False
         if resume and (target / "metrics.json").is_file():
             result = CalibrationResult.load(target, model)
-            saved, wanted = result.config.to_dict(), cfg.to_dict()
+            saved, wanted = flat_paths(result.config.to_dict()), flat_paths(cfg.to_dict())
             saved.pop("checkpoint_every"), wanted.pop("checkpoint_every")
             if saved != wanted:
                 diff = sorted(k for k in wanted if saved.get(k) != wanted[k])
@@ -266,7 +270,7 @@ def run_comparison(
             if writer and not resume and ckpt_dir.exists():
                 shutil.rmtree(ckpt_dir)  # stale checkpoints of an earlier run must not be resumed
             use_ckpt = checkpoints and cfg.checkpoint_every > 0
-            log(f"[{method}] training {cfg.steps} steps")
+            log(f"[{method}] training {cfg.training.steps} steps")
             result = calibrate(
                 model, tokenizer, train_enc, heldout_enc, cfg, unlabeled=unlabeled_enc,
                 checkpoint_dir=ckpt_dir if use_ckpt else None, resume=resume, progress=progress,
@@ -293,7 +297,8 @@ def run_comparison(
         "heldout": {"spec": heldout[0], "n": len(heldout[1])},
         **({} if unlabeled is None else {"unlabeled": {"spec": unlabeled[0], "n": len(unlabeled[1])}}),
         "eval": [name for name, _ in evals],
-        "calibration": {k: v for k, v in config.to_dict().items() if k != "method"},
+        "calibration": {**{k: v for k, v in config.to_dict().items() if k != "objective"},
+                        "objectives": {o.name: o.to_dict() for o in objectives}},
         "evaluation": {
             "scorer": settings["scorer"],
             "normalize": settings["normalize"],
@@ -303,7 +308,7 @@ def run_comparison(
         },
         "timings": timings,
     }
-    return Comparison(list(methods), domains, base.temperature, training, run_config)
+    return Comparison(names, domains, base.temperature, training, run_config)
 
 
 def _label(column: str) -> str:
@@ -326,6 +331,12 @@ def _summary_table(cmp: Comparison, metric: str) -> list[str]:
     return lines
 
 
+def _describe(objective: dict[str, Any]) -> str:
+    """``calm (solver: bome)``: an objective's name and the names of its tagged parts."""
+    parts = [f"{k}: {v['name']}" for k, v in objective.items() if isinstance(v, dict) and "name" in v]
+    return objective.get("name", "?") + (f" ({', '.join(parts)})" if parts else "")
+
+
 def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods compared") -> str:
     """The ``report.md`` text: settings, training summary, summary tables, one table per domain."""
     cfg = cmp.config
@@ -337,10 +348,11 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
         f"- train: `{cfg['train']['spec']}` ({cfg['train']['n']} questions); held-out: "
         f"`{cfg['heldout']['spec']}` ({cfg['heldout']['n']} questions)",
         f"- evaluated: {', '.join(f'`{s}`' for s in cfg['eval'])}",
-        f"- methods: {', '.join(cmp.methods)}; same data order, seed ({cal.get('seed')}) and budget "
-        f"({cal.get('steps')} steps of {cal.get('batch_size')} questions) for each",
+        f"- methods: {', '.join(_describe(cal.get('objectives', {}).get(m, {'name': m})) for m in cmp.methods)}; "
+        f"same data order, seed ({cal.get('seed')}) and budget "
+        f"({cal.get('training', {}).get('steps')} steps of {cal.get('training', {}).get('batch_size')} questions) for each",
         f"- scorer: `{cfg['evaluation']['scorer']}` ({cfg['evaluation']['normalize']}, "
-        f"{cfg['evaluation']['prompt_style']} prompt); solver for calm: `{cal.get('solver')}`",
+        f"{cfg['evaluation']['prompt_style']} prompt)",
     ]
     lines += family_format(cfg["train"].get("kind", "multiple_choice")).training_notes
     fit = cmp.temperature

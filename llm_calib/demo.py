@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 import hypergrad as hg
+from llm_calib.objectives.calm import Calm
 
 __all__ = ["DemoSettings", "ridge_hypergradient_demo", "run_demo", "split_data"]
 
@@ -38,12 +39,10 @@ class DemoSettings:
         n_train, n_heldout: per in-domain domain, questions for training and held-out inputs;
             the rest are the in-domain test questions.
         steps, batch_size, top_layers: CALM budget; LoRA sits on the top ``top_layers`` layers.
-        lr, lam_lr: learning rates of θ (LoRA) and λ.
-        solver, adjustment: CALM's solver and λ (see :class:`~llm_calib.calm.config.CalibrationConfig`).
-        bome_barrier, bome_eta: BOME's barrier (used with ``solver="bome"``).
-        inner_steps, inner_lr: the solver's inner steps and their size (None: the solver's
-            default, see :func:`llm_calib.objectives.calm.inner_lr`). The defaults are those of
-            :class:`~llm_calib.calm.config.CalibrationConfig`.
+        lr: learning rate of θ (LoRA).
+        objective: CALM's settings: its solver (with its inner steps), λ's variant, learning rate
+            and bounds (:class:`~llm_calib.objectives.calm.Calm`; the defaults are those of
+            :class:`~llm_calib.calm.config.CalibrationConfig`).
         out: output directory for the report.
         seed: data and training seed.
     """
@@ -58,13 +57,7 @@ class DemoSettings:
     batch_size: int = 8
     top_layers: int = 6
     lr: float = 1e-3
-    lam_lr: float = 5e-2
-    solver: str = "bome"
-    adjustment: str = "auto"
-    bome_barrier: str = "gradient"
-    bome_eta: float = 2.0
-    inner_steps: int = 5
-    inner_lr: float | None = None
+    objective: Calm = field(default_factory=Calm)
     out: str = "llm-calib-demo"
     seed: int = 0
     timings: dict[str, float] = field(default_factory=dict)
@@ -115,7 +108,12 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
         >>> settings = DemoSettings()   # doctest: +SKIP
         >>> results = run_demo(settings)   # doctest: +SKIP
     """
-    from llm_calib.calm.config import CalibrationConfig, LoraSettings
+    from llm_calib.calm.config import (
+        CalibrationConfig,
+        LoraSettings,
+        SelectionSettings,
+        TrainingSettings,
+    )
     from llm_calib.calm.trainer import calibrate
     from llm_calib.calm.training import MIN_GUARD_QUESTIONS
     from llm_calib.models import load
@@ -140,10 +138,10 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
 
     n_layers = model.config.num_hidden_layers
     config = CalibrationConfig(
-        method="calm", steps=settings.steps, batch_size=settings.batch_size, heldout_batch_size=settings.batch_size,
-        lr=settings.lr, lam_lr=settings.lam_lr, eval_every=5, seed=settings.seed,
-        inner_lr=settings.inner_lr, inner_steps=settings.inner_steps, solver=settings.solver, adjustment=settings.adjustment,
-        bome_barrier=settings.bome_barrier, bome_eta=settings.bome_eta,
+        objective=settings.objective,
+        training=TrainingSettings(steps=settings.steps, batch_size=settings.batch_size,
+                                  heldout_batch_size=settings.batch_size, lr=settings.lr),
+        selection=SelectionSettings(eval_every=5), seed=settings.seed,
         lora=LoraSettings(rank=8, layers=tuple(range(n_layers - settings.top_layers, n_layers))),
     )
     t = time.perf_counter()
@@ -166,7 +164,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     report = (
         "# llm-calib demo\n\n"
-        f"Model `{settings.model}`; CALM ({settings.solver}, λ = {settings.adjustment}) trained on {', '.join(settings.in_domain)} "
+        f"Model `{settings.model}`; CALM ({settings.objective.solver.name}, λ = {settings.objective.adjustment}) trained on {', '.join(settings.in_domain)} "
         f"({len(train)} questions, {len(heldout)} held-out inputs), {settings.steps} steps, LoRA on the top "
         f"{settings.top_layers} layers. Temperature fitted on the in-domain held-out split. Model selection "
         f"used {len(heldout)} held-out questions, sized for a demo: calibrate real models with at least "

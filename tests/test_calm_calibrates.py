@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from _configs import configured
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.trainer import calibrate
@@ -29,11 +30,13 @@ def overconfident():
     return model, tok, qs[:60], qs[60:120], qs[120:]
 
 
+BASE = {"objective": {"name": "calm", "solver": {"name": "implicit"}, "adjustment": "option_temperature", "lam_lr": 0.1},
+        "training": {"steps": 30, "batch_size": 12, "heldout_batch_size": 12, "lr": 1e-2},
+        "selection": {"eval_every": 5, "guard_accuracy": 0.9}, "lora": LoraSettings(rank=4)}
+
+
 def _config(**overrides) -> CalibrationConfig:
-    base = dict(method="calm", solver="implicit", adjustment="option_temperature", steps=30, batch_size=12,
-                heldout_batch_size=12, lr=1e-2, lam_lr=0.1, eval_every=5, guard_accuracy=0.9,
-                lora=LoraSettings(rank=4))
-    return CalibrationConfig(**{**base, **overrides})
+    return configured(BASE, **overrides)
 
 
 @pytest.mark.slow

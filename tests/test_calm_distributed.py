@@ -41,8 +41,9 @@ def run(checkpoint_dir):
     train = load("builtin:arithmetic,capitals:n=4").records
     heldout = load("builtin:arithmetic,capitals:n=4,seed=1").records
     # global batch 4 (2 per rank with 2 ranks); eval every step exercises model selection
-    cfg = CalibrationConfig(method="calm", solver="bome", steps=STEPS, batch_size=4, heldout_batch_size=4,
-                            lr=1e-2, lam_lr=1e-1, eval_every=1, checkpoint_every=STEPS, guard_accuracy=0.0, adjustment="vector",
+    cfg = CalibrationConfig(objective={"name": "calm", "solver": {"name": "bome"}, "lam_lr": 1e-1, "adjustment": "vector"},
+                            training=dict(steps=STEPS, batch_size=4, heldout_batch_size=4, lr=1e-2),
+                            selection=dict(eval_every=1, guard_accuracy=0.0), checkpoint_every=STEPS,
                             lora=dict(rank=2, layers=[1]))
     return calibrate(model, tok, train, heldout, cfg, checkpoint_dir=checkpoint_dir, progress=False)
 

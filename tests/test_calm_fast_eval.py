@@ -158,7 +158,7 @@ def test_shared_trunk_eval_answers_open_questions_with_the_configs_short_answer_
     model, tok = tiny_random_model(seed=0, num_layers=3)
     examples = (("What is 1 plus 1?", "2"), ("Name the capital of Italy.", "Rome"))
     recs = [OpenQA(f"What is {a} plus {b}?", (str(a + b),), "sums", f"s{a}{b}") for a in range(3) for b in range(3)]
-    ev = SharedTrunkEval(model, tok, {"sums": recs}, 2, config=CalibrationConfig(open_examples=examples),
+    ev = SharedTrunkEval(model, tok, {"sums": recs}, 2, config=CalibrationConfig(prompt=dict(open_examples=examples)),
                          batch_size=4, max_new_tokens=5)
     fmt = short_answer_format(examples)
     adapted_model = _adapted(model)

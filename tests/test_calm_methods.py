@@ -13,11 +13,11 @@ from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.trainer import calibrate
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.models import tiny_random_model
-from llm_calib.objectives.calm import make_solver
+from llm_calib.objectives.calm import Calm, ImplicitSolver, make_solver
 
 
 def test_make_solver_builds_the_implicit_solver_from_the_config() -> None:
-    solver = make_solver(CalibrationConfig(solver="implicit", inner_steps=3, cg_maxiter=7, cg_damping=0.5, lr=2e-3))
+    solver = make_solver(CalibrationConfig(objective=Calm(solver=ImplicitSolver(inner_steps=3, maxiter=7, damping=0.5)), training=dict(lr=2e-3)))
     assert isinstance(solver, hg.AlternatingImplicit)
     assert solver.inner_steps == 3 and solver.inner_optimizer.lr == 2e-3
     assert solver.implicit.warm_start
@@ -33,9 +33,8 @@ def test_an_implicit_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(
     qs = builtin_multiple_choice(n_per_domain=6, domains=["capitals"])
 
     def run(steps: int, ckpt, resume: bool):
-        cfg = CalibrationConfig(method="calm", solver="implicit", adjustment="option_length", steps=steps,
-                                batch_size=2, heldout_batch_size=2, eval_every=2, checkpoint_every=2,
-                                guard_accuracy=0.0, lora=LoraSettings(rank=2, layers=(1,)))
+        cfg = CalibrationConfig(objective=Calm(solver=ImplicitSolver(), adjustment="option_length"), training=dict(steps=steps, batch_size=2, heldout_batch_size=2), selection=dict(eval_every=2, guard_accuracy=0.0), checkpoint_every=2,
+                                lora=LoraSettings(rank=2, layers=(1,)))
         return calibrate(tiny_random_model()[0], tiny_random_model()[1], qs[:4], qs[4:], cfg,
                          checkpoint_dir=ckpt, resume=resume, progress=False)
 
@@ -56,7 +55,7 @@ def test_auto_adjustment_acts_where_the_prediction_is_made(layout, kind) -> None
 
     assert resolve_adjustment("auto", layout) == kind
     assert resolve_adjustment("option_length", layout) == "option_length"  # explicit kinds are kept
-    assert make_adjustment(CalibrationConfig(adjustment="auto"), 16, [3, 5], layout).kind == kind
+    assert make_adjustment(CalibrationConfig(objective=Calm(adjustment="auto")), 16, [3, 5], layout).kind == kind
     with pytest.raises(ValueError, match="layout must be one of"):
         resolve_adjustment("auto", "pixels")
 
@@ -66,5 +65,5 @@ def test_auto_adjustment_trains_an_option_temperature_on_option_scores() -> None
 
     qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
     trainer = build_trainer(tiny_random_model()[0], tiny_random_model()[1], qs[:2], qs[2:],
-                            CalibrationConfig(adjustment="auto", steps=1, batch_size=2, heldout_batch_size=2))
+                            CalibrationConfig(objective=Calm(adjustment="auto"), training=dict(steps=1, batch_size=2, heldout_batch_size=2)))
     assert trainer.adjustment.kind == "option_temperature"

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _configs import configured
 from _directional import directional_derivatives
 
 from llm_calib.adjustment import LogitAdjustment
@@ -92,7 +93,7 @@ def test_short_answer_encoding_ends_the_target_with_the_stop_token_of_the_exampl
     token at which greedy answering stops (so training teaches the model to stop there)."""
     *_, tok = setup
     records = open_records(2)
-    cfg = CalibrationConfig(open_examples=EXAMPLES)
+    cfg = CalibrationConfig(prompt=dict(open_examples=EXAMPLES))
     enc = encode_batch_source(tok, records, cfg)
     assert [list(p) for p in enc.prompts] == encode_open_prompts(tok, records, short_answer_format(EXAMPLES))
     prompt = list(enc.prompts[0])
@@ -108,7 +109,7 @@ def test_short_answer_encoding_ends_the_target_with_the_stop_token_of_the_exampl
     assert [list(o[0]) for o in chat.options] == [encode_continuation(tok, " " + r.answers[0]) for r in records]
     assert enc.batch([0, 1], 0).answer_stop and not chat.batch([0, 1], 0).answer_stop
     cache = EncodingCache()
-    assert cache(tok, records, cfg) is cache(tok, records, CalibrationConfig(open_examples=EXAMPLES, lr=0.1))
+    assert cache(tok, records, cfg) is cache(tok, records, CalibrationConfig(training=dict(lr=0.1), prompt=dict(open_examples=EXAMPLES)))
     assert cache(tok, records, cfg) is not cache(tok, records, CalibrationConfig())
 
 
@@ -245,11 +246,14 @@ def data():
     return open_records(4), open_records(2, seed=1)
 
 
+BASE = {"objective": {"name": "calm", "lam_lr": 0.1},
+        "training": {"steps": 2, "batch_size": 4, "heldout_batch_size": 4, "lr": 5e-2},
+        "selection": {"eval_every": 1, "guard_accuracy": 0.0}, "checkpoint_every": 1,
+        "lora": LoraSettings(rank=2, layers=(1,))}
+
+
 def _cfg(**kw) -> CalibrationConfig:
-    base = dict(steps=2, batch_size=4, heldout_batch_size=4, lr=5e-2, lam_lr=0.1, eval_every=1,
-                guard_accuracy=0.0, checkpoint_every=1, lora=LoraSettings(rank=2, layers=(1,)))
-    base.update(kw)
-    return CalibrationConfig(**base)
+    return configured(BASE, **kw)
 
 
 @pytest.mark.parametrize(
@@ -260,7 +264,7 @@ def _cfg(**kw) -> CalibrationConfig:
 def test_calibrate_each_method_on_open_questions(method, solver, data, tmp_path):
     train, heldout = data
     model, tok = tiny_random_model(seed=0, init_std=0.1)
-    result = calibrate(model, tok, train, heldout, _cfg(method=method, solver=solver), checkpoint_dir=tmp_path,
+    result = calibrate(model, tok, train, heldout, _cfg(objective=dict(name=method, solver=dict(name=solver))), checkpoint_dir=tmp_path,
                        progress=False)
     assert [h["step"] for h in result.history] == [1, 2]
     for h in result.history:
@@ -288,7 +292,7 @@ def test_calibrate_with_the_short_answer_prompt_trains_on_every_alias(data, tmp_
     original = training_module.encode_records
     monkeypatch.setattr(training_module, "encode_records", lambda *a, **k: seen.append(original(*a, **k)) or seen[-1])
     model, tok = tiny_random_model(seed=0, init_std=0.1)
-    cfg = _cfg(method="lora_ce", open_examples=EXAMPLES)
+    cfg = _cfg(objective=dict(name="lora_ce"), prompt=dict(open_examples=EXAMPLES))
     expanded = one_record_per_alias(train)
     assert len(expanded) == 2 * len(train)
     result = calibrate(model, tok, expanded, heldout, cfg, checkpoint_dir=tmp_path, progress=False)
@@ -327,7 +331,7 @@ def _teacher_forced_logprobs(model, enc) -> torch.Tensor:
 def test_save_load_gives_identical_teacher_forced_scores(data, tmp_path):
     train, heldout = data
     model, tok = tiny_random_model(seed=0, init_std=0.1)
-    result = calibrate(model, tok, train, heldout, _cfg(method="lora_ce", steps=3, lr=0.1, checkpoint_every=0),
+    result = calibrate(model, tok, train, heldout, _cfg(objective=dict(name="lora_ce"), training=dict(steps=3, lr=0.1), checkpoint_every=0),
                        progress=False)
     assert result.metrics["after"]["selected_step"] > 0  # the adapter differs from the base model
     loaded = CalibrationResult.load(result.save(tmp_path / "res"), tiny_random_model(seed=0, init_std=0.1)[0])
@@ -346,10 +350,10 @@ def test_save_load_gives_identical_teacher_forced_scores(data, tmp_path):
 
 def test_resume_equals_an_uninterrupted_run(data, tmp_path):
     train, heldout = data
-    cfg = _cfg(method="calm", steps=4, checkpoint_every=2)
+    cfg = _cfg(objective=dict(name="calm"), training=dict(steps=4), checkpoint_every=2)
     full = calibrate(*tiny_random_model(seed=0, init_std=0.1), train, heldout, cfg, checkpoint_dir=tmp_path / "a",
                      progress=False)
-    calibrate(*tiny_random_model(seed=0, init_std=0.1), train, heldout, _cfg(method="calm", steps=2, checkpoint_every=2),
+    calibrate(*tiny_random_model(seed=0, init_std=0.1), train, heldout, _cfg(objective=dict(name="calm"), training=dict(steps=2), checkpoint_every=2),
               checkpoint_dir=tmp_path / "b", progress=False)
     resumed = calibrate(*tiny_random_model(seed=0, init_std=0.1), train, heldout, cfg, checkpoint_dir=tmp_path / "b",
                         resume=True, progress=False)
@@ -366,5 +370,5 @@ def test_overflowing_learning_rate_raises_training_diverged(data):
     # not overflow with MKL's AVX2 kernels)
     train, heldout = data
     with pytest.raises(TrainingDiverged, match=r"^step 1: .*batch ids \['open-"):
-        calibrate(*tiny_random_model(seed=0, init_std=0.1), train, heldout, _cfg(method="lora_ce", lr=1e39, steps=4),
+        calibrate(*tiny_random_model(seed=0, init_std=0.1), train, heldout, _cfg(objective=dict(name="lora_ce"), training=dict(lr=1e39, steps=4)),
                   progress=False)

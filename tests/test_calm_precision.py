@@ -8,9 +8,10 @@ import math
 
 import pytest
 import torch
+from _configs import configured
 
 from llm_calib.calm import training
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
+from llm_calib.calm.config import LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
 from llm_calib.data import load
@@ -20,10 +21,14 @@ TRAIN = "builtin:arithmetic,capitals:n=4"
 HELDOUT = "builtin:arithmetic,capitals:n=4,seed=1"
 
 
+BASE = {"objective": {"name": "calm", "lam_lr": 1e-1, "adjustment": "vector",
+                      "solver": {"name": "bome", "inner_steps": 1, "barrier": "value"}},
+        "training": {"steps": 3, "batch_size": 4, "heldout_batch_size": 4, "lr": 1e-2},
+        "selection": {"eval_every": 1, "guard_accuracy": 0.0}, "lora": {"rank": 2, "layers": [1]}}
+
+
 def _config(**kw):
-    base = dict(method="calm", steps=3, batch_size=4, heldout_batch_size=4, lr=1e-2, lam_lr=1e-1, eval_every=1,
-                guard_accuracy=0.0, adjustment="vector", inner_steps=1, bome_barrier="value", lora=dict(rank=2, layers=[1]))
-    return CalibrationConfig(**{**base, **kw})
+    return configured(BASE, **kw)
 
 
 def _run(model, tok, cfg, steps=3):
@@ -142,7 +147,7 @@ def test_option_sequences_equal_the_packed_layout(layers, normalize, mc_records)
     """The layout for attention kernels without 4-D masks (flash attention) gives the packed
     layout's option scores (float32, 1e-5) and gradients."""
     model, tok = tiny_random_model(seed=0, init_std=0.1)
-    cfg = _config(lora=dict(rank=2, layers=layers), normalize=normalize)
+    cfg = _config(lora=dict(rank=2, layers=layers), prompt=dict(normalize=normalize))
     trainer = training.build_trainer(model, tok, mc_records[:5], mc_records[5:], cfg)
     lm, losses = trainer.lm, trainer.losses
     assert lm.packed_masks
@@ -239,7 +244,7 @@ def test_unknown_decoder_falls_back_to_the_full_forward(caplog, mc_records):
         lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2, layers=(1,))))
     assert not lm.caches_trunk
     assert any("trunk cache off for GemmaModel" in r.getMessage() for r in caplog.records)
-    cfg = _config(lora=dict(rank=2, layers=[1]), output_scale=False)
+    cfg = _config(lora=dict(rank=2, layers=[1], output_scale=False))
     enc = encode_records(tok, mc_records, cfg)
     batch = enc.batch(range(len(mc_records)), tok.pad_token_id, lm)
     assert batch.trunk is None

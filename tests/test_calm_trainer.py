@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _configs import configured
 from safetensors.torch import load_file
 
 import hypergrad as hg
@@ -24,6 +25,8 @@ from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrat
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.data import load as load_data
 from llm_calib.models import tiny_random_model
+from llm_calib.objectives.calm import F2SA, Bome, Calm
+from llm_calib.objectives.confidence_penalty import ConfidencePenalty
 from llm_calib.prompts import PromptFormat, short_answer_format
 from llm_calib.scoring import score_multiple_choice
 
@@ -47,8 +50,9 @@ def run(method, checkpoint_dir, resume):
     model, tok = tiny_random_model(seed=0, init_std=0.1)
     train = load("builtin:arithmetic,capitals:n=8").records
     heldout = load("builtin:arithmetic,capitals:n=4,seed=1").records
-    cfg = CalibrationConfig(method=method, steps=STEPS, batch_size=4, heldout_batch_size=4, lr=1e-2,
-                            lam_lr=1e-1, eval_every=2, checkpoint_every=2, guard_accuracy=0.0, adjustment="vector",
+    objective = {"name": method, **({"lam_lr": 1e-1, "adjustment": "vector"} if method == "calm" else {})}
+    cfg = CalibrationConfig(objective=objective, training=dict(steps=STEPS, batch_size=4, heldout_batch_size=4, lr=1e-2),
+                            selection=dict(eval_every=2, guard_accuracy=0.0), checkpoint_every=2,
                             lora=dict(rank=2, layers=[1]))
     return calibrate(model, tok, train, heldout, cfg, checkpoint_dir=checkpoint_dir, resume=resume,
                      progress=False)
@@ -88,11 +92,13 @@ def data():
     return train, heldout
 
 
+BASE = {"objective": {"name": "calm", "adjustment": "vector"},
+        "training": {"steps": 3, "batch_size": 4, "heldout_batch_size": 4, "lr": 1e-2},
+        "selection": {"eval_every": 1, "guard_accuracy": 0.0}, "lora": LoraSettings(rank=2, layers=(1,))}
+
+
 def _cfg(**kw) -> CalibrationConfig:
-    base = dict(steps=3, batch_size=4, heldout_batch_size=4, lr=1e-2, eval_every=1, guard_accuracy=0.0, adjustment="vector",
-                lora=LoraSettings(rank=2, layers=(1,)))
-    base.update(kw)
-    return CalibrationConfig(**base)
+    return configured(BASE, **kw)
 
 
 def _model():
@@ -109,7 +115,7 @@ def test_package_exports_the_training_api():
 def test_save_and_load_round_trip(tmp_path, data):
     train, heldout = data
     model, tok = _model()
-    result = calibrate(model, tok, train, heldout, _cfg(lam_lr=0.1), progress=False)
+    result = calibrate(model, tok, train, heldout, _cfg(objective=dict(lam_lr=0.1)), progress=False)
     assert result.lam["b"].abs().max() > 0  # λ moved, so its round trip means something
     base_norm = _model()[0].model.norm.weight
     trained_norm = result.model.get_base_model().model.norm.modules_to_save["default"].weight
@@ -152,7 +158,7 @@ def test_nan_loss_raises_with_step_and_batch_and_keeps_last_good_checkpoint(tmp_
     ckpt = tmp_path / "ckpt"
     model, tok = _model()
     with pytest.raises(TrainingDiverged) as info:
-        calibrate(model, tok, train, heldout, _cfg(method="lora_ce", steps=8, checkpoint_every=2),
+        calibrate(model, tok, train, heldout, _cfg(objective=dict(name="lora_ce"), training=dict(steps=8), checkpoint_every=2),
                   checkpoint_dir=ckpt, progress=False)
     message = str(info.value)
     assert "step 5" in message and "batch ids" in message
@@ -165,7 +171,7 @@ def test_nan_loss_raises_with_step_and_batch_and_keeps_last_good_checkpoint(tmp_
     assert all(bool(torch.isfinite(v).all()) for v in tensors.values())
     # the good checkpoint resumes (the poisoned call is past)
     model, tok = _model()
-    result = calibrate(model, tok, train, heldout, _cfg(method="lora_ce", steps=6, checkpoint_every=2),
+    result = calibrate(model, tok, train, heldout, _cfg(objective=dict(name="lora_ce"), training=dict(steps=6), checkpoint_every=2),
                        checkpoint_dir=ckpt, resume=True, progress=False)
     assert [h["step"] for h in result.history] == list(range(1, 7))
 
@@ -173,24 +179,24 @@ def test_nan_loss_raises_with_step_and_batch_and_keeps_last_good_checkpoint(tmp_
 def test_resume_refuses_a_checkpoint_of_another_configuration_or_other_data(tmp_path, data):
     train, heldout = data
     ckpt = tmp_path / "ckpt"
-    calibrate(*_model(), train, heldout, _cfg(method="lora_ce", steps=2, checkpoint_every=2),
+    calibrate(*_model(), train, heldout, _cfg(objective=dict(name="lora_ce"), training=dict(steps=2), checkpoint_every=2),
               checkpoint_dir=ckpt, progress=False)
-    with pytest.raises(ValueError, match=r"configuration differs \(lr: checkpoint 0\.01, now 0\.07\)") as info:
-        calibrate(*_model(), train, heldout, _cfg(method="lora_ce", steps=4, checkpoint_every=2, lr=0.07),
+    with pytest.raises(ValueError, match=r"configuration differs \(training\.lr: checkpoint 0\.01, now 0\.07\)") as info:
+        calibrate(*_model(), train, heldout, _cfg(objective=dict(name="lora_ce"), training=dict(steps=4, lr=0.07), checkpoint_every=2),
                   checkpoint_dir=ckpt, resume=True, progress=False)
     assert str(latest_checkpoint(ckpt)) in str(info.value)
     with pytest.raises(ValueError, match="trained on other data"):
-        calibrate(*_model(), train[1:], heldout, _cfg(method="lora_ce", steps=4, checkpoint_every=2),
+        calibrate(*_model(), train[1:], heldout, _cfg(objective=dict(name="lora_ce"), training=dict(steps=4), checkpoint_every=2),
                   checkpoint_dir=ckpt, resume=True, progress=False)
     # more steps (and another save interval) is a legitimate continuation
-    result = calibrate(*_model(), train, heldout, _cfg(method="lora_ce", steps=4, checkpoint_every=1),
+    result = calibrate(*_model(), train, heldout, _cfg(objective=dict(name="lora_ce"), training=dict(steps=4), checkpoint_every=1),
                        checkpoint_dir=ckpt, resume=True, progress=False)
     assert [h["step"] for h in result.history] == [1, 2, 3, 4]
 
 
 def test_history_logs_the_output_scale_and_lambda_of_the_selected_step(data):
     train, heldout = data
-    result = calibrate(*_model(), train, heldout, _cfg(method="calm", steps=4, output_scale_lr=0.2, lam_lr=0.2),
+    result = calibrate(*_model(), train, heldout, _cfg(objective=dict(name="calm", lam_lr=0.2), training=dict(steps=4), lora=dict(output_scale_lr=0.2)),
                        progress=False)
     evaluated = [h for h in result.history if "heldout_ece" in h]
     assert len(evaluated) == 4
@@ -224,7 +230,7 @@ def test_a_non_finite_loss_raises_training_diverged_and_keeps_the_last_checkpoin
 
     monkeypatch.setattr(CalmLosses, "inner", poisoned)
     with pytest.raises(TrainingDiverged) as info:
-        calibrate(*_model(), train, heldout, _cfg(method="calm", steps=6, checkpoint_every=1),
+        calibrate(*_model(), train, heldout, _cfg(objective=dict(name="calm"), training=dict(steps=6), checkpoint_every=1),
                   checkpoint_dir=tmp_path / "ckpt", progress=False)
     assert len(seen) == 3
     assert str(info.value).startswith("step 3: ")
@@ -236,7 +242,7 @@ def test_a_learning_rate_beyond_float32_range_raises_at_the_first_step(tmp_path,
     """lr = 1e39 overflows float32 in the first update on any CPU (IEEE: 1e39 > 3.4e38)."""
     train, heldout = data
     with pytest.raises(TrainingDiverged, match=r"^step 1: updated LoRA parameters: .*non-finite.*batch ids \['") as info:
-        calibrate(*_model(), train, heldout, _cfg(method="lora_ce", lr=1e39, steps=3, checkpoint_every=1),
+        calibrate(*_model(), train, heldout, _cfg(objective=dict(name="lora_ce"), training=dict(lr=1e39, steps=3), checkpoint_every=1),
                   checkpoint_dir=tmp_path / "ckpt", progress=False)
     assert isinstance(info.value.__cause__, FloatingPointError)
     assert _latest_step(tmp_path / "ckpt") == 0
@@ -318,8 +324,7 @@ def test_accuracy_guard_stops_and_returns_the_initial_parameters(data):
     model, tok = _model()
     guard = 0.95
     result = calibrate(model, tok, train, heldout,
-                       _cfg(method="lora_ce", lr=1.0, steps=10, eval_every=1, guard_accuracy=guard,
-                            guard_patience=2),
+                       _cfg(objective=dict(name="lora_ce"), training=dict(lr=1.0, steps=10), selection=dict(eval_every=1, guard_accuracy=guard, guard_patience=2)),
                        progress=False)
     before, after = result.metrics["before"], result.metrics["after"]
     assert after["stopped_early"] == 1.0
@@ -336,27 +341,29 @@ def test_accuracy_guard_stops_and_returns_the_initial_parameters(data):
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"lr": -1.0}, "lr"),
-        ({"lr": "fast"}, "lr"),
-        ({"steps": 0}, "steps"),
-        ({"steps": 2.5}, "steps"),
-        ({"method": "sft"}, "method"),
-        ({"solver": "adam"}, "solver"),
-        ({"bome_barrier": "hinge"}, "bome_barrier"),
-        ({"output_scale": "yes"}, "output_scale"),
-        ({"output_scale_lr": 0.0}, "output_scale_lr"),
-        ({"guard_accuracy": 1.5}, "guard_accuracy"),
-        ({"label_smoothing": 1.0}, "label_smoothing"),
+        ({"training": {"lr": -1.0}}, "training.lr"),
+        ({"training": {"lr": "fast"}}, "training.lr"),
+        ({"training": {"steps": 0}}, "training.steps"),
+        ({"training": {"steps": 2.5}}, "training.steps"),
+        ({"objective": "sft"}, "objective.name"),
+        ({"objective": {"name": "calm", "solver": "adam"}}, "objective.solver.name"),
+        ({"objective": {"solver": {"name": "bome", "barrier": "hinge"}}}, "objective.solver.barrier"),
+        ({"lora": {"output_scale": "yes"}}, "lora.output_scale"),
+        ({"lora": {"output_scale_lr": 0.0}}, "lora.output_scale_lr"),
+        ({"selection": {"guard_accuracy": 1.5}}, "selection.guard_accuracy"),
+        ({"objective": {"name": "label_smoothing", "eps": 1.0}}, "objective.eps"),
         ({"checkpoint_every": -1}, "checkpoint_every"),
-        ({"guard_patience": 0}, "guard_patience"),
-        ({"chat_template": "yes"}, "chat_template"),
+        ({"selection": {"guard_patience": 0}}, "selection.guard_patience"),
+        ({"prompt": {"chat_template": "yes"}}, "prompt.chat_template"),
         ({"lora": {"rank": 0}}, "lora.rank"),
         ({"lora": {"dropout": 2.0}}, "lora.dropout"),
         ({"lora": {"rnak": 4}}, "rnak"),
-        ({"open_examples": "Q: 2 + 2? A: 4"}, "open_examples must be a list"),
-        ({"open_examples": [["2 + 2?", "4"], ["3 + 3?"]]}, "open_examples[1]"),
-        ({"open_examples": [["2 + 2?", " "]]}, "open_examples[0]"),
-        ({"open_examples": [["2 + 2?", 4]]}, "open_examples[0]"),
+        ({"prompt": {"open_examples": "Q: 2 + 2? A: 4"}}, "open_examples must be a list"),
+        ({"prompt": {"open_examples": [["2 + 2?", "4"], ["3 + 3?"]]}}, "open_examples[1]"),
+        ({"prompt": {"open_examples": [["2 + 2?", " "]]}}, "open_examples[0]"),
+        ({"prompt": {"open_examples": [["2 + 2?", 4]]}}, "open_examples[0]"),
+        ({"objective": {"name": "calm", "beta": 0.5}}, "unknown objective key(s) ['beta']"),
+        ({"prompt": {"styel": "cloze"}}, "unknown prompt key(s) ['styel']"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, field):
@@ -367,46 +374,52 @@ def test_config_errors_name_the_field(kwargs, field):
 def test_config_yaml_round_trip_and_unknown_key(tmp_path):
     import yaml
 
-    cfg = CalibrationConfig(method="confidence_penalty", solver="f2sa", steps=7, lr=3e-4,
-                            lora=LoraSettings(rank=4, target_modules=("q_proj",), layers=(0, 1)),
-                            open_examples=(("Capital of Italy?", "Rome"), ("2 + 2?", "4")))
-    assert cfg.to_dict()["open_examples"] == [["Capital of Italy?", "Rome"], ["2 + 2?", "4"]]
+    cfg = CalibrationConfig(objective=ConfidencePenalty(beta=0.3), training=dict(steps=7, lr=3e-4),
+                            prompt=dict(open_examples=(("Capital of Italy?", "Rome"), ("2 + 2?", "4"))),
+                            lora=LoraSettings(rank=4, target_modules=("q_proj",), layers=(0, 1)))
+    assert cfg.to_dict()["prompt"]["open_examples"] == [["Capital of Italy?", "Rome"], ["2 + 2?", "4"]]
+    assert cfg.to_dict()["objective"] == {"name": "confidence_penalty", "beta": 0.3}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     assert CalibrationConfig.from_file(path) == cfg
-    assert CalibrationConfig.from_file(path).open_examples == (("Capital of Italy?", "Rome"), ("2 + 2?", "4"))
-    assert CalibrationConfig(open_examples=[[" 2 + 2? ", "4 "]]).open_examples == (("2 + 2?", "4"),)
+    assert CalibrationConfig.from_file(path).prompt.open_examples == (("Capital of Italy?", "Rome"), ("2 + 2?", "4"))
+    assert CalibrationConfig(prompt=dict(open_examples=[[" 2 + 2? ", "4 "]])).prompt.open_examples == (("2 + 2?", "4"),)
+    calm = CalibrationConfig(objective=Calm(solver=F2SA(sigma=0.2, inner_steps=2), adjustment="temperature"))
+    path.write_text(yaml.safe_dump(calm.to_dict()))
+    assert CalibrationConfig.from_file(path) == calm
     # hand-written YAML: 1e-3 is a string in YAML 1.1 and still reads as a number
     hand = tmp_path / "hand.yml"
-    hand.write_text("steps: 5\nlr: 1e-3\nlora:\n  rank: 2\n")
+    hand.write_text("objective: {name: calm, solver: {name: bome, eta: 2.0}, adjustment: auto}\n"
+                    "training:\n  steps: 5\n  lr: 1e-3\nlora:\n  rank: 2\n")
     loaded = CalibrationConfig.from_file(hand)
-    assert (loaded.steps, loaded.lr, loaded.lora.rank) == (5, 1e-3, 2)
+    assert (loaded.training.steps, loaded.training.lr, loaded.lora.rank) == (5, 1e-3, 2)
+    assert loaded.objective == Calm(solver=Bome(eta=2.0), adjustment="auto")
     json_path = tmp_path / "cfg.json"
     json_path.write_text(json.dumps(cfg.to_dict()))
     assert CalibrationConfig.from_file(json_path) == cfg
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("steps: 5\nlearning_rate: 0.1\n")
+    bad.write_text("training: {steps: 5}\nlearning_rate: 0.1\n")
     with pytest.raises(ValueError, match=r"bad\.yaml.*learning_rate"):
         CalibrationConfig.from_file(bad)
-    bad.write_text("steps: [1\n")
+    bad.write_text("training: {steps: [1}\n")
     with pytest.raises(ValueError, match=r"bad\.yaml"):
         CalibrationConfig.from_file(bad)
-    bad.write_text("lr: -2\n")
-    with pytest.raises(ValueError, match=r"bad\.yaml.*lr"):
+    bad.write_text("training: {lr: -2}\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml.*training\.lr"):
         CalibrationConfig.from_file(bad)
-    bad.write_text('open_examples:\n  - ["Capital of Italy?", Rome]\n  - ["2 + 2?"]\n')
+    bad.write_text('prompt:\n  open_examples:\n    - ["Capital of Italy?", Rome]\n    - ["2 + 2?"]\n')
     with pytest.raises(ValueError, match=r"bad\.yaml.*open_examples\[1\]"):
         CalibrationConfig.from_file(bad)
 
 
 def test_open_prompt_format_is_the_chat_prompt_or_the_short_answer_prompt():
     assert open_prompt_format(CalibrationConfig()) == PromptFormat()
-    assert open_prompt_format(CalibrationConfig(chat_template=False)) == PromptFormat(chat_template=False)
+    assert open_prompt_format(CalibrationConfig(prompt=dict(chat_template=False))) == PromptFormat(chat_template=False)
     examples = (("Capital of Italy?", "Rome"), ("2 + 2?", "4"))
-    assert open_prompt_format(CalibrationConfig(open_examples=examples)) == short_answer_format(examples)
+    assert open_prompt_format(CalibrationConfig(prompt=dict(open_examples=examples))) == short_answer_format(examples)
     # the few-shot prompt is plain text whatever chat_template says
-    assert open_prompt_format(CalibrationConfig(open_examples=examples, chat_template=True)).chat_template is False
+    assert open_prompt_format(CalibrationConfig(prompt=dict(open_examples=examples, chat_template=True))).chat_template is False
 
 
 @pytest.mark.parametrize(("solver", "method_class"), [("bome", "BOME"), ("f2sa", "Penalty")])
@@ -426,7 +439,7 @@ def test_calm_solves_the_bilevel_problem_the_right_way_round_and_steps_lambda(tm
     hypergrad = cls.hypergrad
     monkeypatch.setattr(cls, "hypergrad", lambda self, *a, **k: results.append(hypergrad(self, *a, **k)) or results[-1])
     lam_lr, steps = 0.05, 3
-    calibrate(*_model(), train, heldout, _cfg(method="calm", solver=solver, steps=steps, lam_lr=lam_lr, checkpoint_every=1),
+    calibrate(*_model(), train, heldout, _cfg(objective=dict(name="calm", lam_lr=lam_lr, solver=dict(name=solver)), training=dict(steps=steps), checkpoint_every=1),
               checkpoint_dir=tmp_path / "ckpt", progress=False)
     # the lower level g sees only training questions, the upper level f only held-out ones
     assert calls["inner"] and all(ids <= train_ids for ids in calls["inner"])

@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _configs import configured
 
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
@@ -31,12 +32,19 @@ def data():
     return train, heldout, unlabeled
 
 
+BASE = {"objective": {"name": "calm", "lam_lr": 1e-1, "adjustment": "vector",
+                      "solver": {"name": "bome", "inner_steps": 1, "barrier": "value"}},
+        "training": {"steps": 4, "batch_size": 4, "heldout_batch_size": 4, "lr": 1e-2},
+        "selection": {"eval_every": 2, "guard_accuracy": 0.0}, "lora": LoraSettings(rank=2, layers=(1,))}
+
+
 def _cfg(**kw) -> CalibrationConfig:
-    base = dict(steps=4, batch_size=4, heldout_batch_size=4, lr=1e-2, lam_lr=1e-1, eval_every=2,
-                guard_accuracy=0.0, adjustment="vector", inner_steps=1, bome_barrier="value",
-                lora=LoraSettings(rank=2, layers=(1,)))
-    base.update(kw)
-    return CalibrationConfig(**base)
+    return configured(BASE, **kw)
+
+
+def _inner_lr(cfg: CalibrationConfig, lr: float) -> CalibrationConfig:
+    solver = dataclasses.replace(cfg.objective.solver, inner_lr=lr)
+    return dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, solver=solver))
 
 
 def _model():
@@ -62,7 +70,7 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 @pytest.mark.parametrize("method", ["calm", "confidence_penalty"])
 def test_the_public_loop_is_what_calibrate_runs(data, tok, method):
     train, heldout, _ = data
-    cfg = _cfg(method=method)
+    cfg = _cfg(objective=dict(name=method))
     result = calibrate(_model(), tok, train, heldout, cfg, progress=False)
 
     trainer = training.build_trainer(_model(), tok, train, heldout, cfg)
@@ -95,7 +103,7 @@ def test_step_records_hold_g_and_the_unlabelled_entropy(data, tok):
     training batch and the recorded entropy the base model's on the unlabelled batch, both
     computed here by the evaluation scorer on the same records."""
     train, heldout, unlabeled = data
-    trainer = training.build_trainer(_model(), tok, train, heldout, _cfg(normalize="mean"), unlabeled=unlabeled)
+    trainer = training.build_trainer(_model(), tok, train, heldout, _cfg(prompt=dict(normalize="mean")), unlabeled=unlabeled)
     inner_ids, outer_ids = trainer.train_batch(0).ids, trainer.unlabeled_batch(0).ids
     state = training.init_state(trainer)
     record = training.train_step(trainer, state)
@@ -136,7 +144,7 @@ def test_confidence_penalty_takes_its_entropy_on_the_unlabelled_batch(data, tok)
     """loss = CE(training batch) - β·H(unlabelled batch) at step 1, from an independent computation."""
     train, heldout, unlabeled = data
     beta = 0.7
-    trainer = training.build_trainer(_model(), tok, train, heldout, _cfg(method="confidence_penalty", penalty_beta=beta, normalize="mean"),
+    trainer = training.build_trainer(_model(), tok, train, heldout, _cfg(objective=dict(name="confidence_penalty", beta=beta), prompt=dict(normalize="mean")),
                                      unlabeled=unlabeled)
     inner_ids, outer_ids = trainer.train_batch(0).ids, trainer.unlabeled_batch(0).ids
     assert not set(inner_ids) & set(outer_ids)
@@ -153,19 +161,19 @@ def test_confidence_penalty_takes_its_entropy_on_the_unlabelled_batch(data, tok)
 
 def test_f2sa_steps_with_inner_lr_and_defaults_to_lr(data, tok):
     train, heldout, _ = data
-    cfg = _cfg(solver="f2sa", steps=2, eval_every=1)
-    assert make_solver(cfg).inner_optimizer.lr == cfg.lr  # default: θ's rate, as before inner_lr was read
-    assert make_solver(dataclasses.replace(cfg, inner_lr=0.05)).inner_optimizer.lr == 0.05
+    cfg = _cfg(objective=dict(solver=dict(name="f2sa")), training=dict(steps=2), selection=dict(eval_every=1))
+    assert make_solver(cfg).inner_optimizer.lr == cfg.training.lr  # default: θ's rate, as before inner_lr was read
+    assert make_solver(_inner_lr(cfg, 0.05)).inner_optimizer.lr == 0.05
     default = calibrate(_model(), tok, train, heldout, cfg, progress=False)
-    same = calibrate(_model(), tok, train, heldout, dataclasses.replace(cfg, inner_lr=cfg.lr), progress=False)
+    same = calibrate(_model(), tok, train, heldout, _inner_lr(cfg, cfg.training.lr), progress=False)
     _assert_same(_final(default), _final(same))
-    faster = calibrate(_model(), tok, train, heldout, dataclasses.replace(cfg, inner_lr=10 * cfg.lr), progress=False)
+    faster = calibrate(_model(), tok, train, heldout, _inner_lr(cfg, 10 * cfg.training.lr), progress=False)
     assert not torch.equal(faster.lam["b"], default.lam["b"])
 
 
 def test_an_encoding_is_reused_with_its_trunk_cache(data, tok):
     train, heldout, _ = data
-    cfg = _cfg(method="lora_ce")
+    cfg = _cfg(objective=dict(name="lora_ce"))
     enc_train, enc_held = encode_records(tok, train, cfg), encode_records(tok, heldout, cfg)
     first = calibrate(_model(), tok, enc_train, enc_held, cfg, progress=False)
     assert len(enc_train.trunk_cache) == len(train) and len(enc_held.trunk_cache) == len(heldout)
@@ -186,7 +194,7 @@ def test_unlabeled_of_another_kind_is_rejected(data, tok):
 
 
 def test_is_selectable_is_the_guard_of_select(data, tok):
-    cfg = _cfg(guard_accuracy=0.9)
+    cfg = _cfg(selection=dict(guard_accuracy=0.9))
     assert training.is_selectable(0.9, 1.0, cfg) and not training.is_selectable(0.899, 1.0, cfg)
     train, heldout, _ = data
     trainer = training.build_trainer(_model(), tok, train, heldout, cfg)
@@ -200,11 +208,11 @@ def test_is_selectable_is_the_guard_of_select(data, tok):
 
 
 def test_best_candidate_is_the_selection_rule_over_a_grid() -> None:
-    cfg = CalibrationConfig(guard_accuracy=0.9)
+    cfg = CalibrationConfig(selection=dict(guard_accuracy=0.9))
     rows = [{"accuracy": 0.60, "ece": 0.20}, {"accuracy": 0.40, "ece": 0.01}, {"accuracy": 0.54, "ece": 0.05},
             {"accuracy": 0.55, "ece": 0.05}]
     assert training.best_candidate(rows, 0.6, cfg) == 2  # lowest ECE above 0.54, first on ties
-    assert training.best_candidate(rows, 0.6, dataclasses.replace(cfg, guard_accuracy=0.95)) == 0
+    assert training.best_candidate(rows, 0.6, dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, guard_accuracy=0.95))) == 0
     assert training.best_candidate(rows[1:2], 0.6, cfg) == 0 and training.best_candidate(rows, 0.9, cfg) == 0
     with pytest.raises(ValueError, match="at least one candidate"):
         training.best_candidate([], 0.5, cfg)
@@ -217,8 +225,8 @@ def test_fill_trunk_caches_and_the_encoding_cache() -> None:
     qs = load_data("builtin:capitals:n=6").records
     cache, cfg = EncodingCache(), CalibrationConfig(lora=LoraSettings(rank=2, layers=(1,)))
     train = cache(tok, qs, cfg)
-    assert cache(tok, list(qs), dataclasses.replace(cfg, lr=0.5, seed=3)) is train  # settings that do not encode
-    assert cache(tok, qs, dataclasses.replace(cfg, prompt_style="listed")) is not train
+    assert cache(tok, list(qs), dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, lr=0.5), seed=3)) is train  # settings that do not encode
+    assert cache(tok, qs, dataclasses.replace(cfg, prompt=dataclasses.replace(cfg.prompt, style="listed"))) is not train
     assert cache(tok, qs, dataclasses.replace(cfg, lora=LoraSettings(rank=2, layers=(0, 1)))) is not train
     assert cache(tok, qs[:4], cfg) is not train and len(cache.encodings) == 4
     tr = training.build_trainer(copy.deepcopy(model), tok, train, cache(tok, qs[:4], cfg), cfg)
@@ -232,11 +240,11 @@ def test_fill_trunk_caches_and_the_encoding_cache() -> None:
 def test_a_small_heldout_split_warns_that_the_guard_is_noise(data, tok):
     train, heldout, _ = data
     with pytest.warns(UserWarning, match=r"8 held-out questions.*at least 500"):
-        training.build_trainer(_model(), tok, train, heldout, _cfg(guard_accuracy=0.95))
+        training.build_trainer(_model(), tok, train, heldout, _cfg(selection=dict(guard_accuracy=0.95)))
     # no guard, no warning; 500 questions, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        training.build_trainer(_model(), tok, train, heldout, _cfg(guard_accuracy=0.0))
+        training.build_trainer(_model(), tok, train, heldout, _cfg(selection=dict(guard_accuracy=0.0)))
         assert not training.warn_small_heldout(training.MIN_GUARD_QUESTIONS, CalibrationConfig())
     with pytest.warns(UserWarning, match="standard error of up to 0.022"):
         assert training.warn_small_heldout(499, CalibrationConfig())

@@ -112,7 +112,7 @@ def test_compare_losses_is_zero_for_one_path_and_sees_a_different_one() -> None:
 
     model, tok = tiny_random_model(seed=0, num_layers=2)
     qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals", "arithmetic"])
-    cfg = CalibrationConfig(batch_size=4, heldout_batch_size=4, lora=LoraSettings(rank=2, layers=(1,)))
+    cfg = CalibrationConfig(training=dict(batch_size=4, heldout_batch_size=4), lora=LoraSettings(rank=2, layers=(1,)))
     a = build_trainer(copy.deepcopy(model), tok, qs, qs, cfg)
     theta = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(0)) for k, v in a.lm.theta().items()}
     lam = {k: v + 0.1 for k, v in a.adjustment.init().items()}

@@ -20,12 +20,16 @@ TRAIN = "builtin:arithmetic,capitals:n=4"
 HELDOUT = "builtin:arithmetic,capitals:n=4,seed=1"
 EVALS = ["builtin:capitals:n=6,seed=2", "builtin:arithmetic:n=6,seed=2"]
 CONFIG_YAML = """\
-steps: 5               # overridden by --steps
-lr: 5e-3               # YAML 1.1 reads this as a string; still a number
-lam_lr: 0.1
-eval_every: 1
-heldout_batch_size: 4
-guard_accuracy: 0.0
+objective:
+  name: calm
+  lam_lr: 0.1
+training:
+  steps: 5             # overridden by --steps
+  lr: 5e-3             # YAML 1.1 reads this as a string; still a number
+  heldout_batch_size: 4
+selection:
+  eval_every: 1
+  guard_accuracy: 0.0
 lora:
   rank: 2
   layers: [1]
@@ -80,9 +84,13 @@ def test_outputs_exist_and_config_precedence(run):
             assert (d / name).stat().st_size > 0, (method, name)
         cfg = json.loads((d / "config.json").read_text())
         # defaults < config file < flags
-        assert (cfg["method"], cfg["steps"], cfg["batch_size"]) == (method, 2, 4)  # flags
-        assert (cfg["lr"], cfg["lam_lr"], cfg["lora"]["rank"], cfg["lora"]["layers"]) == (5e-3, 0.1, 2, [1])  # file
-        assert cfg["solver"] == "bome" and cfg["max_bias"] == 10.0  # defaults
+        assert (cfg["objective"]["name"], cfg["training"]["steps"], cfg["training"]["batch_size"]) == (method, 2, 4)  # flags
+        assert (cfg["training"]["lr"], cfg["lora"]["rank"], cfg["lora"]["layers"]) == (5e-3, 2, [1])  # file
+        if method == "calm":
+            assert cfg["objective"]["lam_lr"] == 0.1  # file
+            assert cfg["objective"]["solver"]["name"] == "bome" and cfg["objective"]["max_bias"] == 10.0  # defaults
+        else:
+            assert cfg["objective"] == {"name": "lora_ce"}  # a baseline has no CALM settings
         assert [h["step"] for h in json.loads((d / "history.json").read_text())] == [1, 2]
         assert (out / "checkpoints" / method / "LATEST").read_text().strip() == "ckpt-00000002"
     for name in ("report.md", "metrics.json", "reliability_capitals.png", "reliability_arithmetic.png"):
@@ -173,14 +181,16 @@ def test_resume_reuses_finished_methods_and_rejects_a_changed_config(run, tiny_m
         (["--heldout", "arc_easy:/does/not/exist.jsonl"], "does not exist"),
         (["--config", "{missing}"], "--config"),
         (["--config", "{bad_key}"], "learning_rate"),
-        (["--config", "{bad_value}"], "lam_lr"),
+        (["--config", "{bad_value}"], "objective.lam_lr"),
+        (["--config", "{flat}"], "`lam_lr` is now `objective.lam_lr` (objective.name: calm)"),
     ],
 )
 def test_bad_input_is_a_one_line_error(args, needle, tiny_model_dir, tmp_path, capsys):
-    (tmp_path / "bad_key.yaml").write_text("steps: 2\nlearning_rate: 0.1\n")
-    (tmp_path / "bad_value.yaml").write_text("lam_lr: -1\n")
+    (tmp_path / "bad_key.yaml").write_text("training: {steps: 2}\nlearning_rate: 0.1\n")
+    (tmp_path / "bad_value.yaml").write_text("objective: {name: calm, lam_lr: -1}\n")
+    (tmp_path / "flat.yaml").write_text("lam_lr: 0.1\n")
     args = [a.format(missing=tmp_path / "nope.yaml", bad_key=tmp_path / "bad_key.yaml",
-                     bad_value=tmp_path / "bad_value.yaml") for a in args]
+                     bad_value=tmp_path / "bad_value.yaml", flat=tmp_path / "flat.yaml") for a in args]
     argv = _argv(tiny_model_dir, tmp_path / "out", "--no-progress", "--steps", "1")
     # later occurrences of --train/--heldout override the defaults; --eval appends
     assert cli.main([*argv, *args]) == 2
@@ -245,3 +255,15 @@ def test_mixed_kinds_are_a_one_line_error_naming_the_record(tiny_model_dir, tmp_
     assert cli.main([*argv, "--heldout", heldout]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("llm-calib: error: --heldout") and "record 'nq_open-1' is OpenQA" in last
+
+
+def test_without_methods_only_calm_is_trained_and_the_baselines_are_reported(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    argv = _argv(tiny_model_dir, out, "--steps", "1", "--batch-size", "4", "--lora-rank", "2", "--lora-layers", "1",
+                 "--bootstrap", "0", "--no-progress")
+    assert cli.main(argv) == 0
+    data = json.loads((out / "metrics.json").read_text())
+    assert data["methods"] == ["calm"]
+    assert data["columns"] == ["uncalibrated", "temperature_scaled", "calm"]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["calm"]
+    assert "| metric | uncalibrated | temperature-scaled | calm |" in (out / "report.md").read_text()

@@ -2,8 +2,9 @@
 
 The focal loss ``-(1 - p_y)^γ log p_y`` (Mukhoti et al. 2020) is a one-level objective:
 a subclass of :class:`~llm_calib.objectives.one_level.OneLevelObjective` registered by name with
-:func:`~llm_calib.objectives.registry.register_objective`; ``CalibrationConfig(method=...)``,
-:func:`llm_calib.calibrate` and ``llm-calib calibrate --methods`` then reach it.
+:func:`~llm_calib.objectives.registry.register_objective`; ``CalibrationConfig(objective=...)``,
+config files (``objective: {name: ..., gamma: ...}``), :func:`llm_calib.calibrate` and
+``llm-calib calibrate --objective`` / ``--methods`` (with a flag per setting) then reach it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from llm_calib import CalibrationConfig, calibrate, cli
+from llm_calib import CalibrationConfig, SelectionSettings, TrainingSettings, calibrate, cli
 from llm_calib.calm import training
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.models import tiny_random_model
@@ -50,8 +51,9 @@ def registered():
 
 
 def _config(**kw):
-    return CalibrationConfig(method=NAME, steps=2, batch_size=2, heldout_batch_size=2, eval_every=1,
-                             guard_accuracy=0.0, lora={"rank": 2, "layers": [1]}, **kw)
+    return CalibrationConfig(objective=FocalLoss(), training=TrainingSettings(steps=2, batch_size=2, heldout_batch_size=2),
+                             selection=SelectionSettings(eval_every=1, guard_accuracy=0.0),
+                             lora={"rank": 2, "layers": [1]}, **kw)
 
 
 QUESTIONS = builtin_multiple_choice(n_per_domain=4, domains=["capitals", "arithmetic"])
@@ -80,7 +82,9 @@ def test_calibrate_trains_it_for_two_steps():
     result = calibrate(model, tok, QUESTIONS[:4], QUESTIONS[4:], _config(), progress=False)
     assert [r["step"] for r in result.history] == [1, 2]
     assert all({"loss", "p_gold", "heldout_ece"} <= set(r) for r in result.history)
-    assert result.config.method == NAME
+    assert result.config.objective.name == NAME
+    assert CalibrationConfig.from_dict(result.config.to_dict()) == result.config  # a tagged, round-tripping entry
+    assert result.config.to_dict()["objective"] == {"name": NAME, "gamma": 2.0}
 
 
 def test_the_command_line_reaches_it_by_name(tiny_model_dir, tmp_path):
@@ -88,15 +92,19 @@ def test_the_command_line_reaches_it_by_name(tiny_model_dir, tmp_path):
     argv = ["calibrate", "--model", str(tiny_model_dir), "--train", "builtin:arithmetic,capitals:n=4",
             "--heldout", "builtin:arithmetic,capitals:n=4,seed=1", "--eval", "builtin:capitals:n=4,seed=2",
             "--out", str(out), "--methods", NAME, "--steps", "2", "--batch-size", "2", "--heldout-batch-size", "2",
-            "--lora-rank", "2", "--lora-layers", "1", "--bootstrap", "0", "--no-progress"]
+            "--lora-rank", "2", "--lora-layers", "1", "--bootstrap", "0", "--no-progress", "--focal-test-gamma", "1.5"]
     assert cli.main(argv) == 0
     assert (out / NAME / "adapter").is_dir()
+    assert CalibrationConfig.from_file(out / NAME / "config.json").objective == FocalLoss(gamma=1.5)
 
 
 def test_names_are_checked_against_the_registry():
     assert NAME in objective_names()
-    with pytest.raises(ValueError, match=r"method must be one of .*focal_test"):
-        CalibrationConfig(method="focal")
+    with pytest.raises(ValueError, match=r"objective.name must be one of .*focal_test"):
+        CalibrationConfig(objective="focal")
+    assert CalibrationConfig.from_dict({"objective": {"name": NAME, "gamma": 0.5}}).objective == FocalLoss(gamma=0.5)
+    with pytest.raises(ValueError, match=r"unknown objective key\(s\) \['beta'\] for objective.name: focal_test"):
+        CalibrationConfig.from_dict({"objective": {"name": NAME, "beta": 0.5}})
     with pytest.raises(ValueError, match="already registered"):
         register_objective(NAME)(type("Other", (OneLevelObjective,), {}))
     with pytest.raises(ValueError, match="built-in objective 'calm' cannot be unregistered"):

@@ -109,7 +109,7 @@ def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     for block in found:
         where = f"{page.relative_to(DOCS)}:{block.line}"
         if block.language == "python":
-            code = compile(block.code, where, "exec")
+            code = compile(block.code, where, "exec", dont_inherit=True)  # not this file's __future__ flags
             if block.run:
                 exec(code, namespace)
             continue

@@ -68,16 +68,16 @@ def test_the_letter_rule_and_the_option_adjustment_rule_live_in_the_formats() ->
         Letter(PromptFormat(style="cloze"))
     assert Letter(PromptFormat(template="{question}\n{options}\nAnswer:")).prompt is not None
     # the configuration's letter scorer always gets the listed prompt, whatever prompt_style says
-    assert format_settings(CalibrationConfig(scorer="letter", prompt_style="cloze"))["prompt"].style == "listed"
-    assert task_format(_mc(), CalibrationConfig(scorer="letter")).prompt_settings().style == "listed"
+    assert format_settings(CalibrationConfig(prompt=dict(scorer="letter", style="cloze")))["prompt"].style == "listed"
+    assert task_format(_mc(), CalibrationConfig(prompt=dict(scorer="letter"))).prompt_settings().style == "listed"
     OpenEnded().check_adjustment(LogitAdjustment("vector", 10))
     with pytest.raises(ValueError, match="acts on option scores; open questions need a token-level"):
         OpenEnded().check_adjustment(LogitAdjustment("option_temperature", 10))
 
 
 def test_task_format_reads_the_configuration() -> None:
-    cfg = CalibrationConfig(normalize="mean", prompt_style="listed", chat_template=False,
-                            open_examples=[["2 + 2?", "4"]])
+    cfg = CalibrationConfig(prompt=dict(normalize="mean", style="listed", chat_template=False,
+                                          open_examples=[["2 + 2?", "4"]]))
     mc = task_format(_mc(), cfg)
     assert mc == OptionLikelihood("mean", PromptFormat(style="listed", chat_template=False))
     op = task_format(_open(), cfg)
@@ -223,14 +223,14 @@ class _Counting(OpenEnded):
 
 def test_training_goes_through_the_batch_format() -> None:
     model, tok = tiny_random_model(seed=0, init_std=0.1)
-    cfg = CalibrationConfig(steps=2, batch_size=2, heldout_batch_size=2, eval_every=1)
-    fmt = _Counting(PromptFormat(chat_template=cfg.chat_template), 32)
+    cfg = CalibrationConfig(training=dict(steps=2, batch_size=2, heldout_batch_size=2), selection=dict(eval_every=1))
+    fmt = _Counting(PromptFormat(chat_template=cfg.prompt.chat_template), 32)
     train = encode_records(tok, _open(4), cfg, fmt=fmt)
     assert train.format is fmt and train.layout == "open"
     trainer = training.build_trainer(model, tok, train, _open(4)[:2], cfg)
     assert trainer.heldout.format is fmt and trainer.train_batch(0).format is fmt
     state = training.init_state(trainer)
-    for _ in range(cfg.steps):
+    for _ in range(cfg.training.steps):
         training.train_step(trainer, state)
     assert fmt.calls["categorical"] > 0 and fmt.calls["deployed_entropy"] > 0 and fmt.calls["monitor"] > 0
     with pytest.raises(ValueError, match="heldout: record"):

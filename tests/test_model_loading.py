@@ -12,6 +12,8 @@ from llm_calib.calm.config import CalibrationConfig
 from llm_calib.compare import run_comparison
 from llm_calib.data import load as load_data
 from llm_calib.models import ModelLoadConfig, load, load_count
+from llm_calib.objectives.calm import Calm
+from llm_calib.objectives.lora_ce import LoraCE
 
 TRAIN = "builtin:arithmetic,capitals:n=4"
 HELDOUT = "builtin:arithmetic,capitals:n=4,seed=1"
@@ -65,10 +67,10 @@ def test_one_base_model_load_per_comparison(tiny_model_dir, tmp_path):
 
     tok = load(str(tiny_model_dir))[1]
     train, heldout = load_data(TRAIN).records, load_data(HELDOUT).records
-    cfg = CalibrationConfig(steps=2, batch_size=4, heldout_batch_size=4, eval_every=1, guard_accuracy=0.0,
-                            lora=dict(rank=2, layers=[1]))
+    cfg = CalibrationConfig(training=dict(steps=2, batch_size=4, heldout_batch_size=4),
+                            selection=dict(eval_every=1, guard_accuracy=0.0), lora=dict(rank=2, layers=[1]))
     cmp = run_comparison(loader, tok, ("t", train), ("h", heldout), [("e", load_data(EVAL).records)], cfg,
-                         ["calm", "lora_ce"], tmp_path / "out", checkpoints=False, progress=False, bootstrap=0)
+                         [Calm(), LoraCE()], tmp_path / "out", checkpoints=False, progress=False, bootstrap=0)
     assert len(calls) == 1
     assert cmp.methods == ["calm", "lora_ce"]
     # lora_ce trained after calm on the same base object equals lora_ce on a fresh model
@@ -76,7 +78,7 @@ def test_one_base_model_load_per_comparison(tiny_model_dir, tmp_path):
 
     from llm_calib.calm.trainer import CalibrationResult
 
-    fresh = calibrate(load(str(tiny_model_dir))[0], tok, train, heldout, dataclasses.replace(cfg, method="lora_ce"),
+    fresh = calibrate(load(str(tiny_model_dir))[0], tok, train, heldout, dataclasses.replace(cfg, objective=LoraCE()),
                       progress=False)
     saved = CalibrationResult.load(tmp_path / "out" / "lora_ce", load(str(tiny_model_dir))[0])
     ref = {n: p for n, p in fresh.model.named_parameters() if "lora_" in n or "modules_to_save" in n}

@@ -85,7 +85,7 @@ def test_bome_step_breakdown_times_each_part(tiny_model, tiny_tokenizer) -> None
     import copy
 
     qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-    cfg = CalibrationConfig(batch_size=2, heldout_batch_size=2, lora=LoraSettings(rank=2, layers=(1,)))
+    cfg = CalibrationConfig(training=dict(batch_size=2, heldout_batch_size=2), lora=LoraSettings(rank=2, layers=(1,)))
     tr = build_trainer(copy.deepcopy(tiny_model), tiny_tokenizer, qs, qs, cfg)
     out = bome_step_breakdown(tr, init_state(tr, evaluate_before=False), repeats=1)
     parts = [k for k, v in out.items() if isinstance(v, dict)]

@@ -51,7 +51,7 @@ def add_dataclass_flags(parser: Any, cls: type, *, exclude: Iterable[str] = (), 
         >>> from llm_calib.calm.config import LoraSettings
         >>> p = argparse.ArgumentParser()
         >>> add_dataclass_flags(p, LoraSettings, exclude=("target_modules",))
-        ['rank', 'alpha', 'dropout', 'layers', 'top_layers']
+        ['rank', 'alpha', 'dropout', 'layers', 'top_layers', 'output_scale', 'output_scale_lr']
         >>> dataclass_overrides(p.parse_args(["--rank", "4", "--layers", "2,3"]), LoraSettings)
         {'rank': 4, 'layers': (2, 3)}
     """

@@ -1,6 +1,47 @@
-"""CALM: bilevel training-time calibration (config, LoRA model, objectives, trainer)."""
+"""CALM: bilevel training-time calibration (config, LoRA model, objectives, trainer).
 
-from llm_calib.calm.config import METHODS, SOLVERS, CalibrationConfig, LoraSettings
-from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
+The names below are imported lazily (on first access), so that importing a submodule such as
+:mod:`llm_calib.calm.methods` does not load the configuration and the trainer first (the
+objectives in :mod:`llm_calib.objectives` import those submodules, and the configuration imports
+the objectives).
+"""
 
-__all__ = ["METHODS", "SOLVERS", "CalibrationConfig", "CalibrationResult", "LoraSettings", "TrainingDiverged", "calibrate"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "METHODS", "SOLVERS", "CalibrationConfig", "CalibrationResult", "LoraSettings", "PromptSettings", "SelectionSettings",
+    "TrainingDiverged", "TrainingSettings", "calibrate",
+]
+
+_LAZY = {
+    **dict.fromkeys(("METHODS", "SOLVERS", "CalibrationConfig", "LoraSettings", "PromptSettings", "SelectionSettings",
+                     "TrainingSettings"), "llm_calib.calm.config"),
+    **dict.fromkeys(("CalibrationResult", "TrainingDiverged", "calibrate"), "llm_calib.calm.trainer"),
+}
+
+if TYPE_CHECKING:
+    from llm_calib.calm.config import (
+        METHODS,
+        SOLVERS,
+        CalibrationConfig,
+        LoraSettings,
+        PromptSettings,
+        SelectionSettings,
+        TrainingSettings,
+    )
+    from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'llm_calib.calm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,4 +1,18 @@
-"""Configuration of a calibration run (a dataclass; YAML/JSON round-trips)."""
+"""Configuration of a calibration run: :class:`CalibrationConfig`, a few nested dataclasses.
+
+``CalibrationConfig(objective, lora, prompt, training, selection, checkpoint_every, seed)``: the
+objective is a registered objective dataclass (:mod:`llm_calib.objectives`; CALM holds its bilevel
+solver), the other parts are :class:`LoraSettings`, :class:`PromptSettings`,
+:class:`TrainingSettings` and :class:`SelectionSettings`. Config files (YAML or JSON) hold the
+same nesting, with the objective and its solver tagged by name::
+
+    objective: {name: calm, solver: {name: bome, eta: 2.0}, adjustment: auto}
+    lora: {rank: 8, top_layers: 6}
+    training: {steps: 60, lr: 1.0e-3}
+
+A key of the flat configuration before the nesting (``bome_eta``, ``steps``, ...) is an error
+naming its new place (:data:`FLAT_KEYS`).
+"""
 
 from __future__ import annotations
 
@@ -6,67 +20,35 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from llm_calib.adjustment import ADJUSTMENT_KINDS
+import llm_calib.objectives.builtin  # noqa: F401  registers the built-in objectives and solvers
+from llm_calib.checks import check_int, check_number, is_int
+from llm_calib.objectives.base import Objective
+from llm_calib.objectives.calm import Calm
 from llm_calib.objectives.registry import (
     BUILTIN_OBJECTIVES,
     BUILTIN_SOLVERS,
+    objective_class,
+    objective_from_dict,
     objective_names,
-    solver_names,
 )
 from llm_calib.prompts import PromptFormat, short_answer_format
 
 __all__ = [
-    "CHOICES", "METHODS", "SOLVERS", "CalibrationConfig", "LoraSettings", "field_help", "open_prompt_format",
-    "read_config_file",
+    "CHOICES", "FLAT_KEYS", "METHODS", "PARTS", "SOLVERS", "CalibrationConfig", "LoraSettings", "PromptSettings",
+    "SelectionSettings", "TrainingSettings", "field_help", "flat_key_location", "flat_key_message", "flat_paths",
+    "open_prompt_format", "read_config_file",
 ]
 
 METHODS = BUILTIN_OBJECTIVES
-"""The built-in training objectives, CALM (bilevel) and the one-level baselines; ``method`` also
-accepts any objective registered with :func:`~llm_calib.objectives.registry.register_objective`."""
+"""The built-in training objectives, CALM (bilevel) and the one-level baselines; ``objective``
+also accepts any objective registered with :func:`~llm_calib.objectives.registry.register_objective`."""
 
 SOLVERS = BUILTIN_SOLVERS
-"""The built-in bilevel solvers of ``method="calm"``: first-order BOME and F2SA, and exact implicit
-differentiation after lower-level steps (see :mod:`llm_calib.objectives.calm`); ``solver`` also
-accepts any solver registered with :func:`~llm_calib.objectives.registry.register_solver`."""
-
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "method": METHODS,
-    "solver": SOLVERS,
-    "adjustment": ("auto", *ADJUSTMENT_KINDS),
-    "scorer": ("option_likelihood", "letter"),
-    "normalize": ("sum", "mean"),
-    "prompt_style": ("cloze", "listed"),
-    "bome_barrier": ("value", "gradient"),
-}
-"""The allowed values of each string field of :class:`CalibrationConfig` (``method`` and ``solver``:
-the built-in ones; registered objectives and solvers are accepted too)."""
-
-_REGISTERED = {"method": objective_names, "solver": solver_names}
-
-_FLOAT_FIELDS = (
-    "lr", "lam_lr", "bome_eta", "f2sa_sigma", "label_smoothing", "penalty_beta",
-    "max_log_scale", "max_bias", "guard_accuracy", "output_scale_lr", "cg_damping", "cg_tol",
-)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(name: str, value: Any) -> float:
-    """``value`` as a float; numeric strings are accepted because YAML 1.1 reads ``1e-3`` as one."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise ValueError(f"{name} must be a number, got {value!r}")
-
+"""The built-in bilevel solvers of CALM (``objective.solver``): first-order BOME and F2SA, and
+exact implicit differentiation after lower-level steps (see :mod:`llm_calib.objectives.calm`);
+any solver registered with :func:`~llm_calib.objectives.registry.register_solver` is accepted too."""
 
 @dataclass
 class LoraSettings:
@@ -82,6 +64,11 @@ class LoraSettings:
             model has fewer; None: every layer). Adapting only the top layers lets the frozen
             bottom be computed once per question (trunk caching), which makes a step several
             times cheaper; on SmolLM2-135M the top 6 of 30 calibrate as well as more.
+        output_scale: also train the scale of the logits, as one scalar multiplying the final
+            norm's weight (saved with the adapter; no inference overhead). The final RMSNorm fixes
+            the scale of the hidden state the LM head projects, so without it LoRA can raise the
+            entropy only by changing which answers the model prefers, which costs accuracy.
+        output_scale_lr: learning rate of that log-scale (Adam).
 
     Example:
         >>> LoraSettings(rank=4).target_modules
@@ -96,17 +83,22 @@ class LoraSettings:
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
     layers: tuple[int, ...] | None = None
     top_layers: int | None = 6
+    output_scale: bool = True
+    output_scale_lr: float = 3e-2
 
     def __post_init__(self) -> None:
-        if self.top_layers is not None and (not _is_int(self.top_layers) or self.top_layers < 1):
+        if self.top_layers is not None and (not is_int(self.top_layers) or self.top_layers < 1):
             raise ValueError(f"lora.top_layers must be an int >= 1 or null, got {self.top_layers!r}")
-        self.alpha = _number("lora.alpha", self.alpha)
-        self.dropout = _number("lora.dropout", self.dropout)
-        if not _is_int(self.rank) or self.rank < 1:
+        self.alpha = check_number("lora.alpha", self.alpha)
+        self.dropout = check_number("lora.dropout", self.dropout)
+        self.output_scale_lr = check_number("lora.output_scale_lr", self.output_scale_lr, positive=True)
+        if not isinstance(self.output_scale, bool):
+            raise ValueError(f"lora.output_scale must be true or false, got {self.output_scale!r}")
+        if not is_int(self.rank) or self.rank < 1:
             raise ValueError(f"lora.rank must be an int >= 1, got {self.rank!r}")
         if isinstance(self.target_modules, str) or not all(isinstance(m, str) for m in self.target_modules):
             raise ValueError(f"lora.target_modules must be a list of module names, got {self.target_modules!r}")
-        if self.layers is not None and (isinstance(self.layers, str) or not all(_is_int(i) for i in self.layers)):
+        if self.layers is not None and (isinstance(self.layers, str) or not all(is_int(i) for i in self.layers)):
             raise ValueError(f"lora.layers must be a list of layer indices or null, got {self.layers!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
@@ -130,65 +122,21 @@ class LoraSettings:
         return list(range(n_layers - self.top_layers, n_layers))
 
 
+
 @dataclass
-class CalibrationConfig:
-    """Everything that defines a calibration run.
+class PromptSettings:
+    """How questions are put to the model, in training and in evaluation.
 
     Attributes:
-        method: the objective: ``"calm"`` (bilevel), or a baseline: ``"lora_ce"`` (plain
-            fine-tuning), ``"label_smoothing"``, ``"confidence_penalty"`` (CE − β·entropy); or
-            the name of an objective registered with
-            :func:`~llm_calib.objectives.registry.register_objective`.
-        solver: ``"bome"`` (default), ``"f2sa"`` or ``"implicit"`` (exact hypergradients after
-            lower-level steps, :class:`hypergrad.AlternatingImplicit`) for
-            ``method="calm"``.
-        adjustment: λ variant: ``"auto"`` (default: where the prediction is made, see
-            :func:`llm_calib.calm.methods.resolve_adjustment`), token level ``"vector"``,
-            ``"temperature"``, ``"answer_tokens"``, or option level ``"option_temperature"``,
-            ``"option_length"`` (option-likelihood multiple choice; see :mod:`llm_calib.adjustment`).
         scorer: ``"option_likelihood"`` or ``"letter"`` (multiple choice; open questions are
             always trained on their reference answer's tokens).
         normalize: option scores summed (``"sum"``) or length-normalised (``"mean"``) (multiple
             choice; open-ended losses average over the answer's tokens).
-        lora: adapter settings.
-        output_scale: also train the scale of the logits, as one scalar multiplying the final
-            norm's weight (saved with the adapter; no inference overhead). The final RMSNorm fixes
-            the scale of the hidden state the LM head projects, so without it LoRA can raise the
-            entropy only by changing which answers the model prefers, which costs accuracy.
-        output_scale_lr: learning rate of that log-scale (Adam).
-        steps: outer steps (one batch each).
-        batch_size: training questions per step (inner batch; the global batch over all ranks).
-        heldout_batch_size: unlabelled upper-level inputs per step (outer batch; CALM's f and the
-            confidence penalty's entropy term; labels unused).
-        lr: learning rate of θ (LoRA).
-        lam_lr: learning rate of λ (Adam).
-        inner_steps: BOME's T / F2SA's inner steps / the implicit solver's lower-level steps per step.
-        inner_lr: step size of the solver's inner steps: BOME's T plain-SGD steps that define
-            the value function, F2SA's T Adam steps of each iterate. None (default): BOME 5e-2,
-            F2SA θ's rate ``lr`` (see :func:`llm_calib.objectives.calm.inner_lr`).
-        bome_eta: BOME's barrier coefficient η (default 2: with the gradient barrier θ's step
-            weighs the task loss about as much as the flat confidence penalty does; at 0.5 the
-            entropy term dominated and held-out accuracy fell below the guard).
-        bome_barrier: BOME's barrier, ``"value"`` (φ = η q) or ``"gradient"`` (default, φ = η‖∇q‖²,
-            which keeps the lower-level loss decreasing at every step), see :class:`hypergrad.BOME`.
-        f2sa_sigma: F2SA's penalty weight σ.
-        cg_maxiter: ``solver="implicit"``: conjugate-gradient iterations per hypergradient
-            (warm-started from the previous step's solution).
-        cg_damping: ``solver="implicit"``: damping μ of the Hessian, (H + μI) v = ∇_θ f (LoRA's
-            lower level is not convex; μ > 0 keeps the system positive definite).
-        cg_tol: ``solver="implicit"``: relative residual at which CG stops early.
-        label_smoothing: ε for the label-smoothing baseline.
-        penalty_beta: β for the confidence-penalty baseline.
-        max_log_scale, max_bias: bounds on λ.
-        guard_accuracy: only parameters whose held-out accuracy is at least this fraction of
-            the initial model's can be selected; training stops (and rolls back to the best
-            selectable parameters) after ``guard_patience`` consecutive evaluations below it.
-        guard_patience: consecutive evaluations below the accuracy floor before stopping.
-        eval_every: steps between held-out evaluations (early stopping, progress).
-        checkpoint_every: steps between checkpoints (0 disables).
-        seed: seed for data order and initialisation.
-        prompt_style, chat_template: prompt format (see :class:`llm_calib.prompts.PromptFormat`);
-            open questions always use the cloze style of the open-ended scorer.
+        style: multiple-choice prompt style, ``"cloze"`` or ``"listed"`` (see
+            :class:`llm_calib.prompts.PromptFormat`); open questions always use the cloze style
+            of the open-ended scorer.
+        chat_template: wrap prompts in the model's chat template (None: when it has one).
+        field_choices: the allowed values of ``scorer``, ``normalize`` and ``style``.
         open_examples: open questions: ``(question, answer)`` solved examples shown before every
             question in the plain-text short-answer prompt ``Q: ...\\nA: ...`` of
             :func:`llm_calib.prompts.short_answer_format` (e.g. drawn from the training split with
@@ -197,104 +145,226 @@ class CalibrationConfig:
             (see :func:`open_prompt_format`). On the command line: a JSON list of pairs.
 
     Example:
-        >>> cfg = CalibrationConfig(steps=10)
-        >>> CalibrationConfig.from_dict(cfg.to_dict()) == cfg
-        True
+        >>> PromptSettings(open_examples=[[" 2 + 2? ", "4"]]).open_examples
+        (('2 + 2?', '4'),)
     """
 
-    method: str = "calm"
-    solver: str = "bome"
-    adjustment: str = "auto"
+    field_choices: ClassVar[dict[str, tuple[str, ...]]] = {
+        "scorer": ("option_likelihood", "letter"), "normalize": ("sum", "mean"), "style": ("cloze", "listed"),
+    }
     scorer: str = "option_likelihood"
     normalize: str = "sum"
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    output_scale: bool = True
-    output_scale_lr: float = 3e-2
-    steps: int = 60
-    batch_size: int = 8
-    heldout_batch_size: int = 8
-    lr: float = 1e-3
-    lam_lr: float = 5e-2
-    inner_steps: int = 5
-    inner_lr: float | None = None
-    bome_eta: float = 2.0
-    bome_barrier: str = "gradient"
-    f2sa_sigma: float = 0.1
-    cg_maxiter: int = 10
-    cg_damping: float = 1e-2
-    cg_tol: float = 1e-3
-    label_smoothing: float = 0.1
-    penalty_beta: float = 0.5
-    max_log_scale: float = 3.0
-    max_bias: float = 10.0
-    guard_accuracy: float = 0.95
-    guard_patience: int = 2
-    eval_every: int = 10
-    checkpoint_every: int = 0
-    seed: int = 0
-    prompt_style: str = "cloze"
+    style: str = "cloze"
     chat_template: bool | None = None
     open_examples: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora, dict):
-            known = {f.name for f in dataclasses.fields(LoraSettings)}
-            unknown = sorted(set(self.lora) - known)
-            if unknown:
-                raise ValueError(f"unknown lora key(s) {unknown}; valid keys: {sorted(known)}")
-            self.lora = LoraSettings(**self.lora)
-        if not isinstance(self.lora, LoraSettings):
-            raise ValueError(f"lora must be a mapping of LoRA settings, got {self.lora!r}")
-        for name in _FLOAT_FIELDS:
-            setattr(self, name, _number(name, getattr(self, name)))
-        if self.inner_lr is not None:
-            self.inner_lr = _number("inner_lr", self.inner_lr)
-            if not self.inner_lr > 0:
-                raise ValueError(f"inner_lr must be > 0 or null, got {self.inner_lr!r}")
-        for name in ("method", "solver", "adjustment", "scorer", "normalize", "prompt_style", "bome_barrier"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name, allowed in self.field_choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"prompt.{name} must be one of {allowed}, got {value!r}")
         if self.chat_template is not None and not isinstance(self.chat_template, bool):
-            raise ValueError(f"chat_template must be true, false or null, got {self.chat_template!r}")
-        for name in ("seed", "checkpoint_every"):
-            if not _is_int(getattr(self, name)):
-                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
-        for name, allowed in CHOICES.items():
-            if name in _REGISTERED:
-                allowed = _REGISTERED[name]()
-            if (value := getattr(self, name)) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-        for name in ("steps", "batch_size", "heldout_batch_size", "inner_steps", "eval_every", "guard_patience", "cg_maxiter"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        if not isinstance(self.output_scale, bool):
-            raise ValueError(f"output_scale must be true or false, got {self.output_scale!r}")
-        for name in ("lr", "lam_lr", "bome_eta", "f2sa_sigma", "max_log_scale", "output_scale_lr", "cg_tol"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if not 0.0 <= self.guard_accuracy <= 1.0:
-            raise ValueError(f"guard_accuracy must be in [0, 1], got {self.guard_accuracy}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        for name in ("max_bias", "penalty_beta", "cg_damping"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+            raise ValueError(f"prompt.chat_template must be true, false or null, got {self.chat_template!r}")
         self.open_examples = _question_answer_pairs(self.open_examples)
 
+
+@dataclass
+class TrainingSettings:
+    """The training budget and θ's step size.
+
+    Attributes:
+        steps: outer steps (one batch each).
+        batch_size: training questions per step (inner batch; the global batch over all ranks).
+        heldout_batch_size: unlabelled upper-level inputs per step (outer batch; CALM's f and the
+            confidence penalty's entropy term; labels unused).
+        lr: learning rate of θ (LoRA, Adam).
+
+    Example:
+        >>> TrainingSettings(lr="1e-3").lr
+        0.001
+    """
+
+    steps: int = 60
+    batch_size: int = 8
+    heldout_batch_size: int = 8
+    lr: float = 1e-3
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "heldout_batch_size"):
+            check_int(f"training.{name}", getattr(self, name), minimum=1)
+        self.lr = check_number("training.lr", self.lr, positive=True)
+
+
+@dataclass
+class SelectionSettings:
+    """Held-out evaluation during training, the accuracy guard and the choice of the returned parameters.
+
+    Attributes:
+        eval_every: steps between held-out evaluations (early stopping, progress).
+        guard_accuracy: only parameters whose held-out accuracy is at least this fraction of
+            the initial model's can be selected; training stops (and rolls back to the best
+            selectable parameters) after ``guard_patience`` consecutive evaluations below it.
+        guard_patience: consecutive evaluations below the accuracy floor before stopping.
+
+    Example:
+        >>> SelectionSettings(guard_accuracy=1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: selection.guard_accuracy must be in [0, 1], got 1.5
+    """
+
+    eval_every: int = 10
+    guard_accuracy: float = 0.95
+    guard_patience: int = 2
+
+    def __post_init__(self) -> None:
+        check_int("selection.eval_every", self.eval_every, minimum=1)
+        check_int("selection.guard_patience", self.guard_patience, minimum=1)
+        self.guard_accuracy = check_number("selection.guard_accuracy", self.guard_accuracy)
+        if not 0.0 <= self.guard_accuracy <= 1.0:
+            raise ValueError(f"selection.guard_accuracy must be in [0, 1], got {self.guard_accuracy}")
+
+
+CHOICES: dict[str, tuple[str, ...]] = {f"prompt.{k}": v for k, v in PromptSettings.field_choices.items()}
+"""The allowed values of the string fields of :class:`PromptSettings`, by path (objectives and
+solvers list theirs in their own ``field_choices``)."""
+
+PARTS: dict[str, type] = {
+    "lora": LoraSettings, "prompt": PromptSettings, "training": TrainingSettings, "selection": SelectionSettings,
+}
+"""The settings parts of :class:`CalibrationConfig` besides the objective, by field name."""
+
+FLAT_KEYS: dict[str, tuple[str, str | None, str | None]] = {
+    "method": ("objective.name", None, None),
+    "solver": ("objective.solver.name", "calm", None),
+    "adjustment": ("objective.adjustment", "calm", None),
+    "scorer": ("prompt.scorer", None, None),
+    "normalize": ("prompt.normalize", None, None),
+    "output_scale": ("lora.output_scale", None, None),
+    "output_scale_lr": ("lora.output_scale_lr", None, None),
+    "steps": ("training.steps", None, None),
+    "batch_size": ("training.batch_size", None, None),
+    "heldout_batch_size": ("training.heldout_batch_size", None, None),
+    "lr": ("training.lr", None, None),
+    "lam_lr": ("objective.lam_lr", "calm", None),
+    "inner_steps": ("objective.solver.inner_steps", "calm", None),
+    "inner_lr": ("objective.solver.inner_lr", "calm", None),
+    "bome_eta": ("objective.solver.eta", "calm", "bome"),
+    "bome_barrier": ("objective.solver.barrier", "calm", "bome"),
+    "f2sa_sigma": ("objective.solver.sigma", "calm", "f2sa"),
+    "cg_maxiter": ("objective.solver.maxiter", "calm", "implicit"),
+    "cg_damping": ("objective.solver.damping", "calm", "implicit"),
+    "cg_tol": ("objective.solver.tol", "calm", "implicit"),
+    "label_smoothing": ("objective.eps", "label_smoothing", None),
+    "penalty_beta": ("objective.beta", "confidence_penalty", None),
+    "max_log_scale": ("objective.max_log_scale", "calm", None),
+    "max_bias": ("objective.max_bias", "calm", None),
+    "guard_accuracy": ("selection.guard_accuracy", None, None),
+    "guard_patience": ("selection.guard_patience", None, None),
+    "eval_every": ("selection.eval_every", None, None),
+    "prompt_style": ("prompt.style", None, None),
+    "chat_template": ("prompt.chat_template", None, None),
+    "open_examples": ("prompt.open_examples", None, None),
+}
+"""The keys of the flat configuration (before the nesting) that moved, in their old order: key ->
+(new path, the objective it belongs to, the solver it belongs to; None: any). ``lora``,
+``checkpoint_every`` and ``seed`` kept their place."""
+
+
+def flat_key_message(key: str) -> str:
+    """The error text for an old flat ``key``: its new path (and which objective/solver has it).
+
+    Example:
+        >>> flat_key_message("bome_eta")
+        '`bome_eta` is now `objective.solver.eta` (objective.name: calm, solver.name: bome)'
+        >>> flat_key_message("steps")
+        '`steps` is now `training.steps`'
+    """
+    path, objective, solver = FLAT_KEYS[key]
+    where = [f"objective.name: {objective}"] * (objective is not None) + [f"solver.name: {solver}"] * (solver is not None)
+    return f"`{key}` is now `{path}`" + (f" ({', '.join(where)})" if where else "")
+
+
+@dataclass
+class CalibrationConfig:
+    """Everything that defines a calibration run, in a few parts.
+
+    Attributes:
+        objective: the training objective and its settings: :class:`~llm_calib.objectives.calm.Calm`
+            (bilevel; default, with its solver :class:`~llm_calib.objectives.calm.Bome`,
+            :class:`~llm_calib.objectives.calm.F2SA` or
+            :class:`~llm_calib.objectives.calm.ImplicitSolver`), or a one-level baseline:
+            :class:`~llm_calib.objectives.lora_ce.LoraCE` (plain fine-tuning),
+            :class:`~llm_calib.objectives.label_smoothing.LabelSmoothing`,
+            :class:`~llm_calib.objectives.confidence_penalty.ConfidencePenalty` (CE − β·entropy);
+            or an objective registered with
+            :func:`~llm_calib.objectives.registry.register_objective`. In a file: a mapping tagged
+            with its ``name``.
+        lora: adapter settings (:class:`LoraSettings`, with the trained output scale).
+        prompt: prompt and scorer (:class:`PromptSettings`).
+        training: budget and θ's learning rate (:class:`TrainingSettings`).
+        selection: held-out evaluation and accuracy guard (:class:`SelectionSettings`).
+        checkpoint_every: steps between checkpoints (0 disables).
+        seed: seed for data order and initialisation.
+
+    Example:
+        >>> from llm_calib.objectives.calm import F2SA
+        >>> cfg = CalibrationConfig(objective=Calm(solver=F2SA(sigma=0.2)), training=TrainingSettings(steps=10))
+        >>> CalibrationConfig.from_dict(cfg.to_dict()) == cfg
+        True
+        >>> cfg.to_dict()["objective"]["solver"]
+        {'name': 'f2sa', 'sigma': 0.2, 'inner_steps': 5, 'inner_lr': None}
+        >>> CalibrationConfig.from_dict({"bome_eta": 1.0})
+        Traceback (most recent call last):
+        ...
+        ValueError: `bome_eta` is now `objective.solver.eta` (objective.name: calm, solver.name: bome)
+    """
+
+    objective: Objective = field(default_factory=Calm)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    prompt: PromptSettings = field(default_factory=PromptSettings)
+    training: TrainingSettings = field(default_factory=TrainingSettings)
+    selection: SelectionSettings = field(default_factory=SelectionSettings)
+    checkpoint_every: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.objective, (str, dict)):
+            self.objective = objective_from_dict(self.objective)
+        if not isinstance(self.objective, Objective):
+            raise ValueError(f"objective must be a registered objective ({', '.join(objective_names())}), "
+                             f"got {self.objective!r}")
+        objective_class(self.objective.name)  # registered under its name
+        for name, cls in PARTS.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, _part_from_dict(name, cls, value))
+            elif not isinstance(value, cls):
+                raise ValueError(f"{name} must be a mapping of {cls.__name__} fields, got {value!r}")
+        check_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        check_int("seed", self.seed)
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict (also valid YAML for :meth:`from_file`)."""
-        d = dataclasses.asdict(self)
-        d["open_examples"] = [list(pair) for pair in self.open_examples]
-        d["lora"]["target_modules"] = list(self.lora.target_modules)
-        if self.lora.layers is not None:
-            d["lora"]["layers"] = list(self.lora.layers)
-        return d
+        """A JSON-serialisable dict (also valid YAML for :meth:`from_file`); the objective and its
+        solver tagged with their ``name``."""
+        out: dict[str, Any] = {"objective": self.objective.to_dict()}
+        for name in PARTS:
+            out[name] = {k: _plain(v) for k, v in dataclasses.asdict(getattr(self, name)).items()}
+        out["checkpoint_every"], out["seed"] = self.checkpoint_every, self.seed
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CalibrationConfig:
-        """Build from a dict, rejecting unknown keys by name."""
+        """Build from a dict, rejecting unknown keys by name and old flat keys by their new path.
+
+        Raises:
+            ValueError: an old flat key (see :data:`FLAT_KEYS`), an unknown key, or an invalid value.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"the calibration config must be a mapping, got {data!r}")
+        flat = [k for k in data if k in FLAT_KEYS]
+        if flat:
+            raise ValueError("; ".join(flat_key_message(k) for k in flat))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -303,23 +373,90 @@ class CalibrationConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> CalibrationConfig:
-        """Load from a ``.yaml``/``.yml`` or ``.json`` file (see :func:`read_config_file`)."""
+        """Load from a ``.yaml``/``.yml`` or ``.json`` file (see :func:`read_config_file`); errors
+        name the file (and, for an old flat key of a YAML file, its line)."""
         data = read_config_file(path)
         try:
             return cls.from_dict(data)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"{path}: {err}") from err
+            raise ValueError(f"{flat_key_location(path, data)}: {err}") from err
+
+
+def flat_paths(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config dict (:meth:`CalibrationConfig.to_dict`) as ``{dotted path: value}``, to name
+    the fields two configurations differ in.
+
+    Example:
+        >>> flat_paths({"objective": {"name": "calm", "solver": {"name": "bome"}}, "seed": 0})
+        {'objective.name': 'calm', 'objective.solver.name': 'bome', 'seed': 0}
+    """
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flat_paths(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """Tuples (also nested) as lists, for JSON."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _part_from_dict(name: str, cls: type, data: dict[str, Any]) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {name} key(s) {unknown}; valid keys: {sorted(known)}")
+    return cls(**data)
+
+
+def flat_key_location(path: str | Path, data: dict[str, Any]) -> str:
+    """``path``, with ``:LINE`` of the first old flat key in it when the file is YAML (from the
+    parser's node marks) or JSON (the line of its first ``"key":``).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "old.yaml"
+        >>> _ = path.write_text("seed: 1\\nbome_eta: 2.0\\n")
+        >>> flat_key_location(path, {"seed": 1, "bome_eta": 2.0}).endswith("old.yaml:2")
+        True
+    """
+    flat = [k for k in data if k in FLAT_KEYS]
+    if not flat:
+        return str(path)
+    path = Path(path)
+    try:
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            node = yaml.compose(text)
+            lines = {k.value: k.start_mark.line + 1 for k, _ in getattr(node, "value", []) if hasattr(k, "value")}
+        else:
+            lines = {}
+            for i, line in enumerate(text.splitlines(), 1):
+                for k in flat:
+                    if f'"{k}"' in line:
+                        lines.setdefault(k, i)
+    except Exception:  # the location is a courtesy; the error itself is raised by the caller
+        return str(path)
+    line = lines.get(flat[0])
+    return f"{path}:{line}" if line else str(path)
 
 
 def _question_answer_pairs(value: Any) -> tuple[tuple[str, str], ...]:
     """``open_examples`` as a tuple of stripped ``(question, answer)`` pairs (lists accepted)."""
     if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple)):
-        raise ValueError(f"open_examples must be a list of [question, answer] pairs, got {value!r}")
+        raise ValueError(f"prompt.open_examples must be a list of [question, answer] pairs, got {value!r}")
     pairs = []
     for i, pair in enumerate(value):
         if (not isinstance(pair, (list, tuple)) or len(pair) != 2
                 or not all(isinstance(t, str) and t.strip() for t in pair)):
-            raise ValueError(f"open_examples[{i}] must be a [question, answer] pair of two non-empty strings, "
+            raise ValueError(f"prompt.open_examples[{i}] must be a [question, answer] pair of two non-empty strings, "
                              f"got {pair!r}")
         pairs.append((pair[0].strip(), pair[1].strip()))
     return tuple(pairs)
@@ -331,19 +468,19 @@ def open_prompt_format(config: CalibrationConfig) -> PromptFormat:
     (:class:`~llm_calib.calm.fast_eval.SharedTrunkEval`) get it from; pass it as ``prompt`` to
     :func:`~llm_calib.scoring.open_ended.score_open_ended` to answer the same way.
 
-    With ``config.open_examples``: the few-shot short-answer prompt of
+    With ``config.prompt.open_examples``: the few-shot short-answer prompt of
     :func:`~llm_calib.prompts.short_answer_format` (plain text; ``chat_template`` is not used).
-    Without: the scorer's reference prompt, ``PromptFormat(chat_template=config.chat_template)``.
+    Without: the scorer's reference prompt, ``PromptFormat(chat_template=config.prompt.chat_template)``.
 
     Example:
         >>> open_prompt_format(CalibrationConfig()).answer_prefix
         'The answer is:'
-        >>> open_prompt_format(CalibrationConfig(open_examples=[["2 + 2?", "4"]])).description
+        >>> open_prompt_format(CalibrationConfig(prompt=PromptSettings(open_examples=[["2 + 2?", "4"]]))).description
         'Q: 2 + 2?\\nA: 4\\n\\n'
     """
-    if config.open_examples:
-        return short_answer_format(config.open_examples)
-    return PromptFormat(chat_template=config.chat_template)
+    if config.prompt.open_examples:
+        return short_answer_format(config.prompt.open_examples)
+    return PromptFormat(chat_template=config.prompt.chat_template)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -359,9 +496,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     Example:
         >>> import pathlib, tempfile
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.yaml"
-        >>> _ = path.write_text("steps: 5\\nlora: {rank: 2}\\n")
+        >>> _ = path.write_text("training: {steps: 5}\\nlora: {rank: 2}\\n")
         >>> read_config_file(path)
-        {'steps': 5, 'lora': {'rank': 2}}
+        {'training': {'steps': 5}, 'lora': {'rank': 2}}
     """
     path = Path(path)
     text = path.read_text()

@@ -147,26 +147,26 @@ class EncodedRecords:
 def format_settings(config: CalibrationConfig) -> dict[str, Any]:
     """The scorer settings of a configuration, as :func:`~llm_calib.formats.format_for` and
     :func:`~llm_calib.evaluate.evaluate_records` take them: the one function that reads the
-    configuration's prompt fields (``scorer``, ``normalize``, ``prompt_style``,
+    configuration's prompt part (``scorer``, ``normalize``, ``style``,
     ``chat_template``, ``open_examples``).
 
-    The multiple-choice prompt is ``prompt_style`` (listed for the letter scorer, whose options
+    The multiple-choice prompt is ``style`` (listed for the letter scorer, whose options
     must be listed) with ``chat_template``; open questions use
     :func:`~llm_calib.calm.config.open_prompt_format`, and with ``open_examples`` each reference
     answer is trained with the newline that ends a greedy answer (``answer_stop``).
 
     Example:
-        >>> s = format_settings(CalibrationConfig(scorer="letter"))
+        >>> s = format_settings(CalibrationConfig(prompt=dict(scorer="letter")))
         >>> s["scorer"], s["prompt"].style, s["answer_stop"]
         ('letter', 'listed', False)
     """
-    prompt = MULTIPLE_CHOICE_FORMATS[config.scorer].configured_prompt(config.prompt_style, config.chat_template)
+    prompt = MULTIPLE_CHOICE_FORMATS[config.prompt.scorer].configured_prompt(config.prompt.style, config.prompt.chat_template)
     return {
-        "scorer": config.scorer,
-        "normalize": config.normalize,
+        "scorer": config.prompt.scorer,
+        "normalize": config.prompt.normalize,
         "prompt": prompt,
         "open_prompt": open_prompt_format(config),
-        "answer_stop": bool(config.open_examples),
+        "answer_stop": bool(config.prompt.open_examples),
     }
 
 
@@ -188,7 +188,7 @@ def task_format(records: Iterable[Any], config: CalibrationConfig | None = None,
 
     Example:
         >>> from llm_calib.data import builtin_multiple_choice
-        >>> fmt = task_format(builtin_multiple_choice(1, domains=["capitals"]), CalibrationConfig(normalize="mean"))
+        >>> fmt = task_format(builtin_multiple_choice(1, domains=["capitals"]), CalibrationConfig(prompt=dict(normalize="mean")))
         >>> type(fmt).__name__, fmt.normalize
         ('OptionLikelihood', 'mean')
     """
@@ -203,11 +203,11 @@ def encode_records(
 
     The format (:func:`task_format` of the records under ``config``, or ``fmt``) does the
     encoding (:meth:`~llm_calib.formats.base.TaskFormat.encode`). Multiple-choice records follow
-    ``config.scorer`` and ``config.prompt_style``. Open questions use the open-ended scorer's
+    ``config.prompt.scorer`` and ``config.prompt.style``. Open questions use the open-ended scorer's
     prompt (:func:`~llm_calib.scoring.open_ended.encode_open_prompts`) of
     :func:`~llm_calib.calm.config.open_prompt_format`, followed by the first reference alias as
     the continuation, tokenised on its own like an option: ``" " + alias`` under the chat prompt,
-    ``" " + alias + "\\n"`` under the few-shot short-answer prompt (``config.open_examples``), so
+    ``" " + alias + "\\n"`` under the few-shot short-answer prompt (``config.prompt.open_examples``), so
     the trained answer ends with the newline token at which greedy answering stops (to train on
     every alias, give one record per alias: :func:`~llm_calib.data.one_record_per_alias`).
 
@@ -256,7 +256,8 @@ class EncodingCache:
         >>> from llm_calib.models import tiny_random_model
         >>> _, tok = tiny_random_model()
         >>> qs, cache = builtin_multiple_choice(n_per_domain=2, domains=["capitals"]), EncodingCache()
-        >>> cache(tok, qs, CalibrationConfig()) is cache(tok, list(qs), CalibrationConfig(lr=0.1))
+        >>> from llm_calib.calm.config import TrainingSettings
+        >>> cache(tok, qs, CalibrationConfig()) is cache(tok, list(qs), CalibrationConfig(training=TrainingSettings(lr=0.1)))
         True
     """
 

@@ -250,7 +250,7 @@ class SharedTrunkEval:
             may be given as an :class:`~llm_calib.calm.encoding.EncodedRecords`, whose trunk cache
             the base pass then fills (e.g. the held-out split that training reuses).
         trunk_layers: the first adapted layer (at least 1, below the number of layers).
-        config: encoding settings (``scorer``, ``prompt_style``, ``chat_template``, ``normalize``;
+        config: encoding settings (its ``prompt`` part: scorer, style, chat template, normalisation;
             open questions: the prompt of :func:`~llm_calib.calm.config.open_prompt_format`);
             default :class:`~llm_calib.calm.config.CalibrationConfig`.
         batch_size: questions (prompts) per forward pass.

@@ -7,12 +7,11 @@ import logging
 import re
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from llm_calib.calm.config import LoraSettings
 from llm_calib.engine.options import compute_dtype, forward_rows
 from llm_calib.engine.packing import (
     PackedQuestions,
@@ -21,6 +20,9 @@ from llm_calib.engine.packing import (
     option_sequences,
 )
 from llm_calib.models import lm_head_logits, split_decoder_head
+
+if TYPE_CHECKING:
+    from llm_calib.calm.config import LoraSettings
 
 __all__ = [
     "OUTPUT_LOG_SCALE",
@@ -113,6 +115,7 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> model, _ = tiny_random_model()
+        >>> from llm_calib.calm.config import LoraSettings
         >>> peft_model = attach_lora(model, LoraSettings(rank=2, layers=(1,)))
         >>> sorted({n.split(".")[4] for n, p in peft_model.named_parameters() if p.requires_grad})
         ['1']
@@ -171,6 +174,7 @@ def detach_lora(model: Any) -> Any:
         >>> base, _ = tiny_random_model()
         >>> names = sorted(base.state_dict())
         >>> before = base.model.norm.weight.clone()
+        >>> from llm_calib.calm.config import LoraSettings
         >>> lm = FunctionalLM(attach_lora(base, LoraSettings(rank=2), output_scale=True))
         >>> lm.load_theta({**lm.theta(), OUTPUT_LOG_SCALE: torch.tensor(0.5)})  # a trained scale
         >>> back = detach_lora(lm.model)
@@ -269,6 +273,7 @@ class FunctionalLM:
 
         Example:
             >>> from llm_calib.models import tiny_random_model
+            >>> from llm_calib.calm.config import LoraSettings
             >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2, dropout=0.1)).eval())
             >>> with lm.train_mode():  # the 4 LoRA dropouts (q_proj, v_proj of 2 layers)
             ...     sum(m.training for m in lm.model.modules())

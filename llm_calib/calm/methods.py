@@ -11,13 +11,16 @@ only calls those. CALM's bilevel solvers are built by their configs in
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 import hypergrad as hg
 from llm_calib.adjustment import LogitAdjustment
-from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE
+
+if TYPE_CHECKING:
+    from llm_calib.calm.config import CalibrationConfig
 
 __all__ = [
     "lam_optimizer",
@@ -35,19 +38,20 @@ def theta_optimizer(config: CalibrationConfig, lr: float | None = None) -> hg.in
     """The Adam optimiser of θ (LoRA weights, and the output log-scale at its own rate).
 
     Adam moves every coordinate by about ``lr`` per step, so the output log-scale gets
-    ``config.output_scale_lr`` to travel a useful distance (log 2 for T = 2) within a run's few
+    ``config.lora.output_scale_lr`` to travel a useful distance (log 2 for T = 2) within a run's few
     dozen steps.
 
     Args:
         config: the run's configuration.
-        lr: the LoRA step size (default ``config.lr``).
+        lr: the LoRA step size (default ``config.training.lr``).
 
     Example:
-        >>> theta_optimizer(CalibrationConfig(lr=1e-3)).lr
+        >>> from llm_calib.calm.config import CalibrationConfig, TrainingSettings
+        >>> theta_optimizer(CalibrationConfig(training=TrainingSettings(lr=1e-3))).lr
         0.001
     """
-    leaf_lr = {OUTPUT_LOG_SCALE: config.output_scale_lr} if config.output_scale else {}
-    return hg.inner.Adam(lr=config.lr if lr is None else lr, leaf_lr=leaf_lr)
+    leaf_lr = {OUTPUT_LOG_SCALE: config.lora.output_scale_lr} if config.lora.output_scale else {}
+    return hg.inner.Adam(lr=config.training.lr if lr is None else lr, leaf_lr=leaf_lr)
 
 
 def resolve_adjustment(adjustment: str, layout: str) -> str:
@@ -80,23 +84,28 @@ def make_adjustment(config: CalibrationConfig, vocab_size: int, token_ids: Itera
         layout: the layout of the training records (see :func:`resolve_adjustment`).
 
     Example:
-        >>> make_adjustment(CalibrationConfig(adjustment="answer_tokens"), 10, [3, 1, 3]).token_ids
+        >>> from llm_calib.calm.config import CalibrationConfig
+        >>> from llm_calib.objectives.calm import Calm
+        >>> make_adjustment(CalibrationConfig(objective=Calm(adjustment="answer_tokens")), 10, [3, 1, 3]).token_ids
         (1, 3)
-        >>> make_adjustment(CalibrationConfig(adjustment="auto"), 10).kind
+        >>> make_adjustment(CalibrationConfig(), 10).kind
         'option_temperature'
     """
-    bounds = {"max_log_scale": config.max_log_scale, "max_bias": config.max_bias}
-    kind = resolve_adjustment(config.adjustment, layout)
+    objective = config.objective
+    bounds = {"max_log_scale": objective.max_log_scale, "max_bias": objective.max_bias}
+    kind = resolve_adjustment(objective.adjustment, layout)
     if kind == "answer_tokens":
         return LogitAdjustment.for_tokens(sorted(set(token_ids)), vocab_size, **bounds)
     return LogitAdjustment(kind, vocab_size, **bounds)
 
 
 def lam_optimizer(params: Iterable[torch.Tensor], config: CalibrationConfig) -> torch.optim.Optimizer:
-    """The optimiser of λ: :class:`torch.optim.Adam` with ``config.lam_lr``.
+    """The optimiser of λ: :class:`torch.optim.Adam` with the objective's ``lam_lr``.
 
     Example:
-        >>> lam_optimizer([torch.zeros(2, requires_grad=True)], CalibrationConfig(lam_lr=0.1)).defaults["lr"]
+        >>> from llm_calib.calm.config import CalibrationConfig
+        >>> from llm_calib.objectives.calm import Calm
+        >>> lam_optimizer([torch.zeros(2, requires_grad=True)], CalibrationConfig(objective=Calm(lam_lr=0.1))).defaults["lr"]
         0.1
     """
-    return torch.optim.Adam(list(params), lr=config.lam_lr)
+    return torch.optim.Adam(list(params), lr=config.objective.lam_lr)

@@ -136,10 +136,10 @@ def calibrate(
         unlabeled: inputs of the upper-level objective (CALM's entropy f, and the confidence
             penalty's entropy term), of the same kind; labels in them are ignored, so any
             record set of that kind works. Encoded once, read in batches of
-            ``config.heldout_batch_size`` in their own seeded order. Default: the held-out inputs.
+            ``config.training.heldout_batch_size`` in their own seeded order. Default: the held-out inputs.
         checkpoint_dir: where to write checkpoints every ``config.checkpoint_every`` steps.
         resume: continue from the newest checkpoint in ``checkpoint_dir`` when there is one. The
-            checkpoint must come from the same configuration (``steps`` and
+            checkpoint must come from the same configuration (``training.steps`` and
             ``checkpoint_every`` may differ) and the same records.
         progress: show a tqdm progress bar (loss, entropy, held-out ECE).
 
@@ -156,7 +156,9 @@ def calibrate(
         >>> from llm_calib.data import builtin_multiple_choice
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> cfg = CalibrationConfig(steps=2, batch_size=2, heldout_batch_size=2, eval_every=1)
+        >>> from llm_calib.calm.config import SelectionSettings, TrainingSettings
+        >>> cfg = CalibrationConfig(training=TrainingSettings(steps=2, batch_size=2, heldout_batch_size=2),
+        ...                         selection=SelectionSettings(eval_every=1))
         >>> res = calibrate(model, tok, qs[:2], qs[2:], cfg, progress=False)
         >>> sorted(res.metrics)
         ['after', 'before']
@@ -193,7 +195,7 @@ def _train(trainer: training.Trainer, state: training.TrainState, checkpoint_dir
            run_data: dict[str, Any] | None, progress: bool) -> None:
     """The loop: step, evaluate and select when due, checkpoint when due, until done."""
     config = trainer.config
-    bar = tqdm(total=config.steps, initial=state.step, desc=f"calibrate[{config.method}]", dynamic_ncols=True,
+    bar = tqdm(total=config.training.steps, initial=state.step, desc=f"calibrate[{config.objective.name}]", dynamic_ncols=True,
                disable=not progress or distributed.rank() != 0)
     while not training.done(trainer, state):
         record = training.train_step(trainer, state)

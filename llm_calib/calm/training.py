@@ -39,9 +39,8 @@ import torch
 from torch import Tensor
 
 import hypergrad as hg
-import llm_calib.objectives.builtin  # noqa: F401  registers the built-in objectives and solvers
 from llm_calib.calm import sampling
-from llm_calib.calm.config import CalibrationConfig
+from llm_calib.calm.config import CalibrationConfig, flat_paths
 from llm_calib.calm.encoding import EncodedRecords, encode_records, format_settings, task_format
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
 from llm_calib.calm.methods import (
@@ -55,7 +54,6 @@ from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkp
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.formats.base import TaskFormat
 from llm_calib.metrics import ece as ece_metric
-from llm_calib.objectives.registry import build_objective
 
 __all__ = [
     "MIN_GUARD_QUESTIONS",
@@ -126,8 +124,8 @@ class Trainer:
         problem: ``BilevelProblem(inner=g, outer=f)`` the solver is called on (None for a baseline).
         step_losses: the first value of g and f the solver computed in the current step (recorded
             in the step's history without an extra forward pass).
-        objective: the run's objective (:func:`~llm_calib.objectives.registry.build_objective`);
-            :func:`train_step` calls its ``step``. None: built from ``config`` when first needed.
+        objective: the run's objective; :func:`train_step` calls its ``step``. None (default):
+            ``config.objective``.
     """
 
     config: CalibrationConfig
@@ -146,7 +144,7 @@ class Trainer:
 
     def __post_init__(self) -> None:
         if self.objective is None:
-            self.objective = build_objective(self.config)
+            self.objective = self.config.objective
 
     def with_losses(self, losses: CalmLosses) -> Trainer:
         """A copy computing g, f and the baselines with ``losses`` (same model, data and solver):
@@ -184,14 +182,14 @@ class Trainer:
     def train_batch(self, step: int) -> Batch:
         """This rank's training batch of ``step`` (0-based)."""
         n = len(self.train.records)
-        idx = sampling.shard(sampling.batch_indices(n, self.config.batch_size, step, self.config.seed, sampling.TRAIN_STREAM))
+        idx = sampling.shard(sampling.batch_indices(n, self.config.training.batch_size, step, self.config.seed, sampling.TRAIN_STREAM))
         return self.train.batch(idx, self.pad_id, self.lm)
 
     def unlabeled_batch(self, step: int) -> Batch:
         """This rank's batch of upper-level inputs of ``step`` (labels unused)."""
         n = len(self.unlabeled.records)
         cfg = self.config
-        idx = sampling.shard(sampling.batch_indices(n, cfg.heldout_batch_size, step, cfg.seed, sampling.UPPER_STREAM))
+        idx = sampling.shard(sampling.batch_indices(n, cfg.training.heldout_batch_size, step, cfg.seed, sampling.UPPER_STREAM))
         return self.unlabeled.batch(idx, self.pad_id, self.lm)
 
 
@@ -300,7 +298,8 @@ def build_trainer(
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> cfg = CalibrationConfig(steps=2, batch_size=2, heldout_batch_size=2)
+        >>> from llm_calib.calm.config import TrainingSettings
+        >>> cfg = CalibrationConfig(training=TrainingSettings(steps=2, batch_size=2, heldout_batch_size=2))
         >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], cfg, unlabeled=qs)
         >>> len(trainer.unlabeled), trainer.unlabeled is trainer.heldout
         (4, False)
@@ -308,7 +307,7 @@ def build_trainer(
     fmt = run_format(train, heldout, config, unlabeled)
     warn_small_heldout(len(_records(heldout)), config)
     torch.manual_seed(config.seed)
-    peft_model = attach_lora(model, config.lora, output_scale=config.output_scale)
+    peft_model = attach_lora(model, config.lora, output_scale=config.lora.output_scale)
     # Eval mode throughout: the frozen base never needs training behaviour. train_step switches
     # on training mode only where the trained parts need it (FunctionalLM.train_mode: LoRA dropout
     # when > 0, the layers of gradient checkpointing); evaluation runs in eval mode.
@@ -319,13 +318,13 @@ def build_trainer(
     heldout_enc = _encode(tokenizer, heldout, config, fmt)
     unlabeled_enc = heldout_enc if unlabeled is None else _encode(tokenizer, unlabeled, config, fmt)
     sources = (train_enc, heldout_enc) if unlabeled is None else (train_enc, heldout_enc, unlabeled_enc)
-    lam_kind = resolve_adjustment(config.adjustment, fmt.layout)
+    lam_kind = resolve_adjustment(config.objective.adjustment, fmt.layout)
     tokens = {t for src in sources for opts in src.options for o in opts for t in o} if lam_kind == "answer_tokens" else ()
     adjustment = make_adjustment(config, vocab, tokens, fmt.layout)
     losses = CalmLosses(lm, adjustment, format_settings(config)["normalize"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     recorder = _FirstValues()
-    objective = build_objective(config)
+    objective = config.objective
     solver = objective.make_solver(config)
     problem = None
     if solver is not None:
@@ -357,11 +356,11 @@ def warn_small_heldout(n: int, config: CalibrationConfig) -> bool:
         >>> "150 held-out questions" in str(seen[0].message)
         True
     """
-    if n >= MIN_GUARD_QUESTIONS or config.guard_accuracy <= 0:
+    if n >= MIN_GUARD_QUESTIONS or config.selection.guard_accuracy <= 0:
         return False
     warnings.warn(
         f"{n} held-out questions: model selection and the accuracy guard (guard_accuracy="
-        f"{config.guard_accuracy}) compare accuracies with a standard error of up to {0.5 / math.sqrt(n):.3f}; "
+        f"{config.selection.guard_accuracy}) compare accuracies with a standard error of up to {0.5 / math.sqrt(n):.3f}; "
         f"use at least {MIN_GUARD_QUESTIONS} held-out questions (unlabelled upper-level inputs can be passed "
         "separately with unlabeled=)", UserWarning, stacklevel=3)
     return True
@@ -415,7 +414,7 @@ def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(batch_size=2, heldout_batch_size=2))
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(training={"batch_size": 2, "heldout_batch_size": 2}))
         >>> state = init_state(trainer)
         >>> record = train_step(trainer, state)
         >>> state.step, sorted(k for k in ("g", "phi", "q", "unlabeled_entropy") if k in record)
@@ -493,13 +492,13 @@ def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
 
 
 def evaluation_due(config: CalibrationConfig, step: int) -> bool:
-    """True when the held-out set is scored after ``step`` (every ``eval_every`` and the last)."""
-    return step % config.eval_every == 0 or step == config.steps
+    """True when the held-out set is scored after ``step`` (every ``selection.eval_every`` and the last)."""
+    return step % config.selection.eval_every == 0 or step == config.training.steps
 
 
 def done(trainer: Trainer, state: TrainState) -> bool:
-    """True when the run has taken ``config.steps`` steps or the accuracy guard stopped it."""
-    return state.stopped_early or state.step >= trainer.config.steps
+    """True when the run has taken ``config.training.steps`` steps or the accuracy guard stopped it."""
+    return state.stopped_early or state.step >= trainer.config.training.steps
 
 
 def is_selectable(accuracy: float, reference_accuracy: float, config: CalibrationConfig) -> bool:
@@ -508,11 +507,12 @@ def is_selectable(accuracy: float, reference_accuracy: float, config: Calibratio
     The one rule behind :func:`select` and the benchmarks' hyperparameter choice.
 
     Example:
-        >>> cfg = CalibrationConfig(guard_accuracy=0.9)
+        >>> from llm_calib.calm.config import SelectionSettings
+        >>> cfg = CalibrationConfig(selection=SelectionSettings(guard_accuracy=0.9))
         >>> is_selectable(0.45, 0.5, cfg), is_selectable(0.44, 0.5, cfg)
         (True, False)
     """
-    return accuracy + 1e-12 >= config.guard_accuracy * reference_accuracy
+    return accuracy + 1e-12 >= config.selection.guard_accuracy * reference_accuracy
 
 
 def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: float, config: CalibrationConfig) -> int:
@@ -523,7 +523,7 @@ def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: f
     Args:
         candidates: metric dicts with ``accuracy`` and ``ece``, scored on the same selection data.
         reference_accuracy: the accuracy to guard (e.g. the uncalibrated model's).
-        config: gives ``guard_accuracy``.
+        config: gives ``selection.guard_accuracy``.
 
     Returns:
         The index of the chosen candidate.
@@ -532,7 +532,8 @@ def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: f
         ValueError: no candidates.
 
     Example:
-        >>> cfg = CalibrationConfig(guard_accuracy=0.9)
+        >>> from llm_calib.calm.config import SelectionSettings
+        >>> cfg = CalibrationConfig(selection=SelectionSettings(guard_accuracy=0.9))
         >>> rows = [{"accuracy": 0.5, "ece": 0.2}, {"accuracy": 0.3, "ece": 0.01}, {"accuracy": 0.46, "ece": 0.1}]
         >>> best_candidate(rows, 0.5, cfg), best_candidate(rows[1:2], 0.5, cfg)
         (2, 0)
@@ -560,16 +561,16 @@ def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> di
         best = state.best = {"ece": metrics["ece"], "step": state.step, "violations": 0}
         state.best_theta = {k: v.clone() for k, v in state.theta.items()}
         state.best_lam = {k: v.detach().clone() for k, v in state.lam.items()}
-    below = metrics["accuracy"] < cfg.guard_accuracy * before["accuracy"]
+    below = metrics["accuracy"] < cfg.selection.guard_accuracy * before["accuracy"]
     best["violations"] = best.get("violations", 0) + 1 if below else 0
-    if best["violations"] >= cfg.guard_patience:
+    if best["violations"] >= cfg.selection.guard_patience:
         state.stopped_early = True
     return {f"heldout_{k}": v for k, v in metrics.items()}
 
 
 # --------------------------------------------------------------------------- checkpoints
 
-RESUMABLE_CHANGES = ("steps", "checkpoint_every")
+RESUMABLE_CHANGES = ("training.steps", "checkpoint_every")
 """Fields a resumed run may change: how long it runs and how often it saves. Any other difference
 would silently splice two different runs into one trajectory."""
 
@@ -639,11 +640,10 @@ def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data:
 def _check_resumable(path: Path, saved: dict[str, Any] | None, config: CalibrationConfig, data: dict[str, Any]) -> None:
     if saved is None:  # checkpoints written before configs were recorded
         return
-    now = config.to_dict()
-    changed = sorted(k for k in set(now) | set(saved["config"])
-                     if k not in RESUMABLE_CHANGES and now.get(k) != saved["config"].get(k))
+    now, then = flat_paths(config.to_dict()), flat_paths(saved["config"])
+    changed = sorted(k for k in set(now) | set(then) if k not in RESUMABLE_CHANGES and now.get(k) != then.get(k))
     if changed:
-        diffs = "; ".join(f"{k}: checkpoint {saved['config'].get(k)!r}, now {now.get(k)!r}" for k in changed)
+        diffs = "; ".join(f"{k}: checkpoint {then.get(k)!r}, now {now.get(k)!r}" for k in changed)
         raise ValueError(f"cannot resume from {path}: the configuration differs ({diffs}). Use the checkpoint's "
                          f"configuration, or another checkpoint_dir to start a new run.")
     if saved["data"] != data:
@@ -656,7 +656,7 @@ def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, dat
     """Load the newest checkpoint in ``directory`` into ``state`` (and torch's RNG); False if none.
 
     Raises:
-        ValueError: the checkpoint comes from another configuration (``steps`` and
+        ValueError: the checkpoint comes from another configuration (``training.steps`` and
             ``checkpoint_every`` may differ) or other data (``data`` is compared with the saved
             :func:`data_fingerprint`); the message names the fields.
     """

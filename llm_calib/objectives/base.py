@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -9,36 +10,90 @@ if TYPE_CHECKING:
     from llm_calib.calm.objectives import Batch
     from llm_calib.calm.training import Trainer, TrainState
 
-__all__ = ["Objective"]
+__all__ = ["Objective", "settings_from_dict", "settings_to_dict"]
+
+
+def settings_to_dict(settings: Any) -> dict[str, Any]:
+    """A registered settings dataclass (an objective or a solver) as a dict tagged with its
+    ``name``; nested registered dataclasses (CALM's ``solver``) are tagged too, tuples become lists.
+
+    Example:
+        >>> from llm_calib.objectives.calm import Calm, F2SA
+        >>> settings_to_dict(Calm(solver=F2SA(sigma=0.2)))["solver"]
+        {'name': 'f2sa', 'sigma': 0.2, 'inner_steps': 5, 'inner_lr': None}
+    """
+    out: dict[str, Any] = {"name": settings.name}
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if dataclasses.is_dataclass(value) and getattr(value, "name", ""):
+            value = settings_to_dict(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def settings_from_dict(cls: type, data: dict[str, Any], path: str) -> Any:
+    """``cls(**data)`` without the ``name`` tag, rejecting unknown keys by their path.
+
+    Raises:
+        ValueError: a key that is not a field of ``cls`` (names it and the valid ones).
+
+    Example:
+        >>> from llm_calib.objectives.label_smoothing import LabelSmoothing
+        >>> settings_from_dict(LabelSmoothing, {"name": "label_smoothing", "eps": 0.2}, "objective")
+        LabelSmoothing(eps=0.2)
+        >>> settings_from_dict(LabelSmoothing, {"beta": 0.2}, "objective")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown objective key(s) ['beta'] for objective.name: label_smoothing; valid keys: ['eps', 'name']
+    """
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in data.items() if k != "name"}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown {path} key(s) {unknown} for {path}.name: {cls.name}; "
+                         f"valid keys: {sorted(known | {'name'})}")
+    return cls(**kwargs)
 
 
 class Objective:
     """A training objective: its settings (as dataclass fields of a subclass) and its step.
 
-    :func:`~llm_calib.calm.training.build_trainer` builds the run's objective with
-    :func:`~llm_calib.objectives.registry.build_objective` and
+    The objective is the ``objective`` part of :class:`~llm_calib.calm.config.CalibrationConfig`
+    itself: a dataclass registered by name with
+    :func:`~llm_calib.objectives.registry.register_objective`, written to config files tagged with
+    that name (:meth:`to_dict`, :meth:`from_dict`). :func:`~llm_calib.calm.training.build_trainer`
+    asks it for its bilevel solver (:meth:`make_solver`) and
     :func:`~llm_calib.calm.training.train_step` calls :meth:`step`; nothing else in the training
-    code depends on which objective runs. Subclasses register with
-    :func:`~llm_calib.objectives.registry.register_objective`; one-level losses derive from
+    code depends on which objective runs. One-level losses derive from
     :class:`~llm_calib.objectives.one_level.OneLevelObjective` and define only their loss.
+
+    The logit adjustment λ (see :func:`~llm_calib.calm.methods.make_adjustment`) is built for
+    every run and saved with the adapter; an objective that trains it (CALM) makes its settings
+    ``adjustment``, ``lam_lr``, ``max_log_scale`` and ``max_bias`` dataclass fields, the others
+    keep the class defaults below (λ stays the identity).
 
     Attributes:
         name: the registered name (set by ``register_objective``).
         trains_adjustment: True when the objective trains the logit adjustment λ (CALM): then its
             step updates ``state.lam`` and the step's record summarises λ.
+        field_choices: the allowed values of string fields, by field name (the command line
+            offers them as choices; ``__post_init__`` checks them).
 
     Example:
-        >>> Objective.from_config(None)
-        Objective()
+        >>> from llm_calib.objectives.lora_ce import LoraCE
+        >>> LoraCE().to_dict(), LoraCE().adjustment
+        ({'name': 'lora_ce'}, 'auto')
     """
 
     name: ClassVar[str] = ""
     trains_adjustment: ClassVar[bool] = False
-
-    @classmethod
-    def from_config(cls, config: CalibrationConfig) -> Objective:
-        """The objective with its settings read from ``config`` (default: no settings)."""
-        return cls()
+    field_choices: ClassVar[dict[str, tuple[str, ...]]] = {}
+    adjustment = "auto"
+    lam_lr = 5e-2
+    max_log_scale = 3.0
+    max_bias = 10.0
 
     def make_solver(self, config: CalibrationConfig) -> Any:
         """The bilevel solver the trainer calls on ``BilevelProblem(g, f)``; None (default): a
@@ -50,6 +105,15 @@ class Objective:
         optimiser states, and λ when :attr:`trains_adjustment`) in place; return the step's
         record (losses and diagnostics, floats)."""
         raise NotImplementedError(f"{type(self).__name__} must define step(trainer, state, inner)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as a dict tagged with ``name`` (see :func:`settings_to_dict`)."""
+        return settings_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Objective:
+        """The objective of ``data`` (its fields; a ``name`` key is ignored), unknown keys rejected."""
+        return settings_from_dict(cls, data, "objective")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

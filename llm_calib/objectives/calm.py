@@ -3,7 +3,7 @@
 :class:`Calm` holds its solver's config, one of :class:`Bome`, :class:`F2SA` or
 :class:`ImplicitSolver` (registered by name with
 :func:`~llm_calib.objectives.registry.register_solver`). Each solver config owns its settings,
-their validation, its solver-specific defaults (:meth:`Bome.inner_lr`) and the factory of the
+their validation, its solver-specific defaults (:meth:`Bome.step_size`) and the factory of the
 :mod:`hypergrad` method it builds (any object with ``hypergrad(problem, w, lam, inner_batch,
 outer_batch, state)`` returning a :class:`hypergrad.HypergradResult`).
 """
@@ -19,47 +19,60 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 import hypergrad as hg
+from llm_calib.adjustment import ADJUSTMENT_KINDS
 from llm_calib.calm.attention import second_order_attention
 from llm_calib.calm.methods import theta_optimizer
-from llm_calib.objectives.base import Objective
-from llm_calib.objectives.registry import register_objective, register_solver, solver_class
+from llm_calib.checks import check_int, check_number
+from llm_calib.objectives.base import Objective, settings_from_dict
+from llm_calib.objectives.registry import (
+    register_objective,
+    register_solver,
+    solver_class,
+    solver_names,
+)
 
 if TYPE_CHECKING:
     from llm_calib.calm.config import CalibrationConfig
     from llm_calib.calm.objectives import Batch
     from llm_calib.calm.training import Trainer, TrainState
 
-__all__ = ["F2SA", "Bome", "Calm", "CalmSolver", "ImplicitSolver", "inner_lr", "make_solver"]
+__all__ = [
+    "ADJUSTMENT_CHOICES", "F2SA", "Bome", "Calm", "CalmSolver", "ImplicitSolver", "inner_lr", "make_solver",
+    "solver_from_dict",
+]
+
+ADJUSTMENT_CHOICES = ("auto", *ADJUSTMENT_KINDS)
+"""The values of :attr:`Calm.adjustment`."""
 
 
-def _check(owner: str, name: str, value: Any, allowed: str, ok: Any) -> None:
-    if isinstance(value, bool) or not ok(value):
-        raise ValueError(f"{owner}.{name} must be {allowed}, got {value!r}")
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and value > 0
+def _check_inner(owner: str, solver: Any) -> None:
+    """Validate (and coerce) the inner-step settings every solver has."""
+    check_int(f"{owner}.inner_steps", solver.inner_steps, minimum=1)
+    if solver.inner_lr is not None:
+        solver.inner_lr = check_number(f"{owner}.inner_lr", solver.inner_lr, positive=True)
 
 
 class CalmSolver(Protocol):
     """What :class:`Calm` needs from a solver config.
 
     Attributes:
-        name: the registered name (``CalibrationConfig.solver``).
+        name: the registered name (``objective.solver.name`` in a config file).
         scores_f_at_step: True when the solver evaluates f once at the step's θ (BOME), so the
             step records that value as ``unlabeled_entropy``; otherwise (F2SA's f is at its
             penalised iterate) the step scores the step's θ again, without gradients.
+        inner_steps: the chosen solver's lower-level steps per outer step (BOME's T, F2SA's and
+            the implicit solver's Adam steps of θ on g).
+        inner_lr: the step size of those steps; None: the solver's default (BOME 5e-2, plain SGD;
+            F2SA and implicit: θ's rate ``training.lr``).
     """
 
     name: ClassVar[str]
     scores_f_at_step: ClassVar[bool]
+    inner_steps: int
+    inner_lr: float | None
 
-    @classmethod
-    def from_config(cls, config: CalibrationConfig) -> CalmSolver:
-        """The solver with its settings read from ``config``."""
-
-    def inner_lr(self, config: CalibrationConfig) -> float:
-        """The step size of the solver's inner steps under ``config``."""
+    def step_size(self, config: CalibrationConfig) -> float:
+        """The step size of the solver's inner steps in a run with ``config``."""
 
     def build(self, config: CalibrationConfig) -> Any:
         """The :mod:`hypergrad` method of a run with ``config``."""
@@ -68,13 +81,18 @@ class CalmSolver(Protocol):
 @register_solver("bome")
 @dataclass
 class Bome:
-    """BOME: :class:`hypergrad.BOME` with ``inner_steps`` plain-SGD steps of :meth:`inner_lr`
+    """BOME: :class:`hypergrad.BOME` with ``inner_steps`` plain-SGD steps of :meth:`step_size`
     defining the value function, θ stepped along BOME's direction by
     :func:`~llm_calib.calm.methods.theta_optimizer`.
 
     Attributes:
-        eta: the barrier coefficient η > 0 (``CalibrationConfig.bome_eta``).
-        barrier: ``"value"`` (φ = η q) or ``"gradient"`` (φ = η‖∇q‖²) (``bome_barrier``).
+        eta: the barrier coefficient η > 0 (default 2: with the gradient barrier θ's step weighs
+            the task loss about as much as the flat confidence penalty does; at 0.5 the entropy
+            term dominated and held-out accuracy fell below the guard).
+        barrier: ``"value"`` (φ = η q) or ``"gradient"`` (default, φ = η‖∇q‖², which keeps the
+            lower-level loss decreasing at every step), see :class:`hypergrad.BOME`.
+        inner_steps: T, the plain-SGD steps that define the value function.
+        inner_lr: their step size; None (default): 5e-2.
 
     Example:
         >>> Bome(eta=0.5).barrier
@@ -82,32 +100,32 @@ class Bome:
         >>> Bome(barrier="none")
         Traceback (most recent call last):
         ...
-        ValueError: bome.barrier must be 'value' or 'gradient', got 'none'
+        ValueError: objective.solver.barrier must be 'value' or 'gradient', got 'none'
     """
 
     eta: float = 2.0
     barrier: str = "gradient"
+    inner_steps: int = 5
+    inner_lr: float | None = None
     scores_f_at_step: ClassVar[bool] = True
+    field_choices: ClassVar[dict[str, tuple[str, ...]]] = {"barrier": ("value", "gradient")}
     default_inner_lr: ClassVar[float] = 5e-2
     """Plain SGD: large enough that the value function's ``inner_steps`` steps make the lower level bind."""
 
     def __post_init__(self) -> None:
-        _check("bome", "eta", self.eta, "a number > 0", _positive)
-        _check("bome", "barrier", self.barrier, "'value' or 'gradient'", lambda b: b in ("value", "gradient"))
+        self.eta = check_number("objective.solver.eta", self.eta, positive=True)
+        if self.barrier not in self.field_choices["barrier"]:
+            raise ValueError(f"objective.solver.barrier must be 'value' or 'gradient', got {self.barrier!r}")
+        _check_inner("objective.solver", self)
 
-    @classmethod
-    def from_config(cls, config: CalibrationConfig) -> Bome:
-        """η and the barrier from ``config.bome_eta`` / ``config.bome_barrier``."""
-        return cls(eta=config.bome_eta, barrier=config.bome_barrier)
-
-    def inner_lr(self, config: CalibrationConfig) -> float:
-        """``config.inner_lr`` when set, else :attr:`default_inner_lr`."""
-        return self.default_inner_lr if config.inner_lr is None else config.inner_lr
+    def step_size(self, config: CalibrationConfig) -> float:
+        """:attr:`inner_lr` when set, else :attr:`default_inner_lr`."""
+        return self.default_inner_lr if self.inner_lr is None else self.inner_lr
 
     def build(self, config: CalibrationConfig) -> hg.BOME:
         """The :class:`hypergrad.BOME` of the run."""
         return hg.BOME(
-            hg.inner.SGD(lr=self.inner_lr(config)), w_lr=config.lr, inner_steps=config.inner_steps,
+            hg.inner.SGD(lr=self.step_size(config)), w_lr=config.training.lr, inner_steps=self.inner_steps,
             eta=self.eta, barrier=self.barrier, w_optimizer=theta_optimizer(config),
         )
 
@@ -116,12 +134,14 @@ class Bome:
 @dataclass
 class F2SA:
     """F2SA: :class:`hypergrad.Penalty` whose two iterates (θ on g, θ_σ on g + σ f) take
-    ``inner_steps`` Adam steps of :meth:`inner_lr` (by default θ's rate ``config.lr``), evaluated
-    at the estimate after the last inner step (``evaluate="advanced"``, as the CALM results in
-    ``benchmarks/results`` were measured).
+    ``inner_steps`` Adam steps of :meth:`step_size` (by default θ's rate ``training.lr``),
+    evaluated at the estimate after the last inner step (``evaluate="advanced"``, as the CALM
+    results in ``benchmarks/results`` were measured).
 
     Attributes:
-        sigma: the penalty weight σ > 0 (``CalibrationConfig.f2sa_sigma``).
+        sigma: the penalty weight σ > 0.
+        inner_steps: the Adam steps of each iterate per outer step.
+        inner_lr: their step size; None (default): θ's rate ``training.lr``.
 
     Example:
         >>> F2SA(sigma=0.2).sigma
@@ -129,25 +149,23 @@ class F2SA:
     """
 
     sigma: float = 0.1
+    inner_steps: int = 5
+    inner_lr: float | None = None
     scores_f_at_step: ClassVar[bool] = False
     evaluate: ClassVar[str] = "advanced"
 
     def __post_init__(self) -> None:
-        _check("f2sa", "sigma", self.sigma, "a number > 0", _positive)
+        self.sigma = check_number("objective.solver.sigma", self.sigma, positive=True)
+        _check_inner("objective.solver", self)
 
-    @classmethod
-    def from_config(cls, config: CalibrationConfig) -> F2SA:
-        """σ from ``config.f2sa_sigma``."""
-        return cls(sigma=config.f2sa_sigma)
-
-    def inner_lr(self, config: CalibrationConfig) -> float:
-        """``config.inner_lr`` when set, else θ's rate ``config.lr``."""
-        return config.lr if config.inner_lr is None else config.inner_lr
+    def step_size(self, config: CalibrationConfig) -> float:
+        """:attr:`inner_lr` when set, else θ's rate ``config.training.lr``."""
+        return config.training.lr if self.inner_lr is None else self.inner_lr
 
     def build(self, config: CalibrationConfig) -> hg.Penalty:
         """The :class:`hypergrad.Penalty` of the run."""
-        return hg.Penalty(sigma=self.sigma, inner_optimizer=theta_optimizer(config, self.inner_lr(config)),
-                          inner_steps=config.inner_steps, evaluate=self.evaluate)
+        return hg.Penalty(sigma=self.sigma, inner_optimizer=theta_optimizer(config, self.step_size(config)),
+                          inner_steps=self.inner_steps, evaluate=self.evaluate)
 
 
 @contextlib.contextmanager
@@ -163,48 +181,49 @@ def _capped_second_order_solve() -> Iterator[None]:
 @dataclass
 class ImplicitSolver:
     """Exact implicit differentiation after lower-level steps: :class:`hypergrad.AlternatingImplicit`
-    takes ``inner_steps`` Adam steps of θ on g (of :meth:`inner_lr`, by default θ's rate), then the
+    takes ``inner_steps`` Adam steps of θ on g (of :meth:`step_size`, by default θ's rate), then the
     exact hypergradient by damped conjugate gradients, warm started across steps, in attention's
     math kernel (second derivatives); a capped CG solve is reported per step (``cg_converged``),
     not warned about. The first-order solvers approximate this direction; on CALM's problem they
     can point away from it (``benchmarks/results/calm_hypergradient.md``).
 
     Attributes:
-        cg_maxiter: CG iterations per hypergradient, >= 1 (``CalibrationConfig.cg_maxiter``).
-        cg_damping: damping μ >= 0 of the Hessian, (H + μI) v = ∇_θ f (``cg_damping``).
-        cg_tol: relative residual > 0 at which CG stops early (``cg_tol``).
+        maxiter: conjugate-gradient iterations per hypergradient, >= 1 (warm-started from the
+            previous step's solution).
+        damping: damping μ >= 0 of the Hessian, (H + μI) v = ∇_θ f (LoRA's lower level is not
+            convex; μ > 0 keeps the system positive definite).
+        tol: relative residual > 0 at which CG stops early.
+        inner_steps: the lower-level Adam steps per outer step.
+        inner_lr: their step size; None (default): θ's rate ``training.lr``.
 
     Example:
-        >>> ImplicitSolver(cg_maxiter=0)
+        >>> ImplicitSolver(maxiter=0)
         Traceback (most recent call last):
         ...
-        ValueError: implicit.cg_maxiter must be an int >= 1, got 0
+        ValueError: objective.solver.maxiter must be an int >= 1, got 0
     """
 
-    cg_maxiter: int = 10
-    cg_damping: float = 1e-2
-    cg_tol: float = 1e-3
+    maxiter: int = 10
+    damping: float = 1e-2
+    tol: float = 1e-3
+    inner_steps: int = 5
+    inner_lr: float | None = None
     scores_f_at_step: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        _check("implicit", "cg_maxiter", self.cg_maxiter, "an int >= 1", lambda v: isinstance(v, int) and v >= 1)
-        _check("implicit", "cg_damping", self.cg_damping, "a number >= 0",
-               lambda v: isinstance(v, (int, float)) and v >= 0)
-        _check("implicit", "cg_tol", self.cg_tol, "a number > 0", _positive)
+        check_int("objective.solver.maxiter", self.maxiter, minimum=1)
+        self.damping = check_number("objective.solver.damping", self.damping, minimum=0)
+        self.tol = check_number("objective.solver.tol", self.tol, positive=True)
+        _check_inner("objective.solver", self)
 
-    @classmethod
-    def from_config(cls, config: CalibrationConfig) -> ImplicitSolver:
-        """The CG settings from ``config.cg_maxiter`` / ``cg_damping`` / ``cg_tol``."""
-        return cls(cg_maxiter=config.cg_maxiter, cg_damping=config.cg_damping, cg_tol=config.cg_tol)
-
-    def inner_lr(self, config: CalibrationConfig) -> float:
-        """``config.inner_lr`` when set, else θ's rate ``config.lr``."""
-        return config.lr if config.inner_lr is None else config.inner_lr
+    def step_size(self, config: CalibrationConfig) -> float:
+        """:attr:`inner_lr` when set, else θ's rate ``config.training.lr``."""
+        return config.training.lr if self.inner_lr is None else self.inner_lr
 
     def build(self, config: CalibrationConfig) -> hg.AlternatingImplicit:
         """The :class:`hypergrad.AlternatingImplicit` of the run."""
-        cg = hg.linear.CG(tol=self.cg_tol, maxiter=self.cg_maxiter, damping=self.cg_damping)
-        return hg.AlternatingImplicit(theta_optimizer(config, self.inner_lr(config)), config.inner_steps,
+        cg = hg.linear.CG(tol=self.tol, maxiter=self.maxiter, damping=self.damping)
+        return hg.AlternatingImplicit(theta_optimizer(config, self.step_size(config)), self.inner_steps,
                                       hg.Implicit(solver=cg, warm_start=True), solve_context=_capped_second_order_solve)
 
 
@@ -219,22 +238,50 @@ class Calm(Objective):
     diagnostics (BOME: ``phi``, ``q``, ``grad_q_norm``).
 
     Attributes:
-        solver: the solver's config (:class:`Bome` by default).
+        solver: the solver's settings, a registered solver config: :class:`Bome` (default),
+            :class:`F2SA` or :class:`ImplicitSolver` (exact hypergradients after lower-level steps,
+            :class:`hypergrad.AlternatingImplicit`).
+        adjustment: λ variant: ``"auto"`` (default: where the prediction is made, see
+            :func:`llm_calib.calm.methods.resolve_adjustment`), token level ``"vector"``,
+            ``"temperature"``, ``"answer_tokens"``, or option level ``"option_temperature"``,
+            ``"option_length"`` (option-likelihood multiple choice; see :mod:`llm_calib.adjustment`).
+        lam_lr: learning rate of λ (Adam).
+        max_log_scale, max_bias: bounds on λ.
 
     Example:
         >>> Calm(solver=F2SA(sigma=0.2))
-        Calm(solver=F2SA(sigma=0.2))
-        >>> Calm.trains_adjustment
-        True
+        Calm(solver=F2SA(sigma=0.2, inner_steps=5, inner_lr=None), adjustment='auto', lam_lr=0.05, max_log_scale=3.0, max_bias=10.0)
+        >>> Calm.trains_adjustment, Calm.from_dict({"solver": {"name": "f2sa"}}).solver
+        (True, F2SA(sigma=0.1, inner_steps=5, inner_lr=None))
     """
 
     solver: Any = field(default_factory=Bome)
+    adjustment: str = Objective.adjustment
+    lam_lr: float = Objective.lam_lr
+    max_log_scale: float = Objective.max_log_scale
+    max_bias: float = Objective.max_bias
     trains_adjustment: ClassVar[bool] = True
+    field_choices: ClassVar[dict[str, tuple[str, ...]]] = {"adjustment": ADJUSTMENT_CHOICES}
+
+    def __post_init__(self) -> None:
+        if isinstance(self.solver, str):
+            self.solver = {"name": self.solver}
+        if isinstance(self.solver, dict):
+            self.solver = solver_from_dict(self.solver)
+        if not isinstance(self.solver, tuple(solver_class(n) for n in solver_names())):
+            raise ValueError(f"objective.solver must be a registered solver config ({', '.join(solver_names())}), "
+                             f"got {self.solver!r}")
+        if self.adjustment not in ADJUSTMENT_CHOICES:
+            raise ValueError(f"objective.adjustment must be one of {ADJUSTMENT_CHOICES}, got {self.adjustment!r}")
+        self.lam_lr = check_number("objective.lam_lr", self.lam_lr, positive=True)
+        self.max_log_scale = check_number("objective.max_log_scale", self.max_log_scale, positive=True)
+        self.max_bias = check_number("objective.max_bias", self.max_bias, minimum=0)
 
     @classmethod
-    def from_config(cls, config: CalibrationConfig) -> Calm:
-        """The solver registered as ``config.solver``, with its settings from ``config``."""
-        return cls(solver=solver_class(config.solver).from_config(config))
+    def from_dict(cls, data: dict[str, Any]) -> Calm:
+        """CALM's settings from ``data``, its ``solver`` tagged by name (``{"name": "f2sa", "sigma": 0.2}``,
+        or just the name; default BOME)."""
+        return settings_from_dict(cls, data, "objective")
 
     def make_solver(self, config: CalibrationConfig) -> Any:
         """The solver's :mod:`hypergrad` method."""
@@ -263,28 +310,43 @@ class Calm(Objective):
         return record
 
 
-def inner_lr(config: CalibrationConfig) -> float:
-    """The inner step size of ``config.solver``: ``config.inner_lr`` when set, else the solver's
-    default (BOME: ``5e-2``, plain SGD; F2SA and implicit: θ's Adam rate ``config.lr``).
+def solver_from_dict(data: dict[str, Any]) -> CalmSolver:
+    """The solver config of ``data``: the class registered as ``data["name"]`` (default ``"bome"``)
+    with the other keys as its settings.
+
+    Raises:
+        ValueError: an unknown solver name, or a key that is not one of its settings.
 
     Example:
-        >>> from llm_calib.calm.config import CalibrationConfig
-        >>> inner_lr(CalibrationConfig(solver="f2sa", lr=3e-3)), inner_lr(CalibrationConfig())
+        >>> solver_from_dict({"name": "implicit", "maxiter": 7})
+        ImplicitSolver(maxiter=7, damping=0.01, tol=0.001, inner_steps=5, inner_lr=None)
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"objective.solver must be a mapping with a name, got {data!r}")
+    cls = solver_class(data.get("name", "bome"))
+    return settings_from_dict(cls, data, "objective.solver")
+
+
+def inner_lr(config: CalibrationConfig) -> float:
+    """The inner step size of CALM's solver in ``config``: its ``inner_lr`` when set, else the
+    solver's default (BOME: ``5e-2``, plain SGD; F2SA and implicit: θ's Adam rate ``training.lr``).
+
+    Example:
+        >>> from llm_calib.calm.config import CalibrationConfig, TrainingSettings
+        >>> cfg = CalibrationConfig(objective=Calm(solver=F2SA()), training=TrainingSettings(lr=3e-3))
+        >>> inner_lr(cfg), inner_lr(CalibrationConfig())
         (0.003, 0.05)
     """
-    return solver_class(config.solver).from_config(config).inner_lr(config)
+    return config.objective.solver.step_size(config)
 
 
 def make_solver(config: CalibrationConfig) -> Any:
-    """The :mod:`hypergrad` method of CALM's solver ``config.solver`` (see :class:`Bome`,
-    :class:`F2SA`, :class:`ImplicitSolver`).
-
-    Raises:
-        ValueError: an unknown solver.
+    """The :mod:`hypergrad` method of the objective's solver (see :class:`Bome`, :class:`F2SA`,
+    :class:`ImplicitSolver`); None for a one-level objective.
 
     Example:
         >>> from llm_calib.calm.config import CalibrationConfig
-        >>> type(make_solver(CalibrationConfig(solver="f2sa"))).__name__
+        >>> type(make_solver(CalibrationConfig(objective=Calm(solver=F2SA())))).__name__
         'Penalty'
     """
-    return Calm.from_config(config).make_solver(config)
+    return config.objective.make_solver(config)

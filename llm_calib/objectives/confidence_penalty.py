@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from llm_calib.checks import check_number
 from llm_calib.objectives.one_level import OneLevelObjective
 from llm_calib.objectives.registry import register_objective
 
 if TYPE_CHECKING:
-    from llm_calib.calm.config import CalibrationConfig
     from llm_calib.calm.objectives import Batch
     from llm_calib.calm.training import Trainer, TrainState
 
@@ -28,7 +28,7 @@ class ConfidencePenalty(OneLevelObjective):
     The step's record adds ``ce`` and ``unlabeled_entropy``.
 
     Attributes:
-        beta: the entropy weight β >= 0 (``CalibrationConfig.penalty_beta``).
+        beta: the entropy weight β >= 0.
 
     Example:
         >>> ConfidencePenalty(beta=0.3)
@@ -36,20 +36,14 @@ class ConfidencePenalty(OneLevelObjective):
         >>> ConfidencePenalty(beta=-1.0)
         Traceback (most recent call last):
         ...
-        ValueError: confidence_penalty.beta must be a number >= 0, got -1.0
+        ValueError: objective.beta must be >= 0, got -1.0
     """
 
     beta: float = 0.5
 
     def __post_init__(self) -> None:
-        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not self.beta >= 0:
-            raise ValueError(f"confidence_penalty.beta must be a number >= 0, got {self.beta!r}")
-        self.beta = float(self.beta)
+        self.beta = check_number("objective.beta", self.beta, minimum=0)
 
-    @classmethod
-    def from_config(cls, config: CalibrationConfig) -> ConfidencePenalty:
-        """β from ``config.penalty_beta``."""
-        return cls(beta=config.penalty_beta)
 
     def loss_fn(self, trainer: Trainer, state: TrainState, inner: Batch,
                 parts: dict[str, Tensor]) -> Callable[[dict[str, Tensor]], Tensor]:

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from llm_calib.checks import check_number
 from llm_calib.objectives.one_level import OneLevelObjective
 from llm_calib.objectives.registry import register_objective
 
 if TYPE_CHECKING:
-    from llm_calib.calm.config import CalibrationConfig
     from llm_calib.calm.objectives import Batch
     from llm_calib.calm.training import Trainer, TrainState
 
@@ -25,7 +25,7 @@ class LabelSmoothing(OneLevelObjective):
     """CE with label smoothing ε (options; for open questions: over the vocabulary).
 
     Attributes:
-        eps: the smoothing mass ε, in [0, 1) (``CalibrationConfig.label_smoothing``).
+        eps: the smoothing mass ε, in [0, 1).
 
     Example:
         >>> LabelSmoothing(eps=0.2).eps
@@ -33,20 +33,14 @@ class LabelSmoothing(OneLevelObjective):
         >>> LabelSmoothing(eps=1.0)
         Traceback (most recent call last):
         ...
-        ValueError: label_smoothing.eps must be in [0, 1), got 1.0
+        ValueError: objective.eps must be in [0, 1), got 1.0
     """
 
     eps: float = 0.1
 
     def __post_init__(self) -> None:
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0.0 <= self.eps < 1.0:
-            raise ValueError(f"label_smoothing.eps must be in [0, 1), got {self.eps!r}")
-        self.eps = float(self.eps)
+        self.eps = check_number("objective.eps", self.eps, minimum=0, below=1)
 
-    @classmethod
-    def from_config(cls, config: CalibrationConfig) -> LabelSmoothing:
-        """ε from ``config.label_smoothing``."""
-        return cls(eps=config.label_smoothing)
 
     def loss_fn(self, trainer: Trainer, state: TrainState, inner: Batch,
                 parts: dict[str, Tensor]) -> Callable[[dict[str, Tensor]], Tensor]:

@@ -1,8 +1,9 @@
 """The registry of training objectives and of CALM's bilevel solvers, by name.
 
 A new objective is one module: a class derived from :class:`~llm_calib.objectives.base.Objective`
-decorated with :func:`register_objective`; ``CalibrationConfig(method=<name>)``, config files
-and ``llm-calib calibrate --methods <name>`` then reach it, with no edit elsewhere. Solvers of
+decorated with :func:`register_objective`; ``CalibrationConfig(objective=<instance>)``, config
+files (``objective: {name: <name>, ...}``, :func:`objective_from_dict`) and
+``llm-calib calibrate --objective <name>`` / ``--methods <name>`` then reach it, with no edit elsewhere. Solvers of
 :class:`~llm_calib.objectives.calm.Calm` register the same way with :func:`register_solver`.
 
 The built-in names are known before their modules are imported (:data:`BUILTIN_OBJECTIVES`,
@@ -19,8 +20,8 @@ from typing import Any, TypeVar
 __all__ = [
     "BUILTIN_OBJECTIVES",
     "BUILTIN_SOLVERS",
-    "build_objective",
     "objective_class",
+    "objective_from_dict",
     "objective_names",
     "register_objective",
     "register_solver",
@@ -153,7 +154,7 @@ def objective_class(name: str) -> type:
         >>> objective_class("label_smoothing").__name__
         'LabelSmoothing'
     """
-    return _lookup(_OBJECTIVES, objective_names(), "method", name)
+    return _lookup(_OBJECTIVES, objective_names(), "objective.name", name)
 
 
 def solver_class(name: str) -> type:
@@ -167,17 +168,26 @@ def solver_class(name: str) -> type:
         >>> solver_class("f2sa").__name__
         'F2SA'
     """
-    return _lookup(_SOLVERS, solver_names(), "solver", name)
+    return _lookup(_SOLVERS, solver_names(), "objective.solver.name", name)
 
 
-def build_objective(config: Any) -> Any:
-    """The objective of a run: the class registered as ``config.method``, built by its
-    ``from_config(config)``.
+def objective_from_dict(data: Any) -> Any:
+    """The objective of a config's ``objective`` entry: the class registered as ``data["name"]``
+    (default ``"calm"``) built by its ``from_dict`` from the other keys; a bare name is the
+    objective with its default settings.
+
+    Raises:
+        ValueError: an unknown name, or a key that is not one of the objective's settings.
 
     Example:
         >>> import llm_calib.objectives.builtin
-        >>> from llm_calib.calm.config import CalibrationConfig
-        >>> build_objective(CalibrationConfig(method="confidence_penalty", penalty_beta=0.3))
+        >>> objective_from_dict({"name": "confidence_penalty", "beta": 0.3})
         ConfidencePenalty(beta=0.3)
+        >>> objective_from_dict("lora_ce")
+        LoraCE()
     """
-    return objective_class(config.method).from_config(config)
+    if isinstance(data, str):
+        data = {"name": data}
+    if not isinstance(data, dict):
+        raise ValueError(f"objective must be a mapping with a name (or a name), got {data!r}")
+    return objective_class(data.get("name", BUILTIN_OBJECTIVES[0])).from_dict(data)

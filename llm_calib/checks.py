@@ -1,0 +1,79 @@
+"""Validation of configuration values: numbers (numeric strings accepted) and integers.
+
+The config dataclasses (:mod:`llm_calib.calm.config`, :mod:`llm_calib.objectives`) check their
+fields with these in ``__post_init__``; every message names the field by its path in the config
+(``objective.solver.eta``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+__all__ = ["check_int", "check_number", "is_int"]
+
+
+def is_int(value: Any) -> bool:
+    """True for an ``int`` that is not a ``bool``.
+
+    Example:
+        >>> is_int(3), is_int(True), is_int(3.0)
+        (True, False, False)
+    """
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_number(name: str, value: Any, *, minimum: float | None = None, positive: bool = False,
+                 below: float | None = None) -> float:
+    """``value`` as a float, checked; numeric strings are accepted because YAML 1.1 reads ``1e-3`` as one.
+
+    Args:
+        name: the field's path, for the message.
+        value: the value to check.
+        minimum: the smallest allowed value (inclusive).
+        positive: the value must be > 0.
+        below: the value must be < this.
+
+    Raises:
+        ValueError: not a number, or out of range (names the field).
+
+    Example:
+        >>> check_number("training.lr", "1e-3", positive=True)
+        0.001
+        >>> check_number("objective.beta", -1, minimum=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: objective.beta must be >= 0, got -1.0
+    """
+    number: float | None = None
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            number = float(value)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    if number is None:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if positive and not number > 0:
+        raise ValueError(f"{name} must be > 0, got {number!r}")
+    if minimum is not None and not number >= minimum:
+        raise ValueError(f"{name} must be >= {minimum:g}, got {number!r}")
+    if below is not None and not number < below:
+        raise ValueError(f"{name} must be in [{minimum or 0:g}, {below:g}), got {number!r}")
+    return number
+
+
+def check_int(name: str, value: Any, minimum: int | None = None) -> int:
+    """``value`` checked to be an int (not a bool), at least ``minimum`` when given.
+
+    Raises:
+        ValueError: not an int, or below ``minimum`` (names the field).
+
+    Example:
+        >>> check_int("training.steps", 0, minimum=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: training.steps must be an int >= 1, got 0
+    """
+    if not is_int(value) or (minimum is not None and value < minimum):
+        raise ValueError(f"{name} must be an int{'' if minimum is None else f' >= {minimum}'}, got {value!r}")
+    return value
