@@ -23,6 +23,11 @@ class MultipleChoice:
         domain: a domain label used to group results (e.g. ``"arc_easy"``, ``"mmlu_stem"``).
         id: a stable identifier, unique within its source.
         meta: free-form extra fields (subject, source file, ...).
+        prompt: an already rendered prompt (e.g. lm-eval's context with its few-shot examples),
+            used verbatim by the scorers instead of one built from ``question`` under a
+            :class:`~llm_calib.prompts.PromptFormat`; None (default) builds it.
+        continuations: the already rendered scored continuation of each option (target
+            delimiter included, e.g. ``" Paris"``), used verbatim; None (default) builds them.
 
     Example:
         >>> q = MultipleChoice("2 + 2 = ?", ("3", "4"), 1, "arithmetic", "add-0")
@@ -36,6 +41,8 @@ class MultipleChoice:
     domain: str
     id: str
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    prompt: str | None = None
+    continuations: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.question.strip():
@@ -48,6 +55,11 @@ class MultipleChoice:
             raise ValueError(
                 f"MultipleChoice {self.id!r}: gold index {self.gold} "
                 f"is not in [0, {len(self.options) - 1}]"
+            )
+        if self.continuations is not None and len(self.continuations) != len(self.options):
+            raise ValueError(
+                f"MultipleChoice {self.id!r}: {len(self.continuations)} continuations "
+                f"for {len(self.options)} options"
             )
 
 
@@ -63,6 +75,10 @@ class OpenQA:
         meta: free-form extra fields.
         answerable: False for questions that have no correct answer (e.g. the unanswerable
             half of SelfAware); such records may have an empty ``answers`` tuple.
+        prompt: an already rendered prompt (e.g. lm-eval's context), used verbatim; None
+            (default) builds it from ``question``.
+        until: the stop sequences the source asks generation to end at (lm-eval's ``until``),
+            kept for reference; None when the source gives none.
 
     Example:
         >>> OpenQA("Capital of France?", ("Paris",), "geo", "q0").answers
@@ -77,6 +93,8 @@ class OpenQA:
     id: str
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     answerable: bool = True
+    prompt: str | None = None
+    until: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.question.strip():
