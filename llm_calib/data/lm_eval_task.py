@@ -100,12 +100,20 @@ def _tasks(task: str, include: str | None) -> dict[str, Any]:
             raise FileNotFoundError(f"lm_eval:{task}: include directory {include} does not exist")
         local = TaskManager(include_path=include, include_defaults=False)
         if task in local.all_tasks:
-            return dict(local.load([task])["tasks"])
+            return _load_tasks(local, task)
     manager = TaskManager(include_path=include)
     if task not in manager.all_tasks:
         where = f" in {include} or" if include is not None else ""
         raise ValueError(f"lm_eval:{task}: no such task, group or tag{where} among lm-eval's tasks")
-    return dict(manager.load([task])["tasks"])
+    return _load_tasks(manager, task)
+
+
+def _load_tasks(manager: Any, task: str) -> dict[str, Any]:
+    try:
+        return dict(manager.load([task])["tasks"])
+    except Exception as err:  # lm-eval's own config / template / data errors
+        raise DataError(f"lm_eval:{task}", 0, "task",
+                        f"lm-eval cannot load the task: {type(err).__name__}: {err}") from err
 
 
 def _gold(target: Any, choices: list[str], where: str) -> int:
@@ -248,7 +256,11 @@ def load_lm_eval_task(
             elif t.get_config("num_fewshot") is None:
                 t.set_config(key="num_fewshot", value=0)
             t.set_fewshot_seed(seed=fewshot_seed)
-            t.build_all_requests()
+            try:
+                t.build_all_requests()
+            except Exception as err:  # lm-eval's own template / data errors, for the whole task
+                raise DataError(f"lm_eval:{name}", 0, "task",
+                                f"lm-eval cannot build its requests: {type(err).__name__}: {err}") from err
             kinds.add(t.OUTPUT_TYPE)
             for doc_id, item in _records(name, t):
                 if isinstance(item, Exception):
