@@ -825,6 +825,8 @@ def write_samples(result: EvaluationResult, path: str | os.PathLike[str]) -> Pat
         >>> len(out.read_text().splitlines())
         3
     """
+    from llm_calib.checkpoint import ordinary_modes
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
@@ -834,6 +836,7 @@ def write_samples(result: EvaluationResult, path: str | os.PathLike[str]) -> Pat
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        ordinary_modes(tmp)  # mkstemp's 0600 -> what every other output file has
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

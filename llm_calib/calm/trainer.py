@@ -77,6 +77,8 @@ class CalibrationResult:
         ``history.json`` and ``metrics.json`` into ``directory``."""
         from safetensors.torch import save_file
 
+        from llm_calib.checkpoint import ordinary_modes
+
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(str(out / "adapter"))
@@ -84,6 +86,7 @@ class CalibrationResult:
         (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         (out / "history.json").write_text(json.dumps(self.history, indent=2))
         (out / "metrics.json").write_text(json.dumps({"metrics": self.metrics, "timings": self.timings}, indent=2))
+        ordinary_modes(out)  # safetensors writes the adapter weights and λ 0600
         return out
 
     @classmethod
