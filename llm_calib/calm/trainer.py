@@ -187,8 +187,8 @@ def calibrate(
         _train(trainer, state, checkpoint_dir, run_data, progress)
     with _timed(timings, "evaluate_after"):
         after = training.evaluate(trainer, state.best_theta)
-    after["selected_step"] = float(state.best["step"])
-    after["stopped_early"] = float(state.stopped_early)
+    after["selected_step"] = int(state.best["step"])  # integers as integers in metrics.json
+    after["stopped_early"] = int(state.stopped_early)
     return CalibrationResult(trainer.model, state.best_lam, state.history, {"before": state.before, "after": after},
                              config, timings)
 
