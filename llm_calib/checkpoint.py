@@ -20,53 +20,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = [
-    "latest_checkpoint",
-    "load_checkpoint",
-    "ordinary_modes",
-    "save_checkpoint",
-    "write_json_atomic",
-    "write_text_atomic",
-]
+from llm_calib.file_modes import ordinary_modes
 
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it; put it back at once
-    os.umask(mask)
-    return mask
-
-
-def ordinary_modes(path: str | os.PathLike[str]) -> Path:
-    """Give ``path`` the permissions an ordinary ``open(path, "w")`` or ``mkdir`` would.
-
-    Files get ``0o666`` and directories ``0o777``, minus the process umask: ``0644`` / ``0755``
-    under the usual umask ``022``. ``tempfile.mkstemp``/``mkdtemp`` create ``0600``/``0700`` and
-    safetensors writes ``0600``; every file llm_calib writes goes through this, so all of them
-    (reports, samples, adapters, λ, checkpoints, merged models) have the same modes. A directory
-    is handled with everything below it.
-
-    Args:
-        path: a file or directory.
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
-
-    Example:
-        >>> import pathlib, stat, tempfile
-        >>> f = pathlib.Path(tempfile.mkstemp()[1])
-        >>> oct(stat.S_IMODE(f.stat().st_mode))
-        '0o600'
-        >>> stat.S_IMODE(ordinary_modes(f).stat().st_mode) == 0o666 & ~_umask()
-        True
-    """
-    path = Path(path)
-    mask = _umask()
-    paths = [path, *path.rglob("*")] if path.is_dir() else [path]
-    for p in paths:
-        if p.is_symlink():
-            continue
-        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
-    return path
+__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint", "write_json_atomic", "write_text_atomic"]
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:

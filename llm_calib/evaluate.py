@@ -825,7 +825,7 @@ def write_samples(result: EvaluationResult, path: str | os.PathLike[str]) -> Pat
         >>> len(out.read_text().splitlines())
         3
     """
-    from llm_calib.checkpoint import ordinary_modes
+    from llm_calib.file_modes import ordinary_modes
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_calib.calm.lora import peft_deprecations_silenced
-from llm_calib.checkpoint import ordinary_modes
+from llm_calib.file_modes import ordinary_modes
 
 __all__ = ["adapter_directory", "export_merged", "load_adapter", "merge_adapter"]
 

@@ -77,7 +77,7 @@ class CalibrationResult:
         ``history.json`` and ``metrics.json`` into ``directory``."""
         from safetensors.torch import save_file
 
-        from llm_calib.checkpoint import ordinary_modes
+        from llm_calib.file_modes import ordinary_modes
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
