@@ -20,13 +20,13 @@ document's own ``id`` field when it has one). Records come in lm-eval's document
 
 Spec: ``lm_eval:TASK[:OPTIONS]`` with comma-separated ``key=value`` options:
 
-=================  ============================================================================
-``include=DIR``    a directory of task YAML files (lm-eval's ``--include_path``); searched first,
-                   lm-eval's built-in tasks only when TASK is not found there
-``num_fewshot=N``  few-shot examples per document (lm-eval's ``--num_fewshot``; a task whose
-                   YAML sets 0 keeps 0, as in lm-eval)
-``fewshot_seed=S`` the few-shot sampling seed (default 1234, lm-eval's default)
-=================  ============================================================================
+==================  ===========================================================================
+``include=DIR``     a directory of task YAML files (lm-eval's ``--include_path``); searched
+                    first, lm-eval's built-in tasks only when TASK is not found there
+``num_fewshot=N``   few-shot examples per document (lm-eval's ``--num_fewshot``; a task whose
+                    YAML sets 0 keeps 0, as in lm-eval)
+``fewshot_seed=S``  the few-shot sampling seed (default 1234, lm-eval's default)
+==================  ===========================================================================
 
 Local task files with local data (``dataset_path: json`` and ``dataset_kwargs: {data_files:
 ...}``) need no network. Not supported: ``multiple_input`` tasks (several contexts, one
