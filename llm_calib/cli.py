@@ -172,6 +172,8 @@ def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int |
             limit_mode=getattr(args, "limit_mode", "sample"),
         ),
         f"{flag} {spec}",
+        # ImportError: a loader's optional extra is missing (lm_eval:, hf:); the message names it
+        errors=(ValueError, OSError, KeyError, TypeError, ImportError),
     )
     if res.skipped:
         if not hasattr(args, "skipped_rows"):

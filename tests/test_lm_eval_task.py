@@ -117,11 +117,34 @@ def test_import_llm_calib_does_not_import_lm_eval() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_missing_lm_eval_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_lm_eval_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from llm_calib.cli import main
+
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
     with pytest.raises(ImportError, match=r"llm-calib\[lm-eval\]") as err:
         load("lm_eval:arc_easy")
     assert "\n" not in str(err.value)
+    assert main(["evaluate", "--data", "lm_eval:arc_easy", "--out", str(tmp_path), "--quiet"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("llm-calib: error: --data lm_eval:arc_easy: lm-eval tasks need")
+    assert "llm-calib[lm-eval]" in line and "\n" not in line
+
+
+def test_cli_evaluates_a_local_lm_eval_task(task_dir: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("lm_eval")
+    from llm_calib.cli import main
+
+    out = tmp_path / "eval"
+    assert main(["evaluate", "--model", str(tiny_model_dir), "--data",
+                 f"lm_eval:toy_arc_easy:include={task_dir},num_fewshot=1", "--limit", "3",
+                 "--limit-mode", "first", "--bootstrap", "0", "--quiet", "--log-samples",
+                 "--out", str(out)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["domains"]["toy_arc_easy"]["n"] == 3
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    reqs = _lm_eval_requests(task_dir, "toy_arc_easy", 1)
+    assert [r["prompt"] for r in rows] == [i.args[0] for i in reqs if i.idx == 0][:3]
 
 
 def test_local_multiple_choice_task_matches_lm_eval_hflm(task_dir: Path) -> None:
