@@ -153,5 +153,6 @@ def export_merged(
     (target / "llm_calib_export.json").write_text(
         json.dumps({"adapter": str(src.resolve()), "merged": ["lora", "modules_to_save"]}, indent=2)
     )
-    ordinary_modes(target)  # safetensors writes model.safetensors 0600
+    for weights in target.glob("*.safetensors"):
+        ordinary_modes(weights)  # safetensors writes model.safetensors 0600
     return target

@@ -21,7 +21,8 @@ def ordinary_modes(path: str | os.PathLike[str]) -> Path:
     under the usual umask ``022``. ``tempfile.mkstemp``/``mkdtemp`` create ``0600``/``0700`` and
     safetensors writes ``0600``; every file llm_calib writes goes through this, so all of them
     (reports, samples, adapters, λ, checkpoints, merged models) have the same modes. A directory
-    is handled with everything below it.
+    is handled with everything below it (symbolic links are left alone): pass only what was
+    just written.
 
     Args:
         path: a file or directory.

@@ -78,3 +78,15 @@ def test_ordinary_modes_follows_the_umask(tmp_path: Path) -> None:
     f.chmod(0o600)
     os.umask(0o027)
     assert oct(stat.S_IMODE(ordinary_modes(f).stat().st_mode)) == "0o640"
+
+
+def test_files_of_the_user_keep_their_modes(tmp_path: Path) -> None:
+    """Only what llm_calib wrote is touched: a script already in the output directory stays 0755."""
+    out = tmp_path / "calm"
+    out.mkdir()
+    script = out / "run.sh"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    model, _ = tiny_random_model()
+    CalibrationResult(attach_lora(model, LoraSettings(rank=2)), {}, [], {}, CalibrationConfig()).save(out)
+    assert oct(stat.S_IMODE(script.stat().st_mode)) == "0o755"

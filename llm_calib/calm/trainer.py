@@ -86,7 +86,8 @@ class CalibrationResult:
         (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         (out / "history.json").write_text(json.dumps(self.history, indent=2))
         (out / "metrics.json").write_text(json.dumps({"metrics": self.metrics, "timings": self.timings}, indent=2))
-        ordinary_modes(out)  # safetensors writes the adapter weights and λ 0600
+        for written in (out / "adapter", out / "lambda.safetensors"):
+            ordinary_modes(written)  # safetensors writes the adapter weights and λ 0600
         return out
 
     @classmethod
