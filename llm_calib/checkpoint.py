@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from llm_calib.file_modes import ordinary_modes
+
 __all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint", "write_json_atomic", "write_text_atomic"]
 
 
@@ -43,7 +45,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
+        ordinary_modes(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -117,6 +119,7 @@ def save_checkpoint(
     try:
         save_file({k: _owned(v) for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
         torch.save(state, tmp / "state.pt")
+        ordinary_modes(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -11,6 +11,8 @@ Subcommands:
 * ``llm-calib export``: merge a saved adapter (LoRA and the output scale) into its base model and
   save a standalone Hugging Face model.
 * ``llm-calib demo``: the main job on the embedded default.
+* ``llm-calib metrics SAMPLES...``: the calibration report of lm-eval ``--log_samples`` files
+  (:mod:`llm_calib.lm_eval_samples`; no model needed).
 
 Errors in the user's input (a bad data spec, a missing file, an unknown model) print one line
 ``llm-calib: error: ...`` and exit with status 2, without a traceback.
@@ -40,6 +42,8 @@ data specs (LOADER[:TARGET[:OPTION]]), for example:
   openbookqa:../shared/data/openbookqa/openbookqa.jsonl
   commonsenseqa:../shared/data/commonsenseqa/genmc_dev.jsonl
   jsonl:my_questions.jsonl                   generic {"question", "options", "answer"} rows
+  lm_eval:arc_easy:num_fewshot=5             an lm-eval task, its prompts (lm-eval extra)
+  lm_eval:my_task:include=tasks/             a local lm-eval task YAML
 see llm_calib.data.spec for the full grammar.
 
 example:
@@ -169,6 +173,8 @@ def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int |
             limit_mode=getattr(args, "limit_mode", "sample"),
         ),
         f"{flag} {spec}",
+        # ImportError: a loader's optional extra is missing (lm_eval:, hf:); the message names it
+        errors=(ValueError, OSError, KeyError, TypeError, ImportError),
     )
     if res.skipped:
         if not hasattr(args, "skipped_rows"):
@@ -880,6 +886,77 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_demo)
 
 
+def _add_metrics(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "metrics",
+        help="calibration metrics of lm-eval --log_samples files (no model needed)",
+        description="Read lm-evaluation-harness samples_<task>_<date>.jsonl files (--log_samples) "
+        "of multiple-choice tasks, from any model lm-eval ran, and write the calibration report "
+        "of `evaluate` (metrics.json, report.md, reliability diagrams): one domain per task.",
+    )
+    p.add_argument("samples", nargs="+", metavar="SAMPLES", help="lm-eval samples_*.jsonl files")
+    p.add_argument(
+        "--normalize", choices=("sum", "char", "byte"), default="sum",
+        help="option scores of the headline metrics: summed log-likelihoods (lm-eval's acc), per "
+        "character (acc_norm) or per byte (acc_bytes); the report shows all three side by side "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--temperature-fit", default=None, metavar="TASK",
+        help="fit a temperature on this task (one of the SAMPLES tasks, or another samples file) "
+        "and report temperature-scaled metrics for every task",
+    )
+    p.add_argument(
+        "--target-delimiter", default=" ", metavar="TEXT",
+        help="the tasks' target delimiter, removed from each continuation to get the choice text "
+        "acc_norm and acc_bytes divide by (default: a space)",
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="bootstrap seed (default: %(default)s)")
+    p.add_argument(
+        "--bins", type=_positive_int, default=10,
+        help="equal-width confidence bins for ECE and the reliability diagrams (default: %(default)s)",
+    )
+    p.add_argument(
+        "--bootstrap", type=_non_negative_int, default=1000, metavar="R",
+        help="bootstrap resamples for the 95%% confidence intervals; 0 disables them (default: %(default)s)",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    p.set_defaults(func=_cmd_metrics)
+
+
+def _cmd_metrics(args: argparse.Namespace) -> int:
+    from llm_calib.lm_eval_samples import samples_result
+    from llm_calib.report import write_report
+
+    for path in args.samples:
+        if not Path(path).is_file():
+            raise _UserError(f"{path}: no such samples file")
+    result = _user_call(
+        lambda: samples_result(
+            args.samples,
+            normalize=args.normalize,
+            temperature_fit=args.temperature_fit,
+            target_delimiter=_unescape(args.target_delimiter) or "",
+            n_bins=args.bins,
+            ci=args.bootstrap > 0,
+            n_resamples=max(args.bootstrap, 1),
+            seed=args.seed,
+        ),
+        "metrics",
+    )
+    paths = write_report(result, args.out, title="Calibration report (lm-eval samples)")
+    for dom, r in result.domains.items():
+        unc = r.uncalibrated
+        line = f"{dom}: n={r.n} accuracy={unc['accuracy']:.3f} ECE={unc['ece']:.3f}"
+        if r.temperature_scaled and result.temperature is not None:
+            line += f" ECE(T={result.temperature.temperature:.2f})={r.temperature_scaled['ece']:.3f}"
+        if r.normalizations:
+            line += " | " + " ".join(f"{n}={m['accuracy']:.3f}" for n, m in r.normalizations.items())
+        print(line)
+    print(f"wrote {len(paths)} files to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``llm-calib`` argument parser (one subparser per subcommand).
 
@@ -897,6 +974,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibrate(sub)
     _add_export(sub)
     _add_demo(sub)
+    _add_metrics(sub)
     return parser
 
 

@@ -670,6 +670,8 @@ def write_samples(result: EvaluationResult, path: str | os.PathLike[str]) -> Pat
         >>> len(out.read_text().splitlines())
         3
     """
+    from llm_calib.file_modes import ordinary_modes
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
@@ -679,6 +681,7 @@ def write_samples(result: EvaluationResult, path: str | os.PathLike[str]) -> Pat
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        ordinary_modes(tmp)  # mkstemp's 0600 -> what every other output file has
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_calib.calm.lora import peft_deprecations_silenced
+from llm_calib.file_modes import ordinary_modes
 
 __all__ = ["adapter_directory", "export_merged", "load_adapter", "merge_adapter"]
 
@@ -152,4 +153,6 @@ def export_merged(
     (target / "llm_calib_export.json").write_text(
         json.dumps({"adapter": str(src.resolve()), "merged": ["lora", "modules_to_save"]}, indent=2)
     )
+    for weights in target.glob("*.safetensors"):
+        ordinary_modes(weights)  # safetensors writes model.safetensors 0600
     return target

@@ -34,6 +34,7 @@ float32 rounding.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -635,11 +636,15 @@ def _as_indexable(a: ArrayLike) -> Any:
     return _numpy(a)
 
 
-def _percentile_interval(values: np.ndarray, alpha: float) -> tuple[float, float]:
+def _difference_interval(estimate: float, values: np.ndarray, alpha: float) -> tuple[float, float]:
+    """``estimate ± q``, ``q`` the ``1 - alpha`` percentile of ``|resampled - estimate|``, kept
+    within the range of the resampled values (widened to take in ``estimate``)."""
     finite = values[np.isfinite(values)]
-    if finite.size == 0:
+    if finite.size == 0 or not math.isfinite(estimate):
         return float("nan"), float("nan")
-    low, high = np.percentile(finite, [100.0 * alpha / 2.0, 100.0 * (1.0 - alpha / 2.0)])
+    q = float(np.percentile(np.abs(finite - estimate), 100.0 * (1.0 - alpha)))
+    low = max(estimate - q, min(float(finite.min()), estimate))
+    high = min(estimate + q, max(float(finite.max()), estimate))
     return float(low), float(high)
 
 
@@ -657,13 +662,18 @@ def bootstrap_ci(
     alpha: float = 0.05,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """Percentile bootstrap confidence interval of ``metric(*arrays)``.
+    """Bootstrap confidence interval of ``metric(*arrays)`` that always contains its value.
 
     Questions are resampled with replacement, jointly: the same indices are taken from every
-    array. Resamples on which the metric is NaN (e.g. AUROC with one class) are ignored; if all
-    are NaN the interval is ``(nan, nan)``. Note that binned ECE is biased upward on resamples
-    (duplicates make bins noisier), so for well-calibrated predictions its percentile interval
-    can lie entirely above the point estimate.
+    array. The interval is the percentile interval of the difference, symmetric:
+    ``estimate ± q`` where ``estimate = metric(*arrays)`` and ``q`` is the ``1 - alpha``
+    percentile of ``|metric(resample) - estimate|`` over the resamples, kept within the range of
+    the resampled values (widened to take in the estimate, so e.g. an ECE bound never goes
+    below 0 nor an accuracy above 1). It contains the estimate by construction: binned ECE is
+    biased upward on resamples (duplicates make bins noisier), so the plain percentile interval
+    of the resampled values can lie entirely above the point estimate (issue #31 saw AECE 0.198
+    with an interval [0.206, 0.419]). Resamples on which the metric is NaN (e.g. AUROC with one
+    class) are ignored; if all are NaN, or the estimate is NaN, the interval is ``(nan, nan)``.
 
     Args:
         metric: a function of the arrays, e.g. :func:`ece` or :func:`brier`.
@@ -673,8 +683,7 @@ def bootstrap_ci(
         seed: seed of the resampling.
 
     Returns:
-        ``(low, high)``: the ``alpha / 2`` and ``1 - alpha / 2`` percentiles of the resampled
-        metric.
+        ``(low, high)`` with ``low <= metric(*arrays) <= high``.
 
     Raises:
         ValueError: no arrays, arrays of different lengths, ``n_resamples < 1`` or ``alpha``
@@ -701,7 +710,7 @@ def bootstrap_ci(
     for r in range(int(n_resamples)):
         idx = rng.integers(0, n, size=n)
         values[r] = float(metric(*(_take(a, idx) for a in data)))
-    return _percentile_interval(values, alpha)
+    return _difference_interval(float(metric(*data)), values, alpha)
 
 
 _CI_METRICS: Mapping[
@@ -730,9 +739,9 @@ def summarize(
     Keys: ``n``, ``accuracy``, ``ece`` (``n_bins`` bins), ``ece15`` (15 bins), ``adaptive_ece``,
     ``classwise_ece``, ``mce``, ``brier``, ``nll``, ``auroc``, ``mean_entropy``,
     ``mean_confidence``; with ``ci``, also ``<m>_ci_low`` / ``<m>_ci_high`` for ``m`` in accuracy,
-    ece, adaptive_ece, brier, nll and auroc: percentile bootstrap intervals at level
-    ``1 - alpha`` from one shared set of ``n_resamples`` question resamples (see
-    :func:`bootstrap_ci`).
+    ece, adaptive_ece, brier, nll and auroc: bootstrap intervals at level ``1 - alpha`` (the
+    symmetric percentile interval of the difference, which contains the point estimate; see
+    :func:`bootstrap_ci`) from one shared set of ``n_resamples`` question resamples.
 
     Args:
         probs: ``(N, K)`` option probabilities, or a ragged list of 1-D rows.
@@ -786,5 +795,5 @@ def summarize(
             for name, fn in _CI_METRICS.items():
                 values[name][r] = fn(*args)
         for name, vals in values.items():
-            out[f"{name}_ci_low"], out[f"{name}_ci_high"] = _percentile_interval(vals, alpha)
+            out[f"{name}_ci_low"], out[f"{name}_ci_high"] = _difference_interval(out[name], vals, alpha)
     return out

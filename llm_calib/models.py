@@ -31,6 +31,7 @@ __all__ = [
     "default_cache_dir",
     "enable_checkpointing",
     "free_memory",
+    "hub_reachable",
     "lm_head_logits",
     "load",
     "load_count",
@@ -420,6 +421,90 @@ def _ensure_pad_token(tokenizer: Any, model: Any) -> None:
         gen.pad_token_id = tokenizer.pad_token_id
 
 
+_OFFLINE_VALUES = {"1", "on", "yes", "true"}
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hugging Face hub can be asked for a model right now.
+
+    False when ``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE`` is set, or when a TCP connection to
+    the hub endpoint (``HF_ENDPOINT``, default ``https://huggingface.co``) does not open within
+    ``timeout`` seconds; so :func:`load` fails in seconds offline instead of waiting on retries.
+
+    Args:
+        timeout: seconds to wait for the connection.
+
+    Returns:
+        True if the hub looks reachable.
+
+    Example:
+        >>> import os
+        >>> before = os.environ.get("HF_HUB_OFFLINE")
+        >>> os.environ["HF_HUB_OFFLINE"] = "1"
+        >>> hub_reachable()
+        False
+        >>> if before is None:
+        ...     del os.environ["HF_HUB_OFFLINE"]
+        ... else:
+        ...     os.environ["HF_HUB_OFFLINE"] = before
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(v, "").strip().lower() in _OFFLINE_VALUES for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _looks_like_path(name: str) -> bool:
+    return (
+        name.startswith(("/", "./", "../", "~", ".\\")) or name.count("/") > 1 or name.endswith(".gguf")
+        or (os.sep != "/" and os.sep in name)
+    )
+
+
+def _hub_cached(name: str, cache_dir: str | os.PathLike[str] | None) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(name, "config.json", cache_dir=str(cache_dir) if cache_dir else None)
+    except Exception:  # an invalid repo id, an unreadable cache: not cached
+        return False
+    return isinstance(hit, str)
+
+
+def _check_hub_name(name: str, cache_dir: str | os.PathLike[str] | None) -> bool:
+    """Errors for a name that is no local path or alias, before transformers tries the hub.
+
+    Returns whether the model must be read from the local hub cache only (offline, cached)."""
+    import difflib
+
+    aliases = ", ".join(sorted(ALIASES))
+    near = difflib.get_close_matches(name.lower(), list(ALIASES), n=1, cutoff=0.75)
+    if near and "/" not in name:
+        raise ValueError(
+            f"unknown model {name!r}: not a local path or built-in alias; did you mean {near[0]!r}?"
+        )
+    if _looks_like_path(name):
+        raise FileNotFoundError(
+            f"model path {name} does not exist (a local model directory or .gguf file; "
+            f"built-in aliases: {aliases})"
+        )
+    if _hub_cached(name, cache_dir):
+        return not hub_reachable()
+    if not hub_reachable():
+        raise OSError(
+            f"model {name!r} is not a local path or built-in alias ({aliases}) and not in the hub "
+            "cache, and the Hugging Face hub is unreachable (offline or HF_HUB_OFFLINE set)"
+        )
+    return False
+
+
 def load(
     name_or_path: str = "smollm2-135m-instruct",
     *,
@@ -452,10 +537,13 @@ def load(
 
     Raises:
         FileNotFoundError: if an alias's package is missing (the message names the install
-            command).
+            command), or a local path (``/...``, ``./...``, ``~/...``, ``a/b/c``, ``*.gguf``)
+            does not exist.
         ImportError: 4/8-bit loading without bitsandbytes (names the install command).
-        ValueError: an invalid option (names the field and the allowed values).
-        OSError: if a hub name cannot be resolved.
+        ValueError: an invalid option (names the field and the allowed values), or a name close
+            to a built-in alias (e.g. ``smollm2-135m-instrct``; the message suggests the alias).
+        OSError: if a hub name cannot be resolved; at once, without network retries, when the
+            hub is unreachable (:func:`hub_reachable`) and the name is not in the hub cache.
 
     Example:
         >>> import tempfile
@@ -499,10 +587,12 @@ def load(
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:
+        if not Path(name_or_path).expanduser().exists() and _check_hub_name(name_or_path, cache_dir):
+            kwargs["local_files_only"] = True  # offline with a cached copy: no network retries
         if cache_dir is not None:
             kwargs["cache_dir"] = str(cache_dir)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
-        tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "cache_dir") if k in kwargs}
+        tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "cache_dir", "local_files_only") if k in kwargs}
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **tok_kwargs)
     _LOADS["count"] += 1
     _ensure_pad_token(tokenizer, model)

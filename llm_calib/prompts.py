@@ -448,6 +448,9 @@ def record_prompt(tokenizer: Any, record: Any, fmt: PromptFormat | None = None) 
     template all of it is the single user turn; the answer prefix (no template) follows the
     generation prompt.
 
+    A record with an already rendered ``prompt`` (e.g. from :mod:`llm_calib.data.lm_eval_task`)
+    returns it verbatim: the format (template, chat template, few-shot) does not apply.
+
     Args:
         tokenizer: a Hugging Face tokenizer (only needed with a chat template).
         record: a multiple-choice or open record.
@@ -467,6 +470,8 @@ def record_prompt(tokenizer: Any, record: Any, fmt: PromptFormat | None = None) 
         Question: Capital of France?
         Answer:
     """
+    if getattr(record, "prompt", None) is not None:  # already rendered (e.g. by lm-eval)
+        return record.prompt
     fmt = fmt or PromptFormat()
     options = getattr(record, "options", None)
     if fmt.template is None and not fmt.description and fmt.fewshot == 0:
@@ -491,6 +496,7 @@ def option_continuations(record: Any, fmt: PromptFormat | None = None) -> tuple[
     """The scored continuation of each option: ``target_delimiter`` + option text (or letter).
 
     With the default format this is :func:`continuation_text` of each option.
+    A record with already rendered ``continuations`` returns them verbatim.
 
     Args:
         record: a multiple-choice record.
@@ -505,6 +511,8 @@ def option_continuations(record: Any, fmt: PromptFormat | None = None) -> tuple[
         >>> option_continuations(q), option_continuations(q, PromptFormat(choices="letters"))
         ((' x', ' y'), (' A', ' B'))
     """
+    if getattr(record, "continuations", None) is not None:  # already rendered (e.g. by lm-eval)
+        return tuple(record.continuations)
     fmt = fmt or PromptFormat()
     if fmt.choices == "letters":
         return tuple(fmt.target_delimiter + c for c in _letters_for(record))

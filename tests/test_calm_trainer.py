@@ -333,6 +333,9 @@ def test_accuracy_guard_stops_and_returns_the_initial_parameters(data):
     assert all(h["heldout_accuracy"] < guard * before["accuracy"] for h in result.history[-2:])
     assert after["accuracy"] >= guard * before["accuracy"]
     assert after["selected_step"] == 0.0
+    # integers as integers (issue #31 (5)): metrics.json says 0 and 1, not 0.0 and 1.0
+    assert type(after["selected_step"]) is int and type(after["stopped_early"]) is int
+    assert '"selected_step": 0,' in json.dumps(after) and '"stopped_early": 1' in json.dumps(after)
     assert after["ece"] == pytest.approx(before["ece"], abs=1e-9)
     lora_b = [p for n, p in result.model.named_parameters() if "lora_B" in n]
     assert lora_b and all(float(p.detach().abs().max()) == 0.0 for p in lora_b)  # rolled back to the start

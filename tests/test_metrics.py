@@ -458,3 +458,29 @@ def test_ece_convention_for_a_confidence_of_one_differs_from_torchmetrics():
     # torchmetrics: |1 - 0.95| / 2 + |0 - 1| / 2 = 0.525
     theirs = tm.multiclass_calibration_error(probs, labels, 2, n_bins=10, norm="l1")
     assert float(theirs) == pytest.approx(0.525, abs=1e-7)
+
+
+def test_bootstrap_intervals_contain_the_point_estimate():
+    """Issue #31 (5): binned ECE is biased upward on resamples, so the plain percentile interval of
+    the resampled values can exclude the estimate (AECE 0.198, [0.206, 0.419]); ours never does."""
+    excluded = 0
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        conf = rng.uniform(0.5, 1.0, size=40)
+        correct = rng.uniform(size=40) < conf  # well calibrated: small ECE, biased resamples
+        est = ece(conf, correct)
+        lo, hi = bootstrap_ci(ece, conf, correct, n_resamples=200, seed=seed)
+        assert lo <= est <= hi and lo >= 0.0
+        # the plain percentile interval of the same resamples
+        r = np.random.default_rng(seed)
+        vals = []
+        for _ in range(200):
+            idx = r.integers(0, 40, size=40)
+            vals.append(ece(conf[idx], correct[idx]))
+        p_lo, p_hi = np.percentile(vals, [2.5, 97.5])
+        excluded += not p_lo <= est <= p_hi
+        p = np.stack([conf, 1 - conf], axis=1)
+        s = summarize(p, np.where(correct, 0, 1), n_resamples=200, seed=seed)
+        for m in ("accuracy", "ece", "adaptive_ece", "brier", "nll", "auroc"):
+            assert s[f"{m}_ci_low"] <= s[m] <= s[f"{m}_ci_high"], (seed, m)
+    assert excluded > 0  # the case the fix is about does occur here

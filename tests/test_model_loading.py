@@ -128,3 +128,27 @@ def test_evaluate_takes_the_loading_flags(tiny_model_dir, tmp_path):
     a = out["float32"]["domains"]["capitals"]["uncalibrated"]
     b = out["bfloat16"]["domains"]["capitals"]["uncalibrated"]
     assert a["nll"] != b["nll"] and b["nll"] == pytest.approx(a["nll"], rel=2e-2)  # bf16 rounding, no more
+
+
+def test_model_loading_errors_say_what_is_wrong(tmp_path, monkeypatch, capsys):
+    """Issue #31 (4): a missing local path says so; a near-miss of a built-in alias suggests it;
+    offline, a hub name fails at once with one line (it used to wait ~50 s on retries)."""
+    import time
+
+    missing = tmp_path / "my-model"
+    with pytest.raises(FileNotFoundError, match=f"model path {missing} does not exist"):
+        load(str(missing))
+    with pytest.raises(ValueError, match="did you mean 'smollm2-135m-instruct'"):
+        load("smollm2-135m-instrct")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    with pytest.raises(OSError, match="hub is unreachable"):
+        load("no-such-org/no-such-model-xyz")
+    assert time.perf_counter() - t0 < 10
+    # the CLI: one line, exit status 2
+    for model, words in [(str(missing), "does not exist"), ("smollm2-135m-instrct", "did you mean"),
+                         ("no-such-org/no-such-model-xyz", "unreachable")]:
+        assert cli.main(["evaluate", "--model", model, "--data", EVAL, "--out", str(tmp_path / "o"),
+                         "--quiet"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("llm-calib: error: --model") and words in err and "\n" not in err

@@ -77,6 +77,8 @@ class CalibrationResult:
         ``history.json`` and ``metrics.json`` into ``directory``."""
         from safetensors.torch import save_file
 
+        from llm_calib.file_modes import ordinary_modes
+
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(str(out / "adapter"))
@@ -84,6 +86,8 @@ class CalibrationResult:
         (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         (out / "history.json").write_text(json.dumps(self.history, indent=2))
         (out / "metrics.json").write_text(json.dumps({"metrics": self.metrics, "timings": self.timings}, indent=2))
+        for written in (out / "adapter", out / "lambda.safetensors"):
+            ordinary_modes(written)  # safetensors writes the adapter weights and λ 0600
         return out
 
     @classmethod
@@ -185,8 +189,8 @@ def calibrate(
         _train(trainer, state, checkpoint_dir, run_data, progress)
     with _timed(timings, "evaluate_after"):
         after = training.evaluate(trainer, state.best_theta)
-    after["selected_step"] = float(state.best["step"])
-    after["stopped_early"] = float(state.stopped_early)
+    after["selected_step"] = int(state.best["step"])  # integers as integers in metrics.json
+    after["stopped_early"] = int(state.stopped_early)
     return CalibrationResult(trainer.model, state.best_lam, state.history, {"before": state.before, "after": after},
                              config, timings)
 

@@ -25,6 +25,7 @@ from llm_calib.data.builtin import (
 from llm_calib.data.errors import MAX_ERRORS, DataError, OnError
 from llm_calib.data.hub import HUB_DATASETS, hub_row_to_record, load_hub
 from llm_calib.data.jsonl import load_jsonl, mc_from_dict, openqa_from_dict
+from llm_calib.data.lm_eval_task import load_lm_eval_task
 from llm_calib.data.mmlu import MMLU_GROUPS, MMLU_SUBJECTS, load_mmlu, mmlu_group
 from llm_calib.data.openqa import (
     load_nq_open,
@@ -67,6 +68,7 @@ __all__ = [
     "load_ai2",
     "load_hub",
     "load_jsonl",
+    "load_lm_eval_task",
     "load_mmlu",
     "load_nq_open",
     "load_openqa_jsonl",

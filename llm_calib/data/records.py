@@ -22,6 +22,11 @@ class MultipleChoice:
         domain: a domain label used to group results (e.g. ``"arc_easy"``, ``"mmlu_stem"``).
         id: a stable identifier, unique within its source.
         meta: free-form extra fields (subject, source file, ...).
+        prompt: an already rendered prompt (e.g. lm-eval's context with its few-shot examples),
+            used verbatim by the scorers instead of one built from ``question`` under a
+            :class:`~llm_calib.prompts.PromptFormat`; None (default) builds it.
+        continuations: the already rendered scored continuation of each option (target
+            delimiter included, e.g. ``" Paris"``), used verbatim; None (default) builds them.
 
     Example:
         >>> q = MultipleChoice("2 + 2 = ?", ("3", "4"), 1, "arithmetic", "add-0")
@@ -35,6 +40,8 @@ class MultipleChoice:
     domain: str
     id: str
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    prompt: str | None = None
+    continuations: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.question.strip():
@@ -47,6 +54,11 @@ class MultipleChoice:
             raise ValueError(
                 f"MultipleChoice {self.id!r}: gold index {self.gold} "
                 f"is not in [0, {len(self.options) - 1}]"
+            )
+        if self.continuations is not None and len(self.continuations) != len(self.options):
+            raise ValueError(
+                f"MultipleChoice {self.id!r}: {len(self.continuations)} continuations "
+                f"for {len(self.options)} options"
             )
 
 
@@ -62,6 +74,10 @@ class OpenQA:
         meta: free-form extra fields.
         answerable: False for questions that have no correct answer (e.g. the unanswerable
             half of SelfAware); such records may have an empty ``answers`` tuple.
+        prompt: an already rendered prompt (e.g. lm-eval's context), used verbatim; None
+            (default) builds it from ``question``.
+        until: the stop sequences the source asks generation to end at (lm-eval's ``until``),
+            kept for reference; None when the source gives none.
 
     Example:
         >>> OpenQA("Capital of France?", ("Paris",), "geo", "q0").answers
@@ -76,6 +92,8 @@ class OpenQA:
     id: str
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
     answerable: bool = True
+    prompt: str | None = None
+    until: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.question.strip():

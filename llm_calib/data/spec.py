@@ -37,6 +37,9 @@ loader                              TARGET                               OPTION
 ``hf``                              a hub name, e.g. ``cais/mmlu``       ``CONFIG`` or
                                                                          ``config=...,split=...``
 ``builtin``                         comma-separated domains (optional)   ``N`` or ``n=N,seed=S``
+``lm_eval`` (needs the ``lm-eval``  an lm-eval task, group or tag name   ``include=DIR``,
+extra)                                                                   ``num_fewshot=N``,
+                                                                         ``fewshot_seed=S``
 ==================================  ===================================  =========================
 
 Examples: ``arc_easy:../shared/data/arc_easy/test.jsonl``, ``arc_easy:../shared/data:dev``,
@@ -44,7 +47,8 @@ Examples: ``arc_easy:../shared/data/arc_easy/test.jsonl``, ``arc_easy:../shared/
 ``opentriviaqa:../shared/data/opentriviaqa/categories/geography``,
 ``opentriviaqa:../shared/data:geography,animals``, ``selfaware:../shared/data:triviaqa``,
 ``hf:allenai/ai2_arc:config=ARC-Challenge,split=validation``, ``builtin``,
-``builtin:arithmetic,capitals:n=100``.
+``builtin:arithmetic,capitals:n=100``, ``lm_eval:arc_easy:num_fewshot=5``,
+``lm_eval:my_task:include=tasks/`` (a local task YAML, see :mod:`llm_calib.data.lm_eval_task`).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from llm_calib.data.builtin import BUILTIN_DOMAINS, builtin_multiple_choice
 from llm_calib.data.errors import OnError
 from llm_calib.data.hub import load_hub
 from llm_calib.data.jsonl import load_jsonl
+from llm_calib.data.lm_eval_task import LM_EVAL_OPTIONS, load_lm_eval_task
 from llm_calib.data.mmlu import MMLU_GROUPS, MMLU_SPLITS, load_mmlu
 from llm_calib.data.openqa import load_nq_open, load_webquestions
 from llm_calib.data.opentriviaqa import load_opentriviaqa
@@ -92,6 +97,7 @@ LOADERS: dict[str, str] = {
     "jsonl": "generic multiple-choice or open QA jsonl",
     "hf": "Hugging Face hub dataset (needs `datasets`)",
     "builtin": "built-in generated multiple choice",
+    "lm_eval": "an lm-evaluation-harness task, group or tag (needs the `lm-eval` extra)",
 }
 """Valid loader names of the spec grammar, with a one-line description each."""
 
@@ -154,7 +160,7 @@ def parse_spec(spec: str) -> Spec:
         raise SpecError(
             f"unknown loader {loader!r} in spec {spec!r}; valid loaders: {', '.join(LOADERS)}"
         )
-    if loader in ("hf", "builtin"):
+    if loader in ("hf", "builtin", "lm_eval"):
         target, sep, option = rest.partition(":")
         return Spec(loader, target, option if sep else None)
     if not rest:
@@ -216,6 +222,19 @@ def _load_spec(s: Spec, spec: str, on_error: OnError) -> LoadResult[Any]:
         except ValueError:
             raise SpecError(f"spec {spec!r}: n and seed must be integers") from None
         return LoadResult(builtin_multiple_choice(n, gen_seed, domains), source=spec)
+    if loader == "lm_eval":
+        if not s.target:
+            raise SpecError(f"spec {spec!r} needs a task name: 'lm_eval:TASK'")
+        kv = _key_values(option, "include", set(LM_EVAL_OPTIONS), spec)
+        try:
+            shots = int(kv["num_fewshot"]) if "num_fewshot" in kv else None
+            fs_seed = int(kv.get("fewshot_seed", 1234))
+        except ValueError:
+            raise SpecError(f"spec {spec!r}: num_fewshot and fewshot_seed must be integers") from None
+        return load_lm_eval_task(
+            s.target, include=kv.get("include"), num_fewshot=shots, fewshot_seed=fs_seed,
+            on_error=on_error,
+        )
     if loader == "hf":
         if not s.target:
             raise SpecError(f"spec {spec!r} needs a hub name: 'hf:NAME'")

@@ -1,0 +1,272 @@
+"""lm-evaluation-harness tasks as a data source (the ``lm_eval:TASK`` loader; optional extra).
+
+The task (or group, or tag) is read through lm-eval's own task registry
+(:class:`lm_eval.tasks.TaskManager`), and its requests are built by lm-eval itself
+(``Task.build_all_requests``), so the prompt template, the few-shot examples and their sampling,
+``doc_to_choice`` and the target delimiter are lm-eval's:
+
+* a ``multiple_choice`` task gives :class:`~llm_calib.data.records.MultipleChoice` records whose
+  ``prompt`` is lm-eval's context of the document (few-shot examples included) and whose
+  ``continuations`` are the continuations of its ``loglikelihood`` requests
+  (``target_delimiter + choice``); the scorers use both verbatim;
+* a ``generate_until`` task gives :class:`~llm_calib.data.records.OpenQA` records with lm-eval's
+  context as ``prompt``, the task's target(s) as accepted answers and the request's ``until``
+  stop sequences.
+
+Each record's ``domain`` is the lm-eval task name (the subtasks of a group keep their own names),
+its ``id`` is ``TASK/DOC_ID`` and its ``meta`` holds ``lm_eval_task`` and ``doc_id`` (and the
+document's own ``id`` field when it has one). Records come in lm-eval's document order, so
+``limit_mode="first"`` takes the documents lm-eval's ``--limit`` takes.
+
+Spec: ``lm_eval:TASK[:OPTIONS]`` with comma-separated ``key=value`` options:
+
+==================  ===========================================================================
+``include=DIR``     a directory of task YAML files (lm-eval's ``--include_path``); searched
+                    first, lm-eval's built-in tasks only when TASK is not found there
+``num_fewshot=N``   few-shot examples per document (lm-eval's ``--num_fewshot``; a task whose
+                    YAML sets 0 keeps 0, as in lm-eval)
+``fewshot_seed=S``  the few-shot sampling seed (default 1234, lm-eval's default)
+==================  ===========================================================================
+
+Local task files with local data (``dataset_path: json`` and ``dataset_kwargs: {data_files:
+...}``) need no network. Not supported: ``multiple_input`` tasks (several contexts, one
+continuation, e.g. winogrande), ``loglikelihood``/``loglikelihood_rolling`` tasks, and chat
+templates applied by lm-eval (the context is lm-eval's plain one).
+
+Needs the ``lm-eval`` extra (``pip install 'llm-calib[lm-eval]'``); ``import llm_calib`` does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from llm_calib.data.errors import DataError, ErrorLog, OnError
+from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.data.result import LoadResult
+
+__all__ = ["LM_EVAL_EXTRA", "LM_EVAL_OPTIONS", "load_lm_eval_task", "require_lm_eval"]
+
+LM_EVAL_EXTRA = "pip install 'llm-calib[lm-eval]'"
+"""The install command named when lm-eval is missing."""
+
+LM_EVAL_OPTIONS = ("include", "num_fewshot", "fewshot_seed")
+"""The ``key=value`` options of the ``lm_eval:TASK:OPTIONS`` spec."""
+
+DEFAULT_FEWSHOT_SEED = 1234
+
+
+def require_lm_eval() -> Any:
+    """Import lm-eval, or fail with one line naming the extra.
+
+    Returns:
+        The ``lm_eval`` module.
+
+    Raises:
+        ImportError: lm-eval is not installed.
+
+    Example:
+        >>> import importlib.util
+        >>> importlib.util.find_spec("lm_eval") is None or require_lm_eval().__name__ == "lm_eval"
+        True
+    """
+    try:
+        import lm_eval
+    except ImportError:
+        raise ImportError(f"lm-eval tasks need lm-eval 0.4.x: {LM_EVAL_EXTRA}") from None
+    return lm_eval
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """lm-eval's per-task info/warning lines (default aggregations, ...) at ERROR level only."""
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _tasks(task: str, include: str | None) -> dict[str, Any]:
+    from lm_eval.tasks import TaskManager
+
+    if include is not None:
+        if not Path(include).is_dir():
+            raise FileNotFoundError(f"lm_eval:{task}: include directory {include} does not exist")
+        local = TaskManager(include_path=include, include_defaults=False)
+        if task in local.all_tasks:
+            return _load_tasks(local, task)
+    manager = TaskManager(include_path=include)
+    if task not in manager.all_tasks:
+        where = f" in {include} or" if include is not None else ""
+        raise ValueError(f"lm_eval:{task}: no such task, group or tag{where} among lm-eval's tasks")
+    return _load_tasks(manager, task)
+
+
+def _load_tasks(manager: Any, task: str) -> dict[str, Any]:
+    try:
+        return dict(manager.load([task])["tasks"])
+    except Exception as err:  # lm-eval's own config / template / data errors
+        raise DataError(f"lm_eval:{task}", 0, "task",
+                        f"lm-eval cannot load the task: {type(err).__name__}: {err}") from err
+
+
+def _gold(target: Any, choices: list[str], where: str) -> int:
+    if isinstance(target, list):
+        if len(target) != 1:
+            raise ValueError(f"{where}: {len(target)} gold targets; one is supported")
+        target = target[0]
+    if isinstance(target, str) and target not in choices:
+        if target.strip().isdigit():
+            target = int(target)
+        else:
+            raise ValueError(f"{where}: target {target!r} is not one of the choices {choices}")
+    index = choices.index(target) if isinstance(target, str) else int(target)
+    if not 0 <= index < len(choices):
+        raise ValueError(f"{where}: gold index {index} for {len(choices)} choices")
+    return index
+
+
+def _meta(name: str, doc_id: int, doc: Any) -> dict[str, str]:
+    meta = {"lm_eval_task": name, "doc_id": str(doc_id)}
+    if isinstance(doc, dict) and isinstance(doc.get("id"), (str, int)):
+        meta["doc_key"] = str(doc["id"])
+    return meta
+
+
+def _records(name: str, task: Any) -> Iterator[tuple[int, Any]]:
+    """``(doc_id, record or exception)`` for each document of one built task."""
+    kind = task.OUTPUT_TYPE
+    if kind not in ("multiple_choice", "generate_until"):
+        raise ValueError(
+            f"lm_eval:{name}: output_type {kind!r} is not supported (multiple_choice, generate_until)"
+        )
+    if getattr(task, "multiple_input", False):
+        raise ValueError(f"lm_eval:{name}: multiple-input tasks (several contexts) are not supported")
+    by_doc: dict[int, list[Any]] = {}
+    for inst in task.instances:
+        by_doc.setdefault(inst.doc_id, []).append(inst)
+    for doc_id in sorted(by_doc):
+        insts = sorted(by_doc[doc_id], key=lambda i: i.idx)
+        doc = insts[0].doc
+        where = f"doc_id {doc_id}"
+        try:
+            text = task.doc_to_text(doc)
+            question = text if isinstance(text, str) and text.strip() else insts[0].args[0]
+            if kind == "multiple_choice":
+                choices = [str(c) for c in task.doc_to_choice(doc)]
+                # acc_mutual_info adds unconditional requests after the K conditional ones
+                args = [i.args for i in insts[: len(choices)]]
+                record: Any = MultipleChoice(
+                    question=question,
+                    options=tuple(choices),
+                    gold=_gold(task.doc_to_target(doc), choices, where),
+                    domain=name,
+                    id=f"{name}/{doc_id}",
+                    meta=_meta(name, doc_id, doc),
+                    prompt=args[0][0],
+                    continuations=tuple(a[1] for a in args),
+                )
+            else:
+                target = task.doc_to_target(doc)
+                answers = [str(t) for t in target] if isinstance(target, list) else [str(target)]
+                until = insts[0].args[1].get("until") if len(insts[0].args) > 1 else None
+                if isinstance(until, str):
+                    until = [until]
+                record = OpenQA(
+                    question=question,
+                    answers=tuple(a for a in answers if a.strip()),
+                    domain=name,
+                    id=f"{name}/{doc_id}",
+                    meta=_meta(name, doc_id, doc),
+                    prompt=insts[0].args[0],
+                    until=tuple(until) if until else None,
+                )
+        except (ValueError, KeyError, TypeError, IndexError) as err:
+            yield doc_id, err
+            continue
+        yield doc_id, record
+
+
+def load_lm_eval_task(
+    task: str,
+    *,
+    include: str | Path | None = None,
+    num_fewshot: int | None = None,
+    fewshot_seed: int = DEFAULT_FEWSHOT_SEED,
+    on_error: OnError = "raise",
+) -> LoadResult[Any]:
+    """Records of an lm-eval task, group or tag, prompts and continuations rendered by lm-eval.
+
+    Args:
+        task: an lm-eval task, group or tag name (e.g. ``"arc_easy"``, or a task of ``include``).
+        include: a directory of task YAML files, searched before lm-eval's own tasks.
+        num_fewshot: few-shot examples per document; None keeps the task's default (0 if unset).
+        fewshot_seed: lm-eval's few-shot sampling seed.
+        on_error: ``"raise"`` at the first document that cannot be converted, or ``"skip"`` it.
+
+    Returns:
+        A :class:`~llm_calib.data.result.LoadResult`: multiple-choice records for
+        ``multiple_choice`` tasks, open questions for ``generate_until`` tasks (one kind per
+        result: a group mixing both raises).
+
+    Raises:
+        ImportError: lm-eval is not installed (the message names the extra).
+        FileNotFoundError: ``include`` is not a directory.
+        ValueError: no task of that name, an unsupported task (output type, multiple inputs) or
+            mixed kinds.
+        DataError: a document that cannot be converted, under ``on_error="raise"``.
+
+    Example:
+        >>> import importlib.util, tempfile, json, pathlib
+        >>> if importlib.util.find_spec("lm_eval") is None:
+        ...     print(2, "Question: Capital of France?\\nAnswer:", (" Paris", " Rome"))
+        ... else:
+        ...     d = pathlib.Path(tempfile.mkdtemp())
+        ...     rows = [{"q": "Capital of France?", "c": ["Paris", "Rome"], "a": 0},
+        ...             {"q": "Capital of Italy?", "c": ["Paris", "Rome"], "a": 1}]
+        ...     _ = (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
+        ...     _ = (d / "toy.yaml").write_text(
+        ...         "task: toy\\ndataset_path: json\\n"
+        ...         f"dataset_kwargs:\\n  data_files:\\n    test: {d / 'rows.jsonl'}\\n"
+        ...         "output_type: multiple_choice\\ntest_split: test\\n"
+        ...         'doc_to_text: "Question: {{q}}\\\\nAnswer:"\\ndoc_to_choice: "{{c}}"\\n'
+        ...         "doc_to_target: a\\nmetric_list:\\n  - metric: acc\\n")
+        ...     res = load_lm_eval_task("toy", include=d)
+        ...     print(len(res), res.records[0].prompt, res.records[0].continuations)
+        2 Question: Capital of France?
+        Answer: (' Paris', ' Rome')
+    """
+    require_lm_eval()
+    include_dir = str(include) if include is not None else None
+    records: list[Any] = []
+    log = ErrorLog(on_error)
+    kinds: set[str] = set()
+    with _quiet():
+        tasks = _tasks(task, include_dir)
+        for name in sorted(tasks):
+            t = tasks[name]
+            if num_fewshot is not None and t.get_config("num_fewshot") != 0:
+                t.set_config(key="num_fewshot", value=num_fewshot)
+            elif t.get_config("num_fewshot") is None:
+                t.set_config(key="num_fewshot", value=0)
+            t.set_fewshot_seed(seed=fewshot_seed)
+            try:
+                t.build_all_requests()
+            except Exception as err:  # lm-eval's own template / data errors, for the whole task
+                raise DataError(f"lm_eval:{name}", 0, "task",
+                                f"lm-eval cannot build its requests: {type(err).__name__}: {err}") from err
+            kinds.add(t.OUTPUT_TYPE)
+            for doc_id, item in _records(name, t):
+                if isinstance(item, Exception):
+                    log.add(DataError(f"lm_eval:{name}", doc_id + 1, "doc", str(item)))
+                else:
+                    records.append(item)
+    if len(kinds) > 1:
+        raise ValueError(f"lm_eval:{task}: mixes {sorted(kinds)} tasks; load them separately")
+    return LoadResult(records, skipped=log.skipped, errors=log.errors, source=f"lm_eval:{task}")

@@ -1,0 +1,349 @@
+"""Calibration metrics for any lm-eval run: read lm-eval's ``--log_samples`` files.
+
+lm-evaluation-harness 0.4.x writes one ``samples_<task>_<date>.jsonl`` per task with
+``--log_samples``. For a ``multiple_choice`` task each line is one document: ``doc_id``, ``doc``,
+``target`` (the gold index, or the gold choice text), ``arguments`` (the ``(context,
+continuation)`` request of every option, as ``{"gen_args_<i>": {"arg_0": context, "arg_1":
+continuation}}``), ``resps`` / ``filtered_resps`` (per option ``(log-likelihood, is_greedy)``,
+written as strings) and the per-document metrics (``acc``, ``acc_norm``, ...). Whatever model
+produced them (HF, vLLM, an API model with log-probabilities), these numbers are all that the
+calibration metrics need:
+
+* the option probabilities are the softmax over the options' scores: summed log-likelihoods
+  (``normalize="sum"``, what lm-eval's ``acc`` takes the argmax of), per character of the choice
+  (``"char"``, ``acc_norm``) or per UTF-8 byte (``"byte"``, ``acc_bytes``); the choice text is the
+  logged continuation without its target delimiter (``" "`` unless told otherwise);
+* :func:`samples_result` turns the files into the same
+  :class:`~llm_calib.evaluate.EvaluationResult` that ``llm-calib evaluate`` reports (one domain per
+  task; ECE family, Brier, NLL, AUROC, reliability bins, bootstrap intervals, the three
+  normalisations side by side and, if asked, a temperature fitted on one named task), which
+  :func:`~llm_calib.report.write_report` writes; ``llm-calib metrics SAMPLES...`` does both.
+
+Per-token normalisation (``"mean"``) is not available: lm-eval does not log token counts.
+Reading the files needs neither lm-eval nor a model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llm_calib import metrics
+from llm_calib.evaluate import DomainResult, EvaluationResult, TemperatureFit, summarize_scored
+from llm_calib.scoring import ScoredSet, normalized
+from llm_calib.temperature import fit_temperature, temperature_nll
+
+__all__ = [
+    "SAMPLES_NORMALIZATIONS",
+    "read_samples",
+    "samples_result",
+    "samples_task_name",
+]
+
+SAMPLES_NORMALIZATIONS: dict[str, str] = {"acc": "sum", "acc_norm": "char", "acc_bytes": "byte"}
+"""lm-eval's metric names and the ``normalize`` mode each takes its argmax under; the ones a
+samples file has what it takes to compute (no token counts, so no per-token mode)."""
+
+SCORER = "lm_eval_samples"
+
+_FILE_NAME = re.compile(r"^samples_(?P<task>.+)_(?P<date>\d{4}-\d{2}-\d{2}T[0-9.\-]+)$")
+
+
+def samples_task_name(path: str | os.PathLike[str]) -> str:
+    """The task name in an lm-eval samples file name (``samples_<task>_<date>.jsonl``).
+
+    Args:
+        path: the file.
+
+    Returns:
+        The task name, or the file's stem when the name is not lm-eval's pattern.
+
+    Example:
+        >>> samples_task_name("out/model/samples_arc_easy_2026-01-02T10-11-12.123456.jsonl")
+        'arc_easy'
+        >>> samples_task_name("my_run.jsonl")
+        'my_run'
+    """
+    stem = Path(path).name.removesuffix(".jsonl")
+    m = _FILE_NAME.match(stem)
+    return m.group("task") if m else stem
+
+
+def _pairs(arguments: Any) -> list[tuple[str, str]]:
+    if isinstance(arguments, Mapping):  # the file format: {"gen_args_0": {"arg_0": .., "arg_1": ..}}
+        items = sorted(arguments.items(), key=lambda kv: int(str(kv[0]).rsplit("_", 1)[-1]))
+        return [(str(a["arg_0"]), str(a["arg_1"])) for _, a in items]
+    return [(str(a[0]), str(a[1])) for a in arguments]  # in memory: a list of (context, cont)
+
+
+def _loglik(resp: Any) -> float:
+    # filtered_resps: (loglikelihood, is_greedy), as strings in files; a bare number is accepted
+    value = resp[0] if isinstance(resp, (list, tuple)) else resp
+    return float(value)
+
+
+def _choice(continuation: str, delimiter: str) -> str:
+    return continuation[len(delimiter):] if delimiter and continuation.startswith(delimiter) else continuation
+
+
+def _gold(target: Any, choices: list[str], where: str) -> int:
+    if isinstance(target, list) and len(target) == 1:
+        target = target[0]
+    if isinstance(target, (int, np.integer)) and not isinstance(target, bool):
+        index = int(target)
+    elif isinstance(target, str) and target.strip().lstrip("-").isdigit():
+        index = int(target.strip())
+    elif isinstance(target, str) and target in choices:
+        index = choices.index(target)
+    else:
+        raise ValueError(f"{where}: target {target!r} is neither an option index nor one of the choices")
+    if not 0 <= index < len(choices):
+        raise ValueError(f"{where}: gold index {index} is not in [0, {len(choices) - 1}]")
+    return index
+
+
+def _rows(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield line_no, json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{line_no}: not JSON: {err}") from None
+
+
+def read_samples(
+    path: str | os.PathLike[str],
+    *,
+    task: str | None = None,
+    target_delimiter: str = " ",
+    rows: Sequence[Mapping[str, Any]] | None = None,
+) -> ScoredSet:
+    """The option scores of one multiple-choice task from an lm-eval samples file.
+
+    Args:
+        path: a ``samples_<task>_<date>.jsonl`` file written by ``lm_eval --log_samples``.
+        task: the domain label of its questions; default :func:`samples_task_name` of ``path``.
+        target_delimiter: the task's ``target_delimiter`` (removed from each logged continuation
+            to get the choice text whose length ``acc_norm`` / ``acc_bytes`` divide by).
+        rows: the samples themselves (e.g. ``simple_evaluate(...)["samples"][task]``) instead of
+            reading ``path``.
+
+    Returns:
+        A :class:`~llm_calib.scoring.base.ScoredSet` whose logits are the summed
+        log-likelihoods, ordered by ``doc_id``, ids ``<task>/<doc_id>``; ``details`` hold per
+        document ``prompt``, ``continuations``, ``choices``, ``loglik``, ``n_chars``, ``n_bytes``
+        and the metrics lm-eval logged (``lm_eval``: e.g. ``{"acc": 1.0, "acc_norm": 0.0}``).
+        With several filters, the rows of the first one (``"none"`` for multiple choice).
+
+    Raises:
+        ValueError: not a multiple-choice samples file (e.g. ``generate_until``), an empty file,
+            a malformed line or target; the message names the file and line.
+
+    Example:
+        >>> import json, tempfile, pathlib
+        >>> row = {"doc_id": 0, "doc": {}, "target": "1", "filter": "none",
+        ...        "arguments": {"gen_args_0": {"arg_0": "Q: 2+2?\\nA:", "arg_1": " 3"},
+        ...                      "gen_args_1": {"arg_0": "Q: 2+2?\\nA:", "arg_1": " 4"}},
+        ...        "filtered_resps": [["-2.5", "False"], ["-0.5", "True"]], "acc": 1.0}
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "samples_toy_2026-01-02T10-11-12.5.jsonl"
+        >>> _ = p.write_text(json.dumps(row) + "\\n")
+        >>> s = read_samples(p)
+        >>> s.ids, s.labels, s.logits[0].tolist(), s.details[0]["choices"]
+        (['toy/0'], [1], [-2.5, -0.5], ['3', '4'])
+    """
+    path = Path(path)
+    name = task or samples_task_name(path)
+    source = rows if rows is not None else None
+    items = list(enumerate(source, 1)) if source is not None else list(_rows(path))
+    if not items:
+        raise ValueError(f"{path}: no samples")
+    first_filter = items[0][1].get("filter", "none")
+    by_doc: dict[int, tuple[int, Mapping[str, Any]]] = {}
+    for line_no, row in items:
+        if row.get("filter", "none") != first_filter:
+            continue
+        doc_id = int(row["doc_id"]) if "doc_id" in row else line_no - 1
+        by_doc.setdefault(doc_id, (line_no, row))
+    logits, labels, ids, details = [], [], [], []
+    for doc_id in sorted(by_doc):
+        line_no, row = by_doc[doc_id]
+        where = f"{path}:{line_no}"
+        resps = row.get("filtered_resps", row.get("resps"))
+        if resps is None or "arguments" not in row:
+            raise ValueError(f"{where}: no 'filtered_resps'/'arguments': not an lm-eval samples line")
+        if resps and isinstance(resps[0], list) and resps[0] and isinstance(resps[0][0], list):
+            resps = [r[0] for r in resps]  # unfiltered resps: one list of responses per request
+        pairs = _pairs(row["arguments"])
+        if len(pairs) != len(resps) or not all(
+            isinstance(r, (list, tuple)) and len(r) == 2 for r in resps
+        ):
+            raise ValueError(
+                f"{where}: responses are not (log-likelihood, is_greedy) pairs, one per option: "
+                "only multiple_choice tasks have option log-likelihoods"
+            )
+        if len(pairs) % 2 == 0 and "acc_mutual_info" in row and all(c == "" for c, _ in pairs[len(pairs) // 2:]):
+            pairs, resps = pairs[: len(pairs) // 2], resps[: len(resps) // 2]
+        if len(pairs) < 2:
+            raise ValueError(f"{where}: {len(pairs)} option(s); multiple choice needs at least 2")
+        try:
+            lls = [_loglik(r) for r in resps]
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: log-likelihoods are not numbers: {resps!r}") from None
+        if not all(math.isfinite(v) for v in lls):
+            raise ValueError(f"{where}: non-finite log-likelihood in {lls}")
+        conts = [c for _, c in pairs]
+        choices = [_choice(c, target_delimiter) for c in conts]
+        labels.append(_gold(row.get("target"), choices, where))
+        logits.append(torch.tensor(lls, dtype=torch.float64))
+        ids.append(f"{name}/{doc_id}")
+        details.append({
+            "prompt": pairs[0][0],
+            "continuations": conts,
+            "choices": choices,
+            "loglik": lls,
+            "n_chars": [max(len(c), 1) for c in choices],
+            "n_bytes": [max(len(c.encode("utf-8")), 1) for c in choices],
+            "lm_eval": {k: float(row[k]) for k in SAMPLES_NORMALIZATIONS if isinstance(row.get(k), (int, float))},
+        })
+    info = {"normalize": "sum", "source": str(path), "target_delimiter": target_delimiter}
+    return ScoredSet(logits, labels, [name] * len(ids), ids, SCORER, info, details)
+
+
+def _normalizations(scored: ScoredSet, n_bins: int) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for name, mode in SAMPLES_NORMALIZATIONS.items():
+        s = normalized(scored, mode)
+        probs, labels = s.probs_numpy, s.labels_numpy
+        conf, correct = metrics.confidence_correct(probs, labels)
+        out[name] = {
+            "accuracy": s.accuracy,
+            "ece": metrics.ece(conf, correct, n_bins),
+            "nll": metrics.nll(probs, labels),
+            "brier": metrics.brier(probs, labels),
+        }
+        logged = [d["lm_eval"][name] for d in scored.details or [] if name in d["lm_eval"]]
+        if len(logged) == len(scored):
+            # lm-eval's own per-document decisions, for a check of the reading
+            out[name]["lm_eval_accuracy"] = float(np.mean(logged))
+    return out
+
+
+def _domain(scored: ScoredSet, normalize: str, temperature: float | None, n_bins: int,
+            ci: bool, n_resamples: int, seed: int) -> DomainResult:
+    head = normalized(scored, normalize)
+
+    def summary(s: ScoredSet) -> tuple[dict[str, float], dict[str, list[float]]]:
+        m = summarize_scored(s, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
+        return m, metrics.reliability_bins(s.confidences, s.correct, n_bins=n_bins).to_dict()
+
+    unc, rb = summary(head)
+    scaled = rb_scaled = None
+    if temperature is not None:
+        scaled, rb_scaled = summary(head.scaled(temperature))
+    return DomainResult(scored.domains[0], "multiple_choice", unc, scaled, rb, rb_scaled, head,
+                        normalizations=_normalizations(scored, n_bins))
+
+
+def samples_result(
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    normalize: str = "sum",
+    temperature_fit: str | None = None,
+    target_delimiter: str = " ",
+    n_bins: int = 10,
+    ci: bool = True,
+    n_resamples: int = 1000,
+    seed: int = 0,
+) -> EvaluationResult:
+    """The calibration report of lm-eval samples files, one domain per task.
+
+    Args:
+        paths: ``samples_<task>_<date>.jsonl`` files of multiple-choice tasks (one task each).
+        normalize: the option scores the headline metrics use: ``"sum"`` (lm-eval's ``acc``),
+            ``"char"`` (``acc_norm``) or ``"byte"`` (``acc_bytes``); also their lm-eval names.
+            Every domain also reports all three side by side (``normalizations``).
+        temperature_fit: a task name among ``paths``, or another samples file: one temperature
+            is fitted on its option scores (under ``normalize``) and applied to every task. A task
+            among ``paths`` stays in the report (its scaled numbers are then in-sample).
+        target_delimiter: see :func:`read_samples`.
+        n_bins: ECE and reliability bins.
+        ci: bootstrap intervals.
+        n_resamples: bootstrap resamples.
+        seed: bootstrap seed.
+
+    Returns:
+        An :class:`~llm_calib.evaluate.EvaluationResult` (write it with
+        :func:`llm_calib.report.write_report`).
+
+    Raises:
+        ValueError: no paths, two files of one task, an unknown normalisation or fit task, or a
+            file :func:`read_samples` rejects.
+
+    Example:
+        >>> import json, tempfile, pathlib
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> rows = [{"doc_id": i, "target": str(i % 2), "filtered_resps": [[str(-1.0 - i), "False"],
+        ...          ["-1.5", "False"]], "arguments": {"gen_args_0": {"arg_0": "Q", "arg_1": " a"},
+        ...          "gen_args_1": {"arg_0": "Q", "arg_1": " bb"}}} for i in range(4)]
+        >>> p = d / "samples_toy_2026-01-02T10-11-12.5.jsonl"
+        >>> _ = p.write_text("".join(json.dumps(r) + "\\n" for r in rows))
+        >>> res = samples_result([p], ci=False, temperature_fit="toy")
+        >>> res.domains["toy"].n, res.domains["toy"].uncalibrated["accuracy"]
+        (4, 0.75)
+        >>> sorted(res.domains["toy"].normalizations), res.temperature.source
+        (['acc', 'acc_bytes', 'acc_norm'], 'toy')
+    """
+    if not paths:
+        raise ValueError("no samples files given")
+    mode = SAMPLES_NORMALIZATIONS.get(normalize, normalize)
+    if mode not in SAMPLES_NORMALIZATIONS.values():
+        raise ValueError(
+            f"normalize must be one of {tuple(SAMPLES_NORMALIZATIONS.values())} or "
+            f"{tuple(SAMPLES_NORMALIZATIONS)} (lm-eval logs no token counts), got {normalize!r}"
+        )
+    sets: dict[str, ScoredSet] = {}
+    files: dict[str, str] = {}
+    for p in paths:
+        s = read_samples(p, target_delimiter=target_delimiter)
+        name = s.domains[0]
+        if name in sets:
+            raise ValueError(f"two samples files of task {name!r}: {files[name]} and {p}")
+        sets[name], files[name] = s, str(p)
+    fit = None
+    if temperature_fit is not None:
+        if temperature_fit in sets:
+            fit_set = sets[temperature_fit]
+        elif Path(temperature_fit).is_file():
+            fit_set = read_samples(temperature_fit, target_delimiter=target_delimiter)
+        else:
+            raise ValueError(
+                f"temperature_fit {temperature_fit!r} is neither a task among {sorted(sets)} nor a file"
+            )
+        fs = normalized(fit_set, mode)
+        T = fit_temperature(fs.logits, fs.labels)
+        fit = TemperatureFit(T, temperature_fit, len(fs), sorted(set(fs.domains)),
+                             temperature_nll(fs.logits, fs.labels, 1.0),
+                             temperature_nll(fs.logits, fs.labels, T))
+    stats = {"n_bins": n_bins, "ci": ci, "n_resamples": n_resamples, "seed": seed}
+    domains = {
+        name: _domain(s, mode, fit.temperature if fit else None, **stats) for name, s in sets.items()
+    }
+    config = {
+        "source": "lm-eval samples",
+        "scorer": SCORER,
+        "files": files,
+        "normalize": mode,
+        "target_delimiter": target_delimiter,
+        "datasets": list(files.values()),
+        **stats,
+    }
+    return EvaluationResult(domains, fit, config, {})
