@@ -75,7 +75,7 @@ def resolve_adjustment(adjustment: str, layout: str) -> str:
 
 def make_adjustment(config: CalibrationConfig, vocab_size: int, token_ids: Iterable[int] = (),
                     layout: str = "options") -> LogitAdjustment:
-    """The logit adjustment λ of ``config.adjustment`` (resolved for ``layout`` when ``"auto"``).
+    """The logit adjustment λ of ``config.objective.adjustment`` (resolved for ``layout`` when ``"auto"``).
 
     Args:
         config: the run's configuration (``adjustment``, ``max_log_scale``, ``max_bias``).
