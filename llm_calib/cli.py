@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from llm_calib.prompts import PRESETS
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "calibration_config", "main"]
 
 _T = TypeVar("_T")
 
@@ -732,8 +732,29 @@ def _flag_of(dest: str) -> str:
     return "--" + (_dashed(name) if owner == "*" else f"{_dashed(owner)}-{_dashed(name)}")
 
 
-def _calibration_config(args: argparse.Namespace) -> tuple[object, list[Any]]:
-    """The run's CalibrationConfig (defaults < --config < flags) and the objectives to train."""
+def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
+    """The ``calibrate`` run's configuration (defaults < ``--config`` < flags) and the objectives to
+    train (the configuration's own, or each of ``--methods``, with the flags of each).
+
+    Args:
+        args: ``llm-calib calibrate`` arguments parsed by :func:`build_parser`.
+
+    Returns:
+        The :class:`~llm_calib.calm.config.CalibrationConfig` (its objective: the first one to
+        train) and the list of objectives.
+
+    Raises:
+        SystemExit: through :func:`main`: a bad file, flag value, or a setting flag of an
+            objective that is not trained.
+
+    Example:
+        >>> args = build_parser().parse_args(["calibrate", "--model", "m", "--train", "builtin",
+        ...     "--heldout", "builtin", "--eval", "builtin", "--out", "out", "--steps", "5",
+        ...     "--methods", "calm,lora_ce"])
+        >>> config, objectives = calibration_config(args)
+        >>> config.training.steps, [o.name for o in objectives]
+        (5, ['calm', 'lora_ce'])
+    """
     import dataclasses
 
     from llm_calib.calm.config import CalibrationConfig, flat_key_location, read_config_file
@@ -802,7 +823,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from llm_calib.data import load as load_data
     from llm_calib.models import load as load_model
 
-    config, methods = _calibration_config(args)
+    config, methods = calibration_config(args)
     distributed.init_from_env()
     main_rank = distributed.rank() == 0
 

@@ -145,11 +145,11 @@ def test_solver_flags_and_methods_compose(tiny_model_dir, tmp_path):
     args = cli.build_parser().parse_args(_argv(tiny_model_dir, tmp_path / "out", "--config", str(cfg_file),
                                                "--solver", "f2sa", "--f2sa-sigma", "0.3", "--inner-steps", "2",
                                                "--methods", "calm,confidence_penalty", "--penalty-beta", "0.7"))
-    config, objectives = cli._calibration_config(args)
+    config, objectives = cli.calibration_config(args)
     calm, penalty = objectives
     assert config.objective is calm and calm.lam_lr == 0.2                   # the file's CALM settings
     assert (calm.solver.name, calm.solver.sigma, calm.solver.inner_steps) == ("f2sa", 0.3, 2)  # flags
     assert (penalty.name, penalty.beta) == ("confidence_penalty", 0.7)
     args = cli.build_parser().parse_args(_argv(tiny_model_dir, tmp_path / "out", "--objective", "lora_ce"))
-    config, objectives = cli._calibration_config(args)
+    config, objectives = cli.calibration_config(args)
     assert [o.name for o in objectives] == ["lora_ce"] and config.objective.name == "lora_ce"
