@@ -38,6 +38,7 @@ import torch
 
 from llm_calib import metrics
 from llm_calib.evaluate import DomainResult, EvaluationResult, TemperatureFit, summarize_scored
+from llm_calib.formats.multiple_choice import normalization_metrics
 from llm_calib.scoring import ScoredSet, normalized
 from llm_calib.temperature import fit_temperature, temperature_nll
 
@@ -221,15 +222,7 @@ def read_samples(
 def _normalizations(scored: ScoredSet, n_bins: int) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, mode in SAMPLES_NORMALIZATIONS.items():
-        s = normalized(scored, mode)
-        probs, labels = s.probs_numpy, s.labels_numpy
-        conf, correct = metrics.confidence_correct(probs, labels)
-        out[name] = {
-            "accuracy": s.accuracy,
-            "ece": metrics.ece(conf, correct, n_bins),
-            "nll": metrics.nll(probs, labels),
-            "brier": metrics.brier(probs, labels),
-        }
+        out[name] = normalization_metrics(scored, mode, n_bins)
         logged = [d["lm_eval"][name] for d in scored.details or [] if name in d["lm_eval"]]
         if len(logged) == len(scored):
             # lm-eval's own per-document decisions, for a check of the reading

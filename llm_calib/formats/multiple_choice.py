@@ -37,7 +37,7 @@ from llm_calib.scoring.option_likelihood import (
 if TYPE_CHECKING:
     from llm_calib.calm.objectives import Batch, CalmLosses
 
-__all__ = ["Letter", "MultipleChoiceFormat", "OptionLikelihood", "normalization_summary"]
+__all__ = ["Letter", "MultipleChoiceFormat", "OptionLikelihood", "normalization_metrics", "normalization_summary"]
 
 
 def normalization_summary(scored: ScoredSet, n_bins: int = 10) -> dict[str, dict[str, float]] | None:
@@ -66,18 +66,31 @@ def normalization_summary(scored: ScoredSet, n_bins: int = 10) -> dict[str, dict
     """
     if scored.details is None or not len(scored):
         return None
-    out: dict[str, dict[str, float]] = {}
-    for name in LM_EVAL_NORMALIZATIONS:
-        s = normalized(scored, name)
-        probs, labels = s.probs_numpy, s.labels_numpy
-        conf, correct = metrics.confidence_correct(probs, labels)
-        out[name] = {
-            "accuracy": s.accuracy,
-            "ece": metrics.ece(conf, correct, n_bins),
-            "nll": metrics.nll(probs, labels),
-            "brier": metrics.brier(probs, labels),
-        }
-    return out
+    return {name: normalization_metrics(scored, name, n_bins) for name in LM_EVAL_NORMALIZATIONS}
+
+
+def normalization_metrics(scored: ScoredSet, normalize: str, n_bins: int = 10) -> dict[str, float]:
+    """``accuracy``, ``ece``, ``nll`` and ``brier`` of ``scored`` re-scored under one normalisation
+    (``sum``/``acc``, ``char``/``acc_norm``, ``byte``/``acc_bytes``, ``token``/``acc_token``; see
+    :func:`~llm_calib.scoring.normalized`).
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> model, tok = tiny_random_model()
+        >>> s = score_option_likelihood(model, tok, builtin_multiple_choice(4, domains=["capitals"]))
+        >>> sorted(normalization_metrics(s, "acc_norm"))
+        ['accuracy', 'brier', 'ece', 'nll']
+    """
+    s = normalized(scored, normalize)
+    probs, labels = s.probs_numpy, s.labels_numpy
+    conf, correct = metrics.confidence_correct(probs, labels)
+    return {
+        "accuracy": s.accuracy,
+        "ece": metrics.ece(conf, correct, n_bins),
+        "nll": metrics.nll(probs, labels),
+        "brier": metrics.brier(probs, labels),
+    }
 
 
 class MultipleChoiceFormat(TaskFormat):
