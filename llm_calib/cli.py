@@ -83,27 +83,31 @@ def _int_at_least(minimum: int):
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
-_DTYPES = ("float32", "bfloat16", "float16")
+
+_DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _add_model_loading_args(p: argparse.ArgumentParser, *, training: bool) -> None:
+def _add_model_loading_args(p: argparse.ArgumentParser, *, training: bool, quantization: bool = True) -> None:
     """``--dtype``, ``--load-in-4bit/8bit``, ``--attn-implementation``, ``--trust-remote-code``
-    (and for training ``--gradient-checkpointing``): the fields of ``ModelLoadConfig``."""
+    (and for training ``--gradient-checkpointing``): the fields of ``ModelLoadConfig``; every
+    command that loads a model (``evaluate``, ``calibrate``, ``export``) takes them from here.
+    ``quantization=False`` leaves out the 4/8-bit flags (``export`` merges into full weights)."""
     from llm_calib.models import ATTN_IMPLEMENTATIONS, DTYPES
 
     p.add_argument(
-        "--dtype", choices=DTYPES, default="float32",
+        "--dtype", choices=DTYPES, default=None,
         help="parameter dtype of the base model; auto: the checkpoint's own. With bfloat16/float16 "
         "the LoRA weights, the output scale, λ and the optimiser states stay float32 "
-        "(default: %(default)s)",
+        "(default: float32; with a saved calibration result, the dtype it was trained in)",
     )
-    quant = p.add_mutually_exclusive_group()
-    quant.add_argument(
-        "--load-in-4bit", action="store_true",
-        help="quantise the frozen base weights to 4-bit NF4 (QLoRA; needs bitsandbytes: pip install "
-        "'llm-calib[quant]'); computes in --dtype, bfloat16 when that is float32 or auto",
-    )
-    quant.add_argument("--load-in-8bit", action="store_true", help="8-bit (LLM.int8) base weights instead")
+    if quantization:
+        quant = p.add_mutually_exclusive_group()
+        quant.add_argument(
+            "--load-in-4bit", action="store_true",
+            help="quantise the frozen base weights to 4-bit NF4 (QLoRA; needs bitsandbytes: pip install "
+            "'llm-calib[quant]'); computes in --dtype, bfloat16 when that is float32 or auto",
+        )
+        quant.add_argument("--load-in-8bit", action="store_true", help="8-bit (LLM.int8) base weights instead")
     p.add_argument(
         "--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default=None,
         help="attention kernel (default: transformers' choice, sdpa where available); with a kernel "
@@ -119,6 +123,54 @@ def _add_model_loading_args(p: argparse.ArgumentParser, *, training: bool) -> No
         "--trust-remote-code", action="store_true",
         help="allow custom model code from the hub (only for repositories you trust)",
     )
+    p.add_argument(
+        "--threads", type=_positive_int, default=None,
+        help="torch CPU threads (default: torch's choice)",
+    )
+
+
+def _apply_threads(args: argparse.Namespace) -> None:
+    """``--threads`` (of :func:`_add_model_loading_args`): torch's CPU thread count."""
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def _resolve_base(args: argparse.Namespace, adapter: str | None, flag: str) -> dict[str, Any]:
+    """``--model`` and ``--dtype`` default to what the saved result at ``adapter`` records
+    (:func:`~llm_calib.export.saved_base`); without an adapter, to the built-in model and float32.
+
+    Returns:
+        The saved record (empty when there is none).
+
+    Raises:
+        _UserError: ``adapter`` is not an adapter directory, or names no base model and no
+            ``--model`` is given.
+    """
+    from llm_calib.export import adapter_directory, saved_base
+
+    base: dict[str, Any] = {}
+    if adapter is not None:
+        _user_call(lambda: adapter_directory(adapter), flag)  # fail before loading the model
+        base = saved_base(adapter)
+    if args.model is None:
+        if adapter is not None and not base.get("model"):
+            raise _UserError(
+                f"--model is required: {flag} {adapter} does not record the base model it was trained on "
+                "(a plain peft adapter, or a result saved by an older llm-calib); give the model it was "
+                "trained on with --model"
+            )
+        args.model = base.get("model") or _DEFAULT_MODEL
+    if args.dtype is None:
+        args.dtype = base.get("dtype") or "float32"
+    return base
+
+
+def _recorded_model(name: str) -> str:
+    """The model name a saved result records: an existing local path made absolute (so it still
+    loads from another working directory), anything else (alias, hub name) as given."""
+    return str(Path(name).resolve()) if Path(name).exists() else name
 
 
 def _model_loading(args: argparse.Namespace, device: str) -> Any:
@@ -127,7 +179,8 @@ def _model_loading(args: argparse.Namespace, device: str) -> Any:
 
     return _user_call(
         lambda: ModelLoadConfig(
-            dtype=args.dtype, load_in_4bit=args.load_in_4bit, load_in_8bit=args.load_in_8bit,
+            dtype=args.dtype or "float32", load_in_4bit=getattr(args, "load_in_4bit", False),
+            load_in_8bit=getattr(args, "load_in_8bit", False),
             attn_implementation=args.attn_implementation,
             gradient_checkpointing=getattr(args, "gradient_checkpointing", False),
             trust_remote_code=args.trust_remote_code,
@@ -204,9 +257,9 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        default="smollm2-135m-instruct",
+        default=None,
         help="built-in alias (smollm2-135m-instruct), local model directory, .gguf file or hub "
-        "name (default: %(default)s)",
+        "name (default: the base model a saved --adapter records, else smollm2-135m-instruct)",
     )
     p.add_argument(
         "--adapter",
@@ -366,12 +419,6 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         "--device", default="cpu", help="torch device to run the model on (default: %(default)s)"
     )
     p.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=None,
-        help="torch CPU threads (default: torch's choice)",
-    )
-    p.add_argument(
         "--cache-dir",
         default=None,
         help="cache of the converted built-in model (default: $LLM_CALIB_CACHE/<alias> or "
@@ -408,14 +455,14 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("adapter", metavar="DIR", help="saved calibration result or peft adapter directory")
     p.add_argument(
         "--model",
-        default="smollm2-135m-instruct",
+        default=None,
         help="the base model the adapter was trained on: built-in alias, local directory, .gguf "
-        "file or hub name (default: %(default)s)",
+        "file or hub name (default: the one the saved result records; required for a plain peft "
+        "adapter or a result saved without it)",
     )
-    p.add_argument(
-        "--dtype", choices=_DTYPES, default="float32",
-        help="dtype of the merged weights (default: %(default)s)",
-    )
+    _add_model_loading_args(p.add_argument_group("model loading", "how the base model is loaded (--dtype: "
+                                                 "the dtype of the merged weights)"),
+                            training=False, quantization=False)
     p.add_argument("--cache-dir", default=None, help="cache of the converted built-in model, or hub cache")
     p.add_argument("--out", required=True, metavar="MERGED", help="output directory (created if missing)")
     p.set_defaults(func=_cmd_export)
@@ -424,15 +471,14 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     import warnings
 
-    import torch
-
-    from llm_calib.export import adapter_directory, export_merged
+    from llm_calib.export import export_merged
     from llm_calib.models import load as load_model
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    _user_call(lambda: adapter_directory(args.adapter), "export")  # fail before loading the model
+    _apply_threads(args)
+    _resolve_base(args, args.adapter, "export")  # fails before loading the model
     model, tokenizer = _user_call(
-        lambda: load_model(args.model, cache_dir=args.cache_dir, dtype=getattr(torch, args.dtype)),
+        lambda: load_model(args.model, cache_dir=args.cache_dir, config=_model_loading(args, "cpu")),
         f"--model {args.model}",
     )
     out = _user_call(lambda: export_merged(model, tokenizer, args.adapter, args.out), "export")
@@ -817,13 +863,15 @@ def _device(name: str) -> str:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     from llm_calib import distributed
-    from llm_calib.calm.encoding import task_format
+    from llm_calib.calm.encoding import format_settings, task_format
     from llm_calib.calm.trainer import TrainingDiverged
     from llm_calib.compare import run_comparison, write_comparison_report
     from llm_calib.data import load as load_data
     from llm_calib.models import load as load_model
+    from llm_calib.prompts import prompt_dict
 
     config, methods = calibration_config(args)
+    _apply_threads(args)
     distributed.init_from_env()
     main_rank = distributed.rank() == 0
 
@@ -877,6 +925,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             model, tokenizer, train, heldout, evals, config, methods, args.out,
             unlabeled=unlabeled, resume=args.resume, progress=not args.no_progress, n_bins=args.bins,
             bootstrap=args.bootstrap, log=log,
+            base_model={"model": _recorded_model(args.model), "dtype": loading.dtype},
         )
     except TrainingDiverged as exc:
         print(f"llm-calib: error: training diverged: {exc}", file=sys.stderr)
@@ -885,6 +934,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise _UserError(str(exc)) from exc
     cmp.config["model"] = args.model
     cmp.config["model_loading"] = loading.to_dict()
+    cmp.config["prompt"] = prompt_dict(format_settings(config)["prompt"])
     cmp.config["limit"] = args.limit
     cmp.config["limit_mode"] = args.limit_mode
     cmp.config["skipped"] = getattr(args, "skipped_rows", {})
@@ -1047,17 +1097,26 @@ def _evaluate_prompt(args: argparse.Namespace) -> object:
     return fmt
 
 
-def _cmd_evaluate(args: argparse.Namespace) -> int:
-    import torch
+def _warn_prompt_mismatch(trained: dict[str, Any] | None, used: dict[str, Any], adapter: str | None) -> None:
+    """Warn (stderr, even with ``--quiet``) when the prompt differs from the one ``adapter`` was
+    trained with (nothing when the adapter does not record it)."""
+    if not trained:
+        return
+    keys = sorted(k for k in set(trained) | set(used) if k != "fewshot_pool_size" and trained.get(k) != used.get(k))
+    if keys:
+        diff = "; ".join(f"{k}: trained {trained.get(k)!r}, now {used.get(k)!r}" for k in keys)
+        print(f"llm-calib: warning: evaluating --adapter {adapter} with another prompt than it was trained "
+              f"with ({diff}); its calibration may not carry over", file=sys.stderr, flush=True)
 
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
     from llm_calib.evaluate import evaluate_records, write_samples
     from llm_calib.fewshot import resolve_fewshot
     from llm_calib.models import load as load_model
     from llm_calib.prompts import prompt_dict
     from llm_calib.report import write_report
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _apply_threads(args)
     if args.quiet:
         from transformers.utils import logging as hf_logging
 
@@ -1065,6 +1124,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.bootstrap < 0:
         raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
     prompt = _evaluate_prompt(args)
+    base = _resolve_base(args, args.adapter, "--adapter")
+    _warn_prompt_mismatch(base.get("prompt"), prompt_dict(prompt), args.adapter)
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
     datasets = []

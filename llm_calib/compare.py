@@ -154,6 +154,7 @@ def run_comparison(
     bootstrap: int = 1000,
     eval_batch_size: int = 8,
     log: Callable[[str], None] = lambda message: None,
+    base_model: dict[str, Any] | None = None,
 ) -> Comparison:
     """Train each method on a fresh base model, save it, and evaluate every column per domain.
 
@@ -182,6 +183,9 @@ def run_comparison(
         bootstrap: bootstrap resamples for 95% intervals (0: none).
         eval_batch_size: questions per forward pass when scoring.
         log: receives one-line status messages.
+        base_model: entries that replace those of each saved result's record of its base model
+            (:attr:`~llm_calib.calm.trainer.CalibrationResult.base`), e.g. the ``model`` name
+            the command line loaded it by and its ``dtype``.
 
     Returns:
         A :class:`Comparison`. Nothing is written by ranks other than 0 under ``torchrun``.
@@ -275,6 +279,7 @@ def run_comparison(
                 model, tokenizer, train_enc, heldout_enc, cfg, unlabeled=unlabeled_enc,
                 checkpoint_dir=ckpt_dir if use_ckpt else None, resume=resume, progress=progress,
             )
+            result.base.update(base_model or {})
             if writer:
                 result.save(target)
         train_s = time.perf_counter() - t0

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from llm_calib.calm.lora import peft_deprecations_silenced
+from llm_calib.calm.trainer import BASE_MODEL_FILE
 from llm_calib.file_modes import ordinary_modes
 
-__all__ = ["adapter_directory", "export_merged", "load_adapter", "merge_adapter"]
+__all__ = ["adapter_directory", "export_merged", "load_adapter", "merge_adapter", "saved_base"]
 
 
 def adapter_directory(path: str | os.PathLike[str]) -> Path:
@@ -50,6 +51,32 @@ def adapter_directory(path: str | os.PathLike[str]) -> Path:
         f"{src}: not a saved calibration result (no adapter/adapter_config.json) nor a peft adapter "
         "(no adapter_config.json)"
     )
+
+
+def saved_base(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a saved calibration result records of its base model: ``model``, ``dtype``, ``prompt``
+    (see :data:`~llm_calib.calm.trainer.BASE_MODEL_FILE`).
+
+    Args:
+        path: a saved result (or its ``adapter/`` directory), or any peft adapter directory.
+
+    Returns:
+        The record; empty for a plain peft adapter or a result saved before it was recorded.
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp()); (d / "adapter").mkdir()
+        >>> saved_base(d)
+        {}
+        >>> _ = (d / BASE_MODEL_FILE).write_text('{"model": "smollm2-135m-instruct", "dtype": "float32"}')
+        >>> saved_base(d / "adapter")["model"]
+        'smollm2-135m-instruct'
+    """
+    src = Path(path)
+    for candidate in (src, src.parent):
+        if (candidate / BASE_MODEL_FILE).is_file():
+            return dict(json.loads((candidate / BASE_MODEL_FILE).read_text()))
+    return {}
 
 
 def load_adapter(base_model: Any, path: str | os.PathLike[str]) -> Any:

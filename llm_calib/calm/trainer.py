@@ -35,12 +35,20 @@ from tqdm.auto import tqdm
 from llm_calib import distributed
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig
-from llm_calib.calm.encoding import EncodedRecords, encode_records
+from llm_calib.calm.encoding import EncodedRecords, encode_records, format_settings
 from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.training import TrainingDiverged
 from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.prompts import prompt_dict
 
-__all__ = ["CalibrationResult", "TrainingDiverged", "calibrate", "encode_batch_source"]
+__all__ = ["BASE_MODEL_FILE", "CalibrationResult", "TrainingDiverged", "base_model_record", "calibrate",
+           "encode_batch_source"]
+
+BASE_MODEL_FILE = "base_model.json"
+"""The file of a saved :class:`CalibrationResult` that records what the adapter was trained on:
+``model`` (the base model as it was named when loaded), ``dtype``, ``prompt`` (the multiple-choice
+prompt format, :func:`~llm_calib.prompts.prompt_dict`), ``scorer`` and ``normalize``. Results saved
+before it existed have none."""
 
 encode_batch_source = encode_records
 """Former name of :func:`llm_calib.calm.encoding.encode_records` (kept for existing callers)."""
@@ -63,6 +71,9 @@ class CalibrationResult:
         metrics: held-out metrics before and after training (``"before"``, ``"after"``).
         config: the run's configuration.
         timings: wall-clock seconds per phase.
+        base: what the adapter was trained on (:func:`base_model_record`; written to
+            :data:`BASE_MODEL_FILE`): the base model's name, its dtype and the prompt. Empty for
+            results saved before it was recorded.
     """
 
     model: Any
@@ -71,10 +82,12 @@ class CalibrationResult:
     metrics: dict[str, dict[str, float]]
     config: CalibrationConfig
     timings: dict[str, float] = field(default_factory=dict)
+    base: dict[str, Any] = field(default_factory=dict)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``adapter/`` (peft ``save_pretrained``), ``lambda.safetensors``, ``config.json``,
-        ``history.json`` and ``metrics.json`` into ``directory``."""
+        ``history.json``, ``metrics.json`` and (when :attr:`base` is known) ``base_model.json``
+        into ``directory``."""
         from safetensors.torch import save_file
 
         from llm_calib.file_modes import ordinary_modes
@@ -86,6 +99,8 @@ class CalibrationResult:
         (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         (out / "history.json").write_text(json.dumps(self.history, indent=2))
         (out / "metrics.json").write_text(json.dumps({"metrics": self.metrics, "timings": self.timings}, indent=2))
+        if self.base:
+            (out / BASE_MODEL_FILE).write_text(json.dumps(self.base, indent=2))
         for written in (out / "adapter", out / "lambda.safetensors"):
             ordinary_modes(written)  # safetensors writes the adapter weights and λ 0600
         return out
@@ -106,7 +121,42 @@ class CalibrationResult:
         config = CalibrationConfig.from_dict(json.loads((src / "config.json").read_text()))
         history = json.loads((src / "history.json").read_text())
         saved = json.loads((src / "metrics.json").read_text())
-        return cls(model, lam, history, saved["metrics"], config, saved.get("timings", {}))
+        base = json.loads((src / BASE_MODEL_FILE).read_text()) if (src / BASE_MODEL_FILE).is_file() else {}
+        return cls(model, lam, history, saved["metrics"], config, saved.get("timings", {}), base)
+
+
+def base_model_record(model: Any, config: CalibrationConfig) -> dict[str, Any]:
+    """What a result records of its base model and prompt (:data:`BASE_MODEL_FILE`).
+
+    ``model``: the name the base model was loaded from (``config._name_or_path``; the command line
+    replaces it with the ``--model`` it was given), or None when unknown; ``dtype``: the dtype of
+    its parameters; ``prompt``: the multiple-choice prompt format of ``config``
+    (:func:`~llm_calib.prompts.prompt_dict`); ``scorer`` and ``normalize``.
+
+    Args:
+        model: the base causal LM.
+        config: the run's configuration.
+
+    Returns:
+        A JSON-ready dict.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> rec = base_model_record(tiny_random_model()[0], CalibrationConfig())
+        >>> rec["model"], rec["dtype"], rec["prompt"]["style"], rec["normalize"]
+        (None, 'float32', 'cloze', 'sum')
+    """
+    settings = format_settings(config)
+    name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    dtype = str(param.dtype).removeprefix("torch.") if param is not None else None
+    return {
+        "model": name,
+        "dtype": dtype,
+        "prompt": prompt_dict(settings["prompt"]),
+        "scorer": settings["scorer"],
+        "normalize": settings["normalize"],
+    }
 
 
 def calibrate(
@@ -178,6 +228,7 @@ def calibrate(
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
     timings: dict[str, float] = {}
 
+    base = base_model_record(model, config)  # before LoRA is attached
     with _timed(timings, "setup"):
         trainer = training.build_trainer(model, tokenizer, train, heldout, config, unlabeled=unlabeled)
     with _timed(timings, "evaluate_before"):
@@ -192,7 +243,7 @@ def calibrate(
     after["selected_step"] = int(state.best["step"])  # integers as integers in metrics.json
     after["stopped_early"] = int(state.stopped_early)
     return CalibrationResult(trainer.model, state.best_lam, state.history, {"before": state.before, "after": after},
-                             config, timings)
+                             config, timings, base)
 
 
 def _train(trainer: training.Trainer, state: training.TrainState, checkpoint_dir: str | os.PathLike[str] | None,
