@@ -130,7 +130,9 @@ class PromptSettings:
     Attributes:
         scorer: ``"option_likelihood"`` or ``"letter"`` (multiple choice; open questions are
             always trained on their reference answer's tokens).
-        normalize: option scores summed (``"sum"``) or length-normalised (``"mean"``) (multiple
+        normalize: option scores summed (``"sum"``), averaged per token (``"mean"``), or divided by
+            the option's length in characters (``"char"``, lm-eval's ``acc_norm``) or UTF-8 bytes
+            (``"byte"``, ``acc_bytes``), in training, selection and evaluation alike (multiple
             choice; open-ended losses average over the answer's tokens).
         style: multiple-choice prompt style, ``"cloze"`` or ``"listed"`` (see
             :class:`llm_calib.prompts.PromptFormat`); open questions always use the cloze style
@@ -150,7 +152,7 @@ class PromptSettings:
     """
 
     field_choices: ClassVar[dict[str, tuple[str, ...]]] = {
-        "scorer": ("option_likelihood", "letter"), "normalize": ("sum", "mean"), "style": ("cloze", "listed"),
+        "scorer": ("option_likelihood", "letter"), "normalize": ("sum", "mean", "char", "byte"), "style": ("cloze", "listed"),
     }
     scorer: str = "option_likelihood"
     normalize: str = "sum"

@@ -141,7 +141,20 @@ class EncodedRecords:
             trunk = torch.stack(
                 [torch.nn.functional.pad(self.trunk_cache[i], (0, 0, 0, L - self.trunk_cache[i].shape[0])) for i in idx]
             )
-        return Batch(packed, labels, [self.records[i].id for i in idx], self.format, trunk)
+        return Batch(packed, labels, [self.records[i].id for i in idx], self.format, trunk,
+                     {n: t for n in ("char", "byte") if (t := self.option_text_lengths(idx, n)) is not None})
+
+    def option_text_lengths(self, indices: Sequence[int], normalize: str) -> Tensor | None:
+        """``(len(indices), K_max)`` lengths in characters (``"char"``) or UTF-8 bytes (``"byte"``)
+        of the options of the questions at ``indices`` (1 at padding), what those option-score
+        normalisations divide by; None when the format has no option texts (open questions)."""
+        rows = [self.format.option_text_lengths(self.records[i], normalize) for i in indices]
+        if any(r is None for r in rows):
+            return None
+        out = torch.ones((len(rows), max(len(r) for r in rows)), dtype=torch.float64)
+        for b, r in enumerate(rows):
+            out[b, : len(r)] = torch.tensor(r, dtype=torch.float64)
+        return out
 
 
 def format_settings(config: CalibrationConfig) -> dict[str, Any]:

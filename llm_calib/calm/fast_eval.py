@@ -77,7 +77,7 @@ def base_scores(model: Any, enc: EncodedRecords, trunk_layers: int, batch_size: 
         trunk_layers: index of the first adapted layer of the models to evaluate later (0: keep no trunk).
         batch_size: questions per forward pass (batched by length).
         pad_id: padding id.
-        normalize: ``"sum"`` or ``"mean"`` option scores.
+        normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` option scores.
         bar: optional progress bar (``update(n)``).
 
     Example:
@@ -129,7 +129,8 @@ def _option_scores(enc: EncodedRecords, batch_size: int, normalize: str, bar: An
     with torch.inference_mode():
         for idx in length_batches([enc.length(i) for i in range(len(enc))], batch_size):
             packed, logits = forward(idx)
-            s = option_scores_from_logits(logits, packed, normalize)
+            lengths = enc.option_text_lengths(idx, normalize) if normalize in ("char", "byte") else None
+            s = option_scores_from_logits(logits, packed, normalize, lengths)
             for row, i in enumerate(idx):
                 scores[i] = s[row, : len(enc.options[i])].double().cpu()
             if bar is not None:

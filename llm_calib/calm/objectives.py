@@ -31,7 +31,7 @@ next-token distributions over the whole vocabulary at the positions that predict
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -60,6 +60,9 @@ class Batch:
             batch (option distributions, or next-token distributions at answer positions).
         trunk: cached hidden states entering the first trainable layer (``(B, L, hidden)``), or
             None to run the whole decoder.
+        option_text_lengths: ``"char"`` and ``"byte"``: each option's length in characters and
+            UTF-8 bytes, ``(B, K_max)`` (1 at padding), what those option-score normalisations
+            divide by; empty for open questions.
     """
 
     packed: PackedQuestions
@@ -67,6 +70,7 @@ class Batch:
     ids: list[str]
     format: TaskFormat
     trunk: Tensor | None = None
+    option_text_lengths: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def answer_stop(self) -> bool:
@@ -86,8 +90,10 @@ class CalmLosses:
     Args:
         lm: the functional model.
         adjustment: the logit adjustment (λ's shape).
-        normalize: ``"sum"`` or ``"mean"`` option scores (multiple choice; open-ended answers
-            are always averaged over their tokens).
+        normalize: option scores summed (``"sum"``), averaged over tokens (``"mean"``), or summed
+            and divided by the option's length in characters (``"char"``, lm-eval's ``acc_norm``)
+            or UTF-8 bytes (``"byte"``, ``acc_bytes``), as scoring does (multiple choice; open-ended
+            answers are always averaged over their tokens).
 
     Example:
         >>> import torch
@@ -133,9 +139,16 @@ class CalmLosses:
 
         Raises:
             ValueError: an adjustment the batch's format cannot take (an option-level adjustment
-                with open questions: they have no options).
+                with open questions: they have no options), or ``"char"``/``"byte"`` with a batch
+                without option texts (open questions).
         """
-        scores = option_scores_from_logits(self.logits(theta, lam, batch), batch.packed, self.normalize)
+        lengths = None
+        if self.normalize in ("char", "byte"):
+            lengths = batch.option_text_lengths.get(self.normalize)
+            if lengths is None:
+                raise ValueError(f"normalize={self.normalize!r} needs multiple-choice options to measure; "
+                                 f"this batch holds {batch.format.description} questions")
+        scores = option_scores_from_logits(self.logits(theta, lam, batch), batch.packed, self.normalize, lengths)
         if lam is None or not self.adjustment.acts_on_options:
             return scores
         batch.format.check_adjustment(self.adjustment)

@@ -355,23 +355,28 @@ def gather_token_logprobs(logits: Tensor, packed: PackedQuestions) -> Tensor:
     return logp[packed.target_rows.to(device), packed.target_ids.to(device)]
 
 
-def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize: str = "sum") -> Tensor:
+def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize: str = "sum",
+                              lengths: Tensor | None = None) -> Tensor:
     """Option scores ``(B, K_max)`` from head logits at ``packed.rows``; padding holds ``-inf``.
 
     ``logits`` are full-vocabulary logits ``(len(rows), V)`` (possibly adjusted); the score of an
-    option is the sum (``"sum"``) or mean (``"mean"``) of its tokens' log-probabilities.
+    option is the sum (``"sum"``) or mean (``"mean"``) of its tokens' log-probabilities, or
+    (``"char"``, ``"byte"``) their sum divided by the option's length in characters or bytes,
+    given as ``lengths`` (as :func:`~llm_calib.scoring.score_option_likelihood` scores them).
     Differentiable in ``logits``.
 
     Args:
         logits: ``(len(packed.rows), V)`` logits at the gathered rows.
         packed: the batch from :func:`pack_questions` or :func:`pack_letters`.
-        normalize: ``"sum"`` or ``"mean"``.
+        normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"``.
+        lengths: ``(B, K_max)`` per-option divisors of ``"char"``/``"byte"`` (any positive value
+            at padding); unused otherwise.
 
     Returns:
         ``(B, K_max)`` option scores, ``-inf`` where a question has fewer options.
 
     Raises:
-        ValueError: an unknown ``normalize``.
+        ValueError: an unknown ``normalize``, or ``"char"``/``"byte"`` without ``lengths``.
 
     Example:
         >>> import torch
@@ -379,16 +384,25 @@ def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize
         >>> s = option_scores_from_logits(torch.zeros(2, 5), p)
         >>> [round(v, 4) for v in s[0].tolist()]   # log(1/5) and 2 * log(1/5)
         [-1.6094, -3.2189]
+        >>> s = option_scores_from_logits(torch.zeros(2, 5), p, "char", torch.tensor([[2.0, 4.0]]))
+        >>> [round(v, 4) for v in s[0].tolist()]   # divided by 2 and 4 characters
+        [-0.8047, -0.8047]
     """
-    if normalize not in ("sum", "mean"):
-        raise ValueError(f"normalize must be 'sum' or 'mean', got {normalize!r}")
+    if normalize not in ("sum", "mean", "char", "byte"):
+        raise ValueError(f"normalize must be 'sum', 'mean', 'char' or 'byte', got {normalize!r}")
+    by_length = normalize in ("char", "byte")
+    if by_length and lengths is None:
+        raise ValueError(f"normalize={normalize!r} needs the options' lengths in characters or bytes")
     device = logits.device
     token_lp = gather_token_logprobs(logits, packed)
-    per_option = reduce_per_option(token_lp, packed, normalize)
+    per_option = reduce_per_option(token_lp, packed, "sum" if by_length else normalize)
     B, K = packed.batch_size, max(packed.n_options)
     out = torch.full((B, K), float("-inf"), dtype=token_lp.dtype, device=device)
     slot = torch.cat([torch.arange(k) for k in packed.n_options]).to(device)
-    return out.index_put((packed.option_question.to(device), slot), per_option)
+    out = out.index_put((packed.option_question.to(device), slot), per_option)
+    if by_length:
+        out = out / lengths.to(device, out.dtype)
+    return out
 
 
 PACKED_MASK_ATTENTION = ("eager", "sdpa")

@@ -227,6 +227,12 @@ class TaskFormat(ABC):
         """The target index of a record in its batch (the gold option; 0 for a reference answer)."""
 
     # --- training-loss view -------------------------------------------------------------------
+    def option_text_lengths(self, record: Any, normalize: str) -> list[int] | None:
+        """Per option of ``record``, what a ``"char"`` or ``"byte"`` option score is divided by
+        (its length in characters or UTF-8 bytes); None (the default): the format has no option
+        texts to measure, so it cannot train under those normalisations."""
+        return None
+
     def check_adjustment(self, adjustment: LogitAdjustment) -> None:  # noqa: B027 (optional hook)
         """Raise ValueError when ``adjustment`` cannot act on this format's predictions."""
 

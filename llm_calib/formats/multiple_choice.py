@@ -31,6 +31,7 @@ from llm_calib.scoring.option_likelihood import (
     LM_EVAL_NORMALIZATIONS,
     encode_questions,
     normalized,
+    option_text_lengths,
     score_option_likelihood,
 )
 
@@ -189,8 +190,8 @@ class OptionLikelihood(MultipleChoiceFormat):
     """Multiple choice scored by the log-likelihood of each option's text.
 
     Args:
-        normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` option scores (training takes
-            ``"sum"`` or ``"mean"``, see :class:`~llm_calib.calm.objectives.CalmLosses`).
+        normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` option scores, in scoring and
+            in training (:class:`~llm_calib.calm.objectives.CalmLosses`).
         prompt: the prompt format; None: the scorer's default (``PromptFormat()``, cloze).
 
     Example:
@@ -219,6 +220,17 @@ class OptionLikelihood(MultipleChoiceFormat):
         """Prompt ids and each option's continuation ids (:func:`~llm_calib.scoring.option_likelihood.encode_questions`)."""
         enc = encode_questions(tokenizer, records, self.prompt_settings())
         return [e.prompt for e in enc], [e.options for e in enc]
+
+    def option_text_lengths(self, record: MultipleChoice, normalize: str) -> list[int]:
+        """Each choice's length in characters (``"char"``) or UTF-8 bytes (``"byte"``), as
+        scoring divides by it (:func:`~llm_calib.scoring.option_likelihood.option_text_lengths`).
+
+        Example:
+            >>> from llm_calib.data import MultipleChoice
+            >>> OptionLikelihood().option_text_lengths(MultipleChoice("Q?", ("Paris", "Zürich"), 0, "geo", "q"), "byte")
+            [5, 7]
+        """
+        return option_text_lengths(record, self.prompt_settings(), normalize)
 
     def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
         """Prompt followed by every option (:func:`~llm_calib.engine.packing.pack_questions`)."""
@@ -287,6 +299,10 @@ class Letter(MultipleChoiceFormat):
                    for r in records]
         options = [tuple((t,) for t in letter_token_ids(tokenizer, len(r.options))) for r in records]
         return prompts, options
+
+    def option_text_lengths(self, record: MultipleChoice, normalize: str) -> list[int]:
+        """Ones: a letter score is one token, which no normalisation changes (as in scoring)."""
+        return [1] * len(record.options)
 
     def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
         """The prompt alone; the letters are read at its last position

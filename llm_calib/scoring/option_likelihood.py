@@ -50,6 +50,7 @@ __all__ = [
     "encode_questions",
     "normalized",
     "option_log_likelihoods",
+    "option_text_lengths",
     "question_details",
     "score_option_likelihood",
 ]
@@ -125,6 +126,26 @@ def _choices(record: MultipleChoice, fmt: PromptFormat) -> list[str]:
     return [o.strip() for o in record.options]
 
 
+def option_text_lengths(record: MultipleChoice, fmt: PromptFormat, normalize: str) -> list[int]:
+    """The length of each scored choice of ``record`` under ``fmt`` that a ``"char"`` (characters,
+    lm-eval's ``acc_norm``) or ``"byte"`` (UTF-8 bytes, ``acc_bytes``) option score is divided by:
+    the choice without the target delimiter, as lm-eval measures it.
+
+    Raises:
+        ValueError: ``normalize`` is neither ``"char"`` nor ``"byte"``.
+
+    Example:
+        >>> q = MultipleChoice("Capital?", ("Paris", "Zürich"), 0, "geo", "q0")
+        >>> option_text_lengths(q, PromptFormat(), "char"), option_text_lengths(q, PromptFormat(), "byte")
+        ([5, 6], [5, 7])
+    """
+    if normalize == "char":
+        return [len(c) for c in _choices(record, fmt)]
+    if normalize == "byte":
+        return [len(c.encode("utf-8")) for c in _choices(record, fmt)]
+    raise ValueError(f"normalize must be 'char' or 'byte', got {normalize!r}")
+
+
 def question_details(
     tokenizer: Any, record: MultipleChoice, fmt: PromptFormat, item: EncodedQuestion,
     token_logprobs: Sequence[torch.Tensor],
@@ -149,8 +170,8 @@ def question_details(
         "token_ids": [list(o) for o in item.options],
         "loglik": [float(lp.sum()) for lp in token_logprobs],
         "n_tokens": [len(o) for o in item.options],
-        "n_chars": [len(c) for c in choices],
-        "n_bytes": [len(c.encode("utf-8")) for c in choices],
+        "n_chars": option_text_lengths(record, fmt, "char"),
+        "n_bytes": option_text_lengths(record, fmt, "byte"),
     }
 
 
