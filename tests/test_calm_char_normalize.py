@@ -38,6 +38,12 @@ def test_training_scores_equal_evaluation_scores(normalize):
     got = losses.scores(None, None, enc.batch(range(len(QUESTIONS)), tok.pad_token_id))
     for i, w in enumerate(want.logits):
         torch.testing.assert_close(got[i, : len(w)].double(), w.double(), atol=2e-5, rtol=0)
+    if normalize in ("char", "byte"):  # by hand: the summed log-likelihood over the option's length
+        total = score_option_likelihood(model, tok, QUESTIONS, normalize="sum").logits
+        for i, q in enumerate(QUESTIONS):
+            n = [len(o) if normalize == "char" else len(o.encode("utf-8")) for o in q.options]
+            torch.testing.assert_close(got[i, : len(n)].double(), total[i].double() / torch.tensor(n, dtype=torch.float64),
+                                       atol=2e-5, rtol=0)
     # selection's fast scorer agrees too
     fast = base_scores(model, enc, trunk_layers=0, batch_size=2, pad_id=tok.pad_token_id, normalize=normalize)
     for f, w in zip(fast, want.logits, strict=True):
