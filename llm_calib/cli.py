@@ -650,7 +650,7 @@ _PART_GROUPS = {
 }
 """Flag group and flag prefix of each settings part of the config."""
 
-_FLAG_NAMES = {"prompt.style": "--prompt-style"}
+_FLAG_NAMES = {"prompt.style": "--prompt-style", "prompt.preset": "--prompt-preset"}
 """Flags not named by the prefix rule."""
 
 _FLAG_ALIASES = {

@@ -76,3 +76,39 @@ def test_calibrate_cli_trains_and_selects_under_char(tiny_model_dir, tmp_path):
     assert json.loads((out / "lora_ce" / "config.json").read_text())["prompt"]["normalize"] == "char"
     assert json.loads((out / "lora_ce" / "base_model.json").read_text())["normalize"] == "char"
     assert json.loads((out / "metrics.json").read_text())["config"]["calibration"]["prompt"]["normalize"] == "char"
+
+
+def test_training_under_an_lm_eval_preset_scores_like_evaluate():
+    from llm_calib.prompts import preset
+
+    model, tok = tiny_random_model(seed=0, init_std=0.1)
+    want = score_option_likelihood(model, tok, QUESTIONS, normalize="char", prompt=preset("lm_eval_arc"))
+    config = CalibrationConfig(prompt={"normalize": "char", "preset": "lm_eval_arc"})
+    enc = encode_records(tok, QUESTIONS, config)
+    assert tok.decode(enc.prompts[0]).startswith("Question: Capital of Switzerland?\nAnswer:")
+    lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
+    got = CalmLosses(lm, LogitAdjustment("vector", lm.head.out_features), "char").scores(
+        None, None, enc.batch(range(len(QUESTIONS)), tok.pad_token_id))
+    for i, w in enumerate(want.logits):
+        torch.testing.assert_close(got[i, : len(w)].double(), w.double(), atol=2e-5, rtol=0)
+    # a template given as on the command line ("\n" escaped) is the same prompt
+    escaped = CalibrationConfig(prompt={"template": "Question: {question}\\nAnswer:", "chat_template": False})
+    assert encode_records(tok, QUESTIONS, escaped).prompts == enc.prompts
+
+
+def test_calibrate_cli_prompt_preset_is_recorded_and_checked_at_evaluation(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    spec = "builtin:capitals:n=4"
+    argv = ["calibrate", "--model", str(tiny_model_dir), "--train", spec, "--heldout", "builtin:capitals:n=4,seed=1",
+            "--eval", spec, "--out", str(out), "--methods", "lora_ce", "--steps", "1", "--batch-size", "2",
+            "--lora-rank", "2", "--bootstrap", "0", "--no-progress", "--prompt-preset", "lm_eval_arc",
+            "--normalize", "char", "--threads", "1"]
+    assert cli.main(argv) == 0
+    rec = json.loads((out / "lora_ce" / "base_model.json").read_text())
+    assert rec["prompt"]["template"] == "Question: {question}\nAnswer:" and rec["prompt"]["chat_template"] is False
+    capsys.readouterr()
+    ev = ["evaluate", "--adapter", str(out / "lora_ce"), "--data", spec, "--bootstrap", "0", "--quiet"]
+    assert cli.main([*ev, "--out", str(tmp_path / "e1"), "--prompt-preset", "lm_eval_arc", "--normalize", "char"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert cli.main([*ev, "--out", str(tmp_path / "e2")]) == 0  # the default prompt: not the training one
+    assert "another prompt" in capsys.readouterr().err

@@ -33,7 +33,7 @@ from llm_calib.objectives.registry import (
     objective_from_dict,
     objective_names,
 )
-from llm_calib.prompts import PromptFormat, short_answer_format
+from llm_calib.prompts import PRESETS, PromptFormat, short_answer_format
 
 __all__ = [
     "CHOICES", "FLAT_KEYS", "METHODS", "PARTS", "SOLVERS", "CalibrationConfig", "LoraSettings", "PromptSettings",
@@ -138,6 +138,12 @@ class PromptSettings:
             :class:`llm_calib.prompts.PromptFormat`); open questions always use the cloze style
             of the open-ended scorer.
         chat_template: wrap prompts in the model's chat template (None: when it has one).
+        preset: multiple choice: a named prompt format of :data:`llm_calib.prompts.PRESETS`
+            (e.g. ``"lm_eval_arc"``, lm-eval's ARC prompt), as ``evaluate --prompt-preset``; its
+            template replaces ``style``; ``template`` and ``chat_template`` override it. None
+            (default): the prompt of ``style``.
+        template: multiple choice: a question template with named fields (``{question}``,
+            ``{options}``, ...; ``\\n`` is a newline), as ``evaluate --template``. None: none.
         field_choices: the allowed values of ``scorer``, ``normalize`` and ``style``.
         open_examples: open questions: ``(question, answer)`` solved examples shown before every
             question in the plain-text short-answer prompt ``Q: ...\\nA: ...`` of
@@ -159,12 +165,20 @@ class PromptSettings:
     style: str = "cloze"
     chat_template: bool | None = None
     open_examples: tuple[tuple[str, str], ...] = ()
+    preset: str | None = None
+    template: str | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in self.field_choices.items():
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"prompt.{name} must be one of {allowed}, got {value!r}")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"prompt.preset must be one of {tuple(PRESETS)} or null, got {self.preset!r}")
+        if self.template is not None:
+            if not isinstance(self.template, str):
+                raise ValueError(f"prompt.template must be a string or null, got {self.template!r}")
+            self.template = self.template.replace("\\n", "\n").replace("\\t", "\t")
         if self.chat_template is not None and not isinstance(self.chat_template, bool):
             raise ValueError(f"prompt.chat_template must be true, false or null, got {self.chat_template!r}")
         self.open_examples = _question_answer_pairs(self.open_examples)

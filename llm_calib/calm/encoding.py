@@ -24,6 +24,7 @@ from llm_calib.calm.objectives import Batch
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.engine.packing import PackedQuestions
 from llm_calib.formats import MULTIPLE_CHOICE_FORMATS, TaskFormat, format_for
+from llm_calib.prompts import PromptFormat, preset
 
 __all__ = [
     "LAYOUTS",
@@ -164,7 +165,8 @@ def format_settings(config: CalibrationConfig) -> dict[str, Any]:
     ``chat_template``, ``open_examples``).
 
     The multiple-choice prompt is ``style`` (listed for the letter scorer, whose options
-    must be listed) with ``chat_template``; open questions use
+    must be listed) with ``chat_template``, or, with ``preset`` or ``template``, the prompt
+    ``evaluate --prompt-preset/--template`` builds from them; open questions use
     :func:`~llm_calib.calm.config.open_prompt_format`, and with ``open_examples`` each reference
     answer is trained with the newline that ends a greedy answer (``answer_stop``).
 
@@ -172,8 +174,17 @@ def format_settings(config: CalibrationConfig) -> dict[str, Any]:
         >>> s = format_settings(CalibrationConfig(prompt=dict(scorer="letter")))
         >>> s["scorer"], s["prompt"].style, s["answer_stop"]
         ('letter', 'listed', False)
+        >>> format_settings(CalibrationConfig(prompt=dict(preset="lm_eval_arc")))["prompt"].template
+        'Question: {question}\\nAnswer:'
     """
-    prompt = MULTIPLE_CHOICE_FORMATS[config.prompt.scorer].configured_prompt(config.prompt.style, config.prompt.chat_template)
+    settings = config.prompt
+    if settings.preset is None and settings.template is None:
+        prompt = MULTIPLE_CHOICE_FORMATS[settings.scorer].configured_prompt(settings.style, settings.chat_template)
+    else:  # as evaluate --prompt-preset / --template: the preset, then the explicit settings
+        given: dict[str, Any] = {k: v for k, v in (("template", settings.template),
+                                                   ("chat_template", settings.chat_template)) if v is not None}
+        prompt = (preset(settings.preset, **given) if settings.preset is not None
+                  else PromptFormat(style=settings.style, **given))
     return {
         "scorer": config.prompt.scorer,
         "normalize": config.prompt.normalize,
