@@ -19,7 +19,7 @@ from llm_calib.calm.config import (
     SelectionSettings,
     TrainingSettings,
 )
-from llm_calib.calm.training import selection_note
+from llm_calib.calm.training import selection_note, warn_small_heldout
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.evaluate import evaluate_records
 from llm_calib.models import tiny_random_model
@@ -76,6 +76,11 @@ def test_calibrate_names_the_empty_split(split, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         llm_calib.calibrate(model, tok, sets["train"], sets["heldout"], _cfg(), unlabeled=sets["unlabeled"],
                             progress=False)
+
+
+def test_warn_small_heldout_names_an_empty_heldout_set():
+    with pytest.raises(ValueError, match=re.escape("the held-out set (heldout) is empty")):
+        warn_small_heldout(0, CalibrationConfig())
 
 
 def test_evaluate_names_the_empty_set_before_scoring_anything(tiny):

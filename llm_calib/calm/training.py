@@ -387,6 +387,9 @@ def warn_small_heldout(n: int, config: CalibrationConfig) -> bool:
     Returns:
         Whether it warned.
 
+    Raises:
+        ValueError: ``n`` is 0 (the held-out set is empty).
+
     Example:
         >>> import warnings
         >>> with warnings.catch_warnings(record=True) as seen:
@@ -396,6 +399,8 @@ def warn_small_heldout(n: int, config: CalibrationConfig) -> bool:
         >>> "150 held-out questions" in str(seen[0].message)
         True
     """
+    if n <= 0:
+        check_not_empty(heldout=[])  # raises: names the empty held-out set (no division by zero)
     if n >= MIN_GUARD_QUESTIONS or config.selection.guard_accuracy <= 0:
         return False
     warnings.warn(
