@@ -196,9 +196,10 @@ def _add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> No
     p.add_argument(
         "--limit-mode",
         choices=("sample", "first"),
-        default="sample",
+        default=None,
         help="which N questions --limit keeps: a seeded subsample in file order (sample), or the "
-        "first N rows of the file (first, as lm-eval's --limit) (default: %(default)s)",
+        "first N rows of the file (first, as lm-eval's --limit) (default: first with an lm_eval_* "
+        "--prompt-preset, else sample)",
     )
     p.add_argument(
         "--on-error",
@@ -209,8 +210,23 @@ def _add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> No
     )
 
 
-def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int | None = None) -> list:
-    """Load one spec with the shared data-loading flags; no records is an error.
+_SET_OF_FLAG = {"--train": "training", "--heldout": "held-out", "--unlabeled": "unlabelled", "--eval": "evaluation",
+                "--data": "evaluation", "--temperature-fit": "temperature-fit"}
+
+
+def _limit_mode(args: argparse.Namespace) -> str:
+    """``--limit-mode`` as given, else ``first`` under an ``lm_eval_*`` prompt preset (lm-eval's
+    ``--limit`` takes the first N), else ``sample``."""
+    mode = getattr(args, "limit_mode", None)
+    if mode is not None:
+        return mode
+    return "first" if (getattr(args, "prompt_preset", None) or "").startswith("lm_eval_") else "sample"
+
+
+def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int | None = None,
+                  limited: bool = True) -> list:
+    """Load one spec with the shared data-loading flags (``--limit`` only when ``limited``); no
+    records is an error naming the empty set.
 
     Skipped rows (``--on-error skip``) are reported on stderr even with ``--quiet``, one line
     per row naming its file, line and field, and kept in ``args.skipped_rows``.
@@ -220,10 +236,10 @@ def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int |
     res = _user_call(
         lambda: load_data(
             spec,
-            limit=args.limit,
+            limit=args.limit if limited else None,
             seed=seed if seed is not None else (args.seed if args.seed is not None else 0),
             on_error=getattr(args, "on_error", "raise"),
-            limit_mode=getattr(args, "limit_mode", "sample"),
+            limit_mode=_limit_mode(args),
         ),
         f"{flag} {spec}",
         # ImportError: a loader's optional extra is missing (lm_eval:, hf:); the message names it
@@ -239,7 +255,7 @@ def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int |
             lines.append(f"  ... and {res.skipped - len(res.errors)} more")
         print("\n".join(lines), file=sys.stderr, flush=True)
     if not res.records:
-        raise _UserError(f"{flag} {spec}: no records")
+        raise _UserError(f"{flag} {spec}: no records (the {_SET_OF_FLAG.get(flag, flag)} set is empty)")
     return res.records
 
 
@@ -373,7 +389,8 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     _add_data_loading_args(
         p,
-        limit_help="at most N questions per data set (see --limit-mode; also for --temperature-fit)",
+        limit_help="at most N questions per evaluated data set (see --limit-mode; the --temperature-fit "
+        "set is read whole)",
     )
     p.add_argument(
         "--batch-size",
@@ -424,7 +441,8 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         help="cache of the converted built-in model (default: $LLM_CALIB_CACHE/<alias> or "
         "~/.cache/llm_calib/<alias>) or hub cache for hub names",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true",
+                   help="no progress bars (transformers' loading bars included) and no status lines")
     p.add_argument(
         "--log-samples",
         action="store_true",
@@ -465,6 +483,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
                             training=False, quantization=False)
     p.add_argument("--cache-dir", default=None, help="cache of the converted built-in model, or hub cache")
     p.add_argument("--out", required=True, metavar="MERGED", help="output directory (created if missing)")
+    p.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true",
+                   help="no progress bars (transformers' 'Loading weights' and 'Writing model shards')")
     p.set_defaults(func=_cmd_export)
 
 
@@ -477,6 +497,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     _apply_threads(args)
     _resolve_base(args, args.adapter, "export")  # fails before loading the model
+    if args.quiet:
+        _silence_transformers_bars()
     model, tokenizer = _user_call(
         lambda: load_model(args.model, cache_dir=args.cache_dir, config=_model_loading(args, "cpu")),
         f"--model {args.model}",
@@ -616,8 +638,9 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         "their newest checkpoint",
     )
     p.add_argument(
-        "--no-progress", action="store_true",
-        help="no progress bars (training shows loss/accuracy/entropy/held-out ECE otherwise)",
+        "--no-progress", "--quiet", dest="no_progress", action="store_true",
+        help="no progress bars, transformers' loading bars included (training shows "
+        "loss/accuracy/entropy/held-out ECE otherwise)",
     )
     p.add_argument(
         "--bootstrap", type=_non_negative_int, default=1000, metavar="R",
@@ -880,9 +903,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             print(message, file=sys.stderr, flush=True)
 
     if args.no_progress:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+        _silence_transformers_bars()
     seed = config.seed
     t0 = time.perf_counter()
 
@@ -904,6 +925,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         parts = [_user_call(lambda spec=spec: load_data(spec, limit=args.unlabeled_limit, seed=seed).records,
                             f"--unlabeled {spec}") for spec in args.unlabeled]
         unlabeled = ("+".join(args.unlabeled), [r for part in parts for r in part])
+        if not unlabeled[1]:
+            raise _UserError(f"--unlabeled {unlabeled[0]}: no records (the unlabelled set is empty)")
         try:
             fmt.check(unlabeled[1], what=f"--unlabeled {unlabeled[0]}")
         except ValueError as exc:
@@ -936,7 +959,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     cmp.config["model_loading"] = loading.to_dict()
     cmp.config["prompt"] = prompt_dict(format_settings(config)["prompt"])
     cmp.config["limit"] = args.limit
-    cmp.config["limit_mode"] = args.limit_mode
+    cmp.config["limit_mode"] = _limit_mode(args)
     cmp.config["skipped"] = getattr(args, "skipped_rows", {})
     cmp.config["timings"]["data_loading_s"] = load_s
     if not main_rank:
@@ -1040,6 +1063,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="llm-calib",
         description="Calibration of causal language models: evaluation and training (CALM).",
     )
+    from llm_calib import __version__
+
+    parser.add_argument("--version", action="version", version=f"llm-calib {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_evaluate(sub)
     _add_calibrate(sub)
@@ -1047,6 +1073,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_metrics(sub)
     return parser
+
+
+def _silence_transformers_bars() -> None:
+    """Quiet mode: no transformers / huggingface_hub progress bars ("Loading weights", "Writing
+    model shards", downloads) for the rest of the process."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _log(args: argparse.Namespace, message: str) -> None:
@@ -1118,9 +1152,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
     _apply_threads(args)
     if args.quiet:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+        _silence_transformers_bars()
     if args.bootstrap < 0:
         raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
     prompt = _evaluate_prompt(args)
@@ -1136,7 +1168,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     fit = None
     if args.temperature_fit:
         spec = args.temperature_fit
-        fit = (spec, _load_records(args, "--temperature-fit", spec))
+        fit = (spec, _load_records(args, "--temperature-fit", spec, limited=False))
         _log(args, f"loaded {len(fit[1])} questions from {spec} (temperature fit)")
     if prompt.fewshot:
         evaluated = [r for _, recs in datasets for r in recs] + (list(fit[1]) if fit else [])
@@ -1189,10 +1221,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             "adapter": args.adapter,
             "dtype": args.dtype,
             "limit": args.limit,
-            "limit_mode": args.limit_mode,
+            "limit_mode": _limit_mode(args),
             "on_error": args.on_error,
             "skipped": getattr(args, "skipped_rows", {}),
-            "prompt": prompt_dict(prompt),
+            "prompt": prompt_dict(prompt, tokenizer),  # as resolved: chat_template True/False
         }
     )
     result.timing.update({"data_loading_s": load_s, "model_loading_s": model_s})

@@ -122,7 +122,10 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``metrics.json``)."""
+        from llm_calib import __version__
+
         return {
+            "llm_calib_version": __version__,
             "config": self.config,
             "methods": list(self.methods),
             "columns": self.columns,
@@ -201,11 +204,16 @@ def run_comparison(
     from llm_calib.calm.encoding import encode_records, format_settings, task_format
     from llm_calib.calm.lora import detach_lora
     from llm_calib.calm.trainer import CalibrationResult, calibrate
+    from llm_calib.calm.training import check_not_empty
 
     objectives = [config.objective] if methods is None else list(methods)
     names = [o.name for o in objectives]
     if not objectives or len(set(names)) != len(names):
         raise ValueError(f"methods must be a non-empty list of objectives of distinct names, got {names}")
+    check_not_empty(train=train[1], heldout=heldout[1], unlabeled=None if unlabeled is None else unlabeled[1])
+    for name, records in evals:
+        if not records:
+            raise ValueError(f"the evaluation set {name!r} (eval) is empty: the report scores it; pass at least one question")
     fmt = task_format(train[1], config, what=train[0])
     fmt.check(heldout[1], what=heldout[0])
     if unlabeled is not None:
@@ -282,6 +290,8 @@ def run_comparison(
             result.base.update(base_model or {})
             if writer:
                 result.save(target)
+        for note in result.notes:
+            log(f"[{method}] {note}")
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         log(f"[{method}] evaluating")
@@ -292,6 +302,7 @@ def run_comparison(
             "reused": reused,
             "heldout_before": result.metrics.get("before", {}),
             "heldout_after": result.metrics.get("after", {}),
+            "notes": list(result.notes),
             "timings": {**result.timings, "train_total_s": train_s, "evaluate_s": time.perf_counter() - t0},
         }
         model = detach_lora(result.model)  # the bare base again, for the next method
@@ -376,12 +387,19 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
         b, a = t.get("heldout_before", {}), t.get("heldout_after", {})
         stopped = "yes" if a.get("stopped_early") else "no"
         step = a.get("selected_step")
+        if step is not None and int(step) == 0 and t.get("notes"):
+            step = "0 (initial model kept)"
         lines.append(
             f"| {m} | {format_metric(b, 'accuracy')} | {format_metric(a, 'accuracy')} | "
             f"{format_metric(b, 'ece')} | {format_metric(a, 'ece')} | "
-            f"{'n/a' if step is None else int(step)} | {stopped} | "
+            f"{'n/a' if step is None else step if isinstance(step, str) else int(step)} | {stopped} | "
             f"{t.get('timings', {}).get('train_total_s', math.nan):.1f} |"
         )
+    notes = [(m, note) for m, t in cmp.training.items() for note in t.get("notes", [])]
+    if notes:
+        lines.append("")
+        lines += [f"**{m}: the initial model was kept.** {note}" if "initial model was kept" in note
+                  else f"**{m}:** {note}" for m, note in notes]
     lines += ["", "## ECE per domain", "", *_summary_table(cmp, "ece"), ""]
     lines += ["## Accuracy per domain", "", *_summary_table(cmp, "accuracy"), ""]
     if cmp.config["evaluation"].get("bootstrap"):

@@ -34,6 +34,7 @@ from llm_calib.formats import (
 )
 from llm_calib.prompts import PromptFormat, prompt_dict
 from llm_calib.scoring import OpenEndedSet, ScoredSet
+from llm_calib.scoring.base import scoring_split
 from llm_calib.scoring.open_ended import open_ended_summary
 from llm_calib.temperature import fit_temperature, temperature_nll
 
@@ -459,6 +460,9 @@ def evaluate_records(
         "max_new_tokens": max_new_tokens,
         "open_prompt": open_prompt,
     }
+    for name, records in datasets:
+        if not records:
+            raise ValueError(f"the evaluation set {name!r} (eval) is empty: the report scores it; pass at least one question")
     timing: dict[str, float] = {}
     fit = None
     if temperature_fit is not None:
@@ -472,7 +476,8 @@ def evaluate_records(
                 f"temperature_fit {name!r} must hold multiple-choice records (got none or open questions)"
             )
         t0 = time.perf_counter()
-        fs = fit_format.score(model, tokenizer, fit_records, batch_size=batch_size, progress=progress)
+        with scoring_split(f"{name} (temperature fit)"):
+            fs = fit_format.score(model, tokenizer, fit_records, batch_size=batch_size, progress=progress)
         timing["temperature_fit_scoring_s"] = time.perf_counter() - t0
         T = fit_temperature(fs.logits, fs.labels)
         fit = TemperatureFit(
@@ -486,11 +491,10 @@ def evaluate_records(
     groups: dict[str, tuple[TaskFormat, list[Any]]] = {}
     n_scored, score_s = 0, 0.0
     for name, records in datasets:
-        if not records:
-            raise ValueError(f"data set {name!r} holds no records")
         fmt = _format(records, task, what=f"data set {name!r}", **settings)
         t0 = time.perf_counter()
-        scored = fmt.score(model, tokenizer, records, batch_size=batch_size, progress=progress)
+        with scoring_split(name):
+            scored = fmt.score(model, tokenizer, records, batch_size=batch_size, progress=progress)
         dt = time.perf_counter() - t0
         timing[f"scoring_s[{name}]"] = dt
         n_scored += len(scored)
@@ -507,7 +511,7 @@ def evaluate_records(
     config = {
         "scorer": scorer,
         "normalize": normalize,
-        "prompt": prompt_dict(prompt if prompt is not None else multiple_choice_format(scorer).prompt_settings()),
+        "prompt": prompt_dict(prompt if prompt is not None else multiple_choice_format(scorer).prompt_settings(), tokenizer),
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "datasets": [name for name, _ in datasets],

@@ -559,15 +559,28 @@ def with_fewshot(
     return replace(fmt, fewshot_pool=kept)
 
 
-def prompt_dict(fmt: PromptFormat) -> dict[str, Any]:
+def prompt_dict(fmt: PromptFormat, tokenizer: Any = None) -> dict[str, Any]:
     """The settings of a format as a JSON-ready dict (the pool as its size).
+
+    Args:
+        fmt: the prompt format.
+        tokenizer: the tokenizer the format is applied with, or None. When given, the dict shows
+            the prompt as resolved: ``chat_template`` is whether the chat template is used
+            (:func:`uses_chat_template`), never None ("automatic").
+
+    Returns:
+        The settings, by field name.
 
     Example:
         >>> prompt_dict(preset("lm_eval_arc"))["template"]
         'Question: {question}\\nAnswer:'
+        >>> prompt_dict(PromptFormat())["chat_template"] is None
+        True
     """
     out = {k: getattr(fmt, k) for k in fmt.__dataclass_fields__ if k != "fewshot_pool"}
     out["fewshot_pool_size"] = len(fmt.fewshot_pool)
+    if tokenizer is not None:
+        out["chat_template"] = uses_chat_template(tokenizer, fmt)
     return out
 
 

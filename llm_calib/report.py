@@ -19,6 +19,7 @@ from llm_calib.formats import family_format
 
 __all__ = [
     "METRIC_LABELS",
+    "REPORT_METRICS",
     "domain_table",
     "format_metric",
     "jsonable",
@@ -36,8 +37,17 @@ METRIC_LABELS: dict[str, str] = {
     "brier": "Brier",
     "nll": "NLL",
     "auroc": "AUROC",
+    "ece15": "ECE-15",
+    "classwise_ece": "class-wise ECE",
+    "mce": "MCE",
+    "mean_entropy": "mean entropy",
+    "mean_confidence": "mean confidence",
 }
 """Row labels of the report tables."""
+
+REPORT_METRICS: tuple[str, ...] = (*HEADLINE_METRICS, "ece15", "classwise_ece", "mce", "mean_entropy", "mean_confidence")
+"""The rows of a domain's table in ``report.md``: the headline metrics (with bootstrap
+intervals), then ECE with 15 bins, class-wise ECE, MCE, mean entropy (nats) and mean confidence."""
 
 
 def jsonable(obj: Any) -> Any:
@@ -128,7 +138,7 @@ def metrics_table(
 
 
 def domain_table(uncalibrated: dict[str, float], scaled: dict[str, float] | None = None) -> str:
-    """Markdown table of the headline metrics of one domain.
+    """Markdown table of every reported metric of one domain (:data:`REPORT_METRICS`).
 
     Args:
         uncalibrated: metric dict of the raw scores.
@@ -147,11 +157,16 @@ def domain_table(uncalibrated: dict[str, float], scaled: dict[str, float] | None
         | Brier | n/a |
         | NLL | n/a |
         | AUROC | n/a |
+        | ECE-15 | n/a |
+        | class-wise ECE | n/a |
+        | MCE | n/a |
+        | mean entropy | n/a |
+        | mean confidence | n/a |
     """
     columns: list[tuple[str, dict[str, float] | None]] = [("uncalibrated", uncalibrated)]
     if scaled is not None:
         columns.append(("temperature-scaled", scaled))
-    return metrics_table(columns)
+    return metrics_table(columns, metrics=REPORT_METRICS)
 
 
 def markdown_report(result: EvaluationResult, *, title: str = "Calibration report") -> str:
@@ -211,6 +226,15 @@ def markdown_report(result: EvaluationResult, *, title: str = "Calibration repor
             )
             if scaled:
                 row += f" {format_metric(r.temperature_scaled, 'ece')} |"
+            lines.append(row)
+        if len(result.domains) > 1:
+            avg = result.macro_average()
+            row = (
+                f"| overall (mean of domains) | {sum(r.n for r in result.domains.values())} | "
+                f"{format_metric(avg.get('uncalibrated'), 'accuracy')} | {format_metric(avg.get('uncalibrated'), 'ece')} |"
+            )
+            if scaled:
+                row += f" {format_metric(avg.get('temperature_scaled'), 'ece')} |"
             lines.append(row)
         lines.append("")
         lines.append("Values are point estimates with 95% bootstrap confidence intervals.")
@@ -384,8 +408,10 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     metrics_path = out / "metrics.json"
+    from llm_calib import __version__
+
     metrics_path.write_text(
-        json.dumps(jsonable(result.to_dict()), indent=2, allow_nan=False) + "\n"
+        json.dumps(jsonable({"llm_calib_version": __version__, **result.to_dict()}), indent=2, allow_nan=False) + "\n"
     )
     paths["metrics"] = metrics_path
     report_path = out / "report.md"

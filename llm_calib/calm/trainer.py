@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,8 @@ class CalibrationResult:
         base: what the adapter was trained on (:func:`base_model_record`; written to
             :data:`BASE_MODEL_FILE`): the base model's name, its dtype and the prompt. Empty for
             results saved before it was recorded.
+        notes: what the run wants its user to know, one line each: why model selection kept
+            the initial model (:func:`~llm_calib.calm.training.selection_note`), and what to try.
     """
 
     model: Any
@@ -83,6 +86,7 @@ class CalibrationResult:
     config: CalibrationConfig
     timings: dict[str, float] = field(default_factory=dict)
     base: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``adapter/`` (peft ``save_pretrained``), ``lambda.safetensors``, ``config.json``,
@@ -98,7 +102,11 @@ class CalibrationResult:
         save_file({k: v.detach().contiguous().cpu() for k, v in self.lam.items()}, str(out / "lambda.safetensors"))
         (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         (out / "history.json").write_text(json.dumps(self.history, indent=2))
-        (out / "metrics.json").write_text(json.dumps({"metrics": self.metrics, "timings": self.timings}, indent=2))
+        from llm_calib import __version__
+
+        saved = {"metrics": self.metrics, "timings": self.timings, "notes": list(self.notes),
+                 "llm_calib_version": __version__}
+        (out / "metrics.json").write_text(json.dumps(saved, indent=2))
         if self.base:
             (out / BASE_MODEL_FILE).write_text(json.dumps(self.base, indent=2))
         for written in (out / "adapter", out / "lambda.safetensors"):
@@ -122,7 +130,8 @@ class CalibrationResult:
         history = json.loads((src / "history.json").read_text())
         saved = json.loads((src / "metrics.json").read_text())
         base = json.loads((src / BASE_MODEL_FILE).read_text()) if (src / BASE_MODEL_FILE).is_file() else {}
-        return cls(model, lam, history, saved["metrics"], config, saved.get("timings", {}), base)
+        return cls(model, lam, history, saved["metrics"], config, saved.get("timings", {}), base,
+                   saved.get("notes", []))
 
 
 def base_model_record(model: Any, config: CalibrationConfig) -> dict[str, Any]:
@@ -200,9 +209,13 @@ def calibrate(
     Returns:
         A :class:`CalibrationResult`.
 
+    Warns:
+        UserWarning: when model selection kept the initial model (step 0): one line saying why
+            and what to try (also in :attr:`CalibrationResult.notes`).
+
     Raises:
         TrainingDiverged: when a loss or update is NaN/inf (names the step and the batch).
-        ValueError: records of both kinds, or of another type (names the record); ``resume``
+        ValueError: an empty training, held-out or unlabelled set (naming it); records of both kinds, or of another type (names the record); ``resume``
             from a checkpoint of another configuration or other data (names the fields).
 
     Example:
@@ -224,7 +237,7 @@ def calibrate(
     """
     config = config or CalibrationConfig()
     # Check the kinds before touching the model, so a bad mix fails fast and names the record.
-    training.run_format(train, heldout, config)
+    training.run_format(train, heldout, config, unlabeled)
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
     timings: dict[str, float] = {}
 
@@ -242,15 +255,18 @@ def calibrate(
         after = training.evaluate(trainer, state.best_theta)
     after["selected_step"] = int(state.best["step"])  # integers as integers in metrics.json
     after["stopped_early"] = int(state.stopped_early)
+    note = training.selection_note(state.history, state.before, after["selected_step"], config)
+    if note is not None and distributed.rank() == 0:
+        warnings.warn(note, UserWarning, stacklevel=2)
     return CalibrationResult(trainer.model, state.best_lam, state.history, {"before": state.before, "after": after},
-                             config, timings, base)
+                             config, timings, base, [] if note is None else [note])
 
 
 def _train(trainer: training.Trainer, state: training.TrainState, checkpoint_dir: str | os.PathLike[str] | None,
            run_data: dict[str, Any] | None, progress: bool) -> None:
     """The loop: step, evaluate and select when due, checkpoint when due, until done."""
     config = trainer.config
-    bar = tqdm(total=config.training.steps, initial=state.step, desc=f"calibrate[{config.objective.name}]", dynamic_ncols=True,
+    bar = tqdm(total=config.training.steps, initial=state.step, desc=f"calibrate[{config.objective.name}] train", dynamic_ncols=True,
                disable=not progress or distributed.rank() != 0)
     while not training.done(trainer, state):
         record = training.train_step(trainer, state)

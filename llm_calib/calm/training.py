@@ -63,6 +63,7 @@ __all__ = [
     "TrainingDiverged",
     "best_candidate",
     "build_trainer",
+    "check_not_empty",
     "data_fingerprint",
     "done",
     "evaluate",
@@ -74,6 +75,7 @@ __all__ = [
     "run_format",
     "save_state",
     "select",
+    "selection_note",
     "train_step",
     "warn_small_heldout",
 ]
@@ -248,7 +250,8 @@ def run_format(train: Records, heldout: Records, config: CalibrationConfig, unla
         The :class:`~llm_calib.formats.base.TaskFormat` the run trains and monitors with.
 
     Raises:
-        ValueError: records of mixed kinds or of another type (naming the record and the set).
+        ValueError: an empty set (:func:`check_not_empty`), or records of mixed kinds or of
+            another type (naming the record and the set).
 
     Example:
         >>> from llm_calib.data import builtin_multiple_choice
@@ -256,11 +259,48 @@ def run_format(train: Records, heldout: Records, config: CalibrationConfig, unla
         >>> run_format(qs[:1], qs[1:], CalibrationConfig()).layout
         'options'
     """
+    check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
     fmt = train.format if isinstance(train, EncodedRecords) else task_format(train, config, what="train")
     fmt.check(_records(heldout), what="heldout")
     if unlabeled is not None:
         fmt.check(_records(unlabeled), what="unlabeled")
     return fmt
+
+
+_SET_NAMES = {"train": "training", "heldout": "held-out", "unlabeled": "unlabelled", "eval": "evaluation"}
+_SET_USES = {
+    "train": "the lower-level (task) loss trains on it",
+    "heldout": "model selection and the accuracy guard score it",
+    "unlabeled": "the upper-level objective reads its inputs",
+    "eval": "the report scores it",
+}
+
+
+def check_not_empty(**sets: Records | None) -> None:
+    """Raise a ValueError naming the first empty set among ``sets`` (None: not given, skipped).
+
+    Every entry point of a run calls this before anything else, so an empty split says which one
+    it is instead of failing later (e.g. a division by zero in the held-out statistics).
+
+    Args:
+        **sets: the sets by role: ``train``, ``heldout``, ``unlabeled`` or ``eval`` (any other
+            keyword is named as given); records or their encoding.
+
+    Raises:
+        ValueError: ``"the held-out set (heldout) is empty: ..."``.
+
+    Example:
+        >>> check_not_empty(train=[1], heldout=[2], unlabeled=None)
+        >>> check_not_empty(train=[1], heldout=[])
+        Traceback (most recent call last):
+        ...
+        ValueError: the held-out set (heldout) is empty: model selection and the accuracy guard score it; pass at least one question
+    """
+    for role, data in sets.items():
+        if data is not None and len(_records(data)) == 0:
+            name = _SET_NAMES.get(role, role)
+            use = _SET_USES.get(role, "the run needs it")
+            raise ValueError(f"the {name} set ({role}) is empty: {use}; pass at least one question")
 
 
 def build_trainer(
@@ -347,6 +387,9 @@ def warn_small_heldout(n: int, config: CalibrationConfig) -> bool:
     Returns:
         Whether it warned.
 
+    Raises:
+        ValueError: ``n`` is 0 (the held-out set is empty).
+
     Example:
         >>> import warnings
         >>> with warnings.catch_warnings(record=True) as seen:
@@ -356,6 +399,8 @@ def warn_small_heldout(n: int, config: CalibrationConfig) -> bool:
         >>> "150 held-out questions" in str(seen[0].message)
         True
     """
+    if n <= 0:
+        check_not_empty(heldout=[])  # raises: names the empty held-out set (no division by zero)
     if n >= MIN_GUARD_QUESTIONS or config.selection.guard_accuracy <= 0:
         return False
     warnings.warn(
@@ -566,6 +611,44 @@ def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> di
     if best["violations"] >= cfg.selection.guard_patience:
         state.stopped_early = True
     return {f"heldout_{k}": v for k, v in metrics.items()}
+
+
+def selection_note(history: Sequence[dict[str, float]], before: dict[str, float], selected_step: int,
+                   config: CalibrationConfig) -> str | None:
+    """One line saying why model selection kept the initial model (step 0), and what to try.
+
+    Args:
+        history: the run's per-step records (:attr:`CalibrationResult.history
+            <llm_calib.calm.trainer.CalibrationResult.history>`); evaluations carry
+            ``heldout_accuracy`` and ``heldout_ece``.
+        before: the held-out metrics of the initial model (``accuracy``, ``ece``).
+        selected_step: the step the run kept.
+        config: gives ``selection.guard_accuracy``.
+
+    Returns:
+        None when a trained step was selected (or nothing was trained); otherwise the reason:
+        every evaluation below the accuracy guard, or none lowering the held-out ECE.
+
+    Example:
+        >>> hist = [{"step": 5, "heldout_accuracy": 0.542, "heldout_ece": 0.1}]
+        >>> print(selection_note(hist, {"accuracy": 0.583, "ece": 0.2}, 0, CalibrationConfig()))
+        guard: held-out accuracy 0.542 < 0.554 (guard_accuracy 0.95 x initial 0.583) at every evaluation; the initial model was kept (step 0). Try more steps (--steps), a lower learning rate (--lr) or a lower --guard-accuracy.
+        >>> selection_note(hist, {"accuracy": 0.5, "ece": 0.2}, 5, CalibrationConfig()) is None
+        True
+    """
+    evaluations = [r for r in history if "heldout_accuracy" in r and r.get("step", 0) > 0]
+    if selected_step != 0 or not evaluations:
+        return None
+    advice = "Try more steps (--steps), a lower learning rate (--lr) or a lower --guard-accuracy."
+    floor = config.selection.guard_accuracy * before["accuracy"]
+    ok = [r for r in evaluations if is_selectable(r["heldout_accuracy"], before["accuracy"], config)]
+    if not ok:
+        best = max(r["heldout_accuracy"] for r in evaluations)
+        return (f"guard: held-out accuracy {best:.3f} < {floor:.3f} (guard_accuracy {config.selection.guard_accuracy:g} "
+                f"x initial {before['accuracy']:.3f}) at every evaluation; the initial model was kept (step 0). {advice}")
+    best_row = min(ok, key=lambda r: r["heldout_ece"])
+    return (f"selection: no evaluation lowered the held-out ECE below the initial {before['ece']:.3f} (best "
+            f"{best_row['heldout_ece']:.3f} at step {int(best_row['step'])}); the initial model was kept (step 0). {advice}")
 
 
 # --------------------------------------------------------------------------- checkpoints

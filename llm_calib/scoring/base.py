@@ -11,7 +11,9 @@ token, matching how the model sees a space-separated answer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +29,10 @@ __all__ = [
     "encode_continuation",
     "encode_prompt",
     "progress_bar",
+    "scoring_split",
 ]
+
+_SPLIT: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_calib_scoring_split", default=None)
 
 
 @dataclass
@@ -268,6 +273,9 @@ def encode_continuation(tokenizer: Any, text: str) -> list[int]:
 
 
 class _NoBar:
+    def __init__(self, desc: str = "") -> None:
+        self.desc = desc
+
     def update(self, n: int = 1) -> None:
         pass
 
@@ -275,8 +283,33 @@ class _NoBar:
         pass
 
 
+@contextlib.contextmanager
+def scoring_split(name: str) -> Iterator[None]:
+    """Name the split that the progress bars opened inside the block score.
+
+    Every :func:`progress_bar` opened in the block is labelled ``<name>: <desc>``, so a run that
+    scores several sets (evaluation sets, the temperature-fit set) says which one a bar counts.
+
+    Args:
+        name: the split, e.g. its data spec.
+
+    Example:
+        >>> with scoring_split("arc_easy:test"):
+        ...     bar = progress_bar(total=3, desc="option likelihood", enabled=False)
+        >>> bar.desc
+        'arc_easy:test: option likelihood'
+    """
+    token = _SPLIT.set(name)
+    try:
+        yield
+    finally:
+        _SPLIT.reset(token)
+
+
 def progress_bar(*, total: int, desc: str, enabled: bool) -> Any:
     """A tqdm bar counting ``total`` questions, or a no-op stand-in when not ``enabled``.
+
+    Inside :func:`scoring_split` the label starts with the split's name.
 
     Args:
         total: number of questions.
@@ -290,8 +323,11 @@ def progress_bar(*, total: int, desc: str, enabled: bool) -> Any:
         >>> bar = progress_bar(total=3, desc="scoring", enabled=False)
         >>> bar.update(3); bar.close()
     """
+    split = _SPLIT.get()
+    if split is not None:
+        desc = f"{split}: {desc}"
     if not enabled:
-        return _NoBar()
+        return _NoBar(desc)
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="q", dynamic_ncols=True)
