@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from _rows import ROWS
 
 from llm_calib import cli
 from llm_calib.data import load as load_data
@@ -15,15 +16,6 @@ from llm_calib.fewshot import resolve_fewshot
 from llm_calib.models import load as load_model
 from llm_calib.prompts import preset, record_prompt
 from llm_calib.scoring import normalized, score_option_likelihood
-
-ROWS = [
-    {"question": "Capital of France?", "options": ["Paris", "Rome", "Oslo"], "answer": "Paris"},
-    {"question": "2 + 3 = ?", "options": ["4", "5"], "answer": 1},
-    {"question": "Largest planet?", "options": ["Mars", "Venus", "Jupiter", "Earth"], "answer": "C"},
-    {"question": "Colour of the sky?", "options": ["blue", "green"], "answer": 0},
-    {"question": "Plants absorb?", "options": ["oxygen", "carbon dioxide", "helium"], "answer": 1},
-    {"question": "Opposite of hot?", "options": ["cold", "warm"], "answer": 0},
-]
 
 
 @pytest.fixture()

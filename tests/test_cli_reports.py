@@ -9,6 +9,7 @@ import re
 import warnings
 
 import pytest
+from _rows import ROWS
 from transformers.utils import logging as hf_logging
 
 import llm_calib
@@ -24,14 +25,6 @@ from llm_calib.data import builtin_multiple_choice
 from llm_calib.evaluate import evaluate_records
 from llm_calib.models import tiny_random_model
 
-ROWS = [
-    {"question": "Capital of France?", "options": ["Paris", "Rome", "Oslo"], "answer": "Paris"},
-    {"question": "2 + 3 = ?", "options": ["4", "5"], "answer": 1},
-    {"question": "Largest planet?", "options": ["Mars", "Venus", "Jupiter", "Earth"], "answer": "C"},
-    {"question": "Colour of the sky?", "options": ["blue", "green"], "answer": 0},
-    {"question": "Plants absorb?", "options": ["oxygen", "carbon dioxide", "helium"], "answer": 1},
-    {"question": "Opposite of hot?", "options": ["cold", "warm"], "answer": 0},
-]
 TRAIN = "builtin:arithmetic,capitals:n=4"
 HELDOUT = "builtin:arithmetic,capitals:n=4,seed=1"
 EVAL = "builtin:capitals:n=4,seed=2"
