@@ -245,3 +245,18 @@ def test_task_format_subclasses_need_the_whole_interface() -> None:
 
     with pytest.raises(TypeError, match="abstract"):
         Half()  # type: ignore[abstract]
+
+
+def test_letter_training_prompts_are_the_letter_scorer_s(tiny) -> None:
+    """Training under the letter format reads the prompt the letter scorer scores (a template or a
+    pre-rendered prompt included), so training and evaluation see the same text."""
+    from llm_calib.prompts import record_prompt
+    from llm_calib.scoring.base import encode_prompt
+
+    _, tok = tiny
+    records = list(_mc())
+    records[0] = dataclasses.replace(records[0], prompt="Pre-rendered: A, B or C?\nAnswer:")
+    fmt = Letter(PromptFormat(template="Q: {question}\n{options}\nAnswer:", chat_template=False))
+    prompts, _ = fmt.encode(tok, records)
+    assert prompts == [tuple(encode_prompt(tok, record_prompt(tok, r, fmt.prompt), chat=False)) for r in records]
+    assert tok.decode(prompts[0]).startswith("Pre-rendered") and "Q: " in tok.decode(prompts[1])

@@ -24,7 +24,7 @@ from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import PackedQuestions, pack_letters, pack_questions
 from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy, identity
-from llm_calib.prompts import PromptFormat, build_prompt, uses_chat_template
+from llm_calib.prompts import PromptFormat, record_prompt, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, encode_prompt
 from llm_calib.scoring.letter import letter_token_ids, score_letter
 from llm_calib.scoring.option_likelihood import (
@@ -292,11 +292,12 @@ class Letter(MultipleChoiceFormat):
         return self.prompt or PromptFormat(style="listed")
 
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
-        """The listed prompt's ids, and one letter token id per option."""
+        """The listed prompt's ids (the letter scorer's :func:`~llm_calib.prompts.record_prompt`:
+        a template, few-shot examples or a pre-rendered prompt apply as in scoring), and one
+        letter token id per option."""
         fmt = self.prompt_settings()
         chat = uses_chat_template(tokenizer, fmt)
-        prompts = [tuple(encode_prompt(tokenizer, build_prompt(tokenizer, r.question, r.options, fmt), chat=chat))
-                   for r in records]
+        prompts = [tuple(encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat)) for r in records]
         options = [tuple((t,) for t in letter_token_ids(tokenizer, len(r.options))) for r in records]
         return prompts, options
 
