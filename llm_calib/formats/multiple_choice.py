@@ -26,7 +26,7 @@ from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy, identity
 from llm_calib.prompts import PromptFormat, record_prompt, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, encode_prompt
-from llm_calib.scoring.letter import letter_token_ids, score_letter
+from llm_calib.scoring.letter import check_listed_prompt, letter_token_ids, score_letter
 from llm_calib.scoring.option_likelihood import (
     LM_EVAL_NORMALIZATIONS,
     encode_questions,
@@ -275,12 +275,7 @@ class Letter(MultipleChoiceFormat):
     layout: ClassVar[str] = "letter"
 
     def __post_init__(self) -> None:
-        # the one place of the rule "the letter scorer needs a listed prompt"
-        if self.prompt is not None and self.prompt.style != "listed" and self.prompt.template is None:
-            raise ValueError(
-                "the letter scorer needs the options listed in the prompt: prompt style 'listed' "
-                f"(or a template that lists them), got {self.prompt.style!r}"
-            )
+        check_listed_prompt(self.prompt)
 
     @classmethod
     def configured_prompt(cls, style: str, chat_template: bool | None) -> PromptFormat:

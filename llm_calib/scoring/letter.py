@@ -1,6 +1,5 @@
-"""Letter scoring: the options are listed in the prompt as ``A.``, ``B.``, ...; the score of an
-option is the log-probability of its letter token at the answer position, renormalised over the
-options (softmax over the letter scores).
+"""Letter scoring: the options listed as ``A.``, ``B.``, ...; an option's score is the
+log-probability of its letter at the answer position (softmax over the letters).
 """
 
 from __future__ import annotations
@@ -18,21 +17,11 @@ from llm_calib.engine.packing import length_batches, pack_letters
 from llm_calib.prompts import PromptFormat, option_letters, record_prompt, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, check_records, encode_prompt, progress_bar
 
-__all__ = ["letter_token_ids", "score_letter"]
+__all__ = ["check_listed_prompt", "letter_token_ids", "score_letter"]
 
 
 def letter_token_ids(tokenizer: Any, n: int) -> list[int]:
-    """Token ids of the first ``n`` option letters as the model would write them after the prefix.
-
-    Uses the single-token forms ``" A"``, ``" B"``, ... when every letter has one (byte-level BPE
-    tokenizers), else ``"A"``, ``"B"``, ...
-
-    Args:
-        tokenizer: a Hugging Face tokenizer.
-        n: number of letters.
-
-    Returns:
-        One token id per letter.
+    """Token ids of the first ``n`` option letters: ``" A"``, ``" B"``, ... if single tokens, else ``"A"``, ...
 
     Raises:
         ValueError: if some letter is not a single token in either form.
@@ -56,6 +45,22 @@ def letter_token_ids(tokenizer: Any, n: int) -> list[int]:
     )
 
 
+def check_listed_prompt(prompt: PromptFormat | None) -> None:
+    """The letter scorer's rule: the prompt lists the options (style ``"listed"``, or a template).
+
+    Raises:
+        ValueError: a prompt that does not list the options.
+
+    Example:
+        >>> check_listed_prompt(PromptFormat(style="listed"))
+    """
+    if prompt is not None and prompt.style != "listed" and prompt.template is None:
+        raise ValueError(
+            "the letter scorer needs the options listed in the prompt: prompt style 'listed' "
+            f"(or a template that lists them), got {prompt.style!r}"
+        )
+
+
 def score_letter(
     model: Any,
     tokenizer: Any,
@@ -65,26 +70,13 @@ def score_letter(
     batch_size: int = 8,
     progress: bool = False,
 ) -> ScoredSet:
-    """Score multiple-choice questions by the logits of the option letters.
+    """Score multiple-choice questions (at most 26 options) by the log-probabilities of the option letters.
 
-    The prompt lists the options (``prompt.style`` must be ``"listed"``); the scores are the
-    log-probabilities of the letter tokens at the position after the prompt (the answer prefix),
-    so ``softmax(scores)`` renormalises the model's letter probabilities over the options.
-    ``info["letter_mass"]`` is the mean total probability the model puts on the option letters.
-
-    Args:
-        model: a Hugging Face causal LM.
-        tokenizer: its tokenizer.
-        records: multiple-choice records (at most 26 options).
-        prompt: the prompt format; default ``PromptFormat(style="listed")``.
-        batch_size: prompts per forward pass.
-        progress: show a tqdm progress bar.
-
-    Returns:
-        A :class:`~llm_calib.scoring.base.ScoredSet` with ``scorer="letter"``.
+    The prompt (default ``PromptFormat(style="listed")``) lists the options; ``info["letter_mass"]``
+    is the mean total probability on the option letters.
 
     Raises:
-        ValueError: the prompt style is not ``"listed"``, ``batch_size < 1``, malformed records,
+        ValueError: a prompt that does not list the options, ``batch_size < 1``, malformed records,
             or a tokenizer without single-token option letters.
 
     Example:
@@ -96,11 +88,7 @@ def score_letter(
         (2, 1.0)
     """
     fmt = prompt or PromptFormat(style="listed")
-    if fmt.style != "listed" and fmt.template is None:
-        raise ValueError(
-            f"the letter scorer needs the options listed in the prompt: prompt.style must be "
-            f"'listed' (or a template that lists them), got {fmt.style!r}"
-        )
+    check_listed_prompt(fmt)
     fmt = replace(fmt, choices="letters")  # few-shot examples are answered with their letter
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
