@@ -112,23 +112,13 @@ class Comparison:
 
 
 def run_comparison(
-    model: Any,
-    tokenizer: Any,
-    train: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
+    model: Any, tokenizer: Any, train: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
     heldout: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
-    evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]],
-    config: CalibrationConfig,
-    methods: Sequence[Objective] | None,
-    out_dir: str | Path,
-    *,
+    evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]], config: CalibrationConfig,
+    methods: Sequence[Objective] | None, out_dir: str | Path, *,
     unlabeled: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]] | None = None,
-    checkpoints: bool = True,
-    resume: bool = False,
-    progress: bool = True,
-    n_bins: int = 10,
-    bootstrap: int = 1000,
-    eval_batch_size: int = 8,
-    log: Callable[[str], None] = lambda message: None,
+    checkpoints: bool = True, resume: bool = False, progress: bool = True, n_bins: int = 10,
+    bootstrap: int = 1000, eval_batch_size: int = 8, log: Callable[[str], None] = lambda message: None,
     base_model: dict[str, Any] | None = None,
 ) -> Comparison:
     """Train each method on the base model, save it, and evaluate every column per domain.

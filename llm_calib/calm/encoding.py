@@ -23,11 +23,7 @@ from llm_calib.formats import MULTIPLE_CHOICE_FORMATS, TaskFormat, format_for
 from llm_calib.prompts import PromptFormat, preset
 
 __all__ = [
-    "TRUNK_CHUNK",
-    "EncodedRecords",
-    "EncodingCache",
-    "encode_records",
-    "format_settings",
+    "TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records", "format_settings",
     "task_format",
 ]
 

@@ -35,11 +35,7 @@ from llm_calib.scoring.base import ScoredSet
 from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts
 
 __all__ = [
-    "SharedTrunkEval",
-    "base_scores",
-    "fill_trunk_caches",
-    "fit_open_temperature",
-    "open_ended_set",
+    "SharedTrunkEval", "base_scores", "fill_trunk_caches", "fit_open_temperature", "open_ended_set",
     "trunk_scores",
 ]
 

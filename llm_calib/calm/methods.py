@@ -17,12 +17,7 @@ from llm_calib.calm.lora import OUTPUT_LOG_SCALE
 if TYPE_CHECKING:
     from llm_calib.calm.config import CalibrationConfig
 
-__all__ = [
-    "lam_optimizer",
-    "make_adjustment",
-    "resolve_adjustment",
-    "theta_optimizer",
-]
+__all__ = ["lam_optimizer", "make_adjustment", "resolve_adjustment", "theta_optimizer"]
 
 AUTO_ADJUSTMENT = {"options": "option_temperature", "letter": "answer_tokens", "open": "vector"}
 """What ``adjustment="auto"`` means per layout: λ acts where the prediction is made."""

@@ -23,14 +23,8 @@ if TYPE_CHECKING:
     from llm_calib.calm.training import Trainer
 
 __all__ = [
-    "DirectionCheck",
-    "HypergradientCheck",
-    "check_hypergradients",
-    "compare_directions",
-    "compare_losses",
-    "exact_hypergradient",
-    "proximal_problem",
-    "relative_difference",
+    "DirectionCheck", "HypergradientCheck", "check_hypergradients", "compare_directions",
+    "compare_losses", "exact_hypergradient", "proximal_problem", "relative_difference",
     "solve_lower_level",
 ]
 
@@ -62,13 +56,8 @@ def proximal_problem(problem: hg.BilevelProblem, anchor: Mapping[str, Tensor], m
 
 
 def solve_lower_level(
-    problem: hg.BilevelProblem,
-    theta: dict[str, Tensor],
-    lam: dict[str, Tensor],
-    batch: Any,
-    *,
-    max_iter: int = 200,
-    tol: float = 1e-8,
+    problem: hg.BilevelProblem, theta: dict[str, Tensor], lam: dict[str, Tensor], batch: Any, *,
+    max_iter: int = 200, tol: float = 1e-8,
 ) -> tuple[dict[str, Tensor], float]:
     """``(θ*(λ), gradient norm)`` on one fixed batch, by L-BFGS with a strong-Wolfe line search (to ``tol``).
 
@@ -142,12 +131,8 @@ def compare_directions(method: str, exact: Mapping[str, Tensor], direction: Mapp
 
 
 def exact_hypergradient(
-    problem: hg.BilevelProblem,
-    theta: dict[str, Tensor],
-    lam: dict[str, Tensor],
-    inner_batch: Any,
-    outer_batch: Any,
-    solver: Any = None,
+    problem: hg.BilevelProblem, theta: dict[str, Tensor], lam: dict[str, Tensor], inner_batch: Any,
+    outer_batch: Any, solver: Any = None,
 ) -> hg.HypergradResult:
     """:class:`hypergrad.Implicit` at ``theta`` (a lower-level solution) in the attention kernel with second derivatives.
 
@@ -178,18 +163,9 @@ class HypergradientCheck:
 
 
 def check_hypergradients(
-    problem: hg.BilevelProblem,
-    theta: dict[str, Tensor],
-    lam: dict[str, Tensor],
-    inner_batch: Any,
-    outer_batch: Any,
-    methods: Mapping[str, Any],
-    *,
-    lower_steps: int = 200,
-    lower_optimizer: Any = None,
-    solver: Any = None,
-    calls: int = 1,
-    method_start: str | Mapping[str, str] = "solved",
+    problem: hg.BilevelProblem, theta: dict[str, Tensor], lam: dict[str, Tensor], inner_batch: Any,
+    outer_batch: Any, methods: Mapping[str, Any], *, lower_steps: int = 200, lower_optimizer: Any = None,
+    solver: Any = None, calls: int = 1, method_start: str | Mapping[str, str] = "solved",
     method_states: Mapping[str, Any] | None = None,
 ) -> HypergradientCheck:
     """Exact hypergradient at λ versus each first-order method's λ direction.

@@ -16,19 +16,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "PACKED_MASK_ATTENTION",
-    "OptionSequences",
-    "PackedQuestions",
-    "accepts_packed_masks",
-    "causal_additive_mask",
-    "gather_token_logprobs",
-    "length_batches",
-    "option_scores_from_logits",
-    "option_sequences",
-    "pack_continuations",
-    "pack_letters",
-    "pack_questions",
-    "reduce_per_option",
+    "PACKED_MASK_ATTENTION", "OptionSequences", "PackedQuestions", "accepts_packed_masks",
+    "causal_additive_mask", "gather_token_logprobs", "length_batches", "option_scores_from_logits",
+    "option_sequences", "pack_continuations", "pack_letters", "pack_questions", "reduce_per_option",
 ]
 
 

@@ -22,22 +22,9 @@ from llm_calib.formats.open_ended import OpenEnded
 from llm_calib.prompts import PromptFormat
 
 __all__ = [
-    "MULTIPLE_CHOICE_FORMATS",
-    "Letter",
-    "MultipleChoiceFormat",
-    "OpenEnded",
-    "OptionLikelihood",
-    "RecordKindError",
-    "ScoredResult",
-    "TaskFormat",
-    "cross_entropy",
-    "entropy",
-    "family_format",
-    "format_for",
-    "identity",
-    "multiple_choice_format",
-    "normalization_summary",
-    "records_family",
+    "MULTIPLE_CHOICE_FORMATS", "Letter", "MultipleChoiceFormat", "OpenEnded", "OptionLikelihood",
+    "RecordKindError", "ScoredResult", "TaskFormat", "cross_entropy", "entropy", "family_format",
+    "format_for", "identity", "multiple_choice_format", "normalization_summary", "records_family",
 ]
 
 MULTIPLE_CHOICE_FORMATS: dict[str, type[MultipleChoiceFormat]] = {
@@ -81,15 +68,9 @@ def multiple_choice_format(scorer: str = "option_likelihood", *, normalize: str 
 
 
 def format_for(
-    records: Iterable[Any],
-    *,
-    scorer: str = "option_likelihood",
-    normalize: str = "sum",
-    prompt: PromptFormat | None = None,
-    open_prompt: PromptFormat | None = None,
-    max_new_tokens: int = 32,
-    answer_stop: bool = False,
-    what: str = "records",
+    records: Iterable[Any], *, scorer: str = "option_likelihood", normalize: str = "sum",
+    prompt: PromptFormat | None = None, open_prompt: PromptFormat | None = None, max_new_tokens: int = 32,
+    answer_stop: bool = False, what: str = "records",
 ) -> TaskFormat:
     """The format of a record set: the one place the kind of records is decided.
 

@@ -12,17 +12,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 __all__ = [
-    "BUILTIN_OBJECTIVES",
-    "BUILTIN_SOLVERS",
-    "objective_class",
-    "objective_from_dict",
-    "objective_names",
-    "register_objective",
-    "register_solver",
-    "solver_class",
-    "solver_names",
-    "unregister_objective",
-    "unregister_solver",
+    "BUILTIN_OBJECTIVES", "BUILTIN_SOLVERS", "objective_class", "objective_from_dict",
+    "objective_names", "register_objective", "register_solver", "solver_class", "solver_names",
+    "unregister_objective", "unregister_solver",
 ]
 
 BUILTIN_OBJECTIVES = ("calm", "lora_ce", "label_smoothing", "confidence_penalty")

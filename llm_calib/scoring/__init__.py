@@ -24,18 +24,9 @@ from llm_calib.scoring.option_likelihood import (
 )
 
 __all__ = [
-    "LM_EVAL_NORMALIZATIONS",
-    "NORMALIZE_MODES",
-    "SCORERS",
-    "STRATEGIES",
-    "OpenEndedSet",
-    "ScoredSet",
-    "letter_token_ids",
-    "normalized",
-    "score_letter",
-    "score_multiple_choice",
-    "score_open_ended",
-    "score_option_likelihood",
+    "LM_EVAL_NORMALIZATIONS", "NORMALIZE_MODES", "SCORERS", "STRATEGIES", "OpenEndedSet",
+    "ScoredSet", "letter_token_ids", "normalized", "score_letter", "score_multiple_choice",
+    "score_open_ended", "score_option_likelihood",
 ]
 
 SCORERS: dict[str, Callable[..., ScoredSet]] = {
@@ -46,15 +37,9 @@ SCORERS: dict[str, Callable[..., ScoredSet]] = {
 
 
 def score_multiple_choice(
-    model: Any,
-    tokenizer: Any,
-    records: Sequence[MultipleChoice],
-    *,
-    scorer: str = "option_likelihood",
-    normalize: Literal["sum", "mean", "char", "byte"] = "sum",
-    prompt: PromptFormat | None = None,
-    batch_size: int = 8,
-    progress: bool = False,
+    model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, scorer: str = "option_likelihood",
+    normalize: Literal["sum", "mean", "char", "byte"] = "sum", prompt: PromptFormat | None = None,
+    batch_size: int = 8, progress: bool = False,
 ) -> ScoredSet:
     """Score multiple-choice records with the scorer named ``scorer`` (``normalize``: option likelihood only).
 

@@ -20,13 +20,8 @@ from llm_calib import metrics
 from llm_calib.data.records import MultipleChoice
 
 __all__ = [
-    "QuestionSet",
-    "ScoredSet",
-    "check_records",
-    "encode_continuation",
-    "encode_prompt",
-    "progress_bar",
-    "scoring_split",
+    "QuestionSet", "ScoredSet", "check_records", "encode_continuation", "encode_prompt",
+    "progress_bar", "scoring_split",
 ]
 
 _SPLIT: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_calib_scoring_split", default=None)

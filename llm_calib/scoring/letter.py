@@ -62,13 +62,8 @@ def check_listed_prompt(prompt: PromptFormat | None) -> None:
 
 
 def score_letter(
-    model: Any,
-    tokenizer: Any,
-    records: Sequence[MultipleChoice],
-    *,
-    prompt: PromptFormat | None = None,
-    batch_size: int = 8,
-    progress: bool = False,
+    model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, prompt: PromptFormat | None = None,
+    batch_size: int = 8, progress: bool = False,
 ) -> ScoredSet:
     """Score multiple-choice questions (at most 26 options) by the log-probabilities of the option letters.
 

@@ -80,11 +80,7 @@ class OpenEndedSet(QuestionSet):
 
 
 def open_ended_summary(
-    scored: OpenEndedSet,
-    n_bins: int = 10,
-    ci: bool = True,
-    n_resamples: int = 1000,
-    seed: int = 0,
+    scored: OpenEndedSet, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0,
 ) -> dict[str, float]:
     """Calibration metrics of open-ended answers (confidence = mean token probability).
 
@@ -165,14 +161,8 @@ def encode_open_prompts(
 
 
 def score_open_ended(
-    model: Any,
-    tokenizer: Any,
-    records: Sequence[OpenQA],
-    *,
-    prompt: PromptFormat | None = None,
-    max_new_tokens: int = 32,
-    batch_size: int = 8,
-    progress: bool = False,
+    model: Any, tokenizer: Any, records: Sequence[OpenQA], *, prompt: PromptFormat | None = None,
+    max_new_tokens: int = 32, batch_size: int = 8, progress: bool = False,
 ) -> OpenEndedSet:
     """Answer open questions greedily (up to a newline or EOS) and record token probabilities.
 

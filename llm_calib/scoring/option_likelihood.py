@@ -32,14 +32,8 @@ from llm_calib.scoring.base import (
 )
 
 __all__ = [
-    "LM_EVAL_NORMALIZATIONS",
-    "NORMALIZE_MODES",
-    "STRATEGIES",
-    "EncodedQuestion",
-    "encode_questions",
-    "normalized",
-    "option_log_likelihoods",
-    "option_text_lengths",
+    "LM_EVAL_NORMALIZATIONS", "NORMALIZE_MODES", "STRATEGIES", "EncodedQuestion",
+    "encode_questions", "normalized", "option_log_likelihoods", "option_text_lengths",
     "score_option_likelihood",
 ]
 
@@ -149,10 +143,7 @@ def _aggregate(lp: torch.Tensor, normalize: str, n_chars: int, n_bytes: int) -> 
 
 
 def option_log_likelihoods(
-    model: Any,
-    items: Sequence[EncodedQuestion],
-    *,
-    pad_id: int = 0,
+    model: Any, items: Sequence[EncodedQuestion], *, pad_id: int = 0,
     strategy: Literal["packed", "padded"] = "packed",
 ) -> list[list[torch.Tensor]]:
     """``out[q][k]``: float64 log-probabilities of option ``k``'s tokens of question ``q``, in one forward pass.
@@ -189,15 +180,9 @@ def option_log_likelihoods(
 
 
 def score_option_likelihood(
-    model: Any,
-    tokenizer: Any,
-    records: Sequence[MultipleChoice],
-    *,
-    normalize: Literal["sum", "mean"] = "sum",
-    prompt: PromptFormat | None = None,
-    batch_size: int = 8,
-    strategy: Literal["packed", "padded"] = "packed",
-    progress: bool = False,
+    model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *,
+    normalize: Literal["sum", "mean"] = "sum", prompt: PromptFormat | None = None, batch_size: int = 8,
+    strategy: Literal["packed", "padded"] = "packed", progress: bool = False,
 ) -> ScoredSet:
     """Score multiple-choice questions by the log-likelihood of ``target_delimiter + option`` after the prompt.
 
