@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -18,15 +18,17 @@ import torch
 
 from llm_calib import metrics
 from llm_calib.data.records import MultipleChoice
+from llm_calib.engine.packing import length_batches
 
 __all__ = [
     "QuestionSet", "ScoredSet", "check_records", "encode_continuation", "encode_prompt",
-    "progress_bar", "scoring_split",
+    "progress_bar", "score_in_batches", "scoring_split",
 ]
 
 _SPLIT: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_calib_scoring_split", default=None)
 
 S = TypeVar("S", bound="QuestionSet")
+T = TypeVar("T")
 
 
 class QuestionSet:
@@ -129,6 +131,13 @@ class ScoredSet(QuestionSet):
                 f"{n}, {len(self.labels)}, {len(self.domains)}, {len(self.ids)}"
             )
         self.labels = [int(x) for x in self.labels]
+
+    @classmethod
+    def from_records(cls, records: Sequence[MultipleChoice], logits: list[torch.Tensor], scorer: str,
+                     info: dict[str, Any], details: list[dict[str, Any]] | None = None) -> ScoredSet:
+        """The scores of ``records``: their gold options, domains and ids."""
+        return cls(logits, [r.gold for r in records], [r.domain for r in records], [r.id for r in records],
+                   scorer, info, details)
 
     @property
     def probs(self) -> list[torch.Tensor]:
@@ -262,6 +271,26 @@ def scoring_split(name: str) -> Iterator[None]:
         yield
     finally:
         _SPLIT.reset(token)
+
+
+def score_in_batches(lengths: Sequence[int], batch_size: int, score: Callable[[list[int]], Sequence[T]], *,
+                     desc: str, progress: bool) -> list[T]:
+    """``score(indices)`` over batches of similar length (:func:`~llm_calib.engine.packing.length_batches`), in input order.
+
+    Example:
+        >>> score_in_batches([3, 1, 2], 2, lambda idx: [10 * i for i in idx], desc="x", progress=False)
+        [0, 10, 20]
+    """
+    out: list[Any] = [None] * len(lengths)
+    bar = progress_bar(total=len(lengths), desc=desc, enabled=progress)
+    try:
+        for idx in length_batches(lengths, batch_size):
+            for i, value in zip(idx, score(idx), strict=True):
+                out[i] = value
+            bar.update(len(idx))
+    finally:
+        bar.close()
+    return out
 
 
 def progress_bar(*, total: int, desc: str, enabled: bool) -> Any:

@@ -13,9 +13,9 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import target_logprobs
-from llm_calib.engine.packing import length_batches, pack_letters
+from llm_calib.engine.packing import pack_letters
 from llm_calib.prompts import PromptFormat, option_letters, record_prompt, uses_chat_template
-from llm_calib.scoring.base import ScoredSet, check_records, encode_prompt, progress_bar
+from llm_calib.scoring.base import ScoredSet, check_records, encode_prompt, score_in_batches
 
 __all__ = ["check_listed_prompt", "letter_token_ids", "score_letter"]
 
@@ -94,45 +94,21 @@ def score_letter(
     texts = [record_prompt(tokenizer, r, fmt) for r in records]
     prompts = [encode_prompt(tokenizer, t, chat=chat) for t in texts]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    scores: list[torch.Tensor | None] = [None] * len(records)
-    mass: list[float] = [0.0] * len(records)
-    bar = progress_bar(total=len(records), desc="letter", enabled=progress)
-    try:
-        for idx in length_batches([len(p) for p in prompts], batch_size):
-            letters = [letter_ids[: len(records[i].options)] for i in idx]
-            packed = pack_letters([prompts[i] for i in idx], letters, pad_id)
-            with torch.inference_mode():
-                token_lp = target_logprobs(model, packed).double().cpu()
-            for i, s in zip(idx, torch.split(token_lp, packed.n_options), strict=True):
-                scores[i] = s
-                mass[i] = float(s.exp().sum())
-            bar.update(len(idx))
-    finally:
-        bar.close()
-    return ScoredSet(
-        logits=[s for s in scores if s is not None],
-        labels=[r.gold for r in records],
-        domains=[r.domain for r in records],
-        ids=[r.id for r in records],
-        scorer="letter",
-        info={
-            "prompt_style": fmt.style,
-            "chat_template": chat,
-            "answer_prefix": fmt.answer_prefix,
-            "letter_mass": float(np.mean(mass)) if mass else float("nan"),
-        },
-        details=[
-            {
-                "prompt": t,
-                "choices": list(option_letters(len(r.options))),
-                "continuations": [tokenizer.decode([i]) for i in letter_ids[: len(r.options)]],
-                "token_ids": [[i] for i in letter_ids[: len(r.options)]],
-                "loglik": [float(v) for v in s],
-                "n_tokens": [1] * len(r.options),
-                "n_chars": [1] * len(r.options),
-                "n_bytes": [1] * len(r.options),
-            }
-            for t, r, s in zip(texts, records, scores, strict=True)
-            if s is not None
-        ],
-    )
+
+    def score(idx: list[int]) -> tuple[torch.Tensor, ...]:
+        letters = [letter_ids[: len(records[i].options)] for i in idx]
+        packed = pack_letters([prompts[i] for i in idx], letters, pad_id)
+        with torch.inference_mode():
+            return torch.split(target_logprobs(model, packed).double().cpu(), packed.n_options)
+
+    scores = score_in_batches([len(p) for p in prompts], batch_size, score, desc="letter", progress=progress)
+    mass = [float(s.exp().sum()) for s in scores]
+    info = {"prompt_style": fmt.style, "chat_template": chat, "answer_prefix": fmt.answer_prefix,
+            "letter_mass": float(np.mean(mass)) if mass else float("nan")}
+    details = []
+    for t, r, s in zip(texts, records, scores, strict=True):
+        ids, ones = letter_ids[: len(r.options)], [1] * len(r.options)
+        details.append({"prompt": t, "choices": list(option_letters(len(r.options))),
+                        "continuations": [tokenizer.decode([i]) for i in ids], "token_ids": [[i] for i in ids],
+                        "loglik": [float(v) for v in s], "n_tokens": ones, "n_chars": ones, "n_bytes": ones})
+    return ScoredSet.from_records(records, list(scores), "letter", info, details)

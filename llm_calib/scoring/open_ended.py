@@ -15,9 +15,8 @@ from llm_calib import metrics
 from llm_calib.answers import exact_match, token_f1
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GreedyAnswer, generate_greedy
-from llm_calib.engine.packing import length_batches
 from llm_calib.prompts import PromptFormat, record_prompt, uses_chat_template
-from llm_calib.scoring.base import QuestionSet, encode_prompt, progress_bar
+from llm_calib.scoring.base import QuestionSet, encode_prompt, score_in_batches
 
 __all__ = ["OpenEndedSet", "encode_open_prompts", "open_ended_summary", "score_open_ended"]
 
@@ -193,32 +192,13 @@ def score_open_ended(
     fmt = prompt or PromptFormat()
     prompts = encode_open_prompts(tokenizer, records, fmt)
     chat = uses_chat_template(tokenizer, fmt)
-    answers: list[GreedyAnswer | None] = [None] * len(records)
-    bar = progress_bar(total=len(records), desc="open-ended", enabled=progress)
-    try:
-        for idx in length_batches([len(p) for p in prompts], batch_size):
-            outs = generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)
-            for i, o in zip(idx, outs, strict=True):
-                answers[i] = o
-            bar.update(len(idx))
-    finally:
-        bar.close()
-    done = [a for a in answers if a is not None]
-    return OpenEndedSet(
-        answers=[a.text for a in done],
-        references=[tuple(r.answers) for r in records],
-        domains=[r.domain for r in records],
-        ids=[r.id for r in records],
-        token_probs=[a.token_probs for a in done],
-        info={
-            "max_new_tokens": max_new_tokens,
-            "chat_template": chat,
-            "answer_prefix": fmt.answer_prefix,
-            "template": fmt.template,
-            "fewshot": fmt.fewshot,
-        },
-        details=[
-            {"prompt": record_prompt(tokenizer, r, fmt), "token_ids": list(a.token_ids), "stop": a.stop}
-            for r, a in zip(records, done, strict=True)
-        ],
-    )
+    def answer(idx: list[int]) -> list[GreedyAnswer]:
+        return generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)
+
+    done = score_in_batches([len(p) for p in prompts], batch_size, answer, desc="open-ended", progress=progress)
+    info = {"max_new_tokens": max_new_tokens, "chat_template": chat, "answer_prefix": fmt.answer_prefix,
+            "template": fmt.template, "fewshot": fmt.fewshot}
+    details = [{"prompt": record_prompt(tokenizer, r, fmt), "token_ids": list(a.token_ids), "stop": a.stop}
+               for r, a in zip(records, done, strict=True)]
+    return OpenEndedSet([a.text for a in done], [tuple(r.answers) for r in records], [r.domain for r in records],
+                        [r.id for r in records], [a.token_probs for a in done], info, details)

@@ -16,19 +16,14 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import forward_rows, target_logprobs
-from llm_calib.engine.packing import accepts_packed_masks, length_batches, pack_questions
-from llm_calib.prompts import (
-    PromptFormat,
-    option_continuations,
-    record_prompt,
-    uses_chat_template,
-)
+from llm_calib.engine.packing import accepts_packed_masks, pack_questions
+from llm_calib.prompts import PromptFormat, option_continuations, record_prompt, uses_chat_template
 from llm_calib.scoring.base import (
     ScoredSet,
     check_records,
     encode_continuation,
     encode_prompt,
-    progress_bar,
+    score_in_batches,
 )
 
 __all__ = [
@@ -220,42 +215,21 @@ def score_option_likelihood(
     fmt = prompt or PromptFormat()
     items = encode_questions(tokenizer, records, fmt)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    scores: list[torch.Tensor | None] = [None] * len(items)
-    details: list[dict[str, Any]] = [{}] * len(items)
-    bar = progress_bar(total=len(items), desc="option likelihood", enabled=progress)
-    try:
-        for idx in length_batches([it.n_tokens for it in items], batch_size):
-            lps = option_log_likelihoods(
-                model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy
-            )
-            for i, per_option in zip(idx, lps, strict=True):
-                d = _question_details(tokenizer, records[i], fmt, items[i], per_option)
-                agg = [
-                    _aggregate(lp, normalize, c, b)
-                    for lp, c, b in zip(per_option, d["n_chars"], d["n_bytes"], strict=True)
-                ]
-                scores[i] = torch.stack(agg)
-                details[i] = d
-            bar.update(len(idx))
-    finally:
-        bar.close()
-    return ScoredSet(
-        logits=[s for s in scores if s is not None],
-        labels=[r.gold for r in records],
-        domains=[r.domain for r in records],
-        ids=[r.id for r in records],
-        scorer="option_likelihood",
-        info={
-            "normalize": normalize,
-            "prompt_style": fmt.style,
-            "chat_template": uses_chat_template(tokenizer, fmt),
-            "answer_prefix": fmt.answer_prefix,
-            "strategy": strategy,
-            "template": fmt.template,
-            "fewshot": fmt.fewshot,
-        },
-        details=details,
-    )
+
+    def score(idx: list[int]) -> list[list[torch.Tensor]]:
+        return option_log_likelihoods(model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy)
+
+    token_lps = score_in_batches([it.n_tokens for it in items], batch_size, score, desc="option likelihood",
+                                 progress=progress)
+    scores, details = [], []
+    for r, item, per_option in zip(records, items, token_lps, strict=True):
+        d = _question_details(tokenizer, r, fmt, item, per_option)
+        scores.append(torch.stack([_aggregate(lp, normalize, c, b)
+                                   for lp, c, b in zip(per_option, d["n_chars"], d["n_bytes"], strict=True)]))
+        details.append(d)
+    info = {"normalize": normalize, "prompt_style": fmt.style, "chat_template": uses_chat_template(tokenizer, fmt),
+            "answer_prefix": fmt.answer_prefix, "strategy": strategy, "template": fmt.template, "fewshot": fmt.fewshot}
+    return ScoredSet.from_records(records, scores, "option_likelihood", info, details)
 
 
 LM_EVAL_NORMALIZATIONS: dict[str, str] = {
