@@ -176,15 +176,8 @@ def run_comparison(
     writer = distributed.rank() == 0
     settings = format_settings(config)
     eval_kwargs: dict[str, Any] = {
-        "scorer": settings["scorer"],
-        "normalize": settings["normalize"],
-        "prompt": settings["prompt"],
-        "open_prompt": settings["open_prompt"],
-        "batch_size": eval_batch_size,
-        "n_bins": n_bins,
-        "ci": bootstrap > 0,
-        "n_resamples": max(bootstrap, 1),
-        "seed": config.seed,
+        **{k: settings[k] for k in ("scorer", "normalize", "prompt", "open_prompt")}, "batch_size": eval_batch_size,
+        "n_bins": n_bins, "ci": bootstrap > 0, "n_resamples": max(bootstrap, 1), "seed": config.seed,
         "progress": progress,
     }
 
@@ -250,11 +243,8 @@ def run_comparison(
         res = evaluate_records(result.model, tokenizer, evals, **eval_kwargs)
         collect(res, domains, {method: "uncalibrated"})
         training[method] = {
-            "dir": method,
-            "reused": reused,
-            "heldout_before": result.metrics.get("before", {}),
-            "heldout_after": result.metrics.get("after", {}),
-            "notes": list(result.notes),
+            "dir": method, "reused": reused, "heldout_before": result.metrics.get("before", {}),
+            "heldout_after": result.metrics.get("after", {}), "notes": list(result.notes),
             "timings": {**result.timings, "train_total_s": train_s, "evaluate_s": time.perf_counter() - t0},
         }
         model = detach_lora(result.model)  # the bare base again, for the next method
@@ -267,13 +257,8 @@ def run_comparison(
         "eval": [name for name, _ in evals],
         "calibration": {**{k: v for k, v in config.to_dict().items() if k != "objective"},
                         "objectives": {o.name: o.to_dict() for o in objectives}},
-        "evaluation": {
-            "scorer": settings["scorer"],
-            "normalize": settings["normalize"],
-            "prompt_style": eval_kwargs["prompt"].style,
-            "n_bins": n_bins,
-            "bootstrap": bootstrap,
-        },
+        "evaluation": {"scorer": settings["scorer"], "normalize": settings["normalize"],
+                       "prompt_style": eval_kwargs["prompt"].style, "n_bins": n_bins, "bootstrap": bootstrap},
         "timings": timings,
     }
     return Comparison(names, domains, base.temperature, training, run_config)
@@ -285,10 +270,7 @@ def _label(column: str) -> str:
 
 def _summary_table(cmp: Comparison, metric: str) -> list[str]:
     cols = cmp.columns
-    lines = [
-        "| domain | n | " + " | ".join(_label(c) for c in cols) + " |",
-        "|---|---|" + "---|" * len(cols),
-    ]
+    lines = ["| domain | n | " + " | ".join(_label(c) for c in cols) + " |", "|---|---|" + "---|" * len(cols)]
     for dom, d in cmp.domains.items():
         cells = " | ".join(format_metric(d.columns.get(c), metric) for c in cols)
         lines.append(f"| {dom} | {d.n} | {cells} |")

@@ -272,9 +272,7 @@ class _ChoiceSets:
                           for k, v in sets.items()}
 
     def _scored(self, name: str, scores: list[Tensor]) -> ScoredSet:
-        recs = self.ev.records[name]
-        return ScoredSet(scores, [r.gold for r in recs], [r.domain for r in recs], [r.id for r in recs],
-                         "option_likelihood")
+        return ScoredSet.from_records(self.ev.records[name], scores, "option_likelihood", {})
 
     def base(self, keep_trunk: bool, bar: Any) -> dict[str, ScoredSet]:
         ev = self.ev

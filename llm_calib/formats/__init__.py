@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from llm_calib.data.records import RECORD_KINDS
-from llm_calib.formats.base import RecordKindError, ScoredResult, TaskFormat, records_family
+from llm_calib.formats.base import RecordKindError, TaskFormat, records_family
 from llm_calib.formats.categorical import cross_entropy, entropy, identity
 from llm_calib.formats.multiple_choice import (
     Letter,
@@ -20,6 +20,7 @@ from llm_calib.formats.multiple_choice import (
 )
 from llm_calib.formats.open_ended import OpenEnded
 from llm_calib.prompts import PromptFormat
+from llm_calib.scoring.base import ScoredResult
 
 __all__ = [
     "MULTIPLE_CHOICE_FORMATS", "Letter", "MultipleChoiceFormat", "OpenEnded", "OptionLikelihood",

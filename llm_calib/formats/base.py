@@ -7,19 +7,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import numpy as np
 from torch import Tensor
 
 from llm_calib.data.records import RECORD_KINDS, MultipleChoice, OpenQA
 from llm_calib.engine.packing import PackedQuestions
+from llm_calib.scoring.base import ScoredResult
 
 if TYPE_CHECKING:
     from llm_calib.adjustment import LogitAdjustment
     from llm_calib.calm.objectives import Batch, CalmLosses
 
-__all__ = ["RecordKindError", "ScoredResult", "TaskFormat", "records_family"]
+__all__ = ["RecordKindError", "TaskFormat", "records_family"]
 
 
 class RecordKindError(ValueError):
@@ -74,57 +74,6 @@ def records_family(
     if family is None:
         raise RecordKindError(f"{what}: no records")
     return family  # type: ignore[return-value]
-
-
-@runtime_checkable
-class ScoredResult(Protocol):
-    """What every scored set offers (:class:`~llm_calib.scoring.base.ScoredSet`, :class:`~llm_calib.scoring.open_ended.OpenEndedSet`).
-
-    Example:
-        >>> import torch
-        >>> from llm_calib.scoring import OpenEndedSet, ScoredSet
-        >>> mc = ScoredSet([torch.tensor([0.0, 1.0])], [1], ["d"], ["q0"])
-        >>> op = OpenEndedSet(["Paris"], [("Paris",)], ["d"], ["q1"], [(0.8,)])
-        >>> [isinstance(s, ScoredResult) for s in (mc, op)]
-        [True, True]
-    """
-
-    ids: list[str]
-    domains: list[str]
-
-    def __len__(self) -> int: ...
-
-    @property
-    def correct(self) -> np.ndarray:
-        """Whether each question is answered correctly."""
-        ...
-
-    @property
-    def confidences(self) -> np.ndarray:
-        """The confidence in ``[0, 1]`` of each answer (what calibration metrics bin)."""
-        ...
-
-    @property
-    def accuracy(self) -> float:
-        """Fraction answered correctly (NaN for an empty set)."""
-        ...
-
-    def select(self, indices: Sequence[int]) -> Any:
-        """The sub-set at ``indices``."""
-        ...
-
-    def by_domain(self) -> dict[str, Any]:
-        """Split by domain, in order of first appearance."""
-        ...
-
-    @staticmethod
-    def concat(sets: Sequence[Any]) -> Any:
-        """Several sets of one type as one."""
-        ...
-
-    def summary(self, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0) -> dict[str, float]:
-        """The calibration metrics of the set."""
-        ...
 
 
 class TaskFormat(ABC):

@@ -21,26 +21,31 @@ from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import length_batches
 
 __all__ = [
-    "QuestionSet", "ScoredSet", "check_records", "encode_continuation", "encode_prompt",
+    "ScoredResult", "ScoredSet", "check_records", "encode_continuation", "encode_prompt",
     "progress_bar", "score_in_batches", "scoring_split",
 ]
 
 _SPLIT: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_calib_scoring_split", default=None)
 
-S = TypeVar("S", bound="QuestionSet")
+S = TypeVar("S", bound="ScoredResult")
 T = TypeVar("T")
 
 
-class QuestionSet:
-    """Selection, domain split and concatenation of a dataclass of per-question lists.
+class ScoredResult:
+    """What every scored set offers, whatever the format that produced it.
 
-    A subclass is a dataclass with the per-question fields named in ``per_question``, an ``info``
-    dict and optional per-question ``details``; it defines ``correct``.
+    :class:`ScoredSet` and :class:`~llm_calib.scoring.open_ended.OpenEndedSet` are dataclasses of
+    per-question lists (named in ``per_question``), ``info`` and optional ``details``; they define
+    ``correct``, ``confidences`` and ``summary``, and share selection, domain split and concatenation.
 
     Example:
-        >>> s = ScoredSet([torch.tensor([0.0, 1.0]), torch.tensor([2.0, 0.0])], [1, 1], ["a", "b"], ["q0", "q1"])
-        >>> sorted(s.by_domain()), len(ScoredSet.concat([s, s.select([0])])), s.accuracy
-        (['a', 'b'], 3, 0.5)
+        >>> from llm_calib.scoring.open_ended import OpenEndedSet
+        >>> mc = ScoredSet([torch.tensor([0.0, 1.0]), torch.tensor([2.0, 0.0])], [1, 1], ["a", "b"], ["q0", "q1"])
+        >>> op = OpenEndedSet(["Paris"], [("Paris",)], ["d"], ["q1"], [(0.8,)])
+        >>> [isinstance(s, ScoredResult) for s in (mc, op)], [s.accuracy for s in (mc, op)]
+        ([True, True], [0.5, 1.0])
+        >>> sorted(mc.by_domain()), len(ScoredSet.concat([mc, mc.select([0])]))
+        (['a', 'b'], 3)
     """
 
     per_question: ClassVar[tuple[str, ...]]
@@ -55,6 +60,15 @@ class QuestionSet:
     @property
     def correct(self) -> np.ndarray:
         """Whether each question is answered correctly."""
+        raise NotImplementedError
+
+    @property
+    def confidences(self) -> np.ndarray:
+        """The confidence in ``[0, 1]`` of each answer (what calibration metrics bin)."""
+        raise NotImplementedError
+
+    def summary(self, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0) -> dict[str, float]:
+        """The calibration metrics of the set."""
         raise NotImplementedError
 
     @property
@@ -88,10 +102,10 @@ class QuestionSet:
 
 
 @dataclass
-class ScoredSet(QuestionSet):
+class ScoredSet(ScoredResult):
     """Per-question option scores of a multiple-choice scorer; probabilities are ``softmax(logits[i])``.
 
-    Follows :class:`~llm_calib.formats.base.ScoredResult`. Option counts may differ between questions.
+    Option counts may differ between questions.
 
     Attributes:
         logits: one 1-D float tensor of option scores per question.

@@ -16,14 +16,14 @@ from llm_calib.answers import exact_match, token_f1
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GreedyAnswer, generate_greedy
 from llm_calib.prompts import PromptFormat, record_prompt, uses_chat_template
-from llm_calib.scoring.base import QuestionSet, encode_prompt, score_in_batches
+from llm_calib.scoring.base import ScoredResult, encode_prompt, score_in_batches
 
 __all__ = ["OpenEndedSet", "encode_open_prompts", "open_ended_summary", "score_open_ended"]
 
 
 @dataclass
-class OpenEndedSet(QuestionSet):
-    """Greedy answers to open questions with their token probabilities (a :class:`~llm_calib.formats.base.ScoredResult`).
+class OpenEndedSet(ScoredResult):
+    """Greedy answers to open questions with their token probabilities (a :class:`~llm_calib.scoring.base.ScoredResult`).
 
     Attributes:
         answers: the generated answer texts.
