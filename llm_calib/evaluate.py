@@ -29,12 +29,10 @@ from llm_calib.formats import (
     TaskFormat,
     format_for,
     multiple_choice_format,
-    normalization_summary,
 )
 from llm_calib.prompts import PromptFormat, prompt_dict
 from llm_calib.scoring import OpenEndedSet, ScoredSet
 from llm_calib.scoring.base import scoring_split
-from llm_calib.scoring.open_ended import open_ended_summary
 from llm_calib.temperature import fit_temperature, temperature_nll
 
 __all__ = [
@@ -45,8 +43,6 @@ __all__ = [
     "evaluate",
     "evaluate_records",
     "group_means",
-    "normalization_summary",
-    "open_ended_summary",
     "sample_rows",
     "score_records",
     "summarize_scored",
