@@ -134,27 +134,14 @@ class MultipleChoiceFormat(TaskFormat):
         """Per question: what was scored, ``probs``, ``prediction``, ``gold``, ``confidence``, ``correct``, ``predictions``."""
         s = scored
         probs, preds, conf = s.probs_numpy, s.predictions, s.confidences
-        by_norm = (
-            {n: normalized(s, n).predictions for n in LM_EVAL_NORMALIZATIONS}
-            if s.details is not None
-            else {}
-        )
+        by_norm = {n: normalized(s, n).predictions for n in LM_EVAL_NORMALIZATIONS} if s.details is not None else {}
         for i in range(len(s)):
             d = s.details[i] if s.details is not None else {}
             yield {
-                "id": s.ids[i],
-                "domain": domain,
-                "prompt": d.get("prompt"),
-                "options": d.get("choices"),
-                "continuations": d.get("continuations"),
-                "loglik": d.get("loglik"),
-                "n_tokens": d.get("n_tokens"),
-                "token_ids": d.get("token_ids"),
-                "probs": [float(x) for x in probs[i]],
-                "prediction": int(preds[i]),
-                "gold": int(s.labels[i]),
-                "confidence": float(conf[i]),
-                "correct": bool(preds[i] == s.labels[i]),
+                "id": s.ids[i], "domain": domain, "prompt": d.get("prompt"), "options": d.get("choices"),
+                "continuations": d.get("continuations"), "loglik": d.get("loglik"), "n_tokens": d.get("n_tokens"),
+                "token_ids": d.get("token_ids"), "probs": [float(x) for x in probs[i]], "prediction": int(preds[i]),
+                "gold": int(s.labels[i]), "confidence": float(conf[i]), "correct": bool(preds[i] == s.labels[i]),
                 "predictions": {n: int(p[i]) for n, p in by_norm.items()},
             }
 

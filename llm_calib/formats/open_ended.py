@@ -140,12 +140,8 @@ class OpenEnded(TaskFormat):
                           / reduce_per_option(keep.double(), packed, "sum"))
         else:
             confidence = reduce_per_option(top_p, packed, "mean")
-        return {
-            "confidence": confidence,
-            "correct": (reduce_per_option(wrong, packed, "sum") == 0).double(),
-            "nll": reduce_per_option(token_nll, packed, "mean"),
-            "entropy": entropy(logp[packed.answer_start_rows()]),
-        }
+        return {"confidence": confidence, "correct": (reduce_per_option(wrong, packed, "sum") == 0).double(),
+                "nll": reduce_per_option(token_nll, packed, "mean"), "entropy": entropy(logp[packed.answer_start_rows()])}
 
     # --- scoring and results ------------------------------------------------------------------
     def score(self, model: Any, tokenizer: Any, records: Sequence[OpenQA], *, batch_size: int = 8,
@@ -161,15 +157,8 @@ class OpenEnded(TaskFormat):
         for i in range(len(s)):
             d = s.details[i] if s.details is not None else {}
             yield {
-                "id": s.ids[i],
-                "domain": domain,
-                "prompt": d.get("prompt"),
-                "answer": s.answers[i],
-                "references": list(s.references[i]),
-                "token_ids": d.get("token_ids"),
-                "token_probs": list(s.token_probs[i]),
-                "confidence": float(conf[i]),
-                "correct": bool(correct[i]),
-                "f1": float(f1[i]),
-                "stop": d.get("stop"),
+                "id": s.ids[i], "domain": domain, "prompt": d.get("prompt"), "answer": s.answers[i],
+                "references": list(s.references[i]), "token_ids": d.get("token_ids"),
+                "token_probs": list(s.token_probs[i]), "confidence": float(conf[i]), "correct": bool(correct[i]),
+                "f1": float(f1[i]), "stop": d.get("stop"),
             }
