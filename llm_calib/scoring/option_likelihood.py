@@ -129,12 +129,11 @@ def _question_details(
     }
 
 
-def _aggregate(lp: torch.Tensor, normalize: str, n_chars: int, n_bytes: int) -> torch.Tensor:
-    if normalize == "sum":
-        return lp.sum()
-    if normalize == "mean":
-        return lp.mean()
-    return lp.sum() / (n_chars if normalize == "char" else n_bytes)
+def _option_scores(details: dict[str, Any], normalize: str) -> torch.Tensor:
+    """One question's float64 option scores: summed log-likelihoods, divided by a length unless ``"sum"``."""
+    loglik = torch.tensor(details["loglik"], dtype=torch.float64)
+    key = {"mean": "n_tokens", "char": "n_chars", "byte": "n_bytes"}.get(normalize)
+    return loglik if key is None else loglik / torch.tensor(details[key], dtype=torch.float64)
 
 
 def option_log_likelihoods(
@@ -221,12 +220,9 @@ def score_option_likelihood(
 
     token_lps = score_in_batches([it.n_tokens for it in items], batch_size, score, desc="option likelihood",
                                  progress=progress)
-    scores, details = [], []
-    for r, item, per_option in zip(records, items, token_lps, strict=True):
-        d = _question_details(tokenizer, r, fmt, item, per_option)
-        scores.append(torch.stack([_aggregate(lp, normalize, c, b)
-                                   for lp, c, b in zip(per_option, d["n_chars"], d["n_bytes"], strict=True)]))
-        details.append(d)
+    details = [_question_details(tokenizer, r, fmt, item, per_option)
+               for r, item, per_option in zip(records, items, token_lps, strict=True)]
+    scores = [_option_scores(d, normalize) for d in details]
     info = {"normalize": normalize, "prompt_style": fmt.style, "chat_template": uses_chat_template(tokenizer, fmt),
             "answer_prefix": fmt.answer_prefix, "strategy": strategy, "template": fmt.template, "fewshot": fmt.fewshot}
     return ScoredSet.from_records(records, scores, "option_likelihood", info, details)
@@ -263,12 +259,7 @@ def normalized(scored: ScoredSet, normalize: str) -> ScoredSet:
         )
     if scored.details is None:
         raise ValueError("normalized() needs ScoredSet.details (score with score_option_likelihood)")
-    key = {"mean": "n_tokens", "char": "n_chars", "byte": "n_bytes"}.get(mode)
-    logits = []
-    for d in scored.details:
-        ll = torch.tensor(d["loglik"], dtype=torch.float64)
-        logits.append(ll if key is None else ll / torch.tensor(d[key], dtype=torch.float64))
     out = scored.select(range(len(scored)))
-    out.logits = logits
+    out.logits = [_option_scores(d, mode) for d in scored.details]
     out.info["normalize"] = mode
     return out
