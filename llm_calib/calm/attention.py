@@ -16,7 +16,8 @@ def second_order_attention() -> Iterator[None]:
         >>> import torch
         >>> with second_order_attention():
         ...     q = torch.randn(1, 1, 3, 4, dtype=torch.float64, requires_grad=True)
-        ...     (g,) = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, q, q).sum(), q, create_graph=True)
+        ...     out = torch.nn.functional.scaled_dot_product_attention(q, q, q).sum()
+        ...     (g,) = torch.autograd.grad(out, q, create_graph=True)
         ...     (h,) = torch.autograd.grad(g.sum(), q)
         >>> h.shape
         torch.Size([1, 1, 3, 4])

@@ -91,7 +91,8 @@ class EncodedRecords:
         return sum(v.numel() * v.element_size() for v in self.trunk_cache.values())
 
     def fill_trunk_cache(self, lm: FunctionalLM, pad_id: int, indices: Iterable[int] | None = None) -> None:
-        """Compute the missing trunks of the questions at ``indices`` (default: all), chunk by chunk (:data:`TRUNK_CHUNK`); no-op without trunk caching."""
+        """Compute the missing trunks of the questions at ``indices`` (default: all), chunk by chunk
+        (:data:`TRUNK_CHUNK`); no-op without trunk caching."""
         if not lm.caches_trunk:
             return
         wanted = range(len(self.records)) if indices is None else indices
@@ -103,7 +104,8 @@ class EncodedRecords:
                 self.trunk_cache[i] = hidden[row, : self.length(i)].clone()
 
     def batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None) -> Batch:
-        """The :class:`~llm_calib.calm.objectives.Batch` of the questions at ``indices``, with the cached trunk for a trunk-caching ``lm``."""
+        """The :class:`~llm_calib.calm.objectives.Batch` of the questions at ``indices``, with the cached trunk for
+        a trunk-caching ``lm``."""
         idx = list(indices)
         packed = self.pack(idx, pad_id)
         labels = torch.tensor([self.format.label(self.records[i]) for i in idx], dtype=torch.long)
@@ -118,7 +120,8 @@ class EncodedRecords:
                      {n: t for n in ("char", "byte") if (t := self.option_text_lengths(idx, n)) is not None})
 
     def option_text_lengths(self, indices: Sequence[int], normalize: str) -> Tensor | None:
-        """``(len(indices), K_max)`` option lengths in characters or bytes (1 at padding); None without option texts."""
+        """``(len(indices), K_max)`` option lengths in characters or bytes (1 at padding); None without option
+        texts."""
         rows = [self.format.option_text_lengths(self.records[i], normalize) for i in indices]
         if any(r is None for r in rows):
             return None
@@ -207,7 +210,8 @@ def encode_records(
 
 
 class EncodingCache:
-    """One :class:`EncodedRecords` (and trunk cache) per record set, prompt settings and adapted layers, shared by every run.
+    """One :class:`EncodedRecords` (and trunk cache) per record set, prompt settings and adapted layers, shared by
+    every run.
 
     Example:
         >>> from llm_calib.calm.config import TrainingSettings

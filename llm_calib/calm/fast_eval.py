@@ -42,7 +42,8 @@ __all__ = [
 
 def base_scores(model: Any, enc: EncodedRecords, trunk_layers: int, batch_size: int, pad_id: int,
                 normalize: str = "sum", bar: Any = None) -> list[Tensor]:
-    """Full-model float64 option scores per question; the trunk entering layer ``trunk_layers`` is kept in ``enc.trunk_cache``.
+    """Full-model float64 option scores per question; the trunk entering layer ``trunk_layers`` is kept in
+    ``enc.trunk_cache``.
 
     Args:
         model: the base causal LM.
@@ -93,7 +94,8 @@ def trunk_scores(lm: FunctionalLM, enc: EncodedRecords, batch_size: int, pad_id:
 
 def _option_scores(enc: EncodedRecords, batch_size: int, normalize: str, bar: Any,
                    forward: Callable[[list[int]], tuple[PackedQuestions, Tensor]]) -> list[Tensor]:
-    """Float64 option scores per question, batched by length; ``forward(idx)`` gives packed questions and head logits."""
+    """Float64 option scores per question, batched by length; ``forward(idx)`` gives packed questions and head
+    logits."""
     scores: list[Tensor] = [torch.empty(0)] * len(enc.records)
     with torch.inference_mode():
         for idx in length_batches([enc.length(i) for i in range(len(enc))], batch_size):
@@ -108,7 +110,8 @@ def _option_scores(enc: EncodedRecords, batch_size: int, normalize: str, bar: An
 
 
 def open_ended_set(records: Sequence[OpenQA], outs: Sequence[GenOut], temperature_index: int | None = None) -> OpenEndedSet:
-    """The :class:`~llm_calib.scoring.open_ended.OpenEndedSet` of greedy answers (token probabilities at grid temperature ``temperature_index``).
+    """The :class:`~llm_calib.scoring.open_ended.OpenEndedSet` of greedy answers (token probabilities at grid
+    temperature ``temperature_index``).
 
     Raises:
         ValueError: ``records`` and ``outs`` differ in length, or an answer has no grid probabilities.
@@ -132,7 +135,8 @@ def open_ended_set(records: Sequence[OpenQA], outs: Sequence[GenOut], temperatur
 
 
 def fit_open_temperature(records: Sequence[OpenQA], outs: Sequence[GenOut], grid: Sequence[float]) -> tuple[float, int]:
-    """``(T, index)``: the grid temperature minimising the log-loss of correctness of open answers' mean token probability.
+    """``(T, index)``: the grid temperature minimising the log-loss of correctness of open answers' mean token
+    probability.
 
     Raises:
         ValueError: an answer's grid probabilities do not match ``grid``.
@@ -185,7 +189,8 @@ def fill_trunk_caches(model: Any, encodings: Sequence[EncodedRecords], lora: Lor
 
 
 class SharedTrunkEval:
-    """Score named record sets with a base model once (:meth:`base`), then with many models adapted from layer ``trunk_layers`` up (:meth:`adapted`).
+    """Score named record sets with a base model once (:meth:`base`), then with many models adapted from layer
+    ``trunk_layers`` up (:meth:`adapted`).
 
     Args:
         model: the base causal LM (not modified).
@@ -254,7 +259,8 @@ class SharedTrunkEval:
         return {n: open_ended_set(self.records[n], o, temperature_index) for n, o in self.base_outputs.items()}
 
     def adapted(self, model: Any, *, normalize: str | None = None, bar: Any = None) -> dict[str, ScoredSet | OpenEndedSet]:
-        """The scored sets of ``model`` (LoRA on the top layers only), after :meth:`base`; ``normalize`` defaults to the config's.
+        """The scored sets of ``model`` (LoRA on the top layers only), after :meth:`base`; ``normalize`` defaults
+        to the config's.
 
         Raises:
             ValueError: ``model``'s adapted layers do not start at ``trunk_layers``.
@@ -263,7 +269,8 @@ class SharedTrunkEval:
 
 
 class _ChoiceSets:
-    """Multiple-choice sets of a :class:`SharedTrunkEval`: option scores from the base pass, then each model's top layers."""
+    """Multiple-choice sets of a :class:`SharedTrunkEval`: option scores from the base pass, then each model's top
+    layers."""
 
     def __init__(self, ev: SharedTrunkEval, sets: Mapping[str, Sequence[Any] | EncodedRecords], max_new_tokens: int,
                  temperatures: Sequence[float] | None) -> None:
@@ -291,7 +298,8 @@ class _ChoiceSets:
 
 
 class _AnswerSets:
-    """Open-question sets of a :class:`SharedTrunkEval`: greedy answers (one :class:`TrunkGenerator` over all sets)."""
+    """Open-question sets of a :class:`SharedTrunkEval`: greedy answers (one :class:`TrunkGenerator` over all
+    sets)."""
 
     def __init__(self, ev: SharedTrunkEval, sets: Mapping[str, Sequence[Any] | EncodedRecords], max_new_tokens: int,
                  temperatures: Sequence[float] | None) -> None:

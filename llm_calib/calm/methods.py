@@ -57,7 +57,8 @@ def resolve_adjustment(adjustment: str, layout: str) -> str:
 
 def make_adjustment(config: CalibrationConfig, vocab_size: int, token_ids: Iterable[int] = (),
                     layout: str = "options") -> LogitAdjustment:
-    """The logit adjustment λ of ``config.objective`` for ``layout`` (``token_ids``: the tokens ``"answer_tokens"`` adjusts).
+    """The logit adjustment λ of ``config.objective`` for ``layout`` (``token_ids``: the tokens ``"answer_tokens"``
+    adjusts).
 
     Example:
         >>> from llm_calib.calm.config import CalibrationConfig

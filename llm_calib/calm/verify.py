@@ -30,7 +30,8 @@ __all__ = [
 
 
 def proximal_problem(problem: hg.BilevelProblem, anchor: Mapping[str, Tensor], mu: float) -> hg.BilevelProblem:
-    r"""``problem`` with :math:`\tfrac{\mu}{2}\lVert\theta - \bar\theta\rVert^2` (``anchor`` :math:`\bar\theta`) added to its lower level.
+    r"""``problem`` with :math:`\tfrac{\mu}{2}\lVert\theta - \bar\theta\rVert^2` (``anchor`` :math:`\bar\theta`)
+    added to its lower level.
 
     Raises:
         ValueError: ``mu`` negative or not finite.
@@ -134,7 +135,8 @@ def exact_hypergradient(
     problem: hg.BilevelProblem, theta: dict[str, Tensor], lam: dict[str, Tensor], inner_batch: Any,
     outer_batch: Any, solver: Any = None,
 ) -> hg.HypergradResult:
-    """:class:`hypergrad.Implicit` at ``theta`` (a lower-level solution) in the attention kernel with second derivatives.
+    """:class:`hypergrad.Implicit` at ``theta`` (a lower-level solution) in the attention kernel with second
+    derivatives.
 
     ``solver`` defaults to ``hypergrad.linear.CG(tol=1e-6, maxiter=200)``; ``info.converged`` reports the solve.
     """
@@ -251,7 +253,8 @@ def relative_difference(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> flo
 
 def compare_losses(a: Trainer, a_theta: dict[str, Tensor], b: Trainer, b_theta: dict[str, Tensor],
                    lam: dict[str, Tensor], step: int = 0) -> dict[str, Any]:
-    """Two implementations of CALM's losses (e.g. trunk-cached and reference trainers) at one point, on ``step``'s batches.
+    """Two implementations of CALM's losses (e.g. trunk-cached and reference trainers) at one point, on ``step``'s
+    batches.
 
     Returns:
         Per loss ``"g"`` and ``"f"``: values ``a`` and ``b``, ``abs_diff``, ``grad_theta_rel`` (and for

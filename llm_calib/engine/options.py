@@ -49,7 +49,8 @@ def capture_layer_input(decoder: Any, index: int) -> Iterator[dict[str, Tensor]]
 
 
 def compute_dtype(model: Any) -> torch.dtype:
-    """The compute dtype of a causal LM: its input embeddings' (quantised weights are integers), else its first float parameter's.
+    """The compute dtype of a causal LM: its input embeddings' (quantised weights are integers), else its first
+    float parameter's.
 
     Example:
         >>> from llm_calib.models import tiny_random_model

@@ -51,7 +51,8 @@ def normalization_summary(scored: ScoredSet, n_bins: int = 10) -> dict[str, dict
 
 
 def normalization_metrics(scored: ScoredSet, normalize: str, n_bins: int = 10) -> dict[str, float]:
-    """``accuracy``, ``ece``, ``nll`` and ``brier`` of ``scored`` re-scored under one normalisation (:func:`~llm_calib.scoring.normalized`).
+    """``accuracy``, ``ece``, ``nll`` and ``brier`` of ``scored`` re-scored under one normalisation
+    (:func:`~llm_calib.scoring.normalized`).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -131,7 +132,8 @@ class MultipleChoiceFormat(TaskFormat):
         return normalization_summary(scored, n_bins)
 
     def sample_rows(self, domain: str, scored: ScoredSet) -> Iterator[dict[str, Any]]:
-        """Per question: what was scored, ``probs``, ``prediction``, ``gold``, ``confidence``, ``correct``, ``predictions``."""
+        """Per question: what was scored, ``probs``, ``prediction``, ``gold``, ``confidence``, ``correct``,
+        ``predictions``."""
         s = scored
         probs, preds, conf = s.probs_numpy, s.predictions, s.confidences
         by_norm = {n: normalized(s, n).predictions for n in LM_EVAL_NORMALIZATIONS} if s.details is not None else {}
@@ -175,7 +177,8 @@ class OptionLikelihood(MultipleChoiceFormat):
         return self.prompt or PromptFormat()
 
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
-        """Prompt ids and each option's continuation ids (:func:`~llm_calib.scoring.option_likelihood.encode_questions`)."""
+        """Prompt ids and each option's continuation ids
+        (:func:`~llm_calib.scoring.option_likelihood.encode_questions`)."""
         enc = encode_questions(tokenizer, records, self.prompt_settings())
         return [e.prompt for e in enc], [e.options for e in enc]
 
@@ -248,7 +251,8 @@ class Letter(MultipleChoiceFormat):
         return [1] * len(record.options)
 
     def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
-        """The prompt alone; the letters are read at its last position (:func:`~llm_calib.engine.packing.pack_letters`)."""
+        """The prompt alone; the letters are read at its last position
+        (:func:`~llm_calib.engine.packing.pack_letters`)."""
         return pack_letters(list(prompts), [[o[0] for o in opts] for opts in options], pad_id)
 
     def length(self, prompt: Sequence[int], options: Sequence[Sequence[int]]) -> int:

@@ -68,7 +68,8 @@ class OpenEnded(TaskFormat):
 
     # --- training encoding --------------------------------------------------------------------
     def encode(self, tokenizer: Any, records: Sequence[OpenQA]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
-        """The scorer's prompt ids, and ``" " + first alias`` (plus ``"\\n"`` with ``answer_stop``) as the one continuation.
+        """The scorer's prompt ids, and ``" " + first alias`` (plus ``"\\n"`` with ``answer_stop``) as the one
+        continuation.
 
         Raises:
             ValueError: an open question without a reference answer (naming it).
@@ -82,7 +83,8 @@ class OpenEnded(TaskFormat):
         return [tuple(p) for p in prompts], answers
 
     def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
-        """Prompt + reference answer, a plain causal sequence (:func:`~llm_calib.engine.packing.pack_continuations`)."""
+        """Prompt + reference answer, a plain causal sequence
+        (:func:`~llm_calib.engine.packing.pack_continuations`)."""
         return pack_continuations([(p, o[0]) for p, o in zip(prompts, options, strict=True)], pad_id)
 
     def length(self, prompt: Sequence[int], options: Sequence[Sequence[int]]) -> int:
@@ -141,7 +143,8 @@ class OpenEnded(TaskFormat):
         else:
             confidence = reduce_per_option(top_p, packed, "mean")
         return {"confidence": confidence, "correct": (reduce_per_option(wrong, packed, "sum") == 0).double(),
-                "nll": reduce_per_option(token_nll, packed, "mean"), "entropy": entropy(logp[packed.answer_start_rows()])}
+                "nll": reduce_per_option(token_nll, packed, "mean"),
+                "entropy": entropy(logp[packed.answer_start_rows()])}
 
     # --- scoring and results ------------------------------------------------------------------
     def score(self, model: Any, tokenizer: Any, records: Sequence[OpenQA], *, batch_size: int = 8,
@@ -151,7 +154,8 @@ class OpenEnded(TaskFormat):
                                 batch_size=batch_size, progress=progress)
 
     def sample_rows(self, domain: str, scored: OpenEndedSet) -> Iterator[dict[str, Any]]:
-        """Per question: ``prompt``, ``answer``, ``references``, token ids and probabilities, ``confidence``, ``correct``, ``f1``, ``stop``."""
+        """Per question: ``prompt``, ``answer``, ``references``, token ids and probabilities, ``confidence``,
+        ``correct``, ``f1``, ``stop``."""
         s = scored
         conf, correct, f1 = s.confidence("mean"), s.correct, s.f1
         for i in range(len(s)):

@@ -73,7 +73,8 @@ class CalmSolver(Protocol):
 @register_solver("bome")
 @dataclass
 class Bome:
-    """BOME (:class:`hypergrad.BOME`): ``inner_steps`` plain-SGD steps define the value function; θ steps by :func:`~llm_calib.calm.methods.theta_optimizer`.
+    """BOME (:class:`hypergrad.BOME`): ``inner_steps`` plain-SGD steps define the value function; θ steps by
+    :func:`~llm_calib.calm.methods.theta_optimizer`.
 
     Attributes:
         eta: the barrier coefficient η > 0 (2: θ's step weighs the task loss about as much as the
@@ -118,7 +119,8 @@ class Bome:
 @register_solver("f2sa")
 @dataclass
 class F2SA:
-    """F2SA (:class:`hypergrad.Penalty`): θ on g and θ_σ on g + σ f each take ``inner_steps`` Adam steps, evaluated at the last iterate.
+    """F2SA (:class:`hypergrad.Penalty`): θ on g and θ_σ on g + σ f each take ``inner_steps`` Adam steps, evaluated
+    at the last iterate.
 
     Attributes:
         sigma: the penalty weight σ > 0.
@@ -205,7 +207,8 @@ class ImplicitSolver:
 @register_objective("calm")
 @dataclass
 class Calm(Objective):
-    """CALM: λ and θ trained on ``BilevelProblem(inner=g, outer=f)`` by a solver, then an Adam step of λ within its bounds.
+    """CALM: λ and θ trained on ``BilevelProblem(inner=g, outer=f)`` by a solver, then an Adam step of λ within its
+    bounds.
 
     The step's record holds ``g``, ``unlabeled_entropy`` (−f at the step's θ) and the solver's diagnostics.
 

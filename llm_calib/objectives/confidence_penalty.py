@@ -22,7 +22,8 @@ __all__ = ["ConfidencePenalty"]
 @register_objective("confidence_penalty")
 @dataclass
 class ConfidencePenalty(OneLevelObjective):
-    """The flat confidence penalty ``CE − β·H`` (H: mean entropy on CALM's unlabelled batch), a one-level ablation of CALM.
+    """The flat confidence penalty ``CE − β·H`` (H: mean entropy on CALM's unlabelled batch), a one-level ablation
+    of CALM.
 
     Attributes:
         beta: the entropy weight β >= 0.

@@ -155,7 +155,8 @@ def solver_class(name: str) -> type:
 
 
 def objective_from_dict(data: Any) -> Any:
-    """The objective of a config's ``objective`` entry: a mapping with a ``name`` (default ``"calm"``) and settings, or a bare name.
+    """The objective of a config's ``objective`` entry: a mapping with a ``name`` (default ``"calm"``) and
+    settings, or a bare name.
 
     Raises:
         ValueError: an unknown name, or a key that is not one of the objective's settings.

@@ -98,7 +98,8 @@ class ScoredResult:
         joined = {f: [x for s in sets for x in getattr(s, f)] for f in cls.per_question}
         details = ([d for s in sets for d in s.details]  # type: ignore[union-attr]
                    if all(s.details is not None for s in sets) else None)
-        return dataclasses.replace(sets[0], **joined, info=dict(sets[0].info), details=details)  # type: ignore[type-var]
+        first = sets[0]
+        return dataclasses.replace(first, **joined, info=dict(first.info), details=details)  # type: ignore[type-var]
 
 
 @dataclass
@@ -289,7 +290,8 @@ def scoring_split(name: str) -> Iterator[None]:
 
 def score_in_batches(lengths: Sequence[int], batch_size: int, score: Callable[[list[int]], Sequence[T]], *,
                      desc: str, progress: bool) -> list[T]:
-    """``score(indices)`` over batches of similar length (:func:`~llm_calib.engine.packing.length_batches`), in input order.
+    """``score(indices)`` over batches of similar length (:func:`~llm_calib.engine.packing.length_batches`), in
+    input order.
 
     Example:
         >>> score_in_batches([3, 1, 2], 2, lambda idx: [10 * i for i in idx], desc="x", progress=False)

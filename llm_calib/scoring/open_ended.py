@@ -23,7 +23,8 @@ __all__ = ["OpenEndedSet", "encode_open_prompts", "open_ended_summary", "score_o
 
 @dataclass
 class OpenEndedSet(ScoredResult):
-    """Greedy answers to open questions with their token probabilities (a :class:`~llm_calib.scoring.base.ScoredResult`).
+    """Greedy answers to open questions with their token probabilities (a
+    :class:`~llm_calib.scoring.base.ScoredResult`).
 
     Attributes:
         answers: the generated answer texts.

@@ -94,7 +94,8 @@ def _choices(record: MultipleChoice, fmt: PromptFormat) -> list[str]:
 
 
 def option_text_lengths(record: MultipleChoice, fmt: PromptFormat, normalize: str) -> list[int]:
-    """Each choice's length in characters (``"char"``) or UTF-8 bytes (``"byte"``), without the target delimiter (as lm-eval).
+    """Each choice's length in characters (``"char"``) or UTF-8 bytes (``"byte"``), without the target delimiter
+    (as lm-eval).
 
     Raises:
         ValueError: ``normalize`` is neither ``"char"`` nor ``"byte"``.
@@ -234,11 +235,13 @@ LM_EVAL_NORMALIZATIONS: dict[str, str] = {
     "acc_bytes": "byte",
     "acc_token": "mean",
 }
-"""lm-eval's metric names (``acc``, ``acc_norm``, ``acc_bytes``; ``acc_token`` is ours) and their ``normalize`` modes."""
+"""lm-eval's metric names (``acc``, ``acc_norm``, ``acc_bytes``; ``acc_token`` is ours) and their ``normalize``
+modes."""
 
 
 def normalized(scored: ScoredSet, normalize: str) -> ScoredSet:
-    """The same questions re-scored under ``normalize`` (a mode or lm-eval name) from ``scored.details``, no second pass.
+    """The same questions re-scored under ``normalize`` (a mode or lm-eval name) from ``scored.details``, no second
+    pass.
 
     Raises:
         ValueError: an unknown ``normalize`` or a set without details.
