@@ -9,7 +9,7 @@ against each other (values and gradients at one point).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -225,17 +225,10 @@ def check_hypergradients(
             if not isinstance(method, hg.BOME):  # BOME's w moves along f as well: keep it at θ*
                 w = result.w
         assert result is not None
-        check = compare_directions(name, exact.grad, result.grad)
         extra = {k: float(v) for k, v in result.info.extra.items() if isinstance(v, (int, float))}
-        checks.append(DirectionCheck(check.method, check.cosine, check.relative_norm, check.descent, extra))
-    return HypergradientCheck(
-        exact={k: v.detach() for k, v in exact.grad.items()},
-        lower_gradient_norm=lower_norm,
-        solver_iterations=exact.info.iterations,
-        solver_converged=exact.info.converged,
-        solver_residual=exact.info.residual,
-        checks=checks,
-    )
+        checks.append(replace(compare_directions(name, exact.grad, result.grad), extra=extra))
+    return HypergradientCheck({k: v.detach() for k, v in exact.grad.items()}, lower_norm, exact.info.iterations,
+                              exact.info.converged, exact.info.residual, checks)
 
 
 def relative_difference(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float:
