@@ -120,9 +120,9 @@ class TaskFormat(ABC):
     def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
         """One model input holding the given questions (see :mod:`llm_calib.engine.packing`)."""
 
-    @abstractmethod
     def length(self, prompt: Sequence[int], options: Sequence[Sequence[int]]) -> int:
-        """Packed length (tokens) of one question."""
+        """Packed length (tokens) of one question: the prompt and every continuation (default)."""
+        return len(prompt) + sum(len(o) for o in options)
 
     @abstractmethod
     def label(self, record: Any) -> int:

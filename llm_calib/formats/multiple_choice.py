@@ -190,10 +190,6 @@ class OptionLikelihood(MultipleChoiceFormat):
         """Prompt followed by every option (:func:`~llm_calib.engine.packing.pack_questions`)."""
         return pack_questions(list(zip(prompts, options, strict=True)), pad_id)
 
-    def length(self, prompt: Sequence[int], options: Sequence[Sequence[int]]) -> int:
-        """Prompt plus every option."""
-        return len(prompt) + sum(len(o) for o in options)
-
     def score(self, model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, batch_size: int = 8,
               progress: bool = False) -> ScoredSet:
         """:func:`~llm_calib.scoring.option_likelihood.score_option_likelihood`."""

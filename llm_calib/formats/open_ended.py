@@ -87,10 +87,6 @@ class OpenEnded(TaskFormat):
         (:func:`~llm_calib.engine.packing.pack_continuations`)."""
         return pack_continuations([(p, o[0]) for p, o in zip(prompts, options, strict=True)], pad_id)
 
-    def length(self, prompt: Sequence[int], options: Sequence[Sequence[int]]) -> int:
-        """Prompt plus answer."""
-        return len(prompt) + sum(len(o) for o in options)
-
     def label(self, record: OpenQA) -> int:
         """0: the one "option" of an open question is its reference answer."""
         return 0
