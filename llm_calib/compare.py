@@ -1,25 +1,10 @@
-"""Train one or several calibration objectives on the same data and compare them per domain, with
-the uncalibrated and temperature-scaled model (``llm-calib calibrate``).
+"""Train one or several objectives on the same data and compare them per domain with the
+uncalibrated and temperature-scaled base model (``llm-calib calibrate``).
 
-The base model is loaded once. Each method attaches fresh LoRA adapters to it, is trained by
-:func:`llm_calib.calm.trainer.calibrate` with the same data, seed and budget, saved
-(:meth:`CalibrationResult.save`) to ``<out>/<method>/`` and evaluated; its adapters are then
-removed again (:func:`~llm_calib.calm.lora.detach_lora`; the frozen base weights never change), so
-no method sees another's adapters. The encoded records, and with them the trunk cache of the frozen
-bottom layers, are shared by all methods. Every evaluation set is then scored, each domain separately, for:
-
-* ``uncalibrated``: the base model;
-* ``temperature_scaled``: the base model with one temperature fitted on the held-out split's
-  uncalibrated scores (:func:`llm_calib.temperature.fit_temperature`) and carried to every
-  multiple-choice domain (none when the held-out split is open-ended: there are no option scores
-  to fit it on);
-* one column per trained method (the deployed LoRA model, no temperature, no λ).
-
-:func:`write_comparison_report` writes ``metrics.json``, ``report.md`` (a before/after table per
-domain, one column per method) and ``reliability_<domain>.png`` (one panel per column).
-
-Training and held-out splits are all multiple choice or all open-ended; evaluation sets may be
-either (open questions are answered greedily, :func:`~llm_calib.scoring.open_ended.score_open_ended`).
+Each method attaches fresh LoRA adapters to the one base model, trains with the same data, seed
+and budget, is saved to ``<out>/<method>/`` and evaluated, and its adapters are removed again; the
+encoded records (and their trunk cache) are shared. :func:`write_comparison_report` writes
+``metrics.json``, ``report.md`` and one ``reliability_<domain>.png`` per domain.
 """
 
 from __future__ import annotations
@@ -61,14 +46,8 @@ _LABELS = {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature-sc
 
 @dataclass
 class DomainComparison:
-    """One evaluation domain: metrics and reliability bins per column.
-
-    Attributes:
-        kind: ``"multiple_choice"`` or ``"open"``.
-        n: number of questions.
-        columns: column name (``uncalibrated``, ``temperature_scaled`` or a method) to metric dict
-            (None where a column does not apply, e.g. temperature scaling of open questions).
-        reliability: column name to reliability bins.
+    """One evaluation domain: its kind, size, and per column (``uncalibrated``, ``temperature_scaled`` or
+    a method) its metric dict (None where it does not apply) and reliability bins.
     """
 
     kind: str
@@ -84,15 +63,8 @@ class DomainComparison:
 
 @dataclass
 class Comparison:
-    """The outcome of :func:`run_comparison`.
-
-    Attributes:
-        methods: the trained methods, in order.
-        domains: per evaluation domain, in order of first appearance.
-        temperature: the temperature fitted on the held-out split.
-        training: per method: held-out metrics before/after, timings, the result directory and
-            whether it was reused (``--resume``).
-        config: settings of the run (model, specs, the base calibration config, evaluation).
+    """The outcome of :func:`run_comparison`: the methods, per-domain columns, the temperature fitted on
+    the held-out split, per-method training summaries and the run's settings.
     """
 
     methods: list[str]
@@ -140,63 +112,43 @@ class Comparison:
 
 
 def run_comparison(
-    model: Any,
-    tokenizer: Any,
-    train: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
+    model: Any, tokenizer: Any, train: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
     heldout: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
-    evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]],
-    config: CalibrationConfig,
-    methods: Sequence[Objective] | None,
-    out_dir: str | Path,
-    *,
+    evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]], config: CalibrationConfig,
+    methods: Sequence[Objective] | None, out_dir: str | Path, *,
     unlabeled: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]] | None = None,
-    checkpoints: bool = True,
-    resume: bool = False,
-    progress: bool = True,
-    n_bins: int = 10,
-    bootstrap: int = 1000,
-    eval_batch_size: int = 8,
-    log: Callable[[str], None] = lambda message: None,
+    checkpoints: bool = True, resume: bool = False, progress: bool = True, n_bins: int = 10,
+    bootstrap: int = 1000, eval_batch_size: int = 8, log: Callable[[str], None] = lambda message: None,
     base_model: dict[str, Any] | None = None,
 ) -> Comparison:
-    """Train each method on a fresh base model, save it, and evaluate every column per domain.
+    """Train each method on the base model, save it, and evaluate every column per domain.
 
     Args:
-        model: the base model, used for the baselines and by every method in turn (adapters
-            attached, trained, evaluated, removed), or a zero-argument callable returning it
-            (called once).
+        model: the base model (or a zero-argument callable returning it), shared by every method.
         tokenizer: the model's tokenizer.
-        train: ``(name, records)`` of the lower-level training split (all multiple choice or all
-            open questions).
+        train: ``(name, records)`` of the training split (all multiple choice or all open questions).
         heldout: ``(name, records)`` of the held-out split, of the same kind (upper level, model
-            selection, and, for multiple choice, the temperature fit).
+            selection and, for multiple choice, the temperature fit).
         evals: ``(name, records)`` evaluation sets; results are per record domain.
         config: the base configuration; its ``objective`` is replaced by each of ``methods``.
-        methods: the objectives to train, each with its settings (at most one per registered
-            name; see :mod:`llm_calib.objectives`); None: only ``config.objective``.
-        out_dir: results go to ``out_dir/<method>/`` (the objective's name); checkpoints to
-            ``out_dir/checkpoints/<method>/`` when ``config.checkpoint_every > 0``.
-        unlabeled: ``(name, records)`` of unlabelled upper-level inputs, of the same kind (see
-            :func:`~llm_calib.calm.trainer.calibrate`); default: the held-out inputs.
+        methods: the objectives to train (distinct names); None: only ``config.objective``.
+        out_dir: results go to ``out_dir/<method>/``, checkpoints to ``out_dir/checkpoints/<method>/``.
+        unlabeled: ``(name, records)`` of unlabelled upper-level inputs; default: the held-out inputs.
         checkpoints: write checkpoints (when ``config.checkpoint_every > 0``).
-        resume: reuse a method's finished result directory when its saved config matches, and
-            continue an unfinished method from its newest checkpoint.
+        resume: reuse finished results whose saved config matches; continue unfinished ones.
         progress: show progress bars.
         n_bins: ECE and reliability-diagram bins.
         bootstrap: bootstrap resamples for 95% intervals (0: none).
         eval_batch_size: questions per forward pass when scoring.
         log: receives one-line status messages.
-        base_model: entries that replace those of each saved result's record of its base model
-            (:attr:`~llm_calib.calm.trainer.CalibrationResult.base`), e.g. the ``model`` name
-            the command line loaded it by and its ``dtype``.
+        base_model: entries replacing those of each saved result's base-model record (e.g. ``model``).
 
     Returns:
-        A :class:`Comparison`. Nothing is written by ranks other than 0 under ``torchrun``.
+        A :class:`Comparison`. Under ``torchrun`` only rank 0 writes.
 
     Raises:
-        ValueError: no method or two of one name, training or held-out records that are not all of one kind
-            (the message names the record), or (with ``resume``) a saved result trained with a
-            different configuration.
+        ValueError: no method or two of one name, records not all of one kind (naming the record),
+            an empty set, or (with ``resume``) a saved result trained with a different configuration.
         llm_calib.calm.trainer.TrainingDiverged: a method's training diverged.
     """
     import torch
@@ -224,15 +176,8 @@ def run_comparison(
     writer = distributed.rank() == 0
     settings = format_settings(config)
     eval_kwargs: dict[str, Any] = {
-        "scorer": settings["scorer"],
-        "normalize": settings["normalize"],
-        "prompt": settings["prompt"],
-        "open_prompt": settings["open_prompt"],
-        "batch_size": eval_batch_size,
-        "n_bins": n_bins,
-        "ci": bootstrap > 0,
-        "n_resamples": max(bootstrap, 1),
-        "seed": config.seed,
+        **{k: settings[k] for k in ("scorer", "normalize", "prompt", "open_prompt")}, "batch_size": eval_batch_size,
+        "n_bins": n_bins, "ci": bootstrap > 0, "n_resamples": max(bootstrap, 1), "seed": config.seed,
         "progress": progress,
     }
 
@@ -298,11 +243,8 @@ def run_comparison(
         res = evaluate_records(result.model, tokenizer, evals, **eval_kwargs)
         collect(res, domains, {method: "uncalibrated"})
         training[method] = {
-            "dir": method,
-            "reused": reused,
-            "heldout_before": result.metrics.get("before", {}),
-            "heldout_after": result.metrics.get("after", {}),
-            "notes": list(result.notes),
+            "dir": method, "reused": reused, "heldout_before": result.metrics.get("before", {}),
+            "heldout_after": result.metrics.get("after", {}), "notes": list(result.notes),
             "timings": {**result.timings, "train_total_s": train_s, "evaluate_s": time.perf_counter() - t0},
         }
         model = detach_lora(result.model)  # the bare base again, for the next method
@@ -315,13 +257,8 @@ def run_comparison(
         "eval": [name for name, _ in evals],
         "calibration": {**{k: v for k, v in config.to_dict().items() if k != "objective"},
                         "objectives": {o.name: o.to_dict() for o in objectives}},
-        "evaluation": {
-            "scorer": settings["scorer"],
-            "normalize": settings["normalize"],
-            "prompt_style": eval_kwargs["prompt"].style,
-            "n_bins": n_bins,
-            "bootstrap": bootstrap,
-        },
+        "evaluation": {"scorer": settings["scorer"], "normalize": settings["normalize"],
+                       "prompt_style": eval_kwargs["prompt"].style, "n_bins": n_bins, "bootstrap": bootstrap},
         "timings": timings,
     }
     return Comparison(names, domains, base.temperature, training, run_config)
@@ -333,10 +270,7 @@ def _label(column: str) -> str:
 
 def _summary_table(cmp: Comparison, metric: str) -> list[str]:
     cols = cmp.columns
-    lines = [
-        "| domain | n | " + " | ".join(_label(c) for c in cols) + " |",
-        "|---|---|" + "---|" * len(cols),
-    ]
+    lines = ["| domain | n | " + " | ".join(_label(c) for c in cols) + " |", "|---|---|" + "---|" * len(cols)]
     for dom, d in cmp.domains.items():
         cells = " | ".join(format_metric(d.columns.get(c), metric) for c in cols)
         lines.append(f"| {dom} | {d.n} | {cells} |")
@@ -412,18 +346,10 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
 
 
 def write_comparison_report(cmp: Comparison, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``metrics.json``, ``report.md`` and ``reliability_<domain>.png`` into ``out_dir``.
-
-    Args:
-        cmp: the comparison from :func:`run_comparison`.
-        out_dir: output directory (created if missing).
-
-    Returns:
-        The written paths: keys ``"metrics"``, ``"report"`` and ``"reliability:<domain>"``.
+    """Write ``metrics.json``, ``report.md`` and ``reliability_<domain>.png`` into ``out_dir``; return the paths.
 
     Example:
-        See :doc:`/tutorials/calibrate_llm`: ``llm-calib calibrate`` calls
-        :func:`run_comparison` and then this function.
+        See :doc:`/tutorials/calibrate_llm`: ``llm-calib calibrate`` calls :func:`run_comparison` and then this.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

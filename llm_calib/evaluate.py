@@ -1,8 +1,7 @@
 """The evaluation pipeline: load data, score it, compute calibration metrics per domain.
 
-Optionally a temperature is fitted on one named split (e.g. ARC-Easy dev) and carried to every
-evaluated domain, which shows how post-hoc temperature scaling transfers out of domain. Results
-are grouped by the ``domain`` of the records (one spec such as ``builtin`` may hold several).
+Optionally a temperature fitted on one split is carried to every domain (how post-hoc temperature
+scaling transfers out of domain).
 """
 
 from __future__ import annotations
@@ -30,12 +29,10 @@ from llm_calib.formats import (
     TaskFormat,
     format_for,
     multiple_choice_format,
-    normalization_summary,
 )
 from llm_calib.prompts import PromptFormat, prompt_dict
 from llm_calib.scoring import OpenEndedSet, ScoredSet
 from llm_calib.scoring.base import scoring_split
-from llm_calib.scoring.open_ended import open_ended_summary
 from llm_calib.temperature import fit_temperature, temperature_nll
 
 __all__ = [
@@ -46,8 +43,6 @@ __all__ = [
     "evaluate",
     "evaluate_records",
     "group_means",
-    "normalization_summary",
-    "open_ended_summary",
     "sample_rows",
     "score_records",
     "summarize_scored",
@@ -60,15 +55,7 @@ HEADLINE_METRICS = ("accuracy", "ece", "adaptive_ece", "brier", "nll", "auroc")
 
 @dataclass
 class TemperatureFit:
-    """A temperature fitted on one split.
-
-    Attributes:
-        temperature: the fitted ``T``.
-        source: the spec (or description) of the fit split.
-        n: number of fit questions.
-        domains: domains of the fit questions.
-        nll_before: fit-split NLL at ``T = 1``.
-        nll_after: fit-split NLL at the fitted ``T``.
+    """A temperature fitted on one split: ``T``, the split's spec, size and domains, NLL before and after.
 
     Example:
         >>> TemperatureFit(2.0, "toy", 10, ["a"], 1.0, 0.8).to_dict()["temperature"]
@@ -101,17 +88,13 @@ class DomainResult:
     Attributes:
         domain: the domain label.
         kind: ``"multiple_choice"`` or ``"open"``.
-        uncalibrated: metric dict (see :func:`llm_calib.metrics.summarize`; for open questions
-            :func:`open_ended_summary`).
+        uncalibrated: metric dict (the scored set's ``summary``).
         temperature_scaled: the same after temperature scaling, or None.
         reliability: per-bin statistics (:meth:`llm_calib.metrics.ReliabilityBins.to_dict`).
         reliability_scaled: the same after temperature scaling, or None.
         scored: the raw scores (not serialised).
-        normalizations: multiple choice with per-option details: accuracy and ECE of every
-            option-score normalisation side by side, by lm-eval name (``acc``, ``acc_norm``,
-            ``acc_bytes``, ``acc_token``; see :func:`normalization_summary`), else None.
-        task: the task format that scored the domain (not serialised); it writes the
-            per-question rows (:func:`sample_rows`).
+        normalizations: multiple choice: accuracy and ECE per lm-eval normalisation name, else None.
+        task: the task format that scored the domain (not serialised).
 
     Example:
         >>> r = DomainResult("toy", "multiple_choice", {"n": 3, "accuracy": 0.5}, None, {}, None)
@@ -151,18 +134,11 @@ class DomainResult:
 
 @dataclass
 class EvaluationResult:
-    """Everything an evaluation produced.
-
-    Attributes:
-        domains: per-domain results, in order of first appearance.
-        temperature: the temperature fit, or None.
-        config: the settings of the run (JSON-serialisable).
-        timing: seconds spent per phase and scoring throughput.
+    """Everything an evaluation produced: per-domain results, the temperature fit, settings and timings.
 
     Example:
         >>> r = DomainResult("toy", "multiple_choice", {"n": 3, "accuracy": 0.5}, None, {}, None)
-        >>> res = EvaluationResult({"toy": r}, None, {}, {})
-        >>> res.macro_average()["uncalibrated"]["accuracy"]
+        >>> EvaluationResult({"toy": r}, None, {}, {}).macro_average()["uncalibrated"]["accuracy"]
         0.5
     """
 
@@ -210,31 +186,20 @@ def score_records(
     open_prompt: PromptFormat | None = None,
     task: TaskFormat | None = None,
 ) -> ScoredSet | OpenEndedSet:
-    """Score records with the format that fits them (:func:`~llm_calib.formats.format_for`).
-
-    Multiple-choice records go to ``scorer`` (``"option_likelihood"`` or ``"letter"``), open
-    questions to :func:`~llm_calib.scoring.score_open_ended`. A mix of both is an error.
+    """Score records with the format that fits them (:func:`~llm_calib.formats.format_for`, or ``task``).
 
     Args:
         model: a Hugging Face causal LM.
         tokenizer: its tokenizer.
-        records: all :class:`~llm_calib.data.records.MultipleChoice` or all
-            :class:`~llm_calib.data.records.OpenQA`.
+        records: all multiple choice or all open questions.
         scorer: multiple-choice scorer, ``"option_likelihood"`` or ``"letter"``.
-        normalize: option log-probabilities summed, per token, per character or per byte
-            (``"sum"``, ``"mean"``, ``"char"``, ``"byte"``; option likelihood).
+        normalize: option likelihood: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"``.
         prompt: prompt format; None uses the scorer's default.
         batch_size: questions per forward pass.
         max_new_tokens: generation budget for open questions.
         progress: show a progress bar.
-        open_prompt: prompt format of open questions (e.g. the short-answer prompt of
-            :func:`~llm_calib.calm.config.open_prompt_format`); None: ``prompt`` in the cloze style.
-        task: score with this :class:`~llm_calib.formats.base.TaskFormat` instead (the scorer
-            settings above are then unused); the records are checked against it.
-
-    Returns:
-        A :class:`~llm_calib.scoring.base.ScoredSet` (multiple choice) or an
-        :class:`~llm_calib.scoring.open_ended.OpenEndedSet` (open questions): the format's result.
+        open_prompt: prompt format of open questions; None: ``prompt`` in the cloze style.
+        task: score with this format instead (the settings above are then unused).
 
     Raises:
         TypeError: the records mix multiple-choice and open questions.
@@ -243,8 +208,7 @@ def score_records(
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
-        >>> qs = [MultipleChoice("2 + 2 = ?", ("4", "5"), 0, "math", "q0")]
-        >>> score_records(model, tok, qs).scorer
+        >>> score_records(model, tok, [MultipleChoice("2 + 2 = ?", ("4", "5"), 0, "math", "q0")]).scorer
         'option_likelihood'
     """
     records = list(records)
@@ -267,21 +231,7 @@ def _format(records: Sequence[Any], task: TaskFormat | None, *, what: str = "rec
 def summarize_scored(
     scored: ScoredSet | OpenEndedSet, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0
 ) -> dict[str, float]:
-    """The calibration metrics of one scored set (its ``summary``): multiple choice
-    (:func:`llm_calib.metrics.summarize` of its option probabilities) or open answers
-    (:func:`open_ended_summary`).
-
-    Args:
-        scored: a scored set (:class:`~llm_calib.formats.base.ScoredResult`): a
-            :class:`~llm_calib.scoring.base.ScoredSet` or an
-            :class:`~llm_calib.scoring.open_ended.OpenEndedSet`.
-        n_bins: equal-width ECE bins.
-        ci: add 95% bootstrap intervals.
-        n_resamples: bootstrap resamples.
-        seed: bootstrap seed.
-
-    Returns:
-        The metrics by name.
+    """The calibration metrics of a scored set (its ``summary``).
 
     Raises:
         TypeError: ``scored`` is not a scored set.
@@ -300,16 +250,7 @@ def summarize_scored(
 def group_means(
     scored: ScoredSet | OpenEndedSet, groups: dict[str, Sequence[str]], metrics: Sequence[str] = ("ece", "accuracy")
 ) -> dict[str, float]:
-    """Macro averages over groups of domains: each domain's metrics (:func:`summarize_scored`, no
-    intervals), then per group the mean over its domains present in ``scored``.
-
-    Args:
-        scored: questions of several domains.
-        groups: group name -> its domains (e.g. ``{"in": [...], "out": [...]}``).
-        metrics: which metrics.
-
-    Returns:
-        ``{"<metric>_<group>": mean}``; NaN for a group with no domain present.
+    """Per group of domains, the mean of each domain's ``metrics`` (NaN for a group with none present).
 
     Example:
         >>> import torch
@@ -339,25 +280,7 @@ def domain_result(
     n_resamples: int = 1000,
     seed: int = 0,
 ) -> DomainResult:
-    """The metrics of one domain's scored set, whatever its format.
-
-    The uncalibrated metrics are the set's ``summary`` and reliability bins of its
-    ``confidences``; with a ``temperature`` the format applies it where it has option scores
-    (:meth:`~llm_calib.formats.base.TaskFormat.temperature_scaled`), and adds its own extra metrics
-    (:meth:`~llm_calib.formats.base.TaskFormat.extra_metrics`).
-
-    Args:
-        domain: the domain label.
-        task: the format that scored the set.
-        scored: the domain's scored set.
-        temperature: a fitted temperature to carry to the domain, or None.
-        n_bins: ECE and reliability bins.
-        ci: bootstrap intervals.
-        n_resamples: bootstrap resamples.
-        seed: bootstrap seed.
-
-    Returns:
-        A :class:`DomainResult`.
+    """The metrics of one domain's scored set, whatever its format (temperature applied where it can be).
 
     Example:
         >>> import torch
@@ -401,39 +324,15 @@ def evaluate_records(
     open_prompt: PromptFormat | None = None,
     task: TaskFormat | None = None,
 ) -> EvaluationResult:
-    """Evaluate already-loaded records (see :func:`evaluate` for the arguments).
+    """Evaluate already-loaded ``(name, records)`` data sets, per record domain.
 
-    Each data set is scored by its task format (:func:`~llm_calib.formats.format_for` of the
-    scorer settings, or ``task``), and each domain is summarised the same way whatever the
-    format (:func:`domain_result`).
-
-    Args:
-        model: a Hugging Face causal LM.
-        tokenizer: its tokenizer.
-        datasets: ``(name, records)`` pairs; results are grouped by record domain.
-        scorer: multiple-choice scorer, a key of :data:`llm_calib.scoring.SCORERS`.
-        normalize: option-likelihood aggregation, ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"``.
-        prompt: prompt format (None: the scorer's default). With ``fewshot > 0`` and no pool,
-            the pool is loaded from ``prompt.fewshot_split`` without the evaluated and
-            temperature-fit questions (:func:`~llm_calib.fewshot.resolve_fewshot`).
-        batch_size: questions per forward pass.
-        temperature_fit: ``(name, records)`` of the split the temperature is fitted on, or None.
-        n_bins: bins of ECE and the reliability diagrams.
-        ci: compute bootstrap confidence intervals.
-        n_resamples: bootstrap resamples.
-        seed: bootstrap seed.
-        max_new_tokens: generation budget for open questions.
-        progress: show progress bars.
-        open_prompt: prompt format of open questions (see :func:`score_records`).
-        task: score every data set with this :class:`~llm_calib.formats.base.TaskFormat`
-            (the scorer settings are then unused).
-
-    Returns:
-        An :class:`EvaluationResult`.
+    Arguments are those of :func:`evaluate` and :func:`score_records`; ``temperature_fit`` is
+    ``(name, records)``. With ``prompt.fewshot > 0`` and no pool, the pool is loaded without the
+    evaluated questions (:func:`~llm_calib.fewshot.resolve_fewshot`).
 
     Raises:
-        ValueError: an unknown scorer, or a temperature-fit split without multiple-choice
-            records.
+        ValueError: an unknown scorer, an empty data set, or a temperature-fit split without
+            multiple-choice records.
         TypeError: a data set mixing multiple-choice and open questions.
 
     Example:
@@ -441,10 +340,9 @@ def evaluate_records(
         >>> from llm_calib.data import builtin_multiple_choice
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(4, domains=["capitals", "arithmetic"])
-        >>> res = evaluate_records(model, tok, [("builtin", qs)], ci=False,
-        ...                        temperature_fit=("fit", qs))
-        >>> list(res.domains), res.domains["capitals"].n, res.temperature.temperature > 0
-        (['capitals', 'arithmetic'], 4, True)
+        >>> res = evaluate_records(model, tok, [("builtin", qs)], ci=False, temperature_fit=("fit", qs))
+        >>> list(res.domains), res.temperature.temperature > 0
+        (['capitals', 'arithmetic'], True)
     """
     if scorer not in MULTIPLE_CHOICE_FORMATS:
         raise ValueError(f"scorer must be one of {tuple(MULTIPLE_CHOICE_FORMATS)}, got {scorer!r}")
@@ -547,30 +445,21 @@ def evaluate(
     Args:
         model: a Hugging Face causal LM (see :func:`llm_calib.models.load`).
         tokenizer: its tokenizer.
-        data: data specs (grammar in :mod:`llm_calib.data.spec`), e.g.
-            ``"arc_easy:../shared/data/arc_easy/test.jsonl"`` or ``"builtin"``.
+        data: data specs (:mod:`llm_calib.data.spec`), e.g. ``"builtin"``.
         scorer: ``"option_likelihood"`` (default) or ``"letter"``.
         normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` (option likelihood only).
-        prompt: prompt format; None uses the scorer's default (cloze for option likelihood,
-            listed for letter), with the chat template when the tokenizer has one.
-        limit: at most this many questions per spec (a seeded subsample, ``seed``); also applied
-            to the temperature-fit split.
-        limit_mode: ``"sample"`` (the seeded subsample) or ``"first"`` (the first ``limit``
-            questions in file order, as lm-eval's ``--limit``).
-        on_error: ``"raise"`` at the first bad row, or ``"skip"`` bad rows; skipped rows are
-            listed in ``result.config["skipped"]`` (spec to count and messages).
+        prompt: prompt format; None uses the scorer's default.
+        limit: at most this many questions per spec (also the temperature-fit split).
+        limit_mode: ``"sample"`` (seeded subsample) or ``"first"`` (file order, as lm-eval).
+        on_error: ``"raise"`` at the first bad row, or ``"skip"`` (listed in ``config["skipped"]``).
         batch_size: questions per forward pass.
-        temperature_fit: spec of the split to fit a temperature on (multiple choice), carried to
-            every evaluated domain; None for no temperature scaling.
+        temperature_fit: spec of the split to fit a temperature on; None: no temperature scaling.
         n_bins: bins of ECE and the reliability diagrams.
         ci: compute 95% bootstrap confidence intervals.
         n_resamples: bootstrap resamples.
         seed: subsample and bootstrap seed.
         max_new_tokens: generation budget for open questions.
         progress: show progress bars.
-
-    Returns:
-        An :class:`EvaluationResult`.
 
     Raises:
         ValueError: a malformed spec or bad arguments (messages name the parameter).
@@ -579,8 +468,7 @@ def evaluate(
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
-        >>> res = evaluate(model, tok, ["builtin:capitals:n=8"], ci=False)
-        >>> res.domains["capitals"].n
+        >>> evaluate(model, tok, ["builtin:capitals:n=8"], ci=False).domains["capitals"].n
         8
     """
     if isinstance(data, str):
@@ -623,29 +511,14 @@ def evaluate(
 
 
 def sample_rows(result: EvaluationResult) -> Iterator[dict[str, Any]]:
-    """One JSON-ready dict per evaluated question, domain by domain.
-
-    Multiple choice: ``id``, ``domain``, ``prompt``, ``options`` (the scored choices),
-    ``continuations``, ``loglik`` and ``n_tokens`` per option, ``token_ids`` per option,
-    ``probs`` (softmax of the run's option scores), ``prediction``, ``gold``, ``confidence``,
-    ``correct``, and ``predictions`` by normalisation (``acc``, ``acc_norm``, ...). Open
-    questions: ``id``, ``domain``, ``prompt``, ``answer``, ``references``, ``token_ids``,
-    ``token_probs``, ``confidence`` (mean token probability), ``correct`` (exact match), ``f1``,
-    ``stop``.
-
-    Args:
-        result: an evaluation result whose domains keep their scores.
-
-    Yields:
-        The rows.
+    """One JSON-ready dict per evaluated question, domain by domain (the format's ``sample_rows``).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
-        >>> res = evaluate(model, tok, ["builtin:capitals:n=2"], ci=False)
-        >>> row = next(sample_rows(res))
-        >>> sorted(row)[:5], row["prediction"] == int(np.argmax(row["probs"]))
-        (['confidence', 'continuations', 'correct', 'domain', 'gold'], True)
+        >>> row = next(sample_rows(evaluate(model, tok, ["builtin:capitals:n=2"], ci=False)))
+        >>> row["prediction"] == int(np.argmax(row["probs"]))
+        True
     """
     for dom, r in result.domains.items():
         if r.task is not None and r.scored is not None:
@@ -653,25 +526,14 @@ def sample_rows(result: EvaluationResult) -> Iterator[dict[str, Any]]:
 
 
 def write_samples(result: EvaluationResult, path: str | os.PathLike[str]) -> Path:
-    """Write :func:`sample_rows` as JSON lines to ``path``, atomically.
-
-    The rows go to a temporary file in the same directory, which then replaces ``path``, so a
-    reader never sees a half-written file and an interrupted run leaves any previous file intact.
-
-    Args:
-        result: an evaluation result.
-        path: the ``.jsonl`` file to write (its directory is created).
-
-    Returns:
-        The path.
+    """Write :func:`sample_rows` as JSON lines to ``path``, atomically (a temporary file, then a rename).
 
     Example:
         >>> import tempfile
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> res = evaluate(model, tok, ["builtin:capitals:n=3"], ci=False)
-        >>> out = write_samples(res, Path(tempfile.mkdtemp()) / "samples.jsonl")
-        >>> len(out.read_text().splitlines())
+        >>> len(write_samples(res, Path(tempfile.mkdtemp()) / "samples.jsonl").read_text().splitlines())
         3
     """
     from llm_calib.file_modes import ordinary_modes

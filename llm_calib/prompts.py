@@ -657,7 +657,7 @@ def short_answer_format(examples: Sequence[tuple[str, str]]) -> PromptFormat:
 
     The examples are fixed (the same before every question) and written into ``description``
     (braces escaped, whitespace runs squeezed to one space); the question is the template
-    :data:`SHORT_ANSWER_TEMPLATE`. A greedy answer (:func:`~llm_calib.scoring.open_ended.generate_greedy`)
+    :data:`SHORT_ANSWER_TEMPLATE`. A greedy answer (:func:`~llm_calib.engine.decode.generate_greedy`)
     then stops at the newline the examples end their answers with; trained answers end with it too
     (:func:`~llm_calib.calm.encoding.encode_records`).
 

@@ -13,9 +13,7 @@ import torch
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.fast_eval import (
-    GenOut,
     SharedTrunkEval,
-    TrunkGenerator,
     base_scores,
     fill_trunk_caches,
     fit_open_temperature,
@@ -24,6 +22,7 @@ from llm_calib.calm.fast_eval import (
 )
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.data import MultipleChoice, OpenQA, builtin_multiple_choice
+from llm_calib.engine.decode import GenOut, TrunkGenerator
 from llm_calib.metrics import ece, ece_resamples
 from llm_calib.models import tiny_random_model
 from llm_calib.prompts import short_answer_format

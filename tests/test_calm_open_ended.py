@@ -23,16 +23,13 @@ from llm_calib.calm.trainer import (
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.data import builtin_multiple_choice, one_record_per_alias
 from llm_calib.data.records import OpenQA
+from llm_calib.engine.decode import finish_answer, generate_greedy
 from llm_calib.engine.packing import pack_continuations
 from llm_calib.formats import OpenEnded
 from llm_calib.models import tiny_random_model
 from llm_calib.prompts import PromptFormat, short_answer_format
 from llm_calib.scoring.base import encode_continuation
-from llm_calib.scoring.open_ended import (
-    encode_open_prompts,
-    finish_answer,
-    generate_greedy,
-)
+from llm_calib.scoring.open_ended import encode_open_prompts
 
 
 def open_records(n: int, seed: int = 0) -> list[OpenQA]:

@@ -162,9 +162,9 @@ def test_prompt_is_recorded(tiny, builtin_small):
 
 
 def test_summarize_scored_and_group_means() -> None:
-    from llm_calib.evaluate import group_means, open_ended_summary, summarize_scored
+    from llm_calib.evaluate import group_means, summarize_scored
     from llm_calib.metrics import summarize
-    from llm_calib.scoring.open_ended import OpenEndedSet
+    from llm_calib.scoring.open_ended import OpenEndedSet, open_ended_summary
 
     rng = np.random.default_rng(0)
     logits = [torch.tensor(rng.normal(size=3)) for _ in range(30)]

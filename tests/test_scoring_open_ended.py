@@ -9,15 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from llm_calib.answers import exact_match, normalize_answer, token_f1
 from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.engine.decode import generate_greedy
 from llm_calib.models import tiny_random_model
-from llm_calib.scoring import (
-    exact_match,
-    generate_greedy,
-    normalize_answer,
-    score_open_ended,
-    token_f1,
-)
+from llm_calib.scoring import score_open_ended
 from llm_calib.scoring.open_ended import OpenEndedSet
 
 # Token probabilities come from a float32 softmax: a few units of float32 rounding (~1.2e-7

@@ -288,7 +288,6 @@ def bome_step_breakdown(trainer: Any, state: Any, repeats: int = 2) -> dict[str,
     import torch
 
     import hypergrad as hg
-    from llm_calib.objectives.calm import inner_lr
 
     inner, outer = trainer.train_batch(state.step), trainer.unlabeled_batch(state.step)
     lam, theta = {k: v.detach() for k, v in state.lam.items()}, state.theta
@@ -297,7 +296,8 @@ def bome_step_breakdown(trainer: Any, state: Any, repeats: int = 2) -> dict[str,
         return trainer.losses.inner(w, l_, inner)
 
     _, grad_w, _ = hg.autodiff.loss_and_grads(g, theta, lam)
-    w_hat = {k: (v - inner_lr(trainer.config) * grad_w[k]).detach() for k, v in theta.items()}
+    inner_lr = trainer.config.objective.solver.step_size(trainer.config)
+    w_hat = {k: (v - inner_lr * grad_w[k]).detach() for k, v in theta.items()}
     parts = {
         "grad g(w) (theta and lambda)": lambda: hg.autodiff.loss_and_grads(g, theta, lam),
         "g(w_hat) and its lambda-gradient": lambda: hg.autodiff.loss_and_grads(g, w_hat, lam, wrt_w=False),

@@ -1,9 +1,7 @@
 """CALM: bilevel training-time calibration (config, LoRA model, objectives, trainer).
 
-The names below are imported lazily (on first access), so that importing a submodule such as
-:mod:`llm_calib.calm.methods` does not load the configuration and the trainer first (the
-objectives in :mod:`llm_calib.objectives` import those submodules, and the configuration imports
-the objectives).
+The names are imported on first access, so importing a submodule (as :mod:`llm_calib.objectives`
+does) does not load the configuration and trainer first.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Attention kernels for second derivatives: the context the Hessian-vector products of CALM's
-exact hypergradients (:mod:`llm_calib.calm.verify`, ``solver="implicit"``) run in."""
+"""Attention kernels for second derivatives (Hessian-vector products of exact hypergradients)."""
 
 from __future__ import annotations
 
@@ -11,10 +10,7 @@ __all__ = ["second_order_attention"]
 
 @contextlib.contextmanager
 def second_order_attention() -> Iterator[None]:
-    """Run scaled-dot-product attention in its math kernel, the one with second derivatives.
-
-    The fused CPU (flash) and CUDA kernels implement only first derivatives; Hessian-vector
-    products through attention need this context.
+    """Run scaled-dot-product attention in its math kernel: the fused kernels have first derivatives only.
 
     Example:
         >>> import torch

@@ -1,27 +1,10 @@
 """Fast evaluation of many top-layer LoRA models that share one frozen base (trunk caching).
 
-When every model to evaluate adapts only the top ``k`` layers of the same base model, the hidden
-states entering the first adapted layer are the base model's, whatever the adapters. They are
-computed once per question, in the same full-model pass that gives the base model's own
-predictions, and each adapted model then runs only its top layers:
-
-* multiple choice: :func:`base_scores` (full model: option scores, and the trunk kept in the
-  :class:`~llm_calib.calm.encoding.EncodedRecords`' ``trunk_cache``) and :func:`trunk_scores`
-  (an adapted model's option scores from that trunk);
-* both at once, over named record sets: :class:`SharedTrunkEval` (``base`` once, then ``adapted``
-  per trained model), with :func:`fill_trunk_caches` for the training encodings;
-* open questions: the engine's :class:`~llm_calib.engine.decode.TrunkGenerator` (the one greedy
-  decoder, :func:`~llm_calib.engine.decode.greedy_loop`, with the trunk kept per prompt batch),
-  which can also record each answer token's probability on a grid of temperatures (for
-  temperature scaling of open answers, fitted with :func:`fit_open_temperature`;
-  :func:`open_ended_set` turns answers into an :class:`~llm_calib.scoring.open_ended.OpenEndedSet`).
-
-The forward passes are the scoring engine's (:mod:`llm_calib.engine`); ``GenBatch``, ``GenOut``,
-``TrunkGenerator``, ``length_batches`` and ``capture_layer_input`` are re-exported from it.
-
-Both give the numbers of the plain scorers on the merged model (to float rounding); the tests
-compare them with :func:`~llm_calib.scoring.option_likelihood.score_option_likelihood` and
-:func:`~llm_calib.scoring.open_ended.score_open_ended`.
+When every model adapts only the top layers, the hidden states entering the first adapted layer
+(the trunk) are the base model's: they are computed once, in the base model's own full pass, and
+each adapted model runs only its top layers. Multiple choice: :func:`base_scores` then
+:func:`trunk_scores`; open questions: the engine's :class:`~llm_calib.engine.decode.TrunkGenerator`;
+both over named sets: :class:`SharedTrunkEval`. The numbers are the plain scorers' (to rounding).
 """
 
 from __future__ import annotations
@@ -43,8 +26,8 @@ from llm_calib.calm.encoding import (
 )
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.data.records import OpenQA
-from llm_calib.engine.decode import GenBatch, GenOut, TrunkGenerator
-from llm_calib.engine.options import capture_layer_input, forward_rows
+from llm_calib.engine.decode import GenOut, TrunkGenerator
+from llm_calib.engine.options import forward_rows
 from llm_calib.engine.packing import PackedQuestions, length_batches, option_scores_from_logits
 from llm_calib.formats.base import TaskFormat
 from llm_calib.models import lm_head_logits, split_decoder_head
@@ -52,37 +35,26 @@ from llm_calib.scoring.base import ScoredSet
 from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts
 
 __all__ = [
-    "GenBatch",
-    "GenOut",
-    "SharedTrunkEval",
-    "TrunkGenerator",
-    "base_scores",
-    "capture_layer_input",
-    "fill_trunk_caches",
-    "fit_open_temperature",
-    "length_batches",
-    "open_ended_set",
+    "SharedTrunkEval", "base_scores", "fill_trunk_caches", "fit_open_temperature", "open_ended_set",
     "trunk_scores",
 ]
 
 
 def base_scores(model: Any, enc: EncodedRecords, trunk_layers: int, batch_size: int, pad_id: int,
                 normalize: str = "sum", bar: Any = None) -> list[Tensor]:
-    """Full-model option scores of every question (float64, one tensor per question) and, in the
-    same forward pass, the hidden states entering layer ``trunk_layers`` (kept in ``enc.trunk_cache``).
+    """Full-model float64 option scores per question; the trunk entering layer ``trunk_layers`` is kept in
+    ``enc.trunk_cache``.
 
     Args:
         model: the base causal LM.
-        enc: multiple-choice records encoded with :func:`~llm_calib.calm.encoding.encode_records`.
-        trunk_layers: index of the first adapted layer of the models to evaluate later (0: keep no trunk).
+        enc: multiple-choice records from :func:`~llm_calib.calm.encoding.encode_records`.
+        trunk_layers: the first adapted layer of the models evaluated later (0: keep no trunk).
         batch_size: questions per forward pass (batched by length).
         pad_id: padding id.
         normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` option scores.
         bar: optional progress bar (``update(n)``).
 
     Example:
-        >>> from llm_calib.calm.config import CalibrationConfig
-        >>> from llm_calib.calm.encoding import encode_records
         >>> from llm_calib.data import builtin_multiple_choice
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
@@ -105,8 +77,7 @@ def base_scores(model: Any, enc: EncodedRecords, trunk_layers: int, batch_size: 
 
 def trunk_scores(lm: FunctionalLM, enc: EncodedRecords, batch_size: int, pad_id: int, normalize: str = "sum",
                  bar: Any = None) -> list[Tensor]:
-    """Option scores of a top-layer LoRA model from the cached trunk: only layers
-    ``lm.trunk_layers ..`` run (missing trunk entries are computed on the fly).
+    """Option scores of a top-layer LoRA model from the cached trunk (missing entries computed on the fly).
 
     Raises:
         ValueError: ``lm`` does not cache a trunk (LoRA must sit on the top layers only).
@@ -123,8 +94,8 @@ def trunk_scores(lm: FunctionalLM, enc: EncodedRecords, batch_size: int, pad_id:
 
 def _option_scores(enc: EncodedRecords, batch_size: int, normalize: str, bar: Any,
                    forward: Callable[[list[int]], tuple[PackedQuestions, Tensor]]) -> list[Tensor]:
-    """Float64 option scores of every question, batched by length; ``forward(idx)`` gives a
-    batch's packed questions and head logits at their rows."""
+    """Float64 option scores per question, batched by length; ``forward(idx)`` gives packed questions and head
+    logits."""
     scores: list[Tensor] = [torch.empty(0)] * len(enc.records)
     with torch.inference_mode():
         for idx in length_batches([enc.length(i) for i in range(len(enc))], batch_size):
@@ -139,8 +110,8 @@ def _option_scores(enc: EncodedRecords, batch_size: int, normalize: str, bar: An
 
 
 def open_ended_set(records: Sequence[OpenQA], outs: Sequence[GenOut], temperature_index: int | None = None) -> OpenEndedSet:
-    """The :class:`~llm_calib.scoring.open_ended.OpenEndedSet` of greedy answers to ``records``;
-    with ``temperature_index``, the token probabilities at that temperature of the base pass's grid.
+    """The :class:`~llm_calib.scoring.open_ended.OpenEndedSet` of greedy answers (token probabilities at grid
+    temperature ``temperature_index``).
 
     Raises:
         ValueError: ``records`` and ``outs`` differ in length, or an answer has no grid probabilities.
@@ -164,25 +135,16 @@ def open_ended_set(records: Sequence[OpenQA], outs: Sequence[GenOut], temperatur
 
 
 def fit_open_temperature(records: Sequence[OpenQA], outs: Sequence[GenOut], grid: Sequence[float]) -> tuple[float, int]:
-    """Temperature scaling of open answers: the grid temperature minimising the log-loss of
-    correctness of the mean-token-probability confidence (answers do not change with T; their
-    confidences do).
-
-    Args:
-        records: the held-out questions.
-        outs: their greedy answers from :meth:`TrunkGenerator.base` with the temperature grid ``grid``.
-        grid: the temperatures of that grid, in its order.
-
-    Returns:
-        ``(T, index)``: the best temperature and its index in ``grid``.
+    """``(T, index)``: the grid temperature minimising the log-loss of correctness of open answers' mean token
+    probability.
 
     Raises:
         ValueError: an answer's grid probabilities do not match ``grid``.
 
     Example:
         >>> recs = [OpenQA("q?", ("a",), "d", "0"), OpenQA("q?", ("a",), "d", "1")]
-        >>> outs = [GenOut("a", (1,), (0.9,), np.array([[0.99, 0.6]])), GenOut("b", (1,), (0.9,), np.array([[0.99, 0.6]]))]
-        >>> fit_open_temperature(recs, outs, [1.0, 2.0])
+        >>> p = np.array([[0.99, 0.6]])
+        >>> fit_open_temperature(recs, [GenOut("a", (1,), (0.9,), p), GenOut("b", (1,), (0.9,), p)], [1.0, 2.0])
         (2.0, 1)
     """
     grid = np.asarray(grid, dtype=np.float64)
@@ -197,18 +159,9 @@ def fit_open_temperature(records: Sequence[OpenQA], outs: Sequence[GenOut], grid
 
 def fill_trunk_caches(model: Any, encodings: Sequence[EncodedRecords], lora: LoraSettings, pad_id: int,
                       bar: Any = None) -> int:
-    """Fill the trunk caches of ``encodings`` once, for every later run with LoRA on ``lora.layers``
-    of ``model`` (the trunk depends on the frozen base only). ``model`` is not modified.
+    """Fill the trunk caches of ``encodings`` for runs with LoRA on ``lora.layers``; return how many were computed.
 
-    Args:
-        model: the base causal LM.
-        encodings: encodings from :func:`~llm_calib.calm.encoding.encode_records`.
-        lora: the adapted layers of the runs (must be the top layers for a trunk to exist).
-        pad_id: padding id.
-        bar: optional progress bar (``update(n)`` per :data:`~llm_calib.calm.encoding.TRUNK_CHUNK`).
-
-    Returns:
-        How many questions were computed (0 when every trunk was cached, or none can be).
+    ``model`` is not modified; nothing is computed when LoRA is not on the top layers only.
 
     Example:
         >>> from llm_calib.data import builtin_multiple_choice
@@ -236,28 +189,19 @@ def fill_trunk_caches(model: Any, encodings: Sequence[EncodedRecords], lora: Lor
 
 
 class SharedTrunkEval:
-    """Score named record sets with a base model once (:meth:`base`) and then with many models
-    adapted only from layer ``trunk_layers`` up (:meth:`adapted`), each running only its top layers.
-
-    Multiple-choice sets give :class:`~llm_calib.scoring.base.ScoredSet` s (option likelihood,
-    ``config``'s prompt style and normalisation), open-question sets
-    :class:`~llm_calib.scoring.open_ended.OpenEndedSet` s (greedy answers, one
-    :class:`TrunkGenerator` over all sets in order). The numbers are those of the plain scorers.
+    """Score named record sets with a base model once (:meth:`base`), then with many models adapted from layer
+    ``trunk_layers`` up (:meth:`adapted`).
 
     Args:
         model: the base causal LM (not modified).
         tokenizer: its tokenizer.
-        sets: set name -> records (all multiple choice or all open questions); a multiple-choice set
-            may be given as an :class:`~llm_calib.calm.encoding.EncodedRecords`, whose trunk cache
-            the base pass then fills (e.g. the held-out split that training reuses).
+        sets: set name -> records (all of one kind), or an :class:`~llm_calib.calm.encoding.EncodedRecords`
+            whose trunk cache the base pass fills.
         trunk_layers: the first adapted layer (at least 1, below the number of layers).
-        config: encoding settings (its ``prompt`` part: scorer, style, chat template, normalisation;
-            open questions: the prompt of :func:`~llm_calib.calm.config.open_prompt_format`);
-            default :class:`~llm_calib.calm.config.CalibrationConfig`.
+        config: encoding settings (its ``prompt`` part); default ``CalibrationConfig()``.
         batch_size: questions (prompts) per forward pass.
         max_new_tokens: open questions: the generation budget.
-        temperatures: open questions: a temperature grid recorded by :meth:`base` (for
-            :func:`fit_open_temperature` and :meth:`scaled`).
+        temperatures: open questions: a temperature grid recorded by :meth:`base`.
 
     Raises:
         ValueError: no sets, an empty set, sets of both kinds, or ``trunk_layers`` out of range.
@@ -309,19 +253,14 @@ class SharedTrunkEval:
         return self._sets.base(keep_trunk, bar)
 
     def scaled(self, temperature_index: int) -> dict[str, OpenEndedSet]:
-        """Open questions: the base answers with the token probabilities at grid temperature
-        ``temperature_index`` (after :meth:`base`). Multiple choice: use ``ScoredSet.scaled``."""
+        """Open questions: the base answers at grid temperature ``temperature_index`` (after :meth:`base`)."""
         if not self.base_outputs:
             raise RuntimeError("scaled() needs the answers of base() on open questions")
         return {n: open_ended_set(self.records[n], o, temperature_index) for n, o in self.base_outputs.items()}
 
     def adapted(self, model: Any, *, normalize: str | None = None, bar: Any = None) -> dict[str, ScoredSet | OpenEndedSet]:
-        """The scored sets of a model adapted from layer ``trunk_layers`` up (after :meth:`base`).
-
-        Args:
-            model: the base model with LoRA (peft) on the top layers only.
-            normalize: multiple choice: option-score normalisation (default: the config's).
-            bar: optional progress bar.
+        """The scored sets of ``model`` (LoRA on the top layers only), after :meth:`base`; ``normalize`` defaults
+        to the config's.
 
         Raises:
             ValueError: ``model``'s adapted layers do not start at ``trunk_layers``.
@@ -330,8 +269,8 @@ class SharedTrunkEval:
 
 
 class _ChoiceSets:
-    """Multiple-choice sets of a :class:`SharedTrunkEval`: option scores of the base pass (which
-    fills each encoding's trunk cache), then of each adapted model's top layers."""
+    """Multiple-choice sets of a :class:`SharedTrunkEval`: option scores from the base pass, then each model's top
+    layers."""
 
     def __init__(self, ev: SharedTrunkEval, sets: Mapping[str, Sequence[Any] | EncodedRecords], max_new_tokens: int,
                  temperatures: Sequence[float] | None) -> None:
@@ -340,9 +279,7 @@ class _ChoiceSets:
                           for k, v in sets.items()}
 
     def _scored(self, name: str, scores: list[Tensor]) -> ScoredSet:
-        recs = self.ev.records[name]
-        return ScoredSet(scores, [r.gold for r in recs], [r.domain for r in recs], [r.id for r in recs],
-                         "option_likelihood")
+        return ScoredSet.from_records(self.ev.records[name], scores, "option_likelihood", {})
 
     def base(self, keep_trunk: bool, bar: Any) -> dict[str, ScoredSet]:
         ev = self.ev
@@ -361,8 +298,8 @@ class _ChoiceSets:
 
 
 class _AnswerSets:
-    """Open-question sets of a :class:`SharedTrunkEval`: greedy answers of the base model (one
-    :class:`TrunkGenerator` over all sets in order), then of each adapted model."""
+    """Open-question sets of a :class:`SharedTrunkEval`: greedy answers (one :class:`TrunkGenerator` over all
+    sets)."""
 
     def __init__(self, ev: SharedTrunkEval, sets: Mapping[str, Sequence[Any] | EncodedRecords], max_new_tokens: int,
                  temperatures: Sequence[float] | None) -> None:
@@ -390,4 +327,4 @@ class _AnswerSets:
 
 
 _TRUNK_SETS: dict[str, type[_ChoiceSets] | type[_AnswerSets]] = {"multiple_choice": _ChoiceSets, "open": _AnswerSets}
-"""How :class:`SharedTrunkEval` scores the sets of each record kind (a format's ``family``)."""
+"""How :class:`SharedTrunkEval` scores each record kind (a format's ``family``)."""

@@ -1,11 +1,6 @@
-"""Factories of a run's optimisers and logit adjustment, built from its :class:`CalibrationConfig`.
-
-Small objects in the style of ``torchopt``/``optax``: each factory returns an object with
-``init``/``update`` (θ's optimiser), a :class:`torch.optim.Optimizer` (λ's) or the
-:class:`~llm_calib.adjustment.LogitAdjustment`; the training loop (:mod:`llm_calib.calm.training`)
-only calls those. CALM's bilevel solvers are built by their configs in
-:mod:`llm_calib.objectives.calm` (a new solver is a class registered with
-:func:`~llm_calib.objectives.registry.register_solver`).
+"""Factories of a run's optimisers and logit adjustment from its :class:`CalibrationConfig`: θ's
+optimiser (``init``/``update``), λ's :class:`torch.optim.Optimizer` and the
+:class:`~llm_calib.adjustment.LogitAdjustment`. CALM's solvers are built in :mod:`llm_calib.objectives.calm`.
 """
 
 from __future__ import annotations
@@ -22,28 +17,17 @@ from llm_calib.calm.lora import OUTPUT_LOG_SCALE
 if TYPE_CHECKING:
     from llm_calib.calm.config import CalibrationConfig
 
-__all__ = [
-    "lam_optimizer",
-    "make_adjustment",
-    "resolve_adjustment",
-    "theta_optimizer",
-]
+__all__ = ["lam_optimizer", "make_adjustment", "resolve_adjustment", "theta_optimizer"]
 
 AUTO_ADJUSTMENT = {"options": "option_temperature", "letter": "answer_tokens", "open": "vector"}
-"""What ``adjustment="auto"`` means per encoding layout: λ acts where the prediction is made (the
-option scores, the answer letters' logits, or the vocabulary logits of an open answer)."""
+"""What ``adjustment="auto"`` means per layout: λ acts where the prediction is made."""
 
 
 def theta_optimizer(config: CalibrationConfig, lr: float | None = None) -> hg.inner.Adam:
-    """The Adam optimiser of θ (LoRA weights, and the output log-scale at its own rate).
+    """The Adam optimiser of θ (LoRA weights; the output log-scale at ``config.lora.output_scale_lr``).
 
-    Adam moves every coordinate by about ``lr`` per step, so the output log-scale gets
-    ``config.lora.output_scale_lr`` to travel a useful distance (log 2 for T = 2) within a run's few
-    dozen steps.
-
-    Args:
-        config: the run's configuration.
-        lr: the LoRA step size (default ``config.training.lr``).
+    Adam moves every coordinate by about ``lr`` per step, so the log-scale gets its own rate to travel
+    a useful distance (log 2 for T = 2) in a few dozen steps. ``lr`` defaults to ``config.training.lr``.
 
     Example:
         >>> from llm_calib.calm.config import CalibrationConfig, TrainingSettings
@@ -55,9 +39,7 @@ def theta_optimizer(config: CalibrationConfig, lr: float | None = None) -> hg.in
 
 
 def resolve_adjustment(adjustment: str, layout: str) -> str:
-    """The λ kind a run uses: ``adjustment`` itself, or for ``"auto"`` the kind of
-    :data:`AUTO_ADJUSTMENT` for the records' layout (``"options"``: option-likelihood multiple
-    choice, ``"letter"``, ``"open"``).
+    """The λ kind a run uses: ``adjustment``, or for ``"auto"`` :data:`AUTO_ADJUSTMENT` of the records' layout.
 
     Raises:
         ValueError: an unknown layout with ``"auto"``.
@@ -75,21 +57,14 @@ def resolve_adjustment(adjustment: str, layout: str) -> str:
 
 def make_adjustment(config: CalibrationConfig, vocab_size: int, token_ids: Iterable[int] = (),
                     layout: str = "options") -> LogitAdjustment:
-    """The logit adjustment λ of ``config.objective.adjustment`` (resolved for ``layout`` when ``"auto"``).
-
-    Args:
-        config: the run's configuration (``adjustment``, ``max_log_scale``, ``max_bias``).
-        vocab_size: the model's vocabulary size.
-        token_ids: the adjusted tokens for ``adjustment="answer_tokens"`` (ignored otherwise).
-        layout: the layout of the training records (see :func:`resolve_adjustment`).
+    """The logit adjustment λ of ``config.objective`` for ``layout`` (``token_ids``: the tokens ``"answer_tokens"``
+    adjusts).
 
     Example:
         >>> from llm_calib.calm.config import CalibrationConfig
         >>> from llm_calib.objectives.calm import Calm
         >>> make_adjustment(CalibrationConfig(objective=Calm(adjustment="answer_tokens")), 10, [3, 1, 3]).token_ids
         (1, 3)
-        >>> make_adjustment(CalibrationConfig(), 10).kind
-        'option_temperature'
     """
     objective = config.objective
     bounds = {"max_log_scale": objective.max_log_scale, "max_bias": objective.max_bias}

@@ -1,41 +1,15 @@
-r"""Cross-check CALM's first-order solvers against exact implicit hypergradients.
+"""Cross-check CALM's first-order solvers against exact implicit hypergradients (:doc:`/methods/calm`).
 
-CALM's bilevel problem, for a fixed training batch (lower level) and a fixed batch of unlabelled
-inputs (upper level), is
-
-.. math::
-    \min_\lambda F(\lambda) = f(\theta^*(\lambda)), \qquad
-    \theta^*(\lambda) = \arg\min_\theta\, g(\theta, \lambda) + \tfrac{\mu}{2}\lVert\theta - \bar\theta\rVert^2,
-
-with :math:`g` the adjusted task cross-entropy and :math:`f` minus the deployed model's entropy.
-The proximal term (weight :math:`\mu`, anchor :math:`\bar\theta`) makes :math:`\theta^*` locally
-unique, so :math:`\nabla F` is well defined although LoRA's loss is not convex; it is part of the
-problem every method sees, not a regulariser of one of them.
-
-:func:`check_hypergradients` solves the lower level well, takes the exact hypergradient with
-:class:`hypergrad.Implicit` (conjugate gradient on the Hessian of :math:`g`, trunk cached, second
-derivatives through the top layers) and compares it with what each first-order method returns:
-
-* for an estimate of :math:`\nabla F` (F2SA, finite differences): the cosine similarity and the
-  relative norm;
-* for BOME, whose joint step is not a hypergradient estimate: the exact directional derivative of
-  :math:`F` along its λ step, :math:`-\langle\nabla F, d_\lambda\rangle` (negative: the step
-  descends :math:`F`), and the cosine.
-
-:func:`compare_losses` checks two implementations of the losses against each other (the
-trunk-cached fast path against a reference): values and gradients at the same point.
-
-It is a user-facing check, not only research tooling: run :func:`check_hypergradients` on your
-own model, data and configuration to see how far the first-order solver you train with is from
-the exact hypergradient (the README documents it as such).
-``benchmarks/calm_hypergradient.py`` runs it on the real model at several points of a run; the
-test suite runs it on a tiny model in float64.
+:func:`check_hypergradients` solves the proximal lower level well, takes the exact hypergradient
+(:class:`hypergrad.Implicit`) and compares each method's λ direction with it; run it on your own
+model, data and configuration. :func:`compare_losses` checks two implementations of the losses
+against each other (values and gradients at one point).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,25 +23,15 @@ if TYPE_CHECKING:
     from llm_calib.calm.training import Trainer
 
 __all__ = [
-    "DirectionCheck",
-    "HypergradientCheck",
-    "check_hypergradients",
-    "compare_directions",
-    "compare_losses",
-    "exact_hypergradient",
-    "proximal_problem",
-    "relative_difference",
+    "DirectionCheck", "HypergradientCheck", "check_hypergradients", "compare_directions",
+    "compare_losses", "exact_hypergradient", "proximal_problem", "relative_difference",
     "solve_lower_level",
 ]
 
 
 def proximal_problem(problem: hg.BilevelProblem, anchor: Mapping[str, Tensor], mu: float) -> hg.BilevelProblem:
-    r"""``problem`` with :math:`\tfrac{\mu}{2}\lVert\theta - \bar\theta\rVert^2` added to its lower level.
-
-    Args:
-        problem: the bilevel problem.
-        anchor: :math:`\bar\theta` (detached; same keys as θ).
-        mu: the weight :math:`\mu \ge 0`.
+    r"""``problem`` with :math:`\tfrac{\mu}{2}\lVert\theta - \bar\theta\rVert^2` (``anchor`` :math:`\bar\theta`)
+    added to its lower level.
 
     Raises:
         ValueError: ``mu`` negative or not finite.
@@ -93,29 +57,10 @@ def proximal_problem(problem: hg.BilevelProblem, anchor: Mapping[str, Tensor], m
 
 
 def solve_lower_level(
-    problem: hg.BilevelProblem,
-    theta: dict[str, Tensor],
-    lam: dict[str, Tensor],
-    batch: Any,
-    *,
-    max_iter: int = 200,
-    tol: float = 1e-8,
+    problem: hg.BilevelProblem, theta: dict[str, Tensor], lam: dict[str, Tensor], batch: Any, *,
+    max_iter: int = 200, tol: float = 1e-8,
 ) -> tuple[dict[str, Tensor], float]:
-    """θ*(λ) to high precision on one fixed batch, by L-BFGS with a strong-Wolfe line search.
-
-    First-order methods with a fixed step size stall at a residual set by the step size and the
-    conditioning; a full-batch quasi-Newton solve reaches the tolerance exact differentiation needs.
-
-    Args:
-        problem: the bilevel problem (its lower level is minimised).
-        theta: the starting point.
-        lam: λ, held fixed.
-        batch: the lower level's batch.
-        max_iter: L-BFGS iterations.
-        tol: stop when the gradient's largest entry is below ``tol``.
-
-    Returns:
-        ``(theta_star, gradient_norm)``.
+    """``(θ*(λ), gradient norm)`` on one fixed batch, by L-BFGS with a strong-Wolfe line search (to ``tol``).
 
     Example:
         >>> import torch, hypergrad as hg
@@ -151,14 +96,14 @@ def _lower_gradient_norm(problem: hg.BilevelProblem, theta: dict[str, Tensor], l
 
 @dataclass(frozen=True)
 class DirectionCheck:
-    """How a method's λ direction relates to the exact hypergradient.
+    r"""How a method's λ direction relates to the exact hypergradient :math:`\nabla F`.
 
     Attributes:
         method: the method's name.
-        cosine: cosine similarity between the method's λ gradient (or direction) and :math:`\\nabla F`.
+        cosine: cosine similarity between the method's λ direction and :math:`\nabla F`.
         relative_norm: ``||method|| / ||exact||``.
-        descent: exact directional derivative of :math:`F` along the method's λ step
-            (``-direction``, unit length); negative means the step descends :math:`F`.
+        descent: directional derivative of :math:`F` along the unit step ``-direction`` (< 0: descends);
+            for BOME, whose joint step is not a hypergradient estimate, the meaningful measure.
         extra: the method's own diagnostics (e.g. BOME's ``phi``).
     """
 
@@ -187,26 +132,13 @@ def compare_directions(method: str, exact: Mapping[str, Tensor], direction: Mapp
 
 
 def exact_hypergradient(
-    problem: hg.BilevelProblem,
-    theta: dict[str, Tensor],
-    lam: dict[str, Tensor],
-    inner_batch: Any,
-    outer_batch: Any,
-    solver: Any = None,
+    problem: hg.BilevelProblem, theta: dict[str, Tensor], lam: dict[str, Tensor], inner_batch: Any,
+    outer_batch: Any, solver: Any = None,
 ) -> hg.HypergradResult:
-    """:class:`hypergrad.Implicit` at ``theta`` (which should solve the lower level), in the
-    attention kernel that has second derivatives.
+    """:class:`hypergrad.Implicit` at ``theta`` (a lower-level solution) in the attention kernel with second
+    derivatives.
 
-    Args:
-        problem: the bilevel problem (e.g. from :func:`proximal_problem`).
-        theta: the lower-level solution θ*(λ).
-        lam: λ.
-        inner_batch, outer_batch: the fixed batches of g and f.
-        solver: a linear solver (default ``hypergrad.linear.CG(tol=1e-6, maxiter=200)``).
-
-    Returns:
-        The :class:`hypergrad.HypergradResult` (``info.converged`` tells whether the solve met
-        its tolerance).
+    ``solver`` defaults to ``hypergrad.linear.CG(tol=1e-6, maxiter=200)``; ``info.converged`` reports the solve.
     """
     solver = solver if solver is not None else hg.linear.CG(tol=1e-6, maxiter=200)
     with second_order_attention():
@@ -215,13 +147,9 @@ def exact_hypergradient(
 
 @dataclass
 class HypergradientCheck:
-    """The result of :func:`check_hypergradients`.
-
-    Attributes:
-        exact: :math:`\\nabla F(\\lambda)`.
-        lower_gradient_norm: ``||∇_θ g||`` at the solved θ*(λ) (how well the lower level was solved).
-        solver_iterations, solver_converged, solver_residual: the linear solve of the exact method.
-        checks: one :class:`DirectionCheck` per first-order method.
+    r"""The result of :func:`check_hypergradients`: the exact :math:`\nabla F`, how well the lower level
+    was solved (``lower_gradient_norm``), the exact method's linear solve (``solver_*``) and one
+    :class:`DirectionCheck` per method.
     """
 
     exact: dict[str, Tensor]
@@ -237,46 +165,30 @@ class HypergradientCheck:
 
 
 def check_hypergradients(
-    problem: hg.BilevelProblem,
-    theta: dict[str, Tensor],
-    lam: dict[str, Tensor],
-    inner_batch: Any,
-    outer_batch: Any,
-    methods: Mapping[str, Any],
-    *,
-    lower_steps: int = 200,
-    lower_optimizer: Any = None,
-    solver: Any = None,
-    calls: int = 1,
-    method_start: str | Mapping[str, str] = "solved",
+    problem: hg.BilevelProblem, theta: dict[str, Tensor], lam: dict[str, Tensor], inner_batch: Any,
+    outer_batch: Any, methods: Mapping[str, Any], *, lower_steps: int = 200, lower_optimizer: Any = None,
+    solver: Any = None, calls: int = 1, method_start: str | Mapping[str, str] = "solved",
     method_states: Mapping[str, Any] | None = None,
 ) -> HypergradientCheck:
     """Exact hypergradient at λ versus each first-order method's λ direction.
 
-    θ*(λ) is found from ``theta`` on the fixed ``inner_batch`` by :func:`solve_lower_level`
-    (L-BFGS, at most ``lower_steps`` iterations), or by ``lower_steps`` steps of
-    ``lower_optimizer`` when one is given. Each method is then called ``calls`` times at the same
-    λ (carrying its state and θ, as a run at a slowly moving λ would), starting from θ*(λ)
-    (``method_start="solved"``) or from the given ``theta`` with its state from
-    ``method_states`` (``"given"``: the point a run is at), and the λ gradient of its last call
-    is compared with the exact one.
+    θ*(λ) is found from ``theta`` on ``inner_batch`` (L-BFGS, or ``lower_steps`` steps of
+    ``lower_optimizer``). Each method is called ``calls`` times at λ, starting from θ*(λ)
+    (``method_start="solved"``) or from ``theta`` with its state from ``method_states`` (``"given"``),
+    and its last λ gradient is compared with the exact one.
 
     Args:
         problem: the bilevel problem (usually :func:`proximal_problem` of CALM's).
-        theta: where to start solving the lower level (e.g. the run's current θ).
+        theta: where to start solving the lower level.
         lam: the λ to differentiate at.
         inner_batch, outer_batch: fixed batches for g and f.
-        methods: name → a :mod:`hypergrad` method (``hg.Penalty``, ``hg.BOME``, ...).
+        methods: name → a :mod:`hypergrad` method.
         lower_steps: L-BFGS iterations (or optimizer steps) for θ*(λ).
         lower_optimizer: a :mod:`hypergrad.inner` optimizer instead of L-BFGS.
         solver: the exact method's linear solver (see :func:`exact_hypergradient`).
         calls: calls per method at the fixed λ.
-        method_start: ``"solved"`` or ``"given"``, see above; or a mapping from method name to
-            either (missing names: ``"solved"``).
+        method_start: ``"solved"`` or ``"given"``, or a mapping from method name to either.
         method_states: per method name, the state to start from (``"given"`` only).
-
-    Returns:
-        A :class:`HypergradientCheck`.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -313,21 +225,14 @@ def check_hypergradients(
             if not isinstance(method, hg.BOME):  # BOME's w moves along f as well: keep it at θ*
                 w = result.w
         assert result is not None
-        check = compare_directions(name, exact.grad, result.grad)
         extra = {k: float(v) for k, v in result.info.extra.items() if isinstance(v, (int, float))}
-        checks.append(DirectionCheck(check.method, check.cosine, check.relative_norm, check.descent, extra))
-    return HypergradientCheck(
-        exact={k: v.detach() for k, v in exact.grad.items()},
-        lower_gradient_norm=lower_norm,
-        solver_iterations=exact.info.iterations,
-        solver_converged=exact.info.converged,
-        solver_residual=exact.info.residual,
-        checks=checks,
-    )
+        checks.append(replace(compare_directions(name, exact.grad, result.grad), extra=extra))
+    return HypergradientCheck({k: v.detach() for k, v in exact.grad.items()}, lower_norm, exact.info.iterations,
+                              exact.info.converged, exact.info.residual, checks)
 
 
 def relative_difference(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> float:
-    """``‖a - b‖ / ‖b‖`` over all entries of two parameter trees (float64; keys in sorted order).
+    """``‖a - b‖ / ‖b‖`` over all entries of two parameter trees (float64).
 
     Example:
         >>> relative_difference({"w": torch.tensor([1.0, 1.0])}, {"w": torch.tensor([1.0, 2.0])})
@@ -341,21 +246,12 @@ def relative_difference(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> flo
 
 def compare_losses(a: Trainer, a_theta: dict[str, Tensor], b: Trainer, b_theta: dict[str, Tensor],
                    lam: dict[str, Tensor], step: int = 0) -> dict[str, Any]:
-    """Two implementations of CALM's losses (say, the trunk-cached path and a reference that runs
-    the whole model) at the same point, on the batches of ``step``.
-
-    Args:
-        a, b: trainers over the same data and configuration (:func:`llm_calib.calm.training.build_trainer`,
-            ``b`` perhaps with other losses via ``Trainer.with_losses``).
-        a_theta, b_theta: the same parameters in each trainer's keys.
-        lam: the logit adjustment's parameters.
-        step: which step's training and unlabelled batches.
+    """Two implementations of CALM's losses (e.g. trunk-cached and reference trainers) at one point, on ``step``'s
+    batches.
 
     Returns:
-        ``{"g": {...}, "f": {...}, "scores_max_abs_diff": float}``: per loss ``a`` and ``b`` (its
-        values), ``abs_diff``, ``grad_theta_rel`` (:func:`relative_difference` of the θ-gradients,
-        ``b`` the reference) and, for ``g``, ``grad_lam_rel``; the largest difference of the finite
-        option scores.
+        Per loss ``"g"`` and ``"f"``: values ``a`` and ``b``, ``abs_diff``, ``grad_theta_rel`` (and for
+        ``g`` ``grad_lam_rel``), :func:`relative_difference` against ``b``; and ``scores_max_abs_diff``.
 
     Example:
         >>> from llm_calib.calm.config import CalibrationConfig, LoraSettings

@@ -1,10 +1,6 @@
-"""The one option-scoring forward pass: packed questions in, per-token log-probabilities out.
-
-Every multiple-choice score (option likelihood, letters) and the base model's scores of fast
-evaluation come from :func:`forward_rows` (the decoder over a :class:`~llm_calib.engine.packing.PackedQuestions`,
-hidden states kept at ``packed.rows`` only) followed by :func:`target_logprobs` (the output head
-at those rows, a log-softmax and a gather of the scored tokens). Trunk caching is an option of the
-same pass: ``trunk_layer=k`` also returns the hidden states entering layer ``k``.
+"""The one option-scoring forward pass: :func:`forward_rows` (decoder, hidden states at
+``packed.rows``, optionally the trunk entering layer ``k``) then :func:`target_logprobs` (head,
+log-softmax, gather of the scored tokens).
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ __all__ = ["capture_layer_input", "compute_dtype", "forward_rows", "target_logpr
 
 @contextlib.contextmanager
 def capture_layer_input(decoder: Any, index: int) -> Iterator[dict[str, Tensor]]:
-    """Record (as ``box["hidden"]``) the hidden states entering ``decoder.layers[index]`` during a
-    forward pass: cheaper than ``output_hidden_states``, which keeps every layer's states.
+    """Record as ``box["hidden"]`` the hidden states entering ``decoder.layers[index]`` during a forward pass.
 
     Example:
         >>> import torch
@@ -54,8 +49,8 @@ def capture_layer_input(decoder: Any, index: int) -> Iterator[dict[str, Tensor]]
 
 
 def compute_dtype(model: Any) -> torch.dtype:
-    """The compute dtype of a causal LM: that of its input embeddings (quantised weights are
-    stored as integers), else of its first floating-point parameter.
+    """The compute dtype of a causal LM: its input embeddings' (quantised weights are integers), else its first
+    float parameter's.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -75,19 +70,15 @@ def forward_rows(
 ) -> tuple[Tensor, Tensor | None]:
     """Final hidden states at ``packed.rows`` of one decoder pass over a packed batch.
 
-    A 4-D (packed) mask goes in as additive biases; where the attention implementation cannot take
-    it (or ``packed_masks=False``) each option runs as its own right-padded sequence
-    (:func:`~llm_calib.engine.packing.option_sequences`): same contexts, same rows. A 2-D padding
-    mask goes in as it is.
+    Without 4-D mask support (or ``packed_masks=False``) each option runs as its own sequence
+    (:func:`~llm_calib.engine.packing.option_sequences`): same contexts, same rows.
 
     Args:
         model: a Hugging Face causal LM (not a peft wrapper).
         packed: the batch.
-        trunk_layer: when > 0, also return the hidden states entering this layer, laid out as
-            ``packed.input_ids`` (``(B, L, hidden)``): the trunk cache of fast evaluation.
+        trunk_layer: when > 0, also return the ``(B, L, hidden)`` states entering this layer.
         packed_masks: whether to use the 4-D mask (default: whether the model accepts it).
-        parameters: decoder parameters to substitute (names relative to the decoder), through
-            :func:`torch.func.functional_call` (the training objectives' θ).
+        parameters: decoder parameters to substitute through :func:`torch.func.functional_call`.
 
     Returns:
         ``(hidden, trunk)``: ``(len(packed.rows), hidden)`` and the trunk (None without ``trunk_layer``).
@@ -101,9 +92,6 @@ def forward_rows(
         >>> h, trunk = forward_rows(model, p, trunk_layer=1)
         >>> h.shape[0], trunk.shape[:2]
         (2, torch.Size([1, 5]))
-        >>> h2, _ = forward_rows(model, p, packed_masks=False)   # one sequence per option
-        >>> bool(torch.allclose(h, h2, atol=1e-5))
-        True
     """
     if packed_masks is None:
         packed_masks = accepts_packed_masks(model)
@@ -131,19 +119,9 @@ def forward_rows(
 
 
 def target_logprobs(model: Any, packed: PackedQuestions, hidden: Tensor | None = None) -> Tensor:
-    """Log-probability of every scored token of ``packed`` (aligned with ``packed.target_ids``).
+    """Log-probability of every scored token of ``packed`` (float32 for half-precision models).
 
-    The output head runs on the gathered rows only (the vocabulary projection is the most
-    expensive single matrix of a small model). Per-option sums and means are
-    :func:`~llm_calib.engine.packing.reduce_per_option`.
-
-    Args:
-        model: a Hugging Face causal LM (not a peft wrapper).
-        packed: the batch.
-        hidden: its hidden states at ``packed.rows`` (default: :func:`forward_rows`).
-
-    Returns:
-        ``(len(packed.target_ids),)`` log-probabilities (float32 for half-precision models).
+    The head runs on the gathered rows only; ``hidden`` defaults to :func:`forward_rows`.
 
     Example:
         >>> from llm_calib.engine.packing import pack_letters

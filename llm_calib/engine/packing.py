@@ -1,15 +1,9 @@
-"""Packing multiple-choice questions into one forward pass, shared by scoring and training.
+"""The batch layout of multiple-choice questions, shared by scoring and training.
 
-One row per question holds ``prompt + option_1 + ... + option_K``. A 4-D attention mask lets every
-option attend to the prompt and to itself only, and position ids restart after the prompt for
-every option, so each option sees exactly the context it would see alone while the prompt is
-computed once. Only the hidden states that predict an option token are gathered (``rows``); the
-vocabulary head is applied to those alone.
-
-The same structure describes the letter scorer: one gathered row per question (the answer
-position) and one one-token "option" per letter, and an open-ended question with its reference
-answer (:func:`pack_continuations`): a plain right-padded causal sequence ``prompt + answer`` whose
-single "option" is the answer.
+One row per question holds ``prompt + option_1 + ... + option_K``; a 4-D mask lets each option
+attend to the prompt and itself only, and positions restart after the prompt for every option.
+Only the hidden states that predict an option token (``rows``) go through the vocabulary head.
+Letters (:func:`pack_letters`) and open answers (:func:`pack_continuations`) use the same structure.
 """
 
 from __future__ import annotations
@@ -22,19 +16,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "PACKED_MASK_ATTENTION",
-    "OptionSequences",
-    "PackedQuestions",
-    "accepts_packed_masks",
-    "causal_additive_mask",
-    "gather_token_logprobs",
-    "length_batches",
-    "option_scores_from_logits",
-    "option_sequences",
-    "pack_continuations",
-    "pack_letters",
-    "pack_questions",
-    "reduce_per_option",
+    "PACKED_MASK_ATTENTION", "OptionSequences", "PackedQuestions", "accepts_packed_masks",
+    "causal_additive_mask", "gather_token_logprobs", "length_batches", "option_scores_from_logits",
+    "option_sequences", "pack_continuations", "pack_letters", "pack_questions", "reduce_per_option",
 ]
 
 
@@ -79,10 +63,7 @@ class PackedQuestions:
         return len(self.n_options)
 
     def answer_start_rows(self) -> Tensor:
-        """Per question, the index into ``rows`` of the position that predicts the first answer token.
-
-        That position is the end of the prompt: it is shared by all options of a question, and its
-        hidden state depends on the prompt alone.
+        """Per question, the index into ``rows`` of the last prompt position (predicts every answer's first token).
 
         Example:
             >>> p = pack_questions([((1, 2), ((3,), (4, 5))), ((6,), ((7, 8),))], pad_id=0)
@@ -115,10 +96,9 @@ def length_batches(lengths: Sequence[int], size: int) -> Iterator[list[int]]:
 
 
 def causal_additive_mask(attention_mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """Additive ``(B, 1, L, L)`` causal mask of a 2-D padding mask (left or right padding).
+    """Additive ``(B, 1, L, L)`` causal mask of a 2-D padding mask, for decoder layers run one by one.
 
-    Padded keys are hidden; a padded query sees itself only (keeps softmax rows finite). For
-    running decoder layers one by one, which take no 2-D masks.
+    Padded keys are hidden; a padded query sees itself only (keeps softmax rows finite).
 
     Example:
         >>> m = causal_additive_mask(torch.tensor([[0, 1, 1]]), torch.float32)
@@ -137,13 +117,6 @@ def pack_questions(
     items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_id: int
 ) -> PackedQuestions:
     """Pack ``(prompt_ids, [option_ids, ...])`` pairs, one row per question.
-
-    Args:
-        items: per question, the prompt ids and each option's continuation ids.
-        pad_id: id written into padding positions (never attended to).
-
-    Returns:
-        A :class:`PackedQuestions`.
 
     Raises:
         ValueError: no questions, an empty prompt or an option without tokens.
@@ -220,15 +193,7 @@ def _right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tens
 
 
 def pack_letters(prompts: Sequence[Sequence[int]], letter_ids: Sequence[Sequence[int]], pad_id: int) -> PackedQuestions:
-    """Pack letter-scorer prompts (right-padded); each option is its single letter token.
-
-    Args:
-        prompts: prompt ids per question (options listed in the prompt).
-        letter_ids: per question, the letter token id of each option.
-        pad_id: padding id.
-
-    Returns:
-        A :class:`PackedQuestions` with one gathered row per question (the last prompt token).
+    """Pack letter-scorer prompts (right-padded), one gathered row per question; each option is its letter token.
 
     Example:
         >>> p = pack_letters([(1, 2, 3), (4,)], [(7, 8), (7, 8, 9)], pad_id=0)
@@ -254,20 +219,7 @@ def pack_letters(prompts: Sequence[Sequence[int]], letter_ids: Sequence[Sequence
 
 
 def pack_continuations(items: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int) -> PackedQuestions:
-    """Pack ``(prompt_ids, answer_ids)`` pairs as right-padded causal sequences ``prompt + answer``.
-
-    Every question has one "option", its answer, so the option machinery
-    (:func:`option_scores_from_logits`, :func:`reduce_per_option`) gives per-question answer
-    log-likelihoods. ``rows`` holds exactly the positions that predict an answer token, in order
-    (the first of them, the end of the prompt, is also the first answer position); the mask is a
-    2-D padding mask, so the model applies its own causal masking.
-
-    Args:
-        items: per question, the prompt ids and the answer's ids.
-        pad_id: padding id (never attended to).
-
-    Returns:
-        A :class:`PackedQuestions` with ``n_options == [1] * B``.
+    """Pack ``(prompt_ids, answer_ids)`` pairs as right-padded causal sequences; the answer is the one "option".
 
     Raises:
         ValueError: no questions, an empty prompt or an answer without tokens.
@@ -299,15 +251,7 @@ def pack_continuations(items: Sequence[tuple[Sequence[int], Sequence[int]]], pad
 
 
 def reduce_per_option(token_values: Tensor, packed: PackedQuestions, normalize: str = "sum") -> Tensor:
-    """Sum (``"sum"``) or average (``"mean"``) per-target values over each option's tokens.
-
-    Args:
-        token_values: one value per scored token (aligned with ``packed.target_ids``).
-        packed: the batch.
-        normalize: ``"sum"`` or ``"mean"``.
-
-    Returns:
-        One value per option, ``(len(packed.option_lengths),)``; differentiable.
+    """Sum (``"sum"``) or average (``"mean"``) per-token values over each option's tokens (differentiable).
 
     Raises:
         ValueError: an unknown ``normalize``.
@@ -331,16 +275,7 @@ def reduce_per_option(token_values: Tensor, packed: PackedQuestions, normalize: 
 
 
 def gather_token_logprobs(logits: Tensor, packed: PackedQuestions) -> Tensor:
-    """Log-probability of every scored token from head logits at ``packed.rows``.
-
-    Half-precision logits are upcast to float32 first. Differentiable in ``logits``.
-
-    Args:
-        logits: ``(len(packed.rows), V)`` logits at the gathered rows.
-        packed: the batch.
-
-    Returns:
-        ``(len(packed.target_ids),)`` log-probabilities, aligned with ``packed.target_ids``.
+    """Log-probability of every scored token from logits ``(len(rows), V)``; half precision is upcast to float32.
 
     Example:
         >>> import torch
@@ -357,23 +292,10 @@ def gather_token_logprobs(logits: Tensor, packed: PackedQuestions) -> Tensor:
 
 def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize: str = "sum",
                               lengths: Tensor | None = None) -> Tensor:
-    """Option scores ``(B, K_max)`` from head logits at ``packed.rows``; padding holds ``-inf``.
+    """Option scores ``(B, K_max)`` from head logits at ``packed.rows`` (``-inf`` at padding; differentiable).
 
-    ``logits`` are full-vocabulary logits ``(len(rows), V)`` (possibly adjusted); the score of an
-    option is the sum (``"sum"``) or mean (``"mean"``) of its tokens' log-probabilities, or
-    (``"char"``, ``"byte"``) their sum divided by the option's length in characters or bytes,
-    given as ``lengths`` (as :func:`~llm_calib.scoring.score_option_likelihood` scores them).
-    Differentiable in ``logits``.
-
-    Args:
-        logits: ``(len(packed.rows), V)`` logits at the gathered rows.
-        packed: the batch from :func:`pack_questions` or :func:`pack_letters`.
-        normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"``.
-        lengths: ``(B, K_max)`` per-option divisors of ``"char"``/``"byte"`` (any positive value
-            at padding); unused otherwise.
-
-    Returns:
-        ``(B, K_max)`` option scores, ``-inf`` where a question has fewer options.
+    An option's score is the sum or mean of its token log-probabilities, or (``"char"``,
+    ``"byte"``) the sum divided by ``lengths``, its ``(B, K_max)`` length in characters or bytes.
 
     Raises:
         ValueError: an unknown ``normalize``, or ``"char"``/``"byte"`` without ``lengths``.
@@ -381,12 +303,8 @@ def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize
     Example:
         >>> import torch
         >>> p = pack_questions([((1,), ((2,), (3, 4)))], pad_id=0)
-        >>> s = option_scores_from_logits(torch.zeros(2, 5), p)
-        >>> [round(v, 4) for v in s[0].tolist()]   # log(1/5) and 2 * log(1/5)
+        >>> [round(v, 4) for v in option_scores_from_logits(torch.zeros(2, 5), p)[0].tolist()]
         [-1.6094, -3.2189]
-        >>> s = option_scores_from_logits(torch.zeros(2, 5), p, "char", torch.tensor([[2.0, 4.0]]))
-        >>> [round(v, 4) for v in s[0].tolist()]   # divided by 2 and 4 characters
-        [-0.8047, -0.8047]
     """
     if normalize not in ("sum", "mean", "char", "byte"):
         raise ValueError(f"normalize must be 'sum', 'mean', 'char' or 'byte', got {normalize!r}")
@@ -406,15 +324,11 @@ def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize
 
 
 PACKED_MASK_ATTENTION = ("eager", "sdpa")
-"""Attention implementations that accept the packed layout's 4-D masks (``flash_attention_*`` and
-the kernels that take a padding mask or sequence boundaries do not)."""
+"""Attention implementations that accept the packed 4-D masks (flash kernels do not)."""
 
 
 def accepts_packed_masks(model: Any) -> bool:
-    """True when ``model``'s attention implementation accepts the packed 4-D masks.
-
-    With any other implementation (``flash_attention_2``, ...) scoring and training use
-    :func:`option_sequences`: one right-padded causal sequence per (question, option).
+    """True when ``model``'s attention implementation accepts the packed 4-D masks (else :func:`option_sequences`).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -427,16 +341,13 @@ def accepts_packed_masks(model: Any) -> bool:
 
 
 class OptionSequences(NamedTuple):
-    """The packed questions laid out as one plain causal sequence per (question, option).
+    """Packed questions as one plain causal sequence per (question, option).
 
     Attributes:
-        packed: the same questions with a 2-D padding mask (``(R, L')``, R = number of options);
-            its ``rows`` pick the hidden states the packed ``rows`` picked, in the same order, and
-            every other field is the packed one's.
-        source: for each flat position of ``packed`` (``R * L'``), the packed flat position
-            (``B * L``) holding the same token in the same context (padding: 0).
-        target: for each packed flat position, a flat position of ``packed`` with the same
-            hidden state (prompt tokens: in the question's first option's sequence; padding: 0).
+        packed: the same questions with a ``(R, L')`` padding mask (R options); its ``rows`` pick
+            the hidden states the packed ``rows`` picked, in order; other fields are the packed ones.
+        source: per flat position of ``packed``, the packed flat position of the same token (padding: 0).
+        target: per packed flat position, a flat position of ``packed`` with the same hidden state.
     """
 
     packed: PackedQuestions
@@ -445,17 +356,9 @@ class OptionSequences(NamedTuple):
 
 
 def option_sequences(packed: PackedQuestions) -> OptionSequences:
-    """Lay out packed questions (:func:`pack_questions`) as one sequence ``prompt + option`` per option.
+    """Lay out packed questions as one sequence ``prompt + option`` per option, for kernels without 4-D masks.
 
-    Each option sees exactly the context it sees in the packed row, so the hidden states (and
-    every score) are the same; the prompt is computed once per option instead of once per
-    question. This is the layout for attention kernels that take padding masks only.
-
-    Args:
-        packed: questions packed with the 4-D mask.
-
-    Returns:
-        An :class:`OptionSequences`.
+    Each option sees the context it sees in the packed row, so every score is the same.
 
     Raises:
         ValueError: ``packed`` has a 2-D mask already.

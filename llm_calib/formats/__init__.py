@@ -1,14 +1,6 @@
-"""Task formats: one object per way of asking questions (see :mod:`llm_calib.formats.base`).
-
-* :class:`OptionLikelihood` and :class:`Letter`: multiple choice
-  (:class:`~llm_calib.data.records.MultipleChoice` records, a
-  :class:`~llm_calib.scoring.base.ScoredSet` of option scores);
-* :class:`OpenEnded`: open questions (:class:`~llm_calib.data.records.OpenQA` records, an
-  :class:`~llm_calib.scoring.open_ended.OpenEndedSet` of greedy answers).
-
-The kind of the records is read once, where they enter, by :func:`format_for` (explicit scorer
-settings) or :func:`llm_calib.calm.encoding.task_format` (a run's
-:class:`~llm_calib.calm.config.CalibrationConfig`); every later step asks the format.
+"""Task formats, one object per way of asking questions (:mod:`llm_calib.formats.base`):
+:class:`OptionLikelihood` and :class:`Letter` (multiple choice), :class:`OpenEnded` (open
+questions). :func:`format_for` reads the kind of the records, once, where they enter.
 """
 
 from __future__ import annotations
@@ -18,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from llm_calib.data.records import RECORD_KINDS
-from llm_calib.formats.base import RecordKindError, ScoredResult, TaskFormat, records_family
+from llm_calib.formats.base import RecordKindError, TaskFormat, records_family
 from llm_calib.formats.categorical import cross_entropy, entropy, identity
 from llm_calib.formats.multiple_choice import (
     Letter,
@@ -28,24 +20,12 @@ from llm_calib.formats.multiple_choice import (
 )
 from llm_calib.formats.open_ended import OpenEnded
 from llm_calib.prompts import PromptFormat
+from llm_calib.scoring.base import ScoredResult
 
 __all__ = [
-    "MULTIPLE_CHOICE_FORMATS",
-    "Letter",
-    "MultipleChoiceFormat",
-    "OpenEnded",
-    "OptionLikelihood",
-    "RecordKindError",
-    "ScoredResult",
-    "TaskFormat",
-    "cross_entropy",
-    "entropy",
-    "family_format",
-    "format_for",
-    "identity",
-    "multiple_choice_format",
-    "normalization_summary",
-    "records_family",
+    "MULTIPLE_CHOICE_FORMATS", "Letter", "MultipleChoiceFormat", "OpenEnded", "OptionLikelihood",
+    "RecordKindError", "ScoredResult", "TaskFormat", "cross_entropy", "entropy", "family_format",
+    "format_for", "identity", "multiple_choice_format", "normalization_summary", "records_family",
 ]
 
 MULTIPLE_CHOICE_FORMATS: dict[str, type[MultipleChoiceFormat]] = {
@@ -58,13 +38,7 @@ _FAMILIES: dict[str, type[TaskFormat]] = {"multiple_choice": MultipleChoiceForma
 
 
 def family_format(family: str) -> type[TaskFormat]:
-    """The format class that describes results of a record kind (as stored in result files).
-
-    Args:
-        family: one of :data:`~llm_calib.data.records.RECORD_KINDS`.
-
-    Returns:
-        :class:`MultipleChoiceFormat` or :class:`OpenEnded`.
+    """The format class of a record kind (as result files store it).
 
     Raises:
         ValueError: an unknown kind.
@@ -80,12 +54,7 @@ def family_format(family: str) -> type[TaskFormat]:
 
 def multiple_choice_format(scorer: str = "option_likelihood", *, normalize: str = "sum",
                            prompt: PromptFormat | None = None) -> MultipleChoiceFormat:
-    """The multiple-choice format of a scorer name.
-
-    Args:
-        scorer: a key of :data:`MULTIPLE_CHOICE_FORMATS`.
-        normalize: option-score normalisation (option likelihood).
-        prompt: the prompt format (None: the scorer's default).
+    """The multiple-choice format of a scorer name (a key of :data:`MULTIPLE_CHOICE_FORMATS`).
 
     Raises:
         ValueError: an unknown scorer, or a prompt the scorer cannot use.
@@ -100,38 +69,24 @@ def multiple_choice_format(scorer: str = "option_likelihood", *, normalize: str 
 
 
 def format_for(
-    records: Iterable[Any],
-    *,
-    scorer: str = "option_likelihood",
-    normalize: str = "sum",
-    prompt: PromptFormat | None = None,
-    open_prompt: PromptFormat | None = None,
-    max_new_tokens: int = 32,
-    answer_stop: bool = False,
-    what: str = "records",
+    records: Iterable[Any], *, scorer: str = "option_likelihood", normalize: str = "sum",
+    prompt: PromptFormat | None = None, open_prompt: PromptFormat | None = None, max_new_tokens: int = 32,
+    answer_stop: bool = False, what: str = "records",
 ) -> TaskFormat:
     """The format of a record set: the one place the kind of records is decided.
 
-    Multiple-choice records get the format of ``scorer``; open questions get
-    :class:`OpenEnded` with ``open_prompt`` (default: ``prompt`` in the cloze style).
-
     Args:
-        records: all :class:`~llm_calib.data.records.MultipleChoice` or all
-            :class:`~llm_calib.data.records.OpenQA`.
+        records: all multiple choice or all open questions.
         scorer: multiple-choice scorer name (see :data:`MULTIPLE_CHOICE_FORMATS`).
         normalize: option-likelihood normalisation.
         prompt: multiple-choice prompt format (None: the scorer's default).
         open_prompt: open-question prompt format (None: ``prompt`` as a cloze prompt).
         max_new_tokens: open questions: generation budget.
-        answer_stop: open questions: train on the stop token after the answer (see
-            :class:`OpenEnded`).
+        answer_stop: open questions: train on the stop token after the answer.
         what: how error messages name the records.
 
-    Returns:
-        The format.
-
     Raises:
-        ValueError: no records, records of both kinds or of another type (naming the record), an
+        ValueError: no records, records of both kinds or another type (naming the record), an
             unknown scorer, or a prompt the scorer cannot use.
 
     Example:

@@ -1,48 +1,29 @@
-"""The task-format interface: what a kind of question asks of the code that encodes, trains on,
-scores and summarises it.
-
-A :class:`TaskFormat` is one way of putting questions to a model and reading its answer (in the
-sense of lm-evaluation-harness's ``output_type``): option likelihood and option letters for
-multiple choice (:mod:`llm_calib.formats.multiple_choice`), greedy generation for open questions
-(:mod:`llm_calib.formats.open_ended`). The format owns
-
-* the check of the records it takes (:meth:`TaskFormat.check`),
-* the token encoding for training (:meth:`TaskFormat.encode`, :meth:`TaskFormat.pack`,
-  :meth:`TaskFormat.length`, :meth:`TaskFormat.label`),
-* the training-loss view of a packed batch (:meth:`TaskFormat.categorical`,
-  :meth:`TaskFormat.deployed_entropy`, :meth:`TaskFormat.monitor`,
-  :meth:`TaskFormat.check_adjustment`),
-* scoring with the matching scorer (:meth:`TaskFormat.score`) and the result type it returns,
-  which follows :class:`ScoredResult`, and the per-question rows and extra metrics of that result
-  (:meth:`TaskFormat.sample_rows`, :meth:`TaskFormat.extra_metrics`,
-  :meth:`TaskFormat.temperature_scaled`).
-
-Callers (evaluation, comparison, the trainer, the report) hold a format and a result and never ask
-which kind of question they have: the kind is decided once, where data enters
-(:func:`llm_calib.formats.task_format`, :func:`llm_calib.formats.format_for`).
+"""The task-format interface (see :doc:`/architecture`): a :class:`TaskFormat` owns the check,
+encoding, training-loss view, scoring and result rows of one way of asking questions; the kind
+of the records is decided once, where they enter (:func:`records_family`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import numpy as np
 from torch import Tensor
 
 from llm_calib.data.records import RECORD_KINDS, MultipleChoice, OpenQA
 from llm_calib.engine.packing import PackedQuestions
+from llm_calib.scoring.base import ScoredResult
 
 if TYPE_CHECKING:
     from llm_calib.adjustment import LogitAdjustment
     from llm_calib.calm.objectives import Batch, CalmLosses
 
-__all__ = ["RecordKindError", "ScoredResult", "TaskFormat", "records_family"]
+__all__ = ["RecordKindError", "TaskFormat", "records_family"]
 
 
 class RecordKindError(ValueError):
-    """Records that are not all of one kind (or not records): raised by :func:`records_family`.
+    """Records that are not all of one kind (or not records).
 
     Example:
         >>> issubclass(RecordKindError, ValueError)
@@ -53,24 +34,15 @@ class RecordKindError(ValueError):
 def records_family(
     records: Iterable[Any], *, what: str = "records", expected: str | None = None
 ) -> Literal["multiple_choice", "open"]:
-    """The one kind of a collection of records; an error names the first record that breaks it.
-
-    Called where records enter (:func:`llm_calib.formats.format_for`, :meth:`TaskFormat.check`):
-    the result picks the task format, and nothing downstream asks again.
+    """The one kind (``"multiple_choice"`` or ``"open"``) of a collection of records.
 
     Args:
-        records: :class:`~llm_calib.data.records.MultipleChoice` or
-            :class:`~llm_calib.data.records.OpenQA` records, all of one kind.
-        what: how to name the collection in error messages (e.g. ``"train"``).
-        expected: the kind the records must have (one of
-            :data:`~llm_calib.data.records.RECORD_KINDS`), or None to take the first record's.
-
-    Returns:
-        ``"multiple_choice"`` or ``"open"``.
+        records: records, all of one kind.
+        what: how error messages name the collection (e.g. ``"train"``).
+        expected: the kind the records must have, or None to take the first record's.
 
     Raises:
-        RecordKindError: (a ValueError) no records, a record of another type, or a record of the
-            other kind; the message names the offending record's id.
+        RecordKindError: no records, or a record of another type or kind (named by its id).
         ValueError: an unknown ``expected``.
 
     Example:
@@ -104,80 +76,15 @@ def records_family(
     return family  # type: ignore[return-value]
 
 
-@runtime_checkable
-class ScoredResult(Protocol):
-    """What every scored set offers, whatever the format that produced it.
-
-    :class:`~llm_calib.scoring.base.ScoredSet` (multiple choice) and
-    :class:`~llm_calib.scoring.open_ended.OpenEndedSet` (open questions) both follow it, so
-    evaluation, comparison, the report and model selection read ``correct``, ``confidences`` and
-    ``summary`` without asking which one they hold.
-
-    Example:
-        >>> import torch
-        >>> from llm_calib.scoring import OpenEndedSet, ScoredSet
-        >>> mc = ScoredSet([torch.tensor([0.0, 1.0])], [1], ["d"], ["q0"])
-        >>> op = OpenEndedSet(["Paris"], [("Paris",)], ["d"], ["q1"], [(0.8,)])
-        >>> [isinstance(s, ScoredResult) for s in (mc, op)]
-        [True, True]
-        >>> [s.accuracy for s in (mc, op)]
-        [1.0, 1.0]
-    """
-
-    ids: list[str]
-    domains: list[str]
-
-    def __len__(self) -> int: ...
-
-    @property
-    def correct(self) -> np.ndarray:
-        """Whether each question is answered correctly."""
-        ...
-
-    @property
-    def confidences(self) -> np.ndarray:
-        """The confidence in ``[0, 1]`` of each answer (what calibration metrics bin)."""
-        ...
-
-    @property
-    def accuracy(self) -> float:
-        """Fraction answered correctly (NaN for an empty set)."""
-        ...
-
-    def select(self, indices: Sequence[int]) -> Any:
-        """The sub-set at ``indices``."""
-        ...
-
-    def by_domain(self) -> dict[str, Any]:
-        """Split by domain, in order of first appearance."""
-        ...
-
-    @staticmethod
-    def concat(sets: Sequence[Any]) -> Any:
-        """Several sets of one type as one."""
-        ...
-
-    def summary(self, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0) -> dict[str, float]:
-        """The calibration metrics of the set."""
-        ...
-
-
 class TaskFormat(ABC):
-    """One way of asking questions and reading answers (see the module docstring).
-
-    Subclasses set the class attributes and implement the abstract methods; a format is an
-    immutable value (a frozen dataclass), so equal settings give equal formats.
+    """One way of asking questions and reading answers; subclasses are frozen dataclasses.
 
     Attributes:
-        family: the record kind the format takes (``"multiple_choice"`` or ``"open"``, see
-            :data:`~llm_calib.data.records.RECORD_KINDS`, :func:`records_family`); results record it
-            as their ``kind``.
-        layout: the training-batch layout name (``"options"``, ``"letter"`` or ``"open"``).
+        family: the record kind taken (``"multiple_choice"`` or ``"open"``), results' ``kind``.
+        layout: the training-batch layout (``"options"``, ``"letter"`` or ``"open"``).
         description: how reports name the kind of question.
-        temperature_scalable: whether the scores are option logits a temperature can be fitted on
-            and carried to (multiple choice) or not (open questions).
-        answer_stop: open questions: each reference answer ends with the stop token of greedy
-            answering (trained on, left out of the monitored confidence).
+        temperature_scalable: whether the scores are option logits a temperature applies to.
+        answer_stop: open questions: each reference ends with greedy answering's stop token.
         training_notes: lines a comparison report adds about training on this kind.
 
     Example:
@@ -196,11 +103,7 @@ class TaskFormat(ABC):
 
     # --- data ---------------------------------------------------------------------------------
     def check(self, records: Iterable[Any], *, what: str = "records") -> None:
-        """Check that ``records`` are all of the kind this format takes.
-
-        Raises:
-            ValueError: no records, or a record of another kind or type (naming it).
-        """
+        """Raise ValueError (naming the record) unless ``records`` are all of this format's kind."""
         records_family(records, what=what, expected=self.family)
 
     @classmethod
@@ -211,16 +114,15 @@ class TaskFormat(ABC):
     # --- training encoding --------------------------------------------------------------------
     @abstractmethod
     def encode(self, tokenizer: Any, records: Sequence[Any]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
-        """Token ids for training: one prompt per record, and per record its continuations (the
-        options, the option letters, or the reference answer)."""
+        """Training token ids: one prompt per record, and its continuations (options, letters or answer)."""
 
     @abstractmethod
     def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
         """One model input holding the given questions (see :mod:`llm_calib.engine.packing`)."""
 
-    @abstractmethod
     def length(self, prompt: Sequence[int], options: Sequence[Sequence[int]]) -> int:
-        """Packed length (tokens) of one question."""
+        """Packed length (tokens) of one question: the prompt and every continuation (default)."""
+        return len(prompt) + sum(len(o) for o in options)
 
     @abstractmethod
     def label(self, record: Any) -> int:
@@ -228,9 +130,7 @@ class TaskFormat(ABC):
 
     # --- training-loss view -------------------------------------------------------------------
     def option_text_lengths(self, record: Any, normalize: str) -> list[int] | None:
-        """Per option of ``record``, what a ``"char"`` or ``"byte"`` option score is divided by
-        (its length in characters or UTF-8 bytes); None (the default): the format has no option
-        texts to measure, so it cannot train under those normalisations."""
+        """Per option, the length in characters or UTF-8 bytes a score is divided by (None: no option texts)."""
         return None
 
     def check_adjustment(self, adjustment: LogitAdjustment) -> None:  # noqa: B027 (optional hook)
@@ -240,8 +140,7 @@ class TaskFormat(ABC):
     def categorical(
         self, losses: CalmLosses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
     ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
-        """The categorical predictions the task loss fits (adjusted by ``lam`` when given), their
-        targets, and the reduction of per-prediction values to per-question values."""
+        """The predictions the task loss fits (adjusted by ``lam``), their targets, and the per-question reduction."""
 
     @abstractmethod
     def deployed_entropy(self, losses: CalmLosses, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
@@ -249,8 +148,7 @@ class TaskFormat(ABC):
 
     @abstractmethod
     def monitor(self, losses: CalmLosses, batch: Batch) -> dict[str, Tensor]:
-        """Per-question held-out statistics ``confidence``, ``correct``, ``nll``, ``entropy``
-        (float64 on the CPU); called under ``torch.inference_mode``."""
+        """Per-question held-out ``confidence``, ``correct``, ``nll`` and ``entropy`` (float64, CPU)."""
 
     # --- scoring and results ------------------------------------------------------------------
     @abstractmethod
@@ -259,7 +157,7 @@ class TaskFormat(ABC):
         """Score ``records`` with this format's scorer."""
 
     def temperature_scaled(self, scored: Any, temperature: float | None) -> ScoredResult | None:
-        """``scored`` with a fitted temperature applied, or None where the format has none to apply."""
+        """``scored`` with a fitted temperature applied, or None."""
         return None
 
     def extra_metrics(self, scored: Any, n_bins: int = 10) -> dict[str, dict[str, float]] | None:

@@ -1,9 +1,4 @@
-"""Losses over categorical predictions, shared by every format's training-loss view.
-
-A format's :meth:`~llm_calib.formats.base.TaskFormat.categorical` returns predictions (option
-scores, or vocabulary logits at answer positions) with padded entries at ``-inf``; these functions
-apply to either.
-"""
+"""Losses over categorical predictions (option scores or vocabulary logits, padding at ``-inf``)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Multiple-choice formats: option likelihood and option letters.
-
-Both score a question as a distribution over its options (a
-:class:`~llm_calib.scoring.base.ScoredSet`), train on the option distribution (cross-entropy with
-the gold option) and monitor it; they differ in the prompt and in what is scored:
-
-* :class:`OptionLikelihood`: the log-likelihood of each option's text after the prompt (cloze
-  by default), :func:`~llm_calib.scoring.option_likelihood.score_option_likelihood`;
-* :class:`Letter`: the log-probability of each option's letter after a prompt that lists the
-  options, :func:`~llm_calib.scoring.letter.score_letter`.
+"""Multiple-choice formats: :class:`OptionLikelihood` (each option's text after a cloze prompt)
+and :class:`Letter` (each option's letter after a prompt that lists them). Both score, train on
+and monitor a distribution over the options.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy, identity
 from llm_calib.prompts import PromptFormat, record_prompt, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, encode_prompt
-from llm_calib.scoring.letter import letter_token_ids, score_letter
+from llm_calib.scoring.letter import check_listed_prompt, letter_token_ids, score_letter
 from llm_calib.scoring.option_likelihood import (
     LM_EVAL_NORMALIZATIONS,
     encode_questions,
@@ -42,20 +35,7 @@ __all__ = ["Letter", "MultipleChoiceFormat", "OptionLikelihood", "normalization_
 
 
 def normalization_summary(scored: ScoredSet, n_bins: int = 10) -> dict[str, dict[str, float]] | None:
-    """Accuracy and ECE of each option-score normalisation, side by side.
-
-    For every entry of :data:`llm_calib.scoring.LM_EVAL_NORMALIZATIONS` (``acc``: summed
-    log-likelihood, ``acc_norm``: per character, ``acc_bytes``: per byte, ``acc_token``: per
-    token) the options are re-scored from ``scored.details`` and the probabilities are the
-    softmax over the normalised scores: ``accuracy`` (what lm-eval reports under that name),
-    ``ece``, ``nll`` and ``brier``.
-
-    Args:
-        scored: multiple-choice scores with details.
-        n_bins: ECE bins.
-
-    Returns:
-        Name to metrics, or None when ``scored`` has no details.
+    """:func:`normalization_metrics` of every lm-eval normalisation name (None without details).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -72,8 +52,7 @@ def normalization_summary(scored: ScoredSet, n_bins: int = 10) -> dict[str, dict
 
 def normalization_metrics(scored: ScoredSet, normalize: str, n_bins: int = 10) -> dict[str, float]:
     """``accuracy``, ``ece``, ``nll`` and ``brier`` of ``scored`` re-scored under one normalisation
-    (``sum``/``acc``, ``char``/``acc_norm``, ``byte``/``acc_bytes``, ``token``/``acc_token``; see
-    :func:`~llm_calib.scoring.normalized`).
+    (:func:`~llm_calib.scoring.normalized`).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -95,8 +74,7 @@ def normalization_metrics(scored: ScoredSet, normalize: str, n_bins: int = 10) -
 
 
 class MultipleChoiceFormat(TaskFormat):
-    """What the multiple-choice formats share: records, labels, the option-distribution losses
-    and monitor, temperature scaling, normalisation metrics and sample rows.
+    """What the multiple-choice formats share: labels, option-distribution losses, temperature scaling, rows.
 
     Example:
         >>> issubclass(Letter, MultipleChoiceFormat), Letter().description
@@ -109,7 +87,7 @@ class MultipleChoiceFormat(TaskFormat):
 
     @classmethod
     def configured_prompt(cls, style: str, chat_template: bool | None) -> PromptFormat:
-        """The prompt format of a configuration's ``prompt_style`` and ``chat_template``.
+        """The prompt format of a configuration's ``style`` and ``chat_template``.
 
         Example:
             >>> Letter.configured_prompt("cloze", None).style   # the letters need listed options
@@ -133,8 +111,7 @@ class MultipleChoiceFormat(TaskFormat):
         return entropy(losses.scores(theta, None, batch))
 
     def monitor(self, losses: CalmLosses, batch: Batch) -> dict[str, Tensor]:
-        """The option distribution's maximum probability, whether its argmax is gold,
-        ``-log p(gold)`` and its entropy."""
+        """Max probability, argmax correct, ``-log p(gold)`` and entropy of the option distribution."""
         scores = losses.scores(None, None, batch).double().cpu()
         p = torch.softmax(scores, -1)
         conf, pred = p.max(-1)
@@ -155,32 +132,18 @@ class MultipleChoiceFormat(TaskFormat):
         return normalization_summary(scored, n_bins)
 
     def sample_rows(self, domain: str, scored: ScoredSet) -> Iterator[dict[str, Any]]:
-        """``id``, ``domain``, ``prompt``, ``options``, ``continuations``, ``loglik``,
-        ``n_tokens``, ``token_ids``, ``probs``, ``prediction``, ``gold``, ``confidence``,
-        ``correct`` and ``predictions`` by normalisation, per question."""
+        """Per question: what was scored, ``probs``, ``prediction``, ``gold``, ``confidence``, ``correct``,
+        ``predictions``."""
         s = scored
         probs, preds, conf = s.probs_numpy, s.predictions, s.confidences
-        by_norm = (
-            {n: normalized(s, n).predictions for n in LM_EVAL_NORMALIZATIONS}
-            if s.details is not None
-            else {}
-        )
+        by_norm = {n: normalized(s, n).predictions for n in LM_EVAL_NORMALIZATIONS} if s.details is not None else {}
         for i in range(len(s)):
             d = s.details[i] if s.details is not None else {}
             yield {
-                "id": s.ids[i],
-                "domain": domain,
-                "prompt": d.get("prompt"),
-                "options": d.get("choices"),
-                "continuations": d.get("continuations"),
-                "loglik": d.get("loglik"),
-                "n_tokens": d.get("n_tokens"),
-                "token_ids": d.get("token_ids"),
-                "probs": [float(x) for x in probs[i]],
-                "prediction": int(preds[i]),
-                "gold": int(s.labels[i]),
-                "confidence": float(conf[i]),
-                "correct": bool(preds[i] == s.labels[i]),
+                "id": s.ids[i], "domain": domain, "prompt": d.get("prompt"), "options": d.get("choices"),
+                "continuations": d.get("continuations"), "loglik": d.get("loglik"), "n_tokens": d.get("n_tokens"),
+                "token_ids": d.get("token_ids"), "probs": [float(x) for x in probs[i]], "prediction": int(preds[i]),
+                "gold": int(s.labels[i]), "confidence": float(conf[i]), "correct": bool(preds[i] == s.labels[i]),
                 "predictions": {n: int(p[i]) for n, p in by_norm.items()},
             }
 
@@ -190,9 +153,8 @@ class OptionLikelihood(MultipleChoiceFormat):
     """Multiple choice scored by the log-likelihood of each option's text.
 
     Args:
-        normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` option scores, in scoring and
-            in training (:class:`~llm_calib.calm.objectives.CalmLosses`).
-        prompt: the prompt format; None: the scorer's default (``PromptFormat()``, cloze).
+        normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` option scores (scoring and training).
+        prompt: the prompt format; None: ``PromptFormat()`` (cloze).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -201,10 +163,8 @@ class OptionLikelihood(MultipleChoiceFormat):
         >>> qs = builtin_multiple_choice(2, domains=["capitals"])
         >>> fmt = OptionLikelihood()
         >>> prompts, options = fmt.encode(tok, qs)
-        >>> fmt.pack(prompts, options, 0).batch_size, len(options[0]) == len(qs[0].options)
-        (2, True)
-        >>> fmt.score(model, tok, qs).scorer
-        'option_likelihood'
+        >>> fmt.pack(prompts, options, 0).batch_size, fmt.score(model, tok, qs).scorer
+        (2, 'option_likelihood')
     """
 
     normalize: str = "sum"
@@ -217,28 +177,18 @@ class OptionLikelihood(MultipleChoiceFormat):
         return self.prompt or PromptFormat()
 
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
-        """Prompt ids and each option's continuation ids (:func:`~llm_calib.scoring.option_likelihood.encode_questions`)."""
+        """Prompt ids and each option's continuation ids
+        (:func:`~llm_calib.scoring.option_likelihood.encode_questions`)."""
         enc = encode_questions(tokenizer, records, self.prompt_settings())
         return [e.prompt for e in enc], [e.options for e in enc]
 
     def option_text_lengths(self, record: MultipleChoice, normalize: str) -> list[int]:
-        """Each choice's length in characters (``"char"``) or UTF-8 bytes (``"byte"``), as
-        scoring divides by it (:func:`~llm_calib.scoring.option_likelihood.option_text_lengths`).
-
-        Example:
-            >>> from llm_calib.data import MultipleChoice
-            >>> OptionLikelihood().option_text_lengths(MultipleChoice("Q?", ("Paris", "Zürich"), 0, "geo", "q"), "byte")
-            [5, 7]
-        """
+        """:func:`~llm_calib.scoring.option_likelihood.option_text_lengths` under this format's prompt."""
         return option_text_lengths(record, self.prompt_settings(), normalize)
 
     def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
         """Prompt followed by every option (:func:`~llm_calib.engine.packing.pack_questions`)."""
         return pack_questions(list(zip(prompts, options, strict=True)), pad_id)
-
-    def length(self, prompt: Sequence[int], options: Sequence[Sequence[int]]) -> int:
-        """Prompt plus every option."""
-        return len(prompt) + sum(len(o) for o in options)
 
     def score(self, model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, batch_size: int = 8,
               progress: bool = False) -> ScoredSet:
@@ -252,10 +202,8 @@ class Letter(MultipleChoiceFormat):
     """Multiple choice scored by the option letters after a prompt that lists the options.
 
     Args:
-        prompt: the prompt format; None: ``PromptFormat(style="listed")``. It must list the
-            options: style ``"listed"``, or a template (which lists them itself).
-        normalize: unused (letter scores are single tokens); accepted so that every
-            multiple-choice format takes the same settings.
+        prompt: a prompt that lists the options (style ``"listed"`` or a template); None: listed.
+        normalize: unused (letter scores are single tokens), as every multiple-choice format takes it.
 
     Raises:
         ValueError: a prompt that does not list the options.
@@ -275,12 +223,7 @@ class Letter(MultipleChoiceFormat):
     layout: ClassVar[str] = "letter"
 
     def __post_init__(self) -> None:
-        # the one place of the rule "the letter scorer needs a listed prompt"
-        if self.prompt is not None and self.prompt.style != "listed" and self.prompt.template is None:
-            raise ValueError(
-                "the letter scorer needs the options listed in the prompt: prompt style 'listed' "
-                f"(or a template that lists them), got {self.prompt.style!r}"
-            )
+        check_listed_prompt(self.prompt)
 
     @classmethod
     def configured_prompt(cls, style: str, chat_template: bool | None) -> PromptFormat:
@@ -292,9 +235,7 @@ class Letter(MultipleChoiceFormat):
         return self.prompt or PromptFormat(style="listed")
 
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
-        """The listed prompt's ids (the letter scorer's :func:`~llm_calib.prompts.record_prompt`:
-        a template, few-shot examples or a pre-rendered prompt apply as in scoring), and one
-        letter token id per option."""
+        """The listed prompt's ids (as the letter scorer's) and one letter token id per option."""
         fmt = self.prompt_settings()
         chat = uses_chat_template(tokenizer, fmt)
         prompts = [tuple(encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat)) for r in records]

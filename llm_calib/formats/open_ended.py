@@ -1,12 +1,4 @@
-r"""The open-ended format: greedy answers to open questions.
-
-Scoring generates a greedy answer and takes the mean probability of its tokens as the confidence
-(:func:`~llm_calib.scoring.open_ended.score_open_ended`, an
-:class:`~llm_calib.scoring.open_ended.OpenEndedSet`). Training packs the prompt with the reference
-answer (its first alias) as one causal sequence
-(:func:`~llm_calib.engine.packing.pack_continuations`); the categorical predictions are the
-next-token distributions at the answer positions (see :mod:`llm_calib.calm.objectives`).
-"""
+"""The open-ended format: greedy answers to open questions; training packs prompt + reference answer."""
 
 from __future__ import annotations
 
@@ -39,11 +31,8 @@ class OpenEnded(TaskFormat):
     Args:
         prompt: the prompt format (cloze); None: ``PromptFormat()``.
         max_new_tokens: generation budget per answer.
-        answer_stop: training: each reference answer is followed by the newline at which greedy
-            answering stops (the few-shot short-answer prompt,
-            :func:`~llm_calib.prompts.short_answer_format`); it is trained on like the answer's
-            tokens, and :meth:`monitor` leaves it out of the confidence, as the scorer's
-            confidence leaves out the stop token.
+        answer_stop: train each reference with the newline greedy answering stops at (the
+            short-answer prompt); :meth:`monitor` leaves it out of the confidence, as scoring does.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -51,10 +40,8 @@ class OpenEnded(TaskFormat):
         >>> qs = [OpenQA("Capital of France?", ("Paris",), "geo", "q0")]
         >>> fmt = OpenEnded(max_new_tokens=3)
         >>> prompts, answers = fmt.encode(tok, qs)
-        >>> tok.decode(answers[0][0]), fmt.label(qs[0])
-        (' Paris', 0)
-        >>> len(fmt.score(model, tok, qs))
-        1
+        >>> tok.decode(answers[0][0]), fmt.label(qs[0]), len(fmt.score(model, tok, qs))
+        (' Paris', 0, 1)
     """
 
     prompt: PromptFormat | None = None
@@ -81,8 +68,8 @@ class OpenEnded(TaskFormat):
 
     # --- training encoding --------------------------------------------------------------------
     def encode(self, tokenizer: Any, records: Sequence[OpenQA]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
-        """The scorer's prompt ids, and the first reference alias as the one continuation,
-        tokenised on its own like an option (``" " + alias``, plus ``"\\n"`` with ``answer_stop``).
+        """The scorer's prompt ids, and ``" " + first alias`` (plus ``"\\n"`` with ``answer_stop``) as the one
+        continuation.
 
         Raises:
             ValueError: an open question without a reference answer (naming it).
@@ -96,12 +83,9 @@ class OpenEnded(TaskFormat):
         return [tuple(p) for p in prompts], answers
 
     def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
-        """Prompt + reference answer, a plain causal sequence (:func:`~llm_calib.engine.packing.pack_continuations`)."""
+        """Prompt + reference answer, a plain causal sequence
+        (:func:`~llm_calib.engine.packing.pack_continuations`)."""
         return pack_continuations([(p, o[0]) for p, o in zip(prompts, options, strict=True)], pad_id)
-
-    def length(self, prompt: Sequence[int], options: Sequence[Sequence[int]]) -> int:
-        """Prompt plus answer."""
-        return len(prompt) + sum(len(o) for o in options)
 
     def label(self, record: OpenQA) -> int:
         """0: the one "option" of an open question is its reference answer."""
@@ -109,12 +93,7 @@ class OpenEnded(TaskFormat):
 
     # --- training-loss view -------------------------------------------------------------------
     def check_adjustment(self, adjustment: LogitAdjustment) -> None:
-        """Open questions have no options: an option-level adjustment cannot act on them.
-
-        Raises:
-            ValueError: ``adjustment`` acts on option scores.
-        """
-        # the one place of the rule "an option-level adjustment needs options"
+        """Raise ValueError for an option-level adjustment: open questions have no options."""
         if adjustment.acts_on_options:
             raise ValueError(
                 f"adjustment {adjustment.kind!r} acts on option scores; open questions need a token-level "
@@ -124,8 +103,7 @@ class OpenEnded(TaskFormat):
     def categorical(
         self, losses: CalmLosses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
     ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
-        """One vocabulary distribution per answer token, its reference token, and the mean over
-        each answer's tokens."""
+        """One vocabulary distribution per answer token, its reference token, and the per-answer mean."""
         packed = batch.packed
         if lam is not None:
             self.check_adjustment(losses.adjustment)
@@ -142,8 +120,7 @@ class OpenEnded(TaskFormat):
         return entropy(losses.logits(theta, None, batch, batch.packed.answer_start_rows()))
 
     def monitor(self, losses: CalmLosses, batch: Batch) -> dict[str, Tensor]:
-        """A teacher-forced proxy of greedy answering (see
-        :meth:`CalmLosses.monitor <llm_calib.calm.objectives.CalmLosses.monitor>`)."""
+        """A teacher-forced proxy of greedy answering."""
         packed = batch.packed
         logp = torch.log_softmax(losses.logits(None, None, batch).double(), -1).cpu()
         token_logp = logp[packed.target_rows]
@@ -161,12 +138,9 @@ class OpenEnded(TaskFormat):
                           / reduce_per_option(keep.double(), packed, "sum"))
         else:
             confidence = reduce_per_option(top_p, packed, "mean")
-        return {
-            "confidence": confidence,
-            "correct": (reduce_per_option(wrong, packed, "sum") == 0).double(),
-            "nll": reduce_per_option(token_nll, packed, "mean"),
-            "entropy": entropy(logp[packed.answer_start_rows()]),
-        }
+        return {"confidence": confidence, "correct": (reduce_per_option(wrong, packed, "sum") == 0).double(),
+                "nll": reduce_per_option(token_nll, packed, "mean"),
+                "entropy": entropy(logp[packed.answer_start_rows()])}
 
     # --- scoring and results ------------------------------------------------------------------
     def score(self, model: Any, tokenizer: Any, records: Sequence[OpenQA], *, batch_size: int = 8,
@@ -176,23 +150,15 @@ class OpenEnded(TaskFormat):
                                 batch_size=batch_size, progress=progress)
 
     def sample_rows(self, domain: str, scored: OpenEndedSet) -> Iterator[dict[str, Any]]:
-        """``id``, ``domain``, ``prompt``, ``answer``, ``references``, ``token_ids``,
-        ``token_probs``, ``confidence`` (mean token probability), ``correct`` (exact match),
-        ``f1`` and ``stop``, per question."""
+        """Per question: ``prompt``, ``answer``, ``references``, token ids and probabilities, ``confidence``,
+        ``correct``, ``f1``, ``stop``."""
         s = scored
         conf, correct, f1 = s.confidence("mean"), s.correct, s.f1
         for i in range(len(s)):
             d = s.details[i] if s.details is not None else {}
             yield {
-                "id": s.ids[i],
-                "domain": domain,
-                "prompt": d.get("prompt"),
-                "answer": s.answers[i],
-                "references": list(s.references[i]),
-                "token_ids": d.get("token_ids"),
-                "token_probs": list(s.token_probs[i]),
-                "confidence": float(conf[i]),
-                "correct": bool(correct[i]),
-                "f1": float(f1[i]),
-                "stop": d.get("stop"),
+                "id": s.ids[i], "domain": domain, "prompt": d.get("prompt"), "answer": s.answers[i],
+                "references": list(s.references[i]), "token_ids": d.get("token_ids"),
+                "token_probs": list(s.token_probs[i]), "confidence": float(conf[i]), "correct": bool(correct[i]),
+                "f1": float(f1[i]), "stop": d.get("stop"),
             }

@@ -1,4 +1,4 @@
-"""What the training loop needs from an objective: :class:`Objective`."""
+"""What the training loop needs from an objective: :class:`Objective`, and its config-file form."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ __all__ = ["Objective", "settings_from_dict", "settings_to_dict"]
 
 
 def settings_to_dict(settings: Any) -> dict[str, Any]:
-    """A registered settings dataclass (an objective or a solver) as a dict tagged with its
-    ``name``; nested registered dataclasses (CALM's ``solver``) are tagged too, tuples become lists.
+    """A registered settings dataclass as a dict tagged with its ``name`` (nested ones too; tuples become lists).
 
     Example:
         >>> from llm_calib.objectives.calm import Calm, F2SA
@@ -34,15 +33,13 @@ def settings_to_dict(settings: Any) -> dict[str, Any]:
 
 
 def settings_from_dict(cls: type, data: dict[str, Any], path: str) -> Any:
-    """``cls(**data)`` without the ``name`` tag, rejecting unknown keys by their path.
+    """``cls(**data)`` without the ``name`` tag, rejecting unknown keys by their ``path``.
 
     Raises:
         ValueError: a key that is not a field of ``cls`` (names it and the valid ones).
 
     Example:
         >>> from llm_calib.objectives.label_smoothing import LabelSmoothing
-        >>> settings_from_dict(LabelSmoothing, {"name": "label_smoothing", "eps": 0.2}, "objective")
-        LabelSmoothing(eps=0.2)
         >>> settings_from_dict(LabelSmoothing, {"beta": 0.2}, "objective")
         Traceback (most recent call last):
         ...
@@ -58,28 +55,17 @@ def settings_from_dict(cls: type, data: dict[str, Any], path: str) -> Any:
 
 
 class Objective:
-    """A training objective: its settings (as dataclass fields of a subclass) and its step.
+    """A training objective: its settings (dataclass fields of a subclass) and its :meth:`step`.
 
-    The objective is the ``objective`` part of :class:`~llm_calib.calm.config.CalibrationConfig`
-    itself: a dataclass registered by name with
-    :func:`~llm_calib.objectives.registry.register_objective`, written to config files tagged with
-    that name (:meth:`to_dict`, :meth:`from_dict`). :func:`~llm_calib.calm.training.build_trainer`
-    asks it for its bilevel solver (:meth:`make_solver`) and
-    :func:`~llm_calib.calm.training.train_step` calls :meth:`step`; nothing else in the training
-    code depends on which objective runs. One-level losses derive from
-    :class:`~llm_calib.objectives.one_level.OneLevelObjective` and define only their loss.
-
-    The logit adjustment λ (see :func:`~llm_calib.calm.methods.make_adjustment`) is built for
-    every run and saved with the adapter; an objective that trains it (CALM) makes its settings
-    ``adjustment``, ``lam_lr``, ``max_log_scale`` and ``max_bias`` dataclass fields, the others
-    keep the class defaults below (λ stays the identity).
+    It is the ``objective`` part of :class:`~llm_calib.calm.config.CalibrationConfig`, registered by
+    name with :func:`~llm_calib.objectives.registry.register_objective`. An objective that trains the
+    logit adjustment λ (CALM) makes ``adjustment``, ``lam_lr``, ``max_log_scale`` and ``max_bias``
+    fields; the others keep the class defaults (λ stays the identity).
 
     Attributes:
-        name: the registered name (set by ``register_objective``).
-        trains_adjustment: True when the objective trains the logit adjustment λ (CALM): then its
-            step updates ``state.lam`` and the step's record summarises λ.
-        field_choices: the allowed values of string fields, by field name (the command line
-            offers them as choices; ``__post_init__`` checks them).
+        name: the registered name.
+        trains_adjustment: whether the step updates ``state.lam``.
+        field_choices: the allowed values of string fields (command-line choices).
 
     Example:
         >>> from llm_calib.objectives.lora_ce import LoraCE
@@ -96,14 +82,11 @@ class Objective:
     max_bias = 10.0
 
     def make_solver(self, config: CalibrationConfig) -> Any:
-        """The bilevel solver the trainer calls on ``BilevelProblem(g, f)``; None (default): a
-        one-level objective, no bilevel problem is built."""
+        """The bilevel solver of ``BilevelProblem(g, f)``; None (default): a one-level objective."""
         return None
 
     def step(self, trainer: Trainer, state: TrainState, inner: Batch) -> dict[str, float]:
-        """Take one step on the training batch ``inner``: update ``state.theta`` (and the
-        optimiser states, and λ when :attr:`trains_adjustment`) in place; return the step's
-        record (losses and diagnostics, floats)."""
+        """One step on the training batch ``inner``: update ``state`` in place, return the step's record (floats)."""
         raise NotImplementedError(f"{type(self).__name__} must define step(trainer, state, inner)")
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,7 +95,7 @@ class Objective:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Objective:
-        """The objective of ``data`` (its fields; a ``name`` key is ignored), unknown keys rejected."""
+        """The objective of ``data`` (a ``name`` key is ignored), unknown keys rejected."""
         return settings_from_dict(cls, data, "objective")
 
     def __repr__(self) -> str:

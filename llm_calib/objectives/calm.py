@@ -1,11 +1,8 @@
-"""``calm``: the bilevel objective (λ trained on g, θ on f subject to g's optimality) and its solvers.
+"""``calm``: the bilevel objective (λ on g, θ on f subject to g's optimality) and its solver configs.
 
-:class:`Calm` holds its solver's config, one of :class:`Bome`, :class:`F2SA` or
-:class:`ImplicitSolver` (registered by name with
-:func:`~llm_calib.objectives.registry.register_solver`). Each solver config owns its settings,
-their validation, its solver-specific defaults (:meth:`Bome.step_size`) and the factory of the
-:mod:`hypergrad` method it builds (any object with ``hypergrad(problem, w, lam, inner_batch,
-outer_batch, state)`` returning a :class:`hypergrad.HypergradResult`).
+:class:`Calm` holds one solver config, :class:`Bome`, :class:`F2SA` or :class:`ImplicitSolver`
+(registered with :func:`~llm_calib.objectives.registry.register_solver`); each validates its
+settings and builds its :mod:`hypergrad` method.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ if TYPE_CHECKING:
     from llm_calib.calm.training import Trainer, TrainState
 
 __all__ = [
-    "ADJUSTMENT_CHOICES", "F2SA", "Bome", "Calm", "CalmSolver", "ImplicitSolver", "inner_lr", "make_solver",
+    "ADJUSTMENT_CHOICES", "F2SA", "Bome", "Calm", "CalmSolver", "ImplicitSolver", "make_solver",
     "solver_from_dict",
 ]
 
@@ -46,7 +43,6 @@ ADJUSTMENT_CHOICES = ("auto", *ADJUSTMENT_KINDS)
 
 
 def _check_inner(owner: str, solver: Any) -> None:
-    """Validate (and coerce) the inner-step settings every solver has."""
     check_int(f"{owner}.inner_steps", solver.inner_steps, minimum=1)
     if solver.inner_lr is not None:
         solver.inner_lr = check_number(f"{owner}.inner_lr", solver.inner_lr, positive=True)
@@ -57,13 +53,9 @@ class CalmSolver(Protocol):
 
     Attributes:
         name: the registered name (``objective.solver.name`` in a config file).
-        scores_f_at_step: True when the solver evaluates f once at the step's θ (BOME), so the
-            step records that value as ``unlabeled_entropy``; otherwise (F2SA's f is at its
-            penalised iterate) the step scores the step's θ again, without gradients.
-        inner_steps: the chosen solver's lower-level steps per outer step (BOME's T, F2SA's and
-            the implicit solver's Adam steps of θ on g).
-        inner_lr: the step size of those steps; None: the solver's default (BOME 5e-2, plain SGD;
-            F2SA and implicit: θ's rate ``training.lr``).
+        scores_f_at_step: whether the solver evaluates f at the step's θ (BOME); else the step scores it again.
+        inner_steps: lower-level steps per outer step.
+        inner_lr: their step size; None: the solver's default.
     """
 
     name: ClassVar[str]
@@ -81,22 +73,17 @@ class CalmSolver(Protocol):
 @register_solver("bome")
 @dataclass
 class Bome:
-    """BOME: :class:`hypergrad.BOME` with ``inner_steps`` plain-SGD steps of :meth:`step_size`
-    defining the value function, θ stepped along BOME's direction by
+    """BOME (:class:`hypergrad.BOME`): ``inner_steps`` plain-SGD steps define the value function; θ steps by
     :func:`~llm_calib.calm.methods.theta_optimizer`.
 
     Attributes:
-        eta: the barrier coefficient η > 0 (default 2: with the gradient barrier θ's step weighs
-            the task loss about as much as the flat confidence penalty does; at 0.5 the entropy
-            term dominated and held-out accuracy fell below the guard).
-        barrier: ``"value"`` (φ = η q) or ``"gradient"`` (default, φ = η‖∇q‖², which keeps the
-            lower-level loss decreasing at every step), see :class:`hypergrad.BOME`.
-        inner_steps: T, the plain-SGD steps that define the value function.
+        eta: the barrier coefficient η > 0 (2: θ's step weighs the task loss about as much as the
+            flat confidence penalty does; at 0.5 held-out accuracy fell below the guard).
+        barrier: ``"value"`` (φ = η q) or ``"gradient"`` (default, φ = η‖∇q‖²).
+        inner_steps: T, the plain-SGD steps of the value function.
         inner_lr: their step size; None (default): 5e-2.
 
     Example:
-        >>> Bome(eta=0.5).barrier
-        'gradient'
         >>> Bome(barrier="none")
         Traceback (most recent call last):
         ...
@@ -110,7 +97,6 @@ class Bome:
     scores_f_at_step: ClassVar[bool] = True
     field_choices: ClassVar[dict[str, tuple[str, ...]]] = {"barrier": ("value", "gradient")}
     default_inner_lr: ClassVar[float] = 5e-2
-    """Plain SGD: large enough that the value function's ``inner_steps`` steps make the lower level bind."""
 
     def __post_init__(self) -> None:
         self.eta = check_number("objective.solver.eta", self.eta, positive=True)
@@ -119,7 +105,7 @@ class Bome:
         _check_inner("objective.solver", self)
 
     def step_size(self, config: CalibrationConfig) -> float:
-        """:attr:`inner_lr` when set, else :attr:`default_inner_lr`."""
+        """:attr:`inner_lr` when set, else 5e-2 (large enough for the lower level to bind)."""
         return self.default_inner_lr if self.inner_lr is None else self.inner_lr
 
     def build(self, config: CalibrationConfig) -> hg.BOME:
@@ -133,10 +119,8 @@ class Bome:
 @register_solver("f2sa")
 @dataclass
 class F2SA:
-    """F2SA: :class:`hypergrad.Penalty` whose two iterates (θ on g, θ_σ on g + σ f) take
-    ``inner_steps`` Adam steps of :meth:`step_size` (by default θ's rate ``training.lr``),
-    evaluated at the estimate after the last inner step (``evaluate="advanced"``, as the CALM
-    results in ``benchmarks/results`` were measured).
+    """F2SA (:class:`hypergrad.Penalty`): θ on g and θ_σ on g + σ f each take ``inner_steps`` Adam steps, evaluated
+    at the last iterate.
 
     Attributes:
         sigma: the penalty weight σ > 0.
@@ -170,8 +154,7 @@ class F2SA:
 
 @contextlib.contextmanager
 def _capped_second_order_solve() -> Iterator[None]:
-    """Attention with second derivatives, and a CG solve capped at ``maxiter`` without a warning
-    per step (``info.converged`` reports it)."""
+    """Attention with second derivatives; a capped CG solve is reported (``info.converged``), not warned about."""
     with second_order_attention(), warnings.catch_warnings():
         warnings.simplefilter("ignore", hg.ConvergenceWarning)
         yield
@@ -180,18 +163,12 @@ def _capped_second_order_solve() -> Iterator[None]:
 @register_solver("implicit")
 @dataclass
 class ImplicitSolver:
-    """Exact implicit differentiation after lower-level steps: :class:`hypergrad.AlternatingImplicit`
-    takes ``inner_steps`` Adam steps of θ on g (of :meth:`step_size`, by default θ's rate), then the
-    exact hypergradient by damped conjugate gradients, warm started across steps, in attention's
-    math kernel (second derivatives); a capped CG solve is reported per step (``cg_converged``),
-    not warned about. The first-order solvers approximate this direction; on CALM's problem they
-    can point away from it (``benchmarks/results/calm_hypergradient.md``).
+    """Exact hypergradients after lower-level steps (:class:`hypergrad.AlternatingImplicit`): ``inner_steps``
+    Adam steps of θ on g, then damped conjugate gradients warm-started across steps.
 
     Attributes:
-        maxiter: conjugate-gradient iterations per hypergradient, >= 1 (warm-started from the
-            previous step's solution).
-        damping: damping μ >= 0 of the Hessian, (H + μI) v = ∇_θ f (LoRA's lower level is not
-            convex; μ > 0 keeps the system positive definite).
+        maxiter: CG iterations per hypergradient, >= 1.
+        damping: μ >= 0 in (H + μI) v = ∇_θ f (keeps the system positive definite).
         tol: relative residual > 0 at which CG stops early.
         inner_steps: the lower-level Adam steps per outer step.
         inner_lr: their step size; None (default): θ's rate ``training.lr``.
@@ -230,27 +207,19 @@ class ImplicitSolver:
 @register_objective("calm")
 @dataclass
 class Calm(Objective):
-    """CALM: λ and θ trained on the bilevel problem ``BilevelProblem(inner=g, outer=f)`` by a solver.
+    """CALM: λ and θ trained on ``BilevelProblem(inner=g, outer=f)`` by a solver, then an Adam step of λ within its
+    bounds.
 
-    Each step: the solver's joint step of θ and its λ-direction, then one Adam step of λ
-    projected onto its bounds. The record holds ``g`` (adjusted cross-entropy of the training
-    batch at the step's θ), ``unlabeled_entropy`` (−f at the step's θ) and the solver's
-    diagnostics (BOME: ``phi``, ``q``, ``grad_q_norm``).
+    The step's record holds ``g``, ``unlabeled_entropy`` (−f at the step's θ) and the solver's diagnostics.
 
     Attributes:
-        solver: the solver's settings, a registered solver config: :class:`Bome` (default),
-            :class:`F2SA` or :class:`ImplicitSolver` (exact hypergradients after lower-level steps,
-            :class:`hypergrad.AlternatingImplicit`).
-        adjustment: λ variant: ``"auto"`` (default: where the prediction is made, see
-            :func:`llm_calib.calm.methods.resolve_adjustment`), token level ``"vector"``,
-            ``"temperature"``, ``"answer_tokens"``, or option level ``"option_temperature"``,
-            ``"option_length"`` (option-likelihood multiple choice; see :mod:`llm_calib.adjustment`).
+        solver: a registered solver config: :class:`Bome` (default), :class:`F2SA` or :class:`ImplicitSolver`.
+        adjustment: λ variant (:data:`ADJUSTMENT_CHOICES`; ``"auto"``: where the prediction is made,
+            :func:`~llm_calib.calm.methods.resolve_adjustment`).
         lam_lr: learning rate of λ (Adam).
         max_log_scale, max_bias: bounds on λ.
 
     Example:
-        >>> Calm(solver=F2SA(sigma=0.2))
-        Calm(solver=F2SA(sigma=0.2, inner_steps=5, inner_lr=None), adjustment='auto', lam_lr=0.05, max_log_scale=3.0, max_bias=10.0)
         >>> Calm.trains_adjustment, Calm.from_dict({"solver": {"name": "f2sa"}}).solver
         (True, F2SA(sigma=0.1, inner_steps=5, inner_lr=None))
     """
@@ -276,12 +245,6 @@ class Calm(Objective):
         self.lam_lr = check_number("objective.lam_lr", self.lam_lr, positive=True)
         self.max_log_scale = check_number("objective.max_log_scale", self.max_log_scale, positive=True)
         self.max_bias = check_number("objective.max_bias", self.max_bias, minimum=0)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Calm:
-        """CALM's settings from ``data``, its ``solver`` tagged by name (``{"name": "f2sa", "sigma": 0.2}``,
-        or just the name; default BOME)."""
-        return settings_from_dict(cls, data, "objective")
 
     def make_solver(self, config: CalibrationConfig) -> Any:
         """The solver's :mod:`hypergrad` method."""
@@ -311,8 +274,7 @@ class Calm(Objective):
 
 
 def solver_from_dict(data: dict[str, Any]) -> CalmSolver:
-    """The solver config of ``data``: the class registered as ``data["name"]`` (default ``"bome"``)
-    with the other keys as its settings.
+    """The solver config registered as ``data["name"]`` (default ``"bome"``) with the other keys as settings.
 
     Raises:
         ValueError: an unknown solver name, or a key that is not one of its settings.
@@ -327,22 +289,8 @@ def solver_from_dict(data: dict[str, Any]) -> CalmSolver:
     return settings_from_dict(cls, data, "objective.solver")
 
 
-def inner_lr(config: CalibrationConfig) -> float:
-    """The inner step size of CALM's solver in ``config``: its ``inner_lr`` when set, else the
-    solver's default (BOME: ``5e-2``, plain SGD; F2SA and implicit: θ's Adam rate ``training.lr``).
-
-    Example:
-        >>> from llm_calib.calm.config import CalibrationConfig, TrainingSettings
-        >>> cfg = CalibrationConfig(objective=Calm(solver=F2SA()), training=TrainingSettings(lr=3e-3))
-        >>> inner_lr(cfg), inner_lr(CalibrationConfig())
-        (0.003, 0.05)
-    """
-    return config.objective.solver.step_size(config)
-
-
 def make_solver(config: CalibrationConfig) -> Any:
-    """The :mod:`hypergrad` method of the objective's solver (see :class:`Bome`, :class:`F2SA`,
-    :class:`ImplicitSolver`); None for a one-level objective.
+    """The :mod:`hypergrad` method of ``config``'s objective (None for a one-level objective).
 
     Example:
         >>> from llm_calib.calm.config import CalibrationConfig

@@ -22,17 +22,13 @@ __all__ = ["ConfidencePenalty"]
 @register_objective("confidence_penalty")
 @dataclass
 class ConfidencePenalty(OneLevelObjective):
-    """The flat confidence penalty ``CE − β·H``: CE on the training batch, H the deployed model's
-    mean entropy on the batch of unlabelled inputs CALM's f sees (a fair one-level ablation of CALM).
-
-    The step's record adds ``ce`` and ``unlabeled_entropy``.
+    """The flat confidence penalty ``CE − β·H`` (H: mean entropy on CALM's unlabelled batch), a one-level ablation
+    of CALM.
 
     Attributes:
         beta: the entropy weight β >= 0.
 
     Example:
-        >>> ConfidencePenalty(beta=0.3)
-        ConfidencePenalty(beta=0.3)
         >>> ConfidencePenalty(beta=-1.0)
         Traceback (most recent call last):
         ...
@@ -43,7 +39,6 @@ class ConfidencePenalty(OneLevelObjective):
 
     def __post_init__(self) -> None:
         self.beta = check_number("objective.beta", self.beta, minimum=0)
-
 
     def loss_fn(self, trainer: Trainer, state: TrainState, inner: Batch,
                 parts: dict[str, Tensor]) -> Callable[[dict[str, Tensor]], Tensor]:

@@ -22,14 +22,12 @@ __all__ = ["LabelSmoothing"]
 @register_objective("label_smoothing")
 @dataclass
 class LabelSmoothing(OneLevelObjective):
-    """CE with label smoothing ε (options; for open questions: over the vocabulary).
+    """CE with label smoothing ε (over the options; for open questions over the vocabulary).
 
     Attributes:
         eps: the smoothing mass ε, in [0, 1).
 
     Example:
-        >>> LabelSmoothing(eps=0.2).eps
-        0.2
         >>> LabelSmoothing(eps=1.0)
         Traceback (most recent call last):
         ...
@@ -40,7 +38,6 @@ class LabelSmoothing(OneLevelObjective):
 
     def __post_init__(self) -> None:
         self.eps = check_number("objective.eps", self.eps, minimum=0, below=1)
-
 
     def loss_fn(self, trainer: Trainer, state: TrainState, inner: Batch,
                 parts: dict[str, Tensor]) -> Callable[[dict[str, Tensor]], Tensor]:

@@ -19,11 +19,9 @@ __all__ = ["OneLevelObjective"]
 
 
 class OneLevelObjective(Objective):
-    """An objective that is one loss of θ on the unadjusted model (no λ, no bilevel problem).
+    """One loss of θ on the unadjusted model, minimised by one step of the run's θ optimiser per step.
 
-    A subclass defines :meth:`loss_fn` (and :meth:`record` for extra diagnostics); :meth:`step`
-    takes one step of the run's θ optimiser
-    (:func:`~llm_calib.calm.methods.theta_optimizer`) on its gradient.
+    A subclass defines :meth:`loss_fn` (and :meth:`record` for extra diagnostics).
 
     Example:
         >>> from llm_calib.objectives.lora_ce import LoraCE
@@ -33,12 +31,11 @@ class OneLevelObjective(Objective):
 
     def loss_fn(self, trainer: Trainer, state: TrainState, inner: Batch,
                 parts: dict[str, Tensor]) -> Callable[[dict[str, Tensor]], Tensor]:
-        """The loss of θ of this step (training batch ``inner``); it may store named terms in
-        ``parts`` for :meth:`record`. Draw any other batch here, before the loss is evaluated."""
+        """The step's loss of θ on ``inner``; it may store named terms in ``parts``. Draw other batches here."""
         raise NotImplementedError(f"{type(self).__name__} must define loss_fn(trainer, state, inner, parts)")
 
     def record(self, parts: dict[str, Tensor]) -> dict[str, float]:
-        """Extra entries of the step's record from the terms the loss stored (default: none)."""
+        """Extra entries of the step's record from the stored terms (default: none)."""
         return {}
 
     def step(self, trainer: Trainer, state: TrainState, inner: Batch) -> dict[str, float]:

@@ -1,15 +1,9 @@
-"""The registry of training objectives and of CALM's bilevel solvers, by name.
+"""The registry of training objectives and of CALM's solvers, by name.
 
-A new objective is one module: a class derived from :class:`~llm_calib.objectives.base.Objective`
-decorated with :func:`register_objective`; ``CalibrationConfig(objective=<instance>)``, config
-files (``objective: {name: <name>, ...}``, :func:`objective_from_dict`) and
-``llm-calib calibrate --objective <name>`` / ``--methods <name>`` then reach it, with no edit elsewhere. Solvers of
-:class:`~llm_calib.objectives.calm.Calm` register the same way with :func:`register_solver`.
-
-The built-in names are known before their modules are imported (:data:`BUILTIN_OBJECTIVES`,
-:data:`BUILTIN_SOLVERS`), so that a configuration can be validated without loading the training
-code; their classes register when :mod:`llm_calib.objectives.builtin` is imported (the training
-loop imports it). This module imports no other module of the project.
+A new objective is one module: an :class:`~llm_calib.objectives.base.Objective` subclass decorated
+with :func:`register_objective`; config files, ``CalibrationConfig`` and the command line then
+reach it. The built-in names are known before their modules load (:data:`BUILTIN_OBJECTIVES`),
+which :mod:`llm_calib.objectives.builtin` registers. This module imports no other project module.
 """
 
 from __future__ import annotations
@@ -18,25 +12,16 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 __all__ = [
-    "BUILTIN_OBJECTIVES",
-    "BUILTIN_SOLVERS",
-    "objective_class",
-    "objective_from_dict",
-    "objective_names",
-    "register_objective",
-    "register_solver",
-    "solver_class",
-    "solver_names",
-    "unregister_objective",
-    "unregister_solver",
+    "BUILTIN_OBJECTIVES", "BUILTIN_SOLVERS", "objective_class", "objective_from_dict",
+    "objective_names", "register_objective", "register_solver", "solver_class", "solver_names",
+    "unregister_objective", "unregister_solver",
 ]
 
 BUILTIN_OBJECTIVES = ("calm", "lora_ce", "label_smoothing", "confidence_penalty")
 """The objectives shipped with llm_calib: CALM (bilevel) and the one-level baselines."""
 
 BUILTIN_SOLVERS = ("bome", "f2sa", "implicit")
-"""CALM's shipped bilevel solvers: first-order BOME and F2SA, and exact implicit differentiation
-after lower-level steps (see :mod:`llm_calib.objectives.calm`)."""
+"""CALM's shipped solvers (see :mod:`llm_calib.objectives.calm`)."""
 
 _OBJECTIVES: dict[str, type] = {}
 _SOLVERS: dict[str, type] = {}
@@ -60,8 +45,7 @@ def _register(table: dict[str, type], kind: str, name: str) -> Callable[[T], T]:
 
 
 def register_objective(name: str) -> Callable[[T], T]:
-    """Class decorator: register an :class:`~llm_calib.objectives.base.Objective` under ``name``
-    (also set as its ``name`` attribute).
+    """Class decorator: register an :class:`~llm_calib.objectives.base.Objective` as ``name`` (also its ``name``).
 
     Raises:
         ValueError: ``name`` is not an identifier, or another class holds it.
@@ -79,8 +63,7 @@ def register_objective(name: str) -> Callable[[T], T]:
 
 
 def register_solver(name: str) -> Callable[[T], T]:
-    """Class decorator: register a solver config of :class:`~llm_calib.objectives.calm.Calm`
-    under ``name`` (see :class:`~llm_calib.objectives.calm.CalmSolver` for what it provides).
+    """Class decorator: register a solver config of :class:`~llm_calib.objectives.calm.Calm` as ``name``.
 
     Example:
         >>> @register_solver("doc_solver")
@@ -94,10 +77,10 @@ def register_solver(name: str) -> Callable[[T], T]:
 
 
 def unregister_objective(name: str) -> None:
-    """Remove a registered objective (tests that register their own clean up with this).
+    """Remove a registered objective.
 
     Raises:
-        ValueError: a built-in objective (they cannot be removed) or an unknown name.
+        ValueError: a built-in objective or an unknown name.
     """
     _unregister(_OBJECTIVES, BUILTIN_OBJECTIVES, "objective", name)
 
@@ -172,9 +155,8 @@ def solver_class(name: str) -> type:
 
 
 def objective_from_dict(data: Any) -> Any:
-    """The objective of a config's ``objective`` entry: the class registered as ``data["name"]``
-    (default ``"calm"``) built by its ``from_dict`` from the other keys; a bare name is the
-    objective with its default settings.
+    """The objective of a config's ``objective`` entry: a mapping with a ``name`` (default ``"calm"``) and
+    settings, or a bare name.
 
     Raises:
         ValueError: an unknown name, or a key that is not one of the objective's settings.
@@ -183,8 +165,6 @@ def objective_from_dict(data: Any) -> Any:
         >>> import llm_calib.objectives.builtin
         >>> objective_from_dict({"name": "confidence_penalty", "beta": 0.3})
         ConfidencePenalty(beta=0.3)
-        >>> objective_from_dict("lora_ce")
-        LoraCE()
     """
     if isinstance(data, str):
         data = {"name": data}

@@ -1,14 +1,8 @@
 """Scorers that turn a model's outputs into per-question probabilities and confidences.
 
-Multiple choice (both return a :class:`ScoredSet`):
-
-* :func:`score_option_likelihood`: log-probability of each option's text after the prompt
-  (summed or length-normalised), softmax over options; cloze prompt by default. Batched, one
-  forward pass per batch of questions.
-* :func:`score_letter`: log-probabilities of the option letters with the options listed.
-
-Open-ended: :func:`score_open_ended` (greedy answers, token-probability confidences, SQuAD exact
-match and F1).
+Multiple choice (a :class:`ScoredSet`): :func:`score_option_likelihood` (each option's text after
+the prompt) and :func:`score_letter` (the option letters, options listed). Open-ended (an
+:class:`OpenEndedSet`): :func:`score_open_ended` (greedy answers, exact match and F1).
 """
 
 from __future__ import annotations
@@ -16,17 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from llm_calib.answers import exact_match, normalize_answer, token_f1
 from llm_calib.data.records import MultipleChoice
 from llm_calib.prompts import PromptFormat
 from llm_calib.scoring.base import ScoredSet
 from llm_calib.scoring.letter import letter_token_ids, score_letter
-from llm_calib.scoring.open_ended import (
-    GreedyAnswer,
-    OpenEndedSet,
-    generate_greedy,
-    score_open_ended,
-)
+from llm_calib.scoring.open_ended import OpenEndedSet, score_open_ended
 from llm_calib.scoring.option_likelihood import (
     LM_EVAL_NORMALIZATIONS,
     NORMALIZE_MODES,
@@ -36,23 +24,9 @@ from llm_calib.scoring.option_likelihood import (
 )
 
 __all__ = [
-    "LM_EVAL_NORMALIZATIONS",
-    "NORMALIZE_MODES",
-    "SCORERS",
-    "STRATEGIES",
-    "GreedyAnswer",
-    "OpenEndedSet",
-    "ScoredSet",
-    "exact_match",
-    "generate_greedy",
-    "letter_token_ids",
-    "normalize_answer",
-    "normalized",
-    "score_letter",
-    "score_multiple_choice",
-    "score_open_ended",
-    "score_option_likelihood",
-    "token_f1",
+    "LM_EVAL_NORMALIZATIONS", "NORMALIZE_MODES", "SCORERS", "STRATEGIES", "OpenEndedSet",
+    "ScoredSet", "letter_token_ids", "normalized", "score_letter", "score_multiple_choice",
+    "score_open_ended", "score_option_likelihood",
 ]
 
 SCORERS: dict[str, Callable[..., ScoredSet]] = {
@@ -63,31 +37,11 @@ SCORERS: dict[str, Callable[..., ScoredSet]] = {
 
 
 def score_multiple_choice(
-    model: Any,
-    tokenizer: Any,
-    records: Sequence[MultipleChoice],
-    *,
-    scorer: str = "option_likelihood",
-    normalize: Literal["sum", "mean", "char", "byte"] = "sum",
-    prompt: PromptFormat | None = None,
-    batch_size: int = 8,
-    progress: bool = False,
+    model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, scorer: str = "option_likelihood",
+    normalize: Literal["sum", "mean", "char", "byte"] = "sum", prompt: PromptFormat | None = None,
+    batch_size: int = 8, progress: bool = False,
 ) -> ScoredSet:
-    """Score multiple-choice records with the scorer named ``scorer``.
-
-    Args:
-        model: a Hugging Face causal LM.
-        tokenizer: its tokenizer.
-        records: multiple-choice records.
-        scorer: ``"option_likelihood"`` or ``"letter"``.
-        normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` (option likelihood only;
-            ignored by letter).
-        prompt: the prompt format (None: the scorer's default).
-        batch_size: questions per forward pass.
-        progress: show a progress bar.
-
-    Returns:
-        A :class:`ScoredSet`.
+    """Score multiple-choice records with the scorer named ``scorer`` (``normalize``: option likelihood only).
 
     Raises:
         ValueError: an unknown ``scorer``, or the chosen scorer's own argument errors.

@@ -1,73 +1,129 @@
-"""The result type shared by the multiple-choice scorers, and tokenisation helpers.
+"""The result types' shared base, the multiple-choice :class:`ScoredSet`, and tokenisation helpers.
 
-Tokenisation choice (documented once, used by every scorer): the prompt and each continuation
-are tokenised *separately* and their ids concatenated, so the continuation tokens are exactly the
-ids of ``tokenizer(" " + option, add_special_tokens=False)``. This identifies the scored tokens
-unambiguously (tokenising ``prompt + continuation`` jointly can merge tokens across the boundary),
-and makes the score of an option independent of how the prompt happens to end. For byte-level BPE
-tokenizers (GPT-2, Llama-3, SmolLM2) the leading space becomes part of the first continuation
-token, matching how the model sees a space-separated answer.
+Every scorer tokenises the prompt and each continuation separately and concatenates the ids, so
+the scored tokens are exactly ``tokenizer(" " + option)`` (no merge across the boundary).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterable, Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
 
 from llm_calib import metrics
 from llm_calib.data.records import MultipleChoice
+from llm_calib.engine.packing import length_batches
 
 __all__ = [
-    "ScoredSet",
-    "check_records",
-    "encode_continuation",
-    "encode_prompt",
-    "progress_bar",
-    "scoring_split",
+    "ScoredResult", "ScoredSet", "check_records", "encode_continuation", "encode_prompt",
+    "progress_bar", "score_in_batches", "scoring_split",
 ]
 
 _SPLIT: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_calib_scoring_split", default=None)
 
+S = TypeVar("S", bound="ScoredResult")
+T = TypeVar("T")
+
+
+class ScoredResult:
+    """What every scored set offers, whatever the format that produced it.
+
+    :class:`ScoredSet` and :class:`~llm_calib.scoring.open_ended.OpenEndedSet` are dataclasses of
+    per-question lists (named in ``per_question``), ``info`` and optional ``details``; they define
+    ``correct``, ``confidences`` and ``summary``, and share selection, domain split and concatenation.
+
+    Example:
+        >>> from llm_calib.scoring.open_ended import OpenEndedSet
+        >>> mc = ScoredSet([torch.tensor([0.0, 1.0]), torch.tensor([2.0, 0.0])], [1, 1], ["a", "b"], ["q0", "q1"])
+        >>> op = OpenEndedSet(["Paris"], [("Paris",)], ["d"], ["q1"], [(0.8,)])
+        >>> [isinstance(s, ScoredResult) for s in (mc, op)], [s.accuracy for s in (mc, op)]
+        ([True, True], [0.5, 1.0])
+        >>> sorted(mc.by_domain()), len(ScoredSet.concat([mc, mc.select([0])]))
+        (['a', 'b'], 3)
+    """
+
+    per_question: ClassVar[tuple[str, ...]]
+    ids: list[str]
+    domains: list[str]
+    info: dict[str, Any]
+    details: list[dict[str, Any]] | None
+
+    def __len__(self) -> int:
+        return len(getattr(self, self.per_question[0]))
+
+    @property
+    def correct(self) -> np.ndarray:
+        """Whether each question is answered correctly."""
+        raise NotImplementedError
+
+    @property
+    def confidences(self) -> np.ndarray:
+        """The confidence in ``[0, 1]`` of each answer (what calibration metrics bin)."""
+        raise NotImplementedError
+
+    def summary(self, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0) -> dict[str, float]:
+        """The calibration metrics of the set."""
+        raise NotImplementedError
+
+    @property
+    def accuracy(self) -> float:
+        """Fraction of questions answered correctly (NaN for an empty set)."""
+        return float(self.correct.mean()) if len(self) else float("nan")
+
+    def select(self: S, indices: Iterable[int]) -> S:
+        """The sub-set at ``indices`` (same settings and info)."""
+        idx = list(indices)
+        picked = {f: [getattr(self, f)[i] for i in idx] for f in self.per_question}
+        details = [self.details[i] for i in idx] if self.details is not None else None
+        return dataclasses.replace(self, **picked, info=dict(self.info), details=details)  # type: ignore[type-var]
+
+    def by_domain(self: S) -> dict[str, S]:
+        """Split by domain, in order of first appearance."""
+        groups: dict[str, list[int]] = {}
+        for i, d in enumerate(self.domains):
+            groups.setdefault(d, []).append(i)
+        return {d: self.select(idx) for d, idx in groups.items()}
+
+    @classmethod
+    def concat(cls: type[S], sets: Sequence[S]) -> S:
+        """Several sets as one (the first one's settings and info are kept)."""
+        if not sets:
+            raise ValueError(f"{cls.__name__}.concat needs at least one set")
+        joined = {f: [x for s in sets for x in getattr(s, f)] for f in cls.per_question}
+        details = ([d for s in sets for d in s.details]  # type: ignore[union-attr]
+                   if all(s.details is not None for s in sets) else None)
+        first = sets[0]
+        return dataclasses.replace(first, **joined, info=dict(first.info), details=details)  # type: ignore[type-var]
+
 
 @dataclass
-class ScoredSet:
-    """Per-question option scores of a multiple-choice scorer.
+class ScoredSet(ScoredResult):
+    """Per-question option scores of a multiple-choice scorer; probabilities are ``softmax(logits[i])``.
 
-    Follows :class:`~llm_calib.formats.base.ScoredResult`, the interface it shares with
-    :class:`~llm_calib.scoring.open_ended.OpenEndedSet`. The probabilities of a question are ``softmax(logits[i])``; temperature scaling divides the
-    logits by ``T``. Option counts may differ between questions (ragged lists).
+    Option counts may differ between questions.
 
     Attributes:
-        logits: one 1-D float tensor of option scores per question (log-probabilities, summed or
-            length-normalised, for option likelihood; letter-token log-probabilities for the letter
-            scorer).
+        logits: one 1-D float tensor of option scores per question.
         labels: gold option index per question.
         domains: domain label per question.
         ids: record id per question.
         scorer: name of the scorer that produced the scores.
         info: scorer settings and diagnostics (JSON-serialisable).
-        details: per question, what the scorer saw (or None): ``prompt`` (text), ``choices``
-            (the scored choice strings, without the target delimiter), ``continuations``,
-            ``token_ids`` (per option), ``loglik`` (summed log-probability per option),
-            ``n_tokens``, ``n_chars``, ``n_bytes`` (per option). The option-likelihood and letter
-            scorers fill it; it feeds :func:`llm_calib.scoring.normalized` and per-sample logs.
+        details: per question what the scorer saw (or None): ``prompt``, ``choices``,
+            ``continuations``, and per option ``token_ids``, ``loglik`` (summed), ``n_tokens``,
+            ``n_chars``, ``n_bytes``; read by :func:`llm_calib.scoring.normalized`.
 
     Example:
-        >>> import torch
         >>> s = ScoredSet([torch.tensor([0.0, 1.0]), torch.tensor([2.0, 0.0, 0.0])],
         ...               [1, 1], ["a", "b"], ["q0", "q1"])
         >>> s.predictions.tolist(), s.correct.tolist()
         ([1, 0], [True, False])
-        >>> round(float(s.probs[0].sum()), 6)
-        1.0
-        >>> sorted(s.by_domain())
-        ['a', 'b']
     """
 
     logits: list[torch.Tensor]
@@ -77,6 +133,8 @@ class ScoredSet:
     scorer: str = ""
     info: dict[str, Any] = field(default_factory=dict)
     details: list[dict[str, Any]] | None = field(default=None, repr=False)
+
+    per_question: ClassVar[tuple[str, ...]] = ("logits", "labels", "domains", "ids")
 
     def __post_init__(self) -> None:
         n = len(self.logits)
@@ -89,8 +147,12 @@ class ScoredSet:
             )
         self.labels = [int(x) for x in self.labels]
 
-    def __len__(self) -> int:
-        return len(self.logits)
+    @classmethod
+    def from_records(cls, records: Sequence[MultipleChoice], logits: list[torch.Tensor], scorer: str,
+                     info: dict[str, Any], details: list[dict[str, Any]] | None = None) -> ScoredSet:
+        """The scores of ``records``: their gold options, domains and ids."""
+        return cls(logits, [r.gold for r in records], [r.domain for r in records], [r.id for r in records],
+                   scorer, info, details)
 
     @property
     def probs(self) -> list[torch.Tensor]:
@@ -122,41 +184,10 @@ class ScoredSet:
         """Whether the argmax option is the gold one."""
         return self.predictions == self.labels_numpy
 
-    @property
-    def accuracy(self) -> float:
-        """Fraction of questions answered correctly (NaN for an empty set)."""
-        return float(self.correct.mean()) if len(self) else float("nan")
-
     def summary(self, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0) -> dict[str, float]:
-        """The calibration metrics of the option probabilities (:func:`llm_calib.metrics.summarize`).
-
-        Example:
-            >>> s = ScoredSet([torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0])], [1, 1], ["d", "d"], ["a", "b"])
-            >>> s.summary(ci=False)["accuracy"]
-            0.5
-        """
+        """The calibration metrics of the option probabilities (:func:`llm_calib.metrics.summarize`)."""
         return metrics.summarize(self.probs_numpy, self.labels_numpy, n_bins=n_bins, ci=ci,
                                  n_resamples=n_resamples, seed=seed)
-
-    def select(self, indices: Iterable[int]) -> ScoredSet:
-        """The sub-set at ``indices`` (same scorer and info)."""
-        idx = list(indices)
-        return ScoredSet(
-            [self.logits[i] for i in idx],
-            [self.labels[i] for i in idx],
-            [self.domains[i] for i in idx],
-            [self.ids[i] for i in idx],
-            self.scorer,
-            dict(self.info),
-            [self.details[i] for i in idx] if self.details is not None else None,
-        )
-
-    def by_domain(self) -> dict[str, ScoredSet]:
-        """Split by domain, in order of first appearance."""
-        groups: dict[str, list[int]] = {}
-        for i, d in enumerate(self.domains):
-            groups.setdefault(d, []).append(i)
-        return {d: self.select(idx) for d, idx in groups.items()}
 
     def scaled(self, temperature: float) -> ScoredSet:
         """A copy with every logit vector divided by ``temperature`` (> 0)."""
@@ -167,32 +198,9 @@ class ScoredSet:
         out.info["temperature"] = float(temperature)
         return out
 
-    @staticmethod
-    def concat(sets: Sequence[ScoredSet]) -> ScoredSet:
-        """Concatenate several sets (the first one's scorer and info are kept)."""
-        if not sets:
-            raise ValueError("ScoredSet.concat needs at least one set")
-        return ScoredSet(
-            [z for s in sets for z in s.logits],
-            [y for s in sets for y in s.labels],
-            [d for s in sets for d in s.domains],
-            [i for s in sets for i in s.ids],
-            sets[0].scorer,
-            dict(sets[0].info),
-            [d for s in sets for d in s.details]  # type: ignore[union-attr]
-            if all(s.details is not None for s in sets)
-            else None,
-        )
-
 
 def check_records(records: Sequence[Any]) -> list[MultipleChoice]:
-    """Check that ``records`` are :class:`MultipleChoice` records and return them as a list.
-
-    Args:
-        records: the records to score.
-
-    Returns:
-        The records as a list.
+    """``records`` as a list, after checking that they are :class:`MultipleChoice` records.
 
     Raises:
         TypeError: a record that is not :class:`MultipleChoice`.
@@ -220,19 +228,7 @@ def _adds_bos(tokenizer: Any) -> bool:
 
 
 def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
-    """Token ids of a prompt.
-
-    A chat-templated prompt already holds its special tokens, so it is tokenised without adding
-    any. A plain prompt gets the tokenizer's BOS token when the tokenizer adds one by default
-    (and never an EOS token).
-
-    Args:
-        tokenizer: a Hugging Face tokenizer.
-        text: the prompt text.
-        chat: whether ``text`` came from a chat template.
-
-    Returns:
-        The ids.
+    """Token ids of a prompt: a chat-templated one as it is, a plain one with the tokenizer's default BOS.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -247,15 +243,7 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
 
 
 def encode_continuation(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of a continuation, tokenised on its own without special tokens.
-
-    Args:
-        tokenizer: a Hugging Face tokenizer.
-        text: the continuation, with its leading space (see
-            :func:`llm_calib.prompts.continuation_text`).
-
-    Returns:
-        The token ids.
+    """Token ids of a continuation (with its leading space), tokenised alone without special tokens.
 
     Raises:
         ValueError: if the continuation has no tokens.
@@ -285,13 +273,7 @@ class _NoBar:
 
 @contextlib.contextmanager
 def scoring_split(name: str) -> Iterator[None]:
-    """Name the split that the progress bars opened inside the block score.
-
-    Every :func:`progress_bar` opened in the block is labelled ``<name>: <desc>``, so a run that
-    scores several sets (evaluation sets, the temperature-fit set) says which one a bar counts.
-
-    Args:
-        name: the split, e.g. its data spec.
+    """Label every :func:`progress_bar` opened inside the block ``<name>: <desc>``.
 
     Example:
         >>> with scoring_split("arc_easy:test"):
@@ -306,18 +288,29 @@ def scoring_split(name: str) -> Iterator[None]:
         _SPLIT.reset(token)
 
 
+def score_in_batches(lengths: Sequence[int], batch_size: int, score: Callable[[list[int]], Sequence[T]], *,
+                     desc: str, progress: bool) -> list[T]:
+    """``score(indices)`` over batches of similar length (:func:`~llm_calib.engine.packing.length_batches`), in
+    input order.
+
+    Example:
+        >>> score_in_batches([3, 1, 2], 2, lambda idx: [10 * i for i in idx], desc="x", progress=False)
+        [0, 10, 20]
+    """
+    out: list[Any] = [None] * len(lengths)
+    bar = progress_bar(total=len(lengths), desc=desc, enabled=progress)
+    try:
+        for idx in length_batches(lengths, batch_size):
+            for i, value in zip(idx, score(idx), strict=True):
+                out[i] = value
+            bar.update(len(idx))
+    finally:
+        bar.close()
+    return out
+
+
 def progress_bar(*, total: int, desc: str, enabled: bool) -> Any:
-    """A tqdm bar counting ``total`` questions, or a no-op stand-in when not ``enabled``.
-
-    Inside :func:`scoring_split` the label starts with the split's name.
-
-    Args:
-        total: number of questions.
-        desc: label of the bar.
-        enabled: show a real bar.
-
-    Returns:
-        An object with ``update(n)`` and ``close()``.
+    """A tqdm bar counting ``total`` questions, or a no-op stand-in (``update``, ``close``) when not ``enabled``.
 
     Example:
         >>> bar = progress_bar(total=3, desc="scoring", enabled=False)

@@ -1,6 +1,5 @@
-"""Letter scoring: the options are listed in the prompt as ``A.``, ``B.``, ...; the score of an
-option is the log-probability of its letter token at the answer position, renormalised over the
-options (softmax over the letter scores).
+"""Letter scoring: the options listed as ``A.``, ``B.``, ...; an option's score is the
+log-probability of its letter at the answer position (softmax over the letters).
 """
 
 from __future__ import annotations
@@ -14,25 +13,15 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import target_logprobs
-from llm_calib.engine.packing import length_batches, pack_letters
+from llm_calib.engine.packing import pack_letters
 from llm_calib.prompts import PromptFormat, option_letters, record_prompt, uses_chat_template
-from llm_calib.scoring.base import ScoredSet, check_records, encode_prompt, progress_bar
+from llm_calib.scoring.base import ScoredSet, check_records, encode_prompt, score_in_batches
 
-__all__ = ["letter_token_ids", "score_letter"]
+__all__ = ["check_listed_prompt", "letter_token_ids", "score_letter"]
 
 
 def letter_token_ids(tokenizer: Any, n: int) -> list[int]:
-    """Token ids of the first ``n`` option letters as the model would write them after the prefix.
-
-    Uses the single-token forms ``" A"``, ``" B"``, ... when every letter has one (byte-level BPE
-    tokenizers), else ``"A"``, ``"B"``, ...
-
-    Args:
-        tokenizer: a Hugging Face tokenizer.
-        n: number of letters.
-
-    Returns:
-        One token id per letter.
+    """Token ids of the first ``n`` option letters: ``" A"``, ``" B"``, ... if single tokens, else ``"A"``, ...
 
     Raises:
         ValueError: if some letter is not a single token in either form.
@@ -56,35 +45,33 @@ def letter_token_ids(tokenizer: Any, n: int) -> list[int]:
     )
 
 
-def score_letter(
-    model: Any,
-    tokenizer: Any,
-    records: Sequence[MultipleChoice],
-    *,
-    prompt: PromptFormat | None = None,
-    batch_size: int = 8,
-    progress: bool = False,
-) -> ScoredSet:
-    """Score multiple-choice questions by the logits of the option letters.
-
-    The prompt lists the options (``prompt.style`` must be ``"listed"``); the scores are the
-    log-probabilities of the letter tokens at the position after the prompt (the answer prefix),
-    so ``softmax(scores)`` renormalises the model's letter probabilities over the options.
-    ``info["letter_mass"]`` is the mean total probability the model puts on the option letters.
-
-    Args:
-        model: a Hugging Face causal LM.
-        tokenizer: its tokenizer.
-        records: multiple-choice records (at most 26 options).
-        prompt: the prompt format; default ``PromptFormat(style="listed")``.
-        batch_size: prompts per forward pass.
-        progress: show a tqdm progress bar.
-
-    Returns:
-        A :class:`~llm_calib.scoring.base.ScoredSet` with ``scorer="letter"``.
+def check_listed_prompt(prompt: PromptFormat | None) -> None:
+    """The letter scorer's rule: the prompt lists the options (style ``"listed"``, or a template).
 
     Raises:
-        ValueError: the prompt style is not ``"listed"``, ``batch_size < 1``, malformed records,
+        ValueError: a prompt that does not list the options.
+
+    Example:
+        >>> check_listed_prompt(PromptFormat(style="listed"))
+    """
+    if prompt is not None and prompt.style != "listed" and prompt.template is None:
+        raise ValueError(
+            "the letter scorer needs the options listed in the prompt: prompt style 'listed' "
+            f"(or a template that lists them), got {prompt.style!r}"
+        )
+
+
+def score_letter(
+    model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, prompt: PromptFormat | None = None,
+    batch_size: int = 8, progress: bool = False,
+) -> ScoredSet:
+    """Score multiple-choice questions (at most 26 options) by the log-probabilities of the option letters.
+
+    The prompt (default ``PromptFormat(style="listed")``) lists the options; ``info["letter_mass"]``
+    is the mean total probability on the option letters.
+
+    Raises:
+        ValueError: a prompt that does not list the options, ``batch_size < 1``, malformed records,
             or a tokenizer without single-token option letters.
 
     Example:
@@ -96,11 +83,7 @@ def score_letter(
         (2, 1.0)
     """
     fmt = prompt or PromptFormat(style="listed")
-    if fmt.style != "listed" and fmt.template is None:
-        raise ValueError(
-            f"the letter scorer needs the options listed in the prompt: prompt.style must be "
-            f"'listed' (or a template that lists them), got {fmt.style!r}"
-        )
+    check_listed_prompt(fmt)
     fmt = replace(fmt, choices="letters")  # few-shot examples are answered with their letter
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -111,45 +94,21 @@ def score_letter(
     texts = [record_prompt(tokenizer, r, fmt) for r in records]
     prompts = [encode_prompt(tokenizer, t, chat=chat) for t in texts]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    scores: list[torch.Tensor | None] = [None] * len(records)
-    mass: list[float] = [0.0] * len(records)
-    bar = progress_bar(total=len(records), desc="letter", enabled=progress)
-    try:
-        for idx in length_batches([len(p) for p in prompts], batch_size):
-            letters = [letter_ids[: len(records[i].options)] for i in idx]
-            packed = pack_letters([prompts[i] for i in idx], letters, pad_id)
-            with torch.inference_mode():
-                token_lp = target_logprobs(model, packed).double().cpu()
-            for i, s in zip(idx, torch.split(token_lp, packed.n_options), strict=True):
-                scores[i] = s
-                mass[i] = float(s.exp().sum())
-            bar.update(len(idx))
-    finally:
-        bar.close()
-    return ScoredSet(
-        logits=[s for s in scores if s is not None],
-        labels=[r.gold for r in records],
-        domains=[r.domain for r in records],
-        ids=[r.id for r in records],
-        scorer="letter",
-        info={
-            "prompt_style": fmt.style,
-            "chat_template": chat,
-            "answer_prefix": fmt.answer_prefix,
-            "letter_mass": float(np.mean(mass)) if mass else float("nan"),
-        },
-        details=[
-            {
-                "prompt": t,
-                "choices": list(option_letters(len(r.options))),
-                "continuations": [tokenizer.decode([i]) for i in letter_ids[: len(r.options)]],
-                "token_ids": [[i] for i in letter_ids[: len(r.options)]],
-                "loglik": [float(v) for v in s],
-                "n_tokens": [1] * len(r.options),
-                "n_chars": [1] * len(r.options),
-                "n_bytes": [1] * len(r.options),
-            }
-            for t, r, s in zip(texts, records, scores, strict=True)
-            if s is not None
-        ],
-    )
+
+    def score(idx: list[int]) -> tuple[torch.Tensor, ...]:
+        letters = [letter_ids[: len(records[i].options)] for i in idx]
+        packed = pack_letters([prompts[i] for i in idx], letters, pad_id)
+        with torch.inference_mode():
+            return torch.split(target_logprobs(model, packed).double().cpu(), packed.n_options)
+
+    scores = score_in_batches([len(p) for p in prompts], batch_size, score, desc="letter", progress=progress)
+    mass = [float(s.exp().sum()) for s in scores]
+    info = {"prompt_style": fmt.style, "chat_template": chat, "answer_prefix": fmt.answer_prefix,
+            "letter_mass": float(np.mean(mass)) if mass else float("nan")}
+    details = []
+    for t, r, s in zip(texts, records, scores, strict=True):
+        ids, ones = letter_ids[: len(r.options)], [1] * len(r.options)
+        details.append({"prompt": t, "choices": list(option_letters(len(r.options))),
+                        "continuations": [tokenizer.decode([i]) for i in ids], "token_ids": [[i] for i in ids],
+                        "loglik": [float(v) for v in s], "n_tokens": ones, "n_chars": ones, "n_bytes": ones})
+    return ScoredSet.from_records(records, list(scores), "letter", info, details)

@@ -1,11 +1,5 @@
-"""Open-ended QA: greedy answers, token-probability confidences, SQuAD exact match and F1.
-
-The answer is the greedy continuation of the prompt (see :mod:`llm_calib.prompts`) up to the first
-newline or end-of-sequence token, decoded by the scoring engine's one greedy decoder
-(:mod:`llm_calib.engine.decode`; :func:`generate_greedy`, :class:`GreedyAnswer`,
-:func:`eos_token_ids` and :func:`finish_answer` are re-exported here). Its confidence is the mean probability of its tokens (product and
-minimum are reported too). An answer is correct when its SQuAD-normalised form equals that of any
-accepted alias; token F1 (maximum over aliases) is the soft variant.
+"""Open-ended QA: greedy answers (the engine's decoder, :mod:`llm_calib.engine.decode`), the mean
+answer-token probability as confidence, SQuAD exact match and token F1 against any alias.
 """
 
 from __future__ import annotations
@@ -13,35 +7,24 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from llm_calib import metrics
 from llm_calib.answers import exact_match, token_f1
 from llm_calib.data.records import OpenQA
-from llm_calib.engine.decode import GreedyAnswer, eos_token_ids, finish_answer, generate_greedy
-from llm_calib.engine.packing import length_batches
+from llm_calib.engine.decode import GreedyAnswer, generate_greedy
 from llm_calib.prompts import PromptFormat, record_prompt, uses_chat_template
-from llm_calib.scoring.base import encode_prompt, progress_bar
+from llm_calib.scoring.base import ScoredResult, encode_prompt, score_in_batches
 
-__all__ = [
-    "GreedyAnswer",
-    "OpenEndedSet",
-    "encode_open_prompts",
-    "eos_token_ids",
-    "finish_answer",
-    "generate_greedy",
-    "open_ended_summary",
-    "score_open_ended",
-]
+__all__ = ["OpenEndedSet", "encode_open_prompts", "open_ended_summary", "score_open_ended"]
+
 
 @dataclass
-class OpenEndedSet:
-    """Greedy answers to open questions with confidences and correctness.
-
-    Follows :class:`~llm_calib.formats.base.ScoredResult`, the interface it shares with
-    :class:`~llm_calib.scoring.base.ScoredSet`.
+class OpenEndedSet(ScoredResult):
+    """Greedy answers to open questions with their token probabilities (a
+    :class:`~llm_calib.scoring.base.ScoredResult`).
 
     Attributes:
         answers: the generated answer texts.
@@ -50,8 +33,7 @@ class OpenEndedSet:
         ids: record id per question.
         token_probs: answer-token probabilities per question.
         info: settings (JSON-serialisable).
-        details: per question ``prompt`` (text), ``token_ids`` (of the answer) and ``stop``
-            (why generation ended), or None.
+        details: per question ``prompt``, ``token_ids`` (of the answer) and ``stop``, or None.
 
     Example:
         >>> s = OpenEndedSet(["Paris", "Rome"], [("Paris",), ("Oslo",)], ["geo", "geo"],
@@ -68,8 +50,7 @@ class OpenEndedSet:
     info: dict[str, Any] = field(default_factory=dict)
     details: list[dict[str, Any]] | None = field(default=None, repr=False)
 
-    def __len__(self) -> int:
-        return len(self.answers)
+    per_question: ClassVar[tuple[str, ...]] = ("answers", "references", "domains", "ids", "token_probs")
 
     def confidence(self, kind: str = "mean") -> np.ndarray:
         """Per-question confidence: ``"mean"``, ``"product"`` or ``"min"`` of the token probabilities."""
@@ -81,98 +62,31 @@ class OpenEndedSet:
     @property
     def correct(self) -> np.ndarray:
         """Exact match (SQuAD-normalised) against any alias."""
-        return np.asarray(
-            [exact_match(a, r) for a, r in zip(self.answers, self.references, strict=True)]
-        )
+        return np.asarray([exact_match(a, r) for a, r in zip(self.answers, self.references, strict=True)])
 
     @property
     def f1(self) -> np.ndarray:
         """Token F1 against the best alias."""
-        return np.asarray(
-            [token_f1(a, r) for a, r in zip(self.answers, self.references, strict=True)]
-        )
+        return np.asarray([token_f1(a, r) for a, r in zip(self.answers, self.references, strict=True)])
 
     @property
     def confidences(self) -> np.ndarray:
-        """The mean token probability of each answer, clipped to ``[0, 1]`` (what the calibration
-        metrics bin)."""
+        """The mean token probability of each answer, clipped to ``[0, 1]``."""
         return np.clip(self.confidence("mean"), 0.0, 1.0)
-
-    @property
-    def accuracy(self) -> float:
-        """Fraction of exact matches (NaN for an empty set)."""
-        return float(self.correct.mean()) if len(self) else float("nan")
 
     def summary(self, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0) -> dict[str, float]:
         """The calibration metrics of the answers (:func:`open_ended_summary`)."""
         return open_ended_summary(self, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
 
-    def select(self, indices: Sequence[int]) -> OpenEndedSet:
-        """The sub-set at ``indices``."""
-        return OpenEndedSet(
-            [self.answers[i] for i in indices],
-            [self.references[i] for i in indices],
-            [self.domains[i] for i in indices],
-            [self.ids[i] for i in indices],
-            [self.token_probs[i] for i in indices],
-            dict(self.info),
-            [self.details[i] for i in indices] if self.details is not None else None,
-        )
-
-    def by_domain(self) -> dict[str, OpenEndedSet]:
-        """Split by domain, in order of first appearance."""
-        groups: dict[str, list[int]] = {}
-        for i, d in enumerate(self.domains):
-            groups.setdefault(d, []).append(i)
-        return {d: self.select(idx) for d, idx in groups.items()}
-
-    @staticmethod
-    def concat(sets: Sequence[OpenEndedSet]) -> OpenEndedSet:
-        """Concatenate several sets (the first one's info is kept).
-
-        Example:
-            >>> a = OpenEndedSet(["Paris"], [("Paris",)], ["geo"], ["q0"], [(0.9,)])
-            >>> len(OpenEndedSet.concat([a, a]))
-            2
-        """
-        if not sets:
-            raise ValueError("OpenEndedSet.concat needs at least one set")
-        return OpenEndedSet(
-            [a for s in sets for a in s.answers],
-            [r for s in sets for r in s.references],
-            [d for s in sets for d in s.domains],
-            [i for s in sets for i in s.ids],
-            [p for s in sets for p in s.token_probs],
-            dict(sets[0].info),
-            [d for s in sets for d in s.details]  # type: ignore[union-attr]
-            if all(s.details is not None for s in sets)
-            else None,
-        )
-
 
 def open_ended_summary(
-    scored: OpenEndedSet,
-    n_bins: int = 10,
-    ci: bool = True,
-    n_resamples: int = 1000,
-    seed: int = 0,
+    scored: OpenEndedSet, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0,
 ) -> dict[str, float]:
     """Calibration metrics of open-ended answers (confidence = mean token probability).
 
     Keys: ``n``, ``accuracy`` (exact match), ``f1``, ``ece``, ``ece15``, ``adaptive_ece``,
-    ``mce``, ``brier`` and ``nll`` (of the confidence as a probability of being correct),
-    ``auroc``, ``mean_confidence``, ``ece_product``, ``ece_min`` (ECE of the product and minimum
-    token-probability confidences); with ``ci``, bootstrap intervals of the headline metrics.
-
-    Args:
-        scored: greedy answers with their token probabilities.
-        n_bins: equal-width bins of the ECE variants.
-        ci: add 95% bootstrap intervals.
-        n_resamples: bootstrap resamples.
-        seed: bootstrap seed.
-
-    Returns:
-        The metrics by name.
+    ``mce``, ``brier``, ``nll``, ``auroc``, ``mean_confidence``, ``ece_product`` and ``ece_min``
+    (ECE of the product and minimum confidences); with ``ci``, bootstrap intervals.
 
     Example:
         >>> s = OpenEndedSet(["Paris", "Rome"], [("Paris",), ("Oslo",)], ["geo"] * 2,
@@ -221,18 +135,7 @@ def open_ended_summary(
 def encode_open_prompts(
     tokenizer: Any, records: Sequence[OpenQA], prompt: PromptFormat | None = None
 ) -> list[list[int]]:
-    """Token ids of the prompts after which open questions are answered.
-
-    The one place that builds open-ended prompts: greedy answering (:func:`score_open_ended`) and
-    CALM training on open questions (:mod:`llm_calib.calm.trainer`) both continue these ids.
-
-    Args:
-        tokenizer: a Hugging Face tokenizer.
-        records: :class:`~llm_calib.data.records.OpenQA` records.
-        prompt: the prompt format (default ``PromptFormat()``); must be the cloze style.
-
-    Returns:
-        One list of ids per record.
+    """Token ids of the prompts after which open questions are answered (scoring and training alike).
 
     Raises:
         TypeError: a record that is not :class:`~llm_calib.data.records.OpenQA`.
@@ -258,29 +161,19 @@ def encode_open_prompts(
 
 
 def score_open_ended(
-    model: Any,
-    tokenizer: Any,
-    records: Sequence[OpenQA],
-    *,
-    prompt: PromptFormat | None = None,
-    max_new_tokens: int = 32,
-    batch_size: int = 8,
-    progress: bool = False,
+    model: Any, tokenizer: Any, records: Sequence[OpenQA], *, prompt: PromptFormat | None = None,
+    max_new_tokens: int = 32, batch_size: int = 8, progress: bool = False,
 ) -> OpenEndedSet:
-    """Answer open questions greedily and record confidences.
+    """Answer open questions greedily (up to a newline or EOS) and record token probabilities.
 
     Args:
         model: a Hugging Face causal LM.
         tokenizer: its tokenizer.
         records: :class:`~llm_calib.data.records.OpenQA` records.
-        prompt: the prompt format (default ``PromptFormat()``: chat template, question only,
-            ``The answer is:``).
+        prompt: the prompt format (default ``PromptFormat()``).
         max_new_tokens: generation budget per answer.
         batch_size: questions generated together.
         progress: show a tqdm progress bar.
-
-    Returns:
-        An :class:`OpenEndedSet`.
 
     Raises:
         TypeError: a record that is not :class:`~llm_calib.data.records.OpenQA`.
@@ -300,32 +193,13 @@ def score_open_ended(
     fmt = prompt or PromptFormat()
     prompts = encode_open_prompts(tokenizer, records, fmt)
     chat = uses_chat_template(tokenizer, fmt)
-    answers: list[GreedyAnswer | None] = [None] * len(records)
-    bar = progress_bar(total=len(records), desc="open-ended", enabled=progress)
-    try:
-        for idx in length_batches([len(p) for p in prompts], batch_size):
-            outs = generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)
-            for i, o in zip(idx, outs, strict=True):
-                answers[i] = o
-            bar.update(len(idx))
-    finally:
-        bar.close()
-    done = [a for a in answers if a is not None]
-    return OpenEndedSet(
-        answers=[a.text for a in done],
-        references=[tuple(r.answers) for r in records],
-        domains=[r.domain for r in records],
-        ids=[r.id for r in records],
-        token_probs=[a.token_probs for a in done],
-        info={
-            "max_new_tokens": max_new_tokens,
-            "chat_template": chat,
-            "answer_prefix": fmt.answer_prefix,
-            "template": fmt.template,
-            "fewshot": fmt.fewshot,
-        },
-        details=[
-            {"prompt": record_prompt(tokenizer, r, fmt), "token_ids": list(a.token_ids), "stop": a.stop}
-            for r, a in zip(records, done, strict=True)
-        ],
-    )
+    def answer(idx: list[int]) -> list[GreedyAnswer]:
+        return generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)
+
+    done = score_in_batches([len(p) for p in prompts], batch_size, answer, desc="open-ended", progress=progress)
+    info = {"max_new_tokens": max_new_tokens, "chat_template": chat, "answer_prefix": fmt.answer_prefix,
+            "template": fmt.template, "fewshot": fmt.fewshot}
+    details = [{"prompt": record_prompt(tokenizer, r, fmt), "token_ids": list(a.token_ids), "stop": a.stop}
+               for r, a in zip(records, done, strict=True)]
+    return OpenEndedSet([a.text for a in done], [tuple(r.answers) for r in records], [r.domain for r in records],
+                        [r.id for r in records], [a.token_probs for a in done], info, details)

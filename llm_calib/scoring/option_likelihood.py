@@ -1,20 +1,9 @@
 """Option-likelihood scoring: the log-probability of each option's text after the prompt.
 
-Each question costs one forward pass, shared with the other questions of its batch. Two layouts:
-
-* ``"packed"`` (default): one row per question, ``prompt + option_1 + ... + option_K``, with a 4-D
-  attention mask under which every option attends to the prompt and to itself only, and position
-  ids that restart after the prompt for every option. The prompt is computed once per question.
-* ``"padded"``: the ``K`` sequences ``prompt + option_i`` as separate right-padded rows
-  (:func:`~llm_calib.engine.packing.option_sequences`; the prompt is recomputed ``K`` times; works
-  with any model that accepts a 2-D padding mask). Use it for
-  models whose attention the packed 4-D mask cannot express (sliding-window attention on inputs
-  longer than the window, attention implementations that ignore custom masks).
-
-Either way the forward pass is the scoring engine's (:func:`llm_calib.engine.options.forward_rows`,
-:func:`~llm_calib.engine.options.target_logprobs`): only the hidden states that predict an option
-token go through the output head, and the position before the first option token is projected
-once per question.
+One forward pass per batch of questions, through the engine (:mod:`llm_calib.engine.options`), in
+one of two layouts: ``"packed"`` (default; one row per question, the prompt computed once) or
+``"padded"`` (one right-padded row per option; for attention the 4-D mask cannot express, such as
+sliding windows shorter than the input).
 """
 
 from __future__ import annotations
@@ -27,38 +16,24 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import forward_rows, target_logprobs
-from llm_calib.engine.packing import accepts_packed_masks, length_batches, pack_questions
-from llm_calib.prompts import (
-    PromptFormat,
-    option_continuations,
-    record_prompt,
-    uses_chat_template,
-)
+from llm_calib.engine.packing import accepts_packed_masks, pack_questions
+from llm_calib.prompts import PromptFormat, option_continuations, record_prompt, uses_chat_template
 from llm_calib.scoring.base import (
     ScoredSet,
     check_records,
     encode_continuation,
     encode_prompt,
-    progress_bar,
+    score_in_batches,
 )
 
 __all__ = [
-    "LM_EVAL_NORMALIZATIONS",
-    "NORMALIZE_MODES",
-    "STRATEGIES",
-    "EncodedQuestion",
-    "encode_questions",
-    "normalized",
-    "option_log_likelihoods",
-    "option_text_lengths",
-    "question_details",
+    "LM_EVAL_NORMALIZATIONS", "NORMALIZE_MODES", "STRATEGIES", "EncodedQuestion",
+    "encode_questions", "normalized", "option_log_likelihoods", "option_text_lengths",
     "score_option_likelihood",
 ]
 
 NORMALIZE_MODES = ("sum", "mean", "char", "byte")
-"""``"sum"`` (summed token log-probabilities), ``"mean"`` (per token), ``"char"`` (divided by the
-choice's length in characters, lm-eval's ``acc_norm``) or ``"byte"`` (by its UTF-8 length,
-lm-eval's ``acc_bytes``)."""
+"""Summed token log-probabilities, per token, per character (``acc_norm``) or per UTF-8 byte (``acc_bytes``)."""
 
 STRATEGIES = ("packed", "padded")
 """Batch layouts of :func:`score_option_likelihood`."""
@@ -85,15 +60,7 @@ class EncodedQuestion:
 def encode_questions(
     tokenizer: Any, records: Sequence[MultipleChoice], fmt: PromptFormat
 ) -> list[EncodedQuestion]:
-    """Tokenise prompts and option continuations (separately; see :mod:`llm_calib.scoring.base`).
-
-    Args:
-        tokenizer: a Hugging Face tokenizer.
-        records: multiple-choice records.
-        fmt: the prompt format.
-
-    Returns:
-        One :class:`EncodedQuestion` per record.
+    """Tokenise prompts and option continuations separately, one :class:`EncodedQuestion` per record.
 
     Raises:
         ValueError: a prompt that tokenises to no tokens.
@@ -127,9 +94,8 @@ def _choices(record: MultipleChoice, fmt: PromptFormat) -> list[str]:
 
 
 def option_text_lengths(record: MultipleChoice, fmt: PromptFormat, normalize: str) -> list[int]:
-    """The length of each scored choice of ``record`` under ``fmt`` that a ``"char"`` (characters,
-    lm-eval's ``acc_norm``) or ``"byte"`` (UTF-8 bytes, ``acc_bytes``) option score is divided by:
-    the choice without the target delimiter, as lm-eval measures it.
+    """Each choice's length in characters (``"char"``) or UTF-8 bytes (``"byte"``), without the target delimiter
+    (as lm-eval).
 
     Raises:
         ValueError: ``normalize`` is neither ``"char"`` nor ``"byte"``.
@@ -146,22 +112,11 @@ def option_text_lengths(record: MultipleChoice, fmt: PromptFormat, normalize: st
     raise ValueError(f"normalize must be 'char' or 'byte', got {normalize!r}")
 
 
-def question_details(
+def _question_details(
     tokenizer: Any, record: MultipleChoice, fmt: PromptFormat, item: EncodedQuestion,
     token_logprobs: Sequence[torch.Tensor],
 ) -> dict[str, Any]:
-    """What was scored for one question (see :attr:`ScoredSet.details`).
-
-    Example:
-        >>> from llm_calib.models import tiny_random_model
-        >>> _, tok = tiny_random_model()
-        >>> q = MultipleChoice("Capital?", ("Paris", "Rome"), 0, "geo", "q0")
-        >>> item = encode_questions(tok, [q], PromptFormat())[0]
-        >>> lps = [torch.full((len(o),), -1.0, dtype=torch.float64) for o in item.options]
-        >>> d = question_details(tok, q, PromptFormat(), item, lps)
-        >>> d["choices"], d["n_chars"], d["loglik"][0] == -len(item.options[0])
-        (['Paris', 'Rome'], [5, 4], True)
-    """
+    """What was scored for one question (see :attr:`ScoredSet.details`)."""
     choices = _choices(record, fmt)
     return {
         "prompt": record_prompt(tokenizer, record, fmt),
@@ -175,34 +130,20 @@ def question_details(
     }
 
 
-def _aggregate(lp: torch.Tensor, normalize: str, n_chars: int, n_bytes: int) -> torch.Tensor:
-    if normalize == "sum":
-        return lp.sum()
-    if normalize == "mean":
-        return lp.mean()
-    return lp.sum() / (n_chars if normalize == "char" else n_bytes)
+def _option_scores(details: dict[str, Any], normalize: str) -> torch.Tensor:
+    """One question's float64 option scores: summed log-likelihoods, divided by a length unless ``"sum"``."""
+    loglik = torch.tensor(details["loglik"], dtype=torch.float64)
+    key = {"mean": "n_tokens", "char": "n_chars", "byte": "n_bytes"}.get(normalize)
+    return loglik if key is None else loglik / torch.tensor(details[key], dtype=torch.float64)
 
 
 def option_log_likelihoods(
-    model: Any,
-    items: Sequence[EncodedQuestion],
-    *,
-    pad_id: int = 0,
+    model: Any, items: Sequence[EncodedQuestion], *, pad_id: int = 0,
     strategy: Literal["packed", "padded"] = "packed",
 ) -> list[list[torch.Tensor]]:
-    """Token log-probabilities of every option of a batch of questions, in one forward pass.
+    """``out[q][k]``: float64 log-probabilities of option ``k``'s tokens of question ``q``, in one forward pass.
 
-    Args:
-        model: a Hugging Face causal LM.
-        items: encoded questions (from :func:`encode_questions`).
-        pad_id: id used for padding (its value never influences the result).
-        strategy: ``"packed"`` or ``"padded"`` (see the module docstring). ``"packed"`` falls
-            back to ``"padded"`` for attention implementations without 4-D masks
-            (:func:`~llm_calib.engine.packing.accepts_packed_masks`).
-
-    Returns:
-        ``out[q][k]``: float64 tensor of the log-probabilities of option ``k``'s tokens of question
-        ``q``.
+    ``"packed"`` falls back to ``"padded"`` for attention without 4-D masks.
 
     Raises:
         ValueError: an unknown ``strategy``.
@@ -234,42 +175,27 @@ def option_log_likelihoods(
 
 
 def score_option_likelihood(
-    model: Any,
-    tokenizer: Any,
-    records: Sequence[MultipleChoice],
-    *,
-    normalize: Literal["sum", "mean"] = "sum",
-    prompt: PromptFormat | None = None,
-    batch_size: int = 8,
-    strategy: Literal["packed", "padded"] = "packed",
-    progress: bool = False,
+    model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *,
+    normalize: Literal["sum", "mean"] = "sum", prompt: PromptFormat | None = None, batch_size: int = 8,
+    strategy: Literal["packed", "padded"] = "packed", progress: bool = False,
 ) -> ScoredSet:
-    """Score multiple-choice questions by the likelihood of each option's text.
+    """Score multiple-choice questions by the log-likelihood of ``target_delimiter + option`` after the prompt.
 
-    The score of option ``k`` is the summed (``normalize="sum"``), per-token (``"mean"``),
-    per-character (``"char"``, lm-eval's ``acc_norm``) or per-byte (``"byte"``) log-probability
-    of the continuation ``target_delimiter + option`` after the prompt; probabilities are the
-    softmax over options. ``details`` of the result keep every option's summed log-likelihood and
-    lengths, so the other normalisations need no second pass
-    (:func:`llm_calib.scoring.normalized`). Questions are sorted by length and scored
-    ``batch_size`` at a time, one forward pass per batch; results come back in input order.
+    Probabilities are the softmax over options. The result's ``details`` keep every option's summed
+    log-likelihood and lengths, so other normalisations need no second pass (:func:`normalized`).
 
     Args:
         model: a Hugging Face causal LM (eval mode).
         tokenizer: its tokenizer.
         records: :class:`~llm_calib.data.records.MultipleChoice` records.
         normalize: one of :data:`NORMALIZE_MODES`.
-        prompt: the prompt format; default ``PromptFormat()`` (cloze, the reference format).
+        prompt: the prompt format; default ``PromptFormat()`` (cloze).
         batch_size: questions per forward pass (>= 1).
         strategy: ``"packed"`` (default) or ``"padded"`` batch layout.
         progress: show a tqdm progress bar.
 
-    Returns:
-        A :class:`~llm_calib.scoring.base.ScoredSet`.
-
     Raises:
-        ValueError: an unknown ``normalize`` or ``strategy``, ``batch_size < 1``, or malformed
-            records.
+        ValueError: an unknown ``normalize`` or ``strategy``, ``batch_size < 1``, or malformed records.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -289,42 +215,18 @@ def score_option_likelihood(
     fmt = prompt or PromptFormat()
     items = encode_questions(tokenizer, records, fmt)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    scores: list[torch.Tensor | None] = [None] * len(items)
-    details: list[dict[str, Any]] = [{}] * len(items)
-    bar = progress_bar(total=len(items), desc="option likelihood", enabled=progress)
-    try:
-        for idx in length_batches([it.n_tokens for it in items], batch_size):
-            lps = option_log_likelihoods(
-                model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy
-            )
-            for i, per_option in zip(idx, lps, strict=True):
-                d = question_details(tokenizer, records[i], fmt, items[i], per_option)
-                agg = [
-                    _aggregate(lp, normalize, c, b)
-                    for lp, c, b in zip(per_option, d["n_chars"], d["n_bytes"], strict=True)
-                ]
-                scores[i] = torch.stack(agg)
-                details[i] = d
-            bar.update(len(idx))
-    finally:
-        bar.close()
-    return ScoredSet(
-        logits=[s for s in scores if s is not None],
-        labels=[r.gold for r in records],
-        domains=[r.domain for r in records],
-        ids=[r.id for r in records],
-        scorer="option_likelihood",
-        info={
-            "normalize": normalize,
-            "prompt_style": fmt.style,
-            "chat_template": uses_chat_template(tokenizer, fmt),
-            "answer_prefix": fmt.answer_prefix,
-            "strategy": strategy,
-            "template": fmt.template,
-            "fewshot": fmt.fewshot,
-        },
-        details=details,
-    )
+
+    def score(idx: list[int]) -> list[list[torch.Tensor]]:
+        return option_log_likelihoods(model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy)
+
+    token_lps = score_in_batches([it.n_tokens for it in items], batch_size, score, desc="option likelihood",
+                                 progress=progress)
+    details = [_question_details(tokenizer, r, fmt, item, per_option)
+               for r, item, per_option in zip(records, items, token_lps, strict=True)]
+    scores = [_option_scores(d, normalize) for d in details]
+    info = {"normalize": normalize, "prompt_style": fmt.style, "chat_template": uses_chat_template(tokenizer, fmt),
+            "answer_prefix": fmt.answer_prefix, "strategy": strategy, "template": fmt.template, "fewshot": fmt.fewshot}
+    return ScoredSet.from_records(records, scores, "option_likelihood", info, details)
 
 
 LM_EVAL_NORMALIZATIONS: dict[str, str] = {
@@ -333,25 +235,13 @@ LM_EVAL_NORMALIZATIONS: dict[str, str] = {
     "acc_bytes": "byte",
     "acc_token": "mean",
 }
-"""Report names of the option-score normalisations and the ``normalize`` mode of each: ``acc``
-(summed log-likelihood), ``acc_norm`` (per character of the choice) and ``acc_bytes`` (per UTF-8
-byte) mean what lm-eval's metrics of those names mean; ``acc_token`` (per token) is ours."""
+"""lm-eval's metric names (``acc``, ``acc_norm``, ``acc_bytes``; ``acc_token`` is ours) and their ``normalize``
+modes."""
 
 
 def normalized(scored: ScoredSet, normalize: str) -> ScoredSet:
-    """The same questions with option scores normalised another way, without a second pass.
-
-    Needs ``scored.details`` (filled by :func:`score_option_likelihood` and the letter scorer):
-    the score of an option becomes its summed log-likelihood divided by its token count
-    (``"mean"``), its character count (``"char"``) or its byte count (``"byte"``), or the sum
-    itself (``"sum"``).
-
-    Args:
-        scored: a scored set with details.
-        normalize: one of :data:`NORMALIZE_MODES`, or a key of :data:`LM_EVAL_NORMALIZATIONS`.
-
-    Returns:
-        A :class:`~llm_calib.scoring.base.ScoredSet` (``info["normalize"]`` updated).
+    """The same questions re-scored under ``normalize`` (a mode or lm-eval name) from ``scored.details``, no second
+    pass.
 
     Raises:
         ValueError: an unknown ``normalize`` or a set without details.
@@ -372,12 +262,7 @@ def normalized(scored: ScoredSet, normalize: str) -> ScoredSet:
         )
     if scored.details is None:
         raise ValueError("normalized() needs ScoredSet.details (score with score_option_likelihood)")
-    key = {"mean": "n_tokens", "char": "n_chars", "byte": "n_bytes"}.get(mode)
-    logits = []
-    for d in scored.details:
-        ll = torch.tensor(d["loglik"], dtype=torch.float64)
-        logits.append(ll if key is None else ll / torch.tensor(d[key], dtype=torch.float64))
     out = scored.select(range(len(scored)))
-    out.logits = logits
+    out.logits = [_option_scores(d, mode) for d in scored.details]
     out.info["normalize"] = mode
     return out
