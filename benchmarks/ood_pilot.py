@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(cells)
         print(" | ".join(map(str, cells)), flush=True)
     elapsed = time.perf_counter() - t0
+    argv = sys.argv[1:] if argv is None else argv
     command = "python benchmarks/ood_pilot.py" + ("" if not argv else " " + " ".join(argv))
     lines = ["# Out-of-domain pilot: where is the uncalibrated model above chance?", "",
              *provenance_lines(command, machine_info(torch.get_num_threads()), mode="full", elapsed_s=elapsed),
