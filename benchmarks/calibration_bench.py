@@ -124,19 +124,25 @@ TRAINED: dict[str, tuple[str, str, str | None]] = {
     "calm_bome_B": ("calm", "bome", "B"),
     "calm_f2sa_B": ("calm", "f2sa", "B"),
 }
-DERIVED = {"lora_ce_ts": "lora_ce"}  # written by its source run: temperature fitted in domain on the trained model
+# derived method -> its source run, which writes it: a temperature fitted in domain on the trained model's held-out
+# scores (per convention) and carried to every test set (train-time + post-hoc)
+DERIVED = {"lora_ce_ts": "lora_ce", "calm_bome_ts": "calm_bome", "calm_bome_B_ts": "calm_bome_B"}
 METHODS = ("uncalibrated", "temperature_scaling", "oracle_temperature", "lora_ce", "lora_ce_ts", "label_smoothing",
-           "confidence_penalty", "calm_bome", "calm_f2sa", "confidence_penalty_B", "calm_bome_B", "calm_f2sa_B")
+           "confidence_penalty", "calm_bome", "calm_bome_ts", "calm_f2sa", "confidence_penalty_B", "calm_bome_B",
+           "calm_bome_B_ts", "calm_f2sa_B")
 # CALM with F2SA in regime B is available (--methods) but not run by default: it is the most expensive
 # method (about 6 CE steps per step) and kept step 0 in the in-domain search.
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "calm_f2sa_B")
-MULTI_SEED = frozenset({"lora_ce", "lora_ce_ts", "confidence_penalty", "calm_bome", "confidence_penalty_B", "calm_bome_B"})
+MULTI_SEED = frozenset({"lora_ce", "lora_ce_ts", "confidence_penalty", "calm_bome", "calm_bome_ts", "confidence_penalty_B",
+                        "calm_bome_B", "calm_bome_B_ts"})
 SHARED = ("uncalibrated", "temperature_scaling", "oracle_temperature", "lora_ce", "lora_ce_ts", "label_smoothing")
-REGIME_METHODS = {"A": (*SHARED, "confidence_penalty", "calm_bome", "calm_f2sa"),
-                  "B": (*SHARED, "confidence_penalty_B", "calm_bome_B", "calm_f2sa_B")}
+REGIME_METHODS = {"A": (*SHARED, "confidence_penalty", "calm_bome", "calm_bome_ts", "calm_f2sa"),
+                  "B": (*SHARED, "confidence_penalty_B", "calm_bome_B", "calm_bome_B_ts", "calm_f2sa_B")}
 CALM_OF = {"A": ("calm_bome", "calm_f2sa"), "B": ("calm_bome_B", "calm_f2sa_B")}
+CALM_TS_OF = {"A": "calm_bome_ts", "B": "calm_bome_B_ts"}
 PENALTY_OF = {"A": "confidence_penalty", "B": "confidence_penalty_B"}
-OPEN_SKIPS = frozenset({"confidence_penalty_B", "calm_bome_B", "calm_f2sa_B", "lora_ce_ts"})
+OPEN_SKIPS = frozenset({"confidence_penalty_B", "calm_bome_B", "calm_f2sa_B", "lora_ce_ts", "calm_bome_ts",
+                        "calm_bome_B_ts"})
 LABELS = {
     "uncalibrated": "uncalibrated",
     "temperature_scaling": "temperature scaling",
@@ -146,9 +152,11 @@ LABELS = {
     "label_smoothing": "label smoothing",
     "confidence_penalty": "flat confidence penalty",
     "calm_bome": "CALM (BOME)",
+    "calm_bome_ts": "CALM (BOME) + temperature scaling",
     "calm_f2sa": "CALM (F2SA)",
     "confidence_penalty_B": "flat confidence penalty (B)",
     "calm_bome_B": "CALM (BOME, B)",
+    "calm_bome_B_ts": "CALM (BOME, B) + temperature scaling",
     "calm_f2sa_B": "CALM (F2SA, B)",
 }
 TASK_TITLES = {"mc": "Multiple choice (option likelihood)", "open": "Open-ended QA (few-shot, greedy, mean token probability)"}
@@ -216,6 +224,8 @@ METRIC_NAMES = {
     "accuracy": "accuracy", "mean_confidence": "confidence", "ece": "conf-ECE", "adaptive_ece": "adaptive ECE",
     "classwise_ece": "class-wise ECE", "brier": "Brier", "nll": "NLL", "auroc": "AUROC",
 }
+CHANCE_AUROC = 0.02  # a method's AUROC within this of 0.5 "falls to chance" (flag)
+NEAR_UNIFORM = 0.02  # mean confidence within this of the mean 1/K: near-uniform predictions (flag)
 STEP_COST = {"confidence_penalty": 1.2, "calm_bome": 2.4, "calm_f2sa": 6.0}  # per step, CE = 1: longest runs first
 TEMPERATURE_GRID = np.exp(np.linspace(np.log(0.25), np.log(64.0), 41))  # open-ended TS (T = 1 included)
 
@@ -289,7 +299,14 @@ QUICK = Sizes(
     builtin_per_domain=30,
 )
 
+# the 13 out-of-domain multiple-choice sets of the v2 protocol (the v3 targets' "13 sets")
+V2_OOD = ("openbookqa", "qasc", "commonsenseqa", "mmlu_stem", "mmlu_humanities", "mmlu_social_sciences", "mmlu_other",
+          "otqa_geography", "otqa_animals", "otqa_science_technology", "otqa_history", "otqa_literature",
+          "otqa_religion_faith")
 OTQA_CATEGORIES = ("geography", "animals", "science-technology", "history", "literature", "religion-faith")
+# v3: the OpenTriviaQA categories outside v2 where the uncalibrated model's accuracy interval lies above
+# chance under summed scores, measured on questions the benchmark never tests (benchmarks/results/ood_pilot.md)
+OTQA_ABOVE_CHANCE = ("humanities", "newest", "rated")
 
 
 # --------------------------------------------------------------------------------------- data
@@ -355,7 +372,7 @@ def mc_task(data_dir: Path | None, sizes: Sizes) -> Task:
         "qasc": f"qasc:{D}:dev",
         "commonsenseqa": f"commonsenseqa:{D}:dev",
         **{f"mmlu_{g}": f"mmlu_{g}:{D}:test" for g in ("stem", "humanities", "social_sciences", "other")},
-        **{f"otqa_{c.replace('-', '_')}": f"opentriviaqa:{D}:{c}" for c in OTQA_CATEGORIES},
+        **{f"otqa_{c.replace('-', '_')}": f"opentriviaqa:{D}:{c}" for c in (*OTQA_CATEGORIES, *OTQA_ABOVE_CHANCE)},
     }
     tests, src, spare = {}, {}, {}
     for name, spec in specs.items():
@@ -364,12 +381,14 @@ def mc_task(data_dir: Path | None, sizes: Sizes) -> Task:
         src[name] = f"`{spec.replace(D, '<data>')}` ({len(tests[name])} of {len(full)})"
     in_domain = ("arc_easy", "arc_challenge")
     ood = tuple(k for k in tests if k not in in_domain)
-    unl_b = _regime_b_pool({k: spare[k] for k in ood}, sizes.mc_unlabeled)
+    unl_b = _regime_b_pool({k: spare[k] for k in ood if k in V2_OOD}, sizes.mc_unlabeled)  # v2's pool, unchanged
     desc = (f"Training: {len(train)} questions (ARC-Easy + ARC-Challenge train, half each). Labelled in-domain held-out "
             f"split (model selection, accuracy guard, every in-domain temperature fit): {len(held_e)} ARC-Easy + "
             f"{len(held_c)} ARC-Challenge dev questions. Unlabelled upper-level inputs: regime A, {len(unl_a)} other ARC "
-            f"dev questions; regime B, {len(unl_b)} prompts of the {len(ood)} out-of-domain sets (about "
-            f"{math.ceil(len(unl_b) / len(ood))} each), disjoint from their test questions.")
+            f"dev questions; regime B, {len(unl_b)} prompts of the {len(V2_OOD)} out-of-domain sets of v2 (about "
+            f"{math.ceil(len(unl_b) / len(V2_OOD))} each), disjoint from their test questions. Out-of-domain sets added "
+            f"in v3 (the model is above chance on them in `ood_pilot.md`): "
+            f"{', '.join('otqa_' + c for c in OTQA_ABOVE_CHANCE)}.")
     return Task("mc", train, held_e + held_c, {"A": unl_a, "B": unl_b}, tests, in_domain, ood, src, desc)
 
 
@@ -867,16 +886,65 @@ class Aggregate(SeedResults):
     def present(self, methods: Sequence[str]) -> list[str]:
         return [m for m in methods if m in self.runs]
 
-    def wins_over_ts(self, method: str) -> int:
-        """Out-of-domain sets where ``method``'s seed-mean conf-ECE is below carried-over temperature scaling's."""
-        return sum(self.mean(method, n, "ece") < self.mean("temperature_scaling", n, "ece") for n in self.task.ood)
+    def wins_over_ts(self, method: str, names: Sequence[str] | None = None) -> int:
+        """Out-of-domain sets (or ``names``) where ``method``'s seed-mean conf-ECE is below carried-over
+        temperature scaling's."""
+        names = self.task.ood if names is None else names
+        return sum(self.mean(method, n, "ece") < self.mean("temperature_scaling", n, "ece") for n in names)
 
-    def oracle_gap(self, method: str) -> float:
-        """Mean over out-of-domain sets of ``method``'s conf-ECE minus the oracle temperature's."""
-        return self.group_mean(method, self.task.ood, "ece") - self.group_mean("oracle_temperature", self.task.ood, "ece")
+    def oracle_gap(self, method: str, names: Sequence[str] | None = None) -> float:
+        """Mean over out-of-domain sets (or ``names``) of ``method``'s conf-ECE minus the oracle temperature's."""
+        names = self.task.ood if names is None else names
+        return self.group_mean(method, names, "ece") - self.group_mean("oracle_temperature", names, "ece")
+
+    def chance(self, name: str) -> float:
+        """The accuracy of guessing on set ``name``: the mean over its questions of 1/K (multiple
+        choice; K is each question's number of options, read from the stored probabilities)."""
+        q = self.runs["uncalibrated"][0]["questions"][name]
+        return float(np.mean([1.0 / len(p) for p in q["probs"]]))
+
+    def above_chance(self, names: Sequence[str] | None = None) -> tuple[str, ...]:
+        """The out-of-domain sets (or ``names``) where the uncalibrated model is above chance by more
+        than its bootstrap interval: the lower end of the 95% interval of its accuracy exceeds
+        :meth:`chance`. Without intervals (``--bootstrap 0``) the point accuracy is used."""
+        if "uncalibrated" not in self.runs or self.task.name != "mc":
+            return ()
+        sets = self.runs["uncalibrated"][0]["sets"]
+        names = self.task.ood if names is None else names
+        return tuple(n for n in names if _value(sets[n].get("accuracy_ci_low", sets[n]["accuracy"])) > self.chance(n))
+
+    def skill(self, method: str, names: Sequence[str], metric: str) -> list[float]:
+        """Per seed, the mean over the sets ``names`` of the skill score ``1 − metric / metric of the
+        uncalibrated model`` (Brier or NLL: positive is better than the uncalibrated model)."""
+        ref = {n: self.mean("uncalibrated", n, metric) for n in names}
+        return [float(np.mean([1.0 - _value(r["sets"][n].get(metric)) / ref[n] for n in names]))
+                for r in self.runs.get(method, [])]
+
+    def flags(self, method: str, names: Sequence[str]) -> list[str]:
+        """Why an out-of-domain ECE gain of ``method`` over the uncalibrated model on the sets
+        ``names`` may be flattening rather than calibration: its mean AUROC within
+        :data:`CHANCE_AUROC` of 0.5 (the uncalibrated model's is not), or its mean confidence within
+        :data:`NEAR_UNIFORM` of the mean 1/K (multiple choice)."""
+        if method == "uncalibrated" or "uncalibrated" not in self.runs or not names:
+            return []
+        if self.group_mean(method, names, "ece") >= self.group_mean("uncalibrated", names, "ece"):
+            return []
+        out = []
+        auroc, ref = self.group_mean(method, names, "auroc"), self.group_mean("uncalibrated", names, "auroc")
+        if abs(auroc - 0.5) <= CHANCE_AUROC < abs(ref - 0.5):
+            out.append(f"AUROC {auroc:.3f} at chance (uncalibrated {ref:.3f})")
+        if self.task.name == "mc":
+            conf, uniform = self.group_mean(method, names, "mean_confidence"), float(np.mean([self.chance(n) for n in names]))
+            if conf - uniform <= NEAR_UNIFORM:
+                out.append(f"confidence {conf:.3f} within {NEAR_UNIFORM} of 1/K ({uniform:.3f})")
+        return out
 
 
 Check = Callable[[str], tuple[float | None, bool | None, str]]
+
+
+def _value(x: Any) -> float:
+    return math.nan if x is None else float(x)
 
 
 def _spread(agg: Aggregate, *methods: str) -> float:
@@ -902,7 +970,7 @@ def targets(mc: Aggregate | None, op: Aggregate | None) -> list[dict[str, Any]]:
         rows.append(row)
 
     if mc is not None:
-        ood, ind = mc.task.ood, mc.task.in_domain
+        ood, ind = tuple(n for n in mc.task.ood if n in V2_OOD) or mc.task.ood, mc.task.in_domain  # v2's sets
 
         def ts_ratio(factor: float) -> Callable[[str, str], tuple[float | None, bool | None, str]]:
             def fn(m: str, regime: str) -> tuple[float | None, bool | None, str]:
@@ -976,6 +1044,107 @@ def targets(mc: Aggregate | None, op: Aggregate | None) -> list[dict[str, Any]]:
     return rows
 
 
+def targets_v3(mc: Aggregate | None, char: Aggregate | None) -> list[dict[str, Any]]:
+    """The v3 targets: CALM followed by a temperature against a temperature alone and against LoRA CE
+    followed by a temperature (the bilevel part must matter), on the v2 out-of-domain sets, on those
+    where the uncalibrated model is above chance, under summed and per-character scores; then skill
+    and discrimination on the above-chance sets, and the in-domain bounds (summed scores). One column
+    per regime of unlabelled inputs."""
+    rows: list[dict[str, Any]] = []
+
+    def add(name: str, limit: str, agg: Aggregate | None, fn: Callable[[Aggregate, str, str], tuple[float, bool, str]],
+            reported: bool = False) -> None:
+        row: dict[str, Any] = {"target": name + (" (reported)" if reported else ""), "limit": limit}
+        for regime in ("A", "B"):
+            m = CALM_TS_OF[regime]
+            try:
+                if agg is None or m not in agg.runs:
+                    raise KeyError(m)
+                value, ok, detail = fn(agg, m, regime)
+            except (KeyError, ZeroDivisionError):
+                value, ok, detail = None, None, "missing results"
+            except ValueError as err:  # no set in the subset, or one seed
+                value, ok, detail = None, None, str(err)
+            row[regime] = {"method": m, "value": value, "pass": ok, "detail": detail}
+        rows.append(row)
+
+    def sets_of(agg: Aggregate, subset: str) -> tuple[str, ...]:
+        names = tuple(n for n in agg.task.ood if n in V2_OOD) or agg.task.ood
+        if subset == "above chance":
+            names = agg.above_chance(names)
+        if not names:
+            raise ValueError(f"no {subset} set")
+        return names
+
+    for conv, agg in (("summed", mc), ("per-character", char)):
+        for subset in ("v2 sets", "above chance"):
+            tag = f"MC {conv}, OOD {subset}"
+            reported = (conv, subset) != ("summed", "v2 sets")
+
+            def ratio(a: Aggregate, m: str, regime: str, subset: str = subset) -> tuple[float, bool, str]:
+                names = sets_of(a, subset)
+                c, b = a.group_mean(m, names, "ece"), a.group_mean("temperature_scaling", names, "ece")
+                return c / b, c <= 0.85 * b, f"{c:.3f} vs temperature {b:.3f} ({len(names)} sets)"
+
+            def wins(a: Aggregate, m: str, regime: str, subset: str = subset) -> tuple[float, bool, str]:
+                names = sets_of(a, subset)
+                k, need = a.wins_over_ts(m, names), math.ceil(10 / 13 * len(names))
+                return k / len(names), k >= need, f"{k} of {len(names)} (need {need})"
+
+            def vs_lora(a: Aggregate, m: str, regime: str, subset: str = subset) -> tuple[float, bool, str]:
+                names = sets_of(a, subset)
+                c, lt = a.group_mean(m, names, "ece"), a.group_mean("lora_ce_ts", names, "ece")
+                spread = max((float(np.std(v, ddof=1)) for x in (m, "lora_ce_ts")
+                              if len(v := a.group_values(x, names, "ece")) > 1), default=math.nan)
+                if math.isnan(spread):
+                    raise ValueError("one seed: no spread")
+                return lt - c, lt - c > spread, f"LoRA CE + T {lt:.3f} − CALM + T {c:.3f} vs seed spread {spread:.3f}"
+
+            add(f"{tag}: CALM + T mean conf-ECE / temperature alone", "≤ 0.85", agg, ratio, reported)
+            add(f"{tag}: sets where CALM + T is below temperature alone", "≥ 10/13", agg, wins, reported)
+            add(f"{tag}: LoRA CE + T − CALM + T above the seed spread", "> spread", agg, vs_lora, reported)
+
+    def skill(a: Aggregate, m: str, regime: str) -> tuple[float, bool, str]:
+        names = sets_of(a, "above chance")
+        best = None
+        for cand in (m.removesuffix("_ts"), m):  # CALM, then CALM + temperature if needed
+            bs = float(np.mean(a.skill(cand, names, "brier")))
+            d_auc = a.group_mean(cand, names, "auroc") - a.group_mean("uncalibrated", names, "auroc")
+            ok = bs > 0 and abs(d_auc) <= 0.01
+            text = f"{LABELS[cand]}: Brier skill {bs:+.3f}, ΔAUROC {d_auc:+.3f}"
+            if best is None or ok:
+                best = (bs, ok, text)
+            if ok:
+                break
+        return best
+
+    add("MC summed, OOD above chance: Brier skill > 0 with AUROC within 0.01 of uncalibrated (CALM, else CALM + T)",
+        "> 0, ±0.01", mc, skill)
+
+    def in_domain(a: Aggregate, m: str, regime: str) -> tuple[float, bool, str]:
+        ind = a.task.in_domain
+        c, b = a.group_mean(m, ind, "ece"), a.group_mean("temperature_scaling", ind, "ece")
+        acc, acc0 = a.group_mean(m, ind, "accuracy"), a.group_mean("uncalibrated", ind, "accuracy")
+        return c - b, c <= b + 0.01 and acc >= 0.95 * acc0, (f"conf-ECE {c:.3f} vs temperature {b:.3f}; accuracy "
+                                                             f"{acc:.3f} vs uncalibrated {acc0:.3f}")
+
+    add("MC summed, in domain: CALM + T conf-ECE − temperature (and accuracy ≥ 95% of uncalibrated)", "≤ 0.01",
+        mc, in_domain)
+    return rows
+
+
+def _target_table_v3(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| target | limit | regime A: CALM (BOME) + T | status | regime B: CALM (BOME, B) + T | status |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = []
+        for col in ("A", "B"):
+            c = r[col]
+            cells += [f"{format_number(c['value'])} ({c['detail']})", verdict(c["pass"], c["value"] is not None)]
+        out.append(f"| {r['target']} | {r['limit']} | " + " | ".join(cells) + " |")
+    return out
+
+
 def _target_table(rows: list[dict[str, Any]]) -> list[str]:
     out = ["| target | limit | CALM (BOME) | status | CALM (F2SA) | status |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -988,18 +1157,37 @@ def _target_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _average_tables(agg: Aggregate, methods: Sequence[str]) -> list[str]:
+    """Per method, the metrics averaged over the out-of-domain sets, over those of them where the
+    uncalibrated model is above chance (multiple choice), and over the in-domain sets."""
     t, out = agg.task, []
     methods = agg.present(methods)
-    for title, names, vs_ts in (("out-of-domain average", t.ood, True), ("in-domain average", t.in_domain, False)):
+    above = agg.above_chance()
+    groups = [("out-of-domain average", t.ood, True)]
+    if t.name == "mc":
+        if above:
+            groups.append(("out-of-domain average, sets above chance", above, True))
+        else:
+            out += ["**out-of-domain sets above chance**: none (no set's uncalibrated accuracy interval lies above "
+                    "chance)", ""]
+    groups.append(("in-domain average", t.in_domain, False))
+    for title, names, vs_ts in groups:
         rows = []
         for m in methods:
             cells = [LABELS[m], len(agg.runs[m]), *(agg.cell(m, names, k, 3 if k == "ece" else None) for k in agg.metrics)]
             if vs_ts:
-                cells += [f"{agg.wins_over_ts(m)} of {len(t.ood)}", format_number(agg.oracle_gap(m))]
+                cells += [mean_sd(agg.skill(m, names, "brier")), mean_sd(agg.skill(m, names, "nll")),
+                          f"{agg.wins_over_ts(m, names)} of {len(names)}", format_number(agg.oracle_gap(m, names)), "; ".join(agg.flags(m, names)) or "-"]
             rows.append(cells)
-        extra = ("sets below carried-over TS", "gap to oracle T") if vs_ts else ()
+        extra = ("Brier skill", "NLL skill", "sets below carried-over TS", "gap to oracle T", "flags") if vs_ts else ()
+        how = ""
+        if names is above:
+            how = (f"; the uncalibrated model's 95% accuracy interval lies above chance (mean 1/K) on these "
+                   f"{len(above)} of {len(t.ood)} out-of-domain sets")
         out += [f"**{title}** ({len(names)} sets: {', '.join(names)}); mean ± sd over seeds, conf-ECE with the "
-                "bootstrap 95% interval of the seed-mean" + (f"; confidence = {CONFIDENCE[t.name]}" if vs_ts else ""), "",
+                "bootstrap 95% interval of the seed-mean" + (f"; confidence = {CONFIDENCE[t.name]}" if vs_ts else "") + how
+                + ("; skill = 1 − metric / the uncalibrated model's, averaged over the sets; flags: an ECE gain over the "
+                   f"uncalibrated model with AUROC within {CHANCE_AUROC} of 0.5 or mean confidence within {NEAR_UNIFORM} "
+                   "of 1/K" if vs_ts else ""), "",
                 *markdown_table(("method", "seeds", *(METRIC_NAMES[k] for k in agg.metrics), *extra), rows), ""]
     return out
 
@@ -1039,7 +1227,7 @@ def _cost_table(aggs: dict[str, Aggregate]) -> list[str]:
                     return "-"
                 return f"{max(x['peak_rss_mb'] for x in recs):.0f} ({max(x['peak_over_start_mb'] for x in recs):.0f})"
 
-            shared = " (shared pass)" if m in BASELINES else (" (its LoRA CE run's)" if m in DERIVED else "")
+            shared = " (shared pass)" if m in BASELINES else (f" (its {LABELS[DERIVED[m]]} run's)" if m in DERIVED else "")
             out.append(f"| {name} | {LABELS[m]} | {len(runs)} | {mean_sd(tr, 1)} | {mean_sd(ev, 1)}{shared} | "
                        f"{mem('train')} | {mem('eval')} |")
     return out
@@ -1109,18 +1297,21 @@ def _summary_plot(aggs: dict[str, Aggregate], path: Path) -> Path:
 
 
 def _char_section(agg: Aggregate) -> list[str]:
-    methods = agg.present(("uncalibrated", "temperature_scaling", "oracle_temperature", "calm_bome", "calm_f2sa",
-                           "calm_bome_B", "calm_f2sa_B"))
+    methods = agg.present(("uncalibrated", "temperature_scaling", "oracle_temperature", "lora_ce", "lora_ce_ts",
+                           "calm_bome", "calm_bome_ts", "calm_f2sa", "calm_bome_B", "calm_bome_B_ts", "calm_f2sa_B"))
     temps = agg.runs.get("temperature_scaling", [{}])[0]
     return ["## Multiple choice under per-character scores (lm-eval `acc_norm`)", "",
             "The same forward passes, each option's summed log-likelihood divided by the length of `\" \" + option`; "
             f"temperature scaling refitted under this convention on the held-out split (T = "
-            f"{format_number(temps.get('temperature_char'))}), the oracle per set; CALM as trained (under summed scores).",
+            f"{format_number(temps.get('temperature_char'))}), the oracle per set; trained models as trained (under summed "
+            "scores); `+ temperature scaling` rows refit their temperature on the trained model's held-out scores under "
+            "this convention.",
             "", *_average_tables(agg, methods), *_per_set_tables(agg, methods, accuracy=False)]
 
 
 def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float) -> str:
     aggs = {name: Aggregate(ctx, task) for name, task in tasks.items()}
+    char = Aggregate(ctx, tasks["mc"], "char") if "mc" in tasks else None
     plot_dir = ctx.out / "calibration"
     files = []
     if ctx.plots:
@@ -1132,7 +1323,8 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
     any_task = next(iter(tasks.values()))
     guard = f"{ctx.config(any_task, 'lora_ce', 0).selection.guard_accuracy:.0%}"
     lines = [
-        "# Calibration benchmark v2: CALM against post-hoc and training-time baselines, both regimes", "",
+        "# Calibration benchmark v3: CALM against post-hoc and training-time baselines, alone and followed by a "
+        "temperature, both regimes", "",
         *provenance_lines(command, meta, mode=s.name, elapsed_s=elapsed),
         f"- Compute recorded in the result files: {compute / 60:.1f} min",
         f"- Model: `{s.model}`; LoRA rank {s.lora_rank} (alpha {2 * s.lora_rank}) on q_proj/v_proj of the top {s.top_layers} "
@@ -1146,9 +1338,16 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
             if (missing := [m for m in METHODS if m not in agg.runs and not (name == "open" and m in OPEN_SKIPS)]))
             or "none") + ".",
         f"- Per-(method, seed) results: `{_rel(ctx.runs)}/<task>/<method>-seed<k>.json` (resumable).", "",
-        "## Targets", "", "Columns: CALM with BOME (the default solver) and with F2SA; rows `MC A` use regime A's CALM, "
-        "`MC B` regime B's. Means over seeds; out-of-domain (OOD) means weigh the sets equally. The seed spread is the "
-        "larger seed standard deviation of the two methods' OOD means.", "",
+        "## Targets (v3)", "", "CALM (BOME) followed by a temperature fitted in domain on its held-out scores and "
+        "carried out of domain (`+ T`), one column per regime of unlabelled inputs. Means over seeds; out-of-domain "
+        "(OOD) means weigh the sets equally; `v2 sets` are the 13 out-of-domain sets of the v2 protocol, `above chance` "
+        "those of them where the uncalibrated model's 95% accuracy interval lies above chance. The seed spread is the "
+        "larger seed standard deviation of the two methods' OOD means. Rows marked `(reported)` repeat a target under "
+        "another convention or subset.", "",
+        *_target_table_v3(targets_v3(aggs.get("mc"), char)), "",
+        "### The v2 targets", "", "Kept for comparison (a trained model without a temperature against a carried "
+        "temperature; retired in v3 as not reachable on this model, see `temperature_frontier.md`). Columns: CALM with "
+        "BOME and with F2SA; rows `MC A` use regime A's CALM, `MC B` regime B's.", "",
         *_target_table(targets(aggs.get("mc"), aggs.get("open"))), "",
     ]
     if files:
@@ -1172,8 +1371,8 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
             lines += ["### Per set (both regimes)", "", *_per_set_tables(agg, METHODS)]
         else:
             lines += [*_average_tables(agg, ctx.methods_for(name)), *_per_set_tables(agg, ctx.methods_for(name))]
-    if "mc" in aggs:
-        lines += _char_section(Aggregate(ctx, tasks["mc"], "char"))
+    if char is not None:
+        lines += _char_section(char)
     lines += ["## Training: what the selection rule kept", "", "Selected step 0 means the run deployed the base model "
               "unchanged; open-ended held-out metrics are the library's teacher-forced proxy.", "", *_training_table(aggs), "",
               "## Wall time and peak memory per method", "", "Seconds per run (mean ± sd over seeds), training and "
