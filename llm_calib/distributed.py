@@ -236,7 +236,9 @@ def shard_frozen_base(model: torch.nn.Module) -> list[str]:
     for unit in _shard_units(model, shared):
         if isinstance(unit, FSDPModule):
             continue
-        fully_shard(unit, mesh=_mesh(device))
+        # Each unit is an FSDP2 root of its own (no unit contains another), and a root keeps its
+        # gathered weights after forward unless told otherwise: free them, or nothing is saved.
+        fully_shard(unit, mesh=_mesh(device), reshard_after_forward=True)
         sharded.append(names[id(unit)])
     return sharded
 
