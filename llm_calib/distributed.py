@@ -190,7 +190,10 @@ def _shard_units(module: torch.nn.Module, shared: set[int]) -> list[torch.nn.Mod
         params = list(child.parameters())
         if not params:
             continue
-        frozen = not any(p.requires_grad or id(p) in shared for p in params)
+        # quantised weights (bitsandbytes' packed integers in Parameter subclasses) cannot be
+        # sharded: FSDP2 would split the packed bytes away from their quantisation state
+        plain = all(type(p) is torch.nn.Parameter and p.is_floating_point() for p in params)
+        frozen = plain and not any(p.requires_grad or id(p) in shared for p in params)
         if frozen and (isinstance(module, torch.nn.ModuleList) or isinstance(child, torch.nn.Linear | torch.nn.Embedding)):
             out.append(child)
         else:
@@ -207,7 +210,9 @@ def shard_frozen_base(model: torch.nn.Module) -> list[str]:
     weights under LoRA, the MLP, the embeddings and the output head). Left replicated: the
     trained parameters (LoRA θ, which :func:`replicated` handles), the norms of trained layers and
     the final norm (one vector each; the output scale reads the final norm's weight directly), and
-    weights shared by two modules (tied embeddings: FSDP2 needs both users in one unit).
+    weights shared by two modules (tied embeddings: FSDP2 needs both users in one unit), and
+    quantised weights (4-bit or 8-bit bitsandbytes layers: their packed integers are replicated,
+    as without sharding).
     Modules sharded before (a second method on the same base) are kept as they are.
 
     Args:
