@@ -10,9 +10,9 @@ by module for each forward and backward pass and frees again.
 The losses are plain functions of this rank's shard; the trainer makes them losses of the global
 batch by two wrappers built from DTensor placements, so torch performs every collective:
 
-* :func:`replicated` marks a parameter as ``Replicate`` with a ``Partial`` gradient: DTensor's
-  autograd sums that gradient over ranks in the backward pass (the reduction DDP would do, one
-  all-reduce per tensor);
+* :func:`replicated` marks the parameters as ``Replicate`` with a ``Partial`` gradient: DTensor's
+  autograd sums that gradient over ranks in the backward pass (the reduction DDP would do; one
+  all-reduce of all of them, flattened);
 * :func:`global_mean` averages a scalar loss over ranks (a ``Partial`` sum made whole).
 
 Together they give every rank the gradient of the global-batch mean, so any first-order method of
@@ -126,10 +126,16 @@ def _mesh(device: torch.device) -> Any:
 def replicated(params: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
     """Mark replicated parameters for a loss of this rank's shard: their gradients are summed over ranks.
 
-    Each tensor goes through ``DTensor.from_local(t, [Replicate()]).to_local(grad_placements=[Partial()])``:
-    the same values, and DTensor's autograd all-reduces (sums) the gradient reaching them in the
-    backward pass, also under ``torch.autograd.grad``, one collective per tensor. With
+    The tensors are concatenated into one flat tensor (one per dtype and device) that goes through
+    ``DTensor.from_local(flat, [Replicate()]).to_local(grad_placements=[Partial()])`` and is split
+    back into views: the same values, and DTensor's autograd all-reduces (sums) the gradient
+    reaching them in the backward pass, also under ``torch.autograd.grad``. With
     :func:`global_mean` on the loss, that sum is the gradient of the global-batch mean.
+
+    Why one flat tensor: each DTensor reduction is its own collective, and LoRA has many small
+    matrices. Measured with 2 gloo ranks on CPU, for the gradient of 120 LoRA matrices (rank 8 on
+    two projections of 30 layers of width 2048): 539 ms with one collective per matrix, 52 ms
+    through one flat tensor, 47 ms with a hand-written flat all-reduce, 16 ms without reduction.
 
     Args:
         params: the parameters (a flat dict) about to be used in a loss, identical on every rank;
@@ -149,9 +155,18 @@ def replicated(params: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
         return params
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    mesh = _mesh(next(iter(params.values())).device)
-    return {k: DTensor.from_local(v, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-            for k, v in params.items()}
+    groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+    for name, value in params.items():
+        groups.setdefault((value.dtype, value.device), []).append(name)
+    out: dict[str, Tensor] = {}
+    for (_, device), names in groups.items():
+        values = [params[n] for n in names]
+        flat = torch.cat([v.reshape(-1) for v in values])
+        flat = DTensor.from_local(flat, _mesh(device), [Replicate()], run_check=False).to_local(
+            grad_placements=[Partial()])
+        for name, value, part in zip(names, values, flat.split([v.numel() for v in values]), strict=True):
+            out[name] = part.view_as(value)
+    return {name: out[name] for name in params}
 
 
 def global_mean(value: Tensor) -> Tensor:

@@ -175,3 +175,18 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path
         assert torch.equal(lora[k].detach(), v), k
     assert all(float(v.abs().max()) > 0 for k, v in best.items() if "lora_A" in k)  # not a comparison of zeros
     assert torch.equal(loaded.lam["log_a"], t_two["best_lam/log_a"])
+
+
+def test_second_order_solver_is_refused_on_several_ranks(monkeypatch):
+    import pytest
+
+    from llm_calib import CalibrationConfig, distributed
+    from llm_calib.calm.training import check_scale_out
+
+    implicit = CalibrationConfig(objective={"name": "calm", "solver": {"name": "implicit"}})
+    check_scale_out(implicit)  # one process: runs
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    with pytest.raises(ValueError, match="objective.solver='implicit' takes second derivatives.*2 ranks"):
+        check_scale_out(implicit)
+    check_scale_out(CalibrationConfig(objective={"name": "calm", "solver": {"name": "f2sa"}}))
+    check_scale_out(CalibrationConfig(objective={"name": "lora_ce"}))
