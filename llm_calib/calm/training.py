@@ -317,7 +317,10 @@ def build_trainer(
 ) -> Trainer:
     """Attach LoRA to ``model`` (in place) and set up a run: encodings, λ's shape, losses, solver.
 
-    Seeds torch with ``config.seed`` first (the LoRA initialisation draws from it).
+    Seeds torch with ``config.seed`` first (the LoRA initialisation draws from it). Under
+    ``torchrun`` (a process group of several ranks) it also shards the frozen base over the ranks
+    (:func:`llm_calib.distributed.shard_frozen_base`) and computes the losses of the global batch
+    (:class:`~llm_calib.calm.objectives.DataParallelLosses`); in one process neither changes a number.
 
     Args:
         model: a Hugging Face causal LM without adapters (a fresh copy, or one whose previous
@@ -334,7 +337,8 @@ def build_trainer(
         A :class:`Trainer`.
 
     Raises:
-        ValueError: records of mixed kinds or of another type (naming the record).
+        ValueError: records of mixed kinds or of another type (naming the record); under
+            ``torchrun``, a solver with second derivatives (:func:`check_scale_out`).
 
     Example:
         >>> from llm_calib.data import builtin_multiple_choice
