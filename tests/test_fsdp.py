@@ -189,3 +189,19 @@ def test_second_order_solver_is_refused_on_several_ranks(monkeypatch):
         check_scale_out(implicit)
     check_scale_out(CalibrationConfig(objective={"name": "calm", "solver": {"name": "f2sa"}}))
     check_scale_out(CalibrationConfig(objective={"name": "lora_ce"}))
+
+
+def test_gpu_check_runs_on_cpu_and_names_torchrun_for_fsdp2_modes(tmp_path):
+    """benchmarks/gpu_check.py's CPU smoke check; its fsdp2 modes need torchrun (2 ranks: see its docstring)."""
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--tiny", "--steps", "1",
+         "--modes", "bf16+ckpt,fsdp2", "--out", str(out)], env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "launch with torchrun --nproc_per_node=N (N >= 2)" in proc.stdout
+    results = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in results] == ["bf16+ckpt"] and results[0]["finite"] and results[0]["ranks"] == 1
