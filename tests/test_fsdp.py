@@ -54,7 +54,9 @@ LORA_CE = {"name": "lora_ce"}
 def run(objective, checkpoint_dir, resume=False):
     from llm_calib.models import tiny_random_model
     model, tok = tiny_random_model(seed=0, init_std=0.1)
-    train = load("builtin:arithmetic,capitals:n=4").records
+    # 20 training questions: two trunk-cache chunks, which the ranks' shards of the first batch
+    # touch differently (1 chunk on rank 0, 2 on rank 1: every rank must still run the same passes)
+    train = load("builtin:arithmetic,capitals:n=10").records
     heldout = load("builtin:arithmetic,capitals:n=4,seed=1").records
     return calibrate(model, tok, train, heldout, config(objective), checkpoint_dir=checkpoint_dir, resume=resume,
                      progress=False)

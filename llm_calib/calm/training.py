@@ -386,8 +386,14 @@ def build_trainer(
     problem = None
     if solver is not None:
         problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner), outer=recorder.wrap("f", losses.outer))
-    return Trainer(config, peft_model, lm, losses, train_enc, heldout_enc, unlabeled_enc, pad_id,
-                   theta_optimizer(config), solver, problem, recorder, objective)
+    trainer = Trainer(config, peft_model, lm, losses, train_enc, heldout_enc, unlabeled_enc, pad_id,
+                      theta_optimizer(config), solver, problem, recorder, objective)
+    if distributed.is_distributed():
+        # A forward pass through the sharded base is a collective (FSDP2 all-gathers): every rank
+        # must run the same ones. Filled lazily, the trunk cache would run them for the chunks of
+        # each rank's own shard of a batch, which differ between ranks; so fill it now, alike.
+        trainer.fill_trunk_caches()
+    return trainer
 
 
 SECOND_ORDER_SOLVERS = ("implicit",)
