@@ -118,8 +118,8 @@ def sharded_table(ranks: tuple[int, ...] = (2, 4, 8)) -> str:
     Each rank stores ``1/ranks`` of the weights (the norms and LoRA, replicated, are negligible)
     plus, while a sharded unit runs, its gathered weights: at most the largest unit (a frozen
     decoder layer, or the embeddings or the head), freed after its pass (every unit is resharded
-    after its forward). The trunk cache is not sharded: every rank scores the whole held-out set
-    and, over the epochs, sees every training question. Activations and the head are those of the
+    after its forward). The trunk cache is not sharded: every rank computes it for every question
+    before the first step and scores the whole held-out set. Activations and the head are those of the
     per-rank batch (8 questions, a global batch of ``8 x ranks``).
     """
     lines = ["| model | GPUs | top k | checkpointing | weight shard GB | largest gathered unit GB | trunk cache GB "
