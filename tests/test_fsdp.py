@@ -3,6 +3,7 @@
 One launch of 2 ranks runs, on the float32 tiny model with its frozen base sharded by FSDP2
 (:func:`llm_calib.distributed.shard_frozen_base`): 3 CALM (BOME) steps, 3 steps of the LoRA CE
 baseline, and 1 CALM step resumed from a checkpoint a single process wrote at step 2 (1 rank → 2).
+The LoRA CE runs recompute the trained layer in the backward pass (gradient checkpointing).
 The test process runs the same on the combined batches in one process and resumes the 2-rank
 checkpoint of step 2 there (2 ranks → 1). Losses, θ and λ agree within float32 tolerances; each
 rank stores about half of the base's parameters; the 2-rank result loads into one process.
@@ -52,8 +53,10 @@ LORA_CE = {"name": "lora_ce"}
 
 
 def run(objective, checkpoint_dir, resume=False):
-    from llm_calib.models import tiny_random_model
+    from llm_calib.models import enable_checkpointing, tiny_random_model
     model, tok = tiny_random_model(seed=0, init_std=0.1)
+    if objective is LORA_CE:  # the baseline with gradient checkpointing (recomputed under FSDP2)
+        enable_checkpointing(model)
     # 20 training questions: two trunk-cache chunks, which the ranks' shards of the first batch
     # touch differently (1 chunk on rank 0, 2 on rank 1: every rank must still run the same passes)
     train = load("builtin:arithmetic,capitals:n=10").records
