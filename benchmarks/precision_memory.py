@@ -11,6 +11,7 @@ Run::
 
     python benchmarks/precision_memory.py --data-dir ../shared/data
     python benchmarks/precision_memory.py --table          # the docs table (formula only)
+    python benchmarks/precision_memory.py --sharded-table  # per GPU, base sharded by FSDP2 (formula only)
 """
 
 from __future__ import annotations
@@ -108,6 +109,35 @@ def table() -> str:
                 lines.append(f"| {shape.name} | {weights} | {k} | {'yes' if ckpt else 'no'} | {t['weights'] / GB:.1f} | "
                              f"{t['trunk_cache'] / GB:.2f} | {t['activations'] / GB:.2f} | {t['head'] / GB:.2f} | "
                              f"{t['total'] / GB:.1f} |")
+    return "\n".join(lines)
+
+
+def sharded_table(ranks: tuple[int, ...] = (2, 4, 8)) -> str:
+    """Per-rank peak memory with the bf16 base sharded by FSDP2 over ``ranks`` GPUs, the same batch per rank.
+
+    Each rank stores ``1/ranks`` of the weights (the norms and LoRA, replicated, are negligible)
+    plus, while a sharded unit runs, its gathered weights: at most the largest unit (a frozen
+    decoder layer, or the embeddings or the head), freed after its pass (every unit is resharded
+    after its forward). The trunk cache is not sharded: every rank computes it for every question
+    before the first step and scores the whole held-out set. Activations and the head are those of the
+    per-rank batch (8 questions, a global batch of ``8 x ranks``).
+    """
+    lines = ["| model | GPUs | top k | checkpointing | weight shard GB | largest gathered unit GB | trunk cache GB "
+             "| activations GB | head GB | total per GPU GB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for key in ("8b", "70b"):
+        shape = SHAPES[key]
+        k = max(1, shape.layers // 8)
+        layer = 2 * (shape.params - shape.embedding_params) / shape.layers
+        unit = max(layer, 2 * shape.vocab * shape.hidden)
+        for n in ranks:
+            for ckpt in (False, True):
+                t = peak_bytes(shape, weights="bfloat16", top_k=k, checkpointing=ckpt)
+                shard = t["weights"] / n
+                total = shard + unit + t["trunk_cache"] + t["activations"] + t["head"] + t["lora"]
+                lines.append(f"| {shape.name} | {n} | {k} | {'yes' if ckpt else 'no'} | {shard / GB:.1f} | "
+                             f"{unit / GB:.2f} | {t['trunk_cache'] / GB:.2f} | {t['activations'] / GB:.2f} | "
+                             f"{t['head'] / GB:.2f} | {total / GB:.1f} |")
     return "\n".join(lines)
 
 
@@ -218,6 +248,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-dir", default="../shared/data")
     p.add_argument("--table", action="store_true", help="print the docs table and exit")
+    p.add_argument("--sharded-table", action="store_true",
+                   help="print the docs table of per-GPU memory with the base sharded by FSDP2, and exit")
     p.add_argument("--out", default="benchmarks/results/precision_memory.json")
     p.add_argument("--terms", action="store_true", help="measure the formula's terms on the tensors")
     p.add_argument("--in-process", action="store_true",
@@ -254,6 +286,9 @@ def main() -> int:
         return 0
     if args.table:
         print(table())
+        return 0
+    if args.sharded_table:
+        print(sharded_table())
         return 0
     results = []
     imports = _child_peak_mb("import llm_calib.cli, llm_calib.calm.trainer, peft, transformers")

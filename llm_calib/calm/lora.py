@@ -483,12 +483,17 @@ def _functional_checkpoint(layer: torch.nn.Module) -> Callable[..., Any]:
     transformers' default recomputes the layer in the backward pass with whatever parameters the
     module holds then, which after :func:`torch.func.functional_call` has returned are the module's
     own, not the θ that was substituted: silently wrong gradients. This one captures the
-    parameters the forward saw and substitutes them again for the recomputation.
+    trained parameters the forward saw (those θ substitutes: the ones with ``requires_grad`` when
+    the layer was set up) and substitutes them again for the recomputation. The frozen weights are
+    left alone: they never change, and where FSDP2 shards them it gathers them for the
+    recomputation itself (substituting those too would undo its gathering).
     """
     from torch.utils.checkpoint import checkpoint
 
+    trained = {name for name, p in layer.named_parameters() if p.requires_grad}
+
     def run(forward: Callable[..., Any], *args: Any) -> Any:
-        seen = dict(layer.named_parameters())
+        seen = {name: p for name, p in layer.named_parameters() if name in trained}
 
         def replay(*inputs: Any) -> Any:
             with _parameters_set(layer, seen):

@@ -38,12 +38,12 @@ from torch import Tensor
 
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.lora import FunctionalLM
-from llm_calib.distributed import global_mean, sync_gradients
+from llm_calib.distributed import global_mean, replicated
 from llm_calib.engine.packing import PackedQuestions, option_scores_from_logits
 from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import cross_entropy, entropy
 
-__all__ = ["Batch", "CalmLosses", "cross_entropy", "entropy", "option_lengths"]
+__all__ = ["Batch", "CalmLosses", "DataParallelLosses", "cross_entropy", "entropy", "option_lengths"]
 
 
 @dataclass
@@ -84,8 +84,9 @@ class CalmLosses:
 
     Every loss takes a :class:`Batch` of any task format (multiple choice or open-ended, see the
     module docstring): the batch's format gives the categorical view the losses reduce
-    (:meth:`~llm_calib.formats.base.TaskFormat.categorical`). Every loss is data-parallel aware (gradients and means are synchronised across
-    ranks under ``torchrun``).
+    (:meth:`~llm_calib.formats.base.TaskFormat.categorical`). Each loss is the mean over the batch it is
+    given and calls no collective; under ``torchrun`` the trainer uses :class:`DataParallelLosses`,
+    which makes them losses of the global batch.
 
     Args:
         lm: the functional model.
@@ -156,14 +157,12 @@ class CalmLosses:
 
     def inner(self, theta: dict[str, Tensor], lam: dict[str, Tensor], batch: Batch) -> Tensor:
         """g(θ, λ): cross-entropy under the adjusted logits (options, or answer tokens)."""
-        theta, lam = sync_gradients(theta), sync_gradients(lam)
         scores, targets, per_question = batch.format.categorical(self, theta, lam, batch)
-        return global_mean(per_question(cross_entropy(scores, targets)).mean())
+        return per_question(cross_entropy(scores, targets)).mean()
 
     def outer(self, theta: dict[str, Tensor], lam: dict[str, Tensor], batch: Batch) -> Tensor:
         """f(θ): minus the mean entropy of the deployed model (options, or first answer position)."""
-        theta = sync_gradients(theta)
-        return global_mean(-batch.format.deployed_entropy(self, theta, batch).mean())
+        return -batch.format.deployed_entropy(self, theta, batch).mean()
 
     def one_level(self, theta: dict[str, Tensor], batch: Batch, smoothing: float = 0.0,
                   entropy_weight: float = 0.0) -> Tensor:
@@ -173,12 +172,11 @@ class CalmLosses:
         The one-level objectives of :mod:`llm_calib.objectives` are built from it (plain CE, label
         smoothing; the confidence penalty takes its entropy on the unlabelled batch instead).
         """
-        theta = sync_gradients(theta)
         scores, targets, per_question = batch.format.categorical(self, theta, None, batch)
         loss = cross_entropy(scores, targets, smoothing)
         if entropy_weight:
             loss = loss - entropy_weight * entropy(scores)
-        return global_mean(per_question(loss).mean())
+        return per_question(loss).mean()
 
     def monitor(self, batch: Batch) -> dict[str, Tensor]:
         """Per-question held-out statistics of the deployed model, float64 on the CPU (no grad).
@@ -200,6 +198,47 @@ class CalmLosses:
         with torch.inference_mode():
             return batch.format.monitor(self, batch)
 
+
+
+class DataParallelLosses(CalmLosses):
+    """:class:`CalmLosses` of the global batch when each rank holds a shard of it (``torchrun``).
+
+    Every training loss is this rank's loss of its shard, averaged over ranks
+    (:func:`~llm_calib.distributed.global_mean`), with θ and λ entering as
+    :func:`~llm_calib.distributed.replicated` parameters whose gradients torch's DTensor sums over
+    ranks: every rank gets the value and the gradient of the global-batch mean (the shards must be
+    of equal size, as :func:`~llm_calib.calm.sampling.shard` makes them). Without a process group
+    it computes exactly what :class:`CalmLosses` does. :meth:`~CalmLosses.monitor` stays local:
+    every rank scores the whole held-out set.
+
+    Example:
+        >>> import torch
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.calm.config import LoraSettings
+        >>> from llm_calib.calm.lora import attach_lora
+        >>> from llm_calib.engine.packing import pack_continuations
+        >>> from llm_calib.formats import OpenEnded
+        >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))
+        >>> local = CalmLosses(lm, LogitAdjustment("vector", lm.head.out_features))
+        >>> losses = DataParallelLosses(lm, local.adjustment)
+        >>> batch = Batch(pack_continuations([((5, 6, 7), (8, 9))], 0), torch.zeros(1), ["q0"], OpenEnded())
+        >>> lam = local.adjustment.init()
+        >>> bool(losses.inner(lm.theta(), lam, batch) == local.inner(lm.theta(), lam, batch))
+        True
+    """
+
+    def inner(self, theta: dict[str, Tensor], lam: dict[str, Tensor], batch: Batch) -> Tensor:
+        """g(θ, λ) of the global batch."""
+        return global_mean(super().inner(replicated(theta), replicated(lam), batch))
+
+    def outer(self, theta: dict[str, Tensor], lam: dict[str, Tensor], batch: Batch) -> Tensor:
+        """f(θ) of the global batch."""
+        return global_mean(super().outer(replicated(theta), lam, batch))
+
+    def one_level(self, theta: dict[str, Tensor], batch: Batch, smoothing: float = 0.0,
+                  entropy_weight: float = 0.0) -> Tensor:
+        """The one-level loss of the global batch."""
+        return global_mean(super().one_level(replicated(theta), batch, smoothing, entropy_weight))
 
 def option_lengths(packed: PackedQuestions) -> Tensor:
     """Option lengths in tokens laid out like the option scores, ``(B, K_max)`` (0 for padding).

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 import hypergrad as hg
+from llm_calib import distributed
 from llm_calib.calm import sampling
 from llm_calib.calm.config import CalibrationConfig, flat_paths
 from llm_calib.calm.encoding import EncodedRecords, encode_records, format_settings, task_format
@@ -49,7 +50,7 @@ from llm_calib.calm.methods import (
     resolve_adjustment,
     theta_optimizer,
 )
-from llm_calib.calm.objectives import Batch, CalmLosses
+from llm_calib.calm.objectives import Batch, CalmLosses, DataParallelLosses
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.formats.base import TaskFormat
@@ -58,12 +59,14 @@ from llm_calib.metrics import ece as ece_metric
 __all__ = [
     "MIN_GUARD_QUESTIONS",
     "RESUMABLE_CHANGES",
+    "SECOND_ORDER_SOLVERS",
     "TrainState",
     "Trainer",
     "TrainingDiverged",
     "best_candidate",
     "build_trainer",
     "check_not_empty",
+    "check_scale_out",
     "data_fingerprint",
     "done",
     "evaluate",
@@ -314,7 +317,10 @@ def build_trainer(
 ) -> Trainer:
     """Attach LoRA to ``model`` (in place) and set up a run: encodings, λ's shape, losses, solver.
 
-    Seeds torch with ``config.seed`` first (the LoRA initialisation draws from it).
+    Seeds torch with ``config.seed`` first (the LoRA initialisation draws from it). Under
+    ``torchrun`` (a process group of several ranks) it also shards the frozen base over the ranks
+    (:func:`llm_calib.distributed.shard_frozen_base`) and computes the losses of the global batch
+    (:class:`~llm_calib.calm.objectives.DataParallelLosses`); in one process neither changes a number.
 
     Args:
         model: a Hugging Face causal LM without adapters (a fresh copy, or one whose previous
@@ -331,7 +337,8 @@ def build_trainer(
         A :class:`Trainer`.
 
     Raises:
-        ValueError: records of mixed kinds or of another type (naming the record).
+        ValueError: records of mixed kinds or of another type (naming the record); under
+            ``torchrun``, a solver with second derivatives (:func:`check_scale_out`).
 
     Example:
         >>> from llm_calib.data import builtin_multiple_choice
@@ -345,9 +352,17 @@ def build_trainer(
         (4, False)
     """
     fmt = run_format(train, heldout, config, unlabeled)
+    check_scale_out(config)
     warn_small_heldout(len(_records(heldout)), config)
     torch.manual_seed(config.seed)
     peft_model = attach_lora(model, config.lora, output_scale=config.lora.output_scale)
+    # Under torchrun: FSDP2 shards the frozen base (θ stays replicated); a no-op in one process.
+    if distributed.shard_frozen_base(peft_model):
+        # FSDP2 allocates a unit's gathered weights at its first forward pass, once; inside
+        # torch.inference_mode (evaluation, the trunk cache) they would be inference tensors that
+        # every later training pass refuses to save for backward. So one token first, no-grad.
+        with torch.no_grad():
+            peft_model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=next(peft_model.parameters()).device))
     # Eval mode throughout: the frozen base never needs training behaviour. train_step switches
     # on training mode only where the trained parts need it (FunctionalLM.train_mode: LoRA dropout
     # when > 0, the layers of gradient checkpointing); evaluation runs in eval mode.
@@ -361,7 +376,9 @@ def build_trainer(
     lam_kind = resolve_adjustment(config.objective.adjustment, fmt.layout)
     tokens = {t for src in sources for opts in src.options for o in opts for t in o} if lam_kind == "answer_tokens" else ()
     adjustment = make_adjustment(config, vocab, tokens, fmt.layout)
-    losses = CalmLosses(lm, adjustment, format_settings(config)["normalize"])
+    # Under torchrun the losses of the global batch; the same numbers in one process.
+    loss_class = DataParallelLosses if distributed.is_distributed() else CalmLosses
+    losses = loss_class(lm, adjustment, format_settings(config)["normalize"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     recorder = _FirstValues()
     objective = config.objective
@@ -369,8 +386,45 @@ def build_trainer(
     problem = None
     if solver is not None:
         problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner), outer=recorder.wrap("f", losses.outer))
-    return Trainer(config, peft_model, lm, losses, train_enc, heldout_enc, unlabeled_enc, pad_id,
-                   theta_optimizer(config), solver, problem, recorder, objective)
+    trainer = Trainer(config, peft_model, lm, losses, train_enc, heldout_enc, unlabeled_enc, pad_id,
+                      theta_optimizer(config), solver, problem, recorder, objective)
+    if distributed.is_distributed():
+        # A forward pass through the sharded base is a collective (FSDP2 all-gathers): every rank
+        # must run the same ones. Filled lazily, the trunk cache would run them for the chunks of
+        # each rank's own shard of a batch, which differ between ranks; so fill it now, alike.
+        trainer.fill_trunk_caches()
+    return trainer
+
+
+SECOND_ORDER_SOLVERS = ("implicit",)
+"""Solvers taking second derivatives of the losses, which do not run under ``torchrun`` (see
+:func:`check_scale_out`)."""
+
+
+def check_scale_out(config: CalibrationConfig) -> None:
+    """Refuse, under ``torchrun``, a run the sharded base cannot take: a solver with second derivatives.
+
+    The implicit solver's Hessian-vector products differentiate a gradient a second time. FSDP2
+    frees the all-gathered base weights after the first backward pass (measured:
+    ``RuntimeError: setStorage: ... storage of size 0``), and DTensor's gradient reduction is
+    not differentiable; one process runs it, the first-order solvers run on any number of ranks.
+
+    Args:
+        config: the run's configuration.
+
+    Raises:
+        ValueError: ``objective.solver`` is one of :data:`SECOND_ORDER_SOLVERS` and more than one
+            rank runs.
+
+    Example:
+        >>> check_scale_out(CalibrationConfig(objective={"name": "calm", "solver": {"name": "implicit"}}))  # one process
+    """
+    solver = getattr(getattr(config.objective, "solver", None), "name", None)
+    if solver in SECOND_ORDER_SOLVERS and distributed.world_size() > 1:
+        raise ValueError(
+            f"objective.solver={solver!r} takes second derivatives, which do not run on a base sharded over "
+            f"{distributed.world_size()} ranks (FSDP2 frees the gathered weights a second backward pass needs); "
+            "use solver 'bome' or 'f2sa' under torchrun, or run the implicit solver in one process")
 
 
 MIN_GUARD_QUESTIONS = 500

@@ -1,0 +1,212 @@
+"""FSDP2 under ``torchrun`` with 2 CPU ranks (gloo): the sharded base trains as one process does.
+
+One launch of 2 ranks runs, on the float32 tiny model with its frozen base sharded by FSDP2
+(:func:`llm_calib.distributed.shard_frozen_base`): 3 CALM (BOME) steps, 3 steps of the LoRA CE
+baseline, and 1 CALM step resumed from a checkpoint a single process wrote at step 2 (1 rank → 2).
+The LoRA CE runs recompute the trained layer in the backward pass (gradient checkpointing).
+The test process runs the same on the combined batches in one process and resumes the 2-rank
+checkpoint of step 2 there (2 ranks → 1). Losses, θ and λ agree within float32 tolerances; each
+rank stores about half of the base's parameters; the 2-rank result loads into one process.
+
+λ is the temperature adjustment here (one scalar with a sizeable gradient): a vector λ over the
+vocabulary has coordinates with near-zero gradients, where Adam's normalisation turns float32
+reordering noise into steps of the full learning rate (``tests/test_calm_distributed.py`` checks
+that case in float64).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
+from llm_calib.models import tiny_random_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Run by every rank, and in the test process (one process) for the reference.
+SCRIPT = '''
+import json, sys
+import torch
+torch.set_num_threads(1)
+from llm_calib import CalibrationConfig, calibrate
+from llm_calib.data import load
+
+STEPS = 3
+
+
+def config(objective):
+    return CalibrationConfig(objective=objective, checkpoint_every=1, lora=dict(rank=2, layers=[1]),
+                             training=dict(steps=STEPS, batch_size=4, heldout_batch_size=4, lr=1e-2),
+                             selection=dict(eval_every=1, guard_accuracy=0.0))
+
+
+CALM = {"name": "calm", "solver": {"name": "bome"}, "lam_lr": 1e-1, "adjustment": "temperature"}
+LORA_CE = {"name": "lora_ce"}
+
+
+def run(objective, checkpoint_dir, resume=False):
+    from llm_calib.models import enable_checkpointing, tiny_random_model
+    model, tok = tiny_random_model(seed=0, init_std=0.1)
+    if objective is LORA_CE:  # the baseline with gradient checkpointing (recomputed under FSDP2)
+        enable_checkpointing(model)
+    # 20 training questions: two trunk-cache chunks, which the ranks' shards of the first batch
+    # touch differently (1 chunk on rank 0, 2 on rank 1: every rank must still run the same passes)
+    train = load("builtin:arithmetic,capitals:n=10").records
+    heldout = load("builtin:arithmetic,capitals:n=4,seed=1").records
+    return calibrate(model, tok, train, heldout, config(objective), checkpoint_dir=checkpoint_dir, resume=resume,
+                     progress=False)
+
+
+if __name__ == "__main__":
+    import time
+    import torch.distributed as dist
+    from llm_calib import distributed
+    out = sys.argv[1]
+    t0 = time.perf_counter()
+    calm = run(CALM, out + "/calm")
+    assert distributed.world_size() == 2, "calibrate did not join the process group"
+    base = calm.model.get_base_model()
+    report = {
+        "base_bytes": distributed.parameter_bytes(base),
+        "sharded_weights": sum(1 for p in base.parameters() if hasattr(p, "to_local")),
+        "lora_sharded": sum(1 for n, p in base.named_parameters() if "lora_" in n and hasattr(p, "to_local")),
+    }
+    if distributed.rank() == 0:
+        calm.save(out + "/calm_result")
+    run(LORA_CE, out + "/lora_ce")
+    run(CALM, out + "/from_one_rank", resume=True)
+    report["seconds"] = time.perf_counter() - t0
+    json.dump(report, open(f"{out}/rank{distributed.rank()}.json", "w"))
+    dist.destroy_process_group()
+'''
+
+
+def _last(ckpt_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    return load_checkpoint(latest_checkpoint(ckpt_dir))
+
+
+def _at_step(src: Path, dst: Path, step: int) -> Path:
+    """A copy of checkpoint directory ``src`` whose newest checkpoint is that of ``step``."""
+    shutil.copytree(src, dst)
+    for later in dst.glob("ckpt-*"):
+        if int(later.name.split("-")[1]) > step:
+            shutil.rmtree(later)
+    (dst / "LATEST").write_text(f"ckpt-{step:08d}")
+    return dst
+
+
+def _assert_same_run(got: Path, want: Path, what: str) -> None:
+    """Step-3 checkpoints: θ and λ (and every optimiser state) within float32 tolerance; the same history."""
+    t_got, s_got = _last(got)
+    t_want, s_want = _last(want)
+    assert s_got["step"] == s_want["step"] == 3, what
+    assert set(t_got) == set(t_want), what
+    errors = {k: float((t_got[k] - t_want[k]).abs().max()) for k in t_want}
+    print(f"{what}: largest |difference| {max(errors.values()):.2e} ({max(errors, key=errors.get)})")
+    for k, err in errors.items():
+        assert torch.allclose(t_got[k], t_want[k], rtol=1e-4, atol=1e-6), (what, k, err)
+    for h_got, h_want in zip(s_got["history"], s_want["history"], strict=True):
+        assert h_got.keys() == h_want.keys(), what
+        for key in h_want:  # losses, entropies, held-out metrics of every step
+            assert abs(h_got[key] - h_want[key]) <= 1e-5 * max(1.0, abs(h_want[key])), (what, key, h_got, h_want)
+
+
+def test_fsdp_two_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path):
+    namespace: dict = {"__name__": "fsdp_calibration"}
+    exec(compile(SCRIPT, "fsdp_calibration.py", "exec"), namespace)
+    run, calm, lora_ce = namespace["run"], namespace["CALM"], namespace["LORA_CE"]
+    one = tmp_path / "one"
+    run(calm, one / "calm")
+    run(lora_ce, one / "lora_ce")
+    _at_step(one / "calm", tmp_path / "two" / "from_one_rank", 2)  # the 2-rank run resumes it
+
+    script = tmp_path / "fsdp_calibration.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+         str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    print(f"2-rank launch: {time.perf_counter() - t0:.1f} s")
+    two = tmp_path / "two"
+    reports = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+    # 2 ranks equal 1 process on the combined batch: CALM and the baseline
+    _assert_same_run(two / "calm", one / "calm", "calm")
+    _assert_same_run(two / "lora_ce", one / "lora_ce", "lora_ce")
+    t_calm, _ = _last(one / "calm")
+    assert all(float(v.abs().max()) > 1e-4 for k, v in t_calm.items() if k.startswith("theta/") and "lora_B" in k)
+    assert abs(float(t_calm["lam/log_a"])) > 1e-4  # the run moved θ and λ
+
+    # each rank stores about half of the base, measured from its shards; LoRA θ is not sharded
+    single = tiny_random_model(seed=0, init_std=0.1)[0]
+    full = sum(p.numel() * p.element_size() for p in single.parameters())
+    for report in reports:
+        assert report["sharded_weights"] > 0 and report["lora_sharded"] == 0, report
+        lora = sum(4 * 2 * (32 + out) for out in (32, 16))  # rank 2 on q_proj, v_proj of layer 1
+        share = (report["base_bytes"] - lora) / full
+        assert 0.5 <= share <= 0.52, (report, full)  # the unsharded norms: 5 vectors of 32
+
+    # checkpoints cross world sizes: 2 ranks → 1 and 1 → 2 reach the same step 3
+    from_two = _at_step(two / "calm", tmp_path / "from_two_ranks", 2)
+    run(calm, from_two, resume=True)
+    _assert_same_run(from_two, one / "calm", "resumed 2 ranks -> 1")
+    _assert_same_run(two / "from_one_rank", one / "calm", "resumed 1 rank -> 2")
+
+    # the result saved at 2 ranks loads into one process (evaluate --adapter, export)
+    from llm_calib.calm.trainer import CalibrationResult
+
+    loaded = CalibrationResult.load(two / "calm_result", tiny_random_model(seed=0, init_std=0.1)[0])
+    t_two, _ = _last(two / "calm")  # its selected θ and λ: best_theta/, best_lam/
+    lora = {"layers." + n.split(".layers.", 1)[1].replace(".default", ""): p for n, p in loaded.model.named_parameters()
+            if "lora_" in n}
+    best = {k.removeprefix("best_theta/").replace(".default", ""): v for k, v in t_two.items()
+            if k.startswith("best_theta/") and "lora_" in k}
+    assert lora.keys() == best.keys() and len(lora) == 4
+    for k, v in best.items():
+        assert torch.equal(lora[k].detach(), v), k
+    assert all(float(v.abs().max()) > 0 for k, v in best.items() if "lora_A" in k)  # not a comparison of zeros
+    assert torch.equal(loaded.lam["log_a"], t_two["best_lam/log_a"])
+
+
+def test_second_order_solver_is_refused_on_several_ranks(monkeypatch):
+    import pytest
+
+    from llm_calib import CalibrationConfig, distributed
+    from llm_calib.calm.training import check_scale_out
+
+    implicit = CalibrationConfig(objective={"name": "calm", "solver": {"name": "implicit"}})
+    check_scale_out(implicit)  # one process: runs
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"objective\.solver='implicit' takes second derivatives.*2 ranks"):
+        check_scale_out(implicit)
+    check_scale_out(CalibrationConfig(objective={"name": "calm", "solver": {"name": "f2sa"}}))
+    check_scale_out(CalibrationConfig(objective={"name": "lora_ce"}))
+
+
+def test_gpu_check_runs_on_cpu_and_names_torchrun_for_fsdp2_modes(tmp_path):
+    """benchmarks/gpu_check.py's CPU smoke check; its fsdp2 modes need torchrun (2 ranks: see its docstring)."""
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--tiny", "--steps", "1",
+         "--modes", "bf16+ckpt,fsdp2", "--out", str(out)], env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "launch with torchrun --nproc_per_node=N (N >= 2)" in proc.stdout
+    results = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in results] == ["bf16+ckpt"] and results[0]["finite"] and results[0]["ranks"] == 1
