@@ -138,10 +138,7 @@ def merge_adapter(model: Any) -> Any:
 
 
 def export_merged(
-    base_model: Any,
-    tokenizer: Any,
-    adapter: str | os.PathLike[str],
-    out: str | os.PathLike[str],
+    base_model: Any, tokenizer: Any, adapter: str | os.PathLike[str], out: str | os.PathLike[str]
 ) -> Path:
     """Merge the adapter at ``adapter`` into ``base_model`` and save a standalone model to ``out``.
 

@@ -503,13 +503,8 @@ _CI_METRICS: Mapping[
 
 
 def summarize(
-    probs: ArrayLike,
-    labels: ArrayLike,
-    n_bins: int = 10,
-    ci: bool = True,
-    n_resamples: int = 1000,
-    seed: int = 0,
-    alpha: float = 0.05,
+    probs: ArrayLike, labels: ArrayLike, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000,
+    seed: int = 0, alpha: float = 0.05,
 ) -> dict[str, float]:
     """All metrics of a multiple-choice evaluation in one dict.
 

@@ -173,11 +173,7 @@ def fit_temperature(logits: Any, labels: Any, *, max_iter: int = 100) -> float:
     lo, hi = math.log(T_MIN), math.log(T_MAX)
     log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
     opt = torch.optim.LBFGS(
-        [log_t],
-        lr=1.0,
-        max_iter=max_iter,
-        tolerance_grad=1e-10,
-        tolerance_change=1e-14,
+        [log_t], lr=1.0, max_iter=max_iter, tolerance_grad=1e-10, tolerance_change=1e-14,
         line_search_fn="strong_wolfe",
     )
 

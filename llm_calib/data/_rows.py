@@ -101,9 +101,7 @@ def labelled_choice(
     key = str(answer_key).strip()
     if key not in label_strs:
         raise DataError(
-            source,
-            line,
-            answer_field,
+            source, line, answer_field,
             f"gold label {key!r} is not among the options {', '.join(label_strs)}",
         )
     return MultipleChoice(q, options, label_strs.index(key), domain, id, dict(meta or {}))

@@ -86,10 +86,8 @@ def _labelled(domain_of: Callable[[str], str], question_key: str = "question") -
         rid = row.get("id")
         return labelled_choice(
             row.get(question_key), labels, texts, row.get("answerKey"),
-            source=source, line=line, domain=domain,
-            id=str(rid) if rid else f"{prefix}-{line}",
-            meta={"source_file": source, "line": str(line)},
-            question_field=question_key,
+            source=source, line=line, domain=domain, id=str(rid) if rid else f"{prefix}-{line}",
+            meta={"source_file": source, "line": str(line)}, question_field=question_key,
         )  # fmt: skip
 
     return mapper

@@ -72,9 +72,7 @@ def resolve_answer(answer: Any, options: tuple[str, ...], source: str, line: int
     if isinstance(answer, int):
         if not 0 <= answer < len(options):
             raise DataError(
-                source,
-                line,
-                "answer",
+                source, line, "answer",
                 f"gold index {answer} is not among the options 0-{len(options) - 1}",
             )
         return answer
@@ -90,9 +88,7 @@ def resolve_answer(answer: Any, options: tuple[str, ...], source: str, line: int
         return ord(text) - ord("A")
     last = chr(ord("A") + len(options) - 1)
     raise DataError(
-        source,
-        line,
-        "answer",
+        source, line, "answer",
         f"gold label {text!r} is not among the options {options} (nor a letter A-{last})",
     )
 
@@ -218,9 +214,7 @@ def load_jsonl(
             row_kind = "mc" if "options" in row else "open" if "answers" in row else None
             if row_kind is None:
                 raise DataError(
-                    source,
-                    line,
-                    "options",
+                    source, line, "options",
                     'a row needs "options" (multiple choice) or "answers" (open QA)',
                 )
             if file_kind is None:

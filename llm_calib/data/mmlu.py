@@ -18,14 +18,7 @@ from llm_calib.data.errors import DataError, ErrorLog, OnError
 from llm_calib.data.records import MultipleChoice
 from llm_calib.data.result import LoadResult
 
-__all__ = [
-    "MMLU_GROUPS",
-    "MMLU_SPLITS",
-    "MMLU_SUBJECTS",
-    "load_mmlu",
-    "mmlu_group",
-    "mmlu_subject",
-]
+__all__ = ["MMLU_GROUPS", "MMLU_SPLITS", "MMLU_SUBJECTS", "load_mmlu", "mmlu_group", "mmlu_subject"]
 
 MMLU_GROUPS: dict[str, tuple[str, ...]] = {
     "stem": (
@@ -197,20 +190,12 @@ def _load_file(path: Path, log: ErrorLog) -> list[MultipleChoice]:
 
 
 def _row_to_record(
-    row: list[str],
-    source: str,
-    line: int,
-    subject: str,
-    split: str | None,
-    group: str | None,
-    domain: str,
-    row_number: int,
+    row: list[str], source: str, line: int, subject: str, split: str | None, group: str | None,
+    domain: str, row_number: int,
 ) -> MultipleChoice:
     if len(row) != 6:
         raise DataError(
-            source,
-            line,
-            "row",
+            source, line, "row",
             f"expected 6 columns (question, A, B, C, D, answer), got {len(row)}",
         )
     question, *options, answer = (cell.strip() for cell in row)

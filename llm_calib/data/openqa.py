@@ -99,10 +99,7 @@ def load_openqa_jsonl(
             rid = row.get("id")
             records.append(
                 OpenQA(
-                    question,
-                    answers,
-                    dom,
-                    str(rid) if rid is not None else f"{dom}-{line}",
+                    question, answers, dom, str(rid) if rid is not None else f"{dom}-{line}",
                     {"source_file": source, "line": str(line)},
                 )
             )

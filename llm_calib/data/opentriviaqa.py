@@ -84,9 +84,7 @@ def _category_files(path: Path, categories: Sequence[str] | None) -> list[Path]:
     missing = [c for c in categories if c not in available]
     if missing:
         raise DataError(
-            str(path),
-            0,
-            "category",
+            str(path), 0, "category",
             f"unknown categories {missing}; available: {', '.join(sorted(available))}",
         )
     return [available[c] for c in categories]
@@ -205,9 +203,7 @@ def _block_to_record(b: _Block, source: str, category: str, domain: str) -> Mult
             options.append(option)
     if b.answer not in options:
         raise DataError(
-            source,
-            b.answer_line,
-            "^",
+            source, b.answer_line, "^",
             f"gold label {b.answer!r} is not among the options {options}",
         )
     if len(options) < 2:

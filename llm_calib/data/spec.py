@@ -112,14 +112,6 @@ _AI2_FILES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "webquestions": ("webquestions", "test", ("webq-{split}.jsonl", "{split}.jsonl")),
     "selfaware": ("selfaware", "", ("SelfAware.json",)),
 }
-_FILE_LOADERS = {
-    "ai2",
-    "jsonl",
-    "opentriviaqa",
-    "mmlu",
-    *(f"mmlu_{g}" for g in MMLU_GROUPS),
-    *_AI2_FILES,
-}
 
 
 @dataclass(frozen=True)
