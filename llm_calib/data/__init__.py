@@ -1,9 +1,8 @@
 """Evaluation data: record types, loaders for the real data formats, a built-in generated set.
 
-Every loader returns a :class:`LoadResult` of :class:`MultipleChoice` or :class:`OpenQA` records
-and takes ``on_error="raise" | "skip"``; bad rows raise (or, skipped, are counted as)
-:class:`DataError`, whose message names the file, the 1-based line and the field.
-:func:`load` takes one spec string (grammar in :mod:`llm_calib.data.spec`).
+Every loader returns a :class:`LoadResult` of :class:`MultipleChoice` or :class:`OpenQA` records;
+with ``on_error="raise"`` a bad row raises :class:`DataError` naming file, line and field
+(``"skip"`` counts it). :func:`load` takes one spec string (:mod:`llm_calib.data.spec`).
 
 Example:
     >>> from llm_calib.data import load

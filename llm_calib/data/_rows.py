@@ -18,8 +18,6 @@ def require_text(value: Any, source: str, line: int, field: str) -> str:
     """``value`` stripped, or a DataError if it is missing, not a string, or blank.
 
     Example:
-        >>> require_text("  Why?  ", "f.jsonl", 2, "question")
-        'Why?'
         >>> require_text("", "f.jsonl", 2, "question")
         Traceback (most recent call last):
         ...
@@ -40,8 +38,6 @@ def parse_json_line(text: str, source: str, line: int) -> dict[str, Any]:
     """Parse one JSONL line into an object, or raise a DataError (field ``json``).
 
     Example:
-        >>> parse_json_line('{"a": 1}', "f.jsonl", 1)
-        {'a': 1}
         >>> parse_json_line('{"a": ', "f.jsonl", 5)
         Traceback (most recent call last):
         ...
@@ -76,8 +72,8 @@ def labelled_choice(
     """Build a MultipleChoice from labelled options (``A``/``B``/... or ``1``/``2``/...).
 
     Raises:
-        DataError: empty question, fewer than 2 options, an empty or non-string option, repeated
-            labels, a missing answer key, or an answer key that is not one of the labels.
+        DataError: an empty question, fewer than 2 options, an empty option, repeated labels, or an
+            answer key that is missing or not among the labels.
 
     Example:
         >>> q = labelled_choice("Sun?", ["1", "2"], ["star", "planet"], "1",

@@ -1,12 +1,7 @@
 """AI2-style multiple-choice JSONL: ARC-Easy, ARC-Challenge, OpenBookQA, CommonsenseQA, QASC.
 
-One JSON object per line::
-
-    {"id": "...", "question": {"stem": "...", "choices": [{"label": "A", "text": "..."}, ...]},
-     "answerKey": "A"}
-
-Labels may be letters or digits (some ARC rows use ``1``-``4``); 3 to 8 options occur. Other keys
-(``para`` retrieved passages, QASC ``fact1``/``fact2``, ...) are ignored. Blank lines are skipped.
+One object per line, ``{"id", "question": {"stem", "choices": [{"label", "text"}, ...]},
+"answerKey"}``; labels are letters or digits, other keys are ignored, blank lines skipped.
 """
 
 from __future__ import annotations
@@ -32,13 +27,11 @@ _ALIASES = {
 
 
 def ai2_domain(path: str | Path) -> str:
-    """The domain of an AI2 file: the nearest path component naming a known dataset, else the stem.
+    """The nearest path component naming a known AI2 dataset, else the file stem.
 
     Example:
         >>> ai2_domain("data/arc_challenge/test.jsonl"), ai2_domain("x/openbookqa.jsonl")
         ('arc_challenge', 'openbookqa')
-        >>> ai2_domain("elsewhere/my_science_set.jsonl")
-        'my_science_set'
     """
     p = Path(path)
     for part in reversed([*p.parent.parts, p.stem]):
@@ -53,18 +46,12 @@ def load_ai2(
 ) -> LoadResult[MultipleChoice]:
     """Load an AI2-format JSONL file as multiple-choice records.
 
-    Args:
-        path: the ``.jsonl`` file.
-        domain: the domain label; by default inferred with :func:`ai2_domain`.
-        on_error: ``"raise"`` a :class:`DataError` at the first bad line, or ``"skip"`` bad lines.
-
-    Returns:
-        The records (ids from the file, or ``<domain>-<line>``) with ``meta`` holding
-        ``source_file`` and ``line``.
+    Ids come from the file (else ``<domain>-<line>``), ``meta`` holds ``source_file`` and ``line``;
+    ``domain`` defaults to :func:`ai2_domain`.
 
     Raises:
-        DataError: (under ``"raise"``) invalid UTF-8 or JSON, empty ``question.stem``, fewer than 2
-            ``question.choices``, missing ``answerKey`` or one that is not among the labels.
+        DataError: (under ``on_error="raise"``) invalid UTF-8 or JSON, an empty stem, fewer than 2
+            choices, a missing ``answerKey`` or one not among the labels.
 
     Example:
         >>> import tempfile, json, os

@@ -1,25 +1,9 @@
 """Hugging Face hub datasets by name, mapped onto the same records as the local loaders.
 
-Needs the optional ``datasets`` package and network access (or a populated HF cache); it is
-imported only when :func:`load_hub` runs. :func:`hub_row_to_record` is the pure mapping from one
-row (a dict) to a record, usable without ``datasets``.
-
-Known datasets (:data:`HUB_DATASETS`), with default config and split:
-
-=====================================  ============  ===========  ======================
-name                                   config        split        domain
-=====================================  ============  ===========  ======================
-``cais/mmlu``                          ``all``       test         ``mmlu_<group>``
-``allenai/ai2_arc``                    ``ARC-Easy``  test         arc_easy/arc_challenge
-``allenai/openbookqa``                 ``main``      test         openbookqa
-``tau/commonsense_qa``                 -             validation   commonsenseqa
-``allenai/qasc``                       -             validation   qasc
-``google-research-datasets/nq_open``   -             validation   nq_open
-``stanfordnlp/web_questions``          -             test         webquestions
-=====================================  ============  ===========  ======================
-
-Any other name is read with the generic JSONL schemas (:mod:`llm_calib.data.jsonl`): rows with
-``options`` are multiple choice, rows with ``answers`` open QA.
+:func:`load_hub` needs the optional ``datasets`` package (imported when it runs);
+:func:`hub_row_to_record` is the pure row mapping. :data:`HUB_DATASETS` lists the datasets with a
+dedicated mapping and their default config and split; any other name is read with the generic
+JSONL schemas (:mod:`llm_calib.data.jsonl`).
 """
 
 from __future__ import annotations
@@ -45,13 +29,8 @@ _Mapper = Callable[[Mapping[str, Any], str, int, str, str], Record]
 
 @dataclass(frozen=True)
 class HubDataset:
-    """How to read one hub dataset.
-
-    Attributes:
-        name: the hub name.
-        config: default configuration (None if the dataset has none).
-        split: default split.
-        mapper: ``(row, config, index, source, rid_prefix) -> record``.
+    """How to read one hub dataset: default ``config`` and ``split``, and the ``mapper``
+    ``(row, config, index, source, rid_prefix) -> record``.
 
     Example:
         >>> entry = HUB_DATASETS["cais/mmlu"]
@@ -182,14 +161,8 @@ def hub_row_to_record(
     config: str | None = None,
     split: str | None = None,
 ) -> MultipleChoice | OpenQA:
-    """Map one row of a hub dataset to a record, as :func:`load_hub` does.
-
-    Args:
-        name: the hub name (or a short alias such as ``ai2_arc``).
-        row: the row, as ``datasets`` yields it.
-        index: 0-based row index (errors report ``index + 1`` as the line).
-        config: the dataset config (default: the dataset's default, see :data:`HUB_DATASETS`).
-        split: the split, for ids and messages.
+    """Map one row of a hub dataset (or a short alias such as ``ai2_arc``) to a record, as
+    :func:`load_hub` does; ``index`` is 0-based, ``config`` defaults to the dataset's.
 
     Raises:
         DataError: the row is not a valid record (source ``hf:<name>/<config>[<split>]``).
@@ -220,18 +193,11 @@ def load_hub(
     on_error: OnError = "raise",
     **load_kwargs: Any,
 ) -> LoadResult[MultipleChoice] | LoadResult[OpenQA]:
-    """Load a hub dataset with ``datasets.load_dataset`` and map its rows to records.
-
-    Args:
-        name: hub name, e.g. ``"cais/mmlu"`` (see :data:`HUB_DATASETS`).
-        config: dataset config (default: the dataset's default).
-        split: split (default: the dataset's default evaluation split).
-        on_error: ``"raise"`` a :class:`DataError` at the first bad row, or ``"skip"`` bad rows.
-        **load_kwargs: passed on to ``datasets.load_dataset`` (e.g. ``cache_dir``).
+    """Load a hub dataset with ``datasets.load_dataset`` (``**load_kwargs`` passed on) as records.
 
     Raises:
         ImportError: ``datasets`` is not installed.
-        DataError: a bad row (under ``"raise"``).
+        DataError: a bad row (under ``on_error="raise"``).
 
     Example:
         >>> import importlib.util

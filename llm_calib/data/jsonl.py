@@ -1,21 +1,9 @@
-"""The generic JSONL schemas, for your own data sets.
+"""The generic JSONL schemas, for your own data sets (one object per line).
 
-Multiple choice, one object per line::
-
-    {"question": str, "options": [str, ...], "answer": <int | str>,
-     "domain": str (optional), "id": str (optional), "meta": {str: str} (optional)}
-
-``answer`` is a 0-based option index, the exact text of an option, or an option letter (``"A"``
-for the first option, ...). A string is first matched against option texts, then read as a
-letter, so options that are themselves letters work as expected. At least two non-empty options.
-
-Open QA, one object per line::
-
-    {"question": str, "answers": [str, ...] (or one str), "domain"?, "id"?, "meta"?}
-
-``domain`` defaults to the file name stem and ``id`` to ``<domain>-<line>``. A file holds one
-kind; by default the kind is taken from the first row (``options`` means multiple choice,
-``answers`` open QA).
+Multiple choice: ``{"question", "options": [str, ...], "answer"}``, ``answer`` a 0-based index,
+an option's exact text or a letter (texts are matched first). Open QA: ``{"question",
+"answers": [str, ...] or str}``. Both take optional ``domain`` (default: the file stem), ``id``
+(default ``<domain>-<line>``) and ``meta``. A file holds one kind (by default the first row's).
 """
 
 from __future__ import annotations
@@ -39,15 +27,6 @@ JsonlKind = Literal["auto", "mc", "open"]
 
 def resolve_answer(answer: Any, options: tuple[str, ...], source: str, line: int) -> int:
     """The 0-based gold index of a generic-schema ``answer`` (index, option text, or letter).
-
-    Args:
-        answer: a 0-based index, an option's exact text, or an option letter.
-        options: the question's options.
-        source: file name, for error messages.
-        line: 1-based line number, for error messages.
-
-    Returns:
-        The index of the gold option.
 
     Raises:
         DataError: the answer matches no option (or is an index out of range).
@@ -109,19 +88,10 @@ def _id_and_meta(
 
 
 def mc_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str) -> MultipleChoice:
-    """A multiple-choice record from a generic-schema row (see the module docstring).
-
-    Args:
-        row: the parsed JSON object.
-        source: file name, for error messages.
-        line: 1-based line number, for error messages and the default id.
-        domain: domain used when the row has no ``domain``.
-
-    Returns:
-        The record.
+    """A multiple-choice record from a generic-schema row; ``domain`` applies when the row has none.
 
     Raises:
-        DataError: a missing or malformed field (the message names source, line and field).
+        DataError: a missing or malformed field (naming source, line and field).
 
     Example:
         >>> mc_from_dict({"question": "2+2?", "options": ["3", "4"], "answer": "4"},
@@ -143,16 +113,7 @@ def mc_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str)
 
 
 def openqa_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str) -> OpenQA:
-    """An open QA record from a generic-schema row (see the module docstring).
-
-    Args:
-        row: the parsed JSON object.
-        source: file name, for error messages.
-        line: 1-based line number, for error messages and the default id.
-        domain: domain used when the row has no ``domain``.
-
-    Returns:
-        The record.
+    """An open QA record from a generic-schema row; ``domain`` applies when the row has none.
 
     Raises:
         DataError: a missing or malformed field.
@@ -177,15 +138,12 @@ def load_jsonl(
 ) -> LoadResult[MultipleChoice] | LoadResult[OpenQA]:
     """Load a JSONL file in the generic multiple-choice or open QA schema.
 
-    Args:
-        path: the ``.jsonl`` file.
-        kind: ``"mc"``, ``"open"``, or ``"auto"`` (from the first row that parses).
-        domain: default domain for rows without one (default: the file stem).
-        on_error: ``"raise"`` a :class:`DataError` at the first bad line, or ``"skip"`` bad lines.
+    ``kind`` is ``"mc"``, ``"open"`` or ``"auto"`` (from the first row that parses); ``domain``
+    defaults to the file stem.
 
     Raises:
-        DataError: invalid UTF-8 or JSON, empty question, fewer than 2 options, a missing answer,
-            an answer that names no option, or a row of the other kind than the file's.
+        DataError: invalid UTF-8 or JSON, an empty question, fewer than 2 options, a missing answer
+            or one naming no option, or a row of the other kind than the file's.
 
     Example:
         >>> import tempfile, os, json

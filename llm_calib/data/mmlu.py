@@ -1,10 +1,8 @@
 """MMLU CSV files: ``<subject>_<split>.csv``, no header, rows ``question,A,B,C,D,answer_letter``.
 
-Subjects are grouped into the four standard MMLU categories (Hendrycks et al., ``categories.py``):
-``stem``, ``humanities``, ``social_sciences`` and ``other`` (business, health, misc.). Records get
-the domain ``mmlu_<group>`` and keep ``subject``, ``group`` and ``split`` in ``meta``. A subject not
-in the standard list gets the domain ``mmlu`` and group ``""``, and is left out whenever groups
-are selected.
+Records get the domain ``mmlu_<group>`` of the four standard groups (:data:`MMLU_GROUPS`) and
+keep ``subject``, ``group`` and ``split`` in ``meta``; a non-standard subject gets the domain
+``mmlu`` and is left out whenever groups are selected.
 """
 
 from __future__ import annotations
@@ -75,8 +73,6 @@ def mmlu_subject(path: str | Path) -> tuple[str, str | None]:
     Example:
         >>> mmlu_subject("data/mmlu/test/high_school_us_history_test.csv")
         ('high_school_us_history', 'test')
-        >>> mmlu_subject("my_subject.csv")
-        ('my_subject', None)
     """
     stem = Path(path).stem
     subject, _, split = stem.rpartition("_")
@@ -100,22 +96,14 @@ def load_mmlu(
     subjects: Sequence[str] | None = None,
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice]:
-    """Load MMLU CSV files: one file, or every ``*.csv`` of a directory (sorted by name).
+    """Load one MMLU CSV file or every ``*.csv`` of a directory (sorted by name).
 
-    Args:
-        path: a ``<subject>_<split>.csv`` file or a directory of them (e.g. ``mmlu/test``).
-        groups: keep only subjects of these groups (see :data:`MMLU_GROUPS`).
-        subjects: keep only these subjects.
-        on_error: ``"raise"`` a :class:`DataError` at the first bad row, or ``"skip"`` bad rows.
-
-    Returns:
-        Records with domain ``mmlu_<group>``, id ``<file stem>-<row>`` and ``meta`` holding
-        ``subject``, ``group``, ``split``, ``source_file`` and ``line`` (first line of the row;
-        quoted fields may span lines).
+    Records have id ``<file stem>-<row>`` and ``meta`` ``subject``, ``group``, ``split``,
+    ``source_file`` and ``line`` (the row's first line); ``groups``/``subjects`` filter the files.
 
     Raises:
-        DataError: (under ``"raise"``) a row without 6 columns, an empty question or option, a
-            missing answer letter or one outside A-D, invalid UTF-8; also (always) when the
+        DataError: (under ``on_error="raise"``) a row without 6 columns, an empty question or
+            option, an answer letter missing or outside A-D, invalid UTF-8; always when the
             selection leaves no file.
         ValueError: an unknown group.
         FileNotFoundError: ``path`` does not exist.

@@ -1,7 +1,6 @@
 """Open-domain QA JSONL (NQ-open, WebQuestions): ``{"question": str, "answer": [alias, ...]}``.
 
-NQ-open rows carry only ``question`` and ``answer``; WebQuestions rows add an ``id``; EfficientQA
-rows add prediction lists, which are ignored. A single string answer is accepted as one alias.
+An ``id`` is used when present, other keys are ignored; a single string answer is one alias.
 """
 
 from __future__ import annotations
@@ -22,16 +21,7 @@ __all__ = ["answer_aliases", "load_nq_open", "load_openqa_jsonl", "load_webquest
 
 
 def answer_aliases(value: Any, source: str, line: int, field: str) -> tuple[str, ...]:
-    """Accepted answers from a list of strings (or one string), stripped; DataError if none.
-
-    Args:
-        value: a list of strings, or one string.
-        source: file name, for error messages.
-        line: 1-based line number, for error messages.
-        field: the field name, for error messages.
-
-    Returns:
-        The stripped, non-empty aliases.
+    """Accepted answers from a list of strings (or one string), stripped and deduplicated.
 
     Raises:
         DataError: no non-empty string alias.
@@ -58,20 +48,12 @@ def load_openqa_jsonl(
     answer_field: str = "answer",
     on_error: OnError = "raise",
 ) -> LoadResult[OpenQA]:
-    """Load a JSONL file of ``{"question", <answer_field>: [aliases]}`` rows as open QA records.
+    """Load ``{"question", <answer_field>: [aliases]}`` rows as open QA records.
 
-    Args:
-        path: the ``.jsonl`` file.
-        domain: the domain label (default: from the file name).
-        answer_field: the key holding the list of accepted answers.
-        on_error: ``"raise"`` a :class:`DataError` at the first bad line, or ``"skip"`` bad lines.
-
-    Returns:
-        Records with id from the row's ``id`` (else ``<domain>-<line>``) and ``meta`` holding
-        ``source_file`` and ``line``. Repeated aliases are removed.
+    Ids come from the row's ``id`` (else ``<domain>-<line>``); ``domain`` defaults to the file name.
 
     Raises:
-        DataError: invalid UTF-8 or JSON, empty ``question``, missing or empty answer list, or an
+        DataError: invalid UTF-8 or JSON, an empty question, a missing or empty answer list, or an
             alias that is not a non-empty string.
 
     Example:
@@ -138,21 +120,12 @@ def load_webquestions(path: str | Path, *, on_error: OnError = "raise") -> LoadR
 
 
 def one_record_per_alias(records: Sequence[OpenQA]) -> list[OpenQA]:
-    """One record per (question, accepted answer), to train on every alias and not only the first.
+    """One record per (question, accepted answer), to train on every alias.
 
-    Record ``r`` with aliases ``a_0, a_1, ...`` becomes records with ``answers=(a_j,)`` and ids
-    ``f"{r.id}#{j}"`` (``j`` the alias's index in ``r.answers``; the first is ``#0``), in order,
-    with ``meta["source_id"] = r.id``. An alias whose SQuAD-normalised form
-    (:func:`~llm_calib.answers.normalize_answer`) equals an earlier one's is dropped
-    (``"The Beatles"`` after ``"Beatles"``: the scorer counts them as the same answer). Records
-    without answers (unanswerable questions) are kept as they are. Meant for a training split:
-    evaluate on the original records, whose every alias counts as correct.
-
-    Args:
-        records: open questions.
-
-    Returns:
-        The expanded records.
+    Alias ``j`` of record ``r`` becomes a record with ``answers=(a_j,)``, id ``f"{r.id}#{j}"`` and
+    ``meta["source_id"] = r.id``; an alias equal to an earlier one after
+    :func:`~llm_calib.answers.normalize_answer` is dropped, records without answers are kept. For
+    training splits: evaluate on the original records.
 
     Raises:
         TypeError: a record that is not :class:`~llm_calib.data.records.OpenQA`.

@@ -1,30 +1,9 @@
-"""OpenTriviaQA category files (uberspot/OpenTriviaQA): blocks of
+"""OpenTriviaQA category files (uberspot/OpenTriviaQA): blocks of a ``#Q`` question (which may
+span lines), a ``^`` line with the correct answer's text, and options ``A``, ``B``, ...
 
-::
-
-    #Q question text (may continue over several lines, blank lines included)
-    ^ text of the correct answer
-    A first option
-    B second option
-    ...
-
-Quirks of the real files, and what the loader does about them:
-
-* Questions spanning several lines (about 1,300, e.g. song verses; continuation lines may even
-  start with ``A `` or ``I ``): every line up to the ``^`` line belongs to the question; non-blank
-  lines are joined with ``\\n``.
-* Mixed encodings: the files are UTF-8 except a few dozen lines holding Windows-1252 bytes (``é``
-  as ``E9``, curly quotes as ``93``/``94``) or UTF-8 characters whose last byte became ``?``. By
-  default such lines are repaired (:func:`~llm_calib.data.repair_utf8`) and the record gets
-  ``meta["encoding"] = "repaired"``; with ``repair_encoding=False`` they are DataErrors.
-* Windows line ends (CRLF) mixed with LF: both are accepted.
-* Empty options (``A`` with no text, 4 blocks) are dropped, and repeated option texts (24 blocks)
-  are collapsed to their first occurrence; ``meta["dropped_options"]`` counts both.
-
-The gold option is the one whose text equals the ``^`` line (after stripping spaces). A block
-whose ``^`` text matches no option, that has fewer than 2 options left, or no ``^`` line, is a
-:class:`DataError`. Records get the domain ``opentriviaqa_<category>`` (``-`` becomes ``_``) and
-keep ``category`` in ``meta``.
+Records get the domain ``opentriviaqa_<category>`` and keep ``category`` in ``meta``. How the
+loader handles the real files' quirks (multi-line questions, mixed encodings, empty and repeated
+options) is in :doc:`/tutorials/evaluate_llm`.
 """
 
 from __future__ import annotations
@@ -99,19 +78,13 @@ def load_opentriviaqa(
 ) -> LoadResult[MultipleChoice]:
     """Load OpenTriviaQA category files as multiple-choice records (2 or more options).
 
-    Args:
-        path: one category file, the ``categories`` directory, or the dataset directory holding it.
-        categories: with a directory, only these category files (default: all, sorted by name).
-        repair_encoding: decode lines that are not valid UTF-8 as described in the module doc;
-            if False, such lines are DataErrors (field ``encoding``).
-        on_error: ``"raise"`` a :class:`DataError` at the first bad block, or ``"skip"`` bad blocks.
-
-    Returns:
-        Records with id ``<category>-<line of #Q>`` and ``meta`` holding ``category``,
-        ``source_file`` and ``line``.
+    ``path`` is a category file, the ``categories`` directory or its parent; ``categories`` picks
+    files (default all, sorted). Lines that are not valid UTF-8 are repaired (``meta["encoding"]``)
+    unless ``repair_encoding`` is False. Ids are ``<category>-<line of #Q>``.
 
     Raises:
-        DataError: see the module docstring.
+        DataError: a block without a ``^`` line, whose answer matches no option, with fewer than 2
+            options or bad option letters; bad encoding without repair.
         FileNotFoundError: ``path`` does not exist.
 
     Example:

@@ -18,15 +18,13 @@ class MultipleChoice:
     Attributes:
         question: the question text (non-empty).
         options: answer options (at least 2), in display order.
-        gold: index of the correct option in ``options``.
-        domain: a domain label used to group results (e.g. ``"arc_easy"``, ``"mmlu_stem"``).
+        gold: index of the correct option.
+        domain: a label results are grouped by (e.g. ``"arc_easy"``).
         id: a stable identifier, unique within its source.
         meta: free-form extra fields (subject, source file, ...).
-        prompt: an already rendered prompt (e.g. lm-eval's context with its few-shot examples),
-            used verbatim by the scorers instead of one built from ``question`` under a
-            :class:`~llm_calib.prompts.PromptFormat`; None (default) builds it.
-        continuations: the already rendered scored continuation of each option (target
-            delimiter included, e.g. ``" Paris"``), used verbatim; None (default) builds them.
+        prompt: an already rendered prompt (e.g. lm-eval's context), used verbatim; None builds one.
+        continuations: each option's already rendered continuation (e.g. ``" Paris"``), used
+            verbatim; None builds them.
 
     Example:
         >>> q = MultipleChoice("2 + 2 = ?", ("3", "4"), 1, "arithmetic", "add-0")
@@ -68,20 +66,15 @@ class OpenQA:
 
     Attributes:
         question: the question text (non-empty).
-        answers: accepted answers (aliases); at least one unless ``answerable`` is False.
+        answers: accepted answers; at least one unless ``answerable`` is False.
         domain: a domain label.
         id: a stable identifier.
         meta: free-form extra fields.
-        answerable: False for questions that have no correct answer (e.g. the unanswerable
-            half of SelfAware); such records may have an empty ``answers`` tuple.
-        prompt: an already rendered prompt (e.g. lm-eval's context), used verbatim; None
-            (default) builds it from ``question``.
-        until: the stop sequences the source asks generation to end at (lm-eval's ``until``),
-            kept for reference; None when the source gives none.
+        answerable: False for questions without a correct answer (SelfAware's unanswerable half).
+        prompt: an already rendered prompt (e.g. lm-eval's context), used verbatim; None builds one.
+        until: the source's stop sequences (lm-eval's ``until``), kept for reference.
 
     Example:
-        >>> OpenQA("Capital of France?", ("Paris",), "geo", "q0").answers
-        ('Paris',)
         >>> OpenQA("What happens after death?", (), "selfaware", "q1", answerable=False).answers
         ()
     """

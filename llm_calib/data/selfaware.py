@@ -1,14 +1,8 @@
 """SelfAware (Yin et al. 2023): one JSON document ``{"example": [{...}, ...]}``.
 
-Each example has ``question``, ``answer`` (a list of aliases, or null), ``answerable`` (bool) and
-``source`` (``squadqa_train``, ``triviaqa_dev``, ``hotpot_train``, ... for answerable questions,
-``SelfAware`` for the 1,032 unanswerable ones). Unanswerable questions are *kept and flagged*:
-they become :class:`OpenQA` records with ``answerable=False`` and no answers (so the file's 3,369
-questions all load); ``keep="answerable"`` drops them, and ``keep="triviaqa"`` (or
-:func:`filter_selfaware`) keeps only the answerable TriviaQA-sourced ones. ``meta`` holds
-``source`` and ``answerable`` (``"true"``/``"false"``).
-
-Error line numbers point at the opening brace of the offending example.
+Each example has ``question``, ``answer`` (aliases or null), ``answerable`` and ``source``.
+Unanswerable questions are kept as records with ``answerable=False`` and no answers;
+``meta`` holds ``source`` and ``answerable``. Error lines point at the example's opening brace.
 """
 
 from __future__ import annotations
@@ -61,16 +55,11 @@ def load_selfaware(
 ) -> LoadResult[OpenQA]:
     """Load ``SelfAware.json`` as open QA records (domain ``selfaware``, id ``question_id``).
 
-    Args:
-        path: the JSON file.
-        keep: ``"all"`` (unanswerable ones flagged ``answerable=False``), ``"answerable"``, or
-            ``"triviaqa"`` (answerable ones whose source starts with ``triviaqa``).
-        on_error: ``"raise"`` a :class:`DataError` at the first bad example, or ``"skip"`` bad ones.
-            A file that is not valid UTF-8 JSON with an ``example`` list is always an error.
+    ``keep``: ``"all"``, ``"answerable"``, or ``"triviaqa"`` (answerable, TriviaQA-sourced).
 
     Raises:
-        DataError: empty ``question``, missing or non-bool ``answerable``, an answerable example
-            without answers; invalid UTF-8 or JSON in the file.
+        DataError: an empty question, a missing or non-bool ``answerable``, an answerable example
+            without answers; always for a file that is not UTF-8 JSON with an ``example`` list.
 
     Example:
         >>> import tempfile, os, json
@@ -147,13 +136,8 @@ def filter_selfaware(
     answerable: bool | None = True,
     sources: Sequence[str] | None = ("triviaqa",),
 ) -> list[OpenQA]:
-    """Keep SelfAware records by answerability and by source prefix.
-
-    Args:
-        records: SelfAware records (from :func:`load_selfaware`).
-        answerable: keep only answerable (True) or only unanswerable (False) ones; None keeps both.
-        sources: keep records whose ``meta["source"]`` starts with one of these prefixes
-            (``"triviaqa"`` matches ``triviaqa_train`` and ``triviaqa_dev``); None keeps all.
+    """Keep SelfAware records by answerability (None keeps both) and by ``meta["source"]``
+    prefix (None keeps all).
 
     Example:
         >>> recs = [OpenQA("a?", ("x",), "selfaware", "1", {"source": "triviaqa_dev"}),
@@ -161,8 +145,6 @@ def filter_selfaware(
         ...         OpenQA("c?", (), "selfaware", "3", {"source": "SelfAware"}, answerable=False)]
         >>> [r.id for r in filter_selfaware(recs)]
         ['1']
-        >>> [r.id for r in filter_selfaware(recs, answerable=False, sources=None)]
-        ['3']
     """
     prefixes = tuple(s.lower() for s in sources) if sources is not None else None
     kept = []
