@@ -1,7 +1,6 @@
 """llm_calib: training-time calibration of causal language models (CALM).
 
-The training entry points are re-exported here (imported lazily, so ``import llm_calib`` stays
-cheap)::
+The training entry points are re-exported here, imported lazily::
 
     import llm_calib
     config = llm_calib.CalibrationConfig(training=llm_calib.TrainingSettings(steps=60))
@@ -24,8 +23,7 @@ the ``llm`` extra of ``pyproject.toml``."""
 
 
 def _require_llm_extra() -> None:
-    """Fail at ``import llm_calib`` with one line naming the extra, not later with a traceback
-    from deep inside a loader; checked without importing anything (``import llm_calib`` stays cheap)."""
+    """Fail at import with one line naming the extra (checked without importing anything)."""
     missing = [dist for name, dist in _LLM_EXTRA.items() if importlib.util.find_spec(name) is None]
     if not missing:
         return

@@ -1,7 +1,4 @@
-"""Validation of configuration values: numbers (numeric strings accepted) and integers.
-
-The config dataclasses (:mod:`llm_calib.calm.config`, :mod:`llm_calib.objectives`) check their
-fields with these in ``__post_init__``; every message names the field by its path in the config
+"""Validation of configuration values; every message names the field by its config path
 (``objective.solver.eta``).
 """
 
@@ -25,14 +22,9 @@ def is_int(value: Any) -> bool:
 
 def check_number(name: str, value: Any, *, minimum: float | None = None, positive: bool = False,
                  below: float | None = None) -> float:
-    """``value`` as a float, checked; numeric strings are accepted because YAML 1.1 reads ``1e-3`` as one.
+    """``value`` as a checked float; numeric strings are accepted (YAML 1.1 reads ``1e-3`` as one).
 
-    Args:
-        name: the field's path, for the message.
-        value: the value to check.
-        minimum: the smallest allowed value (inclusive).
-        positive: the value must be > 0.
-        below: the value must be < this.
+    ``minimum`` is inclusive, ``positive`` means > 0, ``below`` is exclusive.
 
     Raises:
         ValueError: not a number, or out of range (names the field).

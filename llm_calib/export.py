@@ -1,12 +1,8 @@
 """Loading a saved adapter onto its base model, and exporting a merged standalone model.
 
-A calibration result (:meth:`llm_calib.calm.trainer.CalibrationResult.save`) is a peft adapter:
-LoRA matrices plus, with ``output_scale``, an adapter-owned copy of the final norm whose weight is
-the base weight times ``exp(output_log_scale)`` (peft ``modules_to_save``). Merging folds both into
-ordinary weights: each adapted linear layer becomes ``W + (alpha / r) B A`` and the final norm's
-weight becomes the trained copy, so the exported directory is a plain Hugging Face model that
-``AutoModelForCausalLM.from_pretrained`` loads without peft or llm_calib, at the base model's
-inference cost. λ (the training-time logit adjustment) is not part of the deployed model.
+Merging folds the LoRA matrices (``W + (alpha / r) B A``) and the output-scaled final norm into
+ordinary weights: the export loads with ``AutoModelForCausalLM.from_pretrained`` alone, at the base
+model's inference cost. λ is training-time only and not exported.
 """
 
 from __future__ import annotations
@@ -24,17 +20,10 @@ __all__ = ["adapter_directory", "export_merged", "load_adapter", "merge_adapter"
 
 
 def adapter_directory(path: str | os.PathLike[str]) -> Path:
-    """The peft adapter directory of ``path``: a saved calibration result or an adapter itself.
-
-    Args:
-        path: a directory written by ``CalibrationResult.save`` (holds ``adapter/``) or by a
-            peft model's ``save_pretrained`` (holds ``adapter_config.json``).
-
-    Returns:
-        The directory holding ``adapter_config.json``.
+    """The peft adapter directory of a saved calibration result (``adapter/``) or of an adapter.
 
     Raises:
-        FileNotFoundError: ``path`` is neither (the message names what was looked for).
+        FileNotFoundError: ``path`` is neither.
 
     Example:
         >>> import tempfile
@@ -54,21 +43,13 @@ def adapter_directory(path: str | os.PathLike[str]) -> Path:
 
 
 def saved_base(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """What a saved calibration result records of its base model: ``model``, ``dtype``, ``prompt``
-    (see :data:`~llm_calib.calm.trainer.BASE_MODEL_FILE`).
-
-    Args:
-        path: a saved result (or its ``adapter/`` directory), or any peft adapter directory.
-
-    Returns:
-        The record; empty for a plain peft adapter or a result saved before it was recorded.
+    """The base model a saved result records (:data:`~llm_calib.calm.trainer.BASE_MODEL_FILE`:
+    ``model``, ``dtype``, ``prompt``); empty for a plain peft adapter.
 
     Example:
         >>> import tempfile
         >>> d = Path(tempfile.mkdtemp()); (d / "adapter").mkdir()
-        >>> saved_base(d)
-        {}
-        >>> _ = (d / BASE_MODEL_FILE).write_text('{"model": "smollm2-135m-instruct", "dtype": "float32"}')
+        >>> _ = (d / BASE_MODEL_FILE).write_text('{"model": "smollm2-135m-instruct"}')
         >>> saved_base(d / "adapter")["model"]
         'smollm2-135m-instruct'
     """
@@ -80,14 +61,7 @@ def saved_base(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_adapter(base_model: Any, path: str | os.PathLike[str]) -> Any:
-    """Put the adapter saved at ``path`` on ``base_model`` (in eval mode).
-
-    Args:
-        base_model: the Hugging Face causal LM the adapter was trained on.
-        path: a saved calibration result or peft adapter directory (:func:`adapter_directory`).
-
-    Returns:
-        The :class:`peft.PeftModel`.
+    """Put the adapter saved at ``path`` (:func:`adapter_directory`) on ``base_model``, in eval mode.
 
     Raises:
         FileNotFoundError: no adapter at ``path``.
@@ -111,13 +85,7 @@ def load_adapter(base_model: Any, path: str | os.PathLike[str]) -> Any:
 
 
 def merge_adapter(model: Any) -> Any:
-    """Fold a peft model's adapters (LoRA and ``modules_to_save`` copies) into plain weights.
-
-    Args:
-        model: a :class:`peft.PeftModel`, or a plain model (returned as it is).
-
-    Returns:
-        The base model class with merged weights (no peft modules left).
+    """Fold a peft model's adapters into plain weights (a plain model is returned as it is).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -140,19 +108,9 @@ def merge_adapter(model: Any) -> Any:
 def export_merged(
     base_model: Any, tokenizer: Any, adapter: str | os.PathLike[str], out: str | os.PathLike[str]
 ) -> Path:
-    """Merge the adapter at ``adapter`` into ``base_model`` and save a standalone model to ``out``.
+    """Merge the adapter into ``base_model`` (in place) and save a standalone model to ``out``.
 
-    Writes ``save_pretrained`` with safetensors (config, weights, generation config), the
-    tokenizer, and ``llm_calib_export.json`` naming the adapter it came from.
-
-    Args:
-        base_model: the base causal LM (its weights are changed in place by the merge).
-        tokenizer: its tokenizer (saved alongside).
-        adapter: a saved calibration result or peft adapter directory.
-        out: the output directory (created; existing files of the same names are replaced).
-
-    Returns:
-        The output directory.
+    Writes safetensors weights, config, tokenizer and ``llm_calib_export.json`` naming the adapter.
 
     Raises:
         FileNotFoundError: no adapter at ``adapter``.
