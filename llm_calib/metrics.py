@@ -1,10 +1,6 @@
-"""Calibration and accuracy metrics for multiple-choice and open-ended QA.
-
-Pure functions over numpy arrays, torch tensors or lists; they return floats. ``probs`` is
-``(N, K)`` or a ragged list of 1-D rows (padded with zeros; each row sums to 1 within
-:data:`SUM_ATOL`), ``labels`` ``(N,)`` gold indices, ``confidences`` ``(N,)`` in ``[0, 1]``
-and ``correct`` ``(N,)`` 0/1. Equal-width bins are ``[k/B, (k+1)/B)``, the last one closed;
-binning conventions and the comparison with torchmetrics are in :doc:`/tutorials/evaluate_llm`.
+"""Calibration and accuracy metrics over option probabilities (``(N, K)`` or ragged rows), gold
+labels, or confidences and 0/1 correctness. Binning and bootstrap conventions:
+:doc:`/tutorials/evaluate_llm` (section "Metric conventions").
 """
 
 from __future__ import annotations
@@ -43,11 +39,7 @@ def _numpy(x: ArrayLike) -> np.ndarray:
 
 def as_prob_matrix(probs: ArrayLike, name: str = "probs") -> tuple[np.ndarray, np.ndarray]:
     """Validate ``probs``; return the float64 ``(N, K_max)`` matrix (ragged rows zero-padded)
-    and each row's number of options.
-
-    Raises:
-        ValueError: (naming ``name``) empty, not 2-D, non-finite or negative, or a row not
-            summing to 1.
+    and each row's number of options. Raises ``ValueError`` naming ``name`` and the bad row.
 
     Example:
         >>> P, lengths = as_prob_matrix([[0.5, 0.5], [0.2, 0.3, 0.5]])
@@ -207,12 +199,8 @@ def _classwise_ece(mat: np.ndarray, y: np.ndarray, n_bins: int) -> float:
 def ece(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
     """Expected calibration error ``sum_b (n_b / N) |acc_b - conf_b|`` over equal-width bins.
 
-    Raises:
-        ValueError: malformed or mismatched inputs, or ``n_bins < 1``.
-
     Example:
-        >>> # bin [0.9, 1]: |0.5 - 0.95| * 2/4; bin [0.6, 0.7): 0.4 * 1/4; bin [0, 0.1): 0
-        >>> round(ece([0.9, 1.0, 0.6, 0.0], [1, 0, 1, 0]), 6)
+        >>> round(ece([0.9, 1.0, 0.6, 0.0], [1, 0, 1, 0]), 6)  # |0.5-0.95|/2 + 0.4/4
         0.325
     """
     c, k = _conf_correct(confidences, correct)
@@ -251,11 +239,9 @@ def mce(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
 
 
 def adaptive_ece(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
-    """ECE with equal-mass bins: questions sorted by confidence (stable), split as
-    ``numpy.array_split`` does.
+    """ECE with equal-mass bins (sorted by confidence, split as ``numpy.array_split``).
 
     Example:
-        >>> # sorted: (0.2, 0), (0.4, 1) | (0.8, 1), (0.9, 1): |0.5-0.3|*2/4 + |1-0.85|*2/4
         >>> round(adaptive_ece([0.9, 0.2, 0.8, 0.4], [1, 0, 1, 1], n_bins=2), 6)
         0.175
     """
@@ -265,11 +251,9 @@ def adaptive_ece(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -
 
 def classwise_ece(probs: ArrayLike, labels: ArrayLike, n_bins: int = 10) -> float:
     """Class-wise ECE (Kull et al. 2019): mean over positions ``j`` of the ECE of
-    ``probs[:, j]`` against ``labels == j`` (padding counts as probability 0).
+    ``probs[:, j]`` against ``labels == j``.
 
     Example:
-        >>> # class 0: conf (0.8, 0.3) vs (1, 0): bins 8 and 3 -> (0.2 + 0.3)/2 = 0.25
-        >>> # class 1: conf (0.2, 0.7) vs (0, 1): bins 2 and 7 -> (0.2 + 0.3)/2 = 0.25
         >>> round(classwise_ece([[0.8, 0.2], [0.3, 0.7]], [0, 1]), 6)
         0.25
     """
@@ -281,11 +265,6 @@ def classwise_ece(probs: ArrayLike, labels: ArrayLike, n_bins: int = 10) -> floa
 class ReliabilityBins:
     """Per-bin statistics of a reliability diagram: ``(B + 1,)`` edges ``k / B``, and per bin
     counts, mean confidence and accuracy (NaN for empty bins).
-
-    Example:
-        >>> rb = reliability_bins([0.2, 0.8, 0.9], [0, 1, 0], n_bins=2)
-        >>> rb.to_dict()["counts"], rb.to_dict()["accuracy"]
-        ([1, 2], [0.0, 0.5])
     """
 
     edges: np.ndarray
@@ -361,7 +340,6 @@ def brier(probs: ArrayLike, labels: ArrayLike) -> float:
     """Multi-class Brier score: mean over questions of ``sum_j (p_j - onehot_j)^2`` (0 to 2).
 
     Example:
-        >>> # (0.8-1)^2 + 0.2^2 = 0.08 ; 0.5^2 + (0.5-1)^2 = 0.5 ; mean 0.29
         >>> round(brier([[0.8, 0.2], [0.5, 0.5]], [0, 1]), 6)
         0.29
     """
@@ -372,10 +350,8 @@ def nll(probs: ArrayLike, labels: ArrayLike) -> float:
     """Mean negative log-likelihood of the gold option in nats, clipped at :data:`NLL_EPS`.
 
     Example:
-        >>> import math
-        >>> expected = -(math.log(0.5) + math.log(0.75)) / 2
-        >>> math.isclose(nll([[0.5, 0.5], [0.25, 0.75]], [0, 1]), expected)
-        True
+        >>> round(nll([[0.5, 0.5], [0.25, 0.75]], [0, 1]), 6)
+        0.490415
     """
     return _nll(*_probs_labels(probs, labels))
 
@@ -394,23 +370,19 @@ def mean_entropy(probs: ArrayLike) -> float:
     """Mean predictive entropy in nats (``0 log 0 = 0``; padding adds nothing).
 
     Example:
-        >>> import math
-        >>> math.isclose(mean_entropy([[0.5, 0.5], [1.0, 0.0]]), math.log(2) / 2)
-        True
+        >>> round(mean_entropy([[0.5, 0.5], [1.0, 0.0]]), 6)
+        0.346574
     """
     return _entropy(as_prob_matrix(probs)[0])
 
 
 def auroc(confidences: ArrayLike, correct: ArrayLike) -> float:
-    """AUROC of confidence as a detector of correct answers (Mann-Whitney U, ties count
-    one half); ``nan`` when all answers are correct or all wrong.
+    """AUROC of confidence as a detector of correct answers (ties count one half); ``nan`` when
+    all answers are correct or all wrong.
 
     Example:
-        >>> # (correct, incorrect) pairs: (.9,.5) 1, (.9,.7) 1, (.6,.5) 1, (.6,.7) 0 -> 3/4
         >>> auroc([0.9, 0.6, 0.5, 0.7], [1, 1, 0, 0])
         0.75
-        >>> auroc([0.9, 0.6], [1, 1])
-        nan
     """
     return _auroc(*_conf_correct(confidences, correct))
 
@@ -457,14 +429,8 @@ def bootstrap_ci(
 ) -> tuple[float, float]:
     """Bootstrap interval ``(low, high)`` of ``metric(*arrays)`` that always contains its value.
 
-    Questions are resampled jointly with replacement. The interval is ``estimate ± q``, ``q``
-    the ``1 - alpha`` percentile of ``|metric(resample) - estimate|``, kept within the range of
-    the resampled values; NaN resamples are ignored (why this interval: see
-    :doc:`/tutorials/evaluate_llm`).
-
-    Raises:
-        ValueError: no arrays, arrays of different lengths, ``n_resamples < 1`` or ``alpha``
-            outside (0, 1).
+    Questions are resampled jointly; the interval is ``estimate ± q``, ``q`` the ``1 - alpha``
+    percentile of ``|metric(resample) - estimate|``, kept within the resampled range.
 
     Example:
         >>> lo, hi = bootstrap_ci(accuracy, [[0.9, 0.1]] * 30 + [[0.2, 0.8]] * 10, [0] * 40,
@@ -510,17 +476,13 @@ def summarize(
 
     Keys: ``n``, ``accuracy``, ``ece`` (``n_bins`` bins), ``ece15``, ``adaptive_ece``,
     ``classwise_ece``, ``mce``, ``brier``, ``nll``, ``auroc``, ``mean_entropy``,
-    ``mean_confidence``; with ``ci``, ``<m>_ci_low``/``<m>_ci_high`` for accuracy, ece,
-    adaptive_ece, brier, nll and auroc (:func:`bootstrap_ci` intervals from one shared set of
-    ``n_resamples`` resamples).
+    ``mean_confidence``; with ``ci``, :func:`bootstrap_ci` bounds ``<m>_ci_low``/``<m>_ci_high`` of
+    accuracy, ece, adaptive_ece, brier, nll and auroc from one shared set of resamples.
 
     Example:
-        >>> s = summarize([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.5, 0.5]], [0, 1, 1, 0],
-        ...               n_resamples=50)
+        >>> s = summarize([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.5, 0.5]], [0, 1, 1, 0], ci=False)
         >>> s["n"], s["accuracy"], round(s["mean_confidence"], 3)
         (4, 0.75, 0.675)
-        >>> s["accuracy_ci_low"] <= s["accuracy"] <= s["accuracy_ci_high"]
-        True
     """
     mat, y = _probs_labels(probs, labels)
     n_bins = _check_bins(n_bins)
