@@ -61,7 +61,7 @@ def saved_base(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_adapter(base_model: Any, path: str | os.PathLike[str]) -> Any:
-    """Put the adapter saved at ``path`` (:func:`adapter_directory`) on ``base_model``, in eval mode.
+    """Put the adapter saved at ``path`` (:func:`adapter_directory`) on ``base_model`` (eval mode).
 
     Raises:
         FileNotFoundError: no adapter at ``path``.

@@ -375,7 +375,7 @@ def _hub_cached(name: str, cache_dir: str | os.PathLike[str] | None) -> bool:
 
 
 def _check_hub_name(name: str, cache_dir: str | os.PathLike[str] | None) -> bool:
-    """Errors for a name that is no local path or alias; True if it must load offline from the cache."""
+    """Errors for a name that is no path or alias; True if it must load offline from the cache."""
     import difflib
 
     aliases = ", ".join(sorted(ALIASES))

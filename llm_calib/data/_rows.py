@@ -69,17 +69,12 @@ def labelled_choice(
     choices_field: str = "choices",
     answer_field: str = "answerKey",
 ) -> MultipleChoice:
-    """Build a MultipleChoice from labelled options (``A``/``B``/... or ``1``/``2``/...).
-
-    Raises:
-        DataError: an empty question, fewer than 2 options, an empty option, repeated labels, or an
-            answer key that is missing or not among the labels.
+    """A MultipleChoice from labelled options (``A``/``B``/... or ``1``/``2``/...), or a DataError.
 
     Example:
-        >>> q = labelled_choice("Sun?", ["1", "2"], ["star", "planet"], "1",
-        ...                     source="f", line=1, domain="d", id="q")
-        >>> q.options, q.gold
-        (('star', 'planet'), 0)
+        >>> labelled_choice("Sun?", ["1", "2"], ["star", "planet"], "1",
+        ...                 source="f", line=1, domain="d", id="q").gold
+        0
     """
     q = require_text(question, source, line, question_field)
     if len(labels) != len(texts):
@@ -104,12 +99,7 @@ def labelled_choice(
 
 
 def str_meta(values: Mapping[str, Any]) -> dict[str, str]:
-    """Meta values as strings (records keep ``dict[str, str]``), dropping None.
-
-    Example:
-        >>> str_meta({"a": "x", "b": 2, "c": None, "d": [1]})
-        {'a': 'x', 'b': '2', 'd': '[1]'}
-    """
+    """Meta values as strings (JSON for non-strings), dropping None."""
     return {
         str(k): v if isinstance(v, str) else json.dumps(v)
         for k, v in values.items()
@@ -118,10 +108,10 @@ def str_meta(values: Mapping[str, Any]) -> dict[str, str]:
 
 
 def domain_from_name(name: str | Path) -> str:
-    """A domain label from a file or dataset name: lower case, runs of other characters -> ``_``.
+    """A domain label from a name: lower case, runs of other characters become ``_``.
 
     Example:
-        >>> domain_from_name("ARC-Challenge"), domain_from_name("religion-faith")
-        ('arc_challenge', 'religion_faith')
+        >>> domain_from_name("ARC-Challenge")
+        'arc_challenge'
     """
     return re.sub(r"[^0-9a-z]+", "_", str(name).lower()).strip("_") or "data"

@@ -1,7 +1,5 @@
-"""AI2-style multiple-choice JSONL: ARC-Easy, ARC-Challenge, OpenBookQA, CommonsenseQA, QASC.
-
-One object per line, ``{"id", "question": {"stem", "choices": [{"label", "text"}, ...]},
-"answerKey"}``; labels are letters or digits, other keys are ignored, blank lines skipped.
+"""AI2-style multiple-choice JSONL (ARC, OpenBookQA, CommonsenseQA, QASC): one object per line,
+``{"id", "question": {"stem", "choices": [{"label", "text"}, ...]}, "answerKey"}``.
 """
 
 from __future__ import annotations
@@ -44,26 +42,19 @@ def ai2_domain(path: str | Path) -> str:
 def load_ai2(
     path: str | Path, *, domain: str | None = None, on_error: OnError = "raise"
 ) -> LoadResult[MultipleChoice]:
-    """Load an AI2-format JSONL file as multiple-choice records.
+    """Load an AI2-format JSONL file as multiple-choice records (domain: :func:`ai2_domain`).
 
-    Ids come from the file (else ``<domain>-<line>``), ``meta`` holds ``source_file`` and ``line``;
-    ``domain`` defaults to :func:`ai2_domain`.
-
-    Raises:
-        DataError: (under ``on_error="raise"``) invalid UTF-8 or JSON, an empty stem, fewer than 2
-            choices, a missing ``answerKey`` or one not among the labels.
+    Raises ``DataError`` (under ``on_error="raise"``) for invalid UTF-8 or JSON, an empty stem,
+    fewer than 2 choices, or an ``answerKey`` missing or not among the labels.
 
     Example:
-        >>> import tempfile, json, os
-        >>> row = {"id": "q1", "question": {"stem": "Sun?", "choices": [
-        ...     {"label": "A", "text": "star"}, {"label": "B", "text": "planet"}]},
-        ...     "answerKey": "A"}
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "arc_easy", "test.jsonl")
-        ...     os.mkdir(os.path.dirname(p))
-        ...     _ = open(p, "w").write(json.dumps(row) + "\\n")
-        ...     res = load_ai2(p)
-        >>> res.records[0].options, res.records[0].gold, res.records[0].domain
+        >>> import json, pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "arc_easy.jsonl")
+        >>> choices = [{"label": "A", "text": "star"}, {"label": "B", "text": "planet"}]
+        >>> row = {"question": {"stem": "Sun?", "choices": choices}, "answerKey": "A"}
+        >>> _ = p.write_text(json.dumps(row))
+        >>> rec = load_ai2(p).records[0]
+        >>> rec.options, rec.gold, rec.domain
         (('star', 'planet'), 0, 'arc_easy')
     """
     path = Path(path)

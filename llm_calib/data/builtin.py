@@ -254,21 +254,13 @@ def _domain(domain: str, n: int, seed: int) -> list[MultipleChoice]:
 def builtin_multiple_choice(
     n_per_domain: int = 40, seed: int = 0, domains: Sequence[str] | None = None
 ) -> list[MultipleChoice]:
-    """Generate ``n_per_domain`` records per domain, domain by domain (ids ``<domain>-<i>``).
-
-    ``capitals`` has at most 112 questions and ``chemical_symbols`` 100; the same seed gives the
-    same output.
-
-    Raises:
-        ValueError: an unknown domain, a negative ``n_per_domain``, or more questions than a domain
-            can produce.
+    """Generate ``n_per_domain`` records per domain (at most 112 for ``capitals``, 100 for
+    ``chemical_symbols``), domain by domain, ids ``<domain>-<i>``; deterministic per seed.
 
     Example:
         >>> qs = builtin_multiple_choice(4, seed=0, domains=["capitals", "arithmetic"])
-        >>> [q.domain for q in qs][3:5]
-        ['capitals', 'arithmetic']
-        >>> sorted(q.gold for q in qs[:4])
-        [0, 1, 2, 3]
+        >>> [q.domain for q in qs][3:5], sorted(q.gold for q in qs[:4])
+        (['capitals', 'arithmetic'], [0, 1, 2, 3])
     """
     if n_per_domain < 0:
         raise ValueError(f"n_per_domain must be >= 0, got {n_per_domain}")
@@ -286,11 +278,8 @@ BUILTIN_OPEN_DOMAINS: tuple[str, ...] = ("sums", "capitals", "elements")
 
 
 def builtin_open_questions(n_per_domain: int = 40, domains: Sequence[str] | None = None) -> list[OpenQA]:
-    """The first ``n_per_domain`` open questions of each domain: ``sums`` (``What is 5 plus 7?``,
-    60), ``capitals`` (56) and ``elements`` (chemical symbols, 50).
-
-    Raises:
-        ValueError: an unknown domain or a negative ``n_per_domain``.
+    """The first ``n_per_domain`` open questions of ``sums`` (60), ``capitals`` (56) and
+    ``elements`` (50).
 
     Example:
         >>> qs = builtin_open_questions(2, domains=["capitals", "sums"])

@@ -1,9 +1,6 @@
-"""Hugging Face hub datasets by name, mapped onto the same records as the local loaders.
-
-:func:`load_hub` needs the optional ``datasets`` package (imported when it runs);
-:func:`hub_row_to_record` is the pure row mapping. :data:`HUB_DATASETS` lists the datasets with a
-dedicated mapping and their default config and split; any other name is read with the generic
-JSONL schemas (:mod:`llm_calib.data.jsonl`).
+"""Hugging Face hub datasets by name (needs the optional ``datasets`` package), mapped onto the
+same records as the local loaders: :data:`HUB_DATASETS` have a dedicated mapping, any other name
+is read with the generic JSONL schemas (:mod:`llm_calib.data.jsonl`).
 """
 
 from __future__ import annotations
@@ -31,11 +28,6 @@ _Mapper = Callable[[Mapping[str, Any], str, int, str, str], Record]
 class HubDataset:
     """How to read one hub dataset: default ``config`` and ``split``, and the ``mapper``
     ``(row, config, index, source, rid_prefix) -> record``.
-
-    Example:
-        >>> entry = HUB_DATASETS["cais/mmlu"]
-        >>> entry.config, entry.split
-        ('all', 'test')
     """
 
     name: str
@@ -161,18 +153,14 @@ def hub_row_to_record(
     config: str | None = None,
     split: str | None = None,
 ) -> MultipleChoice | OpenQA:
-    """Map one row of a hub dataset (or a short alias such as ``ai2_arc``) to a record, as
-    :func:`load_hub` does; ``index`` is 0-based, ``config`` defaults to the dataset's.
-
-    Raises:
-        DataError: the row is not a valid record (source ``hf:<name>/<config>[<split>]``).
+    """Map one row of a hub dataset (or short alias, e.g. ``ai2_arc``) to a record, as
+    :func:`load_hub` does; raises ``DataError`` for an invalid row.
 
     Example:
-        >>> row = {"id": "Mercury_1", "question": "Which is a star?",
-        ...        "choices": {"text": ["Sun", "Moon"], "label": ["A", "B"]}, "answerKey": "A"}
-        >>> rec = hub_row_to_record("allenai/ai2_arc", row, config="ARC-Challenge")
-        >>> rec.domain, rec.options, rec.gold
-        ('arc_challenge', ('Sun', 'Moon'), 0)
+        >>> row = {"question": "Which is a star?", "answerKey": "A",
+        ...        "choices": {"text": ["Sun", "Moon"], "label": ["A", "B"]}}
+        >>> hub_row_to_record("allenai/ai2_arc", row, config="ARC-Challenge").domain
+        'arc_challenge'
     """
     entry = _entry(name)
     cfg = config if config is not None else (entry.config if entry else None)
@@ -195,20 +183,7 @@ def load_hub(
 ) -> LoadResult[MultipleChoice] | LoadResult[OpenQA]:
     """Load a hub dataset with ``datasets.load_dataset`` (``**load_kwargs`` passed on) as records.
 
-    Raises:
-        ImportError: ``datasets`` is not installed.
-        DataError: a bad row (under ``on_error="raise"``).
-
-    Example:
-        >>> import importlib.util
-        >>> if importlib.util.find_spec("datasets") is None:
-        ...     try:
-        ...         load_hub("cais/mmlu")
-        ...     except ImportError as e:
-        ...         print("pip install datasets" in str(e))
-        ... else:
-        ...     print(True)
-        True
+    Raises ``ImportError`` without ``datasets``, ``DataError`` for a bad row under ``"raise"``.
     """
     try:
         datasets = importlib.import_module("datasets")

@@ -1,8 +1,5 @@
-"""MMLU CSV files: ``<subject>_<split>.csv``, no header, rows ``question,A,B,C,D,answer_letter``.
-
-Records get the domain ``mmlu_<group>`` of the four standard groups (:data:`MMLU_GROUPS`) and
-keep ``subject``, ``group`` and ``split`` in ``meta``; a non-standard subject gets the domain
-``mmlu`` and is left out whenever groups are selected.
+"""MMLU CSV files ``<subject>_<split>.csv`` (rows ``question,A,B,C,D,answer_letter``, no header);
+records get the domain ``mmlu_<group>`` (:data:`MMLU_GROUPS`; ``mmlu`` for other subjects).
 """
 
 from __future__ import annotations
@@ -96,24 +93,17 @@ def load_mmlu(
     subjects: Sequence[str] | None = None,
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice]:
-    """Load one MMLU CSV file or every ``*.csv`` of a directory (sorted by name).
+    """Load one MMLU CSV file or every ``*.csv`` of a directory (sorted), filtered by ``groups``
+    and ``subjects``; ids are ``<file stem>-<row>``.
 
-    Records have id ``<file stem>-<row>`` and ``meta`` ``subject``, ``group``, ``split``,
-    ``source_file`` and ``line`` (the row's first line); ``groups``/``subjects`` filter the files.
-
-    Raises:
-        DataError: (under ``on_error="raise"``) a row without 6 columns, an empty question or
-            option, an answer letter missing or outside A-D, invalid UTF-8; always when the
-            selection leaves no file.
-        ValueError: an unknown group.
-        FileNotFoundError: ``path`` does not exist.
+    Raises ``DataError`` for a bad row (under ``"raise"``) or a selection without files,
+    ``ValueError`` for an unknown group, ``FileNotFoundError`` for a missing path.
 
     Example:
-        >>> import tempfile, os
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "astronomy_test.csv")
-        ...     _ = open(p, "w").write('"Closest star?",Sun,Vega,Sirius,Rigel,A\\n')
-        ...     rec = load_mmlu(d).records[0]
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "astronomy_test.csv")
+        >>> _ = p.write_text('"Closest star?",Sun,Vega,Sirius,Rigel,A\\n')
+        >>> rec = load_mmlu(p).records[0]
         >>> rec.domain, rec.gold, rec.meta["subject"]
         ('mmlu_stem', 0, 'astronomy')
     """

@@ -23,9 +23,6 @@ __all__ = ["answer_aliases", "load_nq_open", "load_openqa_jsonl", "load_webquest
 def answer_aliases(value: Any, source: str, line: int, field: str) -> tuple[str, ...]:
     """Accepted answers from a list of strings (or one string), stripped and deduplicated.
 
-    Raises:
-        DataError: no non-empty string alias.
-
     Example:
         >>> answer_aliases([" Paris ", "Paris, France"], "f", 1, "answer")
         ('Paris', 'Paris, France')
@@ -48,23 +45,15 @@ def load_openqa_jsonl(
     answer_field: str = "answer",
     on_error: OnError = "raise",
 ) -> LoadResult[OpenQA]:
-    """Load ``{"question", <answer_field>: [aliases]}`` rows as open QA records.
-
-    Ids come from the row's ``id`` (else ``<domain>-<line>``); ``domain`` defaults to the file name.
-
-    Raises:
-        DataError: invalid UTF-8 or JSON, an empty question, a missing or empty answer list, or an
-            alias that is not a non-empty string.
+    """Load ``{"question", <answer_field>: [aliases]}`` rows as open QA records (ids from ``id``,
+    else ``<domain>-<line>``); raises ``DataError`` for a bad row under ``"raise"``.
 
     Example:
-        >>> import tempfile, os
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "qa.jsonl")
-        ...     row = '{"question": "who wrote hamlet", "answer": ["Shakespeare"]}'
-        ...     _ = open(p, "w").write(row + "\\n")
-        ...     rec = load_openqa_jsonl(p, domain="nq_open").records[0]
-        >>> rec.answers, rec.id
-        (('Shakespeare',), 'nq_open-1')
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "qa.jsonl")
+        >>> _ = p.write_text('{"question": "who wrote hamlet", "answer": ["Shakespeare"]}')
+        >>> load_openqa_jsonl(p, domain="nq_open").records[0].id
+        'nq_open-1'
     """
     path = Path(path)
     source = str(path)
@@ -91,44 +80,21 @@ def load_openqa_jsonl(
 
 
 def load_nq_open(path: str | Path, *, on_error: OnError = "raise") -> LoadResult[OpenQA]:
-    """Load NQ-open (or EfficientQA) JSONL; domain ``nq_open``. See :func:`load_openqa_jsonl`.
-
-    Example:
-        >>> import tempfile, os
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "NQ-open.dev.jsonl")
-        ...     _ = open(p, "w").write('{"question": "q", "answer": ["a", "b"]}\\n')
-        ...     load_nq_open(p).records[0].domain
-        'nq_open'
-    """
+    """Load NQ-open (or EfficientQA) JSONL with :func:`load_openqa_jsonl`; domain ``nq_open``."""
     return load_openqa_jsonl(path, domain="nq_open", on_error=on_error)
 
 
 def load_webquestions(path: str | Path, *, on_error: OnError = "raise") -> LoadResult[OpenQA]:
-    """Load WebQuestions JSONL; domain ``webquestions``. See :func:`load_openqa_jsonl`.
-
-    Example:
-        >>> import tempfile, os
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "webq-test.jsonl")
-        ...     _ = open(p, "w").write('{"id": "7", "question": "q", "answer": ["a"]}\\n')
-        ...     r = load_webquestions(p).records[0]
-        >>> r.domain, r.id
-        ('webquestions', '7')
-    """
+    """Load WebQuestions JSONL with :func:`load_openqa_jsonl`; domain ``webquestions``."""
     return load_openqa_jsonl(path, domain="webquestions", on_error=on_error)
 
 
 def one_record_per_alias(records: Sequence[OpenQA]) -> list[OpenQA]:
     """One record per (question, accepted answer), to train on every alias.
 
-    Alias ``j`` of record ``r`` becomes a record with ``answers=(a_j,)``, id ``f"{r.id}#{j}"`` and
-    ``meta["source_id"] = r.id``; an alias equal to an earlier one after
-    :func:`~llm_calib.answers.normalize_answer` is dropped, records without answers are kept. For
-    training splits: evaluate on the original records.
-
-    Raises:
-        TypeError: a record that is not :class:`~llm_calib.data.records.OpenQA`.
+    Alias ``j`` of ``r`` becomes a record with ``answers=(a_j,)``, id ``f"{r.id}#{j}"`` and
+    ``meta["source_id"]``; aliases equal after :func:`~llm_calib.answers.normalize_answer` count
+    once, records without answers stay. For training: evaluate on the original records.
 
     Example:
         >>> q = OpenQA("Who sang Help!?", ("Beatles", "The Beatles", "John Lennon"), "music", "q7")

@@ -1,9 +1,6 @@
-"""OpenTriviaQA category files (uberspot/OpenTriviaQA): blocks of a ``#Q`` question (which may
-span lines), a ``^`` line with the correct answer's text, and options ``A``, ``B``, ...
-
-Records get the domain ``opentriviaqa_<category>`` and keep ``category`` in ``meta``. How the
-loader handles the real files' quirks (multi-line questions, mixed encodings, empty and repeated
-options) is in :doc:`/tutorials/evaluate_llm`.
+"""OpenTriviaQA category files: blocks of a ``#Q`` question, a ``^`` line with the answer's text,
+and options ``A``, ``B``, ...; domain ``opentriviaqa_<category>``. How the loader handles the
+real files' quirks: :doc:`/tutorials/evaluate_llm` (section "Data specs").
 """
 
 from __future__ import annotations
@@ -76,25 +73,20 @@ def load_opentriviaqa(
     repair_encoding: bool = True,
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice]:
-    """Load OpenTriviaQA category files as multiple-choice records (2 or more options).
+    """Load OpenTriviaQA category files (a file, the ``categories`` directory or its parent) as
+    multiple-choice records with ids ``<category>-<line of #Q>``. Lines that are not UTF-8 are
+    repaired unless ``repair_encoding`` is False.
 
-    ``path`` is a category file, the ``categories`` directory or its parent; ``categories`` picks
-    files (default all, sorted). Lines that are not valid UTF-8 are repaired (``meta["encoding"]``)
-    unless ``repair_encoding`` is False. Ids are ``<category>-<line of #Q>``.
-
-    Raises:
-        DataError: a block without a ``^`` line, whose answer matches no option, with fewer than 2
-            options or bad option letters; bad encoding without repair.
-        FileNotFoundError: ``path`` does not exist.
+    Raises ``DataError`` for a bad block (under ``"raise"``), ``FileNotFoundError`` for a missing
+    path.
 
     Example:
-        >>> import tempfile, os
-        >>> text = "#Q Largest ocean?\\n^ Pacific\\nA Atlantic\\nB Pacific\\nC Indian\\n"
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     _ = open(os.path.join(d, "geography"), "w").write(text)
-        ...     rec = load_opentriviaqa(os.path.join(d, "geography")).records[0]
-        >>> rec.options, rec.gold, rec.domain, rec.id
-        (('Atlantic', 'Pacific', 'Indian'), 1, 'opentriviaqa_geography', 'geography-1')
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "geography")
+        >>> _ = p.write_text("#Q Largest ocean?\\n^ Pacific\\nA Atlantic\\nB Pacific\\n")
+        >>> rec = load_opentriviaqa(p).records[0]
+        >>> rec.options, rec.gold, rec.id
+        (('Atlantic', 'Pacific'), 1, 'geography-1')
     """
     path = Path(path)
     log = ErrorLog(on_error)

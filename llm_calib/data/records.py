@@ -13,18 +13,11 @@ format, :func:`llm_calib.formats.base.records_family`)."""
 
 @dataclass(frozen=True)
 class MultipleChoice:
-    """One multiple-choice question.
+    """One multiple-choice question: ``options`` (at least 2) and the ``gold`` index.
 
-    Attributes:
-        question: the question text (non-empty).
-        options: answer options (at least 2), in display order.
-        gold: index of the correct option.
-        domain: a label results are grouped by (e.g. ``"arc_easy"``).
-        id: a stable identifier, unique within its source.
-        meta: free-form extra fields (subject, source file, ...).
-        prompt: an already rendered prompt (e.g. lm-eval's context), used verbatim; None builds one.
-        continuations: each option's already rendered continuation (e.g. ``" Paris"``), used
-            verbatim; None builds them.
+    ``domain`` groups results, ``id`` is unique within its source, ``meta`` holds free-form fields;
+    ``prompt`` and ``continuations`` (e.g. lm-eval's context and ``" Paris"``) are used verbatim
+    instead of being built.
 
     Example:
         >>> q = MultipleChoice("2 + 2 = ?", ("3", "4"), 1, "arithmetic", "add-0")
@@ -62,17 +55,9 @@ class MultipleChoice:
 
 @dataclass(frozen=True)
 class OpenQA:
-    """One open-ended question.
+    """One open-ended question with its accepted ``answers`` (none when ``answerable`` is False).
 
-    Attributes:
-        question: the question text (non-empty).
-        answers: accepted answers; at least one unless ``answerable`` is False.
-        domain: a domain label.
-        id: a stable identifier.
-        meta: free-form extra fields.
-        answerable: False for questions without a correct answer (SelfAware's unanswerable half).
-        prompt: an already rendered prompt (e.g. lm-eval's context), used verbatim; None builds one.
-        until: the source's stop sequences (lm-eval's ``until``), kept for reference.
+    ``prompt`` is used verbatim instead of being built; ``until`` keeps the source's stop sequences.
 
     Example:
         >>> OpenQA("What happens after death?", (), "selfaware", "q1", answerable=False).answers
