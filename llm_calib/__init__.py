@@ -44,22 +44,18 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "CalibrationConfig": "llm_calib.calm.config",
-    "LoraSettings": "llm_calib.calm.config",
-    "PromptSettings": "llm_calib.calm.config",
-    "SelectionSettings": "llm_calib.calm.config",
-    "TrainingSettings": "llm_calib.calm.config",
-    "Calm": "llm_calib.objectives.calm",
-    "Bome": "llm_calib.objectives.calm",
-    "F2SA": "llm_calib.objectives.calm",
-    "ImplicitSolver": "llm_calib.objectives.calm",
-    "LoraCE": "llm_calib.objectives.lora_ce",
-    "LabelSmoothing": "llm_calib.objectives.label_smoothing",
-    "ConfidencePenalty": "llm_calib.objectives.confidence_penalty",
-    "CalibrationResult": "llm_calib.calm.trainer",
-    "TrainingDiverged": "llm_calib.calm.trainer",
-    "calibrate": "llm_calib.calm.trainer",
+_LAZY = {  # public name -> the module that defines it
+    name: module
+    for module, names in {
+        "llm_calib.calm.config": ("CalibrationConfig", "LoraSettings", "PromptSettings",
+                                  "SelectionSettings", "TrainingSettings"),
+        "llm_calib.objectives.calm": ("Calm", "Bome", "F2SA", "ImplicitSolver"),
+        "llm_calib.objectives.lora_ce": ("LoraCE",),
+        "llm_calib.objectives.label_smoothing": ("LabelSmoothing",),
+        "llm_calib.objectives.confidence_penalty": ("ConfidencePenalty",),
+        "llm_calib.calm.trainer": ("CalibrationResult", "TrainingDiverged", "calibrate"),
+    }.items()
+    for name in names
 }
 
 if TYPE_CHECKING:

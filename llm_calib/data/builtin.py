@@ -20,7 +20,6 @@ BUILTIN_DOMAINS: tuple[str, ...] = (
 )
 """The domains of :func:`builtin_multiple_choice`, in output order."""
 
-# (country, capital, continent, a well-known wrong answer or "")
 CAPITALS: tuple[tuple[str, str, str, str], ...] = (
     ("France", "Paris", "Europe", "Lyon"), ("Germany", "Berlin", "Europe", "Munich"),
     ("Italy", "Rome", "Europe", "Milan"), ("Spain", "Madrid", "Europe", "Barcelona"),
@@ -56,10 +55,9 @@ CAPITALS: tuple[tuple[str, str, str, str], ...] = (
     ("the United States", "Washington, D.C.", "Americas", "New York City"),
     ("Australia", "Canberra", "Oceania", "Sydney"),
     ("New Zealand", "Wellington", "Oceania", "Auckland"), ("Fiji", "Suva", "Oceania", "Nadi"),
-)
+)  # fmt: skip
 """Country capital facts, tuples ``(country, capital, continent, well-known wrong answer or "")``."""
 
-# (name, symbol)
 ELEMENTS: tuple[tuple[str, str], ...] = (
     ("hydrogen", "H"), ("helium", "He"), ("lithium", "Li"), ("beryllium", "Be"),
     ("boron", "B"), ("carbon", "C"), ("nitrogen", "N"), ("oxygen", "O"), ("fluorine", "F"),

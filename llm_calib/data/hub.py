@@ -141,8 +141,13 @@ _ALIASES = {
 }  # fmt: skip
 
 
-def _entry(name: str) -> HubDataset | None:
-    return HUB_DATASETS.get(_ALIASES.get(name, name))
+def _resolve(
+    name: str, config: str | None, split: str | None
+) -> tuple[HubDataset | None, str | None, str]:
+    """The dataset's entry, and the config and split with its defaults filled in."""
+    entry = HUB_DATASETS.get(_ALIASES.get(name, name))
+    cfg = config if config is not None else (entry.config if entry else None)
+    return entry, cfg, split if split is not None else (entry.split if entry else "train")
 
 
 def _source(name: str, config: str | None, split: str) -> str:
@@ -166,9 +171,7 @@ def hub_row_to_record(
         >>> hub_row_to_record("allenai/ai2_arc", row, config="ARC-Challenge").domain
         'arc_challenge'
     """
-    entry = _entry(name)
-    cfg = config if config is not None else (entry.config if entry else None)
-    spl = split if split is not None else (entry.split if entry else "train")
+    entry, cfg, spl = _resolve(name, config, split)
     source = _source(name, cfg, spl)
     if not isinstance(row, Mapping):
         raise DataError(source, index + 1, "row", f"expected a mapping, got {type(row).__name__}")
@@ -206,10 +209,8 @@ def load_hub(
             "(pip install datasets) and internet access or a filled Hugging Face cache; "
             "local copies load without it, e.g. 'arc_easy:path/to/test.jsonl'"
         ) from exc
-    entry = _entry(name)
+    entry, cfg, spl = _resolve(name, config, split)
     hub_name = entry.name if entry else name
-    cfg = config if config is not None else (entry.config if entry else None)
-    spl = split if split is not None else (entry.split if entry else "train")
     dataset = datasets.load_dataset(hub_name, cfg, split=spl, **load_kwargs)
     log = ErrorLog(on_error)
     records: list[Any] = []
