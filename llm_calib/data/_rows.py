@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llm_calib.data.errors import DataError
+from llm_calib.data._io import decode_line, iter_lines
+from llm_calib.data.errors import DataError, ErrorLog, OnError
 from llm_calib.data.records import MultipleChoice
+from llm_calib.data.result import LoadResult, R
 
-__all__ = ["domain_from_name", "labelled_choice", "parse_json_line", "require_text", "str_meta"]
+__all__ = [
+    "domain_from_name", "labelled_choice", "load_json_lines", "parse_json_line", "require_text",
+    "str_meta",
+]
 
 
 def require_text(value: Any, source: str, line: int, field: str) -> str:
@@ -115,3 +120,20 @@ def domain_from_name(name: str | Path) -> str:
         'arc_challenge'
     """
     return re.sub(r"[^0-9a-z]+", "_", str(name).lower()).strip("_") or "data"
+
+
+def load_json_lines(
+    path: Path, make: Callable[[dict[str, Any], int], R], on_error: OnError
+) -> LoadResult[R]:
+    """``make(row, line)`` of each non-blank JSON line of ``path``, bad lines under ``on_error``."""
+    source = str(path)
+    log = ErrorLog(on_error)
+    records: list[R] = []
+    for line, raw in iter_lines(path):
+        if not raw.strip():
+            continue
+        try:
+            records.append(make(parse_json_line(decode_line(raw, source, line), source, line), line))
+        except DataError as err:
+            log.add(err)
+    return LoadResult(records, log.skipped, log.errors, source)

@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from llm_calib.data._io import decode_line, iter_lines
-from llm_calib.data._rows import domain_from_name, labelled_choice, parse_json_line
-from llm_calib.data.errors import DataError, ErrorLog, OnError
+from llm_calib.data._rows import domain_from_name, labelled_choice, load_json_lines
+from llm_calib.data.errors import DataError, OnError
 from llm_calib.data.records import MultipleChoice
 from llm_calib.data.result import LoadResult
 
@@ -60,38 +60,22 @@ def load_ai2(
     path = Path(path)
     source = str(path)
     dom = domain or ai2_domain(path)
-    log = ErrorLog(on_error)
-    records: list[MultipleChoice] = []
-    for line, raw in iter_lines(path):
-        if not raw.strip():
-            continue
-        try:
-            row = parse_json_line(decode_line(raw, source, line), source, line)
-            question = row.get("question")
-            if isinstance(question, dict):
-                stem, choices = question.get("stem"), question.get("choices")
-            else:  # flat variant: {"question": str, "choices": [...]}
-                stem, choices = question, row.get("choices")
-            if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-                raise DataError(
-                    source, line, "question.choices", "expected a list of {label, text}"
-                )
-            rid = row.get("id")
-            records.append(
-                labelled_choice(
-                    stem,
-                    [c.get("label", chr(ord("A") + i)) for i, c in enumerate(choices)],
-                    [c.get("text") for c in choices],
-                    row.get("answerKey"),
-                    source=source,
-                    line=line,
-                    domain=dom,
-                    id=str(rid) if rid is not None else f"{dom}-{line}",
-                    meta={"source_file": source, "line": str(line)},
-                    question_field="question.stem",
-                    choices_field="question.choices",
-                )
-            )
-        except DataError as err:
-            log.add(err)
-    return LoadResult(records, log.skipped, log.errors, source)
+
+    def record(row: dict[str, Any], line: int) -> MultipleChoice:
+        question = row.get("question")
+        if isinstance(question, dict):
+            stem, choices = question.get("stem"), question.get("choices")
+        else:  # flat variant: {"question": str, "choices": [...]}
+            stem, choices = question, row.get("choices")
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            raise DataError(source, line, "question.choices", "expected a list of {label, text}")
+        rid = row.get("id")
+        return labelled_choice(
+            stem, [c.get("label", chr(ord("A") + i)) for i, c in enumerate(choices)],
+            [c.get("text") for c in choices], row.get("answerKey"), source=source, line=line,
+            domain=dom, id=str(rid) if rid is not None else f"{dom}-{line}",
+            meta={"source_file": source, "line": str(line)},
+            question_field="question.stem", choices_field="question.choices",
+        )
+
+    return load_json_lines(path, record, on_error)

@@ -12,9 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from llm_calib.data._io import decode_line, iter_lines
-from llm_calib.data._rows import domain_from_name, parse_json_line, require_text, str_meta
-from llm_calib.data.errors import DataError, ErrorLog, OnError
+from llm_calib.data._rows import domain_from_name, load_json_lines, require_text, str_meta
+from llm_calib.data.errors import DataError, OnError
 from llm_calib.data.openqa import answer_aliases
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.data.result import LoadResult
@@ -139,29 +138,24 @@ def load_jsonl(
     path = Path(path)
     source = str(path)
     dom = domain or domain_from_name(path.stem)
-    log = ErrorLog(on_error)
-    records: list[Any] = []
     file_kind = None if kind == "auto" else kind
-    for line, raw in iter_lines(path):
-        if not raw.strip():
-            continue
-        try:
-            row = parse_json_line(decode_line(raw, source, line), source, line)
-            row_kind = "mc" if "options" in row else "open" if "answers" in row else None
-            if row_kind is None:
-                raise DataError(
-                    source, line, "options",
-                    'a row needs "options" (multiple choice) or "answers" (open QA)',
-                )
-            if file_kind is None:
-                file_kind = row_kind
-            elif row_kind != file_kind:
-                want = "options" if file_kind == "mc" else "answers"
-                raise DataError(
-                    source, line, want, f"this file holds {file_kind!r} rows, which need {want!r}"
-                )
-            make = mc_from_dict if file_kind == "mc" else openqa_from_dict
-            records.append(make(row, source=source, line=line, domain=dom))
-        except DataError as err:
-            log.add(err)
-    return LoadResult(records, log.skipped, log.errors, source)
+
+    def record(row: dict[str, Any], line: int) -> MultipleChoice | OpenQA:
+        nonlocal file_kind
+        row_kind = "mc" if "options" in row else "open" if "answers" in row else None
+        if row_kind is None:
+            raise DataError(
+                source, line, "options",
+                'a row needs "options" (multiple choice) or "answers" (open QA)',
+            )
+        if file_kind is None:
+            file_kind = row_kind
+        elif row_kind != file_kind:
+            want = "options" if file_kind == "mc" else "answers"
+            raise DataError(
+                source, line, want, f"this file holds {file_kind!r} rows, which need {want!r}"
+            )
+        make = mc_from_dict if file_kind == "mc" else openqa_from_dict
+        return make(row, source=source, line=line, domain=dom)
+
+    return load_json_lines(path, record, on_error)

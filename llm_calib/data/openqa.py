@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from llm_calib.answers import normalize_answer
-from llm_calib.data._io import decode_line, iter_lines
-from llm_calib.data._rows import domain_from_name, parse_json_line, require_text
-from llm_calib.data.errors import DataError, ErrorLog, OnError
+from llm_calib.data._rows import domain_from_name, load_json_lines, require_text
+from llm_calib.data.errors import DataError, OnError
 from llm_calib.data.records import OpenQA
 from llm_calib.data.result import LoadResult
 
@@ -58,25 +57,15 @@ def load_openqa_jsonl(
     path = Path(path)
     source = str(path)
     dom = domain or domain_from_name(path.stem)
-    log = ErrorLog(on_error)
-    records: list[OpenQA] = []
-    for line, raw in iter_lines(path):
-        if not raw.strip():
-            continue
-        try:
-            row = parse_json_line(decode_line(raw, source, line), source, line)
-            question = require_text(row.get("question"), source, line, "question")
-            answers = answer_aliases(row.get(answer_field), source, line, answer_field)
-            rid = row.get("id")
-            records.append(
-                OpenQA(
-                    question, answers, dom, str(rid) if rid is not None else f"{dom}-{line}",
-                    {"source_file": source, "line": str(line)},
-                )
-            )
-        except DataError as err:
-            log.add(err)
-    return LoadResult(records, log.skipped, log.errors, source)
+
+    def record(row: dict[str, Any], line: int) -> OpenQA:
+        question = require_text(row.get("question"), source, line, "question")
+        answers = answer_aliases(row.get(answer_field), source, line, answer_field)
+        rid = row.get("id")
+        meta = {"source_file": source, "line": str(line)}
+        return OpenQA(question, answers, dom, str(rid) if rid is not None else f"{dom}-{line}", meta)
+
+    return load_json_lines(path, record, on_error)
 
 
 def load_nq_open(path: str | Path, *, on_error: OnError = "raise") -> LoadResult[OpenQA]:
