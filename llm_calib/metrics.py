@@ -425,10 +425,7 @@ def _check_bootstrap(n_resamples: int, alpha: float) -> None:
 
 
 def bootstrap_ci(
-    metric: Callable[..., float],
-    *arrays: ArrayLike,
-    n_resamples: int = 1000,
-    alpha: float = 0.05,
+    metric: Callable[..., float], *arrays: ArrayLike, n_resamples: int = 1000, alpha: float = 0.05,
     seed: int = 0,
 ) -> tuple[float, float]:
     """Bootstrap interval ``(low, high)`` of ``metric(*arrays)`` that always contains its value.

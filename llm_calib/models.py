@@ -421,14 +421,9 @@ def _check_hub_name(name: str, cache_dir: str | os.PathLike[str] | None) -> bool
 
 
 def load(
-    name_or_path: str = "smollm2-135m-instruct",
-    *,
-    cache_dir: str | os.PathLike[str] | None = None,
-    dtype: torch.dtype | str | None = None,
-    device: str | torch.device = "cpu",
-    trust_remote_code: bool | None = None,
-    config: ModelLoadConfig | None = None,
-    **options: Any,
+    name_or_path: str = "smollm2-135m-instruct", *, cache_dir: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+    trust_remote_code: bool | None = None, config: ModelLoadConfig | None = None, **options: Any,
 ) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer (eval mode, with a pad token).
 
@@ -553,11 +548,7 @@ TINY_CHAT_TEMPLATE = (
 
 
 def tiny_random_model(
-    seed: int = 0,
-    *,
-    hidden_size: int = 32,
-    num_layers: int = 2,
-    init_std: float = 0.2,
+    seed: int = 0, *, hidden_size: int = 32, num_layers: int = 2, init_std: float = 0.2,
     chat_template: bool = True,
 ) -> tuple[Any, Any]:
     """A tiny random Llama model with a byte-level BPE tokenizer built in code (no download).

@@ -60,18 +60,9 @@ def parse_json_line(text: str, source: str, line: int) -> dict[str, Any]:
 
 
 def labelled_choice(
-    question: Any,
-    labels: Sequence[Any],
-    texts: Sequence[Any],
-    answer_key: Any,
-    *,
-    source: str,
-    line: int,
-    domain: str,
-    id: str,
-    meta: Mapping[str, str] | None = None,
-    question_field: str = "question",
-    choices_field: str = "choices",
+    question: Any, labels: Sequence[Any], texts: Sequence[Any], answer_key: Any, *, source: str,
+    line: int, domain: str, id: str, meta: Mapping[str, str] | None = None,
+    question_field: str = "question", choices_field: str = "choices",
     answer_field: str = "answerKey",
 ) -> MultipleChoice:
     """A MultipleChoice from labelled options (``A``/``B``/... or ``1``/``2``/...), or a DataError.

@@ -155,11 +155,7 @@ def _source(name: str, config: str | None, split: str) -> str:
 
 
 def hub_row_to_record(
-    name: str,
-    row: Mapping[str, Any],
-    *,
-    index: int = 0,
-    config: str | None = None,
+    name: str, row: Mapping[str, Any], *, index: int = 0, config: str | None = None,
     split: str | None = None,
 ) -> MultipleChoice | OpenQA:
     """Map one row of a hub dataset (or short alias, e.g. ``ai2_arc``) to a record, as
@@ -181,11 +177,7 @@ def hub_row_to_record(
 
 
 def load_hub(
-    name: str,
-    *,
-    config: str | None = None,
-    split: str | None = None,
-    on_error: OnError = "raise",
+    name: str, *, config: str | None = None, split: str | None = None, on_error: OnError = "raise",
     **load_kwargs: Any,
 ) -> LoadResult[MultipleChoice] | LoadResult[OpenQA]:
     """Load a hub dataset with ``datasets.load_dataset`` (``**load_kwargs`` passed on) as records.

@@ -114,10 +114,7 @@ def openqa_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: 
 
 
 def load_jsonl(
-    path: str | Path,
-    *,
-    kind: JsonlKind = "auto",
-    domain: str | None = None,
+    path: str | Path, *, kind: JsonlKind = "auto", domain: str | None = None,
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice] | LoadResult[OpenQA]:
     """Load a JSONL file in the generic schema; ``kind`` is ``"mc"``, ``"open"`` or ``"auto"`` (the

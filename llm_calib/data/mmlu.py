@@ -87,10 +87,7 @@ def _csv_files(path: Path) -> list[Path]:
 
 
 def load_mmlu(
-    path: str | Path,
-    *,
-    groups: Sequence[str] | None = None,
-    subjects: Sequence[str] | None = None,
+    path: str | Path, *, groups: Sequence[str] | None = None, subjects: Sequence[str] | None = None,
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice]:
     """Load one MMLU CSV file or every ``*.csv`` of a directory (sorted), filtered by ``groups``

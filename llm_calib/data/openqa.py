@@ -38,10 +38,7 @@ def answer_aliases(value: Any, source: str, line: int, field: str) -> tuple[str,
 
 
 def load_openqa_jsonl(
-    path: str | Path,
-    *,
-    domain: str | None = None,
-    answer_field: str = "answer",
+    path: str | Path, *, domain: str | None = None, answer_field: str = "answer",
     on_error: OnError = "raise",
 ) -> LoadResult[OpenQA]:
     """Load ``{"question", <answer_field>: [aliases]}`` rows as open QA records (ids from ``id``,

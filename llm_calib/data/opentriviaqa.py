@@ -67,10 +67,7 @@ def _category_files(path: Path, categories: Sequence[str] | None) -> list[Path]:
 
 
 def load_opentriviaqa(
-    path: str | Path,
-    *,
-    categories: Sequence[str] | None = None,
-    repair_encoding: bool = True,
+    path: str | Path, *, categories: Sequence[str] | None = None, repair_encoding: bool = True,
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice]:
     """Load OpenTriviaQA category files (a file, the ``categories`` directory or its parent) as

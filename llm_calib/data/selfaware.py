@@ -117,9 +117,7 @@ def _to_record(example: Any, index: int, source: str, line: int) -> OpenQA:
 
 
 def filter_selfaware(
-    records: Iterable[OpenQA],
-    *,
-    answerable: bool | None = True,
+    records: Iterable[OpenQA], *, answerable: bool | None = True,
     sources: Sequence[str] | None = ("triviaqa",),
 ) -> list[OpenQA]:
     """Keep SelfAware records by answerability (None keeps both) and ``meta["source"]`` prefix.

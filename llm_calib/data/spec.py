@@ -216,11 +216,7 @@ def _load_spec(s: Spec, spec: str, on_error: OnError) -> LoadResult[Any]:
 
 
 def load(
-    spec: str,
-    *,
-    limit: int | None = None,
-    seed: int = 0,
-    on_error: OnError = "raise",
+    spec: str, *, limit: int | None = None, seed: int = 0, on_error: OnError = "raise",
     limit_mode: str = "sample",
 ) -> LoadResult[Any]:
     """Load the data set a spec names, e.g. ``"arc_easy:../shared/data:dev"`` or ``"builtin"``.
