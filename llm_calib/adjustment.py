@@ -65,26 +65,15 @@ ADJUSTMENT_KINDS = TOKEN_KINDS + OPTION_KINDS
 
 @dataclass(frozen=True)
 class LogitAdjustment:
-    """The shape, bounds and application of the logit adjustment λ.
-
-    Args:
-        kind: one of :data:`ADJUSTMENT_KINDS`.
-        vocab_size: size of the model's vocabulary.
-        token_ids: the adjusted token ids of ``kind="answer_tokens"``.
-        max_log_scale: bound on ``|log_a|``.
-        max_bias: bound on ``|b|`` and ``|c|``.
+    """The shape, bounds and application of the logit adjustment λ of one :data:`ADJUSTMENT_KINDS`
+    kind (``token_ids``: the tokens of ``"answer_tokens"``), with ``|log_a| <= max_log_scale`` and
+    ``|b|, |c| <= max_bias``.
 
     Example:
         >>> import torch
-        >>> adj = LogitAdjustment("vector", vocab_size=4)
-        >>> lam = {"log_a": torch.log(torch.full((4,), 2.0)), "b": torch.ones(4)}
-        >>> adj.apply(torch.tensor([[1.0, 2.0, 3.0, 4.0]]), lam).tolist()
-        [[3.0, 5.0, 7.0, 9.0]]
-        >>> opt = LogitAdjustment("option_length", vocab_size=4)
-        >>> s, length = torch.tensor([[-2.0, -6.0]]), torch.tensor([[1.0, 3.0]])
-        >>> lam = {"log_a": torch.log(torch.tensor([0.5])), "length": torch.tensor([1.0])}
-        >>> opt.apply_options(s, length, lam).tolist()
-        [[0.0, 0.0]]
+        >>> adj = LogitAdjustment("vector", vocab_size=2)
+        >>> adj.apply(torch.tensor([[1.0, 2.0]]), {"log_a": torch.zeros(2), "b": torch.ones(2)})
+        tensor([[2., 3.]])
     """
 
     kind: str = "vector"
@@ -135,11 +124,7 @@ class LogitAdjustment:
                     lam[name].clamp_(-self.max_bias, self.max_bias)
 
     def apply(self, logits: Tensor, lam: dict[str, Tensor]) -> Tensor:
-        """Adjusted logits (same shape), differentiable in ``logits`` and ``lam``.
-
-        Raises:
-            ValueError: an option-level kind, or a last dimension other than ``vocab_size``.
-        """
+        """Adjusted logits (same shape); ``ValueError`` for an option kind or a wrong vocabulary size."""
         if self.acts_on_options:
             raise ValueError(f"adjustment {self.kind!r} acts on option scores: use apply_options")
         if logits.shape[-1] != self.vocab_size:
@@ -148,10 +133,8 @@ class LogitAdjustment:
         return self._variant.transform(logits, lam, index)
 
     def apply_options(self, scores: Tensor, lengths: Tensor, lam: dict[str, Tensor]) -> Tensor:
-        """Adjusted option scores ``(B, K)`` given lengths in tokens; ``-inf`` padding stays.
-
-        Raises:
-            ValueError: a token-level kind, or ``scores`` and ``lengths`` of different shapes.
+        """Adjusted option scores ``(B, K)`` given lengths in tokens (``-inf`` padding stays);
+        ``ValueError`` for a token kind or shapes that differ.
         """
         if not self.acts_on_options:
             raise ValueError(f"adjustment {self.kind!r} acts on token logits: use apply")

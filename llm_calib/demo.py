@@ -26,17 +26,11 @@ OUT_OF_DOMAIN = ("calendar", "chemical_symbols")
 
 @dataclass
 class DemoSettings:
-    """What the demo runs (defaults: the README's main job, under 15 minutes on 2 CPU cores).
-
-    Attributes:
-        model: model name or path.
-        in_domain, out_of_domain: built-in domains for training and for transfer tests.
-        n_per_domain: questions generated per domain.
-        n_train, n_heldout: per in-domain domain, training and held-out questions (the rest test).
-        steps, batch_size, top_layers, lr: CALM budget; LoRA on the top ``top_layers`` layers.
-        objective: CALM's settings (:class:`~llm_calib.objectives.calm.Calm`).
-        out: output directory for the report.
-        seed: data and training seed.
+    """What the demo runs (defaults: the README's main job, under 15 minutes on 2 CPU cores): the
+    model, the in- and out-of-domain built-in domains, questions per domain (``n_train`` and
+    ``n_heldout`` per in-domain domain, the rest test), CALM's budget and
+    :class:`~llm_calib.objectives.calm.Calm` settings (LoRA on the top ``top_layers`` layers), the
+    report directory and the seed.
     """
 
     model: str = "smollm2-135m-instruct"

@@ -1,8 +1,5 @@
-"""Loading a saved adapter onto its base model, and exporting a merged standalone model.
-
-Merging folds the LoRA matrices (``W + (alpha / r) B A``) and the output-scaled final norm into
-ordinary weights: the export loads with ``AutoModelForCausalLM.from_pretrained`` alone, at the base
-model's inference cost. λ is training-time only and not exported.
+"""Loading a saved adapter onto its base model, and exporting a merged standalone model that
+``AutoModelForCausalLM.from_pretrained`` loads alone, at the base model's inference cost.
 """
 
 from __future__ import annotations
@@ -20,17 +17,14 @@ __all__ = ["adapter_directory", "export_merged", "load_adapter", "merge_adapter"
 
 
 def adapter_directory(path: str | os.PathLike[str]) -> Path:
-    """The peft adapter directory of a saved calibration result (``adapter/``) or of an adapter.
-
-    Raises:
-        FileNotFoundError: ``path`` is neither.
+    """The peft adapter directory of a saved calibration result (``adapter/``) or of an adapter;
+    ``FileNotFoundError`` for anything else.
 
     Example:
         >>> import tempfile
-        >>> d = Path(tempfile.mkdtemp()); (d / "adapter").mkdir()
-        >>> _ = (d / "adapter" / "adapter_config.json").write_text("{}")
-        >>> adapter_directory(d) == d / "adapter"
-        True
+        >>> adapter_directory(tempfile.mkdtemp())  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        FileNotFoundError: ...
     """
     src = Path(path)
     for candidate in (src, src / "adapter"):
@@ -48,10 +42,8 @@ def saved_base(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Example:
         >>> import tempfile
-        >>> d = Path(tempfile.mkdtemp()); (d / "adapter").mkdir()
-        >>> _ = (d / BASE_MODEL_FILE).write_text('{"model": "smollm2-135m-instruct"}')
-        >>> saved_base(d / "adapter")["model"]
-        'smollm2-135m-instruct'
+        >>> saved_base(tempfile.mkdtemp())
+        {}
     """
     src = Path(path)
     for candidate in (src, src.parent):
@@ -62,9 +54,6 @@ def saved_base(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def load_adapter(base_model: Any, path: str | os.PathLike[str]) -> Any:
     """Put the adapter saved at ``path`` (:func:`adapter_directory`) on ``base_model`` (eval mode).
-
-    Raises:
-        FileNotFoundError: no adapter at ``path``.
 
     Example:
         >>> import tempfile
@@ -108,12 +97,8 @@ def merge_adapter(model: Any) -> Any:
 def export_merged(
     base_model: Any, tokenizer: Any, adapter: str | os.PathLike[str], out: str | os.PathLike[str]
 ) -> Path:
-    """Merge the adapter into ``base_model`` (in place) and save a standalone model to ``out``.
-
-    Writes safetensors weights, config, tokenizer and ``llm_calib_export.json`` naming the adapter.
-
-    Raises:
-        FileNotFoundError: no adapter at ``adapter``.
+    """Merge the adapter into ``base_model`` (in place) and save a standalone model to ``out``
+    (safetensors, tokenizer, and ``llm_calib_export.json`` naming the adapter).
 
     Example:
         >>> import tempfile
@@ -121,9 +106,10 @@ def export_merged(
         >>> from llm_calib.calm.lora import attach_lora
         >>> from llm_calib.calm.config import LoraSettings
         >>> d, out = tempfile.mkdtemp(), tempfile.mkdtemp()
-        >>> attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True).save_pretrained(d)
+        >>> lora = attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True)
+        >>> lora.save_pretrained(d)
         >>> model, tok = tiny_random_model()
-        >>> sorted(p.name for p in export_merged(model, tok, d, out).glob("*.safetensors"))
+        >>> [p.name for p in export_merged(model, tok, d, out).glob("*.safetensors")]
         ['model.safetensors']
     """
     src = adapter_directory(adapter)

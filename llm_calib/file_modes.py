@@ -15,14 +15,14 @@ def _umask() -> int:
 
 
 def ordinary_modes(path: str | os.PathLike[str]) -> Path:
-    """Give ``path`` (a file, or a directory with everything below it) the modes ``open``/``mkdir``
-    would: ``0o666``/``0o777`` minus the umask. ``mkstemp``/``mkdtemp`` and safetensors write
-    ``0600``/``0700``; every file llm_calib writes goes through this. Symbolic links are left alone.
+    """Give ``path`` (a file, or a directory and everything below it but links) the modes
+    ``open``/``mkdir`` would, ``0o666``/``0o777`` minus the umask; ``mkstemp`` and safetensors
+    write ``0600``. Every file llm_calib writes goes through this.
 
     Example:
         >>> import pathlib, stat, tempfile
-        >>> f = pathlib.Path(tempfile.mkstemp()[1])
-        >>> stat.S_IMODE(ordinary_modes(f).stat().st_mode) == 0o666 & ~_umask()
+        >>> f = ordinary_modes(tempfile.mkstemp()[1])
+        >>> stat.S_IMODE(f.stat().st_mode) == 0o666 & ~_umask()
         True
     """
     path = Path(path)

@@ -75,12 +75,9 @@ def parse_csv(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
 def parse_json_pairs(text: str) -> tuple[tuple[Any, ...], ...]:
     """A JSON list of lists as a tuple of tuples (``--open-examples '[["2 + 2?", "4"]]'``).
 
-    Raises:
-        argparse.ArgumentTypeError: not JSON, or not a list of lists.
-
     Example:
-        >>> parse_json_pairs('[["2 + 2?", "4"], ["Capital of Italy?", "Rome"]]')
-        (('2 + 2?', '4'), ('Capital of Italy?', 'Rome'))
+        >>> parse_json_pairs('[["2 + 2?", "4"]]')
+        (('2 + 2?', '4'),)
     """
     import json
 

@@ -69,10 +69,8 @@ def default_cache_dir(alias: str) -> Path:
 
 
 def resolve_gguf(alias: str) -> Path:
-    """Locate the GGUF file of a built-in alias without importing its package.
-
-    Raises ``KeyError`` for an unknown alias, ``FileNotFoundError`` (naming the install command)
-    when the package is missing.
+    """Locate the GGUF file of a built-in alias (without importing its package); a missing
+    package gives a ``FileNotFoundError`` naming the install command.
 
     Example:
         >>> resolve_gguf("smollm2-135m-instruct").name
@@ -185,11 +183,9 @@ others score one sequence per option (:func:`llm_calib.engine.packing.accepts_pa
 class ModelLoadConfig:
     """How :func:`load` materialises a model: precision, quantisation, attention, placement.
 
-    ``dtype`` is one of :data:`DTYPES`; ``load_in_4bit`` (NF4, QLoRA) and ``load_in_8bit`` need
-    bitsandbytes (the ``quant`` extra) and compute in bfloat16 for ``"auto"``/``"float32"``;
-    ``attn_implementation`` is one of :data:`ATTN_IMPLEMENTATIONS` or None; ``device_map`` loads the
-    weights straight onto a device (quantised models always use one). λ, LoRA and optimiser state
-    stay float32.
+    ``load_in_4bit`` (NF4, QLoRA) and ``load_in_8bit`` need bitsandbytes (the ``quant`` extra) and
+    compute in bfloat16 for ``"auto"``/``"float32"``; ``device_map`` loads the weights straight onto
+    a device (quantised models always use one).
 
     Example:
         >>> ModelLoadConfig(dtype="half")
@@ -429,13 +425,9 @@ def load(
 
     ``name_or_path`` is a built-in alias, a local directory or ``.gguf`` file, or a hub name;
     ``cache_dir`` is an alias's converted copy or the hub cache; ``dtype``, ``trust_remote_code``
-    and ``**options`` override fields of ``config`` (:class:`ModelLoadConfig`).
-
-    Raises:
-        FileNotFoundError: a missing alias package or local path.
-        ImportError: 4/8-bit loading without bitsandbytes.
-        ValueError: an invalid option, or a name close to an alias (suggests it).
-        OSError: a hub name that cannot be resolved (at once when offline and not cached).
+    and ``**options`` override fields of ``config`` (:class:`ModelLoadConfig`). Errors name the
+    path, option or install command; a name close to an alias gets a suggestion, and an uncached
+    hub name fails at once when the hub is unreachable.
 
     Example:
         >>> import tempfile
@@ -551,10 +543,8 @@ def tiny_random_model(
     seed: int = 0, *, hidden_size: int = 32, num_layers: int = 2, init_std: float = 0.2,
     chat_template: bool = True,
 ) -> tuple[Any, Any]:
-    """A tiny random Llama model with a byte-level BPE tokenizer built in code (no download).
-
-    For tests: ``" A"`` ... ``" J"`` are single tokens, ``<|im_end|>`` is EOS and
-    ``<|endoftext|>`` padding; a larger ``init_std`` gives peakier predictions.
+    """A tiny random Llama model and byte-level BPE tokenizer built in code, for tests: ``" A"``
+    ... ``" J"`` are single tokens, ``<|im_end|>`` is EOS and ``<|endoftext|>`` padding.
 
     Example:
         >>> model, tok = tiny_random_model()

@@ -1,14 +1,11 @@
 """Evaluation data: record types, loaders for the real data formats, a built-in generated set.
 
-Every loader returns a :class:`LoadResult` of :class:`MultipleChoice` or :class:`OpenQA` records;
-with ``on_error="raise"`` a bad row raises :class:`DataError` naming file, line and field
-(``"skip"`` counts it). :func:`load` takes one spec string (:mod:`llm_calib.data.spec`).
+Every loader returns a :class:`LoadResult`; a bad row raises (or, with ``on_error="skip"``,
+counts as) a :class:`DataError` naming file, line and field.
 
 Example:
-    >>> from llm_calib.data import load
-    >>> res = load("builtin:arithmetic:n=8")
-    >>> len(res), res.records[0].domain
-    (8, 'arithmetic')
+    >>> len(load("builtin:arithmetic:n=8"))
+    8
 """
 
 from llm_calib.data._io import repair_utf8

@@ -35,14 +35,14 @@ class DataError(ValueError):
 
 
 class ErrorLog:
-    """Applies an :data:`OnError` policy: re-raises, or counts skipped rows and keeps up to
-    ``max_errors`` messages.
+    """Applies an :data:`OnError` policy: re-raises, or counts skipped rows (keeping up to
+    ``max_errors`` messages).
 
     Example:
         >>> log = ErrorLog("skip")
         >>> log.add(DataError("f.csv", 2, "answer", "missing answer"))
-        >>> log.skipped, log.errors
-        (1, ['f.csv:2: answer: missing answer'])
+        >>> log.skipped
+        1
     """
 
     def __init__(self, on_error: OnError = "raise", max_errors: int = MAX_ERRORS) -> None:
