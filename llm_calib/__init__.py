@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 _LLM_EXTRA = {"transformers": "transformers", "peft": "peft", "gguf": "gguf", "tqdm": "tqdm",
              "matplotlib": "matplotlib", "safetensors": "safetensors", "yaml": "pyyaml"}
-"""Import name -> distribution of what ``llm_calib`` needs beyond ``hypergrad`` (torch, numpy):
-the ``llm`` extra of ``pyproject.toml``."""
+"""Import name -> distribution of the ``llm`` extra (what ``llm_calib`` needs beyond hypergrad)."""
 
 
 def _require_llm_extra() -> None:

@@ -175,8 +175,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 """Values of ``--dtype`` (``"auto"``: the checkpoint's; Python also takes ``"float64"``)."""
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-"""Attention implementations one can name; only ``eager`` and ``sdpa`` take packed 4-D masks,
-others score one sequence per option (:func:`llm_calib.engine.packing.accepts_packed_masks`)."""
+"""Attention implementations one can name (only ``eager`` and ``sdpa`` take packed masks)."""
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,9 @@ import torch.nn.functional as F
 __all__ = ["T_MAX", "T_MIN", "apply_temperature", "fit_temperature", "temperature_nll"]
 
 T_MIN = 1e-3
-"""Smallest temperature :func:`fit_temperature` returns (the optimum can run off to 0 when every
-validation answer is right)."""
-
+"""Smallest fitted temperature (the optimum runs off to 0 when every answer is right)."""
 T_MAX = 1e3
-"""Largest temperature :func:`fit_temperature` returns (the optimum is infinite when the scores
-are anti-correlated with correctness)."""
+"""Largest fitted temperature (the optimum is infinite for anti-correlated scores)."""
 
 
 def _row_tensor(x: Any) -> torch.Tensor:

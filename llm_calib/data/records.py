@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 __all__ = ["RECORD_KINDS", "MultipleChoice", "OpenQA"]
 
 RECORD_KINDS = ("multiple_choice", "open")
-"""The two kinds of record: :class:`MultipleChoice` and :class:`OpenQA` (the ``family`` of a task
-format, :func:`llm_calib.formats.base.records_family`)."""
+"""The two kinds of record (:func:`llm_calib.formats.base.records_family`)."""
 
 
 @dataclass(frozen=True)
