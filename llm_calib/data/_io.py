@@ -1,7 +1,4 @@
-"""Reading text files line by line with exact 1-based line numbers and strict UTF-8 decoding.
-
-Lines split on ``\\n`` only (a trailing ``\\r`` is dropped): a stray NEL or form feed stays text.
-"""
+"""Reading text files line by line (split on ``\\n`` only) with strict UTF-8 decoding."""
 
 from __future__ import annotations
 
@@ -40,7 +37,7 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
 
 
 def decode_line(raw: bytes, source: str | Path, line: int, *, repair: bool = False) -> str:
-    r"""Decode one line as UTF-8 (``repair``: with :func:`repair_utf8`), else a ``DataError``.
+    r"""Decode one line as UTF-8 (``repair``: with :func:`repair_utf8`), else a DataError.
 
     Example:
         >>> decode_line(b"Caf\xe9", "f.txt", 3)

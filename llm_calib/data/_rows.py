@@ -20,14 +20,7 @@ __all__ = [
 
 
 def require_text(value: Any, source: str, line: int, field: str) -> str:
-    """``value`` stripped, or a DataError if it is missing, not a string, or blank.
-
-    Example:
-        >>> require_text("", "f.jsonl", 2, "question")
-        Traceback (most recent call last):
-        ...
-        llm_calib.data.errors.DataError: f.jsonl:2: question: empty question
-    """
+    """``value`` stripped, or a DataError if it is missing, not a string, or blank."""
     if value is None:
         raise DataError(source, line, field, f"missing {field}")
     if not isinstance(value, str):
@@ -40,14 +33,7 @@ def require_text(value: Any, source: str, line: int, field: str) -> str:
 
 
 def parse_json_line(text: str, source: str, line: int) -> dict[str, Any]:
-    """Parse one JSONL line into an object, or raise a DataError (field ``json``).
-
-    Example:
-        >>> parse_json_line('{"a": ', "f.jsonl", 5)
-        Traceback (most recent call last):
-        ...
-        llm_calib.data.errors.DataError: f.jsonl:5: json: invalid JSON (Expecting value at column 7)
-    """
+    """Parse one JSONL line into an object, or raise a DataError (field ``json``)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -65,13 +51,7 @@ def labelled_choice(
     question_field: str = "question", choices_field: str = "choices",
     answer_field: str = "answerKey",
 ) -> MultipleChoice:
-    """A MultipleChoice from labelled options (``A``/``B``/... or ``1``/``2``/...), or a DataError.
-
-    Example:
-        >>> labelled_choice("Sun?", ["1", "2"], ["star", "planet"], "1",
-        ...                 source="f", line=1, domain="d", id="q").gold
-        0
-    """
+    """A MultipleChoice from labelled options (``A``/``B`` or ``1``/``2``...), or a DataError."""
     q = require_text(question, source, line, question_field)
     if len(labels) != len(texts):
         raise DataError(source, line, choices_field, "labels and texts differ in length")
@@ -104,12 +84,7 @@ def str_meta(values: Mapping[str, Any]) -> dict[str, str]:
 
 
 def domain_from_name(name: str | Path) -> str:
-    """A domain label from a name: lower case, runs of other characters become ``_``.
-
-    Example:
-        >>> domain_from_name("ARC-Challenge")
-        'arc_challenge'
-    """
+    """A domain label from a name: lower case, runs of other characters become ``_``."""
     return re.sub(r"[^0-9a-z]+", "_", str(name).lower()).strip("_") or "data"
 
 

@@ -1,5 +1,5 @@
-"""AI2-style multiple-choice JSONL (ARC, OpenBookQA, CommonsenseQA, QASC): one object per line,
-``{"id", "question": {"stem", "choices": [{"label", "text"}, ...]}, "answerKey"}``.
+"""AI2-style multiple-choice JSONL (ARC, OpenBookQA, CommonsenseQA, QASC):
+``{"id", "question": {"stem", "choices": [{"label", "text"}, ...]}, "answerKey"}`` per line.
 """
 
 from __future__ import annotations

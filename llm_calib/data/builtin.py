@@ -1,9 +1,5 @@
-"""Built-in, procedurally generated questions for offline tests and demos.
-
-Multiple choice over five domains (:data:`BUILTIN_DOMAINS`, four options each) and open questions
-with one reference answer (:func:`builtin_open_questions`). Generation is deterministic per
-domain and seed, and the gold position is balanced; the domains are described in
-:doc:`/tutorials/evaluate_llm`.
+"""Built-in, procedurally generated questions for offline tests and demos: multiple choice over
+:data:`BUILTIN_DOMAINS` (described in :doc:`/tutorials/evaluate_llm`) and open questions.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Hugging Face hub datasets by name (needs the optional ``datasets`` package), mapped onto the
-same records as the local loaders: :data:`HUB_DATASETS` have a dedicated mapping, any other name
-is read with the generic JSONL schemas (:mod:`llm_calib.data.jsonl`).
+"""Hugging Face hub datasets (the optional ``datasets`` package) mapped onto the local loaders'
+records: :data:`HUB_DATASETS` by a dedicated mapping, other names by :mod:`llm_calib.data.jsonl`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The generic JSONL schemas, for your own data sets (one object per line).
 
-Multiple choice: ``{"question", "options": [str, ...], "answer"}``, ``answer`` a 0-based index,
-an option's exact text or a letter (texts are matched first). Open QA: ``{"question",
-"answers": [str, ...] or str}``. Both take optional ``domain`` (default: the file stem), ``id``
-(default ``<domain>-<line>``) and ``meta``. A file holds one kind (by default the first row's).
+Multiple choice: ``{"question", "options": [str, ...], "answer"}`` (an index, an option's text
+or a letter); open QA: ``{"question", "answers": [str, ...] or str}``; both with optional
+``domain``, ``id`` and ``meta``.
 """
 
 from __future__ import annotations

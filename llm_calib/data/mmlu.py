@@ -1,6 +1,4 @@
-"""MMLU CSV files ``<subject>_<split>.csv`` (rows ``question,A,B,C,D,answer_letter``, no header);
-records get the domain ``mmlu_<group>`` (:data:`MMLU_GROUPS`; ``mmlu`` for other subjects).
-"""
+"""MMLU CSV files ``<subject>_<split>.csv``: rows ``question,A,B,C,D,answer_letter``, no header."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""OpenTriviaQA category files: blocks of a ``#Q`` question, a ``^`` line with the answer's text,
-and options ``A``, ``B``, ...; domain ``opentriviaqa_<category>``. How the loader handles the
-real files' quirks: :doc:`/tutorials/evaluate_llm` (section "Data specs").
+"""OpenTriviaQA category files: blocks of a ``#Q`` question, a ``^`` answer line and options
+``A``, ``B``, ...; the real files' quirks are in :doc:`/tutorials/evaluate_llm` ("Data specs").
 """
 
 from __future__ import annotations

@@ -12,11 +12,8 @@ RECORD_KINDS = ("multiple_choice", "open")
 
 @dataclass(frozen=True)
 class MultipleChoice:
-    """One multiple-choice question: ``options`` (at least 2) and the ``gold`` index.
-
-    ``domain`` groups results, ``id`` is unique within its source, ``meta`` holds free-form fields;
-    ``prompt`` and ``continuations`` (e.g. lm-eval's context and ``" Paris"``) are used verbatim
-    instead of being built.
+    """One multiple-choice question: ``options`` (at least 2) and the ``gold`` index; ``prompt`` and
+    ``continuations`` (e.g. lm-eval's context and ``" Paris"``), when given, are used verbatim.
 
     Example:
         >>> q = MultipleChoice("2 + 2 = ?", ("3", "4"), 1, "arithmetic", "add-0")
@@ -54,9 +51,8 @@ class MultipleChoice:
 
 @dataclass(frozen=True)
 class OpenQA:
-    """One open-ended question with its accepted ``answers`` (none when ``answerable`` is False).
-
-    ``prompt`` is used verbatim instead of being built; ``until`` keeps the source's stop sequences.
+    """One open-ended question with its accepted ``answers`` (none when ``answerable`` is False);
+    ``prompt`` is used verbatim when given, ``until`` keeps the source's stop sequences.
 
     Example:
         >>> OpenQA("What happens after death?", (), "selfaware", "q1", answerable=False).answers

@@ -1,6 +1,4 @@
-"""SelfAware (Yin et al. 2023): one JSON document ``{"example": [{question, answer, answerable,
-source}, ...]}``; unanswerable questions load with ``answerable=False`` and no answers.
-"""
+"""SelfAware (Yin et al. 2023): ``{"example": [{question, answer, answerable, source}, ...]}``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``load(spec)``: one string names a data set, its location and an option.
-
-Grammar: ``SPEC := LOADER [":" TARGET [":" OPTION]]``, ``LOADER`` one of :data:`LOADERS`,
-``TARGET`` a path, a hub name (``hf``) or domain names (``builtin``). Every loader's targets and
-options, with examples: :doc:`/tutorials/evaluate_llm` (section "Data specs").
+"""``load(spec)``: ``LOADER[:TARGET[:OPTION]]`` names a data set, its location and an option;
+every loader's targets and options are in :doc:`/tutorials/evaluate_llm` ("Data specs").
 """
 
 from __future__ import annotations
