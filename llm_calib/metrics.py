@@ -6,7 +6,7 @@ labels, or confidences and 0/1 correctness. Binning and bootstrap conventions:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -457,9 +457,7 @@ def bootstrap_ci(
     return _difference_interval(float(metric(*data)), values, alpha)
 
 
-_CI_METRICS: Mapping[
-    str, Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int], float]
-] = {
+_CI_METRICS: dict[str, Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int], float]] = {
     "accuracy": lambda P, y, c, k, b: _accuracy(P, y),
     "ece": lambda P, y, c, k, b: _ece(c, k, b),
     "adaptive_ece": lambda P, y, c, k, b: _adaptive_ece(c, k, b),

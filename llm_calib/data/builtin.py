@@ -169,12 +169,8 @@ def _capitals(rng: random.Random) -> Iterator[_Item]:
             picked = ([decoy] if decoy else []) + _pick(rng, capital, cands[:6], 3 - bool(decoy))
             yield q, capital, picked
         else:
-            q = f"{capital} is the capital of which country?"
-            yield (
-                q,
-                _bare(country),
-                _pick(rng, _bare(country), [_bare(r[0]) for r in near + far][:5]),
-            )
+            q, bare = f"{capital} is the capital of which country?", _bare(country)
+            yield q, bare, _pick(rng, bare, [_bare(r[0]) for r in near + far][:5])
 
 
 def _chemical_symbols(rng: random.Random) -> Iterator[_Item]:
@@ -189,11 +185,8 @@ def _chemical_symbols(rng: random.Random) -> Iterator[_Item]:
             others = rng.sample(symbols, 6)
             cands = list(dict.fromkeys(look_alike + same_letter))
             rng.shuffle(cands)
-            yield (
-                f"What is the chemical symbol for {name}?",
-                symbol,
-                _pick(rng, symbol, cands + others),
-            )
+            q = f"What is the chemical symbol for {name}?"
+            yield q, symbol, _pick(rng, symbol, cands + others)
         else:
             same_letter = [n for n, _ in ELEMENTS if n[0] == symbol[0].lower()]
             others = [n for n, _ in rng.sample(ELEMENTS, 6)]
