@@ -158,10 +158,7 @@ def _block_to_record(b: _Block, source: str, category: str, domain: str) -> Mult
         )
     if not b.answer:
         raise DataError(source, b.answer_line, "^", "missing answer (empty '^' line)")
-    options: list[str] = []
-    for option in b.options:
-        if option and option not in options:
-            options.append(option)
+    options = list(dict.fromkeys(o for o in b.options if o))  # empty and repeated ones dropped
     if b.answer not in options:
         raise DataError(
             source, b.answer_line, "^",

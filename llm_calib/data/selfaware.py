@@ -98,10 +98,8 @@ def _to_record(example: Any, index: int, source: str, line: int) -> OpenQA:
             source, line, f"{prefix}.answerable", f"expected true/false, got {answerable!r}"
         )
     raw_answer = example.get("answer")
-    if answerable:
-        answers = answer_aliases(raw_answer, source, line, f"{prefix}.answer")
-    elif raw_answer in (None, [], ""):
-        answers = ()
+    if not answerable and raw_answer in (None, [], ""):
+        answers: tuple[str, ...] = ()
     else:
         answers = answer_aliases(raw_answer, source, line, f"{prefix}.answer")
     src = example.get("source")
