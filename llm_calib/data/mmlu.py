@@ -183,13 +183,8 @@ def _row_to_record(
         raise DataError(
             source, line, "answer", f"gold label {answer!r} is not among the options A, B, C, D"
         )
-    meta = {
-        "subject": subject,
-        "group": group or "",
-        "split": split or "",
-        "source_file": source,
-        "line": str(line),
-    }
+    meta = {"subject": subject, "group": group or "", "split": split or "", "source_file": source,
+            "line": str(line)}
     rid = f"{Path(source).stem}-{row_number}"
     return MultipleChoice(
         question, tuple(options), _LETTERS.index(answer.upper()), domain, rid, meta

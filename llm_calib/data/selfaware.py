@@ -104,11 +104,8 @@ def _to_record(example: Any, index: int, source: str, line: int) -> OpenQA:
         answers = answer_aliases(raw_answer, source, line, f"{prefix}.answer")
     src = example.get("source")
     qid = example.get("question_id", index + 1)
-    meta = {
-        "source": str(src) if src is not None else "",
-        "answerable": "true" if answerable else "false",
-        "line": str(line),
-    }
+    meta = {"source": str(src) if src is not None else "",
+            "answerable": "true" if answerable else "false", "line": str(line)}
     return OpenQA(question, answers, "selfaware", str(qid), meta, answerable=answerable)
 
 
