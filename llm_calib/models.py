@@ -483,8 +483,8 @@ def split_decoder_head(model: Any) -> tuple[Any, Any]:
     ``decoder(...)`` gives ``last_hidden_state``, ``head(hidden)`` vocabulary logits.
 
     Example:
-        >>> model, _ = tiny_random_model()
-        >>> split_decoder_head(model)[1].out_features == len(_)
+        >>> model, tok = tiny_random_model()
+        >>> split_decoder_head(model)[1].out_features == len(tok)
         True
     """
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
