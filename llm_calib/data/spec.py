@@ -1,5 +1,24 @@
-"""``load(spec)``: ``LOADER[:TARGET[:OPTION]]`` names a data set, its location and an option;
-every loader's targets and options are in :doc:`/tutorials/evaluate_llm` ("Data specs").
+"""``load(spec)``: a string ``LOADER[:TARGET[:OPTION]]`` names a data set, its location and option.
+
+The first ``:`` ends the loader name; for file loaders the rest is all TARGET if it is an
+existing path, else the text after its last ``:`` is the OPTION (comma-separated values or
+``key=value`` pairs). Loaders (:data:`LOADERS`; a table with examples in
+:doc:`/tutorials/evaluate_llm`)::
+
+    arc_easy, arc_challenge, openbookqa,  AI2 .jsonl, its dataset directory or the data root;
+    commonsenseqa, qasc                   OPTION: split (default test; dev: commonsenseqa, qasc)
+    ai2                                   any AI2 .jsonl (domain from the path)
+    mmlu, mmlu_<group>                    csv file or directory, the mmlu directory or the root;
+                                          OPTION: split (dev, val, test) and/or subjects
+    opentriviaqa                          category file or directory; OPTION: categories
+    nq_open, webquestions                 .jsonl, its directory or the root; OPTION: split
+    selfaware                             SelfAware.json or a directory; OPTION: all (default),
+                                          answerable or triviaqa
+    jsonl                                 a generic-schema .jsonl; OPTION: mc, open or auto
+    hf                                    a hub name; OPTION: CONFIG or config=...,split=...
+    builtin                               domains (optional); OPTION: N or n=N,seed=S
+    lm_eval                               task, group or tag (lm-eval extra); OPTION:
+                                          include=DIR, num_fewshot=N, fewshot_seed=S
 """
 
 from __future__ import annotations
