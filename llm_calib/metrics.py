@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -278,12 +278,7 @@ class ReliabilityBins:
 
     def to_dict(self) -> dict[str, list[float]]:
         """The four arrays as lists (JSON friendly; NaN stays NaN)."""
-        return {
-            "edges": self.edges.tolist(),
-            "counts": self.counts.tolist(),
-            "mean_confidence": self.mean_confidence.tolist(),
-            "accuracy": self.accuracy.tolist(),
-        }
+        return {f.name: getattr(self, f.name).tolist() for f in fields(self)}
 
 
 def reliability_bins(
