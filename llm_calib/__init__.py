@@ -1,7 +1,6 @@
 """llm_calib: training-time calibration of causal language models (CALM).
 
-The training entry points are re-exported here (imported lazily, so ``import llm_calib`` stays
-cheap)::
+The training entry points are re-exported here, imported lazily::
 
     import llm_calib
     config = llm_calib.CalibrationConfig(training=llm_calib.TrainingSettings(steps=60))
@@ -19,13 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 _LLM_EXTRA = {"transformers": "transformers", "peft": "peft", "gguf": "gguf", "tqdm": "tqdm",
              "matplotlib": "matplotlib", "safetensors": "safetensors", "yaml": "pyyaml"}
-"""Import name -> distribution of what ``llm_calib`` needs beyond ``hypergrad`` (torch, numpy):
-the ``llm`` extra of ``pyproject.toml``."""
+"""Import name -> distribution of the ``llm`` extra (what ``llm_calib`` needs beyond hypergrad)."""
 
 
 def _require_llm_extra() -> None:
-    """Fail at ``import llm_calib`` with one line naming the extra, not later with a traceback
-    from deep inside a loader; checked without importing anything (``import llm_calib`` stays cheap)."""
+    """Fail at import with one line naming the extra (checked without importing anything)."""
     missing = [dist for name, dist in _LLM_EXTRA.items() if importlib.util.find_spec(name) is None]
     if not missing:
         return
@@ -46,22 +43,18 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "CalibrationConfig": "llm_calib.calm.config",
-    "LoraSettings": "llm_calib.calm.config",
-    "PromptSettings": "llm_calib.calm.config",
-    "SelectionSettings": "llm_calib.calm.config",
-    "TrainingSettings": "llm_calib.calm.config",
-    "Calm": "llm_calib.objectives.calm",
-    "Bome": "llm_calib.objectives.calm",
-    "F2SA": "llm_calib.objectives.calm",
-    "ImplicitSolver": "llm_calib.objectives.calm",
-    "LoraCE": "llm_calib.objectives.lora_ce",
-    "LabelSmoothing": "llm_calib.objectives.label_smoothing",
-    "ConfidencePenalty": "llm_calib.objectives.confidence_penalty",
-    "CalibrationResult": "llm_calib.calm.trainer",
-    "TrainingDiverged": "llm_calib.calm.trainer",
-    "calibrate": "llm_calib.calm.trainer",
+_LAZY = {  # public name -> the module that defines it
+    name: module
+    for module, names in {
+        "llm_calib.calm.config": ("CalibrationConfig", "LoraSettings", "PromptSettings",
+                                  "SelectionSettings", "TrainingSettings"),
+        "llm_calib.objectives.calm": ("Calm", "Bome", "F2SA", "ImplicitSolver"),
+        "llm_calib.objectives.lora_ce": ("LoraCE",),
+        "llm_calib.objectives.label_smoothing": ("LabelSmoothing",),
+        "llm_calib.objectives.confidence_penalty": ("ConfidencePenalty",),
+        "llm_calib.calm.trainer": ("CalibrationResult", "TrainingDiverged", "calibrate"),
+    }.items()
+    for name in names
 }
 
 if TYPE_CHECKING:

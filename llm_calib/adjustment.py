@@ -1,28 +1,10 @@
-r"""Learnable adjustments of the model's predictions (the CALM parameters λ).
+r"""Learnable adjustments of the model's predictions (the CALM parameters λ), all 0 at the identity.
 
-Token level, on the vocabulary logits :math:`z \mapsto \exp(\log a) \odot z + b`:
-
-* ``"vector"``: one ``log_a`` and one ``b`` per vocabulary entry;
-* ``"temperature"``: a single scalar ``log_a`` and no ``b`` (a token temperature
-  :math:`T = 1/a`);
-* ``"answer_tokens"``: per-token ``log_a``/``b`` restricted to a given set of token ids (for
-  example the option letters of the letter scorer); other logits pass through unchanged.
-
-Option level, on the option scores :math:`s_k` of the option-likelihood scorer (the quantity the
-prediction is made from; multiple choice only):
-
-* ``"option_temperature"``: :math:`s_k \mapsto \exp(\log a)\, s_k`, an option temperature
-  :math:`T = 1/a`, the same map as post-hoc temperature scaling;
-* ``"option_length"``: :math:`s_k \mapsto \exp(\log a)\, s_k + c\,\ell_k`, with
-  :math:`\ell_k` the option's length in tokens: summed log-likelihoods fall with every token,
-  so :math:`c` lets the lower level undo a length bias instead of learning it into θ.
-
-A token-level temperature is not an option temperature under summed scores: flattening every
-token's distribution costs each option about its length times the same amount, so the shortest
-option wins (see :doc:`/methods/calm`).
-
-At initialisation every parameter is 0 (``log_a = 0``, ``b = 0``, ``c = 0``), so the adjustment
-is the identity.
+Token level, :math:`z \mapsto \exp(\log a) \odot z + b` on the vocabulary logits: ``"vector"``,
+``"temperature"`` (one scalar, no ``b``), ``"answer_tokens"`` (a given token set). Option level,
+on the option scores: ``"option_temperature"`` (:math:`\exp(\log a)\, s_k`) and
+``"option_length"`` (plus :math:`c\,\ell_k`, :math:`\ell_k` the length in tokens). See
+:doc:`/methods/calm`.
 """
 
 from __future__ import annotations
@@ -38,12 +20,7 @@ __all__ = ["ADJUSTMENT_KINDS", "OPTION_KINDS", "TOKEN_KINDS", "LogitAdjustment"]
 
 @dataclass(frozen=True)
 class _Variant:
-    """What one kind of adjustment is: where it acts, the shapes of its parameters, its map.
-
-    ``sizes(vocab_size, n_tokens)`` gives each parameter's length; ``transform(x, lam, extra)``
-    adjusts logits (token kinds; ``extra`` is the index of the adjusted tokens or None) or option
-    scores (option kinds; ``extra`` is the option lengths).
-    """
+    """Where one kind acts, its parameter sizes ``(vocab_size, n_tokens)`` and its map."""
 
     on_options: bool
     sizes: Callable[[int, int], dict[str, int]]
@@ -86,33 +63,15 @@ ADJUSTMENT_KINDS = TOKEN_KINDS + OPTION_KINDS
 
 @dataclass(frozen=True)
 class LogitAdjustment:
-    """The shape, bounds and application of the logit adjustment λ.
-
-    Each kind is one entry of a table (where it acts, its parameters, its map), so the methods
-    below never branch on the kind.
-
-    Args:
-        kind: one of :data:`ADJUSTMENT_KINDS`.
-        vocab_size: size of the model's vocabulary (the last dimension of the logits).
-        token_ids: the adjusted token ids for ``kind="answer_tokens"``.
-        max_log_scale: bound on ``|log_a|`` (a guard against degenerate solutions).
-        max_bias: bound on ``|b|`` and ``|c|``.
+    """The shape, bounds and application of the logit adjustment λ of one :data:`ADJUSTMENT_KINDS`
+    kind (``token_ids``: the tokens of ``"answer_tokens"``), with ``|log_a| <= max_log_scale`` and
+    ``|b|, |c| <= max_bias``.
 
     Example:
         >>> import torch
-        >>> adj = LogitAdjustment("vector", vocab_size=4)
-        >>> lam = adj.init()
-        >>> z = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
-        >>> torch.equal(adj.apply(z, lam), z)
-        True
-        >>> lam = {"log_a": torch.log(torch.full((4,), 2.0)), "b": torch.ones(4)}
-        >>> adj.apply(z, lam).tolist()
-        [[3.0, 5.0, 7.0, 9.0]]
-        >>> opt = LogitAdjustment("option_length", vocab_size=4)
-        >>> s, length = torch.tensor([[-2.0, -6.0]]), torch.tensor([[1.0, 3.0]])
-        >>> lam = {"log_a": torch.log(torch.tensor([0.5])), "length": torch.tensor([1.0])}
-        >>> opt.apply_options(s, length, lam).tolist()
-        [[0.0, 0.0]]
+        >>> adj = LogitAdjustment("vector", vocab_size=2)
+        >>> adj.apply(torch.tensor([[1.0, 2.0]]), {"log_a": torch.zeros(2), "b": torch.ones(2)})
+        tensor([[2., 3.]])
     """
 
     kind: str = "vector"
@@ -163,12 +122,7 @@ class LogitAdjustment:
                     lam[name].clamp_(-self.max_bias, self.max_bias)
 
     def apply(self, logits: Tensor, lam: dict[str, Tensor]) -> Tensor:
-        """Return the adjusted logits (same shape); differentiable in ``logits`` and ``lam``.
-
-        Raises:
-            ValueError: an option-level kind (use :meth:`apply_options`), or logits whose last
-                dimension is not ``vocab_size``.
-        """
+        """Adjusted logits (same shape); ``ValueError`` for an option kind or a wrong vocabulary size."""
         if self.acts_on_options:
             raise ValueError(f"adjustment {self.kind!r} acts on option scores: use apply_options")
         if logits.shape[-1] != self.vocab_size:
@@ -177,15 +131,8 @@ class LogitAdjustment:
         return self._variant.transform(logits, lam, index)
 
     def apply_options(self, scores: Tensor, lengths: Tensor, lam: dict[str, Tensor]) -> Tensor:
-        """Return adjusted option scores ``(B, K)``; padded options (``-inf``) stay ``-inf``.
-
-        Args:
-            scores: option scores ``(B, K)``, ``-inf`` where a question has fewer options.
-            lengths: option lengths in tokens, same shape.
-            lam: λ from :meth:`init`.
-
-        Raises:
-            ValueError: a token-level kind (use :meth:`apply`) or shapes that differ.
+        """Adjusted option scores ``(B, K)`` given lengths in tokens (``-inf`` padding stays);
+        ``ValueError`` for a token kind or shapes that differ.
         """
         if not self.acts_on_options:
             raise ValueError(f"adjustment {self.kind!r} acts on token logits: use apply")

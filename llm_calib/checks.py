@@ -1,7 +1,4 @@
-"""Validation of configuration values: numbers (numeric strings accepted) and integers.
-
-The config dataclasses (:mod:`llm_calib.calm.config`, :mod:`llm_calib.objectives`) check their
-fields with these in ``__post_init__``; every message names the field by its path in the config
+"""Validation of configuration values; every message names the field by its config path
 (``objective.solver.eta``).
 """
 
@@ -25,21 +22,10 @@ def is_int(value: Any) -> bool:
 
 def check_number(name: str, value: Any, *, minimum: float | None = None, positive: bool = False,
                  below: float | None = None) -> float:
-    """``value`` as a float, checked; numeric strings are accepted because YAML 1.1 reads ``1e-3`` as one.
-
-    Args:
-        name: the field's path, for the message.
-        value: the value to check.
-        minimum: the smallest allowed value (inclusive).
-        positive: the value must be > 0.
-        below: the value must be < this.
-
-    Raises:
-        ValueError: not a number, or out of range (names the field).
+    """``value`` as a checked float (numeric strings accepted: YAML 1.1 reads ``1e-3`` as one);
+    ``minimum`` is inclusive, ``below`` exclusive.
 
     Example:
-        >>> check_number("training.lr", "1e-3", positive=True)
-        0.001
         >>> check_number("objective.beta", -1, minimum=0)
         Traceback (most recent call last):
         ...
@@ -65,14 +51,9 @@ def check_number(name: str, value: Any, *, minimum: float | None = None, positiv
 def check_int(name: str, value: Any, minimum: int | None = None) -> int:
     """``value`` checked to be an int (not a bool), at least ``minimum`` when given.
 
-    Raises:
-        ValueError: not an int, or below ``minimum`` (names the field).
-
     Example:
-        >>> check_int("training.steps", 0, minimum=1)
-        Traceback (most recent call last):
-        ...
-        ValueError: training.steps must be an int >= 1, got 0
+        >>> check_int("training.steps", 3, minimum=1)
+        3
     """
     if not is_int(value) or (minimum is not None and value < minimum):
         raise ValueError(f"{name} must be an int{'' if minimum is None else f' >= {minimum}'}, got {value!r}")

@@ -15,27 +15,14 @@ def _umask() -> int:
 
 
 def ordinary_modes(path: str | os.PathLike[str]) -> Path:
-    """Give ``path`` the permissions an ordinary ``open(path, "w")`` or ``mkdir`` would.
-
-    Files get ``0o666`` and directories ``0o777``, minus the process umask: ``0644`` / ``0755``
-    under the usual umask ``022``. ``tempfile.mkstemp``/``mkdtemp`` create ``0600``/``0700`` and
-    safetensors writes ``0600``; every file llm_calib writes goes through this, so all of them
-    (reports, samples, adapters, λ, checkpoints, merged models) have the same modes. A directory
-    is handled with everything below it (symbolic links are left alone): pass only what was
-    just written.
-
-    Args:
-        path: a file or directory.
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
+    """Give ``path`` (a file, or a directory and everything below it but links) the modes
+    ``open``/``mkdir`` would, ``0o666``/``0o777`` minus the umask; ``mkstemp`` and safetensors
+    write ``0600``. Every file llm_calib writes goes through this.
 
     Example:
         >>> import pathlib, stat, tempfile
-        >>> f = pathlib.Path(tempfile.mkstemp()[1])
-        >>> oct(stat.S_IMODE(f.stat().st_mode))
-        '0o600'
-        >>> stat.S_IMODE(ordinary_modes(f).stat().st_mode) == 0o666 & ~_umask()
+        >>> f = ordinary_modes(tempfile.mkstemp()[1])
+        >>> stat.S_IMODE(f.stat().st_mode) == 0o666 & ~_umask()
         True
     """
     path = Path(path)

@@ -1,8 +1,5 @@
-"""Command-line flags of dataclass fields: an argparse type and metavar per field type hint, and
-help text from docstrings.
-
-``llm-calib calibrate`` builds its :class:`~llm_calib.calm.config.CalibrationConfig` flags with
-:func:`flag_type` and :func:`plain_help`.
+"""Command-line flags of dataclass fields: an argparse type and metavar per type hint
+(:func:`flag_type`), help text from docstrings (:func:`plain_help`).
 """
 
 from __future__ import annotations
@@ -45,10 +42,7 @@ def optional(parse: Callable[[str], T]) -> Callable[[str], T | None]:
 
 
 def parse_bool(text: str) -> bool:
-    """``true/yes/1`` or ``false/no/0`` (any case).
-
-    Raises:
-        argparse.ArgumentTypeError: anything else.
+    """``true/yes/1`` or ``false/no/0`` (any case); else ``argparse.ArgumentTypeError``.
 
     Example:
         >>> parse_bool("Yes"), parse_bool("0")
@@ -79,15 +73,11 @@ def parse_csv(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
 
 
 def parse_json_pairs(text: str) -> tuple[tuple[Any, ...], ...]:
-    """A JSON list of lists as a tuple of tuples (flags of ``tuple[tuple[...], ...]`` fields, e.g.
-    ``--open-examples '[["2 + 2?", "4"]]'``); the field's own validation checks the items.
-
-    Raises:
-        argparse.ArgumentTypeError: not JSON, or not a list of lists.
+    """A JSON list of lists as a tuple of tuples (``--open-examples '[["2 + 2?", "4"]]'``).
 
     Example:
-        >>> parse_json_pairs('[["2 + 2?", "4"], ["Capital of Italy?", "Rome"]]')
-        (('2 + 2?', '4'), ('Capital of Italy?', 'Rome'))
+        >>> parse_json_pairs('[["2 + 2?", "4"]]')
+        (('2 + 2?', '4'),)
     """
     import json
 
@@ -101,19 +91,14 @@ def parse_json_pairs(text: str) -> tuple[tuple[Any, ...], ...]:
 
 
 def flag_type(hint: Any) -> tuple[Callable[[str], Any], str]:
-    """An argparse ``type`` and ``metavar`` for a field's type hint: ``bool``, ``int``, ``float``,
-    ``str``, ``tuple[int | str | None, ...]`` (comma-separated; ``none`` items are None),
-    ``tuple[tuple[...], ...]`` (a JSON list of lists, :func:`parse_json_pairs`), each optionally
-    ``| None`` (then ``null`` gives None).
+    """An argparse ``type`` and ``metavar`` for a type hint: ``bool``, ``int``, ``float``, ``str``,
+    ``tuple[int | str | None, ...]`` (comma-separated), ``tuple[tuple[...], ...]`` (JSON), each
+    optionally ``| None`` (``null`` gives None).
 
     Example:
         >>> parse, metavar = flag_type(int | None)
         >>> parse("3"), parse("null"), metavar
         (3, None, 'INT|null')
-        >>> flag_type(tuple[int, ...])[0]("1,2")
-        (1, 2)
-        >>> flag_type(tuple[tuple[str, str], ...])[1]
-        'JSON'
     """
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     is_optional = type(None) in typing.get_args(hint)

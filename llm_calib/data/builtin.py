@@ -1,24 +1,5 @@
-"""Built-in, procedurally generated questions for offline tests and demos: multiple choice, and
-open questions with one reference answer (:func:`builtin_open_questions`).
-
-Multiple choice: five clearly different domains (:data:`BUILTIN_DOMAINS`), four options per question:
-
-* ``arithmetic``: ``What is 47 + 38?`` (addition, subtraction, multiplication); distractors are
-  near misses (off by 1, 2, 10 or one operand).
-* ``unit_conversion``: ``How many metres are in 7 kilometres?``; distractors use a wrong factor
-  (ten times too big or small, or another common conversion factor).
-* ``calendar``: weekday and month arithmetic (``If today is Monday, what day of the week will it
-  be in 10 days?``); distractors are the neighbouring days or months.
-* ``capitals``: country capitals, both directions, over a typed table of 56 countries; distractors
-  come from the same continent, plus the well-known wrong answer where there is one (Sydney for
-  Australia).
-* ``chemical_symbols``: element symbols, both directions, over a typed table of 50 elements;
-  distractors are look-alike symbols and names.
-
-Generation is deterministic: each domain draws from its own ``random.Random`` seeded by the
-domain name and ``seed``, so a domain's questions do not depend on which other domains are
-asked for. Questions are unique within a domain, and the gold position is balanced: every run of
-four consecutive questions of a domain puts the gold answer once at each position.
+"""Built-in, procedurally generated questions for offline tests and demos: multiple choice over
+:data:`BUILTIN_DOMAINS` (described in :doc:`/tutorials/evaluate_llm`) and open questions.
 """
 
 from __future__ import annotations
@@ -31,76 +12,48 @@ from llm_calib.data.records import MultipleChoice, OpenQA
 __all__ = ["BUILTIN_DOMAINS", "BUILTIN_OPEN_DOMAINS", "CAPITALS", "ELEMENTS", "builtin_multiple_choice", "builtin_open_questions"]
 
 BUILTIN_DOMAINS: tuple[str, ...] = (
-    "arithmetic",
-    "unit_conversion",
-    "calendar",
-    "capitals",
-    "chemical_symbols",
+    "arithmetic", "unit_conversion", "calendar", "capitals", "chemical_symbols"
 )
 """The domains of :func:`builtin_multiple_choice`, in output order."""
 
-# (country, capital, continent, a well-known wrong answer or "")
 CAPITALS: tuple[tuple[str, str, str, str], ...] = (
-    ("France", "Paris", "Europe", "Lyon"),
-    ("Germany", "Berlin", "Europe", "Munich"),
-    ("Italy", "Rome", "Europe", "Milan"),
-    ("Spain", "Madrid", "Europe", "Barcelona"),
+    ("France", "Paris", "Europe", "Lyon"), ("Germany", "Berlin", "Europe", "Munich"),
+    ("Italy", "Rome", "Europe", "Milan"), ("Spain", "Madrid", "Europe", "Barcelona"),
     ("Portugal", "Lisbon", "Europe", "Porto"),
     ("the Netherlands", "Amsterdam", "Europe", "Rotterdam"),
-    ("Belgium", "Brussels", "Europe", "Antwerp"),
-    ("Austria", "Vienna", "Europe", "Salzburg"),
-    ("Switzerland", "Bern", "Europe", "Zurich"),
-    ("Sweden", "Stockholm", "Europe", "Gothenburg"),
-    ("Norway", "Oslo", "Europe", "Bergen"),
-    ("Denmark", "Copenhagen", "Europe", "Aarhus"),
-    ("Finland", "Helsinki", "Europe", "Tampere"),
-    ("Poland", "Warsaw", "Europe", "Krakow"),
-    ("Greece", "Athens", "Europe", "Thessaloniki"),
-    ("Hungary", "Budapest", "Europe", "Debrecen"),
-    ("Ireland", "Dublin", "Europe", "Cork"),
-    ("the Czech Republic", "Prague", "Europe", "Brno"),
-    ("Romania", "Bucharest", "Europe", "Cluj-Napoca"),
-    ("Ukraine", "Kyiv", "Europe", "Odesa"),
-    ("Japan", "Tokyo", "Asia", "Osaka"),
-    ("China", "Beijing", "Asia", "Shanghai"),
-    ("India", "New Delhi", "Asia", "Mumbai"),
-    ("South Korea", "Seoul", "Asia", "Busan"),
-    ("Thailand", "Bangkok", "Asia", "Chiang Mai"),
-    ("Vietnam", "Hanoi", "Asia", "Ho Chi Minh City"),
+    ("Belgium", "Brussels", "Europe", "Antwerp"), ("Austria", "Vienna", "Europe", "Salzburg"),
+    ("Switzerland", "Bern", "Europe", "Zurich"), ("Sweden", "Stockholm", "Europe", "Gothenburg"),
+    ("Norway", "Oslo", "Europe", "Bergen"), ("Denmark", "Copenhagen", "Europe", "Aarhus"),
+    ("Finland", "Helsinki", "Europe", "Tampere"), ("Poland", "Warsaw", "Europe", "Krakow"),
+    ("Greece", "Athens", "Europe", "Thessaloniki"), ("Hungary", "Budapest", "Europe", "Debrecen"),
+    ("Ireland", "Dublin", "Europe", "Cork"), ("the Czech Republic", "Prague", "Europe", "Brno"),
+    ("Romania", "Bucharest", "Europe", "Cluj-Napoca"), ("Ukraine", "Kyiv", "Europe", "Odesa"),
+    ("Japan", "Tokyo", "Asia", "Osaka"), ("China", "Beijing", "Asia", "Shanghai"),
+    ("India", "New Delhi", "Asia", "Mumbai"), ("South Korea", "Seoul", "Asia", "Busan"),
+    ("Thailand", "Bangkok", "Asia", "Chiang Mai"), ("Vietnam", "Hanoi", "Asia", "Ho Chi Minh City"),
     ("Indonesia", "Jakarta", "Asia", "Surabaya"),
     ("the Philippines", "Manila", "Asia", "Cebu City"),
-    ("Pakistan", "Islamabad", "Asia", "Karachi"),
-    ("Iran", "Tehran", "Asia", "Isfahan"),
-    ("Turkey", "Ankara", "Asia", "Istanbul"),
-    ("Saudi Arabia", "Riyadh", "Asia", "Jeddah"),
-    ("Malaysia", "Kuala Lumpur", "Asia", "Penang"),
-    ("Nepal", "Kathmandu", "Asia", "Pokhara"),
-    ("Egypt", "Cairo", "Africa", "Alexandria"),
-    ("Kenya", "Nairobi", "Africa", "Mombasa"),
-    ("Nigeria", "Abuja", "Africa", "Lagos"),
-    ("Ethiopia", "Addis Ababa", "Africa", ""),
-    ("Morocco", "Rabat", "Africa", "Casablanca"),
-    ("Ghana", "Accra", "Africa", "Kumasi"),
-    ("Senegal", "Dakar", "Africa", ""),
-    ("Algeria", "Algiers", "Africa", "Oran"),
-    ("Uganda", "Kampala", "Africa", ""),
-    ("Canada", "Ottawa", "Americas", "Toronto"),
+    ("Pakistan", "Islamabad", "Asia", "Karachi"), ("Iran", "Tehran", "Asia", "Isfahan"),
+    ("Turkey", "Ankara", "Asia", "Istanbul"), ("Saudi Arabia", "Riyadh", "Asia", "Jeddah"),
+    ("Malaysia", "Kuala Lumpur", "Asia", "Penang"), ("Nepal", "Kathmandu", "Asia", "Pokhara"),
+    ("Egypt", "Cairo", "Africa", "Alexandria"), ("Kenya", "Nairobi", "Africa", "Mombasa"),
+    ("Nigeria", "Abuja", "Africa", "Lagos"), ("Ethiopia", "Addis Ababa", "Africa", ""),
+    ("Morocco", "Rabat", "Africa", "Casablanca"), ("Ghana", "Accra", "Africa", "Kumasi"),
+    ("Senegal", "Dakar", "Africa", ""), ("Algeria", "Algiers", "Africa", "Oran"),
+    ("Uganda", "Kampala", "Africa", ""), ("Canada", "Ottawa", "Americas", "Toronto"),
     ("Mexico", "Mexico City", "Americas", "Guadalajara"),
     ("Brazil", "Brasília", "Americas", "Rio de Janeiro"),
     ("Argentina", "Buenos Aires", "Americas", "Córdoba"),
-    ("Chile", "Santiago", "Americas", "Valparaíso"),
-    ("Peru", "Lima", "Americas", "Cusco"),
+    ("Chile", "Santiago", "Americas", "Valparaíso"), ("Peru", "Lima", "Americas", "Cusco"),
     ("Colombia", "Bogotá", "Americas", "Medellín"),
     ("Cuba", "Havana", "Americas", "Santiago de Cuba"),
     ("Venezuela", "Caracas", "Americas", "Maracaibo"),
     ("the United States", "Washington, D.C.", "Americas", "New York City"),
     ("Australia", "Canberra", "Oceania", "Sydney"),
-    ("New Zealand", "Wellington", "Oceania", "Auckland"),
-    ("Fiji", "Suva", "Oceania", "Nadi"),
-)
+    ("New Zealand", "Wellington", "Oceania", "Auckland"), ("Fiji", "Suva", "Oceania", "Nadi"),
+)  # fmt: skip
 """Country capital facts, tuples ``(country, capital, continent, well-known wrong answer or "")``."""
 
-# (name, symbol)
 ELEMENTS: tuple[tuple[str, str], ...] = (
     ("hydrogen", "H"), ("helium", "He"), ("lithium", "Li"), ("beryllium", "Be"),
     ("boron", "B"), ("carbon", "C"), ("nitrogen", "N"), ("oxygen", "O"), ("fluorine", "F"),
@@ -137,7 +90,6 @@ _Item = tuple[str, str, list[str]]
 
 
 def _pick(rng: random.Random, answer: str, candidates: Sequence[str], k: int = 3) -> list[str]:
-    """``k`` distinct candidates different from ``answer``, in candidate order of preference."""
     pool = list(dict.fromkeys(c for c in candidates if c != answer))
     if len(pool) < k:
         raise AssertionError(f"not enough distractors for {answer!r}: {pool}")
@@ -217,12 +169,8 @@ def _capitals(rng: random.Random) -> Iterator[_Item]:
             picked = ([decoy] if decoy else []) + _pick(rng, capital, cands[:6], 3 - bool(decoy))
             yield q, capital, picked
         else:
-            q = f"{capital} is the capital of which country?"
-            yield (
-                q,
-                _bare(country),
-                _pick(rng, _bare(country), [_bare(r[0]) for r in near + far][:5]),
-            )
+            q, bare = f"{capital} is the capital of which country?", _bare(country)
+            yield q, bare, _pick(rng, bare, [_bare(r[0]) for r in near + far][:5])
 
 
 def _chemical_symbols(rng: random.Random) -> Iterator[_Item]:
@@ -237,11 +185,8 @@ def _chemical_symbols(rng: random.Random) -> Iterator[_Item]:
             others = rng.sample(symbols, 6)
             cands = list(dict.fromkeys(look_alike + same_letter))
             rng.shuffle(cands)
-            yield (
-                f"What is the chemical symbol for {name}?",
-                symbol,
-                _pick(rng, symbol, cands + others),
-            )
+            q = f"What is the chemical symbol for {name}?"
+            yield q, symbol, _pick(rng, symbol, cands + others)
         else:
             same_letter = [n for n, _ in ELEMENTS if n[0] == symbol[0].lower()]
             others = [n for n, _ in rng.sample(ELEMENTS, 6)]
@@ -296,29 +241,13 @@ def _domain(domain: str, n: int, seed: int) -> list[MultipleChoice]:
 def builtin_multiple_choice(
     n_per_domain: int = 40, seed: int = 0, domains: Sequence[str] | None = None
 ) -> list[MultipleChoice]:
-    """Generate the built-in multiple-choice set (see the module docstring).
-
-    Args:
-        n_per_domain: questions per domain (at most 100 for ``chemical_symbols`` and 112 for
-            ``capitals``, whose fact tables are finite).
-        seed: the generation seed; the same seed gives identical output.
-        domains: which domains, in this order (default: :data:`BUILTIN_DOMAINS`).
-
-    Returns:
-        ``n_per_domain`` records per domain, domain by domain; ids are ``<domain>-<i>``.
-
-    Raises:
-        ValueError: an unknown domain, a negative ``n_per_domain``, or more questions than a
-            domain can produce.
+    """Generate ``n_per_domain`` records per domain (at most 112 for ``capitals``, 100 for
+    ``chemical_symbols``), domain by domain, ids ``<domain>-<i>``; deterministic per seed.
 
     Example:
         >>> qs = builtin_multiple_choice(4, seed=0, domains=["capitals", "arithmetic"])
-        >>> [q.domain for q in qs][3:5]
-        ['capitals', 'arithmetic']
-        >>> sorted(q.gold for q in qs[:4])
-        [0, 1, 2, 3]
-        >>> qs == builtin_multiple_choice(4, seed=0, domains=["capitals", "arithmetic"])
-        True
+        >>> [q.domain for q in qs][3:5], sorted(q.gold for q in qs[:4])
+        (['capitals', 'arithmetic'], [0, 1, 2, 3])
     """
     if n_per_domain < 0:
         raise ValueError(f"n_per_domain must be >= 0, got {n_per_domain}")
@@ -336,18 +265,8 @@ BUILTIN_OPEN_DOMAINS: tuple[str, ...] = ("sums", "capitals", "elements")
 
 
 def builtin_open_questions(n_per_domain: int = 40, domains: Sequence[str] | None = None) -> list[OpenQA]:
-    """Built-in open questions with one reference answer, for offline tests and demos: ``sums``
-    (``What is 5 plus 7?``, 60 questions), ``capitals`` (56) and ``elements`` (chemical symbols, 50).
-
-    Args:
-        n_per_domain: at most this many questions per domain (the first ones, in a fixed order).
-        domains: which domains, in this order (default: :data:`BUILTIN_OPEN_DOMAINS`).
-
-    Returns:
-        The questions, domain by domain.
-
-    Raises:
-        ValueError: an unknown domain or a negative ``n_per_domain``.
+    """The first ``n_per_domain`` open questions of ``sums`` (60), ``capitals`` (56) and
+    ``elements`` (50).
 
     Example:
         >>> qs = builtin_open_questions(2, domains=["capitals", "sums"])

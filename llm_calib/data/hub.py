@@ -1,25 +1,5 @@
-"""Hugging Face hub datasets by name, mapped onto the same records as the local loaders.
-
-Needs the optional ``datasets`` package and network access (or a populated HF cache); it is
-imported only when :func:`load_hub` runs. :func:`hub_row_to_record` is the pure mapping from one
-row (a dict) to a record, usable without ``datasets``.
-
-Known datasets (:data:`HUB_DATASETS`), with default config and split:
-
-=====================================  ============  ===========  ======================
-name                                   config        split        domain
-=====================================  ============  ===========  ======================
-``cais/mmlu``                          ``all``       test         ``mmlu_<group>``
-``allenai/ai2_arc``                    ``ARC-Easy``  test         arc_easy/arc_challenge
-``allenai/openbookqa``                 ``main``      test         openbookqa
-``tau/commonsense_qa``                 -             validation   commonsenseqa
-``allenai/qasc``                       -             validation   qasc
-``google-research-datasets/nq_open``   -             validation   nq_open
-``stanfordnlp/web_questions``          -             test         webquestions
-=====================================  ============  ===========  ======================
-
-Any other name is read with the generic JSONL schemas (:mod:`llm_calib.data.jsonl`): rows with
-``options`` are multiple choice, rows with ``answers`` open QA.
+"""Hugging Face hub datasets (the optional ``datasets`` package) mapped onto the local loaders'
+records: :data:`HUB_DATASETS` by a dedicated mapping, other names by :mod:`llm_calib.data.jsonl`.
 """
 
 from __future__ import annotations
@@ -45,18 +25,12 @@ _Mapper = Callable[[Mapping[str, Any], str, int, str, str], Record]
 
 @dataclass(frozen=True)
 class HubDataset:
-    """How to read one hub dataset.
-
-    Attributes:
-        name: the hub name.
-        config: default configuration (None if the dataset has none).
-        split: default split.
-        mapper: ``(row, config, index, source, rid_prefix) -> record``.
+    """How to read one hub dataset: default ``config`` and ``split``, and the ``mapper``
+    ``(row, config, index, source, rid_prefix) -> record``.
 
     Example:
-        >>> entry = HUB_DATASETS["cais/mmlu"]
-        >>> entry.config, entry.split
-        ('all', 'test')
+        >>> HUB_DATASETS["cais/mmlu"].split
+        'test'
     """
 
     name: str
@@ -86,10 +60,8 @@ def _labelled(domain_of: Callable[[str], str], question_key: str = "question") -
         rid = row.get("id")
         return labelled_choice(
             row.get(question_key), labels, texts, row.get("answerKey"),
-            source=source, line=line, domain=domain,
-            id=str(rid) if rid else f"{prefix}-{line}",
-            meta={"source_file": source, "line": str(line)},
-            question_field=question_key,
+            source=source, line=line, domain=domain, id=str(rid) if rid else f"{prefix}-{line}",
+            meta={"source_file": source, "line": str(line)}, question_field=question_key,
         )  # fmt: skip
 
     return mapper
@@ -168,8 +140,13 @@ _ALIASES = {
 }  # fmt: skip
 
 
-def _entry(name: str) -> HubDataset | None:
-    return HUB_DATASETS.get(_ALIASES.get(name, name))
+def _resolve(
+    name: str, config: str | None, split: str | None
+) -> tuple[HubDataset | None, str | None, str]:
+    """The dataset's entry, and the config and split with its defaults filled in."""
+    entry = HUB_DATASETS.get(_ALIASES.get(name, name))
+    cfg = config if config is not None else (entry.config if entry else None)
+    return entry, cfg, split if split is not None else (entry.split if entry else "train")
 
 
 def _source(name: str, config: str | None, split: str) -> str:
@@ -177,35 +154,19 @@ def _source(name: str, config: str | None, split: str) -> str:
 
 
 def hub_row_to_record(
-    name: str,
-    row: Mapping[str, Any],
-    *,
-    index: int = 0,
-    config: str | None = None,
+    name: str, row: Mapping[str, Any], *, index: int = 0, config: str | None = None,
     split: str | None = None,
 ) -> MultipleChoice | OpenQA:
-    """Map one row of a hub dataset to a record, as :func:`load_hub` does.
-
-    Args:
-        name: the hub name (or a short alias such as ``ai2_arc``).
-        row: the row, as ``datasets`` yields it.
-        index: 0-based row index (errors report ``index + 1`` as the line).
-        config: the dataset config (default: the dataset's default, see :data:`HUB_DATASETS`).
-        split: the split, for ids and messages.
-
-    Raises:
-        DataError: the row is not a valid record (source ``hf:<name>/<config>[<split>]``).
+    """Map one row of a hub dataset (or short alias, e.g. ``ai2_arc``) to a record, as
+    :func:`load_hub` does; raises ``DataError`` for an invalid row.
 
     Example:
-        >>> row = {"id": "Mercury_1", "question": "Which is a star?",
-        ...        "choices": {"text": ["Sun", "Moon"], "label": ["A", "B"]}, "answerKey": "A"}
-        >>> rec = hub_row_to_record("allenai/ai2_arc", row, config="ARC-Challenge")
-        >>> rec.domain, rec.options, rec.gold
-        ('arc_challenge', ('Sun', 'Moon'), 0)
+        >>> row = {"question": "Which is a star?", "answerKey": "A",
+        ...        "choices": {"text": ["Sun", "Moon"], "label": ["A", "B"]}}
+        >>> hub_row_to_record("allenai/ai2_arc", row, config="ARC-Challenge").domain
+        'arc_challenge'
     """
-    entry = _entry(name)
-    cfg = config if config is not None else (entry.config if entry else None)
-    spl = split if split is not None else (entry.split if entry else "train")
+    entry, cfg, spl = _resolve(name, config, split)
     source = _source(name, cfg, spl)
     if not isinstance(row, Mapping):
         raise DataError(source, index + 1, "row", f"expected a mapping, got {type(row).__name__}")
@@ -215,35 +176,20 @@ def hub_row_to_record(
 
 
 def load_hub(
-    name: str,
-    *,
-    config: str | None = None,
-    split: str | None = None,
-    on_error: OnError = "raise",
+    name: str, *, config: str | None = None, split: str | None = None, on_error: OnError = "raise",
     **load_kwargs: Any,
 ) -> LoadResult[MultipleChoice] | LoadResult[OpenQA]:
-    """Load a hub dataset with ``datasets.load_dataset`` and map its rows to records.
+    """Load a hub dataset with ``datasets.load_dataset`` (``**load_kwargs`` passed on) as records.
 
-    Args:
-        name: hub name, e.g. ``"cais/mmlu"`` (see :data:`HUB_DATASETS`).
-        config: dataset config (default: the dataset's default).
-        split: split (default: the dataset's default evaluation split).
-        on_error: ``"raise"`` a :class:`DataError` at the first bad row, or ``"skip"`` bad rows.
-        **load_kwargs: passed on to ``datasets.load_dataset`` (e.g. ``cache_dir``).
-
-    Raises:
-        ImportError: ``datasets`` is not installed.
-        DataError: a bad row (under ``"raise"``).
+    Raises ``ImportError`` without ``datasets``, ``DataError`` for a bad row under ``"raise"``.
 
     Example:
         >>> import importlib.util
-        >>> if importlib.util.find_spec("datasets") is None:
-        ...     try:
-        ...         load_hub("cais/mmlu")
-        ...     except ImportError as e:
-        ...         print("pip install datasets" in str(e))
-        ... else:
-        ...     print(True)
+        >>> try:
+        ...     ok = importlib.util.find_spec("datasets") is not None or load_hub("cais/mmlu")
+        ... except ImportError as e:
+        ...     ok = "pip install datasets" in str(e)
+        >>> ok
         True
     """
     try:
@@ -254,10 +200,8 @@ def load_hub(
             "(pip install datasets) and internet access or a filled Hugging Face cache; "
             "local copies load without it, e.g. 'arc_easy:path/to/test.jsonl'"
         ) from exc
-    entry = _entry(name)
+    entry, cfg, spl = _resolve(name, config, split)
     hub_name = entry.name if entry else name
-    cfg = config if config is not None else (entry.config if entry else None)
-    spl = split if split is not None else (entry.split if entry else "train")
     dataset = datasets.load_dataset(hub_name, cfg, split=spl, **load_kwargs)
     log = ErrorLog(on_error)
     records: list[Any] = []

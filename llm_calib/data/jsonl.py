@@ -1,21 +1,8 @@
-"""The generic JSONL schemas, for your own data sets.
+"""The generic JSONL schemas, for your own data sets (one object per line).
 
-Multiple choice, one object per line::
-
-    {"question": str, "options": [str, ...], "answer": <int | str>,
-     "domain": str (optional), "id": str (optional), "meta": {str: str} (optional)}
-
-``answer`` is a 0-based option index, the exact text of an option, or an option letter (``"A"``
-for the first option, ...). A string is first matched against option texts, then read as a
-letter, so options that are themselves letters work as expected. At least two non-empty options.
-
-Open QA, one object per line::
-
-    {"question": str, "answers": [str, ...] (or one str), "domain"?, "id"?, "meta"?}
-
-``domain`` defaults to the file name stem and ``id`` to ``<domain>-<line>``. A file holds one
-kind; by default the kind is taken from the first row (``options`` means multiple choice,
-``answers`` open QA).
+Multiple choice: ``{"question", "options": [str, ...], "answer"}`` (an index, an option's text
+or a letter); open QA: ``{"question", "answers": [str, ...] or str}``; both with optional
+``domain``, ``id`` and ``meta``.
 """
 
 from __future__ import annotations
@@ -24,9 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from llm_calib.data._io import decode_line, iter_lines
-from llm_calib.data._rows import domain_from_name, parse_json_line, require_text, str_meta
-from llm_calib.data.errors import DataError, ErrorLog, OnError
+from llm_calib.data._rows import domain_from_name, load_json_lines, require_text, str_meta
+from llm_calib.data.errors import DataError, OnError
 from llm_calib.data.openqa import answer_aliases
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.data.result import LoadResult
@@ -40,28 +26,10 @@ JsonlKind = Literal["auto", "mc", "open"]
 def resolve_answer(answer: Any, options: tuple[str, ...], source: str, line: int) -> int:
     """The 0-based gold index of a generic-schema ``answer`` (index, option text, or letter).
 
-    Args:
-        answer: a 0-based index, an option's exact text, or an option letter.
-        options: the question's options.
-        source: file name, for error messages.
-        line: 1-based line number, for error messages.
-
-    Returns:
-        The index of the gold option.
-
-    Raises:
-        DataError: the answer matches no option (or is an index out of range).
-
     Example:
         >>> opts = ("red", "green", "blue")
-        >>> resolve_answer(2, opts, "f", 1), resolve_answer("green", opts, "f", 1)
-        (2, 1)
-        >>> resolve_answer("A", opts, "f", 1)
-        0
-        >>> resolve_answer("D", opts, "f", 1)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        llm_calib.data.errors.DataError: f:1: answer: gold label 'D' is not among the options ...
+        >>> [resolve_answer(a, opts, "f", 1) for a in (2, "green", "A")]
+        [2, 1, 0]
     """
     if answer is None or (isinstance(answer, str) and not answer.strip()):
         raise DataError(source, line, "answer", "missing answer")
@@ -72,9 +40,7 @@ def resolve_answer(answer: Any, options: tuple[str, ...], source: str, line: int
     if isinstance(answer, int):
         if not 0 <= answer < len(options):
             raise DataError(
-                source,
-                line,
-                "answer",
+                source, line, "answer",
                 f"gold index {answer} is not among the options 0-{len(options) - 1}",
             )
         return answer
@@ -90,9 +56,7 @@ def resolve_answer(answer: Any, options: tuple[str, ...], source: str, line: int
         return ord(text) - ord("A")
     last = chr(ord("A") + len(options) - 1)
     raise DataError(
-        source,
-        line,
-        "answer",
+        source, line, "answer",
         f"gold label {text!r} is not among the options {options} (nor a letter A-{last})",
     )
 
@@ -113,19 +77,7 @@ def _id_and_meta(
 
 
 def mc_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str) -> MultipleChoice:
-    """A multiple-choice record from a generic-schema row (see the module docstring).
-
-    Args:
-        row: the parsed JSON object.
-        source: file name, for error messages.
-        line: 1-based line number, for error messages and the default id.
-        domain: domain used when the row has no ``domain``.
-
-    Returns:
-        The record.
-
-    Raises:
-        DataError: a missing or malformed field (the message names source, line and field).
+    """A multiple-choice record from a generic-schema row (``domain`` if the row has none).
 
     Example:
         >>> mc_from_dict({"question": "2+2?", "options": ["3", "4"], "answer": "4"},
@@ -147,19 +99,7 @@ def mc_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str)
 
 
 def openqa_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str) -> OpenQA:
-    """An open QA record from a generic-schema row (see the module docstring).
-
-    Args:
-        row: the parsed JSON object.
-        source: file name, for error messages.
-        line: 1-based line number, for error messages and the default id.
-        domain: domain used when the row has no ``domain``.
-
-    Returns:
-        The record.
-
-    Raises:
-        DataError: a missing or malformed field.
+    """An open QA record from a generic-schema row (``domain`` if the row has none).
 
     Example:
         >>> openqa_from_dict({"question": "Capital of Peru?", "answers": ["Lima"]},
@@ -173,65 +113,45 @@ def openqa_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: 
 
 
 def load_jsonl(
-    path: str | Path,
-    *,
-    kind: JsonlKind = "auto",
-    domain: str | None = None,
+    path: str | Path, *, kind: JsonlKind = "auto", domain: str | None = None,
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice] | LoadResult[OpenQA]:
-    """Load a JSONL file in the generic multiple-choice or open QA schema.
+    """Load a JSONL file in the generic schema; ``kind`` is ``"mc"``, ``"open"`` or ``"auto"`` (the
+    first row's), ``domain`` defaults to the file stem.
 
-    Args:
-        path: the ``.jsonl`` file.
-        kind: ``"mc"``, ``"open"``, or ``"auto"`` (from the first row that parses).
-        domain: default domain for rows without one (default: the file stem).
-        on_error: ``"raise"`` a :class:`DataError` at the first bad line, or ``"skip"`` bad lines.
-
-    Raises:
-        DataError: invalid UTF-8 or JSON, empty question, fewer than 2 options, a missing answer,
-            an answer that names no option, or a row of the other kind than the file's.
+    Raises ``DataError`` for invalid UTF-8 or JSON, a bad question, options or answer, or a row of
+    the other kind than the file's.
 
     Example:
-        >>> import tempfile, os, json
-        >>> rows = [{"question": "Sky colour?", "options": ["blue", "green"], "answer": "A"},
-        ...         {"question": "Grass colour?", "options": ["blue", "green"], "answer": 1}]
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "colours.jsonl")
-        ...     _ = open(p, "w").write("\\n".join(json.dumps(r) for r in rows))
-        ...     res = load_jsonl(p)
-        >>> [(r.domain, r.gold) for r in res], res.kind
-        ([('colours', 0), ('colours', 1)], 'multiple_choice')
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "colours.jsonl")
+        >>> _ = p.write_text('{"question": "Sky?", "options": ["blue", "green"], "answer": "A"}')
+        >>> [(r.domain, r.gold) for r in load_jsonl(p)]
+        [('colours', 0)]
     """
     if kind not in ("auto", "mc", "open"):
         raise ValueError(f"kind must be 'auto', 'mc' or 'open', got {kind!r}")
     path = Path(path)
     source = str(path)
     dom = domain or domain_from_name(path.stem)
-    log = ErrorLog(on_error)
-    records: list[Any] = []
     file_kind = None if kind == "auto" else kind
-    for line, raw in iter_lines(path):
-        if not raw.strip():
-            continue
-        try:
-            row = parse_json_line(decode_line(raw, source, line), source, line)
-            row_kind = "mc" if "options" in row else "open" if "answers" in row else None
-            if row_kind is None:
-                raise DataError(
-                    source,
-                    line,
-                    "options",
-                    'a row needs "options" (multiple choice) or "answers" (open QA)',
-                )
-            if file_kind is None:
-                file_kind = row_kind
-            elif row_kind != file_kind:
-                want = "options" if file_kind == "mc" else "answers"
-                raise DataError(
-                    source, line, want, f"this file holds {file_kind!r} rows, which need {want!r}"
-                )
-            make = mc_from_dict if file_kind == "mc" else openqa_from_dict
-            records.append(make(row, source=source, line=line, domain=dom))
-        except DataError as err:
-            log.add(err)
-    return LoadResult(records, log.skipped, log.errors, source)
+
+    def record(row: dict[str, Any], line: int) -> MultipleChoice | OpenQA:
+        nonlocal file_kind
+        row_kind = "mc" if "options" in row else "open" if "answers" in row else None
+        if row_kind is None:
+            raise DataError(
+                source, line, "options",
+                'a row needs "options" (multiple choice) or "answers" (open QA)',
+            )
+        if file_kind is None:
+            file_kind = row_kind
+        elif row_kind != file_kind:
+            want = "options" if file_kind == "mc" else "answers"
+            raise DataError(
+                source, line, want, f"this file holds {file_kind!r} rows, which need {want!r}"
+            )
+        make = mc_from_dict if file_kind == "mc" else openqa_from_dict
+        return make(row, source=source, line=line, domain=dom)
+
+    return load_json_lines(path, record, on_error)

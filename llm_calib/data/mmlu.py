@@ -1,11 +1,4 @@
-"""MMLU CSV files: ``<subject>_<split>.csv``, no header, rows ``question,A,B,C,D,answer_letter``.
-
-Subjects are grouped into the four standard MMLU categories (Hendrycks et al., ``categories.py``):
-``stem``, ``humanities``, ``social_sciences`` and ``other`` (business, health, misc.). Records get
-the domain ``mmlu_<group>`` and keep ``subject``, ``group`` and ``split`` in ``meta``. A subject not
-in the standard list gets the domain ``mmlu`` and group ``""``, and is left out whenever groups
-are selected.
-"""
+"""MMLU CSV files ``<subject>_<split>.csv``: rows ``question,A,B,C,D,answer_letter``, no header."""
 
 from __future__ import annotations
 
@@ -18,14 +11,7 @@ from llm_calib.data.errors import DataError, ErrorLog, OnError
 from llm_calib.data.records import MultipleChoice
 from llm_calib.data.result import LoadResult
 
-__all__ = [
-    "MMLU_GROUPS",
-    "MMLU_SPLITS",
-    "MMLU_SUBJECTS",
-    "load_mmlu",
-    "mmlu_group",
-    "mmlu_subject",
-]
+__all__ = ["MMLU_GROUPS", "MMLU_SPLITS", "MMLU_SUBJECTS", "load_mmlu", "mmlu_group", "mmlu_subject"]
 
 MMLU_GROUPS: dict[str, tuple[str, ...]] = {
     "stem": (
@@ -82,8 +68,6 @@ def mmlu_subject(path: str | Path) -> tuple[str, str | None]:
     Example:
         >>> mmlu_subject("data/mmlu/test/high_school_us_history_test.csv")
         ('high_school_us_history', 'test')
-        >>> mmlu_subject("my_subject.csv")
-        ('my_subject', None)
     """
     stem = Path(path).stem
     subject, _, split = stem.rpartition("_")
@@ -101,38 +85,20 @@ def _csv_files(path: Path) -> list[Path]:
 
 
 def load_mmlu(
-    path: str | Path,
-    *,
-    groups: Sequence[str] | None = None,
-    subjects: Sequence[str] | None = None,
+    path: str | Path, *, groups: Sequence[str] | None = None, subjects: Sequence[str] | None = None,
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice]:
-    """Load MMLU CSV files: one file, or every ``*.csv`` of a directory (sorted by name).
+    """Load one MMLU CSV file or every ``*.csv`` of a directory (sorted), filtered by ``groups``
+    and ``subjects``; ids are ``<file stem>-<row>``.
 
-    Args:
-        path: a ``<subject>_<split>.csv`` file or a directory of them (e.g. ``mmlu/test``).
-        groups: keep only subjects of these groups (see :data:`MMLU_GROUPS`).
-        subjects: keep only these subjects.
-        on_error: ``"raise"`` a :class:`DataError` at the first bad row, or ``"skip"`` bad rows.
-
-    Returns:
-        Records with domain ``mmlu_<group>``, id ``<file stem>-<row>`` and ``meta`` holding
-        ``subject``, ``group``, ``split``, ``source_file`` and ``line`` (first line of the row;
-        quoted fields may span lines).
-
-    Raises:
-        DataError: (under ``"raise"``) a row without 6 columns, an empty question or option, a
-            missing answer letter or one outside A-D, invalid UTF-8; also (always) when the
-            selection leaves no file.
-        ValueError: an unknown group.
-        FileNotFoundError: ``path`` does not exist.
+    Raises ``DataError`` for a bad row (under ``"raise"``) or a selection without files,
+    ``ValueError`` for an unknown group, ``FileNotFoundError`` for a missing path.
 
     Example:
-        >>> import tempfile, os
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "astronomy_test.csv")
-        ...     _ = open(p, "w").write('"Closest star?",Sun,Vega,Sirius,Rigel,A\\n')
-        ...     rec = load_mmlu(d).records[0]
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "astronomy_test.csv")
+        >>> _ = p.write_text('"Closest star?",Sun,Vega,Sirius,Rigel,A\\n')
+        >>> rec = load_mmlu(p).records[0]
         >>> rec.domain, rec.gold, rec.meta["subject"]
         ('mmlu_stem', 0, 'astronomy')
     """
@@ -197,20 +163,12 @@ def _load_file(path: Path, log: ErrorLog) -> list[MultipleChoice]:
 
 
 def _row_to_record(
-    row: list[str],
-    source: str,
-    line: int,
-    subject: str,
-    split: str | None,
-    group: str | None,
-    domain: str,
-    row_number: int,
+    row: list[str], source: str, line: int, subject: str, split: str | None, group: str | None,
+    domain: str, row_number: int,
 ) -> MultipleChoice:
     if len(row) != 6:
         raise DataError(
-            source,
-            line,
-            "row",
+            source, line, "row",
             f"expected 6 columns (question, A, B, C, D, answer), got {len(row)}",
         )
     question, *options, answer = (cell.strip() for cell in row)
@@ -225,13 +183,8 @@ def _row_to_record(
         raise DataError(
             source, line, "answer", f"gold label {answer!r} is not among the options A, B, C, D"
         )
-    meta = {
-        "subject": subject,
-        "group": group or "",
-        "split": split or "",
-        "source_file": source,
-        "line": str(line),
-    }
+    meta = {"subject": subject, "group": group or "", "split": split or "", "source_file": source,
+            "line": str(line)}
     rid = f"{Path(source).stem}-{row_number}"
     return MultipleChoice(
         question, tuple(options), _LETTERS.index(answer.upper()), domain, rid, meta

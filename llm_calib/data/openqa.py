@@ -1,7 +1,6 @@
 """Open-domain QA JSONL (NQ-open, WebQuestions): ``{"question": str, "answer": [alias, ...]}``.
 
-NQ-open rows carry only ``question`` and ``answer``; WebQuestions rows add an ``id``; EfficientQA
-rows add prediction lists, which are ignored. A single string answer is accepted as one alias.
+An ``id`` is used when present, other keys are ignored; a single string answer is one alias.
 """
 
 from __future__ import annotations
@@ -12,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from llm_calib.answers import normalize_answer
-from llm_calib.data._io import decode_line, iter_lines
-from llm_calib.data._rows import domain_from_name, parse_json_line, require_text
-from llm_calib.data.errors import DataError, ErrorLog, OnError
+from llm_calib.data._rows import domain_from_name, load_json_lines, require_text
+from llm_calib.data.errors import DataError, OnError
 from llm_calib.data.records import OpenQA
 from llm_calib.data.result import LoadResult
 
@@ -22,19 +20,7 @@ __all__ = ["answer_aliases", "load_nq_open", "load_openqa_jsonl", "load_webquest
 
 
 def answer_aliases(value: Any, source: str, line: int, field: str) -> tuple[str, ...]:
-    """Accepted answers from a list of strings (or one string), stripped; DataError if none.
-
-    Args:
-        value: a list of strings, or one string.
-        source: file name, for error messages.
-        line: 1-based line number, for error messages.
-        field: the field name, for error messages.
-
-    Returns:
-        The stripped, non-empty aliases.
-
-    Raises:
-        DataError: no non-empty string alias.
+    """Accepted answers from a list of strings (or one string), stripped and deduplicated.
 
     Example:
         >>> answer_aliases([" Paris ", "Paris, France"], "f", 1, "answer")
@@ -52,113 +38,65 @@ def answer_aliases(value: Any, source: str, line: int, field: str) -> tuple[str,
 
 
 def load_openqa_jsonl(
-    path: str | Path,
-    *,
-    domain: str | None = None,
-    answer_field: str = "answer",
+    path: str | Path, *, domain: str | None = None, answer_field: str = "answer",
     on_error: OnError = "raise",
 ) -> LoadResult[OpenQA]:
-    """Load a JSONL file of ``{"question", <answer_field>: [aliases]}`` rows as open QA records.
-
-    Args:
-        path: the ``.jsonl`` file.
-        domain: the domain label (default: from the file name).
-        answer_field: the key holding the list of accepted answers.
-        on_error: ``"raise"`` a :class:`DataError` at the first bad line, or ``"skip"`` bad lines.
-
-    Returns:
-        Records with id from the row's ``id`` (else ``<domain>-<line>``) and ``meta`` holding
-        ``source_file`` and ``line``. Repeated aliases are removed.
-
-    Raises:
-        DataError: invalid UTF-8 or JSON, empty ``question``, missing or empty answer list, or an
-            alias that is not a non-empty string.
+    """Load ``{"question", <answer_field>: [aliases]}`` rows as open QA records (ids from ``id``,
+    else ``<domain>-<line>``); raises ``DataError`` for a bad row under ``"raise"``.
 
     Example:
-        >>> import tempfile, os
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "qa.jsonl")
-        ...     row = '{"question": "who wrote hamlet", "answer": ["Shakespeare"]}'
-        ...     _ = open(p, "w").write(row + "\\n")
-        ...     rec = load_openqa_jsonl(p, domain="nq_open").records[0]
-        >>> rec.answers, rec.id
-        (('Shakespeare',), 'nq_open-1')
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "qa.jsonl")
+        >>> _ = p.write_text('{"question": "who wrote hamlet", "answer": ["Shakespeare"]}')
+        >>> load_openqa_jsonl(p, domain="nq_open").records[0].id
+        'nq_open-1'
     """
     path = Path(path)
     source = str(path)
     dom = domain or domain_from_name(path.stem)
-    log = ErrorLog(on_error)
-    records: list[OpenQA] = []
-    for line, raw in iter_lines(path):
-        if not raw.strip():
-            continue
-        try:
-            row = parse_json_line(decode_line(raw, source, line), source, line)
-            question = require_text(row.get("question"), source, line, "question")
-            answers = answer_aliases(row.get(answer_field), source, line, answer_field)
-            rid = row.get("id")
-            records.append(
-                OpenQA(
-                    question,
-                    answers,
-                    dom,
-                    str(rid) if rid is not None else f"{dom}-{line}",
-                    {"source_file": source, "line": str(line)},
-                )
-            )
-        except DataError as err:
-            log.add(err)
-    return LoadResult(records, log.skipped, log.errors, source)
+
+    def record(row: dict[str, Any], line: int) -> OpenQA:
+        question = require_text(row.get("question"), source, line, "question")
+        answers = answer_aliases(row.get(answer_field), source, line, answer_field)
+        rid = row.get("id")
+        meta = {"source_file": source, "line": str(line)}
+        return OpenQA(question, answers, dom, str(rid) if rid is not None else f"{dom}-{line}", meta)
+
+    return load_json_lines(path, record, on_error)
 
 
 def load_nq_open(path: str | Path, *, on_error: OnError = "raise") -> LoadResult[OpenQA]:
-    """Load NQ-open (or EfficientQA) JSONL; domain ``nq_open``. See :func:`load_openqa_jsonl`.
+    """Load NQ-open (or EfficientQA) JSONL with :func:`load_openqa_jsonl`; domain ``nq_open``.
 
     Example:
-        >>> import tempfile, os
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "NQ-open.dev.jsonl")
-        ...     _ = open(p, "w").write('{"question": "q", "answer": ["a", "b"]}\\n')
-        ...     load_nq_open(p).records[0].domain
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "NQ-open.dev.jsonl")
+        >>> _ = p.write_text('{"question": "q", "answer": ["a", "b"]}')
+        >>> load_nq_open(p).records[0].domain
         'nq_open'
     """
     return load_openqa_jsonl(path, domain="nq_open", on_error=on_error)
 
 
 def load_webquestions(path: str | Path, *, on_error: OnError = "raise") -> LoadResult[OpenQA]:
-    """Load WebQuestions JSONL; domain ``webquestions``. See :func:`load_openqa_jsonl`.
+    """Load WebQuestions JSONL with :func:`load_openqa_jsonl`; domain ``webquestions``.
 
     Example:
-        >>> import tempfile, os
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "webq-test.jsonl")
-        ...     _ = open(p, "w").write('{"id": "7", "question": "q", "answer": ["a"]}\\n')
-        ...     r = load_webquestions(p).records[0]
-        >>> r.domain, r.id
-        ('webquestions', '7')
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "webq-test.jsonl")
+        >>> _ = p.write_text('{"id": "7", "question": "q", "answer": ["a"]}')
+        >>> load_webquestions(p).records[0].id
+        '7'
     """
     return load_openqa_jsonl(path, domain="webquestions", on_error=on_error)
 
 
 def one_record_per_alias(records: Sequence[OpenQA]) -> list[OpenQA]:
-    """One record per (question, accepted answer), to train on every alias and not only the first.
+    """One record per (question, accepted answer), to train on every alias.
 
-    Record ``r`` with aliases ``a_0, a_1, ...`` becomes records with ``answers=(a_j,)`` and ids
-    ``f"{r.id}#{j}"`` (``j`` the alias's index in ``r.answers``; the first is ``#0``), in order,
-    with ``meta["source_id"] = r.id``. An alias whose SQuAD-normalised form
-    (:func:`~llm_calib.answers.normalize_answer`) equals an earlier one's is dropped
-    (``"The Beatles"`` after ``"Beatles"``: the scorer counts them as the same answer). Records
-    without answers (unanswerable questions) are kept as they are. Meant for a training split:
-    evaluate on the original records, whose every alias counts as correct.
-
-    Args:
-        records: open questions.
-
-    Returns:
-        The expanded records.
-
-    Raises:
-        TypeError: a record that is not :class:`~llm_calib.data.records.OpenQA`.
+    Alias ``j`` of ``r`` becomes a record with ``answers=(a_j,)``, id ``f"{r.id}#{j}"`` and
+    ``meta["source_id"]``; aliases equal after :func:`~llm_calib.answers.normalize_answer` count
+    once, records without answers stay. For training: evaluate on the original records.
 
     Example:
         >>> q = OpenQA("Who sang Help!?", ("Beatles", "The Beatles", "John Lennon"), "music", "q7")

@@ -1,30 +1,5 @@
-"""OpenTriviaQA category files (uberspot/OpenTriviaQA): blocks of
-
-::
-
-    #Q question text (may continue over several lines, blank lines included)
-    ^ text of the correct answer
-    A first option
-    B second option
-    ...
-
-Quirks of the real files, and what the loader does about them:
-
-* Questions spanning several lines (about 1,300, e.g. song verses; continuation lines may even
-  start with ``A `` or ``I ``): every line up to the ``^`` line belongs to the question; non-blank
-  lines are joined with ``\\n``.
-* Mixed encodings: the files are UTF-8 except a few dozen lines holding Windows-1252 bytes (``é``
-  as ``E9``, curly quotes as ``93``/``94``) or UTF-8 characters whose last byte became ``?``. By
-  default such lines are repaired (:func:`~llm_calib.data.repair_utf8`) and the record gets
-  ``meta["encoding"] = "repaired"``; with ``repair_encoding=False`` they are DataErrors.
-* Windows line ends (CRLF) mixed with LF: both are accepted.
-* Empty options (``A`` with no text, 4 blocks) are dropped, and repeated option texts (24 blocks)
-  are collapsed to their first occurrence; ``meta["dropped_options"]`` counts both.
-
-The gold option is the one whose text equals the ``^`` line (after stripping spaces). A block
-whose ``^`` text matches no option, that has fewer than 2 options left, or no ``^`` line, is a
-:class:`DataError`. Records get the domain ``opentriviaqa_<category>`` (``-`` becomes ``_``) and
-keep ``category`` in ``meta``.
+"""OpenTriviaQA category files: blocks of a ``#Q`` question, a ``^`` answer line and options
+``A``, ``B``, ...; the real files' quirks are in :doc:`/tutorials/evaluate_llm` ("Data specs").
 """
 
 from __future__ import annotations
@@ -84,46 +59,30 @@ def _category_files(path: Path, categories: Sequence[str] | None) -> list[Path]:
     missing = [c for c in categories if c not in available]
     if missing:
         raise DataError(
-            str(path),
-            0,
-            "category",
+            str(path), 0, "category",
             f"unknown categories {missing}; available: {', '.join(sorted(available))}",
         )
     return [available[c] for c in categories]
 
 
 def load_opentriviaqa(
-    path: str | Path,
-    *,
-    categories: Sequence[str] | None = None,
-    repair_encoding: bool = True,
+    path: str | Path, *, categories: Sequence[str] | None = None, repair_encoding: bool = True,
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice]:
-    """Load OpenTriviaQA category files as multiple-choice records (2 or more options).
+    """Load OpenTriviaQA category files (a file, the ``categories`` directory or its parent) as
+    multiple-choice records with ids ``<category>-<line of #Q>``. Lines that are not UTF-8 are
+    repaired unless ``repair_encoding`` is False.
 
-    Args:
-        path: one category file, the ``categories`` directory, or the dataset directory holding it.
-        categories: with a directory, only these category files (default: all, sorted by name).
-        repair_encoding: decode lines that are not valid UTF-8 as described in the module doc;
-            if False, such lines are DataErrors (field ``encoding``).
-        on_error: ``"raise"`` a :class:`DataError` at the first bad block, or ``"skip"`` bad blocks.
-
-    Returns:
-        Records with id ``<category>-<line of #Q>`` and ``meta`` holding ``category``,
-        ``source_file`` and ``line``.
-
-    Raises:
-        DataError: see the module docstring.
-        FileNotFoundError: ``path`` does not exist.
+    Raises ``DataError`` for a bad block (under ``"raise"``), ``FileNotFoundError`` for a missing
+    path.
 
     Example:
-        >>> import tempfile, os
-        >>> text = "#Q Largest ocean?\\n^ Pacific\\nA Atlantic\\nB Pacific\\nC Indian\\n"
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     _ = open(os.path.join(d, "geography"), "w").write(text)
-        ...     rec = load_opentriviaqa(os.path.join(d, "geography")).records[0]
-        >>> rec.options, rec.gold, rec.domain, rec.id
-        (('Atlantic', 'Pacific', 'Indian'), 1, 'opentriviaqa_geography', 'geography-1')
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "geography")
+        >>> _ = p.write_text("#Q Largest ocean?\\n^ Pacific\\nA Atlantic\\nB Pacific\\n")
+        >>> rec = load_opentriviaqa(p).records[0]
+        >>> rec.options, rec.gold, rec.id
+        (('Atlantic', 'Pacific'), 1, 'geography-1')
     """
     path = Path(path)
     log = ErrorLog(on_error)
@@ -199,15 +158,10 @@ def _block_to_record(b: _Block, source: str, category: str, domain: str) -> Mult
         )
     if not b.answer:
         raise DataError(source, b.answer_line, "^", "missing answer (empty '^' line)")
-    options: list[str] = []
-    for option in b.options:
-        if option and option not in options:
-            options.append(option)
+    options = list(dict.fromkeys(o for o in b.options if o))  # empty and repeated ones dropped
     if b.answer not in options:
         raise DataError(
-            source,
-            b.answer_line,
-            "^",
+            source, b.answer_line, "^",
             f"gold label {b.answer!r} is not among the options {options}",
         )
     if len(options) < 2:

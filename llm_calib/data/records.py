@@ -7,26 +7,13 @@ from dataclasses import dataclass, field
 __all__ = ["RECORD_KINDS", "MultipleChoice", "OpenQA"]
 
 RECORD_KINDS = ("multiple_choice", "open")
-"""The two kinds of record: :class:`MultipleChoice` and :class:`OpenQA` (the ``family`` of a task
-format, :func:`llm_calib.formats.base.records_family`)."""
+"""The two kinds of record (:func:`llm_calib.formats.base.records_family`)."""
 
 
 @dataclass(frozen=True)
 class MultipleChoice:
-    """One multiple-choice question.
-
-    Attributes:
-        question: the question text (non-empty).
-        options: answer options (at least 2), in display order.
-        gold: index of the correct option in ``options``.
-        domain: a domain label used to group results (e.g. ``"arc_easy"``, ``"mmlu_stem"``).
-        id: a stable identifier, unique within its source.
-        meta: free-form extra fields (subject, source file, ...).
-        prompt: an already rendered prompt (e.g. lm-eval's context with its few-shot examples),
-            used verbatim by the scorers instead of one built from ``question`` under a
-            :class:`~llm_calib.prompts.PromptFormat`; None (default) builds it.
-        continuations: the already rendered scored continuation of each option (target
-            delimiter included, e.g. ``" Paris"``), used verbatim; None (default) builds them.
+    """One multiple-choice question: ``options`` (at least 2) and the ``gold`` index; ``prompt`` and
+    ``continuations`` (e.g. lm-eval's context and ``" Paris"``), when given, are used verbatim.
 
     Example:
         >>> q = MultipleChoice("2 + 2 = ?", ("3", "4"), 1, "arithmetic", "add-0")
@@ -64,24 +51,10 @@ class MultipleChoice:
 
 @dataclass(frozen=True)
 class OpenQA:
-    """One open-ended question.
-
-    Attributes:
-        question: the question text (non-empty).
-        answers: accepted answers (aliases); at least one unless ``answerable`` is False.
-        domain: a domain label.
-        id: a stable identifier.
-        meta: free-form extra fields.
-        answerable: False for questions that have no correct answer (e.g. the unanswerable
-            half of SelfAware); such records may have an empty ``answers`` tuple.
-        prompt: an already rendered prompt (e.g. lm-eval's context), used verbatim; None
-            (default) builds it from ``question``.
-        until: the stop sequences the source asks generation to end at (lm-eval's ``until``),
-            kept for reference; None when the source gives none.
+    """One open-ended question with its accepted ``answers`` (none when ``answerable`` is False);
+    ``prompt`` is used verbatim when given, ``until`` keeps the source's stop sequences.
 
     Example:
-        >>> OpenQA("Capital of France?", ("Paris",), "geo", "q0").answers
-        ('Paris',)
         >>> OpenQA("What happens after death?", (), "selfaware", "q1", answerable=False).answers
         ()
     """

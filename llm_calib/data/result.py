@@ -18,22 +18,13 @@ T = TypeVar("T")
 
 @dataclass
 class LoadResult(Generic[R]):
-    """Records loaded from one source.
-
-    Attributes:
-        records: the records, all :class:`MultipleChoice` or all :class:`OpenQA`, in file order.
-        skipped: how many bad rows were skipped (``on_error="skip"``); always 0 under ``"raise"``.
-        errors: the messages of the skipped rows, capped at
-            :data:`~llm_calib.data.errors.MAX_ERRORS`.
-        source: where the records came from (a spec, path or hub name).
-
-    Iterating over a ``LoadResult`` or taking its ``len`` refers to ``records``.
+    """Records loaded from one ``source``, with the count and messages of ``skipped`` rows;
+    ``len`` and iteration refer to ``records``.
 
     Example:
-        >>> q = MultipleChoice("1 + 1 = ?", ("2", "3"), 0, "toy", "t0")
-        >>> res = LoadResult([q], source="toy")
-        >>> len(res), [r.id for r in res], res.kind
-        (1, ['t0'], 'multiple_choice')
+        >>> res = LoadResult([MultipleChoice("1 + 1 = ?", ("2", "3"), 0, "toy", "t0")])
+        >>> len(res), res.kind
+        (1, 'multiple_choice')
     """
 
     records: list[R]
@@ -59,25 +50,10 @@ class LoadResult(Generic[R]):
 
 
 def subsample(items: Sequence[T], limit: int | None, seed: int = 0) -> list[T]:
-    """A fixed, seeded subsample of at most ``limit`` items that keeps their original order.
-
-    The choice is the first ``limit`` entries of one seeded permutation of the indices, so for a
-    given seed and input a smaller limit always picks a subset of a larger one.
-
-    Args:
-        items: the full sequence.
-        limit: how many to keep; None (or a limit not below ``len(items)``) keeps everything.
-        seed: the seed of the permutation.
-
-    Returns:
-        The kept items, in the order they had in ``items``.
-
-    Raises:
-        ValueError: if ``limit`` is negative.
+    """A seeded subsample of at most ``limit`` items (None keeps all), in their original order;
+    a smaller limit picks a subset of a larger one.
 
     Example:
-        >>> subsample(list("abcdefgh"), 3, seed=0) == subsample(list("abcdefgh"), 3, seed=0)
-        True
         >>> small, big = subsample(range(100), 5), subsample(range(100), 20)
         >>> set(small) <= set(big), small == sorted(small)
         (True, True)
@@ -91,26 +67,12 @@ def subsample(items: Sequence[T], limit: int | None, seed: int = 0) -> list[T]:
 
 
 def split_items(items: Sequence[T], sizes: Sequence[int], seed: int = 0) -> list[list[T]]:
-    """Disjoint seeded parts of ``items`` of the given sizes, each in the items' original order
-    (consecutive stretches of one seeded permutation; the first part is :func:`subsample`'s).
-
-    Args:
-        items: the full sequence.
-        sizes: the size of each part (>= 0; they may add up to less than ``len(items)``).
-        seed: the seed of the permutation.
-
-    Returns:
-        One list per size.
-
-    Raises:
-        ValueError: a negative size, or sizes adding up to more than ``len(items)``.
+    """Disjoint seeded parts of ``items`` of the given sizes, each in the original order.
 
     Example:
         >>> train, test = split_items(range(10), [6, 3], seed=1)
-        >>> len(train), len(test), set(train) & set(test), train == sorted(train)
-        (6, 3, set(), True)
-        >>> split_items(range(10), [4], seed=1)[0] == subsample(range(10), 4, seed=1)
-        True
+        >>> len(train), len(test), set(train) & set(test)
+        (6, 3, set())
     """
     if any(n < 0 for n in sizes):
         raise ValueError(f"sizes must be >= 0, got {list(sizes)}")

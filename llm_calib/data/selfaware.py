@@ -1,15 +1,4 @@
-"""SelfAware (Yin et al. 2023): one JSON document ``{"example": [{...}, ...]}``.
-
-Each example has ``question``, ``answer`` (a list of aliases, or null), ``answerable`` (bool) and
-``source`` (``squadqa_train``, ``triviaqa_dev``, ``hotpot_train``, ... for answerable questions,
-``SelfAware`` for the 1,032 unanswerable ones). Unanswerable questions are *kept and flagged*:
-they become :class:`OpenQA` records with ``answerable=False`` and no answers (so the file's 3,369
-questions all load); ``keep="answerable"`` drops them, and ``keep="triviaqa"`` (or
-:func:`filter_selfaware`) keeps only the answerable TriviaQA-sourced ones. ``meta`` holds
-``source`` and ``answerable`` (``"true"``/``"false"``).
-
-Error line numbers point at the opening brace of the offending example.
-"""
+"""SelfAware (Yin et al. 2023): ``{"example": [{question, answer, answerable, source}, ...]}``."""
 
 from __future__ import annotations
 
@@ -59,33 +48,17 @@ def _example_lines(text: str, count: int) -> list[int]:
 def load_selfaware(
     path: str | Path, *, keep: SelfAwareKeep = "all", on_error: OnError = "raise"
 ) -> LoadResult[OpenQA]:
-    """Load ``SelfAware.json`` as open QA records (domain ``selfaware``, id ``question_id``).
-
-    Args:
-        path: the JSON file.
-        keep: ``"all"`` (unanswerable ones flagged ``answerable=False``), ``"answerable"``, or
-            ``"triviaqa"`` (answerable ones whose source starts with ``triviaqa``).
-        on_error: ``"raise"`` a :class:`DataError` at the first bad example, or ``"skip"`` bad ones.
-            A file that is not valid UTF-8 JSON with an ``example`` list is always an error.
-
-    Raises:
-        DataError: empty ``question``, missing or non-bool ``answerable``, an answerable example
-            without answers; invalid UTF-8 or JSON in the file.
+    """Load ``SelfAware.json`` as open QA records (domain ``selfaware``, id ``question_id``);
+    ``keep`` is ``"all"``, ``"answerable"`` or ``"triviaqa"``. Raises ``DataError`` for a bad
+    example (line of its opening brace) or a file that is not JSON with an ``example`` list.
 
     Example:
-        >>> import tempfile, os, json
-        >>> doc = {"example": [
-        ...     {"question_id": 1, "question": "Q1?", "answer": ["a"], "answerable": True,
-        ...      "source": "triviaqa_train"},
-        ...     {"question_id": 2, "question": "Q2?", "answer": None, "answerable": False,
-        ...      "source": "SelfAware"}]}
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     p = os.path.join(d, "SelfAware.json")
-        ...     _ = open(p, "w").write(json.dumps(doc, indent=1))
-        ...     res = load_selfaware(p)
-        ...     only = load_selfaware(p, keep="triviaqa")
-        >>> [(r.id, r.answerable, r.answers) for r in res], len(only)
-        ([('1', True, ('a',)), ('2', False, ())], 1)
+        >>> import json, pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp(), "SelfAware.json")
+        >>> _ = p.write_text(json.dumps({"example": [{"question_id": 2, "question": "Q?",
+        ...     "answer": None, "answerable": False, "source": "SelfAware"}]}))
+        >>> [(r.id, r.answerable) for r in load_selfaware(p)]
+        [('2', False)]
     """
     if keep not in ("all", "answerable", "triviaqa"):
         raise ValueError(f"keep must be 'all', 'answerable' or 'triviaqa', got {keep!r}")
@@ -125,44 +98,28 @@ def _to_record(example: Any, index: int, source: str, line: int) -> OpenQA:
             source, line, f"{prefix}.answerable", f"expected true/false, got {answerable!r}"
         )
     raw_answer = example.get("answer")
-    if answerable:
-        answers = answer_aliases(raw_answer, source, line, f"{prefix}.answer")
-    elif raw_answer in (None, [], ""):
-        answers = ()
+    if not answerable and raw_answer in (None, [], ""):
+        answers: tuple[str, ...] = ()
     else:
         answers = answer_aliases(raw_answer, source, line, f"{prefix}.answer")
     src = example.get("source")
     qid = example.get("question_id", index + 1)
-    meta = {
-        "source": str(src) if src is not None else "",
-        "answerable": "true" if answerable else "false",
-        "line": str(line),
-    }
+    meta = {"source": str(src) if src is not None else "",
+            "answerable": "true" if answerable else "false", "line": str(line)}
     return OpenQA(question, answers, "selfaware", str(qid), meta, answerable=answerable)
 
 
 def filter_selfaware(
-    records: Iterable[OpenQA],
-    *,
-    answerable: bool | None = True,
+    records: Iterable[OpenQA], *, answerable: bool | None = True,
     sources: Sequence[str] | None = ("triviaqa",),
 ) -> list[OpenQA]:
-    """Keep SelfAware records by answerability and by source prefix.
-
-    Args:
-        records: SelfAware records (from :func:`load_selfaware`).
-        answerable: keep only answerable (True) or only unanswerable (False) ones; None keeps both.
-        sources: keep records whose ``meta["source"]`` starts with one of these prefixes
-            (``"triviaqa"`` matches ``triviaqa_train`` and ``triviaqa_dev``); None keeps all.
+    """Keep SelfAware records by answerability (None keeps both) and ``meta["source"]`` prefix.
 
     Example:
         >>> recs = [OpenQA("a?", ("x",), "selfaware", "1", {"source": "triviaqa_dev"}),
-        ...         OpenQA("b?", ("y",), "selfaware", "2", {"source": "squadqa_train"}),
-        ...         OpenQA("c?", (), "selfaware", "3", {"source": "SelfAware"}, answerable=False)]
+        ...         OpenQA("b?", ("y",), "selfaware", "2", {"source": "squadqa_train"})]
         >>> [r.id for r in filter_selfaware(recs)]
         ['1']
-        >>> [r.id for r in filter_selfaware(recs, answerable=False, sources=None)]
-        ['3']
     """
     prefixes = tuple(s.lower() for s in sources) if sources is not None else None
     kept = []
