@@ -36,18 +36,23 @@ def test_quick_run_reports_every_method_and_resumes(bench, tmp_path, capsys) -> 
     report = (tmp_path / "calibration.md").read_text()
     for label in (bench.LABELS[m] for m in bench.DEFAULT_METHODS):
         assert f"| {label} |" in report, label
-    targets = [line for line in report.splitlines() if line.startswith("| MC ") or line.startswith("| Open-ended ")]
+    targets = [line for line in report.splitlines() if line.startswith(("| MC A ", "| MC B ", "| Open-ended "))]
     assert len(targets) == 15, targets
     _check_targets_against_the_result_files(targets, tmp_path / "calibration_runs")
+    v3 = [line for line in report.splitlines() if line.startswith(("| MC summed", "| MC per-character"))]
+    assert len(v3) == 14, v3
+    _check_v3_targets_against_the_result_files(v3, tmp_path / "calibration_runs")
+    assert report.count("**out-of-domain sets above chance**: none") == 3  # regimes A and B, per-character
     pngs = sorted(p.name for p in (tmp_path / "calibration").glob("*.png"))
     assert pngs == sorted(["summary_ood_ece.png", *(f"reliability_mc_{n}.png" for n in (
         "arithmetic", "unit_conversion", "calendar", "capitals", "chemical_symbols")),
         *(f"reliability_open_{n}.png" for n in ("sums", "capitals", "elements"))])
     runs = tmp_path / "calibration_runs"
     results = _results(runs)
-    # mc: 3 baselines, 6 methods x 2 seeds (LoRA CE, its temperature row, penalty and CALM-BOME in both
-    # regimes), 2 x 1 seed (label smoothing, F2SA in regime A); open: regime A only, no LoRA CE + T row
-    assert len(results) == (3 + 6 * 2 + 2) + (3 + 3 * 2 + 2)
+    # mc: 3 baselines, 8 methods x 2 seeds (LoRA CE, penalty and CALM-BOME in both regimes, and the temperature
+    # rows of LoRA CE and of CALM-BOME in both regimes), 2 x 1 seed (label smoothing, F2SA in regime A); open:
+    # regime A only, no temperature rows of trained models
+    assert len(results) == (3 + 8 * 2 + 2) + (3 + 3 * 2 + 2)
     rec = json.loads((runs / "mc" / "calm_bome-seed1.json").read_text())
     assert rec["memory"]["train"]["peak_rss_mb"] > 0 and rec["timing"]["train_s"] > 0
     assert set(rec["sets"]) == set(rec["sets_char"]) == {"arithmetic", "unit_conversion", "calendar", "capitals",
@@ -64,7 +69,7 @@ def test_quick_run_reports_every_method_and_resumes(bench, tmp_path, capsys) -> 
     assert "training" not in second and "base pass" not in second
     assert _results(runs) == results
 
-    # delete two results: only those run again, here in two forked workers (LoRA CE rewrites its temperature row)
+    # delete two results: only those run again, here in two forked workers (each rewrites its temperature row)
     (runs / "mc" / "calm_bome-seed1.json").unlink()
     (runs / "mc" / "lora_ce-seed0.json").unlink()
     log_before = (runs / "bench.log").read_text()
@@ -77,7 +82,8 @@ def test_quick_run_reports_every_method_and_resumes(bench, tmp_path, capsys) -> 
     assert third.count("skipped") == len(results) - 2
     after = _results(runs)
     changed = sorted(k for k in after if after[k][0] != results[k][0])
-    assert changed == ["mc/calm_bome-seed1.json", "mc/lora_ce-seed0.json", "mc/lora_ce_ts-seed0.json"]
+    assert changed == ["mc/calm_bome-seed1.json", "mc/calm_bome_ts-seed1.json", "mc/lora_ce-seed0.json",
+                       "mc/lora_ce_ts-seed0.json"]
     assert not list(runs.rglob("*.lock"))
     # the re-run gives the same numbers as the first run (deterministic training and scoring)
     redo = json.loads((runs / "mc" / "calm_bome-seed1.json").read_text())
@@ -113,11 +119,12 @@ def _check_the_temperature_rows(runs: Path) -> None:
         assert oracle["sets"][name]["ece"] <= best + 1e-6, name
         t = oracle["temperature"][name]
         assert oracle["sets"][name]["ece"] == pytest.approx(_ece_of_scores(q["scores"], q["labels"], t), abs=1e-6)
-    ce = json.loads((runs / "mc" / "lora_ce-seed0.json").read_text())
-    ts = json.loads((runs / "mc" / "lora_ce_ts-seed0.json").read_text())
-    for name, q in ce["questions"].items():
-        want = np.concatenate(q["scores"]) / ts["temperature"]
-        assert np.allclose(want, np.concatenate(ts["questions"][name]["scores"]), rtol=1e-5, atol=1e-6), name
+    for source, derived in (("lora_ce", "lora_ce_ts"), ("calm_bome", "calm_bome_ts"), ("calm_bome_B", "calm_bome_B_ts")):
+        ce = json.loads((runs / "mc" / f"{source}-seed0.json").read_text())
+        ts = json.loads((runs / "mc" / f"{derived}-seed0.json").read_text())
+        for name, q in ce["questions"].items():
+            want = np.concatenate(q["scores"]) / ts["temperature"]
+            assert np.allclose(want, np.concatenate(ts["questions"][name]["scores"]), rtol=1e-5, atol=1e-6), (derived, name)
 
 
 def test_search_selects_on_in_domain_data_and_the_run_uses_it(bench, tmp_path, capsys) -> None:
@@ -209,6 +216,54 @@ def _check_targets_against_the_result_files(lines: list[str], runs: Path) -> Non
                 raise AssertionError(f"unknown target row {name!r}")
             assert value == pytest.approx(want, abs=6e-4), (name, method, value, want)
             assert status == {True: "PASS", False: "**MISS**", None: "info"}[ok], (name, method, status)
+
+
+def _check_v3_targets_against_the_result_files(lines: list[str], runs: Path) -> None:
+    """Recompute the v3 target rows (CALM + temperature) from the per-run JSON files, under summed
+    (``sets``) and per-character (``sets_char``) scores, and check value and verdict."""
+
+    def records(method, key):
+        return [json.loads(f.read_text())[key] for f in sorted((runs / "mc").glob(f"{method}-seed*.json"))]
+
+    def per_seed(method, names, key, metric="ece"):
+        return [float(np.mean([r[n][metric] for n in names])) for r in records(method, key)]
+
+    def mean(method, names, key, metric="ece"):
+        return float(np.mean(per_seed(method, names, key, metric)))
+
+    ood, ind = ("calendar", "capitals", "chemical_symbols"), ("arithmetic", "unit_conversion")
+    unc = json.loads((runs / "mc" / "uncalibrated-seed0.json").read_text())
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        name = cells[0]
+        key = "sets_char" if name.startswith("MC per-character") else "sets"
+        probs = "probs_char" if key == "sets_char" else "probs"
+        chance = {n: float(np.mean([1 / len(p) for p in unc["questions"][n][probs]])) for n in ood}
+        above = [n for n in ood if unc[key][n]["accuracy_ci_low"] > chance[n]]
+        names = above if "above chance" in name else list(ood)
+        for col, method in ((2, "calm_bome_ts"), (4, "calm_bome_B_ts")):
+            status = cells[col + 1]
+            if not names:
+                assert cells[col] == "n/a (no above chance set)" and status == "n/a", (name, cells)
+                continue
+            value = float(cells[col].split(" ")[0])
+            if "mean conf-ECE / temperature alone" in name:
+                want = mean(method, names, key) / mean("temperature_scaling", names, key)
+                ok = want <= 0.85
+            elif "below temperature alone" in name:
+                wins = sum(mean(method, [n], key) < mean("temperature_scaling", [n], key) for n in names)
+                want, ok = wins / len(names), wins >= np.ceil(10 / 13 * len(names))
+            elif "LoRA CE + T − CALM + T" in name:
+                spread = max(float(np.std(per_seed(m, names, key), ddof=1)) for m in (method, "lora_ce_ts"))
+                want = mean("lora_ce_ts", names, key) - mean(method, names, key)
+                ok = want > spread
+            elif "in domain" in name:
+                want = mean(method, ind, key) - mean("temperature_scaling", ind, key)
+                ok = want <= 0.01 and mean(method, ind, key, "accuracy") >= 0.95 * mean("uncalibrated", ind, key, "accuracy")
+            else:
+                raise AssertionError(f"unknown v3 target row {name!r}")
+            assert value == pytest.approx(want, abs=6e-4), (name, method, value, want)
+            assert status == ("PASS" if ok else "**MISS**"), (name, method, status)
 
 
 def test_per_character_scores_divide_by_the_continuation_length(bench) -> None:
