@@ -24,26 +24,18 @@ from llm_calib.models import lm_head_logits, split_decoder_head
 if TYPE_CHECKING:
     from llm_calib.calm.config import LoraSettings
 
-__all__ = [
-    "OUTPUT_LOG_SCALE",
-    "TRUNK_CACHE_ARCHITECTURES",
-    "FunctionalLM",
-    "attach_lora",
-    "detach_lora",
-    "peft_deprecations_silenced",
-]
+__all__ = ["OUTPUT_LOG_SCALE", "TRUNK_CACHE_ARCHITECTURES", "FunctionalLM", "attach_lora", "detach_lora",
+           "peft_deprecations_silenced"]
 
 logger = logging.getLogger(__name__)
 
 OUTPUT_LOG_SCALE = "output_log_scale"
-"""Name of the θ leaf holding the log of the final norm's scale (see ``output_scale``)."""
+"""Name of the θ leaf holding the log of the final norm's scale (see :func:`attach_lora`)."""
 
 TRUNK_CACHE_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
-"""Decoders whose forward is exactly: token embedding, then the layers called as
-``layer(hidden, attention_mask=, position_ids=, position_embeddings=decoder.rotary_emb(...))``, then
-the final norm (no embedding scale, sliding windows or extra inputs), so :class:`FunctionalLM` can
-cache the frozen bottom layers and run the top ones alone. Any other decoder runs the full forward
-every time (logged once at construction): slower for top-k LoRA, never wrong."""
+"""Decoders whose forward is exactly embedding, layers (``layer(hidden, attention_mask=, position_ids=,
+position_embeddings=)``), final norm, so :class:`FunctionalLM` can cache the frozen bottom layers;
+any other decoder runs the full forward every step (slower for top-k LoRA, never wrong)."""
 
 
 def _final_norm_name(model: Any) -> str:
@@ -77,10 +69,7 @@ def _scales_with_weight(norm: Any) -> bool:
 
 @contextlib.contextmanager
 def peft_deprecations_silenced() -> Iterator[None]:
-    """Silence the transformers deprecation that peft's own calls trigger (not ours to fix).
-
-    peft reads ``model.is_gradient_checkpointing``, deprecated in transformers 5 (renamed
-    ``is_activation_checkpointing``) when it wraps or loads an adapter.
+    """Silence the transformers 5 deprecation (``is_gradient_checkpointing``) that peft's own calls trigger.
 
     Example:
         >>> import warnings
@@ -93,21 +82,16 @@ def peft_deprecations_silenced() -> Iterator[None]:
 
 
 def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) -> Any:
-    """Wrap ``model`` with fresh LoRA adapters; the base weights are frozen.
+    """Wrap ``model`` with fresh LoRA adapters (``B = 0``: initially the base model); the base is frozen.
 
-    LoRA's ``B`` matrices start at zero, so the adapted model initially computes exactly what the
-    base model does.
-
-    With ``output_scale`` the decoder's final norm also gets an adapter-owned copy (peft
-    ``modules_to_save``, so ``save_pretrained`` stores it) whose weight :class:`FunctionalLM`
-    trains as one scalar, ``base weight * exp(θ["output_log_scale"])``: the scale of every logit,
-    an in-model temperature that costs nothing at inference. LoRA in the layers below cannot
-    provide it, because the final RMSNorm fixes the scale of the hidden state it projects.
+    With ``output_scale`` the final norm gets an adapter-owned copy (peft ``modules_to_save``) that
+    :class:`FunctionalLM` trains as one scalar, ``base weight * exp(θ[OUTPUT_LOG_SCALE])``: an
+    in-model temperature (see :doc:`/methods/calm`).
 
     Args:
         model: a Hugging Face causal LM.
         settings: rank, alpha, dropout, target modules and layers.
-        output_scale: also make the final norm's scale trainable (see above).
+        output_scale: also make the final norm's scale trainable.
 
     Returns:
         The :class:`peft.PeftModel`.
@@ -135,8 +119,7 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
     )
     with peft_deprecations_silenced():
         peft_model = get_peft_model(model, config)
-    # Half-precision (or k-bit) base: the trained adapters, hence θ and its optimiser states, are
-    # float32 master weights (peft's default autocast does this; made explicit here).
+    # Half-precision (or k-bit) base: the trained adapters (θ, its optimiser states) stay float32.
     for name, param in peft_model.named_parameters():
         if "lora_" in name and param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
             param.data = param.data.float()
@@ -154,11 +137,9 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
 
 
 def detach_lora(model: Any) -> Any:
-    """Remove every adapter from a peft model (no merge) and return the bare base model.
+    """Remove every adapter from a peft model (no merge) and return the unchanged base model.
 
-    The base weights were frozen and never changed, so the result computes exactly what the base
-    did before :func:`attach_lora`: the next run can attach fresh adapters to it instead of
-    loading the base model again (what ``llm-calib calibrate`` does between methods).
+    The next run can attach fresh adapters to it instead of loading the base again.
 
     Args:
         model: a :class:`peft.PeftModel` (or a plain model, returned as is).
@@ -183,8 +164,7 @@ def detach_lora(model: Any) -> Any:
     """
     if not hasattr(model, "get_base_model"):
         return model.eval()
-    # peft's unload keeps a trained modules_to_save copy (the output scale's norm) in the base;
-    # put the original module back first
+    # peft's unload keeps a modules_to_save copy (the output scale's norm): restore the original
     for name, module in list(model.named_modules()):
         if hasattr(module, "original_module") and hasattr(module, "modules_to_save"):
             parent_name, _, child = name.rpartition(".")
@@ -202,28 +182,20 @@ def detach_lora(model: Any) -> Any:
 class FunctionalLM:
     """A causal LM as a pure function of its trainable parameters θ.
 
-    ``theta`` is a ``dict[str, Tensor]`` keyed by parameter names relative to the decoder (for a
-    peft model: the LoRA weights). :meth:`head_logits` runs the decoder with θ substituted through
-    :func:`torch.func.functional_call` and applies the output head only at the gathered rows.
-
-    When the final norm has an adapter copy (``attach_lora(..., output_scale=True)``), θ also
-    holds the scalar :data:`OUTPUT_LOG_SCALE`; the copy's weight is the frozen base weight times
-    its exponential.
+    θ maps parameter names relative to the decoder (the LoRA weights, and with an output scale
+    :data:`OUTPUT_LOG_SCALE`) to tensors; :meth:`head_logits` runs the decoder with θ substituted
+    (:func:`torch.func.functional_call`) and the output head only at the gathered rows.
 
     Args:
         model: a Hugging Face causal LM or a peft wrapper of one.
+        cache_trunk: cache the frozen bottom layers when only top layers are trained.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> from llm_calib.calm.config import LoraSettings
-        >>> model, _ = tiny_random_model()
-        >>> lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
-        >>> all("lora_" in k for k in lm.theta())
-        True
-        >>> model, _ = tiny_random_model()
-        >>> lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2), output_scale=True))
-        >>> float(lm.theta()[OUTPUT_LOG_SCALE])
-        0.0
+        >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True))
+        >>> sorted({k.split(".")[-2] for k in lm.theta() if "lora_" in k}), float(lm.theta()[OUTPUT_LOG_SCALE])
+        (['default'], 0.0)
     """
 
     def __init__(self, model: Any, cache_trunk: bool = True) -> None:
@@ -243,8 +215,7 @@ class FunctionalLM:
         """Whether the attention takes the packed 4-D masks; otherwise one sequence per option."""
         self._checkpointed = _install_functional_checkpointing(self.decoder)
         self.checkpointing = bool(self._checkpointed)
-        """Whether the decoder layers recompute activations in the backward pass (see
-        :meth:`train_mode`)."""
+        """Whether the decoder layers recompute activations in the backward pass."""
         norm = getattr(self.decoder, "norm", None)
         self._scaled_norm: str | None = None  # name (relative to the norm) of its adapter copy's weight
         if norm is not None and hasattr(norm, "original_module") and hasattr(norm, "modules_to_save"):
@@ -263,13 +234,10 @@ class FunctionalLM:
 
     @contextlib.contextmanager
     def train_mode(self) -> Iterator[None]:
-        """Training mode exactly where the trained parts need it, for the duration of a step.
+        """Training mode only on the LoRA dropouts and checkpointed layers, for a step.
 
-        Sets ``training`` on the LoRA dropout modules (when ``dropout > 0``) and, with gradient
-        checkpointing, on the checkpointed decoder layers themselves (transformers checkpoints only
-        in training mode), not on their children: the frozen base keeps its eval behaviour
-        (attention dropout off), so with ``dropout=0`` a step computes what it computes in eval
-        mode. Restores the previous flags afterwards.
+        The frozen base keeps its eval behaviour (no attention dropout), so with ``dropout=0`` a
+        step computes what eval mode does; the previous flags are restored afterwards.
 
         Example:
             >>> from llm_calib.models import tiny_random_model
@@ -307,8 +275,7 @@ class FunctionalLM:
         device = self.device
         with torch.inference_mode():
             if type(self.decoder).__name__ in TRUNK_CACHE_ARCHITECTURES:
-                # Only the bottom layers: the full forward would also run the top ones and keep
-                # every layer's states (about a quarter more time for the default top 6 of 30).
+                # Only the bottom layers (the full forward costs ~25% more for the top 6 of 30).
                 hidden = self.decoder.embed_tokens(packed.input_ids.to(device))
                 return self._run_layers(hidden, packed, range(self.trunk_layers)).clone()
             mask = packed.additive_mask(self.dtype) if packed.attention_mask.dim() == 4 else packed.attention_mask
@@ -368,8 +335,7 @@ class FunctionalLM:
         return theta, {self._scaled_norm: (base.to(log_scale.dtype) * torch.exp(log_scale)).to(base.dtype)}
 
     def decoder_parameters(self, theta: dict[str, Tensor]) -> dict[str, Tensor]:
-        """θ as parameters of the decoder module (names relative to it), for
-        :func:`torch.func.functional_call`: the output log-scale becomes the final norm's weight.
+        """θ as decoder parameters for :func:`torch.func.functional_call` (log-scale → norm weight).
 
         Example:
             >>> from llm_calib.models import tiny_random_model
@@ -385,8 +351,7 @@ class FunctionalLM:
     def _current_log_scale(self) -> Tensor:
         copy = dict(self.decoder.norm.named_parameters())[self._scaled_norm].detach()
         base = self._norm_base_weight.detach()
-        # The copy is always base * exp(s) with one scalar s, so the norm ratio recovers s exactly.
-        # float32 (float64 for float64 models) whatever the model's dtype: θ's master copy.
+        # The copy is base * exp(s), so the norm ratio recovers s; float32 (float64) master copy.
         master = torch.float64 if base.dtype == torch.float64 else torch.float32
         return torch.log(copy.double().norm() / base.double().norm()).to(master)
 
@@ -414,8 +379,7 @@ class FunctionalLM:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype of the base model (of its input embeddings: quantised weights are
-        stored as integers)."""
+        """The compute dtype of the base model (of its input embeddings: quantised weights are integers)."""
         return compute_dtype(self.base)
 
     @property
@@ -425,11 +389,8 @@ class FunctionalLM:
     def hidden_rows(
         self, theta: dict[str, Tensor] | None, packed: PackedQuestions, trunk: Tensor | None = None
     ) -> Tensor:
-        """Final hidden states at ``packed.rows`` (``(R, hidden)``), with θ substituted.
-
-        With ``trunk`` (from :meth:`trunk_hidden`) only the layers from the first trainable one up
-        run; the result equals the full forward.
-        """
+        """Final hidden states at ``packed.rows`` (``(R, hidden)``), with θ substituted; with
+        ``trunk`` (:meth:`trunk_hidden`) only the layers from the first trainable one run."""
         if trunk is None:  # the engine's forward pass (one sequence per option where 4-D masks cannot go)
             params = None if theta is None else self.decoder_parameters(theta)
             return forward_rows(self.base, packed, packed_masks=self.packed_masks, parameters=params)[0]
@@ -440,19 +401,10 @@ class FunctionalLM:
         hidden = self._top_layers(theta, packed, trunk)
         return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(self.device)]
 
-    def head_logits(
-        self,
-        theta: dict[str, Tensor] | None,
-        packed: PackedQuestions,
-        trunk: Tensor | None = None,
-        select: Tensor | None = None,
-    ) -> Tensor:
-        """Vocabulary logits ``(R, V)`` at ``packed.rows`` (float32 for half-precision models).
-
-        ``select`` (indices into ``packed.rows``) keeps only those rows before the output head,
-        so a loss that reads a few positions (e.g. :meth:`PackedQuestions.answer_start_rows`)
-        pays for the vocabulary projection only there.
-        """
+    def head_logits(self, theta: dict[str, Tensor] | None, packed: PackedQuestions, trunk: Tensor | None = None,
+                    select: Tensor | None = None) -> Tensor:
+        """Vocabulary logits ``(R, V)`` at ``packed.rows`` (float32 for half-precision models);
+        ``select`` (indices into the rows) projects only those rows."""
         hidden = self.hidden_rows(theta, packed, trunk)
         if select is not None:
             hidden = hidden[select.to(hidden.device)]
@@ -480,13 +432,9 @@ def _parameters_set(module: torch.nn.Module, tensors: dict[str, Tensor]) -> Iter
 def _functional_checkpoint(layer: torch.nn.Module) -> Callable[..., Any]:
     """A checkpointing function for ``layer`` that stays correct under ``functional_call``.
 
-    transformers' default recomputes the layer in the backward pass with whatever parameters the
-    module holds then, which after :func:`torch.func.functional_call` has returned are the module's
-    own, not the θ that was substituted: silently wrong gradients. This one captures the
-    trained parameters the forward saw (those θ substitutes: the ones with ``requires_grad`` when
-    the layer was set up) and substitutes them again for the recomputation. The frozen weights are
-    left alone: they never change, and where FSDP2 shards them it gathers them for the
-    recomputation itself (substituting those too would undo its gathering).
+    transformers' default recomputes with the module's own parameters, not the substituted θ
+    (silently wrong gradients); this one substitutes the trained parameters the forward saw again.
+    Frozen weights are left alone: FSDP2 gathers them for the recomputation itself.
     """
     from torch.utils.checkpoint import checkpoint
 
