@@ -1,9 +1,7 @@
 """The seeded batch order of a calibration run, and its split over data-parallel ranks.
 
-Each record set of a run (training questions, upper-level inputs) is read in its own stream: for
-epoch ``e`` a permutation seeded by ``(seed, e, stream)``, cut into consecutive batches. The order
-depends only on these numbers and the set's size, so a resumed run, a run on more ranks and a
-benchmark that replays a run's steps all see the same batches.
+Each record set is read in its own stream: per epoch a permutation seeded by (seed, epoch, stream)
+cut into batches, so resumed runs, more ranks and replayed steps all see the same batches.
 """
 
 from __future__ import annotations
@@ -38,15 +36,8 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int, stream: int) ->
     An epoch has ``max(1, n // batch_size)`` batches (a remainder is dropped); with
     ``batch_size >= n`` every batch is the whole permuted set.
 
-    Args:
-        n: records in the set.
-        batch_size: records per batch.
-        step: the training step.
-        seed: the run's seed.
-        stream: :data:`TRAIN_STREAM`, :data:`UPPER_STREAM` or another stream id.
-
-    Returns:
-        Record indices of the batch.
+    Raises:
+        ValueError: ``n`` or ``batch_size`` below 1.
 
     Example:
         >>> a = batch_indices(10, 4, step=0, seed=0, stream=0)
