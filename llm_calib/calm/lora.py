@@ -42,17 +42,13 @@ def _final_norm_name(model: Any) -> str:
     decoder, _ = split_decoder_head(model)
     norm = getattr(decoder, "norm", None)
     if norm is not None and not _scales_with_weight(norm):
-        raise ValueError(
-            f"output_scale needs a final norm whose output scales with its weight; {type(norm).__name__} does "
-            "not (e.g. Gemma's RMSNorm multiplies by 1 + weight): set output_scale=False"
-        )
+        raise ValueError(f"output_scale needs a final norm whose output scales with its weight; {type(norm).__name__} "
+                         "does not (e.g. Gemma's RMSNorm multiplies by 1 + weight): set output_scale=False")
     for name, module in model.named_modules():
         if norm is not None and module is norm:
             return name
-    raise ValueError(
-        f"output_scale needs a decoder with a final norm module `norm`; {type(model).__name__} has none "
-        "(set output_scale=False)"
-    )
+    raise ValueError(f"output_scale needs a decoder with a final norm module `norm`; {type(model).__name__} has none "
+                     "(set output_scale=False)")
 
 
 def _scales_with_weight(norm: Any) -> bool:
@@ -98,25 +94,18 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
 
     Example:
         >>> from llm_calib.models import tiny_random_model
-        >>> model, _ = tiny_random_model()
         >>> from llm_calib.calm.config import LoraSettings
-        >>> peft_model = attach_lora(model, LoraSettings(rank=2, layers=(1,)))
+        >>> peft_model = attach_lora(tiny_random_model()[0], LoraSettings(rank=2, layers=(1,)))
         >>> sorted({n.split(".")[4] for n, p in peft_model.named_parameters() if p.requires_grad})
         ['1']
     """
     from peft import LoraConfig, get_peft_model
 
-    modules_to_save = [_final_norm_name(model)] if output_scale else None
     config = LoraConfig(
-        r=settings.rank,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
-        target_modules=list(settings.target_modules),
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM",
         layers_to_transform=settings.layer_indices(int(model.config.num_hidden_layers)),
-        bias="none",
-        task_type="CAUSAL_LM",
-        modules_to_save=modules_to_save,
-    )
+        modules_to_save=[_final_norm_name(model)] if output_scale else None)
     with peft_deprecations_silenced():
         peft_model = get_peft_model(model, config)
     # Half-precision (or k-bit) base: the trained adapters (θ, its optimiser states) stay float32.
@@ -124,10 +113,8 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
         if "lora_" in name and param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
             param.data = param.data.float()
     if not any(p.requires_grad for n, p in peft_model.named_parameters() if "lora_" in n):
-        raise ValueError(
-            f"LoRA target_modules={settings.target_modules} matched no module of "
-            f"{type(model).__name__}; check the module names"
-        )
+        raise ValueError(f"LoRA target_modules={settings.target_modules} matched no module of "
+                         f"{type(model).__name__}; check the module names")
     if output_scale:
         # The copy is trained through one scalar (FunctionalLM), never coordinate by coordinate.
         for name, param in peft_model.named_parameters():
@@ -142,20 +129,16 @@ def detach_lora(model: Any) -> Any:
     The next run can attach fresh adapters to it instead of loading the base again.
 
     Args:
-        model: a :class:`peft.PeftModel` (or a plain model, returned as is).
-
-    Returns:
-        The base model, in eval mode.
+        model: a :class:`peft.PeftModel` (or a plain model, returned as is in eval mode).
 
     Raises:
         RuntimeError: an adapter module survived the removal.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
-        >>> base, _ = tiny_random_model()
-        >>> names = sorted(base.state_dict())
-        >>> before = base.model.norm.weight.clone()
         >>> from llm_calib.calm.config import LoraSettings
+        >>> base, _ = tiny_random_model()
+        >>> names, before = sorted(base.state_dict()), base.model.norm.weight.clone()
         >>> lm = FunctionalLM(attach_lora(base, LoraSettings(rank=2), output_scale=True))
         >>> lm.load_theta({**lm.theta(), OUTPUT_LOG_SCALE: torch.tensor(0.5)})  # a trained scale
         >>> back = detach_lora(lm.model)
