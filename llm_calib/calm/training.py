@@ -214,9 +214,6 @@ def run_format(train: Records, heldout: Records, config: CalibrationConfig,
         config: the run's configuration.
         unlabeled: upper-level inputs (or their encoding), or None.
 
-    Returns:
-        The :class:`~llm_calib.formats.base.TaskFormat` the run trains and monitors with.
-
     Raises:
         ValueError: an empty set, or records of mixed kinds or another type (naming record and set).
 
@@ -266,15 +263,8 @@ def check_not_empty(**sets: Records | None) -> None:
             raise ValueError(f"the {name} set ({role}) is empty: {use}; pass at least one question")
 
 
-def build_trainer(
-    model: Any,
-    tokenizer: Any,
-    train: Records,
-    heldout: Records,
-    config: CalibrationConfig,
-    *,
-    unlabeled: Records | None = None,
-) -> Trainer:
+def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, config: CalibrationConfig, *,
+                  unlabeled: Records | None = None) -> Trainer:
     """Attach LoRA to ``model`` (in place) and set up a run: encodings, λ, losses, solver.
 
     Seeds torch with ``config.seed`` first. Under ``torchrun`` it also shards the frozen base
@@ -288,9 +278,6 @@ def build_trainer(
         config: the run's configuration.
         unlabeled: upper-level inputs (or their encoding); labels ignored. Default: held-out inputs.
 
-    Returns:
-        A :class:`Trainer`.
-
     Raises:
         ValueError: records of mixed kinds or another type (naming the record); under
             ``torchrun``, a solver with second derivatives (:func:`check_scale_out`).
@@ -300,9 +287,7 @@ def build_trainer(
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> from llm_calib.calm.config import TrainingSettings
-        >>> cfg = CalibrationConfig(training=TrainingSettings(steps=2, batch_size=2, heldout_batch_size=2))
-        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], cfg, unlabeled=qs)
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(), unlabeled=qs)
         >>> len(trainer.unlabeled), trainer.unlabeled is trainer.heldout
         (4, False)
     """
@@ -417,13 +402,9 @@ def evaluate(trainer: Trainer, theta: dict[str, Tensor] | None = None, batch_siz
             parts.append(trainer.losses.monitor(batch))
     stats = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
     conf, correct = stats["confidence"], stats["correct"]
-    return {
-        "accuracy": float(correct.mean()),
-        "ece": float(ece_metric(conf.numpy(), correct.numpy(), n_bins=10)),
-        "nll": float(stats["nll"].mean()),
-        "entropy": float(stats["entropy"].mean()),
-        "confidence": float(conf.mean()),
-    }
+    return {"accuracy": float(correct.mean()), "ece": float(ece_metric(conf.numpy(), correct.numpy(), n_bins=10)),
+            "nll": float(stats["nll"].mean()), "entropy": float(stats["entropy"].mean()),
+            "confidence": float(conf.mean())}
 
 
 def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
@@ -454,12 +435,11 @@ def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
         before = evaluate(trainer)
     else:
         before = dict.fromkeys(("accuracy", "ece", "nll", "entropy", "confidence"), math.nan)
-    return TrainState(
-        step=0, theta=theta, lam=lam, lam_optimizer=lam_optimizer(lam.values(), trainer.config),
-        theta_opt_state=trainer.theta_optimizer.init(theta), solver_state=None,
-        history=[], before=before, best={"ece": before["ece"], "step": 0},
-        best_theta={k: v.clone() for k, v in theta.items()}, best_lam={k: v.detach().clone() for k, v in lam.items()},
-    )
+    return TrainState(step=0, theta=theta, lam=lam, lam_optimizer=lam_optimizer(lam.values(), trainer.config),
+                      theta_opt_state=trainer.theta_optimizer.init(theta), solver_state=None, history=[],
+                      before=before, best={"ece": before["ece"], "step": 0},
+                      best_theta={k: v.clone() for k, v in theta.items()},
+                      best_lam={k: v.detach().clone() for k, v in lam.items()})
 
 
 def parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[str, float]:
@@ -532,16 +512,13 @@ def is_selectable(accuracy: float, reference_accuracy: float, config: Calibratio
 
 
 def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: float, config: CalibrationConfig) -> int:
-    """:func:`select`'s rule over finished candidates: the lowest ``ece`` among the selectable
-    (first on ties); when none is, the most accurate.
+    """The index chosen by :func:`select`'s rule among finished candidates: the lowest ``ece``
+    among the selectable (first on ties); when none is, the most accurate.
 
     Args:
         candidates: metric dicts with ``accuracy`` and ``ece``, scored on the same data.
         reference_accuracy: the accuracy to guard (e.g. the uncalibrated model's).
         config: gives ``selection.guard_accuracy``.
-
-    Returns:
-        The index of the chosen candidate.
 
     Raises:
         ValueError: no candidates.
@@ -587,14 +564,8 @@ def selection_note(history: Sequence[dict[str, float]], before: dict[str, float]
                    config: CalibrationConfig) -> str | None:
     """One line saying why model selection kept the initial model (step 0), and what to try.
 
-    Args:
-        history: the run's per-step records (evaluations carry ``heldout_accuracy``, ``heldout_ece``).
-        before: the held-out metrics of the initial model (``accuracy``, ``ece``).
-        selected_step: the step the run kept.
-        config: gives ``selection.guard_accuracy``.
-
-    Returns:
-        None when a trained step was selected (or nothing was trained), otherwise the reason.
+    None when a trained step was selected or nothing was trained. ``history``: the run's records
+    (evaluations carry ``heldout_accuracy``, ``heldout_ece``); ``before``: the initial metrics.
 
     Example:
         >>> hist = [{"step": 5, "heldout_accuracy": 0.542, "heldout_ece": 0.1}]
@@ -665,8 +636,7 @@ def _flat_to_tree(prefix: str, flat: dict[str, Tensor]) -> dict[str, Any]:
 
 
 def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any] | None) -> Path:
-    """Write ``state`` as checkpoint ``state.step`` (atomically), with the configuration and
-    ``data`` (a :func:`data_fingerprint`) that :func:`resume_state` checks."""
+    """Write ``state`` as checkpoint ``state.step``, with the config and ``data`` (a :func:`data_fingerprint`)."""
     tensors: dict[str, Tensor] = {}
     _tree_to_flat("theta/", state.theta, tensors)
     _tree_to_flat("best_theta/", state.best_theta, tensors)
@@ -675,11 +645,9 @@ def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data:
     _tree_to_flat("theta_opt/", state.theta_opt_state, tensors)
     if state.solver_state:
         _tree_to_flat("method/", state.solver_state, tensors)
-    meta = {
-        "step": state.step, "history": state.history, "best": state.best, "before": state.before,
-        "stopped_early": state.stopped_early, "lam_optimizer": state.lam_optimizer.state_dict(),
-        "rng": torch.get_rng_state(), "run": {"config": trainer.config.to_dict(), "data": data},
-    }
+    meta = {"step": state.step, "history": state.history, "best": state.best, "before": state.before,
+            "stopped_early": state.stopped_early, "lam_optimizer": state.lam_optimizer.state_dict(),
+            "rng": torch.get_rng_state(), "run": {"config": trainer.config.to_dict(), "data": data}}
     return save_checkpoint(directory, state.step, tensors, meta)
 
 
