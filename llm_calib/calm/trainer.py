@@ -110,10 +110,6 @@ class CalibrationResult:
 def base_model_record(model: Any, config: CalibrationConfig) -> dict[str, Any]:
     """What a result records of its base model and prompt (:data:`BASE_MODEL_FILE`).
 
-    Args:
-        model: the base causal LM.
-        config: the run's configuration.
-
     Returns:
         JSON-ready ``model`` (``config._name_or_path`` or None), ``dtype``, ``prompt``
         (:func:`~llm_calib.prompts.prompt_dict`), ``scorer`` and ``normalize``.
@@ -132,18 +128,9 @@ def base_model_record(model: Any, config: CalibrationConfig) -> dict[str, Any]:
             "scorer": settings["scorer"], "normalize": settings["normalize"]}
 
 
-def calibrate(
-    model: Any,
-    tokenizer: Any,
-    train: Records,
-    heldout: Records,
-    config: CalibrationConfig | None = None,
-    *,
-    unlabeled: Records | None = None,
-    checkpoint_dir: str | os.PathLike[str] | None = None,
-    resume: bool = False,
-    progress: bool = True,
-) -> CalibrationResult:
+def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, config: CalibrationConfig | None = None,
+              *, unlabeled: Records | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
+              resume: bool = False, progress: bool = True) -> CalibrationResult:
     """Fine-tune ``model`` (LoRA) so that its confidence is calibrated; return the result.
 
     Args:
@@ -159,9 +146,6 @@ def calibrate(
         resume: continue from the newest checkpoint in ``checkpoint_dir`` (same configuration but
             for ``training.steps`` and ``checkpoint_every``, same records).
         progress: show a tqdm progress bar.
-
-    Returns:
-        A :class:`CalibrationResult`.
 
     Warns:
         UserWarning: model selection kept the initial model (why, and what to try).
