@@ -10,24 +10,13 @@ import torch
 
 from llm_calib import distributed
 
-__all__ = ["TRAIN_STREAM", "UPPER_STREAM", "batch_indices", "permutation", "shard"]
+__all__ = ["TRAIN_STREAM", "UPPER_STREAM", "batch_indices", "shard"]
 
 TRAIN_STREAM = 0
 """Stream of the training questions (lower level, and the one-level baselines' loss)."""
 
 UPPER_STREAM = 1
 """Stream of the unlabelled upper-level inputs (CALM's f, the confidence penalty's entropy)."""
-
-
-def permutation(n: int, seed: int, epoch: int, stream: int) -> list[int]:
-    """The seeded order of ``n`` records in ``epoch`` of ``stream``.
-
-    Example:
-        >>> sorted(permutation(5, seed=0, epoch=0, stream=0))
-        [0, 1, 2, 3, 4]
-    """
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 7919 + stream)
-    return torch.randperm(n, generator=gen).tolist()
 
 
 def batch_indices(n: int, batch_size: int, step: int, seed: int, stream: int) -> list[int]:
@@ -49,7 +38,8 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int, stream: int) ->
         raise ValueError(f"n and batch_size must be >= 1, got n={n}, batch_size={batch_size}")
     per_epoch = max(1, n // batch_size)
     epoch, k = divmod(step, per_epoch)
-    perm = permutation(n, seed, epoch, stream)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 7919 + stream)
+    perm = torch.randperm(n, generator=gen).tolist()
     if batch_size >= n:
         return perm
     return perm[k * batch_size : (k + 1) * batch_size]
