@@ -185,12 +185,9 @@ class FunctionalLM:
         self.model = model
         self.base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.decoder, self.head = split_decoder_head(self.base)
-        trainable_layers = sorted(
-            {int(m.group(1)) for n, p in self.decoder.named_parameters() if p.requires_grad and (m := re.match(r"layers\.(\d+)\.", n))}
-        )
-        has_other_trainable = any(
-            p.requires_grad and not n.startswith("layers.") for n, p in self.decoder.named_parameters()
-        )
+        trained = [n for n, p in self.decoder.named_parameters() if p.requires_grad]
+        trainable_layers = sorted({int(m.group(1)) for n in trained if (m := re.match(r"layers\.(\d+)\.", n))})
+        has_other_trainable = any(not n.startswith("layers.") for n in trained)
         layered = all(hasattr(self.decoder, a) for a in ("layers", "norm", "rotary_emb"))
         known = type(self.decoder).__name__ in TRUNK_CACHE_ARCHITECTURES
         self._four_d_masks = accepts_packed_masks(self.base)
@@ -221,16 +218,6 @@ class FunctionalLM:
 
         The frozen base keeps its eval behaviour (no attention dropout), so with ``dropout=0`` a
         step computes what eval mode does; the previous flags are restored afterwards.
-
-        Example:
-            >>> from llm_calib.models import tiny_random_model
-            >>> from llm_calib.calm.config import LoraSettings
-            >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2, dropout=0.1)).eval())
-            >>> with lm.train_mode():  # the 4 LoRA dropouts (q_proj, v_proj of 2 layers)
-            ...     sum(m.training for m in lm.model.modules())
-            4
-            >>> sum(m.training for m in lm.model.modules())
-            0
         """
         modules = [m for n, m in self.model.named_modules() if ".lora_dropout." in f".{n}" and isinstance(m, torch.nn.Dropout)]
         modules += self._checkpointed
@@ -262,15 +249,12 @@ class FunctionalLM:
                 hidden = self.decoder.embed_tokens(packed.input_ids.to(device))
                 return self._run_layers(hidden, packed, range(self.trunk_layers)).clone()
             mask = packed.additive_mask(self.dtype) if packed.attention_mask.dim() == 4 else packed.attention_mask
-            out = self.decoder(
-                input_ids=packed.input_ids.to(device), attention_mask=mask.to(device),
-                position_ids=packed.position_ids.to(device), use_cache=False, output_hidden_states=True,
-            )
+            out = self.decoder(input_ids=packed.input_ids.to(device), attention_mask=mask.to(device),
+                               position_ids=packed.position_ids.to(device), use_cache=False, output_hidden_states=True)
         return out.hidden_states[self.trunk_layers].clone()
 
-    def _run_layers(
-        self, hidden: Tensor, packed: PackedQuestions, indices: range, per_layer: dict[int, dict[str, Tensor]] | None = None
-    ) -> Tensor:
+    def _run_layers(self, hidden: Tensor, packed: PackedQuestions, indices: range,
+                    per_layer: dict[int, dict[str, Tensor]] | None = None) -> Tensor:
         """Run decoder layers ``indices`` on ``hidden``, with θ substituted in the layers of ``per_layer``."""
         device = self.device
         pos = packed.position_ids.to(device)

@@ -128,18 +128,7 @@ class Trainer:
         return dataclasses.replace(self, losses=losses, problem=problem, step_losses=recorder)
 
     def fill_trunk_caches(self) -> int:
-        """Cache the trunk of every question now (nothing without a trunk cache); return the count.
-
-        Example:
-            >>> from llm_calib.calm.config import LoraSettings
-            >>> from llm_calib.data import builtin_multiple_choice
-            >>> from llm_calib.models import tiny_random_model
-            >>> model, tok = tiny_random_model()
-            >>> qs = builtin_multiple_choice(n_per_domain=3, domains=["capitals"])
-            >>> cfg = CalibrationConfig(lora=LoraSettings(layers=(1,)))
-            >>> build_trainer(model, tok, qs, qs[:2], cfg).fill_trunk_caches()
-            5
-        """
+        """Cache the trunk of every question now (nothing without a trunk cache); return the count."""
         encodings = list({id(e): e for e in (self.train, self.heldout, self.unlabeled)}.values())
         for enc in encodings:
             enc.fill_trunk_cache(self.lm, self.pad_id)
@@ -231,12 +220,11 @@ def run_format(train: Records, heldout: Records, config: CalibrationConfig,
     return fmt
 
 
-_SET_NAMES = {"train": "training", "heldout": "held-out", "unlabeled": "unlabelled", "eval": "evaluation"}
-_SET_USES = {
-    "train": "the lower-level (task) loss trains on it",
-    "heldout": "model selection and the accuracy guard score it",
-    "unlabeled": "the upper-level objective reads its inputs",
-    "eval": "the report scores it",
+_SET_NAMES_AND_USES = {
+    "train": ("training", "the lower-level (task) loss trains on it"),
+    "heldout": ("held-out", "model selection and the accuracy guard score it"),
+    "unlabeled": ("unlabelled", "the upper-level objective reads its inputs"),
+    "eval": ("evaluation", "the report scores it"),
 }
 
 
@@ -258,8 +246,7 @@ def check_not_empty(**sets: Records | None) -> None:
     """
     for role, data in sets.items():
         if data is not None and len(_records(data)) == 0:
-            name = _SET_NAMES.get(role, role)
-            use = _SET_USES.get(role, "the run needs it")
+            name, use = _SET_NAMES_AND_USES.get(role, (role, "the run needs it"))
             raise ValueError(f"the {name} set ({role}) is empty: {use}; pass at least one question")
 
 
