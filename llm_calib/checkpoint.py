@@ -72,7 +72,7 @@ def _owned(tensor: torch.Tensor) -> torch.Tensor:
 
 def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: dict[str, torch.Tensor],
                     state: dict[str, Any], keep: int = 2) -> Path:
-    """Write checkpoint ``step`` atomically and keep only the newest ``keep`` checkpoints.
+    """Write checkpoint ``step`` atomically, keep only the newest ``keep``; return its path.
 
     Args:
         directory: the run's checkpoint directory (created if missing).
@@ -80,9 +80,6 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: dict[
         tensors: named tensors (stored with safetensors).
         state: dicts, lists, numbers, strings, tensors (what ``weights_only`` loading reads).
         keep: how many checkpoints to retain (>= 1).
-
-    Returns:
-        The checkpoint's path.
 
     Raises:
         ValueError: ``keep < 1``.
@@ -136,17 +133,10 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read ``(tensors, state)`` of a checkpoint written by :func:`save_checkpoint` (``weights_only``).
+    """Read ``(tensors, state)`` of a checkpoint written by :func:`save_checkpoint` (its example round-trips).
 
     Raises:
         FileNotFoundError: a file of the checkpoint is missing.
-
-    Example:
-        >>> import tempfile, torch
-        >>> path = save_checkpoint(tempfile.mkdtemp(), 1, {"lam": torch.zeros(3)}, {"step": 1})
-        >>> tensors, state = load_checkpoint(path)
-        >>> sorted(tensors), state
-        (['lam'], {'step': 1})
     """
     path = Path(path)
     tensors = load_file(str(path / "tensors.safetensors"))

@@ -69,10 +69,9 @@ class CalmLosses:
         >>> from llm_calib.calm.config import LoraSettings
         >>> from llm_calib.calm.lora import attach_lora
         >>> from llm_calib.engine.packing import pack_continuations
-        >>> model, _ = tiny_random_model()
-        >>> lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
-        >>> losses = CalmLosses(lm, LogitAdjustment("vector", lm.head.out_features))
         >>> from llm_calib.formats import OpenEnded
+        >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))
+        >>> losses = CalmLosses(lm, LogitAdjustment("vector", lm.head.out_features))
         >>> batch = Batch(pack_continuations([((5, 6, 7), (8, 9))], 0), torch.zeros(1), ["q0"], OpenEnded())
         >>> lam = losses.adjustment.init()
         >>> bool(losses.inner(lm.theta(), lam, batch) > 0), bool(losses.outer(lm.theta(), lam, batch) < 0)
@@ -84,9 +83,8 @@ class CalmLosses:
         self.adjustment = adjustment
         self.normalize = normalize
 
-    def logits(
-        self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch, select: Tensor | None = None
-    ) -> Tensor:
+    def logits(self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch,
+               select: Tensor | None = None) -> Tensor:
         """Head logits at the batch's gathered rows (``select``: a subset of them), adjusted by a
         token-level λ (an option-level λ is applied to the scores)."""
         logits = self.lm.head_logits(theta, batch.packed, batch.trunk, select)
