@@ -12,7 +12,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,18 +23,15 @@ from tqdm.auto import tqdm
 from llm_calib import distributed
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig
-from llm_calib.calm.encoding import EncodedRecords, format_settings
+from llm_calib.calm.encoding import format_settings
 from llm_calib.calm.lora import peft_deprecations_silenced
-from llm_calib.calm.training import TrainingDiverged
-from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.calm.training import Records, TrainingDiverged
 from llm_calib.prompts import prompt_dict
 
 __all__ = ["BASE_MODEL_FILE", "CalibrationResult", "TrainingDiverged", "base_model_record", "calibrate"]
 
 BASE_MODEL_FILE = "base_model.json"
 """The file of a saved :class:`CalibrationResult` recording its base model (:func:`base_model_record`)."""
-
-Records = Sequence[MultipleChoice] | Sequence[OpenQA] | EncodedRecords
 
 
 @dataclass

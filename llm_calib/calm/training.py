@@ -54,6 +54,7 @@ __all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "SECOND_ORDER_SOLVERS", "
            "save_state", "select", "selection_note", "train_step", "warn_small_heldout"]
 
 Records = Sequence[MultipleChoice] | Sequence[OpenQA] | EncodedRecords
+"""Records of one kind, or their encoding (:class:`~llm_calib.calm.encoding.EncodedRecords`)."""
 
 
 
