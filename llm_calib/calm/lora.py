@@ -353,9 +353,8 @@ class FunctionalLM:
     def device(self) -> torch.device:
         return next(self.decoder.parameters()).device
 
-    def hidden_rows(
-        self, theta: dict[str, Tensor] | None, packed: PackedQuestions, trunk: Tensor | None = None
-    ) -> Tensor:
+    def hidden_rows(self, theta: dict[str, Tensor] | None, packed: PackedQuestions,
+                    trunk: Tensor | None = None) -> Tensor:
         """Final hidden states at ``packed.rows`` (``(R, hidden)``), with θ substituted; with
         ``trunk`` (:meth:`trunk_hidden`) only the layers from the first trainable one run."""
         if trunk is None:  # the engine's forward pass (one sequence per option where 4-D masks cannot go)
