@@ -78,7 +78,7 @@ def peft_deprecations_silenced() -> Iterator[None]:
 
 
 def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) -> Any:
-    """Wrap ``model`` with fresh LoRA adapters (``B = 0``: initially the base model); the base is frozen.
+    """Wrap ``model`` in a :class:`peft.PeftModel` with fresh LoRA adapters (``B = 0``); the base is frozen.
 
     With ``output_scale`` the final norm gets an adapter-owned copy (peft ``modules_to_save``) that
     :class:`FunctionalLM` trains as one scalar, ``base weight * exp(θ[OUTPUT_LOG_SCALE])``: an
@@ -88,9 +88,6 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
         model: a Hugging Face causal LM.
         settings: rank, alpha, dropout, target modules and layers.
         output_scale: also make the final norm's scale trainable.
-
-    Returns:
-        The :class:`peft.PeftModel`.
 
     Example:
         >>> from llm_calib.models import tiny_random_model

@@ -198,11 +198,7 @@ def run_format(train: Records, heldout: Records, config: CalibrationConfig,
                unlabeled: Records | None = None) -> TaskFormat:
     """The task format of the training records, with the other sets checked to be of its kind.
 
-    Args:
-        train: training records or their encoding.
-        heldout: held-out records (or their encoding).
-        config: the run's configuration.
-        unlabeled: upper-level inputs (or their encoding), or None.
+    ``train``, ``heldout`` and ``unlabeled`` (None: not given) are records or their encodings.
 
     Raises:
         ValueError: an empty set, or records of mixed kinds or another type (naming record and set).
@@ -257,14 +253,7 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
 
     Seeds torch with ``config.seed`` first. Under ``torchrun`` it also shards the frozen base
     (:func:`llm_calib.distributed.shard_frozen_base`) and uses :class:`DataParallelLosses`.
-
-    Args:
-        model: a Hugging Face causal LM without adapters.
-        tokenizer: its tokenizer.
-        train: training records, or an :class:`EncodedRecords` of them (reused, trunk cache included).
-        heldout: held-out records (or their encoding), of the same kind.
-        config: the run's configuration.
-        unlabeled: upper-level inputs (or their encoding); labels ignored. Default: held-out inputs.
+    The arguments are those of :func:`~llm_calib.calm.trainer.calibrate`.
 
     Raises:
         ValueError: records of mixed kinds or another type (naming the record); under
