@@ -1,10 +1,8 @@
 """Atomic, resumable checkpoints.
 
-A checkpoint is a directory ``ckpt-<step>/`` holding ``tensors.safetensors`` (named tensors such as
-LoRA weights and λ) and ``state.pt`` (optimizer states, RNG states, counters; read back with
-``torch.load(weights_only=True)``). It is written under a temporary name and renamed into place;
-then the ``LATEST`` pointer file is replaced atomically. A run killed at any moment therefore
-leaves the previous checkpoint intact and ``LATEST`` pointing at a complete one.
+A checkpoint is a directory ``ckpt-<step>/`` with ``tensors.safetensors`` and ``state.pt`` (read
+with ``torch.load(weights_only=True)``), written under a temporary name and renamed into place
+before the ``LATEST`` pointer is replaced: a killed run leaves ``LATEST`` naming a complete one.
 """
 
 from __future__ import annotations
@@ -26,10 +24,7 @@ __all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint", "write_jso
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to ``path`` atomically: a temporary file beside it, fsynced, then renamed.
-
-    A reader sees the old file or the new one, never a partial write; the parent directory is
-    created if missing, and the temporary file is removed if writing fails.
+    """Write ``text`` to ``path`` atomically (a temporary file beside it, fsynced, renamed; parents made).
 
     Example:
         >>> import pathlib, tempfile
@@ -55,8 +50,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
 
 
 def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
-    """Write ``obj`` as strict JSON (NaN and infinities as null, see :func:`llm_calib.report.jsonable`)
-    to ``path`` atomically (:func:`write_text_atomic`).
+    """Write ``obj`` as strict JSON (NaN and infinities as null) to ``path`` atomically.
 
     Example:
         >>> import json, pathlib, tempfile
@@ -70,37 +64,26 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor with its own memory: safetensors refuses tensors that share storage, as a
-    solver's state does when it holds the current θ itself (F2SA)."""
+    """A CPU tensor with its own memory (safetensors refuses shared storage, e.g. F2SA's state)."""
     out = tensor.detach().contiguous().cpu()
     shared = out.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
     return out.clone() if shared else out
 
 
-def save_checkpoint(
-    directory: str | os.PathLike[str],
-    step: int,
-    tensors: dict[str, torch.Tensor],
-    state: dict[str, Any],
-    keep: int = 2,
-) -> Path:
-    """Write checkpoint ``step`` atomically and keep only the newest ``keep`` checkpoints.
+def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: dict[str, torch.Tensor],
+                    state: dict[str, Any], keep: int = 2) -> Path:
+    """Write checkpoint ``step`` atomically, keep only the newest ``keep``; return its path.
 
     Args:
         directory: the run's checkpoint directory (created if missing).
         step: the step count the checkpoint represents.
         tensors: named tensors (stored with safetensors).
-        state: anything ``torch.save`` can store and ``torch.load(weights_only=True)`` can read
-            (dicts, lists, numbers, strings, tensors).
+        state: dicts, lists, numbers, strings, tensors (what ``weights_only`` loading reads).
         keep: how many checkpoints to retain (>= 1).
-
-    Returns:
-        The checkpoint's path.
 
     Raises:
         ValueError: ``keep < 1``.
-        OSError: the checkpoint could not be written (nothing is left half-written: the
-            temporary directory is removed and ``LATEST`` still names the previous checkpoint).
+        OSError: the checkpoint could not be written (``LATEST`` still names the previous one).
 
     Example:
         >>> import tempfile, torch
@@ -134,13 +117,7 @@ def save_checkpoint(
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """Return the newest complete checkpoint in ``directory``, or None when there is none.
-
-    Args:
-        directory: a checkpoint directory written by :func:`save_checkpoint` (it may not exist).
-
-    Returns:
-        The path named by ``LATEST`` when both of its files are present, else None.
+    """The checkpoint ``LATEST`` names in ``directory`` when complete, else None (also if no directory).
 
     Example:
         >>> import tempfile
@@ -156,23 +133,10 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a checkpoint written by :func:`save_checkpoint` (no pickle beyond weights_only).
-
-    Args:
-        path: the checkpoint directory (e.g. from :func:`latest_checkpoint`).
-
-    Returns:
-        ``(tensors, state)``: the named tensors and the state dict.
+    """Read ``(tensors, state)`` of a checkpoint written by :func:`save_checkpoint` (its example round-trips).
 
     Raises:
         FileNotFoundError: a file of the checkpoint is missing.
-
-    Example:
-        >>> import tempfile, torch
-        >>> path = save_checkpoint(tempfile.mkdtemp(), 1, {"lam": torch.zeros(3)}, {"step": 1})
-        >>> tensors, state = load_checkpoint(path)
-        >>> sorted(tensors), state
-        (['lam'], {'step': 1})
     """
     path = Path(path)
     tensors = load_file(str(path / "tensors.safetensors"))

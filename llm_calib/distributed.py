@@ -1,32 +1,14 @@
-"""Scale-out under ``torchrun`` on torch's own engines: FSDP2 shards the frozen base, DTensor
-reduces the gradients of the replicated trained parameters.
+"""Scale-out under ``torchrun``: FSDP2 shards the frozen base, DTensor reduces the trained gradients.
 
-Every rank evaluates its shard of each global batch. The trained parameters (LoRA θ, the output
-scale, λ) are small and replicated: every rank holds all of them and takes the identical optimiser
-step. The frozen base model is large and sharded (:func:`shard_frozen_base`, FSDP2's
-``fully_shard``): each rank stores ``1/world_size`` of its weights, which FSDP2 all-gathers module
-by module for each forward and backward pass and frees again.
-
-The losses are plain functions of this rank's shard; the trainer makes them losses of the global
-batch by two wrappers built from DTensor placements, so torch performs every collective:
-
-* :func:`replicated` marks the parameters as ``Replicate`` with a ``Partial`` gradient: DTensor's
-  autograd sums that gradient over ranks in the backward pass (the reduction DDP would do; one
-  all-reduce of all of them, flattened);
-* :func:`global_mean` averages a scalar loss over ranks (a ``Partial`` sum made whole).
-
-Together they give every rank the gradient of the global-batch mean, so any first-order method of
-:mod:`hypergrad` takes the same steps as one process on the combined batch (up to reduction
-order). Why not DDP's or FSDP2's own gradient reduction: both hook the accumulation into
-``param.grad`` that ``loss.backward()`` performs, and :mod:`hypergrad` takes its gradients with
-``torch.autograd.grad`` (functional: several gradients of several losses per step), where those
-hooks do not run and the gradients stay local to each rank (measured with DDP on 2 gloo ranks:
-``torch.autograd.grad`` returns each rank's own gradient, ``backward()`` their mean).
-
-Second derivatives (the implicit solver's Hessian-vector products) do not run under ``torchrun``:
-FSDP2 frees the gathered weights after the backward pass that a second one would need (measured:
-``RuntimeError: setStorage: ... storage of size 0``), and DTensor's gradient reduction is not itself
-differentiable.
+Each rank evaluates its shard of every global batch. The frozen base is sharded
+(:func:`shard_frozen_base`); the small trained parameters (θ, λ) are replicated and every rank takes
+the identical step. The losses call no collective; :func:`replicated` (gradients summed over
+ranks) and :func:`global_mean` (the loss averaged) make them losses of the global batch. DDP's or
+FSDP2's own reduction cannot serve: they hook ``backward()``'s accumulation into ``param.grad``,
+while :mod:`hypergrad` calls ``torch.autograd.grad`` (measured with DDP on 2 gloo ranks: each rank
+got its own gradient). Second derivatives do not run here: FSDP2 frees the gathered weights a
+second backward pass needs (measured: ``RuntimeError: setStorage: ... storage of size 0``).
+See :doc:`/tutorials/multi_gpu`.
 """
 
 from __future__ import annotations
@@ -38,23 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = [
-    "global_mean",
-    "init_from_env",
-    "is_distributed",
-    "parameter_bytes",
-    "rank",
-    "replicated",
-    "shard_frozen_base",
-    "world_size",
-]
+__all__ = ["global_mean", "init_from_env", "is_distributed", "parameter_bytes", "rank", "replicated",
+           "shard_frozen_base", "world_size"]
 
 
 def is_distributed() -> bool:
     """True when a process group with more than one rank is initialised.
-
-    Returns:
-        Whether losses and gradients are averaged across processes.
 
     Example:
         >>> is_distributed()   # a plain process, not launched by torchrun
@@ -66,9 +37,6 @@ def is_distributed() -> bool:
 def world_size() -> int:
     """Number of ranks (1 without a process group).
 
-    Returns:
-        The world size of the default process group, or 1.
-
     Example:
         >>> world_size()
         1
@@ -77,10 +45,7 @@ def world_size() -> int:
 
 
 def rank() -> int:
-    """This process's rank (0 without a process group).
-
-    Returns:
-        The rank in the default process group, or 0; rank 0 writes outputs.
+    """This process's rank (0 without a process group); rank 0 writes outputs.
 
     Example:
         >>> rank()
@@ -90,13 +55,9 @@ def rank() -> int:
 
 
 def init_from_env() -> bool:
-    """Initialise the default process group when launched by ``torchrun``; return whether it did.
+    """Initialise the default process group under ``torchrun`` (``WORLD_SIZE > 1``); return whether it did.
 
-    Uses nccl when CUDA is available, gloo otherwise (and then selects the GPU ``LOCAL_RANK``).
-
-    Returns:
-        True if this call initialised the process group; False when not launched with
-        ``WORLD_SIZE > 1`` or when a group already exists.
+    nccl on GPU ``LOCAL_RANK`` when CUDA is available, gloo otherwise; False when a group exists.
 
     Example:
         >>> init_from_env()   # not launched by torchrun: nothing to do
@@ -127,24 +88,16 @@ def _mesh(device: torch.device) -> Any:
 def replicated(params: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
     """Mark replicated parameters for a loss of this rank's shard: their gradients are summed over ranks.
 
-    The tensors are concatenated into one flat tensor (one per dtype and device) that goes through
-    ``DTensor.from_local(flat, [Replicate()]).to_local(grad_placements=[Partial()])`` and is split
-    back into views: the same values, and DTensor's autograd all-reduces (sums) the gradient
-    reaching them in the backward pass, also under ``torch.autograd.grad``. With
-    :func:`global_mean` on the loss, that sum is the gradient of the global-batch mean.
-
-    Why one flat tensor: each DTensor reduction is its own collective, and LoRA has many small
-    matrices. Measured with 2 gloo ranks on CPU, for the gradient of 120 LoRA matrices (rank 8 on
-    two projections of 30 layers of width 2048): 539 ms with one collective per matrix, 52 ms
-    through one flat tensor, 47 ms with a hand-written flat all-reduce, 16 ms without reduction.
+    One flat tensor per dtype and device goes through ``DTensor.from_local(flat, [Replicate()])
+    .to_local(grad_placements=[Partial()])`` and is split back into views, so DTensor's autograd
+    all-reduces their gradient, also under ``torch.autograd.grad``. Flat because each reduction is
+    a collective (measured, 2 gloo ranks, 120 LoRA matrices: 539 ms one per matrix, 52 ms flat).
 
     Args:
-        params: the parameters (a flat dict) about to be used in a loss, identical on every rank;
-            or None.
+        params: a flat dict of parameters, identical on every rank; or None.
 
     Returns:
-        The same values (plain tensors) whose gradients are summed over ranks; ``params`` itself
-        without a process group.
+        The same values whose gradients are summed over ranks; ``params`` without a process group.
 
     Example:
         >>> import torch
@@ -173,19 +126,9 @@ def replicated(params: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
 def global_mean(value: Tensor) -> Tensor:
     """Average a scalar loss over ranks (identity without a process group).
 
-    The value is this rank's share ``value / world_size`` of a DTensor ``Partial`` sum made whole
-    (``full_tensor``: one all-reduce); its backward pass hands every rank ``1 / world_size`` of
-    the incoming gradient, which :func:`replicated` parameters then sum over ranks.
-
-    torch has no differentiable mean across ranks with these semantics:
-    ``torch.distributed.nn.functional.all_reduce`` sums the incoming gradients over ranks as well,
-    which with :func:`replicated` would count each rank's contribution ``world_size`` times.
-
-    Args:
-        value: a scalar tensor, this rank's loss on its shard.
-
-    Returns:
-        The mean of ``value`` over ranks (differentiable), or ``value`` itself.
+    ``value / world_size`` as a DTensor ``Partial`` sum made whole (one all-reduce); its backward
+    hands every rank ``1 / world_size`` of the gradient. (``torch.distributed.nn.functional.all_reduce``
+    would also sum the gradients, counting each rank ``world_size`` times with :func:`replicated`.)
 
     Example:
         >>> import torch
@@ -220,20 +163,13 @@ def _shard_units(module: torch.nn.Module, shared: set[int]) -> list[torch.nn.Mod
 def shard_frozen_base(model: torch.nn.Module) -> list[str]:
     """Shard the frozen weights of ``model`` over the ranks with FSDP2 (``fully_shard``); return what it sharded.
 
-    Sharded, each its own FSDP2 unit (its weights all-gathered for its forward and backward
-    pass, freed after): every member of a ``ModuleList`` (a decoder layer) without trainable
-    parameters, and inside the others every frozen ``nn.Linear`` and ``nn.Embedding`` (the base
-    weights under LoRA, the MLP, the embeddings and the output head). Left replicated: the
-    trained parameters (LoRA θ, which :func:`replicated` handles), the norms of trained layers and
-    the final norm (one vector each; the output scale reads the final norm's weight directly), and
-    weights shared by two modules (tied embeddings: FSDP2 needs both users in one unit), and
-    quantised weights (4-bit or 8-bit bitsandbytes layers: their packed integers are replicated,
-    as without sharding).
+    Each unit is its own FSDP2 root: every frozen member of a ``ModuleList`` (a decoder layer), and
+    inside the others every frozen ``nn.Linear`` and ``nn.Embedding``. Left replicated: trained
+    parameters, norms, weights shared by two modules (tied embeddings) and quantised weights.
     Modules sharded before (a second method on the same base) are kept as they are.
 
     Args:
-        model: the model with its trainable parameters marked (``requires_grad``), on this rank's
-            device (``cpu`` with gloo, ``cuda:LOCAL_RANK`` with nccl).
+        model: the model with its trainable parameters marked, on this rank's device.
 
     Returns:
         The qualified names of the modules sharded by this call; empty without a process group.
@@ -265,13 +201,7 @@ def shard_frozen_base(model: torch.nn.Module) -> list[str]:
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameter storage this rank holds for ``model``: a sharded weight counts its local shard.
-
-    Args:
-        model: a model, sharded by :func:`shard_frozen_base` or not.
-
-    Returns:
-        The sum over parameters of the elements stored on this rank times their size.
+    """Bytes of parameter storage this rank holds for ``model`` (a sharded weight: its local shard).
 
     Example:
         >>> import torch

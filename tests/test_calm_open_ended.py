@@ -11,14 +11,13 @@ from _directional import directional_derivatives
 
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
-from llm_calib.calm.encoding import EncodingCache
+from llm_calib.calm.encoding import EncodingCache, encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.objectives import Batch, CalmLosses
 from llm_calib.calm.trainer import (
     CalibrationResult,
     TrainingDiverged,
     calibrate,
-    encode_batch_source,
 )
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.data import builtin_multiple_choice, one_record_per_alias
@@ -49,7 +48,7 @@ def setup():
     adjustment = LogitAdjustment("vector", lm.head.out_features)
     losses = CalmLosses(lm, adjustment)
     records = open_records(3)
-    enc = encode_batch_source(tok, records, CalibrationConfig())
+    enc = encode_records(tok, records, CalibrationConfig())
     return lm, theta, adjustment, losses, enc, tok
 
 
@@ -91,7 +90,7 @@ def test_short_answer_encoding_ends_the_target_with_the_stop_token_of_the_exampl
     *_, tok = setup
     records = open_records(2)
     cfg = CalibrationConfig(prompt=dict(open_examples=EXAMPLES))
-    enc = encode_batch_source(tok, records, cfg)
+    enc = encode_records(tok, records, cfg)
     assert [list(p) for p in enc.prompts] == encode_open_prompts(tok, records, short_answer_format(EXAMPLES))
     prompt = list(enc.prompts[0])
     rome = encode_continuation(tok, " Rome")
@@ -102,7 +101,7 @@ def test_short_answer_encoding_ends_the_target_with_the_stop_token_of_the_exampl
         done = finish_answer(tok, list(target), [0.5] * len(target), {tok.eos_token_id})
         assert (done.stop, done.text, done.token_ids) == ("newline", rec.answers[0], tuple(answer))
     # the chat prompt keeps the bare answer (no stop token), and the cache tells the two apart
-    chat = encode_batch_source(tok, records, CalibrationConfig())
+    chat = encode_records(tok, records, CalibrationConfig())
     assert [list(o[0]) for o in chat.options] == [encode_continuation(tok, " " + r.answers[0]) for r in records]
     assert enc.batch([0, 1], 0).answer_stop and not chat.batch([0, 1], 0).answer_stop
     cache = EncodingCache()
@@ -309,9 +308,9 @@ def test_mixing_record_kinds_raises_naming_the_record(data):
     with pytest.raises(ValueError, match=rf"heldout: record '{heldout[0].id}' is OpenQA"):
         calibrate(model, tok, mc, heldout, _cfg(), progress=False)
     with pytest.raises(ValueError, match=r"record 'x' is a SimpleNamespace"):
-        encode_batch_source(tok, [*train[:1], SimpleNamespace(id="x", question="q?")], _cfg())
+        encode_records(tok, [*train[:1], SimpleNamespace(id="x", question="q?")], _cfg())
     with pytest.raises(ValueError, match=r"record at position 1 is a dict"):
-        encode_batch_source(tok, [*train[:1], {"question": "q?"}], _cfg())
+        encode_records(tok, [*train[:1], {"question": "q?"}], _cfg())
     unanswerable = OpenQA("What happens after death?", (), "selfaware", "sa-1", answerable=False)
     with pytest.raises(ValueError, match="'sa-1' has no reference answer"):
         calibrate(model, tok, train, [*heldout, unanswerable], _cfg(), progress=False)
@@ -332,7 +331,7 @@ def test_save_load_gives_identical_teacher_forced_scores(data, tmp_path):
                        progress=False)
     assert result.metrics["after"]["selected_step"] > 0  # the adapter differs from the base model
     loaded = CalibrationResult.load(result.save(tmp_path / "res"), tiny_random_model(seed=0, init_std=0.1)[0])
-    enc = encode_batch_source(tok, heldout, result.config)
+    enc = encode_records(tok, heldout, result.config)
     original, again = _teacher_forced_logprobs(result.model, enc), _teacher_forced_logprobs(loaded.model, enc)
     base = _teacher_forced_logprobs(tiny_random_model(seed=0, init_std=0.1)[0], enc)
     assert torch.allclose(original, again, atol=1e-6, rtol=0)

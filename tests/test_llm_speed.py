@@ -15,7 +15,7 @@ from _benchmarks import load_benchmark
 
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
-from llm_calib.calm.encoding import encode_records as encode_batch_source
+from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.objectives import CalmLosses
 from llm_calib.data.records import MultipleChoice
@@ -50,7 +50,7 @@ def _adapted(tiny_model, tiny_tokenizer, records, output_scale=False):
         theta = lm.theta()
         theta["output_log_scale"] = torch.tensor(0.3)
         lm.load_theta(theta)
-    enc = encode_batch_source(tiny_tokenizer, records, config)
+    enc = encode_records(tiny_tokenizer, records, config)
     batch = enc.batch(range(len(records)), tiny_tokenizer.pad_token_id, lm)
     vocab = lm.head.out_features
     adjustment = LogitAdjustment("vector", vocab)

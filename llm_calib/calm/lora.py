@@ -24,43 +24,31 @@ from llm_calib.models import lm_head_logits, split_decoder_head
 if TYPE_CHECKING:
     from llm_calib.calm.config import LoraSettings
 
-__all__ = [
-    "OUTPUT_LOG_SCALE",
-    "TRUNK_CACHE_ARCHITECTURES",
-    "FunctionalLM",
-    "attach_lora",
-    "detach_lora",
-    "peft_deprecations_silenced",
-]
+__all__ = ["OUTPUT_LOG_SCALE", "TRUNK_CACHE_ARCHITECTURES", "FunctionalLM", "attach_lora", "detach_lora",
+           "peft_deprecations_silenced"]
 
 logger = logging.getLogger(__name__)
 
 OUTPUT_LOG_SCALE = "output_log_scale"
-"""Name of the θ leaf holding the log of the final norm's scale (see ``output_scale``)."""
+"""Name of the θ leaf holding the log of the final norm's scale (see :func:`attach_lora`)."""
 
 TRUNK_CACHE_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
-"""Decoders whose forward is exactly: token embedding, then the layers called as
-``layer(hidden, attention_mask=, position_ids=, position_embeddings=decoder.rotary_emb(...))``, then
-the final norm (no embedding scale, sliding windows or extra inputs), so :class:`FunctionalLM` can
-cache the frozen bottom layers and run the top ones alone. Any other decoder runs the full forward
-every time (logged once at construction): slower for top-k LoRA, never wrong."""
+"""Decoders whose forward is exactly embedding, layers (``layer(hidden, attention_mask=, position_ids=,
+position_embeddings=)``), final norm, so :class:`FunctionalLM` can cache the frozen bottom layers;
+any other decoder runs the full forward every step (slower for top-k LoRA, never wrong)."""
 
 
 def _final_norm_name(model: Any) -> str:
     decoder, _ = split_decoder_head(model)
     norm = getattr(decoder, "norm", None)
     if norm is not None and not _scales_with_weight(norm):
-        raise ValueError(
-            f"output_scale needs a final norm whose output scales with its weight; {type(norm).__name__} does "
-            "not (e.g. Gemma's RMSNorm multiplies by 1 + weight): set output_scale=False"
-        )
+        raise ValueError(f"output_scale needs a final norm whose output scales with its weight; {type(norm).__name__} "
+                         "does not (e.g. Gemma's RMSNorm multiplies by 1 + weight): set output_scale=False")
     for name, module in model.named_modules():
         if norm is not None and module is norm:
             return name
-    raise ValueError(
-        f"output_scale needs a decoder with a final norm module `norm`; {type(model).__name__} has none "
-        "(set output_scale=False)"
-    )
+    raise ValueError(f"output_scale needs a decoder with a final norm module `norm`; {type(model).__name__} has none "
+                     "(set output_scale=False)")
 
 
 def _scales_with_weight(norm: Any) -> bool:
@@ -77,10 +65,7 @@ def _scales_with_weight(norm: Any) -> bool:
 
 @contextlib.contextmanager
 def peft_deprecations_silenced() -> Iterator[None]:
-    """Silence the transformers deprecation that peft's own calls trigger (not ours to fix).
-
-    peft reads ``model.is_gradient_checkpointing``, deprecated in transformers 5 (renamed
-    ``is_activation_checkpointing``) when it wraps or loads an adapter.
+    """Silence the transformers 5 deprecation (``is_gradient_checkpointing``) that peft's own calls trigger.
 
     Example:
         >>> import warnings
@@ -93,58 +78,40 @@ def peft_deprecations_silenced() -> Iterator[None]:
 
 
 def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) -> Any:
-    """Wrap ``model`` with fresh LoRA adapters; the base weights are frozen.
+    """Wrap ``model`` in a :class:`peft.PeftModel` with fresh LoRA adapters (``B = 0``); the base is frozen.
 
-    LoRA's ``B`` matrices start at zero, so the adapted model initially computes exactly what the
-    base model does.
-
-    With ``output_scale`` the decoder's final norm also gets an adapter-owned copy (peft
-    ``modules_to_save``, so ``save_pretrained`` stores it) whose weight :class:`FunctionalLM`
-    trains as one scalar, ``base weight * exp(θ["output_log_scale"])``: the scale of every logit,
-    an in-model temperature that costs nothing at inference. LoRA in the layers below cannot
-    provide it, because the final RMSNorm fixes the scale of the hidden state it projects.
+    With ``output_scale`` the final norm gets an adapter-owned copy (peft ``modules_to_save``) that
+    :class:`FunctionalLM` trains as one scalar, ``base weight * exp(θ[OUTPUT_LOG_SCALE])``: an
+    in-model temperature (see :doc:`/methods/calm`).
 
     Args:
         model: a Hugging Face causal LM.
         settings: rank, alpha, dropout, target modules and layers.
-        output_scale: also make the final norm's scale trainable (see above).
-
-    Returns:
-        The :class:`peft.PeftModel`.
+        output_scale: also make the final norm's scale trainable.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
-        >>> model, _ = tiny_random_model()
         >>> from llm_calib.calm.config import LoraSettings
-        >>> peft_model = attach_lora(model, LoraSettings(rank=2, layers=(1,)))
+        >>> peft_model = attach_lora(tiny_random_model()[0], LoraSettings(rank=2, layers=(1,)))
         >>> sorted({n.split(".")[4] for n, p in peft_model.named_parameters() if p.requires_grad})
         ['1']
     """
     from peft import LoraConfig, get_peft_model
 
-    modules_to_save = [_final_norm_name(model)] if output_scale else None
     config = LoraConfig(
-        r=settings.rank,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
-        target_modules=list(settings.target_modules),
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM",
         layers_to_transform=settings.layer_indices(int(model.config.num_hidden_layers)),
-        bias="none",
-        task_type="CAUSAL_LM",
-        modules_to_save=modules_to_save,
-    )
+        modules_to_save=[_final_norm_name(model)] if output_scale else None)
     with peft_deprecations_silenced():
         peft_model = get_peft_model(model, config)
-    # Half-precision (or k-bit) base: the trained adapters, hence θ and its optimiser states, are
-    # float32 master weights (peft's default autocast does this; made explicit here).
+    # Half-precision (or k-bit) base: the trained adapters (θ, its optimiser states) stay float32.
     for name, param in peft_model.named_parameters():
         if "lora_" in name and param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
             param.data = param.data.float()
     if not any(p.requires_grad for n, p in peft_model.named_parameters() if "lora_" in n):
-        raise ValueError(
-            f"LoRA target_modules={settings.target_modules} matched no module of "
-            f"{type(model).__name__}; check the module names"
-        )
+        raise ValueError(f"LoRA target_modules={settings.target_modules} matched no module of "
+                         f"{type(model).__name__}; check the module names")
     if output_scale:
         # The copy is trained through one scalar (FunctionalLM), never coordinate by coordinate.
         for name, param in peft_model.named_parameters():
@@ -154,27 +121,21 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
 
 
 def detach_lora(model: Any) -> Any:
-    """Remove every adapter from a peft model (no merge) and return the bare base model.
+    """Remove every adapter from a peft model (no merge) and return the unchanged base model.
 
-    The base weights were frozen and never changed, so the result computes exactly what the base
-    did before :func:`attach_lora`: the next run can attach fresh adapters to it instead of
-    loading the base model again (what ``llm-calib calibrate`` does between methods).
+    The next run can attach fresh adapters to it instead of loading the base again.
 
     Args:
-        model: a :class:`peft.PeftModel` (or a plain model, returned as is).
-
-    Returns:
-        The base model, in eval mode.
+        model: a :class:`peft.PeftModel` (or a plain model, returned as is in eval mode).
 
     Raises:
         RuntimeError: an adapter module survived the removal.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
-        >>> base, _ = tiny_random_model()
-        >>> names = sorted(base.state_dict())
-        >>> before = base.model.norm.weight.clone()
         >>> from llm_calib.calm.config import LoraSettings
+        >>> base, _ = tiny_random_model()
+        >>> names, before = sorted(base.state_dict()), base.model.norm.weight.clone()
         >>> lm = FunctionalLM(attach_lora(base, LoraSettings(rank=2), output_scale=True))
         >>> lm.load_theta({**lm.theta(), OUTPUT_LOG_SCALE: torch.tensor(0.5)})  # a trained scale
         >>> back = detach_lora(lm.model)
@@ -183,8 +144,7 @@ def detach_lora(model: Any) -> Any:
     """
     if not hasattr(model, "get_base_model"):
         return model.eval()
-    # peft's unload keeps a trained modules_to_save copy (the output scale's norm) in the base;
-    # put the original module back first
+    # peft's unload keeps a modules_to_save copy (the output scale's norm): restore the original
     for name, module in list(model.named_modules()):
         if hasattr(module, "original_module") and hasattr(module, "modules_to_save"):
             parent_name, _, child = name.rpartition(".")
@@ -202,40 +162,29 @@ def detach_lora(model: Any) -> Any:
 class FunctionalLM:
     """A causal LM as a pure function of its trainable parameters θ.
 
-    ``theta`` is a ``dict[str, Tensor]`` keyed by parameter names relative to the decoder (for a
-    peft model: the LoRA weights). :meth:`head_logits` runs the decoder with θ substituted through
-    :func:`torch.func.functional_call` and applies the output head only at the gathered rows.
-
-    When the final norm has an adapter copy (``attach_lora(..., output_scale=True)``), θ also
-    holds the scalar :data:`OUTPUT_LOG_SCALE`; the copy's weight is the frozen base weight times
-    its exponential.
+    θ maps parameter names relative to the decoder (the LoRA weights, and with an output scale
+    :data:`OUTPUT_LOG_SCALE`) to tensors; :meth:`head_logits` runs the decoder with θ substituted
+    (:func:`torch.func.functional_call`) and the output head only at the gathered rows.
 
     Args:
         model: a Hugging Face causal LM or a peft wrapper of one.
+        cache_trunk: cache the frozen bottom layers when only top layers are trained.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> from llm_calib.calm.config import LoraSettings
-        >>> model, _ = tiny_random_model()
-        >>> lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
-        >>> all("lora_" in k for k in lm.theta())
-        True
-        >>> model, _ = tiny_random_model()
-        >>> lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2), output_scale=True))
-        >>> float(lm.theta()[OUTPUT_LOG_SCALE])
-        0.0
+        >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True))
+        >>> sorted({k.split(".")[-2] for k in lm.theta() if "lora_" in k}), float(lm.theta()[OUTPUT_LOG_SCALE])
+        (['default'], 0.0)
     """
 
     def __init__(self, model: Any, cache_trunk: bool = True) -> None:
         self.model = model
         self.base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.decoder, self.head = split_decoder_head(self.base)
-        trainable_layers = sorted(
-            {int(m.group(1)) for n, p in self.decoder.named_parameters() if p.requires_grad and (m := re.match(r"layers\.(\d+)\.", n))}
-        )
-        has_other_trainable = any(
-            p.requires_grad and not n.startswith("layers.") for n, p in self.decoder.named_parameters()
-        )
+        trained = [n for n, p in self.decoder.named_parameters() if p.requires_grad]
+        trainable_layers = sorted({int(m.group(1)) for n in trained if (m := re.match(r"layers\.(\d+)\.", n))})
+        has_other_trainable = any(not n.startswith("layers.") for n in trained)
         layered = all(hasattr(self.decoder, a) for a in ("layers", "norm", "rotary_emb"))
         known = type(self.decoder).__name__ in TRUNK_CACHE_ARCHITECTURES
         self._four_d_masks = accepts_packed_masks(self.base)
@@ -243,8 +192,7 @@ class FunctionalLM:
         """Whether the attention takes the packed 4-D masks; otherwise one sequence per option."""
         self._checkpointed = _install_functional_checkpointing(self.decoder)
         self.checkpointing = bool(self._checkpointed)
-        """Whether the decoder layers recompute activations in the backward pass (see
-        :meth:`train_mode`)."""
+        """Whether the decoder layers recompute activations in the backward pass."""
         norm = getattr(self.decoder, "norm", None)
         self._scaled_norm: str | None = None  # name (relative to the norm) of its adapter copy's weight
         if norm is not None and hasattr(norm, "original_module") and hasattr(norm, "modules_to_save"):
@@ -263,23 +211,10 @@ class FunctionalLM:
 
     @contextlib.contextmanager
     def train_mode(self) -> Iterator[None]:
-        """Training mode exactly where the trained parts need it, for the duration of a step.
+        """Training mode only on the LoRA dropouts and checkpointed layers, for a step.
 
-        Sets ``training`` on the LoRA dropout modules (when ``dropout > 0``) and, with gradient
-        checkpointing, on the checkpointed decoder layers themselves (transformers checkpoints only
-        in training mode), not on their children: the frozen base keeps its eval behaviour
-        (attention dropout off), so with ``dropout=0`` a step computes what it computes in eval
-        mode. Restores the previous flags afterwards.
-
-        Example:
-            >>> from llm_calib.models import tiny_random_model
-            >>> from llm_calib.calm.config import LoraSettings
-            >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2, dropout=0.1)).eval())
-            >>> with lm.train_mode():  # the 4 LoRA dropouts (q_proj, v_proj of 2 layers)
-            ...     sum(m.training for m in lm.model.modules())
-            4
-            >>> sum(m.training for m in lm.model.modules())
-            0
+        The frozen base keeps its eval behaviour (no attention dropout), so with ``dropout=0`` a
+        step computes what eval mode does; the previous flags are restored afterwards.
         """
         modules = [m for n, m in self.model.named_modules() if ".lora_dropout." in f".{n}" and isinstance(m, torch.nn.Dropout)]
         modules += self._checkpointed
@@ -307,20 +242,16 @@ class FunctionalLM:
         device = self.device
         with torch.inference_mode():
             if type(self.decoder).__name__ in TRUNK_CACHE_ARCHITECTURES:
-                # Only the bottom layers: the full forward would also run the top ones and keep
-                # every layer's states (about a quarter more time for the default top 6 of 30).
+                # Only the bottom layers (the full forward costs ~25% more for the top 6 of 30).
                 hidden = self.decoder.embed_tokens(packed.input_ids.to(device))
                 return self._run_layers(hidden, packed, range(self.trunk_layers)).clone()
             mask = packed.additive_mask(self.dtype) if packed.attention_mask.dim() == 4 else packed.attention_mask
-            out = self.decoder(
-                input_ids=packed.input_ids.to(device), attention_mask=mask.to(device),
-                position_ids=packed.position_ids.to(device), use_cache=False, output_hidden_states=True,
-            )
+            out = self.decoder(input_ids=packed.input_ids.to(device), attention_mask=mask.to(device),
+                               position_ids=packed.position_ids.to(device), use_cache=False, output_hidden_states=True)
         return out.hidden_states[self.trunk_layers].clone()
 
-    def _run_layers(
-        self, hidden: Tensor, packed: PackedQuestions, indices: range, per_layer: dict[int, dict[str, Tensor]] | None = None
-    ) -> Tensor:
+    def _run_layers(self, hidden: Tensor, packed: PackedQuestions, indices: range,
+                    per_layer: dict[int, dict[str, Tensor]] | None = None) -> Tensor:
         """Run decoder layers ``indices`` on ``hidden``, with θ substituted in the layers of ``per_layer``."""
         device = self.device
         pos = packed.position_ids.to(device)
@@ -368,8 +299,7 @@ class FunctionalLM:
         return theta, {self._scaled_norm: (base.to(log_scale.dtype) * torch.exp(log_scale)).to(base.dtype)}
 
     def decoder_parameters(self, theta: dict[str, Tensor]) -> dict[str, Tensor]:
-        """θ as parameters of the decoder module (names relative to it), for
-        :func:`torch.func.functional_call`: the output log-scale becomes the final norm's weight.
+        """θ as decoder parameters for :func:`torch.func.functional_call` (log-scale → norm weight).
 
         Example:
             >>> from llm_calib.models import tiny_random_model
@@ -385,8 +315,7 @@ class FunctionalLM:
     def _current_log_scale(self) -> Tensor:
         copy = dict(self.decoder.norm.named_parameters())[self._scaled_norm].detach()
         base = self._norm_base_weight.detach()
-        # The copy is always base * exp(s) with one scalar s, so the norm ratio recovers s exactly.
-        # float32 (float64 for float64 models) whatever the model's dtype: θ's master copy.
+        # The copy is base * exp(s), so the norm ratio recovers s; float32 (float64) master copy.
         master = torch.float64 if base.dtype == torch.float64 else torch.float32
         return torch.log(copy.double().norm() / base.double().norm()).to(master)
 
@@ -414,22 +343,17 @@ class FunctionalLM:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype of the base model (of its input embeddings: quantised weights are
-        stored as integers)."""
+        """The compute dtype of the base model (of its input embeddings: quantised weights are integers)."""
         return compute_dtype(self.base)
 
     @property
     def device(self) -> torch.device:
         return next(self.decoder.parameters()).device
 
-    def hidden_rows(
-        self, theta: dict[str, Tensor] | None, packed: PackedQuestions, trunk: Tensor | None = None
-    ) -> Tensor:
-        """Final hidden states at ``packed.rows`` (``(R, hidden)``), with θ substituted.
-
-        With ``trunk`` (from :meth:`trunk_hidden`) only the layers from the first trainable one up
-        run; the result equals the full forward.
-        """
+    def hidden_rows(self, theta: dict[str, Tensor] | None, packed: PackedQuestions,
+                    trunk: Tensor | None = None) -> Tensor:
+        """Final hidden states at ``packed.rows`` (``(R, hidden)``), with θ substituted; with
+        ``trunk`` (:meth:`trunk_hidden`) only the layers from the first trainable one run."""
         if trunk is None:  # the engine's forward pass (one sequence per option where 4-D masks cannot go)
             params = None if theta is None else self.decoder_parameters(theta)
             return forward_rows(self.base, packed, packed_masks=self.packed_masks, parameters=params)[0]
@@ -440,19 +364,10 @@ class FunctionalLM:
         hidden = self._top_layers(theta, packed, trunk)
         return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(self.device)]
 
-    def head_logits(
-        self,
-        theta: dict[str, Tensor] | None,
-        packed: PackedQuestions,
-        trunk: Tensor | None = None,
-        select: Tensor | None = None,
-    ) -> Tensor:
-        """Vocabulary logits ``(R, V)`` at ``packed.rows`` (float32 for half-precision models).
-
-        ``select`` (indices into ``packed.rows``) keeps only those rows before the output head,
-        so a loss that reads a few positions (e.g. :meth:`PackedQuestions.answer_start_rows`)
-        pays for the vocabulary projection only there.
-        """
+    def head_logits(self, theta: dict[str, Tensor] | None, packed: PackedQuestions, trunk: Tensor | None = None,
+                    select: Tensor | None = None) -> Tensor:
+        """Vocabulary logits ``(R, V)`` at ``packed.rows`` (float32 for half-precision models);
+        ``select`` (indices into the rows) projects only those rows."""
         hidden = self.hidden_rows(theta, packed, trunk)
         if select is not None:
             hidden = hidden[select.to(hidden.device)]
@@ -480,13 +395,9 @@ def _parameters_set(module: torch.nn.Module, tensors: dict[str, Tensor]) -> Iter
 def _functional_checkpoint(layer: torch.nn.Module) -> Callable[..., Any]:
     """A checkpointing function for ``layer`` that stays correct under ``functional_call``.
 
-    transformers' default recomputes the layer in the backward pass with whatever parameters the
-    module holds then, which after :func:`torch.func.functional_call` has returned are the module's
-    own, not the θ that was substituted: silently wrong gradients. This one captures the
-    trained parameters the forward saw (those θ substitutes: the ones with ``requires_grad`` when
-    the layer was set up) and substitutes them again for the recomputation. The frozen weights are
-    left alone: they never change, and where FSDP2 shards them it gathers them for the
-    recomputation itself (substituting those too would undo its gathering).
+    transformers' default recomputes with the module's own parameters, not the substituted θ
+    (silently wrong gradients); this one substitutes the trained parameters the forward saw again.
+    Frozen weights are left alone: FSDP2 gathers them for the recomputation itself.
     """
     from torch.utils.checkpoint import checkpoint
 

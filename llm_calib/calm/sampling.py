@@ -1,9 +1,7 @@
 """The seeded batch order of a calibration run, and its split over data-parallel ranks.
 
-Each record set of a run (training questions, upper-level inputs) is read in its own stream: for
-epoch ``e`` a permutation seeded by ``(seed, e, stream)``, cut into consecutive batches. The order
-depends only on these numbers and the set's size, so a resumed run, a run on more ranks and a
-benchmark that replays a run's steps all see the same batches.
+Each record set is read in its own stream: per epoch a permutation seeded by (seed, epoch, stream)
+cut into batches, so resumed runs, more ranks and replayed steps all see the same batches.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ import torch
 
 from llm_calib import distributed
 
-__all__ = ["TRAIN_STREAM", "UPPER_STREAM", "batch_indices", "permutation", "shard"]
+__all__ = ["TRAIN_STREAM", "UPPER_STREAM", "batch_indices", "shard"]
 
 TRAIN_STREAM = 0
 """Stream of the training questions (lower level, and the one-level baselines' loss)."""
@@ -21,32 +19,14 @@ UPPER_STREAM = 1
 """Stream of the unlabelled upper-level inputs (CALM's f, the confidence penalty's entropy)."""
 
 
-def permutation(n: int, seed: int, epoch: int, stream: int) -> list[int]:
-    """The seeded order of ``n`` records in ``epoch`` of ``stream``.
-
-    Example:
-        >>> sorted(permutation(5, seed=0, epoch=0, stream=0))
-        [0, 1, 2, 3, 4]
-    """
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 7919 + stream)
-    return torch.randperm(n, generator=gen).tolist()
-
-
 def batch_indices(n: int, batch_size: int, step: int, seed: int, stream: int) -> list[int]:
     """The global batch of ``step`` (0-based): consecutive slices of a per-epoch seeded permutation.
 
     An epoch has ``max(1, n // batch_size)`` batches (a remainder is dropped); with
     ``batch_size >= n`` every batch is the whole permuted set.
 
-    Args:
-        n: records in the set.
-        batch_size: records per batch.
-        step: the training step.
-        seed: the run's seed.
-        stream: :data:`TRAIN_STREAM`, :data:`UPPER_STREAM` or another stream id.
-
-    Returns:
-        Record indices of the batch.
+    Raises:
+        ValueError: ``n`` or ``batch_size`` below 1.
 
     Example:
         >>> a = batch_indices(10, 4, step=0, seed=0, stream=0)
@@ -58,7 +38,8 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int, stream: int) ->
         raise ValueError(f"n and batch_size must be >= 1, got n={n}, batch_size={batch_size}")
     per_epoch = max(1, n // batch_size)
     epoch, k = divmod(step, per_epoch)
-    perm = permutation(n, seed, epoch, stream)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 7919 + stream)
+    perm = torch.randperm(n, generator=gen).tolist()
     if batch_size >= n:
         return perm
     return perm[k * batch_size : (k + 1) * batch_size]

@@ -1,21 +1,8 @@
 """``calibrate``: CALM (BOME or F2SA from :mod:`hypergrad`) and the one-level baselines, end to end.
 
-One code path trains every method on the same data order, budget and seed. Each step draws an
-inner batch from the training set and, for CALM and the confidence penalty, a batch of unlabelled
-upper-level inputs (by default the held-out inputs; labels unused by the objective). Every
-``eval_every`` steps the deployed model is scored on the whole held-out set; the run keeps the
-parameters with the lowest held-out ECE among those whose accuracy stays above ``guard_accuracy``
-times the initial accuracy, and stops early (rolling back) when accuracy falls below it, so the
-recipe cannot degenerate into uniform predictions.
-
-A run trains on one kind of record: multiple-choice questions (option scores) or open questions
-(the reference answer as a continuation of the open-ended scorer's prompt); see
-:mod:`llm_calib.calm.objectives` for the losses of each kind. For open questions the held-out
-metrics are a cheap teacher-forced proxy of greedy answering (:meth:`CalmLosses.monitor
-<llm_calib.calm.objectives.CalmLosses.monitor>`), not generated answers.
-
-:func:`calibrate` is a short sequence of the stages in :mod:`llm_calib.calm.training`; use those
-to drive or inspect a run step by step.
+One code path trains every method on the same data order, budget and seed; model selection keeps
+the lowest held-out ECE above the accuracy guard (see :doc:`/methods/calm`). :func:`calibrate`
+is a short sequence of the stages in :mod:`llm_calib.calm.training`.
 """
 
 from __future__ import annotations
@@ -25,7 +12,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,25 +23,15 @@ from tqdm.auto import tqdm
 from llm_calib import distributed
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig
-from llm_calib.calm.encoding import EncodedRecords, encode_records, format_settings
+from llm_calib.calm.encoding import format_settings
 from llm_calib.calm.lora import peft_deprecations_silenced
-from llm_calib.calm.training import TrainingDiverged
-from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.calm.training import Records, TrainingDiverged
 from llm_calib.prompts import prompt_dict
 
-__all__ = ["BASE_MODEL_FILE", "CalibrationResult", "TrainingDiverged", "base_model_record", "calibrate",
-           "encode_batch_source"]
+__all__ = ["BASE_MODEL_FILE", "CalibrationResult", "TrainingDiverged", "base_model_record", "calibrate"]
 
 BASE_MODEL_FILE = "base_model.json"
-"""The file of a saved :class:`CalibrationResult` that records what the adapter was trained on:
-``model`` (the base model as it was named when loaded), ``dtype``, ``prompt`` (the multiple-choice
-prompt format, :func:`~llm_calib.prompts.prompt_dict`), ``scorer`` and ``normalize``. Results saved
-before it existed have none."""
-
-encode_batch_source = encode_records
-"""Former name of :func:`llm_calib.calm.encoding.encode_records` (kept for existing callers)."""
-
-Records = Sequence[MultipleChoice] | Sequence[OpenQA] | EncodedRecords
+"""The file of a saved :class:`CalibrationResult` recording its base model (:func:`base_model_record`)."""
 
 
 @dataclass
@@ -62,21 +39,15 @@ class CalibrationResult:
     """The outcome of :func:`calibrate`.
 
     Attributes:
-        model: the calibrated model (peft model with the selected adapter weights loaded). It is
-            deployed as is: λ is not needed at inference.
-        lam: the logit adjustment λ of the selected step, the one saved with ``model`` (the
-            last step's λ is in the checkpoint; for inspection and research; CALM only).
-        history: per step: the step's record of :func:`~llm_calib.calm.training.train_step`
-            (losses, unlabelled entropy, λ summaries, BOME's φ and q) and, at evaluations,
-            held-out accuracy/ECE/NLL/entropy.
+        model: the calibrated peft model (selected adapter weights loaded), deployed as is.
+        lam: the logit adjustment λ of the selected step (not needed at inference; CALM only).
+        history: per step, the record of :func:`~llm_calib.calm.training.train_step` and, at
+            evaluations, the held-out metrics.
         metrics: held-out metrics before and after training (``"before"``, ``"after"``).
         config: the run's configuration.
         timings: wall-clock seconds per phase.
-        base: what the adapter was trained on (:func:`base_model_record`; written to
-            :data:`BASE_MODEL_FILE`): the base model's name, its dtype and the prompt. Empty for
-            results saved before it was recorded.
-        notes: what the run wants its user to know, one line each: why model selection kept
-            the initial model (:func:`~llm_calib.calm.training.selection_note`), and what to try.
+        base: :func:`base_model_record` (empty for results saved before it was recorded).
+        notes: one line each: why selection kept the initial model, and what to try.
     """
 
     model: Any
@@ -89,9 +60,8 @@ class CalibrationResult:
     notes: list[str] = field(default_factory=list)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write ``adapter/`` (peft ``save_pretrained``), ``lambda.safetensors``, ``config.json``,
-        ``history.json``, ``metrics.json`` and (when :attr:`base` is known) ``base_model.json``
-        into ``directory``."""
+        """Write ``adapter/``, ``lambda.safetensors``, ``config.json``, ``history.json``,
+        ``metrics.json`` and (when known) :data:`BASE_MODEL_FILE` into ``directory``."""
         from safetensors.torch import save_file
 
         from llm_calib.file_modes import ordinary_modes
@@ -137,17 +107,9 @@ class CalibrationResult:
 def base_model_record(model: Any, config: CalibrationConfig) -> dict[str, Any]:
     """What a result records of its base model and prompt (:data:`BASE_MODEL_FILE`).
 
-    ``model``: the name the base model was loaded from (``config._name_or_path``; the command line
-    replaces it with the ``--model`` it was given), or None when unknown; ``dtype``: the dtype of
-    its parameters; ``prompt``: the multiple-choice prompt format of ``config``
-    (:func:`~llm_calib.prompts.prompt_dict`); ``scorer`` and ``normalize``.
-
-    Args:
-        model: the base causal LM.
-        config: the run's configuration.
-
     Returns:
-        A JSON-ready dict.
+        JSON-ready ``model`` (``config._name_or_path`` or None), ``dtype``, ``prompt``
+        (:func:`~llm_calib.prompts.prompt_dict`), ``scorer`` and ``normalize``.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -159,84 +121,50 @@ def base_model_record(model: Any, config: CalibrationConfig) -> dict[str, Any]:
     name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
     param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
     dtype = str(param.dtype).removeprefix("torch.") if param is not None else None
-    return {
-        "model": name,
-        "dtype": dtype,
-        "prompt": prompt_dict(settings["prompt"]),
-        "scorer": settings["scorer"],
-        "normalize": settings["normalize"],
-    }
+    return {"model": name, "dtype": dtype, "prompt": prompt_dict(settings["prompt"]),
+            "scorer": settings["scorer"], "normalize": settings["normalize"]}
 
 
-def calibrate(
-    model: Any,
-    tokenizer: Any,
-    train: Records,
-    heldout: Records,
-    config: CalibrationConfig | None = None,
-    *,
-    unlabeled: Records | None = None,
-    checkpoint_dir: str | os.PathLike[str] | None = None,
-    resume: bool = False,
-    progress: bool = True,
-) -> CalibrationResult:
+def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, config: CalibrationConfig | None = None,
+              *, unlabeled: Records | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
+              resume: bool = False, progress: bool = True) -> CalibrationResult:
     """Fine-tune ``model`` (LoRA) so that its confidence is calibrated; return the result.
 
     Args:
-        model: a Hugging Face causal LM; LoRA adapters are attached to it (its own weights stay
-            frozen). Pass a model without adapters: a fresh copy, or the previous run's
-            ``result.model`` after :func:`~llm_calib.calm.lora.detach_lora`.
+        model: a Hugging Face causal LM without adapters (LoRA is attached; its weights stay frozen).
         tokenizer: its tokenizer.
-        train: labelled questions for the lower level (task cross-entropy): all
-            multiple-choice, or all open questions (trained on their first reference alias); or
-            their :class:`~llm_calib.calm.encoding.EncodedRecords` (reused with its trunk cache).
-        heldout: held-out questions of the same kind (or their encoding). Their labels are used
-            for monitoring, model selection and the accuracy guard (for open questions through
-            a teacher-forced proxy, see :meth:`CalmLosses.monitor
-            <llm_calib.calm.objectives.CalmLosses.monitor>`); their inputs are the upper-level
-            inputs unless ``unlabeled`` is given.
+        train: labelled questions (all multiple-choice, or all open), or their
+            :class:`~llm_calib.calm.encoding.EncodedRecords` (reused with its trunk cache).
+        heldout: held-out questions of the same kind: model selection and the accuracy guard;
+            also the upper-level inputs unless ``unlabeled`` is given.
         config: the run's configuration (default :class:`CalibrationConfig()`).
-        unlabeled: inputs of the upper-level objective (CALM's entropy f, and the confidence
-            penalty's entropy term), of the same kind; labels in them are ignored, so any
-            record set of that kind works. Encoded once, read in batches of
-            ``config.training.heldout_batch_size`` in their own seeded order. Default: the held-out inputs.
+        unlabeled: upper-level inputs of the same kind (labels ignored). Default: held-out inputs.
         checkpoint_dir: where to write checkpoints every ``config.checkpoint_every`` steps.
-        resume: continue from the newest checkpoint in ``checkpoint_dir`` when there is one. The
-            checkpoint must come from the same configuration (``training.steps`` and
-            ``checkpoint_every`` may differ) and the same records.
-        progress: show a tqdm progress bar (loss, entropy, held-out ECE).
-
-    Returns:
-        A :class:`CalibrationResult`.
+        resume: continue from the newest checkpoint in ``checkpoint_dir`` (same configuration but
+            for ``training.steps`` and ``checkpoint_every``, same records).
+        progress: show a tqdm progress bar.
 
     Warns:
-        UserWarning: when model selection kept the initial model (step 0): one line saying why
-            and what to try (also in :attr:`CalibrationResult.notes`).
+        UserWarning: model selection kept the initial model (why, and what to try).
 
     Raises:
-        TrainingDiverged: when a loss or update is NaN/inf (names the step and the batch).
-        ValueError: an empty training, held-out or unlabelled set (naming it); records of both kinds, or of another type (names the record); ``resume``
-            from a checkpoint of another configuration or other data (names the fields).
+        TrainingDiverged: a loss or update is NaN/inf (names the step and the batch).
+        ValueError: an empty set, records of mixed kinds or another type (naming it), or
+            ``resume`` from a checkpoint of another configuration or data (names the fields).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> from llm_calib.data import builtin_multiple_choice
+        >>> from llm_calib.calm.config import SelectionSettings, TrainingSettings
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> from llm_calib.calm.config import SelectionSettings, TrainingSettings
         >>> cfg = CalibrationConfig(training=TrainingSettings(steps=2, batch_size=2, heldout_batch_size=2),
         ...                         selection=SelectionSettings(eval_every=1))
-        >>> res = calibrate(model, tok, qs[:2], qs[2:], cfg, progress=False)
-        >>> sorted(res.metrics)
+        >>> sorted(calibrate(model, tok, qs[:2], qs[2:], cfg, progress=False).metrics)
         ['after', 'before']
-        >>> from llm_calib.data import OpenQA
-        >>> open_qs = [OpenQA(f"What is {i} + 1?", (str(i + 1),), "sums", f"s{i}") for i in range(4)]
-        >>> res = calibrate(tiny_random_model()[0], tok, open_qs[:2], open_qs[2:], cfg, progress=False)
-        >>> sorted(res.metrics["after"])[:3]
-        ['accuracy', 'confidence', 'ece']
     """
     config = config or CalibrationConfig()
-    # Check the kinds before touching the model, so a bad mix fails fast and names the record.
+    # Check the kinds before touching the model: a bad mix fails fast and names the record.
     training.run_format(train, heldout, config, unlabeled)
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
     timings: dict[str, float] = {}

@@ -1,9 +1,7 @@
 """The public training loop of a calibration run, as small functions on two dataclasses.
 
-:class:`Trainer` holds what a run does not change (the LoRA-adapted model, the losses, the
-encoded record sets, the solver); :class:`TrainState` what it changes (θ, λ, optimiser states,
-the history, the selected parameters). A run is then, in the style of ``optax``'s ``init`` /
-``update`` pairs::
+:class:`Trainer` holds what a run does not change (model, losses, encoded data, solver);
+:class:`TrainState` what it changes (θ, λ, optimiser states, history, selection). A run::
 
     trainer = build_trainer(model, tokenizer, train, heldout, config)
     state = init_state(trainer)                     # evaluates the initial model
@@ -13,15 +11,8 @@ the history, the selected parameters). A run is then, in the style of ``optax``'
             record.update(select(trainer, state, evaluate(trainer, state.theta)))
         state.history.append(record)
 
-which is what :func:`llm_calib.calm.trainer.calibrate` runs, with checkpoints
-(:func:`save_state`, :func:`resume_state`) and a progress bar around it. Benchmarks and research
-code call the same functions to time or inspect single steps.
-
-Each step draws a batch of training questions (lower level g: adjusted cross-entropy) and, for
-CALM and the confidence penalty, a batch of unlabelled upper-level inputs (CALM's f, the penalty's
-entropy term), each from its own seeded stream (:mod:`llm_calib.calm.sampling`). The unlabelled
-inputs default to the held-out inputs; the held-out labels serve only model selection and the
-accuracy guard (:func:`select`).
+is what :func:`llm_calib.calm.trainer.calibrate` runs, with checkpoints (:func:`save_state`,
+:func:`resume_state`) around it. Batches come from seeded streams (:mod:`llm_calib.calm.sampling`).
 """
 
 from __future__ import annotations
@@ -56,34 +47,15 @@ from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.formats.base import TaskFormat
 from llm_calib.metrics import ece as ece_metric
 
-__all__ = [
-    "MIN_GUARD_QUESTIONS",
-    "RESUMABLE_CHANGES",
-    "SECOND_ORDER_SOLVERS",
-    "TrainState",
-    "Trainer",
-    "TrainingDiverged",
-    "best_candidate",
-    "build_trainer",
-    "check_not_empty",
-    "check_scale_out",
-    "data_fingerprint",
-    "done",
-    "evaluate",
-    "evaluation_due",
-    "init_state",
-    "is_selectable",
-    "parameter_summary",
-    "resume_state",
-    "run_format",
-    "save_state",
-    "select",
-    "selection_note",
-    "train_step",
-    "warn_small_heldout",
-]
+__all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "SECOND_ORDER_SOLVERS", "TrainState",
+           "Trainer", "TrainingDiverged", "best_candidate", "build_trainer", "check_not_empty",
+           "check_scale_out", "data_fingerprint", "done", "evaluate", "evaluation_due",
+           "init_state", "is_selectable", "parameter_summary", "resume_state", "run_format",
+           "save_state", "select", "selection_note", "train_step", "warn_small_heldout"]
 
 Records = Sequence[MultipleChoice] | Sequence[OpenQA] | EncodedRecords
+"""Records of one kind, or their encoding (:class:`~llm_calib.calm.encoding.EncodedRecords`)."""
+
 
 
 class TrainingDiverged(FloatingPointError):  # noqa: N818 (public name)
@@ -115,22 +87,18 @@ class Trainer:
 
     Attributes:
         config: the run's configuration.
-        model: the peft model (LoRA attached; its adapter weights are the deployed θ).
+        model: the peft model (its adapter weights are the deployed θ).
         lm: the functional view of ``model`` that the losses evaluate.
         losses: g, f, the baselines and the held-out monitor (:class:`CalmLosses`).
         train: encoded training questions (lower level).
         heldout: encoded held-out questions (model selection and the accuracy guard).
-        unlabeled: encoded upper-level inputs (CALM's f, the confidence penalty's entropy); the
-            same object as ``heldout`` unless other inputs were given.
+        unlabeled: encoded upper-level inputs; ``heldout`` itself unless others were given.
         pad_id: the tokenizer's padding id.
-        theta_optimizer: θ's optimiser for the one-level baselines (:func:`theta_optimizer`).
-        solver: the bilevel solver of the objective (CALM's, see
-            :mod:`llm_calib.objectives.calm`), None for a one-level objective.
-        problem: ``BilevelProblem(inner=g, outer=f)`` the solver is called on (None for a baseline).
-        step_losses: the first value of g and f the solver computed in the current step (recorded
-            in the step's history without an extra forward pass).
-        objective: the run's objective; :func:`train_step` calls its ``step``. None (default):
-            ``config.objective``.
+        theta_optimizer: θ's optimiser for the one-level baselines.
+        solver: the bilevel solver, None for a one-level objective.
+        problem: ``BilevelProblem(inner=g, outer=f)`` for the solver (None for a baseline).
+        step_losses: the first g and f the solver computed in the current step.
+        objective: the run's objective (default ``config.objective``).
     """
 
     config: CalibrationConfig
@@ -152,28 +120,16 @@ class Trainer:
             self.objective = self.config.objective
 
     def with_losses(self, losses: CalmLosses) -> Trainer:
-        """A copy computing g, f and the baselines with ``losses`` (same model, data and solver):
-        to run another implementation of the objectives, e.g. a slow reference, on the same steps."""
+        """A copy computing the losses with ``losses`` (e.g. a slow reference) on the same steps."""
         recorder = _FirstValues()
         problem = None
         if self.solver is not None:
-            problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner), outer=recorder.wrap("f", losses.outer))
+            problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner),
+                                        outer=recorder.wrap("f", losses.outer))
         return dataclasses.replace(self, losses=losses, problem=problem, step_losses=recorder)
 
     def fill_trunk_caches(self) -> int:
-        """Compute the cached trunk of every training, held-out and upper-level question now (a
-        one-time cost that the first steps and evaluations would otherwise pay); nothing without a
-        trunk-caching model. Returns the cached questions' count.
-
-        Example:
-            >>> from llm_calib.calm.config import LoraSettings
-            >>> from llm_calib.data import builtin_multiple_choice
-            >>> from llm_calib.models import tiny_random_model
-            >>> model, tok = tiny_random_model()
-            >>> qs = builtin_multiple_choice(n_per_domain=3, domains=["capitals"])
-            >>> build_trainer(model, tok, qs, qs[:2], CalibrationConfig(lora=LoraSettings(layers=(1,)))).fill_trunk_caches()
-            5
-        """
+        """Cache the trunk of every question now (nothing without a trunk cache); return the count."""
         encodings = list({id(e): e for e in (self.train, self.heldout, self.unlabeled)}.values())
         for enc in encodings:
             enc.fill_trunk_cache(self.lm, self.pad_id)
@@ -186,16 +142,16 @@ class Trainer:
 
     def train_batch(self, step: int) -> Batch:
         """This rank's training batch of ``step`` (0-based)."""
-        n = len(self.train.records)
-        idx = sampling.shard(sampling.batch_indices(n, self.config.training.batch_size, step, self.config.seed, sampling.TRAIN_STREAM))
-        return self.train.batch(idx, self.pad_id, self.lm)
+        return self._batch(self.train, self.config.training.batch_size, step, sampling.TRAIN_STREAM)
 
     def unlabeled_batch(self, step: int) -> Batch:
         """This rank's batch of upper-level inputs of ``step`` (labels unused)."""
-        n = len(self.unlabeled.records)
-        cfg = self.config
-        idx = sampling.shard(sampling.batch_indices(n, cfg.training.heldout_batch_size, step, cfg.seed, sampling.UPPER_STREAM))
-        return self.unlabeled.batch(idx, self.pad_id, self.lm)
+        size = self.config.training.heldout_batch_size
+        return self._batch(self.unlabeled, size, step, sampling.UPPER_STREAM)
+
+    def _batch(self, data: EncodedRecords, size: int, step: int, stream: int) -> Batch:
+        idx = sampling.batch_indices(len(data.records), size, step, self.config.seed, stream)
+        return data.batch(sampling.shard(idx), self.pad_id, self.lm)
 
 
 @dataclass
@@ -205,14 +161,13 @@ class TrainState:
     Attributes:
         step: steps taken.
         theta: the current LoRA parameters θ (detached tensors).
-        lam: the current λ (leaf tensors with ``requires_grad``, stepped by ``lam_optimizer``).
+        lam: the current λ (leaf tensors stepped by ``lam_optimizer``).
         lam_optimizer: λ's :class:`torch.optim.Adam`.
         theta_opt_state: θ's optimiser state (the baselines').
         solver_state: the solver's state (BOME's θ optimiser, F2SA's iterates), or None.
         history: one record per step (see :func:`train_step`, :func:`select`).
         before: held-out metrics of the initial model.
-        best: the selected step, its held-out ECE and the count of consecutive evaluations
-            below the accuracy floor.
+        best: the selected step, its held-out ECE and the count of evaluations below the floor.
         best_theta, best_lam: θ and λ of the selected step.
         stopped_early: the accuracy guard stopped the run.
     """
@@ -239,22 +194,14 @@ def _records(data: Records) -> Sequence[Any]:
     return data.records if isinstance(data, EncodedRecords) else data
 
 
-def run_format(train: Records, heldout: Records, config: CalibrationConfig, unlabeled: Records | None = None) -> TaskFormat:
-    """The task format of a run: that of the training records (of their encoding, when encoded),
-    with the held-out and upper-level records checked to be of the same kind.
+def run_format(train: Records, heldout: Records, config: CalibrationConfig,
+               unlabeled: Records | None = None) -> TaskFormat:
+    """The task format of the training records, with the other sets checked to be of its kind.
 
-    Args:
-        train: training records or their encoding.
-        heldout: held-out records (or their encoding).
-        config: the run's configuration.
-        unlabeled: upper-level inputs (or their encoding), or None.
-
-    Returns:
-        The :class:`~llm_calib.formats.base.TaskFormat` the run trains and monitors with.
+    ``train``, ``heldout`` and ``unlabeled`` (None: not given) are records or their encodings.
 
     Raises:
-        ValueError: an empty set (:func:`check_not_empty`), or records of mixed kinds or of
-            another type (naming the record and the set).
+        ValueError: an empty set, or records of mixed kinds or another type (naming record and set).
 
     Example:
         >>> from llm_calib.data import builtin_multiple_choice
@@ -270,24 +217,19 @@ def run_format(train: Records, heldout: Records, config: CalibrationConfig, unla
     return fmt
 
 
-_SET_NAMES = {"train": "training", "heldout": "held-out", "unlabeled": "unlabelled", "eval": "evaluation"}
-_SET_USES = {
-    "train": "the lower-level (task) loss trains on it",
-    "heldout": "model selection and the accuracy guard score it",
-    "unlabeled": "the upper-level objective reads its inputs",
-    "eval": "the report scores it",
+_SET_NAMES_AND_USES = {
+    "train": ("training", "the lower-level (task) loss trains on it"),
+    "heldout": ("held-out", "model selection and the accuracy guard score it"),
+    "unlabeled": ("unlabelled", "the upper-level objective reads its inputs"),
+    "eval": ("evaluation", "the report scores it"),
 }
 
 
 def check_not_empty(**sets: Records | None) -> None:
     """Raise a ValueError naming the first empty set among ``sets`` (None: not given, skipped).
 
-    Every entry point of a run calls this before anything else, so an empty split says which one
-    it is instead of failing later (e.g. a division by zero in the held-out statistics).
-
     Args:
-        **sets: the sets by role: ``train``, ``heldout``, ``unlabeled`` or ``eval`` (any other
-            keyword is named as given); records or their encoding.
+        **sets: records (or encodings) by role: ``train``, ``heldout``, ``unlabeled``, ``eval``.
 
     Raises:
         ValueError: ``"the held-out set (heldout) is empty: ..."``.
@@ -301,43 +243,20 @@ def check_not_empty(**sets: Records | None) -> None:
     """
     for role, data in sets.items():
         if data is not None and len(_records(data)) == 0:
-            name = _SET_NAMES.get(role, role)
-            use = _SET_USES.get(role, "the run needs it")
+            name, use = _SET_NAMES_AND_USES.get(role, (role, "the run needs it"))
             raise ValueError(f"the {name} set ({role}) is empty: {use}; pass at least one question")
 
 
-def build_trainer(
-    model: Any,
-    tokenizer: Any,
-    train: Records,
-    heldout: Records,
-    config: CalibrationConfig,
-    *,
-    unlabeled: Records | None = None,
-) -> Trainer:
-    """Attach LoRA to ``model`` (in place) and set up a run: encodings, λ's shape, losses, solver.
+def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, config: CalibrationConfig, *,
+                  unlabeled: Records | None = None) -> Trainer:
+    """Attach LoRA to ``model`` (in place) and set up a run: encodings, λ, losses, solver.
 
-    Seeds torch with ``config.seed`` first (the LoRA initialisation draws from it). Under
-    ``torchrun`` (a process group of several ranks) it also shards the frozen base over the ranks
-    (:func:`llm_calib.distributed.shard_frozen_base`) and computes the losses of the global batch
-    (:class:`~llm_calib.calm.objectives.DataParallelLosses`); in one process neither changes a number.
-
-    Args:
-        model: a Hugging Face causal LM without adapters (a fresh copy, or one whose previous
-            adapters :func:`~llm_calib.calm.lora.detach_lora` removed).
-        tokenizer: its tokenizer.
-        train: training records, or an :class:`EncodedRecords` of them (reused as is, trunk
-            cache included: pass the same object to several runs on the same base model).
-        heldout: held-out records (or their encoding), of the same kind.
-        config: the run's configuration.
-        unlabeled: upper-level inputs (or their encoding), of the same kind; their labels are
-            ignored. Default: the held-out inputs.
-
-    Returns:
-        A :class:`Trainer`.
+    Seeds torch with ``config.seed`` first. Under ``torchrun`` it also shards the frozen base
+    (:func:`llm_calib.distributed.shard_frozen_base`) and uses :class:`DataParallelLosses`.
+    The arguments are those of :func:`~llm_calib.calm.trainer.calibrate`.
 
     Raises:
-        ValueError: records of mixed kinds or of another type (naming the record); under
+        ValueError: records of mixed kinds or another type (naming the record); under
             ``torchrun``, a solver with second derivatives (:func:`check_scale_out`).
 
     Example:
@@ -345,9 +264,7 @@ def build_trainer(
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> from llm_calib.calm.config import TrainingSettings
-        >>> cfg = CalibrationConfig(training=TrainingSettings(steps=2, batch_size=2, heldout_batch_size=2))
-        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], cfg, unlabeled=qs)
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(), unlabeled=qs)
         >>> len(trainer.unlabeled), trainer.unlabeled is trainer.heldout
         (4, False)
     """
@@ -356,16 +273,14 @@ def build_trainer(
     warn_small_heldout(len(_records(heldout)), config)
     torch.manual_seed(config.seed)
     peft_model = attach_lora(model, config.lora, output_scale=config.lora.output_scale)
-    # Under torchrun: FSDP2 shards the frozen base (θ stays replicated); a no-op in one process.
     if distributed.shard_frozen_base(peft_model):
-        # FSDP2 allocates a unit's gathered weights at its first forward pass, once; inside
-        # torch.inference_mode (evaluation, the trunk cache) they would be inference tensors that
-        # every later training pass refuses to save for backward. So one token first, no-grad.
+        # FSDP2 allocates a unit's gathered weights at its first forward pass; inside
+        # torch.inference_mode they would be inference tensors that training passes cannot save
+        # for backward. So one token first, no-grad.
         with torch.no_grad():
             peft_model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=next(peft_model.parameters()).device))
-    # Eval mode throughout: the frozen base never needs training behaviour. train_step switches
-    # on training mode only where the trained parts need it (FunctionalLM.train_mode: LoRA dropout
-    # when > 0, the layers of gradient checkpointing); evaluation runs in eval mode.
+    # Eval mode throughout; train_step switches on training mode only where the trained parts
+    # need it (FunctionalLM.train_mode).
     peft_model.eval()
     lm = FunctionalLM(peft_model)
     vocab = lm.head.out_features if hasattr(lm.head, "out_features") else lm.base.config.vocab_size
@@ -376,45 +291,28 @@ def build_trainer(
     lam_kind = resolve_adjustment(config.objective.adjustment, fmt.layout)
     tokens = {t for src in sources for opts in src.options for o in opts for t in o} if lam_kind == "answer_tokens" else ()
     adjustment = make_adjustment(config, vocab, tokens, fmt.layout)
-    # Under torchrun the losses of the global batch; the same numbers in one process.
     loss_class = DataParallelLosses if distributed.is_distributed() else CalmLosses
     losses = loss_class(lm, adjustment, format_settings(config)["normalize"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    recorder = _FirstValues()
-    objective = config.objective
-    solver = objective.make_solver(config)
-    problem = None
-    if solver is not None:
-        problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner), outer=recorder.wrap("f", losses.outer))
     trainer = Trainer(config, peft_model, lm, losses, train_enc, heldout_enc, unlabeled_enc, pad_id,
-                      theta_optimizer(config), solver, problem, recorder, objective)
+                      theta_optimizer(config), config.objective.make_solver(config), None)
+    trainer = trainer.with_losses(losses)
     if distributed.is_distributed():
-        # A forward pass through the sharded base is a collective (FSDP2 all-gathers): every rank
-        # must run the same ones. Filled lazily, the trunk cache would run them for the chunks of
-        # each rank's own shard of a batch, which differ between ranks; so fill it now, alike.
+        # A forward pass through the sharded base is a collective: every rank must run the same
+        # ones, which a lazily filled cache (each rank its own shard's chunks) would not.
         trainer.fill_trunk_caches()
     return trainer
 
 
 SECOND_ORDER_SOLVERS = ("implicit",)
-"""Solvers taking second derivatives of the losses, which do not run under ``torchrun`` (see
-:func:`check_scale_out`)."""
+"""Solvers taking second derivatives, which do not run under ``torchrun`` (:func:`check_scale_out`)."""
 
 
 def check_scale_out(config: CalibrationConfig) -> None:
-    """Refuse, under ``torchrun``, a run the sharded base cannot take: a solver with second derivatives.
-
-    The implicit solver's Hessian-vector products differentiate a gradient a second time. FSDP2
-    frees the all-gathered base weights after the first backward pass (measured:
-    ``RuntimeError: setStorage: ... storage of size 0``), and DTensor's gradient reduction is
-    not differentiable; one process runs it, the first-order solvers run on any number of ranks.
-
-    Args:
-        config: the run's configuration.
+    """Refuse, under ``torchrun``, a solver with second derivatives (FSDP2 frees what they need).
 
     Raises:
-        ValueError: ``objective.solver`` is one of :data:`SECOND_ORDER_SOLVERS` and more than one
-            rank runs.
+        ValueError: ``objective.solver`` is in :data:`SECOND_ORDER_SOLVERS` and several ranks run.
 
     Example:
         >>> check_scale_out(CalibrationConfig(objective={"name": "calm", "solver": {"name": "implicit"}}))  # one process
@@ -432,14 +330,10 @@ MIN_GUARD_QUESTIONS = 500
 
 
 def warn_small_heldout(n: int, config: CalibrationConfig) -> bool:
-    """Warn when ``n`` held-out questions make the accuracy guard and the ECE selection noisy.
+    """Warn when ``n`` held-out questions make the accuracy guard noisy; return whether it warned.
 
-    The guard compares held-out accuracies whose standard error is up to ``0.5 / sqrt(n)``
-    (0.041 at 150 questions, 0.022 at 500), against a margin of ``1 - guard_accuracy`` times the
-    initial accuracy (0.025 at accuracy 0.5): below about 500 questions, a few questions decide.
-
-    Returns:
-        Whether it warned.
+    The guard's accuracies have a standard error of up to ``0.5 / sqrt(n)`` (0.041 at 150
+    questions) against a margin of ``1 - guard_accuracy`` times the accuracy (0.025 at 0.5).
 
     Raises:
         ValueError: ``n`` is 0 (the held-out set is empty).
@@ -450,8 +344,6 @@ def warn_small_heldout(n: int, config: CalibrationConfig) -> bool:
         ...     warnings.simplefilter("always")
         ...     warn_small_heldout(150, CalibrationConfig()), warn_small_heldout(600, CalibrationConfig())
         (True, False)
-        >>> "150 held-out questions" in str(seen[0].message)
-        True
     """
     if n <= 0:
         check_not_empty(heldout=[])  # raises: names the empty held-out set (no division by zero)
@@ -474,11 +366,8 @@ def evaluate(trainer: Trainer, theta: dict[str, Tensor] | None = None, batch_siz
         batch_size: questions per forward pass.
 
     Returns:
-        ``accuracy``, ``ece`` (10 bins, :func:`llm_calib.metrics.ece`), ``nll``, ``entropy``
-        and ``confidence`` (means). The per-question statistics come from :meth:`CalmLosses.monitor
-        <llm_calib.calm.objectives.CalmLosses.monitor>`: exact option metrics for multiple choice,
-        a teacher-forced proxy of greedy answering for open questions, with the same keys, so
-        model selection and the accuracy guard do not depend on the kind of record.
+        ``accuracy``, ``ece`` (10 bins), ``nll``, ``entropy`` and ``confidence`` (means), from
+        :meth:`CalmLosses.monitor <llm_calib.calm.objectives.CalmLosses.monitor>`.
     """
     if theta is not None:
         trainer.lm.load_theta(theta)
@@ -490,13 +379,9 @@ def evaluate(trainer: Trainer, theta: dict[str, Tensor] | None = None, batch_siz
             parts.append(trainer.losses.monitor(batch))
     stats = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
     conf, correct = stats["confidence"], stats["correct"]
-    return {
-        "accuracy": float(correct.mean()),
-        "ece": float(ece_metric(conf.numpy(), correct.numpy(), n_bins=10)),
-        "nll": float(stats["nll"].mean()),
-        "entropy": float(stats["entropy"].mean()),
-        "confidence": float(conf.mean()),
-    }
+    return {"accuracy": float(correct.mean()), "ece": float(ece_metric(conf.numpy(), correct.numpy(), n_bins=10)),
+            "nll": float(stats["nll"].mean()), "entropy": float(stats["entropy"].mean()),
+            "confidence": float(conf.mean())}
 
 
 def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
@@ -504,9 +389,8 @@ def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
 
     Args:
         trainer: the run.
-        evaluate_before: score the initial model on the held-out set (the reference of the
-            accuracy guard and the ECE to beat); without it ``before`` holds NaNs (for timing
-            steps only: :func:`select` then never selects).
+        evaluate_before: score the initial model (the guard's reference); without it ``before``
+            holds NaNs and :func:`select` never selects (for timing steps).
 
     Example:
         >>> from llm_calib.data import builtin_multiple_choice
@@ -524,21 +408,19 @@ def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
     # λ in the float precision of the model (float32 for half-precision models)
     lam0 = trainer.adjustment.init(dtype=torch.float64 if lm.dtype == torch.float64 else torch.float32, device=lm.device)
     lam = {k: v.clone().requires_grad_(True) for k, v in lam0.items()}
-    opt = lam_optimizer(lam.values(), trainer.config)
-    theta_opt_state = trainer.theta_optimizer.init(theta)
     if evaluate_before:
         before = evaluate(trainer)
     else:
         before = dict.fromkeys(("accuracy", "ece", "nll", "entropy", "confidence"), math.nan)
-    return TrainState(
-        step=0, theta=theta, lam=lam, lam_optimizer=opt, theta_opt_state=theta_opt_state, solver_state=None,
-        history=[], before=before, best={"ece": before["ece"], "step": 0},
-        best_theta={k: v.clone() for k, v in theta.items()}, best_lam={k: v.detach().clone() for k, v in lam.items()},
-    )
+    return TrainState(step=0, theta=theta, lam=lam, lam_optimizer=lam_optimizer(lam.values(), trainer.config),
+                      theta_opt_state=trainer.theta_optimizer.init(theta), solver_state=None, history=[],
+                      before=before, best={"ece": before["ece"], "step": 0},
+                      best_theta={k: v.clone() for k, v in theta.items()},
+                      best_lam={k: v.detach().clone() for k, v in lam.items()})
 
 
 def parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[str, float]:
-    """The trajectory diagnostics of a step: the output log-scale and λ's mean and largest absolute entry.
+    """A step's trajectory diagnostics: the output log-scale, λ's mean and largest absolute entry.
 
     Example:
         >>> parameter_summary({}, {"b": torch.tensor([1.0, -3.0])})
@@ -555,21 +437,15 @@ def parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[
 
 
 def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
-    """Take step ``state.step + 1`` of the run's objective (``trainer.objective.step``); update
-    ``state`` in place.
+    """Take step ``state.step + 1`` of ``trainer.objective``; update ``state`` in place.
 
-    CALM (:class:`~llm_calib.objectives.calm.Calm`): the solver's joint step of θ and the
-    λ-direction, then one Adam step of λ projected onto its bounds. One-level objectives
-    (:class:`~llm_calib.objectives.one_level.OneLevelObjective`): one Adam step of θ on their loss
-    (the confidence penalty's entropy term on the unlabelled batch).
+    CALM: the solver's joint step of θ and λ's direction, then one projected Adam step of λ.
+    One-level objectives: one Adam step of θ on their loss.
 
     Returns:
-        The step's record: ``step`` (1-based), for CALM ``g`` (adjusted cross-entropy of the
-        training batch at the step's θ), ``unlabeled_entropy`` (mean entropy of the deployed
-        model on the unlabelled batch) and the solver's diagnostics (BOME: ``phi``, ``q``,
-        ``grad_q_norm``); for a baseline ``loss`` (and for the penalty ``ce`` and
-        ``unlabeled_entropy``); then :func:`parameter_summary` of the new θ and λ. Not appended
-        to ``state.history`` (the caller adds evaluation results first).
+        The step's record (not yet appended to ``state.history``): ``step`` (1-based), the
+        objective's losses (CALM: ``g``, ``unlabeled_entropy`` and the solver's diagnostics;
+        baselines: ``loss``), then :func:`parameter_summary` of the new θ and λ.
 
     Raises:
         TrainingDiverged: a loss or update is NaN/inf (names the step and the batch).
@@ -603,8 +479,6 @@ def done(trainer: Trainer, state: TrainState) -> bool:
 def is_selectable(accuracy: float, reference_accuracy: float, config: CalibrationConfig) -> bool:
     """The accuracy floor of model selection: ``accuracy >= guard_accuracy * reference_accuracy``.
 
-    The one rule behind :func:`select` and the benchmarks' hyperparameter choice.
-
     Example:
         >>> from llm_calib.calm.config import SelectionSettings
         >>> cfg = CalibrationConfig(selection=SelectionSettings(guard_accuracy=0.9))
@@ -615,17 +489,13 @@ def is_selectable(accuracy: float, reference_accuracy: float, config: Calibratio
 
 
 def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: float, config: CalibrationConfig) -> int:
-    """The selection rule of :func:`select` over finished candidates (say, a hyperparameter grid):
-    among those :func:`is_selectable` against ``reference_accuracy``, the lowest ``ece`` (the
-    first on ties); when none is, the most accurate.
+    """The index chosen by :func:`select`'s rule among finished candidates: the lowest ``ece``
+    among the selectable (first on ties); when none is, the most accurate.
 
     Args:
-        candidates: metric dicts with ``accuracy`` and ``ece``, scored on the same selection data.
+        candidates: metric dicts with ``accuracy`` and ``ece``, scored on the same data.
         reference_accuracy: the accuracy to guard (e.g. the uncalibrated model's).
         config: gives ``selection.guard_accuracy``.
-
-    Returns:
-        The index of the chosen candidate.
 
     Raises:
         ValueError: no candidates.
@@ -648,9 +518,9 @@ def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: f
 def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> dict[str, float]:
     """Model selection and the accuracy guard after an evaluation of ``state.theta``.
 
-    The parameters become the selected ones when they are :func:`is_selectable` (against the
-    initial accuracy) and their held-out ECE is the lowest so far; after ``guard_patience``
-    consecutive evaluations below the floor ``state.stopped_early`` is set.
+    Selectable parameters (:func:`is_selectable` against the initial accuracy) with the lowest
+    held-out ECE so far become the selected ones; ``guard_patience`` consecutive evaluations below
+    the floor set ``state.stopped_early``.
 
     Returns:
         The evaluation's entries for the step's record: ``heldout_<metric>``.
@@ -671,24 +541,13 @@ def selection_note(history: Sequence[dict[str, float]], before: dict[str, float]
                    config: CalibrationConfig) -> str | None:
     """One line saying why model selection kept the initial model (step 0), and what to try.
 
-    Args:
-        history: the run's per-step records (:attr:`CalibrationResult.history
-            <llm_calib.calm.trainer.CalibrationResult.history>`); evaluations carry
-            ``heldout_accuracy`` and ``heldout_ece``.
-        before: the held-out metrics of the initial model (``accuracy``, ``ece``).
-        selected_step: the step the run kept.
-        config: gives ``selection.guard_accuracy``.
-
-    Returns:
-        None when a trained step was selected (or nothing was trained); otherwise the reason:
-        every evaluation below the accuracy guard, or none lowering the held-out ECE.
+    None when a trained step was selected or nothing was trained. ``history``: the run's records
+    (evaluations carry ``heldout_accuracy``, ``heldout_ece``); ``before``: the initial metrics.
 
     Example:
         >>> hist = [{"step": 5, "heldout_accuracy": 0.542, "heldout_ece": 0.1}]
         >>> print(selection_note(hist, {"accuracy": 0.583, "ece": 0.2}, 0, CalibrationConfig()))
         guard: held-out accuracy 0.542 < 0.554 (guard_accuracy 0.95 x initial 0.583) at every evaluation; the initial model was kept (step 0). Try more steps (--steps), a lower learning rate (--lr) or a lower --guard-accuracy.
-        >>> selection_note(hist, {"accuracy": 0.5, "ece": 0.2}, 5, CalibrationConfig()) is None
-        True
     """
     evaluations = [r for r in history if "heldout_accuracy" in r and r.get("step", 0) > 0]
     if selected_step != 0 or not evaluations:
@@ -708,12 +567,11 @@ def selection_note(history: Sequence[dict[str, float]], before: dict[str, float]
 # --------------------------------------------------------------------------- checkpoints
 
 RESUMABLE_CHANGES = ("training.steps", "checkpoint_every")
-"""Fields a resumed run may change: how long it runs and how often it saves. Any other difference
-would silently splice two different runs into one trajectory."""
+"""Fields a resumed run may change; any other difference would splice two runs into one."""
 
 
 def data_fingerprint(train: Records, heldout: Records, unlabeled: Records | None = None) -> dict[str, Any]:
-    """Counts and a hash of the record ids and contents, to recognise the data a checkpoint saw.
+    """Counts and a hash of the records, to recognise the data a checkpoint saw.
 
     Example:
         >>> from llm_calib.data import builtin_multiple_choice
@@ -755,9 +613,7 @@ def _flat_to_tree(prefix: str, flat: dict[str, Tensor]) -> dict[str, Any]:
 
 
 def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any] | None) -> Path:
-    """Write ``state`` as checkpoint ``state.step`` into ``directory`` (atomically, see
-    :func:`llm_calib.checkpoint.save_checkpoint`), with the configuration and ``data`` (a
-    :func:`data_fingerprint`) that :func:`resume_state` checks."""
+    """Write ``state`` as checkpoint ``state.step``, with the config and ``data`` (a :func:`data_fingerprint`)."""
     tensors: dict[str, Tensor] = {}
     _tree_to_flat("theta/", state.theta, tensors)
     _tree_to_flat("best_theta/", state.best_theta, tensors)
@@ -766,11 +622,9 @@ def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data:
     _tree_to_flat("theta_opt/", state.theta_opt_state, tensors)
     if state.solver_state:
         _tree_to_flat("method/", state.solver_state, tensors)
-    meta = {
-        "step": state.step, "history": state.history, "best": state.best, "before": state.before,
-        "stopped_early": state.stopped_early, "lam_optimizer": state.lam_optimizer.state_dict(),
-        "rng": torch.get_rng_state(), "run": {"config": trainer.config.to_dict(), "data": data},
-    }
+    meta = {"step": state.step, "history": state.history, "best": state.best, "before": state.before,
+            "stopped_early": state.stopped_early, "lam_optimizer": state.lam_optimizer.state_dict(),
+            "rng": torch.get_rng_state(), "run": {"config": trainer.config.to_dict(), "data": data}}
     return save_checkpoint(directory, state.step, tensors, meta)
 
 
@@ -793,9 +647,8 @@ def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, dat
     """Load the newest checkpoint in ``directory`` into ``state`` (and torch's RNG); False if none.
 
     Raises:
-        ValueError: the checkpoint comes from another configuration (``training.steps`` and
-            ``checkpoint_every`` may differ) or other data (``data`` is compared with the saved
-            :func:`data_fingerprint`); the message names the fields.
+        ValueError: the checkpoint comes from another configuration (but for
+            :data:`RESUMABLE_CHANGES`) or other ``data``; the message names the fields.
     """
     ckpt = latest_checkpoint(directory)
     if ckpt is None:
