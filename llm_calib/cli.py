@@ -493,13 +493,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
     _apply_threads(args)
     base = _resolve_base(args, args.adapter, "export")  # fails before loading the model
     prompt = _evaluate_prompt(args, base)
-    _warn_prompt_mismatch(base, prompt_dict(prompt), args.adapter, doing="exporting")
     if args.quiet:
         _silence_transformers_bars()
     model, tokenizer = _user_call(
         lambda: load_model(args.model, cache_dir=args.cache_dir, config=_model_loading(args, "cpu")),
         f"--model {args.model}",
     )
+    _warn_prompt_mismatch(base, prompt, tokenizer, args.adapter, doing="exporting")
     out = _user_call(lambda: export_merged(model, tokenizer, args.adapter, args.out), "export")
     record = Path(out) / "llm_calib_export.json"  # what the merged model was calibrated for
     record.write_text(json.dumps({**json.loads(record.read_text()), "prompt": prompt_dict(prompt, tokenizer),
@@ -969,12 +969,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     )  # once: every method attaches, trains and removes its own adapters
     log(f"loaded {args.model} ({loading.dtype}{', 4-bit' if loading.load_in_4bit else ''}"
         f"{', 8-bit' if loading.load_in_8bit else ''}) in {time.perf_counter() - t1:.1f} s")
+    # the prompt as resolved (chat_template: whether this tokenizer's template is used), as evaluate records it
+    prompt = prompt_dict(format_settings(config)["prompt"], tokenizer)
     try:
         cmp = run_comparison(
             model, tokenizer, train, heldout, evals, config, methods, args.out,
             unlabeled=unlabeled, resume=args.resume, progress=not args.no_progress, n_bins=args.bins,
             bootstrap=args.bootstrap, log=log,
-            base_model={"model": _recorded_model(args.model), "dtype": loading.dtype},
+            base_model={"model": _recorded_model(args.model), "dtype": loading.dtype, "prompt": prompt},
         )
     except TrainingDiverged as exc:
         print(f"llm-calib: error: training diverged: {exc}", file=sys.stderr)
@@ -983,7 +985,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise _UserError(str(exc)) from exc
     cmp.config["model"] = args.model
     cmp.config["model_loading"] = loading.to_dict()
-    cmp.config["prompt"] = prompt_dict(format_settings(config)["prompt"])
+    cmp.config["prompt"] = prompt
     cmp.config["limit"] = args.limit
     cmp.config["limit_mode"] = _limit_mode(args)
     cmp.config["skipped"] = getattr(args, "skipped_rows", {})
@@ -1170,16 +1172,21 @@ def _evaluate_prompt(args: argparse.Namespace, base: dict[str, Any] | None = Non
     return fmt
 
 
-def _warn_prompt_mismatch(trained: dict[str, Any], used: dict[str, Any], adapter: str | None,
-                          doing: str = "evaluating") -> None:
-    """Warn (stderr, even with ``--quiet``) when the prompt, scorer or option-score normalisation
-    differs from what ``adapter`` was trained with (``trained``: its saved record; nothing when it
-    does not record the prompt)."""
+def _warn_prompt_mismatch(trained: dict[str, Any], prompt: Any, tokenizer: Any, adapter: str | None, *,
+                          scoring: dict[str, Any] | None = None, doing: str = "evaluating") -> None:
+    """Warn (stderr, even with ``--quiet``) when ``prompt`` (or the ``scoring`` settings, scorer
+    and normalize) differs from what ``adapter`` was trained with (``trained``: its saved record;
+    nothing when it does not record the prompt). Both prompts are compared as resolved for
+    ``tokenizer`` (an automatic chat template is the one it has or not)."""
+    from llm_calib.prompts import PromptFormat, prompt_dict
+
     if not trained.get("prompt"):
         return
-    before = {**trained["prompt"], **{k: trained.get(k) for k in ("scorer", "normalize") if k in used}}
-    keys = sorted(k for k in set(before) | set(used)
-                  if k != "fewshot_pool_size" and before.get(k) != used.get(k))
+    scoring = scoring or {}
+    before = {**prompt_dict(PromptFormat(**_saved_prompt(trained)), tokenizer),
+              **{k: trained.get(k) for k in scoring if trained.get(k) is not None}}
+    used = {**prompt_dict(prompt, tokenizer), **{k: v for k, v in scoring.items() if k in before}}
+    keys = sorted(k for k in set(before) | set(used) if k != "fewshot_pool_size" and before.get(k) != used.get(k))
     if keys:
         diff = "; ".join(f"{k}: trained {before.get(k)!r}, now {used.get(k)!r}" for k in keys)
         print(f"llm-calib: warning: {doing} --adapter {adapter} with another prompt than it was trained "
@@ -1200,8 +1207,6 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
     base = _resolve_base(args, args.adapter, "--adapter")
     prompt = _evaluate_prompt(args, base)
-    _warn_prompt_mismatch(base, {**prompt_dict(prompt), "scorer": args.scorer, "normalize": args.normalize},
-                          args.adapter)
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
     datasets = []
@@ -1238,6 +1243,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         model = _user_call(lambda: load_adapter(model, args.adapter), f"--adapter {args.adapter}")
     model_s = time.perf_counter() - t0
     _log(args, f"loaded model {args.model}{' + ' + args.adapter if args.adapter else ''} in {model_s:.1f} s")
+    _warn_prompt_mismatch(base, prompt, tokenizer, args.adapter, scoring={"scorer": args.scorer, "normalize": args.normalize})
     result = _user_call(
         lambda: evaluate_records(
             model,

@@ -20,6 +20,7 @@ warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", categ
 
 SPEC = "builtin:capitals:n=4"
 HELDOUT = "builtin:capitals:n=4,seed=1"
+OTHER = "builtin:arithmetic:n=3"
 
 
 def _sub(command: str):
@@ -96,7 +97,7 @@ def spied(tiny_model_dir, tmp_path_factory, fewshot_split):
     mp.setattr(option_likelihood, "record_prompt", spy)
     try:
         argv = ["calibrate", "--model", str(tiny_model_dir), "--train", SPEC, "--heldout", HELDOUT, "--eval", SPEC,
-                "--out", str(out), "--methods", "lora_ce", "--steps", "1", "--batch-size", "2", "--lora-rank", "2",
+                "--eval", OTHER, "--out", str(out), "--methods", "lora_ce", "--steps", "1", "--batch-size", "2", "--lora-rank", "2",
                 "--bootstrap", "0", "--no-progress", "--threads", "1", "--prompt-preset", "lm_eval_arc",
                 "--fewshot", "2", "--fewshot-split", fewshot_split]
         assert cli.main(argv) == 0
@@ -155,3 +156,26 @@ def test_export_records_the_prompt_and_warns_on_another(spied, tmp_path, capsys)
     assert cli.main(["export", str(out / "lora_ce"), "--out", str(tmp_path / "m2"), "--quiet",
                      "--prompt-preset", "default"]) == 0
     assert "exporting --adapter" in capsys.readouterr().err
+
+
+def test_calibrate_report_shows_every_metric_the_prompt_and_an_overall_table(spied):
+    """calibrate's report.md: the metrics of evaluate's domain tables (report.REPORT_METRICS) for
+    every column, the resolved prompt, and an overall table (mean of the domains)."""
+    from llm_calib.report import METRIC_LABELS, REPORT_METRICS, format_metric
+
+    out = spied[0]
+    report = (out / "report.md").read_text()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics["domains"]) == {"capitals", "arithmetic"}
+    sections = {s.split("\n", 1)[0]: s for s in report.split("\n## ")}
+    for title in ("capitals", "arithmetic", "overall (mean of domains)"):
+        rows = [line for line in sections[title].splitlines() if line.startswith("| ")]
+        assert [r.split(" | ")[0][2:] for r in rows[1:]] == [METRIC_LABELS[m] for m in REPORT_METRICS], title
+        assert rows[0] == "| metric | uncalibrated | temperature-scaled | lora_ce |"
+    # the overall row of a metric is the mean of the domains' values
+    cols = [metrics["domains"][d]["columns"]["uncalibrated"] for d in ("capitals", "arithmetic")]
+    mean_mce = {"mce": (cols[0]["mce"] + cols[1]["mce"]) / 2}
+    mce_row = next(r for r in sections["overall (mean of domains)"].splitlines() if r.startswith("| MCE |"))
+    assert mce_row.split(" | ")[1] == format_metric(mean_mce, "mce")
+    prompt = next(line for line in report.splitlines() if line.startswith("- prompt: "))
+    assert "fewshot=2" in prompt and "chat_template=False" in prompt and "Question: {question}" in prompt
