@@ -1317,6 +1317,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _did_you_mean(word: str, candidates: Any) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``candidates`` to ``word``; empty when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _reject_unknown(sub: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """Exit (status 2) with the subcommand's usage, naming the unknown arguments and, for each
+    unknown flag, the closest flag the subcommand has."""
+    flags = [s for a in sub._actions for s in a.option_strings if s.startswith("--")]
+    hints = [f"{flag}{hint}" for flag in (w.split("=", 1)[0] for w in unknown if w.startswith("-"))
+             for hint in [_did_you_mean(flag, flags)] if hint]
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"\n  {h}" for h in hints))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``llm-calib`` command.
 
@@ -1331,7 +1348,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         2
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    if argv and not argv[0].startswith("-") and argv[0] not in commands:
+        parser.error(f"unknown command {argv[0]!r}{_did_you_mean(argv[0], commands)}; the commands: {', '.join(commands)}")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage and the closest flags, not the top-level usage
+        _reject_unknown(commands[args.command], unknown)
     try:
         return int(args.func(args) or 0)
     except _UserError as exc:
