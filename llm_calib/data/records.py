@@ -76,8 +76,9 @@ class OpenQA:
             half of SelfAware); such records may have an empty ``answers`` tuple.
         prompt: an already rendered prompt (e.g. lm-eval's context), used verbatim; None
             (default) builds it from ``question``.
-        until: the stop sequences the source asks generation to end at (lm-eval's ``until``),
-            kept for reference; None when the source gives none.
+        until: the stop sequences the source asks generation to end at (lm-eval's ``until``):
+            greedy answers stop at them (:mod:`llm_calib.engine.decode`); None when the source
+            gives none.
 
     Example:
         >>> OpenQA("Capital of France?", ("Paris",), "geo", "q0").answers

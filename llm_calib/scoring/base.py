@@ -224,7 +224,7 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
 
     A chat-templated prompt already holds its special tokens, so it is tokenised without adding
     any. A plain prompt gets the tokenizer's BOS token when the tokenizer adds one by default
-    (and never an EOS token).
+    and the text does not start with it (and never an EOS token), as lm-eval tokenises contexts.
 
     Args:
         tokenizer: a Hugging Face tokenizer.
@@ -241,8 +241,8 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
         True
     """
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if not chat and _adds_bos(tokenizer):
-        ids = [tokenizer.bos_token_id, *ids]
+    if not chat and _adds_bos(tokenizer) and ids[:1] != [tokenizer.bos_token_id]:  # a text that starts
+        ids = [tokenizer.bos_token_id, *ids]  # with BOS keeps it once, as lm-eval's HFLM
     return ids
 
 

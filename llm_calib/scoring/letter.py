@@ -15,7 +15,13 @@ import torch
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import target_logprobs
 from llm_calib.engine.packing import length_batches, pack_letters
-from llm_calib.prompts import PromptFormat, option_letters, record_prompt, uses_chat_template
+from llm_calib.prompts import (
+    PromptFormat,
+    option_letters,
+    record_prompt,
+    record_uses_chat_template,
+    uses_chat_template,
+)
 from llm_calib.scoring.base import ScoredSet, check_records, encode_prompt, progress_bar
 
 __all__ = ["letter_token_ids", "score_letter"]
@@ -109,7 +115,8 @@ def score_letter(
     max_k = max((len(r.options) for r in records), default=2)
     letter_ids = letter_token_ids(tokenizer, max_k)
     texts = [record_prompt(tokenizer, r, fmt) for r in records]
-    prompts = [encode_prompt(tokenizer, t, chat=chat) for t in texts]
+    prompts = [encode_prompt(tokenizer, t, chat=chat and record_uses_chat_template(tokenizer, r, fmt))
+               for r, t in zip(records, texts, strict=True)]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     scores: list[torch.Tensor | None] = [None] * len(records)
     mass: list[float] = [0.0] * len(records)

@@ -1,7 +1,7 @@
 """Open-ended QA: greedy answers, token-probability confidences, SQuAD exact match and F1.
 
 The answer is the greedy continuation of the prompt (see :mod:`llm_calib.prompts`) up to the first
-newline or end-of-sequence token, decoded by the scoring engine's one greedy decoder
+newline or end-of-sequence token (or the record's stop sequences, lm-eval's ``until``), decoded by the scoring engine's one greedy decoder
 (:mod:`llm_calib.engine.decode`; :func:`generate_greedy`, :class:`GreedyAnswer`,
 :func:`eos_token_ids` and :func:`finish_answer` are re-exported here). Its confidence is the mean probability of its tokens (product and
 minimum are reported too). An answer is correct when its SQuAD-normalised form equals that of any
@@ -22,7 +22,12 @@ from llm_calib.answers import exact_match, token_f1
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GreedyAnswer, eos_token_ids, finish_answer, generate_greedy
 from llm_calib.engine.packing import length_batches
-from llm_calib.prompts import PromptFormat, record_prompt, uses_chat_template
+from llm_calib.prompts import (
+    PromptFormat,
+    record_prompt,
+    record_uses_chat_template,
+    uses_chat_template,
+)
 from llm_calib.scoring.base import encode_prompt, progress_bar
 
 __all__ = [
@@ -254,7 +259,8 @@ def encode_open_prompts(
             f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}"
         )
     chat = uses_chat_template(tokenizer, fmt)
-    return [encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat) for r in records]
+    return [encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat and record_uses_chat_template(tokenizer, r, fmt))
+            for r in records]
 
 
 def score_open_ended(
@@ -304,7 +310,8 @@ def score_open_ended(
     bar = progress_bar(total=len(records), desc="open-ended", enabled=progress)
     try:
         for idx in length_batches([len(p) for p in prompts], batch_size):
-            outs = generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)
+            outs = generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
+                                   until=[records[i].until for i in idx])  # a record's stop sequences (lm-eval)
             for i, o in zip(idx, outs, strict=True):
                 answers[i] = o
             bar.update(len(idx))

@@ -32,6 +32,7 @@ from llm_calib.prompts import (
     PromptFormat,
     option_continuations,
     record_prompt,
+    record_uses_chat_template,
     uses_chat_template,
 )
 from llm_calib.scoring.base import (
@@ -109,7 +110,8 @@ def encode_questions(
     chat = uses_chat_template(tokenizer, fmt)
     out = []
     for r in records:
-        prompt = encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat)
+        prompt = encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt),
+                               chat=chat and record_uses_chat_template(tokenizer, r, fmt))
         if not prompt:
             raise ValueError(f"record {r.id!r}: the prompt tokenises to no tokens")
         options = tuple(
