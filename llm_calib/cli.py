@@ -217,11 +217,13 @@ _SET_OF_FLAG = {"--train": "training", "--heldout": "held-out", "--unlabeled": "
 
 def _limit_mode(args: argparse.Namespace) -> str:
     """``--limit-mode`` as given, else ``first`` under an ``lm_eval_*`` prompt preset (lm-eval's
-    ``--limit`` takes the first N), else ``sample``."""
+    ``--limit`` takes the first N; the preset of the flag, else the one a saved ``--adapter`` was
+    trained with when no prompt flag is given), else ``sample``."""
     mode = getattr(args, "limit_mode", None)
     if mode is not None:
         return mode
-    return "first" if (getattr(args, "prompt_preset", None) or "").startswith("lm_eval_") else "sample"
+    preset = getattr(args, "prompt_preset", None) or getattr(args, "saved_preset", None)
+    return "first" if (preset or "").startswith("lm_eval_") else "sample"
 
 
 def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int | None = None,
@@ -976,7 +978,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             model, tokenizer, train, heldout, evals, config, methods, args.out,
             unlabeled=unlabeled, resume=args.resume, progress=not args.no_progress, n_bins=args.bins,
             bootstrap=args.bootstrap, log=log,
-            base_model={"model": _recorded_model(args.model), "dtype": loading.dtype, "prompt": prompt},
+            base_model={"model": _recorded_model(args.model), "dtype": loading.dtype, "prompt": prompt,
+                        "prompt_preset": config.prompt.preset},
         )
     except TrainingDiverged as exc:
         print(f"llm-calib: error: training diverged: {exc}", file=sys.stderr)
@@ -1207,6 +1210,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
     base = _resolve_base(args, args.adapter, "--adapter")
     prompt = _evaluate_prompt(args, base)
+    if args.prompt_preset is None and not _prompt_flags(args):  # the saved prompt: its preset's --limit-mode
+        args.saved_preset = base.get("prompt_preset")
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
     datasets = []

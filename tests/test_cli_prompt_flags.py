@@ -130,7 +130,9 @@ def test_saved_result_records_the_fewshot_prompt_and_evaluate_defaults_to_it(spi
     rec = json.loads((out / "lora_ce" / BASE_MODEL_FILE).read_text())["prompt"]
     assert (rec["fewshot"], rec["fewshot_split"], rec["fewshot_pool_size"]) == (2, fewshot_split, len(ROWS))
     assert rec["template"] == "Question: {question}\nAnswer:"
-    used = json.loads((ev / "metrics.json").read_text())["config"]["prompt"]
+    used_config = json.loads((ev / "metrics.json").read_text())["config"]
+    assert used_config["limit_mode"] == "first"  # the recorded lm_eval_* preset's default, as in training
+    used = used_config["prompt"]
     assert (used["fewshot"], used["fewshot_split"], used["template"]) == (2, fewshot_split, rec["template"])
     assert json.loads((out / "metrics.json").read_text())["config"]["prompt"]["fewshot"] == 2
 
