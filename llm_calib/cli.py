@@ -1360,6 +1360,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage and the closest flags, not the top-level usage
         _reject_unknown(commands[args.command], unknown)
+    if not (getattr(args, "load_in_4bit", False) or getattr(args, "load_in_8bit", False)):
+        # bitsandbytes, imported by peft when installed, warns about its optional CPU kernels on
+        # every run; without quantisation it is not used
+        import logging
+
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         return int(args.func(args) or 0)
     except _UserError as exc:

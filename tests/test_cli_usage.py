@@ -38,3 +38,16 @@ def test_misspelt_command_names_the_closest(capsys):
         cli.main(["evalute", "--data", "builtin"])
     err = capsys.readouterr().err
     assert "unknown command 'evalute' (did you mean 'evaluate'?)" in err
+
+
+def test_bitsandbytes_kernel_warning_is_silenced_without_quantisation(tmp_path):
+    import logging
+
+    logger = logging.getLogger("bitsandbytes")
+    before = logger.level
+    try:
+        logger.setLevel(logging.NOTSET)
+        assert cli.main(["evaluate", "--data", "nosuchloader:x", "--out", str(tmp_path), "--quiet"]) == 2
+        assert logger.level == logging.ERROR
+    finally:
+        logger.setLevel(before)
