@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from llm_calib.prompts import PRESETS
 
-__all__ = ["build_parser", "calibration_config", "main"]
+__all__ = ["PROMPT_FIELDS", "build_parser", "calibration_config", "main", "prompt_format"]
 
 _T = TypeVar("_T")
 
@@ -268,21 +268,21 @@ _PROMPT_GROUP_HELP = (
     "prompt it was trained with is the default"
 )
 
-_PROMPT_FIELDS = (
+PROMPT_FIELDS = (
     "preset", "template", "target_delimiter", "choices", "fewshot", "fewshot_split", "fewshot_seed",
     "fewshot_sampler", "style", "chat_template", "system_message", "answer_prefix",
 )
-"""The prompt settings every command takes flags for (:func:`_add_prompt_args`), by their
-:class:`~llm_calib.calm.config.PromptSettings` name."""
+"""The prompt settings ``evaluate``, ``calibrate`` and ``export`` take flags for (one builder),
+by their :class:`~llm_calib.calm.config.PromptSettings` name."""
 
 _EVALUATE_PROMPT_DEST = {field: {"preset": "prompt_preset", "style": "prompt_style"}.get(field, field)
-                         for field in _PROMPT_FIELDS}
+                         for field in PROMPT_FIELDS}
 """Where evaluate and export store each prompt flag (calibrate: ``cfg:prompt.<field>``)."""
 
 
 def _add_prompt_args(group: Any, dest: Callable[[str], str | None]) -> None:
     """The prompt flags of ``evaluate``, ``calibrate`` and ``export`` (one builder, so the three
-    spell and parse them alike): each setting of :data:`_PROMPT_FIELDS`, stored as ``dest(field)``,
+    spell and parse them alike): each setting of :data:`PROMPT_FIELDS`, stored as ``dest(field)``,
     default None (not given). Texts are unescaped (``\\n`` is a newline)."""
 
     def add(field: str, *flags: str, **kwargs: Any) -> None:
@@ -494,7 +494,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     _apply_threads(args)
     base = _resolve_base(args, args.adapter, "export")  # fails before loading the model
-    prompt = _evaluate_prompt(args, base)
+    prompt = prompt_format(args, base)
     if args.quiet:
         _silence_transformers_bars()
     model, tokenizer = _user_call(
@@ -772,7 +772,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         title, prefix = _PART_GROUPS[part]
         group = p.add_argument_group(title)
         if part == "prompt":  # evaluate's prompt flags, from the builder they share
-            shared = set(_PROMPT_FIELDS) - {"chat_template"}  # --chat-template true|false|null stays too
+            shared = set(PROMPT_FIELDS) - {"chat_template"}  # --chat-template true|false|null stays too
             _add_prompt_args(group, lambda field: f"cfg:prompt.{field}")
             _settings_flags(cls, "cfg:prompt.", prefix, group, "prompt.", skip=shared.__contains__)
         else:
@@ -1129,7 +1129,7 @@ def _unescape(text: str | None) -> str | None:
 def _prompt_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The prompt flags given (:func:`_add_prompt_args`, as evaluate and export store them), as
     :class:`~llm_calib.prompts.PromptFormat` fields."""
-    fields = {"style": args.prompt_style, **{f: getattr(args, f) for f in _PROMPT_FIELDS if f not in ("preset", "style")}}
+    fields = {"style": args.prompt_style, **{f: getattr(args, f) for f in PROMPT_FIELDS if f not in ("preset", "style")}}
     return {k: v for k, v in fields.items() if v is not None}
 
 
@@ -1142,12 +1142,34 @@ def _saved_prompt(base: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in saved.items() if k in PromptFormat.__dataclass_fields__ and k != "fewshot_pool"}
 
 
-def _evaluate_prompt(args: argparse.Namespace, base: dict[str, Any] | None = None) -> object:
-    """The PromptFormat of ``llm-calib evaluate`` (and ``export``): the preset, else the prompt a
-    saved ``--adapter`` records (``base``), else the scorer's default; then the explicit flags.
+def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) -> Any:
+    """The :class:`~llm_calib.prompts.PromptFormat` of ``llm-calib evaluate`` (and ``export``):
+    the preset, else the prompt a saved ``--adapter`` records (``base``), else the scorer's
+    default; then the explicit prompt flags. ``calibrate`` builds the same format from the same
+    flags (:func:`llm_calib.calm.encoding.format_settings`).
 
     ``args.scorer`` and ``args.normalize`` (when the command has them) not given default to the
-    saved result's, else ``option_likelihood`` and ``sum``."""
+    saved result's, else ``option_likelihood`` and ``sum``.
+
+    Args:
+        args: ``evaluate`` or ``export`` arguments parsed by :func:`build_parser`.
+        base: the saved result's record (:func:`llm_calib.export.saved_base`), or None.
+
+    Returns:
+        The prompt format (without the few-shot pool).
+
+    Raises:
+        SystemExit: through :func:`main`: flags the scorer does not accept, or ``--fewshot``
+            without ``--fewshot-split``.
+
+    Example:
+        >>> args = build_parser().parse_args(["evaluate", "--data", "builtin", "--out", "x",
+        ...                                   "--prompt-preset", "lm_eval_arc", "--fewshot", "2",
+        ...                                   "--fewshot-split", "builtin:capitals:n=10"])
+        >>> fmt = prompt_format(args)
+        >>> fmt.template, fmt.fewshot, args.normalize
+        ('Question: {question}\\nAnswer:', 2, 'sum')
+    """
     from llm_calib.formats import multiple_choice_format
     from llm_calib.prompts import PromptFormat, preset
 
@@ -1209,7 +1231,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.bootstrap < 0:
         raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
     base = _resolve_base(args, args.adapter, "--adapter")
-    prompt = _evaluate_prompt(args, base)
+    prompt = prompt_format(args, base)
     if args.prompt_preset is None and not _prompt_flags(args):  # the saved prompt: its preset's --limit-mode
         args.saved_preset = base.get("prompt_preset")
     t0 = time.perf_counter()

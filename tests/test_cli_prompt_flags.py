@@ -29,7 +29,7 @@ def _sub(command: str):
 
 def _prompt_flags(command: str) -> set[str]:
     """The prompt flags of a subcommand: those of the shared builder's fields."""
-    dests = {f"cfg:prompt.{f}" for f in cli._PROMPT_FIELDS} | set(cli._EVALUATE_PROMPT_DEST.values())
+    dests = {f"cfg:prompt.{f}" for f in cli.PROMPT_FIELDS} | set(cli.PROMPT_FIELDS) | {"prompt_preset", "prompt_style"}
     return {s for a in _sub(command)._actions if a.dest in dests for s in a.option_strings}
 
 
@@ -55,7 +55,7 @@ def test_calibrate_builds_the_prompt_evaluate_builds(flags):
     cal = cli.build_parser().parse_args(["calibrate", "--train", SPEC, "--heldout", SPEC, "--eval", SPEC,
                                          "--out", "x", *flags])
     config, _ = cli.calibration_config(cal)
-    assert format_settings(config)["prompt"] == cli._evaluate_prompt(ev)
+    assert format_settings(config)["prompt"] == cli.prompt_format(ev)
 
 
 def test_no_chat_template_and_texts_reach_the_config():
