@@ -21,6 +21,7 @@ Errors in the user's input (a bad data spec, a missing file, an unknown model) p
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +30,7 @@ from typing import Any, TypeVar
 
 from llm_calib.prompts import PRESETS
 
-__all__ = ["build_parser", "calibration_config", "main"]
+__all__ = ["PROMPT_FIELDS", "build_parser", "calibration_config", "main", "prompt_format"]
 
 _T = TypeVar("_T")
 
@@ -216,11 +217,13 @@ _SET_OF_FLAG = {"--train": "training", "--heldout": "held-out", "--unlabeled": "
 
 def _limit_mode(args: argparse.Namespace) -> str:
     """``--limit-mode`` as given, else ``first`` under an ``lm_eval_*`` prompt preset (lm-eval's
-    ``--limit`` takes the first N), else ``sample``."""
+    ``--limit`` takes the first N; the preset of the flag, else the one a saved ``--adapter`` was
+    trained with when no prompt flag is given), else ``sample``."""
     mode = getattr(args, "limit_mode", None)
     if mode is not None:
         return mode
-    return "first" if (getattr(args, "prompt_preset", None) or "").startswith("lm_eval_") else "sample"
+    preset = getattr(args, "prompt_preset", None) or getattr(args, "saved_preset", None)
+    return "first" if (preset or "").startswith("lm_eval_") else "sample"
 
 
 def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int | None = None,
@@ -259,6 +262,70 @@ def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int |
     return res.records
 
 
+_PROMPT_GROUP_HELP = (
+    "how each question is put to the model; evaluate, calibrate and export take the same flags. "
+    "Other prompt flags override --prompt-preset; with a saved --adapter (evaluate, export) the "
+    "prompt it was trained with is the default"
+)
+
+PROMPT_FIELDS = (
+    "preset", "template", "target_delimiter", "choices", "fewshot", "fewshot_split", "fewshot_seed",
+    "fewshot_sampler", "style", "chat_template", "system_message", "answer_prefix",
+)
+"""The prompt settings ``evaluate``, ``calibrate`` and ``export`` take flags for (one builder),
+by their :class:`~llm_calib.calm.config.PromptSettings` name."""
+
+_EVALUATE_PROMPT_DEST = {field: {"preset": "prompt_preset", "style": "prompt_style"}.get(field, field)
+                         for field in PROMPT_FIELDS}
+"""Where evaluate and export store each prompt flag (calibrate: ``cfg:prompt.<field>``)."""
+
+
+def _add_prompt_args(group: Any, dest: Callable[[str], str | None]) -> None:
+    """The prompt flags of ``evaluate``, ``calibrate`` and ``export`` (one builder, so the three
+    spell and parse them alike): each setting of :data:`PROMPT_FIELDS`, stored as ``dest(field)``,
+    default None (not given). Texts are unescaped (``\\n`` is a newline)."""
+
+    def add(field: str, *flags: str, **kwargs: Any) -> None:
+        group.add_argument(*flags, dest=dest(field), default=None, **kwargs)
+
+    add("preset", "--prompt-preset", choices=tuple(PRESETS),
+        help="a named prompt format; the lm_eval_* presets reproduce lm-eval's prompts "
+        "(lm_eval_arc, lm_eval_mmlu, lm_eval_openbookqa, lm_eval_commonsenseqa, lm_eval_qasc, "
+        "lm_eval_piqa), qa is the open-ended 'Q: ...\\nA:' format; other prompt flags override it "
+        "(default: none, the prompt of --prompt-style)")
+    add("template", "--template", type=_unescape, metavar="TEXT",
+        help="question template with named fields {question}, {options} (listed A. ... lines), "
+        "{subject}, {context}, {answer_prefix} or any record meta key, e.g. "
+        "'Question: {question}\\nAnswer:' ('\\n' is a newline) (default: none)")
+    add("target_delimiter", "--target-delimiter", type=_unescape, metavar="TEXT",
+        help="text between the prompt and each scored choice (default: ' ')")
+    add("choices", "--choices", choices=("text", "letters"),
+        help="score each option's text, or its letter (for templates that list the options) "
+        "(default: text, or the preset's)")
+    add("fewshot", "--fewshot", type=_non_negative_int, metavar="K",
+        help="solved examples before each question, drawn from --fewshot-split (never an "
+        "evaluated question; a question gets the same examples in training, selection and "
+        "evaluation) (default: 0, zero-shot)")
+    add("fewshot_split", "--fewshot-split", type=str, metavar="SPEC",
+        help="data spec the few-shot examples come from, e.g. arc_easy:../shared/data:train (default: "
+        "none; needed with --fewshot)")
+    add("fewshot_seed", "--fewshot-seed", type=int, metavar="S",
+        help="seed of the per-question draw of examples (default: 1234, as lm-eval)")
+    add("fewshot_sampler", "--fewshot-sampler", choices=("random", "first_n"),
+        help="random: a seeded draw per question; first_n: the first K examples of the split "
+        "(lm-eval's first_n sampler; its MMLU default) (default: random, or the preset's)")
+    add("style", "--prompt-style", choices=("cloze", "listed"),
+        help="cloze: the prompt holds the question only; listed: options listed as A., B., ... "
+        "(default: cloze for option_likelihood, listed for letter)")
+    add("chat_template", "--no-chat-template", action="store_const", const=False,
+        help="plain-text prompt instead of the tokenizer's chat template")
+    add("system_message", "--system-message", type=str, metavar="TEXT",
+        help="system message for the chat (default: the template's own default)")
+    add("answer_prefix", "--answer-prefix", type=_unescape, metavar="TEXT",
+        help="text after the generation prompt, before the scored answer (default: "
+        "'The answer is:'; with a template only where it has {answer_prefix})")
+
+
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "evaluate",
@@ -295,98 +362,21 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scorer",
         choices=("option_likelihood", "letter"),
-        default="option_likelihood",
+        default=None,
         help="multiple-choice scorer: likelihood of each option's text, or the logits of the "
-        "option letters with the options listed (default: %(default)s)",
+        "option letters with the options listed (default: the one a saved --adapter was trained "
+        "with, else option_likelihood)",
     )
     p.add_argument(
         "--normalize",
         choices=("sum", "mean", "char", "byte"),
-        default="sum",
+        default=None,
         help="option likelihood: summed token log-probabilities (lm-eval's acc), their mean per "
         "token, or the sum divided by the choice's characters (acc_norm) or bytes (acc_bytes); "
-        "the report shows all four side by side either way (default: %(default)s)",
+        "the report shows all four side by side either way (default: the one a saved --adapter "
+        "was trained with, else sum)",
     )
-    p.add_argument(
-        "--prompt-preset",
-        choices=tuple(PRESETS),
-        default=None,
-        help="a named prompt format; the lm_eval_* presets reproduce lm-eval's prompts "
-        "(lm_eval_arc, lm_eval_mmlu, lm_eval_openbookqa, lm_eval_commonsenseqa, lm_eval_qasc, "
-        "lm_eval_piqa), qa is the open-ended 'Q: ...\\nA:' format; other prompt flags override it",
-    )
-    p.add_argument(
-        "--template",
-        default=None,
-        metavar="TEXT",
-        help="question template with named fields {question}, {options} (listed A. ... lines), "
-        "{subject}, {context}, {answer_prefix} or any record meta key, e.g. "
-        "'Question: {question}\\nAnswer:' ('\\n' is a newline)",
-    )
-    p.add_argument(
-        "--target-delimiter",
-        default=None,
-        metavar="TEXT",
-        help="text between the prompt and each scored choice (default: ' ')",
-    )
-    p.add_argument(
-        "--choices",
-        choices=("text", "letters"),
-        default=None,
-        help="score each option's text, or its letter (for templates that list the options) "
-        "(default: text, or the preset's)",
-    )
-    p.add_argument(
-        "--fewshot",
-        type=_non_negative_int,
-        default=None,
-        metavar="K",
-        help="solved examples before each question, drawn from --fewshot-split (never an "
-        "evaluated question) (default: 0, zero-shot)",
-    )
-    p.add_argument(
-        "--fewshot-split",
-        default=None,
-        metavar="SPEC",
-        help="data spec the few-shot examples come from, e.g. arc_easy:../shared/data:train",
-    )
-    p.add_argument(
-        "--fewshot-seed",
-        type=int,
-        default=None,
-        metavar="S",
-        help="seed of the per-question draw of examples (default: 1234, as lm-eval)",
-    )
-    p.add_argument(
-        "--fewshot-sampler",
-        choices=("random", "first_n"),
-        default=None,
-        help="random: a seeded draw per question; first_n: the first K examples of the split "
-        "(lm-eval's first_n sampler; its MMLU default) (default: random, or the preset's)",
-    )
-    p.add_argument(
-        "--prompt-style",
-        choices=("cloze", "listed"),
-        default=None,
-        help="cloze: the prompt holds the question only; listed: options listed as A., B., ... "
-        "(default: cloze for option_likelihood, listed for letter)",
-    )
-    p.add_argument(
-        "--no-chat-template",
-        action="store_true",
-        help="plain-text prompt instead of the tokenizer's chat template",
-    )
-    p.add_argument(
-        "--system-message",
-        default=None,
-        help="system message for the chat (default: the template's own default)",
-    )
-    p.add_argument(
-        "--answer-prefix",
-        default=None,
-        help="text after the generation prompt, before the scored answer (default: "
-        "'The answer is:'; with a template only where it has {answer_prefix})",
-    )
+    _add_prompt_args(p.add_argument_group("prompt", _PROMPT_GROUP_HELP), _EVALUATE_PROMPT_DEST.get)
     _add_data_loading_args(
         p,
         limit_help="at most N questions per evaluated data set (see --limit-mode; the --temperature-fit "
@@ -485,6 +475,12 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="MERGED", help="output directory (created if missing)")
     p.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true",
                    help="no progress bars (transformers' 'Loading weights' and 'Writing model shards')")
+    _add_prompt_args(
+        p.add_argument_group("prompt", "the prompt the merged model is meant to be used with, recorded in "
+                             "MERGED/llm_calib_export.json (default: the one the saved result was trained "
+                             "with; another one warns)"),
+        _EVALUATE_PROMPT_DEST.get,
+    )
     p.set_defaults(func=_cmd_export)
 
 
@@ -493,17 +489,23 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     from llm_calib.export import export_merged
     from llm_calib.models import load as load_model
+    from llm_calib.prompts import prompt_dict
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     _apply_threads(args)
-    _resolve_base(args, args.adapter, "export")  # fails before loading the model
+    base = _resolve_base(args, args.adapter, "export")  # fails before loading the model
+    prompt = prompt_format(args, base)
     if args.quiet:
         _silence_transformers_bars()
     model, tokenizer = _user_call(
         lambda: load_model(args.model, cache_dir=args.cache_dir, config=_model_loading(args, "cpu")),
         f"--model {args.model}",
     )
+    _warn_prompt_mismatch(base, prompt, tokenizer, args.adapter, doing="exporting")
     out = _user_call(lambda: export_merged(model, tokenizer, args.adapter, args.out), "export")
+    record = Path(out) / "llm_calib_export.json"  # what the merged model was calibrated for
+    record.write_text(json.dumps({**json.loads(record.read_text()), "prompt": prompt_dict(prompt, tokenizer),
+                                  **{k: base[k] for k in ("scorer", "normalize") if k in base}}, indent=2))
     print(f"wrote the merged model to {out}")
     return 0
 
@@ -673,8 +675,8 @@ _PART_GROUPS = {
 }
 """Flag group and flag prefix of each settings part of the config."""
 
-_FLAG_NAMES = {"prompt.style": "--prompt-style", "prompt.preset": "--prompt-preset"}
-"""Flags not named by the prefix rule."""
+_FLAG_NAMES: dict[str, str] = {}
+"""Flags not named by the prefix rule (the prompt's come from :func:`_add_prompt_args`)."""
 
 _FLAG_ALIASES = {
     "objective:calm.adjustment": "--adjustment", "objective:calm.lam_lr": "--lam-lr",
@@ -768,7 +770,13 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                     skip=lambda f: f not in common, help_from=CalmSolver)
     for part, cls in PARTS.items():
         title, prefix = _PART_GROUPS[part]
-        _settings_flags(cls, f"cfg:{part}.", prefix, p.add_argument_group(title), f"{part}.")
+        group = p.add_argument_group(title)
+        if part == "prompt":  # evaluate's prompt flags, from the builder they share
+            shared = set(PROMPT_FIELDS) - {"chat_template"}  # --chat-template true|false|null stays too
+            _add_prompt_args(group, lambda field: f"cfg:prompt.{field}")
+            _settings_flags(cls, "cfg:prompt.", prefix, group, "prompt.", skip=shared.__contains__)
+        else:
+            _settings_flags(cls, f"cfg:{part}.", prefix, group, f"{part}.")
     group = p.add_argument_group("run (CalibrationConfig.checkpoint_every, seed)")
     _settings_flags(CalibrationConfig, "cfg:", "--", group, "", skip=lambda f: f in PARTS or f == "objective")
 
@@ -883,6 +891,23 @@ def _device(name: str) -> str:
     return name
 
 
+def _fewshot_pool(args: argparse.Namespace, config: Any, evaluated: list, log: Callable[[str], None]) -> None:
+    """Load ``config.prompt.fewshot_split`` once, without the ``evaluated`` questions (the held-out
+    and evaluation sets, as ``evaluate`` leaves out the questions it scores), into
+    ``config.prompt.fewshot_pool``: training, selection and evaluation then draw each question's
+    examples from the same pool, so a question shows the same examples in all three and in an
+    ``evaluate`` of the same split with the same flags."""
+    from llm_calib.fewshot import resolve_fewshot
+    from llm_calib.prompts import PromptFormat
+
+    settings = config.prompt
+    fmt = _user_call(lambda: resolve_fewshot(PromptFormat(fewshot=settings.fewshot, fewshot_split=settings.fewshot_split),
+                                             exclude=evaluated, on_error=args.on_error),
+                     f"--fewshot-split {settings.fewshot_split}")
+    settings.fewshot_pool = fmt.fewshot_pool
+    log(f"few-shot pool: {len(settings.fewshot_pool)} examples from {settings.fewshot_split}")
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     from llm_calib import distributed
@@ -894,6 +919,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from llm_calib.prompts import prompt_dict
 
     config, methods = calibration_config(args)
+    args.prompt_preset = config.prompt.preset  # --limit-mode's default follows the preset (flag or file)
     _apply_threads(args)
     distributed.init_from_env()
     main_rank = distributed.rank() == 0
@@ -915,6 +941,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     # Load every data set before the model, so a bad spec fails fast.
     train = (args.train, records("--train", args.train))
     heldout = (args.heldout, records("--heldout", args.heldout))
+    evals = [(spec, records("--eval", spec)) for spec in args.eval]
+    if config.prompt.fewshot:  # one pool for training, selection and evaluation, as evaluate draws it
+        _fewshot_pool(args, config, [r for _, recs in [heldout, *evals] for r in recs], log)
     try:  # one kind of record per run, read here; the message names the offending record
         fmt = task_format(train[1], config, what=f"--train {args.train}")
         fmt.check(heldout[1], what=f"--heldout {args.heldout}")
@@ -932,7 +961,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise _UserError(str(exc)) from exc
         log(f"loaded {len(unlabeled[1])} unlabelled inputs from {unlabeled[0]}")
-    evals = [(spec, records("--eval", spec)) for spec in args.eval]
     load_s = time.perf_counter() - t0
     device = _device(args.device)
     loading = _model_loading(args, device)
@@ -943,12 +971,15 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     )  # once: every method attaches, trains and removes its own adapters
     log(f"loaded {args.model} ({loading.dtype}{', 4-bit' if loading.load_in_4bit else ''}"
         f"{', 8-bit' if loading.load_in_8bit else ''}) in {time.perf_counter() - t1:.1f} s")
+    # the prompt as resolved (chat_template: whether this tokenizer's template is used), as evaluate records it
+    prompt = prompt_dict(format_settings(config)["prompt"], tokenizer)
     try:
         cmp = run_comparison(
             model, tokenizer, train, heldout, evals, config, methods, args.out,
             unlabeled=unlabeled, resume=args.resume, progress=not args.no_progress, n_bins=args.bins,
             bootstrap=args.bootstrap, log=log,
-            base_model={"model": _recorded_model(args.model), "dtype": loading.dtype},
+            base_model={"model": _recorded_model(args.model), "dtype": loading.dtype, "prompt": prompt,
+                        "prompt_preset": config.prompt.preset},
         )
     except TrainingDiverged as exc:
         print(f"llm-calib: error: training diverged: {exc}", file=sys.stderr)
@@ -957,7 +988,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise _UserError(str(exc)) from exc
     cmp.config["model"] = args.model
     cmp.config["model_loading"] = loading.to_dict()
-    cmp.config["prompt"] = prompt_dict(format_settings(config)["prompt"])
+    cmp.config["prompt"] = prompt
     cmp.config["limit"] = args.limit
     cmp.config["limit_mode"] = _limit_mode(args)
     cmp.config["skipped"] = getattr(args, "skipped_rows", {})
@@ -1056,8 +1087,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     Example:
         >>> args = build_parser().parse_args(["evaluate", "--data", "builtin", "--out", "x"])
-        >>> args.command, args.scorer, args.data
-        ('evaluate', 'option_likelihood', ['builtin'])
+        >>> args.command, args.data, args.fewshot
+        ('evaluate', ['builtin'], None)
     """
     parser = argparse.ArgumentParser(
         prog="llm-calib",
@@ -1095,51 +1126,95 @@ def _unescape(text: str | None) -> str | None:
     return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
-def _evaluate_prompt(args: argparse.Namespace) -> object:
-    """The PromptFormat of ``llm-calib evaluate``: the preset (or the default), then explicit flags."""
+def _prompt_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The prompt flags given (:func:`_add_prompt_args`, as evaluate and export store them), as
+    :class:`~llm_calib.prompts.PromptFormat` fields."""
+    fields = {"style": args.prompt_style, **{f: getattr(args, f) for f in PROMPT_FIELDS if f not in ("preset", "style")}}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _saved_prompt(base: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`~llm_calib.prompts.PromptFormat` fields a saved result records (none for a
+    plain adapter)."""
+    from llm_calib.prompts import PromptFormat
+
+    saved = base.get("prompt") or {}
+    return {k: v for k, v in saved.items() if k in PromptFormat.__dataclass_fields__ and k != "fewshot_pool"}
+
+
+def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) -> Any:
+    """The :class:`~llm_calib.prompts.PromptFormat` of ``llm-calib evaluate`` (and ``export``):
+    the preset, else the prompt a saved ``--adapter`` records (``base``), else the scorer's
+    default; then the explicit prompt flags. ``calibrate`` builds the same format from the same
+    flags (:func:`llm_calib.calm.encoding.format_settings`).
+
+    ``args.scorer`` and ``args.normalize`` (when the command has them) not given default to the
+    saved result's, else ``option_likelihood`` and ``sum``.
+
+    Args:
+        args: ``evaluate`` or ``export`` arguments parsed by :func:`build_parser`.
+        base: the saved result's record (:func:`llm_calib.export.saved_base`), or None.
+
+    Returns:
+        The prompt format (without the few-shot pool).
+
+    Raises:
+        SystemExit: through :func:`main`: flags the scorer does not accept, or ``--fewshot``
+            without ``--fewshot-split``.
+
+    Example:
+        >>> args = build_parser().parse_args(["evaluate", "--data", "builtin", "--out", "x",
+        ...                                   "--prompt-preset", "lm_eval_arc", "--fewshot", "2",
+        ...                                   "--fewshot-split", "builtin:capitals:n=10"])
+        >>> fmt = prompt_format(args)
+        >>> fmt.template, fmt.fewshot, args.normalize
+        ('Question: {question}\\nAnswer:', 2, 'sum')
+    """
     from llm_calib.formats import multiple_choice_format
     from llm_calib.prompts import PromptFormat, preset
 
-    overrides = {
-        "style": args.prompt_style,
-        "chat_template": False if args.no_chat_template else None,
-        "system_message": args.system_message,
-        "answer_prefix": _unescape(args.answer_prefix),
-        "template": _unescape(args.template),
-        "target_delimiter": _unescape(args.target_delimiter),
-        "choices": args.choices,
-        "fewshot": args.fewshot,
-        "fewshot_split": args.fewshot_split,
-        "fewshot_seed": args.fewshot_seed,
-        "fewshot_sampler": args.fewshot_sampler,
-    }
-    given = {k: v for k, v in overrides.items() if v is not None}
-    if args.prompt_preset is None:
-        given.setdefault("style", multiple_choice_format(args.scorer).prompt_settings().style)
-    if args.no_chat_template:
-        given["chat_template"] = False
-    fmt = _user_call(
-        lambda: preset(args.prompt_preset, **given) if args.prompt_preset else PromptFormat(**given),
-        "prompt",
-    )
+    base = base or {}
+    if hasattr(args, "scorer"):
+        args.scorer = args.scorer or base.get("scorer") or "option_likelihood"
+        args.normalize = args.normalize or base.get("normalize") or "sum"
+    scorer = getattr(args, "scorer", None) or base.get("scorer") or "option_likelihood"
+    given = _prompt_flags(args)
+    saved = _saved_prompt(base)
+    if args.prompt_preset is not None:
+        make = lambda: preset(args.prompt_preset, **given)  # noqa: E731
+    elif saved:
+        make = lambda: PromptFormat(**{**saved, **given})  # noqa: E731
+    else:
+        given.setdefault("style", multiple_choice_format(scorer).prompt_settings().style)
+        make = lambda: PromptFormat(**given)  # noqa: E731
+    fmt = _user_call(make, "prompt")
     try:  # the scorer's own rules on the prompt (the letter scorer needs the options listed)
-        multiple_choice_format(args.scorer, prompt=fmt)
+        multiple_choice_format(scorer, prompt=fmt)
     except ValueError as exc:
-        raise _UserError(f"--scorer {args.scorer}: {exc} (see --prompt-style)") from exc
+        raise _UserError(f"--scorer {scorer}: {exc} (see --prompt-style)") from exc
     if fmt.fewshot and not fmt.fewshot_split:
         raise _UserError(f"--fewshot {fmt.fewshot} needs --fewshot-split SPEC (the split the examples come from)")
     return fmt
 
 
-def _warn_prompt_mismatch(trained: dict[str, Any] | None, used: dict[str, Any], adapter: str | None) -> None:
-    """Warn (stderr, even with ``--quiet``) when the prompt differs from the one ``adapter`` was
-    trained with (nothing when the adapter does not record it)."""
-    if not trained:
+def _warn_prompt_mismatch(trained: dict[str, Any], prompt: Any, tokenizer: Any, adapter: str | None, *,
+                          scoring: dict[str, Any] | None = None, doing: str = "evaluating") -> None:
+    """Warn (stderr, even with ``--quiet``) when ``prompt`` (or the ``scoring`` settings, scorer
+    and normalize) differs from what ``adapter`` was trained with (``trained``: its saved record;
+    nothing when it does not record the prompt). Both prompts are compared as resolved for
+    ``tokenizer`` (an automatic chat template is the one it has or not)."""
+    from llm_calib.prompts import PromptFormat, prompt_dict
+
+    if not trained.get("prompt"):
         return
-    keys = sorted(k for k in set(trained) | set(used) if k != "fewshot_pool_size" and trained.get(k) != used.get(k))
+    scoring = scoring or {}
+    before = {**prompt_dict(PromptFormat(**_saved_prompt(trained)), tokenizer),
+              **{k: trained.get(k) for k in scoring if trained.get(k) is not None}}
+    used = {**prompt_dict(prompt, tokenizer), **{k: v for k, v in scoring.items() if k in before}}
+    keys = sorted(k for k in set(before) | set(used) if k != "fewshot_pool_size" and before.get(k) != used.get(k))
     if keys:
-        diff = "; ".join(f"{k}: trained {trained.get(k)!r}, now {used.get(k)!r}" for k in keys)
-        print(f"llm-calib: warning: evaluating --adapter {adapter} with another prompt than it was trained "
+        diff = "; ".join(f"{k}: trained {before.get(k)!r}, now {used.get(k)!r}" for k in keys)
+        print(f"llm-calib: warning: {doing} --adapter {adapter} with another prompt than it was trained "
               f"with ({diff}); its calibration may not carry over", file=sys.stderr, flush=True)
 
 
@@ -1155,9 +1230,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         _silence_transformers_bars()
     if args.bootstrap < 0:
         raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
-    prompt = _evaluate_prompt(args)
     base = _resolve_base(args, args.adapter, "--adapter")
-    _warn_prompt_mismatch(base.get("prompt"), prompt_dict(prompt), args.adapter)
+    prompt = prompt_format(args, base)
+    if args.prompt_preset is None and not _prompt_flags(args):  # the saved prompt: its preset's --limit-mode
+        args.saved_preset = base.get("prompt_preset")
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
     datasets = []
@@ -1194,6 +1270,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         model = _user_call(lambda: load_adapter(model, args.adapter), f"--adapter {args.adapter}")
     model_s = time.perf_counter() - t0
     _log(args, f"loaded model {args.model}{' + ' + args.adapter if args.adapter else ''} in {model_s:.1f} s")
+    _warn_prompt_mismatch(base, prompt, tokenizer, args.adapter, scoring={"scorer": args.scorer, "normalize": args.normalize})
     result = _user_call(
         lambda: evaluate_records(
             model,
@@ -1267,6 +1344,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _did_you_mean(word: str, candidates: Any) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``candidates`` to ``word``; empty when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _reject_unknown(sub: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """Exit (status 2) with the subcommand's usage, naming the unknown arguments and, for each
+    unknown flag, the closest flag the subcommand has."""
+    flags = [s for a in sub._actions for s in a.option_strings if s.startswith("--")]
+    hints = [f"{flag}{hint}" for flag in (w.split("=", 1)[0] for w in unknown if w.startswith("-"))
+             for hint in [_did_you_mean(flag, flags)] if hint]
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"\n  {h}" for h in hints))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``llm-calib`` command.
 
@@ -1281,7 +1375,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         2
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    if argv and not argv[0].startswith("-") and argv[0] not in commands:
+        parser.error(f"unknown command {argv[0]!r}{_did_you_mean(argv[0], commands)}; the commands: {', '.join(commands)}")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage and the closest flags, not the top-level usage
+        _reject_unknown(commands[args.command], unknown)
+    if not (getattr(args, "load_in_4bit", False) or getattr(args, "load_in_8bit", False)):
+        # bitsandbytes, imported by peft when installed, warns about its optional CPU kernels on
+        # every run; without quantisation it is not used
+        import logging
+
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         return int(args.func(args) or 0)
     except _UserError as exc:

@@ -29,11 +29,14 @@ from llm_calib.formats import family_format
 from llm_calib.models import free_memory
 from llm_calib.objectives.base import Objective
 from llm_calib.report import (
+    REPORT_METRICS,
     format_metric,
     jsonable,
+    mean_of_domains,
     metrics_table,
     plot_reliability,
     reliability_filename,
+    setting_line,
 )
 
 __all__ = ["BASELINE_COLUMNS", "Comparison", "DomainComparison", "run_comparison", "write_comparison_report"]
@@ -304,6 +307,8 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
         f"- scorer: `{cfg['evaluation']['scorer']}` ({cfg['evaluation']['normalize']}, "
         f"{cfg['evaluation']['prompt_style']} prompt)",
     ]
+    if cfg.get("prompt"):  # as resolved (the command line adds it), as evaluate's report shows it
+        lines.append(setting_line("prompt", cfg["prompt"]))
     lines += family_format(cfg["train"].get("kind", "multiple_choice")).training_notes
     fit = cmp.temperature
     if fit is not None:
@@ -338,10 +343,16 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
     lines += ["## Accuracy per domain", "", *_summary_table(cmp, "accuracy"), ""]
     if cmp.config["evaluation"].get("bootstrap"):
         lines += ["Values are point estimates with 95% bootstrap confidence intervals.", ""]
+    # every metric evaluate's report shows (report.REPORT_METRICS), per domain and overall
     for dom, d in cmp.domains.items():
         lines += [f"## {dom}", "", f"{d.n} questions, {d.description}.", ""]
-        lines.append(metrics_table([(_label(c), d.columns.get(c)) for c in cmp.columns]))
+        lines.append(metrics_table([(_label(c), d.columns.get(c)) for c in cmp.columns], metrics=REPORT_METRICS))
         lines += ["", f"![reliability diagrams]({reliability_filename(dom)})", ""]
+    if len(cmp.domains) > 1:
+        n = sum(d.n for d in cmp.domains.values())
+        lines += ["## overall (mean of domains)", "", f"{n} questions in {len(cmp.domains)} domains, each weighted equally.", ""]
+        overall = [(_label(c), mean_of_domains([d.columns.get(c) for d in cmp.domains.values()])) for c in cmp.columns]
+        lines += [metrics_table(overall, metrics=REPORT_METRICS), ""]
     return "\n".join(lines)
 
 

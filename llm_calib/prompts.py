@@ -47,6 +47,7 @@ __all__ = [
     "preset",
     "prompt_dict",
     "record_prompt",
+    "record_uses_chat_template",
     "short_answer_format",
     "template_fields",
     "user_message",
@@ -227,6 +228,26 @@ def uses_chat_template(tokenizer: Any, fmt: PromptFormat) -> bool:
             "use chat_template=None or False"
         )
     return bool(fmt.chat_template)
+
+
+def record_uses_chat_template(tokenizer: Any, record: Any, fmt: PromptFormat) -> bool:
+    """Whether the prompt of ``record`` under ``fmt`` went through the chat template: never for
+    a record with an already rendered ``prompt`` (lm-eval's contexts are plain text, tokenised as
+    lm-eval tokenises them, with the tokenizer's BOS token where it adds one), else
+    :func:`uses_chat_template`.
+
+    Example:
+        >>> from llm_calib.data.records import MultipleChoice
+        >>> from llm_calib.models import tiny_random_model
+        >>> _, tok = tiny_random_model()
+        >>> q = MultipleChoice("2 + 2?", ("4", "5"), 0, "math", "q0")
+        >>> rendered = MultipleChoice("2 + 2?", ("4", "5"), 0, "math", "q1", prompt="Q: 2 + 2?\\nA:")
+        >>> record_uses_chat_template(tok, q, PromptFormat()), record_uses_chat_template(tok, rendered, PromptFormat())
+        (True, False)
+    """
+    if getattr(record, "prompt", None) is not None:
+        return False
+    return uses_chat_template(tokenizer, fmt)
 
 
 def build_prompt(

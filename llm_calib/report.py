@@ -24,9 +24,11 @@ __all__ = [
     "format_metric",
     "jsonable",
     "markdown_report",
+    "mean_of_domains",
     "metrics_table",
     "plot_reliability",
     "reliability_filename",
+    "setting_line",
     "write_report",
 ]
 
@@ -169,6 +171,37 @@ def domain_table(uncalibrated: dict[str, float], scaled: dict[str, float] | None
     return metrics_table(columns, metrics=REPORT_METRICS)
 
 
+def setting_line(key: str, value: Any) -> str:
+    """One ``- key: `value``` line of a report's settings (a dict as ``k=v`` pairs, a list
+    comma-separated): how ``evaluate``'s and ``calibrate``'s reports show the resolved prompt.
+
+    Example:
+        >>> setting_line("prompt", {"template": "Q: {question}", "fewshot": 2})
+        "- prompt: `template='Q: {question}', fewshot=2`"
+    """
+    if isinstance(value, dict):
+        value = ", ".join(f"{k}={v!r}" for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        value = ", ".join(str(v) for v in value)
+    return f"- {key}: `{value}`"
+
+
+def mean_of_domains(rows: list[dict[str, float] | None], metrics: tuple[str, ...] = REPORT_METRICS) -> dict[str, float]:
+    """The unweighted mean over domains of each metric (NaN where no domain has it), for a
+    report's overall row or table.
+
+    Example:
+        >>> mean_of_domains([{"ece": 0.1, "mce": 0.3}, {"ece": 0.3}, None], ("ece", "mce", "nll"))
+        {'ece': 0.2, 'mce': 0.3, 'nll': nan}
+    """
+    present = [r for r in rows if r]
+    out = {}
+    for m in metrics:
+        vals = [float(r[m]) for r in present if r.get(m) is not None and math.isfinite(float(r[m]))]
+        out[m] = sum(vals) / len(vals) if vals else math.nan
+    return out
+
+
 def markdown_report(result: EvaluationResult, *, title: str = "Calibration report") -> str:
     """The ``report.md`` text: settings, temperature fit, a summary, one table per domain.
 
@@ -194,13 +227,8 @@ def markdown_report(result: EvaluationResult, *, title: str = "Calibration repor
         "n_bins", "seed",
     ):
         value = cfg.get(key)
-        if value is None:
-            continue
-        if isinstance(value, dict):
-            value = ", ".join(f"{k}={v!r}" for k, v in value.items())
-        elif isinstance(value, list | tuple):
-            value = ", ".join(str(v) for v in value)
-        lines.append(f"- {key}: `{value}`")
+        if value is not None:
+            lines.append(setting_line(key, value))
     fit = result.temperature
     if fit is not None:
         lines.append(

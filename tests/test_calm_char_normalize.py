@@ -110,5 +110,10 @@ def test_calibrate_cli_prompt_preset_is_recorded_and_checked_at_evaluation(tiny_
     ev = ["evaluate", "--adapter", str(out / "lora_ce"), "--data", spec, "--bootstrap", "0", "--quiet"]
     assert cli.main([*ev, "--out", str(tmp_path / "e1"), "--prompt-preset", "lm_eval_arc", "--normalize", "char"]) == 0
     assert "warning" not in capsys.readouterr().err
-    assert cli.main([*ev, "--out", str(tmp_path / "e2")]) == 0  # the default prompt: not the training one
+    # without prompt flags evaluate --adapter uses the recorded prompt, scorer and normalisation
+    assert cli.main([*ev, "--out", str(tmp_path / "e2")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    used = json.loads((tmp_path / "e2" / "metrics.json").read_text())["config"]
+    assert used["prompt"]["template"] == "Question: {question}\nAnswer:" and used["prompt"]["chat_template"] is False
+    assert cli.main([*ev, "--out", str(tmp_path / "e3"), "--prompt-preset", "default"]) == 0  # not the training one
     assert "another prompt" in capsys.readouterr().err

@@ -144,6 +144,20 @@ class PromptSettings:
             (default): the prompt of ``style``.
         template: multiple choice: a question template with named fields (``{question}``,
             ``{options}``, ...; ``\\n`` is a newline), as ``evaluate --template``. None: none.
+        target_delimiter: multiple choice: text between the prompt and each scored choice, as
+            ``evaluate --target-delimiter``. None: the preset's, else ``" "``.
+        choices: multiple choice: ``"text"`` or ``"letters"`` (score the option letters of a
+            template that lists the options), as ``evaluate --choices``. None: the preset's, else text.
+        system_message: multiple choice: the chat's system message, as ``evaluate
+            --system-message``. None: the chat template's own default.
+        answer_prefix: multiple choice: text after the generation prompt, before the scored answer,
+            as ``evaluate --answer-prefix``. None: ``"The answer is:"``.
+        fewshot: multiple choice: solved examples before each question, as ``evaluate --fewshot``,
+            drawn from ``fewshot_split`` for training, selection and evaluation alike (the same
+            question gets the same examples in each). 0: zero-shot.
+        fewshot_split: the data spec the few-shot examples come from (needed with ``fewshot``).
+        fewshot_seed: seed of the per-question draw of examples. None: 1234, as lm-eval.
+        fewshot_sampler: ``"random"`` or ``"first_n"``. None: the preset's, else random.
         field_choices: the allowed values of ``scorer``, ``normalize`` and ``style``.
         open_examples: open questions: ``(question, answer)`` solved examples shown before every
             question in the plain-text short-answer prompt ``Q: ...\\nA: ...`` of
@@ -152,14 +166,26 @@ class PromptSettings:
             the newline greedy answers stop at. Empty (default): the chat prompt ``The answer is:``
             (see :func:`open_prompt_format`). On the command line: a JSON list of pairs.
 
+    The few-shot pool (the records of ``fewshot_split``, less the evaluated questions) is not a
+    setting: ``llm-calib calibrate`` loads it once into the attribute ``fewshot_pool`` (see
+    :func:`llm_calib.fewshot.resolve_fewshot`); left empty, the split is loaded whole on first use.
+
     Example:
         >>> PromptSettings(open_examples=[[" 2 + 2? ", "4"]]).open_examples
         (('2 + 2?', '4'),)
+        >>> PromptSettings(fewshot=2, fewshot_split="builtin:capitals:n=10").prompt_overrides()
+        {'fewshot': 2, 'fewshot_split': 'builtin:capitals:n=10'}
     """
 
     field_choices: ClassVar[dict[str, tuple[str, ...]]] = {
         "scorer": ("option_likelihood", "letter"), "normalize": ("sum", "mean", "char", "byte"), "style": ("cloze", "listed"),
     }
+    format_fields: ClassVar[tuple[str, ...]] = (
+        "template", "target_delimiter", "choices", "system_message", "answer_prefix", "fewshot", "fewshot_split",
+        "fewshot_seed", "fewshot_sampler",
+    )
+    """The fields that override the :class:`~llm_calib.prompts.PromptFormat` of ``preset`` or
+    ``style`` (as ``evaluate``'s prompt flags), when set."""
     scorer: str = "option_likelihood"
     normalize: str = "sum"
     style: str = "cloze"
@@ -167,6 +193,14 @@ class PromptSettings:
     open_examples: tuple[tuple[str, str], ...] = ()
     preset: str | None = None
     template: str | None = None
+    target_delimiter: str | None = None
+    choices: str | None = None
+    system_message: str | None = None
+    answer_prefix: str | None = None
+    fewshot: int = 0
+    fewshot_split: str | None = None
+    fewshot_seed: int | None = None
+    fewshot_sampler: str | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in self.field_choices.items():
@@ -179,9 +213,34 @@ class PromptSettings:
             if not isinstance(self.template, str):
                 raise ValueError(f"prompt.template must be a string or null, got {self.template!r}")
             self.template = self.template.replace("\\n", "\n").replace("\\t", "\t")
+        for name in ("target_delimiter", "system_message", "answer_prefix", "fewshot_split"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"prompt.{name} must be a string or null, got {value!r}")
+        for name in ("target_delimiter", "answer_prefix"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).replace("\\n", "\n").replace("\\t", "\t"))
+        if self.choices not in (None, "text", "letters"):
+            raise ValueError(f"prompt.choices must be one of ('text', 'letters') or null, got {self.choices!r}")
+        if self.fewshot_sampler not in (None, "random", "first_n"):
+            raise ValueError(f"prompt.fewshot_sampler must be one of ('random', 'first_n') or null, "
+                             f"got {self.fewshot_sampler!r}")
+        check_int("prompt.fewshot", self.fewshot, minimum=0)
+        if self.fewshot_seed is not None:
+            check_int("prompt.fewshot_seed", self.fewshot_seed)
+        if self.fewshot and not self.fewshot_split:
+            raise ValueError(f"prompt.fewshot={self.fewshot} needs prompt.fewshot_split (the data spec the examples "
+                             "come from, e.g. arc_easy:../shared/data:train)")
+        self.fewshot_pool: tuple[Any, ...] = ()  # not a setting: the loaded examples (see the class docstring)
         if self.chat_template is not None and not isinstance(self.chat_template, bool):
             raise ValueError(f"prompt.chat_template must be true, false or null, got {self.chat_template!r}")
         self.open_examples = _question_answer_pairs(self.open_examples)
+
+    def prompt_overrides(self) -> dict[str, Any]:
+        """The :data:`format_fields` that are set, by name (``fewshot`` when > 0): what replaces
+        the preset's or the style's :class:`~llm_calib.prompts.PromptFormat` fields."""
+        return {k: getattr(self, k) for k in self.format_fields
+                if getattr(self, k) is not None and not (k == "fewshot" and self.fewshot == 0)}
 
 
 @dataclass

@@ -20,7 +20,7 @@ from llm_calib.calm.objectives import Batch
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.engine.packing import PackedQuestions
 from llm_calib.formats import MULTIPLE_CHOICE_FORMATS, TaskFormat, format_for
-from llm_calib.prompts import PromptFormat, preset
+from llm_calib.prompts import preset
 
 __all__ = [
     "TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records", "format_settings",
@@ -135,23 +135,34 @@ def format_settings(config: CalibrationConfig) -> dict[str, Any]:
     """The scorer settings of a configuration, as :func:`~llm_calib.formats.format_for` and
     :func:`~llm_calib.evaluate.evaluate_records` take them: the one reader of its ``prompt`` part.
 
-    The multiple-choice prompt follows ``style`` (listed for the letter scorer), or ``preset`` /
-    ``template`` as ``evaluate --prompt-preset/--template`` builds it; open questions use
-    :func:`~llm_calib.calm.config.open_prompt_format`.
+    The multiple-choice prompt follows ``style`` (listed for the letter scorer), or, with ``preset`` or
+    any prompt setting ``evaluate`` has a flag for (``template``, ``target_delimiter``, ``choices``,
+    ``system_message``, ``answer_prefix``, ``fewshot``...), the prompt ``evaluate`` builds from the same
+    flags. Few-shot examples come from ``config.prompt.fewshot_pool`` (loaded from ``fewshot_split``
+    when empty), so training, selection and evaluation show a question the same examples. Open
+    questions use :func:`~llm_calib.calm.config.open_prompt_format`.
 
     Example:
         >>> s = format_settings(CalibrationConfig(prompt=dict(scorer="letter")))
         >>> s["scorer"], s["prompt"].style, s["answer_stop"]
         ('letter', 'listed', False)
     """
+    import dataclasses
+
     settings = config.prompt
-    if settings.preset is None and settings.template is None:
-        prompt = MULTIPLE_CHOICE_FORMATS[settings.scorer].configured_prompt(settings.style, settings.chat_template)
-    else:  # as evaluate --prompt-preset / --template: the preset, then the explicit settings
-        given: dict[str, Any] = {k: v for k, v in (("template", settings.template),
-                                                   ("chat_template", settings.chat_template)) if v is not None}
-        prompt = (preset(settings.preset, **given) if settings.preset is not None
-                  else PromptFormat(style=settings.style, **given))
+    given = settings.prompt_overrides()
+    prompt = MULTIPLE_CHOICE_FORMATS[settings.scorer].configured_prompt(settings.style, settings.chat_template)
+    if settings.preset is not None:  # as evaluate --prompt-preset: the preset, then the settings given
+        chat = {} if settings.chat_template is None else {"chat_template": settings.chat_template}
+        prompt = preset(settings.preset, **given, **chat)
+    elif given:  # as evaluate's prompt flags without a preset
+        prompt = dataclasses.replace(prompt, **given)
+    if prompt.fewshot:
+        if not settings.fewshot_pool:
+            from llm_calib.fewshot import resolve_fewshot
+
+            settings.fewshot_pool = resolve_fewshot(prompt).fewshot_pool  # type: ignore[union-attr]
+        prompt = dataclasses.replace(prompt, fewshot_pool=settings.fewshot_pool)
     return {
         "scorer": config.prompt.scorer,
         "normalize": config.prompt.normalize,

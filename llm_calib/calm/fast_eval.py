@@ -307,7 +307,7 @@ class _AnswerSets:
         flat = [r for recs in ev.records.values() for r in recs]
         prompts = encode_open_prompts(ev.tokenizer, flat, ev.format.prompt_settings())
         self.generator = TrunkGenerator(ev.tokenizer, prompts, ev.batch_size, max_new_tokens, ev.trunk_layers,
-                                        temperatures)
+                                        temperatures, until=[getattr(r, "until", None) for r in flat])
         self.base_outputs: dict[str, list[GenOut]] = {}
 
     def _split(self, outs: Sequence[GenOut]) -> dict[str, list[GenOut]]:

@@ -52,7 +52,8 @@ class MultipleChoice:
 @dataclass(frozen=True)
 class OpenQA:
     """One open-ended question with its accepted ``answers`` (none when ``answerable`` is False);
-    ``prompt`` is used verbatim when given, ``until`` keeps the source's stop sequences.
+    ``prompt`` is used verbatim when given; ``until`` keeps the source's stop sequences (lm-eval's
+    ``until``), at which greedy answers stop.
 
     Example:
         >>> OpenQA("What happens after death?", (), "selfaware", "q1", answerable=False).answers

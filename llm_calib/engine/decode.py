@@ -1,4 +1,5 @@
-"""The one greedy decoder: a KV-cached loop that stops at EOS or a newline, with per-token
+"""The one greedy decoder: a KV-cached loop that stops at EOS or a newline (or at a record's stop
+sequences, lm-eval's ``until``), with per-token
 probabilities, an optional grid of temperatures, and trunk caching as an option.
 
 * :func:`greedy_loop` is the decoding loop itself: the step-by-step argmax, the stopping rule,
@@ -47,10 +48,12 @@ class GreedyAnswer:
     """One greedy generation.
 
     Attributes:
-        text: the answer text (stripped, cut at the first newline).
+        text: the answer text (stripped, cut at the first newline, or with stop sequences at the
+            first of them).
         token_ids: ids of the answer tokens.
         token_probs: probability of each answer token under the model (temperature 1).
-        stop: why generation ended: ``"newline"``, ``"eos"`` or ``"length"``.
+        stop: why generation ended: ``"newline"``, ``"until"`` (a stop sequence), ``"eos"`` or
+            ``"length"``.
 
     Example:
         >>> GreedyAnswer("Paris", (7,), (0.5,), "eos").text
@@ -86,7 +89,8 @@ def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 def finish_answer(
-    tokenizer: Any, ids: Sequence[int], probs: Sequence[float], eos: set[int], stop_at_newline: bool = True
+    tokenizer: Any, ids: Sequence[int], probs: Sequence[float], eos: set[int], stop_at_newline: bool = True,
+    until: Sequence[str] | None = None,
 ) -> GreedyAnswer:
     """The :class:`GreedyAnswer` of generated token ids and their probabilities (the stopping
     rule of :func:`generate_greedy`, for decoding loops of one's own).
@@ -94,6 +98,10 @@ def finish_answer(
     A final EOS token is dropped; a final token containing a newline (with ``stop_at_newline``)
     is dropped too, except for text before the newline inside it, which stays with its
     probability. An empty answer takes the probability of the stop token as its confidence.
+
+    With stop sequences ``until`` (lm-eval's ``generate_until``; a newline then ends the answer
+    only when it is one of them), the answer is the generated text before the first occurrence of
+    any of them, as lm-eval cuts it, and its tokens are the fewest whose text covers that answer.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -104,6 +112,8 @@ def finish_answer(
         ('Paris', 'eos', True)
     """
     ids, probs = list(ids), list(probs)
+    if until is not None:
+        return _finish_until(tokenizer, ids, probs, eos, until)
     stop, keep, extra = "length", len(ids), ""
     if ids and ids[-1] in eos:
         stop, keep = "eos", len(ids) - 1
@@ -117,6 +127,27 @@ def finish_answer(
     if not ans_probs:  # empty answer: its confidence is that of stopping right away
         ans_probs = probs[-1:]
     return GreedyAnswer(text.split("\n", 1)[0].strip(), tuple(ans_ids), tuple(ans_probs), stop)
+
+
+def _finish_until(tokenizer: Any, ids: list[int], probs: list[float], eos: set[int], until: Sequence[str]) -> GreedyAnswer:
+    """:func:`finish_answer` with stop sequences: the text before the earliest stop sequence."""
+    stop = "length"
+    if ids and ids[-1] in eos:
+        stop, ids = "eos", ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    cuts = [text.find(u) for u in until if u and u in text]
+    if cuts:
+        stop, text = "until", text[: min(cuts)]
+    keep = next(k for k in range(len(ids) + 1)
+                if k == len(ids) or len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= len(text))
+    ans_probs = probs[:keep] or probs[keep : keep + 1]  # empty answer: the probability of stopping right away
+    return GreedyAnswer(text.strip(), tuple(ids[:keep]), tuple(ans_probs), stop)
+
+
+def _hits_until(tokenizer: Any, ids: Sequence[int], until: Sequence[str]) -> bool:
+    """Whether the text of the generated ``ids`` holds one of the stop sequences."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=True)
+    return any(u and u in text for u in until)
 
 
 @dataclass
@@ -152,6 +183,7 @@ def greedy_loop(
     temperatures: Tensor | None = None,
     drop_finished: bool = False,
     newline: dict[int, bool] | None = None,
+    until: Sequence[Sequence[str] | None] | None = None,
 ) -> list[tuple[GreedyAnswer, np.ndarray | None]]:
     """Greedy decoding from the first next-token logits of a batch: THE loop of the engine.
 
@@ -172,6 +204,9 @@ def greedy_loop(
         temperatures: optional temperature grid ``(G,)``.
         drop_finished: remove stopped rows from the batch.
         newline: a cache ``token -> contains a newline`` shared between calls (optional).
+        until: per row, stop sequences (lm-eval's ``until``) or None: a row with stop sequences
+            stops at EOS or once its generated text holds one of them (not at a newline unless
+            it is one), and its answer is the text before the first (:func:`finish_answer`).
 
     Returns:
         Per row, its :class:`GreedyAnswer` (bookkeeping by :func:`finish_answer`) and, with
@@ -188,10 +223,15 @@ def greedy_loop(
         ([(0, 'eos'), (3, 'length')], True)
     """
     newline = {} if newline is None else newline
+    stops = list(until) if until is not None else [None] * logits.shape[0]
+    if len(stops) != logits.shape[0]:
+        raise ValueError(f"until: {len(stops)} rows of stop sequences for a batch of {logits.shape[0]}")
 
-    def is_stop(tok: int) -> bool:
+    def is_stop(b: int, tok: int) -> bool:
         if tok in eos:
             return True
+        if stops[b] is not None:
+            return _hits_until(tokenizer, gen[b], stops[b])  # type: ignore[arg-type]
         if stop_at_newline and tok not in newline:
             newline[tok] = "\n" in tokenizer.decode([tok])
         return stop_at_newline and newline[tok]
@@ -218,7 +258,7 @@ def greedy_loop(
             probs[b].append(float(top_p[r]))
             if pt is not None:
                 tprobs[b].append(pt[r])
-            done[b] = is_stop(tok)
+            done[b] = is_stop(b, tok)
         if all(done) or t == max_new_tokens - 1:
             break
         keep = None
@@ -230,10 +270,11 @@ def greedy_loop(
         logits = step(top, keep)
     outs = []
     for b in range(B):
-        ans = finish_answer(tokenizer, gen[b], probs[b], eos, stop_at_newline)
+        ans = finish_answer(tokenizer, gen[b], probs[b], eos, stop_at_newline, stops[b])
         temp_probs = None
         if temperatures is not None:
-            kept = finish_answer(tokenizer, gen[b], [float(p) for p in range(len(gen[b]))], eos, stop_at_newline)
+            kept = finish_answer(tokenizer, gen[b], [float(p) for p in range(len(gen[b]))], eos, stop_at_newline,
+                                 stops[b])
             temp_probs = np.stack([tprobs[b][int(p)] for p in kept.token_probs])
         outs.append((ans, temp_probs))
     return outs
@@ -264,6 +305,7 @@ def generate_greedy(
     *,
     max_new_tokens: int = 32,
     stop_at_newline: bool = True,
+    until: Sequence[Sequence[str] | None] | None = None,
 ) -> list[GreedyAnswer]:
     """Greedy decoding of a batch of tokenised prompts, with per-token probabilities.
 
@@ -279,6 +321,8 @@ def generate_greedy(
         prompts: token ids of each prompt.
         max_new_tokens: generation budget per prompt (>= 1).
         stop_at_newline: stop at the first newline.
+        until: per prompt, stop sequences (e.g. a record's lm-eval ``until``) or None; a prompt
+            with them stops at EOS or at the first of them instead (see :func:`greedy_loop`).
 
     Returns:
         One :class:`GreedyAnswer` per prompt.
@@ -325,7 +369,7 @@ def generate_greedy(
 
     with torch.inference_mode():
         outs = greedy_loop(step, forward(ids.to(device)), tokenizer, eos, max_new_tokens=max_new_tokens,
-                           stop_at_newline=stop_at_newline)
+                           stop_at_newline=stop_at_newline, until=until)
     return [ans for ans, _ in outs]
 
 
@@ -368,6 +412,7 @@ class TrunkGenerator:
         max_new_tokens: generation budget per prompt.
         trunk_layers: the first adapted layer of the models :meth:`trained` will see (0: none).
         temperatures: the temperature grid of the base pass (optional).
+        until: per prompt, stop sequences or None (see :func:`greedy_loop`); None: none.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -380,8 +425,10 @@ class TrunkGenerator:
     """
 
     def __init__(self, tokenizer: Any, prompts: Sequence[Sequence[int]], batch_size: int, max_new_tokens: int,
-                 trunk_layers: int, temperatures: Sequence[float] | None = None) -> None:
+                 trunk_layers: int, temperatures: Sequence[float] | None = None,
+                 until: Sequence[Sequence[str] | None] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.until = list(until) if until is not None else [None] * len(prompts)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.max_new_tokens = max_new_tokens
         self.trunk_layers = trunk_layers
@@ -471,6 +518,6 @@ class TrunkGenerator:
         answers = greedy_loop(step, lm_head_logits(model, head, last_hidden), self.tokenizer,
                               eos_token_ids(model, self.tokenizer), max_new_tokens=self.max_new_tokens,
                               temperatures=self.temperatures if temperatures else None, drop_finished=True,
-                              newline=self.newline)
+                              newline=self.newline, until=[self.until[i] for i in gb.idx])
         for i, (ans, temp_probs) in zip(gb.idx, answers, strict=True):
             outs[i] = GenOut(ans.text, ans.token_ids, ans.token_probs, temp_probs)

@@ -228,7 +228,8 @@ def _adds_bos(tokenizer: Any) -> bool:
 
 
 def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
-    """Token ids of a prompt: a chat-templated one as it is, a plain one with the tokenizer's default BOS.
+    """Token ids of a prompt: a chat-templated one as it is; a plain one with the tokenizer's default
+    BOS (not doubled, never an EOS), as lm-eval tokenises contexts.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -237,8 +238,8 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
         True
     """
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if not chat and _adds_bos(tokenizer):
-        ids = [tokenizer.bos_token_id, *ids]
+    if not chat and _adds_bos(tokenizer) and ids[:1] != [tokenizer.bos_token_id]:  # a text that starts
+        ids = [tokenizer.bos_token_id, *ids]  # with BOS keeps it once, as lm-eval's HFLM
     return ids
 
 

@@ -1,5 +1,6 @@
-"""Open-ended QA: greedy answers (the engine's decoder, :mod:`llm_calib.engine.decode`), the mean
-answer-token probability as confidence, SQuAD exact match and token F1 against any alias.
+"""Open-ended QA: greedy answers (the engine's decoder, :mod:`llm_calib.engine.decode`) up to a newline,
+end of sequence or the record's stop sequences (lm-eval's ``until``), the mean answer-token probability
+as confidence, SQuAD exact match and token F1 against any alias.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ from llm_calib import metrics
 from llm_calib.answers import exact_match, token_f1
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GreedyAnswer, generate_greedy
-from llm_calib.prompts import PromptFormat, record_prompt, uses_chat_template
+from llm_calib.prompts import (
+    PromptFormat,
+    record_prompt,
+    record_uses_chat_template,
+    uses_chat_template,
+)
 from llm_calib.scoring.base import ScoredResult, encode_prompt, score_in_batches
 
 __all__ = ["OpenEndedSet", "encode_open_prompts", "open_ended_summary", "score_open_ended"]
@@ -157,7 +163,8 @@ def encode_open_prompts(
             f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}"
         )
     chat = uses_chat_template(tokenizer, fmt)
-    return [encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat) for r in records]
+    return [encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat and record_uses_chat_template(tokenizer, r, fmt))
+            for r in records]
 
 
 def score_open_ended(
@@ -194,7 +201,8 @@ def score_open_ended(
     prompts = encode_open_prompts(tokenizer, records, fmt)
     chat = uses_chat_template(tokenizer, fmt)
     def answer(idx: list[int]) -> list[GreedyAnswer]:
-        return generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens)
+        return generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
+                               until=[records[i].until for i in idx])  # a record's stop sequences (lm-eval)
 
     done = score_in_batches([len(p) for p in prompts], batch_size, answer, desc="open-ended", progress=progress)
     info = {"max_new_tokens": max_new_tokens, "chat_template": chat, "answer_prefix": fmt.answer_prefix,

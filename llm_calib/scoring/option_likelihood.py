@@ -17,7 +17,13 @@ import torch
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import forward_rows, target_logprobs
 from llm_calib.engine.packing import accepts_packed_masks, pack_questions
-from llm_calib.prompts import PromptFormat, option_continuations, record_prompt, uses_chat_template
+from llm_calib.prompts import (
+    PromptFormat,
+    option_continuations,
+    record_prompt,
+    record_uses_chat_template,
+    uses_chat_template,
+)
 from llm_calib.scoring.base import (
     ScoredSet,
     check_records,
@@ -76,7 +82,8 @@ def encode_questions(
     chat = uses_chat_template(tokenizer, fmt)
     out = []
     for r in records:
-        prompt = encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat)
+        prompt = encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt),
+                               chat=chat and record_uses_chat_template(tokenizer, r, fmt))
         if not prompt:
             raise ValueError(f"record {r.id!r}: the prompt tokenises to no tokens")
         options = tuple(
