@@ -45,6 +45,8 @@ BASELINE_COLUMNS = ("uncalibrated", "temperature_scaled")
 """The columns that need no training (the base model, and the base model with a temperature)."""
 
 _LABELS = {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature-scaled"}
+TEMPERATURE_SUFFIX = "+temperature"
+"""A trained method followed by a temperature fitted on its held-out scores: ``<method>+temperature``."""
 
 
 @dataclass
@@ -67,7 +69,8 @@ class DomainComparison:
 @dataclass
 class Comparison:
     """The outcome of :func:`run_comparison`: the methods, per-domain columns, the temperature fitted on
-    the held-out split, per-method training summaries and the run's settings.
+    the held-out split, per-method training summaries, the run's settings and, per trained method, the
+    temperature fitted on its own held-out scores (its ``<method>+temperature`` column).
     """
 
     methods: list[str]
@@ -75,11 +78,14 @@ class Comparison:
     temperature: TemperatureFit | None
     training: dict[str, dict[str, Any]]
     config: dict[str, Any]
+    method_temperatures: dict[str, TemperatureFit] = field(default_factory=dict)
 
     @property
     def columns(self) -> list[str]:
-        """All column names: the two untrained baselines, then the methods."""
-        return [*BASELINE_COLUMNS, *self.methods]
+        """All column names: the two untrained baselines, then each method, followed by
+        ``<method>+temperature`` where a temperature was fitted on it (multiple choice)."""
+        return [*BASELINE_COLUMNS, *(c for m in self.methods
+                                     for c in (m, *((m + TEMPERATURE_SUFFIX,) if m in self.method_temperatures else ())))]
 
     def macro_average(self) -> dict[str, dict[str, float]]:
         """Unweighted mean over domains of the headline metrics, per column."""
@@ -105,6 +111,7 @@ class Comparison:
             "methods": list(self.methods),
             "columns": self.columns,
             "temperature": self.temperature.to_dict() if self.temperature else None,
+            "method_temperatures": {m: fit.to_dict() for m, fit in self.method_temperatures.items()},
             "training": self.training,
             "domains": {
                 dom: {"kind": d.kind, "n": d.n, "columns": d.columns, "reliability": d.reliability}
@@ -207,6 +214,7 @@ def run_comparison(
     heldout_enc = encode_records(tokenizer, heldout[1], config, fmt=fmt)
     unlabeled_enc = None if unlabeled is None else encode_records(tokenizer, unlabeled[1], config, fmt=fmt)
     training: dict[str, dict[str, Any]] = {}
+    method_temperatures: dict[str, TemperatureFit] = {}
     for objective in objectives:
         method = objective.name
         cfg = dataclasses.replace(config, objective=objective)
@@ -243,8 +251,13 @@ def run_comparison(
         train_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         log(f"[{method}] evaluating")
-        res = evaluate_records(result.model, tokenizer, evals, **eval_kwargs)
-        collect(res, domains, {method: "uncalibrated"})
+        # the trained model, then the same model with a temperature fitted on its own held-out scores
+        # (train-time calibration followed by a post-hoc one, next to the temperature alone)
+        res = evaluate_records(result.model, tokenizer, evals, temperature_fit=temperature_fit, **eval_kwargs)
+        collect(res, domains, {method: "uncalibrated",
+                               **({method + TEMPERATURE_SUFFIX: "temperature_scaled"} if res.temperature else {})})
+        if res.temperature is not None:
+            method_temperatures[method] = res.temperature
         training[method] = {
             "dir": method, "reused": reused, "heldout_before": result.metrics.get("before", {}),
             "heldout_after": result.metrics.get("after", {}), "notes": list(result.notes),
@@ -264,10 +277,12 @@ def run_comparison(
                        "prompt_style": eval_kwargs["prompt"].style, "n_bins": n_bins, "bootstrap": bootstrap},
         "timings": timings,
     }
-    return Comparison(names, domains, base.temperature, training, run_config)
+    return Comparison(names, domains, base.temperature, training, run_config, method_temperatures)
 
 
 def _label(column: str) -> str:
+    if column.endswith(TEMPERATURE_SUFFIX):
+        return column.removesuffix(TEMPERATURE_SUFFIX) + " + temperature"
     return _LABELS.get(column, column)
 
 
@@ -317,6 +332,10 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
             f"({fit.n} questions; NLL {fit.nll_before:.3f} -> {fit.nll_after:.3f}), carried to "
             "every domain"
         )
+    for m, mfit in cmp.method_temperatures.items():
+        lines.append(f"- {m} + temperature: the trained model, then T = {mfit.temperature:.3f} fitted on its own scores "
+                     f"of `{mfit.source}` (NLL {mfit.nll_before:.3f} -> {mfit.nll_after:.3f}); compare it with "
+                     "temperature scaling alone to see what training adds")
     lines += ["", "## Training (held-out split)", ""]
     lines += [
         "| method | accuracy before | accuracy after | ECE before | ECE after | selected step | stopped early | time (s) |",
@@ -376,8 +395,10 @@ def write_comparison_report(cmp: Comparison, out_dir: str | Path) -> dict[str, P
             if bins is None:
                 continue
             label = _label(col)
-            if col == "temperature_scaled" and cmp.temperature is not None:
-                label += f" (T = {cmp.temperature.temperature:.2f})"
+            fit = cmp.temperature if col == "temperature_scaled" else cmp.method_temperatures.get(
+                col.removesuffix(TEMPERATURE_SUFFIX)) if col.endswith(TEMPERATURE_SUFFIX) else None
+            if fit is not None:
+                label += f" (T = {fit.temperature:.2f})"
             values = d.columns.get(col) or {}
             acc, ece = values.get("accuracy", math.nan), values.get("ece", math.nan)
             panels.append((f"{label}\nacc {acc:.3f}, ECE {ece:.3f}", bins))

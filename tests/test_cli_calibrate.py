@@ -100,7 +100,8 @@ def test_outputs_exist_and_config_precedence(run):
 def test_metrics_match_direct_scoring_and_the_report(run, tiny_model_dir):
     out, _ = run
     data = json.loads((out / "metrics.json").read_text())
-    assert data["columns"] == ["uncalibrated", "temperature_scaled", "calm", "lora_ce"]
+    assert data["columns"] == ["uncalibrated", "temperature_scaled", "calm", "calm+temperature", "lora_ce",
+                               "lora_ce+temperature"]
     assert list(data["domains"]) == ["capitals", "arithmetic"]
     # independently: one forward pass per option of the base model and of each saved result
     # reloaded from disk onto a fresh base; metrics by loops (tests/_reference.py)
@@ -114,6 +115,10 @@ def test_metrics_match_direct_scoring_and_the_report(run, tiny_model_dir):
     for method in ("calm", "lora_ce"):
         fresh, _ = load_model(str(tiny_model_dir))
         scorers[method] = CalibrationResult.load(out / method, fresh).model
+    # each trained method's own temperature minimises the NLL of its held-out scores
+    T_of = {m: data["method_temperatures"][m]["temperature"] for m in ("calm", "lora_ce")}
+    for m, t in T_of.items():
+        ref.assert_minimises_nll(ref.option_log_likelihoods(scorers[m], tok, fit, prompt), [r.gold for r in fit], t)
     for dom, d in data["domains"].items():
         cols = d["columns"]
         assert d["n"] == 6
@@ -128,6 +133,8 @@ def test_metrics_match_direct_scoring_and_the_report(run, tiny_model_dir):
             "temperature_scaled": ref.summary(scores["base"], labels, T),
             "calm": ref.summary(scores["calm"], labels),
             "lora_ce": ref.summary(scores["lora_ce"], labels),
+            "calm+temperature": ref.summary(scores["calm"], labels, T_of["calm"]),
+            "lora_ce+temperature": ref.summary(scores["lora_ce"], labels, T_of["lora_ce"]),
         }
         assert not math.isnan(expected["uncalibrated"]["ece"])
         for col, exp in expected.items():
@@ -155,7 +162,9 @@ def test_metrics_match_direct_scoring_and_the_report(run, tiny_model_dir):
             assert cells == [f"{d['columns'][c][metric]:.3f}" for c in data["columns"]], (metric, dom)
     # per-domain table: one column per method
     header = re.search(r"## capitals\n\n.*\n\n(\|.*\|)\n", report).group(1)
-    assert header == "| metric | uncalibrated | temperature-scaled | calm | lora_ce |"
+    assert header == ("| metric | uncalibrated | temperature-scaled | calm | calm + temperature | lora_ce | "
+                      "lora_ce + temperature |")
+    assert f"- calm + temperature: the trained model, then T = {T_of['calm']:.3f}" in report
 
 
 def test_resume_reuses_finished_methods_and_rejects_a_changed_config(run, tiny_model_dir, capsys):
@@ -264,6 +273,6 @@ def test_without_methods_only_calm_is_trained_and_the_baselines_are_reported(tin
     assert cli.main(argv) == 0
     data = json.loads((out / "metrics.json").read_text())
     assert data["methods"] == ["calm"]
-    assert data["columns"] == ["uncalibrated", "temperature_scaled", "calm"]
+    assert data["columns"] == ["uncalibrated", "temperature_scaled", "calm", "calm+temperature"]
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["calm"]
-    assert "| metric | uncalibrated | temperature-scaled | calm |" in (out / "report.md").read_text()
+    assert "| metric | uncalibrated | temperature-scaled | calm | calm + temperature |" in (out / "report.md").read_text()

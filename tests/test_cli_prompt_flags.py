@@ -173,7 +173,7 @@ def test_calibrate_report_shows_every_metric_the_prompt_and_an_overall_table(spi
     for title in ("capitals", "arithmetic", "overall (mean of domains)"):
         rows = [line for line in sections[title].splitlines() if line.startswith("| ")]
         assert [r.split(" | ")[0][2:] for r in rows[1:]] == [METRIC_LABELS[m] for m in REPORT_METRICS], title
-        assert rows[0] == "| metric | uncalibrated | temperature-scaled | lora_ce |"
+        assert rows[0] == "| metric | uncalibrated | temperature-scaled | lora_ce | lora_ce + temperature |"
     # the overall row of a metric is the mean of the domains' values
     cols = [metrics["domains"][d]["columns"]["uncalibrated"] for d in ("capitals", "arithmetic")]
     mean_mce = {"mce": (cols[0]["mce"] + cols[1]["mce"]) / 2}
