@@ -224,3 +224,30 @@ def test_unknown_task_and_bad_documents(task_dir: Path, tmp_path: Path) -> None:
             data=tmp_path / "bad.jsonl", cache=tmp_path / "c"))
     with pytest.raises(DataError, match=r"lm_eval:toy_broken:0: task: lm-eval cannot (load|build).*answer_key"):
         load(f"lm_eval:toy_broken:include={tmp_path}")
+
+
+def test_cli_calibrates_on_local_lm_eval_tasks(task_dir: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """lm-eval tasks as calibrate's training, held-out, unlabelled and evaluation data: the saved
+    result records the task's own prompt (lm-eval's rendered context) and the report scores it."""
+    pytest.importorskip("lm_eval")
+    from llm_calib.cli import main
+
+    dev = [{**r, "id": r["id"].replace("Mercury", "Dev"), "question": r["question"].replace("?", ", in one word?")}
+           for r in ROWS]
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dev))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name, data in (("toy_arc_train", task_dir / "arc.jsonl"), ("toy_arc_dev", tmp_path / "dev.jsonl")):
+        (tasks / f"{name}.yaml").write_text(
+            ARC_YAML.replace("toy_arc_easy", name).format(data=data, cache=tmp_path / "hf_cache"))
+    spec = f"lm_eval:{{}}:include={tasks}"
+    out = tmp_path / "cal"
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--train", spec.format("toy_arc_train"),
+                 "--heldout", spec.format("toy_arc_dev"), "--unlabeled", spec.format("toy_arc_dev"),
+                 "--eval", spec.format("toy_arc_dev"), "--steps", "1", "--batch-size", "2", "--lora-rank", "2",
+                 "--lora-layers", "1", "--bootstrap", "0", "--no-progress", "--out", str(out)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["domains"]["toy_arc_dev"]["n"] == len(dev)
+    assert metrics["config"]["train"] == {"spec": spec.format("toy_arc_train"), "n": len(ROWS),
+                                          "kind": "multiple_choice"}
+    assert (out / "calm" / "adapter" / "adapter_config.json").is_file()
