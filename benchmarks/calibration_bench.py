@@ -1133,24 +1133,14 @@ def targets_v3(mc: Aggregate | None, char: Aggregate | None) -> list[dict[str, A
     return rows
 
 
-def _target_table_v3(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| target | limit | regime A: CALM (BOME) + T | status | regime B: CALM (BOME, B) + T | status |",
-           "|---|---|---|---|---|---|"]
+def _target_table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> list[str]:
+    """A target table: per row, each ``(key, title)`` column's value with its detail, and its verdict."""
+    out = ["| target | limit | " + " | ".join(f"{title} | status" for _, title in columns) + " |",
+           "|---|---|" + "---|---|" * len(columns)]
     for r in rows:
         cells = []
-        for col in ("A", "B"):
-            c = r[col]
-            cells += [f"{format_number(c['value'])} ({c['detail']})", verdict(c["pass"], c["value"] is not None)]
-        out.append(f"| {r['target']} | {r['limit']} | " + " | ".join(cells) + " |")
-    return out
-
-
-def _target_table(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| target | limit | CALM (BOME) | status | CALM (F2SA) | status |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        cells = []
-        for col in ("bome", "f2sa"):
-            c = r[col]
+        for key, _ in columns:
+            c = r[key]
             cells += [f"{format_number(c['value'])} ({c['detail']})", verdict(c["pass"], c["value"] is not None)]
         out.append(f"| {r['target']} | {r['limit']} | " + " | ".join(cells) + " |")
     return out
@@ -1344,11 +1334,12 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
         "those of them where the uncalibrated model's 95% accuracy interval lies above chance. The seed spread is the "
         "larger seed standard deviation of the two methods' OOD means. Rows marked `(reported)` repeat a target under "
         "another convention or subset.", "",
-        *_target_table_v3(targets_v3(aggs.get("mc"), char)), "",
+        *_target_table(targets_v3(aggs.get("mc"), char),
+                       (("A", "regime A: CALM (BOME) + T"), ("B", "regime B: CALM (BOME, B) + T"))), "",
         "### The v2 targets", "", "Kept for comparison (a trained model without a temperature against a carried "
         "temperature; retired in v3 as not reachable on this model, see `temperature_frontier.md`). Columns: CALM with "
         "BOME and with F2SA; rows `MC A` use regime A's CALM, `MC B` regime B's.", "",
-        *_target_table(targets(aggs.get("mc"), aggs.get("open"))), "",
+        *_target_table(targets(aggs.get("mc"), aggs.get("open")), (("bome", "CALM (BOME)"), ("f2sa", "CALM (F2SA)"))), "",
     ]
     if files:
         lines += [f"![summary]({_rel(files[0], ctx.out)})", ""]
