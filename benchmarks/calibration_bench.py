@@ -123,26 +123,35 @@ TRAINED: dict[str, tuple[str, str, str | None]] = {
     "confidence_penalty_B": ("confidence_penalty", "bome", "B"),
     "calm_bome_B": ("calm", "bome", "B"),
     "calm_f2sa_B": ("calm", "f2sa", "B"),
+    "lora_ce_char": ("lora_ce", "bome", None),
+    "calm_bome_char": ("calm", "bome", "A"),
 }
+# trained method -> the option-score convention it is trained and selected under (others: summed scores); its
+# results are scored like every run (summed, and per-character from the same passes)
+TRAINED_NORMALIZE = {"lora_ce_char": "char", "calm_bome_char": "char"}
 # derived method -> its source run, which writes it: a temperature fitted in domain on the trained model's held-out
 # scores (per convention) and carried to every test set (train-time + post-hoc)
-DERIVED = {"lora_ce_ts": "lora_ce", "calm_bome_ts": "calm_bome", "calm_bome_B_ts": "calm_bome_B"}
+DERIVED = {"lora_ce_ts": "lora_ce", "calm_bome_ts": "calm_bome", "calm_bome_B_ts": "calm_bome_B",
+           "lora_ce_char_ts": "lora_ce_char", "calm_bome_char_ts": "calm_bome_char"}
+CHAR_TRAINED = ("lora_ce_char", "lora_ce_char_ts", "calm_bome_char", "calm_bome_char_ts")
 METHODS = ("uncalibrated", "temperature_scaling", "oracle_temperature", "lora_ce", "lora_ce_ts", "label_smoothing",
            "confidence_penalty", "calm_bome", "calm_bome_ts", "calm_f2sa", "confidence_penalty_B", "calm_bome_B",
-           "calm_bome_B_ts", "calm_f2sa_B")
+           "calm_bome_B_ts", "calm_f2sa_B", *CHAR_TRAINED)
 # CALM with F2SA in regime B is available (--methods) but not run by default: it is the most expensive
 # method (about 6 CE steps per step) and kept step 0 in the in-domain search.
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "calm_f2sa_B")
 MULTI_SEED = frozenset({"lora_ce", "lora_ce_ts", "confidence_penalty", "calm_bome", "calm_bome_ts", "confidence_penalty_B",
-                        "calm_bome_B", "calm_bome_B_ts"})
+                        "calm_bome_B", "calm_bome_B_ts", *CHAR_TRAINED})
 SHARED = ("uncalibrated", "temperature_scaling", "oracle_temperature", "lora_ce", "lora_ce_ts", "label_smoothing")
 REGIME_METHODS = {"A": (*SHARED, "confidence_penalty", "calm_bome", "calm_bome_ts", "calm_f2sa"),
                   "B": (*SHARED, "confidence_penalty_B", "calm_bome_B", "calm_bome_B_ts", "calm_f2sa_B")}
 CALM_OF = {"A": ("calm_bome", "calm_f2sa"), "B": ("calm_bome_B", "calm_f2sa_B")}
-CALM_TS_OF = {"A": "calm_bome_ts", "B": "calm_bome_B_ts"}
+# the v3 target columns: CALM + T and the LoRA CE + T it is compared with (A_char: both trained per-character)
+CALM_TS_OF = {"A": "calm_bome_ts", "B": "calm_bome_B_ts", "A_char": "calm_bome_char_ts"}
+LORA_TS_OF = {"A": "lora_ce_ts", "B": "lora_ce_ts", "A_char": "lora_ce_char_ts"}
 PENALTY_OF = {"A": "confidence_penalty", "B": "confidence_penalty_B"}
 OPEN_SKIPS = frozenset({"confidence_penalty_B", "calm_bome_B", "calm_f2sa_B", "lora_ce_ts", "calm_bome_ts",
-                        "calm_bome_B_ts"})
+                        "calm_bome_B_ts", *CHAR_TRAINED})
 LABELS = {
     "uncalibrated": "uncalibrated",
     "temperature_scaling": "temperature scaling",
@@ -158,6 +167,10 @@ LABELS = {
     "calm_bome_B": "CALM (BOME, B)",
     "calm_bome_B_ts": "CALM (BOME, B) + temperature scaling",
     "calm_f2sa_B": "CALM (F2SA, B)",
+    "lora_ce_char": "LoRA CE, trained per-character",
+    "lora_ce_char_ts": "LoRA CE, trained per-character + temperature scaling",
+    "calm_bome_char": "CALM (BOME), trained per-character",
+    "calm_bome_char_ts": "CALM (BOME), trained per-character + temperature scaling",
 }
 TASK_TITLES = {"mc": "Multiple choice (option likelihood)", "open": "Open-ended QA (few-shot, greedy, mean token probability)"}
 CONVENTIONS = {"sum": "summed option log-likelihood (lm-eval `acc`)", "char": "per-character option log-likelihood (lm-eval `acc_norm`)"}
@@ -231,8 +244,8 @@ TEMPERATURE_GRID = np.exp(np.linspace(np.log(0.25), np.log(64.0), 41))  # open-e
 
 
 def base_method(method: str) -> str:
-    """The method a regime-B variant shares its hyperparameter search key and step cost with."""
-    return method.removesuffix("_B")
+    """The method a regime-B or per-character variant shares its hyperparameter search key and step cost with."""
+    return method.removesuffix("_B").removesuffix("_char")
 
 # ----------------------------------------------------------------------------------- settings
 
@@ -553,13 +566,15 @@ class Ctx:
                 **searched.get(base_method(method), {}), **searched.get(method, {})}
 
     def config(self, task: Task, method: str, seed: int, overrides: dict[str, Any] | None = None) -> CalibrationConfig:
-        objective, solver, _ = TRAINED[DERIVED.get(method, method)]
+        source = DERIVED.get(method, method)
+        objective, solver, _ = TRAINED[source]
+        convention = {"normalize": TRAINED_NORMALIZE[source]} if source in TRAINED_NORMALIZE else {}
         # the benchmark's hyperparameters are flat keys of the configuration before it was nested
         # (stored results are fingerprinted by that layout, see harness.flat_config)
         return config_from_flat(
             method=objective, solver=solver, steps=self.steps(task.name), batch_size=self.sizes.batch_size,
             heldout_batch_size=self.sizes.batch_size, eval_every=self.sizes.eval_every, seed=seed, lora=self.lora(),
-            **{**self.params(task.name, method), **(overrides or {}), **task.config_fields},
+            **{**self.params(task.name, method), **(overrides or {}), **task.config_fields, **convention},
         )
 
     def eval_config(self, task: Task) -> CalibrationConfig:
@@ -719,8 +734,10 @@ class Runner:
                 + (f" (unlabelled inputs: regime {regime})" if regime else ""))
         result, train = _timed_calibrate(ctx, task, cfg, self.memo, task.unlabeled.get(regime) if regime else None)
         bar = ctx.bar(len(self.tests), f"{task.name} eval {method} s{seed}")
+        # a model trained per-character is scored like the others: summed, and per-character from the same passes
+        scoring = "sum" if method in TRAINED_NORMALIZE else cfg.prompt.normalize
         with Phase() as ev:
-            sets = self.tests.adapted(result.model, normalize=cfg.prompt.normalize, bar=bar)
+            sets = self.tests.adapted(result.model, normalize=scoring, bar=bar)
         bar.close()
         char = self.char(sets) if self.mc else None
         training = {"heldout_before": result.metrics.get("before", {}), "heldout_after": result.metrics.get("after", {}),
@@ -732,7 +749,7 @@ class Runner:
         derived = [d for d, src in DERIVED.items() if src == method and d in ctx.methods_for(task.name)]
         if derived:  # LoRA CE + temperature scaling: T fitted on the trained model's held-out scores
             with Phase() as fit:
-                held = self.held.adapted(result.model, normalize=cfg.prompt.normalize)["heldout"]
+                held = self.held.adapted(result.model, normalize=scoring)["heldout"]
                 T, T_char = _temperature_of(held), _temperature_of(per_char(held, task.heldout))
             for d in derived:
                 self.write(d, seed, {k: v.scaled(T) for k, v in sets.items()}, {k: v.scaled(T_char) for k, v in char.items()},
@@ -1048,15 +1065,19 @@ def targets_v3(mc: Aggregate | None, char: Aggregate | None) -> list[dict[str, A
     """The v3 targets: CALM followed by a temperature against a temperature alone and against LoRA CE
     followed by a temperature (the bilevel part must matter), on the v2 out-of-domain sets, on those
     where the uncalibrated model is above chance, under summed and per-character scores; then skill
-    and discrimination on the above-chance sets, and the in-domain bounds (summed scores). One column
-    per regime of unlabelled inputs."""
+    and discrimination on the above-chance sets, and the in-domain bounds under both conventions. One
+    column per regime of unlabelled inputs (models trained under summed scores), and one for regime A's
+    models trained under per-character scores (per-character rows only)."""
     rows: list[dict[str, Any]] = []
 
     def add(name: str, limit: str, agg: Aggregate | None, fn: Callable[[Aggregate, str, str], tuple[float, bool, str]],
             reported: bool = False) -> None:
         row: dict[str, Any] = {"target": name + (" (reported)" if reported else ""), "limit": limit}
-        for regime in ("A", "B"):
+        for regime in CALM_TS_OF:
             m = CALM_TS_OF[regime]
+            if regime == "A_char" and agg is not char:
+                row[regime] = {"method": m, "value": None, "pass": None, "detail": "trained per-character: per-character rows"}
+                continue
             try:
                 if agg is None or m not in agg.runs:
                     raise KeyError(m)
@@ -1093,8 +1114,9 @@ def targets_v3(mc: Aggregate | None, char: Aggregate | None) -> list[dict[str, A
 
             def vs_lora(a: Aggregate, m: str, regime: str, subset: str = subset) -> tuple[float, bool, str]:
                 names = sets_of(a, subset)
-                c, lt = a.group_mean(m, names, "ece"), a.group_mean("lora_ce_ts", names, "ece")
-                spread = max((float(np.std(v, ddof=1)) for x in (m, "lora_ce_ts")
+                lora = LORA_TS_OF[regime]
+                c, lt = a.group_mean(m, names, "ece"), a.group_mean(lora, names, "ece")
+                spread = max((float(np.std(v, ddof=1)) for x in (m, lora)
                               if len(v := a.group_values(x, names, "ece")) > 1), default=math.nan)
                 if math.isnan(spread):
                     raise ValueError("one seed: no spread")
@@ -1128,8 +1150,9 @@ def targets_v3(mc: Aggregate | None, char: Aggregate | None) -> list[dict[str, A
         return c - b, c <= b + 0.01 and acc >= 0.95 * acc0, (f"conf-ECE {c:.3f} vs temperature {b:.3f}; accuracy "
                                                              f"{acc:.3f} vs uncalibrated {acc0:.3f}")
 
-    add("MC summed, in domain: CALM + T conf-ECE − temperature (and accuracy ≥ 95% of uncalibrated)", "≤ 0.01",
-        mc, in_domain)
+    for conv, agg in (("summed", mc), ("per-character", char)):
+        add(f"MC {conv}, in domain: CALM + T conf-ECE − temperature (and accuracy ≥ 95% of uncalibrated)", "≤ 0.01",
+            agg, in_domain)
     return rows
 
 
@@ -1288,14 +1311,15 @@ def _summary_plot(aggs: dict[str, Aggregate], path: Path) -> Path:
 
 def _char_section(agg: Aggregate) -> list[str]:
     methods = agg.present(("uncalibrated", "temperature_scaling", "oracle_temperature", "lora_ce", "lora_ce_ts",
-                           "calm_bome", "calm_bome_ts", "calm_f2sa", "calm_bome_B", "calm_bome_B_ts", "calm_f2sa_B"))
+                           "calm_bome", "calm_bome_ts", "calm_f2sa", "calm_bome_B", "calm_bome_B_ts", "calm_f2sa_B",
+                           *CHAR_TRAINED))
     temps = agg.runs.get("temperature_scaling", [{}])[0]
     return ["## Multiple choice under per-character scores (lm-eval `acc_norm`)", "",
             "The same forward passes, each option's summed log-likelihood divided by the length of `\" \" + option`; "
             f"temperature scaling refitted under this convention on the held-out split (T = "
-            f"{format_number(temps.get('temperature_char'))}), the oracle per set; trained models as trained (under summed "
-            "scores); `+ temperature scaling` rows refit their temperature on the trained model's held-out scores under "
-            "this convention.",
+            f"{format_number(temps.get('temperature_char'))}), the oracle per set; trained models as trained: under summed "
+            "scores, except the rows `trained per-character` (trained and selected under this convention); `+ temperature "
+            "scaling` rows refit their temperature on the trained model's held-out scores under this convention.",
             "", *_average_tables(agg, methods), *_per_set_tables(agg, methods, accuracy=False)]
 
 
@@ -1333,9 +1357,11 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
         "(OOD) means weigh the sets equally; `v2 sets` are the 13 out-of-domain sets of the v2 protocol, `above chance` "
         "those of them where the uncalibrated model's 95% accuracy interval lies above chance. The seed spread is the "
         "larger seed standard deviation of the two methods' OOD means. Rows marked `(reported)` repeat a target under "
-        "another convention or subset.", "",
+        "another convention or subset. The last column trains and selects CALM and LoRA CE under per-character scores "
+        "(`normalize=\"char\"`, the same hyperparameters) and is compared under that convention.", "",
         *_target_table(targets_v3(aggs.get("mc"), char),
-                       (("A", "regime A: CALM (BOME) + T"), ("B", "regime B: CALM (BOME, B) + T"))), "",
+                       (("A", "regime A: CALM (BOME) + T"), ("B", "regime B: CALM (BOME, B) + T"),
+                        ("A_char", "regime A, trained per-character: CALM (BOME) + T"))), "",
         "### The v2 targets", "", "Kept for comparison (a trained model without a temperature against a carried "
         "temperature; retired in v3 as not reachable on this model, see `temperature_frontier.md`). Columns: CALM with "
         "BOME and with F2SA; rows `MC A` use regime A's CALM, `MC B` regime B's.", "",
@@ -1378,7 +1404,8 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
     for name, task in tasks.items():
         for m in [m for m in ctx.methods_for(name) if m in TRAINED]:
             cfg = flat_config(ctx.config(task, m, 0))
-            lines.append(f"- {name} / {LABELS[m]}: `{json.dumps({k: cfg[k] for k in RELEVANT[base_method(m)]})}`")
+            keys = (*RELEVANT[base_method(m)], *(("normalize",) if m in TRAINED_NORMALIZE else ()))
+            lines.append(f"- {name} / {LABELS[m]}: `{json.dumps({k: cfg[k] for k in keys})}`")
     lines.append("")
     text = "\n".join(lines)
     ctx.out.mkdir(parents=True, exist_ok=True)
