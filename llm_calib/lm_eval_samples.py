@@ -1,26 +1,7 @@
-"""Calibration metrics for any lm-eval run: read lm-eval's ``--log_samples`` files.
-
-lm-evaluation-harness 0.4.x writes one ``samples_<task>_<date>.jsonl`` per task with
-``--log_samples``. For a ``multiple_choice`` task each line is one document: ``doc_id``, ``doc``,
-``target`` (the gold index, or the gold choice text), ``arguments`` (the ``(context,
-continuation)`` request of every option, as ``{"gen_args_<i>": {"arg_0": context, "arg_1":
-continuation}}``), ``resps`` / ``filtered_resps`` (per option ``(log-likelihood, is_greedy)``,
-written as strings) and the per-document metrics (``acc``, ``acc_norm``, ...). Whatever model
-produced them (HF, vLLM, an API model with log-probabilities), these numbers are all that the
-calibration metrics need:
-
-* the option probabilities are the softmax over the options' scores: summed log-likelihoods
-  (``normalize="sum"``, what lm-eval's ``acc`` takes the argmax of), per character of the choice
-  (``"char"``, ``acc_norm``) or per UTF-8 byte (``"byte"``, ``acc_bytes``); the choice text is the
-  logged continuation without its target delimiter (``" "`` unless told otherwise);
-* :func:`samples_result` turns the files into the same
-  :class:`~llm_calib.evaluate.EvaluationResult` that ``llm-calib evaluate`` reports (one domain per
-  task; ECE family, Brier, NLL, AUROC, reliability bins, bootstrap intervals, the three
-  normalisations side by side and, if asked, a temperature fitted on one named task), which
-  :func:`~llm_calib.report.write_report` writes; ``llm-calib metrics SAMPLES...`` does both.
-
-Per-token normalisation (``"mean"``) is not available: lm-eval does not log token counts.
-Reading the files needs neither lm-eval nor a model.
+"""Calibration metrics for any lm-eval run, from lm-eval's ``--log_samples`` files
+(``samples_<task>_<date>.jsonl``, one per multiple-choice task): the option probabilities are the
+softmax over the logged option log-likelihoods, summed (``acc``), per character (``acc_norm``) or
+per UTF-8 byte (``acc_bytes``); no model or lm-eval needed. See :doc:`/tutorials/lm_eval`.
 """
 
 from __future__ import annotations
@@ -37,17 +18,11 @@ import numpy as np
 import torch
 
 from llm_calib import metrics
-from llm_calib.evaluate import DomainResult, EvaluationResult, TemperatureFit, summarize_scored
+from llm_calib.evaluate import DomainResult, EvaluationResult, TemperatureFit
 from llm_calib.formats.multiple_choice import normalization_metrics
 from llm_calib.scoring import ScoredSet, normalized
-from llm_calib.temperature import fit_temperature, temperature_nll
 
-__all__ = [
-    "SAMPLES_NORMALIZATIONS",
-    "read_samples",
-    "samples_result",
-    "samples_task_name",
-]
+__all__ = ["SAMPLES_NORMALIZATIONS", "read_samples", "samples_result", "samples_task_name"]
 
 SAMPLES_NORMALIZATIONS: dict[str, str] = {"acc": "sum", "acc_norm": "char", "acc_bytes": "byte"}
 """lm-eval's metric names and the ``normalize`` mode each takes its argmax under; the ones a
@@ -59,19 +34,11 @@ _FILE_NAME = re.compile(r"^samples_(?P<task>.+)_(?P<date>\d{4}-\d{2}-\d{2}T[0-9.
 
 
 def samples_task_name(path: str | os.PathLike[str]) -> str:
-    """The task name in an lm-eval samples file name (``samples_<task>_<date>.jsonl``).
-
-    Args:
-        path: the file.
-
-    Returns:
-        The task name, or the file's stem when the name is not lm-eval's pattern.
+    """The task name in an lm-eval samples file name (``samples_<task>_<date>.jsonl``), else the file's stem.
 
     Example:
         >>> samples_task_name("out/model/samples_arc_easy_2026-01-02T10-11-12.123456.jsonl")
         'arc_easy'
-        >>> samples_task_name("my_run.jsonl")
-        'my_run'
     """
     stem = Path(path).name.removesuffix(".jsonl")
     m = _FILE_NAME.match(stem)
@@ -235,7 +202,7 @@ def _domain(scored: ScoredSet, normalize: str, temperature: float | None, n_bins
     head = normalized(scored, normalize)
 
     def summary(s: ScoredSet) -> tuple[dict[str, float], dict[str, list[float]]]:
-        m = summarize_scored(s, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
+        m = s.summary(n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
         return m, metrics.reliability_bins(s.confidences, s.correct, n_bins=n_bins).to_dict()
 
     unc, rb = summary(head)
@@ -321,22 +288,11 @@ def samples_result(
             raise ValueError(
                 f"temperature_fit {temperature_fit!r} is neither a task among {sorted(sets)} nor a file"
             )
-        fs = normalized(fit_set, mode)
-        T = fit_temperature(fs.logits, fs.labels)
-        fit = TemperatureFit(T, temperature_fit, len(fs), sorted(set(fs.domains)),
-                             temperature_nll(fs.logits, fs.labels, 1.0),
-                             temperature_nll(fs.logits, fs.labels, T))
+        fit = TemperatureFit.fit(normalized(fit_set, mode), temperature_fit)
     stats = {"n_bins": n_bins, "ci": ci, "n_resamples": n_resamples, "seed": seed}
     domains = {
         name: _domain(s, mode, fit.temperature if fit else None, **stats) for name, s in sets.items()
     }
-    config = {
-        "source": "lm-eval samples",
-        "scorer": SCORER,
-        "files": files,
-        "normalize": mode,
-        "target_delimiter": target_delimiter,
-        "datasets": list(files.values()),
-        **stats,
-    }
+    config = {"source": "lm-eval samples", "scorer": SCORER, "files": files, "normalize": mode,
+              "target_delimiter": target_delimiter, "datasets": list(files.values()), **stats}
     return EvaluationResult(domains, fit, config, {})
