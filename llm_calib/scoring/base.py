@@ -104,20 +104,11 @@ class ScoredResult:
 
 @dataclass
 class ScoredSet(ScoredResult):
-    """Per-question option scores of a multiple-choice scorer; probabilities are ``softmax(logits[i])``.
-
-    Option counts may differ between questions.
-
-    Attributes:
-        logits: one 1-D float tensor of option scores per question.
-        labels: gold option index per question.
-        domains: domain label per question.
-        ids: record id per question.
-        scorer: name of the scorer that produced the scores.
-        info: scorer settings and diagnostics (JSON-serialisable).
-        details: per question what the scorer saw (or None): ``prompt``, ``choices``,
-            ``continuations``, and per option ``token_ids``, ``loglik`` (summed), ``n_tokens``,
-            ``n_chars``, ``n_bytes``; read by :func:`llm_calib.scoring.normalized`.
+    """Per-question option scores of a multiple-choice scorer: ``logits`` (one 1-D tensor per
+    question, option counts may differ; probabilities are their softmax), gold ``labels``,
+    ``domains``, ``ids``, the ``scorer`` name, ``info`` (settings, diagnostics) and ``details``
+    (per question ``prompt``, ``choices``, ``continuations``; per option ``token_ids``, summed
+    ``loglik``, ``n_tokens``, ``n_chars``, ``n_bytes``; read by :func:`llm_calib.scoring.normalized`).
 
     Example:
         >>> s = ScoredSet([torch.tensor([0.0, 1.0]), torch.tensor([2.0, 0.0, 0.0])],
