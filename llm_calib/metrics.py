@@ -15,7 +15,7 @@ import numpy as np
 __all__ = [
     "CLIP_ATOL", "NLL_EPS", "SUM_ATOL", "ReliabilityBins", "accuracy", "adaptive_ece",
     "as_prob_matrix", "auroc", "bootstrap_ci", "brier", "classwise_ece", "confidence_correct",
-    "ece", "ece_resamples", "mce", "mean_entropy", "nll", "reliability_bins", "summarize",
+    "ece", "mce", "mean_entropy", "nll", "reliability_bins", "summarize",
 ]
 
 SUM_ATOL = 1e-3
@@ -205,26 +205,6 @@ def ece(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
     """
     c, k = _conf_correct(confidences, correct)
     return _ece(c, k, _check_bins(n_bins))
-
-
-def ece_resamples(confidences: ArrayLike, correct: ArrayLike, indices: ArrayLike, n_bins: int = 10) -> np.ndarray:
-    """:func:`ece` of each resample, a row of ``indices`` ``(R, n)``, at once (``(R,)``).
-
-    Example:
-        >>> conf, correct = [0.9, 1.0, 0.6, 0.0], [1, 0, 1, 0]
-        >>> [round(float(e), 6) for e in ece_resamples(conf, correct, [[0, 1, 2, 3], [0, 0, 0, 0]])]
-        [0.325, 0.1]
-    """
-    c0, k0 = _conf_correct(confidences, correct)
-    n_bins = _check_bins(n_bins)
-    idx = np.asarray(indices, dtype=np.int64)
-    if idx.ndim != 2 or idx.size == 0:
-        raise ValueError(f"indices must be a non-empty (resamples, n) array, got shape {idx.shape}")
-    R, n = idx.shape
-    c, k = c0[idx], k0[idx]
-    b = _bin_index(c, n_bins) + np.arange(R)[:, None] * n_bins
-    gap = np.bincount(b.ravel(), weights=(k - c).ravel(), minlength=R * n_bins).reshape(R, n_bins)
-    return np.abs(gap).sum(1) / n
 
 
 def mce(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
