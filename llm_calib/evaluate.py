@@ -78,18 +78,10 @@ class TemperatureFit:
 
 @dataclass
 class DomainResult:
-    """Metrics of one domain.
-
-    Attributes:
-        domain: the domain label.
-        kind: ``"multiple_choice"`` or ``"open"``.
-        uncalibrated: metric dict (the scored set's ``summary``).
-        temperature_scaled: the same after temperature scaling, or None.
-        reliability: per-bin statistics (:meth:`llm_calib.metrics.ReliabilityBins.to_dict`).
-        reliability_scaled: the same after temperature scaling, or None.
-        scored: the raw scores (not serialised).
-        normalizations: multiple choice: accuracy and ECE per lm-eval normalisation name, else None.
-        task: the task format that scored the domain (not serialised).
+    """Metrics of one domain of ``kind`` ``"multiple_choice"`` or ``"open"``: the metric dicts
+    (``summary``) and reliability bins (:meth:`~llm_calib.metrics.ReliabilityBins.to_dict`)
+    ``uncalibrated`` and temperature-scaled (or None), the format-specific ``normalizations`` (or
+    None), and, not serialised, the ``scored`` set and the ``task`` format that scored it.
 
     Example:
         >>> r = DomainResult("toy", "multiple_choice", {"n": 3, "accuracy": 0.5}, None, {}, None)

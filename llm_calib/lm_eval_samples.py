@@ -88,33 +88,24 @@ def _rows(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
                     raise ValueError(f"{path}:{line_no}: not JSON: {err}") from None
 
 
-def read_samples(
-    path: str | os.PathLike[str],
-    *,
-    task: str | None = None,
-    target_delimiter: str = " ",
-    rows: Sequence[Mapping[str, Any]] | None = None,
-) -> ScoredSet:
+def read_samples(path: str | os.PathLike[str], *, task: str | None = None, target_delimiter: str = " ",
+                 rows: Sequence[Mapping[str, Any]] | None = None) -> ScoredSet:
     """The option scores of one multiple-choice task from an lm-eval samples file.
 
     Args:
         path: a ``samples_<task>_<date>.jsonl`` file written by ``lm_eval --log_samples``.
-        task: the domain label of its questions; default :func:`samples_task_name` of ``path``.
-        target_delimiter: the task's ``target_delimiter`` (removed from each logged continuation
-            to get the choice text whose length ``acc_norm`` / ``acc_bytes`` divide by).
-        rows: the samples themselves (e.g. ``simple_evaluate(...)["samples"][task]``) instead of
-            reading ``path``.
+        task: the domain of its questions; default :func:`samples_task_name` of ``path``.
+        target_delimiter: the task's, removed from each continuation to get the choice text.
+        rows: the samples themselves (e.g. ``simple_evaluate(...)["samples"][task]``) instead of the file.
 
     Returns:
-        A :class:`~llm_calib.scoring.base.ScoredSet` whose logits are the summed
-        log-likelihoods, ordered by ``doc_id``, ids ``<task>/<doc_id>``; ``details`` hold per
-        document ``prompt``, ``continuations``, ``choices``, ``loglik``, ``n_chars``, ``n_bytes``
-        and the metrics lm-eval logged (``lm_eval``: e.g. ``{"acc": 1.0, "acc_norm": 0.0}``).
-        With several filters, the rows of the first one (``"none"`` for multiple choice).
+        A :class:`~llm_calib.scoring.base.ScoredSet` of the summed log-likelihoods by ``doc_id``
+        (ids ``<task>/<doc_id>``; the first filter's rows), ``details`` as the scorers' plus the
+        metrics lm-eval logged (``lm_eval``).
 
     Raises:
-        ValueError: not a multiple-choice samples file (e.g. ``generate_until``), an empty file,
-            a malformed line or target; the message names the file and line.
+        ValueError: not a multiple-choice samples file, an empty file, a malformed line or target
+            (the message names the file and line).
 
     Example:
         >>> import json, tempfile, pathlib
@@ -214,35 +205,19 @@ def _domain(scored: ScoredSet, normalize: str, temperature: float | None, n_bins
 
 
 def samples_result(
-    paths: Sequence[str | os.PathLike[str]],
-    *,
-    normalize: str = "sum",
-    temperature_fit: str | None = None,
-    target_delimiter: str = " ",
-    n_bins: int = 10,
-    ci: bool = True,
-    n_resamples: int = 1000,
-    seed: int = 0,
+    paths: Sequence[str | os.PathLike[str]], *, normalize: str = "sum", temperature_fit: str | None = None,
+    target_delimiter: str = " ", n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0,
 ) -> EvaluationResult:
-    """The calibration report of lm-eval samples files, one domain per task.
+    """The calibration report (:func:`llm_calib.report.write_report`) of lm-eval samples files, one domain per task.
 
     Args:
         paths: ``samples_<task>_<date>.jsonl`` files of multiple-choice tasks (one task each).
-        normalize: the option scores the headline metrics use: ``"sum"`` (lm-eval's ``acc``),
-            ``"char"`` (``acc_norm``) or ``"byte"`` (``acc_bytes``); also their lm-eval names.
-            Every domain also reports all three side by side (``normalizations``).
-        temperature_fit: a task name among ``paths``, or another samples file: one temperature
-            is fitted on its option scores (under ``normalize``) and applied to every task. A task
-            among ``paths`` stays in the report (its scaled numbers are then in-sample).
+        normalize: the headline scores, ``"sum"`` / ``"char"`` / ``"byte"`` or lm-eval's names
+            (all three are reported side by side under ``normalizations``).
+        temperature_fit: a task among ``paths`` (then scaled in-sample) or another samples file:
+            one temperature fitted on it under ``normalize`` is applied to every task.
         target_delimiter: see :func:`read_samples`.
-        n_bins: ECE and reliability bins.
-        ci: bootstrap intervals.
-        n_resamples: bootstrap resamples.
-        seed: bootstrap seed.
-
-    Returns:
-        An :class:`~llm_calib.evaluate.EvaluationResult` (write it with
-        :func:`llm_calib.report.write_report`).
+        n_bins, ci, n_resamples, seed: as :func:`llm_calib.evaluate.evaluate`.
 
     Raises:
         ValueError: no paths, two files of one task, an unknown normalisation or fit task, or a
