@@ -250,9 +250,7 @@ def evaluate_records(
         except TypeError:
             fit_format = None
         if not fit_records or fit_format is None or not fit_format.temperature_scalable:
-            raise ValueError(
-                f"temperature_fit {name!r} must hold multiple-choice records (got none or open questions)"
-            )
+            raise ValueError(f"temperature_fit {name!r} must hold multiple-choice records (got none or open questions)")
         t0 = time.perf_counter()
         with scoring_split(f"{name} (temperature fit)"):
             fs = fit_format.score(model, tokenizer, fit_records, batch_size=batch_size, progress=progress)

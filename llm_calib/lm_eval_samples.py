@@ -260,14 +260,10 @@ def samples_result(
         elif Path(temperature_fit).is_file():
             fit_set = read_samples(temperature_fit, target_delimiter=target_delimiter)
         else:
-            raise ValueError(
-                f"temperature_fit {temperature_fit!r} is neither a task among {sorted(sets)} nor a file"
-            )
+            raise ValueError(f"temperature_fit {temperature_fit!r} is neither a task among {sorted(sets)} nor a file")
         fit = TemperatureFit.fit(normalized(fit_set, mode), temperature_fit)
     stats = {"n_bins": n_bins, "ci": ci, "n_resamples": n_resamples, "seed": seed}
-    domains = {
-        name: _domain(s, mode, fit.temperature if fit else None, **stats) for name, s in sets.items()
-    }
+    domains = {name: _domain(s, mode, fit.temperature if fit else None, **stats) for name, s in sets.items()}
     config = {"source": "lm-eval samples", "scorer": SCORER, "files": files, "normalize": mode,
               "target_delimiter": target_delimiter, "datasets": list(files.values()), **stats}
     return EvaluationResult(domains, fit, config, {})

@@ -51,9 +51,7 @@ def as_prob_matrix(probs: ArrayLike, name: str = "probs") -> tuple[np.ndarray, n
             raise ValueError(f"{name} is empty")
         rows = [_numpy(r).astype(np.float64) for r in probs]
         if any(r.ndim != 1 for r in rows):
-            raise ValueError(
-                f"{name}: a list must hold one 1-D array of option probabilities per question"
-            )
+            raise ValueError(f"{name}: a list must hold one 1-D array of option probabilities per question")
         lengths = np.array([r.shape[0] for r in rows], dtype=np.int64)
         mat = np.zeros((len(rows), int(lengths.max())), dtype=np.float64)
         for i, r in enumerate(rows):
@@ -61,9 +59,7 @@ def as_prob_matrix(probs: ArrayLike, name: str = "probs") -> tuple[np.ndarray, n
     else:
         mat = _numpy(probs).astype(np.float64)
         if mat.ndim != 2:
-            raise ValueError(
-                f"{name} must be 2-D (N, K) or a list of 1-D arrays, got shape {mat.shape}"
-            )
+            raise ValueError(f"{name} must be 2-D (N, K) or a list of 1-D arrays, got shape {mat.shape}")
         if mat.shape[0] == 0:
             raise ValueError(f"{name} is empty")
         lengths = np.full(mat.shape[0], mat.shape[1], dtype=np.int64)
@@ -117,9 +113,7 @@ def _conf_correct(confidences: ArrayLike, correct: ArrayLike) -> tuple[np.ndarra
     if not np.all(np.isfinite(c)):
         raise ValueError("confidences holds non-finite values")
     if np.any(c < -CLIP_ATOL) or np.any(c > 1.0 + CLIP_ATOL):
-        raise ValueError(
-            f"confidences must lie in [0, 1], got range [{c.min():.6g}, {c.max():.6g}]"
-        )
+        raise ValueError(f"confidences must lie in [0, 1], got range [{c.min():.6g}, {c.max():.6g}]")
     c = np.clip(c, 0.0, 1.0)
     k = _numpy(correct)
     if k.ndim != 1:

@@ -99,17 +99,13 @@ class PromptFormat:
         if self.style not in _STYLES:
             raise ValueError(f"PromptFormat.style must be one of {_STYLES}, got {self.style!r}")
         if self.chat_template not in (True, False, None):
-            raise ValueError(
-                f"PromptFormat.chat_template must be True, False or None, got {self.chat_template!r}"
-            )
+            raise ValueError(f"PromptFormat.chat_template must be True, False or None, got {self.chat_template!r}")
         if self.choices not in _CHOICES:
             raise ValueError(f"PromptFormat.choices must be one of {_CHOICES}, got {self.choices!r}")
         if not isinstance(self.fewshot, int) or isinstance(self.fewshot, bool) or self.fewshot < 0:
             raise ValueError(f"PromptFormat.fewshot must be an integer >= 0, got {self.fewshot!r}")
         if self.fewshot_sampler not in _SAMPLERS:
-            raise ValueError(
-                f"PromptFormat.fewshot_sampler must be one of {_SAMPLERS}, got {self.fewshot_sampler!r}"
-            )
+            raise ValueError(f"PromptFormat.fewshot_sampler must be one of {_SAMPLERS}, got {self.fewshot_sampler!r}")
         if self.template is not None and not self.template.strip():
             raise ValueError("PromptFormat.template must not be empty (None for the default format)")
         object.__setattr__(self, "fewshot_pool", tuple(self.fewshot_pool))
@@ -327,9 +323,7 @@ def draw_fewshot(fmt: PromptFormat, record: Any) -> list[Any]:
         )
     kind = type(record)
     question = record.question.strip()
-    candidates = [
-        ex for ex in fmt.fewshot_pool if ex.id != record.id and ex.question.strip() != question
-    ]
+    candidates = [ex for ex in fmt.fewshot_pool if ex.id != record.id and ex.question.strip() != question]
     if fmt.fewshot_match is not None:
         want = (getattr(record, "meta", None) or {}).get(fmt.fewshot_match)
         candidates = [ex for ex in candidates if (ex.meta or {}).get(fmt.fewshot_match) == want]

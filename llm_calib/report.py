@@ -87,10 +87,7 @@ def metrics_table(columns: list[tuple[str, dict[str, float] | None]], metrics: t
         |---|---|---|
         | Accuracy | 0.500 | 0.600 |
     """
-    lines = [
-        "| metric | " + " | ".join(label for label, _ in columns) + " |",
-        "|---|" + "---|" * len(columns),
-    ]
+    lines = ["| metric | " + " | ".join(label for label, _ in columns) + " |", "|---|" + "---|" * len(columns)]
     for m in metrics:
         cells = " | ".join(format_metric(values, m) for _, values in columns)
         lines.append(f"| {METRIC_LABELS.get(m, m)} | {cells} |")

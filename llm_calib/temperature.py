@@ -43,9 +43,7 @@ def _padded(logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if _is_ragged(logits):
         rows = [_row_tensor(r) for r in logits]
         if any(r.dim() != 1 for r in rows):
-            raise ValueError(
-                "logits: a list must hold one 1-D tensor of option scores per question"
-            )
+            raise ValueError("logits: a list must hold one 1-D tensor of option scores per question")
         k = max(r.shape[0] for r in rows)
         z = torch.full((len(rows), k), float("-inf"), dtype=torch.float64)
         for i, r in enumerate(rows):
@@ -53,9 +51,7 @@ def _padded(logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         z = _row_tensor(logits)
         if z.dim() != 2:
-            raise ValueError(
-                f"logits must be 2-D (N, K) or a list of 1-D tensors, got shape {tuple(z.shape)}"
-            )
+            raise ValueError(f"logits must be 2-D (N, K) or a list of 1-D tensors, got shape {tuple(z.shape)}")
     if z.shape[0] == 0 or z.shape[1] == 0:
         raise ValueError("logits is empty")
     if torch.isnan(z).any() or (z == float("inf")).any():
@@ -67,15 +63,9 @@ def _padded(logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _labels(labels: Any, mask: torch.Tensor) -> torch.Tensor:
-    y = (
-        labels.detach().cpu()
-        if isinstance(labels, torch.Tensor)
-        else torch.as_tensor(np.asarray(labels))
-    )
+    y = labels.detach().cpu() if isinstance(labels, torch.Tensor) else torch.as_tensor(np.asarray(labels))
     if y.dim() != 1 or y.shape[0] != mask.shape[0]:
-        raise ValueError(
-            f"labels must be 1-D with {mask.shape[0]} entries, got shape {tuple(y.shape)}"
-        )
+        raise ValueError(f"labels must be 1-D with {mask.shape[0]} entries, got shape {tuple(y.shape)}")
     if y.is_floating_point() or y.dtype == torch.bool:
         raise ValueError(f"labels must hold integer option indices, got dtype {y.dtype}")
     y = y.long()

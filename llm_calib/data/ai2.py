@@ -17,11 +17,7 @@ __all__ = ["AI2_DATASETS", "ai2_domain", "load_ai2"]
 AI2_DATASETS: tuple[str, ...] = ("arc_easy", "arc_challenge", "openbookqa", "commonsenseqa", "qasc")
 """Domain labels of the AI2-format datasets, as used in the spec grammar and in results."""
 
-_ALIASES = {
-    "arc-easy": "arc_easy",
-    "arc-challenge": "arc_challenge",
-    "commonsense_qa": "commonsenseqa",
-}
+_ALIASES = {"arc-easy": "arc_easy", "arc-challenge": "arc_challenge", "commonsense_qa": "commonsenseqa"}
 
 
 def ai2_domain(path: str | Path) -> str:

@@ -11,9 +11,7 @@ from llm_calib.data.records import MultipleChoice, OpenQA
 
 __all__ = ["BUILTIN_DOMAINS", "BUILTIN_OPEN_DOMAINS", "CAPITALS", "ELEMENTS", "builtin_multiple_choice", "builtin_open_questions"]
 
-BUILTIN_DOMAINS: tuple[str, ...] = (
-    "arithmetic", "unit_conversion", "calendar", "capitals", "chemical_symbols"
-)
+BUILTIN_DOMAINS: tuple[str, ...] = ("arithmetic", "unit_conversion", "calendar", "capitals", "chemical_symbols")
 """The domains of :func:`builtin_multiple_choice`, in output order."""
 
 CAPITALS: tuple[tuple[str, str, str, str], ...] = (
@@ -232,9 +230,7 @@ def _domain(domain: str, n: int, seed: int) -> list[MultipleChoice]:
         rng.shuffle(options)
         options.insert(gold, answer)
         meta = {"generator": "builtin", "seed": str(seed)}
-        out.append(
-            MultipleChoice(question, tuple(options), gold, domain, f"{domain}-{len(out)}", meta)
-        )
+        out.append(MultipleChoice(question, tuple(options), gold, domain, f"{domain}-{len(out)}", meta))
     return out
 
 
@@ -254,9 +250,7 @@ def builtin_multiple_choice(
     chosen = tuple(domains) if domains is not None else BUILTIN_DOMAINS
     unknown = [d for d in chosen if d not in _GENERATORS]
     if unknown:
-        raise ValueError(
-            f"unknown builtin domain(s) {unknown}; valid: {', '.join(BUILTIN_DOMAINS)}"
-        )
+        raise ValueError(f"unknown builtin domain(s) {unknown}; valid: {', '.join(BUILTIN_DOMAINS)}")
     return [q for domain in chosen for q in _domain(domain, n_per_domain, seed)]
 
 

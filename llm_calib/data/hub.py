@@ -110,9 +110,7 @@ def _generic(row: Mapping[str, Any], config: str, index: int, source: str, prefi
         return mc_from_dict(row, source=source, line=line, domain=domain)
     if "answers" in row:
         return openqa_from_dict(row, source=source, line=line, domain=domain)
-    raise DataError(
-        source, line, "options", 'unknown hub dataset: rows need "options" or "answers"'
-    )
+    raise DataError(source, line, "options", 'unknown hub dataset: rows need "options" or "answers"')
 
 
 HUB_DATASETS: dict[str, HubDataset] = {

@@ -107,9 +107,7 @@ def _records(name: str, task: Any) -> Iterator[tuple[int, Any]]:
     """``(doc_id, record or exception)`` for each document of one built task."""
     kind = task.OUTPUT_TYPE
     if kind not in ("multiple_choice", "generate_until"):
-        raise ValueError(
-            f"lm_eval:{name}: output_type {kind!r} is not supported (multiple_choice, generate_until)"
-        )
+        raise ValueError(f"lm_eval:{name}: output_type {kind!r} is not supported (multiple_choice, generate_until)")
     if getattr(task, "multiple_input", False):
         raise ValueError(f"lm_eval:{name}: multiple-input tasks (several contexts) are not supported")
     by_doc: dict[int, list[Any]] = {}

@@ -131,9 +131,7 @@ def _load_file(path: Path, repair: bool, log: ErrorLog) -> list[MultipleChoice]:
         expected = chr(ord("A") + len(block.options))
         if m is None or m.group(1) != expected:
             if block.error is None:
-                block.error = DataError(
-                    source, line, "options", f"expected option {expected!r}, got {text[:40]!r}"
-                )
+                block.error = DataError(source, line, "options", f"expected option {expected!r}, got {text[:40]!r}")
             continue
         block.options.append((m.group(2) or "").strip())
 
@@ -153,17 +151,12 @@ def _block_to_record(b: _Block, source: str, category: str, domain: str) -> Mult
     if not question:
         raise DataError(source, b.line, "#Q", "empty question")
     if b.answer is None:
-        raise DataError(
-            source, b.line, "^", "missing answer (no '^' line before the next question)"
-        )
+        raise DataError(source, b.line, "^", "missing answer (no '^' line before the next question)")
     if not b.answer:
         raise DataError(source, b.answer_line, "^", "missing answer (empty '^' line)")
     options = list(dict.fromkeys(o for o in b.options if o))  # empty and repeated ones dropped
     if b.answer not in options:
-        raise DataError(
-            source, b.answer_line, "^",
-            f"gold label {b.answer!r} is not among the options {options}",
-        )
+        raise DataError(source, b.answer_line, "^", f"gold label {b.answer!r} is not among the options {options}")
     if len(options) < 2:
         raise DataError(source, b.line, "options", f"fewer than 2 options ({len(options)})")
     meta = {"category": category, "source_file": source, "line": str(b.line)}
@@ -171,6 +164,4 @@ def _block_to_record(b: _Block, source: str, category: str, domain: str) -> Mult
         meta["dropped_options"] = str(len(b.options) - len(options))
     if b.repaired:
         meta["encoding"] = "repaired"
-    return MultipleChoice(
-        question, tuple(options), options.index(b.answer), domain, f"{category}-{b.line}", meta
-    )
+    return MultipleChoice(question, tuple(options), options.index(b.answer), domain, f"{category}-{b.line}", meta)

@@ -94,9 +94,7 @@ def _to_record(example: Any, index: int, source: str, line: int) -> OpenQA:
     question = require_text(example.get("question"), source, line, f"{prefix}.question")
     answerable = example.get("answerable")
     if not isinstance(answerable, bool):
-        raise DataError(
-            source, line, f"{prefix}.answerable", f"expected true/false, got {answerable!r}"
-        )
+        raise DataError(source, line, f"{prefix}.answerable", f"expected true/false, got {answerable!r}")
     raw_answer = example.get("answer")
     if not answerable and raw_answer in (None, [], ""):
         answers: tuple[str, ...] = ()

@@ -93,9 +93,7 @@ def parse_spec(spec: str) -> Spec:
         raise SpecError("empty data spec")
     loader, _, rest = spec.strip().partition(":")
     if loader not in LOADERS:
-        raise SpecError(
-            f"unknown loader {loader!r} in spec {spec!r}; valid loaders: {', '.join(LOADERS)}"
-        )
+        raise SpecError(f"unknown loader {loader!r} in spec {spec!r}; valid loaders: {', '.join(LOADERS)}")
     if loader in ("hf", "builtin", "lm_eval"):
         target, sep, option = rest.partition(":")
         return Spec(loader, target, option if sep else None)
@@ -117,9 +115,7 @@ def _key_values(option: str | None, bare_key: str, allowed: set[str], spec: str)
             key, value = bare_key, part
         key = key.strip()
         if key not in allowed:
-            raise SpecError(
-                f"unknown option {key!r} in spec {spec!r}; valid: {', '.join(sorted(allowed))}"
-            )
+            raise SpecError(f"unknown option {key!r} in spec {spec!r}; valid: {', '.join(sorted(allowed))}")
         out[key] = value.strip()
     return out
 
@@ -188,9 +184,7 @@ def _load_spec(s: Spec, spec: str, on_error: OnError) -> LoadResult[Any]:
         if loader == "selfaware":
             keep = option or "all"
             if keep not in ("all", "answerable", "triviaqa"):
-                raise SpecError(
-                    f"spec {spec!r}: selfaware option must be all, answerable or triviaqa"
-                )
+                raise SpecError(f"spec {spec!r}: selfaware option must be all, answerable or triviaqa")
             return load_selfaware(path, keep=keep, on_error=on_error)  # type: ignore[arg-type]
         return load_ai2(path, domain=loader, on_error=on_error)
     if loader == "ai2":

@@ -29,10 +29,7 @@ __all__ = [
     "score_open_ended", "score_option_likelihood",
 ]
 
-SCORERS: dict[str, Callable[..., ScoredSet]] = {
-    "option_likelihood": score_option_likelihood,
-    "letter": score_letter,
-}
+SCORERS: dict[str, Callable[..., ScoredSet]] = {"option_likelihood": score_option_likelihood, "letter": score_letter}
 """Multiple-choice scorers by name."""
 
 

@@ -40,9 +40,7 @@ def letter_token_ids(tokenizer: Any, n: int) -> list[int]:
     """
     letters = option_letters(n)
     for template in (" {}", "{}"):
-        ids = [
-            tokenizer(template.format(c), add_special_tokens=False)["input_ids"] for c in letters
-        ]
+        ids = [tokenizer(template.format(c), add_special_tokens=False)["input_ids"] for c in letters]
         if all(len(i) == 1 for i in ids):
             return [i[0] for i in ids]
     raise ValueError(

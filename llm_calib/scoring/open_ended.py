@@ -146,9 +146,7 @@ def encode_open_prompts(
             raise TypeError(f"records must be OpenQA records, got {type(r).__name__}")
     fmt = prompt or PromptFormat()
     if fmt.style != "cloze":
-        raise ValueError(
-            f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}"
-        )
+        raise ValueError(f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}")
     chat = uses_chat_template(tokenizer, fmt)
     return [encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat and record_uses_chat_template(tokenizer, r, fmt))
             for r in records]

@@ -208,12 +208,7 @@ def score_option_likelihood(
     return ScoredSet.from_records(records, scores, "option_likelihood", info, details)
 
 
-LM_EVAL_NORMALIZATIONS: dict[str, str] = {
-    "acc": "sum",
-    "acc_norm": "char",
-    "acc_bytes": "byte",
-    "acc_token": "mean",
-}
+LM_EVAL_NORMALIZATIONS: dict[str, str] = {"acc": "sum", "acc_norm": "char", "acc_bytes": "byte", "acc_token": "mean"}
 """lm-eval's metric names (``acc``, ``acc_norm``, ``acc_bytes``; ``acc_token`` is ours) and their ``normalize``
 modes."""
 
