@@ -1,5 +1,6 @@
-"""Scoring and summaries the benchmark scripts share: score a record list with the format that
-fits it, the metrics of a scored set, and macro means over groups of domains.
+"""Data splits, scoring and summaries the benchmark scripts share: seeded disjoint parts of a data
+set, scoring a record list with the format that fits it, the metrics of a scored set, and macro
+means over groups of domains.
 
 Benchmark-only tooling (not installed with ``llm_calib``): the benchmark scripts beside this
 package import it as ``harness.evaluation``. The library's own path is
@@ -10,13 +11,36 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+import numpy as np
 
 from llm_calib.formats import RecordKindError, ScoredResult, TaskFormat, format_for
 from llm_calib.prompts import PromptFormat
 from llm_calib.scoring import OpenEndedSet, ScoredSet
 
-__all__ = ["group_means", "score_records", "summarize_scored"]
+__all__ = ["group_means", "score_records", "split_items", "summarize_scored"]
+
+T = TypeVar("T")
+
+
+def split_items(items: Sequence[T], sizes: Sequence[int], seed: int = 0) -> list[list[T]]:
+    """Disjoint seeded parts of ``items`` of the given sizes, each in the original order.
+
+    Example:
+        >>> train, test = split_items(range(10), [6, 3], seed=1)
+        >>> len(train), len(test), set(train) & set(test)
+        (6, 3, set())
+    """
+    if any(n < 0 for n in sizes):
+        raise ValueError(f"sizes must be >= 0, got {list(sizes)}")
+    if sum(sizes) > len(items):
+        raise ValueError(f"sizes {list(sizes)} need {sum(sizes)} items, have {len(items)}")
+    perm, out, start = np.random.default_rng(seed).permutation(len(items)), [], 0
+    for n in sizes:
+        out.append([items[int(i)] for i in np.sort(perm[start : start + n])])
+        start += n
+    return out
 
 
 def score_records(
