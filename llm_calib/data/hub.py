@@ -113,22 +113,15 @@ def _generic(row: Mapping[str, Any], config: str, index: int, source: str, prefi
     raise DataError(source, line, "options", 'unknown hub dataset: rows need "options" or "answers"')
 
 
-HUB_DATASETS: dict[str, HubDataset] = {
-    d.name: d
-    for d in (
-        HubDataset("cais/mmlu", "all", "test", _mmlu),
-        HubDataset("allenai/ai2_arc", "ARC-Easy", "test", _labelled(domain_from_name)),
-        HubDataset(
-            "allenai/openbookqa", "main", "test", _labelled(lambda c: "openbookqa", "question_stem")
-        ),
-        HubDataset("tau/commonsense_qa", None, "validation", _labelled(lambda c: "commonsenseqa")),
-        HubDataset("allenai/qasc", None, "validation", _labelled(lambda c: "qasc")),
-        HubDataset(
-            "google-research-datasets/nq_open", None, "validation", _open("nq_open", "answer")
-        ),
-        HubDataset("stanfordnlp/web_questions", None, "test", _open("webquestions", "answers")),
-    )
-}
+HUB_DATASETS: dict[str, HubDataset] = {d.name: d for d in (
+    HubDataset("cais/mmlu", "all", "test", _mmlu),
+    HubDataset("allenai/ai2_arc", "ARC-Easy", "test", _labelled(domain_from_name)),
+    HubDataset("allenai/openbookqa", "main", "test", _labelled(lambda c: "openbookqa", "question_stem")),
+    HubDataset("tau/commonsense_qa", None, "validation", _labelled(lambda c: "commonsenseqa")),
+    HubDataset("allenai/qasc", None, "validation", _labelled(lambda c: "qasc")),
+    HubDataset("google-research-datasets/nq_open", None, "validation", _open("nq_open", "answer")),
+    HubDataset("stanfordnlp/web_questions", None, "test", _open("webquestions", "answers")),
+)}
 """The hub datasets with a dedicated mapping, by hub name."""
 
 _ALIASES = {

@@ -125,30 +125,16 @@ def _records(name: str, task: Any) -> Iterator[tuple[int, Any]]:
                 # acc_mutual_info adds unconditional requests after the K conditional ones
                 args = [i.args for i in insts[: len(choices)]]
                 record: Any = MultipleChoice(
-                    question=question,
-                    options=tuple(choices),
-                    gold=_gold(task.doc_to_target(doc), choices, where),
-                    domain=name,
-                    id=f"{name}/{doc_id}",
-                    meta=_meta(name, doc_id, doc),
-                    prompt=args[0][0],
-                    continuations=tuple(a[1] for a in args),
-                )
+                    question, tuple(choices), _gold(task.doc_to_target(doc), choices, where), name, f"{name}/{doc_id}",
+                    _meta(name, doc_id, doc), prompt=args[0][0], continuations=tuple(a[1] for a in args))
             else:
                 target = task.doc_to_target(doc)
                 answers = [str(t) for t in target] if isinstance(target, list) else [str(target)]
                 until = insts[0].args[1].get("until") if len(insts[0].args) > 1 else None
                 if isinstance(until, str):
                     until = [until]
-                record = OpenQA(
-                    question=question,
-                    answers=tuple(a for a in answers if a.strip()),
-                    domain=name,
-                    id=f"{name}/{doc_id}",
-                    meta=_meta(name, doc_id, doc),
-                    prompt=insts[0].args[0],
-                    until=tuple(until) if until else None,
-                )
+                record = OpenQA(question, tuple(a for a in answers if a.strip()), name, f"{name}/{doc_id}",
+                                _meta(name, doc_id, doc), prompt=insts[0].args[0], until=tuple(until) if until else None)
         except (ValueError, KeyError, TypeError, IndexError) as err:
             yield doc_id, err
             continue
@@ -156,12 +142,8 @@ def _records(name: str, task: Any) -> Iterator[tuple[int, Any]]:
 
 
 def load_lm_eval_task(
-    task: str,
-    *,
-    include: str | Path | None = None,
-    num_fewshot: int | None = None,
-    fewshot_seed: int = DEFAULT_FEWSHOT_SEED,
-    on_error: OnError = "raise",
+    task: str, *, include: str | Path | None = None, num_fewshot: int | None = None,
+    fewshot_seed: int = DEFAULT_FEWSHOT_SEED, on_error: OnError = "raise",
 ) -> LoadResult[Any]:
     """Records of an lm-eval task, group or tag (one kind per result), rendered by lm-eval.
 
