@@ -38,10 +38,8 @@ def ai2_domain(path: str | Path) -> str:
 def load_ai2(
     path: str | Path, *, domain: str | None = None, on_error: OnError = "raise"
 ) -> LoadResult[MultipleChoice]:
-    """Load an AI2-format JSONL file as multiple-choice records (domain: :func:`ai2_domain`).
-
-    Raises ``DataError`` (under ``on_error="raise"``) for invalid UTF-8 or JSON, an empty stem,
-    fewer than 2 choices, or an ``answerKey`` missing or not among the labels.
+    """Load an AI2-format JSONL file as multiple-choice records (domain: :func:`ai2_domain`); a bad
+    row (invalid UTF-8 or JSON, empty stem, < 2 choices, ``answerKey`` not a label) is a ``DataError``.
 
     Example:
         >>> import json, pathlib, tempfile

@@ -170,9 +170,8 @@ def load_hub(
     name: str, *, config: str | None = None, split: str | None = None, on_error: OnError = "raise",
     **load_kwargs: Any,
 ) -> LoadResult[MultipleChoice] | LoadResult[OpenQA]:
-    """Load a hub dataset with ``datasets.load_dataset`` (``**load_kwargs`` passed on) as records.
-
-    Raises ``ImportError`` without ``datasets``, ``DataError`` for a bad row under ``"raise"``.
+    """Load a hub dataset with ``datasets.load_dataset`` (``**load_kwargs`` passed on) as records;
+    ``ImportError`` without ``datasets``, ``DataError`` for a bad row.
 
     Example:
         >>> import importlib.util

@@ -88,11 +88,9 @@ def load_mmlu(
     path: str | Path, *, groups: Sequence[str] | None = None, subjects: Sequence[str] | None = None,
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice]:
-    """Load one MMLU CSV file or every ``*.csv`` of a directory (sorted), filtered by ``groups``
-    and ``subjects``; ids are ``<file stem>-<row>``.
-
-    Raises ``DataError`` for a bad row (under ``"raise"``) or a selection without files,
-    ``ValueError`` for an unknown group, ``FileNotFoundError`` for a missing path.
+    """Load one MMLU CSV file or every ``*.csv`` of a directory (sorted), filtered by ``groups`` and
+    ``subjects``; ids ``<file stem>-<row>``. Raises ``DataError`` (bad row, no files selected),
+    ``ValueError`` (unknown group) or ``FileNotFoundError``.
 
     Example:
         >>> import pathlib, tempfile

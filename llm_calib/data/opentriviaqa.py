@@ -70,11 +70,8 @@ def load_opentriviaqa(
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice]:
     """Load OpenTriviaQA category files (a file, the ``categories`` directory or its parent) as
-    multiple-choice records with ids ``<category>-<line of #Q>``. Lines that are not UTF-8 are
-    repaired unless ``repair_encoding`` is False.
-
-    Raises ``DataError`` for a bad block (under ``"raise"``), ``FileNotFoundError`` for a missing
-    path.
+    multiple-choice records with ids ``<category>-<line of #Q>``, lines that are not UTF-8 repaired
+    unless ``repair_encoding`` is False. Raises ``DataError`` (bad block) or ``FileNotFoundError``.
 
     Example:
         >>> import pathlib, tempfile

@@ -69,14 +69,12 @@ def score_letter(
     model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, prompt: PromptFormat | None = None,
     batch_size: int = 8, progress: bool = False,
 ) -> ScoredSet:
-    """Score multiple-choice questions (at most 26 options) by the log-probabilities of the option letters.
-
-    The prompt (default ``PromptFormat(style="listed")``) lists the options; ``info["letter_mass"]``
-    is the mean total probability on the option letters.
+    """Score multiple-choice questions (at most 26 options) by the log-probabilities of the option
+    letters after a prompt that lists them (default ``PromptFormat(style="listed")``);
+    ``info["letter_mass"]`` is the mean total probability on the letters.
 
     Raises:
-        ValueError: a prompt that does not list the options, ``batch_size < 1``, malformed records,
-            or a tokenizer without single-token option letters.
+        ValueError: a prompt without the options, ``batch_size < 1``, bad records or letters of several tokens.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
