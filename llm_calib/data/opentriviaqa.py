@@ -18,10 +18,9 @@ from llm_calib.data.result import LoadResult
 __all__ = ["OPENTRIVIAQA_CATEGORIES", "load_opentriviaqa"]
 
 OPENTRIVIAQA_CATEGORIES: tuple[str, ...] = (
-    "animals", "brain-teasers", "celebrities", "entertainment", "for-kids", "general",
-    "geography", "history", "hobbies", "humanities", "literature", "movies", "music", "newest",
-    "people", "rated", "religion-faith", "science-technology", "sports", "television",
-    "video-games", "world",
+    "animals", "brain-teasers", "celebrities", "entertainment", "for-kids", "general", "geography", "history",
+    "hobbies", "humanities", "literature", "movies", "music", "newest", "people", "rated", "religion-faith",
+    "science-technology", "sports", "television", "video-games", "world",
 )  # fmt: skip
 """The 22 category files of the upstream repository."""
 
