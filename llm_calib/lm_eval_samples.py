@@ -121,8 +121,7 @@ def read_samples(path: str | os.PathLike[str], *, task: str | None = None, targe
     """
     path = Path(path)
     name = task or samples_task_name(path)
-    source = rows if rows is not None else None
-    items = list(enumerate(source, 1)) if source is not None else list(_rows(path))
+    items = list(enumerate(rows, 1)) if rows is not None else list(_rows(path))
     if not items:
         raise ValueError(f"{path}: no samples")
     first_filter = items[0][1].get("filter", "none")
@@ -142,9 +141,7 @@ def read_samples(path: str | os.PathLike[str], *, task: str | None = None, targe
         if resps and isinstance(resps[0], list) and resps[0] and isinstance(resps[0][0], list):
             resps = [r[0] for r in resps]  # unfiltered resps: one list of responses per request
         pairs = _pairs(row["arguments"])
-        if len(pairs) != len(resps) or not all(
-            isinstance(r, (list, tuple)) and len(r) == 2 for r in resps
-        ):
+        if len(pairs) != len(resps) or not all(isinstance(r, (list, tuple)) and len(r) == 2 for r in resps):
             raise ValueError(
                 f"{where}: responses are not (log-likelihood, is_greedy) pairs, one per option: "
                 "only multiple_choice tasks have option log-likelihoods"
@@ -165,12 +162,8 @@ def read_samples(path: str | os.PathLike[str], *, task: str | None = None, targe
         logits.append(torch.tensor(lls, dtype=torch.float64))
         ids.append(f"{name}/{doc_id}")
         details.append({
-            "prompt": pairs[0][0],
-            "continuations": conts,
-            "choices": choices,
-            "loglik": lls,
-            "n_chars": [max(len(c), 1) for c in choices],
-            "n_bytes": [max(len(c.encode("utf-8")), 1) for c in choices],
+            "prompt": pairs[0][0], "continuations": conts, "choices": choices, "loglik": lls,
+            "n_chars": [max(len(c), 1) for c in choices], "n_bytes": [max(len(c.encode("utf-8")), 1) for c in choices],
             "lm_eval": {k: float(row[k]) for k in SAMPLES_NORMALIZATIONS if isinstance(row.get(k), (int, float))},
         })
     info = {"normalize": "sum", "source": str(path), "target_delimiter": target_delimiter}

@@ -255,9 +255,7 @@ class ReliabilityBins:
         return {f.name: getattr(self, f.name).tolist() for f in fields(self)}
 
 
-def reliability_bins(
-    confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10
-) -> ReliabilityBins:
+def reliability_bins(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> ReliabilityBins:
     """Counts, mean confidence and accuracy per equal-width bin, for reliability diagrams.
 
     Example:

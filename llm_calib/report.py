@@ -1,8 +1,5 @@
-"""Writing evaluation results: ``metrics.json``, ``report.md`` and reliability diagrams.
-
-The reliability diagram of a domain shows, per equal-width confidence bin, the accuracy as bars
-with the diagonal of perfect calibration, and underneath a histogram of the confidences. With a
-temperature fit, the uncalibrated and temperature-scaled diagrams sit side by side.
+"""Writing evaluation results: ``metrics.json``, ``report.md`` and a reliability diagram per domain
+(:func:`plot_reliability`; uncalibrated and temperature-scaled side by side).
 """
 
 from __future__ import annotations

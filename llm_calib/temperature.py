@@ -7,8 +7,6 @@ options) or a ragged list of 1-D rows, padded with ``-inf`` so a padded option g
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -83,17 +81,6 @@ def _nll(z: torch.Tensor, mask: torch.Tensor, y: torch.Tensor, log_t: torch.Tens
     return F.cross_entropy(scaled, y)
 
 
-@contextmanager
-def _single_thread() -> Iterator[None]:
-    """One torch thread: on a one-parameter fit, intra-op threads only add overhead (20x slower)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def temperature_nll(logits: Any, labels: Any, temperature: float) -> float:
     """Mean NLL of ``softmax(logits / temperature)`` at the gold options.
 
@@ -136,8 +123,12 @@ def fit_temperature(logits: Any, labels: Any, *, max_iter: int = 100) -> float:
         loss.backward()
         return loss
 
-    with _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a one-parameter fit, intra-op threads only add overhead (20x slower)
+    try:
         opt.step(closure)
+    finally:
+        torch.set_num_threads(threads)
     value = float(log_t.detach().clamp(lo, hi))
     if not math.isfinite(value):  # pragma: no cover - defensive; L-BFGS in float64 stays finite
         raise RuntimeError("temperature fit diverged")
@@ -147,9 +138,7 @@ def fit_temperature(logits: Any, labels: Any, *, max_iter: int = 100) -> float:
 def _check_temperature(temperature: float) -> None:
     if isinstance(temperature, torch.Tensor):
         temperature = float(temperature)
-    if not (
-        isinstance(temperature, int | float) and math.isfinite(temperature) and temperature > 0
-    ):
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 

@@ -77,9 +77,7 @@ def domain_from_name(name: str | Path) -> str:
     return re.sub(r"[^0-9a-z]+", "_", str(name).lower()).strip("_") or "data"
 
 
-def load_json_lines(
-    path: Path, make: Callable[[dict[str, Any], int], R], on_error: OnError
-) -> LoadResult[R]:
+def load_json_lines(path: Path, make: Callable[[dict[str, Any], int], R], on_error: OnError) -> LoadResult[R]:
     """``make(row, line)`` of each non-blank JSON line of ``path``, bad lines under ``on_error``."""
     source = str(path)
     log = ErrorLog(on_error)

@@ -35,9 +35,7 @@ def ai2_domain(path: str | Path) -> str:
     return domain_from_name(p.stem)
 
 
-def load_ai2(
-    path: str | Path, *, domain: str | None = None, on_error: OnError = "raise"
-) -> LoadResult[MultipleChoice]:
+def load_ai2(path: str | Path, *, domain: str | None = None, on_error: OnError = "raise") -> LoadResult[MultipleChoice]:
     """Load an AI2-format JSONL file as multiple-choice records (domain: :func:`ai2_domain`); a bad
     row (invalid UTF-8 or JSON, empty stem, < 2 choices, ``answerKey`` not a label) is a ``DataError``.
 

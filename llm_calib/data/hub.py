@@ -131,9 +131,7 @@ _ALIASES = {
 }  # fmt: skip
 
 
-def _resolve(
-    name: str, config: str | None, split: str | None
-) -> tuple[HubDataset | None, str | None, str]:
+def _resolve(name: str, config: str | None, split: str | None) -> tuple[HubDataset | None, str | None, str]:
     """The dataset's entry, and the config and split with its defaults filled in."""
     entry = HUB_DATASETS.get(_ALIASES.get(name, name))
     cfg = config if config is not None else (entry.config if entry else None)

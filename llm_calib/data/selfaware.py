@@ -45,9 +45,7 @@ def _example_lines(text: str, count: int) -> list[int]:
     return lines
 
 
-def load_selfaware(
-    path: str | Path, *, keep: SelfAwareKeep = "all", on_error: OnError = "raise"
-) -> LoadResult[OpenQA]:
+def load_selfaware(path: str | Path, *, keep: SelfAwareKeep = "all", on_error: OnError = "raise") -> LoadResult[OpenQA]:
     """Load ``SelfAware.json`` as open QA records (domain ``selfaware``, id ``question_id``);
     ``keep`` is ``"all"``, ``"answerable"`` or ``"triviaqa"``. Raises ``DataError`` for a bad
     example (line of its opening brace) or a file that is not JSON with an ``example`` list.

@@ -111,16 +111,11 @@ def _question_details(
     token_logprobs: Sequence[torch.Tensor],
 ) -> dict[str, Any]:
     """What was scored for one question (see :attr:`ScoredSet.details`)."""
-    choices = _choices(record, fmt)
     return {
-        "prompt": record_prompt(tokenizer, record, fmt),
-        "choices": choices,
-        "continuations": list(option_continuations(record, fmt)),
-        "token_ids": [list(o) for o in item.options],
-        "loglik": [float(lp.sum()) for lp in token_logprobs],
-        "n_tokens": [len(o) for o in item.options],
-        "n_chars": option_text_lengths(record, fmt, "char"),
-        "n_bytes": option_text_lengths(record, fmt, "byte"),
+        "prompt": record_prompt(tokenizer, record, fmt), "choices": _choices(record, fmt),
+        "continuations": list(option_continuations(record, fmt)), "token_ids": [list(o) for o in item.options],
+        "loglik": [float(lp.sum()) for lp in token_logprobs], "n_tokens": [len(o) for o in item.options],
+        "n_chars": option_text_lengths(record, fmt, "char"), "n_bytes": option_text_lengths(record, fmt, "byte"),
     }
 
 
