@@ -191,10 +191,7 @@ class ScoredSet(ScoredResult):
 
 
 def check_records(records: Sequence[Any]) -> list[MultipleChoice]:
-    """``records`` as a list, after checking that they are :class:`MultipleChoice` records.
-
-    Raises:
-        TypeError: a record that is not :class:`MultipleChoice`.
+    """``records`` as a list, after checking that they are :class:`MultipleChoice` records (else TypeError).
 
     Example:
         >>> check_records([MultipleChoice("q?", ("a", "b"), 0, "d", "0")])[0].gold
@@ -203,10 +200,8 @@ def check_records(records: Sequence[Any]) -> list[MultipleChoice]:
     out = list(records)
     for r in out:
         if not isinstance(r, MultipleChoice):
-            raise TypeError(
-                f"records must be MultipleChoice records, got {type(r).__name__} "
-                "(use llm_calib.scoring.score_open_ended for open questions)"
-            )
+            raise TypeError(f"records must be MultipleChoice records, got {type(r).__name__} "
+                            "(use llm_calib.scoring.score_open_ended for open questions)")
     return out
 
 
@@ -235,10 +230,8 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
 
 
 def encode_continuation(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of a continuation (with its leading space), tokenised alone without special tokens.
-
-    Raises:
-        ValueError: if the continuation has no tokens.
+    """Token ids of a continuation (with its leading space), tokenised alone without special tokens
+    (ValueError for a continuation of no tokens).
 
     Example:
         >>> from llm_calib.models import tiny_random_model

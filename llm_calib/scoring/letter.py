@@ -27,10 +27,8 @@ __all__ = ["check_listed_prompt", "letter_token_ids", "score_letter"]
 
 
 def letter_token_ids(tokenizer: Any, n: int) -> list[int]:
-    """Token ids of the first ``n`` option letters: ``" A"``, ``" B"``, ... if single tokens, else ``"A"``, ...
-
-    Raises:
-        ValueError: if some letter is not a single token in either form.
+    """Token ids of the first ``n`` option letters: ``" A"``, ``" B"``, ... if single tokens, else ``"A"``,
+    ...; ValueError if some letter is a single token in neither form.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -50,10 +48,7 @@ def letter_token_ids(tokenizer: Any, n: int) -> list[int]:
 
 
 def check_listed_prompt(prompt: PromptFormat | None) -> None:
-    """The letter scorer's rule: the prompt lists the options (style ``"listed"``, or a template).
-
-    Raises:
-        ValueError: a prompt that does not list the options.
+    """The letter scorer's rule: the prompt lists the options (style ``"listed"``, or a template); else ValueError.
 
     Example:
         >>> check_listed_prompt(PromptFormat(style="listed"))
