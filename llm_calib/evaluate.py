@@ -301,19 +301,23 @@ def evaluate(
     """Load data sets by spec, score them and compute per-domain calibration metrics.
 
     Args:
-        model, tokenizer: a Hugging Face causal LM (:func:`llm_calib.models.load`) and its tokenizer.
+        model: a Hugging Face causal LM (see :func:`llm_calib.models.load`).
+        tokenizer: its tokenizer.
         data: data specs (:mod:`llm_calib.data.spec`), e.g. ``"builtin"``.
         scorer: ``"option_likelihood"`` (default) or ``"letter"``.
         normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` (option likelihood only).
         prompt: prompt format; None uses the scorer's default.
-        limit, limit_mode: at most this many questions per spec (and temperature-fit split), a seeded
-            ``"sample"`` or the ``"first"`` ones (file order, as lm-eval).
+        limit: at most this many questions per spec (also the temperature-fit split).
+        limit_mode: ``"sample"`` (seeded subsample) or ``"first"`` (file order, as lm-eval).
         on_error: ``"raise"`` at the first bad row, or ``"skip"`` (listed in ``config["skipped"]``).
-        batch_size, max_new_tokens, progress: questions per forward pass, open questions' generation
-            budget, progress bars.
+        batch_size: questions per forward pass.
         temperature_fit: spec of the split to fit a temperature on; None: no temperature scaling.
-        n_bins, ci, n_resamples, seed: ECE and reliability bins; 95% bootstrap intervals and their
-            resamples; subsample and bootstrap seed.
+        n_bins: bins of ECE and the reliability diagrams.
+        ci: compute 95% bootstrap confidence intervals.
+        n_resamples: bootstrap resamples.
+        seed: subsample and bootstrap seed.
+        max_new_tokens: generation budget for open questions.
+        progress: show progress bars.
 
     Raises:
         ValueError: a malformed spec or bad arguments (messages name the parameter).

@@ -210,7 +210,8 @@ def samples_result(
         temperature_fit: a task among ``paths`` (then scaled in-sample) or another samples file:
             one temperature fitted on it under ``normalize`` is applied to every task.
         target_delimiter: see :func:`read_samples`.
-        n_bins, ci, n_resamples, seed: as :func:`llm_calib.evaluate.evaluate`.
+        n_bins: ECE and reliability bins.
+        ci: bootstrap intervals (``n_resamples`` resamples, ``seed``).
 
     Raises:
         ValueError: no paths, two files of one task, an unknown normalisation or fit task, or a
