@@ -203,10 +203,8 @@ def markdown_report(result: EvaluationResult, *, title: str = "Calibration repor
             ]
             per = {"acc": "1 (sum)", "acc_norm": "characters", "acc_bytes": "bytes", "acc_token": "tokens"}
             for name, m in r.normalizations.items():
-                lines.append(
-                    f"| {name} | {per.get(name, '')} | {m['accuracy']:.4f} | {m['ece']:.4f} | "
-                    f"{m['nll']:.4f} | {m['brier']:.4f} |"
-                )
+                cells = " | ".join(f"{m[k]:.4f}" for k in ("accuracy", "ece", "nll", "brier"))
+                lines.append(f"| {name} | {per.get(name, '')} | {cells} |")
             lines.append("")
         lines += [f"![reliability diagram]({reliability_filename(dom)})", ""]
     return "\n".join(lines)
