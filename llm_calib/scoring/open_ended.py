@@ -94,22 +94,16 @@ def open_ended_summary(
     c = np.clip(scored.confidence("mean"), 0.0, 1.0)
     k = scored.correct.astype(np.float64)
 
-    def _brier(c: np.ndarray, k: np.ndarray) -> float:
-        return float(np.mean((np.asarray(c) - np.asarray(k)) ** 2))
-
-    def _nll(c: np.ndarray, k: np.ndarray) -> float:
+    def _nll(c: np.ndarray, k: np.ndarray) -> float:  # of the 0/1 correctness under confidence c
         cc = np.clip(np.asarray(c), metrics.NLL_EPS, 1 - metrics.NLL_EPS)
         kk = np.asarray(k)
         return float(-np.mean(kk * np.log(cc) + (1 - kk) * np.log(1 - cc)))
 
-    def _acc(c: np.ndarray, k: np.ndarray) -> float:
-        return float(np.mean(k))
-
     funcs = {
-        "accuracy": _acc,
+        "accuracy": lambda c, k: float(np.mean(k)),
         "ece": lambda c, k: metrics.ece(c, k, n_bins),
         "adaptive_ece": lambda c, k: metrics.adaptive_ece(c, k, n_bins),
-        "brier": _brier,
+        "brier": lambda c, k: float(np.mean((np.asarray(c) - np.asarray(k)) ** 2)),
         "nll": _nll,
         "auroc": metrics.auroc,
     }
