@@ -67,6 +67,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from harness.evaluation import split_items, summarize_scored
 from harness.flags import add_dataclass_flags, dataclass_overrides
 from harness.flat_config import config_from_flat, flat_config
 from harness.profiling import Phase
@@ -96,9 +97,7 @@ from llm_calib.data import (
     builtin_multiple_choice,
     builtin_open_questions,
     load,
-    split_items,
 )
-from llm_calib.evaluate import summarize_scored
 from llm_calib.metrics import confidence_correct, ece, reliability_bins
 from llm_calib.models import free_memory, tiny_random_model
 from llm_calib.models import load as load_model

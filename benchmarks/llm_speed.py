@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
+from harness.evaluation import group_means
 from harness.flags import add_dataclass_flags, dataclass_overrides
 from harness.profiling import (
     MB,
@@ -65,7 +66,6 @@ from llm_calib.calm.verify import compare_losses, relative_difference
 from llm_calib.data import BUILTIN_DOMAINS, MultipleChoice, builtin_multiple_choice
 from llm_calib.data import load as load_data
 from llm_calib.demo import DemoSettings, split_data
-from llm_calib.evaluate import group_means
 from llm_calib.models import default_cache_dir, load, random_init_model, tiny_random_model
 from llm_calib.objectives.lora_ce import LoraCE
 from llm_calib.scoring.option_likelihood import score_option_likelihood

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from calibration_bench import ALIAS, DEFAULT_DATA, FULL, V2_OOD, per_char
+from harness.evaluation import score_records, split_items, summarize_scored
 from harness.report import machine_info, markdown_table, provenance_lines
 
-from llm_calib.data import load, split_items
-from llm_calib.evaluate import score_records, summarize_scored
+from llm_calib.data import load
 from llm_calib.models import load as load_model
 
 OTHER = {"openbookqa": "openbookqa:{D}", "qasc": "qasc:{D}:dev", "commonsenseqa": "commonsenseqa:{D}:dev",

@@ -36,7 +36,8 @@ def ece_at(scored, temperature: float) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    from llm_calib.evaluate import score_records
+    from harness.evaluation import score_records
+
     from llm_calib.models import load as load_model
     from llm_calib.temperature import fit_temperature
 

@@ -10,11 +10,12 @@ The training entry points are re-exported here, imported lazily::
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from llm_calib._lazy import lazy_exports
 
 _LLM_EXTRA = {"transformers": "transformers", "peft": "peft", "gguf": "gguf", "tqdm": "tqdm",
              "matplotlib": "matplotlib", "safetensors": "safetensors", "yaml": "pyyaml"}
@@ -72,13 +73,4 @@ if TYPE_CHECKING:
     from llm_calib.objectives.lora_ce import LoraCE
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'llm_calib' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

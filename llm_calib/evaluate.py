@@ -6,6 +6,7 @@ scaling transfers out of domain).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -36,17 +37,8 @@ from llm_calib.scoring.base import scoring_split
 from llm_calib.temperature import fit_temperature, temperature_nll
 
 __all__ = [
-    "DomainResult",
-    "EvaluationResult",
-    "TemperatureFit",
-    "domain_result",
-    "evaluate",
-    "evaluate_records",
-    "group_means",
-    "sample_rows",
-    "score_records",
-    "summarize_scored",
-    "write_samples",
+    "DomainResult", "EvaluationResult", "TemperatureFit", "domain_result", "evaluate", "evaluate_records",
+    "sample_rows", "write_samples",
 ]
 
 HEADLINE_METRICS = ("accuracy", "ece", "adaptive_ece", "brier", "nll", "auroc")
@@ -58,8 +50,11 @@ class TemperatureFit:
     """A temperature fitted on one split: ``T``, the split's spec, size and domains, NLL before and after.
 
     Example:
-        >>> TemperatureFit(2.0, "toy", 10, ["a"], 1.0, 0.8).to_dict()["temperature"]
-        2.0
+        >>> import torch
+        >>> s = ScoredSet([torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0])], [1, 0], ["d", "d"], ["a", "b"])
+        >>> fit = TemperatureFit.fit(s, "toy")
+        >>> fit.n, fit.nll_after <= fit.nll_before, sorted(fit.to_dict())[-1]
+        (2, True, 'temperature')
     """
 
     temperature: float
@@ -69,32 +64,24 @@ class TemperatureFit:
     nll_before: float
     nll_after: float
 
+    @classmethod
+    def fit(cls, scored: ScoredSet, source: str) -> TemperatureFit:
+        """The NLL-minimising temperature of a scored multiple-choice set (:func:`~llm_calib.temperature.fit_temperature`)."""
+        T = fit_temperature(scored.logits, scored.labels)
+        return cls(T, source, len(scored), sorted(set(scored.domains)),
+                   temperature_nll(scored.logits, scored.labels, 1.0), temperature_nll(scored.logits, scored.labels, T))
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
-        return {
-            "temperature": self.temperature,
-            "source": self.source,
-            "n": self.n,
-            "domains": list(self.domains),
-            "nll_before": self.nll_before,
-            "nll_after": self.nll_after,
-        }
+        return dataclasses.asdict(self)
 
 
 @dataclass
 class DomainResult:
-    """Metrics of one domain.
-
-    Attributes:
-        domain: the domain label.
-        kind: ``"multiple_choice"`` or ``"open"``.
-        uncalibrated: metric dict (the scored set's ``summary``).
-        temperature_scaled: the same after temperature scaling, or None.
-        reliability: per-bin statistics (:meth:`llm_calib.metrics.ReliabilityBins.to_dict`).
-        reliability_scaled: the same after temperature scaling, or None.
-        scored: the raw scores (not serialised).
-        normalizations: multiple choice: accuracy and ECE per lm-eval normalisation name, else None.
-        task: the task format that scored the domain (not serialised).
+    """Metrics of one domain of ``kind`` ``"multiple_choice"`` or ``"open"``: the metric dicts
+    (``summary``) and reliability bins (:meth:`~llm_calib.metrics.ReliabilityBins.to_dict`)
+    ``uncalibrated`` and temperature-scaled (or None), the format-specific ``normalizations`` (or
+    None), and, not serialised, the ``scored`` set and the ``task`` format that scored it.
 
     Example:
         >>> r = DomainResult("toy", "multiple_choice", {"n": 3, "accuracy": 0.5}, None, {}, None)
@@ -119,17 +106,10 @@ class DomainResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (without the raw scores)."""
-        return {
-            "kind": self.kind,
-            "n": self.n,
-            "uncalibrated": dict(self.uncalibrated),
-            "temperature_scaled": dict(self.temperature_scaled)
-            if self.temperature_scaled
-            else None,
-            "reliability": self.reliability,
-            "reliability_scaled": self.reliability_scaled,
-            "normalizations": self.normalizations,
-        }
+        return {"kind": self.kind, "n": self.n, "uncalibrated": dict(self.uncalibrated),
+                "temperature_scaled": dict(self.temperature_scaled) if self.temperature_scaled else None,
+                "reliability": self.reliability, "reliability_scaled": self.reliability_scaled,
+                "normalizations": self.normalizations}
 
 
 @dataclass
@@ -172,51 +152,6 @@ class EvaluationResult:
         return out
 
 
-def score_records(
-    model: Any,
-    tokenizer: Any,
-    records: Sequence[MultipleChoice | OpenQA],
-    *,
-    scorer: str = "option_likelihood",
-    normalize: Literal["sum", "mean", "char", "byte"] = "sum",
-    prompt: PromptFormat | None = None,
-    batch_size: int = 8,
-    max_new_tokens: int = 32,
-    progress: bool = False,
-    open_prompt: PromptFormat | None = None,
-    task: TaskFormat | None = None,
-) -> ScoredSet | OpenEndedSet:
-    """Score records with the format that fits them (:func:`~llm_calib.formats.format_for`, or ``task``).
-
-    Args:
-        model: a Hugging Face causal LM.
-        tokenizer: its tokenizer.
-        records: all multiple choice or all open questions.
-        scorer: multiple-choice scorer, ``"option_likelihood"`` or ``"letter"``.
-        normalize: option likelihood: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"``.
-        prompt: prompt format; None uses the scorer's default.
-        batch_size: questions per forward pass.
-        max_new_tokens: generation budget for open questions.
-        progress: show a progress bar.
-        open_prompt: prompt format of open questions; None: ``prompt`` in the cloze style.
-        task: score with this format instead (the settings above are then unused).
-
-    Raises:
-        TypeError: the records mix multiple-choice and open questions.
-        ValueError: an unknown scorer or bad arguments.
-
-    Example:
-        >>> from llm_calib.models import tiny_random_model
-        >>> model, tok = tiny_random_model()
-        >>> score_records(model, tok, [MultipleChoice("2 + 2 = ?", ("4", "5"), 0, "math", "q0")]).scorer
-        'option_likelihood'
-    """
-    records = list(records)
-    fmt = _format(records, task, scorer=scorer, normalize=normalize, prompt=prompt, open_prompt=open_prompt,
-                  max_new_tokens=max_new_tokens)
-    return fmt.score(model, tokenizer, records, batch_size=batch_size, progress=progress)
-
-
 def _format(records: Sequence[Any], task: TaskFormat | None, *, what: str = "records", **settings: Any) -> TaskFormat:
     """The format of a data set entering evaluation (``task``, checked, or the one of the settings)."""
     try:
@@ -226,47 +161,6 @@ def _format(records: Sequence[Any], task: TaskFormat | None, *, what: str = "rec
         return format_for(records, what=what, **settings)
     except RecordKindError as exc:
         raise TypeError(f"records must be all MultipleChoice or all OpenQA: {exc}") from exc
-
-
-def summarize_scored(
-    scored: ScoredSet | OpenEndedSet, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0
-) -> dict[str, float]:
-    """The calibration metrics of a scored set (its ``summary``).
-
-    Raises:
-        TypeError: ``scored`` is not a scored set.
-
-    Example:
-        >>> import torch
-        >>> s = ScoredSet([torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0])], [1, 1], ["d", "d"], ["a", "b"])
-        >>> summarize_scored(s, ci=False)["accuracy"]
-        0.5
-    """
-    if not isinstance(scored, ScoredResult):
-        raise TypeError(f"scored must be a scored set, a ScoredSet or an OpenEndedSet, got {type(scored).__name__}")
-    return scored.summary(n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
-
-
-def group_means(
-    scored: ScoredSet | OpenEndedSet, groups: dict[str, Sequence[str]], metrics: Sequence[str] = ("ece", "accuracy")
-) -> dict[str, float]:
-    """Per group of domains, the mean of each domain's ``metrics`` (NaN for a group with none present).
-
-    Example:
-        >>> import torch
-        >>> s = ScoredSet([torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0])], [1, 1], ["a", "b"], ["0", "1"])
-        >>> group_means(s, {"in": ["a"], "all": ["a", "b"]}, ["accuracy"])
-        {'accuracy_in': 1.0, 'accuracy_all': 0.5}
-    """
-    import statistics
-
-    per = {d: summarize_scored(p, ci=False) for d, p in scored.by_domain().items()}
-    out = {}
-    for group, domains in groups.items():
-        present = [d for d in domains if d in per]
-        for m in metrics:
-            out[f"{m}_{group}"] = statistics.mean(per[d][m] for d in present) if present else float("nan")
-    return out
 
 
 def domain_result(
@@ -306,29 +200,20 @@ def domain_result(
 
 
 def evaluate_records(
-    model: Any,
-    tokenizer: Any,
-    datasets: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]],
-    *,
-    scorer: str = "option_likelihood",
-    normalize: Literal["sum", "mean", "char", "byte"] = "sum",
-    prompt: PromptFormat | None = None,
-    batch_size: int = 8,
-    temperature_fit: tuple[str, Sequence[MultipleChoice]] | None = None,
-    n_bins: int = 10,
-    ci: bool = True,
-    n_resamples: int = 1000,
-    seed: int = 0,
-    max_new_tokens: int = 32,
-    progress: bool = False,
-    open_prompt: PromptFormat | None = None,
-    task: TaskFormat | None = None,
+    model: Any, tokenizer: Any, datasets: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]], *,
+    scorer: str = "option_likelihood", normalize: Literal["sum", "mean", "char", "byte"] = "sum",
+    prompt: PromptFormat | None = None, batch_size: int = 8,
+    temperature_fit: tuple[str, Sequence[MultipleChoice]] | None = None, n_bins: int = 10, ci: bool = True,
+    n_resamples: int = 1000, seed: int = 0, max_new_tokens: int = 32, progress: bool = False,
+    open_prompt: PromptFormat | None = None, task: TaskFormat | None = None,
 ) -> EvaluationResult:
     """Evaluate already-loaded ``(name, records)`` data sets, per record domain.
 
-    Arguments are those of :func:`evaluate` and :func:`score_records`; ``temperature_fit`` is
-    ``(name, records)``. With ``prompt.fewshot > 0`` and no pool, the pool is loaded without the
-    evaluated questions (:func:`~llm_calib.fewshot.resolve_fewshot`).
+    Arguments are those of :func:`evaluate`; ``temperature_fit`` is ``(name, records)``;
+    ``open_prompt`` is the prompt of open questions (None: ``prompt`` as a cloze prompt); ``task``
+    scores every set with that format instead of :func:`~llm_calib.formats.format_for`'s. With
+    ``prompt.fewshot > 0`` and no pool, the pool is loaded without the evaluated questions
+    (:func:`~llm_calib.fewshot.resolve_fewshot`).
 
     Raises:
         ValueError: an unknown scorer, an empty data set, or a temperature-fit split without
@@ -351,13 +236,8 @@ def evaluate_records(
         if temperature_fit is not None:
             evaluated += list(temperature_fit[1])
         prompt = resolve_fewshot(prompt, exclude=evaluated)
-    settings = {
-        "scorer": scorer,
-        "normalize": normalize,
-        "prompt": prompt,
-        "max_new_tokens": max_new_tokens,
-        "open_prompt": open_prompt,
-    }
+    settings = {"scorer": scorer, "normalize": normalize, "prompt": prompt, "max_new_tokens": max_new_tokens,
+                "open_prompt": open_prompt}
     for name, records in datasets:
         if not records:
             raise ValueError(f"the evaluation set {name!r} (eval) is empty: the report scores it; pass at least one question")
@@ -370,22 +250,12 @@ def evaluate_records(
         except TypeError:
             fit_format = None
         if not fit_records or fit_format is None or not fit_format.temperature_scalable:
-            raise ValueError(
-                f"temperature_fit {name!r} must hold multiple-choice records (got none or open questions)"
-            )
+            raise ValueError(f"temperature_fit {name!r} must hold multiple-choice records (got none or open questions)")
         t0 = time.perf_counter()
         with scoring_split(f"{name} (temperature fit)"):
             fs = fit_format.score(model, tokenizer, fit_records, batch_size=batch_size, progress=progress)
         timing["temperature_fit_scoring_s"] = time.perf_counter() - t0
-        T = fit_temperature(fs.logits, fs.labels)
-        fit = TemperatureFit(
-            temperature=T,
-            source=name,
-            n=len(fs),
-            domains=sorted(set(fs.domains)),
-            nll_before=temperature_nll(fs.logits, fs.labels, 1.0),
-            nll_after=temperature_nll(fs.logits, fs.labels, T),
-        )
+        fit = TemperatureFit.fit(fs, name)
     groups: dict[str, tuple[TaskFormat, list[Any]]] = {}
     n_scored, score_s = 0, 0.0
     for name, records in datasets:
@@ -421,23 +291,11 @@ def evaluate_records(
 
 
 def evaluate(
-    model: Any,
-    tokenizer: Any,
-    data: Sequence[str],
-    *,
-    scorer: str = "option_likelihood",
-    normalize: Literal["sum", "mean", "char", "byte"] = "sum",
-    prompt: PromptFormat | None = None,
-    limit: int | None = None,
-    limit_mode: Literal["sample", "first"] = "sample",
-    on_error: Literal["raise", "skip"] = "raise",
-    batch_size: int = 8,
-    temperature_fit: str | None = None,
-    n_bins: int = 10,
-    ci: bool = True,
-    n_resamples: int = 1000,
-    seed: int = 0,
-    max_new_tokens: int = 32,
+    model: Any, tokenizer: Any, data: Sequence[str], *, scorer: str = "option_likelihood",
+    normalize: Literal["sum", "mean", "char", "byte"] = "sum", prompt: PromptFormat | None = None,
+    limit: int | None = None, limit_mode: Literal["sample", "first"] = "sample",
+    on_error: Literal["raise", "skip"] = "raise", batch_size: int = 8, temperature_fit: str | None = None,
+    n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0, max_new_tokens: int = 32,
     progress: bool = False,
 ) -> EvaluationResult:
     """Load data sets by spec, score them and compute per-domain calibration metrics.
@@ -490,20 +348,9 @@ def evaluate(
         fit = (temperature_fit, _load(temperature_fit))
     load_s = time.perf_counter() - t0
     result = evaluate_records(
-        model,
-        tokenizer,
-        loaded,
-        scorer=scorer,
-        normalize=normalize,
-        prompt=prompt,
-        batch_size=batch_size,
-        temperature_fit=fit,
-        n_bins=n_bins,
-        ci=ci,
-        n_resamples=n_resamples,
-        seed=seed,
-        max_new_tokens=max_new_tokens,
-        progress=progress,
+        model, tokenizer, loaded, scorer=scorer, normalize=normalize, prompt=prompt, batch_size=batch_size,
+        temperature_fit=fit, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed,
+        max_new_tokens=max_new_tokens, progress=progress,
     )
     result.timing["data_loading_s"] = load_s
     result.config.update({"limit": limit, "limit_mode": limit_mode, "skipped": skipped})

@@ -1,26 +1,7 @@
-"""Calibration metrics for any lm-eval run: read lm-eval's ``--log_samples`` files.
-
-lm-evaluation-harness 0.4.x writes one ``samples_<task>_<date>.jsonl`` per task with
-``--log_samples``. For a ``multiple_choice`` task each line is one document: ``doc_id``, ``doc``,
-``target`` (the gold index, or the gold choice text), ``arguments`` (the ``(context,
-continuation)`` request of every option, as ``{"gen_args_<i>": {"arg_0": context, "arg_1":
-continuation}}``), ``resps`` / ``filtered_resps`` (per option ``(log-likelihood, is_greedy)``,
-written as strings) and the per-document metrics (``acc``, ``acc_norm``, ...). Whatever model
-produced them (HF, vLLM, an API model with log-probabilities), these numbers are all that the
-calibration metrics need:
-
-* the option probabilities are the softmax over the options' scores: summed log-likelihoods
-  (``normalize="sum"``, what lm-eval's ``acc`` takes the argmax of), per character of the choice
-  (``"char"``, ``acc_norm``) or per UTF-8 byte (``"byte"``, ``acc_bytes``); the choice text is the
-  logged continuation without its target delimiter (``" "`` unless told otherwise);
-* :func:`samples_result` turns the files into the same
-  :class:`~llm_calib.evaluate.EvaluationResult` that ``llm-calib evaluate`` reports (one domain per
-  task; ECE family, Brier, NLL, AUROC, reliability bins, bootstrap intervals, the three
-  normalisations side by side and, if asked, a temperature fitted on one named task), which
-  :func:`~llm_calib.report.write_report` writes; ``llm-calib metrics SAMPLES...`` does both.
-
-Per-token normalisation (``"mean"``) is not available: lm-eval does not log token counts.
-Reading the files needs neither lm-eval nor a model.
+"""Calibration metrics for any lm-eval run, from lm-eval's ``--log_samples`` files
+(``samples_<task>_<date>.jsonl``, one per multiple-choice task): the option probabilities are the
+softmax over the logged option log-likelihoods, summed (``acc``), per character (``acc_norm``) or
+per UTF-8 byte (``acc_bytes``); no model or lm-eval needed. See :doc:`/tutorials/lm_eval`.
 """
 
 from __future__ import annotations
@@ -37,17 +18,11 @@ import numpy as np
 import torch
 
 from llm_calib import metrics
-from llm_calib.evaluate import DomainResult, EvaluationResult, TemperatureFit, summarize_scored
+from llm_calib.evaluate import DomainResult, EvaluationResult, TemperatureFit
 from llm_calib.formats.multiple_choice import normalization_metrics
 from llm_calib.scoring import ScoredSet, normalized
-from llm_calib.temperature import fit_temperature, temperature_nll
 
-__all__ = [
-    "SAMPLES_NORMALIZATIONS",
-    "read_samples",
-    "samples_result",
-    "samples_task_name",
-]
+__all__ = ["SAMPLES_NORMALIZATIONS", "read_samples", "samples_result", "samples_task_name"]
 
 SAMPLES_NORMALIZATIONS: dict[str, str] = {"acc": "sum", "acc_norm": "char", "acc_bytes": "byte"}
 """lm-eval's metric names and the ``normalize`` mode each takes its argmax under; the ones a
@@ -59,19 +34,11 @@ _FILE_NAME = re.compile(r"^samples_(?P<task>.+)_(?P<date>\d{4}-\d{2}-\d{2}T[0-9.
 
 
 def samples_task_name(path: str | os.PathLike[str]) -> str:
-    """The task name in an lm-eval samples file name (``samples_<task>_<date>.jsonl``).
-
-    Args:
-        path: the file.
-
-    Returns:
-        The task name, or the file's stem when the name is not lm-eval's pattern.
+    """The task name in an lm-eval samples file name (``samples_<task>_<date>.jsonl``), else the file's stem.
 
     Example:
         >>> samples_task_name("out/model/samples_arc_easy_2026-01-02T10-11-12.123456.jsonl")
         'arc_easy'
-        >>> samples_task_name("my_run.jsonl")
-        'my_run'
     """
     stem = Path(path).name.removesuffix(".jsonl")
     m = _FILE_NAME.match(stem)
@@ -121,33 +88,24 @@ def _rows(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
                     raise ValueError(f"{path}:{line_no}: not JSON: {err}") from None
 
 
-def read_samples(
-    path: str | os.PathLike[str],
-    *,
-    task: str | None = None,
-    target_delimiter: str = " ",
-    rows: Sequence[Mapping[str, Any]] | None = None,
-) -> ScoredSet:
+def read_samples(path: str | os.PathLike[str], *, task: str | None = None, target_delimiter: str = " ",
+                 rows: Sequence[Mapping[str, Any]] | None = None) -> ScoredSet:
     """The option scores of one multiple-choice task from an lm-eval samples file.
 
     Args:
         path: a ``samples_<task>_<date>.jsonl`` file written by ``lm_eval --log_samples``.
-        task: the domain label of its questions; default :func:`samples_task_name` of ``path``.
-        target_delimiter: the task's ``target_delimiter`` (removed from each logged continuation
-            to get the choice text whose length ``acc_norm`` / ``acc_bytes`` divide by).
-        rows: the samples themselves (e.g. ``simple_evaluate(...)["samples"][task]``) instead of
-            reading ``path``.
+        task: the domain of its questions; default :func:`samples_task_name` of ``path``.
+        target_delimiter: the task's, removed from each continuation to get the choice text.
+        rows: the samples themselves (e.g. ``simple_evaluate(...)["samples"][task]``) instead of the file.
 
     Returns:
-        A :class:`~llm_calib.scoring.base.ScoredSet` whose logits are the summed
-        log-likelihoods, ordered by ``doc_id``, ids ``<task>/<doc_id>``; ``details`` hold per
-        document ``prompt``, ``continuations``, ``choices``, ``loglik``, ``n_chars``, ``n_bytes``
-        and the metrics lm-eval logged (``lm_eval``: e.g. ``{"acc": 1.0, "acc_norm": 0.0}``).
-        With several filters, the rows of the first one (``"none"`` for multiple choice).
+        A :class:`~llm_calib.scoring.base.ScoredSet` of the summed log-likelihoods by ``doc_id``
+        (ids ``<task>/<doc_id>``; the first filter's rows), ``details`` as the scorers' plus the
+        metrics lm-eval logged (``lm_eval``).
 
     Raises:
-        ValueError: not a multiple-choice samples file (e.g. ``generate_until``), an empty file,
-            a malformed line or target; the message names the file and line.
+        ValueError: not a multiple-choice samples file, an empty file, a malformed line or target
+            (the message names the file and line).
 
     Example:
         >>> import json, tempfile, pathlib
@@ -163,8 +121,7 @@ def read_samples(
     """
     path = Path(path)
     name = task or samples_task_name(path)
-    source = rows if rows is not None else None
-    items = list(enumerate(source, 1)) if source is not None else list(_rows(path))
+    items = list(enumerate(rows, 1)) if rows is not None else list(_rows(path))
     if not items:
         raise ValueError(f"{path}: no samples")
     first_filter = items[0][1].get("filter", "none")
@@ -184,9 +141,7 @@ def read_samples(
         if resps and isinstance(resps[0], list) and resps[0] and isinstance(resps[0][0], list):
             resps = [r[0] for r in resps]  # unfiltered resps: one list of responses per request
         pairs = _pairs(row["arguments"])
-        if len(pairs) != len(resps) or not all(
-            isinstance(r, (list, tuple)) and len(r) == 2 for r in resps
-        ):
+        if len(pairs) != len(resps) or not all(isinstance(r, (list, tuple)) and len(r) == 2 for r in resps):
             raise ValueError(
                 f"{where}: responses are not (log-likelihood, is_greedy) pairs, one per option: "
                 "only multiple_choice tasks have option log-likelihoods"
@@ -207,12 +162,8 @@ def read_samples(
         logits.append(torch.tensor(lls, dtype=torch.float64))
         ids.append(f"{name}/{doc_id}")
         details.append({
-            "prompt": pairs[0][0],
-            "continuations": conts,
-            "choices": choices,
-            "loglik": lls,
-            "n_chars": [max(len(c), 1) for c in choices],
-            "n_bytes": [max(len(c.encode("utf-8")), 1) for c in choices],
+            "prompt": pairs[0][0], "continuations": conts, "choices": choices, "loglik": lls,
+            "n_chars": [max(len(c), 1) for c in choices], "n_bytes": [max(len(c.encode("utf-8")), 1) for c in choices],
             "lm_eval": {k: float(row[k]) for k in SAMPLES_NORMALIZATIONS if isinstance(row.get(k), (int, float))},
         })
     info = {"normalize": "sum", "source": str(path), "target_delimiter": target_delimiter}
@@ -235,7 +186,7 @@ def _domain(scored: ScoredSet, normalize: str, temperature: float | None, n_bins
     head = normalized(scored, normalize)
 
     def summary(s: ScoredSet) -> tuple[dict[str, float], dict[str, list[float]]]:
-        m = summarize_scored(s, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
+        m = s.summary(n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
         return m, metrics.reliability_bins(s.confidences, s.correct, n_bins=n_bins).to_dict()
 
     unc, rb = summary(head)
@@ -247,35 +198,20 @@ def _domain(scored: ScoredSet, normalize: str, temperature: float | None, n_bins
 
 
 def samples_result(
-    paths: Sequence[str | os.PathLike[str]],
-    *,
-    normalize: str = "sum",
-    temperature_fit: str | None = None,
-    target_delimiter: str = " ",
-    n_bins: int = 10,
-    ci: bool = True,
-    n_resamples: int = 1000,
-    seed: int = 0,
+    paths: Sequence[str | os.PathLike[str]], *, normalize: str = "sum", temperature_fit: str | None = None,
+    target_delimiter: str = " ", n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0,
 ) -> EvaluationResult:
-    """The calibration report of lm-eval samples files, one domain per task.
+    """The calibration report (:func:`llm_calib.report.write_report`) of lm-eval samples files, one domain per task.
 
     Args:
         paths: ``samples_<task>_<date>.jsonl`` files of multiple-choice tasks (one task each).
-        normalize: the option scores the headline metrics use: ``"sum"`` (lm-eval's ``acc``),
-            ``"char"`` (``acc_norm``) or ``"byte"`` (``acc_bytes``); also their lm-eval names.
-            Every domain also reports all three side by side (``normalizations``).
-        temperature_fit: a task name among ``paths``, or another samples file: one temperature
-            is fitted on its option scores (under ``normalize``) and applied to every task. A task
-            among ``paths`` stays in the report (its scaled numbers are then in-sample).
+        normalize: the headline scores, ``"sum"`` / ``"char"`` / ``"byte"`` or lm-eval's names
+            (all three are reported side by side under ``normalizations``).
+        temperature_fit: a task among ``paths`` (then scaled in-sample) or another samples file:
+            one temperature fitted on it under ``normalize`` is applied to every task.
         target_delimiter: see :func:`read_samples`.
         n_bins: ECE and reliability bins.
-        ci: bootstrap intervals.
-        n_resamples: bootstrap resamples.
-        seed: bootstrap seed.
-
-    Returns:
-        An :class:`~llm_calib.evaluate.EvaluationResult` (write it with
-        :func:`llm_calib.report.write_report`).
+        ci: bootstrap intervals (``n_resamples`` resamples, ``seed``).
 
     Raises:
         ValueError: no paths, two files of one task, an unknown normalisation or fit task, or a
@@ -318,25 +254,10 @@ def samples_result(
         elif Path(temperature_fit).is_file():
             fit_set = read_samples(temperature_fit, target_delimiter=target_delimiter)
         else:
-            raise ValueError(
-                f"temperature_fit {temperature_fit!r} is neither a task among {sorted(sets)} nor a file"
-            )
-        fs = normalized(fit_set, mode)
-        T = fit_temperature(fs.logits, fs.labels)
-        fit = TemperatureFit(T, temperature_fit, len(fs), sorted(set(fs.domains)),
-                             temperature_nll(fs.logits, fs.labels, 1.0),
-                             temperature_nll(fs.logits, fs.labels, T))
+            raise ValueError(f"temperature_fit {temperature_fit!r} is neither a task among {sorted(sets)} nor a file")
+        fit = TemperatureFit.fit(normalized(fit_set, mode), temperature_fit)
     stats = {"n_bins": n_bins, "ci": ci, "n_resamples": n_resamples, "seed": seed}
-    domains = {
-        name: _domain(s, mode, fit.temperature if fit else None, **stats) for name, s in sets.items()
-    }
-    config = {
-        "source": "lm-eval samples",
-        "scorer": SCORER,
-        "files": files,
-        "normalize": mode,
-        "target_delimiter": target_delimiter,
-        "datasets": list(files.values()),
-        **stats,
-    }
+    domains = {name: _domain(s, mode, fit.temperature if fit else None, **stats) for name, s in sets.items()}
+    config = {"source": "lm-eval samples", "scorer": SCORER, "files": files, "normalize": mode,
+              "target_delimiter": target_delimiter, "datasets": list(files.values()), **stats}
     return EvaluationResult(domains, fit, config, {})

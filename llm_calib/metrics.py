@@ -15,7 +15,7 @@ import numpy as np
 __all__ = [
     "CLIP_ATOL", "NLL_EPS", "SUM_ATOL", "ReliabilityBins", "accuracy", "adaptive_ece",
     "as_prob_matrix", "auroc", "bootstrap_ci", "brier", "classwise_ece", "confidence_correct",
-    "ece", "ece_resamples", "mce", "mean_entropy", "nll", "reliability_bins", "summarize",
+    "ece", "mce", "mean_entropy", "nll", "reliability_bins", "summarize",
 ]
 
 SUM_ATOL = 1e-3
@@ -51,9 +51,7 @@ def as_prob_matrix(probs: ArrayLike, name: str = "probs") -> tuple[np.ndarray, n
             raise ValueError(f"{name} is empty")
         rows = [_numpy(r).astype(np.float64) for r in probs]
         if any(r.ndim != 1 for r in rows):
-            raise ValueError(
-                f"{name}: a list must hold one 1-D array of option probabilities per question"
-            )
+            raise ValueError(f"{name}: a list must hold one 1-D array of option probabilities per question")
         lengths = np.array([r.shape[0] for r in rows], dtype=np.int64)
         mat = np.zeros((len(rows), int(lengths.max())), dtype=np.float64)
         for i, r in enumerate(rows):
@@ -61,9 +59,7 @@ def as_prob_matrix(probs: ArrayLike, name: str = "probs") -> tuple[np.ndarray, n
     else:
         mat = _numpy(probs).astype(np.float64)
         if mat.ndim != 2:
-            raise ValueError(
-                f"{name} must be 2-D (N, K) or a list of 1-D arrays, got shape {mat.shape}"
-            )
+            raise ValueError(f"{name} must be 2-D (N, K) or a list of 1-D arrays, got shape {mat.shape}")
         if mat.shape[0] == 0:
             raise ValueError(f"{name} is empty")
         lengths = np.full(mat.shape[0], mat.shape[1], dtype=np.int64)
@@ -117,9 +113,7 @@ def _conf_correct(confidences: ArrayLike, correct: ArrayLike) -> tuple[np.ndarra
     if not np.all(np.isfinite(c)):
         raise ValueError("confidences holds non-finite values")
     if np.any(c < -CLIP_ATOL) or np.any(c > 1.0 + CLIP_ATOL):
-        raise ValueError(
-            f"confidences must lie in [0, 1], got range [{c.min():.6g}, {c.max():.6g}]"
-        )
+        raise ValueError(f"confidences must lie in [0, 1], got range [{c.min():.6g}, {c.max():.6g}]")
     c = np.clip(c, 0.0, 1.0)
     k = _numpy(correct)
     if k.ndim != 1:
@@ -207,26 +201,6 @@ def ece(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
     return _ece(c, k, _check_bins(n_bins))
 
 
-def ece_resamples(confidences: ArrayLike, correct: ArrayLike, indices: ArrayLike, n_bins: int = 10) -> np.ndarray:
-    """:func:`ece` of each resample, a row of ``indices`` ``(R, n)``, at once (``(R,)``).
-
-    Example:
-        >>> conf, correct = [0.9, 1.0, 0.6, 0.0], [1, 0, 1, 0]
-        >>> [round(float(e), 6) for e in ece_resamples(conf, correct, [[0, 1, 2, 3], [0, 0, 0, 0]])]
-        [0.325, 0.1]
-    """
-    c0, k0 = _conf_correct(confidences, correct)
-    n_bins = _check_bins(n_bins)
-    idx = np.asarray(indices, dtype=np.int64)
-    if idx.ndim != 2 or idx.size == 0:
-        raise ValueError(f"indices must be a non-empty (resamples, n) array, got shape {idx.shape}")
-    R, n = idx.shape
-    c, k = c0[idx], k0[idx]
-    b = _bin_index(c, n_bins) + np.arange(R)[:, None] * n_bins
-    gap = np.bincount(b.ravel(), weights=(k - c).ravel(), minlength=R * n_bins).reshape(R, n_bins)
-    return np.abs(gap).sum(1) / n
-
-
 def mce(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> float:
     """Maximum calibration error: the largest ``|acc_b - conf_b|`` over non-empty bins.
 
@@ -281,9 +255,7 @@ class ReliabilityBins:
         return {f.name: getattr(self, f.name).tolist() for f in fields(self)}
 
 
-def reliability_bins(
-    confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10
-) -> ReliabilityBins:
+def reliability_bins(confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10) -> ReliabilityBins:
     """Counts, mean confidence and accuracy per equal-width bin, for reliability diagrams.
 
     Example:

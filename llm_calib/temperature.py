@@ -7,8 +7,6 @@ options) or a ragged list of 1-D rows, padded with ``-inf`` so a padded option g
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -43,9 +41,7 @@ def _padded(logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if _is_ragged(logits):
         rows = [_row_tensor(r) for r in logits]
         if any(r.dim() != 1 for r in rows):
-            raise ValueError(
-                "logits: a list must hold one 1-D tensor of option scores per question"
-            )
+            raise ValueError("logits: a list must hold one 1-D tensor of option scores per question")
         k = max(r.shape[0] for r in rows)
         z = torch.full((len(rows), k), float("-inf"), dtype=torch.float64)
         for i, r in enumerate(rows):
@@ -53,9 +49,7 @@ def _padded(logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         z = _row_tensor(logits)
         if z.dim() != 2:
-            raise ValueError(
-                f"logits must be 2-D (N, K) or a list of 1-D tensors, got shape {tuple(z.shape)}"
-            )
+            raise ValueError(f"logits must be 2-D (N, K) or a list of 1-D tensors, got shape {tuple(z.shape)}")
     if z.shape[0] == 0 or z.shape[1] == 0:
         raise ValueError("logits is empty")
     if torch.isnan(z).any() or (z == float("inf")).any():
@@ -67,15 +61,9 @@ def _padded(logits: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _labels(labels: Any, mask: torch.Tensor) -> torch.Tensor:
-    y = (
-        labels.detach().cpu()
-        if isinstance(labels, torch.Tensor)
-        else torch.as_tensor(np.asarray(labels))
-    )
+    y = labels.detach().cpu() if isinstance(labels, torch.Tensor) else torch.as_tensor(np.asarray(labels))
     if y.dim() != 1 or y.shape[0] != mask.shape[0]:
-        raise ValueError(
-            f"labels must be 1-D with {mask.shape[0]} entries, got shape {tuple(y.shape)}"
-        )
+        raise ValueError(f"labels must be 1-D with {mask.shape[0]} entries, got shape {tuple(y.shape)}")
     if y.is_floating_point() or y.dtype == torch.bool:
         raise ValueError(f"labels must hold integer option indices, got dtype {y.dtype}")
     y = y.long()
@@ -91,17 +79,6 @@ def _labels(labels: Any, mask: torch.Tensor) -> torch.Tensor:
 def _nll(z: torch.Tensor, mask: torch.Tensor, y: torch.Tensor, log_t: torch.Tensor) -> torch.Tensor:
     scaled = (z * torch.exp(-log_t)).masked_fill(~mask, float("-inf"))
     return F.cross_entropy(scaled, y)
-
-
-@contextmanager
-def _single_thread() -> Iterator[None]:
-    """One torch thread: on a one-parameter fit, intra-op threads only add overhead (20x slower)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def temperature_nll(logits: Any, labels: Any, temperature: float) -> float:
@@ -146,8 +123,12 @@ def fit_temperature(logits: Any, labels: Any, *, max_iter: int = 100) -> float:
         loss.backward()
         return loss
 
-    with _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a one-parameter fit, intra-op threads only add overhead (20x slower)
+    try:
         opt.step(closure)
+    finally:
+        torch.set_num_threads(threads)
     value = float(log_t.detach().clamp(lo, hi))
     if not math.isfinite(value):  # pragma: no cover - defensive; L-BFGS in float64 stays finite
         raise RuntimeError("temperature fit diverged")
@@ -157,9 +138,7 @@ def fit_temperature(logits: Any, labels: Any, *, max_iter: int = 100) -> float:
 def _check_temperature(temperature: float) -> None:
     if isinstance(temperature, torch.Tensor):
         temperature = float(temperature)
-    if not (
-        isinstance(temperature, int | float) and math.isfinite(temperature) and temperature > 0
-    ):
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 

@@ -9,6 +9,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
+from harness.sweep import ece_resamples
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
@@ -23,7 +25,7 @@ from llm_calib.calm.fast_eval import (
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.data import MultipleChoice, OpenQA, builtin_multiple_choice
 from llm_calib.engine.decode import GenOut, TrunkGenerator
-from llm_calib.metrics import ece, ece_resamples
+from llm_calib.metrics import ece
 from llm_calib.models import tiny_random_model
 from llm_calib.prompts import short_answer_format
 from llm_calib.scoring.open_ended import encode_open_prompts, score_open_ended

@@ -264,7 +264,8 @@ def test_real_data_specs():
 
 
 def test_split_items_gives_disjoint_seeded_parts_in_order() -> None:
-    from llm_calib.data import split_items
+    from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
+    from harness.evaluation import split_items
 
     items = list(range(50))
     parts = split_items(items, [10, 0, 25], seed=3)

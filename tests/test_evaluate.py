@@ -9,10 +9,12 @@ import _reference as ref
 import numpy as np
 import pytest
 import torch
+from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
+from harness.evaluation import group_means, score_records, summarize_scored
 
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.data.records import OpenQA
-from llm_calib.evaluate import evaluate, evaluate_records, score_records
+from llm_calib.evaluate import evaluate, evaluate_records
 from llm_calib.prompts import PromptFormat
 from llm_calib.scoring import ScoredSet
 
@@ -162,7 +164,6 @@ def test_prompt_is_recorded(tiny, builtin_small):
 
 
 def test_summarize_scored_and_group_means() -> None:
-    from llm_calib.evaluate import group_means, summarize_scored
     from llm_calib.metrics import summarize
     from llm_calib.scoring.open_ended import OpenEndedSet, open_ended_summary
 

@@ -12,6 +12,8 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 import torch
+from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
+from harness.evaluation import summarize_scored
 
 from llm_calib import metrics
 from llm_calib.adjustment import LogitAdjustment
@@ -20,7 +22,7 @@ from llm_calib.calm.config import CalibrationConfig, open_prompt_format
 from llm_calib.calm.encoding import encode_records, format_settings, task_format
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.evaluate import evaluate_records, sample_rows, summarize_scored
+from llm_calib.evaluate import evaluate_records, sample_rows
 from llm_calib.formats import (
     Letter,
     OpenEnded,

@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from llm_calib.metrics import ece_resamples
+from llm_calib.metrics import ece
 
-__all__ = ["SeedResults", "SweepLog", "fingerprint", "read_result", "run_forked"]
+__all__ = ["SeedResults", "SweepLog", "ece_resamples", "fingerprint", "read_result", "run_forked"]
 
 J = TypeVar("J", bound=Hashable)
 
@@ -195,6 +195,28 @@ def _fork(jobs: Sequence[J], run: Callable[[J, int | None], None], workers: int,
         if alive:
             time.sleep(poll_s)
     return failed
+
+
+def ece_resamples(confidences: Any, correct: Any, indices: Any, n_bins: int = 10) -> np.ndarray:
+    """:func:`llm_calib.metrics.ece` of each resample, a row of ``indices`` ``(R, n)``, at once (``(R,)``).
+
+    Example:
+        >>> conf, correct = [0.9, 1.0, 0.6, 0.0], [1, 0, 1, 0]
+        >>> [round(float(e), 6) for e in ece_resamples(conf, correct, [[0, 1, 2, 3], [0, 0, 0, 0]])]
+        [0.325, 0.1]
+    """
+    ece(confidences, correct, n_bins)  # the one-set metric's checks of the inputs and n_bins
+    c0 = np.clip(np.asarray(confidences, dtype=np.float64), 0.0, 1.0)
+    k0 = np.asarray(correct, dtype=np.float64)
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.ndim != 2 or idx.size == 0:
+        raise ValueError(f"indices must be a non-empty (resamples, n) array, got shape {idx.shape}")
+    R, n = idx.shape
+    n_bins = int(n_bins)
+    c, k = c0[idx], k0[idx]
+    b = np.searchsorted(np.arange(1, n_bins, dtype=np.float64) / n_bins, c, side="right") + np.arange(R)[:, None] * n_bins
+    gap = np.bincount(b.ravel(), weights=(k - c).ravel(), minlength=R * n_bins).reshape(R, n_bins)
+    return np.abs(gap).sum(1) / n
 
 
 def _num(x: Any) -> float:

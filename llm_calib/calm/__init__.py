@@ -6,8 +6,9 @@ does) does not load the configuration and trainer first.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from llm_calib._lazy import lazy_exports
 
 __all__ = [
     "METHODS", "SOLVERS", "CalibrationConfig", "CalibrationResult", "LoraSettings", "PromptSettings", "SelectionSettings",
@@ -33,13 +34,4 @@ if TYPE_CHECKING:
     from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'llm_calib.calm' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

@@ -31,7 +31,7 @@ from llm_calib.data.openqa import (
 )
 from llm_calib.data.opentriviaqa import OPENTRIVIAQA_CATEGORIES, load_opentriviaqa
 from llm_calib.data.records import RECORD_KINDS, MultipleChoice, OpenQA
-from llm_calib.data.result import LoadResult, split_items, subsample
+from llm_calib.data.result import LoadResult, subsample
 from llm_calib.data.selfaware import filter_selfaware, load_selfaware
 from llm_calib.data.spec import LOADERS, Spec, SpecError, load, parse_spec
 
@@ -43,6 +43,5 @@ __all__ = [
     "builtin_open_questions", "filter_selfaware", "hub_row_to_record", "load", "load_ai2",
     "load_hub", "load_jsonl", "load_lm_eval_task", "load_mmlu", "load_nq_open", "load_openqa_jsonl",
     "load_opentriviaqa", "load_selfaware", "load_webquestions", "mc_from_dict", "mmlu_group",
-    "one_record_per_alias", "openqa_from_dict", "parse_spec", "repair_utf8", "split_items",
-    "subsample",
+    "one_record_per_alias", "openqa_from_dict", "parse_spec", "repair_utf8", "subsample",
 ]

@@ -13,10 +13,7 @@ from llm_calib.data.errors import DataError, ErrorLog, OnError
 from llm_calib.data.records import MultipleChoice
 from llm_calib.data.result import LoadResult, R
 
-__all__ = [
-    "domain_from_name", "labelled_choice", "load_json_lines", "parse_json_line", "require_text",
-    "str_meta",
-]
+__all__ = ["domain_from_name", "labelled_choice", "load_json_lines", "parse_json_line", "require_text", "str_meta"]
 
 
 def require_text(value: Any, source: str, line: int, field: str) -> str:
@@ -37,9 +34,7 @@ def parse_json_line(text: str, source: str, line: int) -> dict[str, Any]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DataError(
-            source, line, "json", f"invalid JSON ({exc.msg} at column {exc.colno})"
-        ) from None
+        raise DataError(source, line, "json", f"invalid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(obj, dict):
         raise DataError(source, line, "json", f"expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -60,9 +55,7 @@ def labelled_choice(
     label_strs = [str(label).strip() for label in labels]
     if len(set(label_strs)) != len(label_strs):
         raise DataError(source, line, choices_field, f"repeated option labels {label_strs}")
-    options = tuple(
-        require_text(t, source, line, f"{choices_field}[{i}].text") for i, t in enumerate(texts)
-    )
+    options = tuple(require_text(t, source, line, f"{choices_field}[{i}].text") for i, t in enumerate(texts))
     if answer_key is None or (isinstance(answer_key, str) and not answer_key.strip()):
         raise DataError(source, line, answer_field, "missing answer")
     key = str(answer_key).strip()
@@ -76,11 +69,7 @@ def labelled_choice(
 
 def str_meta(values: Mapping[str, Any]) -> dict[str, str]:
     """Meta values as strings (JSON for non-strings), dropping None."""
-    return {
-        str(k): v if isinstance(v, str) else json.dumps(v)
-        for k, v in values.items()
-        if v is not None
-    }
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in values.items() if v is not None}
 
 
 def domain_from_name(name: str | Path) -> str:
@@ -88,9 +77,7 @@ def domain_from_name(name: str | Path) -> str:
     return re.sub(r"[^0-9a-z]+", "_", str(name).lower()).strip("_") or "data"
 
 
-def load_json_lines(
-    path: Path, make: Callable[[dict[str, Any], int], R], on_error: OnError
-) -> LoadResult[R]:
+def load_json_lines(path: Path, make: Callable[[dict[str, Any], int], R], on_error: OnError) -> LoadResult[R]:
     """``make(row, line)`` of each non-blank JSON line of ``path``, bad lines under ``on_error``."""
     source = str(path)
     log = ErrorLog(on_error)

@@ -17,11 +17,7 @@ __all__ = ["AI2_DATASETS", "ai2_domain", "load_ai2"]
 AI2_DATASETS: tuple[str, ...] = ("arc_easy", "arc_challenge", "openbookqa", "commonsenseqa", "qasc")
 """Domain labels of the AI2-format datasets, as used in the spec grammar and in results."""
 
-_ALIASES = {
-    "arc-easy": "arc_easy",
-    "arc-challenge": "arc_challenge",
-    "commonsense_qa": "commonsenseqa",
-}
+_ALIASES = {"arc-easy": "arc_easy", "arc-challenge": "arc_challenge", "commonsense_qa": "commonsenseqa"}
 
 
 def ai2_domain(path: str | Path) -> str:
@@ -39,13 +35,9 @@ def ai2_domain(path: str | Path) -> str:
     return domain_from_name(p.stem)
 
 
-def load_ai2(
-    path: str | Path, *, domain: str | None = None, on_error: OnError = "raise"
-) -> LoadResult[MultipleChoice]:
-    """Load an AI2-format JSONL file as multiple-choice records (domain: :func:`ai2_domain`).
-
-    Raises ``DataError`` (under ``on_error="raise"``) for invalid UTF-8 or JSON, an empty stem,
-    fewer than 2 choices, or an ``answerKey`` missing or not among the labels.
+def load_ai2(path: str | Path, *, domain: str | None = None, on_error: OnError = "raise") -> LoadResult[MultipleChoice]:
+    """Load an AI2-format JSONL file as multiple-choice records (domain: :func:`ai2_domain`); a bad
+    row (invalid UTF-8 or JSON, empty stem, < 2 choices, ``answerKey`` not a label) is a ``DataError``.
 
     Example:
         >>> import json, pathlib, tempfile

@@ -11,16 +11,13 @@ from llm_calib.data.records import MultipleChoice, OpenQA
 
 __all__ = ["BUILTIN_DOMAINS", "BUILTIN_OPEN_DOMAINS", "CAPITALS", "ELEMENTS", "builtin_multiple_choice", "builtin_open_questions"]
 
-BUILTIN_DOMAINS: tuple[str, ...] = (
-    "arithmetic", "unit_conversion", "calendar", "capitals", "chemical_symbols"
-)
+BUILTIN_DOMAINS: tuple[str, ...] = ("arithmetic", "unit_conversion", "calendar", "capitals", "chemical_symbols")
 """The domains of :func:`builtin_multiple_choice`, in output order."""
 
 CAPITALS: tuple[tuple[str, str, str, str], ...] = (
     ("France", "Paris", "Europe", "Lyon"), ("Germany", "Berlin", "Europe", "Munich"),
     ("Italy", "Rome", "Europe", "Milan"), ("Spain", "Madrid", "Europe", "Barcelona"),
-    ("Portugal", "Lisbon", "Europe", "Porto"),
-    ("the Netherlands", "Amsterdam", "Europe", "Rotterdam"),
+    ("Portugal", "Lisbon", "Europe", "Porto"), ("the Netherlands", "Amsterdam", "Europe", "Rotterdam"),
     ("Belgium", "Brussels", "Europe", "Antwerp"), ("Austria", "Vienna", "Europe", "Salzburg"),
     ("Switzerland", "Bern", "Europe", "Zurich"), ("Sweden", "Stockholm", "Europe", "Gothenburg"),
     ("Norway", "Oslo", "Europe", "Bergen"), ("Denmark", "Copenhagen", "Europe", "Aarhus"),
@@ -31,42 +28,35 @@ CAPITALS: tuple[tuple[str, str, str, str], ...] = (
     ("Japan", "Tokyo", "Asia", "Osaka"), ("China", "Beijing", "Asia", "Shanghai"),
     ("India", "New Delhi", "Asia", "Mumbai"), ("South Korea", "Seoul", "Asia", "Busan"),
     ("Thailand", "Bangkok", "Asia", "Chiang Mai"), ("Vietnam", "Hanoi", "Asia", "Ho Chi Minh City"),
-    ("Indonesia", "Jakarta", "Asia", "Surabaya"),
-    ("the Philippines", "Manila", "Asia", "Cebu City"),
+    ("Indonesia", "Jakarta", "Asia", "Surabaya"), ("the Philippines", "Manila", "Asia", "Cebu City"),
     ("Pakistan", "Islamabad", "Asia", "Karachi"), ("Iran", "Tehran", "Asia", "Isfahan"),
     ("Turkey", "Ankara", "Asia", "Istanbul"), ("Saudi Arabia", "Riyadh", "Asia", "Jeddah"),
     ("Malaysia", "Kuala Lumpur", "Asia", "Penang"), ("Nepal", "Kathmandu", "Asia", "Pokhara"),
     ("Egypt", "Cairo", "Africa", "Alexandria"), ("Kenya", "Nairobi", "Africa", "Mombasa"),
     ("Nigeria", "Abuja", "Africa", "Lagos"), ("Ethiopia", "Addis Ababa", "Africa", ""),
     ("Morocco", "Rabat", "Africa", "Casablanca"), ("Ghana", "Accra", "Africa", "Kumasi"),
-    ("Senegal", "Dakar", "Africa", ""), ("Algeria", "Algiers", "Africa", "Oran"),
-    ("Uganda", "Kampala", "Africa", ""), ("Canada", "Ottawa", "Americas", "Toronto"),
-    ("Mexico", "Mexico City", "Americas", "Guadalajara"),
-    ("Brazil", "Brasília", "Americas", "Rio de Janeiro"),
-    ("Argentina", "Buenos Aires", "Americas", "Córdoba"),
+    ("Senegal", "Dakar", "Africa", ""), ("Algeria", "Algiers", "Africa", "Oran"), ("Uganda", "Kampala", "Africa", ""),
+    ("Canada", "Ottawa", "Americas", "Toronto"), ("Mexico", "Mexico City", "Americas", "Guadalajara"),
+    ("Brazil", "Brasília", "Americas", "Rio de Janeiro"), ("Argentina", "Buenos Aires", "Americas", "Córdoba"),
     ("Chile", "Santiago", "Americas", "Valparaíso"), ("Peru", "Lima", "Americas", "Cusco"),
-    ("Colombia", "Bogotá", "Americas", "Medellín"),
-    ("Cuba", "Havana", "Americas", "Santiago de Cuba"),
+    ("Colombia", "Bogotá", "Americas", "Medellín"), ("Cuba", "Havana", "Americas", "Santiago de Cuba"),
     ("Venezuela", "Caracas", "Americas", "Maracaibo"),
     ("the United States", "Washington, D.C.", "Americas", "New York City"),
-    ("Australia", "Canberra", "Oceania", "Sydney"),
-    ("New Zealand", "Wellington", "Oceania", "Auckland"), ("Fiji", "Suva", "Oceania", "Nadi"),
+    ("Australia", "Canberra", "Oceania", "Sydney"), ("New Zealand", "Wellington", "Oceania", "Auckland"),
+    ("Fiji", "Suva", "Oceania", "Nadi"),
 )  # fmt: skip
 """Country capital facts, tuples ``(country, capital, continent, well-known wrong answer or "")``."""
 
 ELEMENTS: tuple[tuple[str, str], ...] = (
-    ("hydrogen", "H"), ("helium", "He"), ("lithium", "Li"), ("beryllium", "Be"),
-    ("boron", "B"), ("carbon", "C"), ("nitrogen", "N"), ("oxygen", "O"), ("fluorine", "F"),
-    ("neon", "Ne"), ("sodium", "Na"), ("magnesium", "Mg"), ("aluminium", "Al"),
-    ("silicon", "Si"), ("phosphorus", "P"), ("sulfur", "S"), ("chlorine", "Cl"),
-    ("argon", "Ar"), ("potassium", "K"), ("calcium", "Ca"), ("titanium", "Ti"),
-    ("chromium", "Cr"), ("manganese", "Mn"), ("iron", "Fe"), ("cobalt", "Co"), ("nickel", "Ni"),
-    ("copper", "Cu"), ("zinc", "Zn"), ("arsenic", "As"), ("selenium", "Se"), ("bromine", "Br"),
-    ("krypton", "Kr"), ("strontium", "Sr"), ("silver", "Ag"), ("cadmium", "Cd"), ("tin", "Sn"),
-    ("antimony", "Sb"), ("iodine", "I"), ("xenon", "Xe"), ("barium", "Ba"),
-    ("neodymium", "Nd"), ("tungsten", "W"), ("platinum", "Pt"), ("gold", "Au"),
-    ("mercury", "Hg"), ("lead", "Pb"), ("bismuth", "Bi"), ("radon", "Rn"), ("uranium", "U"),
-    ("plutonium", "Pu"),
+    ("hydrogen", "H"), ("helium", "He"), ("lithium", "Li"), ("beryllium", "Be"), ("boron", "B"), ("carbon", "C"),
+    ("nitrogen", "N"), ("oxygen", "O"), ("fluorine", "F"), ("neon", "Ne"), ("sodium", "Na"), ("magnesium", "Mg"),
+    ("aluminium", "Al"), ("silicon", "Si"), ("phosphorus", "P"), ("sulfur", "S"), ("chlorine", "Cl"), ("argon", "Ar"),
+    ("potassium", "K"), ("calcium", "Ca"), ("titanium", "Ti"), ("chromium", "Cr"), ("manganese", "Mn"),
+    ("iron", "Fe"), ("cobalt", "Co"), ("nickel", "Ni"), ("copper", "Cu"), ("zinc", "Zn"), ("arsenic", "As"),
+    ("selenium", "Se"), ("bromine", "Br"), ("krypton", "Kr"), ("strontium", "Sr"), ("silver", "Ag"),
+    ("cadmium", "Cd"), ("tin", "Sn"), ("antimony", "Sb"), ("iodine", "I"), ("xenon", "Xe"), ("barium", "Ba"),
+    ("neodymium", "Nd"), ("tungsten", "W"), ("platinum", "Pt"), ("gold", "Au"), ("mercury", "Hg"), ("lead", "Pb"),
+    ("bismuth", "Bi"), ("radon", "Rn"), ("uranium", "U"), ("plutonium", "Pu"),
 )  # fmt: skip
 """Chemical element facts, tuples ``(name, symbol)``."""
 
@@ -232,9 +222,7 @@ def _domain(domain: str, n: int, seed: int) -> list[MultipleChoice]:
         rng.shuffle(options)
         options.insert(gold, answer)
         meta = {"generator": "builtin", "seed": str(seed)}
-        out.append(
-            MultipleChoice(question, tuple(options), gold, domain, f"{domain}-{len(out)}", meta)
-        )
+        out.append(MultipleChoice(question, tuple(options), gold, domain, f"{domain}-{len(out)}", meta))
     return out
 
 
@@ -254,9 +242,7 @@ def builtin_multiple_choice(
     chosen = tuple(domains) if domains is not None else BUILTIN_DOMAINS
     unknown = [d for d in chosen if d not in _GENERATORS]
     if unknown:
-        raise ValueError(
-            f"unknown builtin domain(s) {unknown}; valid: {', '.join(BUILTIN_DOMAINS)}"
-        )
+        raise ValueError(f"unknown builtin domain(s) {unknown}; valid: {', '.join(BUILTIN_DOMAINS)}")
     return [q for domain in chosen for q in _domain(domain, n_per_domain, seed)]
 
 

@@ -110,27 +110,18 @@ def _generic(row: Mapping[str, Any], config: str, index: int, source: str, prefi
         return mc_from_dict(row, source=source, line=line, domain=domain)
     if "answers" in row:
         return openqa_from_dict(row, source=source, line=line, domain=domain)
-    raise DataError(
-        source, line, "options", 'unknown hub dataset: rows need "options" or "answers"'
-    )
+    raise DataError(source, line, "options", 'unknown hub dataset: rows need "options" or "answers"')
 
 
-HUB_DATASETS: dict[str, HubDataset] = {
-    d.name: d
-    for d in (
-        HubDataset("cais/mmlu", "all", "test", _mmlu),
-        HubDataset("allenai/ai2_arc", "ARC-Easy", "test", _labelled(domain_from_name)),
-        HubDataset(
-            "allenai/openbookqa", "main", "test", _labelled(lambda c: "openbookqa", "question_stem")
-        ),
-        HubDataset("tau/commonsense_qa", None, "validation", _labelled(lambda c: "commonsenseqa")),
-        HubDataset("allenai/qasc", None, "validation", _labelled(lambda c: "qasc")),
-        HubDataset(
-            "google-research-datasets/nq_open", None, "validation", _open("nq_open", "answer")
-        ),
-        HubDataset("stanfordnlp/web_questions", None, "test", _open("webquestions", "answers")),
-    )
-}
+HUB_DATASETS: dict[str, HubDataset] = {d.name: d for d in (
+    HubDataset("cais/mmlu", "all", "test", _mmlu),
+    HubDataset("allenai/ai2_arc", "ARC-Easy", "test", _labelled(domain_from_name)),
+    HubDataset("allenai/openbookqa", "main", "test", _labelled(lambda c: "openbookqa", "question_stem")),
+    HubDataset("tau/commonsense_qa", None, "validation", _labelled(lambda c: "commonsenseqa")),
+    HubDataset("allenai/qasc", None, "validation", _labelled(lambda c: "qasc")),
+    HubDataset("google-research-datasets/nq_open", None, "validation", _open("nq_open", "answer")),
+    HubDataset("stanfordnlp/web_questions", None, "test", _open("webquestions", "answers")),
+)}
 """The hub datasets with a dedicated mapping, by hub name."""
 
 _ALIASES = {
@@ -140,9 +131,7 @@ _ALIASES = {
 }  # fmt: skip
 
 
-def _resolve(
-    name: str, config: str | None, split: str | None
-) -> tuple[HubDataset | None, str | None, str]:
+def _resolve(name: str, config: str | None, split: str | None) -> tuple[HubDataset | None, str | None, str]:
     """The dataset's entry, and the config and split with its defaults filled in."""
     entry = HUB_DATASETS.get(_ALIASES.get(name, name))
     cfg = config if config is not None else (entry.config if entry else None)
@@ -179,9 +168,8 @@ def load_hub(
     name: str, *, config: str | None = None, split: str | None = None, on_error: OnError = "raise",
     **load_kwargs: Any,
 ) -> LoadResult[MultipleChoice] | LoadResult[OpenQA]:
-    """Load a hub dataset with ``datasets.load_dataset`` (``**load_kwargs`` passed on) as records.
-
-    Raises ``ImportError`` without ``datasets``, ``DataError`` for a bad row under ``"raise"``.
+    """Load a hub dataset with ``datasets.load_dataset`` (``**load_kwargs`` passed on) as records;
+    ``ImportError`` without ``datasets``, ``DataError`` for a bad row.
 
     Example:
         >>> import importlib.util

@@ -1,39 +1,9 @@
-"""lm-evaluation-harness tasks as a data source (the ``lm_eval:TASK`` loader; optional extra).
-
-The task (or group, or tag) is read through lm-eval's own task registry
-(:class:`lm_eval.tasks.TaskManager`), and its requests are built by lm-eval itself
-(``Task.build_all_requests``), so the prompt template, the few-shot examples and their sampling,
-``doc_to_choice`` and the target delimiter are lm-eval's:
-
-* a ``multiple_choice`` task gives :class:`~llm_calib.data.records.MultipleChoice` records whose
-  ``prompt`` is lm-eval's context of the document (few-shot examples included) and whose
-  ``continuations`` are the continuations of its ``loglikelihood`` requests
-  (``target_delimiter + choice``); the scorers use both verbatim;
-* a ``generate_until`` task gives :class:`~llm_calib.data.records.OpenQA` records with lm-eval's
-  context as ``prompt``, the task's target(s) as accepted answers and the request's ``until``
-  stop sequences.
-
-Each record's ``domain`` is the lm-eval task name (the subtasks of a group keep their own names),
-its ``id`` is ``TASK/DOC_ID`` and its ``meta`` holds ``lm_eval_task`` and ``doc_id`` (and the
-document's own ``id`` field when it has one). Records come in lm-eval's document order, so
-``limit_mode="first"`` takes the documents lm-eval's ``--limit`` takes.
-
-Spec: ``lm_eval:TASK[:OPTIONS]`` with comma-separated ``key=value`` options:
-
-==================  ===========================================================================
-``include=DIR``     a directory of task YAML files (lm-eval's ``--include_path``); searched
-                    first, lm-eval's built-in tasks only when TASK is not found there
-``num_fewshot=N``   few-shot examples per document (lm-eval's ``--num_fewshot``; a task whose
-                    YAML sets 0 keeps 0, as in lm-eval)
-``fewshot_seed=S``  the few-shot sampling seed (default 1234, lm-eval's default)
-==================  ===========================================================================
-
-Local task files with local data (``dataset_path: json`` and ``dataset_kwargs: {data_files:
-...}``) need no network. Not supported: ``multiple_input`` tasks (several contexts, one
-continuation, e.g. winogrande), ``loglikelihood``/``loglikelihood_rolling`` tasks, and chat
-templates applied by lm-eval (the context is lm-eval's plain one).
-
-Needs the ``lm-eval`` extra (``pip install 'llm-calib[lm-eval]'``); ``import llm_calib`` does not.
+"""lm-evaluation-harness tasks as a data source (the ``lm_eval:TASK[:include=DIR,num_fewshot=N,fewshot_seed=S]``
+loader; the ``lm-eval`` extra). lm-eval's own registry and ``Task.build_all_requests`` render the
+prompts, few-shot examples and continuations: ``multiple_choice`` tasks give
+:class:`~llm_calib.data.records.MultipleChoice` records with them verbatim, ``generate_until``
+tasks :class:`~llm_calib.data.records.OpenQA` records with the ``until`` stop sequences. Details
+and limits: :doc:`/tutorials/lm_eval`.
 """
 
 from __future__ import annotations
@@ -60,13 +30,7 @@ DEFAULT_FEWSHOT_SEED = 1234
 
 
 def require_lm_eval() -> Any:
-    """Import lm-eval, or fail with one line naming the extra.
-
-    Returns:
-        The ``lm_eval`` module.
-
-    Raises:
-        ImportError: lm-eval is not installed.
+    """The ``lm_eval`` module, or an ImportError of one line naming the extra.
 
     Example:
         >>> import importlib.util
@@ -143,9 +107,7 @@ def _records(name: str, task: Any) -> Iterator[tuple[int, Any]]:
     """``(doc_id, record or exception)`` for each document of one built task."""
     kind = task.OUTPUT_TYPE
     if kind not in ("multiple_choice", "generate_until"):
-        raise ValueError(
-            f"lm_eval:{name}: output_type {kind!r} is not supported (multiple_choice, generate_until)"
-        )
+        raise ValueError(f"lm_eval:{name}: output_type {kind!r} is not supported (multiple_choice, generate_until)")
     if getattr(task, "multiple_input", False):
         raise ValueError(f"lm_eval:{name}: multiple-input tasks (several contexts) are not supported")
     by_doc: dict[int, list[Any]] = {}
@@ -163,30 +125,16 @@ def _records(name: str, task: Any) -> Iterator[tuple[int, Any]]:
                 # acc_mutual_info adds unconditional requests after the K conditional ones
                 args = [i.args for i in insts[: len(choices)]]
                 record: Any = MultipleChoice(
-                    question=question,
-                    options=tuple(choices),
-                    gold=_gold(task.doc_to_target(doc), choices, where),
-                    domain=name,
-                    id=f"{name}/{doc_id}",
-                    meta=_meta(name, doc_id, doc),
-                    prompt=args[0][0],
-                    continuations=tuple(a[1] for a in args),
-                )
+                    question, tuple(choices), _gold(task.doc_to_target(doc), choices, where), name, f"{name}/{doc_id}",
+                    _meta(name, doc_id, doc), prompt=args[0][0], continuations=tuple(a[1] for a in args))
             else:
                 target = task.doc_to_target(doc)
                 answers = [str(t) for t in target] if isinstance(target, list) else [str(target)]
                 until = insts[0].args[1].get("until") if len(insts[0].args) > 1 else None
                 if isinstance(until, str):
                     until = [until]
-                record = OpenQA(
-                    question=question,
-                    answers=tuple(a for a in answers if a.strip()),
-                    domain=name,
-                    id=f"{name}/{doc_id}",
-                    meta=_meta(name, doc_id, doc),
-                    prompt=insts[0].args[0],
-                    until=tuple(until) if until else None,
-                )
+                record = OpenQA(question, tuple(a for a in answers if a.strip()), name, f"{name}/{doc_id}",
+                                _meta(name, doc_id, doc), prompt=insts[0].args[0], until=tuple(until) if until else None)
         except (ValueError, KeyError, TypeError, IndexError) as err:
             yield doc_id, err
             continue
@@ -194,14 +142,10 @@ def _records(name: str, task: Any) -> Iterator[tuple[int, Any]]:
 
 
 def load_lm_eval_task(
-    task: str,
-    *,
-    include: str | Path | None = None,
-    num_fewshot: int | None = None,
-    fewshot_seed: int = DEFAULT_FEWSHOT_SEED,
-    on_error: OnError = "raise",
+    task: str, *, include: str | Path | None = None, num_fewshot: int | None = None,
+    fewshot_seed: int = DEFAULT_FEWSHOT_SEED, on_error: OnError = "raise",
 ) -> LoadResult[Any]:
-    """Records of an lm-eval task, group or tag, prompts and continuations rendered by lm-eval.
+    """Records of an lm-eval task, group or tag (one kind per result), rendered by lm-eval.
 
     Args:
         task: an lm-eval task, group or tag name (e.g. ``"arc_easy"``, or a task of ``include``).
@@ -210,16 +154,10 @@ def load_lm_eval_task(
         fewshot_seed: lm-eval's few-shot sampling seed.
         on_error: ``"raise"`` at the first document that cannot be converted, or ``"skip"`` it.
 
-    Returns:
-        A :class:`~llm_calib.data.result.LoadResult`: multiple-choice records for
-        ``multiple_choice`` tasks, open questions for ``generate_until`` tasks (one kind per
-        result: a group mixing both raises).
-
     Raises:
         ImportError: lm-eval is not installed (the message names the extra).
         FileNotFoundError: ``include`` is not a directory.
-        ValueError: no task of that name, an unsupported task (output type, multiple inputs) or
-            mixed kinds.
+        ValueError: no such task, an unsupported one (output type, multiple inputs) or mixed kinds.
         DataError: a document that cannot be converted, under ``on_error="raise"``.
 
     Example:

@@ -88,11 +88,9 @@ def load_mmlu(
     path: str | Path, *, groups: Sequence[str] | None = None, subjects: Sequence[str] | None = None,
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice]:
-    """Load one MMLU CSV file or every ``*.csv`` of a directory (sorted), filtered by ``groups``
-    and ``subjects``; ids are ``<file stem>-<row>``.
-
-    Raises ``DataError`` for a bad row (under ``"raise"``) or a selection without files,
-    ``ValueError`` for an unknown group, ``FileNotFoundError`` for a missing path.
+    """Load one MMLU CSV file or every ``*.csv`` of a directory (sorted), filtered by ``groups`` and
+    ``subjects``; ids ``<file stem>-<row>``. Raises ``DataError`` (bad row, no files selected),
+    ``ValueError`` (unknown group) or ``FileNotFoundError``.
 
     Example:
         >>> import pathlib, tempfile
@@ -154,9 +152,7 @@ def _load_file(path: Path, log: ErrorLog) -> list[MultipleChoice]:
             for n in range(line, reader.line_num + 1):
                 if n in bad_lines:
                     raise bad_lines[n]
-            records.append(
-                _row_to_record(row, source, line, subject, split, group, domain, row_number)
-            )
+            records.append(_row_to_record(row, source, line, subject, split, group, domain, row_number))
         except DataError as err:
             log.add(err)
     return records
@@ -167,10 +163,7 @@ def _row_to_record(
     domain: str, row_number: int,
 ) -> MultipleChoice:
     if len(row) != 6:
-        raise DataError(
-            source, line, "row",
-            f"expected 6 columns (question, A, B, C, D, answer), got {len(row)}",
-        )
+        raise DataError(source, line, "row", f"expected 6 columns (question, A, B, C, D, answer), got {len(row)}")
     question, *options, answer = (cell.strip() for cell in row)
     if not question:
         raise DataError(source, line, "question", "empty question")
@@ -180,12 +173,7 @@ def _row_to_record(
     if not answer:
         raise DataError(source, line, "answer", "missing answer")
     if answer.upper() not in _LETTERS:
-        raise DataError(
-            source, line, "answer", f"gold label {answer!r} is not among the options A, B, C, D"
-        )
-    meta = {"subject": subject, "group": group or "", "split": split or "", "source_file": source,
-            "line": str(line)}
+        raise DataError(source, line, "answer", f"gold label {answer!r} is not among the options A, B, C, D")
+    meta = {"subject": subject, "group": group or "", "split": split or "", "source_file": source, "line": str(line)}
     rid = f"{Path(source).stem}-{row_number}"
-    return MultipleChoice(
-        question, tuple(options), _LETTERS.index(answer.upper()), domain, rid, meta
-    )
+    return MultipleChoice(question, tuple(options), _LETTERS.index(answer.upper()), domain, rid, meta)

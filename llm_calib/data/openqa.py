@@ -30,9 +30,7 @@ def answer_aliases(value: Any, source: str, line: int, field: str) -> tuple[str,
         raise DataError(source, line, field, "missing answer")
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list):
-        raise DataError(
-            source, line, field, f"expected a list of strings, got {type(value).__name__}"
-        )
+        raise DataError(source, line, field, f"expected a list of strings, got {type(value).__name__}")
     aliases = tuple(require_text(v, source, line, f"{field}[{i}]") for i, v in enumerate(values))
     return tuple(dict.fromkeys(aliases))
 

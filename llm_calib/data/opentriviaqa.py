@@ -18,10 +18,9 @@ from llm_calib.data.result import LoadResult
 __all__ = ["OPENTRIVIAQA_CATEGORIES", "load_opentriviaqa"]
 
 OPENTRIVIAQA_CATEGORIES: tuple[str, ...] = (
-    "animals", "brain-teasers", "celebrities", "entertainment", "for-kids", "general",
-    "geography", "history", "hobbies", "humanities", "literature", "movies", "music", "newest",
-    "people", "rated", "religion-faith", "science-technology", "sports", "television",
-    "video-games", "world",
+    "animals", "brain-teasers", "celebrities", "entertainment", "for-kids", "general", "geography", "history",
+    "hobbies", "humanities", "literature", "movies", "music", "newest", "people", "rated", "religion-faith",
+    "science-technology", "sports", "television", "video-games", "world",
 )  # fmt: skip
 """The 22 category files of the upstream repository."""
 
@@ -70,11 +69,8 @@ def load_opentriviaqa(
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice]:
     """Load OpenTriviaQA category files (a file, the ``categories`` directory or its parent) as
-    multiple-choice records with ids ``<category>-<line of #Q>``. Lines that are not UTF-8 are
-    repaired unless ``repair_encoding`` is False.
-
-    Raises ``DataError`` for a bad block (under ``"raise"``), ``FileNotFoundError`` for a missing
-    path.
+    multiple-choice records with ids ``<category>-<line of #Q>``, lines that are not UTF-8 repaired
+    unless ``repair_encoding`` is False. Raises ``DataError`` (bad block) or ``FileNotFoundError``.
 
     Example:
         >>> import pathlib, tempfile
@@ -131,9 +127,7 @@ def _load_file(path: Path, repair: bool, log: ErrorLog) -> list[MultipleChoice]:
         expected = chr(ord("A") + len(block.options))
         if m is None or m.group(1) != expected:
             if block.error is None:
-                block.error = DataError(
-                    source, line, "options", f"expected option {expected!r}, got {text[:40]!r}"
-                )
+                block.error = DataError(source, line, "options", f"expected option {expected!r}, got {text[:40]!r}")
             continue
         block.options.append((m.group(2) or "").strip())
 
@@ -153,17 +147,12 @@ def _block_to_record(b: _Block, source: str, category: str, domain: str) -> Mult
     if not question:
         raise DataError(source, b.line, "#Q", "empty question")
     if b.answer is None:
-        raise DataError(
-            source, b.line, "^", "missing answer (no '^' line before the next question)"
-        )
+        raise DataError(source, b.line, "^", "missing answer (no '^' line before the next question)")
     if not b.answer:
         raise DataError(source, b.answer_line, "^", "missing answer (empty '^' line)")
     options = list(dict.fromkeys(o for o in b.options if o))  # empty and repeated ones dropped
     if b.answer not in options:
-        raise DataError(
-            source, b.answer_line, "^",
-            f"gold label {b.answer!r} is not among the options {options}",
-        )
+        raise DataError(source, b.answer_line, "^", f"gold label {b.answer!r} is not among the options {options}")
     if len(options) < 2:
         raise DataError(source, b.line, "options", f"fewer than 2 options ({len(options)})")
     meta = {"category": category, "source_file": source, "line": str(b.line)}
@@ -171,6 +160,4 @@ def _block_to_record(b: _Block, source: str, category: str, domain: str) -> Mult
         meta["dropped_options"] = str(len(b.options) - len(options))
     if b.repaired:
         meta["encoding"] = "repaired"
-    return MultipleChoice(
-        question, tuple(options), options.index(b.answer), domain, f"{category}-{b.line}", meta
-    )
+    return MultipleChoice(question, tuple(options), options.index(b.answer), domain, f"{category}-{b.line}", meta)

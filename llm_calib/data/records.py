@@ -34,9 +34,7 @@ class MultipleChoice:
         if not self.question.strip():
             raise ValueError(f"MultipleChoice {self.id!r}: question is empty")
         if len(self.options) < 2:
-            raise ValueError(
-                f"MultipleChoice {self.id!r}: needs at least 2 options, got {len(self.options)}"
-            )
+            raise ValueError(f"MultipleChoice {self.id!r}: needs at least 2 options, got {len(self.options)}")
         if not 0 <= self.gold < len(self.options):
             raise ValueError(
                 f"MultipleChoice {self.id!r}: gold index {self.gold} "

@@ -64,22 +64,3 @@ def subsample(items: Sequence[T], limit: int | None, seed: int = 0) -> list[T]:
         raise ValueError(f"limit must be >= 0, got {limit}")
     order = np.random.default_rng(seed).permutation(len(items))[:limit]
     return [items[int(i)] for i in np.sort(order)]
-
-
-def split_items(items: Sequence[T], sizes: Sequence[int], seed: int = 0) -> list[list[T]]:
-    """Disjoint seeded parts of ``items`` of the given sizes, each in the original order.
-
-    Example:
-        >>> train, test = split_items(range(10), [6, 3], seed=1)
-        >>> len(train), len(test), set(train) & set(test)
-        (6, 3, set())
-    """
-    if any(n < 0 for n in sizes):
-        raise ValueError(f"sizes must be >= 0, got {list(sizes)}")
-    if sum(sizes) > len(items):
-        raise ValueError(f"sizes {list(sizes)} need {sum(sizes)} items, have {len(items)}")
-    perm, out, start = np.random.default_rng(seed).permutation(len(items)), [], 0
-    for n in sizes:
-        out.append([items[int(i)] for i in np.sort(perm[start : start + n])])
-        start += n
-    return out

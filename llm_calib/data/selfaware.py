@@ -45,9 +45,7 @@ def _example_lines(text: str, count: int) -> list[int]:
     return lines
 
 
-def load_selfaware(
-    path: str | Path, *, keep: SelfAwareKeep = "all", on_error: OnError = "raise"
-) -> LoadResult[OpenQA]:
+def load_selfaware(path: str | Path, *, keep: SelfAwareKeep = "all", on_error: OnError = "raise") -> LoadResult[OpenQA]:
     """Load ``SelfAware.json`` as open QA records (domain ``selfaware``, id ``question_id``);
     ``keep`` is ``"all"``, ``"answerable"`` or ``"triviaqa"``. Raises ``DataError`` for a bad
     example (line of its opening brace) or a file that is not JSON with an ``example`` list.
@@ -94,9 +92,7 @@ def _to_record(example: Any, index: int, source: str, line: int) -> OpenQA:
     question = require_text(example.get("question"), source, line, f"{prefix}.question")
     answerable = example.get("answerable")
     if not isinstance(answerable, bool):
-        raise DataError(
-            source, line, f"{prefix}.answerable", f"expected true/false, got {answerable!r}"
-        )
+        raise DataError(source, line, f"{prefix}.answerable", f"expected true/false, got {answerable!r}")
     raw_answer = example.get("answer")
     if not answerable and raw_answer in (None, [], ""):
         answers: tuple[str, ...] = ()

@@ -1,24 +1,8 @@
 """``load(spec)``: a string ``LOADER[:TARGET[:OPTION]]`` names a data set, its location and option.
 
-The first ``:`` ends the loader name; for file loaders the rest is all TARGET if it is an
-existing path, else the text after its last ``:`` is the OPTION (comma-separated values or
-``key=value`` pairs). Loaders (:data:`LOADERS`; a table with examples in
-:doc:`/tutorials/evaluate_llm`)::
-
-    arc_easy, arc_challenge, openbookqa,  AI2 .jsonl, its dataset directory or the data root;
-    commonsenseqa, qasc                   OPTION: split (default test; dev: commonsenseqa, qasc)
-    ai2                                   any AI2 .jsonl (domain from the path)
-    mmlu, mmlu_<group>                    csv file or directory, the mmlu directory or the root;
-                                          OPTION: split (dev, val, test) and/or subjects
-    opentriviaqa                          category file or directory; OPTION: categories
-    nq_open, webquestions                 .jsonl, its directory or the root; OPTION: split
-    selfaware                             SelfAware.json or a directory; OPTION: all (default),
-                                          answerable or triviaqa
-    jsonl                                 a generic-schema .jsonl; OPTION: mc, open or auto
-    hf                                    a hub name; OPTION: CONFIG or config=...,split=...
-    builtin                               domains (optional); OPTION: N or n=N,seed=S
-    lm_eval                               task, group or tag (lm-eval extra); OPTION:
-                                          include=DIR, num_fewshot=N, fewshot_seed=S
+The first ``:`` ends the loader name; for file loaders the rest is all TARGET if it is an existing
+path, else the text after its last ``:`` is the OPTION. The loaders (:data:`LOADERS`), their
+targets and options: the table in :doc:`/tutorials/evaluate_llm` ("Data specs").
 """
 
 from __future__ import annotations
@@ -109,9 +93,7 @@ def parse_spec(spec: str) -> Spec:
         raise SpecError("empty data spec")
     loader, _, rest = spec.strip().partition(":")
     if loader not in LOADERS:
-        raise SpecError(
-            f"unknown loader {loader!r} in spec {spec!r}; valid loaders: {', '.join(LOADERS)}"
-        )
+        raise SpecError(f"unknown loader {loader!r} in spec {spec!r}; valid loaders: {', '.join(LOADERS)}")
     if loader in ("hf", "builtin", "lm_eval"):
         target, sep, option = rest.partition(":")
         return Spec(loader, target, option if sep else None)
@@ -133,9 +115,7 @@ def _key_values(option: str | None, bare_key: str, allowed: set[str], spec: str)
             key, value = bare_key, part
         key = key.strip()
         if key not in allowed:
-            raise SpecError(
-                f"unknown option {key!r} in spec {spec!r}; valid: {', '.join(sorted(allowed))}"
-            )
+            raise SpecError(f"unknown option {key!r} in spec {spec!r}; valid: {', '.join(sorted(allowed))}")
         out[key] = value.strip()
     return out
 
@@ -204,9 +184,7 @@ def _load_spec(s: Spec, spec: str, on_error: OnError) -> LoadResult[Any]:
         if loader == "selfaware":
             keep = option or "all"
             if keep not in ("all", "answerable", "triviaqa"):
-                raise SpecError(
-                    f"spec {spec!r}: selfaware option must be all, answerable or triviaqa"
-                )
+                raise SpecError(f"spec {spec!r}: selfaware option must be all, answerable or triviaqa")
             return load_selfaware(path, keep=keep, on_error=on_error)  # type: ignore[arg-type]
         return load_ai2(path, domain=loader, on_error=on_error)
     if loader == "ai2":
@@ -239,9 +217,7 @@ def load(
 
     ``limit`` keeps a seeded :func:`~llm_calib.data.result.subsample` (``limit_mode="sample"``) or
     the first records (``"first"``, lm-eval's ``--limit``); ``on_error="skip"`` counts bad rows.
-
-    Raises ``SpecError`` for a malformed spec, ``DataError`` for a bad row under ``"raise"``,
-    ``FileNotFoundError`` for a missing target.
+    Raises ``SpecError`` (malformed spec), ``DataError`` (bad row) or ``FileNotFoundError``.
 
     Example:
         >>> res = load("builtin:capitals,calendar:n=10", limit=5, seed=1)

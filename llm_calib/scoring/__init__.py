@@ -29,10 +29,7 @@ __all__ = [
     "score_open_ended", "score_option_likelihood",
 ]
 
-SCORERS: dict[str, Callable[..., ScoredSet]] = {
-    "option_likelihood": score_option_likelihood,
-    "letter": score_letter,
-}
+SCORERS: dict[str, Callable[..., ScoredSet]] = {"option_likelihood": score_option_likelihood, "letter": score_letter}
 """Multiple-choice scorers by name."""
 
 
@@ -41,10 +38,8 @@ def score_multiple_choice(
     normalize: Literal["sum", "mean", "char", "byte"] = "sum", prompt: PromptFormat | None = None,
     batch_size: int = 8, progress: bool = False,
 ) -> ScoredSet:
-    """Score multiple-choice records with the scorer named ``scorer`` (``normalize``: option likelihood only).
-
-    Raises:
-        ValueError: an unknown ``scorer``, or the chosen scorer's own argument errors.
+    """Score multiple-choice records with the scorer named ``scorer`` (``normalize``: option likelihood
+    only); ValueError for an unknown ``scorer`` or the scorer's own argument errors.
 
     Example:
         >>> from llm_calib.models import tiny_random_model

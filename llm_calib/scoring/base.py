@@ -104,20 +104,11 @@ class ScoredResult:
 
 @dataclass
 class ScoredSet(ScoredResult):
-    """Per-question option scores of a multiple-choice scorer; probabilities are ``softmax(logits[i])``.
-
-    Option counts may differ between questions.
-
-    Attributes:
-        logits: one 1-D float tensor of option scores per question.
-        labels: gold option index per question.
-        domains: domain label per question.
-        ids: record id per question.
-        scorer: name of the scorer that produced the scores.
-        info: scorer settings and diagnostics (JSON-serialisable).
-        details: per question what the scorer saw (or None): ``prompt``, ``choices``,
-            ``continuations``, and per option ``token_ids``, ``loglik`` (summed), ``n_tokens``,
-            ``n_chars``, ``n_bytes``; read by :func:`llm_calib.scoring.normalized`.
+    """Per-question option scores of a multiple-choice scorer: ``logits`` (one 1-D tensor per
+    question, option counts may differ; probabilities are their softmax), gold ``labels``,
+    ``domains``, ``ids``, the ``scorer`` name, ``info`` (settings, diagnostics) and ``details``
+    (per question ``prompt``, ``choices``, ``continuations``; per option ``token_ids``, summed
+    ``loglik``, ``n_tokens``, ``n_chars``, ``n_bytes``; read by :func:`llm_calib.scoring.normalized`).
 
     Example:
         >>> s = ScoredSet([torch.tensor([0.0, 1.0]), torch.tensor([2.0, 0.0, 0.0])],
@@ -200,10 +191,7 @@ class ScoredSet(ScoredResult):
 
 
 def check_records(records: Sequence[Any]) -> list[MultipleChoice]:
-    """``records`` as a list, after checking that they are :class:`MultipleChoice` records.
-
-    Raises:
-        TypeError: a record that is not :class:`MultipleChoice`.
+    """``records`` as a list, after checking that they are :class:`MultipleChoice` records (else TypeError).
 
     Example:
         >>> check_records([MultipleChoice("q?", ("a", "b"), 0, "d", "0")])[0].gold
@@ -212,10 +200,8 @@ def check_records(records: Sequence[Any]) -> list[MultipleChoice]:
     out = list(records)
     for r in out:
         if not isinstance(r, MultipleChoice):
-            raise TypeError(
-                f"records must be MultipleChoice records, got {type(r).__name__} "
-                "(use llm_calib.scoring.score_open_ended for open questions)"
-            )
+            raise TypeError(f"records must be MultipleChoice records, got {type(r).__name__} "
+                            "(use llm_calib.scoring.score_open_ended for open questions)")
     return out
 
 
@@ -244,10 +230,8 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
 
 
 def encode_continuation(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of a continuation (with its leading space), tokenised alone without special tokens.
-
-    Raises:
-        ValueError: if the continuation has no tokens.
+    """Token ids of a continuation (with its leading space), tokenised alone without special tokens
+    (ValueError for a continuation of no tokens).
 
     Example:
         >>> from llm_calib.models import tiny_random_model

@@ -27,10 +27,8 @@ __all__ = ["check_listed_prompt", "letter_token_ids", "score_letter"]
 
 
 def letter_token_ids(tokenizer: Any, n: int) -> list[int]:
-    """Token ids of the first ``n`` option letters: ``" A"``, ``" B"``, ... if single tokens, else ``"A"``, ...
-
-    Raises:
-        ValueError: if some letter is not a single token in either form.
+    """Token ids of the first ``n`` option letters: ``" A"``, ``" B"``, ... if single tokens, else ``"A"``,
+    ...; ValueError if some letter is a single token in neither form.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -40,9 +38,7 @@ def letter_token_ids(tokenizer: Any, n: int) -> list[int]:
     """
     letters = option_letters(n)
     for template in (" {}", "{}"):
-        ids = [
-            tokenizer(template.format(c), add_special_tokens=False)["input_ids"] for c in letters
-        ]
+        ids = [tokenizer(template.format(c), add_special_tokens=False)["input_ids"] for c in letters]
         if all(len(i) == 1 for i in ids):
             return [i[0] for i in ids]
     raise ValueError(
@@ -52,10 +48,7 @@ def letter_token_ids(tokenizer: Any, n: int) -> list[int]:
 
 
 def check_listed_prompt(prompt: PromptFormat | None) -> None:
-    """The letter scorer's rule: the prompt lists the options (style ``"listed"``, or a template).
-
-    Raises:
-        ValueError: a prompt that does not list the options.
+    """The letter scorer's rule: the prompt lists the options (style ``"listed"``, or a template); else ValueError.
 
     Example:
         >>> check_listed_prompt(PromptFormat(style="listed"))
@@ -71,14 +64,12 @@ def score_letter(
     model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, prompt: PromptFormat | None = None,
     batch_size: int = 8, progress: bool = False,
 ) -> ScoredSet:
-    """Score multiple-choice questions (at most 26 options) by the log-probabilities of the option letters.
-
-    The prompt (default ``PromptFormat(style="listed")``) lists the options; ``info["letter_mass"]``
-    is the mean total probability on the option letters.
+    """Score multiple-choice questions (at most 26 options) by the log-probabilities of the option
+    letters after a prompt that lists them (default ``PromptFormat(style="listed")``);
+    ``info["letter_mass"]`` is the mean total probability on the letters.
 
     Raises:
-        ValueError: a prompt that does not list the options, ``batch_size < 1``, malformed records,
-            or a tokenizer without single-token option letters.
+        ValueError: a prompt without the options, ``batch_size < 1``, bad records or letters of several tokens.
 
     Example:
         >>> from llm_calib.models import tiny_random_model

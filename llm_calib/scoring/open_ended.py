@@ -29,17 +29,9 @@ __all__ = ["OpenEndedSet", "encode_open_prompts", "open_ended_summary", "score_o
 
 @dataclass
 class OpenEndedSet(ScoredResult):
-    """Greedy answers to open questions with their token probabilities (a
-    :class:`~llm_calib.scoring.base.ScoredResult`).
-
-    Attributes:
-        answers: the generated answer texts.
-        references: the accepted aliases of each question.
-        domains: domain per question.
-        ids: record id per question.
-        token_probs: answer-token probabilities per question.
-        info: settings (JSON-serialisable).
-        details: per question ``prompt``, ``token_ids`` (of the answer) and ``stop``, or None.
+    """Greedy answers to open questions (a :class:`~llm_calib.scoring.base.ScoredResult`): per question
+    the answer text, the accepted aliases (``references``), domain, id and answer-token
+    probabilities; ``info`` (settings) and ``details`` (``prompt``, answer ``token_ids``, ``stop``).
 
     Example:
         >>> s = OpenEndedSet(["Paris", "Rome"], [("Paris",), ("Oslo",)], ["geo", "geo"],
@@ -88,11 +80,9 @@ class OpenEndedSet(ScoredResult):
 def open_ended_summary(
     scored: OpenEndedSet, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0,
 ) -> dict[str, float]:
-    """Calibration metrics of open-ended answers (confidence = mean token probability).
-
-    Keys: ``n``, ``accuracy`` (exact match), ``f1``, ``ece``, ``ece15``, ``adaptive_ece``,
-    ``mce``, ``brier``, ``nll``, ``auroc``, ``mean_confidence``, ``ece_product`` and ``ece_min``
-    (ECE of the product and minimum confidences); with ``ci``, bootstrap intervals.
+    """Calibration metrics of open-ended answers (confidence = mean token probability): ``n``,
+    ``accuracy`` (exact match), ``f1``, the ECE family, ``brier``, ``nll``, ``auroc``,
+    ``mean_confidence``, ``ece_product`` / ``ece_min`` (other confidences); with ``ci``, bootstrap intervals.
 
     Example:
         >>> s = OpenEndedSet(["Paris", "Rome"], [("Paris",), ("Oslo",)], ["geo"] * 2,
@@ -104,22 +94,16 @@ def open_ended_summary(
     c = np.clip(scored.confidence("mean"), 0.0, 1.0)
     k = scored.correct.astype(np.float64)
 
-    def _brier(c: np.ndarray, k: np.ndarray) -> float:
-        return float(np.mean((np.asarray(c) - np.asarray(k)) ** 2))
-
-    def _nll(c: np.ndarray, k: np.ndarray) -> float:
+    def _nll(c: np.ndarray, k: np.ndarray) -> float:  # of the 0/1 correctness under confidence c
         cc = np.clip(np.asarray(c), metrics.NLL_EPS, 1 - metrics.NLL_EPS)
         kk = np.asarray(k)
         return float(-np.mean(kk * np.log(cc) + (1 - kk) * np.log(1 - cc)))
 
-    def _acc(c: np.ndarray, k: np.ndarray) -> float:
-        return float(np.mean(k))
-
     funcs = {
-        "accuracy": _acc,
+        "accuracy": lambda c, k: float(np.mean(k)),
         "ece": lambda c, k: metrics.ece(c, k, n_bins),
         "adaptive_ece": lambda c, k: metrics.adaptive_ece(c, k, n_bins),
-        "brier": _brier,
+        "brier": lambda c, k: float(np.mean((np.asarray(c) - np.asarray(k)) ** 2)),
         "nll": _nll,
         "auroc": metrics.auroc,
     }
@@ -141,11 +125,8 @@ def open_ended_summary(
 def encode_open_prompts(
     tokenizer: Any, records: Sequence[OpenQA], prompt: PromptFormat | None = None
 ) -> list[list[int]]:
-    """Token ids of the prompts after which open questions are answered (scoring and training alike).
-
-    Raises:
-        TypeError: a record that is not :class:`~llm_calib.data.records.OpenQA`.
-        ValueError: a prompt style other than ``"cloze"``.
+    """Token ids of the prompts after which open questions are answered (scoring and training alike);
+    TypeError for a record that is not ``OpenQA``, ValueError for a prompt style other than ``"cloze"``.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -159,9 +140,7 @@ def encode_open_prompts(
             raise TypeError(f"records must be OpenQA records, got {type(r).__name__}")
     fmt = prompt or PromptFormat()
     if fmt.style != "cloze":
-        raise ValueError(
-            f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}"
-        )
+        raise ValueError(f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}")
     chat = uses_chat_template(tokenizer, fmt)
     return [encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat and record_uses_chat_template(tokenizer, r, fmt))
             for r in records]
@@ -171,16 +150,8 @@ def score_open_ended(
     model: Any, tokenizer: Any, records: Sequence[OpenQA], *, prompt: PromptFormat | None = None,
     max_new_tokens: int = 32, batch_size: int = 8, progress: bool = False,
 ) -> OpenEndedSet:
-    """Answer open questions greedily (up to a newline or EOS) and record token probabilities.
-
-    Args:
-        model: a Hugging Face causal LM.
-        tokenizer: its tokenizer.
-        records: :class:`~llm_calib.data.records.OpenQA` records.
-        prompt: the prompt format (default ``PromptFormat()``).
-        max_new_tokens: generation budget per answer.
-        batch_size: questions generated together.
-        progress: show a tqdm progress bar.
+    """Answer open questions greedily (up to a newline, EOS or a record's stop sequences; at most
+    ``max_new_tokens``) under ``prompt`` (default ``PromptFormat()``) and record token probabilities.
 
     Raises:
         TypeError: a record that is not :class:`~llm_calib.data.records.OpenQA`.

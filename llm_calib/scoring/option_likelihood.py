@@ -1,9 +1,5 @@
-"""Option-likelihood scoring: the log-probability of each option's text after the prompt.
-
-One forward pass per batch of questions, through the engine (:mod:`llm_calib.engine.options`), in
-one of two layouts: ``"packed"`` (default; one row per question, the prompt computed once) or
-``"padded"`` (one right-padded row per option; for attention the 4-D mask cannot express, such as
-sliding windows shorter than the input).
+"""Option-likelihood scoring: the log-probability of each option's text after the prompt, one
+forward pass per batch of questions through the engine (:mod:`llm_calib.engine.options`).
 """
 
 from __future__ import annotations
@@ -33,16 +29,16 @@ from llm_calib.scoring.base import (
 )
 
 __all__ = [
-    "LM_EVAL_NORMALIZATIONS", "NORMALIZE_MODES", "STRATEGIES", "EncodedQuestion",
-    "encode_questions", "normalized", "option_log_likelihoods", "option_text_lengths",
-    "score_option_likelihood",
+    "LM_EVAL_NORMALIZATIONS", "NORMALIZE_MODES", "STRATEGIES", "EncodedQuestion", "encode_questions", "normalized",
+    "option_log_likelihoods", "option_text_lengths", "score_option_likelihood",
 ]
 
 NORMALIZE_MODES = ("sum", "mean", "char", "byte")
 """Summed token log-probabilities, per token, per character (``acc_norm``) or per UTF-8 byte (``acc_bytes``)."""
 
 STRATEGIES = ("packed", "padded")
-"""Batch layouts of :func:`score_option_likelihood`."""
+"""Batch layouts of :func:`score_option_likelihood`: ``"packed"`` (one row per question, the prompt
+computed once) or ``"padded"`` (one row per option, for attention a 4-D mask cannot express)."""
 
 
 @dataclass(frozen=True)
@@ -63,13 +59,9 @@ class EncodedQuestion:
         return len(self.prompt) + sum(len(o) for o in self.options)
 
 
-def encode_questions(
-    tokenizer: Any, records: Sequence[MultipleChoice], fmt: PromptFormat
-) -> list[EncodedQuestion]:
-    """Tokenise prompts and option continuations separately, one :class:`EncodedQuestion` per record.
-
-    Raises:
-        ValueError: a prompt that tokenises to no tokens.
+def encode_questions(tokenizer: Any, records: Sequence[MultipleChoice], fmt: PromptFormat) -> list[EncodedQuestion]:
+    """One :class:`EncodedQuestion` per record, prompt and continuations tokenised separately
+    (ValueError for a prompt of no tokens).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -86,9 +78,7 @@ def encode_questions(
                                chat=chat and record_uses_chat_template(tokenizer, r, fmt))
         if not prompt:
             raise ValueError(f"record {r.id!r}: the prompt tokenises to no tokens")
-        options = tuple(
-            tuple(encode_continuation(tokenizer, c)) for c in option_continuations(r, fmt)
-        )
+        options = tuple(tuple(encode_continuation(tokenizer, c)) for c in option_continuations(r, fmt))
         out.append(EncodedQuestion(tuple(prompt), options))
     return out
 
@@ -101,11 +91,8 @@ def _choices(record: MultipleChoice, fmt: PromptFormat) -> list[str]:
 
 
 def option_text_lengths(record: MultipleChoice, fmt: PromptFormat, normalize: str) -> list[int]:
-    """Each choice's length in characters (``"char"``) or UTF-8 bytes (``"byte"``), without the target delimiter
-    (as lm-eval).
-
-    Raises:
-        ValueError: ``normalize`` is neither ``"char"`` nor ``"byte"``.
+    """Each choice's length in characters (``"char"``) or UTF-8 bytes (``"byte"``) without the target
+    delimiter, as lm-eval (ValueError for another ``normalize``).
 
     Example:
         >>> q = MultipleChoice("Capital?", ("Paris", "Zürich"), 0, "geo", "q0")
@@ -124,16 +111,11 @@ def _question_details(
     token_logprobs: Sequence[torch.Tensor],
 ) -> dict[str, Any]:
     """What was scored for one question (see :attr:`ScoredSet.details`)."""
-    choices = _choices(record, fmt)
     return {
-        "prompt": record_prompt(tokenizer, record, fmt),
-        "choices": choices,
-        "continuations": list(option_continuations(record, fmt)),
-        "token_ids": [list(o) for o in item.options],
-        "loglik": [float(lp.sum()) for lp in token_logprobs],
-        "n_tokens": [len(o) for o in item.options],
-        "n_chars": option_text_lengths(record, fmt, "char"),
-        "n_bytes": option_text_lengths(record, fmt, "byte"),
+        "prompt": record_prompt(tokenizer, record, fmt), "choices": _choices(record, fmt),
+        "continuations": list(option_continuations(record, fmt)), "token_ids": [list(o) for o in item.options],
+        "loglik": [float(lp.sum()) for lp in token_logprobs], "n_tokens": [len(o) for o in item.options],
+        "n_chars": option_text_lengths(record, fmt, "char"), "n_bytes": option_text_lengths(record, fmt, "byte"),
     }
 
 
@@ -144,16 +126,10 @@ def _option_scores(details: dict[str, Any], normalize: str) -> torch.Tensor:
     return loglik if key is None else loglik / torch.tensor(details[key], dtype=torch.float64)
 
 
-def option_log_likelihoods(
-    model: Any, items: Sequence[EncodedQuestion], *, pad_id: int = 0,
-    strategy: Literal["packed", "padded"] = "packed",
-) -> list[list[torch.Tensor]]:
-    """``out[q][k]``: float64 log-probabilities of option ``k``'s tokens of question ``q``, in one forward pass.
-
-    ``"packed"`` falls back to ``"padded"`` for attention without 4-D masks.
-
-    Raises:
-        ValueError: an unknown ``strategy``.
+def option_log_likelihoods(model: Any, items: Sequence[EncodedQuestion], *, pad_id: int = 0,
+                           strategy: Literal["packed", "padded"] = "packed") -> list[list[torch.Tensor]]:
+    """``out[q][k]``: float64 log-probabilities of option ``k``'s tokens of question ``q``, in one
+    forward pass (``"packed"`` falls back to ``"padded"`` for attention without 4-D masks).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -186,20 +162,11 @@ def score_option_likelihood(
     normalize: Literal["sum", "mean"] = "sum", prompt: PromptFormat | None = None, batch_size: int = 8,
     strategy: Literal["packed", "padded"] = "packed", progress: bool = False,
 ) -> ScoredSet:
-    """Score multiple-choice questions by the log-likelihood of ``target_delimiter + option`` after the prompt.
-
-    Probabilities are the softmax over options. The result's ``details`` keep every option's summed
-    log-likelihood and lengths, so other normalisations need no second pass (:func:`normalized`).
-
-    Args:
-        model: a Hugging Face causal LM (eval mode).
-        tokenizer: its tokenizer.
-        records: :class:`~llm_calib.data.records.MultipleChoice` records.
-        normalize: one of :data:`NORMALIZE_MODES`.
-        prompt: the prompt format; default ``PromptFormat()`` (cloze).
-        batch_size: questions per forward pass (>= 1).
-        strategy: ``"packed"`` (default) or ``"padded"`` batch layout.
-        progress: show a tqdm progress bar.
+    """Score multiple-choice questions by the log-likelihood of ``target_delimiter + option`` after the
+    prompt (default ``PromptFormat()``): probabilities are the softmax over the options' scores under
+    ``normalize`` (:data:`NORMALIZE_MODES`); ``details`` keep every option's summed log-likelihood and
+    lengths, so other normalisations need no second pass (:func:`normalized`). ``batch_size``:
+    questions per forward pass; ``strategy``: a :data:`STRATEGIES` layout.
 
     Raises:
         ValueError: an unknown ``normalize`` or ``strategy``, ``batch_size < 1``, or malformed records.
@@ -236,22 +203,14 @@ def score_option_likelihood(
     return ScoredSet.from_records(records, scores, "option_likelihood", info, details)
 
 
-LM_EVAL_NORMALIZATIONS: dict[str, str] = {
-    "acc": "sum",
-    "acc_norm": "char",
-    "acc_bytes": "byte",
-    "acc_token": "mean",
-}
+LM_EVAL_NORMALIZATIONS: dict[str, str] = {"acc": "sum", "acc_norm": "char", "acc_bytes": "byte", "acc_token": "mean"}
 """lm-eval's metric names (``acc``, ``acc_norm``, ``acc_bytes``; ``acc_token`` is ours) and their ``normalize``
 modes."""
 
 
 def normalized(scored: ScoredSet, normalize: str) -> ScoredSet:
-    """The same questions re-scored under ``normalize`` (a mode or lm-eval name) from ``scored.details``, no second
-    pass.
-
-    Raises:
-        ValueError: an unknown ``normalize`` or a set without details.
+    """The same questions re-scored under ``normalize`` (a mode or lm-eval name) from ``scored.details``,
+    no second pass (ValueError for an unknown mode or a set without details).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
