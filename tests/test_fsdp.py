@@ -210,3 +210,126 @@ def test_gpu_check_runs_on_cpu_and_names_torchrun_for_fsdp2_modes(tmp_path):
     assert "launch with torchrun --nproc_per_node=N (N >= 2)" in proc.stdout
     results = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in results] == ["bf16+ckpt"] and results[0]["finite"] and results[0]["ranks"] == 1
+
+
+# Run by every rank: the base loaded shard by shard from a safetensors directory (the default of
+# llm_calib.models.load under torchrun), then loaded whole and sharded (the path before), then 3 CALM steps.
+LOAD_SCRIPT = SCRIPT.split("\nif __name__")[0] + '''
+
+def tied_logits(model, tok):
+    ids = tok(["What is the capital of France? The answer is: Paris", "the quick brown fox"], return_tensors="pt",
+              padding=True)
+    with torch.no_grad():
+        return model(**ids).logits
+
+
+if __name__ == "__main__":
+    import resource
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from llm_calib import distributed
+    from llm_calib.models import load
+    model_dir, out = sys.argv[1], sys.argv[2]
+    distributed.init_from_env()
+    peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model, tok = load(model_dir)  # sharded loading
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    shards = [p for p in model.parameters() if hasattr(p, "to_local")]
+    report = {
+        "peak_rss_growth_kb": peak - peak0,
+        "sharded_local_bytes": sum(p.to_local().numel() * p.element_size() for p in shards),
+        "sharded_global_bytes": sum(p.numel() * p.element_size() for p in shards),
+        "replicated": sorted(n for n, p in model.named_parameters() if not hasattr(p, "to_local")),
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "q_proj_unit": type(model.model.layers[0].self_attn.q_proj).__name__,
+    }
+    torch.save(tied_logits(model, tok), f"{out}/logits_sharded_load_rank{distributed.rank()}.pt")
+    whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+    distributed.shard_frozen_base(whole)
+    torch.save(tied_logits(whole, tok), f"{out}/logits_whole_then_sharded_rank{distributed.rank()}.pt")
+    del whole
+    train = load_data("builtin:arithmetic,capitals:n=10").records
+    heldout = load_data("builtin:arithmetic,capitals:n=4,seed=1").records
+    calm = calibrate(model, tok, train, heldout, config(CALM), checkpoint_dir=out + "/calm", progress=False)
+    base = calm.model.get_base_model()
+    report["tied_after_training"] = base.lm_head.weight is base.model.embed_tokens.weight
+    json.dump(report, open(f"{out}/rank{distributed.rank()}.json", "w"))
+    dist.destroy_process_group()
+'''
+
+
+def _tied_tiny_model(directory: Path) -> None:
+    """The tiny model with its head tied to the embedding (as SmolLM2's), saved as safetensors."""
+    from transformers import LlamaForCausalLM
+
+    model, tok = tiny_random_model(seed=0, init_std=0.1)
+    model.config.tie_word_embeddings = True
+    tied = LlamaForCausalLM(model.config)
+    tied.load_state_dict({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, strict=False)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    tied.save_pretrained(directory)
+    tok.save_pretrained(directory)
+
+
+def test_sharded_loading_reads_each_ranks_shards_and_trains_as_one_process(tmp_path):
+    from llm_calib.models import load
+
+    model_dir, two = tmp_path / "model", tmp_path / "two"
+    _tied_tiny_model(model_dir)
+    two.mkdir()
+    script = tmp_path / "fsdp_loading.py"
+    script.write_text(LOAD_SCRIPT.replace("from llm_calib.data import load\n", "from llm_calib.data import load as load_data\n"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+         str(model_dir), str(two)], env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    print(f"2-rank sharded-loading launch: {time.perf_counter() - t0:.1f} s")
+    reports = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+    # one process: the same directory loaded whole, the same 3 CALM steps
+    namespace: dict = {"__name__": "fsdp_loading"}
+    exec(compile(LOAD_SCRIPT, "fsdp_loading.py", "exec"), namespace)
+    model, tok = load(str(model_dir))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    want = namespace["tied_logits"](model, tok)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed_and_norms = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n or "embed" in n}
+    for r in (0, 1):  # (a) the outputs: sharded loading = loading whole then sharding = one process
+        for path in ("sharded_load", "whole_then_sharded"):
+            got = torch.load(two / f"logits_{path}_rank{r}.pt")
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{path} rank {r}")
+    one = tmp_path / "one"
+    namespace["calibrate"](model, tok, namespace["load"]("builtin:arithmetic,capitals:n=10").records,
+                           namespace["load"]("builtin:arithmetic,capitals:n=4,seed=1").records,
+                           namespace["config"](namespace["CALM"]), checkpoint_dir=one, progress=False)
+    _assert_same_run(two / "calm", one, "calm on a base loaded sharded")
+
+    # (b) each rank materialised half of every sharded weight; whole only the tied embedding and the norms
+    for report in reports:
+        print(f"rank report: {report}")
+        assert report["q_proj_unit"] == "FSDPLinear"
+        assert report["sharded_local_bytes"] * 2 == report["sharded_global_bytes"], report
+        assert report["replicated"] == sorted(embed_and_norms), report
+        assert report["sharded_global_bytes"] + sum(embed_and_norms.values()) == full
+        # (c) the head stays tied to the embedding, loaded and after training
+        assert report["tied"] and report["tied_after_training"], report
+
+
+def test_loading_under_torchrun_says_why_it_loads_whole(tmp_path, monkeypatch):
+    """Where sharded loading cannot serve (here a device map), every rank loads whole, with a warning naming why."""
+    import pytest
+
+    from llm_calib import distributed
+    from llm_calib.models import load
+
+    _tied_tiny_model(tmp_path)
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(distributed, "rank", lambda: 0)
+    with pytest.warns(UserWarning, match=r"every rank loads the whole model before FSDP2 shards it: device_map='cpu'"):
+        model, _ = load(str(tmp_path), device_map="cpu")
+    assert not any(hasattr(p, "to_local") for p in model.parameters())
