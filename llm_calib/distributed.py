@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ShardedLoadError", "global_mean", "init_from_env", "is_distributed", "load_sharded",
-           "parameter_bytes", "rank", "replicated", "shard_frozen_base", "world_size"]
+__all__ = ["ShardedLoadError", "global_mean", "init_from_env", "is_distributed", "keep_gathered", "load_sharded",
+           "parameter_bytes", "rank", "replicated", "reshard_all", "shard_frozen_base", "world_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +92,62 @@ def _mesh(device: torch.device) -> Any:
     return _MESHES[key]
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """Sum a tensor over ranks; the backward hands the (replicated) cotangent back unchanged.
+
+    Every rank holds the same sum and receives the same cotangent ``u`` for it, so each rank's
+    summand gets ``u`` (``torch.distributed.nn.functional.all_reduce`` would sum the ``u`` of the
+    copies, ``world_size * u``)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor) -> Tensor:
+        total = value.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, cotangent: Tensor) -> Tensor:
+        return cotangent
+
+
+class _Replicated(torch.autograd.Function):
+    """The identity on a replicated tensor whose gradient is the sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor) -> Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return _SumOverRanks.apply(grad)  # differentiable: Hessian-vector products run through it
+
+
+class _GlobalMean(torch.autograd.Function):
+    """The mean over ranks of a per-rank value; every rank's value gets ``1 / world_size`` of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor) -> Tensor:
+        total = value.clone()
+        dist.all_reduce(total)
+        return total / dist.get_world_size()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad / dist.get_world_size()
+
+
 def replicated(params: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
     """Mark replicated parameters for a loss of this rank's shard: their gradients are summed over ranks.
 
-    One flat tensor per dtype and device goes through ``DTensor.from_local(flat, [Replicate()])
-    .to_local(grad_placements=[Partial()])`` and is split back into views, so DTensor's autograd
-    all-reduces their gradient, also under ``torch.autograd.grad``. Flat because each reduction is
-    a collective (measured, 2 gloo ranks, 120 LoRA matrices: 539 ms one per matrix, 52 ms flat).
+    One flat tensor per dtype and device goes through an identity whose backward all-reduces the
+    gradient, also under ``torch.autograd.grad``, and is split back into views. Flat because each
+    reduction is a collective (measured, 2 gloo ranks, 120 LoRA matrices: 539 ms one per matrix,
+    52 ms flat). The backward is itself differentiable (with :func:`global_mean`, a Hessian-vector
+    product of the global loss is the sum of the ranks' products, summed once), which torch's
+    engines do not provide: DTensor's ``to_local(grad_placements=[Partial()])`` reduces the
+    gradient outside the graph (measured: a second ``torch.autograd.grad`` through it raises "The
+    differentiated Tensor ... appears to not have been used in the graph"), and FSDP2 and DDP
+    reduce only what ``backward()`` accumulates into ``param.grad``.
 
     Args:
         params: a flat dict of parameters, identical on every rank; or None.
@@ -114,17 +163,13 @@ def replicated(params: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
     """
     if not params or not is_distributed():
         return params
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
     groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
     for name, value in params.items():
         groups.setdefault((value.dtype, value.device), []).append(name)
     out: dict[str, Tensor] = {}
-    for (_, device), names in groups.items():
+    for names in groups.values():
         values = [params[n] for n in names]
-        flat = torch.cat([v.reshape(-1) for v in values])
-        flat = DTensor.from_local(flat, _mesh(device), [Replicate()], run_check=False).to_local(
-            grad_placements=[Partial()])
+        flat = _Replicated.apply(torch.cat([v.reshape(-1) for v in values]))
         for name, value, part in zip(names, values, flat.split([v.numel() for v in values]), strict=True):
             out[name] = part.view_as(value)
     return {name: out[name] for name in params}
@@ -133,9 +178,9 @@ def replicated(params: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
 def global_mean(value: Tensor) -> Tensor:
     """Average a scalar loss over ranks (identity without a process group).
 
-    ``value / world_size`` as a DTensor ``Partial`` sum made whole (one all-reduce); its backward
-    hands every rank ``1 / world_size`` of the gradient. (``torch.distributed.nn.functional.all_reduce``
-    would also sum the gradients, counting each rank ``world_size`` times with :func:`replicated`.)
+    One all-reduce; its backward hands every rank ``1 / world_size`` of the gradient without a
+    collective (``torch.distributed.nn.functional.all_reduce`` would also sum the gradients,
+    counting each rank ``world_size`` times with :func:`replicated`), and stays differentiable.
 
     Example:
         >>> import torch
@@ -144,9 +189,56 @@ def global_mean(value: Tensor) -> Tensor:
     """
     if not is_distributed():
         return value
-    from torch.distributed.tensor import DTensor, Partial
+    return _GlobalMean.apply(value)
 
-    return DTensor.from_local(value / dist.get_world_size(), _mesh(value.device), [Partial()]).full_tensor()
+
+def keep_gathered(modules: list[torch.nn.Module]) -> list[str]:
+    """Gather the FSDP2 units inside ``modules`` and keep them whole until :func:`reshard_all`.
+
+    Second derivatives (the implicit solver's Hessian-vector products) run backward passes
+    through the graph of a gradient, which reads the gathered weights after FSDP2 would have
+    freed them (measured: ``RuntimeError: setStorage: ... storage of size 0``). Kept gathered, the
+    units of the trained layers and those above them cost the memory of replicated layers while
+    the bottom layers stay sharded.
+
+    Args:
+        modules: modules of a model sharded by :func:`shard_frozen_base` or :func:`load_sharded`.
+
+    Returns:
+        The names of the units gathered, as ``type@id`` (empty without a process group).
+
+    Example:
+        >>> import torch
+        >>> keep_gathered([torch.nn.Linear(2, 2)])   # no FSDP2 unit inside
+        []
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    kept = []
+    for module in modules:
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.unshard()
+                unit.set_reshard_after_forward(False)
+                unit.set_reshard_after_backward(False)
+                kept.append(f"{type(unit).__name__}@{id(unit):x}")
+    return kept
+
+
+def reshard_all(model: torch.nn.Module) -> None:
+    """Free the gathered weights of every FSDP2 unit in ``model`` again (after :func:`keep_gathered`).
+
+    Example:
+        >>> import torch
+        >>> reshard_all(torch.nn.Linear(2, 2))   # no FSDP2 unit: nothing to do
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_reshard_after_forward(True)
+            unit.set_reshard_after_backward(True)
+            unit.reshard()
 
 
 def _shared_parameters(model: torch.nn.Module) -> set[int]:

@@ -8,6 +8,10 @@ The test process runs the same on the combined batches in one process and resume
 checkpoint of step 2 there (2 ranks → 1). Losses, θ and λ agree within float32 tolerances; each
 rank stores about half of the base's parameters; the 2-rank result loads into one process.
 
+A second launch loads a tied tiny model from a safetensors directory shard by shard (the default of
+:func:`llm_calib.models.load` under ``torchrun``) and trains it with the implicit solver, whose
+Hessian-vector products run through the sharded base; outputs, θ and λ equal one process.
+
 λ is the temperature adjustment here (one scalar with a sizeable gradient): a vector λ over the
 vocabulary has coordinates with near-zero gradients, where Adam's normalisation turns float32
 reordering noise into steps of the full learning rate (``tests/test_calm_distributed.py`` checks
@@ -181,21 +185,6 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path
     assert torch.equal(loaded.lam["log_a"], t_two["best_lam/log_a"])
 
 
-def test_second_order_solver_is_refused_on_several_ranks(monkeypatch):
-    import pytest
-
-    from llm_calib import CalibrationConfig, distributed
-    from llm_calib.calm.training import check_scale_out
-
-    implicit = CalibrationConfig(objective={"name": "calm", "solver": {"name": "implicit"}})
-    check_scale_out(implicit)  # one process: runs
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    with pytest.raises(ValueError, match=r"objective\.solver='implicit' takes second derivatives.*2 ranks"):
-        check_scale_out(implicit)
-    check_scale_out(CalibrationConfig(objective={"name": "calm", "solver": {"name": "f2sa"}}))
-    check_scale_out(CalibrationConfig(objective={"name": "lora_ce"}))
-
-
 def test_gpu_check_runs_on_cpu_and_names_torchrun_for_fsdp2_modes(tmp_path):
     """benchmarks/gpu_check.py's CPU smoke check; its fsdp2 modes need torchrun (2 ranks: see its docstring)."""
     out = tmp_path / "gpu_check.json"
@@ -213,8 +202,11 @@ def test_gpu_check_runs_on_cpu_and_names_torchrun_for_fsdp2_modes(tmp_path):
 
 
 # Run by every rank: the base loaded shard by shard from a safetensors directory (the default of
-# llm_calib.models.load under torchrun), then loaded whole and sharded (the path before), then 3 CALM steps.
+# llm_calib.models.load under torchrun), then loaded whole and sharded (the path before), then 3
+# CALM steps with the implicit solver (Hessian-vector products through the sharded base).
 LOAD_SCRIPT = SCRIPT.split("\nif __name__")[0] + '''
+IMPLICIT = {"name": "calm", "solver": {"name": "implicit", "inner_steps": 2, "maxiter": 3}, "lam_lr": 1e-1,
+            "adjustment": "temperature"}
 
 def tied_logits(model, tok):
     ids = tok(["What is the capital of France? The answer is: Paris", "the quick brown fox"], return_tensors="pt",
@@ -250,7 +242,7 @@ if __name__ == "__main__":
     del whole
     train = load_data("builtin:arithmetic,capitals:n=10").records
     heldout = load_data("builtin:arithmetic,capitals:n=4,seed=1").records
-    calm = calibrate(model, tok, train, heldout, config(CALM), checkpoint_dir=out + "/calm", progress=False)
+    calm = calibrate(model, tok, train, heldout, config(IMPLICIT), checkpoint_dir=out + "/implicit", progress=False)
     base = calm.model.get_base_model()
     report["tied_after_training"] = base.lm_head.weight is base.model.embed_tokens.weight
     json.dump(report, open(f"{out}/rank{distributed.rank()}.json", "w"))
@@ -271,7 +263,7 @@ def _tied_tiny_model(directory: Path) -> None:
     tok.save_pretrained(directory)
 
 
-def test_sharded_loading_reads_each_ranks_shards_and_trains_as_one_process(tmp_path):
+def test_sharded_loading_and_the_implicit_solver_on_two_ranks_equal_one_process(tmp_path):
     from llm_calib.models import load
 
     model_dir, two = tmp_path / "model", tmp_path / "two"
@@ -306,8 +298,10 @@ def test_sharded_loading_reads_each_ranks_shards_and_trains_as_one_process(tmp_p
     one = tmp_path / "one"
     namespace["calibrate"](model, tok, namespace["load"]("builtin:arithmetic,capitals:n=10").records,
                            namespace["load"]("builtin:arithmetic,capitals:n=4,seed=1").records,
-                           namespace["config"](namespace["CALM"]), checkpoint_dir=one, progress=False)
-    _assert_same_run(two / "calm", one, "calm on a base loaded sharded")
+                           namespace["config"](namespace["IMPLICIT"]), checkpoint_dir=one, progress=False)
+    _assert_same_run(two / "implicit", one, "calm (implicit solver) on a base loaded sharded")
+    t_one, s_one = _last(one)
+    assert abs(float(t_one["lam/log_a"])) > 1e-4 and s_one["history"][-1]["matvecs"] > 0  # λ moved by HVPs
 
     # (b) each rank materialised half of every sharded weight; whole only the tied embedding and the norms
     for report in reports:
