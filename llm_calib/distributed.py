@@ -1,14 +1,15 @@
-"""Scale-out under ``torchrun``: FSDP2 shards the frozen base, DTensor reduces the trained gradients.
+"""Scale-out under ``torchrun``: FSDP2 shards the frozen base, the trained gradients are summed over ranks.
 
-Each rank evaluates its shard of every global batch. The frozen base is sharded
-(:func:`shard_frozen_base`); the small trained parameters (θ, λ) are replicated and every rank takes
-the identical step. The losses call no collective; :func:`replicated` (gradients summed over
-ranks) and :func:`global_mean` (the loss averaged) make them losses of the global batch. DDP's or
-FSDP2's own reduction cannot serve: they hook ``backward()``'s accumulation into ``param.grad``,
-while :mod:`hypergrad` calls ``torch.autograd.grad`` (measured with DDP on 2 gloo ranks: each rank
-got its own gradient). Second derivatives do not run here: FSDP2 frees the gathered weights a
-second backward pass needs (measured: ``RuntimeError: setStorage: ... storage of size 0``).
-See :doc:`/tutorials/multi_gpu`.
+Each rank evaluates its shard of every global batch. The frozen base is sharded: loaded shard by
+shard (:func:`load_sharded`, what :func:`llm_calib.models.load` does under ``torchrun``), or
+loaded whole and sharded (:func:`shard_frozen_base`). The small trained parameters (θ, λ) are
+replicated and every rank takes the identical step. The losses call no collective;
+:func:`replicated` (gradients summed over ranks) and :func:`global_mean` (the loss averaged) make
+them losses of the global batch, twice differentiable, so the implicit solver's Hessian-vector
+products are those of the global batch too (its differentiated units stay gathered,
+:func:`keep_gathered`). DDP's or FSDP2's own reduction cannot serve: they hook ``backward()``'s
+accumulation into ``param.grad``, while :mod:`hypergrad` calls ``torch.autograd.grad``
+(measured with DDP on 2 gloo ranks: each rank got its own gradient). See :doc:`/tutorials/multi_gpu`.
 """
 
 from __future__ import annotations
