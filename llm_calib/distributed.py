@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ShardedLoadError", "global_mean", "init_from_env", "is_distributed", "keep_gathered", "load_sharded",
+__all__ = ["ShardedLoadError", "first_problem", "global_mean", "init_from_env", "is_distributed", "keep_gathered", "load_sharded",
            "parameter_bytes", "rank", "replicated", "reshard_all", "shard_frozen_base", "world_size"]
 
 logger = logging.getLogger(__name__)
@@ -480,24 +480,33 @@ def load_sharded(directory: str | os.PathLike[str], *, dtype: torch.dtype = torc
 
     directory = Path(directory)
     device = torch.device(device)
-    stored = _checkpoint_tensors(directory)
-    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
-    model.requires_grad_(False)
-    users: dict[int, list[str]] = {}  # the names of each parameter (two for a tied head)
-    for qualified, param in model.named_parameters(remove_duplicate=False):
-        users.setdefault(id(param), []).append(qualified)
-    ties = [names for names in users.values() if len(names) > 1]
-    keys = {names[0]: next((n for n in names if n in stored), None) for names in users.values()}
-    missing = sorted(n for n, key in keys.items() if key is None)
-    if missing:
-        raise ShardedLoadError(
-            f"{directory}: no tensor named {missing[0]!r} in its safetensors files ({len(missing)} parameters "
-            "missing: its names differ from the model's)")
+    problem = None
+    try:
+        if not (directory / "config.json").is_file():
+            raise ShardedLoadError(f"{directory} holds no config.json")
+        stored = _checkpoint_tensors(directory)
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+        kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        model.requires_grad_(False)
+        users: dict[int, list[str]] = {}  # the names of each parameter (two for a tied head)
+        for qualified, param in model.named_parameters(remove_duplicate=False):
+            users.setdefault(id(param), []).append(qualified)
+        ties = [names for names in users.values() if len(names) > 1]
+        keys = {names[0]: next((n for n in names if n in stored), None) for names in users.values()}
+        missing = sorted(n for n, key in keys.items() if key is None)
+        if missing:
+            raise ShardedLoadError(
+                f"{directory}: no tensor named {missing[0]!r} in its safetensors files ({len(missing)} parameters "
+                "missing: its names differ from the model's)")
+    except ShardedLoadError as exc:
+        problem = str(exc)
+    problem = first_problem(problem)  # every rank loads sharded, or none does (sharding is collective)
+    if problem is not None:
+        raise ShardedLoadError(problem)
     buffers = dict(model.named_buffers())
     keys.update({n: n for n in buffers if n in stored})  # persistent buffers the checkpoint keeps
     _shard(model, device, whole_layers=False)
@@ -534,6 +543,25 @@ def load_sharded(directory: str | os.PathLike[str], *, dtype: torch.dtype = torc
     _gather_once(model)
     logger.info("rank %d read %.1f MB of %s for its shards", rank(), read / 1e6, directory)
     return model
+
+
+def first_problem(problem: str | None) -> str | None:
+    """The first rank's problem (``"rank R: ..."``), or None when no rank has one; on every rank.
+
+    For decisions every rank must take alike because what follows is collective: a rank that
+    cannot load sharded (a file missing on its node) makes every rank load whole, instead of the
+    others waiting for it in a collective. One ``all_gather_object``; ``problem`` as it is
+    without a process group.
+
+    Example:
+        >>> first_problem(None), first_problem("no safetensors files")   # one process
+        (None, 'no safetensors files')
+    """
+    if not is_distributed():
+        return problem
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None), None)
 
 
 def _gather_once(model: torch.nn.Module) -> None:

@@ -540,6 +540,7 @@ def _load_sharded_or_warn(directory: Path | None, name: str, cfg: ModelLoadConfi
         why = f"device_map={cfg.device_map!r} places whole weights"
     elif directory is None:
         why = f"it is not in the local hub cache (`hf download {shown}` first to load it sharded)"
+    why = distributed.first_problem(why)  # all ranks alike: a sharded load is collective
     if why is None:
         dtype = kwargs["dtype"]
         if dtype == "auto":

@@ -221,8 +221,15 @@ if __name__ == "__main__":
     from transformers import AutoModelForCausalLM
     from llm_calib import distributed
     from llm_calib.models import load
-    model_dir, out = sys.argv[1], sys.argv[2]
+    model_dir, out, renamed = sys.argv[1], sys.argv[2], sys.argv[3]
     distributed.init_from_env()
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:  # rank 1 cannot load sharded: no rank does
+        warnings.simplefilter("always")
+        other, _ = load(renamed if distributed.rank() == 1 else model_dir)
+    fallback = {"warnings": [str(w.message) for w in seen if "loads the whole model" in str(w.message)],
+                "sharded": any(hasattr(p, "to_local") for p in other.parameters())}
+    del other
     peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     model, tok = load(model_dir)  # sharded loading
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -234,6 +241,7 @@ if __name__ == "__main__":
         "replicated": sorted(n for n, p in model.named_parameters() if not hasattr(p, "to_local")),
         "tied": model.lm_head.weight is model.model.embed_tokens.weight,
         "q_proj_unit": type(model.model.layers[0].self_attn.q_proj).__name__,
+        "fallback": fallback,
     }
     torch.save(tied_logits(model, tok), f"{out}/logits_sharded_load_rank{distributed.rank()}.pt")
     whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
@@ -264,11 +272,17 @@ def _tied_tiny_model(directory: Path) -> None:
 
 
 def test_sharded_loading_and_the_implicit_solver_on_two_ranks_equal_one_process(tmp_path):
+    from safetensors.torch import load_file, save_file
+
     from llm_calib.models import load
 
-    model_dir, two = tmp_path / "model", tmp_path / "two"
+    model_dir, two, renamed = tmp_path / "model", tmp_path / "two", tmp_path / "renamed"
     _tied_tiny_model(model_dir)
     two.mkdir()
+    shutil.copytree(model_dir, renamed)  # a checkpoint whose names differ from the model's (on rank 1 only)
+    weights = load_file(renamed / "model.safetensors")
+    weights["model.final_norm.weight"] = weights.pop("model.norm.weight")
+    save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
     script = tmp_path / "fsdp_loading.py"
     script.write_text(LOAD_SCRIPT.replace("from llm_calib.data import load\n", "from llm_calib.data import load as load_data\n"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -277,7 +291,7 @@ def test_sharded_loading_and_the_implicit_solver_on_two_ranks_equal_one_process(
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-         str(model_dir), str(two)], env=env, capture_output=True, text=True, timeout=300,
+         str(model_dir), str(two), str(renamed)], env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     print(f"2-rank sharded-loading launch: {time.perf_counter() - t0:.1f} s")
@@ -312,6 +326,12 @@ def test_sharded_loading_and_the_implicit_solver_on_two_ranks_equal_one_process(
         assert report["sharded_global_bytes"] + sum(embed_and_norms.values()) == full
         # (c) the head stays tied to the embedding, loaded and after training
         assert report["tied"] and report["tied_after_training"], report
+        # a rank that cannot load sharded makes every rank load whole (rank 0 warns, naming why)
+        assert not report["fallback"]["sharded"], report
+    assert reports[1]["fallback"]["warnings"] == []
+    assert reports[0]["fallback"]["warnings"] == [
+        f"{model_dir}: every rank loads the whole model before FSDP2 shards it: rank 1: {renamed}: no tensor named "
+        "'model.norm.weight' in its safetensors files (1 parameters missing: its names differ from the model's)"]
 
 
 def test_loading_under_torchrun_says_why_it_loads_whole(tmp_path, monkeypatch):
@@ -324,6 +344,7 @@ def test_loading_under_torchrun_says_why_it_loads_whole(tmp_path, monkeypatch):
     _tied_tiny_model(tmp_path)
     monkeypatch.setattr(distributed, "is_distributed", lambda: True)
     monkeypatch.setattr(distributed, "rank", lambda: 0)
+    monkeypatch.setattr(distributed, "first_problem", lambda problem: problem)  # one rank: its own
     with pytest.warns(UserWarning, match=r"every rank loads the whole model before FSDP2 shards it: device_map='cpu'"):
         model, _ = load(str(tmp_path), device_map="cpu")
     assert not any(hasattr(p, "to_local") for p in model.parameters())
