@@ -457,7 +457,7 @@ def load_sharded(directory: str | os.PathLike[str], *, dtype: torch.dtype = torc
         device: this rank's device (``cuda:LOCAL_RANK`` under ``torchrun`` with GPUs).
         attn_implementation: as for ``from_pretrained``; None: transformers' choice.
         trust_remote_code: allow the model's own code from ``directory``.
-        name: recorded as ``model.config._name_or_path`` (default: ``directory``).
+        name: recorded as ``model.config.name_or_path`` (default: ``directory``).
 
     Returns:
         The model in eval mode on ``device``, every rank holding its shards.
@@ -534,7 +534,7 @@ def load_sharded(directory: str | os.PathLike[str], *, dtype: torch.dtype = torc
                 read += source.read_rows(0, source.shape[0] if source.shape else 1, tensor)
     if (directory / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(directory)
-    model.config._name_or_path = name or str(directory)
+    model.config.name_or_path = name or str(directory)
     model.eval()
     # FSDP2 allocates a unit's gathered weights when it first gathers them; inside
     # torch.inference_mode (evaluation) they would be inference tensors that training passes
