@@ -14,7 +14,11 @@ Exit status 1 when a loss is not finite. Expected time on one recent GPU: well u
 
 FSDP2 modes, under ``torchrun`` with two or more ranks (one process per GPU): ``fsdp2`` and
 ``fsdp2+ckpt`` are ``bf16`` and ``bf16+ckpt`` with the frozen base sharded over the ranks
-(:func:`llm_calib.distributed.shard_frozen_base`) and each global batch split between them. Rank 0
+(:func:`llm_calib.distributed.shard_frozen_base`) and each global batch split between them;
+``fsdp2+load`` loads a bf16 checkpoint of the random model shard by shard onto each GPU
+(:func:`llm_calib.distributed.load_sharded`: ``weights MB`` is then this rank's shards);
+``fsdp2+implicit`` trains with the implicit solver (2 inner steps, 5 CG iterations) instead of
+BOME, its top layers and head kept gathered (``base MB/rank`` counts them whole). Rank 0
 prints, besides the columns above, the base's parameter storage per rank against the whole base
 (``base MB/rank``, ``base MB``), the ranks and the tokens per second of all ranks together; the
 peak memory is rank 0's. ``--batch-size`` is the global batch (a multiple of the ranks).
@@ -23,7 +27,7 @@ Run::
 
     python benchmarks/gpu_check.py                       # on cuda
     python benchmarks/gpu_check.py --device cpu --tiny   # a seconds-long CPU smoke check
-    torchrun --nproc_per_node=2 benchmarks/gpu_check.py --modes fsdp2,fsdp2+ckpt    # 2 GPUs, nccl
+    torchrun --nproc_per_node=2 benchmarks/gpu_check.py --modes fsdp2,fsdp2+ckpt,fsdp2+load,fsdp2+implicit  # 2 GPUs
     torchrun --nproc_per_node=2 benchmarks/gpu_check.py --device cpu --tiny --modes fsdp2   # gloo
 """
 
@@ -57,7 +61,7 @@ def llama_config(tiny: bool, vocab: int, tok):
                        pad_token_id=tok.pad_token_id)
 
 
-FSDP2_MODES = {"fsdp2": "bf16", "fsdp2+ckpt": "bf16+ckpt"}
+FSDP2_MODES = {"fsdp2": "bf16", "fsdp2+ckpt": "bf16+ckpt", "fsdp2+load": "bf16", "fsdp2+implicit": "bf16"}
 """The sharded modes and the single-process mode each one shards."""
 
 
@@ -68,8 +72,18 @@ def build_model(config, device: str, mode: str, workdir: Path):
     from llm_calib.models import enable_checkpointing
     from llm_calib.models import load as load_model
 
-    mode = FSDP2_MODES.get(mode, mode)
     torch.manual_seed(0)
+    if mode == "fsdp2+load":  # a bf16 checkpoint of the random model, loaded shard by shard onto the device
+        shared = [str(workdir / "random_llama_bf16")]  # rank 0's (save_pretrained writes on rank 0 only)
+        torch.distributed.broadcast_object_list(shared, src=0)
+        ckpt = Path(shared[0])
+        if torch.distributed.get_rank() == 0:
+            LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(ckpt)
+            TOKENIZER.save_pretrained(ckpt)
+        torch.distributed.barrier()
+        model, _ = load_model(str(ckpt), dtype="bfloat16", device=device)
+        return model
+    mode = FSDP2_MODES.get(mode, mode)
     if mode == "4bit":
         ckpt = workdir / "random_llama"
         if not ckpt.exists():
@@ -92,7 +106,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     from llm_calib.calm import training
     from llm_calib.calm.config import CalibrationConfig, SelectionSettings, TrainingSettings
     from llm_calib.data import builtin_multiple_choice
-    from llm_calib.objectives.calm import Bome, Calm
+    from llm_calib.objectives.calm import Bome, Calm, ImplicitSolver
 
     cuda = args.device.startswith("cuda")
     config = llama_config(args.tiny, len(TOKENIZER), TOKENIZER)
@@ -107,7 +121,8 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     n_layers = config.num_hidden_layers
     records = builtin_multiple_choice(n_per_domain=24, seed=0)
     train, heldout = records[::2], records[1::2]
-    cfg = CalibrationConfig(objective=Calm(solver=Bome()),
+    solver = ImplicitSolver(inner_steps=2, maxiter=5) if mode == "fsdp2+implicit" else Bome()
+    cfg = CalibrationConfig(objective=Calm(solver=solver),
                             training=TrainingSettings(steps=args.steps, batch_size=args.batch_size,
                                                       heldout_batch_size=args.batch_size),
                             selection=SelectionSettings(eval_every=args.steps, guard_accuracy=0.0),
@@ -171,7 +186,8 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--top-k", type=int, default=4, help="LoRA on the top K layers")
     p.add_argument("--modes", default=None,
-                   help="comma-separated; default bf16,bf16+ckpt,4bit (one process), fsdp2,fsdp2+ckpt (torchrun)")
+                   help="comma-separated; default bf16,bf16+ckpt,4bit (one process), "
+                        "fsdp2,fsdp2+ckpt,fsdp2+load,fsdp2+implicit (torchrun)")
     p.add_argument("--out", default=None, help="also write the results as JSON here (rank 0)")
     args = p.parse_args()
     from llm_calib import distributed
@@ -186,7 +202,8 @@ def main() -> int:
     from llm_calib.models import tiny_random_model
 
     TOKENIZER = tiny_random_model()[1]
-    modes = [m for m in (args.modes or ("fsdp2,fsdp2+ckpt" if ranks > 1 else "bf16,bf16+ckpt,4bit")).split(",") if m]
+    default = ",".join(FSDP2_MODES) if ranks > 1 else "bf16,bf16+ckpt,4bit"
+    modes = [m for m in (args.modes or default).split(",") if m]
     unknown = sorted(set(modes) - {"bf16", "bf16+ckpt", "4bit", *FSDP2_MODES})
     if unknown:
         p.error(f"--modes: unknown {unknown}; choose from bf16, bf16+ckpt, 4bit, {', '.join(FSDP2_MODES)}")
@@ -213,10 +230,10 @@ def main() -> int:
             if main_rank:
                 print(json.dumps(r), flush=True)
     if main_rank:
-        print(f"{'mode':<10} {'params M':>9} {'weights MB':>11} {'peak step MB':>13} {'step s':>7} {'tok/s':>8} "
+        print(f"{'mode':<14} {'params M':>9} {'weights MB':>11} {'peak step MB':>13} {'step s':>7} {'tok/s':>8} "
               f"{'ranks':>5} {'base MB':>8} {'base MB/rank':>12} finite")
         for r in results:
-            print(f"{r['mode']:<10} {r['parameters_m']:>9.0f} {r['weights_mb']:>11.0f} {r['peak_step_mb']:>13.0f} "
+            print(f"{r['mode']:<14} {r['parameters_m']:>9.0f} {r['weights_mb']:>11.0f} {r['peak_step_mb']:>13.0f} "
                   f"{r['step_s']:>7.3f} {r['tokens_per_s']:>8.0f} {r['ranks']:>5} {r['base_mb']:>8.1f} "
                   f"{r['base_mb_rank']:>12.1f} {r['finite']}")
         if args.out:

@@ -10,11 +10,14 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from llm_calib import distributed
 
 __all__ = [
     "ALIASES", "ATTN_IMPLEMENTATIONS", "CACHE_MARKER", "DTYPES", "GGUFAlias",
@@ -291,7 +294,7 @@ def _from_pretrained_kwargs(cfg: ModelLoadConfig, device: str | torch.device) ->
     return kwargs
 
 
-def _finish(model: Any, cfg: ModelLoadConfig, device: str | torch.device) -> None:
+def _finish(model: Any, cfg: ModelLoadConfig, device: str | torch.device, placed: bool = False) -> None:
     if cfg.quantized:
         # already placed by its device map; the frozen rest (norms, embeddings) stays in the
         # compute dtype (no float32 upcast of embeddings and head as in peft's k-bit preparation:
@@ -305,7 +308,7 @@ def _finish(model: Any, cfg: ModelLoadConfig, device: str | torch.device) -> Non
             # (calibration evaluates in eval mode between training steps)
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
-    elif cfg.device_map is None:
+    elif cfg.device_map is None and not placed:
         model.to(device)
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)
@@ -425,6 +428,13 @@ def load(
     path, option or install command; a name close to an alias gets a suggestion, and an uncached
     hub name fails at once when the hub is unreachable.
 
+    Under ``torchrun`` (a process group of several ranks) a safetensors model (a local directory,
+    a hub model in the local cache, an alias's converted copy) loads sharded: each rank reads only
+    its FSDP2 shards of the frozen weights (:func:`llm_calib.distributed.load_sharded`), which come
+    back frozen. Quantised bases, ``device_map``, ``.gguf`` files and uncached hub models load whole
+    on every rank, with a warning naming why (:func:`llm_calib.distributed.shard_frozen_base`
+    shards them afterwards).
+
     Example:
         >>> import tempfile
         >>> d = tempfile.mkdtemp()
@@ -449,33 +459,103 @@ def load(
                         f"{[f.name for f in fields(ModelLoadConfig)]}")
     cfg = ModelLoadConfig(**{**(config or ModelLoadConfig()).to_dict(), **overrides})
     kwargs = _from_pretrained_kwargs(cfg, device)
+    model = tokenizer = None
+    sharded = False
     if name_or_path in ALIASES:
-        gguf = resolve_gguf(name_or_path)
-        target = Path(cache_dir).expanduser() if cache_dir else default_cache_dir(name_or_path)
-        if not cache_is_valid(target, gguf):
-            _convert_gguf(gguf, target)
+        target = _alias_cache(name_or_path, cache_dir)
         kwargs.pop("trust_remote_code")
         if kwargs["dtype"] == "auto":
             kwargs["dtype"] = torch.float32  # the cache is a float32 de-quantisation of the GGUF file
-        model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
+        if distributed.is_distributed():
+            model = _load_sharded_or_warn(target, str(target), cfg, kwargs, device, name_or_path)
+            sharded = model is not None
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(target)
     elif name_or_path.endswith(".gguf") and Path(name_or_path).is_file():
+        if distributed.is_distributed():
+            _warn_whole_load(name_or_path, "a .gguf file is de-quantised by loading it whole; save it once as a "
+                             "safetensors directory (save_pretrained) to load that sharded")
         path = Path(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:
-        if not Path(name_or_path).expanduser().exists() and _check_hub_name(name_or_path, cache_dir):
+        local = Path(name_or_path).expanduser()
+        if not local.exists() and _check_hub_name(name_or_path, cache_dir):
             kwargs["local_files_only"] = True  # offline with a cached copy: no network retries
         if cache_dir is not None:
             kwargs["cache_dir"] = str(cache_dir)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
         tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "cache_dir", "local_files_only") if k in kwargs}
+        if distributed.is_distributed():
+            directory = local if local.is_dir() else _hub_snapshot(name_or_path, cache_dir)
+            model = _load_sharded_or_warn(directory, name_or_path, cfg, kwargs, device, name_or_path)
+            sharded = model is not None
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **tok_kwargs)
     _LOADS["count"] += 1
     _ensure_pad_token(tokenizer, model)
-    _finish(model, cfg, device)
+    _finish(model, cfg, device, placed=sharded)
     model.eval()
     return model, tokenizer
+
+
+def _alias_cache(alias: str, cache_dir: str | os.PathLike[str] | None) -> Path:
+    """The converted safetensors copy of a built-in alias, converted first if needed (under
+    ``torchrun`` by each node's first rank while the others wait)."""
+    gguf = resolve_gguf(alias)
+    target = Path(cache_dir).expanduser() if cache_dir else default_cache_dir(alias)
+    first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if (first_on_node or not distributed.is_distributed()) and not cache_is_valid(target, gguf):
+        _convert_gguf(gguf, target)
+    if distributed.is_distributed():
+        torch.distributed.barrier()  # every rank, every time: none reads a half-written cache
+    return target
+
+
+def _hub_snapshot(name: str, cache_dir: str | os.PathLike[str] | None) -> Path | None:
+    """The local snapshot directory of a hub model already in the cache; None when it is not there."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, cache_dir=str(cache_dir) if cache_dir else None, local_files_only=True))
+    except Exception:  # not cached (or no valid repo id): it is loaded whole, with a warning saying so
+        return None
+
+
+def _warn_whole_load(name: str, why: str) -> None:
+    if distributed.rank() == 0:
+        warnings.warn(f"{name}: every rank loads the whole model before FSDP2 shards it: {why}", UserWarning,
+                      stacklevel=3)
+
+
+def _load_sharded_or_warn(directory: Path | None, name: str, cfg: ModelLoadConfig, kwargs: dict[str, Any],
+                          device: str | torch.device, shown: str) -> Any:
+    """Under ``torchrun``: the model loaded shard by shard (:func:`llm_calib.distributed.load_sharded`),
+    or None after a one-line warning naming why it must be loaded whole."""
+    why = None
+    if cfg.quantized:
+        why = "4-bit and 8-bit weights are not sharded (FSDP2 cannot split bitsandbytes' packed weights)"
+    elif cfg.device_map is not None:
+        why = f"device_map={cfg.device_map!r} places whole weights"
+    elif directory is None:
+        why = f"it is not in the local hub cache (`hf download {shown}` first to load it sharded)"
+    why = distributed.first_problem(why)  # all ranks alike: a sharded load is collective
+    if why is None:
+        dtype = kwargs["dtype"]
+        if dtype == "auto":
+            from transformers import AutoConfig
+
+            stored = getattr(AutoConfig.from_pretrained(directory, trust_remote_code=cfg.trust_remote_code), "dtype", None)
+            dtype = getattr(torch, stored) if isinstance(stored, str) else stored or torch.float32
+        try:
+            return distributed.load_sharded(directory, dtype=dtype, device=device,
+                                            attn_implementation=cfg.attn_implementation,
+                                            trust_remote_code=cfg.trust_remote_code, name=name)
+        except distributed.ShardedLoadError as exc:
+            why = str(exc)
+    _warn_whole_load(shown, why)
+    return None
 
 
 def split_decoder_head(model: Any) -> tuple[Any, Any]:

@@ -8,6 +8,10 @@ The test process runs the same on the combined batches in one process and resume
 checkpoint of step 2 there (2 ranks → 1). Losses, θ and λ agree within float32 tolerances; each
 rank stores about half of the base's parameters; the 2-rank result loads into one process.
 
+A second launch loads a tied tiny model from a safetensors directory shard by shard (the default of
+:func:`llm_calib.models.load` under ``torchrun``) and trains it with the implicit solver, whose
+Hessian-vector products run through the sharded base; outputs, θ and λ equal one process.
+
 λ is the temperature adjustment here (one scalar with a sizeable gradient): a vector λ over the
 vocabulary has coordinates with near-zero gradients, where Adam's normalisation turns float32
 reordering noise into steps of the full learning rate (``tests/test_calm_distributed.py`` checks
@@ -181,21 +185,6 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path
     assert torch.equal(loaded.lam["log_a"], t_two["best_lam/log_a"])
 
 
-def test_second_order_solver_is_refused_on_several_ranks(monkeypatch):
-    import pytest
-
-    from llm_calib import CalibrationConfig, distributed
-    from llm_calib.calm.training import check_scale_out
-
-    implicit = CalibrationConfig(objective={"name": "calm", "solver": {"name": "implicit"}})
-    check_scale_out(implicit)  # one process: runs
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    with pytest.raises(ValueError, match=r"objective\.solver='implicit' takes second derivatives.*2 ranks"):
-        check_scale_out(implicit)
-    check_scale_out(CalibrationConfig(objective={"name": "calm", "solver": {"name": "f2sa"}}))
-    check_scale_out(CalibrationConfig(objective={"name": "lora_ce"}))
-
-
 def test_gpu_check_runs_on_cpu_and_names_torchrun_for_fsdp2_modes(tmp_path):
     """benchmarks/gpu_check.py's CPU smoke check; its fsdp2 modes need torchrun (2 ranks: see its docstring)."""
     out = tmp_path / "gpu_check.json"
@@ -210,3 +199,152 @@ def test_gpu_check_runs_on_cpu_and_names_torchrun_for_fsdp2_modes(tmp_path):
     assert "launch with torchrun --nproc_per_node=N (N >= 2)" in proc.stdout
     results = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in results] == ["bf16+ckpt"] and results[0]["finite"] and results[0]["ranks"] == 1
+
+
+# Run by every rank: the base loaded shard by shard from a safetensors directory (the default of
+# llm_calib.models.load under torchrun), then loaded whole and sharded (the path before), then 3
+# CALM steps with the implicit solver (Hessian-vector products through the sharded base).
+LOAD_SCRIPT = SCRIPT.split("\nif __name__")[0] + '''
+IMPLICIT = {"name": "calm", "solver": {"name": "implicit", "inner_steps": 2, "maxiter": 3}, "lam_lr": 1e-1,
+            "adjustment": "temperature"}
+
+def tied_logits(model, tok):
+    ids = tok(["What is the capital of France? The answer is: Paris", "the quick brown fox"], return_tensors="pt",
+              padding=True)
+    with torch.no_grad():
+        return model(**ids).logits
+
+
+if __name__ == "__main__":
+    import resource
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from llm_calib import distributed
+    from llm_calib.models import load
+    model_dir, out, renamed = sys.argv[1], sys.argv[2], sys.argv[3]
+    distributed.init_from_env()
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:  # rank 1 cannot load sharded: no rank does
+        warnings.simplefilter("always")
+        other, _ = load(renamed if distributed.rank() == 1 else model_dir)
+    fallback = {"warnings": [str(w.message) for w in seen if "loads the whole model" in str(w.message)],
+                "sharded": any(hasattr(p, "to_local") for p in other.parameters())}
+    del other
+    peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model, tok = load(model_dir)  # sharded loading
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    shards = [p for p in model.parameters() if hasattr(p, "to_local")]
+    report = {
+        "peak_rss_growth_kb": peak - peak0,
+        "sharded_local_bytes": sum(p.to_local().numel() * p.element_size() for p in shards),
+        "sharded_global_bytes": sum(p.numel() * p.element_size() for p in shards),
+        "replicated": sorted(n for n, p in model.named_parameters() if not hasattr(p, "to_local")),
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "q_proj_unit": type(model.model.layers[0].self_attn.q_proj).__name__,
+        "fallback": fallback,
+    }
+    torch.save(tied_logits(model, tok), f"{out}/logits_sharded_load_rank{distributed.rank()}.pt")
+    whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+    distributed.shard_frozen_base(whole)
+    torch.save(tied_logits(whole, tok), f"{out}/logits_whole_then_sharded_rank{distributed.rank()}.pt")
+    del whole
+    train = load_data("builtin:arithmetic,capitals:n=10").records
+    heldout = load_data("builtin:arithmetic,capitals:n=4,seed=1").records
+    calm = calibrate(model, tok, train, heldout, config(IMPLICIT), checkpoint_dir=out + "/implicit", progress=False)
+    base = calm.model.get_base_model()
+    report["tied_after_training"] = base.lm_head.weight is base.model.embed_tokens.weight
+    json.dump(report, open(f"{out}/rank{distributed.rank()}.json", "w"))
+    dist.destroy_process_group()
+'''
+
+
+def _tied_tiny_model(directory: Path) -> None:
+    """The tiny model with its head tied to the embedding (as SmolLM2's), saved as safetensors."""
+    from transformers import LlamaForCausalLM
+
+    model, tok = tiny_random_model(seed=0, init_std=0.1)
+    model.config.tie_word_embeddings = True
+    tied = LlamaForCausalLM(model.config)
+    tied.load_state_dict({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, strict=False)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    tied.save_pretrained(directory)
+    tok.save_pretrained(directory)
+
+
+def test_sharded_loading_and_the_implicit_solver_on_two_ranks_equal_one_process(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from llm_calib.models import load
+
+    model_dir, two, renamed = tmp_path / "model", tmp_path / "two", tmp_path / "renamed"
+    _tied_tiny_model(model_dir)
+    two.mkdir()
+    shutil.copytree(model_dir, renamed)  # a checkpoint whose names differ from the model's (on rank 1 only)
+    weights = load_file(renamed / "model.safetensors")
+    weights["model.final_norm.weight"] = weights.pop("model.norm.weight")
+    save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
+    script = tmp_path / "fsdp_loading.py"
+    script.write_text(LOAD_SCRIPT.replace("from llm_calib.data import load\n", "from llm_calib.data import load as load_data\n"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+         str(model_dir), str(two), str(renamed)], env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    print(f"2-rank sharded-loading launch: {time.perf_counter() - t0:.1f} s")
+    reports = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+    # one process: the same directory loaded whole, the same 3 CALM steps
+    namespace: dict = {"__name__": "fsdp_loading"}
+    exec(compile(LOAD_SCRIPT, "fsdp_loading.py", "exec"), namespace)
+    model, tok = load(str(model_dir))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    want = namespace["tied_logits"](model, tok)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed_and_norms = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n or "embed" in n}
+    for r in (0, 1):  # (a) the outputs: sharded loading = loading whole then sharding = one process
+        for path in ("sharded_load", "whole_then_sharded"):
+            got = torch.load(two / f"logits_{path}_rank{r}.pt")
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{path} rank {r}")
+    one = tmp_path / "one"
+    namespace["calibrate"](model, tok, namespace["load"]("builtin:arithmetic,capitals:n=10").records,
+                           namespace["load"]("builtin:arithmetic,capitals:n=4,seed=1").records,
+                           namespace["config"](namespace["IMPLICIT"]), checkpoint_dir=one, progress=False)
+    _assert_same_run(two / "implicit", one, "calm (implicit solver) on a base loaded sharded")
+    t_one, s_one = _last(one)
+    assert abs(float(t_one["lam/log_a"])) > 1e-4 and s_one["history"][-1]["matvecs"] > 0  # λ moved by HVPs
+
+    # (b) each rank materialised half of every sharded weight; whole only the tied embedding and the norms
+    for report in reports:
+        print(f"rank report: {report}")
+        assert report["q_proj_unit"] == "FSDPLinear"
+        assert report["sharded_local_bytes"] * 2 == report["sharded_global_bytes"], report
+        assert report["replicated"] == sorted(embed_and_norms), report
+        assert report["sharded_global_bytes"] + sum(embed_and_norms.values()) == full
+        # (c) the head stays tied to the embedding, loaded and after training
+        assert report["tied"] and report["tied_after_training"], report
+        # a rank that cannot load sharded makes every rank load whole (rank 0 warns, naming why)
+        assert not report["fallback"]["sharded"], report
+    assert reports[1]["fallback"]["warnings"] == []
+    assert reports[0]["fallback"]["warnings"] == [
+        f"{model_dir}: every rank loads the whole model before FSDP2 shards it: rank 1: {renamed}: no tensor named "
+        "'model.norm.weight' in its safetensors files (1 parameters missing: its names differ from the model's)"]
+
+
+def test_loading_under_torchrun_says_why_it_loads_whole(tmp_path, monkeypatch):
+    """Where sharded loading cannot serve (here a device map), every rank loads whole, with a warning naming why."""
+    import pytest
+
+    from llm_calib import distributed
+    from llm_calib.models import load
+
+    _tied_tiny_model(tmp_path)
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(distributed, "rank", lambda: 0)
+    monkeypatch.setattr(distributed, "first_problem", lambda problem: problem)  # one rank: its own
+    with pytest.warns(UserWarning, match=r"every rank loads the whole model before FSDP2 shards it: device_map='cpu'"):
+        model, _ = load(str(tmp_path), device_map="cpu")
+    assert not any(hasattr(p, "to_local") for p in model.parameters())

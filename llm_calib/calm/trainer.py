@@ -181,6 +181,7 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, conf
         _train(trainer, state, checkpoint_dir, run_data, progress)
     with _timed(timings, "evaluate_after"):
         after = training.evaluate(trainer, state.best_theta)
+    distributed.reshard_all(trainer.model)  # units the implicit solver kept gathered are sharded again
     after["selected_step"] = int(state.best["step"])  # integers as integers in metrics.json
     after["stopped_early"] = int(state.stopped_early)
     note = training.selection_note(state.history, state.before, after["selected_step"], config)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,8 +50,9 @@ from llm_calib.metrics import ece as ece_metric
 
 __all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "SECOND_ORDER_SOLVERS", "TrainState",
            "Trainer", "TrainingDiverged", "best_candidate", "build_trainer", "check_not_empty",
-           "check_scale_out", "data_fingerprint", "done", "evaluate", "evaluation_due",
-           "init_state", "is_selectable", "parameter_summary", "resume_state", "run_format",
+           "data_fingerprint", "done", "evaluate", "evaluation_due",
+           "init_state", "is_selectable", "keep_differentiated_units_gathered", "parameter_summary",
+           "resume_state", "run_format",
            "save_state", "select", "selection_note", "train_step", "warn_small_heldout"]
 
 Records = Sequence[MultipleChoice] | Sequence[OpenQA] | EncodedRecords
@@ -256,8 +258,7 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
     The arguments are those of :func:`~llm_calib.calm.trainer.calibrate`.
 
     Raises:
-        ValueError: records of mixed kinds or another type (naming the record); under
-            ``torchrun``, a solver with second derivatives (:func:`check_scale_out`).
+        ValueError: records of mixed kinds or another type (naming the record).
 
     Example:
         >>> from llm_calib.data import builtin_multiple_choice
@@ -269,7 +270,6 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
         (4, False)
     """
     fmt = run_format(train, heldout, config, unlabeled)
-    check_scale_out(config)
     warn_small_heldout(len(_records(heldout)), config)
     torch.manual_seed(config.seed)
     peft_model = attach_lora(model, config.lora, output_scale=config.lora.output_scale)
@@ -283,6 +283,7 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
     # need it (FunctionalLM.train_mode).
     peft_model.eval()
     lm = FunctionalLM(peft_model)
+    keep_differentiated_units_gathered(lm, config)
     vocab = lm.head.out_features if hasattr(lm.head, "out_features") else lm.base.config.vocab_size
     train_enc = _encode(tokenizer, train, config, fmt)
     heldout_enc = _encode(tokenizer, heldout, config, fmt)
@@ -305,24 +306,33 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
 
 
 SECOND_ORDER_SOLVERS = ("implicit",)
-"""Solvers taking second derivatives, which do not run under ``torchrun`` (:func:`check_scale_out`)."""
+"""Solvers taking second derivatives: under ``torchrun`` the sharded units they differentiate
+through twice stay gathered (:func:`keep_differentiated_units_gathered`)."""
 
 
-def check_scale_out(config: CalibrationConfig) -> None:
-    """Refuse, under ``torchrun``, a solver with second derivatives (FSDP2 frees what they need).
+def keep_differentiated_units_gathered(lm: FunctionalLM, config: CalibrationConfig) -> list[str]:
+    """Under ``torchrun`` with a solver of :data:`SECOND_ORDER_SOLVERS`: keep the FSDP2 units of the
+    trained layers, the layers above them and the head gathered for the run
+    (:func:`llm_calib.distributed.keep_gathered`); the layers below stay sharded.
 
-    Raises:
-        ValueError: ``objective.solver`` is in :data:`SECOND_ORDER_SOLVERS` and several ranks run.
+    Returns:
+        The units kept gathered; empty in one process or for a first-order method.
 
     Example:
-        >>> check_scale_out(CalibrationConfig(objective={"name": "calm", "solver": {"name": "implicit"}}))  # one process
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.calm.config import LoraSettings
+        >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))
+        >>> keep_differentiated_units_gathered(lm, CalibrationConfig(objective={"name": "calm", "solver": "implicit"}))
+        []
     """
     solver = getattr(getattr(config.objective, "solver", None), "name", None)
-    if solver in SECOND_ORDER_SOLVERS and distributed.world_size() > 1:
-        raise ValueError(
-            f"objective.solver={solver!r} takes second derivatives, which do not run on a base sharded over "
-            f"{distributed.world_size()} ranks (FSDP2 frees the gathered weights a second backward pass needs); "
-            "use solver 'bome' or 'f2sa' under torchrun, or run the implicit solver in one process")
+    if solver not in SECOND_ORDER_SOLVERS or not distributed.is_distributed():
+        return []
+    layers = getattr(lm.decoder, "layers", None)
+    trained = [int(m.group(1)) for n in lm.theta() if (m := re.search(r"layers\.(\d+)\.", n))]
+    if layers is None or not trained:  # no layered decoder, or θ outside the layers: everything
+        return distributed.keep_gathered([lm.base])
+    return distributed.keep_gathered([*list(layers)[min(trained):], lm.head])
 
 
 MIN_GUARD_QUESTIONS = 500
