@@ -163,7 +163,7 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, conf
         >>> sorted(calibrate(model, tok, qs[:2], qs[2:], cfg, progress=False).metrics)
         ['after', 'before']
     """
-    config = config or CalibrationConfig()
+    config = (config or CalibrationConfig()).resolved(len(train))  # training.epochs -> steps
     # Check the kinds before touching the model: a bad mix fails fast and names the record.
     training.run_format(train, heldout, config, unlabeled)
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
