@@ -333,7 +333,7 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
     if heldout_kind == train_kind:
         lines += family_format(train_kind).training_notes
     else:
-        lines.append(f"- lower level trained on {family_format(train_kind).description} records (token "
+        lines.append(f"- lower level trained on {'open-ended (prompt, response)' if train_kind == 'open' else train_kind} records (token "
                      f"cross-entropy of each reference response, e.g. instruction data); the held-out and "
                      f"unlabelled sets (selection, accuracy guard, upper level) are {family_format(heldout_kind).description}")
     fit = cmp.temperature
