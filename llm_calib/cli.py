@@ -551,6 +551,12 @@ example (CALM, against the uncalibrated and temperature-scaled model):
 comparing methods (each trained with the same data, seed and budget):
   llm-calib calibrate ... --methods calm,lora_ce,label_smoothing,confidence_penalty --out /tmp/compare
 
+the CALM paper's protocol (vector λ, LoRA r=64 on every linear layer, batch 16, 5 epochs, letters),
+with an instruction-data lower level (JSONL of {"prompt", "response"} lines) and multiple-choice
+held-out and evaluation sets; flags override the preset:
+  llm-calib calibrate --preset paper --train jsonl:alpaca.jsonl \\
+      --heldout arc_challenge:../shared/data:dev --eval arc_challenge:../shared/data:test --out /tmp/paper
+
 open-ended training (greedy answers, exact match in the report; no temperature column):
   llm-calib calibrate --train webquestions:../shared/data:train \\
       --heldout webquestions:../shared/data:dev --eval webquestions:../shared/data:test \\
@@ -595,11 +601,14 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--train", required=True, metavar="SPEC",
         help="data spec of the labelled training split (lower level: task cross-entropy); all "
-        "multiple choice, or all open questions (e.g. nq_open), trained on their first answer",
+        "multiple choice, or all open questions (e.g. nq_open), trained on their first answer; or "
+        "instruction data, jsonl:PATH of {prompt, response} (or Alpaca's {instruction, input, output}) "
+        "lines, trained on the response under a multiple-choice --heldout",
     )
     p.add_argument(
         "--heldout", required=True, metavar="SPEC",
-        help="data spec of the held-out split, of the same kind as --train: its labels serve "
+        help="data spec of the held-out split, of the kind of --train (multiple choice also under "
+        "open-ended --train records): its labels serve "
         "model selection, the accuracy guard and (multiple choice only) the temperature fit; its "
         "inputs drive CALM's entropy objective unless --unlabeled is given",
     )
@@ -625,7 +634,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--unlabeled", action="append", default=None, metavar="SPEC",
         help="data spec of unlabelled upper-level inputs (CALM's entropy objective and the "
-        "confidence penalty's entropy term), of the same kind as --train; labels in it are "
+        "confidence penalty's entropy term), of the same kind as --heldout; labels in it are "
         "ignored; repeat for several sets (default: the --heldout inputs; then --heldout "
         "serves only model selection, the accuracy guard and the temperature fit)",
     )
@@ -841,7 +850,12 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     """
     import dataclasses
 
-    from llm_calib.calm.config import CalibrationConfig, apply_preset, flat_key_location, read_config_file
+    from llm_calib.calm.config import (
+        CalibrationConfig,
+        apply_preset,
+        flat_key_location,
+        read_config_file,
+    )
     from llm_calib.objectives.registry import objective_class, objective_from_dict
 
     data: dict = {}

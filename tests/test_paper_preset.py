@@ -7,7 +7,12 @@ import json
 import pytest
 
 from llm_calib import cli
-from llm_calib.calm.config import CONFIG_PRESETS, PAPER_LORA_MODULES, CalibrationConfig, apply_preset
+from llm_calib.calm.config import (
+    CONFIG_PRESETS,
+    PAPER_LORA_MODULES,
+    CalibrationConfig,
+    apply_preset,
+)
 from llm_calib.calm.encoding import run_formats
 from llm_calib.data import OpenQA, builtin_multiple_choice
 from llm_calib.data import load as load_data
