@@ -152,3 +152,16 @@ def test_calibrate_names_the_bad_instruction_row_and_keeps_the_kind_refusals(tin
     assert cli.main([*base, "--train", train, "--unlabeled", train]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("llm-calib: error: --unlabeled") and "is OpenQA, expected multiple_choice" in last
+
+
+def test_epochs_set_the_step_count_of_the_python_api():
+    from llm_calib import calibrate
+    from llm_calib.models import tiny_random_model
+
+    model, tok = tiny_random_model(seed=0, init_std=0.1)
+    qs = builtin_multiple_choice(n_per_domain=5, domains=["capitals"])
+    cfg = CalibrationConfig(training=dict(epochs=2, batch_size=2, heldout_batch_size=2), lora=dict(rank=2),
+                            selection=dict(eval_every=1))
+    result = calibrate(model, tok, qs[:3], qs[3:], cfg, progress=False)  # 3 questions: 2 batches an epoch
+    assert [h["step"] for h in result.history] == [1, 2, 3, 4]
+    assert (result.config.training.steps, result.config.training.epochs) == (4, 2)
