@@ -135,7 +135,7 @@ def instruction_from_dict(row: Mapping[str, Any], *, source: str, line: int, dom
         >>> r = instruction_from_dict({"instruction": "Translate to French.", "input": "cat", "output": "chat"},
         ...                           source="f", line=2, domain="alpaca")
         >>> r.question, r.answers, r.id
-        ('Translate to French.\n\ncat', ('chat',), 'alpaca-2')
+        ('Translate to French.\\n\\ncat', ('chat',), 'alpaca-2')
     """
     schemas = [name for name, fields in INSTRUCTION_FIELDS.items() if any(f in row for f in fields)]
     if len(schemas) != 1:
