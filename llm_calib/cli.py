@@ -551,6 +551,12 @@ example (CALM, against the uncalibrated and temperature-scaled model):
 comparing methods (each trained with the same data, seed and budget):
   llm-calib calibrate ... --methods calm,lora_ce,label_smoothing,confidence_penalty --out /tmp/compare
 
+the CALM paper's protocol (vector λ, LoRA r=64 on every linear layer, batch 16, 5 epochs, letters),
+with an instruction-data lower level (JSONL of {"prompt", "response"} lines) and multiple-choice
+held-out and evaluation sets; flags override the preset:
+  llm-calib calibrate --preset paper --train jsonl:alpaca.jsonl \\
+      --heldout arc_challenge:../shared/data:dev --eval arc_challenge:../shared/data:test --out /tmp/paper
+
 open-ended training (greedy answers, exact match in the report; no temperature column):
   llm-calib calibrate --train webquestions:../shared/data:train \\
       --heldout webquestions:../shared/data:dev --eval webquestions:../shared/data:test \\
@@ -595,11 +601,14 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--train", required=True, metavar="SPEC",
         help="data spec of the labelled training split (lower level: task cross-entropy); all "
-        "multiple choice, or all open questions (e.g. nq_open), trained on their first answer",
+        "multiple choice, or all open questions (e.g. nq_open), trained on their first answer; or "
+        "instruction data, jsonl:PATH of {prompt, response} (or Alpaca's {instruction, input, output}) "
+        "lines, trained on the response under a multiple-choice --heldout",
     )
     p.add_argument(
         "--heldout", required=True, metavar="SPEC",
-        help="data spec of the held-out split, of the same kind as --train: its labels serve "
+        help="data spec of the held-out split, of the kind of --train (multiple choice also under "
+        "open-ended --train records): its labels serve "
         "model selection, the accuracy guard and (multiple choice only) the temperature fit; its "
         "inputs drive CALM's entropy objective unless --unlabeled is given",
     )
@@ -625,7 +634,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--unlabeled", action="append", default=None, metavar="SPEC",
         help="data spec of unlabelled upper-level inputs (CALM's entropy objective and the "
-        "confidence penalty's entropy term), of the same kind as --train; labels in it are "
+        "confidence penalty's entropy term), of the same kind as --heldout; labels in it are "
         "ignored; repeat for several sets (default: the --heldout inputs; then --heldout "
         "serves only model selection, the accuracy guard and the temperature fit)",
     )
@@ -741,7 +750,7 @@ def _solver_fields() -> tuple[dict[str, type], set[str]]:
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     """The config's flags, generated from its dataclasses, one group per part."""
-    from llm_calib.calm.config import PARTS, CalibrationConfig
+    from llm_calib.calm.config import CONFIG_PRESETS, PARTS, CalibrationConfig
     from llm_calib.objectives.registry import objective_class, objective_names, solver_names
 
     group = p.add_argument_group(
@@ -777,8 +786,15 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             _settings_flags(cls, "cfg:prompt.", prefix, group, "prompt.", skip=shared.__contains__)
         else:
             _settings_flags(cls, f"cfg:{part}.", prefix, group, f"{part}.")
-    group = p.add_argument_group("run (CalibrationConfig.checkpoint_every, seed)")
-    _settings_flags(CalibrationConfig, "cfg:", "--", group, "", skip=lambda f: f in PARTS or f == "objective")
+    group = p.add_argument_group("run (CalibrationConfig.checkpoint_every, seed, preset)")
+    _settings_flags(CalibrationConfig, "cfg:", "--", group, "", skip=lambda f: f in PARTS or f in ("objective", "preset"))
+    group.add_argument(
+        "--preset", dest="cfg:preset", choices=tuple(CONFIG_PRESETS), default=None,
+        help="start from a named configuration; --config and explicit flags override its values, an "
+        "explicit --steps its --epochs. paper: the CALM paper's protocol (CALM + BOME, per-vocabulary λ "
+        "(--adjustment vector), LoRA r=64, alpha=32 on every linear layer, batch 16, 5 epochs, options "
+        "listed and scored by letter; see docs/methods/calm.md) (default: none)",
+    )
 
 
 def _config_overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
@@ -834,7 +850,12 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     """
     import dataclasses
 
-    from llm_calib.calm.config import CalibrationConfig, flat_key_location, read_config_file
+    from llm_calib.calm.config import (
+        CalibrationConfig,
+        apply_preset,
+        flat_key_location,
+        read_config_file,
+    )
     from llm_calib.objectives.registry import objective_class, objective_from_dict
 
     data: dict = {}
@@ -843,12 +864,18 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
         # validate the file alone first, so that an error names the file (and an old key its line)
         _user_call(lambda: CalibrationConfig.from_dict(data), f"--config {flat_key_location(args.config, data)}")
     parts, objective_flags, solver_flags = _config_overrides(args)
+    # precedence: defaults < --preset (else the file's preset:) < --config < flags
+    preset = parts.pop("preset", None) or data.get("preset")
+    if preset is not None:
+        data = _user_call(lambda: apply_preset({**data, "preset": preset}), "--preset")
     merged = {k: v for k, v in data.items() if k != "objective"}
     for part, values in parts.items():
         if isinstance(values, dict):
             merged[part] = {**(merged.get(part) or {}), **values}
         else:
             merged[part] = values
+    if "steps" in parts.get("training", {}) and "epochs" not in parts["training"] and "training" in merged:
+        merged["training"]["epochs"] = None  # an explicit --steps replaces the preset's or the file's epochs
     base = data.get("objective", CalibrationConfig().objective.name)
     base = {"name": base} if isinstance(base, str) else {"name": CalibrationConfig().objective.name, **base}
     if args.objective_name is not None:  # another objective than the file's: its settings were for that one
@@ -911,7 +938,7 @@ def _fewshot_pool(args: argparse.Namespace, config: Any, evaluated: list, log: C
 def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     from llm_calib import distributed
-    from llm_calib.calm.encoding import format_settings, task_format
+    from llm_calib.calm.encoding import format_settings, run_formats
     from llm_calib.calm.trainer import TrainingDiverged
     from llm_calib.compare import run_comparison, write_comparison_report
     from llm_calib.data import load as load_data
@@ -944,9 +971,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     evals = [(spec, records("--eval", spec)) for spec in args.eval]
     if config.prompt.fewshot:  # one pool for training, selection and evaluation, as evaluate draws it
         _fewshot_pool(args, config, [r for _, recs in [heldout, *evals] for r in recs], log)
-    try:  # one kind of record per run, read here; the message names the offending record
-        fmt = task_format(train[1], config, what=f"--train {args.train}")
-        fmt.check(heldout[1], what=f"--heldout {args.heldout}")
+    # one kind of record per set, read here; the held-out kind is the training kind, or multiple
+    # choice under open-ended (prompt, response) training; the message names the offending record
+    names = (f"--train {args.train}", f"--heldout {args.heldout}", "--unlabeled")
+    try:
+        fmt = run_formats(train[1], heldout[1], config, names=names).upper
     except ValueError as exc:
         raise _UserError(str(exc)) from exc
     unlabeled = None

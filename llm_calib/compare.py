@@ -137,10 +137,13 @@ def run_comparison(
         model: the base model (or a zero-argument callable returning it), shared by every method.
         tokenizer: the model's tokenizer.
         train: ``(name, records)`` of the training split (all multiple choice or all open questions).
-        heldout: ``(name, records)`` of the held-out split, of the same kind (upper level, model
-            selection and, for multiple choice, the temperature fit).
+        heldout: ``(name, records)`` of the held-out split (upper level, model selection and, for
+            multiple choice, the temperature fit): of the training kind, or multiple choice when
+            the training records are open-ended (prompt, response) pairs
+            (:func:`~llm_calib.calm.encoding.run_formats`).
         evals: ``(name, records)`` evaluation sets; results are per record domain.
-        config: the base configuration; its ``objective`` is replaced by each of ``methods``.
+        config: the base configuration; its ``objective`` is replaced by each of ``methods``;
+            ``training.epochs`` (when set) becomes ``training.steps`` for ``len(train)`` questions.
         methods: the objectives to train (distinct names); None: only ``config.objective``.
         out_dir: results go to ``out_dir/<method>/``, checkpoints to ``out_dir/checkpoints/<method>/``.
         unlabeled: ``(name, records)`` of unlabelled upper-level inputs; default: the held-out inputs.
@@ -163,7 +166,7 @@ def run_comparison(
     """
     import torch
 
-    from llm_calib.calm.encoding import encode_records, format_settings, task_format
+    from llm_calib.calm.encoding import encode_records, format_settings, run_formats
     from llm_calib.calm.lora import detach_lora
     from llm_calib.calm.trainer import CalibrationResult, calibrate
     from llm_calib.calm.training import check_not_empty
@@ -176,12 +179,13 @@ def run_comparison(
     for name, records in evals:
         if not records:
             raise ValueError(f"the evaluation set {name!r} (eval) is empty: the report scores it; pass at least one question")
-    fmt = task_format(train[1], config, what=train[0])
-    fmt.check(heldout[1], what=heldout[0])
-    if unlabeled is not None:
-        fmt.check(unlabeled[1], what=unlabeled[0])
+    # the lower level trains on the training kind; selection, the upper level and the temperature
+    # fit read the held-out kind (open-ended training records may serve multiple-choice ones)
+    fmt, upper = run_formats(train[1], heldout[1], config, None if unlabeled is None else unlabeled[1],
+                             names=(train[0], heldout[0], "" if unlabeled is None else unlabeled[0]))
+    config = config.resolved(len(train[1]))  # training.epochs -> steps, as the saved results record it
     # a temperature is fitted on option scores, which open questions do not have
-    temperature_fit = heldout if fmt.temperature_scalable else None
+    temperature_fit = heldout if upper.temperature_scalable else None
     out = Path(out_dir)
     writer = distributed.rank() == 0
     settings = format_settings(config)
@@ -211,8 +215,8 @@ def run_comparison(
 
     # encoded once: every method (and its trunk cache) reads the same token ids of the same records
     train_enc = encode_records(tokenizer, train[1], config, fmt=fmt)
-    heldout_enc = encode_records(tokenizer, heldout[1], config, fmt=fmt)
-    unlabeled_enc = None if unlabeled is None else encode_records(tokenizer, unlabeled[1], config, fmt=fmt)
+    heldout_enc = encode_records(tokenizer, heldout[1], config, fmt=upper)
+    unlabeled_enc = None if unlabeled is None else encode_records(tokenizer, unlabeled[1], config, fmt=upper)
     training: dict[str, dict[str, Any]] = {}
     method_temperatures: dict[str, TemperatureFit] = {}
     for objective in objectives:
@@ -268,7 +272,7 @@ def run_comparison(
         free_memory()
     run_config = {
         "train": {"spec": train[0], "n": len(train[1]), "kind": fmt.family},
-        "heldout": {"spec": heldout[0], "n": len(heldout[1])},
+        "heldout": {"spec": heldout[0], "n": len(heldout[1]), "kind": upper.family},
         **({} if unlabeled is None else {"unlabeled": {"spec": unlabeled[0], "n": len(unlabeled[1])}}),
         "eval": [name for name, _ in evals],
         "calibration": {**{k: v for k, v in config.to_dict().items() if k != "objective"},
@@ -324,7 +328,14 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
     ]
     if cfg.get("prompt"):  # as resolved (the command line adds it), as evaluate's report shows it
         lines.append(setting_line("prompt", cfg["prompt"]))
-    lines += family_format(cfg["train"].get("kind", "multiple_choice")).training_notes
+    train_kind = cfg["train"].get("kind", "multiple_choice")
+    heldout_kind = cfg["heldout"].get("kind", train_kind)
+    if heldout_kind == train_kind:
+        lines += family_format(train_kind).training_notes
+    else:
+        lines.append(f"- lower level trained on {'open-ended (prompt, response)' if train_kind == 'open' else train_kind} records (token "
+                     f"cross-entropy of each reference response, e.g. instruction data); the held-out and "
+                     f"unlabelled sets (selection, accuracy guard, upper level) are {family_format(heldout_kind).description}")
     fit = cmp.temperature
     if fit is not None:
         lines.append(

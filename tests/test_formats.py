@@ -235,8 +235,12 @@ def test_training_goes_through_the_batch_format() -> None:
     for _ in range(cfg.training.steps):
         training.train_step(trainer, state)
     assert fmt.calls["categorical"] > 0 and fmt.calls["deployed_entropy"] > 0 and fmt.calls["monitor"] > 0
+    # open-ended training records serve a multiple-choice held-out set (the instruction-data
+    # lower level); multiple-choice training still refuses open held-out records
+    mixed = training.build_trainer(tiny_random_model()[0], tok, train, _mc(2), cfg)
+    assert mixed.train.format is fmt and mixed.heldout.layout == "options" and mixed.unlabeled is mixed.heldout
     with pytest.raises(ValueError, match="heldout: record"):
-        training.build_trainer(tiny_random_model()[0], tok, train, _mc(2), cfg)
+        training.build_trainer(tiny_random_model()[0], tok, _mc(2), _open(2), cfg)
 
 
 def test_task_format_subclasses_need_the_whole_interface() -> None:

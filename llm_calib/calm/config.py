@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -36,9 +37,9 @@ from llm_calib.objectives.registry import (
 from llm_calib.prompts import PRESETS, PromptFormat, short_answer_format
 
 __all__ = [
-    "CHOICES", "FLAT_KEYS", "METHODS", "PARTS", "SOLVERS", "CalibrationConfig", "LoraSettings", "PromptSettings",
-    "SelectionSettings", "TrainingSettings", "field_help", "flat_key_location", "flat_key_message", "flat_paths",
-    "open_prompt_format", "read_config_file",
+    "CHOICES", "CONFIG_PRESETS", "FLAT_KEYS", "METHODS", "PAPER_LORA_MODULES", "PARTS", "SOLVERS",
+    "CalibrationConfig", "LoraSettings", "PromptSettings", "SelectionSettings", "TrainingSettings", "apply_preset",
+    "field_help", "flat_key_location", "flat_key_message", "flat_paths", "open_prompt_format", "read_config_file",
 ]
 
 METHODS = BUILTIN_OBJECTIVES
@@ -248,7 +249,11 @@ class TrainingSettings:
     """The training budget and θ's step size.
 
     Attributes:
-        steps: outer steps (one batch each).
+        steps: outer steps (one batch each); with ``epochs`` set, derived from it when the run
+            starts (see :meth:`resolved`).
+        epochs: None, or passes over the training set: ``steps`` becomes
+            ``epochs * ceil(len(train) / batch_size)`` (the paper's budget is 5 epochs). An
+            explicit ``steps`` given above a preset's ``epochs`` (in a file or a flag) replaces it.
         batch_size: training questions per step (inner batch; the global batch over all ranks).
         heldout_batch_size: unlabelled upper-level inputs per step (outer batch; CALM's f and the
             confidence penalty's entropy term; labels unused).
@@ -257,17 +262,34 @@ class TrainingSettings:
     Example:
         >>> TrainingSettings(lr="1e-3").lr
         0.001
+        >>> TrainingSettings(epochs=5, batch_size=16).resolved(40).steps   # 3 steps per epoch
+        15
     """
 
     steps: int = 60
     batch_size: int = 8
     heldout_batch_size: int = 8
     lr: float = 1e-3
+    epochs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "heldout_batch_size"):
             check_int(f"training.{name}", getattr(self, name), minimum=1)
+        if self.epochs is not None:
+            check_int("training.epochs", self.epochs, minimum=1)
         self.lr = check_number("training.lr", self.lr, positive=True)
+
+    def resolved(self, n_train: int) -> TrainingSettings:
+        """These settings for a training set of ``n_train`` questions: with ``epochs``, ``steps``
+        set to ``epochs * ceil(n_train / batch_size)`` (``epochs`` kept, as a record); else unchanged.
+
+        Raises:
+            ValueError: ``n_train`` < 1 with ``epochs`` set.
+        """
+        if self.epochs is None:
+            return self
+        check_int("the training set size", n_train, minimum=1)
+        return dataclasses.replace(self, steps=self.epochs * math.ceil(n_train / self.batch_size))
 
 
 @dataclass
@@ -346,6 +368,80 @@ FLAT_KEYS: dict[str, tuple[str, str | None, str | None]] = {
 ``checkpoint_every`` and ``seed`` kept their place."""
 
 
+PAPER_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear layer of a Llama-style decoder block (Llama, Mistral, Qwen2, SmolLM2): the
+paper's "LoRA on all linear layers" (the LM head excluded)."""
+
+CONFIG_PRESETS: dict[str, dict[str, Any]] = {
+    "paper": {
+        "objective": {"name": "calm", "solver": {"name": "bome"}, "adjustment": "vector"},
+        "lora": {"rank": 64, "alpha": 32.0, "target_modules": list(PAPER_LORA_MODULES), "layers": None,
+                 "top_layers": None, "output_scale": False},
+        "prompt": {"scorer": "letter", "style": "listed"},
+        "training": {"epochs": 5, "batch_size": 16, "heldout_batch_size": 16},
+    },
+}
+"""Named starting points of a :class:`CalibrationConfig` (``preset:`` in a config file,
+``llm-calib calibrate --preset``), as the nested dicts of :meth:`CalibrationConfig.to_dict`;
+whatever the file or the flags set replaces the preset's value.
+
+``paper``: the protocol of the CALM paper (arXiv 2608.07419): CALM with BOME, the per-vocabulary
+multiplicative and additive λ (``adjustment: vector``), LoRA r = 64, α = 32 on every linear layer
+of every decoder layer (no trained output scale: the paper trains LoRA only), batches of 16, 5
+epochs over the training set, the options listed in the prompt and scored by their letters. The
+paper quantises the base (QLoRA): add ``--load-in-4bit`` on a GPU. Everything else (learning
+rates, BOME's settings, held-out selection and the accuracy guard) is llm-calib's default: the
+paper's values for them are not recorded here. See :doc:`/methods/calm`."""
+
+
+def apply_preset(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a config mapping) laid over the preset its ``preset`` key names (:data:`CONFIG_PRESETS`).
+
+    Mappings merge key by key, except an objective or solver tagged with another ``name`` than the
+    preset's, which replaces it whole. A ``training.steps`` in ``data`` without ``training.epochs``
+    replaces the preset's epochs (an explicit budget wins). Without ``preset`` ``data`` is returned.
+
+    Raises:
+        ValueError: an unknown preset name.
+
+    Example:
+        >>> cfg = apply_preset({"preset": "paper", "lora": {"rank": 16}, "training": {"steps": 3}})
+        >>> cfg["lora"]["rank"], cfg["lora"]["alpha"], cfg["training"]["steps"], cfg["training"]["epochs"]
+        (16, 32.0, 3, None)
+    """
+    name = data.get("preset")
+    if name is None:
+        return data
+    if name not in CONFIG_PRESETS:
+        raise ValueError(f"preset must be one of {tuple(CONFIG_PRESETS)} or null, got {name!r}")
+    out = _merge(CONFIG_PRESETS[name], data)
+    training = data.get("training")
+    if isinstance(training, dict) and "steps" in training and "epochs" not in training:
+        out["training"]["epochs"] = None
+    return out
+
+
+def _merge(base: Any, over: Any) -> Any:
+    """``over`` laid on ``base`` (copies): mappings key by key; a mapping tagged with another
+    ``name``, or any other value, replaces the base's."""
+    if isinstance(over, str) and isinstance(base, dict) and "name" in base:
+        over = {"name": over}  # an objective or solver given by name alone
+    if not (isinstance(base, dict) and isinstance(over, dict)):
+        return _copy(over)
+    if "name" in over and "name" in base and over["name"] != base["name"]:
+        return _copy(over)
+    out = {k: _copy(v) for k, v in base.items()}
+    for key, value in over.items():
+        out[key] = _merge(base[key], value) if key in base else _copy(value)
+    return out
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return list(value) if isinstance(value, list) else value
+
+
 def flat_key_message(key: str) -> str:
     """The error text for an old flat ``key``: its new path (and which objective/solver has it).
 
@@ -381,6 +477,8 @@ class CalibrationConfig:
         selection: held-out evaluation and accuracy guard (:class:`SelectionSettings`).
         checkpoint_every: steps between checkpoints (0 disables).
         seed: seed for data order and initialisation.
+        preset: the :data:`CONFIG_PRESETS` entry the run started from (a record; the other
+            fields hold the resolved values). :meth:`from_dict` lays the given keys over it.
 
     Example:
         >>> from llm_calib.objectives.calm import F2SA
@@ -402,8 +500,11 @@ class CalibrationConfig:
     selection: SelectionSettings = field(default_factory=SelectionSettings)
     checkpoint_every: int = 0
     seed: int = 0
+    preset: str | None = None
 
     def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in CONFIG_PRESETS:
+            raise ValueError(f"preset must be one of {tuple(CONFIG_PRESETS)} or null, got {self.preset!r}")
         if isinstance(self.objective, (str, dict)):
             self.objective = objective_from_dict(self.objective)
         if not isinstance(self.objective, Objective):
@@ -425,18 +526,31 @@ class CalibrationConfig:
         out: dict[str, Any] = {"objective": self.objective.to_dict()}
         for name in PARTS:
             out[name] = {k: _plain(v) for k, v in dataclasses.asdict(getattr(self, name)).items()}
-        out["checkpoint_every"], out["seed"] = self.checkpoint_every, self.seed
+        out["checkpoint_every"], out["seed"], out["preset"] = self.checkpoint_every, self.seed, self.preset
         return out
+
+    def resolved(self, n_train: int) -> CalibrationConfig:
+        """This configuration for a training set of ``n_train`` questions: ``training.steps``
+        derived from ``training.epochs`` when set (:meth:`TrainingSettings.resolved`).
+
+        Example:
+            >>> CalibrationConfig.from_dict({"preset": "paper"}).resolved(32).training.steps
+            10
+        """
+        training = self.training.resolved(n_train)
+        return self if training is self.training else dataclasses.replace(self, training=training)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CalibrationConfig:
-        """Build from a dict, rejecting unknown keys by name and old flat keys by their new path.
+        """Build from a dict, rejecting unknown keys by name and old flat keys by their new path;
+        with a ``preset`` key, the dict's values are laid over the preset's (:func:`apply_preset`).
 
         Raises:
             ValueError: an old flat key (see :data:`FLAT_KEYS`), an unknown key, or an invalid value.
         """
         if not isinstance(data, dict):
             raise ValueError(f"the calibration config must be a mapping, got {data!r}")
+        data = apply_preset(data)
         flat = [k for k in data if k in FLAT_KEYS]
         if flat:
             raise ValueError("; ".join(flat_key_message(k) for k in flat))

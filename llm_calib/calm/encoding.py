@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -19,12 +19,12 @@ from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.objectives import Batch
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.engine.packing import PackedQuestions
-from llm_calib.formats import MULTIPLE_CHOICE_FORMATS, TaskFormat, format_for
+from llm_calib.formats import MULTIPLE_CHOICE_FORMATS, TaskFormat, format_for, records_family
 from llm_calib.prompts import preset
 
 __all__ = [
-    "TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records", "format_settings",
-    "task_format",
+    "TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "RunFormats", "encode_records", "format_settings",
+    "run_formats", "task_format",
 ]
 
 TRUNK_CHUNK = 16
@@ -185,6 +185,69 @@ def task_format(records: Iterable[Any], config: CalibrationConfig | None = None,
         ('OptionLikelihood', 'mean')
     """
     return format_for(records, **format_settings(config or CalibrationConfig()), what=what)
+
+
+class RunFormats(NamedTuple):
+    """The task formats of a run's sets (see :func:`run_formats`).
+
+    Attributes:
+        lower: the format of the training records (the lower level's loss).
+        upper: the format of the held-out and unlabelled records (model selection, the accuracy
+            guard, the upper level and the temperature fit); ``lower`` itself when the kinds agree.
+    """
+
+    lower: TaskFormat
+    upper: TaskFormat
+
+
+def _set_records(data: Any) -> Sequence[Any]:
+    return data.records if isinstance(data, EncodedRecords) else data
+
+
+def _set_format(data: Any, config: CalibrationConfig, what: str) -> TaskFormat:
+    return data.format if isinstance(data, EncodedRecords) else task_format(data, config, what=what)
+
+
+def run_formats(train: Any, heldout: Any, config: CalibrationConfig | None = None, unlabeled: Any = None, *,
+                names: tuple[str, str, str] = ("train", "heldout", "unlabeled")) -> RunFormats:
+    """The formats of a run's training and held-out records, with the unlabelled ones checked.
+
+    Each set is all of one kind. The held-out set may be of another kind than the training set
+    where the training format serves it (:attr:`~llm_calib.formats.base.TaskFormat.upper_families`):
+    open-ended (prompt, response) records train a lower level for a multiple-choice upper level
+    (the paper's instruction-data lower level); multiple-choice training needs multiple-choice
+    held-out records. The unlabelled records are of the held-out kind (the upper level scores
+    what selection scores).
+
+    Args:
+        train, heldout: records, or their :class:`EncodedRecords`.
+        config: the run's configuration (the prompt settings of the formats).
+        unlabeled: upper-level inputs (records or encodings), or None.
+        names: how error messages name the three sets (e.g. ``"--train SPEC"``).
+
+    Raises:
+        ValueError: a set mixing kinds or holding something else, or held-out / unlabelled
+            records of a kind the run cannot use, naming the set and the record.
+
+    Example:
+        >>> from llm_calib.data import OpenQA, builtin_multiple_choice
+        >>> mc = builtin_multiple_choice(2, domains=["capitals"])
+        >>> formats = run_formats([OpenQA("Say hi.", ("Hi!",), "chat", "c0")], mc, CalibrationConfig(), mc)
+        >>> formats.lower.layout, formats.upper.layout
+        ('open', 'options')
+    """
+    config = config or CalibrationConfig()
+    lower = _set_format(train, config, names[0])
+    held = _set_records(heldout)
+    family = heldout.format.family if isinstance(heldout, EncodedRecords) else records_family(held, what=names[1])
+    if family == lower.family or family not in lower.upper_families:
+        lower.check(held, what=names[1])  # the same kind, or the error naming the record of another kind
+        upper = lower if not isinstance(heldout, EncodedRecords) else heldout.format
+    else:
+        upper = _set_format(heldout, config, names[1])
+    if unlabeled is not None:
+        upper.check(_set_records(unlabeled), what=names[2])
+    return RunFormats(lower, upper)
 
 
 def encode_records(

@@ -166,6 +166,7 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, conf
     config = config or CalibrationConfig()
     # Check the kinds before touching the model: a bad mix fails fast and names the record.
     training.run_format(train, heldout, config, unlabeled)
+    config = config.resolved(len(train))  # training.epochs -> steps
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
     timings: dict[str, float] = {}
 

@@ -34,7 +34,7 @@ import hypergrad as hg
 from llm_calib import distributed
 from llm_calib.calm import sampling
 from llm_calib.calm.config import CalibrationConfig, flat_paths
-from llm_calib.calm.encoding import EncodedRecords, encode_records, format_settings, task_format
+from llm_calib.calm.encoding import EncodedRecords, encode_records, format_settings, run_formats
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
 from llm_calib.calm.methods import (
     lam_optimizer,
@@ -198,7 +198,9 @@ def _records(data: Records) -> Sequence[Any]:
 
 def run_format(train: Records, heldout: Records, config: CalibrationConfig,
                unlabeled: Records | None = None) -> TaskFormat:
-    """The task format of the training records, with the other sets checked to be of its kind.
+    """The task format of the training records, with the other sets checked (see
+    :func:`~llm_calib.calm.encoding.run_formats`: open-ended training records may serve a
+    multiple-choice held-out set; otherwise every set is of the training kind).
 
     ``train``, ``heldout`` and ``unlabeled`` (None: not given) are records or their encodings.
 
@@ -212,11 +214,7 @@ def run_format(train: Records, heldout: Records, config: CalibrationConfig,
         'options'
     """
     check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
-    fmt = train.format if isinstance(train, EncodedRecords) else task_format(train, config, what="train")
-    fmt.check(_records(heldout), what="heldout")
-    if unlabeled is not None:
-        fmt.check(_records(unlabeled), what="unlabeled")
-    return fmt
+    return run_formats(train, heldout, config, unlabeled).lower
 
 
 _SET_NAMES_AND_USES = {
@@ -269,7 +267,9 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
         >>> len(trainer.unlabeled), trainer.unlabeled is trainer.heldout
         (4, False)
     """
-    fmt = run_format(train, heldout, config, unlabeled)
+    check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
+    fmt, upper = run_formats(train, heldout, config, unlabeled)  # lower level; selection and upper level
+    config = config.resolved(len(_records(train)))  # training.epochs -> steps
     warn_small_heldout(len(_records(heldout)), config)
     torch.manual_seed(config.seed)
     peft_model = attach_lora(model, config.lora, output_scale=config.lora.output_scale)
@@ -286,8 +286,8 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
     keep_differentiated_units_gathered(lm, config)
     vocab = lm.head.out_features if hasattr(lm.head, "out_features") else lm.base.config.vocab_size
     train_enc = _encode(tokenizer, train, config, fmt)
-    heldout_enc = _encode(tokenizer, heldout, config, fmt)
-    unlabeled_enc = heldout_enc if unlabeled is None else _encode(tokenizer, unlabeled, config, fmt)
+    heldout_enc = _encode(tokenizer, heldout, config, upper)
+    unlabeled_enc = heldout_enc if unlabeled is None else _encode(tokenizer, unlabeled, config, upper)
     sources = (train_enc, heldout_enc) if unlabeled is None else (train_enc, heldout_enc, unlabeled_enc)
     lam_kind = resolve_adjustment(config.objective.adjustment, fmt.layout)
     tokens = {t for src in sources for opts in src.options for o in opts for t in o} if lam_kind == "answer_tokens" else ()

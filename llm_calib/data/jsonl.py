@@ -1,8 +1,12 @@
 """The generic JSONL schemas, for your own data sets (one object per line).
 
 Multiple choice: ``{"question", "options": [str, ...], "answer"}`` (an index, an option's text
-or a letter); open QA: ``{"question", "answers": [str, ...] or str}``; both with optional
-``domain``, ``id`` and ``meta``.
+or a letter); open QA: ``{"question", "answers": [str, ...] or str}``; instruction data (a
+(prompt, response) pair, e.g. the lower level of the CALM paper's protocol): ``{"prompt",
+"response"}`` or Alpaca's ``{"instruction", "input" (optional, may be empty), "output"}``; all
+with optional ``domain``, ``id`` and ``meta``. Instruction rows become open records
+(:class:`~llm_calib.data.records.OpenQA`, the response as the one reference answer): training
+fits the response tokens after the prompt.
 """
 
 from __future__ import annotations
@@ -17,10 +21,16 @@ from llm_calib.data.openqa import answer_aliases
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.data.result import LoadResult
 
-__all__ = ["JsonlKind", "load_jsonl", "mc_from_dict", "openqa_from_dict", "resolve_answer"]
+__all__ = ["INSTRUCTION_FIELDS", "JsonlKind", "instruction_from_dict", "load_jsonl", "mc_from_dict",
+           "openqa_from_dict", "resolve_answer"]
 
-JsonlKind = Literal["auto", "mc", "open"]
-"""Schema for :func:`load_jsonl` (detect from the first row, multiple choice, or open QA)."""
+JsonlKind = Literal["auto", "mc", "open", "instruction"]
+"""Schema for :func:`load_jsonl` (detect from the first row, multiple choice, open QA, or
+instruction (prompt, response) pairs)."""
+
+INSTRUCTION_FIELDS = {"prompt": ("prompt", "response"), "alpaca": ("instruction", "output")}
+"""The two instruction-data schemas by name: (prompt field, response field). Alpaca's optional
+``input`` is appended to its ``instruction`` after a blank line."""
 
 
 def resolve_answer(answer: Any, options: tuple[str, ...], source: str, line: int) -> int:
@@ -112,15 +122,61 @@ def openqa_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: 
     return OpenQA(question, answers, dom, rid, meta)
 
 
+def instruction_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str) -> OpenQA:
+    """An open record from an instruction-data row: ``{"prompt", "response"}`` or Alpaca's
+    ``{"instruction", "input", "output"}`` (``input`` optional; when not blank it follows the
+    instruction after a blank line). The response is the one reference answer.
+
+    Raises:
+        DataError: a missing, non-string or blank prompt / instruction or response / output, a
+            non-string ``input``, or a row mixing the two schemas (naming file, line and field).
+
+    Example:
+        >>> r = instruction_from_dict({"instruction": "Translate to French.", "input": "cat", "output": "chat"},
+        ...                           source="f", line=2, domain="alpaca")
+        >>> r.question, r.answers, r.id
+        ('Translate to French.\\n\\ncat', ('chat',), 'alpaca-2')
+    """
+    schemas = [name for name, fields in INSTRUCTION_FIELDS.items() if any(f in row for f in fields)]
+    if len(schemas) != 1:
+        raise DataError(source, line, "prompt", 'an instruction row needs "prompt" and "response", or Alpaca\'s '
+                        '"instruction" and "output" (not both schemas in one row)')
+    prompt_field, response_field = INSTRUCTION_FIELDS[schemas[0]]
+    prompt = require_text(row.get(prompt_field), source, line, prompt_field)
+    if schemas[0] == "alpaca":
+        extra = row.get("input")
+        if extra is not None and not isinstance(extra, str):
+            raise DataError(source, line, "input", f"expected a string, got {type(extra).__name__}")
+        if extra and extra.strip():
+            prompt = f"{prompt}\n\n{extra.strip()}"
+    response = require_text(row.get(response_field), source, line, response_field)
+    dom, rid, meta = _id_and_meta(row, domain, source, line)
+    return OpenQA(prompt, (response,), dom, rid, meta)
+
+
+def _row_kind(row: Mapping[str, Any]) -> str | None:
+    if "options" in row:
+        return "mc"
+    if "answers" in row:
+        return "open"
+    if any(f in row for fields in INSTRUCTION_FIELDS.values() for f in fields):
+        return "instruction"
+    return None
+
+
+_MAKERS = {"mc": mc_from_dict, "open": openqa_from_dict, "instruction": instruction_from_dict}
+_KIND_FIELD = {"mc": "options", "open": "answers", "instruction": "response"}
+
+
 def load_jsonl(
     path: str | Path, *, kind: JsonlKind = "auto", domain: str | None = None,
     on_error: OnError = "raise",
 ) -> LoadResult[MultipleChoice] | LoadResult[OpenQA]:
-    """Load a JSONL file in the generic schema; ``kind`` is ``"mc"``, ``"open"`` or ``"auto"`` (the
-    first row's), ``domain`` defaults to the file stem.
+    """Load a JSONL file in the generic schema; ``kind`` is ``"mc"``, ``"open"``, ``"instruction"``
+    or ``"auto"`` (the first row's), ``domain`` defaults to the file stem.
 
-    Raises ``DataError`` for invalid UTF-8 or JSON, a bad question, options or answer, or a row of
-    the other kind than the file's.
+    Raises ``DataError`` for invalid UTF-8 or JSON, a bad question, options, answer, prompt or
+    response, or a row of another kind than the file's.
 
     Example:
         >>> import pathlib, tempfile
@@ -129,8 +185,8 @@ def load_jsonl(
         >>> [(r.domain, r.gold) for r in load_jsonl(p)]
         [('colours', 0)]
     """
-    if kind not in ("auto", "mc", "open"):
-        raise ValueError(f"kind must be 'auto', 'mc' or 'open', got {kind!r}")
+    if kind not in ("auto", *_MAKERS):
+        raise ValueError(f"kind must be 'auto', 'mc', 'open' or 'instruction', got {kind!r}")
     path = Path(path)
     source = str(path)
     dom = domain or domain_from_name(path.stem)
@@ -138,20 +194,20 @@ def load_jsonl(
 
     def record(row: dict[str, Any], line: int) -> MultipleChoice | OpenQA:
         nonlocal file_kind
-        row_kind = "mc" if "options" in row else "open" if "answers" in row else None
+        row_kind = _row_kind(row)
         if row_kind is None:
             raise DataError(
                 source, line, "options",
-                'a row needs "options" (multiple choice) or "answers" (open QA)',
+                'a row needs "options" (multiple choice), "answers" (open QA) or "prompt" and '
+                '"response" (instruction data; Alpaca\'s "instruction", "input", "output" too)',
             )
         if file_kind is None:
             file_kind = row_kind
         elif row_kind != file_kind:
-            want = "options" if file_kind == "mc" else "answers"
+            want = _KIND_FIELD[file_kind]
             raise DataError(
                 source, line, want, f"this file holds {file_kind!r} rows, which need {want!r}"
             )
-        make = mc_from_dict if file_kind == "mc" else openqa_from_dict
-        return make(row, source=source, line=line, domain=dom)
+        return _MAKERS[file_kind](row, source=source, line=line, domain=dom)
 
     return load_json_lines(path, record, on_error)

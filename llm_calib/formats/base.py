@@ -86,6 +86,11 @@ class TaskFormat(ABC):
         temperature_scalable: whether the scores are option logits a temperature applies to.
         answer_stop: open questions: each reference ends with greedy answering's stop token.
         training_notes: lines a comparison report adds about training on this kind.
+        upper_families: the record kinds of the held-out and unlabelled sets (upper level, model
+            selection) a lower level of this format can serve. Multiple choice serves only
+            multiple choice; open-ended answers (token cross-entropy of a reference response, e.g.
+            instruction data) are a generic language-modelling loss and also serve a
+            multiple-choice upper level.
 
     Example:
         >>> from llm_calib.formats import OptionLikelihood
@@ -99,6 +104,7 @@ class TaskFormat(ABC):
     description: ClassVar[str]
     temperature_scalable: ClassVar[bool] = False
     training_notes: ClassVar[tuple[str, ...]] = ()
+    upper_families: ClassVar[tuple[str, ...]] = ("multiple_choice",)
     answer_stop: bool = False
 
     # --- data ---------------------------------------------------------------------------------

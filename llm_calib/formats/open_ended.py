@@ -51,6 +51,7 @@ class OpenEnded(TaskFormat):
     family: ClassVar[str] = "open"
     layout: ClassVar[str] = "open"
     description: ClassVar[str] = "open-ended (exact match)"
+    upper_families: ClassVar[tuple[str, ...]] = ("open", "multiple_choice")
     training_notes: ClassVar[tuple[str, ...]] = (
         "- trained on open questions (token cross-entropy of the first reference answer); the "
         "held-out accuracy and ECE of the training table are teacher-forced proxies, the "
