@@ -43,6 +43,7 @@ from harness.report import machine_info
 import hypergrad as hg
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig
+from llm_calib.calm.encoding import EncodedRecords
 from llm_calib.data import load as load_data
 from llm_calib.models import load, random_init_model, tiny_random_model
 from llm_calib.objectives.lora_ce import LoraCE
@@ -62,7 +63,7 @@ GROUPS = (
     "other operators (norms, rotary, elementwise, copies)",
     SCOPE_OPTIMIZER,
     SCOPE_BATCH,
-    "Python and framework overhead (CPU time - operator self-CPU)",
+    "Python, framework and profiler overhead (call CPU time - operators)",
 )
 
 
@@ -121,11 +122,18 @@ def classify(event: Any, vocab: int, rank: int) -> str:
 
 
 def profile_call(fn: Callable[[], Any], vocab: int, rank: int, cpu_s: float) -> dict[str, Any]:
-    """Self-CPU seconds and FLOPs per group of one call of ``fn``; ``cpu_s``: its unprofiled CPU time."""
+    """CPU seconds and FLOPs per group of one profiled call of ``fn``; ``cpu_s``: its unprofiled CPU time.
+
+    The profiler times operators by the wall clock, which other jobs on the machine stretch; each
+    operator's self time is converted to CPU time with the call's own CPU / wall ratio (the load
+    stretches every operator alike), and what the operators leave of the call's CPU time is Python,
+    framework and profiler overhead.
+    """
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
-        c0 = thread_cpu()
+        c0, t0 = thread_cpu(), time.perf_counter()
         fn()
-        profiled_cpu_s = thread_cpu() - c0
+        profiled_cpu_s, profiled_wall_s = thread_cpu() - c0, time.perf_counter() - t0
+    to_cpu = profiled_cpu_s / profiled_wall_s
     groups: dict[str, float] = defaultdict(float)
     flops: dict[str, float] = defaultdict(float)
     ops: dict[str, float] = defaultdict(float)
@@ -133,16 +141,15 @@ def profile_call(fn: Callable[[], Any], vocab: int, rank: int, cpu_s: float) -> 
         if ev.name.startswith("## "):
             continue
         g = classify(ev, vocab, rank)
-        groups[g] += ev.self_cpu_time_total / 1e6
-        ops[ev.name] += ev.self_cpu_time_total / 1e6
+        groups[g] += ev.self_cpu_time_total / 1e6 * to_cpu
+        ops[ev.name] += ev.self_cpu_time_total / 1e6 * to_cpu
         if ev.name in GEMM_OPS:
             flops[g] += float(ev.flops or 0)
     op_total = sum(groups.values())
-    groups[GROUPS[-1]] = max(cpu_s - op_total, 0.0)
+    groups[GROUPS[-1]] = max(profiled_cpu_s - op_total, 0.0)
     top_ops = sorted(ops.items(), key=lambda kv: -kv[1])[:15]
-    return {"groups": dict(groups), "flops": dict(flops), "op_self_cpu_s": op_total, "cpu_s": cpu_s,
-            "profiled_cpu_s": profiled_cpu_s,
-            "top_ops": top_ops}
+    return {"groups": dict(groups), "flops": dict(flops), "op_cpu_s": op_total, "cpu_s": cpu_s,
+            "profiled_cpu_s": profiled_cpu_s, "profiled_wall_s": profiled_wall_s, "top_ops": top_ops}
 
 
 def instrument(trainer: Any, state: Any) -> None:
@@ -187,6 +194,9 @@ def arc(data_dir: Path, split: str, n: int, seed: int = 0) -> list[Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
+    if args.whole_batches:
+        whole = EncodedRecords.batch
+        EncodedRecords.batch = lambda self, indices, pad_id, lm=None, split=True: whole(self, indices, pad_id, lm, split=False)
     model, tok = build(args.model)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     train, heldout = arc(args.data_dir, "train", 64), arc(args.data_dir, "dev", 64)
@@ -211,9 +221,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer.fill_trunk_caches()
         instrument(trainer, state)
         runs[kind] = (trainer, state)
-    rows = int(runs["bome"][0].train_batch(0).packed.rows.numel())
-    tokens = int(runs["bome"][0].train_batch(0).packed.input_ids.numel())
-    out["batch_tokens"], out["batch_rows"] = tokens, rows
+    first = runs["bome"][0].train_batch(0)
+    rows, tokens = int(first.packed.rows.numel()), int(first.packed.input_ids.numel())
+    out["batch_questions"], out["batch_tokens"], out["batch_rows"] = first.packed.batch_size, tokens, rows
+    out["batch_part_tokens"] = sum(int(p.packed.input_ids.numel()) for p in first.parts) if first.parts else tokens
     for kind, (trainer, state) in runs.items():
         step = lambda trainer=trainer, state=state: training.train_step(trainer, state)  # noqa: E731
         step()  # warm-up
@@ -232,39 +243,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def render(r: dict[str, Any], command: str) -> str:
+    """The markdown tables of a :func:`run` result."""
     peak = max(r["gemm_rate"].values())
-    lines = [f"Command: `{command}`; capability {r['capability']} (env {r['env']}); {r['meta']['cpu']}, "
-             f"{r['meta']['cores']} cores, 1 thread; {r['meta']['date']}; torch {r['meta']['torch']}; "
-             f"load average start {r['load_start']}, end {r['load_end']}",
-             f"Batch: {r['batch_tokens']} tokens, {r['batch_rows']} scored rows (inner batch); vocabulary {r['vocab']}", "",
+    kinds = ("bome", "ce", "score")
+    lines = [f"- Command: `{command}`; {r['meta']['date']}",
+             f"- Machine: {r['meta']['cpu']}, {r['meta']['cores']} cores, 1 torch thread; ATen CPU capability "
+             f"{r['capability']} (env {r['env']}); torch {r['meta']['torch']}",
+             f"- Load average (1, 5, 15 min): start {r['load_start']}, BOME {r['bome']['load']}, CE {r['ce']['load']}, "
+             f"scoring {r['score']['load']}, end {r['load_end']}",
+             f"- Step batch: {r['batch_questions']} questions, {r['batch_tokens']} padded tokens "
+             f"({r['batch_part_tokens']} in its length parts), {r['batch_rows']} head rows; vocabulary {r['vocab']}; "
+             f"scoring: {r['score']['n']} ARC-Easy test questions, batch {r['score']['batch']}", "",
              "| group | BOME step CPU s | % | CE step CPU s | % | scoring pass CPU s | % |", "|---|---|---|---|---|---|---|"]
     for g in GROUPS:
         cells = []
-        for k in ("bome", "ce", "score"):
+        for k in kinds:
             v = r[k]["groups"].get(g, 0.0)
-            cells += [f"{v:.3f}", f"{100 * v / r[k]['cpu_s']:.0f}"]
+            cells += [f"{v:.3f}", f"{100 * v / r[k]['profiled_cpu_s']:.1f}"]
         lines.append(f"| {g} | " + " | ".join(cells) + " |")
-    lines.append("| profiled call: thread CPU s / operator self-CPU s | " + " | ".join(f"{r[k]['profiled_cpu_s']:.3f} | {r[k]['op_self_cpu_s']:.3f}" for k in ("bome", "ce", "score")) + " |")
-    lines.append("| **total (thread CPU time, median)** | " + " | ".join(
-        f"**{r[k]['cpu_s']:.3f}** | 100" for k in ("bome", "ce", "score")) + " |")
-    lines += ["", f"BOME / CE (CPU time): **{r['ratio_cpu']:.2f}**; scoring: {r['score']['n']} questions, "
-              f"{r['score']['n'] / r['score']['cpu_s']:.2f} questions per CPU second", "",
-              "Achieved GEMM rate (GFLOP/s, profiler FLOPs / GEMM self-CPU):", "",
+    lines.append("| profiled call (thread CPU s) | " + " | ".join(f"{r[k]['profiled_cpu_s']:.3f} | 100" for k in kinds) + " |")
+    lines.append("| **unprofiled call, median thread CPU s** | " + " | ".join(
+        f"**{r[k]['cpu_s']:.3f}** | " for k in kinds) + " |")
+    lines += ["", f"BOME / CE step (thread CPU time, unprofiled medians): **{r['ratio_cpu']:.2f}**; scoring "
+              f"{r['score']['n'] / r['score']['cpu_s']:.2f} questions per CPU second.", "",
+              "Achieved GEMM rate, GFLOP/s (profiler FLOPs of `aten::mm`/`addmm`/`bmm` over the group's CPU time):", "",
               "| group | BOME | CE | scoring |", "|---|---|---|---|"]
-    for g in GROUPS[:4]:
+    for g in (GROUPS[0], GROUPS[1], GROUPS[3]):
         cells = []
-        for k in ("bome", "ce", "score"):
+        for k in kinds:
             f, t = r[k]["flops"].get(g, 0.0), r[k]["groups"].get(g, 0.0)
             cells.append(f"{f / t / 1e9:.1f}" if f and t else "-")
         lines.append(f"| {g} | " + " | ".join(cells) + " |")
-    for k in ("bome", "ce", "score"):
-        r[k]["all_gemm_flops"] = sum(r[k]["flops"].values())
-    lines += ["| all GEMM FLOPs / whole CPU time | " + " | ".join(
-        f"{r[k]['all_gemm_flops'] / r[k]['cpu_s'] / 1e9:.1f}" for k in ("bome", "ce", "score")) + " |", "",
-        "Plain `torch.mm`, 1 thread (m x k x n: GFLOP/s): " + ", ".join(f"{s}: {v:.1f}" for s, v in r["gemm_rate"].items())
-        + f" (best {peak:.1f})", ""]
-    for k in ("bome", "ce", "score"):
-        lines.append(f"Top operators ({k}, self-CPU s): " + ", ".join(f"{n} {v:.3f}" for n, v in r[k]["top_ops"][:10]))
+    lines += ["| all GEMM FLOPs / the whole call's CPU time | " + " | ".join(
+        f"{sum(r[k]['flops'].values()) / r[k]['profiled_cpu_s'] / 1e9:.1f}" for k in kinds) + " |",
+        "| GEMM FLOPs per call (GFLOP) | " + " | ".join(f"{sum(r[k]['flops'].values()) / 1e9:.1f}" for k in kinds) + " |",
+        "", "Plain `torch.mm`, float32, 1 thread, at the model's shapes (m x k x n: GFLOP/s): "
+        + ", ".join(f"{s}: {v:.1f}" for s, v in r["gemm_rate"].items()) + f"; best {peak:.1f}.", ""]
+    for k in kinds:
+        lines.append(f"Top operators ({k}, CPU s): " + ", ".join(f"`{n}` {v:.3f}" for n, v in r[k]["top_ops"][:8]))
     return "\n".join(lines)
 
 
@@ -277,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-score", type=int, default=16, help="ARC-Easy test questions in the scoring pass")
     parser.add_argument("--score-batch", type=int, default=16)
     parser.add_argument("--inner-steps", type=int, default=None, help="BOME's T (default: the config's)")
+    parser.add_argument("--whole-batches", action="store_true",
+                        help="run each training batch whole, padded to its longest question (the code before length parts)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     command = " ".join(["python benchmarks/calm_step_profile.py", *(argv if argv is not None else sys.argv[1:])])

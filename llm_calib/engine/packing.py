@@ -16,9 +16,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "PACKED_MASK_ATTENTION", "OptionSequences", "PackedQuestions", "accepts_packed_masks",
-    "PART_OVERHEAD_TOKENS", "causal_additive_mask", "gather_token_logprobs", "length_batches", "length_parts",
-    "option_scores_from_logits",
+    "PACKED_MASK_ATTENTION", "PART_OVERHEAD_TOKENS", "OptionSequences", "PackedQuestions", "accepts_packed_masks",
+    "causal_additive_mask", "gather_token_logprobs", "length_batches", "length_parts", "option_scores_from_logits",
     "option_sequences", "pack_continuations", "pack_letters", "pack_questions", "reduce_per_option",
 ]
 
