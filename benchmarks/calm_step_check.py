@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from llm_calib.calm import training
+from llm_calib.calm import sampling, training
 from llm_calib.calm.config import CalibrationConfig
 from llm_calib.data import load as load_data
 from llm_calib.models import load, random_init_model
@@ -69,6 +69,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def parts_vs_whole(args: argparse.Namespace) -> list[str]:
+    """The losses and gradients of one default training batch run in length parts against the whole padded batch."""
+    import hypergrad as hg
+
+    torch.set_num_threads(args.threads)
+    model, tok = load(ALIAS) if args.model == "real" else random_init_model(ALIAS, 0)
+    trainer = training.build_trainer(model, tok, arc(args.data_dir, "train", 64), arc(args.data_dir, "dev", 64),
+                                     CalibrationConfig())
+    state = training.init_state(trainer, evaluate_before=False)
+    gen = torch.Generator().manual_seed(1)
+    theta = {k: v + (0.02 * torch.randn(v.shape, generator=gen) if "lora_" in k else 0) for k, v in state.theta.items()}
+    lam = {k: v.detach() + 0.1 for k, v in state.lam.items()}
+    lines = []
+    for step in range(args.steps):
+        idx = sampling.batch_indices(len(trainer.train), trainer.config.training.batch_size, step,
+                                              trainer.config.seed, sampling.TRAIN_STREAM)
+        split = trainer.train.batch(idx, trainer.pad_id, trainer.lm)
+        whole = trainer.train.batch(idx, trainer.pad_id, trainer.lm, split=False)
+        for name, loss in (("g", trainer.losses.inner), ("f", trainer.losses.outer)):
+            a = hg.autodiff.loss_and_grads(lambda w, l_, loss=loss, batch=split: loss(w, l_, batch), theta, lam)
+            b = hg.autodiff.loss_and_grads(lambda w, l_, loss=loss, batch=whole: loss(w, l_, batch), theta, lam)
+            gw = max(_max_diff(a[1][k], b[1][k])[1] for k in b[1])
+            gl = max(_max_diff(a[2][k], b[2][k])[1] for k in b[2])
+            lines.append(f"batch {step} ({len(split.parts)} parts, {sum(p.packed.input_ids.numel() for p in split.parts)} "
+                         f"of {whole.packed.input_ids.numel()} tokens): {name} abs diff {abs(float(a[0] - b[0])):.2e}, "
+                         f"grad theta max rel diff {gw:.2e}, grad lambda max rel diff {gl:.2e}")
+    return lines
+
+
 def _max_diff(a: Any, b: Any) -> tuple[float, float]:
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     d = float((a - b).abs().max()) if a.numel() else 0.0
@@ -81,10 +110,10 @@ def compare(new: dict[str, Any], old: dict[str, Any]) -> list[str]:
         n, o = new[kind], old[kind]
         keys = [k for k in o["records"][0] if isinstance(o["records"][0][k], float)]
         rec = max((abs(a[k] - b[k]), k) for a, b in zip(n["records"], o["records"], strict=True) for k in keys)
-        th = max(_max_diff(n["theta"][k], o["theta"][k])[1] for k in o["theta"])
+        th, th_key = max((_max_diff(n["theta"][k], o["theta"][k])[1], k) for k in o["theta"])
         la = max((_max_diff(n["lam"][k], o["lam"][k])[1] for k in o["lam"]), default=0.0)
         pr = _max_diff(n["probs"], o["probs"])[0]
-        lines.append(f"{kind}: records max abs diff {rec[0]:.2e} ({rec[1]}); theta max rel diff {th:.2e}; "
+        lines.append(f"{kind}: records max abs diff {rec[0]:.2e} ({rec[1]}); theta max rel diff {th:.2e} ({th_key}); "
                      f"lambda max rel diff {la:.2e}; test probabilities max abs diff {pr:.2e}; "
                      f"CPU s {o['cpu_s']:.2f} -> {n['cpu_s']:.2f}")
     return lines
@@ -98,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--save", type=Path)
     parser.add_argument("--compare", type=Path)
+    parser.add_argument("--parts-vs-whole", action="store_true",
+                        help="only compare one batch's losses and gradients in length parts against the whole batch")
     args = parser.parse_args(argv)
+    if args.parts_vs_whole:
+        print("\n".join(parts_vs_whole(args)))
+        return 0
     result = run(args)
     if args.save:
         torch.save(result, args.save)
