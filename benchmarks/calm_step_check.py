@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -98,6 +99,50 @@ def parts_vs_whole(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def parts_vs_whole_cpu(args: argparse.Namespace) -> list[str]:
+    """Thread CPU seconds of the BOME direction and of the CE gradient on the same default batches, in length parts and
+    whole, interleaved (A, B, A, B...) so that the load of a shared machine falls on both alike."""
+    import hypergrad as hg
+
+    torch.set_num_threads(args.threads)
+    model, tok = load(ALIAS) if args.model == "real" else random_init_model(ALIAS, 0)
+    trainer = training.build_trainer(model, tok, arc(args.data_dir, "train", 64), arc(args.data_dir, "dev", 64),
+                                     CalibrationConfig())
+    state = training.init_state(trainer, evaluate_before=False)
+    trainer.fill_trunk_caches()
+    theta, lam = state.theta, {k: v.detach() for k, v in state.lam.items()}
+    cpu: dict[str, list[float]] = {f"{what} {how}": [] for what in ("bome", "ce") for how in ("parts", "whole")}
+    tokens = {"parts": 0, "whole": 0}
+    for step in range(args.steps):
+        batches = {}
+        for how in ("parts", "whole"):
+            inner, outer = (enc.batch(sampling.batch_indices(len(enc), size, step, 0, stream), trainer.pad_id, trainer.lm,
+                                      split=how == "parts")
+                            for enc, size, stream in ((trainer.train, 8, sampling.TRAIN_STREAM),
+                                                      (trainer.unlabeled, 8, sampling.UPPER_STREAM)))
+            batches[how] = (inner, outer)
+            tokens[how] += sum(int(p.packed.input_ids.numel()) for b in (inner, outer) for p in (b.parts or (b,)))
+        for rep in range(3):
+            for how in (("parts", "whole") if rep % 2 == 0 else ("whole", "parts")):
+                inner, outer = batches[how]
+                calls = {"bome": lambda inner=inner, outer=outer: trainer.solver.hypergrad(
+                             trainer.problem, theta, lam, inner, outer, state.solver_state),
+                         "ce": lambda inner=inner: hg.autodiff.loss_and_grads(
+                             lambda w, _l: trainer.losses.one_level(w, inner), theta, {"_": torch.zeros(1)}, wrt_lam=False)}
+                for what, fn in calls.items():
+                    c0 = time.thread_time()
+                    fn()
+                    if rep > 0:  # the first round is a warm-up
+                        cpu[f"{what} {how}"].append(time.thread_time() - c0)
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    return [f"{args.steps} default batches (inner + held-out), {tokens['whole']} padded tokens whole, {tokens['parts']} "
+            f"in length parts; thread CPU s, medians of {len(cpu['bome parts'])} interleaved calls:",
+            *(f"  {what}: whole {med[what + ' whole']:.3f}, parts {med[what + ' parts']:.3f} "
+              f"({med[what + ' whole'] / med[what + ' parts']:.2f}x)" for what in ("bome", "ce")),
+            f"  BOME direction / CE gradient: whole {med['bome whole'] / med['ce whole']:.2f}, "
+            f"parts {med['bome parts'] / med['ce parts']:.2f}"]
+
+
 def _max_diff(a: Any, b: Any) -> tuple[float, float]:
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     d = float((a - b).abs().max()) if a.numel() else 0.0
@@ -129,7 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", type=Path)
     parser.add_argument("--parts-vs-whole", action="store_true",
                         help="only compare one batch's losses and gradients in length parts against the whole batch")
+    parser.add_argument("--cpu", action="store_true",
+                        help="only time the BOME direction and the CE gradient in length parts and whole, interleaved")
     args = parser.parse_args(argv)
+    if args.cpu:
+        print("\n".join(parts_vs_whole_cpu(args)))
+        return 0
     if args.parts_vs_whole:
         print("\n".join(parts_vs_whole(args)))
         return 0
