@@ -166,7 +166,8 @@ def instrument(trainer: Any, state: Any) -> None:
             cls.update._scoped = True  # type: ignore[attr-defined]
     if state.lam_optimizer is not None:
         state.lam_optimizer.step = scoped(state.lam_optimizer.step, SCOPE_OPTIMIZER)
-    trainer._batch = scoped(trainer._batch, SCOPE_BATCH)
+    trainer.train_batch = scoped(trainer.train_batch, SCOPE_BATCH)
+    trainer.unlabeled_batch = scoped(trainer.unlabeled_batch, SCOPE_BATCH)
 
 
 def median_cpu(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
