@@ -161,9 +161,14 @@ def test_tiny_benchmark_writes_a_consistent_report(bench, tmp_path) -> None:
     assert "built-in set (ARC-Easy absent)" in text
     # every target has a finite, positive measured value and a verdict
     target_rows = re.findall(r"^\| (.+?) \| " + _NUM + r" \| [0-9.]+ \| (PASS|\*\*MISS\*\*|n/a) \|", text, re.M)
-    assert len(target_rows) == 5, text
+    assert len(target_rows) == 6, text
     for _, value, _ in target_rows:
         assert math.isfinite(float(value)) and float(value) > 0
+    # the CALM / CE ratio at calibrate's defaults is the reported CPU seconds' ratio, not below BOME's T + 2 arithmetic
+    dc = raw["default_steps"]
+    assert dc["ratio_cpu"] == pytest.approx(dc["bome_cpu_s"] / dc["ce_cpu_s"])
+    assert dc["by_construction"][str(dc["inner_steps"])] > dc["by_construction"]["1"] > 1
+    assert f"**{dc['ratio_cpu']:.2f}**" in text
     # (a) the ratio is naive time / default time, from the reported seconds
     ev = raw["eval"]
     naive_s = float(re.search(r"\| naive \(`score_option_likelihood_naive`\) \| " + _NUM, text).group(1))

@@ -18,7 +18,7 @@ from llm_calib.calm.config import CalibrationConfig, open_prompt_format
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.objectives import Batch
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.engine.packing import PackedQuestions
+from llm_calib.engine.packing import PackedQuestions, length_parts
 from llm_calib.formats import MULTIPLE_CHOICE_FORMATS, TaskFormat, format_for, records_family
 from llm_calib.prompts import preset
 
@@ -103,10 +103,29 @@ class EncodedRecords:
             for row, i in enumerate(chunk):
                 self.trunk_cache[i] = hidden[row, : self.length(i)].clone()
 
-    def batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None) -> Batch:
+    def batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None, *,
+              split: bool = True) -> Batch:
         """The :class:`~llm_calib.calm.objectives.Batch` of the questions at ``indices``, with the cached trunk for
-        a trunk-caching ``lm``."""
+        a trunk-caching ``lm``.
+
+        ``split``: multiple-choice questions of different lengths also come as parts of similar length
+        (:attr:`Batch.parts <llm_calib.calm.objectives.Batch.parts>`, chosen by
+        :func:`~llm_calib.engine.packing.length_parts`), which the losses run instead of the padded batch.
+        """
         idx = list(indices)
+        batch = self._whole_batch(idx, pad_id, lm)
+        if not split or self.layout == "open" or len(idx) < 2:
+            return batch
+        parts = length_parts([self.length(i) for i in idx])
+        if len(parts) < 2:
+            return batch
+        order = [p for part in parts for p in part]
+        batch.parts = tuple(self._whole_batch([idx[p] for p in part], pad_id, lm) for part in parts)
+        batch.part_order = torch.empty(len(order), dtype=torch.long).scatter_(0, torch.tensor(order),
+                                                                              torch.arange(len(order)))
+        return batch
+
+    def _whole_batch(self, idx: list[int], pad_id: int, lm: FunctionalLM | None) -> Batch:
         packed = self.pack(idx, pad_id)
         labels = torch.tensor([self.format.label(self.records[i]) for i in idx], dtype=torch.long)
         trunk = None

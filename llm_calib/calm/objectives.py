@@ -36,6 +36,10 @@ class Batch:
         trunk: cached hidden states entering the first trainable layer, or None.
         option_text_lengths: ``"char"``/``"byte"``: option lengths ``(B, K_max)`` (1 at padding)
             for those normalisations; empty for open questions.
+        parts: multiple-choice batches only: the same questions as sub-batches of similar length
+            (:func:`~llm_calib.engine.packing.length_parts`), through which :meth:`CalmLosses.scores`
+            runs the model instead of the whole padded batch; empty: the whole batch in one pass.
+        part_order: with ``parts``: the position in the concatenated parts of each question of the batch.
     """
 
     packed: PackedQuestions
@@ -44,6 +48,13 @@ class Batch:
     format: TaskFormat
     trunk: Tensor | None = None
     option_text_lengths: dict[str, Tensor] = field(default_factory=dict)
+    parts: tuple[Batch, ...] = ()
+    part_order: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.parts and (self.part_order is None or len(self.part_order) != self.packed.batch_size):
+            raise ValueError(f"a batch of {self.packed.batch_size} questions in parts needs part_order with one "
+                             f"position per question, got {None if self.part_order is None else len(self.part_order)}")
 
     @property
     def answer_stop(self) -> bool:
@@ -99,6 +110,17 @@ class CalmLosses:
             ValueError: an adjustment the batch's format cannot take (option-level with open
                 questions), or ``"char"``/``"byte"`` without option texts.
         """
+        if batch.parts:
+            # the model runs on each part (less padding); the scores are put back in batch order
+            token_lam = None if lam is None or self.adjustment.acts_on_options else lam
+            per_part = [self.scores(theta, token_lam, part) for part in batch.parts]
+            K = max(s.shape[1] for s in per_part)
+            scores = torch.cat([torch.nn.functional.pad(s, (0, K - s.shape[1]), value=float("-inf"))
+                                for s in per_part])[batch.part_order.to(per_part[0].device)]
+            if lam is None or not self.adjustment.acts_on_options:
+                return scores
+            batch.format.check_adjustment(self.adjustment)
+            return self.adjustment.apply_options(scores, option_lengths(batch.packed).to(scores.device), lam)
         lengths = None
         if self.normalize in ("char", "byte"):
             lengths = batch.option_text_lengths.get(self.normalize)
