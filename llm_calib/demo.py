@@ -21,7 +21,7 @@ import numpy as np
 
 from llm_calib.objectives.calm import Bome, Calm
 
-__all__ = ["DemoSettings", "explain_table", "run_demo", "split_data"]
+__all__ = ["DemoSettings", "calibration_config", "explain_table", "run_demo", "split_data"]
 
 IN_DOMAIN = ("arithmetic", "unit_conversion", "capitals")
 OUT_OF_DOMAIN = ("calendar", "chemical_symbols")
@@ -118,7 +118,15 @@ def _summaries(scored: Any) -> dict[str, float]:
     return summarize(scored.probs_numpy, scored.labels_numpy, ci=False)
 
 
-def _calibration_config(settings: DemoSettings) -> Any:
+def calibration_config(settings: DemoSettings) -> Any:
+    """The :class:`~llm_calib.calm.config.CalibrationConfig` the demo trains CALM with (and
+    encodes its questions with).
+
+    Example:
+        >>> cfg = calibration_config(DemoSettings())
+        >>> cfg.lora.top_layers, cfg.objective.solver.inner_steps, cfg.prompt.chat_template
+        (2, 1, False)
+    """
     from llm_calib.calm.config import (
         CalibrationConfig,
         LoraSettings,
@@ -163,7 +171,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     model, tokenizer = load(settings.model)
     timings["load model"] = time.perf_counter() - t
     train, heldout, test = split_data(settings)
-    config = _calibration_config(settings)
+    config = calibration_config(settings)
     n_layers = int(model.config.num_hidden_layers)
     if settings.top_layers >= n_layers:
         raise ValueError(f"top_layers must be below the model's {n_layers} layers (the frozen trunk below them is "

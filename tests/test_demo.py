@@ -10,7 +10,7 @@ import pytest
 
 from llm_calib.calm.encoding import format_settings
 from llm_calib.calm.trainer import CalibrationResult
-from llm_calib.demo import DemoSettings, _calibration_config, explain_table, run_demo, split_data
+from llm_calib.demo import DemoSettings, calibration_config, explain_table, run_demo, split_data
 from llm_calib.models import load
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
@@ -47,7 +47,7 @@ def test_demo_on_the_tiny_model_matches_the_plain_scorer(tiny_model_dir, tmp_pat
 
     # the table's numbers are the plain scorer's: base model, and the saved CALM adapter on a fresh base
     _, _, test = split_data(settings)
-    fmt = format_settings(_calibration_config(settings))["prompt"]
+    fmt = format_settings(calibration_config(settings))["prompt"]
     model, tok = load(str(tiny_model_dir))
     calm = CalibrationResult.load(tmp_path / "demo" / "calm", load(str(tiny_model_dir))[0]).model
     for domain, records in test.items():
