@@ -52,6 +52,7 @@ import argparse
 import contextlib
 import copy
 import datetime as _dt
+import gc
 import json
 import math
 import os
@@ -1494,8 +1495,11 @@ def build_ctx(args: argparse.Namespace) -> Ctx:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    with torch_threads(args.threads):
-        return _main(args, argv)
+    try:
+        with torch_threads(args.threads):
+            return _main(args, argv)
+    finally:
+        gc.unfreeze()  # a no-op unless --quick froze the objects alive after the model load
 
 
 def _main(args: argparse.Namespace, argv: list[str]) -> int:
@@ -1507,6 +1511,12 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
     ctx.log(f"calibration benchmark ({ctx.sizes.name}): model {ctx.sizes.model}, data "
             f"{ctx.data_dir or 'built-in'}, results in {ctx.runs}")
     ctx.load_model()
+    if args.quick:
+        # Each run starts with a full garbage collection (free_memory, for its memory figures): the
+        # quick run's 72 collections took 19.8 of its 40.2 CPU s (635k objects tracked at the end).
+        # The objects alive now outlive the run; moved out of the collector's sight (gc.freeze), the
+        # collections took 4.3 CPU s (total 25.0). main() gives them back (gc.unfreeze).
+        gc.freeze()
     tasks = {}
     for name in ctx.tasks:
         tasks[name] = (mc_task if name == "mc" else open_task)(ctx.data_dir, ctx.sizes)
