@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from llm_calib import distributed
 from llm_calib.calm.config import CalibrationConfig, open_prompt_format
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.objectives import Batch
@@ -114,7 +115,9 @@ class EncodedRecords:
         """
         idx = list(indices)
         batch = self._whole_batch(idx, pad_id, lm)
-        if not split or self.layout == "open" or len(idx) < 2:
+        # under torchrun every rank must run the same number of passes (FSDP2 gathers weights in each one),
+        # and each rank's shard of the batch would split differently
+        if not split or self.layout == "open" or len(idx) < 2 or distributed.is_distributed():
             return batch
         parts = length_parts([self.length(i) for i in idx])
         if len(parts) < 2:
