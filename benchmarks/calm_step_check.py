@@ -26,22 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from calm_step_profile import arc  # the profile's seeded ARC-Easy samples (run from benchmarks/)
 
 from llm_calib.calm import sampling, training
 from llm_calib.calm.config import CalibrationConfig
-from llm_calib.data import load as load_data
 from llm_calib.models import load, random_init_model
 from llm_calib.objectives.lora_ce import LoraCE
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
 ROOT = Path(__file__).resolve().parent.parent
 ALIAS = "smollm2-135m-instruct"
-
-
-def arc(data_dir: Path, split: str, n: int, seed: int = 0) -> list[Any]:
-    records = list(load_data(f"arc_easy:{data_dir}:{split}", on_error="skip").records)
-    idx = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed))[:n].tolist()
-    return [records[i] for i in idx]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

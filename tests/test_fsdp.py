@@ -123,6 +123,15 @@ def _assert_same_run(got: Path, want: Path, what: str) -> None:
             assert abs(h_got[key] - h_want[key]) <= 1e-5 * max(1.0, abs(h_want[key])), (what, key, h_got, h_want)
 
 
+
+def _torchrun(script: Path, *args: Path) -> subprocess.CompletedProcess:
+    """``script`` on 2 gloo ranks (one thread each) with this checkout importable."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), *map(str, args)], env=env, capture_output=True, text=True, timeout=300)
+
 def test_fsdp_two_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path):
     namespace: dict = {"__name__": "fsdp_calibration"}
     exec(compile(SCRIPT, "fsdp_calibration.py", "exec"), namespace)
@@ -134,14 +143,8 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path
 
     script = tmp_path / "fsdp_calibration.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env.pop("WORLD_SIZE", None)
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-         str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = _torchrun(script, tmp_path / "two")
     assert proc.returncode == 0, proc.stderr[-4000:]
     print(f"2-rank launch: {time.perf_counter() - t0:.1f} s")
     two = tmp_path / "two"
@@ -285,14 +288,8 @@ def test_sharded_loading_and_the_implicit_solver_on_two_ranks_equal_one_process(
     save_file(weights, renamed / "model.safetensors", metadata={"format": "pt"})
     script = tmp_path / "fsdp_loading.py"
     script.write_text(LOAD_SCRIPT.replace("from llm_calib.data import load\n", "from llm_calib.data import load as load_data\n"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env.pop("WORLD_SIZE", None)
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-         str(model_dir), str(two), str(renamed)], env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = _torchrun(script, model_dir, two, renamed)
     assert proc.returncode == 0, proc.stderr[-4000:]
     print(f"2-rank sharded-loading launch: {time.perf_counter() - t0:.1f} s")
     reports = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
