@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["ShardedLoadError", "first_problem", "global_mean", "init_from_env", "is_distributed", "keep_gathered", "load_sharded",
-           "parameter_bytes", "rank", "replicated", "reshard_all", "shard_frozen_base", "world_size"]
+           "max_over_ranks", "parameter_bytes", "rank", "replicated", "reshard_all", "shard_frozen_base", "world_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -562,6 +562,26 @@ def first_problem(problem: str | None) -> str | None:
     problems: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     return next((f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None), None)
+
+
+def max_over_ranks(values: Sequence[int]) -> list[int]:
+    """The element-wise maximum over ranks of a few integers, on every rank (a minimum: negate them).
+
+    For counts every rank must agree on because each unit counted runs collectives (a batch's
+    length parts under FSDP2). One ``all_reduce``, on the current GPU under nccl; ``values`` as they
+    are without a process group.
+
+    Example:
+        >>> max_over_ranks([3, -2])   # one process
+        [3, -2]
+    """
+    if not is_distributed():
+        return list(values)
+    on_gpu = dist.get_backend() == "nccl"  # nccl reduces GPU tensors only
+    counts = torch.tensor(list(values), dtype=torch.long,
+                          device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    return counts.tolist()
 
 
 def _gather_once(model: torch.nn.Module) -> None:

@@ -7,6 +7,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hypergrad as hg
 from llm_calib.adjustment import LogitAdjustment
@@ -23,11 +25,12 @@ def _cost(lengths: list[int], parts: list[list[int]], overhead: int) -> int:
     return sum(len(p) * max(lengths[i] for i in p) + overhead for p in parts)
 
 
-def _brute_force(lengths: list[int], overhead: int) -> int:
-    """Cheapest split of the length-sorted questions into contiguous parts, by trying every set of cuts."""
+def _brute_force(lengths: list[int], overhead: int, n_parts: int | None = None) -> int:
+    """Cheapest split of the length-sorted questions into contiguous parts (``n_parts`` of them; None: any
+    number), by trying every set of cuts."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     best = None
-    for k in range(len(order)):
+    for k in range(len(order)) if n_parts is None else [n_parts - 1]:
         for cuts in itertools.combinations(range(1, len(order)), k):
             bounds = (0, *cuts, len(order))
             cost = _cost(lengths, [order[a:b] for a, b in itertools.pairwise(bounds)], overhead)
@@ -46,11 +49,25 @@ def test_length_parts_is_the_cheapest_split_and_covers_every_question():
         assert [lengths[part[-1]] for part in parts] == sorted(lengths[part[-1]] for part in parts)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 120), min_size=1, max_size=7), st.data())
+def test_length_parts_of_a_given_count_is_the_cheapest_split_into_that_many(lengths, data):
+    n_parts = data.draw(st.integers(1, len(lengths)))
+    parts = length_parts(lengths, overhead=data.draw(st.sampled_from([0, 64])), n_parts=n_parts)
+    assert len(parts) == n_parts and all(parts)
+    assert sorted(p for part in parts for p in part) == list(range(len(lengths)))
+    assert [lengths[p] for part in parts for p in part] == sorted(lengths)  # contiguous in length order
+    assert _cost(lengths, parts, 0) == _brute_force(lengths, 0, n_parts)
+
+
 def test_length_parts_rejects_bad_input():
     with pytest.raises(ValueError, match="at least one length"):
         length_parts([])
     with pytest.raises(ValueError, match="overhead must be >= 0"):
         length_parts([3, 4], overhead=-1)
+    for n_parts in (0, 3):
+        with pytest.raises(ValueError, match="n_parts must be between 1 and the 2 lengths"):
+            length_parts([3, 4], n_parts=n_parts)
 
 
 @pytest.fixture(scope="module")

@@ -23,14 +23,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
+from llm_calib.engine.packing import length_parts
 from llm_calib.models import tiny_random_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,13 +127,26 @@ def _assert_same_run(got: Path, want: Path, what: str) -> None:
 
 
 
-def _torchrun(script: Path, *args: Path) -> subprocess.CompletedProcess:
-    """``script`` on 2 gloo ranks (one thread each) with this checkout importable."""
+def _torchrun(script: Path, *args: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``script`` on 2 gloo ranks (one thread each) with this checkout importable.
+
+    Ranks that wait for each other in mismatched collectives hang (gloo's own timeout is 30 minutes):
+    after ``timeout`` seconds the launcher and its ranks (its own process group) are killed and the test fails.
+    """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), *map(str, args)], env=env, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(script), *map(str, args)]
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"{script.name} on 2 ranks did not finish in {timeout} s (ranks deadlocked?)\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 def test_fsdp_two_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path):
     namespace: dict = {"__name__": "fsdp_calibration"}
@@ -345,3 +361,79 @@ def test_loading_under_torchrun_says_why_it_loads_whole(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match=r"every rank loads the whole model before FSDP2 shards it: device_map='cpu'"):
         model, _ = load(str(tmp_path), device_map="cpu")
     assert not any(hasattr(p, "to_local") for p in model.parameters())
+
+
+# Run by every rank, and in the test process (one process) for the reference: the losses on shards
+# whose own cheapest length parts differ in number. FSDP2 gathers the sharded weights in every pass,
+# so the ranks must agree on the number of parts (llm_calib.calm.encoding.EncodedRecords.batch).
+PARTS_SCRIPT = '''
+import sys
+import torch
+torch.set_num_threads(1)
+import hypergrad as hg
+from llm_calib import CalibrationConfig, distributed
+from llm_calib.calm.training import build_trainer
+from llm_calib.data import load
+from llm_calib.models import tiny_random_model
+
+# Positions in builtin:arithmetic,capitals:n=10, whose packed lengths are 70 to 103 tokens. "equal":
+# rank 0's questions (73, 75, 76, 78 tokens) cost least in 1 part, rank 1's (70, 72, 72, 103) in 2.
+# "unequal": rank 0 holds 1 question, fewer than the 2 parts rank 1's shard wants.
+SHARDS = {"equal": ([0, 4, 9, 1], [7, 3, 5, 15]), "unequal": ([0], [7, 3, 5, 15])}
+
+
+def trainer():
+    model, tok = tiny_random_model(seed=0, init_std=0.1)
+    records = load("builtin:arithmetic,capitals:n=10").records
+    return build_trainer(model, tok, records, records, CalibrationConfig(lora=dict(rank=2, layers=[1])))
+
+
+def losses_and_gradients(trainer, indices):
+    """The number of parts of the batch of ``indices``; g(θ, λ) and f(θ) with their gradients, at θ and λ
+    away from the start (the trainer's losses: of the global batch under torchrun)."""
+    batch = trainer.train.batch(indices, trainer.pad_id, trainer.lm)
+    gen = torch.Generator().manual_seed(0)
+    theta = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in trainer.lm.theta().items()}
+    lam = {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in trainer.adjustment.init().items()}
+    out = {"parts": len(batch.parts)}
+    for name, loss in (("g", trainer.losses.inner), ("f", trainer.losses.outer)):
+        value, grad_theta, grad_lam = hg.autodiff.loss_and_grads(lambda t, l_, loss=loss: loss(t, l_, batch),
+                                                                 theta, lam)
+        out[name] = value
+        out.update({f"{name}/theta/{k}": v for k, v in grad_theta.items()})
+        out.update({f"{name}/lam/{k}": v for k, v in grad_lam.items()})
+    return out
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+    distributed.init_from_env()
+    run = trainer()
+    rank = distributed.rank()
+    torch.save({name: losses_and_gradients(run, shards[rank]) for name, shards in SHARDS.items()},
+               f"{sys.argv[1]}/rank{rank}.pt")
+    dist.destroy_process_group()
+'''
+
+
+def test_ranks_whose_shards_split_differently_run_the_same_length_parts(tmp_path):
+    namespace: dict = {"__name__": "length_parts_ranks"}
+    exec(compile(PARTS_SCRIPT, "length_parts_ranks.py", "exec"), namespace)
+    script = tmp_path / "length_parts_ranks.py"
+    script.write_text(PARTS_SCRIPT)
+    proc = _torchrun(script, tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    one = namespace["trainer"]()
+    for name, shards in namespace["SHARDS"].items():
+        # the premise: on its own, each shard would split into a different number of parts
+        assert [len(length_parts([one.train.length(i) for i in shard])) for shard in shards] == [1, 2], name
+        ranks = [torch.load(tmp_path / f"rank{r}.pt")[name] for r in (0, 1)]
+        # every rank runs the same parts: the most any shard wants (2), or none when a shard has 1 question
+        assert [r["parts"] for r in ranks] == ([2, 2] if name == "equal" else [0, 0]), name
+        # each loss is the mean of the shards' losses, as one process computes them (in parts or whole)
+        reference = [namespace["losses_and_gradients"](one, shard) for shard in shards]
+        for key in reference[0].keys() - {"parts"}:
+            want = (reference[0][key] + reference[1][key]) / 2
+            for r, got in enumerate(ranks):
+                assert torch.allclose(got[key], want, rtol=1e-4, atol=1e-6), (name, key, r)
+        assert reference[1]["parts"] == 2 and ranks[0]["g"] != 0

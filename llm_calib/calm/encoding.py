@@ -112,14 +112,23 @@ class EncodedRecords:
         ``split``: multiple-choice questions of different lengths also come as parts of similar length
         (:attr:`Batch.parts <llm_calib.calm.objectives.Batch.parts>`, chosen by
         :func:`~llm_calib.engine.packing.length_parts`), which the losses run instead of the padded batch.
+        Under ``torchrun`` every rank's shard comes in the same number of parts (one small collective:
+        every rank calls this alike).
         """
         idx = list(indices)
         batch = self._whole_batch(idx, pad_id, lm)
-        # under torchrun every rank must run the same number of passes (FSDP2 gathers weights in each one),
-        # and each rank's shard of the batch would split differently
-        if not split or self.layout == "open" or len(idx) < 2 or distributed.is_distributed():
+        if not split or self.layout == "open":
             return batch
-        parts = length_parts([self.length(i) for i in idx])
+        lengths = [self.length(i) for i in idx]
+        parts = length_parts(lengths) if len(idx) > 1 else [list(range(len(idx)))]
+        if distributed.is_distributed():
+            # Every rank must run the same number of passes (FSDP2 gathers weights in each one), and each
+            # rank's shard splits differently: all take the most parts any shard wants, but no more than
+            # the smallest shard has questions (no rank is left with an empty part).
+            most_parts, minus_fewest_questions = distributed.max_over_ranks([len(parts), -len(idx)])
+            n_parts = min(most_parts, -minus_fewest_questions)
+            if n_parts != len(parts):
+                parts = length_parts(lengths, n_parts=n_parts)
         if len(parts) < 2:
             return batch
         order = [p for part in parts for p in part]

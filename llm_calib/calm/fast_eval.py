@@ -86,7 +86,7 @@ def trunk_scores(lm: FunctionalLM, enc: EncodedRecords, batch_size: int, pad_id:
         raise ValueError("the model does not cache a trunk (LoRA must sit on the top layers only)")
 
     def forward(idx: list[int]) -> tuple[PackedQuestions, Tensor]:
-        batch = enc.batch(idx, pad_id, lm)
+        batch = enc.batch(idx, pad_id, lm, split=False)  # one pass over the whole batch: no parts
         return batch.packed, lm.head_logits(None, batch.packed, batch.trunk)
 
     return _option_scores(enc, batch_size, normalize, bar, forward)

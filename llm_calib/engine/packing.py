@@ -101,7 +101,8 @@ scale with the tokens (Python, operator dispatch, the head's smaller GEMMs), mea
 SmolLM2-135M's top layers against about 1.5 ms of CPU time per token (``benchmarks/calm_step_profile.py``)."""
 
 
-def length_parts(lengths: Sequence[int], overhead: int = PART_OVERHEAD_TOKENS) -> list[list[int]]:
+def length_parts(lengths: Sequence[int], overhead: int = PART_OVERHEAD_TOKENS, *,
+                 n_parts: int | None = None) -> list[list[int]]:
     """Split one batch into parts of similar length that cost fewer padded tokens together.
 
     A batch padded to its longest question spends the token-wise work (every projection, the MLP,
@@ -109,31 +110,42 @@ def length_parts(lengths: Sequence[int], overhead: int = PART_OVERHEAD_TOKENS) -
     questions sorted by length are cut into contiguous parts minimising
     ``sum(len(part) * longest(part)) + overhead * number_of_parts`` (exact dynamic programme).
     Each question's numbers do not depend on the part it is in beyond float rounding (padding is
-    masked out), so running the parts one by one computes what the whole batch does.
+    masked out), so running the parts one by one computes what the whole batch does. Under
+    ``torchrun`` the ranks must run the same number of parts (FSDP2 gathers weights in every
+    pass), so each rank splits its shard into ``n_parts`` parts, a count they agree on
+    (:meth:`EncodedRecords.batch <llm_calib.calm.encoding.EncodedRecords.batch>`).
 
     Args:
         lengths: packed length of each question of the batch.
         overhead: the cost of one more part, in padded tokens (>= 0).
+        n_parts: split into exactly this many parts (1 to ``len(lengths)``; ``overhead`` then
+            plays no part); None: as many as cost least.
 
     Returns:
         The parts as lists of positions in ``lengths``, shortest questions first; one part holding
         every position when splitting saves nothing.
 
     Raises:
-        ValueError: no lengths, or a negative ``overhead``.
+        ValueError: no lengths, a negative ``overhead``, or ``n_parts`` out of range.
 
     Example:
         >>> length_parts([100, 40, 42, 98], overhead=10)
         [[1, 2], [3, 0]]
         >>> length_parts([100, 40, 42, 98], overhead=200)
         [[1, 2, 3, 0]]
+        >>> length_parts([100, 40, 42, 98], overhead=200, n_parts=2)
+        [[1, 2], [3, 0]]
     """
     if not lengths:
         raise ValueError("length_parts needs at least one length")
     if overhead < 0:
         raise ValueError(f"overhead must be >= 0 (padded tokens per part), got {overhead}")
+    if n_parts is not None and not 1 <= n_parts <= len(lengths):
+        raise ValueError(f"n_parts must be between 1 and the {len(lengths)} lengths, got {n_parts}")
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     n = len(order)
+    if n_parts is not None:
+        return _cheapest_parts_of_count(lengths, order, n_parts)
     # best[j]: cheapest cost of the j shortest questions; cut[j]: where its last part starts
     best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
     for j in range(1, n + 1):
@@ -146,6 +158,29 @@ def length_parts(lengths: Sequence[int], overhead: int = PART_OVERHEAD_TOKENS) -
     while j > 0:
         parts.append(order[cut[j] : j])
         j = cut[j]
+    return parts[::-1]
+
+
+def _cheapest_parts_of_count(lengths: Sequence[int], order: list[int], n_parts: int) -> list[list[int]]:
+    """:func:`length_parts`' programme with the number of parts as a second index: the cheapest split of the
+    length-sorted positions ``order`` into exactly ``n_parts`` contiguous parts (the overhead is the same for all)."""
+    n = len(order)
+    # best[k][j]: cheapest cost of the j shortest questions in k parts; cut[k][j]: where the k-th part starts
+    best = [[0.0] + [float("inf")] * n]
+    cut = [[0] * (n + 1)]
+    for k in range(1, n_parts + 1):
+        best.append([float("inf")] * (n + 1))
+        cut.append([0] * (n + 1))
+        for j in range(k, n + 1):
+            longest = lengths[order[j - 1]]
+            for i in range(k - 1, j):
+                cost = best[k - 1][i] + (j - i) * longest
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    parts, j = [], n
+    for k in range(n_parts, 0, -1):
+        parts.append(order[cut[k][j] : j])
+        j = cut[k][j]
     return parts[::-1]
 
 
