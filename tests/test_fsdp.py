@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -131,20 +130,24 @@ def _torchrun(script: Path, *args: Path, timeout: float = 300) -> subprocess.Com
     """``script`` on 2 gloo ranks (one thread each) with this checkout importable.
 
     Ranks that wait for each other in mismatched collectives hang (gloo's own timeout is 30 minutes):
-    after ``timeout`` seconds the launcher and its ranks (its own process group) are killed and the test fails.
+    after ``timeout`` seconds the launcher stops its ranks and the test fails.
     """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("WORLD_SIZE", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(script), *map(str, args)]
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
+            # SIGTERM: torchrun stops its ranks, which run in sessions of their own (killing torchrun would
+            # leave them hanging, holding its output pipes open)
+            proc.terminate()
+            try:
+                _, stderr = proc.communicate(timeout=90)
+            finally:
+                proc.kill()
             pytest.fail(f"{script.name} on 2 ranks did not finish in {timeout} s (ranks deadlocked?)\n{stderr[-4000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
