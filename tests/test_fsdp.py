@@ -12,6 +12,9 @@ A second launch loads a tied tiny model from a safetensors directory shard by sh
 :func:`llm_calib.models.load` under ``torchrun``) and trains it with the implicit solver, whose
 Hessian-vector products run through the sharded base; outputs, θ and λ equal one process.
 
+A third launch gives the ranks shards whose own cheapest length parts differ in number (and a
+shard of one question): they must still run the same passes, or the gathers deadlock.
+
 λ is the temperature adjustment here (one scalar with a sizeable gradient): a vector λ over the
 vocabulary has coordinates with near-zero gradients, where Adam's normalisation turns float32
 reordering noise into steps of the full learning rate (``tests/test_calm_distributed.py`` checks
@@ -439,4 +442,4 @@ def test_ranks_whose_shards_split_differently_run_the_same_length_parts(tmp_path
             want = (reference[0][key] + reference[1][key]) / 2
             for r, got in enumerate(ranks):
                 assert torch.allclose(got[key], want, rtol=1e-4, atol=1e-6), (name, key, r)
-        assert reference[1]["parts"] == 2 and ranks[0]["g"] != 0
+        assert reference[1]["parts"] == 2 and ranks[0]["g"] != 0  # one process splits rank 1's shard alike

@@ -123,7 +123,7 @@ def length_parts(lengths: Sequence[int], overhead: int = PART_OVERHEAD_TOKENS, *
 
     Returns:
         The parts as lists of positions in ``lengths``, shortest questions first; one part holding
-        every position when splitting saves nothing.
+        every position when splitting saves nothing (without ``n_parts``).
 
     Raises:
         ValueError: no lengths, a negative ``overhead``, or ``n_parts`` out of range.
