@@ -327,6 +327,8 @@ def _add_prompt_args(group: Any, dest: Callable[[str], str | None]) -> None:
 
 
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
+    from llm_calib.calm.config import PromptSettings
+
     p = sub.add_parser(
         "evaluate",
         help="score data sets with a model and write a calibration report",
@@ -361,7 +363,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--scorer",
-        choices=("option_likelihood", "letter"),
+        choices=PromptSettings.field_choices["scorer"],  # calibrate's choices: the registered formats
         default=None,
         help="multiple-choice scorer: likelihood of each option's text, or the logits of the "
         "option letters with the options listed (default: the one a saved --adapter was trained "

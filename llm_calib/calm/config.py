@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import llm_calib.objectives.builtin  # noqa: F401  registers the built-in objectives and solvers
 from llm_calib.checks import check_int, check_number, is_int
+from llm_calib.formats import MULTIPLE_CHOICE_FORMATS
 from llm_calib.objectives.base import Objective
 from llm_calib.objectives.calm import Calm
 from llm_calib.objectives.registry import (
@@ -179,7 +180,8 @@ class PromptSettings:
     """
 
     field_choices: ClassVar[dict[str, tuple[str, ...]]] = {
-        "scorer": ("option_likelihood", "letter"), "normalize": ("sum", "mean", "char", "byte"), "style": ("cloze", "listed"),
+        # the scorers are the formats' (the registry that evaluation and training read)
+        "scorer": tuple(MULTIPLE_CHOICE_FORMATS), "normalize": ("sum", "mean", "char", "byte"), "style": ("cloze", "listed"),
     }
     format_fields: ClassVar[tuple[str, ...]] = (
         "template", "target_delimiter", "choices", "system_message", "answer_prefix", "fewshot", "fewshot_split",
