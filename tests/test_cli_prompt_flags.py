@@ -181,3 +181,30 @@ def test_calibrate_report_shows_every_metric_the_prompt_and_an_overall_table(spi
     assert mce_row.split(" | ")[1] == format_metric(mean_mce, "mce")
     prompt = next(line for line in report.splitlines() if line.startswith("- prompt: "))
     assert "fewshot=2" in prompt and "chat_template=False" in prompt and "Question: {question}" in prompt
+
+
+def test_calibrate_report_names_the_preset_prompt_it_used(spied):
+    """The scorer line of a run under --prompt-preset lm_eval_arc names that prompt, not 'cloze prompt'."""
+    report = (spied[0] / "report.md").read_text()
+    assert "- scorer: `option_likelihood` (sum, lm_eval_arc prompt)" in report
+
+
+@pytest.mark.parametrize(("prompt", "scorer", "style", "named"), [
+    ({}, "option_likelihood", "cloze", "cloze prompt"),
+    ({"scorer": "letter"}, "letter", "listed", "listed prompt"),
+    ({"preset": "default"}, "option_likelihood", "cloze", "cloze prompt"),
+    ({"preset": "lm_eval_mmlu"}, "option_likelihood", "cloze", "lm_eval_mmlu prompt"),
+    ({"template": "Q: {question}\\nA:"}, "option_likelihood", "cloze", "own-template prompt"),
+    ({"preset": "lm_eval_arc", "template": "Q: {question}\\nA:"}, "option_likelihood", "cloze", "own-template prompt"),
+])
+def test_comparison_report_names_the_prompt_kind(prompt, scorer, style, named):
+    """The scorer line follows the prompt of the run's settings (``prompt_style`` as run_comparison
+    records it: listed for the letter scorer)."""
+    from llm_calib.calm.config import CalibrationConfig
+    from llm_calib.compare import Comparison, comparison_markdown
+
+    cfg = {"train": {"spec": "t", "n": 2}, "heldout": {"spec": "h", "n": 2}, "eval": ["e"], "timings": {},
+           "calibration": CalibrationConfig.from_dict({"prompt": prompt}).to_dict(),
+           "evaluation": {"scorer": scorer, "normalize": "sum", "prompt_style": style, "n_bins": 10, "bootstrap": 0}}
+    report = comparison_markdown(Comparison([], {}, None, {}, cfg, {}))
+    assert f"- scorer: `{scorer}` (sum, {named})" in report
