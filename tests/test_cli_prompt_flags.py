@@ -160,6 +160,33 @@ def test_export_records_the_prompt_and_warns_on_another(spied, tmp_path, capsys)
     assert "exporting --adapter" in capsys.readouterr().err
 
 
+def test_evaluate_merged_model_uses_the_prompt_it_was_trained_with(spied, tmp_path, capsys):
+    """``evaluate --model MERGED`` (an ``export``) scores under the recorded prompt, as ``evaluate
+    --adapter`` does, says so, and lets explicit prompt flags win (with the warning)."""
+    out, ev, _, _ = spied
+    merged = tmp_path / "m"
+    assert cli.main(["export", str(out / "lora_ce"), "--out", str(merged), "--quiet"]) == 0
+    assert json.loads((merged / "llm_calib_export.json").read_text())["prompt_preset"] == "lm_eval_arc"
+    capsys.readouterr()
+    argv = ["evaluate", "--model", str(merged), "--data", SPEC, "--bootstrap", "0", "--threads", "1"]
+    assert cli.main([*argv, "--out", str(tmp_path / "e")]) == 0
+    err = capsys.readouterr().err
+    assert f"prompt: the one --model {merged} was trained with\n" in err and "warning" not in err
+    used = json.loads((tmp_path / "e" / "metrics.json").read_text())["config"]
+    with_adapter = json.loads((ev / "metrics.json").read_text())["config"]
+    assert used["prompt"] == with_adapter["prompt"] and used["prompt"]["fewshot"] == 2
+    assert used["limit_mode"] == "first"  # the recorded lm_eval_* preset's default, as with --adapter
+    assert cli.main([*argv, "--out", str(tmp_path / "e1"), "--fewshot", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"prompt: the one --model {merged} was trained with, changed by the prompt flags (fewshot)" in err
+    assert f"evaluating --model {merged} with another prompt" in err and "fewshot: trained 2, now 1" in err
+    used = json.loads((tmp_path / "e1" / "metrics.json").read_text())["config"]["prompt"]
+    assert (used["fewshot"], used["template"]) == (1, with_adapter["prompt"]["template"])
+    assert cli.main([*argv, "--out", str(tmp_path / "e2"), "--prompt-preset", "default"]) == 0
+    assert f"prompt: --prompt-preset default instead of the one --model {merged} was trained with" in (
+        capsys.readouterr().err)
+
+
 def test_calibrate_report_shows_every_metric_the_prompt_and_an_overall_table(spied):
     """calibrate's report.md: the metrics of evaluate's domain tables (report.REPORT_METRICS) for
     every column, the resolved prompt, and an overall table (mean of the domains)."""
