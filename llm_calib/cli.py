@@ -147,19 +147,29 @@ def _resolve_base(args: argparse.Namespace, adapter: str | None, flag: str) -> d
     Returns:
         The saved record (empty when there is none); without an adapter, the record of an exported
         merged ``--model`` (:func:`~llm_calib.export.merged_record`): the prompt it was trained with.
+        The file it was read from is ``args.base_record`` (None when there is none).
 
     Raises:
         _UserError: ``adapter`` is not an adapter directory, or names no base model and no
             ``--model`` is given.
     """
-    from llm_calib.export import adapter_directory, merged_record, saved_base
+    from llm_calib.export import (
+        EXPORT_FILE,
+        adapter_directory,
+        merged_record,
+        saved_base,
+        saved_base_file,
+    )
 
     base: dict[str, Any] = {}
+    args.base_record = None
     if adapter is not None:
         _user_call(lambda: adapter_directory(adapter), flag)  # fail before loading the model
         base = saved_base(adapter)
+        args.base_record = saved_base_file(adapter)
     elif args.model is not None:
         base = merged_record(args.model)
+        args.base_record = Path(args.model) / EXPORT_FILE if base else None
     if args.model is None:
         if adapter is not None and not base.get("model"):
             raise _UserError(
@@ -864,6 +874,7 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
         flat_key_location,
         read_config_file,
     )
+    from llm_calib.data import absolute_spec
     from llm_calib.objectives.registry import objective_class, objective_from_dict
 
     data: dict = {}
@@ -915,6 +926,8 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
                          "an objective's or solver's flags apply to the objectives trained with it)")
     config = _user_call(lambda: CalibrationConfig.from_dict({**merged, "objective": objectives[0]}),
                         "calibration config")
+    if config.prompt.fewshot_split:  # recorded absolute (config.json, base_model.json), as the model path is
+        config.prompt.fewshot_split = _user_call(lambda: absolute_spec(config.prompt.fewshot_split), "--fewshot-split")
     return config, objectives
 
 
@@ -1207,6 +1220,7 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
         >>> fmt.template, fmt.fewshot, args.normalize
         ('Question: {question}\\nAnswer:', 2, 'sum')
     """
+    from llm_calib.data import absolute_spec
     from llm_calib.formats import multiple_choice_format
     from llm_calib.prompts import PromptFormat, preset
 
@@ -1216,6 +1230,8 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
         args.normalize = args.normalize or base.get("normalize") or "sum"
     scorer = getattr(args, "scorer", None) or base.get("scorer") or "option_likelihood"
     given = _prompt_flags(args)
+    if "fewshot_split" in given:  # recorded absolute (export, metrics.json), as the model path is
+        given["fewshot_split"] = _user_call(lambda: absolute_spec(given["fewshot_split"]), "--fewshot-split")
     saved = _saved_prompt(base)
     if args.prompt_preset is not None:
         make = lambda: preset(args.prompt_preset, **given)  # noqa: E731
@@ -1309,9 +1325,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         _log(args, f"loaded {len(fit[1])} questions from {spec} (temperature fit)")
     if prompt.fewshot:
         evaluated = [r for _, recs in datasets for r in recs] + (list(fit[1]) if fit else [])
+        recorded = args.fewshot_split is None and args.prompt_preset is None and args.base_record is not None
         prompt = _user_call(
             lambda: resolve_fewshot(prompt, exclude=evaluated, on_error=args.on_error),
-            f"--fewshot-split {prompt.fewshot_split}",
+            # a split the saved result or merged model records: the error names that file and field
+            f"{args.base_record}: prompt.fewshot_split" if recorded else f"--fewshot-split {prompt.fewshot_split}",
         )
         _log(args, f"few-shot pool: {len(prompt.fewshot_pool)} examples from {prompt.fewshot_split}")
     load_s = time.perf_counter() - t0

@@ -14,7 +14,7 @@ from llm_calib.calm.trainer import BASE_MODEL_FILE
 from llm_calib.file_modes import ordinary_modes
 
 __all__ = ["EXPORT_FILE", "adapter_directory", "export_merged", "load_adapter", "merge_adapter", "merged_record",
-           "saved_base"]
+           "saved_base", "saved_base_file"]
 
 EXPORT_FILE = "llm_calib_export.json"
 """The record :func:`export_merged` writes next to the merged weights (the adapter merged; ``llm-calib
@@ -41,20 +41,33 @@ def adapter_directory(path: str | os.PathLike[str]) -> Path:
     )
 
 
+def saved_base_file(path: str | os.PathLike[str]) -> Path | None:
+    """The file where the saved result at ``path`` (or the one whose ``adapter/`` it is) records
+    its base model (:data:`~llm_calib.calm.trainer.BASE_MODEL_FILE`); None for a plain peft adapter.
+
+    Example:
+        >>> import tempfile
+        >>> saved_base_file(tempfile.mkdtemp()) is None
+        True
+    """
+    src = Path(path)
+    for candidate in (src, src.parent):
+        if (candidate / BASE_MODEL_FILE).is_file():
+            return candidate / BASE_MODEL_FILE
+    return None
+
+
 def saved_base(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The base model a saved result records (:data:`~llm_calib.calm.trainer.BASE_MODEL_FILE`:
-    ``model``, ``dtype``, ``prompt``); empty for a plain peft adapter.
+    """The base model a saved result records (:func:`saved_base_file`: ``model``, ``dtype``,
+    ``prompt``); empty for a plain peft adapter.
 
     Example:
         >>> import tempfile
         >>> saved_base(tempfile.mkdtemp())
         {}
     """
-    src = Path(path)
-    for candidate in (src, src.parent):
-        if (candidate / BASE_MODEL_FILE).is_file():
-            return dict(json.loads((candidate / BASE_MODEL_FILE).read_text()))
-    return {}
+    record = saved_base_file(path)
+    return dict(json.loads(record.read_text())) if record is not None else {}
 
 
 def merged_record(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -235,3 +235,38 @@ def test_comparison_report_names_the_prompt_kind(prompt, scorer, style, named):
            "evaluation": {"scorer": scorer, "normalize": "sum", "prompt_style": style, "n_bins": 10, "bootstrap": 0}}
     report = comparison_markdown(Comparison([], {}, None, {}, cfg, {}))
     assert f"- scorer: `{scorer}` (sum, {named})" in report
+
+
+def test_a_relative_fewshot_split_is_recorded_absolute(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """calibrate run in one directory with a relative --fewshot-split, evaluate --adapter from
+    another: the same split; once it is gone, the error names the record and its field."""
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    shots = project / "data" / "shots.jsonl"
+    shots.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    monkeypatch.chdir(project)
+    argv = ["calibrate", "--model", str(tiny_model_dir), "--train", SPEC, "--heldout", HELDOUT, "--eval", SPEC,
+            "--out", "run", "--methods", "lora_ce", "--steps", "1", "--batch-size", "2", "--lora-rank", "2",
+            "--bootstrap", "0", "--no-progress", "--threads", "1", "--fewshot", "2", "--fewshot-split",
+            "jsonl:data/shots.jsonl"]
+    assert cli.main(argv) == 0
+    result = project / "run" / "lora_ce"
+    for recorded in (json.loads((result / BASE_MODEL_FILE).read_text())["prompt"],
+                     json.loads((result / "config.json").read_text())["prompt"]):
+        assert recorded["fewshot_split"] == f"jsonl:{shots}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    evaluate = ["evaluate", "--adapter", str(result), "--data", SPEC, "--bootstrap", "0", "--quiet", "--threads", "1"]
+    assert cli.main([*evaluate, "--out", "ev"]) == 0
+    used = json.loads((elsewhere / "ev" / "metrics.json").read_text())["config"]["prompt"]
+    assert (used["fewshot_split"], used["fewshot_pool_size"]) == (f"jsonl:{shots}", len(ROWS))
+    # evaluate records a relative --fewshot-split absolute too
+    assert cli.main([*evaluate, "--out", "ev1", "--fewshot-split", "jsonl:../project/data/shots.jsonl"]) == 0
+    assert json.loads((elsewhere / "ev1" / "metrics.json").read_text())["config"]["prompt"]["fewshot_split"] == (
+        f"jsonl:{shots}")
+    shots.unlink()
+    capsys.readouterr()
+    assert cli.main([*evaluate, "--out", "ev2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{result / BASE_MODEL_FILE}: prompt.fewshot_split: spec 'jsonl:{shots}'" in err and "does not exist" in err
