@@ -59,6 +59,8 @@ lm-eval's prompt, its first 300 questions, 5 examples from train, per-sample log
 
 a saved calibration result (or any peft adapter) on its base model:
   llm-calib evaluate --model smollm2-135m-instruct --adapter runs/calm/calm --data ... --out ...
+a merged model of `llm-calib export` (under the prompt it was trained with, as --adapter):
+  llm-calib evaluate --model runs/calm-merged --data ... --out ...
 """
 
 
@@ -143,18 +145,31 @@ def _resolve_base(args: argparse.Namespace, adapter: str | None, flag: str) -> d
     (:func:`~llm_calib.export.saved_base`); without an adapter, to the built-in model and float32.
 
     Returns:
-        The saved record (empty when there is none).
+        The saved record (empty when there is none); without an adapter, the record of an exported
+        merged ``--model`` (:func:`~llm_calib.export.merged_record`): the prompt it was trained with.
+        The file it was read from is ``args.base_record`` (None when there is none).
 
     Raises:
         _UserError: ``adapter`` is not an adapter directory, or names no base model and no
             ``--model`` is given.
     """
-    from llm_calib.export import adapter_directory, saved_base
+    from llm_calib.export import (
+        EXPORT_FILE,
+        adapter_directory,
+        merged_record,
+        saved_base,
+        saved_base_file,
+    )
 
     base: dict[str, Any] = {}
+    args.base_record = None
     if adapter is not None:
         _user_call(lambda: adapter_directory(adapter), flag)  # fail before loading the model
         base = saved_base(adapter)
+        args.base_record = saved_base_file(adapter)
+    elif args.model is not None:
+        base = merged_record(args.model)
+        args.base_record = Path(args.model) / EXPORT_FILE if base else None
     if args.model is None:
         if adapter is not None and not base.get("model"):
             raise _UserError(
@@ -217,8 +232,8 @@ _SET_OF_FLAG = {"--train": "training", "--heldout": "held-out", "--unlabeled": "
 
 def _limit_mode(args: argparse.Namespace) -> str:
     """``--limit-mode`` as given, else ``first`` under an ``lm_eval_*`` prompt preset (lm-eval's
-    ``--limit`` takes the first N; the preset of the flag, else the one a saved ``--adapter`` was
-    trained with when no prompt flag is given), else ``sample``."""
+    ``--limit`` takes the first N; the preset of the flag, else the one a saved ``--adapter`` or
+    an exported merged ``--model`` was trained with when no prompt flag is given), else ``sample``."""
     mode = getattr(args, "limit_mode", None)
     if mode is not None:
         return mode
@@ -264,8 +279,8 @@ def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int |
 
 _PROMPT_GROUP_HELP = (
     "how each question is put to the model; evaluate, calibrate and export take the same flags. "
-    "Other prompt flags override --prompt-preset; with a saved --adapter (evaluate, export) the "
-    "prompt it was trained with is the default"
+    "Other prompt flags override --prompt-preset; with a saved --adapter (evaluate, export) or a "
+    "merged model of export (evaluate --model) the prompt it was trained with is the default"
 )
 
 PROMPT_FIELDS = (
@@ -327,6 +342,8 @@ def _add_prompt_args(group: Any, dest: Callable[[str], str | None]) -> None:
 
 
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
+    from llm_calib.calm.config import PromptSettings
+
     p = sub.add_parser(
         "evaluate",
         help="score data sets with a model and write a calibration report",
@@ -361,11 +378,11 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--scorer",
-        choices=("option_likelihood", "letter"),
+        choices=PromptSettings.field_choices["scorer"],  # calibrate's choices: the registered formats
         default=None,
         help="multiple-choice scorer: likelihood of each option's text, or the logits of the "
-        "option letters with the options listed (default: the one a saved --adapter was trained "
-        "with, else option_likelihood)",
+        "option letters with the options listed (default: the one a saved --adapter or merged "
+        "--model was trained with, else option_likelihood)",
     )
     p.add_argument(
         "--normalize",
@@ -374,7 +391,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         help="option likelihood: summed token log-probabilities (lm-eval's acc), their mean per "
         "token, or the sum divided by the choice's characters (acc_norm) or bytes (acc_bytes); "
         "the report shows all four side by side either way (default: the one a saved --adapter "
-        "was trained with, else sum)",
+        "or merged --model was trained with, else sum)",
     )
     _add_prompt_args(p.add_argument_group("prompt", _PROMPT_GROUP_HELP), _EVALUATE_PROMPT_DEST.get)
     _add_data_loading_args(
@@ -487,7 +504,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     import warnings
 
-    from llm_calib.export import export_merged
+    from llm_calib.export import EXPORT_FILE, export_merged
     from llm_calib.models import load as load_model
     from llm_calib.prompts import prompt_dict
 
@@ -501,10 +518,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
         lambda: load_model(args.model, cache_dir=args.cache_dir, config=_model_loading(args, "cpu")),
         f"--model {args.model}",
     )
-    _warn_prompt_mismatch(base, prompt, tokenizer, args.adapter, doing="exporting")
+    _warn_prompt_mismatch(base, prompt, tokenizer, f"--adapter {args.adapter}", doing="exporting")
     out = _user_call(lambda: export_merged(model, tokenizer, args.adapter, args.out), "export")
-    record = Path(out) / "llm_calib_export.json"  # what the merged model was calibrated for
+    record = Path(out) / EXPORT_FILE  # what the merged model was calibrated for: evaluate --model reads it
     record.write_text(json.dumps({**json.loads(record.read_text()), "prompt": prompt_dict(prompt, tokenizer),
+                                  "prompt_preset": _preset_in_use(args, base),
                                   **{k: base[k] for k in ("scorer", "normalize") if k in base}}, indent=2))
     print(f"wrote the merged model to {out}")
     return 0
@@ -856,6 +874,7 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
         flat_key_location,
         read_config_file,
     )
+    from llm_calib.data import absolute_spec
     from llm_calib.objectives.registry import objective_class, objective_from_dict
 
     data: dict = {}
@@ -907,6 +926,8 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
                          "an objective's or solver's flags apply to the objectives trained with it)")
     config = _user_call(lambda: CalibrationConfig.from_dict({**merged, "objective": objectives[0]}),
                         "calibration config")
+    if config.prompt.fewshot_split:  # recorded absolute (config.json, base_model.json), as the model path is
+        config.prompt.fewshot_split = _user_call(lambda: absolute_spec(config.prompt.fewshot_split), "--fewshot-split")
     return config, objectives
 
 
@@ -1199,6 +1220,7 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
         >>> fmt.template, fmt.fewshot, args.normalize
         ('Question: {question}\\nAnswer:', 2, 'sum')
     """
+    from llm_calib.data import absolute_spec
     from llm_calib.formats import multiple_choice_format
     from llm_calib.prompts import PromptFormat, preset
 
@@ -1208,6 +1230,8 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
         args.normalize = args.normalize or base.get("normalize") or "sum"
     scorer = getattr(args, "scorer", None) or base.get("scorer") or "option_likelihood"
     given = _prompt_flags(args)
+    if "fewshot_split" in given:  # recorded absolute (export, metrics.json), as the model path is
+        given["fewshot_split"] = _user_call(lambda: absolute_spec(given["fewshot_split"]), "--fewshot-split")
     saved = _saved_prompt(base)
     if args.prompt_preset is not None:
         make = lambda: preset(args.prompt_preset, **given)  # noqa: E731
@@ -1226,12 +1250,33 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     return fmt
 
 
-def _warn_prompt_mismatch(trained: dict[str, Any], prompt: Any, tokenizer: Any, adapter: str | None, *,
+def _preset_in_use(args: argparse.Namespace, base: dict[str, Any]) -> str | None:
+    """The preset of the prompt in use: ``--prompt-preset``, else the one the saved record
+    ``base`` was trained with when no prompt flag changes its prompt."""
+    if args.prompt_preset is not None or _prompt_flags(args):
+        return args.prompt_preset
+    return base.get("prompt_preset")
+
+
+def _prompt_origin(args: argparse.Namespace, base: dict[str, Any], source: str) -> str | None:
+    """The status line naming where the prompt comes from when ``source`` (``--adapter DIR`` or an
+    exported merged ``--model DIR``) records the one it was trained with; None when it does not."""
+    if not base.get("prompt"):
+        return None
+    if args.prompt_preset is not None:
+        return f"prompt: --prompt-preset {args.prompt_preset} instead of the one {source} was trained with"
+    changed = sorted(_prompt_flags(args))
+    return f"prompt: the one {source} was trained with" + (
+        f", changed by the prompt flags ({', '.join(changed)})" if changed else "")
+
+
+def _warn_prompt_mismatch(trained: dict[str, Any], prompt: Any, tokenizer: Any, source: str, *,
                           scoring: dict[str, Any] | None = None, doing: str = "evaluating") -> None:
     """Warn (stderr, even with ``--quiet``) when ``prompt`` (or the ``scoring`` settings, scorer
-    and normalize) differs from what ``adapter`` was trained with (``trained``: its saved record;
-    nothing when it does not record the prompt). Both prompts are compared as resolved for
-    ``tokenizer`` (an automatic chat template is the one it has or not)."""
+    and normalize) differs from what ``source`` (``--adapter DIR``, or an exported merged ``--model
+    DIR``) was trained with (``trained``: its saved record; nothing when it does not record the
+    prompt). Both prompts are compared as resolved for ``tokenizer`` (an automatic chat template is
+    the one it has or not)."""
     from llm_calib.prompts import PromptFormat, prompt_dict
 
     if not trained.get("prompt"):
@@ -1243,7 +1288,7 @@ def _warn_prompt_mismatch(trained: dict[str, Any], prompt: Any, tokenizer: Any, 
     keys = sorted(k for k in set(before) | set(used) if k != "fewshot_pool_size" and before.get(k) != used.get(k))
     if keys:
         diff = "; ".join(f"{k}: trained {before.get(k)!r}, now {used.get(k)!r}" for k in keys)
-        print(f"llm-calib: warning: {doing} --adapter {adapter} with another prompt than it was trained "
+        print(f"llm-calib: warning: {doing} {source} with another prompt than it was trained "
               f"with ({diff}); its calibration may not carry over", file=sys.stderr, flush=True)
 
 
@@ -1260,9 +1305,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.bootstrap < 0:
         raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
     base = _resolve_base(args, args.adapter, "--adapter")
+    source = f"--adapter {args.adapter}" if args.adapter else f"--model {args.model}"
     prompt = prompt_format(args, base)
-    if args.prompt_preset is None and not _prompt_flags(args):  # the saved prompt: its preset's --limit-mode
-        args.saved_preset = base.get("prompt_preset")
+    args.saved_preset = _preset_in_use(args, base)  # the saved prompt: its preset's --limit-mode
+    origin = _prompt_origin(args, base, source)
+    if origin:
+        _log(args, origin)
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
     datasets = []
@@ -1277,9 +1325,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         _log(args, f"loaded {len(fit[1])} questions from {spec} (temperature fit)")
     if prompt.fewshot:
         evaluated = [r for _, recs in datasets for r in recs] + (list(fit[1]) if fit else [])
+        recorded = args.fewshot_split is None and args.prompt_preset is None and args.base_record is not None
         prompt = _user_call(
             lambda: resolve_fewshot(prompt, exclude=evaluated, on_error=args.on_error),
-            f"--fewshot-split {prompt.fewshot_split}",
+            # a split the saved result or merged model records: the error names that file and field
+            f"{args.base_record}: prompt.fewshot_split" if recorded else f"--fewshot-split {prompt.fewshot_split}",
         )
         _log(args, f"few-shot pool: {len(prompt.fewshot_pool)} examples from {prompt.fewshot_split}")
     load_s = time.perf_counter() - t0
@@ -1299,7 +1349,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         model = _user_call(lambda: load_adapter(model, args.adapter), f"--adapter {args.adapter}")
     model_s = time.perf_counter() - t0
     _log(args, f"loaded model {args.model}{' + ' + args.adapter if args.adapter else ''} in {model_s:.1f} s")
-    _warn_prompt_mismatch(base, prompt, tokenizer, args.adapter, scoring={"scorer": args.scorer, "normalize": args.normalize})
+    _warn_prompt_mismatch(base, prompt, tokenizer, source, scoring={"scorer": args.scorer, "normalize": args.normalize})
     result = _user_call(
         lambda: evaluate_records(
             model,

@@ -309,6 +309,18 @@ def _describe(objective: dict[str, Any]) -> str:
     return objective.get("name", "?") + (f" ({', '.join(parts)})" if parts else "")
 
 
+def _prompt_kind(cfg: dict[str, Any]) -> str:
+    """How the report's scorer line names the prompt a run used: a template of its own, else its
+    preset (``lm_eval_arc prompt``), else its style (``cloze prompt``, ``listed prompt``); a preset's
+    or a given template sets the question text whatever the style says."""
+    settings = cfg.get("calibration", {}).get("prompt", {})
+    if settings.get("template"):
+        return "own-template prompt"
+    if settings.get("preset") not in (None, "default"):
+        return f"{settings['preset']} prompt"
+    return f"{cfg['evaluation']['prompt_style']} prompt"
+
+
 def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods compared") -> str:
     """The ``report.md`` text: settings, training summary, summary tables, one table per domain."""
     cfg = cmp.config
@@ -323,8 +335,7 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
         f"- methods: {', '.join(_describe(cal.get('objectives', {}).get(m, {'name': m})) for m in cmp.methods)}; "
         f"same data order, seed ({cal.get('seed')}) and budget "
         f"({cal.get('training', {}).get('steps')} steps of {cal.get('training', {}).get('batch_size')} questions) for each",
-        f"- scorer: `{cfg['evaluation']['scorer']}` ({cfg['evaluation']['normalize']}, "
-        f"{cfg['evaluation']['prompt_style']} prompt)",
+        f"- scorer: `{cfg['evaluation']['scorer']}` ({cfg['evaluation']['normalize']}, {_prompt_kind(cfg)})",
     ]
     if cfg.get("prompt"):  # as resolved (the command line adds it), as evaluate's report shows it
         lines.append(setting_line("prompt", cfg["prompt"]))

@@ -13,7 +13,12 @@ from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.trainer import BASE_MODEL_FILE
 from llm_calib.file_modes import ordinary_modes
 
-__all__ = ["adapter_directory", "export_merged", "load_adapter", "merge_adapter", "saved_base"]
+__all__ = ["EXPORT_FILE", "adapter_directory", "export_merged", "load_adapter", "merge_adapter", "merged_record",
+           "saved_base", "saved_base_file"]
+
+EXPORT_FILE = "llm_calib_export.json"
+"""The record :func:`export_merged` writes next to the merged weights (the adapter merged; ``llm-calib
+export`` adds the prompt, preset, scorer and normalisation it was calibrated with)."""
 
 
 def adapter_directory(path: str | os.PathLike[str]) -> Path:
@@ -36,20 +41,46 @@ def adapter_directory(path: str | os.PathLike[str]) -> Path:
     )
 
 
+def saved_base_file(path: str | os.PathLike[str]) -> Path | None:
+    """The file where the saved result at ``path`` (or the one whose ``adapter/`` it is) records
+    its base model (:data:`~llm_calib.calm.trainer.BASE_MODEL_FILE`); None for a plain peft adapter.
+
+    Example:
+        >>> import tempfile
+        >>> saved_base_file(tempfile.mkdtemp()) is None
+        True
+    """
+    src = Path(path)
+    for candidate in (src, src.parent):
+        if (candidate / BASE_MODEL_FILE).is_file():
+            return candidate / BASE_MODEL_FILE
+    return None
+
+
 def saved_base(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The base model a saved result records (:data:`~llm_calib.calm.trainer.BASE_MODEL_FILE`:
-    ``model``, ``dtype``, ``prompt``); empty for a plain peft adapter.
+    """The base model a saved result records (:func:`saved_base_file`: ``model``, ``dtype``,
+    ``prompt``); empty for a plain peft adapter.
 
     Example:
         >>> import tempfile
         >>> saved_base(tempfile.mkdtemp())
         {}
     """
-    src = Path(path)
-    for candidate in (src, src.parent):
-        if (candidate / BASE_MODEL_FILE).is_file():
-            return dict(json.loads((candidate / BASE_MODEL_FILE).read_text()))
-    return {}
+    record = saved_base_file(path)
+    return dict(json.loads(record.read_text())) if record is not None else {}
+
+
+def merged_record(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What an exported merged model at ``path`` records (:data:`EXPORT_FILE`); empty for any other
+    model (a hub name, an alias, a plain checkpoint).
+
+    Example:
+        >>> import tempfile
+        >>> merged_record(tempfile.mkdtemp()), merged_record("smollm2-135m")
+        ({}, {})
+    """
+    record = Path(path) / EXPORT_FILE
+    return dict(json.loads(record.read_text())) if record.is_file() else {}
 
 
 def load_adapter(base_model: Any, path: str | os.PathLike[str]) -> Any:
@@ -98,7 +129,7 @@ def export_merged(
     base_model: Any, tokenizer: Any, adapter: str | os.PathLike[str], out: str | os.PathLike[str]
 ) -> Path:
     """Merge the adapter into ``base_model`` (in place) and save a standalone model to ``out``
-    (safetensors, tokenizer, and ``llm_calib_export.json`` naming the adapter).
+    (safetensors, tokenizer, and :data:`EXPORT_FILE` naming the adapter).
 
     Example:
         >>> import tempfile
@@ -118,7 +149,7 @@ def export_merged(
     target.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(str(target), safe_serialization=True)
     tokenizer.save_pretrained(str(target))
-    (target / "llm_calib_export.json").write_text(
+    (target / EXPORT_FILE).write_text(
         json.dumps({"adapter": str(src.resolve()), "merged": ["lora", "modules_to_save"]}, indent=2)
     )
     for weights in target.glob("*.safetensors"):

@@ -153,3 +153,29 @@ def test_solver_flags_and_methods_compose(tiny_model_dir, tmp_path):
     args = cli.build_parser().parse_args(_argv(tiny_model_dir, tmp_path / "out", "--objective", "lora_ce"))
     config, objectives = cli.calibration_config(args)
     assert [o.name for o in objectives] == ["lora_ce"] and config.objective.name == "lora_ce"
+
+
+def test_a_config_files_fewshot_split_is_read_from_its_directory(tmp_path, monkeypatch, capsys):
+    """A relative path in a config file's prompt.fewshot_split is the file's, not the working
+    directory's; a missing one is an error naming the file and the field."""
+    conf = tmp_path / "conf"
+    (conf / "data").mkdir(parents=True)
+    (conf / "data" / "shots.jsonl").write_text(json.dumps({"question": "q", "options": ["a", "b"], "answer": "a"}) + "\n")
+    path = conf / "run.yaml"
+    path.write_text("prompt: {fewshot: 2, fewshot_split: 'jsonl:data/shots.jsonl:mc'}\n")
+    monkeypatch.chdir(tmp_path)
+    want = f"jsonl:{conf / 'data' / 'shots.jsonl'}:mc"
+    assert config_module.read_config_file(path)["prompt"]["fewshot_split"] == want
+    assert CalibrationConfig.from_file(path).prompt.fewshot_split == want
+    argv = ["calibrate", "--train", "builtin", "--heldout", "builtin", "--eval", "builtin", "--out", "x"]
+    args = cli.build_parser().parse_args([*argv, "--config", str(path)])
+    assert cli.calibration_config(args)[0].prompt.fewshot_split == want
+    # a flag's relative path is the working directory's, recorded absolute
+    args = cli.build_parser().parse_args([*argv, "--fewshot", "1", "--fewshot-split", "jsonl:conf/data/shots.jsonl"])
+    assert cli.calibration_config(args)[0].prompt.fewshot_split == f"jsonl:{conf / 'data' / 'shots.jsonl'}"
+    path.write_text("prompt: {fewshot: 2, fewshot_split: 'jsonl:nowhere.jsonl'}\n")
+    with pytest.raises(ValueError, match=r"prompt.fewshot_split 'jsonl:nowhere.jsonl': .*nowhere.jsonl does not exist"):
+        config_module.read_config_file(path)
+    assert cli.main([*argv, "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: prompt.fewshot_split 'jsonl:nowhere.jsonl': {conf / 'nowhere.jsonl'} does not exist" in err

@@ -160,6 +160,33 @@ def test_export_records_the_prompt_and_warns_on_another(spied, tmp_path, capsys)
     assert "exporting --adapter" in capsys.readouterr().err
 
 
+def test_evaluate_merged_model_uses_the_prompt_it_was_trained_with(spied, tmp_path, capsys):
+    """``evaluate --model MERGED`` (an ``export``) scores under the recorded prompt, as ``evaluate
+    --adapter`` does, says so, and lets explicit prompt flags win (with the warning)."""
+    out, ev, _, _ = spied
+    merged = tmp_path / "m"
+    assert cli.main(["export", str(out / "lora_ce"), "--out", str(merged), "--quiet"]) == 0
+    assert json.loads((merged / "llm_calib_export.json").read_text())["prompt_preset"] == "lm_eval_arc"
+    capsys.readouterr()
+    argv = ["evaluate", "--model", str(merged), "--data", SPEC, "--bootstrap", "0", "--threads", "1"]
+    assert cli.main([*argv, "--out", str(tmp_path / "e")]) == 0
+    err = capsys.readouterr().err
+    assert f"prompt: the one --model {merged} was trained with\n" in err and "warning" not in err
+    used = json.loads((tmp_path / "e" / "metrics.json").read_text())["config"]
+    with_adapter = json.loads((ev / "metrics.json").read_text())["config"]
+    assert used["prompt"] == with_adapter["prompt"] and used["prompt"]["fewshot"] == 2
+    assert used["limit_mode"] == "first"  # the recorded lm_eval_* preset's default, as with --adapter
+    assert cli.main([*argv, "--out", str(tmp_path / "e1"), "--fewshot", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"prompt: the one --model {merged} was trained with, changed by the prompt flags (fewshot)" in err
+    assert f"evaluating --model {merged} with another prompt" in err and "fewshot: trained 2, now 1" in err
+    used = json.loads((tmp_path / "e1" / "metrics.json").read_text())["config"]["prompt"]
+    assert (used["fewshot"], used["template"]) == (1, with_adapter["prompt"]["template"])
+    assert cli.main([*argv, "--out", str(tmp_path / "e2"), "--prompt-preset", "default"]) == 0
+    assert f"prompt: --prompt-preset default instead of the one --model {merged} was trained with" in (
+        capsys.readouterr().err)
+
+
 def test_calibrate_report_shows_every_metric_the_prompt_and_an_overall_table(spied):
     """calibrate's report.md: the metrics of evaluate's domain tables (report.REPORT_METRICS) for
     every column, the resolved prompt, and an overall table (mean of the domains)."""
@@ -181,3 +208,65 @@ def test_calibrate_report_shows_every_metric_the_prompt_and_an_overall_table(spi
     assert mce_row.split(" | ")[1] == format_metric(mean_mce, "mce")
     prompt = next(line for line in report.splitlines() if line.startswith("- prompt: "))
     assert "fewshot=2" in prompt and "chat_template=False" in prompt and "Question: {question}" in prompt
+
+
+def test_calibrate_report_names_the_preset_prompt_it_used(spied):
+    """The scorer line of a run under --prompt-preset lm_eval_arc names that prompt, not 'cloze prompt'."""
+    report = (spied[0] / "report.md").read_text()
+    assert "- scorer: `option_likelihood` (sum, lm_eval_arc prompt)" in report
+
+
+@pytest.mark.parametrize(("prompt", "scorer", "style", "named"), [
+    ({}, "option_likelihood", "cloze", "cloze prompt"),
+    ({"scorer": "letter"}, "letter", "listed", "listed prompt"),
+    ({"preset": "default"}, "option_likelihood", "cloze", "cloze prompt"),
+    ({"preset": "lm_eval_mmlu"}, "option_likelihood", "cloze", "lm_eval_mmlu prompt"),
+    ({"template": "Q: {question}\\nA:"}, "option_likelihood", "cloze", "own-template prompt"),
+    ({"preset": "lm_eval_arc", "template": "Q: {question}\\nA:"}, "option_likelihood", "cloze", "own-template prompt"),
+])
+def test_comparison_report_names_the_prompt_kind(prompt, scorer, style, named):
+    """The scorer line follows the prompt of the run's settings (``prompt_style`` as run_comparison
+    records it: listed for the letter scorer)."""
+    from llm_calib.calm.config import CalibrationConfig
+    from llm_calib.compare import Comparison, comparison_markdown
+
+    cfg = {"train": {"spec": "t", "n": 2}, "heldout": {"spec": "h", "n": 2}, "eval": ["e"], "timings": {},
+           "calibration": CalibrationConfig.from_dict({"prompt": prompt}).to_dict(),
+           "evaluation": {"scorer": scorer, "normalize": "sum", "prompt_style": style, "n_bins": 10, "bootstrap": 0}}
+    report = comparison_markdown(Comparison([], {}, None, {}, cfg, {}))
+    assert f"- scorer: `{scorer}` (sum, {named})" in report
+
+
+def test_a_relative_fewshot_split_is_recorded_absolute(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """calibrate run in one directory with a relative --fewshot-split, evaluate --adapter from
+    another: the same split; once it is gone, the error names the record and its field."""
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    shots = project / "data" / "shots.jsonl"
+    shots.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    monkeypatch.chdir(project)
+    argv = ["calibrate", "--model", str(tiny_model_dir), "--train", SPEC, "--heldout", HELDOUT, "--eval", SPEC,
+            "--out", "run", "--methods", "lora_ce", "--steps", "1", "--batch-size", "2", "--lora-rank", "2",
+            "--bootstrap", "0", "--no-progress", "--threads", "1", "--fewshot", "2", "--fewshot-split",
+            "jsonl:data/shots.jsonl"]
+    assert cli.main(argv) == 0
+    result = project / "run" / "lora_ce"
+    for recorded in (json.loads((result / BASE_MODEL_FILE).read_text())["prompt"],
+                     json.loads((result / "config.json").read_text())["prompt"]):
+        assert recorded["fewshot_split"] == f"jsonl:{shots}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    evaluate = ["evaluate", "--adapter", str(result), "--data", SPEC, "--bootstrap", "0", "--quiet", "--threads", "1"]
+    assert cli.main([*evaluate, "--out", "ev"]) == 0
+    used = json.loads((elsewhere / "ev" / "metrics.json").read_text())["config"]["prompt"]
+    assert (used["fewshot_split"], used["fewshot_pool_size"]) == (f"jsonl:{shots}", len(ROWS))
+    # evaluate records a relative --fewshot-split absolute too
+    assert cli.main([*evaluate, "--out", "ev1", "--fewshot-split", "jsonl:../project/data/shots.jsonl"]) == 0
+    assert json.loads((elsewhere / "ev1" / "metrics.json").read_text())["config"]["prompt"]["fewshot_split"] == (
+        f"jsonl:{shots}")
+    shots.unlink()
+    capsys.readouterr()
+    assert cli.main([*evaluate, "--out", "ev2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{result / BASE_MODEL_FILE}: prompt.fewshot_split: spec 'jsonl:{shots}'" in err and "does not exist" in err

@@ -13,6 +13,7 @@ from llm_calib.data import (
     LoadResult,
     Spec,
     SpecError,
+    absolute_spec,
     load,
     parse_spec,
     subsample,
@@ -99,6 +100,22 @@ def test_parse_spec_grammar(root):
     odd = root / "odd:name.jsonl"
     odd.write_text(ai2("x"))
     assert parse_spec(f"ai2:{odd}") == Spec("ai2", str(odd), None)
+
+
+def test_absolute_spec_makes_a_relative_path_absolute_against_a_directory(root, tmp_path, monkeypatch):
+    """A recorded spec names the same data from any working directory."""
+    monkeypatch.chdir(tmp_path)
+    assert absolute_spec("arc_easy:arc_easy:dev", root) == f"arc_easy:{root / 'arc_easy'}:dev"
+    assert absolute_spec("jsonl:mine.jsonl:mc", root) == f"jsonl:{root / 'mine.jsonl'}:mc"
+    assert absolute_spec("jsonl:sub/../mine.jsonl") == f"jsonl:{tmp_path / 'mine.jsonl'}"  # the working directory
+    (root / "odd:name.jsonl").write_text(ai2("x"))  # an existing path with ":" under the directory: whole
+    assert absolute_spec("ai2:odd:name.jsonl", root) == f"ai2:{root / 'odd:name.jsonl'}"
+    for unchanged in (f"jsonl:{root / 'mine.jsonl'}", "builtin:capitals:n=10", "hf:cais/mmlu:split=test",
+                      "lm_eval:arc_easy"):
+        assert absolute_spec(unchanged, root) == unchanged
+    assert parse_spec("arc_easy:a/b:dev").path == Path("a/b") and parse_spec("hf:cais/mmlu").path is None
+    with pytest.raises(SpecError, match="unknown loader"):
+        absolute_spec("nosuch:x", root)
 
 
 def test_unknown_loader_lists_the_valid_ones():

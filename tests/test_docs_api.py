@@ -48,3 +48,20 @@ def test_public_functions_and_classes_have_docstrings() -> None:
             if getattr(obj, "__module__", None) == name and callable(obj) and not obj.__doc__:
                 undocumented.append(f"{name}.{symbol}")
     assert not undocumented, undocumented
+
+
+def test_architecture_names_the_scorer_registry_the_code_reads() -> None:
+    """docs/architecture.md registers a new scorer where the commands, evaluation and the trainer
+    look it up: the ``--scorer`` choices of ``evaluate`` and ``calibrate`` and the config's are
+    the names of that registry."""
+    from llm_calib import cli
+    from llm_calib.calm.config import PromptSettings
+    from llm_calib.formats import MULTIPLE_CHOICE_FORMATS
+
+    paragraph = (ROOT / "docs" / "architecture.md").read_text().split("**A scorer.**", 1)[1].split("\n\n", 1)[0]
+    assert "registered by name in {data}`~llm_calib.formats.MULTIPLE_CHOICE_FORMATS`" in paragraph
+    commands = cli.build_parser()._subparsers._group_actions[0].choices
+    for command, dest in (("evaluate", "scorer"), ("calibrate", "cfg:prompt.scorer")):
+        flag = next(a for a in commands[command]._actions if a.dest == dest)
+        assert tuple(flag.choices) == tuple(MULTIPLE_CHOICE_FORMATS), command
+    assert PromptSettings.field_choices["scorer"] == tuple(MULTIPLE_CHOICE_FORMATS)

@@ -25,6 +25,8 @@ from typing import Any, ClassVar
 
 import llm_calib.objectives.builtin  # noqa: F401  registers the built-in objectives and solvers
 from llm_calib.checks import check_int, check_number, is_int
+from llm_calib.data.spec import SpecError, absolute_spec, parse_spec
+from llm_calib.formats import MULTIPLE_CHOICE_FORMATS
 from llm_calib.objectives.base import Objective
 from llm_calib.objectives.calm import Calm
 from llm_calib.objectives.registry import (
@@ -179,7 +181,8 @@ class PromptSettings:
     """
 
     field_choices: ClassVar[dict[str, tuple[str, ...]]] = {
-        "scorer": ("option_likelihood", "letter"), "normalize": ("sum", "mean", "char", "byte"), "style": ("cloze", "listed"),
+        # the scorers are the formats' (the registry that evaluation and training read)
+        "scorer": tuple(MULTIPLE_CHOICE_FORMATS), "normalize": ("sum", "mean", "char", "byte"), "style": ("cloze", "listed"),
     }
     format_fields: ClassVar[tuple[str, ...]] = (
         "template", "target_delimiter", "choices", "system_message", "answer_prefix", "fewshot", "fewshot_split",
@@ -676,10 +679,14 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """The mapping stored in a ``.yaml``/``.yml`` or ``.json`` config file, not yet validated.
 
     The keys a file sets matter to callers that layer settings (defaults < file < flags), so
-    this returns them as written; :meth:`CalibrationConfig.from_dict` validates them.
+    this returns them as written; :meth:`CalibrationConfig.from_dict` validates them. The one
+    change: a relative path in ``prompt.fewshot_split`` is read from the file's directory (made
+    absolute), so the file names the same data whatever the working directory.
 
     Raises:
-        ValueError: the file is not valid YAML/JSON or does not hold a mapping (names the file).
+        ValueError: the file is not valid YAML/JSON or does not hold a mapping, or its
+            ``prompt.fewshot_split`` is malformed or names a path that does not exist (names the
+            file and the field).
         OSError: the file cannot be read.
 
     Example:
@@ -705,7 +712,25 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             raise ValueError(f"{path}: not valid JSON: {err}") from err
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the config must be a mapping of keys to values")
-    return data
+    return _fewshot_split_from_file(data, path)
+
+
+def _fewshot_split_from_file(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``data`` with its ``prompt.fewshot_split`` path made absolute against the directory of the
+    config file ``path`` it was read from."""
+    prompt = data.get("prompt")
+    spec = prompt.get("fewshot_split") if isinstance(prompt, dict) else None
+    if not isinstance(spec, str):
+        return data  # none, or not a string: from_dict names the error
+    try:
+        resolved = absolute_spec(spec, path.parent)
+        target = parse_spec(resolved).path
+    except SpecError as err:
+        raise ValueError(f"{path}: prompt.fewshot_split: {err}") from err
+    if target is not None and not target.exists():
+        raise ValueError(f"{path}: prompt.fewshot_split {spec!r}: {target} does not exist (a relative path "
+                         "is read from the config file's directory)")
+    return {**data, "prompt": {**prompt, "fewshot_split": resolved}}
 
 
 def field_help(cls: type) -> dict[str, str]:

@@ -33,13 +33,13 @@ from llm_calib.data.opentriviaqa import OPENTRIVIAQA_CATEGORIES, load_opentrivia
 from llm_calib.data.records import RECORD_KINDS, MultipleChoice, OpenQA
 from llm_calib.data.result import LoadResult, subsample
 from llm_calib.data.selfaware import filter_selfaware, load_selfaware
-from llm_calib.data.spec import LOADERS, Spec, SpecError, load, parse_spec
+from llm_calib.data.spec import LOADERS, Spec, SpecError, absolute_spec, load, parse_spec
 
 __all__ = [
     "AI2_DATASETS", "BUILTIN_DOMAINS", "BUILTIN_OPEN_DOMAINS", "CAPITALS", "ELEMENTS",
     "HUB_DATASETS", "LOADERS", "MAX_ERRORS", "MMLU_GROUPS", "MMLU_SUBJECTS",
     "OPENTRIVIAQA_CATEGORIES", "RECORD_KINDS", "DataError", "LoadResult", "MultipleChoice",
-    "OnError", "OpenQA", "Spec", "SpecError", "ai2_domain", "builtin_multiple_choice",
+    "OnError", "OpenQA", "Spec", "SpecError", "absolute_spec", "ai2_domain", "builtin_multiple_choice",
     "builtin_open_questions", "filter_selfaware", "hub_row_to_record", "load", "load_ai2",
     "load_hub", "load_jsonl", "load_lm_eval_task", "load_mmlu", "load_nq_open", "load_openqa_jsonl",
     "load_opentriviaqa", "load_selfaware", "load_webquestions", "mc_from_dict", "mmlu_group",

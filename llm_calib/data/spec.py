@@ -7,6 +7,7 @@ targets and options: the table in :doc:`/tutorials/evaluate_llm` ("Data specs").
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from llm_calib.data.opentriviaqa import load_opentriviaqa
 from llm_calib.data.result import LoadResult, subsample
 from llm_calib.data.selfaware import load_selfaware
 
-__all__ = ["LOADERS", "Spec", "SpecError", "load", "parse_spec"]
+__all__ = ["LOADERS", "Spec", "SpecError", "absolute_spec", "load", "parse_spec"]
 
 
 class SpecError(ValueError):
@@ -55,6 +56,8 @@ LOADERS: dict[str, str] = {
 }
 """Valid loader names of the spec grammar, with a one-line description each."""
 
+_PATHLESS_LOADERS = ("hf", "builtin", "lm_eval")  # their target is a hub name, domains or a task
+
 # dataset directory name and the file names tried for a split, for loaders taking a directory
 _AI2_FILES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "arc_easy": ("arc_easy", "test", ("{split}.jsonl",)),
@@ -81,6 +84,16 @@ class Spec:
     target: str
     option: str | None
 
+    @property
+    def path(self) -> Path | None:
+        """The file or directory the spec reads; None for the ``builtin``, ``hf`` and ``lm_eval`` loaders.
+
+        Example:
+            >>> parse_spec("arc_easy:data:train").path, parse_spec("builtin:capitals").path
+            (PosixPath('data'), None)
+        """
+        return None if self.loader in _PATHLESS_LOADERS else Path(self.target)
+
 
 def parse_spec(spec: str) -> Spec:
     """Split a spec string into loader, target and option; ``SpecError`` lists the valid loaders.
@@ -89,20 +102,50 @@ def parse_spec(spec: str) -> Spec:
         >>> parse_spec("hf:allenai/ai2_arc:ARC-Challenge")
         Spec(loader='hf', target='allenai/ai2_arc', option='ARC-Challenge')
     """
+    return _parse(spec, Path())
+
+
+def _parse(spec: str, root: Path) -> Spec:
+    """:func:`parse_spec` with a relative path looked up under ``root`` (whether it exists
+    decides if a last ``:`` starts the option)."""
     if not spec or not spec.strip():
         raise SpecError("empty data spec")
     loader, _, rest = spec.strip().partition(":")
     if loader not in LOADERS:
         raise SpecError(f"unknown loader {loader!r} in spec {spec!r}; valid loaders: {', '.join(LOADERS)}")
-    if loader in ("hf", "builtin", "lm_eval"):
+    if loader in _PATHLESS_LOADERS:
         target, sep, option = rest.partition(":")
         return Spec(loader, target, option if sep else None)
     if not rest:
         raise SpecError(f"spec {spec!r} needs a path: '{loader}:PATH'")
-    if Path(rest).exists() or ":" not in rest:
+    if (root / rest).exists() or ":" not in rest:
         return Spec(loader, rest, None)
     target, option = rest.rsplit(":", 1)
     return Spec(loader, target, option)
+
+
+def absolute_spec(spec: str, relative_to: str | os.PathLike[str] | None = None) -> str:
+    """``spec`` with a relative file or directory made absolute against ``relative_to`` (default:
+    the working directory), so that a spec a file records names the same data when read from any
+    directory; a spec without a path (``builtin``, ``hf``, ``lm_eval``) or with an absolute one
+    comes back as given.
+
+    Raises:
+        SpecError: a malformed spec.
+
+    Example:
+        >>> absolute_spec("arc_easy:data:train", "/srv")
+        'arc_easy:/srv/data:train'
+        >>> absolute_spec("builtin:capitals:n=10")
+        'builtin:capitals:n=10'
+    """
+    root = Path.cwd() if relative_to is None else Path(relative_to)
+    parsed = _parse(spec, root)
+    if parsed.path is None or parsed.path.is_absolute():
+        return spec
+    # abspath, not resolve(): the directory names as written, which loaders read domains from
+    target = os.path.abspath(root / parsed.path)
+    return f"{parsed.loader}:{target}" + ("" if parsed.option is None else f":{parsed.option}")
 
 
 def _key_values(option: str | None, bare_key: str, allowed: set[str], spec: str) -> dict[str, str]:
