@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,15 @@ from llm_calib.models import tiny_random_model
 # The suite runs under pytest-xdist with one worker per core; tiny models gain nothing from
 # intra-op threads, and oversubscribed OpenMP threads make them 10-20x slower.
 torch.set_num_threads(1)
+
+# torch.compile's on-disk caches (default /tmp/torchinductor_<user>) do not key on the CPU-capability
+# environment (ATEN_CPU_CAPABILITY): after a run under the AVX2 code paths, a native run on the same
+# machine loaded the cached kernels and tests/test_compiled.py got wrong numbers (7 failures; all
+# passed with an empty cache). The suite compiles into a directory of its own, as on a fresh machine,
+# unless the caller chose one.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache = tempfile.mkdtemp(prefix="llm-calib-inductor-")
+    atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
