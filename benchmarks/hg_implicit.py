@@ -295,6 +295,8 @@ def hyper_cleaning(b: Bench, sizes: Sizes, log: Callable[[str], None]) -> list[d
         ("FiniteDifference (CG)", "hypergrad", fd_ours),
         (f"Penalty / F2SA (T={inner_steps})", "hypergrad", penalty_ours),
     ]
+    if b.n_params > sizes.compiled_max_d:  # the same size cap as the single-hypergradient compiled rows
+        methods = [m for m in methods if m[2] is not implicit_compiled]
     w0 = {k: v.detach().clone() for k, v in b.model.named_parameters()}
     lam0 = {k: v.clone() for k, v in b.lam.items()}
     log(f"  hyper-cleaning outer loop: {steps} Adam steps per method")
