@@ -78,3 +78,21 @@ def mc_records() -> list[MultipleChoice]:
             )
         )
     return out
+
+
+# Modules whose tests take tens of seconds each (real model, torch.compile, torchrun launches, CLI
+# subprocesses, docs pages), longest first. They run before the rest so that pytest-xdist hands
+# them out while the many short tests are still queued to fill the gaps; in file order the real
+# model's tests came last and left one worker running them alone.
+SLOW_FIRST = (
+    "test_docs_tutorials.py", "test_real_model.py", "test_compiled.py", "test_fsdp.py",
+    "test_benchmark_quick.py", "test_calibration_bench.py", "test_calm_distributed.py", "test_calm_verify.py",
+    "test_calm_trainer.py", "test_bome.py", "test_lm_eval_task.py", "test_lm_eval_parity.py",
+    "test_calm_calibrates.py", "test_install_hypergrad_alone.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    # a stable sort keeps each module's tests together and in their own order
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
