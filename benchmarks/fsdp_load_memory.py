@@ -38,6 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     import transformers.models.llama.modeling_llama  # noqa: F401 (imported before measuring)
+    from harness.profiling import parameter_bytes
     from transformers import AutoModelForCausalLM
 
     from llm_calib import distributed, models
@@ -62,7 +63,7 @@ def main() -> None:
     print(json.dumps({
         "mode": args.mode, "rank": distributed.rank(), "ranks": distributed.world_size(),
         "peak_rss_growth_mb": round(peak - peak0, 1), "rss_growth_mb": round(_rss_mb() - rss0, 1),
-        "parameter_mb": round(distributed.parameter_bytes(model) / 2**20, 1), "load_s": round(seconds, 2),
+        "parameter_mb": round(parameter_bytes(model) / 2**20, 1), "load_s": round(seconds, 2),
         **({"full_parameter_mb": round(full / 2**20, 1)} if full else {}),
     }), flush=True)
     if distributed.is_distributed():

@@ -102,6 +102,8 @@ def build_model(config, device: str, mode: str, workdir: Path):
 
 
 def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
+    from harness.profiling import parameter_bytes
+
     from llm_calib import distributed
     from llm_calib.calm import training
     from llm_calib.calm.config import CalibrationConfig, SelectionSettings, TrainingSettings
@@ -117,7 +119,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     model = build_model(config, args.device, mode, workdir)
     load_s = time.perf_counter() - t0
     weights_mb = (torch.cuda.memory_allocated() if cuda else 0) / 2**20
-    base_mb = distributed.parameter_bytes(model) / 2**20  # before sharding: the whole base
+    base_mb = parameter_bytes(model) / 2**20  # before sharding: the whole base
     n_layers = config.num_hidden_layers
     records = builtin_multiple_choice(n_per_domain=24, seed=0)
     train, heldout = records[::2], records[1::2]
@@ -128,7 +130,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
                             selection=SelectionSettings(eval_every=args.steps, guard_accuracy=0.0),
                             lora=dict(rank=8, layers=list(range(n_layers - args.top_k, n_layers))))
     trainer = training.build_trainer(model, TOKENIZER, train, heldout, cfg)  # shards the base under torchrun
-    base_mb_rank = distributed.parameter_bytes(trainer.lm.base) / 2**20  # this rank's shards (and LoRA)
+    base_mb_rank = parameter_bytes(trainer.lm.base) / 2**20  # this rank's shards (and LoRA)
     sharded_weights_mb = (torch.cuda.memory_allocated() if cuda else 0) / 2**20
     state = training.init_state(trainer, evaluate_before=False)
     trainer.train.fill_trunk_cache(trainer.lm, trainer.pad_id)  # the one-off trunk pass, not timed

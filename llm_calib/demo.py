@@ -112,12 +112,6 @@ def split_data(settings: DemoSettings) -> tuple[list, list, dict[str, list]]:
     return train, heldout, test
 
 
-def _summaries(scored: Any) -> dict[str, float]:
-    from llm_calib.metrics import summarize
-
-    return summarize(scored.probs_numpy, scored.labels_numpy, ci=False)
-
-
 def calibration_config(settings: DemoSettings) -> Any:
     """The :class:`~llm_calib.calm.config.CalibrationConfig` the demo trains CALM with (and
     encodes its questions with).
@@ -162,6 +156,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     from llm_calib.calm.fast_eval import SharedTrunkEval
     from llm_calib.calm.trainer import calibrate
     from llm_calib.calm.training import MIN_GUARD_QUESTIONS
+    from llm_calib.metrics import summarize
     from llm_calib.models import load
     from llm_calib.temperature import fit_temperature
 
@@ -202,7 +197,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     rows: dict[str, dict[str, dict[str, float]]] = {}
     for domain in test:
         for name, scored in zip(columns, (base[domain], base[domain].scaled(temperature), calm[domain]), strict=True):
-            rows.setdefault(domain, {})[name] = _summaries(scored)
+            rows.setdefault(domain, {})[name] = summarize(scored.probs_numpy, scored.labels_numpy, ci=False)
     table = _format_table(rows, columns, settings)
     reading = explain_table(rows, columns, settings, int(result.metrics["after"]["selected_step"]))
     out = Path(settings.out)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["ShardedLoadError", "first_problem", "global_mean", "init_from_env", "is_distributed", "keep_gathered", "load_sharded",
-           "max_over_ranks", "parameter_bytes", "rank", "replicated", "reshard_all", "shard_frozen_base", "world_size"]
+           "max_over_ranks", "rank", "replicated", "reshard_all", "shard_frozen_base", "world_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +128,7 @@ class _GlobalMean(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, value: Tensor) -> Tensor:
-        total = value.clone()
-        dist.all_reduce(total)
-        return total / dist.get_world_size()
+        return _SumOverRanks.forward(ctx, value) / dist.get_world_size()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
@@ -213,16 +211,13 @@ def keep_gathered(modules: list[torch.nn.Module]) -> list[str]:
         >>> keep_gathered([torch.nn.Linear(2, 2)])   # no FSDP2 unit inside
         []
     """
-    from torch.distributed.fsdp import FSDPModule
-
     kept = []
     for module in modules:
-        for unit in module.modules():
-            if isinstance(unit, FSDPModule):
-                unit.unshard()
-                unit.set_reshard_after_forward(False)
-                unit.set_reshard_after_backward(False)
-                kept.append(f"{type(unit).__name__}@{id(unit):x}")
+        for unit in _fsdp_units(module):
+            unit.unshard()
+            unit.set_reshard_after_forward(False)
+            unit.set_reshard_after_backward(False)
+            kept.append(f"{type(unit).__name__}@{id(unit):x}")
     return kept
 
 
@@ -233,13 +228,17 @@ def reshard_all(model: torch.nn.Module) -> None:
         >>> import torch
         >>> reshard_all(torch.nn.Linear(2, 2))   # no FSDP2 unit: nothing to do
     """
+    for unit in _fsdp_units(model):
+        unit.set_reshard_after_forward(True)
+        unit.set_reshard_after_backward(True)
+        unit.reshard()
+
+
+def _fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP2 units (``fully_shard``-ed modules) inside ``model``, in ``modules()`` order."""
     from torch.distributed.fsdp import FSDPModule
 
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.set_reshard_after_forward(True)
-            unit.set_reshard_after_backward(True)
-            unit.reshard()
+    return [unit for unit in model.modules() if isinstance(unit, FSDPModule)]
 
 
 def _shared_parameters(model: torch.nn.Module) -> set[int]:
@@ -255,8 +254,6 @@ def _shard_units(module: torch.nn.Module, shared: set[int], whole_layers: bool =
     """The modules to shard inside ``module``: frozen decoder layers (members of a ``ModuleList``,
     with ``whole_layers``) and frozen ``nn.Linear`` / ``nn.Embedding`` modules elsewhere. A module
     holding an FSDP2 unit already is searched, never taken whole (no unit contains another)."""
-    from torch.distributed.fsdp import FSDPModule
-
     out: list[torch.nn.Module] = []
     for child in module.children():
         params = list(child.parameters())
@@ -268,7 +265,7 @@ def _shard_units(module: torch.nn.Module, shared: set[int], whole_layers: bool =
         frozen = plain and not any(p.requires_grad or id(p) in shared for p in params)
         unit = (whole_layers and isinstance(module, torch.nn.ModuleList)) or isinstance(
             child, torch.nn.Linear | torch.nn.Embedding)
-        if frozen and unit and not any(isinstance(m, FSDPModule) for m in child.modules()):
+        if frozen and unit and not _fsdp_units(child):
             out.append(child)
         else:
             out.extend(_shard_units(child, shared, whole_layers))
@@ -312,21 +309,6 @@ def _shard(model: torch.nn.Module, device: torch.device, whole_layers: bool) -> 
         fully_shard(unit, mesh=_mesh(device), reshard_after_forward=True)
         sharded.append(names[id(unit)])
     return sharded
-
-
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameter storage this rank holds for ``model`` (a sharded weight: its local shard).
-
-    Example:
-        >>> import torch
-        >>> parameter_bytes(torch.nn.Linear(3, 2))   # 6 weights and 2 biases in float32
-        32
-    """
-    total = 0
-    for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        total += local.numel() * local.element_size()
-    return total
 
 
 class ShardedLoadError(ValueError):
@@ -540,7 +522,10 @@ def load_sharded(directory: str | os.PathLike[str], *, dtype: torch.dtype = torc
     # torch.inference_mode (evaluation) they would be inference tensors that training passes
     # cannot save for backward. So every unit gathers once here, one after the other (a forward
     # pass instead peaked 180-330 MB higher per rank on SmolLM2-135M, 2 gloo ranks).
-    _gather_once(model)
+    with torch.no_grad():
+        for unit in _fsdp_units(model):
+            unit.unshard()
+            unit.reshard()
     logger.info("rank %d read %.1f MB of %s for its shards", rank(), read / 1e6, directory)
     return model
 
@@ -582,14 +567,3 @@ def max_over_ranks(values: Sequence[int]) -> list[int]:
                           device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     return counts.tolist()
-
-
-def _gather_once(model: torch.nn.Module) -> None:
-    """Gather and free every FSDP2 unit of ``model`` once, outside inference mode (see :func:`load_sharded`)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.unshard()
-                module.reshard()

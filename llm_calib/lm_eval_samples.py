@@ -52,16 +52,6 @@ def _pairs(arguments: Any) -> list[tuple[str, str]]:
     return [(str(a[0]), str(a[1])) for a in arguments]  # in memory: a list of (context, cont)
 
 
-def _loglik(resp: Any) -> float:
-    # filtered_resps: (loglikelihood, is_greedy), as strings in files; a bare number is accepted
-    value = resp[0] if isinstance(resp, (list, tuple)) else resp
-    return float(value)
-
-
-def _choice(continuation: str, delimiter: str) -> str:
-    return continuation[len(delimiter):] if delimiter and continuation.startswith(delimiter) else continuation
-
-
 def _gold(target: Any, choices: list[str], where: str) -> int:
     if isinstance(target, list) and len(target) == 1:
         target = target[0]
@@ -150,14 +140,14 @@ def read_samples(path: str | os.PathLike[str], *, task: str | None = None, targe
             pairs, resps = pairs[: len(pairs) // 2], resps[: len(resps) // 2]
         if len(pairs) < 2:
             raise ValueError(f"{where}: {len(pairs)} option(s); multiple choice needs at least 2")
-        try:
-            lls = [_loglik(r) for r in resps]
+        try:  # filtered_resps: (loglikelihood, is_greedy), as strings in files
+            lls = [float(r[0]) for r in resps]
         except (TypeError, ValueError):
             raise ValueError(f"{where}: log-likelihoods are not numbers: {resps!r}") from None
         if not all(math.isfinite(v) for v in lls):
             raise ValueError(f"{where}: non-finite log-likelihood in {lls}")
         conts = [c for _, c in pairs]
-        choices = [_choice(c, target_delimiter) for c in conts]
+        choices = [c.removeprefix(target_delimiter) for c in conts]
         labels.append(_gold(row.get("target"), choices, where))
         logits.append(torch.tensor(lls, dtype=torch.float64))
         ids.append(f"{name}/{doc_id}")

@@ -459,20 +459,8 @@ def load(
                         f"{[f.name for f in fields(ModelLoadConfig)]}")
     cfg = ModelLoadConfig(**{**(config or ModelLoadConfig()).to_dict(), **overrides})
     kwargs = _from_pretrained_kwargs(cfg, device)
-    model = tokenizer = None
-    sharded = False
-    if name_or_path in ALIASES:
-        target = _alias_cache(name_or_path, cache_dir)
-        kwargs.pop("trust_remote_code")
-        if kwargs["dtype"] == "auto":
-            kwargs["dtype"] = torch.float32  # the cache is a float32 de-quantisation of the GGUF file
-        if distributed.is_distributed():
-            model = _load_sharded_or_warn(target, str(target), cfg, kwargs, device, name_or_path)
-            sharded = model is not None
-        if model is None:
-            model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(target)
-    elif name_or_path.endswith(".gguf") and Path(name_or_path).is_file():
+    model, sharded = None, False
+    if name_or_path.endswith(".gguf") and Path(name_or_path).is_file():
         if distributed.is_distributed():
             _warn_whole_load(name_or_path, "a .gguf file is de-quantised by loading it whole; save it once as a "
                              "safetensors directory (save_pretrained) to load that sharded")
@@ -480,19 +468,28 @@ def load(
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:
-        local = Path(name_or_path).expanduser()
-        if not local.exists() and _check_hub_name(name_or_path, cache_dir):
-            kwargs["local_files_only"] = True  # offline with a cached copy: no network retries
-        if cache_dir is not None:
-            kwargs["cache_dir"] = str(cache_dir)
+        source: str | Path = name_or_path
+        if name_or_path in ALIASES:
+            source = _alias_cache(name_or_path, cache_dir)
+            kwargs.pop("trust_remote_code")
+            if kwargs["dtype"] == "auto":
+                kwargs["dtype"] = torch.float32  # the cache is a float32 de-quantisation of the GGUF file
+        else:
+            local = Path(name_or_path).expanduser()
+            if not local.exists() and _check_hub_name(name_or_path, cache_dir):
+                kwargs["local_files_only"] = True  # offline with a cached copy: no network retries
+            if cache_dir is not None:
+                kwargs["cache_dir"] = str(cache_dir)
         tok_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "cache_dir", "local_files_only") if k in kwargs}
         if distributed.is_distributed():
-            directory = local if local.is_dir() else _hub_snapshot(name_or_path, cache_dir)
-            model = _load_sharded_or_warn(directory, name_or_path, cfg, kwargs, device, name_or_path)
+            # an alias's converted copy, a local directory, or the snapshot of a cached hub model
+            directory = source if isinstance(source, Path) else local if local.is_dir() else _hub_snapshot(
+                name_or_path, cache_dir)
+            model = _load_sharded_or_warn(directory, str(source), cfg, kwargs, device, name_or_path)
             sharded = model is not None
         if model is None:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **tok_kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
     _LOADS["count"] += 1
     _ensure_pad_token(tokenizer, model)
     _finish(model, cfg, device, placed=sharded)

@@ -366,11 +366,7 @@ def record_prompt(tokenizer: Any, record: Any, fmt: PromptFormat | None = None) 
     if getattr(record, "prompt", None) is not None:  # already rendered (e.g. by lm-eval)
         return record.prompt
     fmt = fmt or PromptFormat()
-    options = getattr(record, "options", None)
-    if fmt.template is None and not fmt.description and fmt.fewshot == 0:
-        return build_prompt(tokenizer, record.question, options, fmt)
-    fields = template_fields(record, fmt)
-    head = _format(fmt.description, fields, record, "description") if fmt.description else ""
+    head = _format(fmt.description, template_fields(record, fmt), record, "description") if fmt.description else ""
     shots = "".join(_example_text(ex, fmt) + fmt.fewshot_delimiter for ex in draw_fewshot(fmt, record))
     body, prefix = _question_block(record, fmt)
     return _render(tokenizer, fmt, head + shots + body, prefix)

@@ -77,6 +77,8 @@ def run(objective, checkpoint_dir, resume=False):
 if __name__ == "__main__":
     import time
     import torch.distributed as dist
+    from benchmarks.harness.profiling import parameter_bytes  # the checkout is on PYTHONPATH
+
     from llm_calib import distributed
     out = sys.argv[1]
     t0 = time.perf_counter()
@@ -84,7 +86,7 @@ if __name__ == "__main__":
     assert distributed.world_size() == 2, "calibrate did not join the process group"
     base = calm.model.get_base_model()
     report = {
-        "base_bytes": distributed.parameter_bytes(base),
+        "base_bytes": parameter_bytes(base),
         "sharded_weights": sum(1 for p in base.parameters() if hasattr(p, "to_local")),
         "lora_sharded": sum(1 for n, p in base.named_parameters() if "lora_" in n and hasattr(p, "to_local")),
     }

@@ -7,7 +7,8 @@ fallback elsewhere).
   in interleaved rounds after a warm-up (fair on a machine shared with other jobs);
 * :func:`run_json_worker` and :func:`measurement_env`: one configuration per fresh process (a
   peak of one configuration is not inflated by what an earlier one left on the heap);
-* :func:`bome_step_breakdown`: where a CALM (BOME) step's time goes, against a plain LoRA step.
+* :func:`bome_step_breakdown`: where a CALM (BOME) step's time goes, against a plain LoRA step;
+* :func:`parameter_bytes`: the parameter storage a rank holds (its shards under FSDP2).
 
 Benchmark-only tooling (not installed with ``llm_calib``): the benchmark scripts beside this
 package import it as ``harness.profiling``.
@@ -25,9 +26,12 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llm_calib.models import free_memory
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "MB",
@@ -36,6 +40,7 @@ __all__ = [
     "interleave",
     "measurement_env",
     "median",
+    "parameter_bytes",
     "proc_status",
     "run_json_worker",
     "timed",
@@ -43,6 +48,21 @@ __all__ = [
 
 MB = 1024.0 * 1024.0
 """Bytes in a mebibyte."""
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameter storage this rank holds for ``model`` (a sharded weight: its local shard).
+
+    Example:
+        >>> import torch
+        >>> parameter_bytes(torch.nn.Linear(3, 2))   # 6 weights and 2 biases in float32
+        32
+    """
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        total += local.numel() * local.element_size()
+    return total
 
 
 def proc_status() -> dict[str, int]:

@@ -237,13 +237,19 @@ def builtin_multiple_choice(
         >>> [q.domain for q in qs][3:5], sorted(q.gold for q in qs[:4])
         (['capitals', 'arithmetic'], [0, 1, 2, 3])
     """
+    chosen = _chosen(n_per_domain, domains, BUILTIN_DOMAINS, "domain")
+    return [q for domain in chosen for q in _domain(domain, n_per_domain, seed)]
+
+
+def _chosen(n_per_domain: int, domains: Sequence[str] | None, valid: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """``domains`` (None: all of ``valid``), checked along with ``n_per_domain``."""
     if n_per_domain < 0:
         raise ValueError(f"n_per_domain must be >= 0, got {n_per_domain}")
-    chosen = tuple(domains) if domains is not None else BUILTIN_DOMAINS
-    unknown = [d for d in chosen if d not in _GENERATORS]
+    chosen = tuple(domains) if domains is not None else valid
+    unknown = [d for d in chosen if d not in valid]
     if unknown:
-        raise ValueError(f"unknown builtin domain(s) {unknown}; valid: {', '.join(BUILTIN_DOMAINS)}")
-    return [q for domain in chosen for q in _domain(domain, n_per_domain, seed)]
+        raise ValueError(f"unknown builtin {what}(s) {unknown}; valid: {', '.join(valid)}")
+    return chosen
 
 
 BUILTIN_OPEN_DOMAINS: tuple[str, ...] = ("sums", "capitals", "elements")
@@ -259,12 +265,7 @@ def builtin_open_questions(n_per_domain: int = 40, domains: Sequence[str] | None
         >>> [(q.domain, q.answers) for q in qs][1:3]
         [('capitals', ('Berlin',)), ('sums', ('5',))]
     """
-    if n_per_domain < 0:
-        raise ValueError(f"n_per_domain must be >= 0, got {n_per_domain}")
-    chosen = tuple(domains) if domains is not None else BUILTIN_OPEN_DOMAINS
-    unknown = [d for d in chosen if d not in BUILTIN_OPEN_DOMAINS]
-    if unknown:
-        raise ValueError(f"unknown builtin open domain(s) {unknown}; valid: {', '.join(BUILTIN_OPEN_DOMAINS)}")
+    chosen = _chosen(n_per_domain, domains, BUILTIN_OPEN_DOMAINS, "open domain")
     make = {
         "sums": lambda: [OpenQA(f"What is {a} plus {b}?", (str(a + b),), "sums", f"sum-{a}-{b}")
                          for a in range(2, 12) for b in range(3, 9)],

@@ -19,7 +19,7 @@ from llm_calib.data.hub import load_hub
 from llm_calib.data.jsonl import load_jsonl
 from llm_calib.data.lm_eval_task import LM_EVAL_OPTIONS, load_lm_eval_task
 from llm_calib.data.mmlu import MMLU_GROUPS, MMLU_SPLITS, load_mmlu
-from llm_calib.data.openqa import load_nq_open, load_webquestions
+from llm_calib.data.openqa import load_openqa_jsonl
 from llm_calib.data.opentriviaqa import load_opentriviaqa
 from llm_calib.data.result import LoadResult, subsample
 from llm_calib.data.selfaware import load_selfaware
@@ -220,10 +220,8 @@ def _load_spec(s: Spec, spec: str, on_error: OnError) -> LoadResult[Any]:
         raise FileNotFoundError(f"spec {spec!r}: {target} does not exist")
     if loader in _AI2_FILES:
         path = _find_file(loader, target, option if loader != "selfaware" else None, spec)
-        if loader == "nq_open":
-            return load_nq_open(path, on_error=on_error)
-        if loader == "webquestions":
-            return load_webquestions(path, on_error=on_error)
+        if loader in ("nq_open", "webquestions"):
+            return load_openqa_jsonl(path, domain=loader, on_error=on_error)
         if loader == "selfaware":
             keep = option or "all"
             if keep not in ("all", "answerable", "triviaqa"):
