@@ -19,7 +19,6 @@ from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.trainer import calibrate
 from llm_calib.data import load as load_data
 from llm_calib.models import tiny_random_model
-from llm_calib.objectives.calm import make_solver
 from llm_calib.prompts import PromptFormat
 from llm_calib.scoring import score_option_likelihood
 
@@ -162,8 +161,9 @@ def test_confidence_penalty_takes_its_entropy_on_the_unlabelled_batch(data, tok)
 def test_f2sa_steps_with_inner_lr_and_defaults_to_lr(data, tok):
     train, heldout, _ = data
     cfg = _cfg(objective=dict(solver=dict(name="f2sa")), training=dict(steps=2), selection=dict(eval_every=1))
-    assert make_solver(cfg).inner_optimizer.lr == cfg.training.lr  # default: θ's rate, as before inner_lr was read
-    assert make_solver(_inner_lr(cfg, 0.05)).inner_optimizer.lr == 0.05
+    assert cfg.objective.make_solver(cfg).inner_optimizer.lr == cfg.training.lr  # default: θ's rate, as before inner_lr was read
+    fast = _inner_lr(cfg, 0.05)
+    assert fast.objective.make_solver(fast).inner_optimizer.lr == 0.05
     default = calibrate(_model(), tok, train, heldout, cfg, progress=False)
     same = calibrate(_model(), tok, train, heldout, _inner_lr(cfg, cfg.training.lr), progress=False)
     _assert_same(_final(default), _final(same))
