@@ -36,12 +36,7 @@ from llm_calib.calm import sampling
 from llm_calib.calm.config import CalibrationConfig, flat_paths
 from llm_calib.calm.encoding import EncodedRecords, encode_records, format_settings, run_formats
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
-from llm_calib.calm.methods import (
-    lam_optimizer,
-    make_adjustment,
-    resolve_adjustment,
-    theta_optimizer,
-)
+from llm_calib.calm.methods import make_adjustment, theta_optimizer
 from llm_calib.calm.objectives import Batch, CalmLosses, DataParallelLosses
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llm_calib.data.records import MultipleChoice, OpenQA
@@ -289,8 +284,7 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
     heldout_enc = _encode(tokenizer, heldout, config, upper)
     unlabeled_enc = heldout_enc if unlabeled is None else _encode(tokenizer, unlabeled, config, upper)
     sources = (train_enc, heldout_enc) if unlabeled is None else (train_enc, heldout_enc, unlabeled_enc)
-    lam_kind = resolve_adjustment(config.objective.adjustment, fmt.layout)
-    tokens = {t for src in sources for opts in src.options for o in opts for t in o} if lam_kind == "answer_tokens" else ()
+    tokens = (t for src in sources for opts in src.options for o in opts for t in o)  # read by "answer_tokens" only
     adjustment = make_adjustment(config, vocab, tokens, fmt.layout)
     loss_class = DataParallelLosses if distributed.is_distributed() else CalmLosses
     losses = loss_class(lm, adjustment, format_settings(config)["normalize"])
@@ -422,7 +416,8 @@ def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
         before = evaluate(trainer)
     else:
         before = dict.fromkeys(("accuracy", "ece", "nll", "entropy", "confidence"), math.nan)
-    return TrainState(step=0, theta=theta, lam=lam, lam_optimizer=lam_optimizer(lam.values(), trainer.config),
+    lam_optimizer = torch.optim.Adam(list(lam.values()), lr=trainer.config.objective.lam_lr)
+    return TrainState(step=0, theta=theta, lam=lam, lam_optimizer=lam_optimizer,
                       theta_opt_state=trainer.theta_optimizer.init(theta), solver_state=None, history=[],
                       before=before, best={"ece": before["ece"], "step": 0},
                       best_theta={k: v.clone() for k, v in theta.items()},
