@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from llm_calib import distributed
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig
-from llm_calib.calm.encoding import format_settings
+from llm_calib.calm.encoding import format_settings, run_formats
 from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.training import Records, TrainingDiverged
 from llm_calib.prompts import prompt_dict
@@ -165,7 +165,8 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, conf
     """
     config = config or CalibrationConfig()
     # Check the kinds before touching the model: a bad mix fails fast and names the record.
-    training.run_format(train, heldout, config, unlabeled)
+    training.check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
+    run_formats(train, heldout, config, unlabeled)
     config = config.resolved(len(train))  # training.epochs -> steps
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
     timings: dict[str, float] = {}

@@ -47,7 +47,7 @@ __all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "SECOND_ORDER_SOLVERS", "
            "Trainer", "TrainingDiverged", "best_candidate", "build_trainer", "check_not_empty",
            "data_fingerprint", "done", "evaluate", "evaluation_due",
            "init_state", "is_selectable", "keep_differentiated_units_gathered", "parameter_summary",
-           "resume_state", "run_format",
+           "resume_state",
            "save_state", "select", "selection_note", "train_step", "warn_small_heldout"]
 
 Records = Sequence[MultipleChoice] | Sequence[OpenQA] | EncodedRecords
@@ -189,27 +189,6 @@ def _encode(tokenizer: Any, data: Records, config: CalibrationConfig, fmt: TaskF
 
 def _records(data: Records) -> Sequence[Any]:
     return data.records if isinstance(data, EncodedRecords) else data
-
-
-def run_format(train: Records, heldout: Records, config: CalibrationConfig,
-               unlabeled: Records | None = None) -> TaskFormat:
-    """The task format of the training records, with the other sets checked (see
-    :func:`~llm_calib.calm.encoding.run_formats`: open-ended training records may serve a
-    multiple-choice held-out set; otherwise every set is of the training kind).
-
-    ``train``, ``heldout`` and ``unlabeled`` (None: not given) are records or their encodings.
-
-    Raises:
-        ValueError: an empty set, or records of mixed kinds or another type (naming record and set).
-
-    Example:
-        >>> from llm_calib.data import builtin_multiple_choice
-        >>> qs = builtin_multiple_choice(n_per_domain=2, domains=["capitals"])
-        >>> run_format(qs[:1], qs[1:], CalibrationConfig()).layout
-        'options'
-    """
-    check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
-    return run_formats(train, heldout, config, unlabeled).lower
 
 
 _SET_NAMES_AND_USES = {
