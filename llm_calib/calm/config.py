@@ -16,6 +16,7 @@ naming its new place (:data:`FLAT_KEYS`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -39,7 +40,7 @@ from llm_calib.objectives.registry import (
 from llm_calib.prompts import PRESETS, PromptFormat, short_answer_format
 
 __all__ = [
-    "CHOICES", "CONFIG_PRESETS", "FLAT_KEYS", "METHODS", "PAPER_LORA_MODULES", "PARTS", "SOLVERS",
+    "CONFIG_PRESETS", "FLAT_KEYS", "METHODS", "PAPER_LORA_MODULES", "PARTS", "SOLVERS",
     "CalibrationConfig", "LoraSettings", "PromptSettings", "SelectionSettings", "TrainingSettings", "apply_preset",
     "field_help", "flat_key_location", "flat_key_message", "flat_paths", "open_prompt_format", "read_config_file",
 ]
@@ -213,22 +214,15 @@ class PromptSettings:
                 raise ValueError(f"prompt.{name} must be one of {allowed}, got {value!r}")
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"prompt.preset must be one of {tuple(PRESETS)} or null, got {self.preset!r}")
-        if self.template is not None:
-            if not isinstance(self.template, str):
-                raise ValueError(f"prompt.template must be a string or null, got {self.template!r}")
-            self.template = self.template.replace("\\n", "\n").replace("\\t", "\t")
-        for name in ("target_delimiter", "system_message", "answer_prefix", "fewshot_split"):
+        for name in ("template", "target_delimiter", "system_message", "answer_prefix", "fewshot_split"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"prompt.{name} must be a string or null, got {value!r}")
-        for name in ("target_delimiter", "answer_prefix"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).replace("\\n", "\n").replace("\\t", "\t"))
-        if self.choices not in (None, "text", "letters"):
-            raise ValueError(f"prompt.choices must be one of ('text', 'letters') or null, got {self.choices!r}")
-        if self.fewshot_sampler not in (None, "random", "first_n"):
-            raise ValueError(f"prompt.fewshot_sampler must be one of ('random', 'first_n') or null, "
-                             f"got {self.fewshot_sampler!r}")
+            if value is not None and name in ("template", "target_delimiter", "answer_prefix"):  # a typed \n or \t: newline, tab
+                setattr(self, name, value.replace("\\n", "\n").replace("\\t", "\t"))
+        for name, allowed in (("choices", ("text", "letters")), ("fewshot_sampler", ("random", "first_n"))):
+            if getattr(self, name) not in (None, *allowed):
+                raise ValueError(f"prompt.{name} must be one of {allowed} or null, got {getattr(self, name)!r}")
         check_int("prompt.fewshot", self.fewshot, minimum=0)
         if self.fewshot_seed is not None:
             check_int("prompt.fewshot_seed", self.fewshot_seed)
@@ -324,10 +318,6 @@ class SelectionSettings:
         if not 0.0 <= self.guard_accuracy <= 1.0:
             raise ValueError(f"selection.guard_accuracy must be in [0, 1], got {self.guard_accuracy}")
 
-
-CHOICES: dict[str, tuple[str, ...]] = {f"prompt.{k}": v for k, v in PromptSettings.field_choices.items()}
-"""The allowed values of the string fields of :class:`PromptSettings`, by path (objectives and
-solvers list theirs in their own ``field_choices``)."""
 
 PARTS: dict[str, type] = {
     "lora": LoraSettings, "prompt": PromptSettings, "training": TrainingSettings, "selection": SelectionSettings,
@@ -430,19 +420,13 @@ def _merge(base: Any, over: Any) -> Any:
     if isinstance(over, str) and isinstance(base, dict) and "name" in base:
         over = {"name": over}  # an objective or solver given by name alone
     if not (isinstance(base, dict) and isinstance(over, dict)):
-        return _copy(over)
+        return copy.deepcopy(over)
     if "name" in over and "name" in base and over["name"] != base["name"]:
-        return _copy(over)
-    out = {k: _copy(v) for k, v in base.items()}
+        return copy.deepcopy(over)
+    out = copy.deepcopy(base)
     for key, value in over.items():
-        out[key] = _merge(base[key], value) if key in base else _copy(value)
+        out[key] = _merge(base[key], value) if key in base else copy.deepcopy(value)
     return out
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    return list(value) if isinstance(value, list) else value
 
 
 def flat_key_message(key: str) -> str:
@@ -557,11 +541,7 @@ class CalibrationConfig:
         flat = [k for k in data if k in FLAT_KEYS]
         if flat:
             raise ValueError("; ".join(flat_key_message(k) for k in flat))
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown calibration config key(s) {unknown}; valid keys: {sorted(known)}")
-        return cls(**data)
+        return _part_from_dict("calibration config", cls, data)
 
     @classmethod
     def from_file(cls, path: str | Path) -> CalibrationConfig:
