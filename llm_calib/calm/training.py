@@ -575,6 +575,11 @@ def data_fingerprint(train: Records, heldout: Records, unlabeled: Records | None
     return out
 
 
+_STATE_TREES = {"theta/": "theta", "best_theta/": "best_theta", "lam/": "lam", "best_lam/": "best_lam",
+                "theta_opt/": "theta_opt_state", "method/": "solver_state"}
+"""The tensors of a checkpoint: key prefix -> the :class:`TrainState` field holding them."""
+
+
 def _tree_to_flat(prefix: str, tree: dict[str, Any], out: dict[str, Tensor]) -> None:
     for k, v in tree.items():
         if isinstance(v, dict):
@@ -599,13 +604,8 @@ def _flat_to_tree(prefix: str, flat: dict[str, Tensor]) -> dict[str, Any]:
 def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any] | None) -> Path:
     """Write ``state`` as checkpoint ``state.step``, with the config and ``data`` (a :func:`data_fingerprint`)."""
     tensors: dict[str, Tensor] = {}
-    _tree_to_flat("theta/", state.theta, tensors)
-    _tree_to_flat("best_theta/", state.best_theta, tensors)
-    _tree_to_flat("lam/", {k: v.detach() for k, v in state.lam.items()}, tensors)
-    _tree_to_flat("best_lam/", state.best_lam, tensors)
-    _tree_to_flat("theta_opt/", state.theta_opt_state, tensors)
-    if state.solver_state:
-        _tree_to_flat("method/", state.solver_state, tensors)
+    for prefix, name in _STATE_TREES.items():
+        _tree_to_flat(prefix, getattr(state, name) or {}, tensors)  # save_checkpoint stores detached copies
     meta = {"step": state.step, "history": state.history, "best": state.best, "before": state.before,
             "stopped_early": state.stopped_early, "lam_optimizer": state.lam_optimizer.state_dict(),
             "rng": torch.get_rng_state(), "run": {"config": trainer.config.to_dict(), "data": data}}
@@ -640,14 +640,13 @@ def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, dat
     tensors, meta = load_checkpoint(ckpt)
     _check_resumable(ckpt, meta.get("run"), trainer.config, data)
     tensors = {k: v.to(trainer.lm.device) for k, v in tensors.items()}
-    state.theta = _flat_to_tree("theta/", tensors)
-    state.best_theta = _flat_to_tree("best_theta/", tensors)
-    for k, v in _flat_to_tree("lam/", tensors).items():
-        with torch.no_grad():
+    trees = {name: _flat_to_tree(prefix, tensors) for prefix, name in _STATE_TREES.items()}
+    with torch.no_grad():  # λ's leaves stay the ones its optimiser steps
+        for k, v in trees.pop("lam").items():
             state.lam[k].copy_(v)
-    state.best_lam = _flat_to_tree("best_lam/", tensors)
-    state.theta_opt_state = _flat_to_tree("theta_opt/", tensors)
-    state.solver_state = _flat_to_tree("method/", tensors) or None
+    trees["solver_state"] = trees["solver_state"] or None
+    for name, tree in trees.items():
+        setattr(state, name, tree)
     state.lam_optimizer.load_state_dict(meta["lam_optimizer"])
     state.history, state.best, state.step, state.before = meta["history"], meta["best"], meta["step"], meta["before"]
     torch.set_rng_state(meta["rng"])
