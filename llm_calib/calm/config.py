@@ -98,8 +98,7 @@ class LoraSettings:
         self.output_scale_lr = check_number("lora.output_scale_lr", self.output_scale_lr, positive=True)
         if not isinstance(self.output_scale, bool):
             raise ValueError(f"lora.output_scale must be true or false, got {self.output_scale!r}")
-        if not is_int(self.rank) or self.rank < 1:
-            raise ValueError(f"lora.rank must be an int >= 1, got {self.rank!r}")
+        check_int("lora.rank", self.rank, minimum=1)
         if isinstance(self.target_modules, str) or not all(isinstance(m, str) for m in self.target_modules):
             raise ValueError(f"lora.target_modules must be a list of module names, got {self.target_modules!r}")
         if self.layers is not None and (isinstance(self.layers, str) or not all(is_int(i) for i in self.layers)):
