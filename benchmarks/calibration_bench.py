@@ -80,6 +80,7 @@ from harness.report import (
     provenance_lines,
     verdict,
 )
+from harness.selection import best_candidate
 from harness.sweep import SeedResults, SweepLog, fingerprint, read_result, run_forked
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
@@ -91,7 +92,6 @@ from llm_calib.calm.fast_eval import (
     open_ended_set,
 )
 from llm_calib.calm.trainer import calibrate
-from llm_calib.calm.training import best_candidate
 from llm_calib.checkpoint import write_json_atomic, write_text_atomic
 from llm_calib.data import (
     BUILTIN_DOMAINS,

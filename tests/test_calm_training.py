@@ -11,7 +11,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
 from _configs import configured
+from harness.selection import best_candidate
 
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
@@ -211,11 +213,11 @@ def test_best_candidate_is_the_selection_rule_over_a_grid() -> None:
     cfg = CalibrationConfig(selection=dict(guard_accuracy=0.9))
     rows = [{"accuracy": 0.60, "ece": 0.20}, {"accuracy": 0.40, "ece": 0.01}, {"accuracy": 0.54, "ece": 0.05},
             {"accuracy": 0.55, "ece": 0.05}]
-    assert training.best_candidate(rows, 0.6, cfg) == 2  # lowest ECE above 0.54, first on ties
-    assert training.best_candidate(rows, 0.6, dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, guard_accuracy=0.95))) == 0
-    assert training.best_candidate(rows[1:2], 0.6, cfg) == 0 and training.best_candidate(rows, 0.9, cfg) == 0
+    assert best_candidate(rows, 0.6, cfg) == 2  # lowest ECE above 0.54, first on ties
+    assert best_candidate(rows, 0.6, dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, guard_accuracy=0.95))) == 0
+    assert best_candidate(rows[1:2], 0.6, cfg) == 0 and best_candidate(rows, 0.9, cfg) == 0
     with pytest.raises(ValueError, match="at least one candidate"):
-        training.best_candidate([], 0.5, cfg)
+        best_candidate([], 0.5, cfg)
 
 
 def test_fill_trunk_caches_and_the_encoding_cache() -> None:

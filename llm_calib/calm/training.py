@@ -44,7 +44,7 @@ from llm_calib.formats.base import TaskFormat
 from llm_calib.metrics import ece as ece_metric
 
 __all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "SECOND_ORDER_SOLVERS", "TrainState",
-           "Trainer", "TrainingDiverged", "best_candidate", "build_trainer", "check_not_empty",
+           "Trainer", "TrainingDiverged", "build_trainer", "check_not_empty",
            "data_fingerprint", "done", "evaluate", "evaluation_due",
            "init_state", "is_selectable", "keep_differentiated_units_gathered", "parameter_summary",
            "resume_state",
@@ -470,33 +470,6 @@ def is_selectable(accuracy: float, reference_accuracy: float, config: Calibratio
         (True, False)
     """
     return accuracy + 1e-12 >= config.selection.guard_accuracy * reference_accuracy
-
-
-def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: float, config: CalibrationConfig) -> int:
-    """The index chosen by :func:`select`'s rule among finished candidates: the lowest ``ece``
-    among the selectable (first on ties); when none is, the most accurate.
-
-    Args:
-        candidates: metric dicts with ``accuracy`` and ``ece``, scored on the same data.
-        reference_accuracy: the accuracy to guard (e.g. the uncalibrated model's).
-        config: gives ``selection.guard_accuracy``.
-
-    Raises:
-        ValueError: no candidates.
-
-    Example:
-        >>> from llm_calib.calm.config import SelectionSettings
-        >>> cfg = CalibrationConfig(selection=SelectionSettings(guard_accuracy=0.9))
-        >>> rows = [{"accuracy": 0.5, "ece": 0.2}, {"accuracy": 0.3, "ece": 0.01}, {"accuracy": 0.46, "ece": 0.1}]
-        >>> best_candidate(rows, 0.5, cfg), best_candidate(rows[1:2], 0.5, cfg)
-        (2, 0)
-    """
-    if not candidates:
-        raise ValueError("best_candidate needs at least one candidate")
-    ok = [i for i, m in enumerate(candidates) if is_selectable(m["accuracy"], reference_accuracy, config)]
-    if ok:
-        return min(ok, key=lambda i: candidates[i]["ece"])
-    return max(range(len(candidates)), key=lambda i: candidates[i]["accuracy"])
 
 
 def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> dict[str, float]:
