@@ -607,15 +607,11 @@ def flat_key_location(path: str | Path, data: dict[str, Any]) -> str:
 
             node = yaml.compose(text)
             lines = {k.value: k.start_mark.line + 1 for k, _ in getattr(node, "value", []) if hasattr(k, "value")}
-        else:
-            lines = {}
-            for i, line in enumerate(text.splitlines(), 1):
-                for k in flat:
-                    if f'"{k}"' in line:
-                        lines.setdefault(k, i)
+            line = lines.get(flat[0])
+        else:  # the first line naming the first flat key
+            line = next((i for i, text_line in enumerate(text.splitlines(), 1) if f'"{flat[0]}"' in text_line), None)
     except Exception:  # the location is a courtesy; the error itself is raised by the caller
         return str(path)
-    line = lines.get(flat[0])
     return f"{path}:{line}" if line else str(path)
 
 
