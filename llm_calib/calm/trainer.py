@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from llm_calib import distributed
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig
-from llm_calib.calm.encoding import format_settings, run_formats
+from llm_calib.calm.encoding import format_settings
 from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.training import Records, TrainingDiverged
 from llm_calib.prompts import prompt_dict
@@ -164,16 +164,13 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, conf
         ['after', 'before']
     """
     config = config or CalibrationConfig()
-    # Check the kinds before touching the model: a bad mix fails fast and names the record.
-    training.check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
-    run_formats(train, heldout, config, unlabeled)
-    config = config.resolved(len(train))  # training.epochs -> steps
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
     timings: dict[str, float] = {}
 
     base = base_model_record(model, config)  # before LoRA is attached
-    with _timed(timings, "setup"):
+    with _timed(timings, "setup"):  # checks the records first: a bad mix fails before the model is touched
         trainer = training.build_trainer(model, tokenizer, train, heldout, config, unlabeled=unlabeled)
+    config = trainer.config  # training.epochs resolved to steps
     with _timed(timings, "evaluate_before"):
         state = training.init_state(trainer)
     run_data = training.data_fingerprint(train, heldout, unlabeled) if checkpoint_dir is not None else None
