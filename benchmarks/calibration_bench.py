@@ -80,7 +80,15 @@ from harness.report import (
     provenance_lines,
     verdict,
 )
-from harness.sweep import SeedResults, SweepLog, fingerprint, read_result, run_forked
+from harness.selection import best_candidate
+from harness.sweep import (
+    SeedResults,
+    SweepLog,
+    fingerprint,
+    read_result,
+    run_forked,
+    write_json_atomic,
+)
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import EncodingCache
@@ -91,8 +99,7 @@ from llm_calib.calm.fast_eval import (
     open_ended_set,
 )
 from llm_calib.calm.trainer import calibrate
-from llm_calib.calm.training import best_candidate
-from llm_calib.checkpoint import write_json_atomic, write_text_atomic
+from llm_calib.checkpoint import write_text_atomic
 from llm_calib.data import (
     BUILTIN_DOMAINS,
     builtin_multiple_choice,

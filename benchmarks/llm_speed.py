@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
 from harness.evaluation import group_means
 from harness.flags import add_dataclass_flags, dataclass_overrides
+from harness.loss_check import compare_losses, relative_difference
 from harness.profiling import (
     MB,
     Phase,
@@ -62,7 +63,6 @@ from llm_calib.calm.config import (
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.trainer import calibrate
-from llm_calib.calm.verify import compare_losses, relative_difference
 from llm_calib.data import BUILTIN_DOMAINS, MultipleChoice, builtin_multiple_choice
 from llm_calib.data import load as load_data
 from llm_calib.demo import DemoSettings, split_data

@@ -8,7 +8,6 @@ before the ``LATEST`` pointer is replaced: a killed run leaves ``LATEST`` naming
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -20,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from llm_calib.file_modes import ordinary_modes
 
-__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint", "write_json_atomic", "write_text_atomic"]
+__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint", "write_text_atomic"]
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
@@ -47,20 +46,6 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
             os.unlink(tmp)
         raise
     return path
-
-
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
-    """Write ``obj`` as strict JSON (NaN and infinities as null) to ``path`` atomically.
-
-    Example:
-        >>> import json, pathlib, tempfile
-        >>> path = write_json_atomic(pathlib.Path(tempfile.mkdtemp()) / "r.json", {"ece": float("nan")})
-        >>> json.loads(path.read_text())
-        {'ece': None}
-    """
-    from llm_calib.report import jsonable
-
-    return write_text_atomic(path, json.dumps(jsonable(obj), allow_nan=False))
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,12 @@ from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.trainer import calibrate
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.models import tiny_random_model
-from llm_calib.objectives.calm import Calm, ImplicitSolver, make_solver
+from llm_calib.objectives.calm import Calm, ImplicitSolver
 
 
 def test_make_solver_builds_the_implicit_solver_from_the_config() -> None:
-    solver = make_solver(CalibrationConfig(objective=Calm(solver=ImplicitSolver(inner_steps=3, maxiter=7, damping=0.5)), training=dict(lr=2e-3)))
+    cfg = CalibrationConfig(objective=Calm(solver=ImplicitSolver(inner_steps=3, maxiter=7, damping=0.5)), training=dict(lr=2e-3))
+    solver = cfg.objective.make_solver(cfg)
     assert isinstance(solver, hg.AlternatingImplicit)
     assert solver.inner_steps == 3 and solver.inner_optimizer.lr == 2e-3
     assert solver.implicit.warm_start

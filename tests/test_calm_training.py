@@ -11,7 +11,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
 from _configs import configured
+from harness.selection import best_candidate
 
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
@@ -19,7 +21,6 @@ from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.trainer import calibrate
 from llm_calib.data import load as load_data
 from llm_calib.models import tiny_random_model
-from llm_calib.objectives.calm import make_solver
 from llm_calib.prompts import PromptFormat
 from llm_calib.scoring import score_option_likelihood
 
@@ -162,8 +163,9 @@ def test_confidence_penalty_takes_its_entropy_on_the_unlabelled_batch(data, tok)
 def test_f2sa_steps_with_inner_lr_and_defaults_to_lr(data, tok):
     train, heldout, _ = data
     cfg = _cfg(objective=dict(solver=dict(name="f2sa")), training=dict(steps=2), selection=dict(eval_every=1))
-    assert make_solver(cfg).inner_optimizer.lr == cfg.training.lr  # default: θ's rate, as before inner_lr was read
-    assert make_solver(_inner_lr(cfg, 0.05)).inner_optimizer.lr == 0.05
+    assert cfg.objective.make_solver(cfg).inner_optimizer.lr == cfg.training.lr  # default: θ's rate, as before inner_lr was read
+    fast = _inner_lr(cfg, 0.05)
+    assert fast.objective.make_solver(fast).inner_optimizer.lr == 0.05
     default = calibrate(_model(), tok, train, heldout, cfg, progress=False)
     same = calibrate(_model(), tok, train, heldout, _inner_lr(cfg, cfg.training.lr), progress=False)
     _assert_same(_final(default), _final(same))
@@ -211,11 +213,11 @@ def test_best_candidate_is_the_selection_rule_over_a_grid() -> None:
     cfg = CalibrationConfig(selection=dict(guard_accuracy=0.9))
     rows = [{"accuracy": 0.60, "ece": 0.20}, {"accuracy": 0.40, "ece": 0.01}, {"accuracy": 0.54, "ece": 0.05},
             {"accuracy": 0.55, "ece": 0.05}]
-    assert training.best_candidate(rows, 0.6, cfg) == 2  # lowest ECE above 0.54, first on ties
-    assert training.best_candidate(rows, 0.6, dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, guard_accuracy=0.95))) == 0
-    assert training.best_candidate(rows[1:2], 0.6, cfg) == 0 and training.best_candidate(rows, 0.9, cfg) == 0
+    assert best_candidate(rows, 0.6, cfg) == 2  # lowest ECE above 0.54, first on ties
+    assert best_candidate(rows, 0.6, dataclasses.replace(cfg, selection=dataclasses.replace(cfg.selection, guard_accuracy=0.95))) == 0
+    assert best_candidate(rows[1:2], 0.6, cfg) == 0 and best_candidate(rows, 0.9, cfg) == 0
     with pytest.raises(ValueError, match="at least one candidate"):
-        training.best_candidate([], 0.5, cfg)
+        best_candidate([], 0.5, cfg)
 
 
 def test_fill_trunk_caches_and_the_encoding_cache() -> None:

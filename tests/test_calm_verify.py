@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
+from harness.loss_check import compare_losses, relative_difference
 
 import hypergrad as hg
 from llm_calib.adjustment import LogitAdjustment
@@ -19,10 +21,8 @@ from llm_calib.calm.objectives import CalmLosses
 from llm_calib.calm.verify import (
     check_hypergradients,
     compare_directions,
-    compare_losses,
     exact_hypergradient,
     proximal_problem,
-    relative_difference,
     solve_lower_level,
 )
 from llm_calib.data import builtin_multiple_choice

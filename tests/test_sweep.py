@@ -11,9 +11,15 @@ import numpy as np
 import pytest
 from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
 from harness import sweep
-from harness.sweep import SeedResults, SweepLog, fingerprint, read_result, run_forked
+from harness.sweep import (
+    SeedResults,
+    SweepLog,
+    fingerprint,
+    read_result,
+    run_forked,
+    write_json_atomic,
+)
 
-from llm_calib.checkpoint import write_json_atomic
 from llm_calib.metrics import ece
 
 

@@ -1,7 +1,7 @@
 """Resumable sweeps: one JSON result file per job, fingerprinted settings, forked workers.
 
 A sweep (methods x seeds, a hyperparameter grid) writes each job's result atomically
-(:func:`llm_calib.checkpoint.write_json_atomic`) with a :func:`fingerprint` of everything that
+(:func:`write_json_atomic`) with a :func:`fingerprint` of everything that
 determines it. A re-run reads a finished result back with :func:`read_result` when its fingerprint
 still matches and runs only the missing or stale jobs, serially or in forked workers
 (:func:`run_forked`), which share the parent's memory (a loaded model, cached encodings)
@@ -27,9 +27,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from llm_calib.checkpoint import write_text_atomic
 from llm_calib.metrics import ece
+from llm_calib.report import jsonable
 
-__all__ = ["SeedResults", "SweepLog", "ece_resamples", "fingerprint", "read_result", "run_forked"]
+__all__ = ["SeedResults", "SweepLog", "ece_resamples", "fingerprint", "read_result", "run_forked", "write_json_atomic"]
 
 J = TypeVar("J", bound=Hashable)
 
@@ -75,6 +77,18 @@ def fingerprint(obj: Any) -> str:
         16
     """
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
+    """Write ``obj`` as strict JSON (NaN and infinities as null) to ``path`` atomically.
+
+    Example:
+        >>> import json, pathlib, tempfile
+        >>> path = write_json_atomic(pathlib.Path(tempfile.mkdtemp()) / "r.json", {"ece": float("nan")})
+        >>> json.loads(path.read_text())
+        {'ece': None}
+    """
+    return write_text_atomic(path, json.dumps(jsonable(obj), allow_nan=False))
 
 
 def read_result(path: str | os.PathLike[str], fingerprint: str | None = None) -> dict[str, Any] | None:

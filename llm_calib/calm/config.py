@@ -16,6 +16,7 @@ naming its new place (:data:`FLAT_KEYS`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -39,7 +40,7 @@ from llm_calib.objectives.registry import (
 from llm_calib.prompts import PRESETS, PromptFormat, short_answer_format
 
 __all__ = [
-    "CHOICES", "CONFIG_PRESETS", "FLAT_KEYS", "METHODS", "PAPER_LORA_MODULES", "PARTS", "SOLVERS",
+    "CONFIG_PRESETS", "FLAT_KEYS", "METHODS", "PAPER_LORA_MODULES", "PARTS", "SOLVERS",
     "CalibrationConfig", "LoraSettings", "PromptSettings", "SelectionSettings", "TrainingSettings", "apply_preset",
     "field_help", "flat_key_location", "flat_key_message", "flat_paths", "open_prompt_format", "read_config_file",
 ]
@@ -97,8 +98,7 @@ class LoraSettings:
         self.output_scale_lr = check_number("lora.output_scale_lr", self.output_scale_lr, positive=True)
         if not isinstance(self.output_scale, bool):
             raise ValueError(f"lora.output_scale must be true or false, got {self.output_scale!r}")
-        if not is_int(self.rank) or self.rank < 1:
-            raise ValueError(f"lora.rank must be an int >= 1, got {self.rank!r}")
+        check_int("lora.rank", self.rank, minimum=1)
         if isinstance(self.target_modules, str) or not all(isinstance(m, str) for m in self.target_modules):
             raise ValueError(f"lora.target_modules must be a list of module names, got {self.target_modules!r}")
         if self.layers is not None and (isinstance(self.layers, str) or not all(is_int(i) for i in self.layers)):
@@ -213,22 +213,15 @@ class PromptSettings:
                 raise ValueError(f"prompt.{name} must be one of {allowed}, got {value!r}")
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"prompt.preset must be one of {tuple(PRESETS)} or null, got {self.preset!r}")
-        if self.template is not None:
-            if not isinstance(self.template, str):
-                raise ValueError(f"prompt.template must be a string or null, got {self.template!r}")
-            self.template = self.template.replace("\\n", "\n").replace("\\t", "\t")
-        for name in ("target_delimiter", "system_message", "answer_prefix", "fewshot_split"):
+        for name in ("template", "target_delimiter", "system_message", "answer_prefix", "fewshot_split"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"prompt.{name} must be a string or null, got {value!r}")
-        for name in ("target_delimiter", "answer_prefix"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).replace("\\n", "\n").replace("\\t", "\t"))
-        if self.choices not in (None, "text", "letters"):
-            raise ValueError(f"prompt.choices must be one of ('text', 'letters') or null, got {self.choices!r}")
-        if self.fewshot_sampler not in (None, "random", "first_n"):
-            raise ValueError(f"prompt.fewshot_sampler must be one of ('random', 'first_n') or null, "
-                             f"got {self.fewshot_sampler!r}")
+            if value is not None and name in ("template", "target_delimiter", "answer_prefix"):  # a typed \n or \t: newline, tab
+                setattr(self, name, value.replace("\\n", "\n").replace("\\t", "\t"))
+        for name, allowed in (("choices", ("text", "letters")), ("fewshot_sampler", ("random", "first_n"))):
+            if getattr(self, name) not in (None, *allowed):
+                raise ValueError(f"prompt.{name} must be one of {allowed} or null, got {getattr(self, name)!r}")
         check_int("prompt.fewshot", self.fewshot, minimum=0)
         if self.fewshot_seed is not None:
             check_int("prompt.fewshot_seed", self.fewshot_seed)
@@ -324,10 +317,6 @@ class SelectionSettings:
         if not 0.0 <= self.guard_accuracy <= 1.0:
             raise ValueError(f"selection.guard_accuracy must be in [0, 1], got {self.guard_accuracy}")
 
-
-CHOICES: dict[str, tuple[str, ...]] = {f"prompt.{k}": v for k, v in PromptSettings.field_choices.items()}
-"""The allowed values of the string fields of :class:`PromptSettings`, by path (objectives and
-solvers list theirs in their own ``field_choices``)."""
 
 PARTS: dict[str, type] = {
     "lora": LoraSettings, "prompt": PromptSettings, "training": TrainingSettings, "selection": SelectionSettings,
@@ -430,19 +419,13 @@ def _merge(base: Any, over: Any) -> Any:
     if isinstance(over, str) and isinstance(base, dict) and "name" in base:
         over = {"name": over}  # an objective or solver given by name alone
     if not (isinstance(base, dict) and isinstance(over, dict)):
-        return _copy(over)
+        return copy.deepcopy(over)
     if "name" in over and "name" in base and over["name"] != base["name"]:
-        return _copy(over)
-    out = {k: _copy(v) for k, v in base.items()}
+        return copy.deepcopy(over)
+    out = copy.deepcopy(base)
     for key, value in over.items():
-        out[key] = _merge(base[key], value) if key in base else _copy(value)
+        out[key] = _merge(base[key], value) if key in base else copy.deepcopy(value)
     return out
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    return list(value) if isinstance(value, list) else value
 
 
 def flat_key_message(key: str) -> str:
@@ -557,11 +540,7 @@ class CalibrationConfig:
         flat = [k for k in data if k in FLAT_KEYS]
         if flat:
             raise ValueError("; ".join(flat_key_message(k) for k in flat))
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown calibration config key(s) {unknown}; valid keys: {sorted(known)}")
-        return cls(**data)
+        return _part_from_dict("calibration config", cls, data)
 
     @classmethod
     def from_file(cls, path: str | Path) -> CalibrationConfig:
@@ -628,15 +607,11 @@ def flat_key_location(path: str | Path, data: dict[str, Any]) -> str:
 
             node = yaml.compose(text)
             lines = {k.value: k.start_mark.line + 1 for k, _ in getattr(node, "value", []) if hasattr(k, "value")}
-        else:
-            lines = {}
-            for i, line in enumerate(text.splitlines(), 1):
-                for k in flat:
-                    if f'"{k}"' in line:
-                        lines.setdefault(k, i)
+            line = lines.get(flat[0])
+        else:  # the first line naming the first flat key
+            line = next((i for i, text_line in enumerate(text.splitlines(), 1) if f'"{flat[0]}"' in text_line), None)
     except Exception:  # the location is a courtesy; the error itself is raised by the caller
         return str(path)
-    line = lines.get(flat[0])
     return f"{path}:{line}" if line else str(path)
 
 

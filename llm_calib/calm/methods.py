@@ -1,14 +1,12 @@
-"""Factories of a run's optimisers and logit adjustment from its :class:`CalibrationConfig`: θ's
-optimiser (``init``/``update``), λ's :class:`torch.optim.Optimizer` and the
-:class:`~llm_calib.adjustment.LogitAdjustment`. CALM's solvers are built in :mod:`llm_calib.objectives.calm`.
+"""Factories of a run's θ optimiser (``init``/``update``) and logit adjustment
+(:class:`~llm_calib.adjustment.LogitAdjustment`) from its :class:`CalibrationConfig`. CALM's solvers
+are built in :mod:`llm_calib.objectives.calm`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
-
-import torch
 
 import hypergrad as hg
 from llm_calib.adjustment import LogitAdjustment
@@ -17,7 +15,7 @@ from llm_calib.calm.lora import OUTPUT_LOG_SCALE
 if TYPE_CHECKING:
     from llm_calib.calm.config import CalibrationConfig
 
-__all__ = ["lam_optimizer", "make_adjustment", "resolve_adjustment", "theta_optimizer"]
+__all__ = ["make_adjustment", "resolve_adjustment", "theta_optimizer"]
 
 AUTO_ADJUSTMENT = {"options": "option_temperature", "letter": "answer_tokens", "open": "vector"}
 """What ``adjustment="auto"`` means per layout: λ acts where the prediction is made."""
@@ -70,17 +68,5 @@ def make_adjustment(config: CalibrationConfig, vocab_size: int, token_ids: Itera
     bounds = {"max_log_scale": objective.max_log_scale, "max_bias": objective.max_bias}
     kind = resolve_adjustment(objective.adjustment, layout)
     if kind == "answer_tokens":
-        return LogitAdjustment.for_tokens(sorted(set(token_ids)), vocab_size, **bounds)
+        return LogitAdjustment.for_tokens(token_ids, vocab_size, **bounds)
     return LogitAdjustment(kind, vocab_size, **bounds)
-
-
-def lam_optimizer(params: Iterable[torch.Tensor], config: CalibrationConfig) -> torch.optim.Optimizer:
-    """The optimiser of λ: :class:`torch.optim.Adam` with the objective's ``lam_lr``.
-
-    Example:
-        >>> from llm_calib.calm.config import CalibrationConfig
-        >>> from llm_calib.objectives.calm import Calm
-        >>> lam_optimizer([torch.zeros(2, requires_grad=True)], CalibrationConfig(objective=Calm(lam_lr=0.1))).defaults["lr"]
-        0.1
-    """
-    return torch.optim.Adam(list(params), lr=config.objective.lam_lr)

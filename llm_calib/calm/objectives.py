@@ -117,17 +117,14 @@ class CalmLosses:
             K = max(s.shape[1] for s in per_part)
             scores = torch.cat([torch.nn.functional.pad(s, (0, K - s.shape[1]), value=float("-inf"))
                                 for s in per_part])[batch.part_order.to(per_part[0].device)]
-            if lam is None or not self.adjustment.acts_on_options:
-                return scores
-            batch.format.check_adjustment(self.adjustment)
-            return self.adjustment.apply_options(scores, option_lengths(batch.packed).to(scores.device), lam)
-        lengths = None
-        if self.normalize in ("char", "byte"):
-            lengths = batch.option_text_lengths.get(self.normalize)
-            if lengths is None:
-                raise ValueError(f"normalize={self.normalize!r} needs multiple-choice options to measure; "
-                                 f"this batch holds {batch.format.description} questions")
-        scores = option_scores_from_logits(self.logits(theta, lam, batch), batch.packed, self.normalize, lengths)
+        else:
+            lengths = None
+            if self.normalize in ("char", "byte"):
+                lengths = batch.option_text_lengths.get(self.normalize)
+                if lengths is None:
+                    raise ValueError(f"normalize={self.normalize!r} needs multiple-choice options to measure; "
+                                     f"this batch holds {batch.format.description} questions")
+            scores = option_scores_from_logits(self.logits(theta, lam, batch), batch.packed, self.normalize, lengths)
         if lam is None or not self.adjustment.acts_on_options:
             return scores
         batch.format.check_adjustment(self.adjustment)

@@ -164,15 +164,13 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, conf
         ['after', 'before']
     """
     config = config or CalibrationConfig()
-    # Check the kinds before touching the model: a bad mix fails fast and names the record.
-    training.run_format(train, heldout, config, unlabeled)
-    config = config.resolved(len(train))  # training.epochs -> steps
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
     timings: dict[str, float] = {}
 
     base = base_model_record(model, config)  # before LoRA is attached
-    with _timed(timings, "setup"):
+    with _timed(timings, "setup"):  # checks the records first: a bad mix fails before the model is touched
         trainer = training.build_trainer(model, tokenizer, train, heldout, config, unlabeled=unlabeled)
+    config = trainer.config  # training.epochs resolved to steps
     with _timed(timings, "evaluate_before"):
         state = training.init_state(trainer)
     run_data = training.data_fingerprint(train, heldout, unlabeled) if checkpoint_dir is not None else None

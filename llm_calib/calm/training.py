@@ -36,12 +36,7 @@ from llm_calib.calm import sampling
 from llm_calib.calm.config import CalibrationConfig, flat_paths
 from llm_calib.calm.encoding import EncodedRecords, encode_records, format_settings, run_formats
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
-from llm_calib.calm.methods import (
-    lam_optimizer,
-    make_adjustment,
-    resolve_adjustment,
-    theta_optimizer,
-)
+from llm_calib.calm.methods import make_adjustment, theta_optimizer
 from llm_calib.calm.objectives import Batch, CalmLosses, DataParallelLosses
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llm_calib.data.records import MultipleChoice, OpenQA
@@ -49,10 +44,10 @@ from llm_calib.formats.base import TaskFormat
 from llm_calib.metrics import ece as ece_metric
 
 __all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "SECOND_ORDER_SOLVERS", "TrainState",
-           "Trainer", "TrainingDiverged", "best_candidate", "build_trainer", "check_not_empty",
+           "Trainer", "TrainingDiverged", "build_trainer", "check_not_empty",
            "data_fingerprint", "done", "evaluate", "evaluation_due",
            "init_state", "is_selectable", "keep_differentiated_units_gathered", "parameter_summary",
-           "resume_state", "run_format",
+           "resume_state",
            "save_state", "select", "selection_note", "train_step", "warn_small_heldout"]
 
 Records = Sequence[MultipleChoice] | Sequence[OpenQA] | EncodedRecords
@@ -196,27 +191,6 @@ def _records(data: Records) -> Sequence[Any]:
     return data.records if isinstance(data, EncodedRecords) else data
 
 
-def run_format(train: Records, heldout: Records, config: CalibrationConfig,
-               unlabeled: Records | None = None) -> TaskFormat:
-    """The task format of the training records, with the other sets checked (see
-    :func:`~llm_calib.calm.encoding.run_formats`: open-ended training records may serve a
-    multiple-choice held-out set; otherwise every set is of the training kind).
-
-    ``train``, ``heldout`` and ``unlabeled`` (None: not given) are records or their encodings.
-
-    Raises:
-        ValueError: an empty set, or records of mixed kinds or another type (naming record and set).
-
-    Example:
-        >>> from llm_calib.data import builtin_multiple_choice
-        >>> qs = builtin_multiple_choice(n_per_domain=2, domains=["capitals"])
-        >>> run_format(qs[:1], qs[1:], CalibrationConfig()).layout
-        'options'
-    """
-    check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
-    return run_formats(train, heldout, config, unlabeled).lower
-
-
 _SET_NAMES_AND_USES = {
     "train": ("training", "the lower-level (task) loss trains on it"),
     "heldout": ("held-out", "model selection and the accuracy guard score it"),
@@ -289,8 +263,7 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
     heldout_enc = _encode(tokenizer, heldout, config, upper)
     unlabeled_enc = heldout_enc if unlabeled is None else _encode(tokenizer, unlabeled, config, upper)
     sources = (train_enc, heldout_enc) if unlabeled is None else (train_enc, heldout_enc, unlabeled_enc)
-    lam_kind = resolve_adjustment(config.objective.adjustment, fmt.layout)
-    tokens = {t for src in sources for opts in src.options for o in opts for t in o} if lam_kind == "answer_tokens" else ()
+    tokens = (t for src in sources for opts in src.options for o in opts for t in o)  # read by "answer_tokens" only
     adjustment = make_adjustment(config, vocab, tokens, fmt.layout)
     loss_class = DataParallelLosses if distributed.is_distributed() else CalmLosses
     losses = loss_class(lm, adjustment, format_settings(config)["normalize"])
@@ -422,7 +395,8 @@ def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
         before = evaluate(trainer)
     else:
         before = dict.fromkeys(("accuracy", "ece", "nll", "entropy", "confidence"), math.nan)
-    return TrainState(step=0, theta=theta, lam=lam, lam_optimizer=lam_optimizer(lam.values(), trainer.config),
+    lam_optimizer = torch.optim.Adam(list(lam.values()), lr=trainer.config.objective.lam_lr)
+    return TrainState(step=0, theta=theta, lam=lam, lam_optimizer=lam_optimizer,
                       theta_opt_state=trainer.theta_optimizer.init(theta), solver_state=None, history=[],
                       before=before, best={"ece": before["ece"], "step": 0},
                       best_theta={k: v.clone() for k, v in theta.items()},
@@ -496,33 +470,6 @@ def is_selectable(accuracy: float, reference_accuracy: float, config: Calibratio
         (True, False)
     """
     return accuracy + 1e-12 >= config.selection.guard_accuracy * reference_accuracy
-
-
-def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: float, config: CalibrationConfig) -> int:
-    """The index chosen by :func:`select`'s rule among finished candidates: the lowest ``ece``
-    among the selectable (first on ties); when none is, the most accurate.
-
-    Args:
-        candidates: metric dicts with ``accuracy`` and ``ece``, scored on the same data.
-        reference_accuracy: the accuracy to guard (e.g. the uncalibrated model's).
-        config: gives ``selection.guard_accuracy``.
-
-    Raises:
-        ValueError: no candidates.
-
-    Example:
-        >>> from llm_calib.calm.config import SelectionSettings
-        >>> cfg = CalibrationConfig(selection=SelectionSettings(guard_accuracy=0.9))
-        >>> rows = [{"accuracy": 0.5, "ece": 0.2}, {"accuracy": 0.3, "ece": 0.01}, {"accuracy": 0.46, "ece": 0.1}]
-        >>> best_candidate(rows, 0.5, cfg), best_candidate(rows[1:2], 0.5, cfg)
-        (2, 0)
-    """
-    if not candidates:
-        raise ValueError("best_candidate needs at least one candidate")
-    ok = [i for i, m in enumerate(candidates) if is_selectable(m["accuracy"], reference_accuracy, config)]
-    if ok:
-        return min(ok, key=lambda i: candidates[i]["ece"])
-    return max(range(len(candidates)), key=lambda i: candidates[i]["accuracy"])
 
 
 def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> dict[str, float]:
@@ -601,6 +548,11 @@ def data_fingerprint(train: Records, heldout: Records, unlabeled: Records | None
     return out
 
 
+_STATE_TREES = {"theta/": "theta", "best_theta/": "best_theta", "lam/": "lam", "best_lam/": "best_lam",
+                "theta_opt/": "theta_opt_state", "method/": "solver_state"}
+"""The tensors of a checkpoint: key prefix -> the :class:`TrainState` field holding them."""
+
+
 def _tree_to_flat(prefix: str, tree: dict[str, Any], out: dict[str, Tensor]) -> None:
     for k, v in tree.items():
         if isinstance(v, dict):
@@ -625,13 +577,8 @@ def _flat_to_tree(prefix: str, flat: dict[str, Tensor]) -> dict[str, Any]:
 def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any] | None) -> Path:
     """Write ``state`` as checkpoint ``state.step``, with the config and ``data`` (a :func:`data_fingerprint`)."""
     tensors: dict[str, Tensor] = {}
-    _tree_to_flat("theta/", state.theta, tensors)
-    _tree_to_flat("best_theta/", state.best_theta, tensors)
-    _tree_to_flat("lam/", {k: v.detach() for k, v in state.lam.items()}, tensors)
-    _tree_to_flat("best_lam/", state.best_lam, tensors)
-    _tree_to_flat("theta_opt/", state.theta_opt_state, tensors)
-    if state.solver_state:
-        _tree_to_flat("method/", state.solver_state, tensors)
+    for prefix, name in _STATE_TREES.items():
+        _tree_to_flat(prefix, getattr(state, name) or {}, tensors)  # save_checkpoint stores detached copies
     meta = {"step": state.step, "history": state.history, "best": state.best, "before": state.before,
             "stopped_early": state.stopped_early, "lam_optimizer": state.lam_optimizer.state_dict(),
             "rng": torch.get_rng_state(), "run": {"config": trainer.config.to_dict(), "data": data}}
@@ -666,14 +613,13 @@ def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, dat
     tensors, meta = load_checkpoint(ckpt)
     _check_resumable(ckpt, meta.get("run"), trainer.config, data)
     tensors = {k: v.to(trainer.lm.device) for k, v in tensors.items()}
-    state.theta = _flat_to_tree("theta/", tensors)
-    state.best_theta = _flat_to_tree("best_theta/", tensors)
-    for k, v in _flat_to_tree("lam/", tensors).items():
-        with torch.no_grad():
+    trees = {name: _flat_to_tree(prefix, tensors) for prefix, name in _STATE_TREES.items()}
+    with torch.no_grad():  # λ's leaves stay the ones its optimiser steps
+        for k, v in trees.pop("lam").items():
             state.lam[k].copy_(v)
-    state.best_lam = _flat_to_tree("best_lam/", tensors)
-    state.theta_opt_state = _flat_to_tree("theta_opt/", tensors)
-    state.solver_state = _flat_to_tree("method/", tensors) or None
+    trees["solver_state"] = trees["solver_state"] or None
+    for name, tree in trees.items():
+        setattr(state, name, tree)
     state.lam_optimizer.load_state_dict(meta["lam_optimizer"])
     state.history, state.best, state.step, state.before = meta["history"], meta["best"], meta["step"], meta["before"]
     torch.set_rng_state(meta["rng"])

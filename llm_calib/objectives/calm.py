@@ -34,8 +34,7 @@ if TYPE_CHECKING:
     from llm_calib.calm.training import Trainer, TrainState
 
 __all__ = [
-    "ADJUSTMENT_CHOICES", "F2SA", "Bome", "Calm", "CalmSolver", "ImplicitSolver", "make_solver",
-    "solver_from_dict",
+    "ADJUSTMENT_CHOICES", "F2SA", "Bome", "Calm", "CalmSolver", "ImplicitSolver",
 ]
 
 ADJUSTMENT_CHOICES = ("auto", *ADJUSTMENT_KINDS)
@@ -235,8 +234,9 @@ class Calm(Objective):
     def __post_init__(self) -> None:
         if isinstance(self.solver, str):
             self.solver = {"name": self.solver}
-        if isinstance(self.solver, dict):
-            self.solver = solver_from_dict(self.solver)
+        if isinstance(self.solver, dict):  # a registered solver's settings, tagged with its name (default bome)
+            self.solver = settings_from_dict(solver_class(self.solver.get("name", "bome")), self.solver,
+                                             "objective.solver")
         if not isinstance(self.solver, tuple(solver_class(n) for n in solver_names())):
             raise ValueError(f"objective.solver must be a registered solver config ({', '.join(solver_names())}), "
                              f"got {self.solver!r}")
@@ -271,30 +271,3 @@ class Calm(Objective):
         state.theta, state.solver_state = r.w, r.state
         record.update({k: float(v) for k, v in r.info.extra.items() if isinstance(v, (int, float))})
         return record
-
-
-def solver_from_dict(data: dict[str, Any]) -> CalmSolver:
-    """The solver config registered as ``data["name"]`` (default ``"bome"``) with the other keys as settings.
-
-    Raises:
-        ValueError: an unknown solver name, or a key that is not one of its settings.
-
-    Example:
-        >>> solver_from_dict({"name": "implicit", "maxiter": 7})
-        ImplicitSolver(maxiter=7, damping=0.01, tol=0.001, inner_steps=5, inner_lr=None)
-    """
-    if not isinstance(data, dict):
-        raise ValueError(f"objective.solver must be a mapping with a name, got {data!r}")
-    cls = solver_class(data.get("name", "bome"))
-    return settings_from_dict(cls, data, "objective.solver")
-
-
-def make_solver(config: CalibrationConfig) -> Any:
-    """The :mod:`hypergrad` method of ``config``'s objective (None for a one-level objective).
-
-    Example:
-        >>> from llm_calib.calm.config import CalibrationConfig
-        >>> type(make_solver(CalibrationConfig(objective=Calm(solver=F2SA())))).__name__
-        'Penalty'
-    """
-    return config.objective.make_solver(config)

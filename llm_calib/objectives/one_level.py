@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -42,12 +42,8 @@ class OneLevelObjective(Objective):
         """One step of θ's optimiser on :meth:`loss_fn`; the record holds ``loss`` and :meth:`record`."""
         parts: dict[str, Tensor] = {}
         loss_of_theta = self.loss_fn(trainer, state, inner, parts)
-
-        def loss_fn(w: dict[str, Tensor], _lam: Any) -> Tensor:
-            return loss_of_theta(w)
-
-        loss, grad, _ = hg.autodiff.loss_and_grads(loss_fn, state.theta, {"_": torch.zeros(1)}, wrt_lam=False,
-                                                   what=f"{self.name} loss")
+        loss, grad, _ = hg.autodiff.loss_and_grads(lambda w, _lam: loss_of_theta(w), state.theta, {"_": torch.zeros(1)},
+                                                   wrt_lam=False, what=f"{self.name} loss")
         with torch.no_grad():
             theta, state.theta_opt_state = trainer.theta_optimizer.update(state.theta, grad, state.theta_opt_state)
         state.theta = {k: v.detach() for k, v in theta.items()}
