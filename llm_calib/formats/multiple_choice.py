@@ -17,13 +17,8 @@ from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import PackedQuestions, pack_letters, pack_questions
 from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy, identity
-from llm_calib.prompts import (
-    PromptFormat,
-    record_prompt,
-    record_uses_chat_template,
-    uses_chat_template,
-)
-from llm_calib.scoring.base import ScoredSet, encode_prompt
+from llm_calib.prompts import PromptFormat
+from llm_calib.scoring.base import ScoredSet, encode_prompts
 from llm_calib.scoring.letter import check_listed_prompt, letter_token_ids, score_letter
 from llm_calib.scoring.option_likelihood import (
     LM_EVAL_NORMALIZATIONS,
@@ -241,10 +236,7 @@ class Letter(MultipleChoiceFormat):
 
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
         """The listed prompt's ids (as the letter scorer's) and one letter token id per option."""
-        fmt = self.prompt_settings()
-        chat = uses_chat_template(tokenizer, fmt)
-        prompts = [tuple(encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt),
-                                       chat=chat and record_uses_chat_template(tokenizer, r, fmt))) for r in records]
+        prompts = [tuple(p) for p in encode_prompts(tokenizer, records, self.prompt_settings())]
         options = [tuple((t,) for t in letter_token_ids(tokenizer, len(r.options))) for r in records]
         return prompts, options
 

@@ -17,14 +17,13 @@ from llm_calib.prompts import (
     PromptFormat,
     option_continuations,
     record_prompt,
-    record_uses_chat_template,
     uses_chat_template,
 )
 from llm_calib.scoring.base import (
     ScoredSet,
     check_records,
     encode_continuation,
-    encode_prompt,
+    encode_prompts,
     score_in_batches,
 )
 
@@ -71,11 +70,8 @@ def encode_questions(tokenizer: Any, records: Sequence[MultipleChoice], fmt: Pro
         >>> tok.decode(enc.options[0])
         ' Paris'
     """
-    chat = uses_chat_template(tokenizer, fmt)
     out = []
-    for r in records:
-        prompt = encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt),
-                               chat=chat and record_uses_chat_template(tokenizer, r, fmt))
+    for r, prompt in zip(records, encode_prompts(tokenizer, records, fmt), strict=True):
         if not prompt:
             raise ValueError(f"record {r.id!r}: the prompt tokenises to no tokens")
         options = tuple(tuple(encode_continuation(tokenizer, c)) for c in option_continuations(r, fmt))
