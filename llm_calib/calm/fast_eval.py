@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,8 +34,7 @@ from llm_calib.scoring.base import ScoredSet
 from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts
 
 __all__ = [
-    "SharedTrunkEval", "base_scores", "fill_trunk_caches", "fit_open_temperature", "open_ended_set",
-    "trunk_scores",
+    "SharedTrunkEval", "base_scores", "fill_trunk_caches", "open_ended_set", "trunk_scores",
 ]
 
 
@@ -117,6 +115,7 @@ def open_ended_set(records: Sequence[OpenQA], outs: Sequence[GenOut], temperatur
         ValueError: ``records`` and ``outs`` differ in length, or an answer has no grid probabilities.
 
     Example:
+        >>> import numpy as np
         >>> outs = [GenOut("Paris", (1,), (0.9,), np.array([[0.9, 0.6]]))]
         >>> s = open_ended_set([OpenQA("Capital of France?", ("Paris",), "geo", "q0")], outs, temperature_index=1)
         >>> s.correct.tolist(), s.token_probs
@@ -132,29 +131,6 @@ def open_ended_set(records: Sequence[OpenQA], outs: Sequence[GenOut], temperatur
         token_probs = [tuple(float(p) for p in o.temp_probs[:, temperature_index]) for o in outs]
     return OpenEndedSet([o.text for o in outs], [tuple(r.answers) for r in records], [r.domain for r in records],
                         [r.id for r in records], token_probs)
-
-
-def fit_open_temperature(records: Sequence[OpenQA], outs: Sequence[GenOut], grid: Sequence[float]) -> tuple[float, int]:
-    """``(T, index)``: the grid temperature minimising the log-loss of correctness of open answers' mean token
-    probability.
-
-    Raises:
-        ValueError: an answer's grid probabilities do not match ``grid``.
-
-    Example:
-        >>> recs = [OpenQA("q?", ("a",), "d", "0"), OpenQA("q?", ("a",), "d", "1")]
-        >>> p = np.array([[0.99, 0.6]])
-        >>> fit_open_temperature(recs, [GenOut("a", (1,), (0.9,), p), GenOut("b", (1,), (0.9,), p)], [1.0, 2.0])
-        (2.0, 1)
-    """
-    grid = np.asarray(grid, dtype=np.float64)
-    if any(o.temp_probs is None or o.temp_probs.shape[1] != len(grid) for o in outs):
-        raise ValueError(f"every answer needs grid probabilities for the {len(grid)} grid temperatures")
-    correct = open_ended_set(records, outs).correct.astype(np.float64)[:, None]
-    conf = np.clip(np.stack([o.temp_probs.mean(0) for o in outs]), 1e-12, 1 - 1e-12)  # (N, G)
-    loss = -(correct * np.log(conf) + (1 - correct) * np.log(1 - conf)).mean(0)
-    g = int(np.argmin(loss))
-    return float(grid[g]), g
 
 
 def fill_trunk_caches(model: Any, encodings: Sequence[EncodedRecords], lora: LoraSettings, pad_id: int,
