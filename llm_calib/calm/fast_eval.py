@@ -17,7 +17,6 @@ from torch import Tensor
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import (
-    TRUNK_CHUNK,
     EncodedRecords,
     encode_records,
     format_settings,
@@ -152,16 +151,7 @@ def fill_trunk_caches(model: Any, encodings: Sequence[EncodedRecords], lora: Lor
     lm = FunctionalLM(attach_lora(copy.deepcopy(model), lora))
     if not lm.caches_trunk:
         return 0
-    n = 0
-    for enc in encodings:
-        for start in range(0, len(enc), TRUNK_CHUNK):
-            chunk = range(start, min(start + TRUNK_CHUNK, len(enc)))
-            todo = sum(i not in enc.trunk_cache for i in chunk)
-            enc.fill_trunk_cache(lm, pad_id, chunk)
-            n += todo
-            if bar is not None:
-                bar.update(todo)
-    return n
+    return sum(enc.fill_trunk_cache(lm, pad_id, bar=bar) for enc in encodings)
 
 
 class SharedTrunkEval:
