@@ -145,12 +145,8 @@ def option_log_likelihoods(model: Any, items: Sequence[EncodedQuestion], *, pad_
         hidden, _ = forward_rows(model, packed, packed_masks=use_masks)
         token_lp = target_logprobs(model, packed, hidden)
     # targets are laid out option by option, so each option's tokens are one contiguous run
-    flat = list(torch.split(token_lp.double().cpu(), packed.option_lengths.tolist()))
-    out, i = [], 0
-    for it in items:
-        out.append(flat[i : i + len(it.options)])
-        i += len(it.options)
-    return out
+    flat = iter(torch.split(token_lp.double().cpu(), packed.option_lengths.tolist()))
+    return [[next(flat) for _ in it.options] for it in items]
 
 
 def score_option_likelihood(
