@@ -291,19 +291,12 @@ def pack_letters(prompts: Sequence[Sequence[int]], letter_ids: Sequence[Sequence
     """
     ids, mask, pos = _right_pad(prompts, pad_id)
     L = ids.shape[1]
-    rows, target_rows, target_ids, target_option, option_question, n_options = [], [], [], [], [], []
-    for b, (prompt, letters) in enumerate(zip(prompts, letter_ids, strict=True)):
-        rows.append(b * L + len(prompt) - 1)
-        for tok in letters:
-            target_rows.append(b)
-            target_ids.append(int(tok))
-            target_option.append(len(option_question))
-            option_question.append(b)
-        n_options.append(len(letters))
+    pairs = list(zip(prompts, letter_ids, strict=True))
+    question = [b for b, (_, letters) in enumerate(pairs) for _ in letters]  # per letter (option): its question
     return PackedQuestions(
-        ids, mask, pos, torch.tensor(rows), torch.tensor(target_rows), torch.tensor(target_ids),
-        torch.tensor(target_option), torch.tensor(option_question), torch.ones(len(option_question), dtype=torch.long),
-        n_options,
+        ids, mask, pos, torch.tensor([b * L + len(p) - 1 for b, (p, _) in enumerate(pairs)]), torch.tensor(question),
+        torch.tensor([int(t) for _, letters in pairs for t in letters]), torch.arange(len(question)),
+        torch.tensor(question), torch.ones(len(question), dtype=torch.long), [len(letters) for _, letters in pairs],
     )
 
 
