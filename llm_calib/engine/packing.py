@@ -454,15 +454,13 @@ def option_sequences(packed: PackedQuestions) -> OptionSequences:
     if packed.attention_mask.dim() != 4:
         raise ValueError("option_sequences needs questions packed with the 4-D mask (pack_questions)")
     B, L = packed.input_ids.shape
-    lengths = packed.option_lengths.tolist()
-    per_question: list[list[int]] = [[] for _ in range(B)]
-    for k, q in enumerate(packed.option_question.tolist()):
-        per_question[q].append(lengths[k])
+    # options are numbered question by question (pack_questions): each question's option lengths in order
+    per_question = [t.tolist() for t in torch.split(packed.option_lengths, packed.n_options)]
     # the row predicting a question's first answer token is the last prompt token, b * L + P - 1
     last_prompt = packed.rows[packed.answer_start_rows()].tolist()
     prompt_len = [last_prompt[b] - b * L + 1 for b in range(B)]
     L2 = max(prompt_len[b] + n for b in range(B) for n in per_question[b])
-    R = len(lengths)
+    R = len(packed.option_lengths)
     ids = torch.zeros((R, L2), dtype=packed.input_ids.dtype)
     attn = torch.zeros((R, L2), dtype=torch.long)
     pos = torch.zeros((R, L2), dtype=torch.long)
