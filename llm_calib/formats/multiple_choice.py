@@ -171,10 +171,7 @@ class OptionLikelihood(MultipleChoiceFormat):
     prompt: PromptFormat | None = None
 
     layout: ClassVar[str] = "options"
-
-    def prompt_settings(self) -> PromptFormat:
-        """The prompt format (default ``PromptFormat()``: cloze)."""
-        return self.prompt or PromptFormat()
+    default_prompt: ClassVar[PromptFormat] = PromptFormat()  # cloze
 
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
         """Prompt ids and each option's continuation ids
@@ -221,6 +218,7 @@ class Letter(MultipleChoiceFormat):
     normalize: str = "sum"
 
     layout: ClassVar[str] = "letter"
+    default_prompt: ClassVar[PromptFormat] = PromptFormat(style="listed")
 
     def __post_init__(self) -> None:
         check_listed_prompt(self.prompt)
@@ -229,10 +227,6 @@ class Letter(MultipleChoiceFormat):
     def configured_prompt(cls, style: str, chat_template: bool | None) -> PromptFormat:
         """The listed prompt, whatever ``style`` a configuration gives (its options must be listed)."""
         return PromptFormat(style="listed", chat_template=chat_template)
-
-    def prompt_settings(self) -> PromptFormat:
-        """The prompt format (default ``PromptFormat(style="listed")``)."""
-        return self.prompt or PromptFormat(style="listed")
 
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
         """The listed prompt's ids (as the letter scorer's) and one letter token id per option."""
