@@ -95,17 +95,18 @@ from llm_calib.calm.encoding import EncodingCache
 from llm_calib.calm.fast_eval import (
     SharedTrunkEval,
     fill_trunk_caches,
-    fit_open_temperature,
     open_ended_set,
 )
 from llm_calib.calm.trainer import calibrate
 from llm_calib.checkpoint import write_text_atomic
 from llm_calib.data import (
     BUILTIN_DOMAINS,
+    OpenQA,
     builtin_multiple_choice,
     builtin_open_questions,
     load,
 )
+from llm_calib.engine.decode import GenOut
 from llm_calib.metrics import confidence_correct, ece, reliability_bins
 from llm_calib.models import free_memory, tiny_random_model
 from llm_calib.models import load as load_model
@@ -248,6 +249,29 @@ CHANCE_AUROC = 0.02  # a method's AUROC within this of 0.5 "falls to chance" (fl
 NEAR_UNIFORM = 0.02  # mean confidence within this of the mean 1/K: near-uniform predictions (flag)
 STEP_COST = {"confidence_penalty": 1.2, "calm_bome": 2.4, "calm_f2sa": 6.0}  # per step, CE = 1: longest runs first
 TEMPERATURE_GRID = np.exp(np.linspace(np.log(0.25), np.log(64.0), 41))  # open-ended TS (T = 1 included)
+
+
+def fit_open_temperature(records: Sequence[OpenQA], outs: Sequence[GenOut], grid: Sequence[float]) -> tuple[float, int]:
+    """``(T, index)``: the grid temperature minimising the log-loss of correctness of open answers' mean token
+    probability.
+
+    Raises:
+        ValueError: an answer's grid probabilities do not match ``grid``.
+
+    Example:
+        >>> recs = [OpenQA("q?", ("a",), "d", "0"), OpenQA("q?", ("a",), "d", "1")]
+        >>> p = np.array([[0.99, 0.6]])
+        >>> fit_open_temperature(recs, [GenOut("a", (1,), (0.9,), p), GenOut("b", (1,), (0.9,), p)], [1.0, 2.0])
+        (2.0, 1)
+    """
+    grid = np.asarray(grid, dtype=np.float64)
+    if any(o.temp_probs is None or o.temp_probs.shape[1] != len(grid) for o in outs):
+        raise ValueError(f"every answer needs grid probabilities for the {len(grid)} grid temperatures")
+    correct = open_ended_set(records, outs).correct.astype(np.float64)[:, None]
+    conf = np.clip(np.stack([o.temp_probs.mean(0) for o in outs]), 1e-12, 1 - 1e-12)  # (N, G)
+    loss = -(correct * np.log(conf) + (1 - correct) * np.log(1 - conf)).mean(0)
+    g = int(np.argmin(loss))
+    return float(grid[g]), g
 
 
 def base_method(method: str) -> str:

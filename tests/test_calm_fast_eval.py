@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
+from _benchmarks import BENCHMARKS, load_benchmark  # noqa: F401  (puts benchmarks/ on sys.path for harness)
 from harness.sweep import ece_resamples
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
@@ -18,7 +18,6 @@ from llm_calib.calm.fast_eval import (
     SharedTrunkEval,
     base_scores,
     fill_trunk_caches,
-    fit_open_temperature,
     open_ended_set,
     trunk_scores,
 )
@@ -187,6 +186,7 @@ def test_shared_trunk_eval_rejects_bad_sets() -> None:
 
 
 def test_fit_open_temperature_minimises_the_log_loss_on_the_grid() -> None:
+    fit_open_temperature = load_benchmark("calibration_bench").fit_open_temperature
     rng = np.random.default_rng(0)
     recs = [OpenQA(f"q{i}?", ("yes",), "d", str(i)) for i in range(40)]
     grid = np.array([0.5, 1.0, 2.0, 4.0])

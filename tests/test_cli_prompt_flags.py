@@ -11,6 +11,7 @@ import warnings
 import pytest
 from _rows import ROWS
 
+import llm_calib.scoring.base as scoring_base
 import llm_calib.scoring.option_likelihood as option_likelihood
 from llm_calib import cli
 from llm_calib.calm.encoding import format_settings
@@ -95,6 +96,7 @@ def spied(tiny_model_dir, tmp_path_factory, fewshot_split):
 
     mp = pytest.MonkeyPatch()
     mp.setattr(option_likelihood, "record_prompt", spy)
+    mp.setattr(scoring_base, "record_prompt", spy)  # the prompt encoder (encode_prompts) the scorer calls
     try:
         argv = ["calibrate", "--model", str(tiny_model_dir), "--train", SPEC, "--heldout", HELDOUT, "--eval", SPEC,
                 "--eval", OTHER, "--out", str(out), "--methods", "lora_ce", "--steps", "1", "--batch-size", "2", "--lora-rank", "2",

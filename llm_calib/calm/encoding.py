@@ -91,18 +91,26 @@ class EncodedRecords:
         """Memory held by the trunk cache, in bytes."""
         return sum(v.numel() * v.element_size() for v in self.trunk_cache.values())
 
-    def fill_trunk_cache(self, lm: FunctionalLM, pad_id: int, indices: Iterable[int] | None = None) -> None:
+    def fill_trunk_cache(self, lm: FunctionalLM, pad_id: int, indices: Iterable[int] | None = None,
+                         bar: Any = None) -> int:
         """Compute the missing trunks of the questions at ``indices`` (default: all), chunk by chunk
-        (:data:`TRUNK_CHUNK`); no-op without trunk caching."""
+        (:data:`TRUNK_CHUNK`); no-op without trunk caching. Returns how many were missing, counted on
+        ``bar`` (``update(n)``, optional) chunk by chunk."""
         if not lm.caches_trunk:
-            return
+            return 0
         wanted = range(len(self.records)) if indices is None else indices
         chunks = sorted({i // TRUNK_CHUNK for i in wanted if i not in self.trunk_cache})
+        n = 0
         for c in chunks:
             chunk = list(range(c * TRUNK_CHUNK, min((c + 1) * TRUNK_CHUNK, len(self.records))))
+            todo = sum(i not in self.trunk_cache for i in chunk)
             hidden = lm.trunk_hidden(self.pack(chunk, pad_id))
             for row, i in enumerate(chunk):
                 self.trunk_cache[i] = hidden[row, : self.length(i)].clone()
+            n += todo
+            if bar is not None:
+                bar.update(todo)
+        return n
 
     def batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None, *,
               split: bool = True) -> Batch:

@@ -12,13 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import (
-    TRUNK_CHUNK,
     EncodedRecords,
     encode_records,
     format_settings,
@@ -35,8 +33,7 @@ from llm_calib.scoring.base import ScoredSet
 from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts
 
 __all__ = [
-    "SharedTrunkEval", "base_scores", "fill_trunk_caches", "fit_open_temperature", "open_ended_set",
-    "trunk_scores",
+    "SharedTrunkEval", "base_scores", "fill_trunk_caches", "open_ended_set", "trunk_scores",
 ]
 
 
@@ -117,6 +114,7 @@ def open_ended_set(records: Sequence[OpenQA], outs: Sequence[GenOut], temperatur
         ValueError: ``records`` and ``outs`` differ in length, or an answer has no grid probabilities.
 
     Example:
+        >>> import numpy as np
         >>> outs = [GenOut("Paris", (1,), (0.9,), np.array([[0.9, 0.6]]))]
         >>> s = open_ended_set([OpenQA("Capital of France?", ("Paris",), "geo", "q0")], outs, temperature_index=1)
         >>> s.correct.tolist(), s.token_probs
@@ -132,29 +130,6 @@ def open_ended_set(records: Sequence[OpenQA], outs: Sequence[GenOut], temperatur
         token_probs = [tuple(float(p) for p in o.temp_probs[:, temperature_index]) for o in outs]
     return OpenEndedSet([o.text for o in outs], [tuple(r.answers) for r in records], [r.domain for r in records],
                         [r.id for r in records], token_probs)
-
-
-def fit_open_temperature(records: Sequence[OpenQA], outs: Sequence[GenOut], grid: Sequence[float]) -> tuple[float, int]:
-    """``(T, index)``: the grid temperature minimising the log-loss of correctness of open answers' mean token
-    probability.
-
-    Raises:
-        ValueError: an answer's grid probabilities do not match ``grid``.
-
-    Example:
-        >>> recs = [OpenQA("q?", ("a",), "d", "0"), OpenQA("q?", ("a",), "d", "1")]
-        >>> p = np.array([[0.99, 0.6]])
-        >>> fit_open_temperature(recs, [GenOut("a", (1,), (0.9,), p), GenOut("b", (1,), (0.9,), p)], [1.0, 2.0])
-        (2.0, 1)
-    """
-    grid = np.asarray(grid, dtype=np.float64)
-    if any(o.temp_probs is None or o.temp_probs.shape[1] != len(grid) for o in outs):
-        raise ValueError(f"every answer needs grid probabilities for the {len(grid)} grid temperatures")
-    correct = open_ended_set(records, outs).correct.astype(np.float64)[:, None]
-    conf = np.clip(np.stack([o.temp_probs.mean(0) for o in outs]), 1e-12, 1 - 1e-12)  # (N, G)
-    loss = -(correct * np.log(conf) + (1 - correct) * np.log(1 - conf)).mean(0)
-    g = int(np.argmin(loss))
-    return float(grid[g]), g
 
 
 def fill_trunk_caches(model: Any, encodings: Sequence[EncodedRecords], lora: LoraSettings, pad_id: int,
@@ -176,16 +151,7 @@ def fill_trunk_caches(model: Any, encodings: Sequence[EncodedRecords], lora: Lor
     lm = FunctionalLM(attach_lora(copy.deepcopy(model), lora))
     if not lm.caches_trunk:
         return 0
-    n = 0
-    for enc in encodings:
-        for start in range(0, len(enc), TRUNK_CHUNK):
-            chunk = range(start, min(start + TRUNK_CHUNK, len(enc)))
-            todo = sum(i not in enc.trunk_cache for i in chunk)
-            enc.fill_trunk_cache(lm, pad_id, chunk)
-            n += todo
-            if bar is not None:
-                bar.update(todo)
-    return n
+    return sum(enc.fill_trunk_cache(lm, pad_id, bar=bar) for enc in encodings)
 
 
 class SharedTrunkEval:

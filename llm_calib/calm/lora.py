@@ -333,13 +333,10 @@ class FunctionalLM:
 
     def load_theta(self, theta: dict[str, Tensor]) -> None:
         """Copy θ into the decoder's parameters in place."""
-        theta, norm_weight = self._split_scale(theta)
         params = dict(self.decoder.named_parameters())
         with torch.no_grad():
-            for k, v in theta.items():
+            for k, v in self.decoder_parameters(theta).items():
                 params[k].copy_(v)
-            for k, v in norm_weight.items():
-                params[f"norm.{k}"].copy_(v)
 
     @property
     def dtype(self) -> torch.dtype:

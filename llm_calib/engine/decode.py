@@ -144,12 +144,6 @@ def _finish_until(tokenizer: Any, ids: list[int], probs: list[float], eos: set[i
     return GreedyAnswer(text.strip(), tuple(ids[:keep]), tuple(ans_probs), stop)
 
 
-def _hits_until(tokenizer: Any, ids: Sequence[int], until: Sequence[str]) -> bool:
-    """Whether the text of the generated ``ids`` holds one of the stop sequences."""
-    text = tokenizer.decode(list(ids), skip_special_tokens=True)
-    return any(u and u in text for u in until)
-
-
 @dataclass
 class GenOut:
     """A greedy answer: text, kept token ids and probabilities, and (with a temperature grid) the
@@ -230,8 +224,9 @@ def greedy_loop(
     def is_stop(b: int, tok: int) -> bool:
         if tok in eos:
             return True
-        if stops[b] is not None:
-            return _hits_until(tokenizer, gen[b], stops[b])  # type: ignore[arg-type]
+        if stops[b] is not None:  # the generated text holds one of the stop sequences
+            text = tokenizer.decode(gen[b], skip_special_tokens=True)
+            return any(u and u in text for u in stops[b])  # type: ignore[union-attr]
         if stop_at_newline and tok not in newline:
             newline[tok] = "\n" in tokenizer.decode([tok])
         return stop_at_newline and newline[tok]

@@ -291,19 +291,12 @@ def pack_letters(prompts: Sequence[Sequence[int]], letter_ids: Sequence[Sequence
     """
     ids, mask, pos = _right_pad(prompts, pad_id)
     L = ids.shape[1]
-    rows, target_rows, target_ids, target_option, option_question, n_options = [], [], [], [], [], []
-    for b, (prompt, letters) in enumerate(zip(prompts, letter_ids, strict=True)):
-        rows.append(b * L + len(prompt) - 1)
-        for tok in letters:
-            target_rows.append(b)
-            target_ids.append(int(tok))
-            target_option.append(len(option_question))
-            option_question.append(b)
-        n_options.append(len(letters))
+    pairs = list(zip(prompts, letter_ids, strict=True))
+    question = [b for b, (_, letters) in enumerate(pairs) for _ in letters]  # per letter (option): its question
     return PackedQuestions(
-        ids, mask, pos, torch.tensor(rows), torch.tensor(target_rows), torch.tensor(target_ids),
-        torch.tensor(target_option), torch.tensor(option_question), torch.ones(len(option_question), dtype=torch.long),
-        n_options,
+        ids, mask, pos, torch.tensor([b * L + len(p) - 1 for b, (p, _) in enumerate(pairs)]), torch.tensor(question),
+        torch.tensor([int(t) for _, letters in pairs for t in letters]), torch.arange(len(question)),
+        torch.tensor(question), torch.ones(len(question), dtype=torch.long), [len(letters) for _, letters in pairs],
     )
 
 
@@ -461,15 +454,13 @@ def option_sequences(packed: PackedQuestions) -> OptionSequences:
     if packed.attention_mask.dim() != 4:
         raise ValueError("option_sequences needs questions packed with the 4-D mask (pack_questions)")
     B, L = packed.input_ids.shape
-    lengths = packed.option_lengths.tolist()
-    per_question: list[list[int]] = [[] for _ in range(B)]
-    for k, q in enumerate(packed.option_question.tolist()):
-        per_question[q].append(lengths[k])
+    # options are numbered question by question (pack_questions): each question's option lengths in order
+    per_question = [t.tolist() for t in torch.split(packed.option_lengths, packed.n_options)]
     # the row predicting a question's first answer token is the last prompt token, b * L + P - 1
     last_prompt = packed.rows[packed.answer_start_rows()].tolist()
     prompt_len = [last_prompt[b] - b * L + 1 for b in range(B)]
     L2 = max(prompt_len[b] + n for b in range(B) for n in per_question[b])
-    R = len(lengths)
+    R = len(packed.option_lengths)
     ids = torch.zeros((R, L2), dtype=packed.input_ids.dtype)
     attn = torch.zeros((R, L2), dtype=torch.long)
     pos = torch.zeros((R, L2), dtype=torch.long)

@@ -85,6 +85,7 @@ class TaskFormat(ABC):
         description: how reports name the kind of question.
         temperature_scalable: whether the scores are option logits a temperature applies to.
         answer_stop: open questions: each reference ends with greedy answering's stop token.
+        default_prompt: the prompt format used when a format is given none (None: no prompt).
         training_notes: lines a comparison report adds about training on this kind.
         upper_families: the record kinds of the held-out and unlabelled sets (upper level, model
             selection) a lower level of this format can serve. Multiple choice serves only
@@ -105,6 +106,7 @@ class TaskFormat(ABC):
     temperature_scalable: ClassVar[bool] = False
     training_notes: ClassVar[tuple[str, ...]] = ()
     upper_families: ClassVar[tuple[str, ...]] = ("multiple_choice",)
+    default_prompt: ClassVar[Any] = None
     answer_stop: bool = False
 
     # --- data ---------------------------------------------------------------------------------
@@ -175,6 +177,6 @@ class TaskFormat(ABC):
         """One JSON-ready dict per question of ``scored``."""
 
     def prompt_settings(self) -> Any:
-        """The prompt format the scorer uses (its default filled in)."""
-        return getattr(self, "prompt", None)
+        """The prompt format the scorer uses (its :attr:`default_prompt` filled in)."""
+        return getattr(self, "prompt", None) or self.default_prompt
 

@@ -17,13 +17,8 @@ from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import PackedQuestions, pack_letters, pack_questions
 from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy, identity
-from llm_calib.prompts import (
-    PromptFormat,
-    record_prompt,
-    record_uses_chat_template,
-    uses_chat_template,
-)
-from llm_calib.scoring.base import ScoredSet, encode_prompt
+from llm_calib.prompts import PromptFormat
+from llm_calib.scoring.base import ScoredSet, encode_prompts
 from llm_calib.scoring.letter import check_listed_prompt, letter_token_ids, score_letter
 from llm_calib.scoring.option_likelihood import (
     LM_EVAL_NORMALIZATIONS,
@@ -176,10 +171,7 @@ class OptionLikelihood(MultipleChoiceFormat):
     prompt: PromptFormat | None = None
 
     layout: ClassVar[str] = "options"
-
-    def prompt_settings(self) -> PromptFormat:
-        """The prompt format (default ``PromptFormat()``: cloze)."""
-        return self.prompt or PromptFormat()
+    default_prompt: ClassVar[PromptFormat] = PromptFormat()  # cloze
 
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
         """Prompt ids and each option's continuation ids
@@ -226,6 +218,7 @@ class Letter(MultipleChoiceFormat):
     normalize: str = "sum"
 
     layout: ClassVar[str] = "letter"
+    default_prompt: ClassVar[PromptFormat] = PromptFormat(style="listed")
 
     def __post_init__(self) -> None:
         check_listed_prompt(self.prompt)
@@ -235,16 +228,9 @@ class Letter(MultipleChoiceFormat):
         """The listed prompt, whatever ``style`` a configuration gives (its options must be listed)."""
         return PromptFormat(style="listed", chat_template=chat_template)
 
-    def prompt_settings(self) -> PromptFormat:
-        """The prompt format (default ``PromptFormat(style="listed")``)."""
-        return self.prompt or PromptFormat(style="listed")
-
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
         """The listed prompt's ids (as the letter scorer's) and one letter token id per option."""
-        fmt = self.prompt_settings()
-        chat = uses_chat_template(tokenizer, fmt)
-        prompts = [tuple(encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt),
-                                       chat=chat and record_uses_chat_template(tokenizer, r, fmt))) for r in records]
+        prompts = [tuple(p) for p in encode_prompts(tokenizer, records, self.prompt_settings())]
         options = [tuple((t,) for t in letter_token_ids(tokenizer, len(r.options))) for r in records]
         return prompts, options
 

@@ -51,6 +51,7 @@ class OpenEnded(TaskFormat):
     family: ClassVar[str] = "open"
     layout: ClassVar[str] = "open"
     description: ClassVar[str] = "open-ended (exact match)"
+    default_prompt: ClassVar[PromptFormat] = PromptFormat()
     upper_families: ClassVar[tuple[str, ...]] = ("open", "multiple_choice")
     training_notes: ClassVar[tuple[str, ...]] = (
         "- trained on open questions (token cross-entropy of the first reference answer); the "
@@ -62,10 +63,6 @@ class OpenEnded(TaskFormat):
     def domain_notes(cls, metrics: dict[str, float]) -> list[str]:
         """The confidence used and the token F1."""
         return [f"Confidence = mean answer-token probability; token F1 {metrics.get('f1', float('nan')):.3f}."]
-
-    def prompt_settings(self) -> PromptFormat:
-        """The prompt format (default ``PromptFormat()``)."""
-        return self.prompt or PromptFormat()
 
     # --- training encoding --------------------------------------------------------------------
     def encode(self, tokenizer: Any, records: Sequence[OpenQA]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:

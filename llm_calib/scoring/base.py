@@ -19,9 +19,15 @@ import torch
 from llm_calib import metrics
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import length_batches
+from llm_calib.prompts import (
+    PromptFormat,
+    record_prompt,
+    record_uses_chat_template,
+    uses_chat_template,
+)
 
 __all__ = [
-    "ScoredResult", "ScoredSet", "check_records", "encode_continuation", "encode_prompt",
+    "ScoredResult", "ScoredSet", "check_records", "encode_continuation", "encode_prompt", "encode_prompts",
     "progress_bar", "score_in_batches", "scoring_split",
 ]
 
@@ -227,6 +233,22 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
     if not chat and _adds_bos(tokenizer) and ids[:1] != [tokenizer.bos_token_id]:  # a text that starts
         ids = [tokenizer.bos_token_id, *ids]  # with BOS keeps it once, as lm-eval's HFLM
     return ids
+
+
+def encode_prompts(tokenizer: Any, records: Sequence[Any], fmt: PromptFormat) -> list[list[int]]:
+    """Token ids of each record's prompt under ``fmt`` (:func:`encode_prompt`; chat-templated where
+    the prompt format and the record use the chat template): what every scorer and format encodes.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> _, tok = tiny_random_model()
+        >>> q = MultipleChoice("Capital of France?", ("Paris", "Rome"), 0, "geo", "q0")
+        >>> tok.decode(encode_prompts(tok, [q], PromptFormat())[0]).endswith("The answer is:")
+        True
+    """
+    chat = uses_chat_template(tokenizer, fmt)
+    return [encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat and record_uses_chat_template(tokenizer, r, fmt))
+            for r in records]
 
 
 def encode_continuation(tokenizer: Any, text: str) -> list[int]:

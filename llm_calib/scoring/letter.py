@@ -18,10 +18,9 @@ from llm_calib.prompts import (
     PromptFormat,
     option_letters,
     record_prompt,
-    record_uses_chat_template,
     uses_chat_template,
 )
-from llm_calib.scoring.base import ScoredSet, check_records, encode_prompt, score_in_batches
+from llm_calib.scoring.base import ScoredSet, check_records, encode_prompts, score_in_batches
 
 __all__ = ["check_listed_prompt", "letter_token_ids", "score_letter"]
 
@@ -89,8 +88,7 @@ def score_letter(
     max_k = max((len(r.options) for r in records), default=2)
     letter_ids = letter_token_ids(tokenizer, max_k)
     texts = [record_prompt(tokenizer, r, fmt) for r in records]
-    prompts = [encode_prompt(tokenizer, t, chat=chat and record_uses_chat_template(tokenizer, r, fmt))
-               for r, t in zip(records, texts, strict=True)]
+    prompts = encode_prompts(tokenizer, records, fmt)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def score(idx: list[int]) -> tuple[torch.Tensor, ...]:

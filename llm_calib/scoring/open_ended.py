@@ -19,10 +19,9 @@ from llm_calib.engine.decode import GreedyAnswer, generate_greedy
 from llm_calib.prompts import (
     PromptFormat,
     record_prompt,
-    record_uses_chat_template,
     uses_chat_template,
 )
-from llm_calib.scoring.base import ScoredResult, encode_prompt, score_in_batches
+from llm_calib.scoring.base import ScoredResult, encode_prompts, score_in_batches
 
 __all__ = ["OpenEndedSet", "encode_open_prompts", "open_ended_summary", "score_open_ended"]
 
@@ -141,9 +140,7 @@ def encode_open_prompts(
     fmt = prompt or PromptFormat()
     if fmt.style != "cloze":
         raise ValueError(f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}")
-    chat = uses_chat_template(tokenizer, fmt)
-    return [encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat and record_uses_chat_template(tokenizer, r, fmt))
-            for r in records]
+    return encode_prompts(tokenizer, records, fmt)
 
 
 def score_open_ended(

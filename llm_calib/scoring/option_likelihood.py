@@ -17,14 +17,13 @@ from llm_calib.prompts import (
     PromptFormat,
     option_continuations,
     record_prompt,
-    record_uses_chat_template,
     uses_chat_template,
 )
 from llm_calib.scoring.base import (
     ScoredSet,
     check_records,
     encode_continuation,
-    encode_prompt,
+    encode_prompts,
     score_in_batches,
 )
 
@@ -71,11 +70,8 @@ def encode_questions(tokenizer: Any, records: Sequence[MultipleChoice], fmt: Pro
         >>> tok.decode(enc.options[0])
         ' Paris'
     """
-    chat = uses_chat_template(tokenizer, fmt)
     out = []
-    for r in records:
-        prompt = encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt),
-                               chat=chat and record_uses_chat_template(tokenizer, r, fmt))
+    for r, prompt in zip(records, encode_prompts(tokenizer, records, fmt), strict=True):
         if not prompt:
             raise ValueError(f"record {r.id!r}: the prompt tokenises to no tokens")
         options = tuple(tuple(encode_continuation(tokenizer, c)) for c in option_continuations(r, fmt))
@@ -149,12 +145,8 @@ def option_log_likelihoods(model: Any, items: Sequence[EncodedQuestion], *, pad_
         hidden, _ = forward_rows(model, packed, packed_masks=use_masks)
         token_lp = target_logprobs(model, packed, hidden)
     # targets are laid out option by option, so each option's tokens are one contiguous run
-    flat = list(torch.split(token_lp.double().cpu(), packed.option_lengths.tolist()))
-    out, i = [], 0
-    for it in items:
-        out.append(flat[i : i + len(it.options)])
-        i += len(it.options)
-    return out
+    flat = iter(torch.split(token_lp.double().cpu(), packed.option_lengths.tolist()))
+    return [[next(flat) for _ in it.options] for it in items]
 
 
 def score_option_likelihood(
