@@ -1120,6 +1120,13 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
         "metrics",
     )
     paths = write_report(result, args.out, title="Calibration report (lm-eval samples)")
+    _print_summary(result, paths, args.out)
+    return 0
+
+
+def _print_summary(result: Any, paths: dict[str, Any], out: str) -> None:
+    """The stdout summary of ``evaluate`` and ``metrics``: a line per domain (accuracy, ECE, the
+    temperature-scaled ECE, the accuracy of each normalisation) and the files written."""
     for dom, r in result.domains.items():
         unc = r.uncalibrated
         line = f"{dom}: n={r.n} accuracy={unc['accuracy']:.3f} ECE={unc['ece']:.3f}"
@@ -1128,8 +1135,7 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
         if r.normalizations:
             line += " | " + " ".join(f"{n}={m['accuracy']:.3f}" for n, m in r.normalizations.items())
         print(line)
-    print(f"wrote {len(paths)} files to {args.out}")
-    return 0
+    print(f"wrote {len(paths)} files to {out}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1388,19 +1394,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.log_samples:
         write_samples(result, Path(args.out) / "samples.jsonl")
         paths["samples"] = Path(args.out) / "samples.jsonl"
-    for dom, r in result.domains.items():
-        unc = r.uncalibrated
-        line = f"{dom}: n={r.n} accuracy={unc['accuracy']:.3f} ECE={unc['ece']:.3f}"
-        if r.temperature_scaled:
-            line += (
-                f" ECE(T={result.temperature.temperature:.2f})={r.temperature_scaled['ece']:.3f}"
-            )
-        if r.normalizations:
-            line += " | " + " ".join(
-                f"{name}={m['accuracy']:.3f}" for name, m in r.normalizations.items()
-            )
-        print(line)
-    print(f"wrote {len(paths)} files to {args.out}")
+    _print_summary(result, paths, args.out)
     return 0
 
 
