@@ -241,9 +241,10 @@ def _limit_mode(args: argparse.Namespace) -> str:
     return "first" if (preset or "").startswith("lm_eval_") else "sample"
 
 
-def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int | None = None,
-                  limited: bool = True) -> list:
-    """Load one spec with the shared data-loading flags (``--limit`` only when ``limited``); no
+def _load_records(args: argparse.Namespace, flag: str, spec: str, log: Callable[[str], None], *,
+                  seed: int | None = None, limited: bool = True, note: str = "") -> tuple[str, list]:
+    """Load one spec with the shared data-loading flags (``--limit`` only when ``limited``) as
+    ``(spec, records)``, logging ``loaded N questions from SPEC`` (and ``note``) with ``log``; no
     records is an error naming the empty set.
 
     Skipped rows (``--on-error skip``) are reported on stderr even with ``--quiet``, one line
@@ -274,7 +275,8 @@ def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int |
         print("\n".join(lines), file=sys.stderr, flush=True)
     if not res.records:
         raise _UserError(f"{flag} {spec}: no records (the {_SET_OF_FLAG.get(flag, flag)} set is empty)")
-    return res.records
+    log(f"loaded {len(res.records)} questions from {spec}{note}")
+    return spec, res.records
 
 
 _PROMPT_GROUP_HELP = (
@@ -980,16 +982,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         _silence_transformers_bars()
     seed = config.seed
     t0 = time.perf_counter()
-
-    def records(flag: str, spec: str) -> list:
-        recs = _load_records(args, flag, spec, seed=seed)
-        log(f"loaded {len(recs)} questions from {spec}")
-        return recs
-
     # Load every data set before the model, so a bad spec fails fast.
-    train = (args.train, records("--train", args.train))
-    heldout = (args.heldout, records("--heldout", args.heldout))
-    evals = [(spec, records("--eval", spec)) for spec in args.eval]
+    train = _load_records(args, "--train", args.train, log, seed=seed)
+    heldout = _load_records(args, "--heldout", args.heldout, log, seed=seed)
+    evals = [_load_records(args, "--eval", spec, log, seed=seed) for spec in args.eval]
     if config.prompt.fewshot:  # one pool for training, selection and evaluation, as evaluate draws it
         _fewshot_pool(args, config, [r for _, recs in [heldout, *evals] for r in recs], log)
     # one kind of record per set, read here; the held-out kind is the training kind, or multiple
@@ -1319,16 +1315,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         _log(args, origin)
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
-    datasets = []
-    for spec in args.data:
-        records = _load_records(args, "--data", spec)
-        _log(args, f"loaded {len(records)} questions from {spec}")
-        datasets.append((spec, records))
+    log = lambda message: _log(args, message)  # noqa: E731
+    datasets = [_load_records(args, "--data", spec, log) for spec in args.data]
     fit = None
     if args.temperature_fit:
-        spec = args.temperature_fit
-        fit = (spec, _load_records(args, "--temperature-fit", spec, limited=False))
-        _log(args, f"loaded {len(fit[1])} questions from {spec} (temperature fit)")
+        fit = _load_records(args, "--temperature-fit", args.temperature_fit, log, limited=False,
+                            note=" (temperature fit)")
     if prompt.fewshot:
         evaluated = [r for _, recs in datasets for r in recs] + (list(fit[1]) if fit else [])
         recorded = args.fewshot_split is None and args.prompt_preset is None and args.base_record is not None
