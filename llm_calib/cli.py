@@ -941,21 +941,19 @@ def _device(name: str) -> str:
     return name
 
 
-def _fewshot_pool(args: argparse.Namespace, config: Any, evaluated: list, log: Callable[[str], None]) -> None:
-    """Load ``config.prompt.fewshot_split`` once, without the ``evaluated`` questions (the held-out
-    and evaluation sets, as ``evaluate`` leaves out the questions it scores), into
-    ``config.prompt.fewshot_pool``: training, selection and evaluation then draw each question's
-    examples from the same pool, so a question shows the same examples in all three and in an
-    ``evaluate`` of the same split with the same flags."""
+def _fewshot_pool(args: argparse.Namespace, prompt: Any, evaluated: list, log: Callable[[str], None],
+                  what: str | None = None) -> Any:
+    """``prompt`` with its few-shot pool: ``prompt.fewshot_split`` loaded once, without the
+    ``evaluated`` questions (``evaluate``: the questions it scores; ``calibrate``: the held-out and
+    evaluation sets, so training, selection and evaluation draw each question's examples from the
+    same pool, and a question shows the same examples in all three and in an ``evaluate`` of the
+    same split with the same flags). A load error names ``what`` (default: ``--fewshot-split SPEC``)."""
     from llm_calib.fewshot import resolve_fewshot
-    from llm_calib.prompts import PromptFormat
 
-    settings = config.prompt
-    fmt = _user_call(lambda: resolve_fewshot(PromptFormat(fewshot=settings.fewshot, fewshot_split=settings.fewshot_split),
-                                             exclude=evaluated, on_error=args.on_error),
-                     f"--fewshot-split {settings.fewshot_split}")
-    settings.fewshot_pool = fmt.fewshot_pool
-    log(f"few-shot pool: {len(settings.fewshot_pool)} examples from {settings.fewshot_split}")
+    fmt = _user_call(lambda: resolve_fewshot(prompt, exclude=evaluated, on_error=args.on_error),
+                     what or f"--fewshot-split {prompt.fewshot_split}")
+    log(f"few-shot pool: {len(fmt.fewshot_pool)} examples from {fmt.fewshot_split}")
+    return fmt
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -966,7 +964,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from llm_calib.compare import run_comparison, write_comparison_report
     from llm_calib.data import load as load_data
     from llm_calib.models import load as load_model
-    from llm_calib.prompts import prompt_dict
+    from llm_calib.prompts import PromptFormat, prompt_dict
 
     config, methods = calibration_config(args)
     args.prompt_preset = config.prompt.preset  # --limit-mode's default follows the preset (flag or file)
@@ -987,7 +985,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     heldout = _load_records(args, "--heldout", args.heldout, log, seed=seed)
     evals = [_load_records(args, "--eval", spec, log, seed=seed) for spec in args.eval]
     if config.prompt.fewshot:  # one pool for training, selection and evaluation, as evaluate draws it
-        _fewshot_pool(args, config, [r for _, recs in [heldout, *evals] for r in recs], log)
+        settings = config.prompt
+        settings.fewshot_pool = _fewshot_pool(
+            args, PromptFormat(fewshot=settings.fewshot, fewshot_split=settings.fewshot_split),
+            [r for _, recs in [heldout, *evals] for r in recs], log,
+        ).fewshot_pool
     # one kind of record per set, read here; the held-out kind is the training kind, or multiple
     # choice under open-ended (prompt, response) training; the message names the offending record
     names = (f"--train {args.train}", f"--heldout {args.heldout}", "--unlabeled")
@@ -1296,7 +1298,6 @@ def _warn_prompt_mismatch(trained: dict[str, Any], prompt: Any, tokenizer: Any, 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from llm_calib.evaluate import evaluate_records, write_samples
-    from llm_calib.fewshot import resolve_fewshot
     from llm_calib.models import load as load_model
     from llm_calib.prompts import prompt_dict
     from llm_calib.report import write_report
@@ -1324,12 +1325,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if prompt.fewshot:
         evaluated = [r for _, recs in datasets for r in recs] + (list(fit[1]) if fit else [])
         recorded = args.fewshot_split is None and args.prompt_preset is None and args.base_record is not None
-        prompt = _user_call(
-            lambda: resolve_fewshot(prompt, exclude=evaluated, on_error=args.on_error),
-            # a split the saved result or merged model records: the error names that file and field
-            f"{args.base_record}: prompt.fewshot_split" if recorded else f"--fewshot-split {prompt.fewshot_split}",
-        )
-        _log(args, f"few-shot pool: {len(prompt.fewshot_pool)} examples from {prompt.fewshot_split}")
+        # a split the saved result or merged model records: the error names that file and field
+        prompt = _fewshot_pool(args, prompt, evaluated, log, f"{args.base_record}: prompt.fewshot_split" if recorded else None)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     model, tokenizer = _user_call(
