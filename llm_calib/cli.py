@@ -704,9 +704,6 @@ _PART_GROUPS = {
 }
 """Flag group and flag prefix of each settings part of the config."""
 
-_FLAG_NAMES: dict[str, str] = {}
-"""Flags not named by the prefix rule (the prompt's come from :func:`_add_prompt_args`)."""
-
 _FLAG_ALIASES = {
     "objective:calm.adjustment": "--adjustment", "objective:calm.lam_lr": "--lam-lr",
     "objective:calm.max_log_scale": "--max-log-scale", "objective:calm.max_bias": "--max-bias",
@@ -747,8 +744,7 @@ def _settings_flags(cls: type, dest: str, flag: str, group: Any, key: str, *, sk
         default = getattr(defaults, f.name, None)
         if dataclasses.is_dataclass(default) or (skip and skip(f.name)):
             continue  # a nested part (CALM's solver) has its own flags
-        names = [_FLAG_NAMES.get(key + f.name, flag + _dashed(f.name))]
-        names += [a for a in [_FLAG_ALIASES.get(key + f.name)] if a]
+        names = [flag + _dashed(f.name)] + [a for a in [_FLAG_ALIASES.get(key + f.name)] if a]
         parse, metavar = flag_type(hints[f.name])
         allowed = choices.get(f.name)
         shown = "" if defaults is None else f" (default: {_shown(default)})"
@@ -757,21 +753,17 @@ def _settings_flags(cls: type, dest: str, flag: str, group: Any, key: str, *, sk
                            help=plain_help(helps.get(f.name, f.name)) + shown)
 
 
-def _solver_fields() -> tuple[dict[str, type], set[str]]:
-    """The registered solver classes by name, and the field names they all have (``inner_steps``...)."""
-    import dataclasses
-
-    from llm_calib.objectives.registry import solver_class, solver_names
-
-    classes = {n: solver_class(n) for n in solver_names()}
-    common = set.intersection(*({f.name for f in dataclasses.fields(c)} for c in classes.values()))
-    return classes, common
-
-
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     """The config's flags, generated from its dataclasses, one group per part."""
+    import dataclasses
+
     from llm_calib.calm.config import CONFIG_PRESETS, PARTS, CalibrationConfig
-    from llm_calib.objectives.registry import objective_class, objective_names, solver_names
+    from llm_calib.objectives.registry import (
+        objective_class,
+        objective_names,
+        solver_class,
+        solver_names,
+    )
 
     group = p.add_argument_group(
         "objective (CalibrationConfig.objective)",
@@ -782,7 +774,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                        help="the objective to train (default: the config file's, else calm)")
     for name in objective_names():
         _settings_flags(objective_class(name), f"obj:{name}:", f"--{_dashed(name)}-", group, f"objective:{name}.")
-    classes, common = _solver_fields()
+    classes = {n: solver_class(n) for n in solver_names()}
+    # the fields every solver has (inner_steps, ...): one flag sets the chosen solver's
+    common = set.intersection(*({f.name for f in dataclasses.fields(c)} for c in classes.values()))
     group = p.add_argument_group(
         "solver (CalibrationConfig.objective.solver, CALM's bilevel solver)",
         "the solver and the settings of each solver; --inner-steps and --inner-lr set those of the chosen one",
