@@ -1048,11 +1048,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run the main job on the embedded default")
-    p.set_defaults(func=_cmd_demo)
-
-
 def _add_metrics(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "metrics",
@@ -1149,7 +1144,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate(sub)
     _add_calibrate(sub)
     _add_export(sub)
-    _add_demo(sub)
+    sub.add_parser("demo", help="run the main job on the embedded default").set_defaults(func=_cmd_demo)
     _add_metrics(sub)
     return parser
 
