@@ -189,11 +189,13 @@ def _recorded_model(name: str) -> str:
     return str(Path(name).resolve()) if Path(name).exists() else name
 
 
-def _model_loading(args: argparse.Namespace, device: str) -> Any:
-    """The ``ModelLoadConfig`` of the flags; on a GPU the weights load straight onto it."""
+def _load_model(args: argparse.Namespace, device: str = "cpu") -> tuple[Any, Any, Any]:
+    """``--model`` loaded onto ``device`` with the model loading flags (their ``ModelLoadConfig``; on
+    a GPU the weights load straight onto it): ``(model, tokenizer, the ModelLoadConfig)``."""
     from llm_calib.models import ModelLoadConfig
+    from llm_calib.models import load as load_model
 
-    return _user_call(
+    loading = _user_call(
         lambda: ModelLoadConfig(
             dtype=args.dtype or "float32", load_in_4bit=getattr(args, "load_in_4bit", False),
             load_in_8bit=getattr(args, "load_in_8bit", False),
@@ -204,6 +206,10 @@ def _model_loading(args: argparse.Namespace, device: str) -> Any:
         ),
         "model loading flags",
     )
+    model, tokenizer = _user_call(
+        lambda: load_model(args.model, cache_dir=args.cache_dir, device=device, config=loading), f"--model {args.model}"
+    )
+    return model, tokenizer, loading
 
 
 def _add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> None:
@@ -507,7 +513,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
     import warnings
 
     from llm_calib.export import EXPORT_FILE, export_merged
-    from llm_calib.models import load as load_model
     from llm_calib.prompts import prompt_dict
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -516,10 +521,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     prompt = prompt_format(args, base)
     if args.quiet:
         _silence_transformers_bars()
-    model, tokenizer = _user_call(
-        lambda: load_model(args.model, cache_dir=args.cache_dir, config=_model_loading(args, "cpu")),
-        f"--model {args.model}",
-    )
+    model, tokenizer, _ = _load_model(args)
     _warn_prompt_mismatch(base, prompt, tokenizer, f"--adapter {args.adapter}", doing="exporting")
     out = _user_call(lambda: export_merged(model, tokenizer, args.adapter, args.out), "export")
     record = Path(out) / EXPORT_FILE  # what the merged model was calibrated for: evaluate --model reads it
@@ -957,7 +959,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from llm_calib.calm.trainer import TrainingDiverged
     from llm_calib.compare import run_comparison, write_comparison_report
     from llm_calib.data import load as load_data
-    from llm_calib.models import load as load_model
     from llm_calib.prompts import PromptFormat, prompt_dict
 
     config, methods = calibration_config(args)
@@ -1004,13 +1005,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             raise _UserError(str(exc)) from exc
         log(f"loaded {len(unlabeled[1])} unlabelled inputs from {unlabeled[0]}")
     load_s = time.perf_counter() - t0
-    device = _device(args.device)
-    loading = _model_loading(args, device)
     t1 = time.perf_counter()
-    model, tokenizer = _user_call(
-        lambda: load_model(args.model, cache_dir=args.cache_dir, device=device, config=loading),
-        f"--model {args.model}",
-    )  # once: every method attaches, trains and removes its own adapters
+    model, tokenizer, loading = _load_model(args, _device(args.device))  # once: every method trains its own adapters
     log(f"loaded {args.model} ({loading.dtype}{', 4-bit' if loading.load_in_4bit else ''}"
         f"{', 8-bit' if loading.load_in_8bit else ''}) in {time.perf_counter() - t1:.1f} s")
     # the prompt as resolved (chat_template: whether this tokenizer's template is used), as evaluate records it
@@ -1287,7 +1283,6 @@ def _warn_prompt_mismatch(trained: dict[str, Any], prompt: Any, tokenizer: Any, 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from llm_calib.evaluate import evaluate_records, write_samples
-    from llm_calib.models import load as load_model
     from llm_calib.prompts import prompt_dict
     from llm_calib.report import write_report
 
@@ -1318,12 +1313,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         prompt = _fewshot_pool(args, prompt, evaluated, log, f"{args.base_record}: prompt.fewshot_split" if recorded else None)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model, tokenizer = _user_call(
-        lambda: load_model(
-            args.model, cache_dir=args.cache_dir, device=args.device, config=_model_loading(args, args.device),
-        ),
-        f"--model {args.model}",
-    )
+    model, tokenizer, _ = _load_model(args, args.device)
     if args.adapter:
         import warnings
 
