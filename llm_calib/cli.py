@@ -1065,7 +1065,7 @@ def _add_metrics(sub: argparse._SubParsersAction) -> None:
         "and report temperature-scaled metrics for every task",
     )
     p.add_argument(
-        "--target-delimiter", default=" ", metavar="TEXT",
+        "--target-delimiter", type=_unescape, default=" ", metavar="TEXT",
         help="the tasks' target delimiter, removed from each continuation to get the choice text "
         "acc_norm and acc_bytes divide by (default: a space)",
     )
@@ -1094,7 +1094,7 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
             args.samples,
             normalize=args.normalize,
             temperature_fit=args.temperature_fit,
-            target_delimiter=_unescape(args.target_delimiter) or "",
+            target_delimiter=args.target_delimiter,
             n_bins=args.bins,
             ci=args.bootstrap > 0,
             n_resamples=max(args.bootstrap, 1),
@@ -1158,10 +1158,8 @@ def _log(args: argparse.Namespace, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _unescape(text: str | None) -> str | None:
+def _unescape(text: str) -> str:
     """Command-line text with ``\\n`` and ``\\t`` written as escapes."""
-    if text is None:
-        return None
     return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
