@@ -1212,10 +1212,10 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     from llm_calib.prompts import PromptFormat, preset
 
     base = base or {}
-    if hasattr(args, "scorer"):
-        args.scorer = args.scorer or base.get("scorer") or "option_likelihood"
-        args.normalize = args.normalize or base.get("normalize") or "sum"
     scorer = getattr(args, "scorer", None) or base.get("scorer") or "option_likelihood"
+    if hasattr(args, "scorer"):
+        args.scorer = scorer
+        args.normalize = args.normalize or base.get("normalize") or "sum"
     given = _prompt_flags(args)
     if "fewshot_split" in given:  # recorded absolute (export, metrics.json), as the model path is
         given["fewshot_split"] = _user_call(lambda: absolute_spec(given["fewshot_split"]), "--fewshot-split")
