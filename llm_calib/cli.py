@@ -89,6 +89,12 @@ _non_negative_int = _int_at_least(0)
 
 _DEFAULT_MODEL = "smollm2-135m-instruct"
 
+_BINS_FLAG: dict[str, Any] = {
+    "type": _positive_int, "default": 10,
+    "help": "equal-width confidence bins for ECE and the reliability diagrams (default: %(default)s)",
+}
+"""``--bins`` of every command that writes a calibration report (evaluate, calibrate, metrics)."""
+
 
 def _add_model_loading_args(p: argparse.ArgumentParser, *, training: bool, quantization: bool = True) -> None:
     """``--dtype``, ``--load-in-4bit/8bit``, ``--attn-implementation``, ``--trust-remote-code``
@@ -428,12 +434,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="seed of the --limit subsample and of the bootstrap (default: %(default)s)",
     )
-    p.add_argument(
-        "--bins",
-        type=_positive_int,
-        default=10,
-        help="equal-width confidence bins for ECE and the reliability diagrams (default: %(default)s)",
-    )
+    p.add_argument("--bins", **_BINS_FLAG)
     p.add_argument(
         "--bootstrap",
         type=int,
@@ -680,10 +681,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         help="bootstrap resamples for 95%% confidence intervals in the report; 0 disables them "
         "(default: %(default)s)",
     )
-    p.add_argument(
-        "--bins", type=_positive_int, default=10,
-        help="equal-width confidence bins for ECE and the reliability diagrams (default: %(default)s)",
-    )
+    p.add_argument("--bins", **_BINS_FLAG)
     p.add_argument(
         "--device", default="cpu",
         help="torch device (default: %(default)s); 'cuda' under torchrun means cuda:LOCAL_RANK",
@@ -1070,10 +1068,7 @@ def _add_metrics(sub: argparse._SubParsersAction) -> None:
         "acc_norm and acc_bytes divide by (default: a space)",
     )
     p.add_argument("--seed", type=int, default=0, metavar="S", help="bootstrap seed (default: %(default)s)")
-    p.add_argument(
-        "--bins", type=_positive_int, default=10,
-        help="equal-width confidence bins for ECE and the reliability diagrams (default: %(default)s)",
-    )
+    p.add_argument("--bins", **_BINS_FLAG)
     p.add_argument(
         "--bootstrap", type=_non_negative_int, default=1000, metavar="R",
         help="bootstrap resamples for the 95%% confidence intervals; 0 disables them (default: %(default)s)",
