@@ -138,12 +138,19 @@ def _add_model_loading_args(p: argparse.ArgumentParser, *, training: bool, quant
     )
 
 
-def _apply_threads(args: argparse.Namespace) -> None:
-    """``--threads`` (of :func:`_add_model_loading_args`): torch's CPU thread count."""
+def _start(args: argparse.Namespace, quiet: bool) -> None:
+    """What every command that loads a model does first: ``--threads`` (of
+    :func:`_add_model_loading_args`) sets torch's CPU thread count; ``quiet``: no transformers /
+    huggingface_hub progress bars ("Loading weights", "Writing model shards", downloads) for the
+    rest of the process."""
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def _resolve_base(args: argparse.Namespace, adapter: str | None, flag: str) -> dict[str, Any]:
@@ -517,11 +524,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from llm_calib.prompts import prompt_dict
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    _apply_threads(args)
+    _start(args, args.quiet)
     base = _resolve_base(args, args.adapter, "export")  # fails before loading the model
     prompt = prompt_format(args, base)
-    if args.quiet:
-        _silence_transformers_bars()
     model, tokenizer, _ = _load_model(args)
     _warn_prompt_mismatch(base, prompt, tokenizer, f"--adapter {args.adapter}", doing="exporting")
     out = _user_call(lambda: export_merged(model, tokenizer, args.adapter, args.out), "export")
@@ -961,7 +966,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     config, methods = calibration_config(args)
     args.prompt_preset = config.prompt.preset  # --limit-mode's default follows the preset (flag or file)
-    _apply_threads(args)
+    _start(args, args.no_progress)
     distributed.init_from_env()
     main_rank = distributed.rank() == 0
 
@@ -969,8 +974,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         if main_rank:
             print(message, file=sys.stderr, flush=True)
 
-    if args.no_progress:
-        _silence_transformers_bars()
     seed = config.seed
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
@@ -1140,14 +1143,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _silence_transformers_bars() -> None:
-    """Quiet mode: no transformers / huggingface_hub progress bars ("Loading weights", "Writing
-    model shards", downloads) for the rest of the process."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
 def _log(args: argparse.Namespace, message: str) -> None:
     if not getattr(args, "quiet", False):
         print(message, file=sys.stderr, flush=True)
@@ -1279,9 +1274,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from llm_calib.prompts import prompt_dict
     from llm_calib.report import write_report
 
-    _apply_threads(args)
-    if args.quiet:
-        _silence_transformers_bars()
+    _start(args, args.quiet)
     if args.bootstrap < 0:
         raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
     base = _resolve_base(args, args.adapter, "--adapter")
