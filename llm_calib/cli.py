@@ -989,10 +989,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     # one kind of record per set, read here; the held-out kind is the training kind, or multiple
     # choice under open-ended (prompt, response) training; the message names the offending record
     names = (f"--train {args.train}", f"--heldout {args.heldout}", "--unlabeled")
-    try:
-        fmt = run_formats(train[1], heldout[1], config, names=names).upper
-    except ValueError as exc:
-        raise _UserError(str(exc)) from exc
+    fmt = _user_call(lambda: run_formats(train[1], heldout[1], config, names=names).upper, None, (ValueError,))
     unlabeled = None
     if args.unlabeled:
         parts = [_user_call(lambda spec=spec: load_data(spec, limit=args.unlabeled_limit, seed=seed).records,
@@ -1000,10 +997,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         unlabeled = ("+".join(args.unlabeled), [r for part in parts for r in part])
         if not unlabeled[1]:
             raise _UserError(f"--unlabeled {unlabeled[0]}: no records (the unlabelled set is empty)")
-        try:
-            fmt.check(unlabeled[1], what=f"--unlabeled {unlabeled[0]}")
-        except ValueError as exc:
-            raise _UserError(str(exc)) from exc
+        _user_call(lambda: fmt.check(unlabeled[1], what=f"--unlabeled {unlabeled[0]}"), None, (ValueError,))
         log(f"loaded {len(unlabeled[1])} unlabelled inputs from {unlabeled[0]}")
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -1354,14 +1348,16 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 def _user_call(
     fn: Callable[[], _T],
-    what: str,
+    what: str | None,
     errors: tuple[type[BaseException], ...] = (ValueError, OSError, KeyError, TypeError),
 ) -> _T:
+    """``fn()``, its ``errors`` reported as user errors: ``what: message`` (the message alone when
+    ``what`` is None)."""
     try:
         return fn()
     except errors as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        raise _UserError(f"{what}: {message}") from exc
+        raise _UserError(f"{message}" if what is None else f"{what}: {message}") from exc
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
