@@ -1150,8 +1150,8 @@ def _unescape(text: str) -> str:
 def _prompt_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The prompt flags given (:func:`_add_prompt_args`, as evaluate and export store them), as
     :class:`~llm_calib.prompts.PromptFormat` fields."""
-    fields = {"style": args.prompt_style, **{f: getattr(args, f) for f in PROMPT_FIELDS if f not in ("preset", "style")}}
-    return {k: v for k, v in fields.items() if v is not None}
+    return {field: getattr(args, dest) for field, dest in _EVALUATE_PROMPT_DEST.items()
+            if field != "preset" and getattr(args, dest) is not None}
 
 
 def _saved_prompt(base: dict[str, Any]) -> dict[str, Any]:
