@@ -622,7 +622,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        default="smollm2-135m-instruct",
+        default=_DEFAULT_MODEL,
         help="built-in alias (smollm2-135m-instruct), local model directory, .gguf file or hub "
         "name; loaded once, every method trains its own adapters on it (default: %(default)s)",
     )
