@@ -89,6 +89,12 @@ _non_negative_int = _int_at_least(0)
 
 _DEFAULT_MODEL = "smollm2-135m-instruct"
 
+_BINS_FLAG: dict[str, Any] = {
+    "type": _positive_int, "default": 10,
+    "help": "equal-width confidence bins for ECE and the reliability diagrams (default: %(default)s)",
+}
+"""``--bins`` of every command that writes a calibration report (evaluate, calibrate, metrics)."""
+
 
 def _add_model_loading_args(p: argparse.ArgumentParser, *, training: bool, quantization: bool = True) -> None:
     """``--dtype``, ``--load-in-4bit/8bit``, ``--attn-implementation``, ``--trust-remote-code``
@@ -132,12 +138,19 @@ def _add_model_loading_args(p: argparse.ArgumentParser, *, training: bool, quant
     )
 
 
-def _apply_threads(args: argparse.Namespace) -> None:
-    """``--threads`` (of :func:`_add_model_loading_args`): torch's CPU thread count."""
+def _start(args: argparse.Namespace, quiet: bool) -> None:
+    """What every command that loads a model does first: ``--threads`` (of
+    :func:`_add_model_loading_args`) sets torch's CPU thread count; ``quiet``: no transformers /
+    huggingface_hub progress bars ("Loading weights", "Writing model shards", downloads) for the
+    rest of the process."""
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def _resolve_base(args: argparse.Namespace, adapter: str | None, flag: str) -> dict[str, Any]:
@@ -189,11 +202,13 @@ def _recorded_model(name: str) -> str:
     return str(Path(name).resolve()) if Path(name).exists() else name
 
 
-def _model_loading(args: argparse.Namespace, device: str) -> Any:
-    """The ``ModelLoadConfig`` of the flags; on a GPU the weights load straight onto it."""
+def _load_model(args: argparse.Namespace, device: str = "cpu") -> tuple[Any, Any, Any]:
+    """``--model`` loaded onto ``device`` with the model loading flags (their ``ModelLoadConfig``; on
+    a GPU the weights load straight onto it): ``(model, tokenizer, the ModelLoadConfig)``."""
     from llm_calib.models import ModelLoadConfig
+    from llm_calib.models import load as load_model
 
-    return _user_call(
+    loading = _user_call(
         lambda: ModelLoadConfig(
             dtype=args.dtype or "float32", load_in_4bit=getattr(args, "load_in_4bit", False),
             load_in_8bit=getattr(args, "load_in_8bit", False),
@@ -204,6 +219,10 @@ def _model_loading(args: argparse.Namespace, device: str) -> Any:
         ),
         "model loading flags",
     )
+    model, tokenizer = _user_call(
+        lambda: load_model(args.model, cache_dir=args.cache_dir, device=device, config=loading), f"--model {args.model}"
+    )
+    return model, tokenizer, loading
 
 
 def _add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> None:
@@ -241,9 +260,10 @@ def _limit_mode(args: argparse.Namespace) -> str:
     return "first" if (preset or "").startswith("lm_eval_") else "sample"
 
 
-def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int | None = None,
-                  limited: bool = True) -> list:
-    """Load one spec with the shared data-loading flags (``--limit`` only when ``limited``); no
+def _load_records(args: argparse.Namespace, flag: str, spec: str, log: Callable[[str], None], *,
+                  seed: int | None = None, limited: bool = True, note: str = "") -> tuple[str, list]:
+    """Load one spec with the shared data-loading flags (``--limit`` only when ``limited``) as
+    ``(spec, records)``, logging ``loaded N questions from SPEC`` (and ``note``) with ``log``; no
     records is an error naming the empty set.
 
     Skipped rows (``--on-error skip``) are reported on stderr even with ``--quiet``, one line
@@ -274,7 +294,8 @@ def _load_records(args: argparse.Namespace, flag: str, spec: str, *, seed: int |
         print("\n".join(lines), file=sys.stderr, flush=True)
     if not res.records:
         raise _UserError(f"{flag} {spec}: no records (the {_SET_OF_FLAG.get(flag, flag)} set is empty)")
-    return res.records
+    log(f"loaded {len(res.records)} questions from {spec}{note}")
+    return spec, res.records
 
 
 _PROMPT_GROUP_HELP = (
@@ -420,12 +441,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="seed of the --limit subsample and of the bootstrap (default: %(default)s)",
     )
-    p.add_argument(
-        "--bins",
-        type=_positive_int,
-        default=10,
-        help="equal-width confidence bins for ECE and the reliability diagrams (default: %(default)s)",
-    )
+    p.add_argument("--bins", **_BINS_FLAG)
     p.add_argument(
         "--bootstrap",
         type=int,
@@ -505,19 +521,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
     import warnings
 
     from llm_calib.export import EXPORT_FILE, export_merged
-    from llm_calib.models import load as load_model
     from llm_calib.prompts import prompt_dict
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    _apply_threads(args)
+    _start(args, args.quiet)
     base = _resolve_base(args, args.adapter, "export")  # fails before loading the model
     prompt = prompt_format(args, base)
-    if args.quiet:
-        _silence_transformers_bars()
-    model, tokenizer = _user_call(
-        lambda: load_model(args.model, cache_dir=args.cache_dir, config=_model_loading(args, "cpu")),
-        f"--model {args.model}",
-    )
+    model, tokenizer, _ = _load_model(args)
     _warn_prompt_mismatch(base, prompt, tokenizer, f"--adapter {args.adapter}", doing="exporting")
     out = _user_call(lambda: export_merged(model, tokenizer, args.adapter, args.out), "export")
     record = Path(out) / EXPORT_FILE  # what the merged model was calibrated for: evaluate --model reads it
@@ -612,7 +622,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        default="smollm2-135m-instruct",
+        default=_DEFAULT_MODEL,
         help="built-in alias (smollm2-135m-instruct), local model directory, .gguf file or hub "
         "name; loaded once, every method trains its own adapters on it (default: %(default)s)",
     )
@@ -676,10 +686,7 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         help="bootstrap resamples for 95%% confidence intervals in the report; 0 disables them "
         "(default: %(default)s)",
     )
-    p.add_argument(
-        "--bins", type=_positive_int, default=10,
-        help="equal-width confidence bins for ECE and the reliability diagrams (default: %(default)s)",
-    )
+    p.add_argument("--bins", **_BINS_FLAG)
     p.add_argument(
         "--device", default="cpu",
         help="torch device (default: %(default)s); 'cuda' under torchrun means cuda:LOCAL_RANK",
@@ -701,9 +708,6 @@ _PART_GROUPS = {
     "selection": ("model selection (CalibrationConfig.selection)", "--"),
 }
 """Flag group and flag prefix of each settings part of the config."""
-
-_FLAG_NAMES: dict[str, str] = {}
-"""Flags not named by the prefix rule (the prompt's come from :func:`_add_prompt_args`)."""
 
 _FLAG_ALIASES = {
     "objective:calm.adjustment": "--adjustment", "objective:calm.lam_lr": "--lam-lr",
@@ -745,8 +749,7 @@ def _settings_flags(cls: type, dest: str, flag: str, group: Any, key: str, *, sk
         default = getattr(defaults, f.name, None)
         if dataclasses.is_dataclass(default) or (skip and skip(f.name)):
             continue  # a nested part (CALM's solver) has its own flags
-        names = [_FLAG_NAMES.get(key + f.name, flag + _dashed(f.name))]
-        names += [a for a in [_FLAG_ALIASES.get(key + f.name)] if a]
+        names = [flag + _dashed(f.name)] + [a for a in [_FLAG_ALIASES.get(key + f.name)] if a]
         parse, metavar = flag_type(hints[f.name])
         allowed = choices.get(f.name)
         shown = "" if defaults is None else f" (default: {_shown(default)})"
@@ -755,21 +758,17 @@ def _settings_flags(cls: type, dest: str, flag: str, group: Any, key: str, *, sk
                            help=plain_help(helps.get(f.name, f.name)) + shown)
 
 
-def _solver_fields() -> tuple[dict[str, type], set[str]]:
-    """The registered solver classes by name, and the field names they all have (``inner_steps``...)."""
-    import dataclasses
-
-    from llm_calib.objectives.registry import solver_class, solver_names
-
-    classes = {n: solver_class(n) for n in solver_names()}
-    common = set.intersection(*({f.name for f in dataclasses.fields(c)} for c in classes.values()))
-    return classes, common
-
-
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     """The config's flags, generated from its dataclasses, one group per part."""
+    import dataclasses
+
     from llm_calib.calm.config import CONFIG_PRESETS, PARTS, CalibrationConfig
-    from llm_calib.objectives.registry import objective_class, objective_names, solver_names
+    from llm_calib.objectives.registry import (
+        objective_class,
+        objective_names,
+        solver_class,
+        solver_names,
+    )
 
     group = p.add_argument_group(
         "objective (CalibrationConfig.objective)",
@@ -780,7 +779,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                        help="the objective to train (default: the config file's, else calm)")
     for name in objective_names():
         _settings_flags(objective_class(name), f"obj:{name}:", f"--{_dashed(name)}-", group, f"objective:{name}.")
-    classes, common = _solver_fields()
+    classes = {n: solver_class(n) for n in solver_names()}
+    # the fields every solver has (inner_steps, ...): one flag sets the chosen solver's
+    common = set.intersection(*({f.name for f in dataclasses.fields(c)} for c in classes.values()))
     group = p.add_argument_group(
         "solver (CalibrationConfig.objective.solver, CALM's bilevel solver)",
         "the solver and the settings of each solver; --inner-steps and --inner-lr set those of the chosen one",
@@ -939,21 +940,19 @@ def _device(name: str) -> str:
     return name
 
 
-def _fewshot_pool(args: argparse.Namespace, config: Any, evaluated: list, log: Callable[[str], None]) -> None:
-    """Load ``config.prompt.fewshot_split`` once, without the ``evaluated`` questions (the held-out
-    and evaluation sets, as ``evaluate`` leaves out the questions it scores), into
-    ``config.prompt.fewshot_pool``: training, selection and evaluation then draw each question's
-    examples from the same pool, so a question shows the same examples in all three and in an
-    ``evaluate`` of the same split with the same flags."""
+def _fewshot_pool(args: argparse.Namespace, prompt: Any, evaluated: list, log: Callable[[str], None],
+                  what: str | None = None) -> Any:
+    """``prompt`` with its few-shot pool: ``prompt.fewshot_split`` loaded once, without the
+    ``evaluated`` questions (``evaluate``: the questions it scores; ``calibrate``: the held-out and
+    evaluation sets, so training, selection and evaluation draw each question's examples from the
+    same pool, and a question shows the same examples in all three and in an ``evaluate`` of the
+    same split with the same flags). A load error names ``what`` (default: ``--fewshot-split SPEC``)."""
     from llm_calib.fewshot import resolve_fewshot
-    from llm_calib.prompts import PromptFormat
 
-    settings = config.prompt
-    fmt = _user_call(lambda: resolve_fewshot(PromptFormat(fewshot=settings.fewshot, fewshot_split=settings.fewshot_split),
-                                             exclude=evaluated, on_error=args.on_error),
-                     f"--fewshot-split {settings.fewshot_split}")
-    settings.fewshot_pool = fmt.fewshot_pool
-    log(f"few-shot pool: {len(settings.fewshot_pool)} examples from {settings.fewshot_split}")
+    fmt = _user_call(lambda: resolve_fewshot(prompt, exclude=evaluated, on_error=args.on_error),
+                     what or f"--fewshot-split {prompt.fewshot_split}")
+    log(f"few-shot pool: {len(fmt.fewshot_pool)} examples from {fmt.fewshot_split}")
+    return fmt
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -963,12 +962,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from llm_calib.calm.trainer import TrainingDiverged
     from llm_calib.compare import run_comparison, write_comparison_report
     from llm_calib.data import load as load_data
-    from llm_calib.models import load as load_model
-    from llm_calib.prompts import prompt_dict
+    from llm_calib.prompts import PromptFormat, prompt_dict
 
     config, methods = calibration_config(args)
     args.prompt_preset = config.prompt.preset  # --limit-mode's default follows the preset (flag or file)
-    _apply_threads(args)
+    _start(args, args.no_progress)
     distributed.init_from_env()
     main_rank = distributed.rank() == 0
 
@@ -976,29 +974,22 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         if main_rank:
             print(message, file=sys.stderr, flush=True)
 
-    if args.no_progress:
-        _silence_transformers_bars()
     seed = config.seed
     t0 = time.perf_counter()
-
-    def records(flag: str, spec: str) -> list:
-        recs = _load_records(args, flag, spec, seed=seed)
-        log(f"loaded {len(recs)} questions from {spec}")
-        return recs
-
     # Load every data set before the model, so a bad spec fails fast.
-    train = (args.train, records("--train", args.train))
-    heldout = (args.heldout, records("--heldout", args.heldout))
-    evals = [(spec, records("--eval", spec)) for spec in args.eval]
+    train = _load_records(args, "--train", args.train, log, seed=seed)
+    heldout = _load_records(args, "--heldout", args.heldout, log, seed=seed)
+    evals = [_load_records(args, "--eval", spec, log, seed=seed) for spec in args.eval]
     if config.prompt.fewshot:  # one pool for training, selection and evaluation, as evaluate draws it
-        _fewshot_pool(args, config, [r for _, recs in [heldout, *evals] for r in recs], log)
+        settings = config.prompt
+        settings.fewshot_pool = _fewshot_pool(
+            args, PromptFormat(fewshot=settings.fewshot, fewshot_split=settings.fewshot_split),
+            [r for _, recs in [heldout, *evals] for r in recs], log,
+        ).fewshot_pool
     # one kind of record per set, read here; the held-out kind is the training kind, or multiple
     # choice under open-ended (prompt, response) training; the message names the offending record
     names = (f"--train {args.train}", f"--heldout {args.heldout}", "--unlabeled")
-    try:
-        fmt = run_formats(train[1], heldout[1], config, names=names).upper
-    except ValueError as exc:
-        raise _UserError(str(exc)) from exc
+    fmt = _user_call(lambda: run_formats(train[1], heldout[1], config, names=names).upper, None, (ValueError,))
     unlabeled = None
     if args.unlabeled:
         parts = [_user_call(lambda spec=spec: load_data(spec, limit=args.unlabeled_limit, seed=seed).records,
@@ -1006,19 +997,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         unlabeled = ("+".join(args.unlabeled), [r for part in parts for r in part])
         if not unlabeled[1]:
             raise _UserError(f"--unlabeled {unlabeled[0]}: no records (the unlabelled set is empty)")
-        try:
-            fmt.check(unlabeled[1], what=f"--unlabeled {unlabeled[0]}")
-        except ValueError as exc:
-            raise _UserError(str(exc)) from exc
+        _user_call(lambda: fmt.check(unlabeled[1], what=f"--unlabeled {unlabeled[0]}"), None, (ValueError,))
         log(f"loaded {len(unlabeled[1])} unlabelled inputs from {unlabeled[0]}")
     load_s = time.perf_counter() - t0
-    device = _device(args.device)
-    loading = _model_loading(args, device)
     t1 = time.perf_counter()
-    model, tokenizer = _user_call(
-        lambda: load_model(args.model, cache_dir=args.cache_dir, device=device, config=loading),
-        f"--model {args.model}",
-    )  # once: every method attaches, trains and removes its own adapters
+    model, tokenizer, loading = _load_model(args, _device(args.device))  # once: every method trains its own adapters
     log(f"loaded {args.model} ({loading.dtype}{', 4-bit' if loading.load_in_4bit else ''}"
         f"{', 8-bit' if loading.load_in_8bit else ''}) in {time.perf_counter() - t1:.1f} s")
     # the prompt as resolved (chat_template: whether this tokenizer's template is used), as evaluate records it
@@ -1056,11 +1039,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run the main job on the embedded default")
-    p.set_defaults(func=_cmd_demo)
-
-
 def _add_metrics(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "metrics",
@@ -1082,15 +1060,12 @@ def _add_metrics(sub: argparse._SubParsersAction) -> None:
         "and report temperature-scaled metrics for every task",
     )
     p.add_argument(
-        "--target-delimiter", default=" ", metavar="TEXT",
+        "--target-delimiter", type=_unescape, default=" ", metavar="TEXT",
         help="the tasks' target delimiter, removed from each continuation to get the choice text "
         "acc_norm and acc_bytes divide by (default: a space)",
     )
     p.add_argument("--seed", type=int, default=0, metavar="S", help="bootstrap seed (default: %(default)s)")
-    p.add_argument(
-        "--bins", type=_positive_int, default=10,
-        help="equal-width confidence bins for ECE and the reliability diagrams (default: %(default)s)",
-    )
+    p.add_argument("--bins", **_BINS_FLAG)
     p.add_argument(
         "--bootstrap", type=_non_negative_int, default=1000, metavar="R",
         help="bootstrap resamples for the 95%% confidence intervals; 0 disables them (default: %(default)s)",
@@ -1111,7 +1086,7 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
             args.samples,
             normalize=args.normalize,
             temperature_fit=args.temperature_fit,
-            target_delimiter=_unescape(args.target_delimiter) or "",
+            target_delimiter=args.target_delimiter,
             n_bins=args.bins,
             ci=args.bootstrap > 0,
             n_resamples=max(args.bootstrap, 1),
@@ -1120,6 +1095,13 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
         "metrics",
     )
     paths = write_report(result, args.out, title="Calibration report (lm-eval samples)")
+    _print_summary(result, paths, args.out)
+    return 0
+
+
+def _print_summary(result: Any, paths: dict[str, Any], out: str) -> None:
+    """The stdout summary of ``evaluate`` and ``metrics``: a line per domain (accuracy, ECE, the
+    temperature-scaled ECE, the accuracy of each normalisation) and the files written."""
     for dom, r in result.domains.items():
         unc = r.uncalibrated
         line = f"{dom}: n={r.n} accuracy={unc['accuracy']:.3f} ECE={unc['ece']:.3f}"
@@ -1128,8 +1110,7 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
         if r.normalizations:
             line += " | " + " ".join(f"{n}={m['accuracy']:.3f}" for n, m in r.normalizations.items())
         print(line)
-    print(f"wrote {len(paths)} files to {args.out}")
-    return 0
+    print(f"wrote {len(paths)} files to {out}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1151,17 +1132,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate(sub)
     _add_calibrate(sub)
     _add_export(sub)
-    _add_demo(sub)
+    sub.add_parser("demo", help="run the main job on the embedded default").set_defaults(func=_cmd_demo)
     _add_metrics(sub)
     return parser
-
-
-def _silence_transformers_bars() -> None:
-    """Quiet mode: no transformers / huggingface_hub progress bars ("Loading weights", "Writing
-    model shards", downloads) for the rest of the process."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
 
 
 def _log(args: argparse.Namespace, message: str) -> None:
@@ -1169,18 +1142,16 @@ def _log(args: argparse.Namespace, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _unescape(text: str | None) -> str | None:
+def _unescape(text: str) -> str:
     """Command-line text with ``\\n`` and ``\\t`` written as escapes."""
-    if text is None:
-        return None
     return text.replace("\\n", "\n").replace("\\t", "\t")
 
 
 def _prompt_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The prompt flags given (:func:`_add_prompt_args`, as evaluate and export store them), as
     :class:`~llm_calib.prompts.PromptFormat` fields."""
-    fields = {"style": args.prompt_style, **{f: getattr(args, f) for f in PROMPT_FIELDS if f not in ("preset", "style")}}
-    return {k: v for k, v in fields.items() if v is not None}
+    return {field: getattr(args, dest) for field, dest in _EVALUATE_PROMPT_DEST.items()
+            if field != "preset" and getattr(args, dest) is not None}
 
 
 def _saved_prompt(base: dict[str, Any]) -> dict[str, Any]:
@@ -1225,10 +1196,10 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     from llm_calib.prompts import PromptFormat, preset
 
     base = base or {}
-    if hasattr(args, "scorer"):
-        args.scorer = args.scorer or base.get("scorer") or "option_likelihood"
-        args.normalize = args.normalize or base.get("normalize") or "sum"
     scorer = getattr(args, "scorer", None) or base.get("scorer") or "option_likelihood"
+    if hasattr(args, "scorer"):
+        args.scorer = scorer
+        args.normalize = args.normalize or base.get("normalize") or "sum"
     given = _prompt_flags(args)
     if "fewshot_split" in given:  # recorded absolute (export, metrics.json), as the model path is
         given["fewshot_split"] = _user_call(lambda: absolute_spec(given["fewshot_split"]), "--fewshot-split")
@@ -1294,14 +1265,10 @@ def _warn_prompt_mismatch(trained: dict[str, Any], prompt: Any, tokenizer: Any, 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from llm_calib.evaluate import evaluate_records, write_samples
-    from llm_calib.fewshot import resolve_fewshot
-    from llm_calib.models import load as load_model
     from llm_calib.prompts import prompt_dict
     from llm_calib.report import write_report
 
-    _apply_threads(args)
-    if args.quiet:
-        _silence_transformers_bars()
+    _start(args, args.quiet)
     if args.bootstrap < 0:
         raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
     base = _resolve_base(args, args.adapter, "--adapter")
@@ -1313,33 +1280,20 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         _log(args, origin)
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
-    datasets = []
-    for spec in args.data:
-        records = _load_records(args, "--data", spec)
-        _log(args, f"loaded {len(records)} questions from {spec}")
-        datasets.append((spec, records))
+    log = lambda message: _log(args, message)  # noqa: E731
+    datasets = [_load_records(args, "--data", spec, log) for spec in args.data]
     fit = None
     if args.temperature_fit:
-        spec = args.temperature_fit
-        fit = (spec, _load_records(args, "--temperature-fit", spec, limited=False))
-        _log(args, f"loaded {len(fit[1])} questions from {spec} (temperature fit)")
+        fit = _load_records(args, "--temperature-fit", args.temperature_fit, log, limited=False,
+                            note=" (temperature fit)")
     if prompt.fewshot:
         evaluated = [r for _, recs in datasets for r in recs] + (list(fit[1]) if fit else [])
         recorded = args.fewshot_split is None and args.prompt_preset is None and args.base_record is not None
-        prompt = _user_call(
-            lambda: resolve_fewshot(prompt, exclude=evaluated, on_error=args.on_error),
-            # a split the saved result or merged model records: the error names that file and field
-            f"{args.base_record}: prompt.fewshot_split" if recorded else f"--fewshot-split {prompt.fewshot_split}",
-        )
-        _log(args, f"few-shot pool: {len(prompt.fewshot_pool)} examples from {prompt.fewshot_split}")
+        # a split the saved result or merged model records: the error names that file and field
+        prompt = _fewshot_pool(args, prompt, evaluated, log, f"{args.base_record}: prompt.fewshot_split" if recorded else None)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model, tokenizer = _user_call(
-        lambda: load_model(
-            args.model, cache_dir=args.cache_dir, device=args.device, config=_model_loading(args, args.device),
-        ),
-        f"--model {args.model}",
-    )
+    model, tokenizer, _ = _load_model(args, args.device)
     if args.adapter:
         import warnings
 
@@ -1388,32 +1342,22 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.log_samples:
         write_samples(result, Path(args.out) / "samples.jsonl")
         paths["samples"] = Path(args.out) / "samples.jsonl"
-    for dom, r in result.domains.items():
-        unc = r.uncalibrated
-        line = f"{dom}: n={r.n} accuracy={unc['accuracy']:.3f} ECE={unc['ece']:.3f}"
-        if r.temperature_scaled:
-            line += (
-                f" ECE(T={result.temperature.temperature:.2f})={r.temperature_scaled['ece']:.3f}"
-            )
-        if r.normalizations:
-            line += " | " + " ".join(
-                f"{name}={m['accuracy']:.3f}" for name, m in r.normalizations.items()
-            )
-        print(line)
-    print(f"wrote {len(paths)} files to {args.out}")
+    _print_summary(result, paths, args.out)
     return 0
 
 
 def _user_call(
     fn: Callable[[], _T],
-    what: str,
+    what: str | None,
     errors: tuple[type[BaseException], ...] = (ValueError, OSError, KeyError, TypeError),
 ) -> _T:
+    """``fn()``, its ``errors`` reported as user errors: ``what: message`` (the message alone when
+    ``what`` is None)."""
     try:
         return fn()
     except errors as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        raise _UserError(f"{what}: {message}") from exc
+        raise _UserError(f"{message}" if what is None else f"{what}: {message}") from exc
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
