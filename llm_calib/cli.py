@@ -520,6 +520,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     import warnings
 
+    from llm_calib.checkpoint import write_text_atomic
     from llm_calib.export import EXPORT_FILE, export_merged
     from llm_calib.prompts import prompt_dict
 
@@ -531,9 +532,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     _warn_prompt_mismatch(base, prompt, tokenizer, f"--adapter {args.adapter}", doing="exporting")
     out = _user_call(lambda: export_merged(model, tokenizer, args.adapter, args.out), "export")
     record = Path(out) / EXPORT_FILE  # what the merged model was calibrated for: evaluate --model reads it
-    record.write_text(json.dumps({**json.loads(record.read_text()), "prompt": prompt_dict(prompt, tokenizer),
-                                  "prompt_preset": _preset_in_use(args, base),
-                                  **{k: base[k] for k in ("scorer", "normalize") if k in base}}, indent=2))
+    write_text_atomic(record, json.dumps({**json.loads(record.read_text()), "prompt": prompt_dict(prompt, tokenizer),
+                                          "prompt_preset": _preset_in_use(args, base),
+                                          **{k: base[k] for k in ("scorer", "normalize") if k in base}}, indent=2))
     print(f"wrote the merged model to {out}")
     return 0
 
