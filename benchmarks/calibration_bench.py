@@ -98,7 +98,6 @@ from llm_calib.calm.fast_eval import (
     open_ended_set,
 )
 from llm_calib.calm.trainer import calibrate
-from llm_calib.checkpoint import write_text_atomic
 from llm_calib.data import (
     BUILTIN_DOMAINS,
     OpenQA,
@@ -107,6 +106,7 @@ from llm_calib.data import (
     load,
 )
 from llm_calib.engine.decode import GenOut
+from llm_calib.file_modes import write_text_atomic
 from llm_calib.metrics import confidence_correct, ece, reliability_bins
 from llm_calib.models import free_memory, tiny_random_model
 from llm_calib.models import load as load_model

@@ -7,7 +7,6 @@ before the ``LATEST`` pointer is replaced: a killed run leaves ``LATEST`` naming
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
@@ -17,35 +16,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from llm_calib.file_modes import ordinary_modes
+from llm_calib.file_modes import ordinary_modes, write_text_atomic
 
-__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint", "write_text_atomic"]
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to ``path`` atomically (a temporary file beside it, fsynced, renamed; parents made).
-
-    Example:
-        >>> import pathlib, tempfile
-        >>> path = write_text_atomic(pathlib.Path(tempfile.mkdtemp()) / "a" / "note.txt", "done")
-        >>> path.read_text()
-        'done'
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        ordinary_modes(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
+__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:

@@ -520,8 +520,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     import warnings
 
-    from llm_calib.checkpoint import write_text_atomic
     from llm_calib.export import EXPORT_FILE, export_merged
+    from llm_calib.file_modes import write_text_atomic
     from llm_calib.prompts import prompt_dict
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

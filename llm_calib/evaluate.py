@@ -10,7 +10,6 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -383,20 +382,6 @@ def write_samples(result: EvaluationResult, path: str | os.PathLike[str]) -> Pat
         >>> len(write_samples(res, Path(tempfile.mkdtemp()) / "samples.jsonl").read_text().splitlines())
         3
     """
-    from llm_calib.file_modes import ordinary_modes
+    from llm_calib.file_modes import write_text_atomic
 
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in sample_rows(result):
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        ordinary_modes(tmp)  # mkstemp's 0600 -> what every other output file has
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out
+    return write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in sample_rows(result)))

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from llm_calib.checkpoint import write_text_atomic
+from llm_calib.file_modes import write_text_atomic
 from llm_calib.metrics import ece
 from llm_calib.report import jsonable
 
