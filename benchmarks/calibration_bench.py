@@ -1373,8 +1373,7 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
         *provenance_lines(command, meta, mode=s.name, elapsed_s=elapsed),
         f"- Compute recorded in the result files: {compute / 60:.1f} min",
         f"- Model: `{s.model}`; LoRA rank {s.lora_rank} (alpha {2 * s.lora_rank}) on q_proj/v_proj of the top {s.top_layers} "
-        f"of {ctx.n_layers} layers; {s.seeds} seeds for LoRA CE, the flat penalty and CALM (BOME), {s.other_seeds} for "
-        f"label smoothing and CALM (F2SA) (time); the same data, {s.steps} steps (open-ended: {ctx.steps('open')}) of batch "
+        f"of {ctx.n_layers} layers; seeds with results: {_seed_counts(aggs)}; the same data, {s.steps} steps (open-ended: {ctx.steps('open')}) of batch "
         f"{s.batch_size}, held-out evaluations every {s.eval_every} steps and the library's selection rule (lowest "
         f"held-out ECE among evaluations whose held-out accuracy is at least {guard} of the initial one) for every method.",
         f"- Hyperparameters: {ctx.hparams_source}.",
@@ -1442,6 +1441,13 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
     ctx.out.mkdir(parents=True, exist_ok=True)
     (ctx.out / "calibration.md").write_text(text)
     return text
+
+
+def _seed_counts(aggs: dict[str, Aggregate]) -> str:
+    """Seeds found per trained method and task, read from the results (not from the sizes asked for)."""
+    return "; ".join(f"{name}: " + ", ".join(f"{LABELS[m]} {len(runs)}" for m, runs in agg.runs.items()
+                                              if m not in BASELINES and m not in DERIVED)
+                     for name, agg in aggs.items())
 
 
 def _rel(path: Path, base: Path = ROOT) -> str:
