@@ -444,7 +444,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bins", **_BINS_FLAG)
     p.add_argument(
         "--bootstrap",
-        type=int,
+        type=_non_negative_int,
         default=1000,
         metavar="R",
         help="bootstrap resamples for the 95%% confidence intervals; 0 disables them (default: %(default)s)",
@@ -1270,8 +1270,6 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from llm_calib.report import write_report
 
     _start(args, args.quiet)
-    if args.bootstrap < 0:
-        raise _UserError(f"--bootstrap must be >= 0, got {args.bootstrap}")
     base = _resolve_base(args, args.adapter, "--adapter")
     source = f"--adapter {args.adapter}" if args.adapter else f"--model {args.model}"
     prompt = prompt_format(args, base)

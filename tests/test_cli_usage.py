@@ -33,6 +33,19 @@ def test_unknown_argument_without_a_close_flag_still_fails(capsys):
     assert err.startswith("usage: llm-calib evaluate") and "--zzzz" in err and "did you mean" not in err
 
 
+@pytest.mark.parametrize("argv", [
+    ["evaluate", "--data", "builtin", "--out", "x"],
+    ["calibrate", "--train", "builtin", "--heldout", "builtin", "--eval", "builtin", "--out", "x"],
+    ["metrics", "s.jsonl", "--out", "m"],
+])
+def test_a_negative_bootstrap_count_is_refused_alike_by_every_command(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, "--bootstrap", "-1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: llm-calib {argv[0]}" in err and "argument --bootstrap: expected an integer >= 0, got -1" in err
+
+
 def test_misspelt_command_names_the_closest(capsys):
     with pytest.raises(SystemExit):
         cli.main(["evalute", "--data", "builtin"])
