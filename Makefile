@@ -39,7 +39,7 @@ docs: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check hypergrad llm_calib tests benchmarks
 	$(DOCS_BUILD)
-	$(VENV)/bin/python -m pytest -n 2 -q
+	$(VENV)/bin/python -m pytest -n 2 --maxschedchunk 2 -q
 
 clean:
 	rm -rf $(VENV) docs/_build .pytest_cache .hypothesis
