@@ -235,9 +235,13 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
     return ids
 
 
-def encode_prompts(tokenizer: Any, records: Sequence[Any], fmt: PromptFormat) -> list[list[int]]:
+def encode_prompts(
+    tokenizer: Any, records: Sequence[Any], fmt: PromptFormat, texts: Sequence[str] | None = None
+) -> list[list[int]]:
     """Token ids of each record's prompt under ``fmt`` (:func:`encode_prompt`; chat-templated where
     the prompt format and the record use the chat template): what every scorer and format encodes.
+    ``texts``: the prompts already rendered by :func:`~llm_calib.prompts.record_prompt` (rendered
+    here when None), for a caller that also reports them.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -247,8 +251,10 @@ def encode_prompts(tokenizer: Any, records: Sequence[Any], fmt: PromptFormat) ->
         True
     """
     chat = uses_chat_template(tokenizer, fmt)
-    return [encode_prompt(tokenizer, record_prompt(tokenizer, r, fmt), chat=chat and record_uses_chat_template(tokenizer, r, fmt))
-            for r in records]
+    if texts is None:
+        texts = [record_prompt(tokenizer, r, fmt) for r in records]
+    return [encode_prompt(tokenizer, t, chat=chat and record_uses_chat_template(tokenizer, r, fmt))
+            for r, t in zip(records, texts, strict=True)]
 
 
 def encode_continuation(tokenizer: Any, text: str) -> list[int]:
