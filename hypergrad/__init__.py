@@ -4,7 +4,17 @@ Exact implicit differentiation, unrolled differentiation and first-order methods
 interface: ``method.hypergrad(problem, w, lam, inner_batch, outer_batch) -> HypergradResult``.
 """
 
-from hypergrad import autodiff, batched, batches, compiled, inner, linear, stochastic, tree
+from hypergrad import (
+    autodiff,
+    batched,
+    batches,
+    compiled,
+    distributed,
+    inner,
+    linear,
+    stochastic,
+    tree,
+)
 from hypergrad.alternating import AlternatingImplicit
 from hypergrad.amigo import AmIGO
 from hypergrad.batches import StepBatches
@@ -44,6 +54,7 @@ __all__ = [
     "batched",
     "batches",
     "compiled",
+    "distributed",
     "functional",
     "inner",
     "inner_solve",

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from hypergrad.distributed import global_mean, replicated
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.lora import FunctionalLM
-from llm_calib.distributed import global_mean, replicated
 from llm_calib.engine.packing import PackedQuestions, option_scores_from_logits
 from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import cross_entropy, entropy
@@ -164,8 +164,8 @@ class DataParallelLosses(CalmLosses):
     """:class:`CalmLosses` of the global batch when each rank holds a shard of it (``torchrun``).
 
     Each loss is this rank's loss of its (equal-sized) shard averaged over ranks
-    (:func:`~llm_calib.distributed.global_mean`), with θ and λ as
-    :func:`~llm_calib.distributed.replicated` parameters: every rank gets the value and gradient of
+    (:func:`~hypergrad.distributed.global_mean`), with θ and λ as
+    :func:`~hypergrad.distributed.replicated` parameters: every rank gets the value and gradient of
     the global-batch mean. Without a process group it equals :class:`CalmLosses`;
     :meth:`~CalmLosses.monitor` stays local.
 
