@@ -105,7 +105,8 @@ class AlternatingImplicit:
             w = tree_detach(w)
         check_finite(w, "AlternatingImplicit inner iterate (did the inner optimizer diverge? lower its lr)")
         with self.solve_context():
-            r = self.implicit.hypergrad(problem, w, lam, batches[-1], outer_batch,
+            # under hg.solve a stream of outer batches arrives as StepBatches: Implicit takes one
+            r = self.implicit.hypergrad(problem, w, lam, batches[-1], per_step(outer_batch, 1)[0],
                                         {"u": state["u"]} if "u" in state else None)
         info = HypergradInfo(
             iterations=r.info.iterations,
