@@ -155,3 +155,8 @@ def test_two_ranks_equal_one_process(tmp_path: Path) -> None:
     print("max |λ(2 ranks) - λ(1 process)| over 5 steps:",
           ", ".join(f"{name} {diff:.1e}" for name, diff in differences.items()))
     assert all(diff <= TOLERANCE for diff in differences.values()), differences
+
+
+def test_data_parallel_names_a_wrong_problem() -> None:
+    with pytest.raises(TypeError, match=r"problem must be a hypergrad\.BilevelProblem, got function"):
+        hg.distributed.data_parallel(lambda w, lam, batch: w["x"].sum())  # type: ignore[arg-type]
