@@ -17,6 +17,7 @@ from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import PackedQuestions, pack_letters, pack_questions
 from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy, identity
+from llm_calib.formats.registry import register_format
 from llm_calib.prompts import PromptFormat
 from llm_calib.scoring.base import ScoredSet, encode_prompts
 from llm_calib.scoring.letter import check_listed_prompt, letter_token_ids, score_letter
@@ -81,6 +82,7 @@ class MultipleChoiceFormat(TaskFormat):
         (True, 'multiple choice')
     """
 
+    name: ClassVar[str]
     family: ClassVar[str] = "multiple_choice"
     description: ClassVar[str] = "multiple choice"
     temperature_scalable: ClassVar[bool] = True
@@ -148,6 +150,7 @@ class MultipleChoiceFormat(TaskFormat):
             }
 
 
+@register_format("option_likelihood")
 @dataclass(frozen=True)
 class OptionLikelihood(MultipleChoiceFormat):
     """Multiple choice scored by the log-likelihood of each option's text.
@@ -189,11 +192,12 @@ class OptionLikelihood(MultipleChoiceFormat):
 
     def score(self, model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, batch_size: int = 8,
               progress: bool = False) -> ScoredSet:
-        """:func:`~llm_calib.scoring.option_likelihood.score_option_likelihood`."""
-        return score_option_likelihood(model, tokenizer, records, normalize=self.normalize, prompt=self.prompt,
-                                       batch_size=batch_size, progress=progress)
+        """:func:`~llm_calib.scoring.option_likelihood.score_option_likelihood` under :meth:`prompt_settings`."""
+        return score_option_likelihood(model, tokenizer, records, normalize=self.normalize,
+                                       prompt=self.prompt_settings(), batch_size=batch_size, progress=progress)
 
 
+@register_format("letter")
 @dataclass(frozen=True)
 class Letter(MultipleChoiceFormat):
     """Multiple choice scored by the option letters after a prompt that lists the options.
@@ -249,5 +253,6 @@ class Letter(MultipleChoiceFormat):
 
     def score(self, model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, batch_size: int = 8,
               progress: bool = False) -> ScoredSet:
-        """:func:`~llm_calib.scoring.letter.score_letter`."""
-        return score_letter(model, tokenizer, records, prompt=self.prompt, batch_size=batch_size, progress=progress)
+        """:func:`~llm_calib.scoring.letter.score_letter` under :meth:`prompt_settings`."""
+        return score_letter(model, tokenizer, records, prompt=self.prompt_settings(), batch_size=batch_size,
+                            progress=progress)
