@@ -77,6 +77,11 @@ def normalization_metrics(scored: ScoredSet, normalize: str, n_bins: int = 10) -
 class MultipleChoiceFormat(TaskFormat):
     """What the multiple-choice formats share: labels, option-distribution losses, temperature scaling, rows.
 
+    A subclass registered by name (:func:`~llm_calib.formats.registry.register_format`) is a
+    scorer; it is built as ``cls(normalize=..., prompt=...)`` and scores under
+    :meth:`~llm_calib.formats.base.TaskFormat.prompt_settings` (its ``default_prompt`` when given
+    no prompt; a configuration's ``style`` becomes a prompt through :meth:`configured_prompt`).
+
     Example:
         >>> issubclass(Letter, MultipleChoiceFormat), Letter().description
         (True, 'multiple choice')
