@@ -24,11 +24,11 @@ from llm_calib.calm.objectives import CalmLosses
 from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.data import load as load_data
+from llm_calib.formats import score_multiple_choice
 from llm_calib.models import tiny_random_model
 from llm_calib.objectives.calm import F2SA, Bome, Calm
 from llm_calib.objectives.confidence_penalty import ConfidencePenalty
 from llm_calib.prompts import PromptFormat, short_answer_format
-from llm_calib.scoring import score_multiple_choice
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import llm_calib.objectives.builtin  # noqa: F401  registers the built-in objectives and solvers
 from llm_calib.checks import check_int, check_number, is_int
 from llm_calib.data.spec import SpecError, absolute_spec, parse_spec
-from llm_calib.formats import MULTIPLE_CHOICE_FORMATS
+from llm_calib.formats import SCORER_NAMES
 from llm_calib.objectives.base import Objective
 from llm_calib.objectives.calm import Calm
 from llm_calib.objectives.registry import (
@@ -181,8 +181,8 @@ class PromptSettings:
     """
 
     field_choices: ClassVar[dict[str, tuple[str, ...]]] = {
-        # the scorers are the formats' (the registry that evaluation and training read)
-        "scorer": tuple(MULTIPLE_CHOICE_FORMATS), "normalize": ("sum", "mean", "char", "byte"), "style": ("cloze", "listed"),
+        # the scorers: the formats' registry, read at each check (a format registered later is accepted)
+        "scorer": SCORER_NAMES, "normalize": ("sum", "mean", "char", "byte"), "style": ("cloze", "listed"),
     }
     format_fields: ClassVar[tuple[str, ...]] = (
         "template", "target_delimiter", "choices", "system_message", "answer_prefix", "fewshot", "fewshot_split",

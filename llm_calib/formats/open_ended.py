@@ -13,6 +13,7 @@ from llm_calib.data.records import OpenQA
 from llm_calib.engine.packing import PackedQuestions, pack_continuations, reduce_per_option
 from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy
+from llm_calib.formats.registry import register_format
 from llm_calib.prompts import PromptFormat, continuation_text
 from llm_calib.scoring.base import encode_continuation
 from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts, score_open_ended
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["OpenEnded"]
 
 
+@register_format("open_ended")
 @dataclass(frozen=True)
 class OpenEnded(TaskFormat):
     """Open questions answered greedily; exact match against the accepted answers.
@@ -48,6 +50,7 @@ class OpenEnded(TaskFormat):
     max_new_tokens: int = 32
     answer_stop: bool = False
 
+    name: ClassVar[str]
     family: ClassVar[str] = "open"
     layout: ClassVar[str] = "open"
     description: ClassVar[str] = "open-ended (exact match)"
