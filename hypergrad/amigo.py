@@ -72,7 +72,8 @@ class AmIGO:
     ``info.extra["oracle_calls"]``): :math:`T` inner gradients, :math:`L` Hessian-vector products,
     one mixed product, one outer gradient. ``info.residual`` is the last inner batch gradient norm
     (before its step; None when ``inner_steps=0``), ``info.extra["linear_residual"]`` the last
-    :math:`\lVert H_{i} v - \nabla_w f_j \rVert` (before its step; None when ``linear_steps=0``). ``info.converged`` is always True.
+    :math:`\lVert H_{i} v - \nabla_w f_j \rVert` (before its step; None when ``linear_steps=0``). ``info.converged`` is None (no
+    stopping test).
 
     Step sizes: :math:`\rho, \eta < 2 / L_g` for stable recursions (:math:`L_g`: the largest
     batch-Hessian eigenvalue); the paper uses constant steps, with numbers of inner steps
@@ -170,7 +171,7 @@ class AmIGO:
         info = HypergradInfo(
             iterations=T + L,
             residual=inner_residual,
-            converged=True,
+            converged=None,
             grad_evals=calls.total,
             extra={
                 "oracle_calls": calls.as_dict(),

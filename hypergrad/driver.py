@@ -48,11 +48,15 @@ class SolveResult:
         history: per outer step: ``outer_loss`` (f at the current ``w``; NaN at the steps where it
             was not evaluated, see ``outer_loss_every``), ``grad_norm`` (of the hypergradient
             estimate), ``inner_residual`` (‖∇_w g‖ before the estimate), ``converged`` (the
-            method's own flag) and ``lr`` (the learning rate of the outer optimizer's first
+            method's ``info.converged`` as 1.0 / 0.0; NaN for a method without a stopping test,
+            see :class:`~hypergrad.problem.HypergradInfo`) and ``lr`` (the learning rate of the outer optimizer's first
             parameter group for that step; NaN for an optimizer without one).
         state: the method's state after the last step (pass it to a later call to resume).
         steps_run: outer steps taken (``steps`` unless the callback stopped the loop).
         stopped_early: whether the callback stopped the loop before ``steps``.
+        unconverged_steps: outer steps whose method reported ``info.converged`` False: for
+            ``Implicit``, ``FiniteDifference`` and ``AlternatingImplicit`` the steps whose linear
+            solve stopped short of its tolerance (0 for methods without a stopping test).
 
     Example:
         >>> import torch, hypergrad as hg
@@ -61,6 +65,8 @@ class SolveResult:
         ...                hg.Implicit(), steps=3, inner_steps=5, progress=False)
         >>> sorted(res.history), len(res.history["outer_loss"]), res.steps_run, res.stopped_early
         (['converged', 'grad_norm', 'inner_residual', 'lr', 'outer_loss'], 3, 3, False)
+        >>> res.unconverged_steps
+        0
     """
 
     w: Tree
@@ -69,6 +75,7 @@ class SolveResult:
     state: dict[str, Any] | None = None
     steps_run: int = 0
     stopped_early: bool = False
+    unconverged_steps: int = 0
 
 
 class _BatchStream:
@@ -405,6 +412,7 @@ def solve(
     history: dict[str, list[float]] = {
         "outer_loss": [], "grad_norm": [], "inner_residual": [], "converged": [], "lr": []}
     steps_run, stopped_early = 0, False
+    unconverged_steps = 0
     last_outer_loss = float("nan")
     bar = tqdm(range(steps), desc="hypergrad.solve", disable=not progress, leave=False)
     for step in bar:
@@ -437,7 +445,9 @@ def solve(
         history["outer_loss"].append(outer_loss)
         history["grad_norm"].append(grad_norm)
         history["inner_residual"].append(residual)
-        history["converged"].append(float(result.info.converged))
+        converged = result.info.converged
+        history["converged"].append(float("nan") if converged is None else float(converged))
+        unconverged_steps += converged is False
         history["lr"].append(lr)
         steps_run = step + 1
         bar.set_postfix(F=f"{last_outer_loss:.4g}", grad=f"{grad_norm:.3g}")
@@ -445,4 +455,4 @@ def solve(
             stopped_early = step + 1 < steps
             break
     return SolveResult(w, {k: v.detach().clone() for k, v in lam_params.items()}, history, state,
-                       steps_run, stopped_early)
+                       steps_run, stopped_early, unconverged_steps)

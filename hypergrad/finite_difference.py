@@ -84,7 +84,8 @@ class FiniteDifference:
     :math:`\lambda` in one backward) + two per solver product + two for the mixed product:
     ``3 + 2 * matvecs`` with a solver; 3 with ``"identity"`` (4 with ``virtual_step``).
     Like :class:`~hypergrad.Implicit`, the estimate assumes ``w`` solves the inner problem; its
-    error is first order in the inner residual plus :math:`O(\varepsilon^2)`.
+    error is first order in the inner residual plus :math:`O(\varepsilon^2)`. ``info.converged``
+    is the linear solver's outcome, None with ``"identity"`` (no solve, no stopping test).
 
     Args:
         eps: length of the finite-difference perturbation (> 0), see above.
@@ -111,8 +112,8 @@ class FiniteDifference:
         [1.0, 2.0]
         >>> darts = hg.FiniteDifference(solver="identity", xi=1.0)   # H = I, so xi = 1 is exact
         >>> r = darts.hypergrad(hg.BilevelProblem(g, f), {"x": lam["c"].clone()}, lam)
-        >>> [round(x, 6) for x in r.grad["c"].tolist()], r.info.grad_evals
-        ([1.0, 2.0], 3)
+        >>> [round(x, 6) for x in r.grad["c"].tolist()], r.info.grad_evals, r.info.converged
+        ([1.0, 2.0], 3, None)
     """
 
     eps: float = 1e-3
@@ -196,7 +197,8 @@ class FiniteDifference:
         check_finite(grad_lam_f, "outer gradient grad_lam f")
         grad_evals += 1
 
-        iterations, residual, converged, matvecs = 0, None, True, 0
+        iterations, residual, matvecs = 0, None, 0
+        converged: bool | None = None  # no linear solve, no stopping test
         messages: list[str] = []
         if isinstance(self.solver, str):
             assert self.xi is not None

@@ -106,7 +106,7 @@ class SABA:
     Cost per call: 4 oracle calls, as SOBA (``info.grad_evals``, per oracle in
     ``info.extra["oracle_calls"]``). ``info.extra["seen_inner"]`` / ``["seen_outer"]`` count the
     batches in memory; the estimates are biased towards zero until all have been seen (as
-    benchmark_bilevel's zero initialisation). ``info.converged`` is always True (no tolerance).
+    benchmark_bilevel's zero initialisation). ``info.converged`` is None (no tolerance).
 
     Args:
         step_size: :math:`\rho` of the :math:`w` and :math:`v` steps: a number > 0 or a schedule
@@ -251,7 +251,7 @@ class SABA:
         info = HypergradInfo(
             iterations=1,
             residual=float(tree_norm(est_inner["grad"])),
-            converged=True,
+            converged=None,
             grad_evals=calls.total,
             extra={
                 "oracle_calls": calls.as_dict(),

@@ -63,7 +63,7 @@ class SOBA:
 
     ``info.residual`` is the batch gradient norm :math:`\lVert\nabla_w g_i\rVert`;
     ``info.extra["linear_residual"]`` is :math:`\lVert D_v \rVert`. There is no tolerance:
-    ``info.converged`` is always True (a single step solves nothing; judge convergence by the
+    ``info.converged`` is None (a single step solves nothing; judge convergence by the
     iterates).
 
     Step sizes: the paper's analysis takes :math:`\rho_t \propto t^{-2/5}`,
@@ -144,7 +144,7 @@ class SOBA:
         info = HypergradInfo(
             iterations=1,
             residual=float(tree_norm(inner.grad)),
-            converged=True,
+            converged=None,
             grad_evals=calls.total,
             extra={
                 "oracle_calls": calls.as_dict(),

@@ -84,7 +84,7 @@ class StocBiO:
     ``info.extra["oracle_calls"]``). ``info.residual`` is the last inner batch gradient norm
     (before its step; None when ``inner_steps=0``); ``info.extra["last_term_norm"]`` is the norm
     of the last series term :math:`\eta \lVert\prod (I - \eta H) b\rVert` (small when :math:`Q` is
-    large enough). ``info.converged`` is always True.
+    large enough). ``info.converged`` is None (no stopping test).
 
     Args:
         step_size: :math:`\rho` of the inner SGD: a number > 0 or a schedule ``t -> rho_t``.
@@ -176,7 +176,7 @@ class StocBiO:
         info = HypergradInfo(
             iterations=T + Q,
             residual=inner_residual,
-            converged=True,
+            converged=None,
             grad_evals=calls.total,
             extra={
                 "oracle_calls": calls.as_dict(),

@@ -104,6 +104,7 @@ class Unrolled:
 
     Both modes compute the same number up to round-off. Only ``lam``'s influence is
     differentiated: the starting point ``w`` and the starting optimizer state are constants.
+    ``info.converged`` is None: ``K`` fixed steps have no stopping test.
 
     Args:
         optimizer: a pure optimizer from :mod:`hypergrad.inner` (``SGD``, ``Momentum``, ``Adam``).
