@@ -25,6 +25,7 @@ except ImportError:
 
 from hypergrad.autodiff import inner_fn, loss_and_grads
 from hypergrad.batches import StepBatches
+from hypergrad.errors import NonFiniteError, WarningLog, collect_warnings
 from hypergrad.inner import SGD, InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradMethod
 from hypergrad.tree import Tree, check_finite, check_like, tree_detach, tree_norm
@@ -57,6 +58,8 @@ class SolveResult:
         unconverged_steps: outer steps whose method reported ``info.converged`` False: for
             ``Implicit``, ``FiniteDifference`` and ``AlternatingImplicit`` the steps whose linear
             solve stopped short of its tolerance (0 for methods without a stopping test).
+        warnings: the warnings of the solve, one line per kind, as warned at its end (a kind
+            that occurred at several outer steps: at how many, and the worst occurrence).
 
     Example:
         >>> import torch, hypergrad as hg
@@ -76,6 +79,7 @@ class SolveResult:
     steps_run: int = 0
     stopped_early: bool = False
     unconverged_steps: int = 0
+    warnings: list[str] = field(default_factory=list)
 
 
 class _BatchStream:
@@ -169,6 +173,34 @@ class _BatchStream:
                 )
             yield batch
             batch = self.next()
+
+
+def _at_step(log: WarningLog, step: int, where: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` as part of outer step ``step``: its warnings go to ``log`` (warned
+    once per kind when the solve ends, or now if it raises), and a :class:`NonFiniteError` names
+    the step."""
+    log.step = step
+    try:
+        with collect_warnings(log):
+            return call(*args, **kwargs)
+    except NonFiniteError as error:
+        log.emit(step + 1, stacklevel=3)
+        raise NonFiniteError(f"outer step {step}, {where}{_function_of(str(error))}: {error}") from error
+    except BaseException:
+        log.emit(step + 1, stacklevel=3)
+        raise
+
+
+def _function_of(message: str) -> str:
+    """Which of the problem's functions a non-finite message is about (the methods name the
+    inner and outer losses in their messages)."""
+    if "penalised loss" in message:
+        return " (g + sigma f)"
+    if "inner loss" in message or "inner iterate" in message or "inner gradient" in message:
+        return " (g, the inner loss)"
+    if "outer loss" in message or "outer gradient" in message:
+        return " (f, the outer loss)"
+    return ""
 
 
 def _check_steps(steps: Any, name: str) -> None:
@@ -413,24 +445,27 @@ def solve(
         "outer_loss": [], "grad_norm": [], "inner_residual": [], "converged": [], "lr": []}
     steps_run, stopped_early = 0, False
     unconverged_steps = 0
+    log = WarningLog()  # each kind of warning is counted over the steps and warned once, at the end
     last_outer_loss = float("nan")
     bar = tqdm(range(steps), desc="hypergrad.solve", disable=not progress, leave=False)
     for step in bar:
         lam_now = {k: v.detach() for k, v in lam_params.items()}
         residual = float("nan")
         if inner_steps:
-            w, opt_state, residual = _inner_steps(
+            w, opt_state, residual = _at_step(log, step, "the plain inner steps", _inner_steps,
                 problem, w, lam_now, inner_steps, inner_optimizer, inner_stream, opt_state)
         inner_batch = hyper_stream.for_call(step_batches)
         outer_batch = outer_stream.for_call(step_batches)
-        result = method.hypergrad(problem, w, lam_now, inner_batch=inner_batch, outer_batch=outer_batch, state=state)
+        result = _at_step(log, step, f"{type(method).__name__}.hypergrad", method.hypergrad,
+                          problem, w, lam_now, inner_batch=inner_batch, outer_batch=outer_batch, state=state)
         check_like(result.grad, lam_now, "hypergradient", "lam")
         check_finite(result.grad, f"hypergradient at outer step {step}")
         outer_loss = float("nan")
         if outer_loss_every and step % outer_loss_every == 0:
             batch = outer_stream.next() if isinstance(outer_batch, StepBatches) else outer_batch
             with torch.no_grad():
-                outer_loss = last_outer_loss = float(problem.outer_loss(w, lam_now, batch))
+                outer_loss = last_outer_loss = float(_at_step(
+                    log, step, "the outer loss for history", problem.outer_loss, w, lam_now, batch))
         lr = float(optimizer.param_groups[0].get("lr", float("nan")))  # NaN: an optimizer without "lr"
         optimizer.zero_grad(set_to_none=False)
         for k, p in lam_params.items():
@@ -455,4 +490,4 @@ def solve(
             stopped_early = step + 1 < steps
             break
     return SolveResult(w, {k: v.detach().clone() for k, v in lam_params.items()}, history, state,
-                       steps_run, stopped_early, unconverged_steps)
+                       steps_run, stopped_early, unconverged_steps, log.emit(steps_run, stacklevel=2))

@@ -2,7 +2,6 @@ r"""First-order implicit hypergradients: second-order products by central differ
 
 from __future__ import annotations
 
-import warnings as _warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import torch
 
 from hypergrad.autodiff import inner_fn, loss_and_grads, outer_fn
-from hypergrad.errors import ConvergenceWarning
+from hypergrad.errors import ConvergenceWarning, report
 from hypergrad.linear import CG
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
@@ -213,8 +212,7 @@ class FiniteDifference:
             system = LinearSystem(matvec=hvp, rhs=grad_w_f, symmetric=True)
             x0 = state.get("v") if (self.warm_start and state) else None
             solve = self.solver(system, x0)
-            for message in [] if solve.repeated_warnings else solve.warnings:
-                _warnings.warn(message, ConvergenceWarning, stacklevel=2)
+            report(solve.warnings, ConvergenceWarning, repeated=solve.repeated_warnings, stacklevel=2)
             messages = list(solve.warnings)
             iterations, residual, converged = solve.iterations, solve.residual, solve.converged
             matvecs = counter[0]

@@ -2,7 +2,6 @@ r"""Exact hypergradients by the implicit function theorem."""
 
 from __future__ import annotations
 
-import warnings as _warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -12,7 +11,7 @@ from torch import Tensor
 
 from hypergrad.autodiff import RootSystem, loss_and_grads, outer_fn
 from hypergrad.compiled import CompiledStage, compiled_stage
-from hypergrad.errors import ConvergenceWarning
+from hypergrad.errors import ConvergenceWarning, report
 from hypergrad.linear import CG
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
@@ -126,8 +125,7 @@ class Implicit:
             system, grad_lam_f, residual_tree, mixed_product = self._eager_parts(
                 problem, w, lam, inner_batch, outer_batch)
         solve = self.solver(system, x0)
-        for message in [] if solve.repeated_warnings else solve.warnings:
-            _warnings.warn(message, ConvergenceWarning, stacklevel=2)
+        report(solve.warnings, ConvergenceWarning, repeated=solve.repeated_warnings, stacklevel=2)
         check_finite(solve.solution, "implicit linear solve")
         mixed = mixed_product(solve.solution)
         grad = tree_sub(grad_lam_f, mixed)
