@@ -2,7 +2,7 @@ r"""AmIGO: amortized implicit gradient optimization (Arbel and Mairal, 2022)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 from hypergrad.batches import per_step
@@ -114,6 +114,7 @@ class AmIGO:
     takes_step_batches: ClassVar[bool] = True
 
     step_size: StepSize
+    _: KW_ONLY  # the options below are keyword-only
     inner_steps: int = 10
     linear_steps: int = 10
     linear_step_size: StepSize | None = None

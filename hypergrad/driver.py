@@ -25,7 +25,13 @@ except ImportError:
 
 from hypergrad.autodiff import inner_fn, loss_and_grads
 from hypergrad.batches import StepBatches
-from hypergrad.errors import NonFiniteError, WarningLog, collect_warnings
+from hypergrad.errors import (
+    NonFiniteError,
+    WarningLog,
+    check_inner_optimizer,
+    check_not_class,
+    collect_warnings,
+)
 from hypergrad.inner import SGD, InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradMethod
 from hypergrad.tree import Tree, check_finite, check_like, tree_detach, tree_norm
@@ -191,6 +197,24 @@ def _at_step(log: WarningLog, step: int, where: str, call: Callable[..., Any], *
         raise
 
 
+def _check_components(method: Any, inner_optimizer: Any, outer_optimizer: Any) -> None:
+    """One-line errors for a class where an instance is expected, and for an optimizer of the
+    wrong kind (torch.optim where hypergrad's inner optimizers go, and the other way round)."""
+    check_not_class(method, "method")
+    if inner_optimizer is not None:
+        check_inner_optimizer(inner_optimizer, "inner_optimizer")
+    if isinstance(outer_optimizer, torch.optim.Optimizer) or (
+            outer_optimizer is not None and not callable(outer_optimizer)):
+        kind = type(outer_optimizer)
+        given = f"torch.optim.{kind.__name__}" if isinstance(outer_optimizer, torch.optim.Optimizer) else kind.__name__
+        hint = (" (hypergrad.inner optimizers are for inner_optimizer)"
+                if callable(getattr(outer_optimizer, "update", None)) else "")
+        raise TypeError(
+            "outer_optimizer must be a factory params -> torch.optim.Optimizer, e.g. lambda p: "
+            f"torch.optim.Adam(p, lr=1e-2), not a {given} instance: solve builds the optimizer over its own "
+            f"copy of lam{hint}")
+
+
 def _function_of(message: str) -> str:
     """Which of the problem's functions a non-finite message is about (the methods name the
     inner and outer losses in their messages)."""
@@ -272,6 +296,7 @@ def inner_solve(
         ([1.0, 1.0], True)
     """
     _check_steps(steps, "inner_steps")
+    check_inner_optimizer(optimizer, "optimizer")
     return _inner_steps(problem, w, lam, steps, optimizer, _BatchStream(batches, "batches"), opt_state)
 
 
@@ -418,6 +443,7 @@ def solve(
         ([0.5, 0.5], 0.25, True)
     """
     w, lam = problem.validate(w, lam)
+    _check_components(method, inner_optimizer, outer_optimizer)
     if not hasattr(method, "hypergrad"):
         raise TypeError(f"method must have a hypergrad(...) method, got {type(method).__name__}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:

@@ -21,6 +21,8 @@ __all__ = [
     "NonFiniteError",
     "SolverMessage",
     "WarningLog",
+    "check_inner_optimizer",
+    "check_not_class",
     "collect_warnings",
     "report",
 ]
@@ -149,6 +151,8 @@ class WarningLog:
 
     @staticmethod
     def _summary(folded: _Folded, steps: int) -> str:
+        if _kind(folded.worst) == folded.worst:  # a message without numbers: all occurrences alike
+            return f"{folded.worst} (at {len(folded.steps)} of {steps} outer steps)"
         if len(folded.steps) == 1:
             return f"{folded.worst} (at outer step {folded.worst_step})"
         return (f"{_kind(folded.worst)} at {len(folded.steps)} of {steps} outer steps; the worst, "
@@ -222,3 +226,62 @@ def report(messages: Iterable[str], category: type[Warning] = ConvergenceWarning
         elif not repeated and _kind(message) not in seen:
             warnings.warn(message, category, stacklevel=stacklevel + 1)
         seen.add(_kind(message))
+
+
+def check_not_class(value: object, name: str) -> None:
+    """Raise a one-line :class:`TypeError` when ``value`` is a class where an instance is expected.
+
+    A class is callable, so passing ``hg.linear.CG`` instead of ``hg.linear.CG()`` would
+    otherwise fail later with a message about its first option.
+
+    Args:
+        value: the argument.
+        name: the parameter's name, for the message.
+
+    Example:
+        >>> import hypergrad as hg
+        >>> from hypergrad.errors import check_not_class
+        >>> check_not_class(hg.linear.CG, "solver")
+        Traceback (most recent call last):
+        ...
+        TypeError: solver must be an instance, e.g. CG() with its options, not the class CG itself
+    """
+    if isinstance(value, type):
+        raise TypeError(f"{name} must be an instance, e.g. {value.__name__}() with its options, not the class "
+                        f"{value.__name__} itself")
+
+
+def check_inner_optimizer(value: object, name: str) -> None:
+    """Raise a one-line :class:`TypeError` unless ``value`` is a hypergrad inner optimizer.
+
+    Inner optimizers (:mod:`hypergrad.inner`) update a dict of tensors functionally
+    (``init(w)``, ``update(w, grad, state)``); a :mod:`torch.optim` optimizer, its class, or the
+    class of an inner optimizer gets a message saying which to use.
+
+    Args:
+        value: the argument.
+        name: the parameter's name, for the message.
+
+    Example:
+        >>> import torch
+        >>> from hypergrad.errors import check_inner_optimizer
+        >>> check_inner_optimizer(torch.optim.SGD, "inner_optimizer")
+        Traceback (most recent call last):
+        ...
+        TypeError: inner_optimizer must be a hypergrad inner optimizer such as hypergrad.inner.SGD(lr=0.1) (or inner.Momentum, inner.Adam), not torch.optim.SGD: the inner steps update w functionally; torch.optim optimizers go in solve's outer_optimizer factory
+    """
+    import torch
+
+    optim = value if isinstance(value, type) else type(value)
+    if issubclass(optim, torch.optim.Optimizer):
+        raise TypeError(
+            f"{name} must be a hypergrad inner optimizer such as hypergrad.inner.SGD(lr=0.1) (or inner.Momentum, "
+            f"inner.Adam), not torch.optim.{optim.__name__}: the inner steps update w functionally; torch.optim "
+            "optimizers go in solve's outer_optimizer factory"
+        )
+    check_not_class(value, name)
+    if not (callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))):
+        raise TypeError(
+            f"{name} must be an inner optimizer with init(w) and update(w, grad, state) "
+            f"(e.g. hypergrad.inner.SGD(lr=0.1)), got {type(value).__name__}"
+        )

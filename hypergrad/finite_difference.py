@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hypergrad.autodiff import inner_fn, loss_and_grads, outer_fn
-from hypergrad.errors import ConvergenceWarning, report
+from hypergrad.errors import ConvergenceWarning, check_not_class, report
 from hypergrad.linear import CG
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
@@ -37,7 +37,7 @@ def _check_positive(value: object, name: str) -> float:
     return float(value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FiniteDifference:
     r"""Implicit hypergradient with every second-order product replaced by a central difference.
 
@@ -133,6 +133,7 @@ class FiniteDifference:
                 raise ValueError("xi (the inner learning rate) is required with solver='identity'")
             _check_positive(self.xi, "xi")
         else:
+            check_not_class(self.solver, "solver")
             if not callable(self.solver):
                 raise TypeError(
                     f"solver must be a linear solver from hypergrad.linear or 'identity', "

@@ -3,7 +3,7 @@ r"""Exact hypergradients by the implicit function theorem."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -11,7 +11,7 @@ from torch import Tensor
 
 from hypergrad.autodiff import RootSystem, loss_and_grads, outer_fn
 from hypergrad.compiled import CompiledStage, compiled_stage
-from hypergrad.errors import ConvergenceWarning, report
+from hypergrad.errors import ConvergenceWarning, check_not_class, report
 from hypergrad.linear import CG
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
@@ -88,6 +88,7 @@ class Implicit:
     """
 
     solver: LinearSolver = field(default_factory=lambda: CG(tol=1e-6))
+    _: KW_ONLY  # the options below are keyword-only
     fixed_point: Callable[[Tree, Tree, Any], Tree] | None = None
     products: str = "reverse"
     warm_start: bool = False
@@ -101,6 +102,7 @@ class Implicit:
                 "compile=True needs the gradient form (fixed_point=None) and products='reverse', got "
                 f"fixed_point={self.fixed_point!r}, products={self.products!r}"
             )
+        check_not_class(self.solver, "solver")
         if not callable(self.solver):
             raise TypeError(f"solver must be a linear solver from hypergrad.linear, got {self.solver!r}")
         if self.products not in ("reverse", "forward"):

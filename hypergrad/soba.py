@@ -2,7 +2,7 @@ r"""SOBA: single-loop stochastic bilevel optimization (Dagréou, Ablin, Vaiter, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from hypergrad.compiled import compiled_stochastic
@@ -102,6 +102,7 @@ class SOBA:
     """
 
     step_size: StepSize
+    _: KW_ONLY  # the options below are keyword-only
     compile: bool = False
 
     def __post_init__(self) -> None:

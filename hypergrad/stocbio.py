@@ -2,7 +2,7 @@ r"""StocBiO: inner SGD and a stochastic Neumann series (Ji, Yang, Liang, 2021)."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 from hypergrad.batches import per_step
@@ -120,6 +120,7 @@ class StocBiO:
     takes_step_batches: ClassVar[bool] = True
 
     step_size: StepSize
+    _: KW_ONLY  # the options below are keyword-only
     inner_steps: int = 10
     neumann_steps: int = 10
     neumann_step_size: StepSize | None = None

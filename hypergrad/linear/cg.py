@@ -23,7 +23,7 @@ from hypergrad.tree import (
 __all__ = ["CG", "fused_conjugate_gradient", "hutchinson_diagonal", "preconditioned_cg"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CG:
     r"""Conjugate gradient on ``(A + damping I) x = b`` for symmetric positive-definite ``A``.
 

@@ -56,7 +56,7 @@ def largest_eigenvalue(system: LinearSystem, iterations: int = 20, seed: int = 0
     return abs(estimate)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Neumann:
     r"""Approximate :math:`A^{-1} b \approx \alpha \sum_{k=0}^{K} (I - \alpha A)^k b`.
 
