@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,9 +14,16 @@ try:  # the progress bar is optional: hypergrad itself needs only torch and nump
     from tqdm.auto import tqdm
 except ImportError:
 
+    @functools.cache  # once per process
+    def _notice_no_tqdm() -> None:
+        warnings.warn("progress=True shows a progress bar only with tqdm installed (pip install tqdm); "
+                      "pass progress=False to silence this notice", UserWarning, stacklevel=4)
+
     class tqdm:  # noqa: N801  (stands in for tqdm.auto.tqdm without a bar: iterates, drops the postfix)
-        def __init__(self, iterable: Iterable[Any], **_options: Any) -> None:
+        def __init__(self, iterable: Iterable[Any], **options: Any) -> None:
             self.iterable = iterable
+            if not options.get("disable", False):
+                _notice_no_tqdm()
 
         def __iter__(self) -> Iterator[Any]:
             return iter(self.iterable)
@@ -393,7 +402,8 @@ def solve(
         inner_batches: the batches of the plain inner steps (and, by default, of the method's
             ``inner_batch``); see "Batch streams".
         outer_batches: the batches of the outer loss (the method's ``outer_batch``).
-        progress: show a tqdm progress bar with F and ‖grad‖ (when tqdm is installed; else no bar).
+        progress: show a tqdm progress bar with F and ‖grad‖ (when tqdm is installed; without it,
+            a warning says so once per process and no bar is shown).
         callback: called as ``callback(step, w, lam, result)`` after each outer step; a true
             return value stops the loop.
         state: method state to resume from (``SolveResult.state`` of a previous run).

@@ -134,3 +134,33 @@ def test_non_finite_error_names_the_outer_step_and_the_function():
     with pytest.raises(hg.NonFiniteError, match=r"^outer step 0, the plain inner steps \(g, the inner loss\): inner loss"):
         hg.solve(problem, {"w": torch.full((6,), 1e3, dtype=DT)}, lam, hg.Implicit(), steps=2, inner_steps=2,
                  inner_optimizer=hg.inner.SGD(0.1), progress=False)
+
+
+def test_progress_without_tqdm_says_once_that_it_needs_tqdm():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import sys, warnings\n"
+        "sys.modules['tqdm'] = sys.modules['tqdm.auto'] = None  # as if tqdm were not installed\n"
+        "warnings.simplefilter('always')\n"
+        "import torch, hypergrad as hg\n"
+        "g = lambda w, lam, b: 0.5 * ((w['x'] - lam['c']) ** 2).sum()\n"
+        "args = (hg.BilevelProblem(g, g), {'x': torch.zeros(1)}, {'c': torch.ones(1)}, hg.Implicit())\n"
+        "with warnings.catch_warnings(record=True) as quiet:\n"
+        "    hg.solve(*args, steps=2, progress=False)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    hg.solve(*args, steps=2)\n"
+        "    hg.solve(*args, steps=2, progress=True)\n"
+        "print(len(quiet), len(caught), caught[0].filename if caught else '', caught[0].message if caught else '')\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    quiet, caught, filename, message = run.stdout.strip().split(" ", 3)
+    assert (quiet, caught, filename) == ("0", "1", "<string>"), run.stdout
+    assert message.startswith("progress=True shows a progress bar only with tqdm installed (pip install tqdm)")
