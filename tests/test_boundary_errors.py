@@ -79,16 +79,16 @@ def test_torch_optim_where_hypergrad_expects_its_own_optimizer_says_which_to_use
     with pytest.raises(TypeError, match=r"^inner_optimizer must be a hypergrad inner optimizer such as "
                                         r"hypergrad.inner.SGD\(lr=0.1\).*not torch.optim.SGD"):
         hg.solve(problem, W, LAM, hg.Implicit(), inner_optimizer=torch.optim.SGD, progress=False)
-    with pytest.raises(TypeError, match="^optimizer must be a hypergrad inner optimizer.*not torch.optim.Adam"):
+    with pytest.raises(TypeError, match=r"^optimizer must be a hypergrad inner optimizer.*not torch.optim.Adam"):
         hg.Unrolled(torch.optim.Adam(params), 3)
-    with pytest.raises(TypeError, match="^inner_optimizer must be a hypergrad inner optimizer.*not torch.optim.SGD"):
+    with pytest.raises(TypeError, match=r"^inner_optimizer must be a hypergrad inner optimizer.*not torch.optim.SGD"):
         hg.Penalty(1.0, torch.optim.SGD(params, lr=0.1))
     with pytest.raises(TypeError, match=r"^outer_optimizer must be a factory params -> torch.optim.Optimizer, e.g. "
                                         r"lambda p: torch.optim.Adam\(p, lr=1e-2\), not a torch.optim.Adam instance"):
         hg.solve(problem, W, LAM, hg.Implicit(), outer_optimizer=torch.optim.Adam(params), progress=False)
     with pytest.raises(TypeError, match=r"not a SGD instance.*hypergrad.inner optimizers are for inner_optimizer"):
         hg.solve(problem, W, LAM, hg.Implicit(), outer_optimizer=hg.inner.SGD(0.1), progress=False)
-    with pytest.raises(TypeError, match="^optimizer must be a hypergrad inner optimizer.*torch.optim.SGD"):
+    with pytest.raises(TypeError, match=r"^optimizer must be a hypergrad inner optimizer.*torch.optim.SGD"):
         hg.inner_solve(problem, W, LAM, 2, torch.optim.SGD)
 
 

@@ -86,7 +86,7 @@ def test_non_positive_curvature_warns_once_per_solve():
     A = torch.diag(torch.tensor([1.0, -1.0, 2.0], dtype=DT))
     g = lambda w, lam, b: 0.5 * w["x"] @ A @ w["x"] - w["x"] @ lam["c"]  # noqa: E731
     f = lambda w, lam, b: (w["x"] ** 2).sum()  # noqa: E731
-    res, caught = _caught(lambda: hg.solve(
+    _, caught = _caught(lambda: hg.solve(
         hg.BilevelProblem(g, f), {"x": torch.ones(3, dtype=DT)}, {"c": torch.ones(3, dtype=DT)},
         hg.Implicit(hg.linear.CG()), lambda p: torch.optim.SGD(p, lr=1e-3), steps=15, progress=False))
     assert len(caught) == 1 and "non-positive curvature at 15 of 15 outer steps" in str(caught[0].message)
@@ -117,11 +117,11 @@ def test_warnings_gathered_before_an_error_are_still_reported():
 
     problem = hg.BilevelProblem(QUAD.problem().inner, f)
     w, lam = _start()
-    with pytest.warns(hg.ConvergenceWarning, match="CG: not converged at 3 of 4 outer steps"):
-        with pytest.raises(hg.NonFiniteError, match=r"^outer step 3, Implicit.hypergrad \(f, the outer loss\): "
-                                                    r"outer loss is nan"):
-            hg.solve(problem, w, lam, hg.Implicit(hg.linear.CG(maxiter=1, tol=1e-12)), steps=5, progress=False,
-                     outer_loss_every=0)
+    with (pytest.warns(hg.ConvergenceWarning, match="CG: not converged at 3 of 4 outer steps"),
+          pytest.raises(hg.NonFiniteError, match=r"^outer step 3, Implicit.hypergrad \(f, the outer loss\): "
+                                                 r"outer loss is nan")):
+        hg.solve(problem, w, lam, hg.Implicit(hg.linear.CG(maxiter=1, tol=1e-12)), steps=5, progress=False,
+                 outer_loss_every=0)
 
 
 def test_non_finite_error_names_the_outer_step_and_the_function():
@@ -130,7 +130,7 @@ def test_non_finite_error_names_the_outer_step_and_the_function():
         return 0.5 * (x ** 2).sum() - x @ QUAD.B @ lam["lam"] + (float("inf") if float(x.detach().abs().sum()) > 1e3 else 0.0)
 
     problem = hg.BilevelProblem(g, QUAD.problem().outer)
-    w, lam = _start()
+    _, lam = _start()
     with pytest.raises(hg.NonFiniteError, match=r"^outer step 0, the plain inner steps \(g, the inner loss\): inner loss"):
         hg.solve(problem, {"w": torch.full((6,), 1e3, dtype=DT)}, lam, hg.Implicit(), steps=2, inner_steps=2,
                  inner_optimizer=hg.inner.SGD(0.1), progress=False)
