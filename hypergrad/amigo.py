@@ -2,7 +2,7 @@ r"""AmIGO: amortized implicit gradient optimization (Arbel and Mairal, 2022)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 from hypergrad.batches import per_step
@@ -72,7 +72,8 @@ class AmIGO:
     ``info.extra["oracle_calls"]``): :math:`T` inner gradients, :math:`L` Hessian-vector products,
     one mixed product, one outer gradient. ``info.residual`` is the last inner batch gradient norm
     (before its step; None when ``inner_steps=0``), ``info.extra["linear_residual"]`` the last
-    :math:`\lVert H_{i} v - \nabla_w f_j \rVert` (before its step; None when ``linear_steps=0``). ``info.converged`` is always True.
+    :math:`\lVert H_{i} v - \nabla_w f_j \rVert` (before its step; None when ``linear_steps=0``). ``info.converged`` is None (no
+    stopping test).
 
     Step sizes: :math:`\rho, \eta < 2 / L_g` for stable recursions (:math:`L_g`: the largest
     batch-Hessian eigenvalue); the paper uses constant steps, with numbers of inner steps
@@ -113,6 +114,7 @@ class AmIGO:
     takes_step_batches: ClassVar[bool] = True
 
     step_size: StepSize
+    _: KW_ONLY  # the options below are keyword-only
     inner_steps: int = 10
     linear_steps: int = 10
     linear_step_size: StepSize | None = None
@@ -170,7 +172,7 @@ class AmIGO:
         info = HypergradInfo(
             iterations=T + L,
             residual=inner_residual,
-            converged=True,
+            converged=None,
             grad_evals=calls.total,
             extra={
                 "oracle_calls": calls.as_dict(),

@@ -3,7 +3,7 @@ r"""BOME: first-order bilevel optimization by a value-function constraint (Liu e
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -152,6 +152,7 @@ class BOME:
     takes_step_batches: ClassVar[bool] = True
 
     inner_optimizer: InnerOptimizer
+    _: KW_ONLY  # the options below are keyword-only
     w_lr: float | None = None
     inner_steps: int = 10
     eta: float = 0.5
@@ -163,13 +164,19 @@ class BOME:
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
+        # a local import keeps the module's import block as it was
+        from hypergrad.errors import check_inner_optimizer
+
         opt = self.inner_optimizer
+        check_inner_optimizer(opt, "inner_optimizer")
         if not (callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))):
             raise TypeError(
                 "inner_optimizer must be an inner optimizer with init(w) and update(w, grad, "
                 f"state) (e.g. hypergrad.inner.SGD(lr=0.1)), got {opt!r}"
             )
         w_opt = self.w_optimizer
+        if w_opt is not None:
+            check_inner_optimizer(w_opt, "w_optimizer")
         if w_opt is not None and not (callable(getattr(w_opt, "init", None)) and callable(getattr(w_opt, "update", None))):
             raise TypeError(f"w_optimizer must be None or an inner optimizer (e.g. hypergrad.inner.Adam(lr=1e-3)), got {w_opt!r}")
         if self.w_lr is None and w_opt is None:

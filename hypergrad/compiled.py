@@ -877,7 +877,7 @@ def _zeros_like_fields(like: dict[str, Tree]) -> dict[str, Tree]:
 
 def _stochastic_info(calls: OracleCounts, iterations: int, residual: float | None,
                      extra: dict[str, Any], compile_s: float) -> HypergradInfo:
-    return HypergradInfo(iterations=iterations, residual=residual, converged=True, grad_evals=calls.total,
+    return HypergradInfo(iterations=iterations, residual=residual, converged=None, grad_evals=calls.total,
                          extra={"oracle_calls": calls.as_dict(), **extra, "compiled": True, "compile_s": compile_s})
 
 

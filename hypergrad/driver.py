@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,9 +14,16 @@ try:  # the progress bar is optional: hypergrad itself needs only torch and nump
     from tqdm.auto import tqdm
 except ImportError:
 
+    @functools.cache  # once per process
+    def _notice_no_tqdm() -> None:
+        warnings.warn("progress=True shows a progress bar only with tqdm installed (pip install tqdm); "
+                      "pass progress=False to silence this notice", UserWarning, stacklevel=4)
+
     class tqdm:  # noqa: N801  (stands in for tqdm.auto.tqdm without a bar: iterates, drops the postfix)
-        def __init__(self, iterable: Iterable[Any], **_options: Any) -> None:
+        def __init__(self, iterable: Iterable[Any], **options: Any) -> None:
             self.iterable = iterable
+            if not options.get("disable", False):
+                _notice_no_tqdm()
 
         def __iter__(self) -> Iterator[Any]:
             return iter(self.iterable)
@@ -25,6 +34,13 @@ except ImportError:
 
 from hypergrad.autodiff import inner_fn, loss_and_grads
 from hypergrad.batches import StepBatches
+from hypergrad.errors import (
+    NonFiniteError,
+    WarningLog,
+    check_inner_optimizer,
+    check_not_class,
+    collect_warnings,
+)
 from hypergrad.inner import SGD, InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradMethod
 from hypergrad.tree import Tree, check_finite, check_like, tree_detach, tree_norm
@@ -48,11 +64,17 @@ class SolveResult:
         history: per outer step: ``outer_loss`` (f at the current ``w``; NaN at the steps where it
             was not evaluated, see ``outer_loss_every``), ``grad_norm`` (of the hypergradient
             estimate), ``inner_residual`` (‖∇_w g‖ before the estimate), ``converged`` (the
-            method's own flag) and ``lr`` (the learning rate of the outer optimizer's first
+            method's ``info.converged`` as 1.0 / 0.0; NaN for a method without a stopping test,
+            see :class:`~hypergrad.problem.HypergradInfo`) and ``lr`` (the learning rate of the outer optimizer's first
             parameter group for that step; NaN for an optimizer without one).
         state: the method's state after the last step (pass it to a later call to resume).
         steps_run: outer steps taken (``steps`` unless the callback stopped the loop).
         stopped_early: whether the callback stopped the loop before ``steps``.
+        unconverged_steps: outer steps whose method reported ``info.converged`` False: for
+            ``Implicit``, ``FiniteDifference`` and ``AlternatingImplicit`` the steps whose linear
+            solve stopped short of its tolerance (0 for methods without a stopping test).
+        warnings: the warnings of the solve, one line per kind, as warned at its end (a kind
+            that occurred at several outer steps: at how many, and the worst occurrence).
 
     Example:
         >>> import torch, hypergrad as hg
@@ -61,6 +83,8 @@ class SolveResult:
         ...                hg.Implicit(), steps=3, inner_steps=5, progress=False)
         >>> sorted(res.history), len(res.history["outer_loss"]), res.steps_run, res.stopped_early
         (['converged', 'grad_norm', 'inner_residual', 'lr', 'outer_loss'], 3, 3, False)
+        >>> res.unconverged_steps
+        0
     """
 
     w: Tree
@@ -69,6 +93,8 @@ class SolveResult:
     state: dict[str, Any] | None = None
     steps_run: int = 0
     stopped_early: bool = False
+    unconverged_steps: int = 0
+    warnings: list[str] = field(default_factory=list)
 
 
 class _BatchStream:
@@ -164,6 +190,52 @@ class _BatchStream:
             batch = self.next()
 
 
+def _at_step(log: WarningLog, step: int, where: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` as part of outer step ``step``: its warnings go to ``log`` (warned
+    once per kind when the solve ends, or now if it raises), and a :class:`NonFiniteError` names
+    the step."""
+    log.step = step
+    try:
+        with collect_warnings(log):
+            return call(*args, **kwargs)
+    except NonFiniteError as error:
+        log.emit(step + 1, stacklevel=3)
+        raise NonFiniteError(f"outer step {step}, {where}{_function_of(str(error))}: {error}") from error
+    except BaseException:
+        log.emit(step + 1, stacklevel=3)
+        raise
+
+
+def _check_components(method: Any, inner_optimizer: Any, outer_optimizer: Any) -> None:
+    """One-line errors for a class where an instance is expected, and for an optimizer of the
+    wrong kind (torch.optim where hypergrad's inner optimizers go, and the other way round)."""
+    check_not_class(method, "method")
+    if inner_optimizer is not None:
+        check_inner_optimizer(inner_optimizer, "inner_optimizer")
+    if isinstance(outer_optimizer, torch.optim.Optimizer) or (
+            outer_optimizer is not None and not callable(outer_optimizer)):
+        kind = type(outer_optimizer)
+        given = f"torch.optim.{kind.__name__}" if isinstance(outer_optimizer, torch.optim.Optimizer) else kind.__name__
+        hint = (" (hypergrad.inner optimizers are for inner_optimizer)"
+                if callable(getattr(outer_optimizer, "update", None)) else "")
+        raise TypeError(
+            "outer_optimizer must be a factory params -> torch.optim.Optimizer, e.g. lambda p: "
+            f"torch.optim.Adam(p, lr=1e-2), not a {given} instance: solve builds the optimizer over its own "
+            f"copy of lam{hint}")
+
+
+def _function_of(message: str) -> str:
+    """Which of the problem's functions a non-finite message is about (the methods name the
+    inner and outer losses in their messages)."""
+    if "penalised loss" in message:
+        return " (g + sigma f)"
+    if "inner loss" in message or "inner iterate" in message or "inner gradient" in message:
+        return " (g, the inner loss)"
+    if "outer loss" in message or "outer gradient" in message:
+        return " (f, the outer loss)"
+    return ""
+
+
 def _check_steps(steps: Any, name: str) -> None:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise ValueError(f"{name} must be an int >= 0, got {steps!r}")
@@ -233,6 +305,7 @@ def inner_solve(
         ([1.0, 1.0], True)
     """
     _check_steps(steps, "inner_steps")
+    check_inner_optimizer(optimizer, "optimizer")
     return _inner_steps(problem, w, lam, steps, optimizer, _BatchStream(batches, "batches"), opt_state)
 
 
@@ -329,7 +402,8 @@ def solve(
         inner_batches: the batches of the plain inner steps (and, by default, of the method's
             ``inner_batch``); see "Batch streams".
         outer_batches: the batches of the outer loss (the method's ``outer_batch``).
-        progress: show a tqdm progress bar with F and ‖grad‖ (when tqdm is installed; else no bar).
+        progress: show a tqdm progress bar with F and ‖grad‖ (when tqdm is installed; without it,
+            a warning says so once per process and no bar is shown).
         callback: called as ``callback(step, w, lam, result)`` after each outer step; a true
             return value stops the loop.
         state: method state to resume from (``SolveResult.state`` of a previous run).
@@ -379,6 +453,7 @@ def solve(
         ([0.5, 0.5], 0.25, True)
     """
     w, lam = problem.validate(w, lam)
+    _check_components(method, inner_optimizer, outer_optimizer)
     if not hasattr(method, "hypergrad"):
         raise TypeError(f"method must have a hypergrad(...) method, got {type(method).__name__}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -405,24 +480,28 @@ def solve(
     history: dict[str, list[float]] = {
         "outer_loss": [], "grad_norm": [], "inner_residual": [], "converged": [], "lr": []}
     steps_run, stopped_early = 0, False
+    unconverged_steps = 0
+    log = WarningLog()  # each kind of warning is counted over the steps and warned once, at the end
     last_outer_loss = float("nan")
     bar = tqdm(range(steps), desc="hypergrad.solve", disable=not progress, leave=False)
     for step in bar:
         lam_now = {k: v.detach() for k, v in lam_params.items()}
         residual = float("nan")
         if inner_steps:
-            w, opt_state, residual = _inner_steps(
+            w, opt_state, residual = _at_step(log, step, "the plain inner steps", _inner_steps,
                 problem, w, lam_now, inner_steps, inner_optimizer, inner_stream, opt_state)
         inner_batch = hyper_stream.for_call(step_batches)
         outer_batch = outer_stream.for_call(step_batches)
-        result = method.hypergrad(problem, w, lam_now, inner_batch=inner_batch, outer_batch=outer_batch, state=state)
+        result = _at_step(log, step, f"{type(method).__name__}.hypergrad", method.hypergrad,
+                          problem, w, lam_now, inner_batch=inner_batch, outer_batch=outer_batch, state=state)
         check_like(result.grad, lam_now, "hypergradient", "lam")
         check_finite(result.grad, f"hypergradient at outer step {step}")
         outer_loss = float("nan")
         if outer_loss_every and step % outer_loss_every == 0:
             batch = outer_stream.next() if isinstance(outer_batch, StepBatches) else outer_batch
             with torch.no_grad():
-                outer_loss = last_outer_loss = float(problem.outer_loss(w, lam_now, batch))
+                outer_loss = last_outer_loss = float(_at_step(
+                    log, step, "the outer loss for history", problem.outer_loss, w, lam_now, batch))
         lr = float(optimizer.param_groups[0].get("lr", float("nan")))  # NaN: an optimizer without "lr"
         optimizer.zero_grad(set_to_none=False)
         for k, p in lam_params.items():
@@ -437,7 +516,9 @@ def solve(
         history["outer_loss"].append(outer_loss)
         history["grad_norm"].append(grad_norm)
         history["inner_residual"].append(residual)
-        history["converged"].append(float(result.info.converged))
+        converged = result.info.converged
+        history["converged"].append(float("nan") if converged is None else float(converged))
+        unconverged_steps += converged is False
         history["lr"].append(lr)
         steps_run = step + 1
         bar.set_postfix(F=f"{last_outer_loss:.4g}", grad=f"{grad_norm:.3g}")
@@ -445,4 +526,4 @@ def solve(
             stopped_early = step + 1 < steps
             break
     return SolveResult(w, {k: v.detach().clone() for k, v in lam_params.items()}, history, state,
-                       steps_run, stopped_early)
+                       steps_run, stopped_early, unconverged_steps, log.emit(steps_run, stacklevel=2))

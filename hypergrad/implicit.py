@@ -2,9 +2,8 @@ r"""Exact hypergradients by the implicit function theorem."""
 
 from __future__ import annotations
 
-import warnings as _warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -12,7 +11,7 @@ from torch import Tensor
 
 from hypergrad.autodiff import RootSystem, loss_and_grads, outer_fn
 from hypergrad.compiled import CompiledStage, compiled_stage
-from hypergrad.errors import ConvergenceWarning
+from hypergrad.errors import ConvergenceWarning, check_not_class, report
 from hypergrad.linear import CG
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
@@ -89,6 +88,7 @@ class Implicit:
     """
 
     solver: LinearSolver = field(default_factory=lambda: CG(tol=1e-6))
+    _: KW_ONLY  # the options below are keyword-only
     fixed_point: Callable[[Tree, Tree, Any], Tree] | None = None
     products: str = "reverse"
     warm_start: bool = False
@@ -102,6 +102,7 @@ class Implicit:
                 "compile=True needs the gradient form (fixed_point=None) and products='reverse', got "
                 f"fixed_point={self.fixed_point!r}, products={self.products!r}"
             )
+        check_not_class(self.solver, "solver")
         if not callable(self.solver):
             raise TypeError(f"solver must be a linear solver from hypergrad.linear, got {self.solver!r}")
         if self.products not in ("reverse", "forward"):
@@ -126,8 +127,7 @@ class Implicit:
             system, grad_lam_f, residual_tree, mixed_product = self._eager_parts(
                 problem, w, lam, inner_batch, outer_batch)
         solve = self.solver(system, x0)
-        for message in [] if solve.repeated_warnings else solve.warnings:
-            _warnings.warn(message, ConvergenceWarning, stacklevel=2)
+        report(solve.warnings, ConvergenceWarning, repeated=solve.repeated_warnings, stacklevel=2)
         check_finite(solve.solution, "implicit linear solve")
         mixed = mixed_product(solve.solution)
         grad = tree_sub(grad_lam_f, mixed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -88,6 +88,7 @@ class SGD:
     """
 
     lr: float
+    _: KW_ONLY  # the options below are keyword-only
     leaf_lr: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -128,6 +129,7 @@ class Momentum:
     """
 
     lr: float
+    _: KW_ONLY  # the options below are keyword-only
     beta: float = 0.9
     nesterov: bool = False
     leaf_lr: Mapping[str, float] = field(default_factory=dict)
@@ -182,6 +184,7 @@ class Adam:
     """
 
     lr: float
+    _: KW_ONLY  # the options below are keyword-only
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     eps_root: float = 1e-30

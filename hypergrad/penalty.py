@@ -3,7 +3,7 @@ r"""Fully first-order hypergradients by the penalty method F2SA (Kwon et al., 20
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -41,6 +41,10 @@ def _penalised_loss(problem: BilevelProblem, sigma: float, inner_batch: Any,
 
 
 def _check_optimizer(opt: object, name: str) -> None:
+    # a local import keeps the module's import block as it was
+    from hypergrad.errors import check_inner_optimizer
+
+    check_inner_optimizer(opt, name)
     if not (callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))):
         raise TypeError(
             f"{name} must be an inner optimizer with init(w) and update(w, grad, state) "
@@ -149,6 +153,7 @@ class Penalty:
 
     sigma: float
     inner_optimizer: InnerOptimizer
+    _: KW_ONLY  # the options below are keyword-only
     inner_steps: int = 1
     sigma_optimizer: InnerOptimizer | None = None
     evaluate: str = "current"

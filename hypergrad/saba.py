@@ -3,7 +3,7 @@ r"""SABA: SOBA with SAGA-style variance reduction (Dagréou, Ablin, Vaiter, More
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
@@ -38,6 +38,10 @@ _INNER_FIELDS = ("grad", "hvp", "cross")
 _OUTER_FIELDS = ("grad_w", "grad_lam")
 
 
+_INDEX_HINT = (": SABA needs batches of the form (index, data), e.g. a loader over list(enumerate(batches)), "
+               "or batch_index=<a function batch -> index>")
+
+
 def batch_position(batch: Any) -> Any:
     """SABA's default ``batch_index``: the first element of a batch ``(index, data)``.
 
@@ -50,7 +54,8 @@ def batch_position(batch: Any) -> Any:
         return batch[0]
     except (TypeError, IndexError, KeyError) as err:
         raise TypeError(
-            f"SABA needs batches of the form (index, data) (or a batch_index function), got {type(batch).__name__}"
+            f"SABA needs batches of the form (index, data) (or batch_index=<a function batch -> index>), got "
+            f"{type(batch).__name__}"
         ) from err
 
 
@@ -106,7 +111,7 @@ class SABA:
     Cost per call: 4 oracle calls, as SOBA (``info.grad_evals``, per oracle in
     ``info.extra["oracle_calls"]``). ``info.extra["seen_inner"]`` / ``["seen_outer"]`` count the
     batches in memory; the estimates are biased towards zero until all have been seen (as
-    benchmark_bilevel's zero initialisation). ``info.converged`` is always True (no tolerance).
+    benchmark_bilevel's zero initialisation). ``info.converged`` is None (no tolerance).
 
     Args:
         step_size: :math:`\rho` of the :math:`w` and :math:`v` steps: a number > 0 or a schedule
@@ -141,6 +146,7 @@ class SABA:
 
     step_size: StepSize
     n_inner: int
+    _: KW_ONLY  # the options below are keyword-only
     n_outer: int = 1
     batch_index: Callable[[Any], Any] | None = None
     compile: bool = False
@@ -198,10 +204,11 @@ class SABA:
         raw = (self.batch_index or batch_position)(batch)
         if isinstance(raw, torch.Tensor):
             if raw.numel() != 1 or raw.is_floating_point() or raw.is_complex():
-                raise TypeError(f"SABA: the {which} batch index must be an int or a one-element integer tensor, got {raw!r}")
+                raise TypeError(f"SABA: the {which} batch index must be an int or a one-element integer tensor, got "
+                                f"a {raw.dtype} tensor of shape {tuple(raw.shape)}{_INDEX_HINT}")
             raw = int(raw.item())
         if not isinstance(raw, int) or isinstance(raw, bool):
-            raise TypeError(f"SABA: the {which} batch index must be an int, got {type(raw).__name__}")
+            raise TypeError(f"SABA: the {which} batch index must be an int, got {type(raw).__name__}{_INDEX_HINT}")
         if not 0 <= raw < n:
             name = "n_inner" if which == "inner" else "n_outer"
             raise ValueError(f"SABA: the {which} batch index must be in range({name}) = range({n}), got {raw}")
@@ -251,7 +258,7 @@ class SABA:
         info = HypergradInfo(
             iterations=1,
             residual=float(tree_norm(est_inner["grad"])),
-            converged=True,
+            converged=None,
             grad_evals=calls.total,
             extra={
                 "oracle_calls": calls.as_dict(),

@@ -2,7 +2,7 @@ r"""SOBA: single-loop stochastic bilevel optimization (Dagréou, Ablin, Vaiter, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from hypergrad.compiled import compiled_stochastic
@@ -63,7 +63,7 @@ class SOBA:
 
     ``info.residual`` is the batch gradient norm :math:`\lVert\nabla_w g_i\rVert`;
     ``info.extra["linear_residual"]`` is :math:`\lVert D_v \rVert`. There is no tolerance:
-    ``info.converged`` is always True (a single step solves nothing; judge convergence by the
+    ``info.converged`` is None (a single step solves nothing; judge convergence by the
     iterates).
 
     Step sizes: the paper's analysis takes :math:`\rho_t \propto t^{-2/5}`,
@@ -102,6 +102,7 @@ class SOBA:
     """
 
     step_size: StepSize
+    _: KW_ONLY  # the options below are keyword-only
     compile: bool = False
 
     def __post_init__(self) -> None:
@@ -144,7 +145,7 @@ class SOBA:
         info = HypergradInfo(
             iterations=1,
             residual=float(tree_norm(inner.grad)),
-            converged=True,
+            converged=None,
             grad_evals=calls.total,
             extra={
                 "oracle_calls": calls.as_dict(),

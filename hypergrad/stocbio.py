@@ -2,7 +2,7 @@ r"""StocBiO: inner SGD and a stochastic Neumann series (Ji, Yang, Liang, 2021)."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 from hypergrad.batches import per_step
@@ -84,7 +84,7 @@ class StocBiO:
     ``info.extra["oracle_calls"]``). ``info.residual`` is the last inner batch gradient norm
     (before its step; None when ``inner_steps=0``); ``info.extra["last_term_norm"]`` is the norm
     of the last series term :math:`\eta \lVert\prod (I - \eta H) b\rVert` (small when :math:`Q` is
-    large enough). ``info.converged`` is always True.
+    large enough). ``info.converged`` is None (no stopping test).
 
     Args:
         step_size: :math:`\rho` of the inner SGD: a number > 0 or a schedule ``t -> rho_t``.
@@ -120,6 +120,7 @@ class StocBiO:
     takes_step_batches: ClassVar[bool] = True
 
     step_size: StepSize
+    _: KW_ONLY  # the options below are keyword-only
     inner_steps: int = 10
     neumann_steps: int = 10
     neumann_step_size: StepSize | None = None
@@ -176,7 +177,7 @@ class StocBiO:
         info = HypergradInfo(
             iterations=T + Q,
             residual=inner_residual,
-            converged=True,
+            converged=None,
             grad_evals=calls.total,
             extra={
                 "oracle_calls": calls.as_dict(),

@@ -27,7 +27,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from hypergrad.autodiff import RootSystem, grad_with_graph, loss_and_grads, outer_fn
+from hypergrad.autodiff import (
+    RootSystem,
+    grad_with_graph,
+    loss_and_grads,
+    outer_fn,
+    report_lam_unused,
+)
 from hypergrad.batches import StepBatches, per_step
 from hypergrad.problem import BilevelProblem
 from hypergrad.tree import (
@@ -298,6 +304,8 @@ def inner_products(
             second = (None,) * len(leaves)
     n_w = len(w_leaves) if hvp else 0
     hvp_tree = grads_to_tree(second[:n_w], w_) if hvp else None
+    if cross and all(part is None for part in second[n_w:]):
+        report_lam_unused()
     cross_tree = grads_to_tree(second[n_w:], lam_) if cross else None
     if hvp_tree is not None:
         check_finite(hvp_tree, "Hessian-vector product")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -104,6 +104,7 @@ class Unrolled:
 
     Both modes compute the same number up to round-off. Only ``lam``'s influence is
     differentiated: the starting point ``w`` and the starting optimizer state are constants.
+    ``info.converged`` is None: ``K`` fixed steps have no stopping test.
 
     Args:
         optimizer: a pure optimizer from :mod:`hypergrad.inner` (``SGD``, ``Momentum``, ``Adam``).
@@ -175,6 +176,7 @@ class Unrolled:
 
     optimizer: InnerOptimizer
     steps: int
+    _: KW_ONLY  # the options below are keyword-only
     mode: str = "reverse"
     truncate: int | None = None
     warm_start: bool = False
@@ -184,6 +186,10 @@ class Unrolled:
     recompute_min_bytes: int = 48 * 1024
 
     def __post_init__(self) -> None:
+        # a local import keeps the module's import block as it was
+        from hypergrad.errors import check_inner_optimizer
+
+        check_inner_optimizer(self.optimizer, "optimizer")
         if not isinstance(self.optimizer, InnerOptimizer):
             raise TypeError(
                 "optimizer must be an inner optimizer with init(w) and update(w, grad, state) "

@@ -438,7 +438,8 @@ def test_bad_types_and_batches() -> None:
         hg.StocBiO(0.1, inner_steps=1, neumann_steps=1).hypergrad(q.problem, w, lam, hg.StepBatches([None, None]))
 
 
-@pytest.mark.parametrize("method", [hg.SOBA(0.1), hg.SABA(0.1, n_inner=1), hg.AmIGO(0.1, 1, 1), hg.StocBiO(0.1, 1, 1)])
+@pytest.mark.parametrize("method", [hg.SOBA(0.1), hg.SABA(0.1, n_inner=1), hg.AmIGO(0.1, inner_steps=1, linear_steps=1),
+                                    hg.StocBiO(0.1, inner_steps=1, neumann_steps=1)])
 def test_non_finite_raises(method) -> None:
     g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()  # noqa: E731
     f = lambda w, lam, b: (w["x"] ** 2).sum() * float("nan")  # noqa: E731
