@@ -5,19 +5,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from hypergrad.batches import per_step
-from hypergrad.compiled import compiled_stochastic
+import torch
+from torch import Tensor
+
+from hypergrad.batches import StepBatches, per_step
+from hypergrad.compiled import all_finite, run_stage, traced_stage
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.stochastic import (
+    NON_FINITE,
     OracleCounts,
     StepSize,
     check_step_size,
+    compiled_info,
+    compiled_stochastic,
     hessian_products,
     inner_products,
     one_batch,
     outer_grads,
     step_counter,
     step_size_at,
+    tensor_like,
+    traced_cross_product,
+    traced_hessian_products,
+    traced_inner_sgd,
+    traced_outer_grads,
 )
 from hypergrad.tree import (
     Tree,
@@ -92,7 +103,7 @@ class StocBiO:
         neumann_steps: :math:`Q \ge 0`.
         neumann_step_size: :math:`\eta` of the series (None: ``step_size``).
         compile: run each call as one graph traced by :func:`torch.compile` and compiled by
-            inductor (:func:`hypergrad.compiled.compiled_stochastic`): the same arithmetic, state
+            inductor (:func:`hypergrad.stochastic.compiled_stochastic`): the same arithmetic, state
             and counts; step sizes and batch tensors are graph inputs (no recompile per step or
             batch); eager with a log line where compilation fails; ``info.extra["compiled"]``
             and ``["compile_s"]`` say what happened.
@@ -145,7 +156,7 @@ class StocBiO:
     ) -> HypergradResult:
         """One StocBiO outer iteration: ``grad`` is the Neumann hypergradient estimate at the advanced ``w``."""
         if self.compile:
-            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state)
+            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state, call=_stocbio_call)
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
         t = step_counter(state, "StocBiO")
@@ -188,3 +199,48 @@ class StocBiO:
             },
         )
         return HypergradResult(tree_detach(d_lam), w, info, {"step": t + 1})
+
+
+# ------------------------------------------------------------ the compiled stage (compile=True)
+
+
+@traced_stage("the StocBiO step")
+def _stocbio_stage(problem: BilevelProblem, w: Tree, lam: Tree, rho: Tensor, eta: Tensor, batches: list[Any],
+                   outer_batch: Any, shared: bool, inner_steps: int) -> tuple[Any, ...]:
+    """One call of :meth:`hypergrad.stocbio.StocBiO.hypergrad` as a traceable function (same arithmetic)."""
+    w, inner_residual = traced_inner_sgd(problem, w, lam, rho, batches[:inner_steps])
+    grad_w_f, grad_lam_f, f_value = traced_outer_grads(problem, w, lam, outer_batch)
+    term = total = grad_w_f
+    for product in traced_hessian_products(problem, w, lam, batches[inner_steps:-1], shared):
+        term = tree_axpy(-eta, product(term), term)
+        total = tree_add(total, term)
+    v = tree_scale(total, eta)
+    cross, g_value = traced_cross_product(problem, w, lam, batches[-1], v)
+    d_lam = tree_sub(grad_lam_f, cross)
+    finite = all_finite([g_value, f_value], [w, grad_w_f, grad_lam_f, v, d_lam])
+    return d_lam, w, v, torch.stack([inner_residual, tree_norm(term), finite.to(rho.dtype)])
+
+
+def _stocbio_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any, outer_batch: Any,
+                  state: dict[str, Any] | None, t: int) -> HypergradResult | None:
+    """``T`` inner steps, ``Q`` Neumann terms, one mixed product, by the compiled stage."""
+    n_products = method.neumann_steps
+    second = method.neumann_step_size
+    T = method.inner_steps
+    rho = step_size_at(method.step_size, t, "step_size")
+    eta = rho if second is None else step_size_at(second, t, "neumann_step_size")
+    batches = per_step(inner_batch, T + n_products + 1)
+    shared = not isinstance(inner_batch, StepBatches)
+    rho_t, eta_t = tensor_like(rho, w), tensor_like(eta, w)
+    ran = run_stage(problem, _stocbio_stage, w, lam, rho_t, eta_t, batches, one_batch(outer_batch), shared, T)
+    if ran is None:
+        return None
+    (d_lam, new_w, v, scalars), compile_s = ran
+    inner_residual, last, finite = scalars.tolist()
+    if not finite:
+        return NON_FINITE
+    residual = inner_residual if T else None
+    calls = OracleCounts(inner_grad=T, hvp=n_products, cross=1, outer_grad=1)
+    extra = {"step": t, "step_size": rho, "neumann_step_size": eta, "last_term_norm": eta * last, "v": v}
+    info = compiled_info(calls, T + n_products, residual, extra, compile_s)
+    return HypergradResult(d_lam, new_w, info, {"step": t + 1})

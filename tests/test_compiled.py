@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import hypergrad as hg
-from hypergrad.compiled import compiled_stage, compiler_available
+from hypergrad.compiled import compiler_available
+from hypergrad.implicit import compiled_stage
 from hypergrad.linear.cg import conjugate_gradient, fused_conjugate_gradient
 
 DT = torch.float64
