@@ -356,7 +356,7 @@ def compiled_penalty(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, i
     sigma_opt_state = sigma_opt.init(w_sigma) if sigma_opt_state is None else sigma_opt_state
     n_evals = method.inner_steps if method.evaluate == "current" else method.inner_steps + 1
     ran = run_stage(problem, _penalty_stage, method, w, w_sigma, lam, per_step(inner_batch, n_evals),
-                     per_step(outer_batch, n_evals), opt_state, sigma_opt_state)
+                    per_step(outer_batch, n_evals), opt_state, sigma_opt_state)
     if ran is None:
         return eager_fallback(method, problem, args)
     (grad, w, w_sigma, opt_state, sigma_opt_state, scalars), compile_s = ran

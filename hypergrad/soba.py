@@ -186,7 +186,7 @@ def _soba_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_b
     v = linear_iterate(state, w, "SOBA")
     rho = step_size_at(method.step_size, t, "step_size")
     ran = run_stage(problem, _soba_stage, w, lam, v, tensor_like(rho, w), one_batch(inner_batch),
-                     one_batch(outer_batch))
+                    one_batch(outer_batch))
     if ran is None:
         return None
     (d_lam, new_w, new_v, scalars), compile_s = ran
@@ -195,5 +195,5 @@ def _soba_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_b
         return NON_FINITE
     calls = OracleCounts(inner_grad=1, hvp=1, cross=1, outer_grad=1)
     info = compiled_info(calls, 1, residual,
-                            {"step": t, "step_size": rho, "linear_residual": linear_residual}, compile_s)
+                         {"step": t, "step_size": rho, "linear_residual": linear_residual}, compile_s)
     return HypergradResult(d_lam, new_w, info, {"v": new_v, "step": t + 1})
