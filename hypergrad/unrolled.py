@@ -2,12 +2,11 @@ r"""Hypergradients by differentiating through K steps of an inner optimizer (unr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
 from hypergrad.autodiff import grad_or_zeros, inner_fn, loss_and_grads, outer_fn
@@ -80,15 +79,17 @@ class Unrolled:
       form keeps every step's activations and double-backward buffers, typically several times
       :math:`|w|` per step); cost one extra inner gradient per step. The RNG state of each step
       is replayed, so a stochastic loss (dropout) sees the same randomness twice.
-    * ``"forward"``: forward-mode differentiation, ``torch.func.jvp`` of the step map
-      :math:`\Phi` with one tangent per scalar entry of ``lam``, propagated step by step along
-      with :math:`w_k`. Memory is independent of ``K`` (:math:`O(\dim\lambda \cdot |z|)`), cost is
-      about :math:`K (1 + \dim\lambda)` gradient-equivalents: meant for few hyperparameters (a
-      temperature, a few regularisation strengths). With a single scalar hyperparameter each
-      step takes one gradient with a graph and one Hessian-vector product through it (about the
-      cost of a reverse-mode step); with several, the directions are batched with
-      ``torch.func.vmap`` (measured about 2x faster than a Python loop for 3 directions); if
-      the losses cannot be vmapped, a loop over the directions is used and
+    * ``"forward"``: forward-mode differentiation: the JVP of the step map :math:`\Phi` with one
+      tangent per scalar entry of ``lam``, propagated step by step along with :math:`w_k`.
+      Memory is independent of ``K`` (:math:`O(\dim\lambda \cdot |z|)`), cost is about
+      :math:`K (1 + \dim\lambda)` gradient-equivalents: meant for few hyperparameters (a
+      temperature, a few regularisation strengths). Each step takes one gradient with a graph
+      and, per direction, one Hessian-vector product through it (a backward pass: by symmetry
+      of the Hessian of ``g`` it gives the tangent of :math:`\nabla_w g`) and the JVP of the
+      optimizer update (the VJP of its VJP); no forward-mode AD, so PyTorch's deprecated
+      ``torch.jit.script``, which its forward AD uses on first use, is never reached. With
+      several directions their backward passes are batched (``is_grads_batched``, vmap over
+      the directions); if that fails for the losses, a loop over the directions is used and
       ``info.extra["vectorized"]`` is False.
 
     Both modes compute the same number up to round-off. Only ``lam``'s influence is
@@ -103,8 +104,8 @@ class Unrolled:
         warm_start: start from the optimizer state passed back through ``state`` (key
             ``"opt_state"``; a fresh ``optimizer.init(w)`` when absent) and return the final one,
             so momentum buffers and Adam's step count carry over between calls.
-        vectorize: forward mode only: try ``torch.func.vmap`` over the directions first (falls
-            back to a loop when vmap fails); False always loops.
+        vectorize: forward mode only: batch the backward passes of the directions first (vmap;
+            falls back to a loop when batching fails); False always loops.
         checkpoint: reverse mode only: rebuild each step's graph in the backward sweep instead of
             storing all of them (see Modes).
         recompute: reverse mode with stored graphs only: do not store the outputs of cheap
@@ -140,8 +141,8 @@ class Unrolled:
     Inner batches: ``inner_batch`` is one batch reused for all ``K`` steps, or a
     :class:`~hypergrad.batches.StepBatches` holding one batch per step (:func:`hypergrad.solve`
     passes one for a stream of batches); ``outer_batch`` is one batch, or a ``StepBatches`` of
-    which one is drawn. In forward mode without vmap the inner loss
-    is re-evaluated once per direction, so it must then be deterministic (no dropout).
+    which one is drawn. In forward mode the inner loss is evaluated once per step for all
+    directions.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -385,34 +386,48 @@ class Unrolled:
         outer_batch: Any,
         s: Tree,
     ) -> tuple[Tree, Tree, Tree, dict[str, Any], int]:
+        r"""Forward mode by reverse passes: the tangents of every direction pushed through each step.
+
+        Per step: the gradient :math:`\nabla g` at :math:`(w_k, \lambda)` with a graph; one
+        backward pass through it per direction gives the directional derivative of
+        :math:`\nabla_w g` along the tangent :math:`(\dot w_k, \dot\lambda)` (by symmetry of the
+        Hessian of ``g``, the VJP of :math:`(\nabla_w g, \nabla_\lambda g)` with cotangent
+        :math:`(\dot w_k, \dot\lambda)` *is* :math:`\nabla^2_{ww} g\,\dot w_k +
+        \nabla^2_{w\lambda} g\,\dot\lambda`); then the optimizer update and its JVP, taken as the
+        VJP of its VJP (:func:`_update_tangents`). With ``vectorize`` the directions share one
+        batched backward pass (``is_grads_batched``), else one pass each. The graph is freed at
+        every step, so memory does not grow with K. No forward-mode AD is used: PyTorch's
+        (dual tensors, ``torch.func.jvp``) scripts its decompositions with the deprecated
+        ``torch.jit.script`` on first use; reverse-over-reverse products were also measured
+        about 5x faster than ``torch.func.jvp`` over ``torch.func.grad`` through the whole step
+        for one direction (see :doc:`/methods/implicit`).
+        """
         p = tree_numel(lam)
-        if p == 1:
-            return self._forward_scalar(problem, w, lam, batches, outer_batch, s)
-        ref = next(iter(lam.values()))
-        eye = torch.eye(p, dtype=ref.dtype, device=ref.device)
-        t_lam = _batched_basis(eye, lam)
+        opt = self.optimizer
+        lam_ = tree_requires_grad(lam)
+        lam_leaves = list(lam_.values())
+        ref = lam_leaves[0]
+        t_lam = list(_batched_basis(torch.eye(p, dtype=ref.dtype, device=ref.device), lam).values())
         t_w = {k: v.new_zeros((p, *v.shape)) for k, v in w.items()}
         t_s = {k: v.new_zeros((p, *v.shape)) for k, v in s.items()}
-        vectorized = self.vectorize
-        warnings: list[str] = []
+        directions = _Directions(p, batched=self.vectorize and p > 1)
         for i in range(self.steps):
-            step = _step_map(problem, self.optimizer, batches[i])
-            if vectorized:
-                try:
-                    w_new, s_new, t_w, t_s = _jvp_vmapped(step, w, s, lam, t_w, t_s, t_lam)
-                except Exception as exc:  # not vmappable: loop below (re-raises real errors)
-                    vectorized = False
-                    warnings.append(
-                        f"torch.func.vmap over the {p} hyperparameter direction(s) failed "
-                        f"({type(exc).__name__}: {str(exc)[:200]}); used a loop over directions"
-                    )
-            if not vectorized:
-                w_new, s_new, t_w, t_s = _jvp_looped(step, w, s, lam, t_w, t_s, t_lam, p)
-            # Forward AD may upcast a float32 tangent to float64 when a Python float meets a 0-dim
-            # tensor (pytorch/pytorch#90065): keep tangents in the dtype of their primals.
-            w, s = w_new, s_new
-            t_w = {k: v.to(w[k].dtype) for k, v in t_w.items()}
-            t_s = {k: v.to(s[k].dtype) for k, v in t_s.items()}
+            w_ = tree_requires_grad(w)
+            w_leaves = list(w_.values())
+            n_w = len(w_leaves)
+            value = problem.inner_loss(w_, lam_, batches[i])
+            if value.requires_grad:
+                grads = torch.autograd.grad(value, w_leaves + lam_leaves, create_graph=True, allow_unused=True)
+            else:
+                grads = (None,) * (n_w + len(lam_leaves))
+            outputs, cotangents = [], []
+            for g_, tangent in zip(grads, [*t_w.values(), *t_lam], strict=True):
+                if g_ is not None and g_.requires_grad:
+                    outputs.append(g_)
+                    cotangents.append(tangent.to(g_.dtype))
+            grad_dot = dict(zip(w, directions.vjps(outputs, w_leaves, cotangents), strict=True))
+            grad_w = _zeros_for_none(grads[:n_w], w)
+            w, s, t_w, t_s = _update_tangents(opt, w, grad_w, s, t_w, grad_dot, t_s, directions)
         _, grad_w_f, grad_lam_f = loss_and_grads(
             outer_fn(problem, outer_batch), w, lam, what="outer loss"
         )
@@ -423,71 +438,8 @@ class Unrolled:
             gwf = grad_w_f[key].reshape(-1).to(tangent.dtype)
             flat = flat + (tangent.reshape(p, -1) @ gwf).to(flat.dtype)
         grad = tree_unflatten(flat, lam)
-        extra = {"directions": p, "vectorized": vectorized, "warnings": warnings}
+        extra = {"directions": p, "vectorized": p == 1 or directions.batched, "warnings": directions.warnings}
         return grad, w, s, extra, self.steps * (1 + p) + 1
-
-
-    def _forward_scalar(
-        self,
-        problem: BilevelProblem,
-        w: Tree,
-        lam: Tree,
-        batches: list[Any],
-        outer_batch: Any,
-        s: Tree,
-    ) -> tuple[Tree, Tree, Tree, dict[str, Any], int]:
-        r"""Forward mode for a single scalar hyperparameter, with reverse-over-reverse products.
-
-        Per step: the gradient :math:`\nabla g` at :math:`(w_k, \lambda)` with a graph, one
-        backward pass through it for the directional derivative of :math:`\nabla_w g` along the
-        tangent :math:`(\dot w_k, \dot\lambda)` (by symmetry of the Hessian of ``g`` this VJP of
-        :math:`(\nabla_w g, \nabla_\lambda g)` with cotangent :math:`(\dot w_k, \dot\lambda)`
-        *is* :math:`\nabla^2_{ww} g\,\dot w_k + \nabla^2_{w\lambda} g\,\dot\lambda`), then the
-        optimizer update and its JVP (dual tensors through the elementwise update only). The graph
-        is freed at every step, so memory does not grow with K. Measured about 5x faster than
-        ``torch.func.jvp`` over ``torch.func.grad`` through the whole step (whose functorch
-        transforms dominate on small and medium problems; see :doc:`/methods/implicit`).
-        """
-        opt = self.optimizer
-        lam_ = tree_requires_grad(lam)
-        lam_leaves = list(lam_.values())
-        t_lam = [torch.ones_like(v) for v in lam_leaves]  # p == 1: the basis vector
-        t_w = {k: torch.zeros_like(v) for k, v in w.items()}
-        t_s = {k: torch.zeros_like(v) for k, v in s.items()}
-        for i in range(self.steps):
-            w_ = tree_requires_grad(w)
-            w_leaves = list(w_.values())
-            n_w = len(w_leaves)
-            value = problem.inner_loss(w_, lam_, batches[i])
-            if value.requires_grad:
-                grads = torch.autograd.grad(
-                    value, w_leaves + lam_leaves, create_graph=True, allow_unused=True
-                )
-            else:
-                grads = (None,) * (n_w + len(lam_leaves))
-            outputs, cotangents = [], []
-            for g_, t in zip(grads, [*t_w.values(), *t_lam], strict=True):
-                if g_ is not None and g_.requires_grad:
-                    outputs.append(g_)
-                    cotangents.append(t.to(g_.dtype))
-            if outputs:
-                g_dot = torch.autograd.grad(outputs, w_leaves, cotangents, allow_unused=True)
-            else:
-                g_dot = (None,) * n_w
-            grad_w = _zeros_for_none(grads[:n_w], w)
-            grad_dot = _zeros_for_none(g_dot, w)
-            w, s, t_w, t_s = _update_jvp(opt, w, grad_w, s, t_w, grad_dot, t_s)
-        _, grad_w_f, grad_lam_f = loss_and_grads(
-            outer_fn(problem, outer_batch), w, lam, what="outer loss"
-        )
-        assert grad_w_f is not None and grad_lam_f is not None
-        flat = tree_flatten(grad_lam_f).clone()
-        for key, tangent in t_w.items():
-            flat = flat + torch.dot(tangent.reshape(-1), grad_w_f[key].reshape(-1).to(tangent.dtype)).to(flat.dtype)
-        grad = tree_unflatten(flat, lam)
-        extra = {"directions": 1, "vectorized": True, "warnings": []}
-        return grad, w, s, extra, self.steps * 2 + 1
-
 
 def _get_rng(device: torch.device) -> tuple[Tensor, Tensor | None]:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -498,29 +450,6 @@ def _set_rng(device: torch.device, state: tuple[Tensor, Tensor | None]) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
-
-
-def _update_jvp(
-    opt: InnerOptimizer, w: Tree, grad: Tree, s: Tree, t_w: Tree, t_grad: Tree, t_s: Tree
-) -> tuple[Tree, Tree, Tree, Tree]:
-    """``opt.update`` and its JVP with dual tensors (forward AD; the update is elementwise, and
-    the dual-tensor form measured several times faster than ``torch.func.jvp``'s pytree plumbing)."""
-    with fwAD.dual_level():
-        dual = lambda x, t: {k: fwAD.make_dual(x[k], t[k].to(x[k].dtype)) for k in x}  # noqa: E731
-        w_new, s_new = opt.update(dual(w, t_w), dual(grad, t_grad), dual(s, t_s))
-
-        def split(tree: Tree) -> tuple[Tree, Tree]:
-            primal, tangent = {}, {}
-            for k, v in tree.items():
-                p_, t_ = fwAD.unpack_dual(v)
-                primal[k] = p_.detach()
-                # keep tangents in the dtype of their primals (pytorch/pytorch#90065)
-                tangent[k] = torch.zeros_like(primal[k]) if t_ is None else t_.detach().to(p_.dtype)
-            return primal, tangent
-
-        w_out, tw_out = split(w_new)
-        s_out, ts_out = split(s_new)
-    return w_out, s_out, tw_out, ts_out
 
 
 def _zeros_for_none(grads: Iterable[Tensor | None], like: Tree) -> Tree:
@@ -537,46 +466,81 @@ def _batched_basis(eye: Tensor, like: Tree) -> Tree:
     return out
 
 
-StepMap = Callable[[Tree, Tree, Tree], tuple[Tree, Tree]]
+class _Directions:
+    """Backward passes along ``p`` directions: one batched pass (``is_grads_batched``) while
+    ``batched``, else one pass per direction; a batched pass that fails switches to the loop
+    for the rest of the call and says why in ``warnings``."""
+
+    def __init__(self, p: int, batched: bool) -> None:
+        self.p, self.batched = p, batched
+        self.warnings: list[str] = []
+
+    def vjps(self, outputs: list[Tensor], inputs: list[Tensor], cotangents: list[Tensor]) -> list[Tensor]:
+        """Per input, the VJPs of ``outputs`` along each direction's cotangents (``(p, ...)``
+        leading), stacked; zeros for an input the outputs do not depend on."""
+        p = self.p
+        if outputs and self.batched:
+            try:
+                grads = torch.autograd.grad(outputs, inputs, cotangents, retain_graph=True, allow_unused=True,
+                                            is_grads_batched=True)
+                return [x.new_zeros((p, *x.shape)) if g_ is None else g_.detach() for g_, x in zip(grads, inputs,
+                                                                                                  strict=True)]
+            except Exception as exc:  # not batchable (vmap): loop below (re-raises real errors)
+                self.batched = False
+                self.warnings.append(
+                    f"batching the backward passes of the {p} hyperparameter direction(s) with vmap "
+                    f"failed ({type(exc).__name__}: {str(exc)[:200]}); used a loop over directions"
+                )
+        columns: list[list[Tensor | None]] = [[] for _ in inputs]
+        for d in range(p):
+            if outputs:
+                grads = torch.autograd.grad(outputs, inputs, [c[d] for c in cotangents], retain_graph=True,
+                                            allow_unused=True)
+            else:
+                grads = (None,) * len(inputs)
+            for column, g_ in zip(columns, grads, strict=True):
+                column.append(g_)
+        return [torch.stack([torch.zeros_like(x) if g_ is None else g_.detach() for g_ in column])
+                for column, x in zip(columns, inputs, strict=True)]
 
 
-def _step_map(problem: BilevelProblem, optimizer: InnerOptimizer, batch: Any) -> StepMap:
-    """``(w, s, lam) -> update(w, grad_w g(w, lam, batch), s)`` written with ``torch.func.grad``."""
+def _update_tangents(opt: InnerOptimizer, w: Tree, grad: Tree, s: Tree, t_w: Tree, t_grad: Tree, t_s: Tree,
+                     directions: _Directions) -> tuple[Tree, Tree, Tree, Tree]:
+    r"""``opt.update(w, grad, s)`` (detached) and its JVPs along each direction's tangents.
 
-    def step(w: Tree, s: Tree, lam: Tree) -> tuple[Tree, Tree]:
-        grad_w = torch.func.grad(lambda w_: problem.inner_loss(w_, lam, batch))(w)
-        return optimizer.update(w, grad_w, s)
+    The JVP is the VJP of the update's VJP: :math:`u \mapsto J^\top u` is linear in the
+    cotangent ``u``, so its VJP with cotangent ``t`` is :math:`J t`. Two backward passes through
+    the update (elementwise for the optimizers of :mod:`hypergrad.inner`), any update written with
+    differentiable ops, and no forward-mode AD.
+    """
+    def leaf(x: Tensor) -> Tensor:
+        return x.detach().requires_grad_(True) if x.is_floating_point() else x.detach()
 
-    return step
+    w_in, g_in, s_in = ({k: leaf(v) for k, v in tree.items()} for tree in (w, grad, s))
+    w_new, s_new = opt.update(w_in, g_in, s_in)
+    inputs, tangents = [], []
+    for tree, tangent in ((w_in, t_w), (g_in, t_grad), (s_in, t_s)):
+        for k, x in tree.items():
+            if x.requires_grad:
+                inputs.append(x)
+                tangents.append(tangent[k].to(x.dtype))
+    outputs = [v for v in (*w_new.values(), *s_new.values()) if v.requires_grad]
+    units = [torch.zeros_like(v, requires_grad=True) for v in outputs]
+    if outputs:
+        pulled = torch.autograd.grad(outputs, inputs, units, create_graph=True, allow_unused=True)
+    else:
+        pulled = (None,) * len(inputs)
+    linear = [(z, t) for z, t in zip(pulled, tangents, strict=True) if z is not None and z.requires_grad]
+    pushed = iter(directions.vjps([z for z, _ in linear], units, [t for _, t in linear]))
+    p = directions.p
 
+    def tangent_of(v: Tensor) -> Tensor:
+        # keep tangents in the dtype of their primals
+        return next(pushed).to(v.dtype) if v.requires_grad else v.new_zeros((p, *v.shape))
 
-def _jvp_vmapped(
-    step: StepMap, w: Tree, s: Tree, lam: Tree, t_w: Tree, t_s: Tree, t_lam: Tree
-) -> tuple[Tree, Tree, Tree, Tree]:
-    def directional(tw: Tree, ts: Tree, tl: Tree) -> tuple[tuple[Tree, Tree], tuple[Tree, Tree]]:
-        return torch.func.jvp(step, (w, s, lam), (tw, ts, tl))
-
-    (w_new, s_new), (tw_new, ts_new) = torch.func.vmap(
-        directional, in_dims=(0, 0, 0), out_dims=((None, None), (0, 0)), randomness="same"
-    )(t_w, t_s, t_lam)
-    return w_new, s_new, tw_new, ts_new
-
-
-def _jvp_looped(
-    step: StepMap, w: Tree, s: Tree, lam: Tree, t_w: Tree, t_s: Tree, t_lam: Tree, p: int
-) -> tuple[Tree, Tree, Tree, Tree]:
-    primal: tuple[Tree, Tree] | None = None
-    tws: list[Tree] = []
-    tss: list[Tree] = []
-    for i in range(p):
-        pick = lambda tree, i=i: {k: v[i] for k, v in tree.items()}  # noqa: E731
-        out, (tw, ts) = torch.func.jvp(step, (w, s, lam), (pick(t_w), pick(t_s), pick(t_lam)))
-        primal = primal or out
-        tws.append(tw)
-        tss.append(ts)
-    assert primal is not None
-    stack = lambda trees, like: {k: torch.stack([t[k] for t in trees]) for k in like}  # noqa: E731
-    return primal[0], primal[1], stack(tws, w), stack(tss, s)
+    t_w_new = {k: tangent_of(v) for k, v in w_new.items()}
+    t_s_new = {k: tangent_of(v) for k, v in s_new.items()}
+    return tree_detach(w_new), tree_detach(s_new), t_w_new, t_s_new
 
 
 def _plain_step(
