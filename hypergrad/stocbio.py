@@ -2,8 +2,11 @@ r"""StocBiO: inner SGD and a stochastic Neumann series (Ji, Yang, Liang, 2021)."
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -44,6 +47,32 @@ from hypergrad.tree import (
 __all__ = ["StocBiO"]
 
 
+_Class = TypeVar("_Class", bound=type)
+
+
+def _renamed_arguments(**renames: str) -> Callable[[_Class], _Class]:
+    """Accept each old keyword of the constructor (``old=new``) with a ``DeprecationWarning``."""
+
+    def decorate(cls: _Class) -> _Class:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def init_with_old_names(self: Any, *args: Any, **kwargs: Any) -> None:
+            for old, new in renames.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{cls.__name__}: pass {new} only ({old} is its deprecated name)")
+                    warnings.warn(f"{cls.__name__}({old}=...) is deprecated; use {new}=... (same meaning)",
+                                  DeprecationWarning, stacklevel=2)
+                    kwargs[new] = kwargs.pop(old)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = init_with_old_names  # type: ignore[misc]
+        return cls
+
+    return decorate
+
+
 def _check_steps(value: object, name: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -51,6 +80,7 @@ def _check_steps(value: object, name: str) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+@_renamed_arguments(neumann_steps="linear_steps", neumann_step_size="linear_step_size")
 @dataclass(frozen=True)
 class StocBiO:
     r"""StocBiO: ``T`` inner SGD steps, then a stochastic Neumann series with a fresh batch per term.
@@ -63,7 +93,7 @@ class StocBiO:
     1. ``inner_steps`` (:math:`T`) SGD steps :math:`w \leftarrow w - \rho\, \nabla_w g_{i_k}`
        from the given ``w`` (warm start across calls through ``result.w``);
     2. :math:`b = \nabla_w f_j` and :math:`\nabla_\lambda f_j` at the new ``w``;
-    3. the truncated Neumann series of :math:`H^{-1} b` with ``neumann_steps`` (:math:`Q`)
+    3. the truncated Neumann series of :math:`H^{-1} b` with ``linear_steps`` (:math:`Q`)
        Hessian-vector products, each on its own batch:
 
        .. math::
@@ -84,7 +114,7 @@ class StocBiO:
 
     Mapping from benchmark_bilevel's ``stocbio.py`` (``step_size``, ``outer_ratio``,
     ``n_inner_steps``, ``n_shia_steps``, constant steps): ``StocBiO(step_size,
-    inner_steps=n_inner_steps, neumann_steps=n_shia_steps)`` with the outer optimizer
+    inner_steps=n_inner_steps, linear_steps=n_shia_steps)`` with the outer optimizer
     ``lambda p: torch.optim.SGD(p, lr=step_size / outer_ratio)``, ``inner_steps=0`` in
     :func:`hypergrad.solve`.
 
@@ -100,8 +130,11 @@ class StocBiO:
     Args:
         step_size: :math:`\rho` of the inner SGD: a number > 0 or a schedule ``t -> rho_t``.
         inner_steps: :math:`T \ge 0`.
-        neumann_steps: :math:`Q \ge 0`.
-        neumann_step_size: :math:`\eta` of the series (None: ``step_size``).
+        linear_steps: :math:`Q \ge 0`, the Hessian-vector products of the series (the same name
+            as AmIGO's count of linear-system steps; ``neumann_steps``, its former name, still
+            works with a ``DeprecationWarning``).
+        linear_step_size: :math:`\eta` of the series (None: ``step_size``; formerly
+            ``neumann_step_size``, which still works with a ``DeprecationWarning``).
         compile: run each call as one graph traced by :func:`torch.compile` and compiled by
             inductor (:func:`hypergrad.stochastic.compiled_stochastic`): the same arithmetic, state
             and counts; step sizes and batch tensors are graph inputs (no recompile per step or
@@ -119,7 +152,7 @@ class StocBiO:
         >>> import torch, hypergrad as hg
         >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
         >>> f = lambda w, lam, b: 0.5 * ((w["x"] - 3.0) ** 2).sum()
-        >>> stocbio = hg.StocBiO(step_size=0.5, inner_steps=5, neumann_steps=20)
+        >>> stocbio = hg.StocBiO(step_size=0.5, inner_steps=5, linear_steps=20)
         >>> res = hg.solve(hg.BilevelProblem(g, f), {"x": torch.zeros(1)}, {"c": torch.zeros(1)},
         ...                stocbio, lambda p: torch.optim.SGD(p, lr=0.5), steps=40, progress=False)
         >>> round(res.lam["c"].item(), 4)
@@ -132,18 +165,30 @@ class StocBiO:
 
     step_size: StepSize
     inner_steps: int = 10
-    neumann_steps: int = 10
-    neumann_step_size: StepSize | None = None
+    linear_steps: int = 10
+    linear_step_size: StepSize | None = None
     compile: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
         check_step_size(self.step_size, "step_size")
-        if self.neumann_step_size is not None:
-            check_step_size(self.neumann_step_size, "neumann_step_size")
+        if self.linear_step_size is not None:
+            check_step_size(self.linear_step_size, "linear_step_size")
         _check_steps(self.inner_steps, "inner_steps")
-        _check_steps(self.neumann_steps, "neumann_steps")
+        _check_steps(self.linear_steps, "linear_steps")
+
+    @property
+    def neumann_steps(self) -> int:
+        """Deprecated name of :attr:`linear_steps` (reading it warns)."""
+        warnings.warn("StocBiO.neumann_steps is deprecated; use linear_steps", DeprecationWarning, stacklevel=2)
+        return self.linear_steps
+
+    @property
+    def neumann_step_size(self) -> StepSize | None:
+        """Deprecated name of :attr:`linear_step_size` (reading it warns)."""
+        warnings.warn("StocBiO.neumann_step_size is deprecated; use linear_step_size", DeprecationWarning, stacklevel=2)
+        return self.linear_step_size
 
     def hypergrad(
         self,
@@ -160,9 +205,9 @@ class StocBiO:
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
         t = step_counter(state, "StocBiO")
-        T, Q = self.inner_steps, self.neumann_steps
+        T, Q = self.inner_steps, self.linear_steps
         rho = step_size_at(self.step_size, t, "step_size")
-        eta = rho if self.neumann_step_size is None else step_size_at(self.neumann_step_size, t, "neumann_step_size")
+        eta = rho if self.linear_step_size is None else step_size_at(self.linear_step_size, t, "linear_step_size")
         batches = per_step(inner_batch, T + Q + 1)
 
         inner_residual: float | None = None
@@ -224,11 +269,11 @@ def _stocbio_stage(problem: BilevelProblem, w: Tree, lam: Tree, rho: Tensor, eta
 def _stocbio_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any, outer_batch: Any,
                   state: dict[str, Any] | None, t: int) -> HypergradResult | None:
     """``T`` inner steps, ``Q`` Neumann terms, one mixed product, by the compiled stage."""
-    n_products = method.neumann_steps
-    second = method.neumann_step_size
+    n_products = method.linear_steps
+    second = method.linear_step_size
     T = method.inner_steps
     rho = step_size_at(method.step_size, t, "step_size")
-    eta = rho if second is None else step_size_at(second, t, "neumann_step_size")
+    eta = rho if second is None else step_size_at(second, t, "linear_step_size")
     batches = per_step(inner_batch, T + n_products + 1)
     shared = not isinstance(inner_batch, StepBatches)
     rho_t, eta_t = tensor_like(rho, w), tensor_like(eta, w)
