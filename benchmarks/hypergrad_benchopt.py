@@ -770,7 +770,7 @@ def stochastic_comparisons(n_inner_batches: int, n_outer_batches: int
     if hasattr(hg, "StocBiO"):
         step, outer, T = STOCBIO_PARAMS["step_size"], STOCBIO_PARAMS["step_size"] / STOCBIO_PARAMS["outer_ratio"], 10
         out.append(("StocBiO", [HypergradSolver(
-            "StocBiO", lambda c: with_compile(hg.StocBiO, c, step_size=step, inner_steps=T, neumann_steps=T),
+            "StocBiO", lambda c: with_compile(hg.StocBiO, c, step_size=step, inner_steps=T, linear_steps=T),
             outer_lr=outer, oracle="minibatch", oracles_per_iteration=2 * T + 2,
             settings="T=10, 10 Neumann steps, steps .1, outer .1, constant",
             eval_every=STOCBIO_PARAMS["eval_freq"], step_batches=True)],

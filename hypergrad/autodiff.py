@@ -20,7 +20,9 @@ from torch import Tensor
 from hypergrad.problem import BilevelProblem
 from hypergrad.tree import Tree, check_finite, grads_to_tree, tree_requires_grad
 
-__all__ = ["RootSystem", "grad_with_graph", "inner_fn", "loss_and_grads", "outer_fn", "report_lam_unused"]
+__all__ = [
+    "RootSystem", "grad_or_zeros", "grad_with_graph", "inner_fn", "loss_and_grads", "outer_fn", "report_lam_unused",
+]
 
 LossFn = Callable[[Tree, Tree, Any], Tensor]
 
@@ -356,3 +358,24 @@ def report_lam_unused() -> None:
     report(["the inner loss g's gradient in w does not depend on lam (g ignores lam, or uses it only in terms "
             "without w): w* does not move with lam and the hypergradient is grad_lam f alone (zero if f "
             "ignores lam too); check that g uses lam"], UserWarning, stacklevel=4)
+
+
+def grad_or_zeros(value: Tensor, inputs: Tree, create_graph: bool) -> Tree:
+    """``d value / d inputs`` as a tree, zeros where ``value`` does not depend on an input.
+
+    With ``create_graph`` the gradients keep their graph (for a derivative of the gradient, as
+    the reverse-mode unrolling takes).
+
+    Example:
+        >>> import torch
+        >>> x, y = torch.ones(2, requires_grad=True), torch.ones(1, requires_grad=True)
+        >>> grads = grad_or_zeros((3 * x).sum(), {"x": x, "y": y}, create_graph=False)
+        >>> grads["x"].tolist(), grads["y"].tolist()
+        ([3.0, 3.0], [0.0])
+    """
+    if not value.requires_grad:
+        return {k: torch.zeros_like(v) for k, v in inputs.items()}
+    if create_graph:
+        return grads_to_tree(grad_with_graph(value, list(inputs.values())), inputs)
+    grads = torch.autograd.grad(value, list(inputs.values()), allow_unused=True)
+    return grads_to_tree(grads, inputs)

@@ -3,7 +3,7 @@ r"""Differentiable inner optimizers as pure functions over pytrees.
 Each optimizer is a frozen dataclass with ``init(w) -> state`` and
 ``update(w, grad, state) -> (w, state)``. Updates use only out-of-place tensor operations, so the
 same code runs under ``torch.no_grad`` (the driver's inner loop), with ``create_graph=True``
-(reverse-mode unrolling) and under ``torch.func.jvp`` (forward-mode unrolling).
+(reverse-mode unrolling) and through two backward passes (forward-mode unrolling).
 """
 
 from __future__ import annotations

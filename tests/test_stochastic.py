@@ -219,7 +219,7 @@ def test_stocbio_converges_to_its_truncated_neumann_solution(q: Quadratic) -> No
     # lam*). Comparing with lam*_Q rather than lam* keeps Q, and the test, small.
     L, LF = q.batch_hessian_max(), q.outer_smoothness()
     eta, Q = 0.9 / L, 6
-    method = hg.StocBiO(0.5 / L, inner_steps=3, neumann_steps=Q, neumann_step_size=eta)
+    method = hg.StocBiO(0.5 / L, inner_steps=3, linear_steps=Q, linear_step_size=eta)
     lam = run_averaged(
         q, method, lambda p: ScheduledSGD(p, Decreasing(0.5 / LF, 0.5)), steps=200, seed=3, iid=True
     )
@@ -327,7 +327,7 @@ def test_stocbio_neumann_estimate_is_the_truncated_series() -> None:
     eta, Q = 0.4, 5
     b = w["w"] - q.d.mean(0)
     # full batch: v = eta sum_{q=0}^{Q} (I - eta H)^q b
-    r = hg.StocBiO(0.1, inner_steps=0, neumann_steps=Q, neumann_step_size=eta).hypergrad(q.problem, w, lam)
+    r = hg.StocBiO(0.1, inner_steps=0, linear_steps=Q, linear_step_size=eta).hypergrad(q.problem, w, lam)
     H = q.hessian
     eye = torch.eye(3, dtype=DT)
     series = eta * sum(torch.linalg.matrix_power(eye - eta * H, k) for k in range(Q + 1)) @ b
@@ -336,7 +336,7 @@ def test_stocbio_neumann_estimate_is_the_truncated_series() -> None:
     # fresh batch per term: term k is multiplied by (I - eta H_{i_k}) of its own batch; the last
     # batch drawn is the mixed product's
     order = [3, 0, 2, 1, 1, 0]  # Q Neumann batches, then the cross batch
-    r = hg.StocBiO(0.1, inner_steps=0, neumann_steps=Q, neumann_step_size=eta).hypergrad(
+    r = hg.StocBiO(0.1, inner_steps=0, linear_steps=Q, linear_step_size=eta).hypergrad(
         q.problem, w, lam, hg.StepBatches([(i, None) for i in order]), None
     )
     term, total = b, b.clone()
@@ -352,7 +352,7 @@ def test_stocbio_inner_steps_use_one_batch_each() -> None:
     q = make_quadratic(seed=16, dim=2, p=1, kappa=2.0)
     w, lam, _ = point(q)
     order = [1, 3, 2]
-    r = hg.StocBiO(0.3, inner_steps=2, neumann_steps=0).hypergrad(q.problem, w, lam, hg.StepBatches([(i, None) for i in order]), None)
+    r = hg.StocBiO(0.3, inner_steps=2, linear_steps=0).hypergrad(q.problem, w, lam, hg.StepBatches([(i, None) for i in order]), None)
     x = w["w"]
     for i in order[:2]:
         idx = q.batches[i]
@@ -407,7 +407,7 @@ def test_amigo_draws_its_batches_in_order() -> None:
         (lambda: hg.SABA(0.1, n_inner=3, n_outer=0), "n_outer must be >= 1"),
         (lambda: hg.AmIGO(0.1, inner_steps=-1), "inner_steps must be >= 0"),
         (lambda: hg.AmIGO(0.1, linear_step_size=0.0), "linear_step_size must be a finite number > 0"),
-        (lambda: hg.StocBiO(0.1, neumann_steps=-2), "neumann_steps must be >= 0"),
+        (lambda: hg.StocBiO(0.1, linear_steps=-2), "linear_steps must be >= 0"),
         (lambda: Decreasing(0.1, exponent=-1.0), "exponent must be a finite number >= 0"),
     ],
 )
@@ -435,7 +435,7 @@ def test_bad_types_and_batches() -> None:
     with pytest.raises(ValueError, match="schedule must return a finite number > 0"):
         hg.SOBA(lambda t: 0.0).hypergrad(q.problem, w, lam)
     with pytest.raises(ValueError, match="yielded 2 batch"):
-        hg.StocBiO(0.1, inner_steps=1, neumann_steps=1).hypergrad(q.problem, w, lam, hg.StepBatches([None, None]))
+        hg.StocBiO(0.1, inner_steps=1, linear_steps=1).hypergrad(q.problem, w, lam, hg.StepBatches([None, None]))
 
 
 @pytest.mark.parametrize("method", [hg.SOBA(0.1), hg.SABA(0.1, n_inner=1), hg.AmIGO(0.1, inner_steps=1, linear_steps=1),
