@@ -4,11 +4,22 @@ Exact implicit differentiation, unrolled differentiation and first-order methods
 interface: ``method.hypergrad(problem, w, lam, inner_batch, outer_batch) -> HypergradResult``.
 """
 
-from hypergrad import autodiff, batched, batches, compiled, inner, linear, stochastic, tree
+from hypergrad import (
+    autodiff,
+    batched,
+    batches,
+    checkpoint,
+    compiled,
+    inner,
+    linear,
+    stochastic,
+    tree,
+)
 from hypergrad.alternating import AlternatingImplicit
 from hypergrad.amigo import AmIGO
 from hypergrad.batches import StepBatches
 from hypergrad.bome import BOME
+from hypergrad.checkpoint import SolveState, load_checkpoint, save_checkpoint
 from hypergrad.driver import SolveResult, inner_solve, solve
 from hypergrad.errors import ConvergenceWarning, NonFiniteError
 from hypergrad.finite_difference import FiniteDifference
@@ -37,19 +48,23 @@ __all__ = [
     "NonFiniteError",
     "Penalty",
     "SolveResult",
+    "SolveState",
     "StepBatches",
     "StocBiO",
     "Unrolled",
     "autodiff",
     "batched",
     "batches",
+    "checkpoint",
     "compiled",
     "functional",
     "inner",
     "inner_solve",
     "linear",
+    "load_checkpoint",
     "load_params",
     "module_params",
+    "save_checkpoint",
     "solve",
     "stochastic",
     "tree",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +27,7 @@ except ImportError:
 
 from hypergrad.autodiff import inner_fn, loss_and_grads
 from hypergrad.batches import StepBatches
+from hypergrad.checkpoint import SolveState, save_checkpoint
 from hypergrad.inner import SGD, InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradMethod
 from hypergrad.tree import Tree, check_finite, check_like, tree_detach, tree_norm
@@ -50,7 +53,11 @@ class SolveResult:
             estimate), ``inner_residual`` (‖∇_w g‖ before the estimate), ``converged`` (the
             method's own flag) and ``lr`` (the learning rate of the outer optimizer's first
             parameter group for that step; NaN for an optimizer without one).
-        state: the method's state after the last step (pass it to a later call to resume).
+        state: a :class:`~hypergrad.checkpoint.SolveState` after the last step: the method's
+            state (``state.method``), the outer optimizer's and the scheduler's, the inner
+            optimizer's, the batch streams' positions and the random-number state. Pass it to a
+            later call (``state=``) to continue exactly, or write it with
+            :func:`~hypergrad.checkpoint.save_checkpoint`.
         steps_run: outer steps taken (``steps`` unless the callback stopped the loop).
         stopped_early: whether the callback stopped the loop before ``steps``.
 
@@ -66,7 +73,7 @@ class SolveResult:
     w: Tree
     lam: Tree
     history: dict[str, list[float]] = field(default_factory=dict)
-    state: dict[str, Any] | None = None
+    state: SolveState | None = None
     steps_run: int = 0
     stopped_early: bool = False
 
@@ -88,6 +95,8 @@ class _BatchStream:
         self._iterator: Iterator[Any] | None = None
         self._one_shot = False
         self._epoch_drawn = 0
+        self._epoch_rng: dict[str, Any] | None = None  # random state before this epoch's iter(...)
+        self._first_rng: dict[str, Any] | None = None  # ... and before its first draw
         if self.constant:
             return
         if isinstance(batches, StepBatches):
@@ -95,6 +104,7 @@ class _BatchStream:
                 f"{name} must be batches, not a StepBatches: solve draws a fresh batch per step "
                 f"for methods that take several (pass {name}=<the batches> directly)"
             )
+        self._epoch_rng = _rng_snapshot(batches)
         try:
             self._iterator = iter(batches)
         except TypeError:
@@ -109,6 +119,8 @@ class _BatchStream:
         if self.constant:
             return self._batches
         assert self._iterator is not None
+        if self._epoch_drawn == 0 and not self._one_shot:
+            self._first_rng = _rng_snapshot(self._batches)  # a shuffling sampler draws its seed here
         try:
             batch = next(self._iterator)
         except StopIteration:
@@ -126,8 +138,10 @@ class _BatchStream:
             )
         if self._epoch_drawn == 0 and self.drawn == 0:
             raise ValueError(f"{self.name} is empty: it yielded no batch")
+        self._epoch_rng = _rng_snapshot(self._batches)
         self._iterator = iter(self._batches)
         self._epoch_drawn = 0
+        self._first_rng = _rng_snapshot(self._batches)
         try:
             return next(self._iterator)
         except StopIteration:
@@ -135,6 +149,43 @@ class _BatchStream:
                 f"{self.name} yielded no batch in a new epoch (after {self.drawn} batch(es) in "
                 "earlier epochs)"
             ) from None
+
+    def position(self) -> dict[str, Any]:
+        """Where the stream stands, for :class:`SolveState` (tensors and plain data only)."""
+        kind = "constant" if self.constant else "one-shot" if self._one_shot else "re-iterable"
+        record: dict[str, Any] = {"kind": kind, "drawn": self.drawn, "epoch_drawn": self._epoch_drawn}
+        if kind == "re-iterable":
+            record.update(epoch_rng=self._epoch_rng, first_rng=self._first_rng, rng=_rng_snapshot(self._batches))
+        return record
+
+    def resume(self, record: dict[str, Any]) -> None:
+        """Continue from ``record`` (a :meth:`position`): replay the current epoch up to its position.
+
+        A re-iterable is iterated afresh from the random state its epoch started from, and the
+        batches already drawn in that epoch are drawn again and dropped, so a shuffling
+        ``DataLoader`` continues with the permutation it was in. A one-shot iterator cannot be
+        rewound: it continues from wherever it is.
+        """
+        self.drawn = int(record["drawn"])
+        if self.constant or self._one_shot or record.get("kind") != "re-iterable":
+            return
+        _set_rng(self._batches, record["epoch_rng"])
+        self._iterator = iter(self._batches)
+        epoch_drawn = int(record["epoch_drawn"])
+        if epoch_drawn:
+            _set_rng(self._batches, record["first_rng"])
+        for position in range(epoch_drawn):
+            try:
+                next(self._iterator)
+            except StopIteration:
+                raise ValueError(
+                    f"cannot resume {self.name}: the state stood at batch {epoch_drawn} of an epoch, but "
+                    f"the batches given now yield only {position} (pass the same batches as the run that "
+                    "made the state)"
+                ) from None
+        self._epoch_drawn = epoch_drawn
+        self._epoch_rng, self._first_rng = record["epoch_rng"], record["first_rng"]
+        _set_rng(self._batches, record["rng"])
 
     def for_call(self, per_step: bool) -> Any:
         """The batch argument of one ``method.hypergrad`` call.
@@ -162,6 +213,67 @@ class _BatchStream:
                 )
             yield batch
             batch = self.next()
+
+
+def _loader_generators(batches: Any) -> list[torch.Generator]:
+    """The random generators a ``DataLoader`` (or its sampler) was given, if any."""
+    found: list[torch.Generator] = []
+    holders = (batches, getattr(batches, "sampler", None), getattr(getattr(batches, "batch_sampler", None), "sampler", None))
+    for holder in holders:
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
+
+
+def _rng_snapshot(batches: Any) -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in _loader_generators(batches)]}
+
+
+def _set_rng(batches: Any, snapshot: dict[str, Any]) -> None:
+    torch.set_rng_state(snapshot["torch"])
+    for generator, saved in zip(_loader_generators(batches), snapshot["generators"], strict=False):
+        generator.set_state(saved)
+
+
+def _global_rng() -> dict[str, Any]:
+    rng: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _set_global_rng(rng: dict[str, Any]) -> None:
+    if "torch" in rng:
+        torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _check_resume_point(resume: SolveState, w: Tree, lam: Tree) -> None:
+    for name, given, saved in (("w", w, resume.w), ("lam", lam, resume.lam)):
+        same = set(given) == set(saved) and all(
+            given[k].shape == saved[k].shape and torch.equal(given[k], saved[k].to(given[k].device, given[k].dtype))
+            for k in given)
+        if not same:
+            raise ValueError(
+                f"{name} is not state.{name} (where the state's run stopped, after step {resume.step}): resume "
+                f"with {name}=state.{name}, or pass state=state.method to start a new run with the "
+                "method's state only"
+            )
+
+
+def _restore_outer(resume: SolveState, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+    if resume.scheduler is not None and scheduler is None:
+        raise ValueError("state holds a scheduler's state but scheduler=None: pass the run's scheduler factory")
+    if resume.outer_optimizer is not None:
+        try:  # a copy: the optimizer steps its state in place, and the same state may be resumed twice
+            optimizer.load_state_dict(copy.deepcopy(resume.outer_optimizer))
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise ValueError(f"state.outer_optimizer does not fit the outer_optimizer given: {exc}") from exc
+    if scheduler is not None and resume.scheduler is not None:
+        scheduler.load_state_dict(copy.deepcopy(resume.scheduler))
 
 
 def _check_steps(steps: Any, name: str) -> None:
@@ -267,10 +379,12 @@ def solve(
     outer_batches: Iterable[Any] | None = None,
     progress: bool = True,
     callback: Callable[[int, Tree, Tree, Any], Any] | None = None,
-    state: dict[str, Any] | None = None,
+    state: SolveState | dict[str, Any] | None = None,
     hypergrad_batches: Iterable[Any] | None = None,
     scheduler: SchedulerFactory | None = None,
     outer_loss_every: int = 1,
+    checkpoint_every: int = 0,
+    checkpoint_path: str | os.PathLike[str] | None = None,
 ) -> SolveResult:
     r"""Minimise :math:`F(\lambda) = f(w^*(\lambda), \lambda)` with any hypergradient method.
 
@@ -316,6 +430,24 @@ def solve(
     forward pass of ``f``, and for a method that takes step batches one more batch drawn from
     ``outer_batches``.
 
+    **Resuming.** ``SolveResult.state`` is a :class:`~hypergrad.checkpoint.SolveState`; pass it
+    back, with ``w=state.w`` and ``lam=state.lam`` and the same problem, method, factories and
+    batches, and the run continues exactly where it stopped: ``steps`` more steps, numbered on
+    from ``state.step`` (in ``callback`` and ``outer_loss_every``), with the method's state, the
+    outer optimizer's and the scheduler's state (Adam's moments, the schedule's position), the
+    plain inner steps' optimizer state, and each batch stream's position restored, so 10 + 10
+    steps give the numbers of 20 bit for bit. A re-iterable stream (a list, a ``DataLoader``)
+    is replayed from the random state its current epoch started from up to the batch it stood
+    at (its batches are drawn again and dropped), so a shuffling ``DataLoader`` continues its
+    permutation; torch's global random state (and the generator a ``DataLoader`` or its sampler
+    was given) is set back to where the run left it. Not restored: a one-shot iterator (it
+    continues from wherever it is; ``state.streams[name]["drawn"]`` says how many batches it
+    gave), and random state outside torch (Python's ``random``, NumPy) that the batches or
+    losses use. ``dataclasses.replace(state, streams={})`` continues the optimization with
+    fresh streams. ``checkpoint_every=k`` writes the state to ``checkpoint_path`` (atomically,
+    with :func:`~hypergrad.checkpoint.save_checkpoint`) after every ``k``-th step and after the
+    last; :func:`~hypergrad.checkpoint.load_checkpoint` reads it back to resume a killed run.
+
     Args:
         problem: the bilevel problem.
         w: initial inner parameters.
@@ -332,13 +464,20 @@ def solve(
         progress: show a tqdm progress bar with F and ‖grad‖ (when tqdm is installed; else no bar).
         callback: called as ``callback(step, w, lam, result)`` after each outer step; a true
             return value stops the loop.
-        state: method state to resume from (``SolveResult.state`` of a previous run).
+        state: the state to resume from: a :class:`~hypergrad.checkpoint.SolveState`
+            (``SolveResult.state`` of a previous run, or :func:`~hypergrad.checkpoint.load_checkpoint`),
+            see "Resuming"; anything else is the method's own state alone (the outer optimizer,
+            scheduler and streams start afresh).
         hypergrad_batches: the batches of the method's ``inner_batch`` (its inner steps, linear
             solve and products); default None: drawn from ``inner_batches``.
         scheduler: factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler`` for the outer
             learning rate, stepped once per outer step; default None (constant).
         outer_loss_every: evaluate the outer loss for ``history`` every this many steps
             (int >= 0; 0: never; default 1: every step).
+        checkpoint_every: write the state to ``checkpoint_path`` after every this many steps
+            (int >= 0; counted from the first step of the whole run; 0: only after the last).
+        checkpoint_path: the checkpoint file (default None: none written); written after the
+            last step as well.
 
     Returns:
         A :class:`SolveResult`.
@@ -350,7 +489,9 @@ def solve(
         ValueError: ``steps < 1``, ``inner_steps < 0``, ``outer_loss_every < 0``, malformed
             ``w``/``lam``, a hypergradient not shaped like ``lam``; a one-shot batch iterator
             ran out or an iterable of batches is empty; ``ReduceLROnPlateau`` without
-            ``outer_loss_every=1``.
+            ``outer_loss_every=1``; ``checkpoint_every < 0``, or > 0 without ``checkpoint_path``;
+            a :class:`~hypergrad.checkpoint.SolveState` whose ``w``/``lam`` are not the ones
+            given, or whose optimizer or scheduler state does not fit.
         hypergrad.errors.NonFiniteError: a loss, gradient or hypergradient became NaN or inf.
 
     Example:
@@ -385,6 +526,13 @@ def solve(
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     _check_steps(inner_steps, "inner_steps")
     _check_steps(outer_loss_every, "outer_loss_every")
+    _check_steps(checkpoint_every, "checkpoint_every")
+    if checkpoint_every and checkpoint_path is None:
+        raise ValueError(f"checkpoint_every={checkpoint_every} needs checkpoint_path (the file to write)")
+    resume = state if isinstance(state, SolveState) else None
+    if resume is not None:
+        _check_resume_point(resume, w, lam)
+        state = resume.method
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
     inner_optimizer = inner_optimizer if inner_optimizer is not None else SGD(lr=0.1)
@@ -394,19 +542,40 @@ def solve(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("outer_optimizer must be a factory returning a torch.optim.Optimizer")
     lr_scheduler = _make_scheduler(scheduler, optimizer, outer_loss_every)
+    if resume is not None:
+        _restore_outer(resume, optimizer, lr_scheduler)
     inner_stream = _BatchStream(inner_batches, "inner_batches")
     hyper_stream = (
         inner_stream if hypergrad_batches is None else _BatchStream(hypergrad_batches, "hypergrad_batches")
     )
     outer_stream = _BatchStream(outer_batches, "outer_batches")
+    streams = {"inner_batches": inner_stream, "outer_batches": outer_stream}
+    if hyper_stream is not inner_stream:
+        streams["hypergrad_batches"] = hyper_stream
     step_batches = bool(getattr(method, "takes_step_batches", False))
     w = tree_detach(w)
     opt_state: Tree | None = None
+    start = 0
+    if resume is not None:
+        for name, stream in streams.items():
+            if name in resume.streams:
+                stream.resume(resume.streams[name])
+        _set_global_rng(resume.rng)
+        opt_state, start = resume.inner_optimizer, resume.step
+
+    def solve_state(steps_done: int) -> SolveState:
+        return SolveState(
+            step=steps_done, w=w, lam={k: v.detach().clone() for k, v in lam_params.items()}, method=state,
+            outer_optimizer=copy.deepcopy(optimizer.state_dict()),
+            scheduler=None if lr_scheduler is None else copy.deepcopy(lr_scheduler.state_dict()),
+            inner_optimizer=opt_state, streams={name: stream.position() for name, stream in streams.items()},
+            rng=_global_rng())
+
     history: dict[str, list[float]] = {
         "outer_loss": [], "grad_norm": [], "inner_residual": [], "converged": [], "lr": []}
     steps_run, stopped_early = 0, False
     last_outer_loss = float("nan")
-    bar = tqdm(range(steps), desc="hypergrad.solve", disable=not progress, leave=False)
+    bar = tqdm(range(start, start + steps), desc="hypergrad.solve", disable=not progress, leave=False)
     for step in bar:
         lam_now = {k: v.detach() for k, v in lam_params.items()}
         residual = float("nan")
@@ -439,10 +608,15 @@ def solve(
         history["inner_residual"].append(residual)
         history["converged"].append(float(result.info.converged))
         history["lr"].append(lr)
-        steps_run = step + 1
+        steps_run = step + 1 - start
         bar.set_postfix(F=f"{last_outer_loss:.4g}", grad=f"{grad_norm:.3g}")
         if callback is not None and callback(step, w, {k: v.detach() for k, v in lam_params.items()}, result):
-            stopped_early = step + 1 < steps
+            stopped_early = steps_run < steps
+        if checkpoint_every and (step + 1) % checkpoint_every == 0 and checkpoint_path is not None:
+            save_checkpoint(checkpoint_path, solve_state(step + 1))
+        if stopped_early:
             break
-    return SolveResult(w, {k: v.detach().clone() for k, v in lam_params.items()}, history, state,
-                       steps_run, stopped_early)
+    final = solve_state(start + steps_run)
+    if checkpoint_path is not None and not (checkpoint_every and (start + steps_run) % checkpoint_every == 0):
+        save_checkpoint(checkpoint_path, final)
+    return SolveResult(w, final.lam, history, final, steps_run, stopped_early)
