@@ -20,7 +20,7 @@ from hypergrad.amigo import AmIGO
 from hypergrad.batches import StepBatches
 from hypergrad.bome import BOME
 from hypergrad.checkpoint import SolveState, load_checkpoint, save_checkpoint
-from hypergrad.driver import SolveResult, inner_solve, solve
+from hypergrad.driver import InnerSolveResult, SolveResult, inner_solve, solve
 from hypergrad.errors import ConvergenceWarning, NonFiniteError
 from hypergrad.finite_difference import FiniteDifference
 from hypergrad.implicit import Implicit
@@ -45,6 +45,7 @@ __all__ = [
     "HypergradMethod",
     "HypergradResult",
     "Implicit",
+    "InnerSolveResult",
     "NonFiniteError",
     "Penalty",
     "SolveResult",

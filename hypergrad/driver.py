@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from hypergrad.inner import SGD, InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradMethod
 from hypergrad.tree import Tree, check_finite, check_like, tree_detach, tree_norm
 
-__all__ = ["SolveResult", "inner_solve", "solve"]
+__all__ = ["InnerSolveResult", "SolveResult", "inner_solve", "solve"]
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -281,6 +282,54 @@ def _check_steps(steps: Any, name: str) -> None:
         raise ValueError(f"{name} must be an int >= 0, got {steps!r}")
 
 
+class InnerSolveResult(tuple):
+    """What :func:`inner_solve` returns: unpacks as ``(w, state, grad_norm)``, and says how it stopped.
+
+    Attributes:
+        w: the inner parameters reached.
+        state: the optimizer's state there (pass it back as ``opt_state`` to continue).
+        grad_norm: the norm of the last gradient taken (NaN when no gradient was taken).
+        steps: optimizer steps taken.
+        converged: with a ``tol``, whether the gradient norm reached it (then ``grad_norm`` is
+            the norm at ``w`` and ``<= tol``); None without a ``tol`` (nothing was checked).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> out = hg.InnerSolveResult({"x": torch.ones(1)}, {}, 0.0, steps=4, converged=None)
+        >>> w, state, norm = out
+        >>> out.steps, out.converged, out.grad_norm
+        (4, None, 0.0)
+    """
+
+    steps: int
+    converged: bool | None
+
+    def __new__(cls, w: Tree, state: Tree, grad_norm: float, *, steps: int,
+                converged: bool | None) -> InnerSolveResult:
+        self = super().__new__(cls, (w, state, grad_norm))
+        self.steps, self.converged = steps, converged
+        return self
+
+    @property
+    def w(self) -> Tree:
+        """The inner parameters reached."""
+        return self[0]
+
+    @property
+    def state(self) -> Tree:
+        """The optimizer's state."""
+        return self[1]
+
+    @property
+    def grad_norm(self) -> float:
+        """The norm of the last gradient taken."""
+        return self[2]
+
+    def __repr__(self) -> str:
+        return (f"InnerSolveResult(steps={self.steps}, converged={self.converged}, "
+                f"grad_norm={self.grad_norm:.3g})")
+
+
 def _inner_steps(
     problem: BilevelProblem,
     w: Tree,
@@ -289,17 +338,31 @@ def _inner_steps(
     optimizer: InnerOptimizer,
     stream: _BatchStream,
     opt_state: Tree | None,
-) -> tuple[Tree, Tree, float]:
+    tol: float | None = None,
+) -> InnerSolveResult:
     state = optimizer.init(w) if opt_state is None else opt_state
     residual = float("nan")
-    for _ in range(steps):
-        _, gw, _ = loss_and_grads(inner_fn(problem, stream.next()), w, lam, wrt_lam=False, what="inner loss")
+    taken, converged = 0, None if tol is None else False
+    update_with_loss = getattr(optimizer, "update_with_loss", None)  # an optimizer with a line search
+    for _ in range(steps + (tol is not None)):  # with a tol: one more gradient, at the final w
+        batch = stream.next()
+        loss, gw, _ = loss_and_grads(inner_fn(problem, batch), w, lam, wrt_lam=False, what="inner loss")
         assert gw is not None
         residual = float(tree_norm(gw))
+        if tol is not None and residual <= tol:
+            converged = True
+            break
+        if taken == steps:
+            break
         with torch.no_grad():
-            w, state = optimizer.update(w, gw, state)
+            if update_with_loss is not None:
+                w, state = update_with_loss(w, gw, state, float(loss),
+                                            lambda v, batch=batch: float(problem.inner_loss(v, lam, batch)))
+            else:
+                w, state = optimizer.update(w, gw, state)
         w = tree_detach(w)
-    return w, state, residual
+        taken += 1
+    return InnerSolveResult(w, state, residual, steps=taken, converged=converged)
 
 
 def inner_solve(
@@ -310,8 +373,14 @@ def inner_solve(
     optimizer: InnerOptimizer,
     batches: Iterable[Any] | None = None,
     opt_state: Tree | None = None,
-) -> tuple[Tree, Tree, float]:
-    """Run ``steps`` plain (non-differentiable) optimizer steps on ``g(·, lam)``.
+    tol: float | None = None,
+) -> InnerSolveResult:
+    """Run up to ``steps`` plain (non-differentiable) optimizer steps on ``g(·, lam)``.
+
+    With ``tol``, stop as soon as :math:`\\lVert \\nabla_w g \\rVert \\le` ``tol`` (checked
+    before each step and once more after the last, on that step's batch); the result says how
+    many steps were taken and whether the tolerance was met. An optimizer with a line search
+    (:class:`~hypergrad.inner.LBFGS`) searches on the batch of its step.
 
     Args:
         problem: the bilevel problem (only its inner loss is used).
@@ -324,14 +393,18 @@ def inner_solve(
             epoch, an iterator is consumed and must not run out), a single batch (a tensor, dict
             or tuple, reused), or None.
         opt_state: optimizer state to continue from (default ``optimizer.init(w)``).
+        tol: stop when the gradient norm is at most this (a number >= 0); default None: run all
+            ``steps``.
 
     Returns:
-        ``(w, optimizer_state, final_gradient_norm)``; the norm is that of the last gradient
-        taken (NaN when ``steps == 0``).
+        An :class:`InnerSolveResult`, which unpacks as ``(w, optimizer_state,
+        final_gradient_norm)``; the norm is that of the last gradient taken (NaN when
+        ``steps == 0`` without ``tol``); ``.steps`` and ``.converged`` say how it stopped
+        (``converged`` is None without ``tol``).
 
     Raises:
-        ValueError: ``steps`` is not an int >= 0; an iterator ``batches`` ran out, or an iterable
-            is empty.
+        ValueError: ``steps`` is not an int >= 0; ``tol`` is not a number >= 0; an iterator
+            ``batches`` ran out, or an iterable is empty.
         TypeError: ``batches`` is not one of the forms above.
         hypergrad.errors.NonFiniteError: the inner loss or its gradient became NaN or inf (a
             step size too large for the problem).
@@ -343,9 +416,17 @@ def inner_solve(
         >>> w, _, res = hg.inner_solve(p, {"x": torch.zeros(2)}, {"c": torch.ones(2)}, 50, hg.inner.SGD(0.5))
         >>> w["x"].tolist(), res < 1e-6
         ([1.0, 1.0], True)
+
+        Stop at a gradient-norm tolerance instead (here after 20 of at most 100 steps):
+
+        >>> out = hg.inner_solve(p, {"x": torch.zeros(2)}, {"c": torch.ones(2)}, 100, hg.inner.SGD(0.5), tol=1e-5)
+        >>> out.steps, out.converged, out.grad_norm <= 1e-5
+        (18, True, True)
     """
     _check_steps(steps, "inner_steps")
-    return _inner_steps(problem, w, lam, steps, optimizer, _BatchStream(batches, "batches"), opt_state)
+    if tol is not None and (not isinstance(tol, (int, float)) or isinstance(tol, bool) or not 0 <= tol < math.inf):
+        raise ValueError(f"tol must be None or a finite number >= 0, got {tol!r}")
+    return _inner_steps(problem, w, lam, steps, optimizer, _BatchStream(batches, "batches"), opt_state, tol)
 
 
 def _make_scheduler(factory: SchedulerFactory | None, optimizer: torch.optim.Optimizer,
@@ -457,7 +538,8 @@ def solve(
             ``torch.optim.Adam(params, lr=1e-2)``.
         steps: maximum number of outer steps (>= 1).
         inner_steps: plain inner steps before each hypergradient (>= 0).
-        inner_optimizer: optimizer for those steps (default ``hg.inner.SGD(lr=0.1)``).
+        inner_optimizer: optimizer for those steps (default ``hg.inner.SGD(lr=0.1)``); one with a
+            line search (``hg.inner.LBFGS()``) searches on the batch of each step.
         inner_batches: the batches of the plain inner steps (and, by default, of the method's
             ``inner_batch``); see "Batch streams".
         outer_batches: the batches of the outer loss (the method's ``outer_batch``).
