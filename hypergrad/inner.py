@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -280,6 +280,7 @@ class LBFGS:
     """
 
     lr: float = 1.0
+    _: KW_ONLY  # the options below are keyword-only
     history_size: int = 10
     line_search: bool = True
     c1: float = 1e-4
