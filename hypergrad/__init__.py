@@ -8,6 +8,7 @@ from hypergrad import (
     autodiff,
     batched,
     batches,
+    checkpoint,
     compiled,
     distributed,
     inner,
@@ -19,7 +20,8 @@ from hypergrad.alternating import AlternatingImplicit
 from hypergrad.amigo import AmIGO
 from hypergrad.batches import StepBatches
 from hypergrad.bome import BOME
-from hypergrad.driver import SolveResult, inner_solve, solve
+from hypergrad.checkpoint import SolveState, load_checkpoint, save_checkpoint
+from hypergrad.driver import InnerSolveResult, SolveResult, inner_solve, solve
 from hypergrad.errors import ConvergenceWarning, NonFiniteError
 from hypergrad.finite_difference import FiniteDifference
 from hypergrad.implicit import Implicit
@@ -44,23 +46,28 @@ __all__ = [
     "HypergradMethod",
     "HypergradResult",
     "Implicit",
+    "InnerSolveResult",
     "NonFiniteError",
     "Penalty",
     "SolveResult",
+    "SolveState",
     "StepBatches",
     "StocBiO",
     "Unrolled",
     "autodiff",
     "batched",
     "batches",
+    "checkpoint",
     "compiled",
     "distributed",
     "functional",
     "inner",
     "inner_solve",
     "linear",
+    "load_checkpoint",
     "load_params",
     "module_params",
+    "save_checkpoint",
     "solve",
     "stochastic",
     "tree",

@@ -117,7 +117,7 @@ class AmIGO:
         ...                amigo, lambda p: torch.optim.SGD(p, lr=0.5), steps=40, progress=False)
         >>> round(res.lam["c"].item(), 4)
         3.0
-        >>> r = amigo.hypergrad(hg.BilevelProblem(g, f), res.w, res.lam, state=res.state)
+        >>> r = amigo.hypergrad(hg.BilevelProblem(g, f), res.w, res.lam, state=res.state.method)
         >>> r.info.grad_evals, r.info.extra["oracle_calls"]["hvp"]
         (12, 5)
     """

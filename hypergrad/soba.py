@@ -104,9 +104,9 @@ class SOBA:
         >>> res = hg.solve(hg.BilevelProblem(g, f), {"x": torch.zeros(1)}, {"c": torch.zeros(1)},
         ...                hg.SOBA(step_size=0.5), lambda p: torch.optim.SGD(p, lr=0.2),
         ...                steps=200, progress=False)
-        >>> round(res.lam["c"].item(), 4), round(res.state["v"]["x"].item(), 4)  # c* = 3, v* = 0
+        >>> round(res.lam["c"].item(), 4), round(res.state.method["v"]["x"].item(), 4)  # c* = 3, v* = 0
         (3.0, 0.0)
-        >>> res.state["step"]
+        >>> res.state.method["step"]
         200
     """
 
