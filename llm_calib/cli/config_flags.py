@@ -49,8 +49,7 @@ def _settings_flags(cls: type, dest: str, flag: str, group: Any, key: str, *, sk
     import dataclasses
     import typing
 
-    from llm_calib.calm.config import field_help
-    from llm_calib.flags import flag_type, plain_help
+    from llm_calib.cli.flags import field_help, flag_type, plain_help
 
     hints, helps, choices = typing.get_type_hints(cls), field_help(help_from or cls), getattr(cls, "field_choices", {})
     try:
