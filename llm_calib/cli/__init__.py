@@ -16,6 +16,13 @@ Subcommands:
 
 Errors in the user's input (a bad data spec, a missing file, an unknown model) print one line
 ``llm-calib: error: ...`` and exit with status 2, without a traceback.
+
+Each command is one module with its flags (``add_parser``) and its run (``run``):
+:mod:`~llm_calib.cli.evaluate`, :mod:`~llm_calib.cli.calibrate`, :mod:`~llm_calib.cli.export`,
+:mod:`~llm_calib.cli.metrics`, :mod:`~llm_calib.cli.demo`; :mod:`~llm_calib.cli.app` builds the
+parser and is the entry point (``llm-calib``, ``python -m llm_calib.cli``). Shared:
+:mod:`~llm_calib.cli.prompt` (the prompt flags), :mod:`~llm_calib.cli.config_flags` (``calibrate``'s
+configuration flags, generated with :mod:`~llm_calib.cli.flags` from the config's dataclasses).
 """
 
 from llm_calib.cli.app import build_parser, main

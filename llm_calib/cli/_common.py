@@ -76,6 +76,7 @@ def print_summary(result: Any, paths: dict[str, Any], out: str) -> None:
 
 
 def log_status(args: argparse.Namespace, message: str) -> None:
+    """A status line on stderr, unless the command runs with ``--quiet``."""
     if not getattr(args, "quiet", False):
         print(message, file=sys.stderr, flush=True)
 
