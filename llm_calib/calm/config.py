@@ -42,7 +42,7 @@ from llm_calib.prompts import PRESETS, PromptFormat, short_answer_format
 __all__ = [
     "CONFIG_PRESETS", "FLAT_KEYS", "METHODS", "PAPER_LORA_MODULES", "PARTS", "SOLVERS",
     "CalibrationConfig", "LoraSettings", "PromptSettings", "SelectionSettings", "TrainingSettings", "apply_preset",
-    "field_help", "flat_key_location", "flat_key_message", "flat_paths", "open_prompt_format", "read_config_file",
+    "flat_key_location", "flat_key_message", "flat_paths", "open_prompt_format", "read_config_file",
 ]
 
 METHODS = BUILTIN_OBJECTIVES
@@ -707,36 +707,3 @@ def _fewshot_split_from_file(data: dict[str, Any], path: Path) -> dict[str, Any]
                          "is read from the config file's directory)")
     return {**data, "prompt": {**prompt, "fewshot_split": resolved}}
 
-
-def field_help(cls: type) -> dict[str, str]:
-    """One line of help per field of a config dataclass, read from its ``Attributes:`` docstring.
-
-    Fields documented together (``max_log_scale, max_bias: ...``) share their text.
-
-    Example:
-        >>> field_help(LoraSettings)["rank"]
-        'adapter rank ``r``.'
-    """
-    out: dict[str, str] = {}
-    lines = (cls.__doc__ or "").splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.strip() == "Attributes:")
-    except StopIteration:
-        return out
-    indent, names = None, []
-    for line in lines[start + 1 :]:
-        if not line.strip():
-            continue
-        depth = len(line) - len(line.lstrip())
-        indent = depth if indent is None else indent
-        if depth < indent:
-            break
-        if depth == indent and ":" in line:
-            head, text = line.strip().split(":", 1)
-            names = [n.strip() for n in head.split(",")]
-            for n in names:
-                out[n] = text.strip()
-        else:
-            for n in names:
-                out[n] += " " + line.strip()
-    return out
