@@ -248,9 +248,15 @@ class SRBA:
                 "linear_residual": float(tree_norm(d.v)),
             },
         )
-        new_state = {"v": new_v, "step": t + 1, "w_prev": w, "v_prev": v, "lam_prev": lam,
+        # copies: hypergrad.solve hands over views of the outer parameters, which its optimizer
+        # then updates in place; the recursive step needs the point as it was at this call
+        new_state = {"v": new_v, "step": t + 1, "w_prev": _copy(w), "v_prev": v, "lam_prev": _copy(lam),
                      "d_w": d.w, "d_v": d.v, "d_lam": d.lam}
         return HypergradResult(d.lam, new_w, info, new_state)
+
+
+def _copy(tree: Tree) -> Tree:
+    return {k: x.detach().clone() for k, x in tree.items()}
 
 
 def _batch_directions(problem: BilevelProblem, w: Tree, v: Tree, lam: Tree, inner_batch: Any, outer_batch: Any) -> Directions:
