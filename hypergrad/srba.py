@@ -61,7 +61,7 @@ class SRBA:
     r"""SRBA: SOBA's three directions estimated by a recursive (SARAH) estimator, restarted from full batches.
 
     M. Dagréou, T. Moreau, S. Vaiter and P. Ablin, "A lower bound and a near-optimal algorithm
-    for bilevel empirical risk minimization", AISTATS 2024 (arXiv:2302.08766, 2023).
+    for bilevel empirical risk minimization", arXiv:2302.08766, 2023.
 
     For a finite sum :math:`g = \frac1{n}\sum_{i<n} g_i`, :math:`f = \frac1{m}\sum_{j<m} f_j`,
     write :math:`\phi_{ij}(z) = (\nabla_w g_i,\ \nabla^2_{ww} g_i\, v - \nabla_w f_j,\
@@ -82,8 +82,8 @@ class SRBA:
     correction :math:`\phi_{ij}(z_t) - \phi_{ij}(z_{t-1})` is small when the iterates move
     little, so the estimate's error stays small between restarts and **constant steps converge
     to the exact solution**, like SABA's, with no memory per batch; the paper shows SRBA reaches
-    an :math:`\epsilon`-stationary point in :math:`O((n + m)^{1/2} \epsilon^{-1})` oracle calls,
-    the order of its lower bound for bilevel empirical risk minimization.
+    an :math:`\epsilon`-stationary point in :math:`O((n + m)^{1/2} \epsilon^{-1})` oracle calls
+    (:math:`n + m` samples), the order of its lower bound for bilevel empirical risk minimization.
 
     **Full batches.** A restart averages the directions over ``full_inner_batches`` (for
     :math:`g`) and ``full_outer_batches`` (for :math:`f`): re-iterable collections of batches (a
