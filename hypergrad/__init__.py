@@ -30,6 +30,7 @@ from hypergrad.penalty import Penalty
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradMethod, HypergradResult
 from hypergrad.saba import SABA
 from hypergrad.soba import SOBA
+from hypergrad.srba import SRBA
 from hypergrad.stocbio import StocBiO
 from hypergrad.unrolled import Unrolled
 
@@ -37,6 +38,7 @@ __all__ = [
     "BOME",
     "SABA",
     "SOBA",
+    "SRBA",
     "AlternatingImplicit",
     "AmIGO",
     "BilevelProblem",

@@ -54,6 +54,8 @@ METHODS = {
     "BOME": (lambda: hg.BOME(inner_optimizer=SGD(lr=1.0), w_lr=0.5, inner_steps=3), {}),
     "SOBA": (lambda: hg.SOBA(step_size=0.5), {}),
     "SABA": (lambda: hg.SABA(step_size=0.5, n_inner=N_INNER, n_outer=N_OUTER), {}),
+    # restarts on this rank's shards of every batch (FULL, set in trajectories): the global mean over ranks
+    "SRBA": (lambda: hg.SRBA(step_size=0.5, period=3, full_inner_batches=FULL["inner"], full_outer_batches=FULL["outer"]), {}),
     "AmIGO": (lambda: hg.AmIGO(step_size=0.5, inner_steps=3, linear_steps=3), {}),
     "StocBiO": (lambda: hg.StocBiO(step_size=0.5, inner_steps=3, neumann_steps=3), {}),
 }
@@ -70,6 +72,9 @@ def data():
         return [(i, X[i], y[i]) for i in range(count)]
 
     return batches(N_INNER), batches(N_OUTER)
+
+
+FULL = {}  # this rank's shards of all the batches, SRBA's full batches
 
 
 def shard(batches, rank, world):
@@ -92,6 +97,7 @@ def trajectories(rank=0, world=1):
     """name -> the λ after each outer step, stacked (steps, features)."""
     problem = hg.distributed.data_parallel(hg.BilevelProblem(inner=inner, outer=outer))
     train, val = data()
+    FULL.update(inner=shard(train, rank, world), outer=shard(val, rank, world))
     out = {}
     for name, (make, options) in METHODS.items():
         lams = []
