@@ -364,6 +364,7 @@ def _add_prompt_args(group: Any, dest: Callable[[str], str | None]) -> None:
 
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     from llm_calib.calm.config import PromptSettings
+    from llm_calib.engine.packing import NORMALIZE_MODES
 
     p = sub.add_parser(
         "evaluate",
@@ -407,7 +408,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--normalize",
-        choices=("sum", "mean", "char", "byte"),
+        choices=NORMALIZE_MODES,
         default=None,
         help="option likelihood: summed token log-probabilities (lm-eval's acc), their mean per "
         "token, or the sum divided by the choice's characters (acc_norm) or bytes (acc_bytes); "

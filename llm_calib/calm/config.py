@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import llm_calib.objectives.builtin  # noqa: F401  registers the built-in objectives and solvers
 from llm_calib.checks import check_int, check_number, is_int
 from llm_calib.data.spec import SpecError, absolute_spec, parse_spec
+from llm_calib.engine.packing import NORMALIZE_MODES
 from llm_calib.formats import MULTIPLE_CHOICE_FORMATS
 from llm_calib.objectives.base import Objective
 from llm_calib.objectives.calm import Calm
@@ -182,7 +183,7 @@ class PromptSettings:
 
     field_choices: ClassVar[dict[str, tuple[str, ...]]] = {
         # the scorers are the formats' (the registry that evaluation and training read)
-        "scorer": tuple(MULTIPLE_CHOICE_FORMATS), "normalize": ("sum", "mean", "char", "byte"), "style": ("cloze", "listed"),
+        "scorer": tuple(MULTIPLE_CHOICE_FORMATS), "normalize": NORMALIZE_MODES, "style": ("cloze", "listed"),
     }
     format_fields: ClassVar[tuple[str, ...]] = (
         "template", "target_delimiter", "choices", "system_message", "answer_prefix", "fewshot", "fewshot_split",

@@ -19,7 +19,7 @@ from llm_calib.calm.config import CalibrationConfig, open_prompt_format
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.objectives import Batch
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.engine.packing import PackedQuestions, length_parts
+from llm_calib.engine.packing import LENGTH_NORMALIZATIONS, PackedQuestions, length_parts
 from llm_calib.formats import MULTIPLE_CHOICE_FORMATS, TaskFormat, format_for, records_family
 from llm_calib.prompts import preset
 
@@ -156,7 +156,7 @@ class EncodedRecords:
                 [torch.nn.functional.pad(self.trunk_cache[i], (0, 0, 0, L - self.trunk_cache[i].shape[0])) for i in idx]
             )
         return Batch(packed, labels, [self.records[i].id for i in idx], self.format, trunk,
-                     {n: t for n in ("char", "byte") if (t := self.option_text_lengths(idx, n)) is not None})
+                     {n: t for n in LENGTH_NORMALIZATIONS if (t := self.option_text_lengths(idx, n)) is not None})
 
     def option_text_lengths(self, indices: Sequence[int], normalize: str) -> Tensor | None:
         """``(len(indices), K_max)`` option lengths in characters or bytes (1 at padding); None without option

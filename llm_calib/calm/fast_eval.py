@@ -26,7 +26,7 @@ from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GenOut, TrunkGenerator
 from llm_calib.engine.options import forward_rows
-from llm_calib.engine.packing import PackedQuestions, length_batches, option_scores_from_logits
+from llm_calib.engine.packing import LENGTH_NORMALIZATIONS, PackedQuestions, length_batches, option_scores_from_logits
 from llm_calib.formats.base import TaskFormat
 from llm_calib.models import lm_head_logits, split_decoder_head
 from llm_calib.scoring.base import ScoredSet
@@ -97,7 +97,7 @@ def _option_scores(enc: EncodedRecords, batch_size: int, normalize: str, bar: An
     with torch.inference_mode():
         for idx in length_batches([enc.length(i) for i in range(len(enc))], batch_size):
             packed, logits = forward(idx)
-            lengths = enc.option_text_lengths(idx, normalize) if normalize in ("char", "byte") else None
+            lengths = enc.option_text_lengths(idx, normalize) if normalize in LENGTH_NORMALIZATIONS else None
             s = option_scores_from_logits(logits, packed, normalize, lengths)
             for row, i in enumerate(idx):
                 scores[i] = s[row, : len(enc.options[i])].double().cpu()

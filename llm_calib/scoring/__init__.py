@@ -8,9 +8,10 @@ the prompt) and :func:`score_letter` (the option letters, options listed). Open-
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from llm_calib.data.records import MultipleChoice
+from llm_calib.engine.packing import Normalize
 from llm_calib.prompts import PromptFormat
 from llm_calib.scoring.base import ScoredSet
 from llm_calib.scoring.letter import letter_token_ids, score_letter
@@ -35,7 +36,7 @@ SCORERS: dict[str, Callable[..., ScoredSet]] = {"option_likelihood": score_optio
 
 def score_multiple_choice(
     model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, scorer: str = "option_likelihood",
-    normalize: Literal["sum", "mean", "char", "byte"] = "sum", prompt: PromptFormat | None = None,
+    normalize: Normalize = "sum", prompt: PromptFormat | None = None,
     batch_size: int = 8, progress: bool = False,
 ) -> ScoredSet:
     """Score multiple-choice records with the scorer named ``scorer`` (``normalize``: option likelihood
