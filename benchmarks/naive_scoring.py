@@ -20,7 +20,8 @@ from torch import Tensor
 
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.lora import FunctionalLM
-from llm_calib.calm.objectives import Batch, CalmLosses, option_lengths
+from llm_calib.calm.losses import CalmLosses, option_lengths
+from llm_calib.training_interface import Batch
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import PackedQuestions
 from llm_calib.formats import MultipleChoiceFormat

@@ -13,7 +13,8 @@ from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import EncodingCache, encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
-from llm_calib.calm.objectives import Batch, CalmLosses
+from llm_calib.calm.losses import CalmLosses
+from llm_calib.training_interface import Batch
 from llm_calib.calm.trainer import (
     CalibrationResult,
     TrainingDiverged,

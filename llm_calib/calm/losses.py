@@ -17,7 +17,11 @@ from torch import Tensor
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.distributed import global_mean, replicated
-from llm_calib.engine.packing import LENGTH_NORMALIZATIONS, PackedQuestions, option_scores_from_logits
+from llm_calib.engine.packing import (
+    LENGTH_NORMALIZATIONS,
+    PackedQuestions,
+    option_scores_from_logits,
+)
 from llm_calib.formats.categorical import cross_entropy, entropy
 from llm_calib.training_interface import Batch
 

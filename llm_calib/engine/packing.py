@@ -16,10 +16,24 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "LENGTH_NORMALIZATIONS", "NORMALIZE_MODES", "Normalize",
-    "PACKED_MASK_ATTENTION", "PART_OVERHEAD_TOKENS", "OptionSequences", "PackedQuestions", "accepts_packed_masks",
-    "causal_additive_mask", "gather_token_logprobs", "length_batches", "length_parts", "option_scores_from_logits",
-    "option_sequences", "pack_continuations", "pack_letters", "pack_questions", "reduce_per_option",
+    "LENGTH_NORMALIZATIONS",
+    "NORMALIZE_MODES",
+    "PACKED_MASK_ATTENTION",
+    "PART_OVERHEAD_TOKENS",
+    "Normalize",
+    "OptionSequences",
+    "PackedQuestions",
+    "accepts_packed_masks",
+    "causal_additive_mask",
+    "gather_token_logprobs",
+    "length_batches",
+    "length_parts",
+    "option_scores_from_logits",
+    "option_sequences",
+    "pack_continuations",
+    "pack_letters",
+    "pack_questions",
+    "reduce_per_option",
 ]
 
 Normalize = Literal["sum", "mean", "char", "byte"]

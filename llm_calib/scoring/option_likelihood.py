@@ -12,7 +12,11 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import forward_rows, target_logprobs
-from llm_calib.engine.packing import NORMALIZE_MODES, Normalize, accepts_packed_masks, pack_questions
+from llm_calib.engine.packing import (
+    NORMALIZE_MODES,
+    accepts_packed_masks,
+    pack_questions,
+)
 from llm_calib.prompts import (
     PromptFormat,
     option_continuations,
