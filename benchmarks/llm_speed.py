@@ -362,7 +362,7 @@ def fast_vs_slow(base: Any, tok: Any, s: Settings, start: Any | None, log: Calla
             r.state.theta = {k: v.clone() for k, v in theta.items()}
             with torch.no_grad():
                 for k, v in start.lam.items():
-                    r.state.lam[k].copy_(v)
+                    r.state.objective_state.lam[k].copy_(v)
     else:  # an untrained start has LoRA B = 0: move off it so that every gradient is exercised
         gen = torch.Generator().manual_seed(1)
         theta = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in fast.state.theta.items()}

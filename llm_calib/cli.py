@@ -960,7 +960,7 @@ def _fewshot_pool(args: argparse.Namespace, prompt: Any, evaluated: list, log: C
 def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     from llm_calib import distributed
-    from llm_calib.calm.encoding import format_settings, run_formats
+    from llm_calib.calm.run import resolve_run
     from llm_calib.calm.trainer import TrainingDiverged
     from llm_calib.compare import run_comparison, write_comparison_report
     from llm_calib.data import load as load_data
@@ -991,7 +991,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     # one kind of record per set, read here; the held-out kind is the training kind, or multiple
     # choice under open-ended (prompt, response) training; the message names the offending record
     names = (f"--train {args.train}", f"--heldout {args.heldout}", "--unlabeled")
-    fmt = _user_call(lambda: run_formats(train[1], heldout[1], config, names=names).upper, None, (ValueError,))
+    run = _user_call(lambda: resolve_run(config, train[1], heldout[1], names=names), None, (ValueError,))
+    fmt = run.formats.upper
     unlabeled = None
     if args.unlabeled:
         parts = [_user_call(lambda spec=spec: load_data(spec, limit=args.unlabeled_limit, seed=seed).records,
@@ -1007,10 +1008,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     log(f"loaded {args.model} ({loading.dtype}{', 4-bit' if loading.load_in_4bit else ''}"
         f"{', 8-bit' if loading.load_in_8bit else ''}) in {time.perf_counter() - t1:.1f} s")
     # the prompt as resolved (chat_template: whether this tokenizer's template is used), as evaluate records it
-    prompt = prompt_dict(format_settings(config)["prompt"], tokenizer)
+    prompt = prompt_dict(run.settings["prompt"], tokenizer)
     try:
         cmp = run_comparison(
-            model, tokenizer, train, heldout, evals, config, methods, args.out,
+            model, tokenizer, train, heldout, evals, run, methods, args.out,
             unlabeled=unlabeled, resume=args.resume, progress=not args.no_progress, n_bins=args.bins,
             bootstrap=args.bootstrap, log=log,
             base_model={"model": _recorded_model(args.model), "dtype": loading.dtype, "prompt": prompt,
@@ -1169,7 +1170,7 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     """The :class:`~llm_calib.prompts.PromptFormat` of ``llm-calib evaluate`` (and ``export``):
     the preset, else the prompt a saved ``--adapter`` records (``base``), else the scorer's
     default; then the explicit prompt flags. ``calibrate`` builds the same format from the same
-    flags (:func:`llm_calib.calm.encoding.format_settings`).
+    flags (:func:`llm_calib.calm.run.format_settings`; both resolve with :func:`llm_calib.calm.run.resolve_prompt`).
 
     ``args.scorer`` and ``args.normalize`` (when the command has them) not given default to the
     saved result's, else ``option_likelihood`` and ``sum``.
@@ -1193,9 +1194,9 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
         >>> fmt.template, fmt.fewshot, args.normalize
         ('Question: {question}\\nAnswer:', 2, 'sum')
     """
+    from llm_calib.calm.run import resolve_prompt
     from llm_calib.data import absolute_spec
     from llm_calib.formats import multiple_choice_format
-    from llm_calib.prompts import PromptFormat, preset
 
     base = base or {}
     scorer = getattr(args, "scorer", None) or base.get("scorer") or "option_likelihood"
@@ -1206,14 +1207,7 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     if "fewshot_split" in given:  # recorded absolute (export, metrics.json), as the model path is
         given["fewshot_split"] = _user_call(lambda: absolute_spec(given["fewshot_split"]), "--fewshot-split")
     saved = _saved_prompt(base)
-    if args.prompt_preset is not None:
-        make = lambda: preset(args.prompt_preset, **given)  # noqa: E731
-    elif saved:
-        make = lambda: PromptFormat(**{**saved, **given})  # noqa: E731
-    else:
-        given.setdefault("style", multiple_choice_format(scorer).prompt_settings().style)
-        make = lambda: PromptFormat(**given)  # noqa: E731
-    fmt = _user_call(make, "prompt")
+    fmt = _user_call(lambda: resolve_prompt(scorer, given, preset_name=args.prompt_preset, saved=saved), "prompt")
     try:  # the scorer's own rules on the prompt (the letter scorer needs the options listed)
         multiple_choice_format(scorer, prompt=fmt)
     except ValueError as exc:

@@ -37,7 +37,8 @@ def resolve_prompt(scorer: str, overrides: Mapping[str, Any] | None = None, *, p
     given explicitly: a template, few-shot settings, ...). The few-shot pool is not loaded here.
 
     Raises:
-        ValueError: an unknown preset or an invalid prompt field (from :class:`~llm_calib.prompts.PromptFormat`).
+        ValueError: an unknown scorer or preset, or an invalid prompt field (from
+            :class:`~llm_calib.prompts.PromptFormat`).
 
     Example:
         >>> resolve_prompt("letter").style, resolve_prompt("option_likelihood", {"fewshot": 1}, style="listed").fewshot
@@ -51,7 +52,9 @@ def resolve_prompt(scorer: str, overrides: Mapping[str, Any] | None = None, *, p
         return preset(preset_name, **given, **chat)
     if saved:
         return PromptFormat(**{**saved, **given})
-    fmt = MULTIPLE_CHOICE_FORMATS[scorer]
+    fmt = MULTIPLE_CHOICE_FORMATS.get(scorer)
+    if fmt is None:
+        raise ValueError(f"scorer must be one of {tuple(MULTIPLE_CHOICE_FORMATS)}, got {scorer!r}")
     prompt = fmt.configured_prompt(fmt.default_prompt.style if style is None else style, chat_template)
     return dataclasses.replace(prompt, **given) if given else prompt
 
