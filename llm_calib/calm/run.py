@@ -263,8 +263,8 @@ def resolve_run(config: CalibrationConfig | None, train: Any, heldout: Any, unla
         >>> from llm_calib.data import builtin_multiple_choice
         >>> qs = builtin_multiple_choice(4, domains=["capitals"])
         >>> run = resolve_run(CalibrationConfig.from_dict({"preset": "paper"}), qs[:3], qs[3:])
-        >>> run.config.training.steps, run.formats.lower.layout, run.settings["scorer"]
-        (1, 'options', 'option_likelihood')
+        >>> run.config.training.steps, run.formats.lower.layout, run.settings["scorer"]   # 5 epochs of 3 questions
+        (5, 'letter', 'letter')
     """
     config = config or CalibrationConfig()
     optimizer = theta_optimizer(config)
