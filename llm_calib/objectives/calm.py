@@ -77,7 +77,7 @@ class CalmSolver(Protocol):
 @dataclass
 class Bome:
     """BOME (:class:`hypergrad.BOME`): ``inner_steps`` plain-SGD steps define the value function; θ steps by
-    the run's θ optimiser (:func:`~llm_calib.calm.methods.theta_optimizer`).
+    the run's θ optimiser (:func:`~llm_calib.calm.run.theta_optimizer`).
 
     Attributes:
         eta: the barrier coefficient η > 0 (2: θ's step weighs the task loss about as much as the
