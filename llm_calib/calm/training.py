@@ -1,7 +1,7 @@
 """The public training loop of a calibration run, as small functions on two dataclasses.
 
-:class:`Trainer` holds what a run does not change (model, losses, encoded data, solver);
-:class:`TrainState` what it changes (θ, λ, optimiser states, history, selection). A run::
+:class:`Trainer` holds what a run does not change (model, losses, encoded data, θ's optimiser, the
+objective); :class:`TrainState` what it changes (θ, the objective's state, history, selection). A run::
 
     trainer = build_trainer(model, tokenizer, train, heldout, config)
     state = init_state(trainer)                     # evaluates the initial model
