@@ -369,13 +369,13 @@ def fast_vs_slow(base: Any, tok: Any, s: Settings, start: Any | None, log: Calla
         fast.state.theta, slow.state.theta = ({k: v.clone() for k, v in theta.items()} for _ in range(2))
     out: dict[str, Any] = {"k": s.top_k, "from_trained": start is not None}
     tf, sf, ts, ss = fast.trainer, fast.state, slow.trainer, slow.state
-    out["losses"] = checks = compare_losses(tf, sf.theta, ts, ss.theta, sf.lam)  # a: fast, b: slow (the reference)
+    out["losses"] = checks = compare_losses(tf, sf.theta, ts, ss.theta, sf.objective_state.lam)  # a: fast, b: slow (the reference)
     for tag, r in (("fast", fast), ("slow", slow)):
         t0 = time.perf_counter()
         for _ in range(s.trajectory_steps):
             r.step()
         out[f"{tag}_steps_s"] = time.perf_counter() - t0
-    out["theta_rel"], out["lam_rel"] = relative_difference(sf.theta, ss.theta), relative_difference(sf.lam, ss.lam)
+    out["theta_rel"], out["lam_rel"] = relative_difference(sf.theta, ss.theta), relative_difference(sf.objective_state.lam, ss.objective_state.lam)
     subset = [q for d in test for q in test[d][: s.slow_eval_per_domain]]
     tf.lm.load_theta(sf.theta)
     ts.lm.load_theta(ss.theta)
