@@ -21,6 +21,7 @@ import numpy as np
 from llm_calib import metrics
 from llm_calib.data import load as load_data
 from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.engine.packing import Normalize
 from llm_calib.fewshot import resolve_fewshot
 from llm_calib.formats import (
     RecordKindError,
@@ -200,7 +201,7 @@ def domain_result(
 
 def evaluate_records(
     model: Any, tokenizer: Any, datasets: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]], *,
-    scorer: str = "option_likelihood", normalize: Literal["sum", "mean", "char", "byte"] = "sum",
+    scorer: str = "option_likelihood", normalize: Normalize = "sum",
     prompt: PromptFormat | None = None, batch_size: int = 8,
     temperature_fit: tuple[str, Sequence[MultipleChoice]] | None = None, n_bins: int = 10, ci: bool = True,
     n_resamples: int = 1000, seed: int = 0, max_new_tokens: int = 32, progress: bool = False,
@@ -309,7 +310,7 @@ class _Scoring:
 
 def evaluate(
     model: Any, tokenizer: Any, data: Sequence[str], *, scorer: str = "option_likelihood",
-    normalize: Literal["sum", "mean", "char", "byte"] = "sum", prompt: PromptFormat | None = None,
+    normalize: Normalize = "sum", prompt: PromptFormat | None = None,
     limit: int | None = None, limit_mode: Literal["sample", "first"] = "sample",
     on_error: Literal["raise", "skip"] = "raise", batch_size: int = 8, temperature_fit: str | None = None,
     n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0, max_new_tokens: int = 32,

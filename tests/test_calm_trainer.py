@@ -20,7 +20,7 @@ import hypergrad as hg
 import llm_calib
 from llm_calib.calm.config import CalibrationConfig, LoraSettings, open_prompt_format
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM
-from llm_calib.calm.objectives import CalmLosses
+from llm_calib.calm.losses import CalmLosses
 from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.data import load as load_data

@@ -31,9 +31,9 @@ class BrierLoss(OneLevelObjective):
 
     weight: float = 1.0
 
-    def loss_fn(self, trainer, state, inner, parts):
+    def loss_fn(self, context, inner, parts):
         def loss(theta):
-            p = torch.softmax(trainer.losses.scores(theta, None, inner), -1)
+            p = torch.softmax(context.losses.scores(theta, None, inner), -1)
             onehot = torch.nn.functional.one_hot(inner.labels, p.shape[-1]).to(p.dtype)
             return self.weight * ((p - onehot) ** 2).sum(-1).mean()
 

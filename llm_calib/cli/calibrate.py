@@ -214,11 +214,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _load_data(args: argparse.Namespace, config: Any, log: Callable[[str], None]) -> tuple[Any, Any, list, Any]:
+def _load_data(args: argparse.Namespace, config: Any,
+               log: Callable[[str], None]) -> tuple[Any, Any, list, Any, Any]:
     """The ``--train``, ``--heldout``, ``--eval`` and ``--unlabeled`` sets (the last None without
-    the flag), each checked against the formats of the run; ``config.prompt``'s few-shot pool,
-    drawn once without the held-out and evaluated questions."""
-    from llm_calib.calm.encoding import run_formats
+    the flag), each checked against the formats of the run, and the run resolved once
+    (:func:`~llm_calib.calm.run.resolve_run`); ``config.prompt``'s few-shot pool (the config this
+    command built), drawn once without the held-out and evaluated questions."""
+    from llm_calib.calm.run import resolve_run
     from llm_calib.data import load as load_data
     from llm_calib.prompts import PromptFormat
 
@@ -235,7 +237,8 @@ def _load_data(args: argparse.Namespace, config: Any, log: Callable[[str], None]
     # one kind of record per set, read here; the held-out kind is the training kind, or multiple
     # choice under open-ended (prompt, response) training; the message names the offending record
     names = (f"--train {args.train}", f"--heldout {args.heldout}", "--unlabeled")
-    fmt = user_call(lambda: run_formats(train[1], heldout[1], config, names=names).upper, None, (ValueError,))
+    resolved = user_call(lambda: resolve_run(config, train[1], heldout[1], names=names), None, (ValueError,))
+    fmt = resolved.formats.upper
     unlabeled = None
     if args.unlabeled:
         parts = [user_call(lambda spec=spec: load_data(spec, limit=args.unlabeled_limit, seed=seed).records,
@@ -245,7 +248,7 @@ def _load_data(args: argparse.Namespace, config: Any, log: Callable[[str], None]
             raise UserError(f"--unlabeled {unlabeled[0]}: no records (the unlabelled set is empty)")
         user_call(lambda: fmt.check(unlabeled[1], what=f"--unlabeled {unlabeled[0]}"), None, (ValueError,))
         log(f"loaded {len(unlabeled[1])} unlabelled inputs from {unlabeled[0]}")
-    return train, heldout, evals, unlabeled
+    return train, heldout, evals, unlabeled, resolved
 
 
 def _print_ece(cmp: Any) -> None:
@@ -272,7 +275,6 @@ def run(args: argparse.Namespace) -> int:
         2
     """
     from llm_calib import distributed
-    from llm_calib.calm.encoding import format_settings
     from llm_calib.calm.trainer import TrainingDiverged
     from llm_calib.compare import run_comparison, write_comparison_report
     from llm_calib.prompts import prompt_dict
@@ -289,17 +291,17 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
-    train, heldout, evals, unlabeled = _load_data(args, config, log)
+    train, heldout, evals, unlabeled, resolved = _load_data(args, config, log)
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     model, tokenizer, loading = load_base_model(args, run_device(args.device))  # once: every method trains its own adapters
     log(f"loaded {args.model} ({loading.dtype}{', 4-bit' if loading.load_in_4bit else ''}"
         f"{', 8-bit' if loading.load_in_8bit else ''}) in {time.perf_counter() - t1:.1f} s")
     # the prompt as resolved (chat_template: whether this tokenizer's template is used), as evaluate records it
-    prompt = prompt_dict(format_settings(config)["prompt"], tokenizer)
+    prompt = prompt_dict(resolved.settings["prompt"], tokenizer)
     try:
         cmp = run_comparison(
-            model, tokenizer, train, heldout, evals, config, methods, args.out,
+            model, tokenizer, train, heldout, evals, resolved, methods, args.out,
             unlabeled=unlabeled, resume=args.resume, progress=not args.no_progress, n_bins=args.bins,
             bootstrap=args.bootstrap, log=log,
             base_model={"model": recorded_model(args.model), "dtype": loading.dtype, "prompt": prompt,

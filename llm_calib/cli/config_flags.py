@@ -222,12 +222,8 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
         >>> config.training.steps, [o.name for o in objectives]
         (5, ['calm', 'lora_ce'])
     """
-    from llm_calib.calm.config import (
-        CalibrationConfig,
-        apply_preset,
-        flat_key_location,
-        read_config_file,
-    )
+    from llm_calib.calm.config import CalibrationConfig, apply_preset, read_config_file
+    from llm_calib.calm.flat_keys import flat_key_location
     from llm_calib.data import absolute_spec
 
     data: dict = {}

@@ -69,6 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         (8, True)
     """
     from llm_calib.calm.config import PromptSettings
+    from llm_calib.engine.packing import NORMALIZE_MODES
 
     p = sub.add_parser(
         "evaluate",
@@ -112,7 +113,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--normalize",
-        choices=("sum", "mean", "char", "byte"),
+        choices=NORMALIZE_MODES,
         default=None,
         help="option likelihood: summed token log-probabilities (lm-eval's acc), their mean per "
         "token, or the sum divided by the choice's characters (acc_norm) or bytes (acc_bytes); "

@@ -99,7 +99,7 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     """The :class:`~llm_calib.prompts.PromptFormat` of ``llm-calib evaluate`` (and ``export``):
     the preset, else the prompt a saved ``--adapter`` records (``base``), else the scorer's
     default; then the explicit prompt flags. ``calibrate`` builds the same format from the same
-    flags (:func:`llm_calib.calm.encoding.format_settings`).
+    flags (:func:`llm_calib.calm.run.format_settings`; both resolve with :func:`llm_calib.calm.run.resolve_prompt`).
 
     ``args.scorer`` and ``args.normalize`` (when the command has them) not given default to the
     saved result's, else ``option_likelihood`` and ``sum``.
@@ -124,9 +124,9 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
         >>> fmt.template, fmt.fewshot, args.normalize
         ('Question: {question}\\nAnswer:', 2, 'sum')
     """
+    from llm_calib.calm.run import resolve_prompt
     from llm_calib.data import absolute_spec
     from llm_calib.formats import multiple_choice_format
-    from llm_calib.prompts import PromptFormat, preset
 
     base = base or {}
     scorer = getattr(args, "scorer", None) or base.get("scorer") or "option_likelihood"
@@ -137,14 +137,7 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     if "fewshot_split" in given:  # recorded absolute (export, metrics.json), as the model path is
         given["fewshot_split"] = user_call(lambda: absolute_spec(given["fewshot_split"]), "--fewshot-split")
     saved = saved_prompt(base)
-    if args.prompt_preset is not None:
-        make = lambda: preset(args.prompt_preset, **given)  # noqa: E731
-    elif saved:
-        make = lambda: PromptFormat(**{**saved, **given})  # noqa: E731
-    else:
-        given.setdefault("style", multiple_choice_format(scorer).prompt_settings().style)
-        make = lambda: PromptFormat(**given)  # noqa: E731
-    fmt = user_call(make, "prompt")
+    fmt = user_call(lambda: resolve_prompt(scorer, given, preset_name=args.prompt_preset, saved=saved), "prompt")
     try:  # the scorer's own rules on the prompt (the letter scorer needs the options listed)
         multiple_choice_format(scorer, prompt=fmt)
     except ValueError as exc:

@@ -30,7 +30,7 @@ from llm_calib.scoring.option_likelihood import (
 )
 
 if TYPE_CHECKING:
-    from llm_calib.calm.objectives import Batch, CalmLosses
+    from llm_calib.training_interface import Batch, Losses
 
 __all__ = ["Letter", "MultipleChoiceFormat", "OptionLikelihood", "normalization_metrics", "normalization_summary"]
 
@@ -107,17 +107,17 @@ class MultipleChoiceFormat(TaskFormat):
         return record.gold
 
     def categorical(
-        self, losses: CalmLosses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
+        self, losses: Losses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
     ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
         """One option distribution per question (adjusted scores), the gold options, no reduction."""
         scores = losses.scores(theta, lam, batch)
         return scores, batch.labels.to(scores.device), identity
 
-    def deployed_entropy(self, losses: CalmLosses, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
+    def deployed_entropy(self, losses: Losses, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
         """Entropy of the unadjusted option distribution."""
         return entropy(losses.scores(theta, None, batch))
 
-    def monitor(self, losses: CalmLosses, batch: Batch) -> dict[str, Tensor]:
+    def monitor(self, losses: Losses, batch: Batch) -> dict[str, Tensor]:
         """Max probability, argmax correct, ``-log p(gold)`` and entropy of the option distribution."""
         scores = losses.scores(None, None, batch).double().cpu()
         p = torch.softmax(scores, -1)
@@ -179,6 +179,7 @@ class OptionLikelihood(MultipleChoiceFormat):
     prompt: PromptFormat | None = None
 
     layout: ClassVar[str] = "options"
+    auto_adjustment: ClassVar[str] = "option_temperature"
     default_prompt: ClassVar[PromptFormat] = PromptFormat()  # cloze
 
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
@@ -227,6 +228,7 @@ class Letter(MultipleChoiceFormat):
     normalize: str = "sum"
 
     layout: ClassVar[str] = "letter"
+    auto_adjustment: ClassVar[str] = "answer_tokens"
     default_prompt: ClassVar[PromptFormat] = PromptFormat(style="listed")
 
     def __post_init__(self) -> None:
