@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from llm_calib.file_modes import write_text_atomic
 from llm_calib.objectives.calm import Bome, Calm
 
 __all__ = ["DemoSettings", "calibration_config", "explain_table", "run_demo", "split_data"]
@@ -212,10 +213,10 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
         + table + "\n\n" + "\n".join(reading) + "\n\nWall time per phase (s): "
         + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()) + "\n"
     )
-    (out / "report.md").write_text(report)
+    write_text_atomic(out / "report.md", report)
     results = {"rows": rows, "temperature": temperature, "timings": timings, "calm_metrics": result.metrics,
                "reading": reading}
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=float))
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2, default=float))
     result.save(out / "calm")
     print(report)
     return results
