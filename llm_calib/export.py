@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,7 +17,7 @@ from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.trainer import BASE_MODEL_FILE
 from llm_calib.file_modes import ordinary_modes, write_json_atomic
 
-__all__ = ["EXPORT_FILE", "adapter_directory", "check_export_target", "export_merged", "load_adapter", "merge_adapter", "merged_record",
+__all__ = ["EXPORT_FILE", "adapter_directory", "check_adapter_base", "check_export_target", "export_merged", "load_adapter", "merge_adapter", "merged_record",
            "saved_base", "saved_base_file"]
 
 EXPORT_FILE = "llm_calib_export.json"
@@ -86,8 +87,75 @@ def merged_record(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(json.loads(record.read_text())) if record.is_file() else {}
 
 
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model names (a local path, an alias, a hub name) name one model."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() or pb.exists():
+        return pa.exists() and pb.exists() and _same_folder(pa, pb)
+    return a.strip().rstrip("/").lower() == b.strip().rstrip("/").lower()
+
+
+def check_adapter_base(adapter: str | os.PathLike[str], model: str, *, allow_other_base: bool = False) -> None:
+    """Refuse to put the saved result ``adapter`` on ``model`` (as given to the loader: a path, an
+    alias or a hub name) when the result records another base (:func:`saved_base`): an adapter on
+    another base of the same shape loads without a word and scores nonsense. A plain peft adapter
+    (no record) passes. Meant to run before the model is loaded.
+
+    Raises:
+        ValueError: the recorded base differs and not ``allow_other_base``; names both and the file.
+
+    Example:
+        >>> import json, pathlib, tempfile
+        >>> run = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (run / "base_model.json").write_text(json.dumps({"model": "smollm2-135m-instruct"}))
+        >>> check_adapter_base(run, "smollm2-135m-instruct")
+        >>> check_adapter_base(run, "smollm2-360m-instruct")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: --adapter ... was trained on smollm2-135m-instruct (.../base_model.json), not on --model smollm2-360m-instruct; ...
+        >>> check_adapter_base(run, "smollm2-360m-instruct", allow_other_base=True)
+    """
+    record = saved_base_file(adapter)
+    if record is None:
+        return
+    try:
+        trained_on = saved_base(adapter).get("model")
+    except ValueError as err:  # a truncated record
+        raise ValueError(f"--adapter {adapter}: {record} is not valid JSON ({err}); write it again or remove it "
+                         "and give --model") from None
+    if not trained_on or allow_other_base or _same_model(str(trained_on), str(model)):
+        return
+    raise ValueError(f"--adapter {adapter} was trained on {trained_on} ({record}), not on --model {model}; "
+                     "leave out --model to use that base, or pass --allow-other-base to apply it anyway")
+
+
+_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) "
+                            r"from checkpoint, the shape in current model is (torch\.Size\(\[[^\]]*\]\))")
+
+
+def _shape_error(err: RuntimeError, path: str | os.PathLike[str]) -> ValueError | None:
+    """peft's 40-line ``size mismatch`` error as one line naming the first tensor, or None for another error."""
+    found = _SIZE_MISMATCH.findall(str(err))
+    if not found:
+        return None
+    name, saved, current = found[0]
+    trained_on = saved_base(path).get("model") if saved_base_file(path) is not None else None
+    on = f" (trained on {trained_on})" if trained_on else ""
+    return ValueError(f"--adapter {path} does not fit this model{on}: {len(found)} tensor(s) differ in shape, "
+                      f"e.g. {name.replace('.default', '')} is {tuple(_dims(saved))} in the adapter, "
+                      f"{tuple(_dims(current))} in the model; it was trained on another base")
+
+
+def _dims(size: str) -> list[int]:
+    return [int(d) for d in re.findall(r"\d+", size)]
+
+
 def load_adapter(base_model: Any, path: str | os.PathLike[str]) -> Any:
     """Put the adapter saved at ``path`` (:func:`adapter_directory`) on ``base_model`` (eval mode).
+
+    Raises:
+        FileNotFoundError: ``path`` holds no adapter.
+        ValueError: the adapter's tensors do not fit ``base_model`` (trained on another base); one
+            line naming the first tensor and both shapes.
 
     Example:
         >>> import tempfile
@@ -102,7 +170,13 @@ def load_adapter(base_model: Any, path: str | os.PathLike[str]) -> Any:
     from peft import PeftModel
 
     with peft_deprecations_silenced():
-        model = PeftModel.from_pretrained(base_model, str(adapter_directory(path)))
+        try:
+            model = PeftModel.from_pretrained(base_model, str(adapter_directory(path)))
+        except RuntimeError as err:
+            clear = _shape_error(err, path)
+            if clear is None:
+                raise
+            raise clear from None
     model.eval()
     return model
 
