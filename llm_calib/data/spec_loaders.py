@@ -100,6 +100,8 @@ def load_lm_eval_spec(spec: Spec, on_error: OnError) -> LoadResult[Any]:
         fs_seed = int(kv.get("fewshot_seed", 1234))
     except ValueError:
         raise SpecError(f"spec {spec.text!r}: num_fewshot and fewshot_seed must be integers") from None
+    if shots is not None and shots < 0:
+        raise SpecError(f"spec {spec.text!r}: num_fewshot must be >= 0, got {shots}")
     return load_lm_eval_task(spec.target, include=kv.get("include"), num_fewshot=shots, fewshot_seed=fs_seed,
                              on_error=on_error)
 
