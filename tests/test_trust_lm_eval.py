@@ -46,7 +46,7 @@ def test_hub_offline_sets_and_restores_the_libraries_settings(monkeypatch: pytes
     with hub_offline():
         assert huggingface_hub.constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
         assert os.environ["HF_HUB_OFFLINE"] == "1" and not hub_reachable()
-    assert (huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == before
+    assert before == (huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE)
     assert "HF_HUB_OFFLINE" not in os.environ and os.environ["HF_DATASETS_OFFLINE"] == "0"
 
 
