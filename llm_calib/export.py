@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -15,7 +14,7 @@ from typing import Any
 
 from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.trainer import BASE_MODEL_FILE
-from llm_calib.file_modes import ordinary_modes, write_json_atomic
+from llm_calib.file_modes import ordinary_modes, read_json, write_json_atomic
 
 __all__ = ["EXPORT_FILE", "adapter_directory", "check_adapter_base", "check_export_target", "export_merged", "load_adapter", "merge_adapter", "merged_record",
            "saved_base", "saved_base_file"]
@@ -71,7 +70,7 @@ def saved_base(path: str | os.PathLike[str]) -> dict[str, Any]:
         {}
     """
     record = saved_base_file(path)
-    return dict(json.loads(record.read_text())) if record is not None else {}
+    return dict(read_json(record)) if record is not None else {}
 
 
 def merged_record(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -84,7 +83,7 @@ def merged_record(path: str | os.PathLike[str]) -> dict[str, Any]:
         ({}, {})
     """
     record = Path(path) / EXPORT_FILE
-    return dict(json.loads(record.read_text())) if record.is_file() else {}
+    return dict(read_json(record)) if record.is_file() else {}
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -117,11 +116,7 @@ def check_adapter_base(adapter: str | os.PathLike[str], model: str, *, allow_oth
     record = saved_base_file(adapter)
     if record is None:
         return
-    try:
-        trained_on = saved_base(adapter).get("model")
-    except ValueError as err:  # a truncated record
-        raise ValueError(f"--adapter {adapter}: {record} is not valid JSON ({err}); write it again or remove it "
-                         "and give --model") from None
+    trained_on = saved_base(adapter).get("model")  # a truncated record: ValueError naming it
     if not trained_on or allow_other_base or _same_model(str(trained_on), str(model)):
         return
     raise ValueError(f"--adapter {adapter} was trained on {trained_on} ({record}), not on --model {model}; "
