@@ -9,7 +9,6 @@ encoded records (and their trunk cache) are shared. :func:`write_comparison_repo
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -25,6 +24,7 @@ from llm_calib.calm.config import CalibrationConfig, flat_paths
 from llm_calib.calm.run import ResolvedRun
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.evaluate import HEADLINE_METRICS, EvaluationResult, TemperatureFit, evaluate_records
+from llm_calib.file_modes import write_json_atomic, write_text_atomic
 from llm_calib.formats import family_format
 from llm_calib.models import free_memory
 from llm_calib.objectives.base import Objective
@@ -480,9 +480,9 @@ def write_comparison_report(cmp: Comparison, out_dir: str | Path) -> dict[str, P
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     paths["metrics"] = out / "metrics.json"
-    paths["metrics"].write_text(json.dumps(jsonable(cmp.to_dict()), indent=2, allow_nan=False) + "\n")
+    write_json_atomic(paths["metrics"], jsonable(cmp.to_dict()), allow_nan=False)
     paths["report"] = out / "report.md"
-    paths["report"].write_text(comparison_markdown(cmp) + "\n")
+    write_text_atomic(paths["report"], comparison_markdown(cmp) + "\n")
     for dom, d in cmp.domains.items():
         panels = []
         for col in cmp.columns:

@@ -4,11 +4,15 @@ a later step reads back (checkpoint pointers, records, samples) are replaced ato
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ordinary_modes", "write_text_atomic"]
+__all__ = ["atomic_path", "ordinary_modes", "read_json", "write_bytes_atomic", "write_json_atomic",
+           "write_text_atomic"]
 
 
 def _umask() -> int:
@@ -38,23 +42,24 @@ def ordinary_modes(path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to ``path`` as UTF-8, atomically (a temporary file beside it, fsynced, renamed;
-    parents made).
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically: a temporary file beside it, fsynced, renamed over
+    ``path`` (parents made). A failed write (a full disk) leaves ``path`` as it was and no
+    temporary file behind.
 
     Example:
         >>> import pathlib, tempfile
-        >>> path = write_text_atomic(pathlib.Path(tempfile.mkdtemp()) / "a" / "note.txt", "done")
-        >>> path.read_text()
-        'done'
+        >>> write_bytes_atomic(pathlib.Path(tempfile.mkdtemp()) / "b.bin", b"ok").read_bytes()
+        b'ok'
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
+        with os.fdopen(fd, "wb") as fh:
+            view = memoryview(data)
+            while view:  # os.write may write less than asked; a full disk raises OSError(ENOSPC)
+                view = view[os.write(fh.fileno(), view):]
             os.fsync(fh.fileno())
         ordinary_modes(tmp)
         os.replace(tmp, path)
@@ -63,3 +68,88 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` as UTF-8, atomically (:func:`write_bytes_atomic`: a temporary file
+    beside it, fsynced, renamed; parents made).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> path = write_text_atomic(pathlib.Path(tempfile.mkdtemp()) / "a" / "note.txt", "done")
+        >>> path.read_text()
+        'done'
+    """
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any, **dumps: Any) -> Path:
+    """Write ``data`` as JSON (``indent=2`` and a final newline unless ``dumps`` says otherwise;
+    ``dumps`` goes to :func:`json.dumps`) to ``path`` atomically (:func:`write_text_atomic`).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> read_json(write_json_atomic(pathlib.Path(tempfile.mkdtemp()) / "m.json", {"ece": 0.1}))
+        {'ece': 0.1}
+    """
+    return write_text_atomic(path, json.dumps(data, **{"indent": 2, **dumps}) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary path beside ``path`` for a writer that takes a file name (matplotlib's
+    ``savefig``, ``save_pretrained``); when the block ends without error the file is fsynced and
+    renamed over ``path``, otherwise removed (``path`` untouched). The temporary name keeps
+    ``path``'s suffix, so writers that pick a format by suffix still do.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> out = pathlib.Path(tempfile.mkdtemp()) / "plot.png"
+        >>> with atomic_path(out) as tmp:
+        ...     _ = tmp.write_bytes(b"png")
+        >>> out.read_bytes(), sorted(p.name for p in out.parent.iterdir())
+        (b'png', ['plot.png'])
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        ordinary_modes(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """The JSON in ``path``; a truncated or otherwise invalid file (a write cut short by a full disk
+    or a kill) raises ``ValueError`` naming the file, the position and what to do.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is not valid UTF-8 JSON (the message names it).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "metrics.json"
+        >>> _ = p.write_text('{"ece": 0.')
+        >>> read_json(p)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: .../metrics.json: not valid JSON (truncated or corrupt? line 1 column ...); ...
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text (byte {err.start}); remove it or write it again") from None
+    except json.JSONDecodeError as err:
+        where = "empty file" if not data.strip() else f"line {err.lineno} column {err.colno}: {err.msg}"
+        raise ValueError(f"{path}: not valid JSON (truncated or corrupt? {where}); remove it or write it "
+                         "again (for a run's output: rerun the command)") from None

@@ -22,7 +22,7 @@ from llm_calib.evaluate import DomainResult, EvaluationResult, TemperatureFit
 from llm_calib.formats.multiple_choice import normalization_metrics
 from llm_calib.scoring import ScoredSet, normalized
 
-__all__ = ["SAMPLES_NORMALIZATIONS", "read_samples", "samples_result", "samples_task_name"]
+__all__ = ["SAMPLES_NORMALIZATIONS", "check_samples_file", "read_samples", "samples_result", "samples_task_name"]
 
 SAMPLES_NORMALIZATIONS: dict[str, str] = {"acc": "sum", "acc_norm": "char", "acc_bytes": "byte"}
 """lm-eval's metric names and the ``normalize`` mode each takes its argmax under; the ones a
@@ -68,9 +68,40 @@ def _gold(target: Any, choices: list[str], where: str) -> int:
     return index
 
 
+def check_samples_file(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a path when it is a file; a missing file or a folder is an error naming it (a
+    folder's error lists the samples files inside it).
+
+    Raises:
+        FileNotFoundError: no such file.
+        IsADirectoryError: ``path`` is a folder.
+
+    Example:
+        >>> import tempfile
+        >>> check_samples_file(tempfile.mkdtemp())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        IsADirectoryError: ...: is a folder, not a samples file; give a samples_<task>_<date>.jsonl file (none inside it)
+    """
+    p = Path(path)
+    if p.is_dir():
+        inside = sorted(str(f.relative_to(p)) for f in p.rglob("samples_*.jsonl"))[:5]
+        found = f"inside it: {', '.join(inside)}" if inside else "none inside it"
+        raise IsADirectoryError(f"{p}: is a folder, not a samples file; give a samples_<task>_<date>.jsonl file "
+                                f"({found})")
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no such samples file")
+    return p
+
+
 def _rows(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    check_samples_file(path)
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{line_no}: not UTF-8 text (byte {err.start} of the line); an lm-eval "
+                                 "samples file is UTF-8 JSON lines") from None
             if line.strip():
                 try:
                     yield line_no, json.loads(line)
@@ -94,8 +125,9 @@ def read_samples(path: str | os.PathLike[str], *, task: str | None = None, targe
         metrics lm-eval logged (``lm_eval``).
 
     Raises:
-        ValueError: not a multiple-choice samples file, an empty file, a malformed line or target
-            (the message names the file and line).
+        ValueError: not a multiple-choice samples file, an empty file, a line not UTF-8 or not JSON,
+            a malformed target (the message names the file and line).
+        FileNotFoundError, IsADirectoryError: ``path`` is no file (:func:`check_samples_file`).
 
     Example:
         >>> import json, tempfile, pathlib

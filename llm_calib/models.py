@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from llm_calib import distributed
+from llm_calib.file_modes import write_text_atomic
 
 __all__ = [
     "ALIASES", "ATTN_IMPLEMENTATIONS", "CACHE_MARKER", "DTYPES", "GGUFAlias",
@@ -242,7 +243,7 @@ class ModelLoadConfig:
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the config as JSON to ``path``; returns the path."""
         out = Path(path)
-        out.write_text(json.dumps(self.to_dict(), indent=2))
+        write_text_atomic(out, json.dumps(self.to_dict(), indent=2))
         return out
 
     @classmethod

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_calib.evaluate import HEADLINE_METRICS, EvaluationResult
+from llm_calib.file_modes import atomic_path, write_json_atomic, write_text_atomic
 from llm_calib.formats import family_format
 
 __all__ = [
@@ -290,8 +290,11 @@ def plot_reliability(
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_path(out) as tmp:  # a full disk leaves no truncated PNG
+            fig.savefig(tmp, dpi=100)
+    finally:
+        plt.close(fig)
     return out
 
 
@@ -314,12 +317,10 @@ def write_report(
     metrics_path = out / "metrics.json"
     from llm_calib import __version__
 
-    metrics_path.write_text(
-        json.dumps(jsonable({"llm_calib_version": __version__, **result.to_dict()}), indent=2, allow_nan=False) + "\n"
-    )
+    write_json_atomic(metrics_path, jsonable({"llm_calib_version": __version__, **result.to_dict()}), allow_nan=False)
     paths["metrics"] = metrics_path
     report_path = out / "report.md"
-    report_path.write_text(markdown_report(result, title=title) + "\n")
+    write_text_atomic(report_path, markdown_report(result, title=title) + "\n")
     paths["report"] = report_path
     for dom, r in result.domains.items():
         panels = [("uncalibrated", r.reliability)]

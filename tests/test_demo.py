@@ -57,12 +57,33 @@ def test_demo_on_the_tiny_model_matches_the_plain_scorer(tiny_model_dir, tmp_pat
             for metric in ("accuracy", "ece", "nll"):
                 np.testing.assert_allclose(row[column][metric], plain[metric], rtol=1e-4, atol=1e-5,
                                            err_msg=f"{domain} {column} {metric}")
+        # CALM + temperature: the CALM model's scores divided by the temperature fitted on its held-out scores
+        both = f"CALM + temperature (T={results['calm_temperature']:.2f})"
+        plain = score_option_likelihood(calm, tok, records, prompt=fmt).scaled(results["calm_temperature"])
+        for metric, want in plain.summary(ci=False).items():
+            if metric in ("accuracy", "ece", "nll"):
+                np.testing.assert_allclose(row[both][metric], want, rtol=1e-4, atol=1e-5, err_msg=f"{domain} {metric}")
+        assert row[both]["accuracy"] == row["CALM"]["accuracy"]  # a temperature never changes accuracy
+    assert list(results["rows"][domain]) == ["uncalibrated", f"temperature (T={results['temperature']:.2f})", "CALM",
+                                             both]
+    assert f"| {both} acc / ECE |" in report and f"- {both}: the CALM model's probabilities" in report
 
 
 def _rows(in_ece, out_ece):
     m = lambda ece: {"accuracy": 0.5, "ece": ece}  # noqa: E731
     return {"x": {"u": m(in_ece[0]), "t": m(in_ece[1]), "c": m(in_ece[2])},
             "y": {"u": m(out_ece[0]), "t": m(out_ece[1]), "c": m(out_ece[2])}}
+
+
+def test_the_reading_explains_the_calm_plus_temperature_column():
+    s = DemoSettings(in_domain=("x",), out_of_domain=("y",))
+    rows = _rows((0.3, 0.2, 0.1), (0.2, 0.1, 0.25))
+    for dom, ece in (("x", 0.05), ("y", 0.08)):
+        rows[dom]["c+t"] = {"accuracy": 0.5, "ece": ece}
+    three = explain_table(rows, ["u", "t", "c"], s, 20)
+    four = explain_table(rows, ["u", "t", "c", "c+t"], s, 20)
+    assert len(four) == len(three) + 1 and four[-2:] == three[-2:]
+    assert four[4].startswith("- c+t: the CALM model's probabilities divided by a temperature fitted on its own")
 
 
 def test_the_reading_follows_the_numbers():

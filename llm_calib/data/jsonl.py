@@ -21,8 +21,8 @@ from llm_calib.data.openqa import answer_aliases
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.data.result import LoadResult
 
-__all__ = ["INSTRUCTION_FIELDS", "JsonlKind", "instruction_from_dict", "load_jsonl", "mc_from_dict",
-           "openqa_from_dict", "resolve_answer"]
+__all__ = ["INSTRUCTION_FIELDS", "JsonlKind", "distinct_options", "instruction_from_dict", "load_jsonl",
+           "mc_from_dict", "openqa_from_dict", "resolve_answer"]
 
 JsonlKind = Literal["auto", "mc", "open", "instruction"]
 """Schema for :func:`load_jsonl` (detect from the first row, multiple choice, open QA, or
@@ -71,6 +71,35 @@ def resolve_answer(answer: Any, options: tuple[str, ...], source: str, line: int
     )
 
 
+def distinct_options(options: tuple[str, ...], gold: int, source: str, line: int, *,
+                     merge: bool = False) -> tuple[tuple[str, ...], int]:
+    """``(options, gold)`` when no two options have the same text. Two identical options get the
+    same score up to float noise, so which one is "correct" would be decided by that noise: a
+    ``DataError`` naming ``source:line`` and both indices, or with ``merge`` each text kept once
+    (its first place) and ``gold`` moved to its text's place.
+
+    Example:
+        >>> distinct_options(("Paris", "Rome", "Paris"), 2, "f.jsonl", 3, merge=True)
+        (('Paris', 'Rome'), 0)
+        >>> distinct_options(("Paris", "Rome", "Paris"), 2, "f.jsonl", 3)
+        Traceback (most recent call last):
+        llm_calib.data.errors.DataError: f.jsonl:3: options: options[0] and options[2] are both 'Paris'; identical options score alike up to float noise: remove one, or merge them (jsonl:PATH:merge_duplicates)
+    """
+    first: dict[str, int] = {}
+    for i, text in enumerate(options):
+        if text in first and not merge:
+            raise DataError(source, line, "options",
+                            f"options[{first[text]}] and options[{i}] are both {text!r}; identical options score "
+                            "alike up to float noise: remove one, or merge them (jsonl:PATH:merge_duplicates)")
+        first.setdefault(text, i)
+    if len(first) == len(options):
+        return options, gold
+    kept = tuple(first)
+    if len(kept) < 2:
+        raise DataError(source, line, "options", f"fewer than 2 distinct options ({kept})")
+    return kept, kept.index(options[gold])
+
+
 def _id_and_meta(
     row: Mapping[str, Any], domain: str, source: str, line: int
 ) -> tuple[str, str, dict[str, str]]:
@@ -86,8 +115,11 @@ def _id_and_meta(
     return dom, str(rid) if rid is not None else f"{dom}-{line}", meta
 
 
-def mc_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str) -> MultipleChoice:
-    """A multiple-choice record from a generic-schema row (``domain`` if the row has none).
+def mc_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str,
+                 merge_duplicates: bool = False) -> MultipleChoice:
+    """A multiple-choice record from a generic-schema row (``domain`` if the row has none); two
+    options of the same text are an error, or merged with ``merge_duplicates``
+    (:func:`distinct_options`).
 
     Example:
         >>> mc_from_dict({"question": "2+2?", "options": ["3", "4"], "answer": "4"},
@@ -104,6 +136,7 @@ def mc_from_dict(row: Mapping[str, Any], *, source: str, line: int, domain: str)
         require_text(o, source, line, f"options[{i}]") for i, o in enumerate(raw_options)
     )
     gold = resolve_answer(row.get("answer"), options, source, line)
+    options, gold = distinct_options(options, gold, source, line, merge=merge_duplicates)
     dom, rid, meta = _id_and_meta(row, domain, source, line)
     return MultipleChoice(question, options, gold, dom, rid, meta)
 
@@ -170,10 +203,11 @@ _KIND_FIELD = {"mc": "options", "open": "answers", "instruction": "response"}
 
 def load_jsonl(
     path: str | Path, *, kind: JsonlKind = "auto", domain: str | None = None,
-    on_error: OnError = "raise",
+    on_error: OnError = "raise", merge_duplicates: bool = False,
 ) -> LoadResult[MultipleChoice] | LoadResult[OpenQA]:
     """Load a JSONL file in the generic schema; ``kind`` is ``"mc"``, ``"open"``, ``"instruction"``
-    or ``"auto"`` (the first row's), ``domain`` defaults to the file stem.
+    or ``"auto"`` (the first row's), ``domain`` defaults to the file stem; options of the same
+    text in one row are an error unless ``merge_duplicates`` (:func:`distinct_options`).
 
     Raises ``DataError`` for invalid UTF-8 or JSON, a bad question, options, answer, prompt or
     response, or a row of another kind than the file's.
@@ -208,6 +242,8 @@ def load_jsonl(
             raise DataError(
                 source, line, want, f"this file holds {file_kind!r} rows, which need {want!r}"
             )
+        if file_kind == "mc":
+            return mc_from_dict(row, source=source, line=line, domain=dom, merge_duplicates=merge_duplicates)
         return _MAKERS[file_kind](row, source=source, line=line, domain=dom)
 
     return load_json_lines(path, record, on_error)

@@ -9,7 +9,10 @@ and limits: :doc:`/tutorials/lm_eval`.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
+import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,8 @@ from llm_calib.data.errors import DataError, ErrorLog, OnError
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.data.result import LoadResult
 
-__all__ = ["LM_EVAL_EXTRA", "LM_EVAL_OPTIONS", "load_lm_eval_task", "require_lm_eval"]
+__all__ = ["LM_EVAL_EXTRA", "LM_EVAL_OPTIONS", "hub_offline", "hub_reachable", "load_lm_eval_task",
+           "require_lm_eval"]
 
 LM_EVAL_EXTRA = "pip install 'llm-calib[lm-eval]'"
 """The install command named when lm-eval is missing."""
@@ -56,6 +60,81 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hugging Face hub (``HF_ENDPOINT``, default ``huggingface.co``) answers a TCP
+    connection within ``timeout`` seconds; False at once when ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE``
+    is set. One quick probe instead of ``datasets``' five retries (34 s) per file.
+
+    Example:
+        >>> import os
+        >>> os.environ["HF_HUB_OFFLINE"] = "1"
+        >>> hub_reachable()
+        False
+        >>> del os.environ["HF_HUB_OFFLINE"]
+    """
+    if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in _OFFLINE_VARS):
+        return False
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def hub_offline(offline: bool = True) -> Iterator[None]:
+    """Within the block, ``huggingface_hub`` and ``datasets`` work offline (cached files only, no
+    retries) when ``offline``; their settings and the environment are restored after. The
+    libraries read ``HF_HUB_OFFLINE`` once, at import, so setting the variable alone is not enough.
+
+    Example:
+        >>> import os
+        >>> with hub_offline():
+        ...     os.environ["HF_HUB_OFFLINE"]
+        '1'
+    """
+    if not offline:
+        yield
+        return
+    import importlib
+
+    saved_env = {v: os.environ.get(v) for v in _OFFLINE_VARS}
+    patched: list[tuple[Any, str, Any]] = []
+    for module, names in (("huggingface_hub.constants", ("HF_HUB_OFFLINE",)),
+                          ("datasets.config", ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        for name in names:
+            if hasattr(mod, name):
+                patched.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, True)
+    os.environ.update(dict.fromkeys(_OFFLINE_VARS, "1"))
+    try:
+        yield
+    finally:
+        for mod, name, value in reversed(patched):
+            setattr(mod, name, value)
+        for var, value in saved_env.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def _close_names(task: str, names: Any) -> str:
+    close = difflib.get_close_matches(task, sorted(str(n) for n in names), n=3, cutoff=0.75)
+    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+
+
 def _tasks(task: str, include: str | None) -> dict[str, Any]:
     from lm_eval.tasks import TaskManager
 
@@ -68,7 +147,8 @@ def _tasks(task: str, include: str | None) -> dict[str, Any]:
     manager = TaskManager(include_path=include)
     if task not in manager.all_tasks:
         where = f" in {include} or" if include is not None else ""
-        raise ValueError(f"lm_eval:{task}: no such task, group or tag{where} among lm-eval's tasks")
+        raise ValueError(f"lm_eval:{task}: no such task, group or tag{where} among lm-eval's tasks"
+                         f"{_close_names(task, manager.all_tasks)}")
     return _load_tasks(manager, task)
 
 
@@ -76,8 +156,11 @@ def _load_tasks(manager: Any, task: str) -> dict[str, Any]:
     try:
         return dict(manager.load([task])["tasks"])
     except Exception as err:  # lm-eval's own config / template / data errors
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1" and isinstance(err, ConnectionError | OSError)
+        hint = (" (offline: the Hugging Face hub is unreachable or HF_HUB_OFFLINE is set; only datasets already in "
+                "the local cache load)") if offline else ""
         raise DataError(f"lm_eval:{task}", 0, "task",
-                        f"lm-eval cannot load the task: {type(err).__name__}: {err}") from err
+                        f"lm-eval cannot load the task: {type(err).__name__}: {err}{hint}") from err
 
 
 def _gold(target: Any, choices: list[str], where: str) -> int:
@@ -157,7 +240,8 @@ def load_lm_eval_task(
     Raises:
         ImportError: lm-eval is not installed (the message names the extra).
         FileNotFoundError: ``include`` is not a directory.
-        ValueError: no such task, an unsupported one (output type, multiple inputs) or mixed kinds.
+        ValueError: ``num_fewshot < 0``; no such task (close names suggested), an unsupported one
+            (output type, multiple inputs) or mixed kinds.
         DataError: a document that cannot be converted, under ``on_error="raise"``.
 
     Example:
@@ -180,12 +264,15 @@ def load_lm_eval_task(
         2 Question: Capital of France?
         Answer: (' Paris', ' Rome')
     """
+    if num_fewshot is not None and num_fewshot < 0:
+        raise ValueError(f"lm_eval:{task}: num_fewshot must be >= 0 (0 or more few-shot examples), got {num_fewshot}")
     require_lm_eval()
     include_dir = str(include) if include is not None else None
     records: list[Any] = []
     log = ErrorLog(on_error)
     kinds: set[str] = set()
-    with _quiet():
+    # offline, datasets retries every hub request five times (34 s); one probe, then cached files only
+    with _quiet(), hub_offline(not hub_reachable()):
         tasks = _tasks(task, include_dir)
         for name in sorted(tasks):
             t = tasks[name]

@@ -100,6 +100,8 @@ def load_lm_eval_spec(spec: Spec, on_error: OnError) -> LoadResult[Any]:
         fs_seed = int(kv.get("fewshot_seed", 1234))
     except ValueError:
         raise SpecError(f"spec {spec.text!r}: num_fewshot and fewshot_seed must be integers") from None
+    if shots is not None and shots < 0:
+        raise SpecError(f"spec {spec.text!r}: num_fewshot must be >= 0, got {shots}")
     return load_lm_eval_task(spec.target, include=kv.get("include"), num_fewshot=shots, fewshot_seed=fs_seed,
                              on_error=on_error)
 
@@ -140,11 +142,14 @@ def load_ai2_spec(spec: Spec, on_error: OnError) -> LoadResult[Any]:
 
 @register_loader("jsonl", "generic multiple-choice or open QA jsonl")
 def load_jsonl_spec(spec: Spec, on_error: OnError) -> LoadResult[Any]:
-    """``jsonl:PATH[:mc|open|auto]``: :func:`~llm_calib.data.jsonl.load_jsonl`."""
-    kind = spec.option or "auto"
+    """``jsonl:PATH[:mc|open|auto][,merge_duplicates]``: :func:`~llm_calib.data.jsonl.load_jsonl`."""
+    words = [w.strip() for w in (spec.option or "").split(",") if w.strip()]
+    merge = "merge_duplicates" in words
+    kinds = [w for w in words if w != "merge_duplicates"]
+    kind = kinds[0] if len(kinds) == 1 else "auto" if not kinds else ""
     if kind not in ("auto", "mc", "open"):
-        raise SpecError(f"spec {spec.text!r}: jsonl option must be mc, open or auto")
-    return load_jsonl(Path(spec.target), kind=kind, on_error=on_error)  # type: ignore[arg-type]
+        raise SpecError(f"spec {spec.text!r}: jsonl options are one of mc, open or auto, and merge_duplicates")
+    return load_jsonl(Path(spec.target), kind=kind, on_error=on_error, merge_duplicates=merge)  # type: ignore[arg-type]
 
 
 @register_loader("opentriviaqa", "OpenTriviaQA category files")
