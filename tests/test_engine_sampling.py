@@ -39,7 +39,7 @@ def test_samples_do_not_depend_on_the_batch_and_differ_between_samples():
     prompts = [tok(t)["input_ids"] for t in PROMPTS]
     settings = SamplingSettings(n=4, seed=3, max_new_tokens=4)
     whole = sample_answers(model, tok, prompts, settings, batch_size=4)
-    one_by_one = [sample_answers(model, tok, [p], settings, first_question=q)[0] for q, p in enumerate(prompts)]
+    one_by_one = [sample_answers(model, tok, [p], settings, question_indices=[q])[0] for q, p in enumerate(prompts)]
     assert [[s.token_ids for s in q] for q in whole] == [[s.token_ids for s in q] for q in one_by_one]
     assert len({s.token_ids for q in whole for s in q}) > len(prompts)  # not the same answer every time
     again = sample_answers(model, tok, prompts, settings, batch_size=2)

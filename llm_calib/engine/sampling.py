@@ -219,7 +219,7 @@ def _sample_batch(forward: Any, tokenizer: Any, prompts: Sequence[Sequence[int]]
 
 def sample_answers(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], settings: SamplingSettings, *,
                    stop_at_newline: bool = True, until: Sequence[Sequence[str] | None] | None = None,
-                   batch_size: int = 8, first_question: int = 0) -> list[list[SampledAnswer]]:
+                   batch_size: int = 8, question_indices: Sequence[int] | None = None) -> list[list[SampledAnswer]]:
     """``settings.n`` sampled answers of every tokenised prompt.
 
     Args:
@@ -231,21 +231,23 @@ def sample_answers(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
         until: per prompt, stop sequences (lm-eval's ``until``) or None (see
             :func:`~llm_calib.engine.decode.finish_answer`).
         batch_size: prompts per forward pass (each becomes ``n`` rows of the decoding batch).
-        first_question: the index of ``prompts[0]`` in the whole set, for the samples' seeds (so a
-            set scored in chunks draws the same samples).
+        question_indices: each prompt's index in the whole set, for its samples' seeds (default
+            ``0, 1, …``), so a set scored in chunks or in another order draws the same samples.
 
     Returns:
         Per prompt, its ``n`` :class:`SampledAnswer` in sample order.
 
     Raises:
-        ValueError: an empty prompt, ``batch_size < 1`` or a wrong number of ``until`` rows.
+        ValueError: an empty prompt, ``batch_size < 1`` or a wrong number of ``until`` rows or
+            ``question_indices``.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> p = [tok("2 + 2 =")["input_ids"], tok("Capital of Italy?")["input_ids"]]
         >>> a = sample_answers(model, tok, p, SamplingSettings(n=2, seed=1, max_new_tokens=3))
-        >>> b = sample_answers(model, tok, p[1:], SamplingSettings(n=2, seed=1, max_new_tokens=3), first_question=1)
+        >>> b = sample_answers(model, tok, p[1:], SamplingSettings(n=2, seed=1, max_new_tokens=3),
+        ...                    question_indices=[1])
         >>> [s.token_ids for s in a[1]] == [s.token_ids for s in b[0]]
         True
     """
@@ -256,6 +258,9 @@ def sample_answers(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
     stops = list(until) if until is not None else [None] * len(prompts)
     if len(stops) != len(prompts):
         raise ValueError(f"until: {len(stops)} rows of stop sequences for {len(prompts)} prompts")
+    indices = list(question_indices) if question_indices is not None else list(range(len(prompts)))
+    if len(indices) != len(prompts):
+        raise ValueError(f"question_indices: {len(indices)} indices for {len(prompts)} prompts")
     device = next(model.parameters()).device
     forward = _model_step(model)
     eos = eos_token_ids(model, tokenizer)
@@ -263,7 +268,7 @@ def sample_answers(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
     with torch.inference_mode():
         for start in range(0, len(prompts), int(batch_size)):
             chunk = range(start, min(start + int(batch_size), len(prompts)))
-            seeds = [sample_seed(settings.seed, first_question + q, i) for q in chunk for i in range(settings.n)]
+            seeds = [sample_seed(settings.seed, indices[q], i) for q in chunk for i in range(settings.n)]
             rows_until = [stops[q] for q in chunk for _ in range(settings.n)]
             answers = _sample_batch(forward, tokenizer, [prompts[q] for q in chunk], seeds, rows_until, settings,
                                     stop_at_newline, eos, device)
