@@ -22,6 +22,7 @@ Parameters: ``method`` (``"penalty"`` or ``"bome"``), ``step_size`` (inner SGD a
 BOME uses full batches like the benchmark's BOME) and ``eval_freq`` (outer steps per callback).
 """
 
+import dataclasses
 from typing import ClassVar
 
 from benchopt import BaseSolver, safe_import_context
@@ -126,7 +127,8 @@ class Solver(BaseSolver):
                            inner_steps=0, inner_batches=[next(inner_starts) for _ in range(self.eval_freq)],
                            outer_batches=[next(outer_starts) for _ in range(self.eval_freq)], progress=False,
                            state=state)
-            w, lam, state = res.w, res.lam, res.state
+            # the next chunk brings its own batches: continue the run's state with fresh streams
+            w, lam, state = res.w, res.lam, dataclasses.replace(res.state, streams={})
             self.inner_var, self.outer_var = jnp.asarray(w["y"].numpy()), jnp.asarray(lam["x"].numpy())
 
     def get_result(self):

@@ -54,7 +54,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> list[dict]:
     from llm_calib.calm.config import CalibrationConfig, LoraSettings
     from llm_calib.calm.encoding import encode_records
     from llm_calib.calm.lora import FunctionalLM, attach_lora
-    from llm_calib.calm.objectives import CalmLosses
+    from llm_calib.calm.losses import CalmLosses
     from llm_calib.calm.verify import check_hypergradients, proximal_problem
     from llm_calib.objectives.calm import Calm
 

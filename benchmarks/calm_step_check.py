@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cpu += time.thread_time() - c0
         trainer.lm.load_theta(state.theta)
         scored = score_option_likelihood(trainer.lm.model, tok, test, batch_size=16)
-        out[kind] = {"records": records, "theta": state.theta, "lam": {k: v.detach().clone() for k, v in state.lam.items()},
+        out[kind] = {"records": records, "theta": state.theta, "lam": {k: v.detach().clone() for k, v in state.objective_state.lam.items()},
                      "probs": torch.stack([torch.as_tensor(p) for p in scored.probs_numpy]), "cpu_s": cpu}
         print(f"{kind}: {args.steps} steps, {cpu:.2f} CPU s; last record {records[-1]}", flush=True)
     return out
@@ -75,7 +75,7 @@ def parts_vs_whole(args: argparse.Namespace) -> list[str]:
     state = training.init_state(trainer, evaluate_before=False)
     gen = torch.Generator().manual_seed(1)
     theta = {k: v + (0.02 * torch.randn(v.shape, generator=gen) if "lora_" in k else 0) for k, v in state.theta.items()}
-    lam = {k: v.detach() + 0.1 for k, v in state.lam.items()}
+    lam = {k: v.detach() + 0.1 for k, v in state.objective_state.lam.items()}
     lines = []
     for step in range(args.steps):
         idx = sampling.batch_indices(len(trainer.train), trainer.config.training.batch_size, step,
@@ -104,7 +104,7 @@ def parts_vs_whole_cpu(args: argparse.Namespace) -> list[str]:
                                      CalibrationConfig())
     state = training.init_state(trainer, evaluate_before=False)
     trainer.fill_trunk_caches()
-    theta, lam = state.theta, {k: v.detach() for k, v in state.lam.items()}
+    theta, lam = state.theta, {k: v.detach() for k, v in state.objective_state.lam.items()}
     cpu: dict[str, list[float]] = {f"{what} {how}": [] for what in ("bome", "ce") for how in ("parts", "whole")}
     tokens = {"parts": 0, "whole": 0}
     for step in range(args.steps):
@@ -119,8 +119,8 @@ def parts_vs_whole_cpu(args: argparse.Namespace) -> list[str]:
         for rep in range(3):
             for how in (("parts", "whole") if rep % 2 == 0 else ("whole", "parts")):
                 inner, outer = batches[how]
-                calls = {"bome": lambda inner=inner, outer=outer: trainer.solver.hypergrad(
-                             trainer.problem, theta, lam, inner, outer, state.solver_state),
+                calls = {"bome": lambda inner=inner, outer=outer: state.objective_state.method.hypergrad(
+                             state.objective_state.problem, theta, lam, inner, outer, state.objective_state.solver_state),
                          "ce": lambda inner=inner: hg.autodiff.loss_and_grads(
                              lambda w, _l: trainer.losses.one_level(w, inner), theta, {"_": torch.zeros(1)}, wrt_lam=False)}
                 for what, fn in calls.items():

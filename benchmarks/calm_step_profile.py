@@ -164,8 +164,9 @@ def instrument(trainer: Any, state: Any) -> None:
         if not getattr(cls.update, "_scoped", False):
             cls.update = scoped(cls.update, SCOPE_OPTIMIZER)
             cls.update._scoped = True  # type: ignore[attr-defined]
-    if state.lam_optimizer is not None:
-        state.lam_optimizer.step = scoped(state.lam_optimizer.step, SCOPE_OPTIMIZER)
+    lam_optimizer = getattr(state.objective_state, "lam_optimizer", None)
+    if lam_optimizer is not None:
+        lam_optimizer.step = scoped(lam_optimizer.step, SCOPE_OPTIMIZER)
     trainer.train_batch = scoped(trainer.train_batch, SCOPE_BATCH)
     trainer.unlabeled_batch = scoped(trainer.unlabeled_batch, SCOPE_BATCH)
 

@@ -171,7 +171,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         "steps": len(losses), "step_s": t_steps / max(len(losses), 1), "tokens_per_s": tokens / max(t_steps, 1e-9),
         "peak_step_mb": peak_mb, "finite": all(math.isfinite(x) for x in losses), "g_first_last": [losses[0], losses[-1]],
         "theta_dtypes": sorted({str(v.dtype) for v in state.theta.values()}),
-        "lam_dtypes": sorted({str(v.dtype) for v in state.lam.values()}),
+        "lam_dtypes": sorted({str(v.dtype) for v in state.objective_state.lam.values()}),
     }
     del trainer, state, model
     if cuda:

@@ -19,6 +19,38 @@ from typing import Any
 from hg_harness import Row, fmt_value
 from hg_problems import Sizes
 
+RESULTS = Path(__file__).resolve().parent / "results"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "methods" / "choosing.md"
+GUIDE_BEGIN = "<!-- benchmark-results: begin -->"
+GUIDE_END = "<!-- benchmark-results: end -->"
+
+
+def guide_block(report: str) -> str:
+    r"""``results/hypergrad.md`` as it stands in ``docs/methods/choosing.md``: headings two levels
+    down (under the guide's "Measured" section) and the plots' paths relative to the guide.
+
+    Example:
+        >>> guide_block("# title\n\n## section\n\n![p.png](p.png)\n")
+        '### title\n\n#### section\n\n![p.png](../../benchmarks/results/p.png)\n'
+    """
+    report = re.sub(r"^(#+) ", r"##\1 ", report, flags=re.MULTILINE)
+    return re.sub(r"^!\[([^]]*)\]\(([^/)]+)\)$", r"![\1](../../benchmarks/results/\2)", report, flags=re.MULTILINE)
+
+
+def sync_guide(guide: str, report: str) -> str:
+    r"""``guide`` with the text between its benchmark markers replaced by :func:`guide_block` of
+    ``report`` (the Markdown source carries the table; ``tests/test_docs_benchmark_table.py``
+    checks that it matches the committed report).
+
+    Example:
+        >>> sync_guide(f"intro\n{GUIDE_BEGIN}\nold\n{GUIDE_END}\nrest\n", "# new\n")
+        'intro\n<!-- benchmark-results: begin -->\n### new\n<!-- benchmark-results: end -->\nrest\n'
+    """
+    head, rest = guide.split(GUIDE_BEGIN + "\n", 1)
+    _, tail = rest.split(GUIDE_END, 1)
+    block = guide_block(report)
+    return head + GUIDE_BEGIN + "\n" + block + ("" if block.endswith("\n") else "\n") + GUIDE_END + tail
+
 
 def _find(rows: list[Row], problem: str, family: str, library: str) -> Row | None:
     for r in rows:
@@ -562,4 +594,6 @@ def render(result: dict[str, Any], out: Path | None) -> str:
         if files:
             lines += ["## Plots", ""] + [f"![{f}]({f})" for f in files] + [""]
         (out / "hypergrad.md").write_text("\n".join(lines))
+        if out.resolve() == RESULTS:  # the committed report: the choosing guide shows a copy
+            GUIDE.write_text(sync_guide(GUIDE.read_text(), "\n".join(lines)))
     return "\n".join(lines)

@@ -576,7 +576,7 @@ class HypergradSolver:
     """A hypergrad method run by :func:`hypergrad.solve` (``inner_steps=0``, SGD on ``x``)."""
 
     name: str
-    make_method: Callable[[bool], Any]  # compile flag -> method
+    make_method: Callable[..., Any]  # compile flag -> method (with full_batches: also the full inner and outer batches)
     outer_lr: float
     oracle: str  # "minibatch", "full" or "averaged"
     oracles_per_iteration: int
@@ -585,6 +585,7 @@ class HypergradSolver:
     outer_optimizer: Callable[[list[Any]], Any] | None = None  # default torch.optim.SGD(lr=outer_lr)
     step_batches: bool = False  # a fresh inner batch per step inside a call (hg.StepBatches)
     indexed: bool = False  # batches are (batch index, data) pairs (SABA's memory is per batch)
+    full_batches: bool = False  # make_method(compile, [all inner samples], [all outer samples]) (SRBA's restarts)
 
 
 def with_compile(cls: type, compile_: bool, **kwargs: Any) -> Any:
@@ -648,7 +649,7 @@ def run_hypergrad_solver(adapter: HypergradSolver, instance: Instance, budget_s:
     problem = hg.BilevelProblem(inner=loss, outer=loss)
     w0 = {"y": torch.from_numpy(np.array(instance.objective["inner_var0"], dtype=np.float32))}
     lam0 = {"x": torch.from_numpy(np.array(instance.objective["outer_var0"], dtype=np.float32))}
-    method = adapter.make_method(compile_)
+    method = adapter.make_method(compile_, [inner], [outer]) if adapter.full_batches else adapter.make_method(compile_)
 
     def sgd(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         if adapter.outer_optimizer is not None:
@@ -725,6 +726,8 @@ BOME_PARAMS = {"step_size": 0.1, "outer_ratio": 1.0, "eta": 0.5, "n_inner_steps"
 SOBA_PARAMS = {"batch_size": 64, "eval_freq": 16, "outer_ratio": 1.0, "step_size": 0.1, "random_state": 1}
 SABA_PARAMS = {"batch_size": 64, "eval_freq": 64, "mode_init_memory": "zero", "outer_ratio": 1.0, "step_size": 0.1,
                "random_state": 1}
+SRBA_PARAMS = {"batch_size": 64, "eval_freq": 64, "outer_ratio": 1.0, "period_frac": 0.5, "step_size": 0.1,
+               "random_state": 1}
 AMIGO_PARAMS = {"batch_size": 64, "eval_freq": 16, "n_inner_steps": 10, "outer_ratio": 0.1, "step_size": 0.01,
                 "random_state": 1}
 STOCBIO_PARAMS = {"batch_size": 64, "eval_freq": 16, "n_inner_steps": 10, "n_shia_steps": 10, "outer_ratio": 1.0,
@@ -733,8 +736,9 @@ STOCBIO_PARAMS = {"batch_size": 64, "eval_freq": 16, "n_inner_steps": 10, "n_shi
 
 def stochastic_comparisons(n_inner_batches: int, n_outer_batches: int
                            ) -> list[tuple[str, list[HypergradSolver], BenchmarkSolver, str]]:
-    """SOBA, SABA, AmIGO and StocBiO, for those this hypergrad has (``hg.SOBA``, ...); SABA keeps a
-    memory per batch of 64 (``n_inner_batches``, ``n_outer_batches``)."""
+    """SOBA, SABA, SRBA, AmIGO and StocBiO, for those this hypergrad has (``hg.SOBA``, ...); SABA keeps a
+    memory per batch of 64 (``n_inner_batches``, ``n_outer_batches``); SRBA restarts from all samples every
+    ``period`` steps."""
     import hypergrad as hg
 
     out: list[tuple[str, list[HypergradSolver], BenchmarkSolver, str]] = []
@@ -758,6 +762,24 @@ def stochastic_comparisons(n_inner_batches: int, n_outer_batches: int
             eval_every=SABA_PARAMS["eval_freq"], indexed=True)],
             BenchmarkSolver("SABA", "saba.py", SABA_PARAMS, "minibatch", 4, SABA_PARAMS["eval_freq"],
                             "best params: step .1, outer .1, constant, memory starts at zero"), note))
+    if hasattr(hg, "SRBA"):
+        step, outer = SRBA_PARAMS["step_size"], SRBA_PARAMS["step_size"] / SRBA_PARAMS["outer_ratio"]
+        # the benchmark's int((n_inner_samples + n_outer_samples) * period_frac / batch_size), with
+        # samples = batches * 64 (every instance here has a multiple of 64 samples)
+        period = int((n_inner_batches + n_outer_batches) * SRBA_PARAMS["period_frac"])
+        # per period: 8 oracle calls per recursive step, 3 per inner and 1 per outer batch at the restart
+        per_iteration = round((8 * (period - 1) + 3 * n_inner_batches + n_outer_batches) / period)
+        out.append(("SRBA", [HypergradSolver(
+            # step and period bound now: the names are reassigned for the solvers below
+            "SRBA", lambda c, full_inner, full_outer, step=step, period=period: hg.SRBA(
+                step, period, full_inner_batches=full_inner, full_outer_batches=full_outer),
+            outer_lr=outer, oracle="minibatch", oracles_per_iteration=per_iteration,
+            settings=f"constant steps .1, outer .1, period {period} (restart on all samples)",
+            eval_every=SRBA_PARAMS["eval_freq"], full_batches=True)],
+            BenchmarkSolver("SRBA", "srba.py", SRBA_PARAMS, "minibatch", per_iteration, SRBA_PARAMS["eval_freq"],
+                            f"best params: step .1, outer .1, period_frac .5 (period {period}), constant"),
+            note + " Oracle calls per iteration: the mean over a period (8 per recursive step, a restart "
+                   "counts every batch of the data)."))
     if hasattr(hg, "AmIGO"):
         step, outer, T = AMIGO_PARAMS["step_size"], AMIGO_PARAMS["step_size"] / AMIGO_PARAMS["outer_ratio"], 10
         out.append(("AmIGO", [HypergradSolver(
@@ -770,7 +792,7 @@ def stochastic_comparisons(n_inner_batches: int, n_outer_batches: int
     if hasattr(hg, "StocBiO"):
         step, outer, T = STOCBIO_PARAMS["step_size"], STOCBIO_PARAMS["step_size"] / STOCBIO_PARAMS["outer_ratio"], 10
         out.append(("StocBiO", [HypergradSolver(
-            "StocBiO", lambda c: with_compile(hg.StocBiO, c, step_size=step, inner_steps=T, neumann_steps=T),
+            "StocBiO", lambda c: with_compile(hg.StocBiO, c, step_size=step, inner_steps=T, linear_steps=T),
             outer_lr=outer, oracle="minibatch", oracles_per_iteration=2 * T + 2,
             settings="T=10, 10 Neumann steps, steps .1, outer .1, constant",
             eval_every=STOCBIO_PARAMS["eval_freq"], step_batches=True)],

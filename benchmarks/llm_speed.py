@@ -362,20 +362,20 @@ def fast_vs_slow(base: Any, tok: Any, s: Settings, start: Any | None, log: Calla
             r.state.theta = {k: v.clone() for k, v in theta.items()}
             with torch.no_grad():
                 for k, v in start.lam.items():
-                    r.state.lam[k].copy_(v)
+                    r.state.objective_state.lam[k].copy_(v)
     else:  # an untrained start has LoRA B = 0: move off it so that every gradient is exercised
         gen = torch.Generator().manual_seed(1)
         theta = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in fast.state.theta.items()}
         fast.state.theta, slow.state.theta = ({k: v.clone() for k, v in theta.items()} for _ in range(2))
     out: dict[str, Any] = {"k": s.top_k, "from_trained": start is not None}
     tf, sf, ts, ss = fast.trainer, fast.state, slow.trainer, slow.state
-    out["losses"] = checks = compare_losses(tf, sf.theta, ts, ss.theta, sf.lam)  # a: fast, b: slow (the reference)
+    out["losses"] = checks = compare_losses(tf, sf.theta, ts, ss.theta, sf.objective_state.lam)  # a: fast, b: slow (the reference)
     for tag, r in (("fast", fast), ("slow", slow)):
         t0 = time.perf_counter()
         for _ in range(s.trajectory_steps):
             r.step()
         out[f"{tag}_steps_s"] = time.perf_counter() - t0
-    out["theta_rel"], out["lam_rel"] = relative_difference(sf.theta, ss.theta), relative_difference(sf.lam, ss.lam)
+    out["theta_rel"], out["lam_rel"] = relative_difference(sf.theta, ss.theta), relative_difference(sf.objective_state.lam, ss.objective_state.lam)
     subset = [q for d in test for q in test[d][: s.slow_eval_per_domain]]
     tf.lm.load_theta(sf.theta)
     ts.lm.load_theta(ss.theta)

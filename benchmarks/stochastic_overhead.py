@@ -157,7 +157,7 @@ def torch_method(name: str, compile_: bool, n_batches: int) -> tuple[Any, float]
         return hg.SABA(0.1, n_inner=n_batches, n_outer=n_batches, compile=compile_), 0.1
     if name == "AmIGO":
         return hg.AmIGO(0.01, inner_steps=10, linear_steps=10, compile=compile_), 0.1
-    return hg.StocBiO(0.1, inner_steps=10, neumann_steps=10, compile=compile_), 0.1
+    return hg.StocBiO(0.1, inner_steps=10, linear_steps=10, compile=compile_), 0.1
 
 
 def torch_runner(name: str, method: Any, outer_step: float, problem: hg.BilevelProblem,

@@ -104,32 +104,6 @@ html_title = "llm-calib"
 html_static_path: list[str] = []
 html_show_sourcelink = False
 
-# -- the benchmark table -----------------------------------------------------------------------
-BENCHMARK_MD = ROOT / "benchmarks" / "results" / "hypergrad.md"
-BENCHMARK_MARKER = "<!-- benchmark-results -->"
-
-
-def _insert_benchmark(app: Any, docname: str, source: list[str]) -> None:
-    """Include ``benchmarks/results/hypergrad.md`` where the marker stands, if the file exists.
-
-    MyST's ``{include}`` fails the build on a missing file; the measured table is produced by
-    ``benchmarks/hypergrad_bench.py``, so a checkout without it still builds, with a note instead.
-    """
-    if BENCHMARK_MARKER not in source[0]:
-        return
-    if BENCHMARK_MD.is_file():
-        block = (
-            "```{include} ../../benchmarks/results/hypergrad.md\n"
-            ":heading-offset: 2\n:relative-images:\n```\n"
-        )
-    else:
-        block = (
-            "```{note}\nThe measured table is written to `benchmarks/results/hypergrad.md` by "
-            "`.venv/bin/python benchmarks/hypergrad_bench.py`; this checkout does not have it "
-            "yet. Rebuild the documentation after running the benchmark.\n```\n"
-        )
-    source[0] = source[0].replace(BENCHMARK_MARKER, block)
-
 
 def _resolve_reexport(app: Any, env: Any, node: Any, contnode: Any) -> Any:
     """Resolve ``hypergrad.Implicit`` (a re-export) to ``hypergrad.implicit.Implicit``.
@@ -180,5 +154,4 @@ def _canonical_name(dotted: str) -> str | None:
 
 
 def setup(app: Any) -> None:
-    app.connect("source-read", _insert_benchmark)
     app.connect("missing-reference", _resolve_reexport)

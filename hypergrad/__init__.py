@@ -4,12 +4,24 @@ Exact implicit differentiation, unrolled differentiation and first-order methods
 interface: ``method.hypergrad(problem, w, lam, inner_batch, outer_batch) -> HypergradResult``.
 """
 
-from hypergrad import autodiff, batched, batches, compiled, inner, linear, stochastic, tree
+from hypergrad import (
+    autodiff,
+    batched,
+    batches,
+    checkpoint,
+    compiled,
+    distributed,
+    inner,
+    linear,
+    stochastic,
+    tree,
+)
 from hypergrad.alternating import AlternatingImplicit
 from hypergrad.amigo import AmIGO
 from hypergrad.batches import StepBatches
 from hypergrad.bome import BOME
-from hypergrad.driver import SolveResult, inner_solve, solve
+from hypergrad.checkpoint import SolveState, load_checkpoint, save_checkpoint
+from hypergrad.driver import InnerSolveResult, SolveResult, inner_solve, solve
 from hypergrad.errors import ConvergenceWarning, NonFiniteError
 from hypergrad.finite_difference import FiniteDifference
 from hypergrad.implicit import Implicit
@@ -18,6 +30,7 @@ from hypergrad.penalty import Penalty
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradMethod, HypergradResult
 from hypergrad.saba import SABA
 from hypergrad.soba import SOBA
+from hypergrad.srba import SRBA
 from hypergrad.stocbio import StocBiO
 from hypergrad.unrolled import Unrolled
 
@@ -25,6 +38,7 @@ __all__ = [
     "BOME",
     "SABA",
     "SOBA",
+    "SRBA",
     "AlternatingImplicit",
     "AmIGO",
     "BilevelProblem",
@@ -34,22 +48,28 @@ __all__ = [
     "HypergradMethod",
     "HypergradResult",
     "Implicit",
+    "InnerSolveResult",
     "NonFiniteError",
     "Penalty",
     "SolveResult",
+    "SolveState",
     "StepBatches",
     "StocBiO",
     "Unrolled",
     "autodiff",
     "batched",
     "batches",
+    "checkpoint",
     "compiled",
+    "distributed",
     "functional",
     "inner",
     "inner_solve",
     "linear",
+    "load_checkpoint",
     "load_params",
     "module_params",
+    "save_checkpoint",
     "solve",
     "stochastic",
     "tree",

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from hypergrad.autodiff import loss_and_grads
 from hypergrad.batches import per_step
+from hypergrad.errors import check_inner_optimizer, check_not_class
 from hypergrad.implicit import Implicit
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
@@ -73,11 +74,14 @@ class AlternatingImplicit:
     inner_optimizer: InnerOptimizer
     inner_steps: int
     implicit: Implicit
+    _: KW_ONLY  # the options below are keyword-only
     solve_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
     def __post_init__(self) -> None:
         if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) or self.inner_steps < 1:
             raise ValueError(f"inner_steps must be an int >= 1, got {self.inner_steps!r}")
+        check_inner_optimizer(self.inner_optimizer, "inner_optimizer")
+        check_not_class(self.implicit, "implicit")
         if not isinstance(self.implicit, Implicit):
             raise TypeError(f"implicit must be a hypergrad.Implicit, got {self.implicit!r}")
 
@@ -105,7 +109,8 @@ class AlternatingImplicit:
             w = tree_detach(w)
         check_finite(w, "AlternatingImplicit inner iterate (did the inner optimizer diverge? lower its lr)")
         with self.solve_context():
-            r = self.implicit.hypergrad(problem, w, lam, batches[-1], outer_batch,
+            # under hg.solve a stream of outer batches arrives as StepBatches: Implicit takes one
+            r = self.implicit.hypergrad(problem, w, lam, batches[-1], per_step(outer_batch, 1)[0],
                                         {"u": state["u"]} if "u" in state else None)
         info = HypergradInfo(
             iterations=r.info.iterations,

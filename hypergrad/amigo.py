@@ -2,16 +2,22 @@ r"""AmIGO: amortized implicit gradient optimization (Arbel and Mairal, 2022)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
-from hypergrad.batches import per_step
-from hypergrad.compiled import compiled_stochastic
+import torch
+from torch import Tensor
+
+from hypergrad.batches import StepBatches, per_step
+from hypergrad.compiled import all_finite, run_stage, traced_stage
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.stochastic import (
+    NON_FINITE,
     OracleCounts,
     StepSize,
     check_step_size,
+    compiled_info,
+    compiled_stochastic,
     hessian_products,
     inner_products,
     linear_iterate,
@@ -19,6 +25,11 @@ from hypergrad.stochastic import (
     outer_grads,
     step_counter,
     step_size_at,
+    tensor_like,
+    traced_cross_product,
+    traced_hessian_products,
+    traced_inner_sgd,
+    traced_outer_grads,
 )
 from hypergrad.tree import Tree, check_finite, tree_axpy, tree_detach, tree_norm, tree_sub
 
@@ -72,7 +83,8 @@ class AmIGO:
     ``info.extra["oracle_calls"]``): :math:`T` inner gradients, :math:`L` Hessian-vector products,
     one mixed product, one outer gradient. ``info.residual`` is the last inner batch gradient norm
     (before its step; None when ``inner_steps=0``), ``info.extra["linear_residual"]`` the last
-    :math:`\lVert H_{i} v - \nabla_w f_j \rVert` (before its step; None when ``linear_steps=0``). ``info.converged`` is always True.
+    :math:`\lVert H_{i} v - \nabla_w f_j \rVert` (before its step; None when ``linear_steps=0``). ``info.converged`` is None (no
+    stopping test).
 
     Step sizes: :math:`\rho, \eta < 2 / L_g` for stable recursions (:math:`L_g`: the largest
     batch-Hessian eigenvalue); the paper uses constant steps, with numbers of inner steps
@@ -84,7 +96,7 @@ class AmIGO:
         linear_steps: :math:`L \ge 0`.
         linear_step_size: :math:`\eta` of the linear-system SGD (None: ``step_size``).
         compile: run each call as one graph traced by :func:`torch.compile` and compiled by
-            inductor (:func:`hypergrad.compiled.compiled_stochastic`): the same arithmetic, state
+            inductor (:func:`hypergrad.stochastic.compiled_stochastic`): the same arithmetic, state
             and counts; step sizes and batch tensors are graph inputs (no recompile per step or
             batch); eager with a log line where compilation fails; ``info.extra["compiled"]``
             and ``["compile_s"]`` say what happened.
@@ -105,7 +117,7 @@ class AmIGO:
         ...                amigo, lambda p: torch.optim.SGD(p, lr=0.5), steps=40, progress=False)
         >>> round(res.lam["c"].item(), 4)
         3.0
-        >>> r = amigo.hypergrad(hg.BilevelProblem(g, f), res.w, res.lam, state=res.state)
+        >>> r = amigo.hypergrad(hg.BilevelProblem(g, f), res.w, res.lam, state=res.state.method)
         >>> r.info.grad_evals, r.info.extra["oracle_calls"]["hvp"]
         (12, 5)
     """
@@ -113,6 +125,7 @@ class AmIGO:
     takes_step_batches: ClassVar[bool] = True
 
     step_size: StepSize
+    _: KW_ONLY  # the options below are keyword-only
     inner_steps: int = 10
     linear_steps: int = 10
     linear_step_size: StepSize | None = None
@@ -138,7 +151,7 @@ class AmIGO:
     ) -> HypergradResult:
         """One AmIGO outer iteration: ``grad`` is the implicit-gradient estimate at the advanced ``w``."""
         if self.compile:
-            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state)
+            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state, call=_amigo_call)
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
         t = step_counter(state, "AmIGO")
@@ -170,7 +183,7 @@ class AmIGO:
         info = HypergradInfo(
             iterations=T + L,
             residual=inner_residual,
-            converged=True,
+            converged=None,
             grad_evals=calls.total,
             extra={
                 "oracle_calls": calls.as_dict(),
@@ -181,3 +194,50 @@ class AmIGO:
             },
         )
         return HypergradResult(tree_detach(d_lam), w, info, {"v": v, "step": t + 1})
+
+
+# ------------------------------------------------------------ the compiled stage (compile=True)
+
+
+@traced_stage("the AmIGO step")
+def _amigo_stage(problem: BilevelProblem, w: Tree, lam: Tree, v: Tree, rho: Tensor, eta: Tensor,
+                 batches: list[Any], outer_batch: Any, shared: bool, inner_steps: int) -> tuple[Any, ...]:
+    """One call of :meth:`hypergrad.amigo.AmIGO.hypergrad` as a traceable function (same arithmetic)."""
+    w, inner_residual = traced_inner_sgd(problem, w, lam, rho, batches[:inner_steps])
+    grad_w_f, grad_lam_f, f_value = traced_outer_grads(problem, w, lam, outer_batch)
+    linear_residual = torch.zeros_like(rho)
+    for product in traced_hessian_products(problem, w, lam, batches[inner_steps:-1], shared):
+        d_v = tree_sub(product(v), grad_w_f)
+        linear_residual = tree_norm(d_v)
+        v = tree_axpy(-eta, d_v, v)
+    cross, g_value = traced_cross_product(problem, w, lam, batches[-1], v)
+    d_lam = tree_sub(grad_lam_f, cross)
+    finite = all_finite([g_value, f_value], [w, grad_w_f, grad_lam_f, v, d_lam])
+    return d_lam, w, v, torch.stack([inner_residual, linear_residual, finite.to(rho.dtype)])
+
+
+def _amigo_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any, outer_batch: Any,
+                state: dict[str, Any] | None, t: int) -> HypergradResult | None:
+    """``T`` inner steps, ``L`` linear-system steps, one mixed product, by the compiled stage."""
+    n_products = method.linear_steps
+    second = method.linear_step_size
+    T = method.inner_steps
+    rho = step_size_at(method.step_size, t, "step_size")
+    eta = rho if second is None else step_size_at(second, t, "linear_step_size")
+    batches = per_step(inner_batch, T + n_products + 1)
+    shared = not isinstance(inner_batch, StepBatches)
+    rho_t, eta_t = tensor_like(rho, w), tensor_like(eta, w)
+    v = linear_iterate(state, w, "AmIGO")
+    ran = run_stage(problem, _amigo_stage, w, lam, v, rho_t, eta_t, batches, one_batch(outer_batch), shared, T)
+    if ran is None:
+        return None
+    (d_lam, new_w, v, scalars), compile_s = ran
+    inner_residual, last, finite = scalars.tolist()
+    if not finite:
+        return NON_FINITE
+    residual = inner_residual if T else None
+    calls = OracleCounts(inner_grad=T, hvp=n_products, cross=1, outer_grad=1)
+    extra = {"step": t, "step_size": rho, "linear_step_size": eta,
+             "linear_residual": last if n_products else None}
+    info = compiled_info(calls, T + n_products, residual, extra, compile_s)
+    return HypergradResult(d_lam, new_w, info, {"v": v, "step": t + 1})

@@ -20,7 +20,9 @@ from torch import Tensor
 from hypergrad.problem import BilevelProblem
 from hypergrad.tree import Tree, check_finite, grads_to_tree, tree_requires_grad
 
-__all__ = ["RootSystem", "grad_with_graph", "inner_fn", "loss_and_grads", "outer_fn"]
+__all__ = [
+    "RootSystem", "grad_or_zeros", "grad_with_graph", "inner_fn", "loss_and_grads", "outer_fn", "report_lam_unused",
+]
 
 LossFn = Callable[[Tree, Tree, Any], Tensor]
 
@@ -155,6 +157,7 @@ class RootSystem:
 
                     raise NonFiniteError(f"inner loss is {float(g.detach())} (non-finite) at the linearisation point")
                 F = torch.autograd.grad(g, self._w_leaves, create_graph=True, allow_unused=True)
+                _check_w_used(self._w, F)
                 self._F = [
                     f if f is not None else torch.zeros_like(x) for f, x in zip(F, self._w_leaves, strict=True)
                 ]
@@ -254,10 +257,17 @@ class RootSystem:
         return grads_to_tree(out, self._w)
 
     def rmatvec_lam(self, u: Tree) -> Tree:
-        r"""Return :math:`(\partial F / \partial \lambda)^\top u` (the mixed product)."""
+        r"""Return :math:`(\partial F / \partial \lambda)^\top u` (the mixed product).
+
+        Warns (:func:`~hypergrad.errors.report`) when ``F`` does not depend on ``lam`` at all: the
+        product is then identically zero.
+        """
         if self._F is None:
             return self._forward_mixed(u)
-        return self._vjp(u, self._lam_leaves, self._lam)
+        grads = self._vjp_list([u[k] for k in self._w], self._lam_leaves)
+        if all(grad is None for grad in grads):
+            report_lam_unused()
+        return grads_to_tree(grads, self._lam)
 
     def dense_rmatrix(self) -> Tensor:
         r"""Materialise :math:`(\partial F/\partial w)^\top` as an ``(n, n)`` matrix (batched vjps)."""
@@ -308,3 +318,64 @@ class RootSystem:
             return sum(torch.sum(gw[k] * u[k]) for k in gw)
 
         return torch.func.grad(inner_product)(lam)
+
+
+def _check_w_used(w: Tree, grads: tuple[Tensor | None, ...]) -> None:
+    """One-line errors for entries of ``w`` that the inner loss does not determine."""
+    for key, grad in zip(w, grads, strict=True):
+        if grad is None:
+            raise ValueError(
+                f"w[{key!r}] is not used by the inner loss g: the inner problem does not determine it, so it has no "
+                "implicit derivative; remove it from w (or make g use it)"
+            )
+        if not grad.requires_grad:
+            raise ValueError(
+                f"the inner loss g is linear in w[{key!r}] (its gradient does not depend on w or lam): the inner "
+                "problem has no minimiser in it; remove it from w or make g strictly convex in it"
+            )
+
+
+def report_lam_unused() -> None:
+    r"""Warn that the inner optimality condition does not depend on ``lam``.
+
+    Then :math:`\partial^2 g / \partial\lambda\partial w = 0`, ``w*`` does not move with ``lam``,
+    and the hypergradient is :math:`\nabla_\lambda f` alone (zero when ``f`` ignores ``lam`` too):
+    usually a ``g`` that forgot to use ``lam``. Folded like every hypergrad warning: once per call,
+    once per :func:`hypergrad.solve`.
+
+    Example:
+        >>> import warnings, torch, hypergrad as hg
+        >>> g = lambda w, lam, b: 0.5 * (w["x"] ** 2).sum()    # ignores lam
+        >>> lam = {"c": torch.ones(2, dtype=torch.float64)}
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     r = hg.Implicit().hypergrad(hg.BilevelProblem(g, g), {"x": torch.ones(2, dtype=torch.float64)}, lam)
+        >>> r.grad["c"].tolist(), "does not depend on lam" in str(caught[0].message)
+        ([0.0, 0.0], True)
+    """
+    from hypergrad.errors import report
+
+    report(["the inner loss g's gradient in w does not depend on lam (g ignores lam, or uses it only in terms "
+            "without w): w* does not move with lam and the hypergradient is grad_lam f alone (zero if f "
+            "ignores lam too); check that g uses lam"], UserWarning, stacklevel=4)
+
+
+def grad_or_zeros(value: Tensor, inputs: Tree, create_graph: bool) -> Tree:
+    """``d value / d inputs`` as a tree, zeros where ``value`` does not depend on an input.
+
+    With ``create_graph`` the gradients keep their graph (for a derivative of the gradient, as
+    the reverse-mode unrolling takes).
+
+    Example:
+        >>> import torch
+        >>> x, y = torch.ones(2, requires_grad=True), torch.ones(1, requires_grad=True)
+        >>> grads = grad_or_zeros((3 * x).sum(), {"x": x, "y": y}, create_graph=False)
+        >>> grads["x"].tolist(), grads["y"].tolist()
+        ([3.0, 3.0], [0.0])
+    """
+    if not value.requires_grad:
+        return {k: torch.zeros_like(v) for k, v in inputs.items()}
+    if create_graph:
+        return grads_to_tree(grad_with_graph(value, list(inputs.values())), inputs)
+    grads = torch.autograd.grad(value, list(inputs.values()), allow_unused=True)
+    return grads_to_tree(grads, inputs)

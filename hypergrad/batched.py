@@ -81,7 +81,7 @@ def _check_count(value: int, name: str, minimum: int) -> int:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BatchedImplicit:
     r"""Implicit hypergradients of a batch of tasks, vectorised over the tasks with ``vmap``.
 

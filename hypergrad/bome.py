@@ -3,19 +3,28 @@ r"""BOME: first-order bilevel optimization by a value-function constraint (Liu e
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch import Tensor
 
 from hypergrad.autodiff import loss_and_grads
 from hypergrad.batches import per_step
-from hypergrad.compiled import compiled_bome
+from hypergrad.compiled import (
+    all_finite,
+    eager_fallback,
+    grad_and_value,
+    non_finite_fallback,
+    replayable,
+    run_stage,
+    traced_stage,
+)
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.tree import Tree, check_finite, tree_axpy, tree_detach, tree_dot, tree_sub
 
-__all__ = ["BOME"]
+__all__ = ["BOME", "compiled_bome"]
 
 _BARRIERS = ("value", "gradient")
 
@@ -117,7 +126,7 @@ class BOME:
             ``result.state["w_opt_state"]`` (pass it back through ``state``).
         tol: tolerance on the value-function gap for ``info.converged`` (>= 0).
         compile: run each call as one graph traced by :func:`torch.compile` and compiled by
-            inductor (:func:`hypergrad.compiled.compiled_bome`): the same arithmetic and counts
+            inductor (:func:`compiled_bome`): the same arithmetic and counts
             without the per-operator overhead of eager PyTorch, which dominates on cheap problems.
             Compiles once per problem, shape, dtype and configuration (seconds), falls back to
             eager with a log line where compilation fails; ``info.extra["compiled"]`` and
@@ -152,6 +161,7 @@ class BOME:
     takes_step_batches: ClassVar[bool] = True
 
     inner_optimizer: InnerOptimizer
+    _: KW_ONLY  # the options below are keyword-only
     w_lr: float | None = None
     inner_steps: int = 10
     eta: float = 0.5
@@ -163,13 +173,19 @@ class BOME:
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
+        # a local import keeps the module's import block as it was
+        from hypergrad.errors import check_inner_optimizer
+
         opt = self.inner_optimizer
+        check_inner_optimizer(opt, "inner_optimizer")
         if not (callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))):
             raise TypeError(
                 "inner_optimizer must be an inner optimizer with init(w) and update(w, grad, "
                 f"state) (e.g. hypergrad.inner.SGD(lr=0.1)), got {opt!r}"
             )
         w_opt = self.w_optimizer
+        if w_opt is not None:
+            check_inner_optimizer(w_opt, "w_optimizer")
         if w_opt is not None and not (callable(getattr(w_opt, "init", None)) and callable(getattr(w_opt, "update", None))):
             raise TypeError(f"w_optimizer must be None or an inner optimizer (e.g. hypergrad.inner.Adam(lr=1e-3)), got {w_opt!r}")
         if self.w_lr is None and w_opt is None:
@@ -270,3 +286,97 @@ class BOME:
             extra={"phi": phi, "q": q, "grad_q_norm": sq_norm**0.5},
         )
         return HypergradResult(tree_detach(d_lam), new_w, info, new_state)
+
+
+# ------------------------------------------------------------ the compiled stage (compile=True)
+
+
+@traced_stage("the BOME step")
+def _bome_stage(problem: BilevelProblem, method: Any, w: Tree, lam: Tree, step_batches: list[Any],
+                gap_batch: Any, outer_batch: Any, w_opt_state: Tree | None) -> tuple[Any, ...]:
+    """One call of :meth:`hypergrad.bome.BOME.hypergrad` as a traceable function (same arithmetic)."""
+    opt = method.inner_optimizer
+
+    def inner(batch: Any) -> Callable[[Tree, Tree], Tensor]:
+        return lambda w_, l_: problem.inner_loss(w_, l_, batch)
+
+    (grad_w_g, grad_lam_g), g_w = grad_and_value(inner(step_batches[0]), w, lam, (0, 1))
+    losses = [g_w]
+    w_hat, opt_state = opt.update(w, grad_w_g, opt.init(w))
+    for batch in step_batches[1:]:
+        grad_w, value = grad_and_value(inner(batch), w_hat, lam, 0)
+        losses.append(value)
+        w_hat, opt_state = opt.update(w_hat, grad_w, opt_state)
+    grad_lam_g_hat, g_hat = grad_and_value(inner(gap_batch), w_hat, lam, 1)
+    (grad_w_f, grad_lam_f), f_value = grad_and_value(
+        lambda w_, l_: problem.outer_loss(w_, l_, outer_batch), w, lam, (0, 1))
+    q = g_w - g_hat
+    grad_lam_q = tree_sub(grad_lam_g, grad_lam_g_hat)
+    sq_norm = tree_dot(grad_w_g, grad_w_g) + tree_dot(grad_lam_q, grad_lam_q)
+    dot = tree_dot(grad_w_f, grad_w_g) + tree_dot(grad_lam_f, grad_lam_q)
+    target = method.eta * q if method.barrier == "value" else method.eta * sq_norm
+    # bome_phi: max((target - dot) / |grad q|^2, 0), and 0 where grad q = 0
+    phi = torch.where(sq_norm > 0, torch.clamp_min((target - dot) / sq_norm, 0.0), torch.zeros_like(sq_norm))
+    d_w = tree_axpy(phi, grad_w_g, grad_w_f)
+    d_lam = tree_axpy(phi, grad_lam_q, grad_lam_f)
+    if method.w_optimizer is None:
+        new_w, w_opt_state = tree_axpy(-float(method.w_lr), d_w, w), None
+    else:
+        new_w, w_opt_state = method.w_optimizer.update(w, d_w, w_opt_state)
+    finite = all_finite([*losses, g_hat, f_value], [w_hat, d_lam, d_w])
+    return d_lam, new_w, w_opt_state, torch.stack([q, sq_norm, phi, finite.to(q.dtype)])
+
+
+def compiled_bome(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any = None,
+                  outer_batch: Any = None, state: dict[str, Any] | None = None) -> HypergradResult:
+    r"""``method.hypergrad(...)`` of a :class:`~hypergrad.bome.BOME` from its compiled step.
+
+    Called by ``BOME(compile=True).hypergrad``: the ``T`` inner steps on :math:`g`, the
+    value-function gap and the joint direction run as one compiled graph (any inner optimizer and
+    ``w_optimizer`` of :mod:`hypergrad.inner`). Compiles once per problem, shape, dtype and
+    method configuration; new values of ``w``, ``lam``, the state and the batch tensors are read
+    afresh. With a :class:`~hypergrad.batches.StepBatches` inner batch, inner step ``t`` uses the
+    ``t``-th batch, and the gap :math:`g(w) - g(\hat w_T)` is taken on the first; one outer batch
+    is drawn from a ``StepBatches`` outer batch. Falls back to
+    the eager call (logged once per problem) where compilation fails; a non-finite value reruns
+    the eager call, which raises its :class:`~hypergrad.errors.NonFiniteError`.
+
+    Returns:
+        The eager call's result (same fields and counts) with ``info.extra["compiled"]`` (which
+        path ran) and ``info.extra["compile_s"]`` (seconds this call spent compiling).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
+        >>> f = lambda w, lam, b: 0.5 * ((w["x"] - 3.0) ** 2).sum()
+        >>> bome = hg.BOME(hg.inner.SGD(lr=0.5), w_lr=0.1, inner_steps=3, compile=True)
+        >>> w, lam = {"x": torch.zeros(2, dtype=torch.float64)}, {"c": torch.ones(2, dtype=torch.float64)}
+        >>> r = compiled_bome(bome, hg.BilevelProblem(g, f), w, lam)
+        >>> r.grad["c"].tolist() == bome.hypergrad(hg.BilevelProblem(g, f), w, lam).grad["c"].tolist()
+        True
+    """
+    inner_batch, outer_batch = replayable(inner_batch), replayable(outer_batch)
+    args = (w, lam, inner_batch, outer_batch, state)
+    w, lam = problem.validate(w, lam)
+    w, lam = tree_detach(w), tree_detach(lam)
+    w_opt_state = None
+    if method.w_optimizer is not None:
+        w_opt_state = (state or {}).get("w_opt_state") or method.w_optimizer.init(w)
+    batches = per_step(inner_batch, method.inner_steps)
+    (outer_batch,) = per_step(outer_batch, 1)  # one outer batch per call, as in the eager call
+    ran = run_stage(problem, _bome_stage, method, w, lam, batches, batches[0], outer_batch, w_opt_state)
+    if ran is None:
+        return eager_fallback(method, problem, args)
+    (d_lam, new_w, w_opt_state, scalars), compile_s = ran
+    q, sq_norm, phi, finite = scalars.tolist()
+    if not finite:
+        return non_finite_fallback(method, problem, args)
+    info = HypergradInfo(
+        iterations=method.inner_steps,
+        residual=sq_norm**0.5,
+        converged=q <= float(method.tol),
+        grad_evals=method.inner_steps + 2,
+        extra={"phi": phi, "q": q, "grad_q_norm": sq_norm**0.5, "compiled": True, "compile_s": compile_s},
+    )
+    new_state = None if w_opt_state is None else {"w_opt_state": w_opt_state}
+    return HypergradResult(d_lam, new_w, info, new_state)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import math
+import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,9 +17,16 @@ try:  # the progress bar is optional: hypergrad itself needs only torch and nump
     from tqdm.auto import tqdm
 except ImportError:
 
+    @functools.cache  # once per process
+    def _notice_no_tqdm() -> None:
+        warnings.warn("progress=True shows a progress bar only with tqdm installed (pip install tqdm); "
+                      "pass progress=False to silence this notice", UserWarning, stacklevel=4)
+
     class tqdm:  # noqa: N801  (stands in for tqdm.auto.tqdm without a bar: iterates, drops the postfix)
-        def __init__(self, iterable: Iterable[Any], **_options: Any) -> None:
+        def __init__(self, iterable: Iterable[Any], **options: Any) -> None:
             self.iterable = iterable
+            if not options.get("disable", False):
+                _notice_no_tqdm()
 
         def __iter__(self) -> Iterator[Any]:
             return iter(self.iterable)
@@ -25,11 +37,19 @@ except ImportError:
 
 from hypergrad.autodiff import inner_fn, loss_and_grads
 from hypergrad.batches import StepBatches
+from hypergrad.checkpoint import SolveState, save_checkpoint
+from hypergrad.errors import (
+    NonFiniteError,
+    WarningLog,
+    check_inner_optimizer,
+    check_not_class,
+    collect_warnings,
+)
 from hypergrad.inner import SGD, InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradMethod
 from hypergrad.tree import Tree, check_finite, check_like, tree_detach, tree_norm
 
-__all__ = ["SolveResult", "inner_solve", "solve"]
+__all__ = ["InnerSolveResult", "SolveResult", "inner_solve", "solve"]
 
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -48,11 +68,21 @@ class SolveResult:
         history: per outer step: ``outer_loss`` (f at the current ``w``; NaN at the steps where it
             was not evaluated, see ``outer_loss_every``), ``grad_norm`` (of the hypergradient
             estimate), ``inner_residual`` (‖∇_w g‖ before the estimate), ``converged`` (the
-            method's own flag) and ``lr`` (the learning rate of the outer optimizer's first
+            method's ``info.converged`` as 1.0 / 0.0; NaN for a method without a stopping test,
+            see :class:`~hypergrad.problem.HypergradInfo`) and ``lr`` (the learning rate of the outer optimizer's first
             parameter group for that step; NaN for an optimizer without one).
-        state: the method's state after the last step (pass it to a later call to resume).
+        state: a :class:`~hypergrad.checkpoint.SolveState` after the last step: the method's
+            state (``state.method``), the outer optimizer's and the scheduler's, the inner
+            optimizer's, the batch streams' positions and the random-number state. Pass it to a
+            later call (``state=``) to continue exactly, or write it with
+            :func:`~hypergrad.checkpoint.save_checkpoint`.
         steps_run: outer steps taken (``steps`` unless the callback stopped the loop).
         stopped_early: whether the callback stopped the loop before ``steps``.
+        unconverged_steps: outer steps whose method reported ``info.converged`` False: for
+            ``Implicit``, ``FiniteDifference`` and ``AlternatingImplicit`` the steps whose linear
+            solve stopped short of its tolerance (0 for methods without a stopping test).
+        warnings: the warnings of the solve, one line per kind, as warned at its end (a kind
+            that occurred at several outer steps: at how many, and the worst occurrence).
 
     Example:
         >>> import torch, hypergrad as hg
@@ -61,14 +91,18 @@ class SolveResult:
         ...                hg.Implicit(), steps=3, inner_steps=5, progress=False)
         >>> sorted(res.history), len(res.history["outer_loss"]), res.steps_run, res.stopped_early
         (['converged', 'grad_norm', 'inner_residual', 'lr', 'outer_loss'], 3, 3, False)
+        >>> res.unconverged_steps
+        0
     """
 
     w: Tree
     lam: Tree
     history: dict[str, list[float]] = field(default_factory=dict)
-    state: dict[str, Any] | None = None
+    state: SolveState | None = None
     steps_run: int = 0
     stopped_early: bool = False
+    unconverged_steps: int = 0
+    warnings: list[str] = field(default_factory=list)
 
 
 class _BatchStream:
@@ -88,6 +122,8 @@ class _BatchStream:
         self._iterator: Iterator[Any] | None = None
         self._one_shot = False
         self._epoch_drawn = 0
+        self._epoch_rng: dict[str, Any] | None = None  # random state before this epoch's iter(...)
+        self._first_rng: dict[str, Any] | None = None  # ... and before its first draw
         if self.constant:
             return
         if isinstance(batches, StepBatches):
@@ -95,6 +131,7 @@ class _BatchStream:
                 f"{name} must be batches, not a StepBatches: solve draws a fresh batch per step "
                 f"for methods that take several (pass {name}=<the batches> directly)"
             )
+        self._epoch_rng = _rng_snapshot(batches)
         try:
             self._iterator = iter(batches)
         except TypeError:
@@ -109,6 +146,8 @@ class _BatchStream:
         if self.constant:
             return self._batches
         assert self._iterator is not None
+        if self._epoch_drawn == 0 and not self._one_shot:
+            self._first_rng = _rng_snapshot(self._batches)  # a shuffling sampler draws its seed here
         try:
             batch = next(self._iterator)
         except StopIteration:
@@ -126,8 +165,10 @@ class _BatchStream:
             )
         if self._epoch_drawn == 0 and self.drawn == 0:
             raise ValueError(f"{self.name} is empty: it yielded no batch")
+        self._epoch_rng = _rng_snapshot(self._batches)
         self._iterator = iter(self._batches)
         self._epoch_drawn = 0
+        self._first_rng = _rng_snapshot(self._batches)
         try:
             return next(self._iterator)
         except StopIteration:
@@ -135,6 +176,43 @@ class _BatchStream:
                 f"{self.name} yielded no batch in a new epoch (after {self.drawn} batch(es) in "
                 "earlier epochs)"
             ) from None
+
+    def position(self) -> dict[str, Any]:
+        """Where the stream stands, for :class:`SolveState` (tensors and plain data only)."""
+        kind = "constant" if self.constant else "one-shot" if self._one_shot else "re-iterable"
+        record: dict[str, Any] = {"kind": kind, "drawn": self.drawn, "epoch_drawn": self._epoch_drawn}
+        if kind == "re-iterable":
+            record.update(epoch_rng=self._epoch_rng, first_rng=self._first_rng, rng=_rng_snapshot(self._batches))
+        return record
+
+    def resume(self, record: dict[str, Any]) -> None:
+        """Continue from ``record`` (a :meth:`position`): replay the current epoch up to its position.
+
+        A re-iterable is iterated afresh from the random state its epoch started from, and the
+        batches already drawn in that epoch are drawn again and dropped, so a shuffling
+        ``DataLoader`` continues with the permutation it was in. A one-shot iterator cannot be
+        rewound: it continues from wherever it is.
+        """
+        self.drawn = int(record["drawn"])
+        if self.constant or self._one_shot or record.get("kind") != "re-iterable":
+            return
+        _set_rng(self._batches, record["epoch_rng"])
+        self._iterator = iter(self._batches)
+        epoch_drawn = int(record["epoch_drawn"])
+        if epoch_drawn:
+            _set_rng(self._batches, record["first_rng"])
+        for position in range(epoch_drawn):
+            try:
+                next(self._iterator)
+            except StopIteration:
+                raise ValueError(
+                    f"cannot resume {self.name}: the state stood at batch {epoch_drawn} of an epoch, but "
+                    f"the batches given now yield only {position} (pass the same batches as the run that "
+                    "made the state)"
+                ) from None
+        self._epoch_drawn = epoch_drawn
+        self._epoch_rng, self._first_rng = record["epoch_rng"], record["first_rng"]
+        _set_rng(self._batches, record["rng"])
 
     def for_call(self, per_step: bool) -> Any:
         """The batch argument of one ``method.hypergrad`` call.
@@ -164,9 +242,164 @@ class _BatchStream:
             batch = self.next()
 
 
+def _at_step(log: WarningLog, step: int, where: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` as part of outer step ``step``: its warnings go to ``log`` (warned
+    once per kind when the solve ends, or now if it raises), and a :class:`NonFiniteError` names
+    the step."""
+    log.step = step
+    try:
+        with collect_warnings(log):
+            return call(*args, **kwargs)
+    except NonFiniteError as error:
+        log.emit(step + 1, stacklevel=3)
+        raise NonFiniteError(f"outer step {step}, {where}{_function_of(str(error))}: {error}") from error
+    except BaseException:
+        log.emit(step + 1, stacklevel=3)
+        raise
+
+
+def _check_components(method: Any, inner_optimizer: Any, outer_optimizer: Any) -> None:
+    """One-line errors for a class where an instance is expected, and for an optimizer of the
+    wrong kind (torch.optim where hypergrad's inner optimizers go, and the other way round)."""
+    check_not_class(method, "method")
+    if inner_optimizer is not None:
+        check_inner_optimizer(inner_optimizer, "inner_optimizer")
+    if isinstance(outer_optimizer, torch.optim.Optimizer) or (
+            outer_optimizer is not None and not callable(outer_optimizer)):
+        kind = type(outer_optimizer)
+        given = f"torch.optim.{kind.__name__}" if isinstance(outer_optimizer, torch.optim.Optimizer) else kind.__name__
+        hint = (" (hypergrad.inner optimizers are for inner_optimizer)"
+                if callable(getattr(outer_optimizer, "update", None)) else "")
+        raise TypeError(
+            "outer_optimizer must be a factory params -> torch.optim.Optimizer, e.g. lambda p: "
+            f"torch.optim.Adam(p, lr=1e-2), not a {given} instance: solve builds the optimizer over its own "
+            f"copy of lam{hint}")
+
+
+def _function_of(message: str) -> str:
+    """Which of the problem's functions a non-finite message is about (the methods name the
+    inner and outer losses in their messages)."""
+    if "penalised loss" in message:
+        return " (g + sigma f)"
+    if "inner loss" in message or "inner iterate" in message or "inner gradient" in message:
+        return " (g, the inner loss)"
+    if "outer loss" in message or "outer gradient" in message:
+        return " (f, the outer loss)"
+    return ""
+
+
+def _loader_generators(batches: Any) -> list[torch.Generator]:
+    """The random generators a ``DataLoader`` (or its sampler) was given, if any."""
+    found: list[torch.Generator] = []
+    holders = (batches, getattr(batches, "sampler", None), getattr(getattr(batches, "batch_sampler", None), "sampler", None))
+    for holder in holders:
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
+
+
+def _rng_snapshot(batches: Any) -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in _loader_generators(batches)]}
+
+
+def _set_rng(batches: Any, snapshot: dict[str, Any]) -> None:
+    torch.set_rng_state(snapshot["torch"])
+    for generator, saved in zip(_loader_generators(batches), snapshot["generators"], strict=False):
+        generator.set_state(saved)
+
+
+def _global_rng() -> dict[str, Any]:
+    rng: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _set_global_rng(rng: dict[str, Any]) -> None:
+    if "torch" in rng:
+        torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _check_resume_point(resume: SolveState, w: Tree, lam: Tree) -> None:
+    for name, given, saved in (("w", w, resume.w), ("lam", lam, resume.lam)):
+        same = set(given) == set(saved) and all(
+            given[k].shape == saved[k].shape and torch.equal(given[k], saved[k].to(given[k].device, given[k].dtype))
+            for k in given)
+        if not same:
+            raise ValueError(
+                f"{name} is not state.{name} (where the state's run stopped, after step {resume.step}): resume "
+                f"with {name}=state.{name}, or pass state=state.method to start a new run with the "
+                "method's state only"
+            )
+
+
+def _restore_outer(resume: SolveState, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+    if resume.scheduler is not None and scheduler is None:
+        raise ValueError("state holds a scheduler's state but scheduler=None: pass the run's scheduler factory")
+    if resume.outer_optimizer is not None:
+        try:  # a copy: the optimizer steps its state in place, and the same state may be resumed twice
+            optimizer.load_state_dict(copy.deepcopy(resume.outer_optimizer))
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise ValueError(f"state.outer_optimizer does not fit the outer_optimizer given: {exc}") from exc
+    if scheduler is not None and resume.scheduler is not None:
+        scheduler.load_state_dict(copy.deepcopy(resume.scheduler))
+
+
 def _check_steps(steps: Any, name: str) -> None:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise ValueError(f"{name} must be an int >= 0, got {steps!r}")
+
+
+class InnerSolveResult(tuple):
+    """What :func:`inner_solve` returns: unpacks as ``(w, state, grad_norm)``, and says how it stopped.
+
+    Attributes:
+        w: the inner parameters reached.
+        state: the optimizer's state there (pass it back as ``opt_state`` to continue).
+        grad_norm: the norm of the last gradient taken (NaN when no gradient was taken).
+        steps: optimizer steps taken.
+        converged: with a ``tol``, whether the gradient norm reached it (then ``grad_norm`` is
+            the norm at ``w`` and ``<= tol``); None without a ``tol`` (nothing was checked).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> out = hg.InnerSolveResult({"x": torch.ones(1)}, {}, 0.0, steps=4, converged=None)
+        >>> w, state, norm = out
+        >>> out.steps, out.converged, out.grad_norm
+        (4, None, 0.0)
+    """
+
+    steps: int
+    converged: bool | None
+
+    def __new__(cls, w: Tree, state: Tree, grad_norm: float, *, steps: int,
+                converged: bool | None) -> InnerSolveResult:
+        self = super().__new__(cls, (w, state, grad_norm))
+        self.steps, self.converged = steps, converged
+        return self
+
+    @property
+    def w(self) -> Tree:
+        """The inner parameters reached."""
+        return self[0]
+
+    @property
+    def state(self) -> Tree:
+        """The optimizer's state."""
+        return self[1]
+
+    @property
+    def grad_norm(self) -> float:
+        """The norm of the last gradient taken."""
+        return self[2]
+
+    def __repr__(self) -> str:
+        return (f"InnerSolveResult(steps={self.steps}, converged={self.converged}, "
+                f"grad_norm={self.grad_norm:.3g})")
 
 
 def _inner_steps(
@@ -177,17 +410,31 @@ def _inner_steps(
     optimizer: InnerOptimizer,
     stream: _BatchStream,
     opt_state: Tree | None,
-) -> tuple[Tree, Tree, float]:
+    tol: float | None = None,
+) -> InnerSolveResult:
     state = optimizer.init(w) if opt_state is None else opt_state
     residual = float("nan")
-    for _ in range(steps):
-        _, gw, _ = loss_and_grads(inner_fn(problem, stream.next()), w, lam, wrt_lam=False, what="inner loss")
+    taken, converged = 0, None if tol is None else False
+    update_with_loss = getattr(optimizer, "update_with_loss", None)  # an optimizer with a line search
+    for _ in range(steps + (tol is not None)):  # with a tol: one more gradient, at the final w
+        batch = stream.next()
+        loss, gw, _ = loss_and_grads(inner_fn(problem, batch), w, lam, wrt_lam=False, what="inner loss")
         assert gw is not None
         residual = float(tree_norm(gw))
+        if tol is not None and residual <= tol:
+            converged = True
+            break
+        if taken == steps:
+            break
         with torch.no_grad():
-            w, state = optimizer.update(w, gw, state)
+            if update_with_loss is not None:
+                w, state = update_with_loss(w, gw, state, float(loss),
+                                            lambda v, batch=batch: float(problem.inner_loss(v, lam, batch)))
+            else:
+                w, state = optimizer.update(w, gw, state)
         w = tree_detach(w)
-    return w, state, residual
+        taken += 1
+    return InnerSolveResult(w, state, residual, steps=taken, converged=converged)
 
 
 def inner_solve(
@@ -198,8 +445,14 @@ def inner_solve(
     optimizer: InnerOptimizer,
     batches: Iterable[Any] | None = None,
     opt_state: Tree | None = None,
-) -> tuple[Tree, Tree, float]:
-    """Run ``steps`` plain (non-differentiable) optimizer steps on ``g(·, lam)``.
+    tol: float | None = None,
+) -> InnerSolveResult:
+    """Run up to ``steps`` plain (non-differentiable) optimizer steps on ``g(·, lam)``.
+
+    With ``tol``, stop as soon as :math:`\\lVert \\nabla_w g \\rVert \\le` ``tol`` (checked
+    before each step and once more after the last, on that step's batch); the result says how
+    many steps were taken and whether the tolerance was met. An optimizer with a line search
+    (:class:`~hypergrad.inner.LBFGS`) searches on the batch of its step.
 
     Args:
         problem: the bilevel problem (only its inner loss is used).
@@ -212,14 +465,18 @@ def inner_solve(
             epoch, an iterator is consumed and must not run out), a single batch (a tensor, dict
             or tuple, reused), or None.
         opt_state: optimizer state to continue from (default ``optimizer.init(w)``).
+        tol: stop when the gradient norm is at most this (a number >= 0); default None: run all
+            ``steps``.
 
     Returns:
-        ``(w, optimizer_state, final_gradient_norm)``; the norm is that of the last gradient
-        taken (NaN when ``steps == 0``).
+        An :class:`InnerSolveResult`, which unpacks as ``(w, optimizer_state,
+        final_gradient_norm)``; the norm is that of the last gradient taken (NaN when
+        ``steps == 0`` without ``tol``); ``.steps`` and ``.converged`` say how it stopped
+        (``converged`` is None without ``tol``).
 
     Raises:
-        ValueError: ``steps`` is not an int >= 0; an iterator ``batches`` ran out, or an iterable
-            is empty.
+        ValueError: ``steps`` is not an int >= 0; ``tol`` is not a number >= 0; an iterator
+            ``batches`` ran out, or an iterable is empty.
         TypeError: ``batches`` is not one of the forms above.
         hypergrad.errors.NonFiniteError: the inner loss or its gradient became NaN or inf (a
             step size too large for the problem).
@@ -231,9 +488,18 @@ def inner_solve(
         >>> w, _, res = hg.inner_solve(p, {"x": torch.zeros(2)}, {"c": torch.ones(2)}, 50, hg.inner.SGD(0.5))
         >>> w["x"].tolist(), res < 1e-6
         ([1.0, 1.0], True)
+
+        Stop at a gradient-norm tolerance instead (here after 20 of at most 100 steps):
+
+        >>> out = hg.inner_solve(p, {"x": torch.zeros(2)}, {"c": torch.ones(2)}, 100, hg.inner.SGD(0.5), tol=1e-5)
+        >>> out.steps, out.converged, out.grad_norm <= 1e-5
+        (18, True, True)
     """
     _check_steps(steps, "inner_steps")
-    return _inner_steps(problem, w, lam, steps, optimizer, _BatchStream(batches, "batches"), opt_state)
+    check_inner_optimizer(optimizer, "optimizer")
+    if tol is not None and (not isinstance(tol, (int, float)) or isinstance(tol, bool) or not 0 <= tol < math.inf):
+        raise ValueError(f"tol must be None or a finite number >= 0, got {tol!r}")
+    return _inner_steps(problem, w, lam, steps, optimizer, _BatchStream(batches, "batches"), opt_state, tol)
 
 
 def _make_scheduler(factory: SchedulerFactory | None, optimizer: torch.optim.Optimizer,
@@ -267,10 +533,12 @@ def solve(
     outer_batches: Iterable[Any] | None = None,
     progress: bool = True,
     callback: Callable[[int, Tree, Tree, Any], Any] | None = None,
-    state: dict[str, Any] | None = None,
+    state: SolveState | dict[str, Any] | None = None,
     hypergrad_batches: Iterable[Any] | None = None,
     scheduler: SchedulerFactory | None = None,
     outer_loss_every: int = 1,
+    checkpoint_every: int = 0,
+    checkpoint_path: str | os.PathLike[str] | None = None,
 ) -> SolveResult:
     r"""Minimise :math:`F(\lambda) = f(w^*(\lambda), \lambda)` with any hypergradient method.
 
@@ -316,6 +584,24 @@ def solve(
     forward pass of ``f``, and for a method that takes step batches one more batch drawn from
     ``outer_batches``.
 
+    **Resuming.** ``SolveResult.state`` is a :class:`~hypergrad.checkpoint.SolveState`; pass it
+    back, with ``w=state.w`` and ``lam=state.lam`` and the same problem, method, factories and
+    batches, and the run continues exactly where it stopped: ``steps`` more steps, numbered on
+    from ``state.step`` (in ``callback`` and ``outer_loss_every``), with the method's state, the
+    outer optimizer's and the scheduler's state (Adam's moments, the schedule's position), the
+    plain inner steps' optimizer state, and each batch stream's position restored, so 10 + 10
+    steps give the numbers of 20 bit for bit. A re-iterable stream (a list, a ``DataLoader``)
+    is replayed from the random state its current epoch started from up to the batch it stood
+    at (its batches are drawn again and dropped), so a shuffling ``DataLoader`` continues its
+    permutation; torch's global random state (and the generator a ``DataLoader`` or its sampler
+    was given) is set back to where the run left it. Not restored: a one-shot iterator (it
+    continues from wherever it is; ``state.streams[name]["drawn"]`` says how many batches it
+    gave), and random state outside torch (Python's ``random``, NumPy) that the batches or
+    losses use. ``dataclasses.replace(state, streams={})`` continues the optimization with
+    fresh streams. ``checkpoint_every=k`` writes the state to ``checkpoint_path`` (atomically,
+    with :func:`~hypergrad.checkpoint.save_checkpoint`) after every ``k``-th step and after the
+    last; :func:`~hypergrad.checkpoint.load_checkpoint` reads it back to resume a killed run.
+
     Args:
         problem: the bilevel problem.
         w: initial inner parameters.
@@ -325,20 +611,29 @@ def solve(
             ``torch.optim.Adam(params, lr=1e-2)``.
         steps: maximum number of outer steps (>= 1).
         inner_steps: plain inner steps before each hypergradient (>= 0).
-        inner_optimizer: optimizer for those steps (default ``hg.inner.SGD(lr=0.1)``).
+        inner_optimizer: optimizer for those steps (default ``hg.inner.SGD(lr=0.1)``); one with a
+            line search (``hg.inner.LBFGS()``) searches on the batch of each step.
         inner_batches: the batches of the plain inner steps (and, by default, of the method's
             ``inner_batch``); see "Batch streams".
         outer_batches: the batches of the outer loss (the method's ``outer_batch``).
-        progress: show a tqdm progress bar with F and ‖grad‖ (when tqdm is installed; else no bar).
+        progress: show a tqdm progress bar with F and ‖grad‖ (when tqdm is installed; without it,
+            a warning says so once per process and no bar is shown).
         callback: called as ``callback(step, w, lam, result)`` after each outer step; a true
             return value stops the loop.
-        state: method state to resume from (``SolveResult.state`` of a previous run).
+        state: the state to resume from: a :class:`~hypergrad.checkpoint.SolveState`
+            (``SolveResult.state`` of a previous run, or :func:`~hypergrad.checkpoint.load_checkpoint`),
+            see "Resuming"; anything else is the method's own state alone (the outer optimizer,
+            scheduler and streams start afresh).
         hypergrad_batches: the batches of the method's ``inner_batch`` (its inner steps, linear
             solve and products); default None: drawn from ``inner_batches``.
         scheduler: factory ``optimizer -> torch.optim.lr_scheduler.LRScheduler`` for the outer
             learning rate, stepped once per outer step; default None (constant).
         outer_loss_every: evaluate the outer loss for ``history`` every this many steps
             (int >= 0; 0: never; default 1: every step).
+        checkpoint_every: write the state to ``checkpoint_path`` after every this many steps
+            (int >= 0; counted from the first step of the whole run; 0: only after the last).
+        checkpoint_path: the checkpoint file (default None: none written); written after the
+            last step as well.
 
     Returns:
         A :class:`SolveResult`.
@@ -350,7 +645,9 @@ def solve(
         ValueError: ``steps < 1``, ``inner_steps < 0``, ``outer_loss_every < 0``, malformed
             ``w``/``lam``, a hypergradient not shaped like ``lam``; a one-shot batch iterator
             ran out or an iterable of batches is empty; ``ReduceLROnPlateau`` without
-            ``outer_loss_every=1``.
+            ``outer_loss_every=1``; ``checkpoint_every < 0``, or > 0 without ``checkpoint_path``;
+            a :class:`~hypergrad.checkpoint.SolveState` whose ``w``/``lam`` are not the ones
+            given, or whose optimizer or scheduler state does not fit.
         hypergrad.errors.NonFiniteError: a loss, gradient or hypergradient became NaN or inf.
 
     Example:
@@ -379,12 +676,20 @@ def solve(
         ([0.5, 0.5], 0.25, True)
     """
     w, lam = problem.validate(w, lam)
+    _check_components(method, inner_optimizer, outer_optimizer)
     if not hasattr(method, "hypergrad"):
         raise TypeError(f"method must have a hypergrad(...) method, got {type(method).__name__}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     _check_steps(inner_steps, "inner_steps")
     _check_steps(outer_loss_every, "outer_loss_every")
+    _check_steps(checkpoint_every, "checkpoint_every")
+    if checkpoint_every and checkpoint_path is None:
+        raise ValueError(f"checkpoint_every={checkpoint_every} needs checkpoint_path (the file to write)")
+    resume = state if isinstance(state, SolveState) else None
+    if resume is not None:
+        _check_resume_point(resume, w, lam)
+        state = resume.method
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
     inner_optimizer = inner_optimizer if inner_optimizer is not None else SGD(lr=0.1)
@@ -394,35 +699,60 @@ def solve(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("outer_optimizer must be a factory returning a torch.optim.Optimizer")
     lr_scheduler = _make_scheduler(scheduler, optimizer, outer_loss_every)
+    if resume is not None:
+        _restore_outer(resume, optimizer, lr_scheduler)
     inner_stream = _BatchStream(inner_batches, "inner_batches")
     hyper_stream = (
         inner_stream if hypergrad_batches is None else _BatchStream(hypergrad_batches, "hypergrad_batches")
     )
     outer_stream = _BatchStream(outer_batches, "outer_batches")
+    streams = {"inner_batches": inner_stream, "outer_batches": outer_stream}
+    if hyper_stream is not inner_stream:
+        streams["hypergrad_batches"] = hyper_stream
     step_batches = bool(getattr(method, "takes_step_batches", False))
     w = tree_detach(w)
     opt_state: Tree | None = None
+    start = 0
+    if resume is not None:
+        for name, stream in streams.items():
+            if name in resume.streams:
+                stream.resume(resume.streams[name])
+        _set_global_rng(resume.rng)
+        opt_state, start = resume.inner_optimizer, resume.step
+
+    def solve_state(steps_done: int) -> SolveState:
+        return SolveState(
+            step=steps_done, w=w, lam={k: v.detach().clone() for k, v in lam_params.items()}, method=state,
+            outer_optimizer=copy.deepcopy(optimizer.state_dict()),
+            scheduler=None if lr_scheduler is None else copy.deepcopy(lr_scheduler.state_dict()),
+            inner_optimizer=opt_state, streams={name: stream.position() for name, stream in streams.items()},
+            rng=_global_rng())
+
     history: dict[str, list[float]] = {
         "outer_loss": [], "grad_norm": [], "inner_residual": [], "converged": [], "lr": []}
     steps_run, stopped_early = 0, False
+    unconverged_steps = 0
+    log = WarningLog()  # each kind of warning is counted over the steps and warned once, at the end
     last_outer_loss = float("nan")
-    bar = tqdm(range(steps), desc="hypergrad.solve", disable=not progress, leave=False)
+    bar = tqdm(range(start, start + steps), desc="hypergrad.solve", disable=not progress, leave=False)
     for step in bar:
         lam_now = {k: v.detach() for k, v in lam_params.items()}
         residual = float("nan")
         if inner_steps:
-            w, opt_state, residual = _inner_steps(
+            w, opt_state, residual = _at_step(log, step, "the plain inner steps", _inner_steps,
                 problem, w, lam_now, inner_steps, inner_optimizer, inner_stream, opt_state)
         inner_batch = hyper_stream.for_call(step_batches)
         outer_batch = outer_stream.for_call(step_batches)
-        result = method.hypergrad(problem, w, lam_now, inner_batch=inner_batch, outer_batch=outer_batch, state=state)
+        result = _at_step(log, step, f"{type(method).__name__}.hypergrad", method.hypergrad,
+                          problem, w, lam_now, inner_batch=inner_batch, outer_batch=outer_batch, state=state)
         check_like(result.grad, lam_now, "hypergradient", "lam")
         check_finite(result.grad, f"hypergradient at outer step {step}")
         outer_loss = float("nan")
         if outer_loss_every and step % outer_loss_every == 0:
             batch = outer_stream.next() if isinstance(outer_batch, StepBatches) else outer_batch
             with torch.no_grad():
-                outer_loss = last_outer_loss = float(problem.outer_loss(w, lam_now, batch))
+                outer_loss = last_outer_loss = float(_at_step(
+                    log, step, "the outer loss for history", problem.outer_loss, w, lam_now, batch))
         lr = float(optimizer.param_groups[0].get("lr", float("nan")))  # NaN: an optimizer without "lr"
         optimizer.zero_grad(set_to_none=False)
         for k, p in lam_params.items():
@@ -437,12 +767,20 @@ def solve(
         history["outer_loss"].append(outer_loss)
         history["grad_norm"].append(grad_norm)
         history["inner_residual"].append(residual)
-        history["converged"].append(float(result.info.converged))
+        converged = result.info.converged
+        history["converged"].append(float("nan") if converged is None else float(converged))
+        unconverged_steps += converged is False
         history["lr"].append(lr)
-        steps_run = step + 1
+        steps_run = step + 1 - start
         bar.set_postfix(F=f"{last_outer_loss:.4g}", grad=f"{grad_norm:.3g}")
         if callback is not None and callback(step, w, {k: v.detach() for k, v in lam_params.items()}, result):
-            stopped_early = step + 1 < steps
+            stopped_early = steps_run < steps
+        if checkpoint_every and (step + 1) % checkpoint_every == 0 and checkpoint_path is not None:
+            save_checkpoint(checkpoint_path, solve_state(step + 1))
+        if stopped_early:
             break
-    return SolveResult(w, {k: v.detach().clone() for k, v in lam_params.items()}, history, state,
-                       steps_run, stopped_early)
+    final = solve_state(start + steps_run)
+    if checkpoint_path is not None and not (checkpoint_every and (start + steps_run) % checkpoint_every == 0):
+        save_checkpoint(checkpoint_path, final)
+    return SolveResult(w, final.lam, history, final, steps_run, stopped_early, unconverged_steps,
+                       log.emit(steps_run, stacklevel=2))

@@ -2,7 +2,6 @@ r"""First-order implicit hypergradients: second-order products by central differ
 
 from __future__ import annotations
 
-import warnings as _warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import torch
 
 from hypergrad.autodiff import inner_fn, loss_and_grads, outer_fn
-from hypergrad.errors import ConvergenceWarning
+from hypergrad.errors import ConvergenceWarning, check_not_class, report
 from hypergrad.linear import CG
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
@@ -38,7 +37,7 @@ def _check_positive(value: object, name: str) -> float:
     return float(value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FiniteDifference:
     r"""Implicit hypergradient with every second-order product replaced by a central difference.
 
@@ -84,7 +83,8 @@ class FiniteDifference:
     :math:`\lambda` in one backward) + two per solver product + two for the mixed product:
     ``3 + 2 * matvecs`` with a solver; 3 with ``"identity"`` (4 with ``virtual_step``).
     Like :class:`~hypergrad.Implicit`, the estimate assumes ``w`` solves the inner problem; its
-    error is first order in the inner residual plus :math:`O(\varepsilon^2)`.
+    error is first order in the inner residual plus :math:`O(\varepsilon^2)`. ``info.converged``
+    is the linear solver's outcome, None with ``"identity"`` (no solve, no stopping test).
 
     Args:
         eps: length of the finite-difference perturbation (> 0), see above.
@@ -111,8 +111,8 @@ class FiniteDifference:
         [1.0, 2.0]
         >>> darts = hg.FiniteDifference(solver="identity", xi=1.0)   # H = I, so xi = 1 is exact
         >>> r = darts.hypergrad(hg.BilevelProblem(g, f), {"x": lam["c"].clone()}, lam)
-        >>> [round(x, 6) for x in r.grad["c"].tolist()], r.info.grad_evals
-        ([1.0, 2.0], 3)
+        >>> [round(x, 6) for x in r.grad["c"].tolist()], r.info.grad_evals, r.info.converged
+        ([1.0, 2.0], 3, None)
     """
 
     eps: float = 1e-3
@@ -133,6 +133,7 @@ class FiniteDifference:
                 raise ValueError("xi (the inner learning rate) is required with solver='identity'")
             _check_positive(self.xi, "xi")
         else:
+            check_not_class(self.solver, "solver")
             if not callable(self.solver):
                 raise TypeError(
                     f"solver must be a linear solver from hypergrad.linear or 'identity', "
@@ -196,7 +197,8 @@ class FiniteDifference:
         check_finite(grad_lam_f, "outer gradient grad_lam f")
         grad_evals += 1
 
-        iterations, residual, converged, matvecs = 0, None, True, 0
+        iterations, residual, matvecs = 0, None, 0
+        converged: bool | None = None  # no linear solve, no stopping test
         messages: list[str] = []
         if isinstance(self.solver, str):
             assert self.xi is not None
@@ -211,8 +213,7 @@ class FiniteDifference:
             system = LinearSystem(matvec=hvp, rhs=grad_w_f, symmetric=True)
             x0 = state.get("v") if (self.warm_start and state) else None
             solve = self.solver(system, x0)
-            for message in [] if solve.repeated_warnings else solve.warnings:
-                _warnings.warn(message, ConvergenceWarning, stacklevel=2)
+            report(solve.warnings, ConvergenceWarning, repeated=solve.repeated_warnings, stacklevel=2)
             messages = list(solve.warnings)
             iterations, residual, converged = solve.iterations, solve.residual, solve.converged
             matvecs = counter[0]

@@ -2,17 +2,16 @@ r"""Exact hypergradients by the implicit function theorem."""
 
 from __future__ import annotations
 
-import warnings as _warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from hypergrad.autodiff import RootSystem, loss_and_grads, outer_fn
-from hypergrad.compiled import CompiledStage, compiled_stage
-from hypergrad.errors import ConvergenceWarning
+from hypergrad.compiled import CompiledStage, compiled_products, traced_stage, unflatten_view
+from hypergrad.errors import ConvergenceWarning, check_not_class, report
 from hypergrad.linear import CG
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
@@ -26,7 +25,7 @@ from hypergrad.tree import (
     tree_unflatten,
 )
 
-__all__ = ["Implicit"]
+__all__ = ["Implicit", "compiled_stage", "products_stage"]
 
 
 def _check_value(value: Tensor, message: str) -> None:
@@ -89,6 +88,7 @@ class Implicit:
     """
 
     solver: LinearSolver = field(default_factory=lambda: CG(tol=1e-6))
+    _: KW_ONLY  # the options below are keyword-only
     fixed_point: Callable[[Tree, Tree, Any], Tree] | None = None
     products: str = "reverse"
     warm_start: bool = False
@@ -102,6 +102,7 @@ class Implicit:
                 "compile=True needs the gradient form (fixed_point=None) and products='reverse', got "
                 f"fixed_point={self.fixed_point!r}, products={self.products!r}"
             )
+        check_not_class(self.solver, "solver")
         if not callable(self.solver):
             raise TypeError(f"solver must be a linear solver from hypergrad.linear, got {self.solver!r}")
         if self.products not in ("reverse", "forward"):
@@ -126,8 +127,7 @@ class Implicit:
             system, grad_lam_f, residual_tree, mixed_product = self._eager_parts(
                 problem, w, lam, inner_batch, outer_batch)
         solve = self.solver(system, x0)
-        for message in [] if solve.repeated_warnings else solve.warnings:
-            _warnings.warn(message, ConvergenceWarning, stacklevel=2)
+        report(solve.warnings, ConvergenceWarning, repeated=solve.repeated_warnings, stacklevel=2)
         check_finite(solve.solution, "implicit linear solve")
         mixed = mixed_product(solve.solution)
         grad = tree_sub(grad_lam_f, mixed)
@@ -178,3 +178,77 @@ def _compiled_parts(stage: CompiledStage, w: Tree) -> _Parts:
         rhs=stage.grad_w_f, flat_matvec=stage.hvp_flat, flat_cg_step=stage.cg_step,
     )
     return _Parts(system, stage.grad_lam_f, stage.residual, lambda u: stage.mixed(tree_flatten_view(u)))
+
+
+# ------------------------------------------------------------ the compiled stage (compile=True)
+
+
+def _flat(t: Tree, like: Tree) -> Tensor:
+    return torch.cat([t[k].reshape(-1) for k in like])
+
+
+@traced_stage("the implicit products", eager='products')
+def products_stage(problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any, outer_batch: Any,
+                   v: Tensor, u: Tensor) -> tuple[Any, ...]:
+    r"""The traced function of ``Implicit(compile=True)``: gradients and both products at ``(w, lam)``.
+
+    Returns ``(f, g, grad_w_f, grad_lam_f, residual, Hv, mixed)``: the two loss values, the outer
+    gradients, :math:`\nabla_w g`, the flat :math:`\nabla^2_{ww} g\, v` and the flat
+    :math:`(\partial_\lambda \nabla_w g)^\top u`, for flat ``v`` and ``u`` shaped like ``w``'s
+    leaves concatenated (the contract of :func:`hypergrad.compiled.compiled_products`, which
+    traces it once and splits the graph into the part run once and the two products).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> g = lambda w, lam, b: 0.5 * (torch.exp(lam["c"]) * w["x"] ** 2).sum()
+        >>> f = lambda w, lam, b: w["x"].sum()
+        >>> w, lam = {"x": torch.ones(2, dtype=torch.float64)}, {"c": torch.zeros(2, dtype=torch.float64)}
+        >>> ones = torch.ones(2, dtype=torch.float64)
+        >>> out = products_stage(hg.BilevelProblem(g, f), w, lam, None, None, ones, ones)
+        >>> out[5].tolist(), out[6].tolist()  # H v = e^c v; mixed: d(e^c w)/dc u = e^c w u
+        ([1.0, 1.0], [1.0, 1.0])
+    """
+    (grad_w_f, grad_lam_f), f_value = torch.func.grad_and_value(
+        lambda w_, l_: problem.outer_loss(w_, l_, outer_batch), argnums=(0, 1))(w, lam)
+
+    def grad_w_g(w_: Tree, l_: Tree) -> tuple[Tree, Tensor]:
+        return torch.func.grad_and_value(lambda t: problem.inner_loss(t, l_, inner_batch))(w_)
+
+    residual, hvp, g_value = torch.func.vjp(lambda w_: grad_w_g(w_, lam), w, has_aux=True)
+    _, mixed, _ = torch.func.vjp(lambda l_: grad_w_g(w, l_), lam, has_aux=True)
+    (hv,) = hvp(unflatten_view(v, w))
+    (mu,) = mixed(unflatten_view(u, w))
+    # "+ 0 * vector": each product depends on its vector in the traced graph even where it is
+    # constant (an inner loss without lam, or linear in w), so the split always finds both
+    return (f_value, g_value, grad_w_f, grad_lam_f, residual, _flat(hv, w) + 0.0 * v,
+            _flat(mu, lam) + 0.0 * u.sum())
+
+
+def compiled_stage(problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any = None,
+                   outer_batch: Any = None) -> CompiledStage | None:
+    r"""Run the compiled stage of ``problem`` at ``(w, lam)``; None where compilation is unavailable.
+
+    :func:`hypergrad.compiled.compiled_products` with :func:`products_stage`.
+
+    Args:
+        problem: the bilevel problem; its losses are traced once by :func:`torch.compile`.
+        w, lam: the point (dicts of floating tensors; gradients are not tracked through them).
+        inner_batch, outer_batch: the batches passed to the losses (their tensors are graph inputs;
+            other values are guarded on).
+
+    Returns:
+        A :class:`CompiledStage`, or None when tracing or compiling failed now or before for this
+        problem (logged once on the ``hypergrad`` logger): use the eager products then.
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> from hypergrad.implicit import compiled_stage
+        >>> g = lambda w, lam, b: 0.5 * (torch.exp(lam["c"]) * w["x"] ** 2).sum()
+        >>> f = lambda w, lam, b: w["x"].sum()
+        >>> w = {"x": torch.ones(3, dtype=torch.float64)}
+        >>> lam = {"c": torch.zeros(3, dtype=torch.float64)}
+        >>> stage = compiled_stage(hg.BilevelProblem(g, f), w, lam)
+        >>> stage is None or stage.hvp_flat(torch.ones(3, dtype=torch.float64)).tolist() == [1.0, 1.0, 1.0]
+        True
+    """
+    return compiled_products(problem, products_stage, w, lam, inner_batch, outer_batch)

@@ -3,21 +3,21 @@ r"""Differentiable inner optimizers as pure functions over pytrees.
 Each optimizer is a frozen dataclass with ``init(w) -> state`` and
 ``update(w, grad, state) -> (w, state)``. Updates use only out-of-place tensor operations, so the
 same code runs under ``torch.no_grad`` (the driver's inner loop), with ``create_graph=True``
-(reverse-mode unrolling) and under ``torch.func.jvp`` (forward-mode unrolling).
+(reverse-mode unrolling) and through two backward passes (forward-mode unrolling).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from hypergrad.tree import Tree
 
-__all__ = ["SGD", "Adam", "InnerOptimizer", "Momentum"]
+__all__ = ["LBFGS", "SGD", "Adam", "InnerOptimizer", "Momentum"]
 
 
 def _is_real(value: object) -> bool:
@@ -88,6 +88,7 @@ class SGD:
     """
 
     lr: float
+    _: KW_ONLY  # the options below are keyword-only
     leaf_lr: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -128,6 +129,7 @@ class Momentum:
     """
 
     lr: float
+    _: KW_ONLY  # the options below are keyword-only
     beta: float = 0.9
     nesterov: bool = False
     leaf_lr: Mapping[str, float] = field(default_factory=dict)
@@ -182,6 +184,7 @@ class Adam:
     """
 
     lr: float
+    _: KW_ONLY  # the options below are keyword-only
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     eps_root: float = 1e-30
@@ -222,3 +225,171 @@ class Adam:
             v_hat = v / (1 - b2**t)
             new_w[k] = w[k] - self.leaf_lr.get(k, self.lr) * m_hat / (torch.sqrt(v_hat + self.eps_root) + self.eps)
         return new_w, new_state
+
+
+def _dot(a: Tree, b: Tree) -> torch.Tensor:
+    return sum((a[k] * b[k]).sum() for k in a)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class LBFGS:
+    r"""Limited-memory BFGS with ``torch.optim.LBFGS``'s update rule, as a pure function.
+
+    Each step keeps the last ``history_size`` pairs :math:`s = w_{t} - w_{t-1}`,
+    :math:`y = \nabla g(w_t) - \nabla g(w_{t-1})` (a pair with :math:`s^\top y \le 10^{-10}` is
+    skipped, as in PyTorch), turns the gradient into a quasi-Newton direction :math:`d` with the
+    two-loop recursion scaled by :math:`s^\top y / y^\top y` of the newest pair, and moves
+    :math:`w \leftarrow w + \eta d`; the first step is :math:`-\eta \min(1, 1/\lVert\nabla g\rVert_1)
+    \nabla g`. :meth:`update` is exactly one ``torch.optim.LBFGS(lr, history_size=...,
+    max_iter=1, line_search_fn=None)`` step (with its tolerance tests off), written with
+    out-of-place operations on a fixed-size state, so it can be unrolled and differentiated.
+
+    :func:`hypergrad.inner_solve` and the plain inner steps of :func:`hypergrad.solve` call
+    :meth:`update_with_loss` instead when ``line_search=True``: a backtracking (Armijo) line search
+    along :math:`d` from step :math:`\eta`, on the batch of that step. This is the deterministic,
+    full-batch solver of a smooth inner problem (ridge or logistic regression to machine
+    precision, with ``inner_solve(..., tol=)``).
+
+    Where it does not fit: a stochastic inner loss (a fresh batch per step) mixes gradients of
+    different batches into the curvature pairs, so L-BFGS is no better than SGD there; as the
+    ``inner_optimizer`` of :class:`~hypergrad.unrolled.Unrolled` (differentiated through, no line
+    search) it works but each step costs ``4 * history_size`` tree dot products in the graph; BOME
+    and Penalty restart the optimizer's state at every call (their few inner steps build no
+    useful history), and BOME's ``w_optimizer`` steps along a direction that is not the gradient of
+    one function, which breaks the curvature pairs: use SGD, Momentum or Adam there.
+
+    Args:
+        lr: step size :math:`\eta` (finite, > 0); 1 is the natural quasi-Newton step (the line
+            search starts from ``lr`` and halves it: a larger ``lr`` is kept from diverging, but
+            steps longer than 1 overshoot and converge slowly near the minimum).
+        history_size: curvature pairs kept (int >= 1).
+        line_search: whether :meth:`update_with_loss` searches along the direction (bool).
+        c1: the sufficient-decrease constant of the line search, in (0, 1).
+        max_backtracks: halvings of the step before the line search gives up and takes the
+            smallest step tried (int >= 1).
+
+    Raises:
+        ValueError: an argument out of range.
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> A = torch.tensor([[3.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
+        >>> g = lambda w, lam, b: 0.5 * w["x"] @ A @ w["x"] - lam["b"] @ w["x"]
+        >>> lam = {"b": torch.tensor([1.0, 1.0], dtype=torch.float64)}
+        >>> out = hg.inner_solve(hg.BilevelProblem(g, g), {"x": torch.zeros(2, dtype=torch.float64)}, lam,
+        ...                      100, hg.inner.LBFGS(), tol=1e-12)
+        >>> torch.allclose(out.w["x"], torch.linalg.solve(A, lam["b"]), atol=1e-12), out.converged, out.steps
+        (True, True, 8)
+    """
+
+    lr: float = 1.0
+    _: KW_ONLY  # the options below are keyword-only
+    history_size: int = 10
+    line_search: bool = True
+    c1: float = 1e-4
+    max_backtracks: int = 30
+
+    def __post_init__(self) -> None:
+        _check_lr(self.lr)
+        for name in ("history_size", "max_backtracks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.line_search, bool):
+            raise ValueError(f"line_search must be a bool, got {self.line_search!r}")
+        if not _is_real(self.c1) or not 0.0 < self.c1 < 1.0:
+            raise ValueError(f"c1 must be in (0, 1), got {self.c1!r}")
+
+    def init(self, w: Tree) -> Tree:
+        r"""Return the empty history: ``"t"`` (steps taken), ``"h_diag"`` (the scaling), ``"rho"``
+        (:math:`1/s^\top y` per pair, 0 for an empty slot), and per leaf the pairs ``"s.<name>"``,
+        ``"y.<name>"`` (newest first, shape ``(history_size, *leaf.shape)``) and the previous
+        point and gradient ``"w_prev.<name>"``, ``"g_prev.<name>"``."""
+        ref = next(iter(w.values()))
+        state = {
+            "t": torch.zeros((), dtype=ref.dtype, device=ref.device),
+            "h_diag": torch.ones((), dtype=ref.dtype, device=ref.device),
+            "rho": torch.zeros(self.history_size, dtype=ref.dtype, device=ref.device),
+        }
+        for k, v in w.items():
+            state[f"s.{k}"] = v.new_zeros((self.history_size, *v.shape))
+            state[f"y.{k}"] = v.new_zeros((self.history_size, *v.shape))
+            state[f"w_prev.{k}"] = torch.zeros_like(v)
+            state[f"g_prev.{k}"] = torch.zeros_like(v)
+        return state
+
+    def direction(self, w: Tree, grad: Tree, state: Tree) -> tuple[Tree, Tree, torch.Tensor]:
+        r"""The quasi-Newton direction at ``w``, the state with the newest pair stored, and the
+        step scale of this step (:math:`\min(1, 1/\lVert\nabla g\rVert_1)` on the first step, else 1)."""
+        first = state["t"] == 0
+        s = {k: w[k] - state[f"w_prev.{k}"] for k in w}
+        y = {k: grad[k] - state[f"g_prev.{k}"] for k in w}
+        ys = _dot(y, s)
+        accept = (~first) & (ys > 1e-10)
+        safe_ys = torch.where(accept, ys, torch.ones_like(ys))
+        new_state: Tree = {"t": state["t"] + 1}
+        new_state["rho"] = torch.where(accept, torch.cat([(1.0 / safe_ys).reshape(1), state["rho"][:-1]]), state["rho"])
+        h_diag = torch.where(accept, ys / torch.where(accept, _dot(y, y), torch.ones_like(ys)), state["h_diag"])
+        new_state["h_diag"] = torch.where(first, torch.ones_like(h_diag), h_diag)
+        for k in w:
+            for name, pair in (("s", s), ("y", y)):
+                old = state[f"{name}.{k}"]
+                new_state[f"{name}.{k}"] = torch.where(accept, torch.cat([pair[k].unsqueeze(0), old[:-1]]), old)
+            new_state[f"w_prev.{k}"], new_state[f"g_prev.{k}"] = w[k], grad[k]
+        rho = new_state["rho"]
+        q = {k: -grad[k] for k in w}
+        alphas = []
+        for i in range(self.history_size):  # newest pair first
+            alpha = rho[i] * _dot({k: new_state[f"s.{k}"][i] for k in w}, q)
+            q = {k: q[k] - alpha * new_state[f"y.{k}"][i] for k in w}
+            alphas.append(alpha)
+        r = {k: q[k] * new_state["h_diag"] for k in w}
+        for i in reversed(range(self.history_size)):
+            beta = rho[i] * _dot({k: new_state[f"y.{k}"][i] for k in w}, r)
+            r = {k: r[k] + (alphas[i] - beta) * new_state[f"s.{k}"][i] for k in w}
+        grad_l1 = sum(grad[k].abs().sum() for k in w)
+        scale = torch.where(first, torch.clamp(1.0 / grad_l1, max=1.0), torch.ones_like(ys))
+        return r, new_state, scale
+
+    def update(self, w: Tree, grad: Tree, state: Tree) -> tuple[Tree, Tree]:
+        """Return the parameters and state after one fixed-step L-BFGS step (no line search)."""
+        d, new_state, scale = self.direction(w, grad, state)
+        return {k: w[k] + self.lr * scale * d[k] for k in w}, new_state
+
+    def update_with_loss(
+        self, w: Tree, grad: Tree, state: Tree, loss: float, loss_at: Callable[[Tree], float]
+    ) -> tuple[Tree, Tree]:
+        r"""One step with a backtracking line search when ``line_search`` is set, else :meth:`update`.
+
+        Args:
+            w: the current parameters; ``grad`` and ``loss`` are the gradient and the loss there.
+            grad: the gradient at ``w``.
+            state: the optimizer state.
+            loss: the loss at ``w``.
+            loss_at: the loss at other parameters (same batch), as a number.
+
+        Returns:
+            The new parameters and state. A direction that does not descend (:math:`\nabla g^\top d
+            \ge 0`) is replaced by the steepest descent, and the history is cleared.
+        """
+        if not self.line_search:
+            return self.update(w, grad, state)
+        d, new_state, scale = self.direction(w, grad, state)
+        slope = float(_dot(grad, d))
+        if not slope < 0:
+            d = {k: -grad[k] for k in w}
+            slope = -float(_dot(grad, grad))
+            fresh = self.init(w)
+            new_state = {**fresh, "t": new_state["t"], **{f"{n}_prev.{k}": new_state[f"{n}_prev.{k}"]
+                                                          for n in ("w", "g") for k in w}}
+        step = self.lr * float(scale)
+        candidate = {k: w[k] + step * d[k] for k in w}
+        # near the minimum the decrease falls below the loss's rounding error: a test that cannot
+        # see it would halve good steps to nothing, so changes within rounding count as decrease
+        rounding = 16 * torch.finfo(next(iter(w.values())).dtype).eps * abs(loss)
+        for _ in range(self.max_backtracks):
+            if loss_at(candidate) <= loss + self.c1 * step * slope + rounding:
+                break
+            step *= 0.5
+            candidate = {k: w[k] + step * d[k] for k in w}
+        return candidate, new_state

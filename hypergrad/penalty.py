@@ -3,14 +3,23 @@ r"""Fully first-order hypergradients by the penalty method F2SA (Kwon et al., 20
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch import Tensor
 
 from hypergrad.autodiff import loss_and_grads
 from hypergrad.batches import per_step
-from hypergrad.compiled import compiled_penalty
+from hypergrad.compiled import (
+    all_finite,
+    eager_fallback,
+    grad_and_value,
+    non_finite_fallback,
+    replayable,
+    run_stage,
+    traced_stage,
+)
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.tree import (
@@ -24,7 +33,7 @@ from hypergrad.tree import (
     tree_sub,
 )
 
-__all__ = ["Penalty"]
+__all__ = ["Penalty", "compiled_penalty"]
 
 
 _EVALUATE = ("advanced", "current")
@@ -41,6 +50,10 @@ def _penalised_loss(problem: BilevelProblem, sigma: float, inner_batch: Any,
 
 
 def _check_optimizer(opt: object, name: str) -> None:
+    # a local import keeps the module's import block as it was
+    from hypergrad.errors import check_inner_optimizer
+
+    check_inner_optimizer(opt, name)
     if not (callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))):
         raise TypeError(
             f"{name} must be an inner optimizer with init(w) and update(w, grad, state) "
@@ -115,7 +128,7 @@ class Penalty:
         evaluate: ``"advanced"`` or ``"current"``, where the estimate is taken (see above).
         tol: gradient-norm tolerance on both inner residuals for ``info.converged`` (>= 0).
         compile: run each call as one graph traced by :func:`torch.compile` and compiled by
-            inductor (:func:`hypergrad.compiled.compiled_penalty`): the same arithmetic, state and
+            inductor (:func:`compiled_penalty`): the same arithmetic, state and
             counts without the per-operator overhead of eager PyTorch. Compiles once per problem,
             shape, dtype and configuration, falls back to eager with a log line where compilation
             fails; ``info.extra["compiled"]`` and ``["compile_s"]`` say what happened.
@@ -149,6 +162,7 @@ class Penalty:
 
     sigma: float
     inner_optimizer: InnerOptimizer
+    _: KW_ONLY  # the options below are keyword-only
     inner_steps: int = 1
     sigma_optimizer: InnerOptimizer | None = None
     evaluate: str = "current"
@@ -263,3 +277,105 @@ class Penalty:
             "sigma_opt_state": sigma_opt_state,
         }
         return HypergradResult(tree_detach(grad), w, info, new_state)
+
+
+# ------------------------------------------------------------ the compiled stage (compile=True)
+
+
+@traced_stage("the F2SA step")
+def _penalty_stage(problem: BilevelProblem, method: Any, w: Tree, w_sigma: Tree, lam: Tree,
+                   inner_batches: list[Any], outer_batches: list[Any], opt_state: Tree,
+                   sigma_opt_state: Tree) -> tuple[Any, ...]:
+    """One call of :meth:`hypergrad.penalty.Penalty.hypergrad` as a traceable function."""
+    opt = method.inner_optimizer
+    sigma_opt = method.sigma_optimizer if method.sigma_optimizer is not None else opt
+    sigma = float(method.sigma)
+    current = method.evaluate == "current"
+    losses: list[Tensor] = []
+    n_evals = len(inner_batches)
+    for t, (inner_batch, outer_batch) in enumerate(zip(inner_batches, outer_batches, strict=True)):
+        def g(w_: Tree, l_: Tree, b: Any = inner_batch) -> Tensor:
+            return problem.inner_loss(w_, l_, b)
+
+        def penalised(w_: Tree, l_: Tree, b: Any = inner_batch, ob: Any = outer_batch) -> Tensor:
+            return problem.inner_loss(w_, l_, b) + sigma * problem.outer_loss(w_, l_, ob)
+
+        if t == n_evals - 1:  # the estimate's evaluation: lam-gradients too
+            (gw, grad_lam_g), g_value = grad_and_value(g, w, lam, (0, 1))
+            (gws, grad_lam_pen), pen_value = grad_and_value(penalised, w_sigma, lam, (0, 1))
+            losses += [g_value, pen_value]
+            residuals = [tree_norm(gw), tree_norm(gws), tree_norm(tree_sub(w_sigma, w))]
+            if not current:
+                break
+        else:
+            gw, g_value = grad_and_value(g, w, lam, 0)
+            gws, pen_value = grad_and_value(penalised, w_sigma, lam, 0)
+            losses += [g_value, pen_value]
+        w, opt_state = opt.update(w, gw, opt_state)
+        w_sigma, sigma_opt_state = sigma_opt.update(w_sigma, gws, sigma_opt_state)
+    grad = tree_scale(tree_sub(grad_lam_pen, grad_lam_g), 1.0 / sigma)
+    finite = all_finite(losses, [w_sigma, grad])
+    scalars = torch.stack([*residuals, finite.to(residuals[0].dtype)])
+    return grad, w, w_sigma, opt_state, sigma_opt_state, scalars
+
+
+def compiled_penalty(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any = None,
+                     outer_batch: Any = None, state: dict[str, Any] | None = None) -> HypergradResult:
+    r"""``method.hypergrad(...)`` of a :class:`~hypergrad.penalty.Penalty` (F2SA) from its compiled step.
+
+    Called by ``Penalty(compile=True).hypergrad``: the steps on :math:`g` and
+    :math:`g + \sigma f` and the estimate run as one compiled graph (any optimizers of
+    :mod:`hypergrad.inner`; their states are carried in ``state`` as in the eager call). With
+    :class:`~hypergrad.batches.StepBatches`, evaluation ``t`` uses the ``t``-th inner (and outer)
+    batch. Compilation, fallback and non-finite values as in :func:`compiled_bome`.
+
+    Returns:
+        The eager call's result (same fields, state and counts) with ``info.extra["compiled"]``
+        and ``info.extra["compile_s"]``.
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
+        >>> f = lambda w, lam, b: 0.5 * (w["x"] ** 2).sum()
+        >>> f2sa = hg.Penalty(sigma=1e-3, inner_optimizer=hg.inner.SGD(lr=0.5), inner_steps=3, compile=True)
+        >>> w, lam = {"x": torch.zeros(2, dtype=torch.float64)}, {"c": torch.ones(2, dtype=torch.float64)}
+        >>> r = compiled_penalty(f2sa, hg.BilevelProblem(g, f), w, lam)
+        >>> sorted(r.state), r.info.extra["compiled"] in (True, False)
+        (['opt_state', 'sigma_opt_state', 'w', 'w_sigma'], True)
+    """
+    inner_batch, outer_batch = replayable(inner_batch), replayable(outer_batch)
+    args = (w, lam, inner_batch, outer_batch, state)
+    w, lam = problem.validate(w, lam)
+    w, lam = tree_detach(w), tree_detach(lam)
+    opt = method.inner_optimizer
+    sigma_opt = method.sigma_optimizer if method.sigma_optimizer is not None else opt
+    if state is not None and state.get("w_sigma") is not None:
+        w_sigma = check_tree(state["w_sigma"], "state['w_sigma']")
+        check_like(w_sigma, w, "state['w_sigma']", "w")
+        w_sigma = tree_detach(w_sigma)
+    else:
+        w_sigma = {k: v.clone() for k, v in w.items()}
+    opt_state = state.get("opt_state") if state else None
+    sigma_opt_state = state.get("sigma_opt_state") if state else None
+    opt_state = opt.init(w) if opt_state is None else opt_state
+    sigma_opt_state = sigma_opt.init(w_sigma) if sigma_opt_state is None else sigma_opt_state
+    n_evals = method.inner_steps if method.evaluate == "current" else method.inner_steps + 1
+    ran = run_stage(problem, _penalty_stage, method, w, w_sigma, lam, per_step(inner_batch, n_evals),
+                    per_step(outer_batch, n_evals), opt_state, sigma_opt_state)
+    if ran is None:
+        return eager_fallback(method, problem, args)
+    (grad, w, w_sigma, opt_state, sigma_opt_state, scalars), compile_s = ran
+    inner_residual, sigma_residual, gap, finite = scalars.tolist()
+    if not finite:
+        return non_finite_fallback(method, problem, args)
+    tol = float(method.tol)
+    info = HypergradInfo(
+        iterations=method.inner_steps,
+        residual=inner_residual,
+        converged=inner_residual <= tol and sigma_residual <= tol,
+        grad_evals=3 * n_evals,
+        extra={"sigma": float(method.sigma), "inner_residual": inner_residual, "sigma_residual": sigma_residual,
+               "gap": gap, "evaluate": method.evaluate, "compiled": True, "compile_s": compile_s},
+    )
+    new_state = {"w": w, "w_sigma": w_sigma, "opt_state": opt_state, "sigma_opt_state": sigma_opt_state}
+    return HypergradResult(grad, w, info, new_state)

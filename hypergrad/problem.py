@@ -63,7 +63,13 @@ class HypergradInfo:
     Attributes:
         iterations: iterations of the method's inner solver (linear solver, unrolled steps, ...).
         residual: final residual norm of that solver (None when it has none).
-        converged: False when an iterative solver stopped before its tolerance.
+        converged: the outcome of the method's stopping test: True when it passed, False when an
+            iterative solver stopped before its tolerance (``Implicit`` and
+            ``FiniteDifference`` with a linear solver, ``AlternatingImplicit``: the linear
+            solve; ``Penalty``: both inner residuals; ``BOME``: the value-function gap). None
+            when the method has no stopping test, so nothing was checked: ``Unrolled`` (a
+            fixed number of steps), ``FiniteDifference(solver="identity")``, and the stochastic
+            methods ``SOBA``, ``SABA``, ``AmIGO`` and ``StocBiO`` (judge them by the iterates).
         warnings: human-readable messages (non-convergence, clipping, ...).
         grad_evals: gradient-equivalents spent, counted as one per first-order gradient or
             Hessian-vector product (a rough, implementation-level cost measure).
@@ -76,11 +82,13 @@ class HypergradInfo:
         >>> r = hg.Implicit(hg.linear.CG(tol=1e-10)).hypergrad(hg.BilevelProblem(g, g), {"x": lam["c"]}, lam)
         >>> r.info.converged, r.info.iterations, r.info.grad_evals
         (True, 0, 3)
+        >>> hg.Unrolled(hg.inner.SGD(0.5), steps=2).hypergrad(hg.BilevelProblem(g, g), {"x": lam["c"]}, lam).info.converged is None
+        True
     """
 
     iterations: int = 0
     residual: float | None = None
-    converged: bool = True
+    converged: bool | None = None
     warnings: list[str] = field(default_factory=list)
     grad_evals: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

@@ -3,23 +3,30 @@ r"""SABA: SOBA with SAGA-style variance reduction (Dagréou, Ablin, Vaiter, More
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from hypergrad.compiled import compiled_stochastic
+from hypergrad.compiled import all_finite, run_stage, traced_stage
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.stochastic import (
+    NON_FINITE,
     OracleCounts,
     StepSize,
     check_step_size,
+    compiled_info,
+    compiled_stochastic,
     inner_products,
     linear_iterate,
     one_batch,
     outer_grads,
     step_counter,
     step_size_at,
+    tensor_like,
+    traced_inner_products,
+    traced_outer_grads,
 )
 from hypergrad.tree import (
     Tree,
@@ -38,6 +45,10 @@ _INNER_FIELDS = ("grad", "hvp", "cross")
 _OUTER_FIELDS = ("grad_w", "grad_lam")
 
 
+_INDEX_HINT = (": SABA needs batches of the form (index, data), e.g. a loader over list(enumerate(batches)), "
+               "or batch_index=<a function batch -> index>")
+
+
 def batch_position(batch: Any) -> Any:
     """SABA's default ``batch_index``: the first element of a batch ``(index, data)``.
 
@@ -50,7 +61,8 @@ def batch_position(batch: Any) -> Any:
         return batch[0]
     except (TypeError, IndexError, KeyError) as err:
         raise TypeError(
-            f"SABA needs batches of the form (index, data) (or a batch_index function), got {type(batch).__name__}"
+            f"SABA needs batches of the form (index, data) (or batch_index=<a function batch -> index>), got "
+            f"{type(batch).__name__}"
         ) from err
 
 
@@ -106,7 +118,7 @@ class SABA:
     Cost per call: 4 oracle calls, as SOBA (``info.grad_evals``, per oracle in
     ``info.extra["oracle_calls"]``). ``info.extra["seen_inner"]`` / ``["seen_outer"]`` count the
     batches in memory; the estimates are biased towards zero until all have been seen (as
-    benchmark_bilevel's zero initialisation). ``info.converged`` is always True (no tolerance).
+    benchmark_bilevel's zero initialisation). ``info.converged`` is None (no tolerance).
 
     Args:
         step_size: :math:`\rho` of the :math:`w` and :math:`v` steps: a number > 0 or a schedule
@@ -115,7 +127,7 @@ class SABA:
         n_outer: the number of outer batches :math:`m \ge 1`.
         batch_index: optional function ``batch -> index``; default: ``batch[0]``.
         compile: run each call as one graph traced by :func:`torch.compile` and compiled by
-            inductor (:func:`hypergrad.compiled.compiled_stochastic`): the same arithmetic, state
+            inductor (:func:`hypergrad.stochastic.compiled_stochastic`): the same arithmetic, state
             and counts; step sizes and batch tensors are graph inputs (no recompile per step or
             batch); eager with a log line where compilation fails; ``info.extra["compiled"]``
             and ``["compile_s"]`` say what happened.
@@ -141,6 +153,7 @@ class SABA:
 
     step_size: StepSize
     n_inner: int
+    _: KW_ONLY  # the options below are keyword-only
     n_outer: int = 1
     batch_index: Callable[[Any], Any] | None = None
     compile: bool = False
@@ -198,10 +211,11 @@ class SABA:
         raw = (self.batch_index or batch_position)(batch)
         if isinstance(raw, torch.Tensor):
             if raw.numel() != 1 or raw.is_floating_point() or raw.is_complex():
-                raise TypeError(f"SABA: the {which} batch index must be an int or a one-element integer tensor, got {raw!r}")
+                raise TypeError(f"SABA: the {which} batch index must be an int or a one-element integer tensor, got "
+                                f"a {raw.dtype} tensor of shape {tuple(raw.shape)}{_INDEX_HINT}")
             raw = int(raw.item())
         if not isinstance(raw, int) or isinstance(raw, bool):
-            raise TypeError(f"SABA: the {which} batch index must be an int, got {type(raw).__name__}")
+            raise TypeError(f"SABA: the {which} batch index must be an int, got {type(raw).__name__}{_INDEX_HINT}")
         if not 0 <= raw < n:
             name = "n_inner" if which == "inner" else "n_outer"
             raise ValueError(f"SABA: the {which} batch index must be in range({name}) = range({n}), got {raw}")
@@ -221,7 +235,7 @@ class SABA:
         A :class:`~hypergrad.batches.StepBatches` as a batch gives one batch.
         """
         if self.compile:
-            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state)
+            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state, call=_saba_call)
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
         t = step_counter(state, "SABA")
@@ -251,7 +265,7 @@ class SABA:
         info = HypergradInfo(
             iterations=1,
             residual=float(tree_norm(est_inner["grad"])),
-            converged=True,
+            converged=None,
             grad_evals=calls.total,
             extra={
                 "oracle_calls": calls.as_dict(),
@@ -299,3 +313,69 @@ def _read_memory(state: dict[str, Any] | None, w: Tree, lam: Tree) -> dict[str, 
     if set(memory["inner_mean"]) != set(_INNER_FIELDS) or set(memory["outer_mean"]) != set(_OUTER_FIELDS):
         raise ValueError("SABA: state['memory'] means are malformed (not from a SABA call)")
     return memory
+
+
+# ------------------------------------------------------------ the compiled stage (compile=True)
+
+
+def _saga_estimate(fresh: dict[str, Tree], stored: dict[str, Tree], mean: dict[str, Tree],
+                   inv_n: float) -> tuple[dict[str, Tree], dict[str, Tree]]:
+    """SAGA estimates and updated means; ``stored`` is zeros for a slot never visited (exact)."""
+    estimate, new_mean = {}, {}
+    for name, value in fresh.items():
+        change = tree_sub(value, stored[name])
+        estimate[name] = tree_axpy(1.0, change, mean[name])
+        new_mean[name] = tree_axpy(inv_n, change, mean[name])
+    return estimate, new_mean
+
+
+@traced_stage("the SABA step", automatic_dynamic=True)
+def _saba_stage(problem: BilevelProblem, w: Tree, lam: Tree, v: Tree, rho: Tensor, inner_batch: Any,
+                outer_batch: Any, stored_inner: dict[str, Tree], inner_mean: dict[str, Tree],
+                stored_outer: dict[str, Tree], outer_mean: dict[str, Tree], inv_n_inner: float,
+                inv_n_outer: float) -> tuple[Any, ...]:
+    """One call of :meth:`hypergrad.saba.SABA.hypergrad` as a traceable function (same arithmetic)."""
+    grad, hv, cross, g_value = traced_inner_products(problem, w, lam, inner_batch, v)
+    grad_w_f, grad_lam_f, f_value = traced_outer_grads(problem, w, lam, outer_batch)
+    fresh_inner = {"grad": grad, "hvp": hv, "cross": cross}
+    fresh_outer = {"grad_w": grad_w_f, "grad_lam": grad_lam_f}
+    est_inner, new_inner_mean = _saga_estimate(fresh_inner, stored_inner, inner_mean, inv_n_inner)
+    est_outer, new_outer_mean = _saga_estimate(fresh_outer, stored_outer, outer_mean, inv_n_outer)
+    d_v = tree_sub(est_inner["hvp"], est_outer["grad_w"])
+    d_lam = tree_sub(est_outer["grad_lam"], est_inner["cross"])
+    new_w, new_v = tree_axpy(-rho, est_inner["grad"], w), tree_axpy(-rho, d_v, v)
+    finite = all_finite([g_value, f_value], [grad, hv, cross, grad_w_f, grad_lam_f, d_lam, new_w, new_v])
+    scalars = torch.stack([tree_norm(est_inner["grad"]), tree_norm(d_v), finite.to(rho.dtype)])
+    return d_lam, new_w, new_v, fresh_inner, fresh_outer, new_inner_mean, new_outer_mean, scalars
+
+
+def _zeros_like_fields(like: dict[str, Tree]) -> dict[str, Tree]:
+    return {name: {k: torch.zeros_like(x) for k, x in tree.items()} for name, tree in like.items()}
+
+
+def _saba_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any, outer_batch: Any,
+               state: dict[str, Any] | None, t: int) -> HypergradResult | None:
+    v = linear_iterate(state, w, "SABA")
+    memory = method.read_memory(state, w, lam)
+    rho = step_size_at(method.step_size, t, "step_size")
+    inner_batch, outer_batch = one_batch(inner_batch), one_batch(outer_batch)
+    i, j = method.index_of(inner_batch, "inner"), method.index_of(outer_batch, "outer")
+    stored_inner = memory["inner"].get(i) or _zeros_like_fields(memory["inner_mean"])
+    stored_outer = memory["outer"].get(j) or _zeros_like_fields(memory["outer_mean"])
+    ran = run_stage(problem, _saba_stage, w, lam, v, tensor_like(rho, w), inner_batch, outer_batch,
+                    stored_inner, memory["inner_mean"], stored_outer, memory["outer_mean"],
+                    1.0 / method.n_inner, 1.0 / method.n_outer)
+    if ran is None:
+        return None
+    (d_lam, new_w, new_v, fresh_inner, fresh_outer, inner_mean, outer_mean, scalars), compile_s = ran
+    residual, linear_residual, finite = scalars.tolist()
+    if not finite:
+        return NON_FINITE
+    inner_table, outer_table = dict(memory["inner"]), dict(memory["outer"])
+    inner_table[i], outer_table[j] = fresh_inner, fresh_outer
+    calls = OracleCounts(inner_grad=1, hvp=1, cross=1, outer_grad=1)
+    extra = {"step": t, "step_size": rho, "linear_residual": linear_residual,
+             "seen_inner": len(inner_table), "seen_outer": len(outer_table)}
+    info = compiled_info(calls, 1, residual, extra, compile_s)
+    new_memory = {"inner": inner_table, "outer": outer_table, "inner_mean": inner_mean, "outer_mean": outer_mean}
+    return HypergradResult(d_lam, new_w, info, {"v": new_v, "step": t + 1, "memory": new_memory})

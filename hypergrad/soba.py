@@ -2,21 +2,30 @@ r"""SOBA: single-loop stochastic bilevel optimization (Dagréou, Ablin, Vaiter, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
-from hypergrad.compiled import compiled_stochastic
+import torch
+from torch import Tensor
+
+from hypergrad.compiled import all_finite, run_stage, traced_stage
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.stochastic import (
+    NON_FINITE,
     OracleCounts,
     StepSize,
     check_step_size,
+    compiled_info,
+    compiled_stochastic,
     inner_products,
     linear_iterate,
     one_batch,
     outer_grads,
     step_counter,
     step_size_at,
+    tensor_like,
+    traced_inner_products,
+    traced_outer_grads,
 )
 from hypergrad.tree import Tree, check_finite, tree_axpy, tree_detach, tree_norm, tree_sub
 
@@ -63,7 +72,7 @@ class SOBA:
 
     ``info.residual`` is the batch gradient norm :math:`\lVert\nabla_w g_i\rVert`;
     ``info.extra["linear_residual"]`` is :math:`\lVert D_v \rVert`. There is no tolerance:
-    ``info.converged`` is always True (a single step solves nothing; judge convergence by the
+    ``info.converged`` is None (a single step solves nothing; judge convergence by the
     iterates).
 
     Step sizes: the paper's analysis takes :math:`\rho_t \propto t^{-2/5}`,
@@ -77,7 +86,7 @@ class SOBA:
         step_size: :math:`\rho` of the :math:`w` and :math:`v` steps: a number > 0 or a schedule
             ``t -> rho_t`` (e.g. ``Decreasing(0.1, 0.5)``).
         compile: run each call as one graph traced by :func:`torch.compile` and compiled by
-            inductor (:func:`hypergrad.compiled.compiled_stochastic`): the same arithmetic, state
+            inductor (:func:`hypergrad.stochastic.compiled_stochastic`): the same arithmetic, state
             and counts; step sizes and batch tensors are graph inputs (no recompile per step or
             batch); eager with a log line where compilation fails; ``info.extra["compiled"]``
             and ``["compile_s"]`` say what happened.
@@ -95,13 +104,14 @@ class SOBA:
         >>> res = hg.solve(hg.BilevelProblem(g, f), {"x": torch.zeros(1)}, {"c": torch.zeros(1)},
         ...                hg.SOBA(step_size=0.5), lambda p: torch.optim.SGD(p, lr=0.2),
         ...                steps=200, progress=False)
-        >>> round(res.lam["c"].item(), 4), round(res.state["v"]["x"].item(), 4)  # c* = 3, v* = 0
+        >>> round(res.lam["c"].item(), 4), round(res.state.method["v"]["x"].item(), 4)  # c* = 3, v* = 0
         (3.0, 0.0)
-        >>> res.state["step"]
+        >>> res.state.method["step"]
         200
     """
 
     step_size: StepSize
+    _: KW_ONLY  # the options below are keyword-only
     compile: bool = False
 
     def __post_init__(self) -> None:
@@ -124,7 +134,7 @@ class SOBA:
         inner and one outer batch per call).
         """
         if self.compile:
-            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state)
+            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state, call=_soba_call)
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
         t = step_counter(state, "SOBA")
@@ -144,7 +154,7 @@ class SOBA:
         info = HypergradInfo(
             iterations=1,
             residual=float(tree_norm(inner.grad)),
-            converged=True,
+            converged=None,
             grad_evals=calls.total,
             extra={
                 "oracle_calls": calls.as_dict(),
@@ -154,3 +164,37 @@ class SOBA:
             },
         )
         return HypergradResult(tree_detach(d_lam), new_w, info, {"v": new_v, "step": t + 1})
+
+
+# ------------------------------------------------------------ the compiled stage (compile=True)
+
+
+@traced_stage("the SOBA step")
+def _soba_stage(problem: BilevelProblem, w: Tree, lam: Tree, v: Tree, rho: Tensor, inner_batch: Any,
+                outer_batch: Any) -> tuple[Any, ...]:
+    """One call of :meth:`hypergrad.soba.SOBA.hypergrad` as a traceable function (same arithmetic)."""
+    grad, hv, cross, g_value = traced_inner_products(problem, w, lam, inner_batch, v)
+    grad_w_f, grad_lam_f, f_value = traced_outer_grads(problem, w, lam, outer_batch)
+    d_v = tree_sub(hv, grad_w_f)
+    d_lam = tree_sub(grad_lam_f, cross)
+    new_w, new_v = tree_axpy(-rho, grad, w), tree_axpy(-rho, d_v, v)
+    finite = all_finite([g_value, f_value], [grad, hv, cross, grad_w_f, grad_lam_f, d_lam, new_w, new_v])
+    return d_lam, new_w, new_v, torch.stack([tree_norm(grad), tree_norm(d_v), finite.to(rho.dtype)])
+
+
+def _soba_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any, outer_batch: Any,
+               state: dict[str, Any] | None, t: int) -> HypergradResult | None:
+    v = linear_iterate(state, w, "SOBA")
+    rho = step_size_at(method.step_size, t, "step_size")
+    ran = run_stage(problem, _soba_stage, w, lam, v, tensor_like(rho, w), one_batch(inner_batch),
+                    one_batch(outer_batch))
+    if ran is None:
+        return None
+    (d_lam, new_w, new_v, scalars), compile_s = ran
+    residual, linear_residual, finite = scalars.tolist()
+    if not finite:
+        return NON_FINITE
+    calls = OracleCounts(inner_grad=1, hvp=1, cross=1, outer_grad=1)
+    info = compiled_info(calls, 1, residual,
+                         {"step": t, "step_size": rho, "linear_residual": linear_residual}, compile_s)
+    return HypergradResult(d_lam, new_w, info, {"v": new_v, "step": t + 1})

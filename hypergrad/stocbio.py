@@ -2,22 +2,36 @@ r"""StocBiO: inner SGD and a stochastic Neumann series (Ji, Yang, Liang, 2021)."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, ClassVar, TypeVar
 
-from hypergrad.batches import per_step
-from hypergrad.compiled import compiled_stochastic
+import torch
+from torch import Tensor
+
+from hypergrad.batches import StepBatches, per_step
+from hypergrad.compiled import all_finite, run_stage, traced_stage
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.stochastic import (
+    NON_FINITE,
     OracleCounts,
     StepSize,
     check_step_size,
+    compiled_info,
+    compiled_stochastic,
     hessian_products,
     inner_products,
     one_batch,
     outer_grads,
     step_counter,
     step_size_at,
+    tensor_like,
+    traced_cross_product,
+    traced_hessian_products,
+    traced_inner_sgd,
+    traced_outer_grads,
 )
 from hypergrad.tree import (
     Tree,
@@ -33,6 +47,32 @@ from hypergrad.tree import (
 __all__ = ["StocBiO"]
 
 
+_Class = TypeVar("_Class", bound=type)
+
+
+def _renamed_arguments(**renames: str) -> Callable[[_Class], _Class]:
+    """Accept each old keyword of the constructor (``old=new``) with a ``DeprecationWarning``."""
+
+    def decorate(cls: _Class) -> _Class:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def init_with_old_names(self: Any, *args: Any, **kwargs: Any) -> None:
+            for old, new in renames.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{cls.__name__}: pass {new} only ({old} is its deprecated name)")
+                    warnings.warn(f"{cls.__name__}({old}=...) is deprecated; use {new}=... (same meaning)",
+                                  DeprecationWarning, stacklevel=2)
+                    kwargs[new] = kwargs.pop(old)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = init_with_old_names  # type: ignore[misc]
+        return cls
+
+    return decorate
+
+
 def _check_steps(value: object, name: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -40,6 +80,7 @@ def _check_steps(value: object, name: str) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+@_renamed_arguments(neumann_steps="linear_steps", neumann_step_size="linear_step_size")
 @dataclass(frozen=True)
 class StocBiO:
     r"""StocBiO: ``T`` inner SGD steps, then a stochastic Neumann series with a fresh batch per term.
@@ -52,7 +93,7 @@ class StocBiO:
     1. ``inner_steps`` (:math:`T`) SGD steps :math:`w \leftarrow w - \rho\, \nabla_w g_{i_k}`
        from the given ``w`` (warm start across calls through ``result.w``);
     2. :math:`b = \nabla_w f_j` and :math:`\nabla_\lambda f_j` at the new ``w``;
-    3. the truncated Neumann series of :math:`H^{-1} b` with ``neumann_steps`` (:math:`Q`)
+    3. the truncated Neumann series of :math:`H^{-1} b` with ``linear_steps`` (:math:`Q`)
        Hessian-vector products, each on its own batch:
 
        .. math::
@@ -73,7 +114,7 @@ class StocBiO:
 
     Mapping from benchmark_bilevel's ``stocbio.py`` (``step_size``, ``outer_ratio``,
     ``n_inner_steps``, ``n_shia_steps``, constant steps): ``StocBiO(step_size,
-    inner_steps=n_inner_steps, neumann_steps=n_shia_steps)`` with the outer optimizer
+    inner_steps=n_inner_steps, linear_steps=n_shia_steps)`` with the outer optimizer
     ``lambda p: torch.optim.SGD(p, lr=step_size / outer_ratio)``, ``inner_steps=0`` in
     :func:`hypergrad.solve`.
 
@@ -84,15 +125,18 @@ class StocBiO:
     ``info.extra["oracle_calls"]``). ``info.residual`` is the last inner batch gradient norm
     (before its step; None when ``inner_steps=0``); ``info.extra["last_term_norm"]`` is the norm
     of the last series term :math:`\eta \lVert\prod (I - \eta H) b\rVert` (small when :math:`Q` is
-    large enough). ``info.converged`` is always True.
+    large enough). ``info.converged`` is None (no stopping test).
 
     Args:
         step_size: :math:`\rho` of the inner SGD: a number > 0 or a schedule ``t -> rho_t``.
         inner_steps: :math:`T \ge 0`.
-        neumann_steps: :math:`Q \ge 0`.
-        neumann_step_size: :math:`\eta` of the series (None: ``step_size``).
+        linear_steps: :math:`Q \ge 0`, the Hessian-vector products of the series (the same name
+            as AmIGO's count of linear-system steps; ``neumann_steps``, its former name, still
+            works with a ``DeprecationWarning``).
+        linear_step_size: :math:`\eta` of the series (None: ``step_size``; formerly
+            ``neumann_step_size``, which still works with a ``DeprecationWarning``).
         compile: run each call as one graph traced by :func:`torch.compile` and compiled by
-            inductor (:func:`hypergrad.compiled.compiled_stochastic`): the same arithmetic, state
+            inductor (:func:`hypergrad.stochastic.compiled_stochastic`): the same arithmetic, state
             and counts; step sizes and batch tensors are graph inputs (no recompile per step or
             batch); eager with a log line where compilation fails; ``info.extra["compiled"]``
             and ``["compile_s"]`` say what happened.
@@ -108,7 +152,7 @@ class StocBiO:
         >>> import torch, hypergrad as hg
         >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
         >>> f = lambda w, lam, b: 0.5 * ((w["x"] - 3.0) ** 2).sum()
-        >>> stocbio = hg.StocBiO(step_size=0.5, inner_steps=5, neumann_steps=20)
+        >>> stocbio = hg.StocBiO(step_size=0.5, inner_steps=5, linear_steps=20)
         >>> res = hg.solve(hg.BilevelProblem(g, f), {"x": torch.zeros(1)}, {"c": torch.zeros(1)},
         ...                stocbio, lambda p: torch.optim.SGD(p, lr=0.5), steps=40, progress=False)
         >>> round(res.lam["c"].item(), 4)
@@ -120,19 +164,32 @@ class StocBiO:
     takes_step_batches: ClassVar[bool] = True
 
     step_size: StepSize
+    _: KW_ONLY  # the options below are keyword-only
     inner_steps: int = 10
-    neumann_steps: int = 10
-    neumann_step_size: StepSize | None = None
+    linear_steps: int = 10
+    linear_step_size: StepSize | None = None
     compile: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
         check_step_size(self.step_size, "step_size")
-        if self.neumann_step_size is not None:
-            check_step_size(self.neumann_step_size, "neumann_step_size")
+        if self.linear_step_size is not None:
+            check_step_size(self.linear_step_size, "linear_step_size")
         _check_steps(self.inner_steps, "inner_steps")
-        _check_steps(self.neumann_steps, "neumann_steps")
+        _check_steps(self.linear_steps, "linear_steps")
+
+    @property
+    def neumann_steps(self) -> int:
+        """Deprecated name of :attr:`linear_steps` (reading it warns)."""
+        warnings.warn("StocBiO.neumann_steps is deprecated; use linear_steps", DeprecationWarning, stacklevel=2)
+        return self.linear_steps
+
+    @property
+    def neumann_step_size(self) -> StepSize | None:
+        """Deprecated name of :attr:`linear_step_size` (reading it warns)."""
+        warnings.warn("StocBiO.neumann_step_size is deprecated; use linear_step_size", DeprecationWarning, stacklevel=2)
+        return self.linear_step_size
 
     def hypergrad(
         self,
@@ -145,13 +202,13 @@ class StocBiO:
     ) -> HypergradResult:
         """One StocBiO outer iteration: ``grad`` is the Neumann hypergradient estimate at the advanced ``w``."""
         if self.compile:
-            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state)
+            return compiled_stochastic(self, problem, w, lam, inner_batch, outer_batch, state, call=_stocbio_call)
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
         t = step_counter(state, "StocBiO")
-        T, Q = self.inner_steps, self.neumann_steps
+        T, Q = self.inner_steps, self.linear_steps
         rho = step_size_at(self.step_size, t, "step_size")
-        eta = rho if self.neumann_step_size is None else step_size_at(self.neumann_step_size, t, "neumann_step_size")
+        eta = rho if self.linear_step_size is None else step_size_at(self.linear_step_size, t, "linear_step_size")
         batches = per_step(inner_batch, T + Q + 1)
 
         inner_residual: float | None = None
@@ -176,7 +233,7 @@ class StocBiO:
         info = HypergradInfo(
             iterations=T + Q,
             residual=inner_residual,
-            converged=True,
+            converged=None,
             grad_evals=calls.total,
             extra={
                 "oracle_calls": calls.as_dict(),
@@ -188,3 +245,48 @@ class StocBiO:
             },
         )
         return HypergradResult(tree_detach(d_lam), w, info, {"step": t + 1})
+
+
+# ------------------------------------------------------------ the compiled stage (compile=True)
+
+
+@traced_stage("the StocBiO step")
+def _stocbio_stage(problem: BilevelProblem, w: Tree, lam: Tree, rho: Tensor, eta: Tensor, batches: list[Any],
+                   outer_batch: Any, shared: bool, inner_steps: int) -> tuple[Any, ...]:
+    """One call of :meth:`hypergrad.stocbio.StocBiO.hypergrad` as a traceable function (same arithmetic)."""
+    w, inner_residual = traced_inner_sgd(problem, w, lam, rho, batches[:inner_steps])
+    grad_w_f, grad_lam_f, f_value = traced_outer_grads(problem, w, lam, outer_batch)
+    term = total = grad_w_f
+    for product in traced_hessian_products(problem, w, lam, batches[inner_steps:-1], shared):
+        term = tree_axpy(-eta, product(term), term)
+        total = tree_add(total, term)
+    v = tree_scale(total, eta)
+    cross, g_value = traced_cross_product(problem, w, lam, batches[-1], v)
+    d_lam = tree_sub(grad_lam_f, cross)
+    finite = all_finite([g_value, f_value], [w, grad_w_f, grad_lam_f, v, d_lam])
+    return d_lam, w, v, torch.stack([inner_residual, tree_norm(term), finite.to(rho.dtype)])
+
+
+def _stocbio_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any, outer_batch: Any,
+                  state: dict[str, Any] | None, t: int) -> HypergradResult | None:
+    """``T`` inner steps, ``Q`` Neumann terms, one mixed product, by the compiled stage."""
+    n_products = method.linear_steps
+    second = method.linear_step_size
+    T = method.inner_steps
+    rho = step_size_at(method.step_size, t, "step_size")
+    eta = rho if second is None else step_size_at(second, t, "linear_step_size")
+    batches = per_step(inner_batch, T + n_products + 1)
+    shared = not isinstance(inner_batch, StepBatches)
+    rho_t, eta_t = tensor_like(rho, w), tensor_like(eta, w)
+    ran = run_stage(problem, _stocbio_stage, w, lam, rho_t, eta_t, batches, one_batch(outer_batch), shared, T)
+    if ran is None:
+        return None
+    (d_lam, new_w, v, scalars), compile_s = ran
+    inner_residual, last, finite = scalars.tolist()
+    if not finite:
+        return NON_FINITE
+    residual = inner_residual if T else None
+    calls = OracleCounts(inner_grad=T, hvp=n_products, cross=1, outer_grad=1)
+    extra = {"step": t, "step_size": rho, "neumann_step_size": eta, "last_term_norm": eta * last, "v": v}
+    info = compiled_info(calls, T + n_products, residual, extra, compile_s)
+    return HypergradResult(d_lam, new_w, info, {"step": t + 1})

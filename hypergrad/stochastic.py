@@ -27,27 +27,40 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from hypergrad.autodiff import RootSystem, grad_with_graph, loss_and_grads, outer_fn
+from hypergrad.autodiff import (
+    RootSystem,
+    grad_with_graph,
+    loss_and_grads,
+    outer_fn,
+    report_lam_unused,
+)
 from hypergrad.batches import StepBatches, per_step
-from hypergrad.problem import BilevelProblem
+from hypergrad.compiled import eager_fallback, grad_and_value, non_finite_fallback, replayable
+from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.tree import (
     Tree,
     check_finite,
     check_like,
     check_tree,
     grads_to_tree,
+    tree_axpy,
     tree_detach,
+    tree_norm,
     tree_requires_grad,
     tree_zeros_like,
 )
 
 __all__ = [
+    "NON_FINITE",
+    "CompiledCall",
     "Decreasing",
     "InnerProducts",
     "OracleCounts",
     "ScheduledSGD",
     "StepSize",
     "check_step_size",
+    "compiled_info",
+    "compiled_stochastic",
     "hessian_products",
     "inner_products",
     "linear_iterate",
@@ -55,6 +68,12 @@ __all__ = [
     "outer_grads",
     "step_counter",
     "step_size_at",
+    "tensor_like",
+    "traced_cross_product",
+    "traced_hessian_products",
+    "traced_inner_products",
+    "traced_inner_sgd",
+    "traced_outer_grads",
 ]
 
 StepSize = float | Callable[[int], float]
@@ -298,6 +317,8 @@ def inner_products(
             second = (None,) * len(leaves)
     n_w = len(w_leaves) if hvp else 0
     hvp_tree = grads_to_tree(second[:n_w], w_) if hvp else None
+    if cross and all(part is None for part in second[n_w:]):
+        report_lam_unused()
     cross_tree = grads_to_tree(second[n_w:], lam_) if cross else None
     if hvp_tree is not None:
         check_finite(hvp_tree, "Hessian-vector product")
@@ -418,3 +439,229 @@ def linear_iterate(state: dict[str, Any] | None, w: Tree, method: str) -> Tree:
     check_like(v, w, f"{method} state['v']", "w")
     return tree_detach(v)
 
+
+# ------------------------------------------------------- compiled stages (compile=True)
+#
+# SOBA, SABA, AmIGO and StocBiO: one call is a fixed sequence of batch gradients and products
+# (no solver loop with a tolerance), so, as for BOME, the whole call is the stage (each
+# method's stage is in its module; :mod:`hypergrad.compiled` is the backend). What changes
+# from call to call is data, never code: the iterates, the step sizes of the schedules (0-dim
+# tensors, not Python floats, which dynamo would bake into the graph), SABA's stored oracle
+# values of the batch's memory slot (the slot index stays in Python) and every drawn batch's
+# tensors (graph inputs).
+
+
+def traced_inner_products(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any,
+                          v: Tree) -> tuple[Tree, Tree, Tree, Tensor]:
+    r""":math:`\nabla_w g`, :math:`\nabla^2_{ww} g\, v`, :math:`\nabla^2_{\lambda w} g\, v` and :math:`g` of one batch.
+
+    Traceable (``torch.func``; both products in one reverse pass, as :func:`inner_products`).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> problem = hg.BilevelProblem(lambda w, lam, b: 0.5 * (lam["c"] * w["x"] ** 2).sum(),
+        ...                             lambda w, lam, b: (lam["c"] * w["x"]).sum())
+        >>> w, lam = {"x": torch.ones(2)}, {"c": torch.full((2,), 2.0)}
+        >>> grad, hv, cross, value = traced_inner_products(problem, w, lam, None, {"x": torch.ones(2)})
+        >>> grad["x"].tolist(), hv["x"].tolist(), cross["c"].tolist(), value.item()
+        ([2.0, 2.0], [2.0, 2.0], [1.0, 1.0], 2.0)
+    """
+    def grad_w_g(w_: Tree, l_: Tree) -> tuple[Tree, Tensor]:
+        return torch.func.grad_and_value(lambda t: problem.inner_loss(t, l_, batch))(w_)
+
+    grad, products, value = torch.func.vjp(grad_w_g, w, lam, has_aux=True)
+    hv, cross = products(v)  # both products in one reverse pass, as the eager oracle
+    return grad, hv, cross, value
+
+
+def _hessian_product(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any) -> Callable[[Tree], Tree]:
+    """``v -> H v`` of one batch at ``w`` (the gradient's graph traced once, reused per product).
+
+    Neither the gradient nor the loss is an output, so the compiled graph computes only what the
+    product needs (a loss value would cost a full forward pass per product); non-finite losses
+    still surface in the products and in the checked loss values of the mixed product."""
+    _, hvp = torch.func.vjp(torch.func.grad(lambda t: problem.inner_loss(t, lam, batch)), w)
+    return lambda v: hvp(v)[0]
+
+
+def traced_cross_product(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any, v: Tree) -> tuple[Tree, Tensor]:
+    r""":math:`\nabla^2_{\lambda w} g\, v` and :math:`g` of one batch at ``(w, lam)`` (traceable).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> problem = hg.BilevelProblem(lambda w, lam, b: 0.5 * (lam["c"] * w["x"] ** 2).sum(),
+        ...                             lambda w, lam, b: (lam["c"] * w["x"]).sum())
+        >>> w, lam = {"x": torch.ones(2)}, {"c": torch.full((2,), 2.0)}
+        >>> cross, value = traced_cross_product(problem, w, lam, None, {"x": torch.ones(2)})
+        >>> cross["c"].tolist(), value.item()
+        ([1.0, 1.0], 2.0)
+    """
+    _, cross, value = torch.func.vjp(
+        lambda l_: torch.func.grad_and_value(lambda t: problem.inner_loss(t, l_, batch))(w), lam, has_aux=True)
+    return cross(v)[0], value
+
+
+def traced_outer_grads(problem: BilevelProblem, w: Tree, lam: Tree, batch: Any) -> tuple[Tree, Tree, Tensor]:
+    r""":math:`\nabla_w f`, :math:`\nabla_\lambda f` and :math:`f` of one batch (traceable).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> problem = hg.BilevelProblem(lambda w, lam, b: 0.5 * (lam["c"] * w["x"] ** 2).sum(),
+        ...                             lambda w, lam, b: (lam["c"] * w["x"]).sum())
+        >>> w, lam = {"x": torch.ones(2)}, {"c": torch.full((2,), 2.0)}
+        >>> grad_w, grad_lam, value = traced_outer_grads(problem, w, lam, None)
+        >>> grad_w["x"].tolist(), grad_lam["c"].tolist(), value.item()
+        ([2.0, 2.0], [1.0, 1.0], 4.0)
+    """
+    (grad_w, grad_lam), value = grad_and_value(lambda w_, l_: problem.outer_loss(w_, l_, batch), w, lam, (0, 1))
+    return grad_w, grad_lam, value
+
+
+def traced_inner_sgd(problem: BilevelProblem, w: Tree, lam: Tree, rho: Tensor, batches: list[Any]) -> tuple[Tree, Tensor]:
+    """SGD steps on :math:`g` with step ``rho``, one per batch (traceable): AmIGO's and StocBiO's inner steps.
+
+    Returns the last iterate and the last gradient norm (0 without steps). No loss values: only
+    the gradients (the steps' outputs are checked for non-finite values).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> problem = hg.BilevelProblem(lambda w, lam, b: 0.5 * (lam["c"] * w["x"] ** 2).sum(),
+        ...                             lambda w, lam, b: (lam["c"] * w["x"]).sum())
+        >>> w, lam = {"x": torch.ones(2)}, {"c": torch.full((2,), 2.0)}
+        >>> w_new, residual = traced_inner_sgd(problem, w, lam, torch.tensor(0.25), [None, None])
+        >>> w_new["x"].tolist(), round(residual.item(), 4)  # x <- x - 0.25 * 2 x, twice
+        ([0.25, 0.25], 1.4142)
+    """
+    residual = torch.zeros_like(rho)
+    for batch in batches:
+        grad = torch.func.grad(lambda t, b=batch: problem.inner_loss(t, lam, b))(w)
+        residual = tree_norm(grad)
+        w = tree_axpy(-rho, grad, w)
+    return w, residual
+
+
+def traced_hessian_products(problem: BilevelProblem, w: Tree, lam: Tree, batches: list[Any],
+                            shared: bool) -> list[Callable[[Tree], Tree]]:
+    """``v -> H_i v`` for each batch, one shared product where the call reuses one batch (traceable).
+
+    The traceable form of :func:`hessian_products`; neither the gradient nor the loss value is an
+    output, so a compiled graph computes only what the products need.
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> problem = hg.BilevelProblem(lambda w, lam, b: 0.5 * (lam["c"] * w["x"] ** 2).sum(),
+        ...                             lambda w, lam, b: (lam["c"] * w["x"]).sum())
+        >>> w, lam = {"x": torch.ones(2)}, {"c": torch.full((2,), 2.0)}
+        >>> products = traced_hessian_products(problem, w, lam, [None, None], shared=True)
+        >>> len(products), products[1]({"x": torch.ones(2)})["x"].tolist()
+        (2, [2.0, 2.0])
+    """
+    products: list[Callable[[Tree], Tree]] = []
+    for batch in batches[:1] if shared else batches:
+        products.append(_hessian_product(problem, w, lam, batch))
+    return products * len(batches) if shared else products
+
+
+def compiled_info(calls: OracleCounts, iterations: int, residual: float | None,
+                  extra: dict[str, Any], compile_s: float) -> HypergradInfo:
+    """The ``info`` of a compiled stochastic call: the counts, ``extra`` and the compilation fields.
+
+    Example:
+        >>> info = compiled_info(OracleCounts(inner_grad=1, hvp=1), 1, 0.5, {"step": 0}, 0.0)
+        >>> info.grad_evals, info.extra["compiled"], info.extra["step"]
+        (2, True, 0)
+    """
+    return HypergradInfo(iterations=iterations, residual=residual, converged=None, grad_evals=calls.total,
+                         extra={"oracle_calls": calls.as_dict(), **extra, "compiled": True, "compile_s": compile_s})
+
+
+NON_FINITE: Any = object()
+"""What a compiled call of :func:`compiled_stochastic` returns when its step gave a non-finite value."""
+
+
+def tensor_like(value: float, like: Tree) -> Tensor:
+    """``value`` as a 0-dim tensor of the dtype and device of ``like``'s leaves: a step size a
+    compiled graph reads as an input (a Python float would be baked into the graph).
+
+    Example:
+        >>> import torch
+        >>> tensor_like(0.5, {"x": torch.zeros(2, dtype=torch.float64)})
+        tensor(0.5000, dtype=torch.float64)
+    """
+    ref = next(iter(like.values()))
+    return torch.tensor(value, dtype=ref.dtype, device=ref.device)
+
+
+CompiledCall = Callable[..., Any]
+"""A method's compiled call for :func:`compiled_stochastic`: ``(method, problem, w, lam, inner_batch,
+outer_batch, state, t) -> HypergradResult | None | NON_FINITE``."""
+
+
+def compiled_stochastic(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_batch: Any = None,
+                        outer_batch: Any = None, state: dict[str, Any] | None = None, *,
+                        call: CompiledCall) -> HypergradResult:
+    r"""``method.hypergrad(...)`` of a SOBA, SABA, AmIGO or StocBiO from its compiled step.
+
+    Called by ``compile=True`` on :class:`~hypergrad.soba.SOBA`, :class:`~hypergrad.saba.SABA`,
+    :class:`~hypergrad.amigo.AmIGO` and :class:`~hypergrad.stocbio.StocBiO`: the whole call (the
+    batch gradients and products, the SAGA estimates, the inner and linear-system steps) runs as
+    one compiled graph. Compiles once per problem, shape, dtype and method configuration; the
+    iterates, the carried state, the step sizes of the schedules (0-dim tensor inputs) and the
+    tensors of every drawn batch are read afresh, so the graph is not recompiled per step or per
+    batch. SABA's memory slot index stays outside the graph (the slot's stored values are inputs);
+    its stage is traced with dynamo's automatic dynamic shapes, so a batch ``(index, data)`` with a
+    Python ``int`` index costs one recompile (the index becomes symbolic), not one per index. With
+    a :class:`~hypergrad.batches.StepBatches`, AmIGO and StocBiO read their ``T + L + 1`` (or
+    ``T + Q + 1``) batches as in the eager call. Falls back to the eager call (logged once per
+    problem) where compilation fails; a non-finite value reruns the eager call, which raises its
+    :class:`~hypergrad.errors.NonFiniteError`. Checked for non-finite values: every output and
+    state tree, the loss values of the products of SOBA and SABA and of the mixed product and
+    outer gradient of AmIGO and StocBiO; their inner steps and Hessian products compute no loss
+    value (that would cost one more forward pass per step), so a non-finite loss whose gradient is
+    finite there goes unnoticed where the eager call raises.
+
+    Each method's stage and compiled call live in its module (``hypergrad.soba`` and so on); this
+    function holds what the four share: the batches made replayable, the checks of ``w``,
+    ``lam`` and the step counter, and the fallbacks.
+
+    Args:
+        method: the SOBA, SABA, AmIGO or StocBiO (``compile`` may be either value: the fallbacks
+            run it with ``compile=False``).
+        problem, w, lam, inner_batch, outer_batch, state: as for ``method.hypergrad``.
+        call: the method's compiled call, ``(method, problem, w, lam, inner_batch, outer_batch,
+            state, t) -> result`` at the checked, detached ``w`` and ``lam`` and step ``t``: the
+            result, None where compilation is unavailable (the eager call runs), or
+            :data:`NON_FINITE` (the eager call runs and raises its diagnostic).
+
+    Returns:
+        The eager call's result (same fields, state and counts) with ``info.extra["compiled"]``
+        (which path ran) and ``info.extra["compile_s"]`` (seconds this call spent compiling).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()
+        >>> f = lambda w, lam, b: 0.5 * ((w["x"] - 3.0) ** 2).sum()
+        >>> w, lam = {"x": torch.zeros(2, dtype=torch.float64)}, {"c": torch.ones(2, dtype=torch.float64)}
+        >>> def unavailable(method, problem, w, lam, inner_batch, outer_batch, state, t):
+        ...     return None  # what a call returns without a compiler: the eager call runs
+        >>> r = compiled_stochastic(hg.SOBA(step_size=0.5, compile=True), hg.BilevelProblem(g, f), w, lam,
+        ...                         call=unavailable)
+        >>> r.info.extra["compiled"], sorted(r.state), r.info.extra["oracle_calls"]["hvp"]
+        (False, ['step', 'v'], 1)
+        >>> soba = hg.SOBA(step_size=0.5, compile=True)  # its hypergrad runs SOBA's compiled call
+        >>> r = soba.hypergrad(hg.BilevelProblem(g, f), w, lam)
+        >>> r.grad["c"].tolist() == hg.SOBA(step_size=0.5).hypergrad(hg.BilevelProblem(g, f), w, lam).grad["c"].tolist()
+        True
+    """
+    name = type(method).__name__
+    inner_batch, outer_batch = replayable(inner_batch), replayable(outer_batch)
+    args = (w, lam, inner_batch, outer_batch, state)
+    w, lam = problem.validate(w, lam)
+    w, lam = tree_detach(w), tree_detach(lam)
+    t = step_counter(state, name)
+    result = call(method, problem, w, lam, inner_batch, outer_batch, state, t)
+    if result is None:
+        return eager_fallback(method, problem, args)
+    if result is NON_FINITE:
+        return non_finite_fallback(method, problem, args)
+    return result

@@ -2,23 +2,21 @@ r"""Hypergradients by differentiating through K steps of an inner optimizer (unr
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
-from hypergrad.autodiff import grad_with_graph, inner_fn, loss_and_grads, outer_fn
+from hypergrad.autodiff import grad_or_zeros, inner_fn, loss_and_grads, outer_fn
 from hypergrad.batches import StepBatches, per_step  # noqa: F401  (StepBatches: the old import path)
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
+from hypergrad.recompute import RecomputeSaved
 from hypergrad.tree import (
     Tree,
     check_finite,
-    grads_to_tree,
     tree_detach,
     tree_flatten,
     tree_numel,
@@ -33,16 +31,6 @@ _MODES = ("reverse", "forward")
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _grad_or_zeros(value: Tensor, inputs: Tree, create_graph: bool) -> Tree:
-    """``d value / d inputs`` as a tree, zeros where ``value`` does not depend on an input."""
-    if not value.requires_grad:
-        return {k: torch.zeros_like(v) for k, v in inputs.items()}
-    if create_graph:
-        return grads_to_tree(grad_with_graph(value, list(inputs.values())), inputs)
-    grads = torch.autograd.grad(value, list(inputs.values()), allow_unused=True)
-    return grads_to_tree(grads, inputs)
 
 
 @dataclass(frozen=True)
@@ -91,19 +79,22 @@ class Unrolled:
       form keeps every step's activations and double-backward buffers, typically several times
       :math:`|w|` per step); cost one extra inner gradient per step. The RNG state of each step
       is replayed, so a stochastic loss (dropout) sees the same randomness twice.
-    * ``"forward"``: forward-mode differentiation, ``torch.func.jvp`` of the step map
-      :math:`\Phi` with one tangent per scalar entry of ``lam``, propagated step by step along
-      with :math:`w_k`. Memory is independent of ``K`` (:math:`O(\dim\lambda \cdot |z|)`), cost is
-      about :math:`K (1 + \dim\lambda)` gradient-equivalents: meant for few hyperparameters (a
-      temperature, a few regularisation strengths). With a single scalar hyperparameter each
-      step takes one gradient with a graph and one Hessian-vector product through it (about the
-      cost of a reverse-mode step); with several, the directions are batched with
-      ``torch.func.vmap`` (measured about 2x faster than a Python loop for 3 directions); if
-      the losses cannot be vmapped, a loop over the directions is used and
+    * ``"forward"``: forward-mode differentiation: the JVP of the step map :math:`\Phi` with one
+      tangent per scalar entry of ``lam``, propagated step by step along with :math:`w_k`.
+      Memory is independent of ``K`` (:math:`O(\dim\lambda \cdot |z|)`), cost is about
+      :math:`K (1 + \dim\lambda)` gradient-equivalents: meant for few hyperparameters (a
+      temperature, a few regularisation strengths). Each step takes one gradient with a graph
+      and, per direction, one Hessian-vector product through it (a backward pass: by symmetry
+      of the Hessian of ``g`` it gives the tangent of :math:`\nabla_w g`) and the JVP of the
+      optimizer update (the VJP of its VJP); no forward-mode AD, so PyTorch's deprecated
+      ``torch.jit.script``, which its forward AD uses on first use, is never reached. With
+      several directions their backward passes are batched (``is_grads_batched``, vmap over
+      the directions); if that fails for the losses, a loop over the directions is used and
       ``info.extra["vectorized"]`` is False.
 
     Both modes compute the same number up to round-off. Only ``lam``'s influence is
     differentiated: the starting point ``w`` and the starting optimizer state are constants.
+    ``info.converged`` is None: ``K`` fixed steps have no stopping test.
 
     Args:
         optimizer: a pure optimizer from :mod:`hypergrad.inner` (``SGD``, ``Momentum``, ``Adam``).
@@ -114,8 +105,8 @@ class Unrolled:
         warm_start: start from the optimizer state passed back through ``state`` (key
             ``"opt_state"``; a fresh ``optimizer.init(w)`` when absent) and return the final one,
             so momentum buffers and Adam's step count carry over between calls.
-        vectorize: forward mode only: try ``torch.func.vmap`` over the directions first (falls
-            back to a loop when vmap fails); False always loops.
+        vectorize: forward mode only: batch the backward passes of the directions first (vmap;
+            falls back to a loop when batching fails); False always loops.
         checkpoint: reverse mode only: rebuild each step's graph in the backward sweep instead of
             storing all of them (see Modes).
         recompute: reverse mode with stored graphs only: do not store the outputs of cheap
@@ -151,8 +142,8 @@ class Unrolled:
     Inner batches: ``inner_batch`` is one batch reused for all ``K`` steps, or a
     :class:`~hypergrad.batches.StepBatches` holding one batch per step (:func:`hypergrad.solve`
     passes one for a stream of batches); ``outer_batch`` is one batch, or a ``StepBatches`` of
-    which one is drawn. In forward mode without vmap the inner loss
-    is re-evaluated once per direction, so it must then be deterministic (no dropout).
+    which one is drawn. In forward mode the inner loss is evaluated once per step for all
+    directions.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -175,6 +166,7 @@ class Unrolled:
 
     optimizer: InnerOptimizer
     steps: int
+    _: KW_ONLY  # the options below are keyword-only
     mode: str = "reverse"
     truncate: int | None = None
     warm_start: bool = False
@@ -184,6 +176,10 @@ class Unrolled:
     recompute_min_bytes: int = 48 * 1024
 
     def __post_init__(self) -> None:
+        # a local import keeps the module's import block as it was
+        from hypergrad.errors import check_inner_optimizer
+
+        check_inner_optimizer(self.optimizer, "optimizer")
         if not isinstance(self.optimizer, InnerOptimizer):
             raise TypeError(
                 "optimizer must be an inner optimizer with init(w) and update(w, grad, state) "
@@ -295,17 +291,17 @@ class Unrolled:
             w, s = _plain_step(problem, opt, w, lam, batches[i], s, i)
         lam_ = tree_requires_grad(lam)
         w = tree_requires_grad(w)  # a constant start; requires grad only so that grad_w g exists
-        saver = _RecomputeSaved(self.recompute_min_bytes) if self.recompute else None
+        saver = RecomputeSaved(self.recompute_min_bytes) if self.recompute else None
         for i in range(K - k, K):
             value = problem.inner_loss(w, lam_, batches[i])
             # the recomputable tensors are those the first backward saves (the forward's are kept)
             if saver is not None:
                 grad_w = saver.grad(value, w)
             else:
-                grad_w = _grad_or_zeros(value, w, create_graph=True)
+                grad_w = grad_or_zeros(value, w, create_graph=True)
             w, s = opt.update(w, grad_w, s)
         f_value = problem.outer_loss(w, lam_, outer_batch)
-        grad = _grad_or_zeros(f_value, lam_, create_graph=False)
+        grad = grad_or_zeros(f_value, lam_, create_graph=False)
         extra: dict[str, Any] = {"differentiated_steps": k}
         if saver is not None:
             extra["recomputed"] = saver.replaced
@@ -354,7 +350,7 @@ class Unrolled:
             s_ = {key: (v.detach().requires_grad_(True) if v.is_floating_point() else v) for key, v in s_i.items()}
             _set_rng(device, rng)
             value = problem.inner_loss(w_, lam_, batches[K - k + j])
-            w_next, s_next = opt.update(w_, _grad_or_zeros(value, w_, create_graph=True), s_)
+            w_next, s_next = opt.update(w_, grad_or_zeros(value, w_, create_graph=True), s_)
             outputs, cotangents = [], []
             for key, v in w_next.items():
                 if v.requires_grad:
@@ -396,34 +392,48 @@ class Unrolled:
         outer_batch: Any,
         s: Tree,
     ) -> tuple[Tree, Tree, Tree, dict[str, Any], int]:
+        r"""Forward mode by reverse passes: the tangents of every direction pushed through each step.
+
+        Per step: the gradient :math:`\nabla g` at :math:`(w_k, \lambda)` with a graph; one
+        backward pass through it per direction gives the directional derivative of
+        :math:`\nabla_w g` along the tangent :math:`(\dot w_k, \dot\lambda)` (by symmetry of the
+        Hessian of ``g``, the VJP of :math:`(\nabla_w g, \nabla_\lambda g)` with cotangent
+        :math:`(\dot w_k, \dot\lambda)` *is* :math:`\nabla^2_{ww} g\,\dot w_k +
+        \nabla^2_{w\lambda} g\,\dot\lambda`); then the optimizer update and its JVP, taken as the
+        VJP of its VJP (:func:`_update_tangents`). With ``vectorize`` the directions share one
+        batched backward pass (``is_grads_batched``), else one pass each. The graph is freed at
+        every step, so memory does not grow with K. No forward-mode AD is used: PyTorch's
+        (dual tensors, ``torch.func.jvp``) scripts its decompositions with the deprecated
+        ``torch.jit.script`` on first use; reverse-over-reverse products were also measured
+        about 5x faster than ``torch.func.jvp`` over ``torch.func.grad`` through the whole step
+        for one direction (see :doc:`/methods/implicit`).
+        """
         p = tree_numel(lam)
-        if p == 1:
-            return self._forward_scalar(problem, w, lam, batches, outer_batch, s)
-        ref = next(iter(lam.values()))
-        eye = torch.eye(p, dtype=ref.dtype, device=ref.device)
-        t_lam = _batched_basis(eye, lam)
+        opt = self.optimizer
+        lam_ = tree_requires_grad(lam)
+        lam_leaves = list(lam_.values())
+        ref = lam_leaves[0]
+        t_lam = list(_batched_basis(torch.eye(p, dtype=ref.dtype, device=ref.device), lam).values())
         t_w = {k: v.new_zeros((p, *v.shape)) for k, v in w.items()}
         t_s = {k: v.new_zeros((p, *v.shape)) for k, v in s.items()}
-        vectorized = self.vectorize
-        warnings: list[str] = []
+        directions = _Directions(p, batched=self.vectorize and p > 1)
         for i in range(self.steps):
-            step = _step_map(problem, self.optimizer, batches[i])
-            if vectorized:
-                try:
-                    w_new, s_new, t_w, t_s = _jvp_vmapped(step, w, s, lam, t_w, t_s, t_lam)
-                except Exception as exc:  # not vmappable: loop below (re-raises real errors)
-                    vectorized = False
-                    warnings.append(
-                        f"torch.func.vmap over the {p} hyperparameter direction(s) failed "
-                        f"({type(exc).__name__}: {str(exc)[:200]}); used a loop over directions"
-                    )
-            if not vectorized:
-                w_new, s_new, t_w, t_s = _jvp_looped(step, w, s, lam, t_w, t_s, t_lam, p)
-            # Forward AD may upcast a float32 tangent to float64 when a Python float meets a 0-dim
-            # tensor (pytorch/pytorch#90065): keep tangents in the dtype of their primals.
-            w, s = w_new, s_new
-            t_w = {k: v.to(w[k].dtype) for k, v in t_w.items()}
-            t_s = {k: v.to(s[k].dtype) for k, v in t_s.items()}
+            w_ = tree_requires_grad(w)
+            w_leaves = list(w_.values())
+            n_w = len(w_leaves)
+            value = problem.inner_loss(w_, lam_, batches[i])
+            if value.requires_grad:
+                grads = torch.autograd.grad(value, w_leaves + lam_leaves, create_graph=True, allow_unused=True)
+            else:
+                grads = (None,) * (n_w + len(lam_leaves))
+            outputs, cotangents = [], []
+            for g_, tangent in zip(grads, [*t_w.values(), *t_lam], strict=True):
+                if g_ is not None and g_.requires_grad:
+                    outputs.append(g_)
+                    cotangents.append(tangent.to(g_.dtype))
+            grad_dot = dict(zip(w, directions.vjps(outputs, w_leaves, cotangents), strict=True))
+            grad_w = _zeros_for_none(grads[:n_w], w)
+            w, s, t_w, t_s = _update_tangents(opt, w, grad_w, s, t_w, grad_dot, t_s, directions)
         _, grad_w_f, grad_lam_f = loss_and_grads(
             outer_fn(problem, outer_batch), w, lam, what="outer loss"
         )
@@ -434,415 +444,8 @@ class Unrolled:
             gwf = grad_w_f[key].reshape(-1).to(tangent.dtype)
             flat = flat + (tangent.reshape(p, -1) @ gwf).to(flat.dtype)
         grad = tree_unflatten(flat, lam)
-        extra = {"directions": p, "vectorized": vectorized, "warnings": warnings}
+        extra = {"directions": p, "vectorized": p == 1 or directions.batched, "warnings": directions.warnings}
         return grad, w, s, extra, self.steps * (1 + p) + 1
-
-
-    def _forward_scalar(
-        self,
-        problem: BilevelProblem,
-        w: Tree,
-        lam: Tree,
-        batches: list[Any],
-        outer_batch: Any,
-        s: Tree,
-    ) -> tuple[Tree, Tree, Tree, dict[str, Any], int]:
-        r"""Forward mode for a single scalar hyperparameter, with reverse-over-reverse products.
-
-        Per step: the gradient :math:`\nabla g` at :math:`(w_k, \lambda)` with a graph, one
-        backward pass through it for the directional derivative of :math:`\nabla_w g` along the
-        tangent :math:`(\dot w_k, \dot\lambda)` (by symmetry of the Hessian of ``g`` this VJP of
-        :math:`(\nabla_w g, \nabla_\lambda g)` with cotangent :math:`(\dot w_k, \dot\lambda)`
-        *is* :math:`\nabla^2_{ww} g\,\dot w_k + \nabla^2_{w\lambda} g\,\dot\lambda`), then the
-        optimizer update and its JVP (dual tensors through the elementwise update only). The graph
-        is freed at every step, so memory does not grow with K. Measured about 5x faster than
-        ``torch.func.jvp`` over ``torch.func.grad`` through the whole step (whose functorch
-        transforms dominate on small and medium problems; see :doc:`/methods/implicit`).
-        """
-        opt = self.optimizer
-        lam_ = tree_requires_grad(lam)
-        lam_leaves = list(lam_.values())
-        t_lam = [torch.ones_like(v) for v in lam_leaves]  # p == 1: the basis vector
-        t_w = {k: torch.zeros_like(v) for k, v in w.items()}
-        t_s = {k: torch.zeros_like(v) for k, v in s.items()}
-        for i in range(self.steps):
-            w_ = tree_requires_grad(w)
-            w_leaves = list(w_.values())
-            n_w = len(w_leaves)
-            value = problem.inner_loss(w_, lam_, batches[i])
-            if value.requires_grad:
-                grads = torch.autograd.grad(
-                    value, w_leaves + lam_leaves, create_graph=True, allow_unused=True
-                )
-            else:
-                grads = (None,) * (n_w + len(lam_leaves))
-            outputs, cotangents = [], []
-            for g_, t in zip(grads, [*t_w.values(), *t_lam], strict=True):
-                if g_ is not None and g_.requires_grad:
-                    outputs.append(g_)
-                    cotangents.append(t.to(g_.dtype))
-            if outputs:
-                g_dot = torch.autograd.grad(outputs, w_leaves, cotangents, allow_unused=True)
-            else:
-                g_dot = (None,) * n_w
-            grad_w = _zeros_for_none(grads[:n_w], w)
-            grad_dot = _zeros_for_none(g_dot, w)
-            w, s, t_w, t_s = _update_jvp(opt, w, grad_w, s, t_w, grad_dot, t_s)
-        _, grad_w_f, grad_lam_f = loss_and_grads(
-            outer_fn(problem, outer_batch), w, lam, what="outer loss"
-        )
-        assert grad_w_f is not None and grad_lam_f is not None
-        flat = tree_flatten(grad_lam_f).clone()
-        for key, tangent in t_w.items():
-            flat = flat + torch.dot(tangent.reshape(-1), grad_w_f[key].reshape(-1).to(tangent.dtype)).to(flat.dtype)
-        grad = tree_unflatten(flat, lam)
-        extra = {"directions": 1, "vectorized": True, "warnings": []}
-        return grad, w, s, extra, self.steps * 2 + 1
-
-
-def _tanh_backward(node: Any) -> Tensor:
-    return torch.ops.aten.tanh_backward(node._saved_grad_output, node._saved_output)
-
-
-def _sigmoid_backward(node: Any) -> Tensor:
-    return torch.ops.aten.sigmoid_backward(node._saved_grad_output, node._saved_output)
-
-
-# Matrix products are recomputed only when they cost at most this many multiply-adds per output
-# entry (a few pointwise ops' worth): e.g. the backward into the last hidden layer, whose
-# contraction runs over the classes.
-_MAX_INNER = 16
-
-
-def _small_mm(node: Any) -> Tensor:
-    return torch.mm(node._saved_self, node._saved_mat2)
-
-
-def _is_small_mm(node: Any) -> bool:
-    return int(node._saved_self_sym_sizes[-1]) <= _MAX_INNER  # sizes only: nothing is unpacked
-
-
-# Nodes whose output is a cheap function of tensors the node saves for the backward anyway:
-# pointwise ops of the first backward (built with create_graph=True), and short matrix products.
-_RECOMPUTABLE: dict[str, Callable[[Any], Tensor]] = {
-    "TanhBackwardBackward0": _tanh_backward,
-    "SigmoidBackwardBackward0": _sigmoid_backward,
-    "MmBackward0": _small_mm,
-}
-# Views of such an output that matrix products save (the transposed gradient of a weight).
-_VIEWS: dict[str, Callable[[Any], Callable[[Tensor], Tensor]]] = {
-    "TBackward0": lambda node: torch.t,
-    "PermuteBackward0": lambda node: (lambda x, dims=tuple(node._saved_dims): x.permute(dims)),
-    "TransposeBackward0": lambda node: (lambda x, a=node._saved_dim0, b=node._saved_dim1: x.transpose(a, b)),
-}
-
-
-_RELEVANT: dict[type, bool] = {}  # autograd node class -> named in _VIEWS or _RECOMPUTABLE
-
-
-class _Recipe:
-    """A saved tensor replaced by the node that produced it (and a view to re-apply).
-
-    ``memo`` (shared by the recipes of one loop) keeps the last two recomputed node outputs: a
-    tensor and its transpose, or a tensor saved by two ops, are unpacked close together in the
-    backward sweep, and the second use then costs nothing; two slots because recomputing one
-    tensor may unpack (and recompute) another in between. It holds at most two tensors.
-    ``kind`` and ``view_cls`` describe the replaced tensor for the plan of :class:`_RecomputeSaved`.
-    """
-
-    __slots__ = ("fn", "kind", "memo", "node", "storage", "view", "view_cls")
-
-    def __init__(self, node: Any, fn: Callable[[Any], Tensor], view: Callable[[Tensor], Tensor] | None,
-                 memo: list[Any], kind: tuple[Any, ...] = (), view_cls: type | None = None) -> None:
-        self.node, self.fn, self.view, self.memo = node, fn, view, memo
-        self.kind, self.view_cls = kind, view_cls
-        self.storage: tuple[int, int] | None = None  # (data_ptr, nbytes) in the discovery step
-
-    def pack(self, _: Tensor) -> _Recipe:
-        """The pack hook for ``SavedTensor.register_hooks``: the tensor is dropped, the recipe kept."""
-        return self
-
-    def __call__(self) -> Tensor:
-        memo, node = self.memo, self.node
-        if memo[0] is node:
-            out = memo[1]
-        elif memo[2] is node:
-            out = memo[3]
-        else:
-            if torch.is_grad_enabled():  # the backward sweep runs without grad mode: no switch there
-                torch._C._set_grad_enabled(False)  # the context manager costs more than a pointwise op
-                try:
-                    out = self.fn(node)
-                finally:
-                    torch._C._set_grad_enabled(True)
-            else:
-                out = self.fn(node)
-            memo[2], memo[3], memo[0], memo[1] = memo[0], memo[1], node, out
-        return self.view(out) if self.view is not None else out
-
-
-def _unpack(packed: Tensor | _Recipe) -> Tensor:
-    return packed() if isinstance(packed, _Recipe) else packed
-
-
-_SavedTensor = getattr(torch._C._autograd, "SavedTensor", None)
-_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}  # autograd node class -> its "_raw_saved_*" names
-# The first backward of one step creates a few dozen nodes; a search that visits more than this
-# has wandered into a graph the loss closed over, and the plan is not used.
-_MAX_SEARCH = 4096
-
-
-# One replaced saved tensor of a step's first backward, as :meth:`_RecomputeSaved._search` found
-# it: follow ``hops`` from the ``grad_fn`` of the ``root``-th gradient (at each hop the node must
-# be of the recorded class; then take that ``next_functions`` index) to a node of class
-# ``holder``, whose saved tensor ``attr`` must be produced by a node of class ``producer`` (through
-# a view node of class ``view_cls`` if not None, re-applied by ``view_of(view_node)``), with the
-# recorded shape, strides, dtype and device; ``fn(producer)`` recomputes it. A plain tuple: the
-# later steps unpack it once per entry.
-_Entry = tuple[int, tuple[tuple[type, int], ...], type, str, "type | None",
-               "Callable[[Any], Callable[[Tensor], Tensor]] | None", type, Callable[[Any], Tensor],
-               torch.Size, tuple[int, ...], torch.dtype, torch.device]
-
-
-class _RecomputeSaved:
-    """Replace recomputable saved tensors of each step's first backward by recipes.
-
-    Used for the first backward of each step of the stored-graph reverse unrolling (see
-    ``Unrolled(recompute=...)``); :meth:`grad` replaces ``torch.autograd.grad``. A kind of tensor
-    (producing op, view, shape, strides, dtype, device) is replaced only after the first tensor of
-    that kind recomputed bitwise equal to itself; a kind that did not is kept from then on, as is
-    anything unexpected.
-
-    The first step runs under ``saved_tensors_hooks`` (a Python call for every tensor the backward
-    saves: about 29 per step of a 3-layer MLP, measured 7 % of the whole unrolled call even for a
-    hook that does nothing). It then searches that step's graph for the nodes holding the
-    replaced tensors and records, per replaced tensor, the path from a gradient's ``grad_fn`` to
-    its node (a plan). The later steps repeat the same ops: they run without hooks, follow the
-    plan (checking every node's class and the tensor's kind on the way) and replace just those
-    tensors with ``SavedTensor.register_hooks``, so only the replaced tensors ever reach Python.
-    The plan keeps only the tensors that free at least ``min_bytes`` per save (:meth:`_select`);
-    an empty plan turns the replacement off for the later steps. A plan that does not match a
-    later step (other shapes, other ops) is dropped and the hooks are used for the remaining
-    steps (replacing the candidates whose storage has at least ``min_bytes``). Where hooks cannot
-    be installed (inside transforms that disable them) or the caller has installed its own
-    (``torch.autograd.graph.save_on_cpu``, ...), it does nothing.
-    """
-
-    def __init__(self, min_bytes: int = 0) -> None:
-        self.replaced = 0
-        self.planned_steps = 0  # steps replaced by following the plan (no saved-tensor hooks)
-        self.min_bytes = min_bytes
-        self._verified: dict[tuple[Any, ...], bool] = {}
-        self._memo: list[Any] = [None, None, None, None]
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        self._state = "discover"  # -> "plan" | "hooks" | "off"
-        self._plan: tuple[_Entry, ...] = ()
-        # discovery step only: saves per storage (data_ptr), and the replaced tensors kept alive
-        # until the plan is made, so that no later tensor of that step reuses their addresses
-        self._saves: dict[int, int] | None = {}
-        self._held: list[Tensor] = []
-
-    def grad(self, value: Tensor, inputs: Tree) -> Tree:
-        """``_grad_or_zeros(value, inputs, create_graph=True)``, with recipes for cheap saves."""
-        if self._state == "off" or not value.requires_grad:
-            return _grad_or_zeros(value, inputs, create_graph=True)
-        if self._state == "plan":
-            grads = grad_with_graph(value, list(inputs.values()))
-            done = self._follow_plan(grads)
-            self.replaced += done
-            if done == len(self._plan):
-                self.planned_steps += 1
-            else:
-                self._state = "hooks"  # this step keeps what the plan did not reach
-            return grads_to_tree(grads, inputs)
-        if not self._enter():
-            self._state = "off"
-            return _grad_or_zeros(value, inputs, create_graph=True)
-        before = self.replaced
-        try:
-            grads = grad_with_graph(value, list(inputs.values()))
-        finally:
-            self._hooks.__exit__(None, None, None)
-        if self._state == "discover":
-            new = self.replaced - before
-            found = self._search(grads) if new else None
-            if not new:
-                self._state = "off"  # nothing recomputable in this step: the later steps repeat its ops
-            elif found is not None and len(found) == new:
-                self._plan = self._select(found)
-                self._state = "plan" if self._plan else "off"
-            else:
-                self._state = "hooks"
-            self._saves, self._held = None, []
-        return grads_to_tree(grads, inputs)
-
-    def _select(self, found: list[tuple[_Entry, tuple[int, int]]]) -> tuple[_Entry, ...]:
-        """The entries worth replacing in the later steps.
-
-        A tensor frees memory only if every save of its storage is replaced, and each replaced
-        save costs the same Python work per step whatever its size: keep the entries of the
-        storages all of whose saves were replaced and that free at least ``min_bytes`` per save.
-        """
-        saves = self._saves or {}
-        replaced: dict[int, int] = {}
-        for _, (ptr, _) in found:
-            replaced[ptr] = replaced.get(ptr, 0) + 1
-        return tuple(entry for entry, (ptr, nbytes) in found
-                     if replaced[ptr] == saves.get(ptr, 0) and nbytes >= self.min_bytes * replaced[ptr])
-
-    def _enter(self) -> bool:
-        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-        if top is None or _SavedTensor is None or top(False) is not None:
-            return False  # the caller's own hooks (save_on_cpu, a memory probe) take precedence
-        try:
-            self._hooks.__enter__()
-        except RuntimeError:  # saved tensor hooks disabled here
-            return False
-        return True
-
-    def _pack(self, t: Tensor) -> Tensor | _Recipe:
-        saves = self._saves
-        if saves is not None:  # the discovery step: count the saves of each storage
-            try:
-                ptr = t.untyped_storage().data_ptr()
-            except Exception:  # no storage (sparse, nested, ...): never grouped with a candidate
-                ptr = -1
-            saves[ptr] = saves.get(ptr, 0) + 1
-        node = t.grad_fn
-        if node is None:
-            return t
-        # fast exit for the many saved tensors that are neither a candidate nor a view (the node
-        # classes are fixed per op, so this is one dict lookup per save)
-        cls = type(node)
-        relevant = _RELEVANT.get(cls)
-        if relevant is None:
-            relevant = _RELEVANT[cls] = node.name() in _VIEWS or node.name() in _RECOMPUTABLE
-        if not relevant:
-            return t
-        view = None
-        view_cls = None
-        name = node.name()
-        view_name = ""
-        try:
-            if name in _VIEWS:
-                view_name, view_cls = name, cls
-                view = _VIEWS[name](node)
-                node = node.next_functions[0][0]
-                if node is None:
-                    return t
-                name = node.name()
-            fn = _RECOMPUTABLE.get(name)
-            if fn is None or (fn is _small_mm and not _is_small_mm(node)):
-                return t
-            kind = (view_name, name, tuple(t.shape), t.stride(), t.dtype, t.device)
-            recipe = _Recipe(node, fn, view, self._memo, kind, view_cls)
-            ok = self._verified.get(kind)
-            if ok is None:
-                ok = _recomputes(recipe, t)
-                self._verified[kind] = ok
-        except Exception:  # an attribute missing in this torch version, a freed buffer, ...
-            return t
-        if not ok:
-            return t
-        try:
-            storage = t.untyped_storage()
-        except Exception:  # no storage (sparse, nested, ...)
-            return t
-        if saves is not None:  # the discovery step replaces every candidate (see _select)
-            recipe.storage = (storage.data_ptr(), storage.nbytes())
-            self._held.append(t)
-        elif storage.nbytes() < self.min_bytes:  # the hooks fallback: saves per storage unknown
-            return t
-        self.replaced += 1
-        return recipe
-
-    def _search(self, grads: tuple[Tensor | None, ...]) -> list[tuple[_Entry, tuple[int, int]]] | None:
-        """Breadth-first from the gradients' ``grad_fn``: the path to every node holding a recipe."""
-        queue: deque[tuple[Any, int, tuple[tuple[type, int], ...]]] = deque()
-        for r, g_ in enumerate(grads):
-            if g_ is not None and g_.grad_fn is not None:
-                queue.append((g_.grad_fn, r, ()))
-        seen: dict[int, Any] = {}  # id -> node (kept alive so that ids stay unique)
-        plan: list[tuple[_Entry, tuple[int, int]]] = []
-        try:
-            while queue:
-                node, root, hops = queue.popleft()
-                if id(node) in seen:
-                    continue
-                seen[id(node)] = node
-                if len(seen) > _MAX_SEARCH:
-                    return None
-                cls = type(node)
-                attrs = _SAVED_ATTRS.get(cls)
-                if attrs is None:
-                    attrs = _SAVED_ATTRS[cls] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
-                for attr in attrs:
-                    try:
-                        raw = getattr(node, attr)
-                        packed = raw.data if isinstance(raw, _SavedTensor) else None
-                    except Exception:  # e.g. a buffer freed by an earlier backward: not ours
-                        continue
-                    if isinstance(packed, _Recipe):
-                        rec = packed
-                        view_name, _, shape, stride, dtype, device = rec.kind
-                        view_of = _VIEWS[view_name] if rec.view_cls is not None else None
-                        entry = (root, hops, cls, attr, rec.view_cls, view_of, type(rec.node), rec.fn,
-                                 torch.Size(shape), stride, dtype, device)
-                        plan.append((entry, rec.storage or (-1, 0)))
-                for idx, (nxt, _) in enumerate(node.next_functions):
-                    if nxt is not None:
-                        queue.append((nxt, root, (*hops, (cls, idx))))
-        except Exception:  # an attribute this torch version lacks, ...
-            return None
-        return plan
-
-    def _follow_plan(self, grads: tuple[Tensor | None, ...]) -> int:
-        """Replace the planned saved tensors of this step, in order, up to the first that differs.
-
-        Returns how many were replaced (``len(plan)`` when the whole plan matched).
-        """
-        memo = self._memo
-        done = 0
-        try:
-            for (root, hops, holder, attr, view_cls, view_of, producer_cls, fn, shape, stride, dtype,
-                 device) in self._plan:
-                g_ = grads[root]
-                node = g_.grad_fn if g_ is not None else None
-                for cls, idx in hops:
-                    if type(node) is not cls:
-                        return done
-                    node = node.next_functions[idx][0]
-                if type(node) is not holder:
-                    return done
-                raw = getattr(node, attr)
-                t = raw.unpack()
-                if t.shape != shape or t.stride() != stride or t.dtype is not dtype or t.device != device:
-                    return done
-                producer = t.grad_fn
-                view = None
-                if view_cls is not None:
-                    if type(producer) is not view_cls:
-                        return done
-                    view = view_of(producer)  # type: ignore[misc]
-                    producer = producer.next_functions[0][0]
-                if type(producer) is not producer_cls or (fn is _small_mm and not _is_small_mm(producer)):
-                    return done
-                # t still alive: the pack hook gets its Python object instead of a new one
-                recipe = _Recipe(producer, fn, view, memo)
-                raw.register_hooks(recipe.pack, _Recipe.__call__)
-                del t
-                done += 1
-        except Exception:  # a freed buffer, hooks disabled here, ...
-            return done
-        return done
-
-
-def _recomputes(recipe: _Recipe, t: Tensor) -> bool:
-    """Whether ``recipe`` recomputes ``t`` bitwise (values, shape, strides, dtype, device)."""
-    again = recipe()
-    return bool(again.shape == t.shape and again.stride() == t.stride() and again.dtype == t.dtype
-                and again.device == t.device and torch.equal(again, t))
-
 
 def _get_rng(device: torch.device) -> tuple[Tensor, Tensor | None]:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -853,29 +456,6 @@ def _set_rng(device: torch.device, state: tuple[Tensor, Tensor | None]) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
-
-
-def _update_jvp(
-    opt: InnerOptimizer, w: Tree, grad: Tree, s: Tree, t_w: Tree, t_grad: Tree, t_s: Tree
-) -> tuple[Tree, Tree, Tree, Tree]:
-    """``opt.update`` and its JVP with dual tensors (forward AD; the update is elementwise, and
-    the dual-tensor form measured several times faster than ``torch.func.jvp``'s pytree plumbing)."""
-    with fwAD.dual_level():
-        dual = lambda x, t: {k: fwAD.make_dual(x[k], t[k].to(x[k].dtype)) for k in x}  # noqa: E731
-        w_new, s_new = opt.update(dual(w, t_w), dual(grad, t_grad), dual(s, t_s))
-
-        def split(tree: Tree) -> tuple[Tree, Tree]:
-            primal, tangent = {}, {}
-            for k, v in tree.items():
-                p_, t_ = fwAD.unpack_dual(v)
-                primal[k] = p_.detach()
-                # keep tangents in the dtype of their primals (pytorch/pytorch#90065)
-                tangent[k] = torch.zeros_like(primal[k]) if t_ is None else t_.detach().to(p_.dtype)
-            return primal, tangent
-
-        w_out, tw_out = split(w_new)
-        s_out, ts_out = split(s_new)
-    return w_out, s_out, tw_out, ts_out
 
 
 def _zeros_for_none(grads: Iterable[Tensor | None], like: Tree) -> Tree:
@@ -892,46 +472,81 @@ def _batched_basis(eye: Tensor, like: Tree) -> Tree:
     return out
 
 
-StepMap = Callable[[Tree, Tree, Tree], tuple[Tree, Tree]]
+class _Directions:
+    """Backward passes along ``p`` directions: one batched pass (``is_grads_batched``) while
+    ``batched``, else one pass per direction; a batched pass that fails switches to the loop
+    for the rest of the call and says why in ``warnings``."""
+
+    def __init__(self, p: int, batched: bool) -> None:
+        self.p, self.batched = p, batched
+        self.warnings: list[str] = []
+
+    def vjps(self, outputs: list[Tensor], inputs: list[Tensor], cotangents: list[Tensor]) -> list[Tensor]:
+        """Per input, the VJPs of ``outputs`` along each direction's cotangents (``(p, ...)``
+        leading), stacked; zeros for an input the outputs do not depend on."""
+        p = self.p
+        if outputs and self.batched:
+            try:
+                grads = torch.autograd.grad(outputs, inputs, cotangents, retain_graph=True, allow_unused=True,
+                                            is_grads_batched=True)
+                return [x.new_zeros((p, *x.shape)) if g_ is None else g_.detach() for g_, x in zip(grads, inputs,
+                                                                                                  strict=True)]
+            except Exception as exc:  # not batchable (vmap): loop below (re-raises real errors)
+                self.batched = False
+                self.warnings.append(
+                    f"batching the backward passes of the {p} hyperparameter direction(s) with vmap "
+                    f"failed ({type(exc).__name__}: {str(exc)[:200]}); used a loop over directions"
+                )
+        columns: list[list[Tensor | None]] = [[] for _ in inputs]
+        for d in range(p):
+            if outputs:
+                grads = torch.autograd.grad(outputs, inputs, [c[d] for c in cotangents], retain_graph=True,
+                                            allow_unused=True)
+            else:
+                grads = (None,) * len(inputs)
+            for column, g_ in zip(columns, grads, strict=True):
+                column.append(g_)
+        return [torch.stack([torch.zeros_like(x) if g_ is None else g_.detach() for g_ in column])
+                for column, x in zip(columns, inputs, strict=True)]
 
 
-def _step_map(problem: BilevelProblem, optimizer: InnerOptimizer, batch: Any) -> StepMap:
-    """``(w, s, lam) -> update(w, grad_w g(w, lam, batch), s)`` written with ``torch.func.grad``."""
+def _update_tangents(opt: InnerOptimizer, w: Tree, grad: Tree, s: Tree, t_w: Tree, t_grad: Tree, t_s: Tree,
+                     directions: _Directions) -> tuple[Tree, Tree, Tree, Tree]:
+    r"""``opt.update(w, grad, s)`` (detached) and its JVPs along each direction's tangents.
 
-    def step(w: Tree, s: Tree, lam: Tree) -> tuple[Tree, Tree]:
-        grad_w = torch.func.grad(lambda w_: problem.inner_loss(w_, lam, batch))(w)
-        return optimizer.update(w, grad_w, s)
+    The JVP is the VJP of the update's VJP: :math:`u \mapsto J^\top u` is linear in the
+    cotangent ``u``, so its VJP with cotangent ``t`` is :math:`J t`. Two backward passes through
+    the update (elementwise for the optimizers of :mod:`hypergrad.inner`), any update written with
+    differentiable ops, and no forward-mode AD.
+    """
+    def leaf(x: Tensor) -> Tensor:
+        return x.detach().requires_grad_(True) if x.is_floating_point() else x.detach()
 
-    return step
+    w_in, g_in, s_in = ({k: leaf(v) for k, v in tree.items()} for tree in (w, grad, s))
+    w_new, s_new = opt.update(w_in, g_in, s_in)
+    inputs, tangents = [], []
+    for tree, tangent in ((w_in, t_w), (g_in, t_grad), (s_in, t_s)):
+        for k, x in tree.items():
+            if x.requires_grad:
+                inputs.append(x)
+                tangents.append(tangent[k].to(x.dtype))
+    outputs = [v for v in (*w_new.values(), *s_new.values()) if v.requires_grad]
+    units = [torch.zeros_like(v, requires_grad=True) for v in outputs]
+    if outputs:
+        pulled = torch.autograd.grad(outputs, inputs, units, create_graph=True, allow_unused=True)
+    else:
+        pulled = (None,) * len(inputs)
+    linear = [(z, t) for z, t in zip(pulled, tangents, strict=True) if z is not None and z.requires_grad]
+    pushed = iter(directions.vjps([z for z, _ in linear], units, [t for _, t in linear]))
+    p = directions.p
 
+    def tangent_of(v: Tensor) -> Tensor:
+        # keep tangents in the dtype of their primals
+        return next(pushed).to(v.dtype) if v.requires_grad else v.new_zeros((p, *v.shape))
 
-def _jvp_vmapped(
-    step: StepMap, w: Tree, s: Tree, lam: Tree, t_w: Tree, t_s: Tree, t_lam: Tree
-) -> tuple[Tree, Tree, Tree, Tree]:
-    def directional(tw: Tree, ts: Tree, tl: Tree) -> tuple[tuple[Tree, Tree], tuple[Tree, Tree]]:
-        return torch.func.jvp(step, (w, s, lam), (tw, ts, tl))
-
-    (w_new, s_new), (tw_new, ts_new) = torch.func.vmap(
-        directional, in_dims=(0, 0, 0), out_dims=((None, None), (0, 0)), randomness="same"
-    )(t_w, t_s, t_lam)
-    return w_new, s_new, tw_new, ts_new
-
-
-def _jvp_looped(
-    step: StepMap, w: Tree, s: Tree, lam: Tree, t_w: Tree, t_s: Tree, t_lam: Tree, p: int
-) -> tuple[Tree, Tree, Tree, Tree]:
-    primal: tuple[Tree, Tree] | None = None
-    tws: list[Tree] = []
-    tss: list[Tree] = []
-    for i in range(p):
-        pick = lambda tree, i=i: {k: v[i] for k, v in tree.items()}  # noqa: E731
-        out, (tw, ts) = torch.func.jvp(step, (w, s, lam), (pick(t_w), pick(t_s), pick(t_lam)))
-        primal = primal or out
-        tws.append(tw)
-        tss.append(ts)
-    assert primal is not None
-    stack = lambda trees, like: {k: torch.stack([t[k] for t in trees]) for k in like}  # noqa: E731
-    return primal[0], primal[1], stack(tws, w), stack(tss, s)
+    t_w_new = {k: tangent_of(v) for k, v in w_new.items()}
+    t_s_new = {k: tangent_of(v) for k, v in s_new.items()}
+    return tree_detach(w_new), tree_detach(s_new), t_w_new, t_s_new
 
 
 def _plain_step(

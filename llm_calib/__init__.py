@@ -42,7 +42,7 @@ __all__ = [
     "TrainingSettings", "calibrate",
 ]
 
-__version__ = "0.1.0"
+from llm_calib.version import __version__ as __version__  # noqa: E402  (after the extra check; re-exported)
 
 _LAZY = {  # public name -> the module that defines it
     name: module

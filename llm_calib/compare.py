@@ -9,7 +9,6 @@ encoded records (and their trunk cache) are shared. :func:`write_comparison_repo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import shutil
@@ -23,6 +22,7 @@ import numpy as np
 
 from llm_calib import distributed
 from llm_calib.calm.config import CalibrationConfig, flat_paths
+from llm_calib.calm.run import ResolvedRun
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.evaluate import HEADLINE_METRICS, EvaluationResult, TemperatureFit, evaluate_records
 from llm_calib.formats import family_format
@@ -124,7 +124,7 @@ class Comparison:
 def run_comparison(
     model: Any, tokenizer: Any, train: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
     heldout: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
-    evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]], config: CalibrationConfig,
+    evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]], config: CalibrationConfig | ResolvedRun,
     methods: Sequence[Objective] | None, out_dir: str | Path, *,
     unlabeled: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]] | None = None,
     checkpoints: bool = True, resume: bool = False, progress: bool = True, n_bins: int = 10,
@@ -140,10 +140,11 @@ def run_comparison(
         heldout: ``(name, records)`` of the held-out split (upper level, model selection and, for
             multiple choice, the temperature fit): of the training kind, or multiple choice when
             the training records are open-ended (prompt, response) pairs
-            (:func:`~llm_calib.calm.encoding.run_formats`).
+            (:func:`~llm_calib.calm.run.run_formats`).
         evals: ``(name, records)`` evaluation sets; results are per record domain.
-        config: the base configuration; its ``objective`` is replaced by each of ``methods``;
-            ``training.epochs`` (when set) becomes ``training.steps`` for ``len(train)`` questions.
+        config: the base configuration, or the run resolved from it and these sets
+            (:func:`~llm_calib.calm.run.resolve_run`); its ``objective`` is replaced by each of
+            ``methods``; ``training.epochs`` (when set) becomes ``training.steps`` for ``len(train)`` questions.
         methods: the objectives to train (distinct names); None: only ``config.objective``.
         out_dir: results go to ``out_dir/<method>/``, checkpoints to ``out_dir/checkpoints/<method>/``.
         unlabeled: ``(name, records)`` of unlabelled upper-level inputs; default: the held-out inputs.
@@ -164,124 +165,196 @@ def run_comparison(
             an empty set, or (with ``resume``) a saved result trained with a different configuration.
         llm_calib.calm.trainer.TrainingDiverged: a method's training diverged.
     """
-    import torch
-
-    from llm_calib.calm.encoding import encode_records, format_settings, run_formats
-    from llm_calib.calm.lora import detach_lora
-    from llm_calib.calm.trainer import CalibrationResult, calibrate
-    from llm_calib.calm.training import check_not_empty
-
-    objectives = [config.objective] if methods is None else list(methods)
+    run = _resolve(train, heldout, evals, config, unlabeled)
+    objectives = [run.objective] if methods is None else list(methods)
     names = [o.name for o in objectives]
     if not objectives or len(set(names)) != len(names):
         raise ValueError(f"methods must be a non-empty list of objectives of distinct names, got {names}")
+    # a temperature is fitted on option scores, which open questions do not have
+    temperature_fit = heldout if run.formats.upper.temperature_scalable else None
+    session = _Session(tokenizer, evals, temperature_fit, _evaluation_settings(run, eval_batch_size, n_bins, bootstrap,
+                                                                              progress), log)
+    t0 = time.perf_counter()
+    log(f"evaluating the base model{f' (temperature fitted on {heldout[0]})' if temperature_fit else ''}")
+    model = _base_model(model)
+    base = session.evaluate(model)
+    domains: dict[str, DomainComparison] = {}
+    _collect(base, domains, {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature_scaled"})
+    timings = {"baselines_s": time.perf_counter() - t0}
+    data = _encode(tokenizer, run, train, heldout, unlabeled)
+    training: dict[str, dict[str, Any]] = {}
+    method_temperatures: dict[str, TemperatureFit] = {}
+    options = _TrainOptions(Path(out_dir), checkpoints, resume, progress, base_model or {})
+    for objective in objectives:
+        model, training[objective.name], fit = _train_and_evaluate(
+            model, run.with_objective(objective), data, session, domains, options)
+        if fit is not None:
+            method_temperatures[objective.name] = fit
+    run_config = _run_config(run, objectives, train, heldout, unlabeled, evals, session, n_bins, bootstrap)
+    return Comparison(names, domains, base.temperature, training, {**run_config, "timings": timings},
+                      method_temperatures)
+
+
+def _resolve(train: tuple[str, Any], heldout: tuple[str, Any], evals: Sequence[tuple[str, Any]],
+             config: CalibrationConfig | ResolvedRun, unlabeled: tuple[str, Any] | None) -> ResolvedRun:
+    """The sets checked (not empty, each of a kind the run can use) and the run resolved once."""
+    from llm_calib.calm.run import resolve_run
+    from llm_calib.calm.training import check_not_empty
+
     check_not_empty(train=train[1], heldout=heldout[1], unlabeled=None if unlabeled is None else unlabeled[1])
     for name, records in evals:
         if not records:
             raise ValueError(f"the evaluation set {name!r} (eval) is empty: the report scores it; pass at least one question")
+    if isinstance(config, ResolvedRun):
+        if unlabeled is not None:
+            config.formats.upper.check(unlabeled[1], what=unlabeled[0])
+        return config
     # the lower level trains on the training kind; selection, the upper level and the temperature
     # fit read the held-out kind (open-ended training records may serve multiple-choice ones)
-    fmt, upper = run_formats(train[1], heldout[1], config, None if unlabeled is None else unlabeled[1],
-                             names=(train[0], heldout[0], "" if unlabeled is None else unlabeled[0]))
-    config = config.resolved(len(train[1]))  # training.epochs -> steps, as the saved results record it
-    # a temperature is fitted on option scores, which open questions do not have
-    temperature_fit = heldout if upper.temperature_scalable else None
-    out = Path(out_dir)
-    writer = distributed.rank() == 0
-    settings = format_settings(config)
-    eval_kwargs: dict[str, Any] = {
-        **{k: settings[k] for k in ("scorer", "normalize", "prompt", "open_prompt")}, "batch_size": eval_batch_size,
-        "n_bins": n_bins, "ci": bootstrap > 0, "n_resamples": max(bootstrap, 1), "seed": config.seed,
-        "progress": progress,
-    }
+    return resolve_run(config, train[1], heldout[1], None if unlabeled is None else unlabeled[1],
+                       names=(train[0], heldout[0], "" if unlabeled is None else unlabeled[0]))
 
-    def collect(result: EvaluationResult, domains: dict[str, DomainComparison], columns: dict[str, str]) -> None:
-        for dom, r in result.domains.items():
-            d = domains.setdefault(dom, DomainComparison(r.kind, r.n))
-            for col, source in columns.items():
-                scaled = source == "temperature_scaled"
-                d.columns[col] = r.temperature_scaled if scaled else r.uncalibrated
-                d.reliability[col] = r.reliability_scaled if scaled else r.reliability
 
+def _evaluation_settings(run: ResolvedRun, batch_size: int, n_bins: int, bootstrap: int,
+                         progress: bool) -> dict[str, Any]:
+    """The keyword arguments of :func:`~llm_calib.evaluate.evaluate_records` for every column."""
+    return {**{k: run.settings[k] for k in ("scorer", "normalize", "prompt", "open_prompt")}, "batch_size": batch_size,
+            "n_bins": n_bins, "ci": bootstrap > 0, "n_resamples": max(bootstrap, 1), "seed": run.config.seed,
+            "progress": progress}
+
+
+def _base_model(model: Any) -> Any:
+    """``model``, or the model a zero-argument callable returns."""
+    import torch
+
+    return model() if callable(model) and not isinstance(model, torch.nn.Module) else model
+
+
+@dataclass
+class _Session:
+    """What every column's evaluation shares: the tokenizer, the sets, the temperature fit, the settings."""
+
+    tokenizer: Any
+    evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]]
+    temperature_fit: tuple[str, Any] | None
+    eval_kwargs: dict[str, Any]
+    log: Callable[[str], None]
+
+    def evaluate(self, model: Any) -> EvaluationResult:
+        """Every evaluation set scored by ``model`` (with a temperature fitted on the held-out split)."""
+        return evaluate_records(model, self.tokenizer, self.evals, temperature_fit=self.temperature_fit,
+                                **self.eval_kwargs)
+
+
+@dataclass
+class _TrainOptions:
+    """Where and how each method trains: output directory, checkpoints, resume, progress, base-model record."""
+
+    out: Path
+    checkpoints: bool
+    resume: bool
+    progress: bool
+    base_model: dict[str, Any]
+
+
+def _collect(result: EvaluationResult, domains: dict[str, DomainComparison], columns: dict[str, str]) -> None:
+    """Add ``result``'s metrics and reliability bins as the ``columns`` (column -> ``uncalibrated`` or
+    ``temperature_scaled``) of each domain."""
+    for dom, r in result.domains.items():
+        d = domains.setdefault(dom, DomainComparison(r.kind, r.n))
+        for col, source in columns.items():
+            scaled = source == "temperature_scaled"
+            d.columns[col] = r.temperature_scaled if scaled else r.uncalibrated
+            d.reliability[col] = r.reliability_scaled if scaled else r.reliability
+
+
+def _encode(tokenizer: Any, run: ResolvedRun, train: tuple[str, Any], heldout: tuple[str, Any],
+            unlabeled: tuple[str, Any] | None) -> tuple[Any, Any, Any]:
+    """The three sets encoded once: every method (and its trunk cache) reads the same token ids of the same records."""
+    from llm_calib.calm.encoding import encode_records
+
+    fmt, upper = run.formats
+    return (encode_records(tokenizer, train[1], fmt=fmt), encode_records(tokenizer, heldout[1], fmt=upper),
+            None if unlabeled is None else encode_records(tokenizer, unlabeled[1], fmt=upper))
+
+
+def _train_and_evaluate(model: Any, run: ResolvedRun, data: tuple[Any, Any, Any], session: _Session,
+                        domains: dict[str, DomainComparison], options: _TrainOptions,
+                        ) -> tuple[Any, dict[str, Any], TemperatureFit | None]:
+    """Train (or reuse) one method, evaluate it into ``domains``; return the bare base model again, the
+    method's training summary and the temperature fitted on its held-out scores."""
+    from llm_calib.calm.lora import detach_lora
+
+    method = run.objective.name
     t0 = time.perf_counter()
-    fitted = f" (temperature fitted on {heldout[0]})" if temperature_fit else ""
-    log(f"evaluating the base model{fitted}")
-    if callable(model) and not isinstance(model, torch.nn.Module):
-        model = model()
-    base = evaluate_records(model, tokenizer, evals, temperature_fit=temperature_fit, **eval_kwargs)
-    domains: dict[str, DomainComparison] = {}
-    collect(base, domains, {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature_scaled"})
-    timings = {"baselines_s": time.perf_counter() - t0}
+    result, reused = _trained(model, session.tokenizer, run, data, session.log, options)
+    for note in result.notes:
+        session.log(f"[{method}] {note}")
+    train_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    session.log(f"[{method}] evaluating")
+    # the trained model, then the same model with a temperature fitted on its own held-out scores
+    # (train-time calibration followed by a post-hoc one, next to the temperature alone)
+    res = session.evaluate(result.model)
+    _collect(res, domains, {method: "uncalibrated",
+                            **({method + TEMPERATURE_SUFFIX: "temperature_scaled"} if res.temperature else {})})
+    summary = {
+        "dir": method, "reused": reused, "heldout_before": result.metrics.get("before", {}),
+        "heldout_after": result.metrics.get("after", {}), "notes": list(result.notes),
+        "timings": {**result.timings, "train_total_s": train_s, "evaluate_s": time.perf_counter() - t0},
+    }
+    fit = res.temperature
+    base = detach_lora(result.model)  # the bare base again, for the next method
+    del result, res
+    free_memory()
+    return base, summary, fit
 
-    # encoded once: every method (and its trunk cache) reads the same token ids of the same records
-    train_enc = encode_records(tokenizer, train[1], config, fmt=fmt)
-    heldout_enc = encode_records(tokenizer, heldout[1], config, fmt=upper)
-    unlabeled_enc = None if unlabeled is None else encode_records(tokenizer, unlabeled[1], config, fmt=upper)
-    training: dict[str, dict[str, Any]] = {}
-    method_temperatures: dict[str, TemperatureFit] = {}
-    for objective in objectives:
-        method = objective.name
-        cfg = dataclasses.replace(config, objective=objective)
-        target = out / method
-        ckpt_dir = out / "checkpoints" / method
-        t0 = time.perf_counter()
-        reused = False
-        if resume and (target / "metrics.json").is_file():
-            result = CalibrationResult.load(target, model)
-            saved, wanted = flat_paths(result.config.to_dict()), flat_paths(cfg.to_dict())
-            saved.pop("checkpoint_every"), wanted.pop("checkpoint_every")
-            if saved != wanted:
-                diff = sorted(k for k in wanted if saved.get(k) != wanted[k])
-                raise ValueError(
-                    f"{target} was trained with a different configuration (differs in {diff}); "
-                    "remove it or run without --resume"
-                )
-            reused = True
-            log(f"[{method}] reusing the finished result in {target}")
-        else:
-            if writer and not resume and ckpt_dir.exists():
-                shutil.rmtree(ckpt_dir)  # stale checkpoints of an earlier run must not be resumed
-            use_ckpt = checkpoints and cfg.checkpoint_every > 0
-            log(f"[{method}] training {cfg.training.steps} steps")
-            result = calibrate(
-                model, tokenizer, train_enc, heldout_enc, cfg, unlabeled=unlabeled_enc,
-                checkpoint_dir=ckpt_dir if use_ckpt else None, resume=resume, progress=progress,
-            )
-            result.base.update(base_model or {})
-            if writer:
-                result.save(target)
-        for note in result.notes:
-            log(f"[{method}] {note}")
-        train_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        log(f"[{method}] evaluating")
-        # the trained model, then the same model with a temperature fitted on its own held-out scores
-        # (train-time calibration followed by a post-hoc one, next to the temperature alone)
-        res = evaluate_records(result.model, tokenizer, evals, temperature_fit=temperature_fit, **eval_kwargs)
-        collect(res, domains, {method: "uncalibrated",
-                               **({method + TEMPERATURE_SUFFIX: "temperature_scaled"} if res.temperature else {})})
-        if res.temperature is not None:
-            method_temperatures[method] = res.temperature
-        training[method] = {
-            "dir": method, "reused": reused, "heldout_before": result.metrics.get("before", {}),
-            "heldout_after": result.metrics.get("after", {}), "notes": list(result.notes),
-            "timings": {**result.timings, "train_total_s": train_s, "evaluate_s": time.perf_counter() - t0},
-        }
-        model = detach_lora(result.model)  # the bare base again, for the next method
-        del result, res
-        free_memory()
-    run_config = {
-        "train": {"spec": train[0], "n": len(train[1]), "kind": fmt.family},
-        "heldout": {"spec": heldout[0], "n": len(heldout[1]), "kind": upper.family},
+
+def _trained(model: Any, tokenizer: Any, run: ResolvedRun, data: tuple[Any, Any, Any], log: Callable[[str], None],
+             options: _TrainOptions) -> tuple[Any, bool]:
+    """The method's result: a finished one reused (``resume`` and the same configuration), else trained and saved."""
+    from llm_calib.calm.trainer import CalibrationResult, calibrate
+
+    method, cfg = run.objective.name, run.config
+    target, ckpt_dir = options.out / method, options.out / "checkpoints" / method
+    if options.resume and (target / "metrics.json").is_file():
+        result = CalibrationResult.load(target, model)
+        saved, wanted = flat_paths(result.config.to_dict()), flat_paths(cfg.to_dict())
+        saved.pop("checkpoint_every"), wanted.pop("checkpoint_every")
+        if saved != wanted:
+            diff = sorted(k for k in wanted if saved.get(k) != wanted[k])
+            raise ValueError(f"{target} was trained with a different configuration (differs in {diff}); "
+                             "remove it or run without --resume")
+        log(f"[{method}] reusing the finished result in {target}")
+        return result, True
+    writer = distributed.rank() == 0
+    if writer and not options.resume and ckpt_dir.exists():
+        shutil.rmtree(ckpt_dir)  # stale checkpoints of an earlier run must not be resumed
+    use_ckpt = options.checkpoints and cfg.checkpoint_every > 0
+    log(f"[{method}] training {cfg.training.steps} steps")
+    train_enc, heldout_enc, unlabeled_enc = data
+    result = calibrate(model, tokenizer, train_enc, heldout_enc, run, unlabeled=unlabeled_enc,
+                       checkpoint_dir=ckpt_dir if use_ckpt else None, resume=options.resume, progress=options.progress)
+    result.base.update(options.base_model)
+    if writer:
+        result.save(target)
+    return result, False
+
+
+def _run_config(run: ResolvedRun, objectives: Sequence[Objective], train: tuple[str, Any], heldout: tuple[str, Any],
+                unlabeled: tuple[str, Any] | None, evals: Sequence[tuple[str, Any]], session: _Session, n_bins: int,
+                bootstrap: int) -> dict[str, Any]:
+    """The run's settings as ``metrics.json`` records them (``config``)."""
+    return {
+        "train": {"spec": train[0], "n": len(train[1]), "kind": run.formats.lower.family},
+        "heldout": {"spec": heldout[0], "n": len(heldout[1]), "kind": run.formats.upper.family},
         **({} if unlabeled is None else {"unlabeled": {"spec": unlabeled[0], "n": len(unlabeled[1])}}),
         "eval": [name for name, _ in evals],
-        "calibration": {**{k: v for k, v in config.to_dict().items() if k != "objective"},
+        "calibration": {**{k: v for k, v in run.config.to_dict().items() if k != "objective"},
                         "objectives": {o.name: o.to_dict() for o in objectives}},
-        "evaluation": {"scorer": settings["scorer"], "normalize": settings["normalize"],
-                       "prompt_style": eval_kwargs["prompt"].style, "n_bins": n_bins, "bootstrap": bootstrap},
-        "timings": timings,
+        "evaluation": {"scorer": run.settings["scorer"], "normalize": run.settings["normalize"],
+                       "prompt_style": session.eval_kwargs["prompt"].style, "n_bins": n_bins, "bootstrap": bootstrap},
     }
-    return Comparison(names, domains, base.temperature, training, run_config, method_temperatures)
 
 
 def _label(column: str) -> str:

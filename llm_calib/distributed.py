@@ -4,12 +4,14 @@ Each rank evaluates its shard of every global batch. The frozen base is sharded:
 shard (:func:`load_sharded`, what :func:`llm_calib.models.load` does under ``torchrun``), or
 loaded whole and sharded (:func:`shard_frozen_base`). The small trained parameters (θ, λ) are
 replicated and every rank takes the identical step. The losses call no collective;
-:func:`replicated` (gradients summed over ranks) and :func:`global_mean` (the loss averaged) make
-them losses of the global batch, twice differentiable, so the implicit solver's Hessian-vector
-products are those of the global batch too (its differentiated units stay gathered,
-:func:`keep_gathered`). DDP's or FSDP2's own reduction cannot serve: they hook ``backward()``'s
-accumulation into ``param.grad``, while :mod:`hypergrad` calls ``torch.autograd.grad``
-(measured with DDP on 2 gloo ranks: each rank got its own gradient). See :doc:`/tutorials/multi_gpu`.
+:func:`hypergrad.distributed.replicated` (gradients summed over ranks) and
+:func:`hypergrad.distributed.global_mean` (the loss averaged) make them losses of the global batch,
+twice differentiable, so the implicit solver's Hessian-vector products are those of the global
+batch too (its differentiated units stay gathered, :func:`keep_gathered`). DDP's or FSDP2's own
+reduction cannot serve: they hook ``backward()``'s accumulation into ``param.grad``, while
+:mod:`hypergrad` calls ``torch.autograd.grad`` (measured with DDP on 2 gloo ranks: each rank got
+its own gradient). :func:`is_distributed`, :func:`world_size` and :func:`rank` are
+:mod:`hypergrad.distributed`'s, re-exported here. See :doc:`/tutorials/multi_gpu`.
 """
 
 from __future__ import annotations
@@ -26,40 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ShardedLoadError", "first_problem", "global_mean", "init_from_env", "is_distributed", "keep_gathered", "load_sharded",
-           "max_over_ranks", "rank", "replicated", "reshard_all", "shard_frozen_base", "world_size"]
+from hypergrad.distributed import is_distributed, rank, world_size
+
+__all__ = ["ShardedLoadError", "first_problem", "init_from_env", "is_distributed", "keep_gathered", "load_sharded",
+           "max_over_ranks", "rank", "reshard_all", "shard_frozen_base", "world_size"]
 
 logger = logging.getLogger(__name__)
-
-
-def is_distributed() -> bool:
-    """True when a process group with more than one rank is initialised.
-
-    Example:
-        >>> is_distributed()   # a plain process, not launched by torchrun
-        False
-    """
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def world_size() -> int:
-    """Number of ranks (1 without a process group).
-
-    Example:
-        >>> world_size()
-        1
-    """
-    return dist.get_world_size() if is_distributed() else 1
-
-
-def rank() -> int:
-    """This process's rank (0 without a process group); rank 0 writes outputs.
-
-    Example:
-        >>> rank()
-        0
-    """
-    return dist.get_rank() if is_distributed() else 0
 
 
 def init_from_env() -> bool:
@@ -91,104 +65,6 @@ def _mesh(device: torch.device) -> Any:
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh(device.type, (dist.get_world_size(),))
     return _MESHES[key]
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """Sum a tensor over ranks; the backward hands the (replicated) cotangent back unchanged.
-
-    Every rank holds the same sum and receives the same cotangent ``u`` for it, so each rank's
-    summand gets ``u`` (``torch.distributed.nn.functional.all_reduce`` would sum the ``u`` of the
-    copies, ``world_size * u``)."""
-
-    @staticmethod
-    def forward(ctx: Any, value: Tensor) -> Tensor:
-        total = value.clone()
-        dist.all_reduce(total)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, cotangent: Tensor) -> Tensor:
-        return cotangent
-
-
-class _Replicated(torch.autograd.Function):
-    """The identity on a replicated tensor whose gradient is the sum of the ranks' gradients."""
-
-    @staticmethod
-    def forward(ctx: Any, value: Tensor) -> Tensor:
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return _SumOverRanks.apply(grad)  # differentiable: Hessian-vector products run through it
-
-
-class _GlobalMean(torch.autograd.Function):
-    """The mean over ranks of a per-rank value; every rank's value gets ``1 / world_size`` of the gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, value: Tensor) -> Tensor:
-        return _SumOverRanks.forward(ctx, value) / dist.get_world_size()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return grad / dist.get_world_size()
-
-
-def replicated(params: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
-    """Mark replicated parameters for a loss of this rank's shard: their gradients are summed over ranks.
-
-    One flat tensor per dtype and device goes through an identity whose backward all-reduces the
-    gradient, also under ``torch.autograd.grad``, and is split back into views. Flat because each
-    reduction is a collective (measured, 2 gloo ranks, 120 LoRA matrices: 539 ms one per matrix,
-    52 ms flat). The backward is itself differentiable (with :func:`global_mean`, a Hessian-vector
-    product of the global loss is the sum of the ranks' products, summed once), which torch's
-    engines do not provide: DTensor's ``to_local(grad_placements=[Partial()])`` reduces the
-    gradient outside the graph (measured: a second ``torch.autograd.grad`` through it raises "The
-    differentiated Tensor ... appears to not have been used in the graph"), and FSDP2 and DDP
-    reduce only what ``backward()`` accumulates into ``param.grad``.
-
-    Args:
-        params: a flat dict of parameters, identical on every rank; or None.
-
-    Returns:
-        The same values whose gradients are summed over ranks; ``params`` without a process group.
-
-    Example:
-        >>> import torch
-        >>> p = {"w": torch.ones(2)}
-        >>> replicated(p) is p, replicated(None)
-        (True, None)
-    """
-    if not params or not is_distributed():
-        return params
-    groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
-    for name, value in params.items():
-        groups.setdefault((value.dtype, value.device), []).append(name)
-    out: dict[str, Tensor] = {}
-    for names in groups.values():
-        values = [params[n] for n in names]
-        flat = _Replicated.apply(torch.cat([v.reshape(-1) for v in values]))
-        for name, value, part in zip(names, values, flat.split([v.numel() for v in values]), strict=True):
-            out[name] = part.view_as(value)
-    return {name: out[name] for name in params}
-
-
-def global_mean(value: Tensor) -> Tensor:
-    """Average a scalar loss over ranks (identity without a process group).
-
-    One all-reduce; its backward hands every rank ``1 / world_size`` of the gradient without a
-    collective (``torch.distributed.nn.functional.all_reduce`` would also sum the gradients,
-    counting each rank ``world_size`` times with :func:`replicated`), and stays differentiable.
-
-    Example:
-        >>> import torch
-        >>> global_mean(torch.tensor(2.0)).item()
-        2.0
-    """
-    if not is_distributed():
-        return value
-    return _GlobalMean.apply(value)
 
 
 def keep_gathered(modules: list[torch.nn.Module]) -> list[str]:
@@ -427,7 +303,7 @@ def load_sharded(directory: str | os.PathLike[str], *, dtype: torch.dtype = torc
     device; every ``nn.Linear`` and ``nn.Embedding`` becomes an FSDP2 unit (``fully_shard``; a weight
     two modules share, such as tied embeddings, stays whole on every rank, as do norms); ``to_empty``
     allocates this rank's shards; then each rank reads its rows of every sharded weight from the
-    safetensors files (memory-mapped ``get_slice``) and the replicated tensors whole. Buffers come
+    safetensors files (row ranges read into the shards, no memory map) and the replicated tensors whole. Buffers come
     from the model's ``__init__`` (rotary ``inv_freq``) unless the checkpoint stores them. Every
     projection is its own unit because LoRA attaches to any of them later; :func:`shard_frozen_base`
     keeps these units as they are.
@@ -457,33 +333,13 @@ def load_sharded(directory: str | os.PathLike[str], *, dtype: torch.dtype = torc
     """
     if not is_distributed():
         raise ShardedLoadError("loading sharded needs a process group of several ranks (torchrun)")
-    from torch.distributed.tensor import DTensor
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     directory = Path(directory)
     device = torch.device(device)
     problem = None
     try:
-        if not (directory / "config.json").is_file():
-            raise ShardedLoadError(f"{directory} holds no config.json")
-        stored = _checkpoint_tensors(directory)
-        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-        kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
-        if attn_implementation is not None:
-            kwargs["attn_implementation"] = attn_implementation
-        with _parameters_on_meta():
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
-        model.requires_grad_(False)
-        users: dict[int, list[str]] = {}  # the names of each parameter (two for a tied head)
-        for qualified, param in model.named_parameters(remove_duplicate=False):
-            users.setdefault(id(param), []).append(qualified)
-        ties = [names for names in users.values() if len(names) > 1]
-        keys = {names[0]: next((n for n in names if n in stored), None) for names in users.values()}
-        missing = sorted(n for n, key in keys.items() if key is None)
-        if missing:
-            raise ShardedLoadError(
-                f"{directory}: no tensor named {missing[0]!r} in its safetensors files ({len(missing)} parameters "
-                "missing: its names differ from the model's)")
+        model, stored, keys, ties = _model_on_meta(directory, dtype, attn_implementation, trust_remote_code)
     except ShardedLoadError as exc:
         problem = str(exc)
     problem = first_problem(problem)  # every rank loads sharded, or none does (sharding is collective)
@@ -491,29 +347,8 @@ def load_sharded(directory: str | os.PathLike[str], *, dtype: torch.dtype = torc
         raise ShardedLoadError(problem)
     buffers = dict(model.named_buffers())
     keys.update({n: n for n in buffers if n in stored})  # persistent buffers the checkpoint keeps
-    _shard(model, device, whole_layers=False)
-    model.to_empty(device=device)
-    for qualified, buffer in buffers.items():  # to_empty left them uninitialised: the values of __init__
-        owner, _, attr = qualified.rpartition(".")
-        model.get_submodule(owner)._buffers[attr] = buffer.to(device)
-    for names in ties:  # to_empty gave each user its own tensor: one again
-        for qualified in names[1:]:
-            owner, _, attr = qualified.rpartition(".")
-            setattr(model.get_submodule(owner), attr, model.get_parameter(names[0]))
-    read = 0
-    with torch.no_grad():
-        for qualified, key in keys.items():
-            assert key is not None
-            tensor = model.get_parameter(qualified) if qualified not in buffers else model.get_buffer(qualified)
-            source = stored[key]
-            if source.shape != tuple(tensor.shape):
-                raise ValueError(f"{source.path}: tensor {key!r} has shape {list(source.shape)}, the model's "
-                                 f"{qualified} {list(tensor.shape)} (config.json and weights disagree)")
-            if isinstance(tensor, DTensor):
-                start, end = _rows(tensor, source.shape[0])
-                read += source.read_rows(start, end, tensor.to_local())
-            else:
-                read += source.read_rows(0, source.shape[0] if source.shape else 1, tensor)
+    _allocate_shards(model, device, buffers, ties)
+    read = _read_shards(model, stored, keys, buffers)
     if (directory / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(directory)
     model.config.name_or_path = name or str(directory)
@@ -528,6 +363,81 @@ def load_sharded(directory: str | os.PathLike[str], *, dtype: torch.dtype = torc
             unit.reshard()
     logger.info("rank %d read %.1f MB of %s for its shards", rank(), read / 1e6, directory)
     return model
+
+
+def _model_on_meta(directory: Path, dtype: torch.dtype, attn_implementation: str | None, trust_remote_code: bool
+                   ) -> tuple[Any, dict[str, _StoredTensor], dict[str, str | None], list[list[str]]]:
+    """:func:`load_sharded`'s first part, which reads no weight: the frozen model with its
+    parameters on the meta device, the checkpoint's tensors, each parameter's tensor name in them
+    and the names of every tied parameter's users.
+
+    Raises:
+        ShardedLoadError: no config.json, no safetensors files, or a parameter without a tensor.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (directory / "config.json").is_file():
+        raise ShardedLoadError(f"{directory} holds no config.json")
+    stored = _checkpoint_tensors(directory)
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model.requires_grad_(False)
+    users: dict[int, list[str]] = {}  # the names of each parameter (two for a tied head)
+    for qualified, param in model.named_parameters(remove_duplicate=False):
+        users.setdefault(id(param), []).append(qualified)
+    ties = [names for names in users.values() if len(names) > 1]
+    keys = {names[0]: next((n for n in names if n in stored), None) for names in users.values()}
+    missing = sorted(n for n, key in keys.items() if key is None)
+    if missing:
+        raise ShardedLoadError(
+            f"{directory}: no tensor named {missing[0]!r} in its safetensors files ({len(missing)} parameters "
+            "missing: its names differ from the model's)")
+    return model, stored, keys, ties
+
+
+def _allocate_shards(model: torch.nn.Module, device: torch.device, buffers: dict[str, Tensor],
+                     ties: list[list[str]]) -> None:
+    """Shard ``model`` (one unit per ``nn.Linear`` and ``nn.Embedding``) and allocate this rank's
+    shards on ``device``; buffers get their ``__init__`` values back, tied parameters one tensor."""
+    _shard(model, device, whole_layers=False)
+    model.to_empty(device=device)
+    for qualified, buffer in buffers.items():  # to_empty left them uninitialised: the values of __init__
+        owner, _, attr = qualified.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = buffer.to(device)
+    for names in ties:  # to_empty gave each user its own tensor: one again
+        for qualified in names[1:]:
+            owner, _, attr = qualified.rpartition(".")
+            setattr(model.get_submodule(owner), attr, model.get_parameter(names[0]))
+
+
+def _read_shards(model: torch.nn.Module, stored: dict[str, _StoredTensor], keys: dict[str, str | None],
+                 buffers: dict[str, Tensor]) -> int:
+    """Read this rank's rows of every sharded tensor and the replicated tensors whole; the bytes read.
+
+    Raises:
+        ValueError: a stored tensor's shape differs from the model's (naming file, tensor, shapes).
+    """
+    from torch.distributed.tensor import DTensor
+
+    read = 0
+    with torch.no_grad():
+        for qualified, key in keys.items():
+            assert key is not None
+            tensor = model.get_parameter(qualified) if qualified not in buffers else model.get_buffer(qualified)
+            source = stored[key]
+            if source.shape != tuple(tensor.shape):
+                raise ValueError(f"{source.path}: tensor {key!r} has shape {list(source.shape)}, the model's "
+                                 f"{qualified} {list(tensor.shape)} (config.json and weights disagree)")
+            if isinstance(tensor, DTensor):
+                start, end = _rows(tensor, source.shape[0])
+                read += source.read_rows(start, end, tensor.to_local())
+            else:
+                read += source.read_rows(0, source.shape[0] if source.shape else 1, tensor)
+    return read
 
 
 def first_problem(problem: str | None) -> str | None:

@@ -21,14 +21,15 @@ import numpy as np
 from llm_calib import metrics
 from llm_calib.data import load as load_data
 from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.engine.packing import Normalize
 from llm_calib.fewshot import resolve_fewshot
 from llm_calib.formats import (
-    MULTIPLE_CHOICE_FORMATS,
     RecordKindError,
     ScoredResult,
     TaskFormat,
     format_for,
     multiple_choice_format,
+    scorer_class,
 )
 from llm_calib.prompts import PromptFormat, prompt_dict
 from llm_calib.scoring import OpenEndedSet, ScoredSet
@@ -200,7 +201,7 @@ def domain_result(
 
 def evaluate_records(
     model: Any, tokenizer: Any, datasets: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]], *,
-    scorer: str = "option_likelihood", normalize: Literal["sum", "mean", "char", "byte"] = "sum",
+    scorer: str = "option_likelihood", normalize: Normalize = "sum",
     prompt: PromptFormat | None = None, batch_size: int = 8,
     temperature_fit: tuple[str, Sequence[MultipleChoice]] | None = None, n_bins: int = 10, ci: bool = True,
     n_resamples: int = 1000, seed: int = 0, max_new_tokens: int = 32, progress: bool = False,
@@ -228,8 +229,7 @@ def evaluate_records(
         >>> list(res.domains), res.temperature.temperature > 0
         (['capitals', 'arithmetic'], True)
     """
-    if scorer not in MULTIPLE_CHOICE_FORMATS:
-        raise ValueError(f"scorer must be one of {tuple(MULTIPLE_CHOICE_FORMATS)}, got {scorer!r}")
+    scorer_class(scorer)  # ValueError naming the registered scorers, before any work
     if prompt is not None and prompt.fewshot > 0:
         evaluated = [r for _, recs in datasets for r in recs]
         if temperature_fit is not None:
@@ -241,40 +241,11 @@ def evaluate_records(
         if not records:
             raise ValueError(f"the evaluation set {name!r} (eval) is empty: the report scores it; pass at least one question")
     timing: dict[str, float] = {}
-    fit = None
-    if temperature_fit is not None:
-        name, fit_records = temperature_fit
-        try:
-            fit_format = _format(fit_records, task, what=f"temperature_fit {name!r}", **settings)
-        except TypeError:
-            fit_format = None
-        if not fit_records or fit_format is None or not fit_format.temperature_scalable:
-            raise ValueError(f"temperature_fit {name!r} must hold multiple-choice records (got none or open questions)")
-        t0 = time.perf_counter()
-        with scoring_split(f"{name} (temperature fit)"):
-            fs = fit_format.score(model, tokenizer, fit_records, batch_size=batch_size, progress=progress)
-        timing["temperature_fit_scoring_s"] = time.perf_counter() - t0
-        fit = TemperatureFit.fit(fs, name)
-    groups: dict[str, tuple[TaskFormat, list[Any]]] = {}
-    n_scored, score_s = 0, 0.0
-    for name, records in datasets:
-        fmt = _format(records, task, what=f"data set {name!r}", **settings)
-        t0 = time.perf_counter()
-        with scoring_split(name):
-            scored = fmt.score(model, tokenizer, records, batch_size=batch_size, progress=progress)
-        dt = time.perf_counter() - t0
-        timing[f"scoring_s[{name}]"] = dt
-        n_scored += len(scored)
-        score_s += dt
-        for dom, part in scored.by_domain().items():
-            groups.setdefault(dom, (fmt, []))[1].append(part)
-    timing["scoring_s"] = score_s
-    timing["questions_per_s"] = n_scored / score_s if score_s > 0 else math.nan
+    run = _Scoring(model, tokenizer, task, settings, batch_size, progress, timing)
+    fit = run.fit_temperature(*temperature_fit) if temperature_fit is not None else None
     stats = {"n_bins": n_bins, "ci": ci, "n_resamples": n_resamples, "seed": seed}
-    domains: dict[str, DomainResult] = {}
-    for dom, (fmt, parts) in groups.items():
-        merged = type(parts[0]).concat(parts)
-        domains[dom] = domain_result(dom, fmt, merged, fit.temperature if fit else None, **stats)
+    domains = {dom: domain_result(dom, fmt, type(parts[0]).concat(parts), fit.temperature if fit else None, **stats)
+               for dom, (fmt, parts) in run.score_by_domain(datasets).items()}
     config = {
         "scorer": scorer,
         "normalize": normalize,
@@ -289,9 +260,57 @@ def evaluate_records(
     return EvaluationResult(domains, fit, config, timing)
 
 
+@dataclass
+class _Scoring:
+    """What :func:`evaluate_records` scores with: the model, the format settings, the batch size;
+    it adds each scoring time to ``timing``."""
+
+    model: Any
+    tokenizer: Any
+    task: TaskFormat | None
+    settings: dict[str, Any]
+    batch_size: int
+    progress: bool
+    timing: dict[str, float]
+
+    def score(self, fmt: TaskFormat, name: str, records: Sequence[Any]) -> tuple[ScoredResult, float]:
+        """``records`` scored by ``fmt`` under the progress label ``name``, and the seconds it took."""
+        t0 = time.perf_counter()
+        with scoring_split(name):
+            scored = fmt.score(self.model, self.tokenizer, records, batch_size=self.batch_size, progress=self.progress)
+        return scored, time.perf_counter() - t0
+
+    def fit_temperature(self, name: str, records: Sequence[Any]) -> TemperatureFit:
+        """The temperature fitted on the split ``name`` (ValueError unless it holds multiple-choice records)."""
+        try:
+            fmt: TaskFormat | None = _format(records, self.task, what=f"temperature_fit {name!r}", **self.settings)
+        except TypeError:
+            fmt = None
+        if not records or fmt is None or not fmt.temperature_scalable:
+            raise ValueError(f"temperature_fit {name!r} must hold multiple-choice records (got none or open questions)")
+        scored, self.timing["temperature_fit_scoring_s"] = self.score(fmt, f"{name} (temperature fit)", records)
+        return TemperatureFit.fit(scored, name)  # type: ignore[arg-type]
+
+    def score_by_domain(self, datasets: Sequence[tuple[str, Sequence[Any]]]) -> dict[str, tuple[TaskFormat, list[Any]]]:
+        """Per record domain, in order of first appearance: its format and its scored parts (one per data set)."""
+        groups: dict[str, tuple[TaskFormat, list[Any]]] = {}
+        n_scored, score_s = 0, 0.0
+        for name, records in datasets:
+            fmt = _format(records, self.task, what=f"data set {name!r}", **self.settings)
+            scored, dt = self.score(fmt, name, records)
+            self.timing[f"scoring_s[{name}]"] = dt
+            n_scored += len(scored)
+            score_s += dt
+            for dom, part in scored.by_domain().items():
+                groups.setdefault(dom, (fmt, []))[1].append(part)
+        self.timing["scoring_s"] = score_s
+        self.timing["questions_per_s"] = n_scored / score_s if score_s > 0 else math.nan
+        return groups
+
+
 def evaluate(
     model: Any, tokenizer: Any, data: Sequence[str], *, scorer: str = "option_likelihood",
-    normalize: Literal["sum", "mean", "char", "byte"] = "sum", prompt: PromptFormat | None = None,
+    normalize: Normalize = "sum", prompt: PromptFormat | None = None,
     limit: int | None = None, limit_mode: Literal["sample", "first"] = "sample",
     on_error: Literal["raise", "skip"] = "raise", batch_size: int = 8, temperature_fit: str | None = None,
     n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0, max_new_tokens: int = 32,
@@ -303,7 +322,8 @@ def evaluate(
         model: a Hugging Face causal LM (see :func:`llm_calib.models.load`).
         tokenizer: its tokenizer.
         data: data specs (:mod:`llm_calib.data.spec`), e.g. ``"builtin"``.
-        scorer: ``"option_likelihood"`` (default) or ``"letter"``.
+        scorer: a registered multiple-choice format (:data:`~llm_calib.formats.SCORER_NAMES`):
+            ``"option_likelihood"`` (default), ``"letter"`` or one registered later.
         normalize: ``"sum"``, ``"mean"``, ``"char"`` or ``"byte"`` (option likelihood only).
         prompt: prompt format; None uses the scorer's default.
         limit: at most this many questions per spec (also the temperature-fit split).

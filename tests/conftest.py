@@ -88,8 +88,8 @@ def mc_records() -> list[MultipleChoice]:
 # slow test (pytest 700 s against 549 s in file order).
 SLOW_FIRST = (
     "test_docs_tutorials.py", "test_real_model.py", "test_compiled.py", "test_fsdp.py",
-    "test_benchmark_quick.py", "test_calibration_bench.py", "test_calm_distributed.py", "test_calm_verify.py",
-    "test_calm_trainer.py", "test_bome.py", "test_lm_eval_task.py", "test_lm_eval_parity.py",
+    "test_benchmark_quick.py", "test_calibration_bench.py", "test_calm_distributed.py", "test_hypergrad_distributed.py",
+    "test_calm_verify.py", "test_calm_trainer.py", "test_bome.py", "test_lm_eval_task.py", "test_lm_eval_parity.py",
     "test_calm_calibrates.py", "test_install_hypergrad_alone.py",
 )
 

@@ -130,3 +130,18 @@ def test_a_diverging_inner_optimizer_raises_non_finite_error() -> None:
     method = hg.AlternatingImplicit(hg.inner.SGD(lr=1e6), 200, hg.Implicit())
     with pytest.raises(hg.NonFiniteError, match="inner"):
         method.hypergrad(problem, {"w": torch.ones(4, dtype=D)}, lam)
+
+
+def test_solve_with_a_stream_of_outer_batches_hands_implicit_one_batch() -> None:
+    """hg.solve gives a method that takes step batches a StepBatches per stream; the implicit step
+    reads one outer batch of it (it used to get the StepBatches itself)."""
+    g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()  # noqa: E731
+    f = lambda w, lam, b: 0.5 * ((w["x"] - b) ** 2).sum()  # noqa: E731
+    method = hg.AlternatingImplicit(inner_optimizer=hg.inner.SGD(lr=1.0), inner_steps=1,
+                                    implicit=hg.Implicit(solver=hg.linear.CG(tol=1e-12)))
+    targets = [torch.tensor([2.0], dtype=D), torch.tensor([4.0], dtype=D)]
+    res = hg.solve(hg.BilevelProblem(g, f), {"x": torch.zeros(1, dtype=D)}, {"c": torch.zeros(1, dtype=D)},
+                   method, lambda p: torch.optim.SGD(p, lr=0.5), steps=2, outer_batches=targets, progress=False,
+                   outer_loss_every=0)  # no extra outer draw: step i reads targets[i]
+    # step 1: w = c = 0, dF/dc = 0 - 2, c = 1; step 2: w = c = 1, dF/dc = 1 - 4, c = 2.5
+    assert res.lam["c"].tolist() == [2.5]

@@ -11,6 +11,9 @@ import torch
 import hypergrad as hg
 
 DT = torch.float64
+# BatchedImplicit's products use torch.func.jvp, whose first use in a process scripts torch's own
+# jvp decompositions with the deprecated torch.jit.script
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 
 
 def _mlp(p, x):

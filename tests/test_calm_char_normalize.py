@@ -14,7 +14,7 @@ from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.fast_eval import base_scores
 from llm_calib.calm.lora import FunctionalLM, attach_lora
-from llm_calib.calm.objectives import CalmLosses
+from llm_calib.calm.losses import CalmLosses
 from llm_calib.data import MultipleChoice, OpenQA, builtin_multiple_choice
 from llm_calib.models import tiny_random_model
 from llm_calib.scoring import score_option_likelihood

@@ -15,10 +15,11 @@ from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
-from llm_calib.calm.objectives import Batch, CalmLosses
+from llm_calib.calm.losses import CalmLosses
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.engine.packing import length_parts
 from llm_calib.models import tiny_random_model
+from llm_calib.training_interface import Batch
 
 
 def _cost(lengths: list[int], parts: list[list[int]], overhead: int) -> int:

@@ -14,11 +14,15 @@ from llm_calib.calm.trainer import calibrate
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.models import tiny_random_model
 from llm_calib.objectives.calm import Calm, ImplicitSolver
+from llm_calib.objectives.lora_ce import LoraCE
 
 
-def test_make_solver_builds_the_implicit_solver_from_the_config() -> None:
+def test_the_implicit_solver_builds_its_method_from_the_runs_theta_optimizer() -> None:
+    from llm_calib.calm.run import theta_optimizer
+
     cfg = CalibrationConfig(objective=Calm(solver=ImplicitSolver(inner_steps=3, maxiter=7, damping=0.5)), training=dict(lr=2e-3))
-    solver = cfg.objective.make_solver(cfg)
+    solver = cfg.objective.solver.build(theta_optimizer(cfg))
+    assert cfg.objective.second_order and ImplicitSolver.second_order  # under torchrun its units stay gathered
     assert isinstance(solver, hg.AlternatingImplicit)
     assert solver.inner_steps == 3 and solver.inner_optimizer.lr == 2e-3
     assert solver.implicit.warm_start
@@ -52,13 +56,15 @@ def test_an_implicit_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(
 @pytest.mark.parametrize(("layout", "kind"), [("options", "option_temperature"), ("letter", "answer_tokens"),
                                               ("open", "vector")])
 def test_auto_adjustment_acts_where_the_prediction_is_made(layout, kind) -> None:
-    from llm_calib.calm.methods import make_adjustment, resolve_adjustment
+    from llm_calib.adjustment import ADJUSTMENT_KINDS
+    from llm_calib.formats import Letter, OpenEnded, OptionLikelihood
 
-    assert resolve_adjustment("auto", layout) == kind
-    assert resolve_adjustment("option_length", layout) == "option_length"  # explicit kinds are kept
-    assert make_adjustment(CalibrationConfig(objective=Calm(adjustment="auto")), 16, [3, 5], layout).kind == kind
-    with pytest.raises(ValueError, match="layout must be one of"):
-        resolve_adjustment("auto", "pixels")
+    fmt = {"options": OptionLikelihood, "letter": Letter, "open": OpenEnded}[layout]
+    assert fmt.layout == layout and fmt.auto_adjustment == kind  # the format says where its prediction is made
+    assert Calm(adjustment="auto").logit_adjustment(16, [3, 5], fmt.auto_adjustment).kind == kind
+    assert Calm(adjustment="option_length").logit_adjustment(16, [3, 5], fmt.auto_adjustment).kind == "option_length"
+    assert all(f.auto_adjustment in ADJUSTMENT_KINDS for f in (OptionLikelihood, Letter, OpenEnded))
+    assert LoraCE().logit_adjustment(16, [3, 5], fmt.auto_adjustment) is None  # a one-level objective trains no λ
 
 
 def test_auto_adjustment_trains_an_option_temperature_on_option_scores() -> None:

@@ -13,7 +13,7 @@ from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import EncodingCache, encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
-from llm_calib.calm.objectives import Batch, CalmLosses
+from llm_calib.calm.losses import CalmLosses
 from llm_calib.calm.trainer import (
     CalibrationResult,
     TrainingDiverged,
@@ -29,6 +29,7 @@ from llm_calib.models import tiny_random_model
 from llm_calib.prompts import PromptFormat, short_answer_format
 from llm_calib.scoring.base import encode_continuation
 from llm_calib.scoring.open_ended import encode_open_prompts
+from llm_calib.training_interface import Batch
 
 
 def open_records(n: int, seed: int = 0) -> list[OpenQA]:

@@ -67,8 +67,8 @@ def test_bf16_calibrate_keeps_float32_masters_and_tracks_float32():
     assert {v.dtype for v in trainer.lm.theta().values()} == {torch.float32}  # from the start
     assert {v.dtype for v in state.theta.values()} == {torch.float32}
     assert state.theta[OUTPUT_LOG_SCALE].dtype == torch.float32
-    assert {v.dtype for v in state.lam.values()} == {torch.float32}
-    opt_states = list(_tensors(state.solver_state)) + [t for s in state.lam_optimizer.state.values()
+    assert {v.dtype for v in state.objective_state.lam.values()} == {torch.float32}
+    opt_states = list(_tensors(state.objective_state.solver_state)) + [t for s in state.objective_state.lam_optimizer.state.values()
                                                        for t in s.values() if t.dim() > 0]
     assert opt_states and {t.dtype for t in opt_states if t.is_floating_point()} == {torch.float32}
     for r, ref in zip(records, ref_records, strict=True):

@@ -20,15 +20,15 @@ import hypergrad as hg
 import llm_calib
 from llm_calib.calm.config import CalibrationConfig, LoraSettings, open_prompt_format
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM
-from llm_calib.calm.objectives import CalmLosses
+from llm_calib.calm.losses import CalmLosses
 from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.data import load as load_data
+from llm_calib.formats import score_multiple_choice
 from llm_calib.models import tiny_random_model
 from llm_calib.objectives.calm import F2SA, Bome, Calm
 from llm_calib.objectives.confidence_penalty import ConfidencePenalty
 from llm_calib.prompts import PromptFormat, short_answer_format
-from llm_calib.scoring import score_multiple_choice
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,6 +18,7 @@ from harness.selection import best_candidate
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
+from llm_calib.calm.run import theta_optimizer
 from llm_calib.calm.trainer import calibrate
 from llm_calib.data import load as load_data
 from llm_calib.models import tiny_random_model
@@ -116,7 +117,7 @@ def test_step_records_hold_g_and_the_unlabelled_entropy(data, tok):
     assert record["g"] == pytest.approx(nll, rel=1e-5)
     assert ent > 0.1 and record["unlabeled_entropy"] == pytest.approx(ent, rel=1e-5)
     assert {"phi", "q", "grad_q_norm"} <= set(record)
-    for name, value in state.lam.items():  # λ summaries of the λ after the step, every step
+    for name, value in state.objective_state.lam.items():  # λ summaries of the λ after the step, every step
         assert float(value.detach().abs().max()) > 0
         assert record[f"lambda_{name}_absmax"] == pytest.approx(float(value.detach().abs().max()), rel=1e-6)
     record2 = training.train_step(trainer, state)
@@ -163,9 +164,9 @@ def test_confidence_penalty_takes_its_entropy_on_the_unlabelled_batch(data, tok)
 def test_f2sa_steps_with_inner_lr_and_defaults_to_lr(data, tok):
     train, heldout, _ = data
     cfg = _cfg(objective=dict(solver=dict(name="f2sa")), training=dict(steps=2), selection=dict(eval_every=1))
-    assert cfg.objective.make_solver(cfg).inner_optimizer.lr == cfg.training.lr  # default: θ's rate, as before inner_lr was read
+    assert cfg.objective.solver.build(theta_optimizer(cfg)).inner_optimizer.lr == cfg.training.lr  # default: θ's rate, as before inner_lr was read
     fast = _inner_lr(cfg, 0.05)
-    assert fast.objective.make_solver(fast).inner_optimizer.lr == 0.05
+    assert fast.objective.solver.build(theta_optimizer(fast)).inner_optimizer.lr == 0.05
     default = calibrate(_model(), tok, train, heldout, cfg, progress=False)
     same = calibrate(_model(), tok, train, heldout, _inner_lr(cfg, cfg.training.lr), progress=False)
     _assert_same(_final(default), _final(same))

@@ -32,7 +32,7 @@ def _calibrate_parser():
 
 
 def _dests() -> set[str]:
-    """Where each config field's flag stores its value (see cli._config_overrides)."""
+    """Where each config field's flag stores its value (see llm_calib.cli.config_flags.config_overrides)."""
     out = {f"cfg:{f.name}" for f in dataclasses.fields(CalibrationConfig) if f.name not in PARTS and f.name != "objective"}
     out |= {f"cfg:{part}.{f.name}" for part, cls in PARTS.items() for f in dataclasses.fields(cls)}
     for name in objective_names():

@@ -14,7 +14,7 @@ from _rows import ROWS
 import llm_calib.scoring.base as scoring_base
 import llm_calib.scoring.option_likelihood as option_likelihood
 from llm_calib import cli
-from llm_calib.calm.encoding import format_settings
+from llm_calib.calm.run import format_settings
 from llm_calib.calm.trainer import BASE_MODEL_FILE
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

@@ -64,3 +64,12 @@ def test_bitsandbytes_kernel_warning_is_silenced_without_quantisation(tmp_path):
         assert logger.level == logging.ERROR
     finally:
         logger.setLevel(before)
+
+
+@pytest.mark.parametrize("command", ["evaluate", "calibrate", "export", "demo", "metrics"])
+def test_help_prints_percent_signs_once(command, capsys):
+    """A description or epilog is not %-formatted by argparse, so '95%%' there would print as is."""
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "%%" not in out and ("95%" in out or command in ("export", "demo"))

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import hypergrad as hg
-from hypergrad.compiled import compiled_stage, compiler_available
+from hypergrad.compiled import compiler_available
+from hypergrad.implicit import compiled_stage
 from hypergrad.linear.cg import conjugate_gradient, fused_conjugate_gradient
 
 DT = torch.float64
@@ -557,7 +558,7 @@ STOCHASTIC_METHODS = {  # name -> (compile flag -> method, indexed batches, Step
     "SABA": (lambda c: hg.SABA(SCHEDULE, n_inner=3, n_outer=3, compile=c), True, False),
     "AmIGO": (lambda c: hg.AmIGO(SCHEDULE, inner_steps=2, linear_steps=2,
                                  linear_step_size=hg.stochastic.Decreasing(0.2, 0.3), compile=c), False, True),
-    "StocBiO": (lambda c: hg.StocBiO(SCHEDULE, inner_steps=2, neumann_steps=2, compile=c), False, False),
+    "StocBiO": (lambda c: hg.StocBiO(SCHEDULE, inner_steps=2, linear_steps=2, compile=c), False, False),
 }
 
 

@@ -30,9 +30,9 @@ class FocalLoss(OneLevelObjective):
 
     gamma: float = 2.0
 
-    def loss_fn(self, trainer, state, inner, parts):
+    def loss_fn(self, context, inner, parts):
         def loss(theta):
-            logp = torch.log_softmax(trainer.losses.scores(theta, None, inner), -1)
+            logp = torch.log_softmax(context.losses.scores(theta, None, inner), -1)
             logp_gold = logp.gather(-1, inner.labels[:, None]).squeeze(-1)
             parts["p_gold"] = logp_gold.exp().mean()
             return (-(1 - logp_gold.exp()) ** self.gamma * logp_gold).mean()
@@ -62,7 +62,7 @@ QUESTIONS = builtin_multiple_choice(n_per_domain=4, domains=["capitals", "arithm
 def test_the_step_minimises_the_registered_loss_and_records_its_terms():
     model, tok = tiny_random_model(seed=0, init_std=0.1)
     trainer = training.build_trainer(model, tok, QUESTIONS[:4], QUESTIONS[4:], _config())
-    assert isinstance(trainer.objective, FocalLoss) and trainer.solver is None
+    assert isinstance(trainer.objective, FocalLoss) and trainer.adjustment is None  # one-level: no λ to train
     state = training.init_state(trainer, evaluate_before=False)
     batch = trainer.train_batch(0)
     with torch.no_grad():  # the focal loss by hand, at the initial θ

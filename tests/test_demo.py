@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from llm_calib.calm.encoding import format_settings
+from llm_calib.calm.run import format_settings
 from llm_calib.calm.trainer import CalibrationResult
 from llm_calib.demo import DemoSettings, calibration_config, explain_table, run_demo, split_data
 from llm_calib.models import load

@@ -58,8 +58,8 @@ def test_architecture_names_the_scorer_registry_the_code_reads() -> None:
     from llm_calib.calm.config import PromptSettings
     from llm_calib.formats import MULTIPLE_CHOICE_FORMATS
 
-    paragraph = (ROOT / "docs" / "architecture.md").read_text().split("**A scorer.**", 1)[1].split("\n\n", 1)[0]
-    assert "registered by name in {data}`~llm_calib.formats.MULTIPLE_CHOICE_FORMATS`" in paragraph
+    paragraph = (ROOT / "docs" / "architecture.md").read_text().split("**A scorer**", 1)[1].split("\n\n", 1)[0]
+    assert "registered by name with {func}`~llm_calib.formats.registry.register_format`" in paragraph
     commands = cli.build_parser()._subparsers._group_actions[0].choices
     for command, dest in (("evaluate", "scorer"), ("calibrate", "cfg:prompt.scorer")):
         flag = next(a for a in commands[command]._actions if a.dest == dest)

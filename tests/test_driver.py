@@ -77,7 +77,7 @@ def test_callback_and_state_are_threaded_through():
     steps_seen = []
     res = hg.solve(hg.BilevelProblem(g, g), {"x": torch.zeros(1)}, {"c": torch.ones(1)}, Counting(),
                    steps=4, progress=False, callback=lambda step, w, lam, r: steps_seen.append(step))
-    assert res.state == {"calls": 4}
+    assert res.state.method == {"calls": 4}
     assert steps_seen == [0, 1, 2, 3]
 
 

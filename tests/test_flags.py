@@ -1,4 +1,4 @@
-"""llm_calib.flags (a parser and metavar per field type, help text from docstrings) and the
+"""llm_calib.cli.flags (a parser and metavar per field type, help text from docstrings) and the
 benchmarks' harness.flags built on it: a typed, documented flag per dataclass field, parsed back
 to the fields given."""
 
@@ -13,7 +13,7 @@ from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path 
 from harness import flags as harness_flags
 from harness.flags import add_dataclass_flags, dataclass_overrides
 
-from llm_calib.flags import (
+from llm_calib.cli.flags import (
     flag_type,
     optional,
     parse_bool,

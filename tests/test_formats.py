@@ -19,7 +19,8 @@ from llm_calib import metrics
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig, open_prompt_format
-from llm_calib.calm.encoding import encode_records, format_settings, task_format
+from llm_calib.calm.encoding import encode_records
+from llm_calib.calm.run import format_settings, task_format
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.evaluate import evaluate_records, sample_rows

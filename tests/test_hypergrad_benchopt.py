@@ -9,6 +9,7 @@ them and without ``BENCHMARK_BILEVEL_DIR``.
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -269,3 +270,222 @@ def test_thinned_keeps_ends_and_the_target_point(hb) -> None:
     assert len(thin.values) <= 52 and thin.times[0] == 0.0 and thin.times[-1] == 999.0
     assert hb.time_to_target(thin) == hb.time_to_target(traj) == (500.0, 3000, 1000)
     assert hb.thinned(traj, max_points=2000) is traj
+
+
+# ------------------------------------------------------------------ SRBA against the benchmark's step
+
+
+SRBA_SETUP = {"n_inner": 64, "n_outer": 32, "batch_size": 8, "dim_inner": 5, "dim_outer": 3, "step_size": 0.2,
+              "outer_ratio": 2.0, "period_frac": 0.5, "steps": 60}
+
+
+def srba_samples(seed: int = 0) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...], np.ndarray, np.ndarray]:
+    """Per-sample quadratics (inner, outer; float64, the benchmark's field order) and a start point.
+
+    Inner Hessians are positive definite per sample (eigenvalues in [0.3, 1.3]) and not symmetric
+    (only their symmetric part acts); cross terms are large enough that the outer variable moves.
+    """
+    rng = np.random.default_rng(seed)
+    d_in, d_out = SRBA_SETUP["dim_inner"], SRBA_SETUP["dim_outer"]
+
+    def side(n: int) -> tuple[np.ndarray, ...]:
+        basis = np.linalg.qr(rng.standard_normal((n, d_in, d_in)))[0]
+        spectrum = rng.uniform(0.3, 1.3, (n, d_in))
+        hess_inner = np.einsum("nij,nj,nkj->nik", basis, spectrum, basis)
+        hess_inner = hess_inner + 0.2 * np.triu(rng.standard_normal((n, d_in, d_in)), 1)
+        hess_outer = 0.5 * rng.standard_normal((n, d_out, d_out)) + np.eye(d_out)
+        cross = 0.5 * rng.standard_normal((n, d_out, d_in))
+        return hess_inner, hess_outer, cross, rng.standard_normal((n, d_in)), rng.standard_normal((n, d_out))
+
+    return side(SRBA_SETUP["n_inner"]), side(SRBA_SETUP["n_outer"]), rng.standard_normal(d_in), rng.standard_normal(d_out)
+
+
+def srba_period() -> int:
+    """The benchmark's ``period``: ``int((n_inner + n_outer) * period_frac / batch_size)``."""
+    s = SRBA_SETUP
+    return int((s["n_inner"] + s["n_outer"]) * s["period_frac"] / s["batch_size"])
+
+
+def benchmark_srba_numpy(hb, inner: tuple[np.ndarray, ...], outer: tuple[np.ndarray, ...], y0: np.ndarray,
+                         x0: np.ndarray, inner_starts: list[int], outer_starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """benchmark_bilevel's ``solvers/srba.py`` (commit 3ad65dc), step for step in numpy float64.
+
+    Its ``srba_one_iter``: at ``i % period == 0`` the full-batch directions (``fb_directions``, no
+    batch drawn), otherwise ``d += phi(batch, now) - phi(batch, old)`` (``srba_directions``, one
+    inner and one outer start drawn); then ``old = now`` and the three steps with the constant
+    steps ``step_size`` and ``step_size / outer_ratio``. It carries ``v`` with the sign opposite to
+    hypergrad's (``d_v = H v + grad_y f``, ``d_outer = C v + grad_x f``). Returns the inner and
+    outer iterates after every step, stacked.
+    """
+    s = SRBA_SETUP
+    b = s["batch_size"]
+    period = srba_period()
+
+    def averaged(samples, start, size):
+        return hb.Quadratic(*(a[start:start + size].mean(axis=0) for a in samples))
+
+    def directions(q_in, q_out, y, x, v):
+        h = 0.5 * (q_in.hess_inner + q_in.hess_inner.T)  # the vjp of grad_y g against v: H^T v = sym(H) v
+        return (q_in.grad_inner_var(y, x), h @ v + q_out.grad_inner_var(y, x), q_in.cross @ v + q_out.grad_outer_var(y, x))
+
+    inner_lr, outer_lr = s["step_size"], s["step_size"] / s["outer_ratio"]
+    y, x, v = y0.copy(), x0.copy(), np.zeros_like(y0)
+    y_old, x_old, v_old = y.copy(), x.copy(), v.copy()
+    d_inner, d_v, d_outer = np.zeros_like(y), np.zeros_like(y), np.zeros_like(x)
+    starts_in, starts_out = iter(inner_starts), iter(outer_starts)
+    ys, xs = [], []
+    for i in range(s["steps"]):
+        if i % period == 0:
+            d_inner, d_v, d_outer = directions(averaged(inner, 0, s["n_inner"]), averaged(outer, 0, s["n_outer"]), y, x, v)
+        else:
+            q_in, q_out = averaged(inner, next(starts_in), b), averaged(outer, next(starts_out), b)
+            now, old = directions(q_in, q_out, y, x, v), directions(q_in, q_out, y_old, x_old, v_old)
+            d_inner = d_inner + (now[0] - old[0])
+            d_v = d_v + (now[1] - old[1])
+            d_outer = d_outer + (now[2] - old[2])
+        y_old, v_old, x_old = y.copy(), v.copy(), x.copy()
+        y, v, x = y - inner_lr * d_inner, v - inner_lr * d_v, x - outer_lr * d_outer
+        ys.append(y)
+        xs.append(x)
+    return np.stack(ys), np.stack(xs)
+
+
+def hypergrad_srba(hb, inner: tuple[np.ndarray, ...], outer: tuple[np.ndarray, ...], y0: np.ndarray, x0: np.ndarray,
+                   inner_starts: list[int], outer_starts: list[int], full_batches: str = "whole") -> tuple[np.ndarray, np.ndarray]:
+    """``hg.SRBA`` through ``hg.solve`` on the same batch sequence, mapped as its docstring says.
+
+    ``full_batches="whole"``: the restart reads one batch holding every sample (the benchmark's
+    full-batch call); ``"partition"``: the list of the contiguous batches (their mean loss is the
+    same full loss). At a restart step ``hg.solve`` hands SRBA a batch it does not read.
+    """
+    s = SRBA_SETUP
+    b, period = s["batch_size"], srba_period()
+    inner_t = tuple(torch.from_numpy(a) for a in inner)
+    outer_t = tuple(torch.from_numpy(a) for a in outer)
+
+    def batch(samples, start):
+        return tuple(a[start:start + b] for a in samples)
+
+    if full_batches == "whole":
+        full_inner, full_outer = [inner_t], [outer_t]
+    else:
+        full_inner = [batch(inner_t, k) for k in range(0, s["n_inner"], b)]
+        full_outer = [batch(outer_t, k) for k in range(0, s["n_outer"], b)]
+    starts_in, starts_out = iter(inner_starts), iter(outer_starts)
+    inner_batches, outer_batches = [], []
+    for i in range(s["steps"]):
+        restart = i % period == 0
+        inner_batches.append(inner_t if restart else batch(inner_t, next(starts_in)))
+        outer_batches.append(outer_t if restart else batch(outer_t, next(starts_out)))
+    method = hg.SRBA(s["step_size"], period, full_inner_batches=full_inner, full_outer_batches=full_outer)
+    ys, xs = [], []
+
+    def record(step, w, lam, result):
+        ys.append(w["y"].numpy().copy())
+        xs.append(lam["x"].numpy().copy())
+
+    problem = hg.BilevelProblem(inner=hb.quadratic_loss, outer=hb.quadratic_loss)
+    hg.solve(problem, {"y": torch.from_numpy(y0.copy())}, {"x": torch.from_numpy(x0.copy())}, method,
+             lambda p: torch.optim.SGD(p, lr=s["step_size"] / s["outer_ratio"]), steps=s["steps"], inner_steps=0,
+             inner_batches=inner_batches, outer_batches=outer_batches, progress=False, outer_loss_every=0,
+             callback=record)
+    return np.stack(ys), np.stack(xs)
+
+
+def shuffled_starts(n: int, count: int, seed: int) -> list[int]:
+    """Contiguous batch starts, every epoch in a new random order (the benchmark's sampler)."""
+    b = SRBA_SETUP["batch_size"]
+    rng = np.random.default_rng(seed)
+    out: list[int] = []
+    while len(out) < count:
+        out.extend(int(k) * b for k in rng.permutation(n // b))
+    return out[:count]
+
+
+@pytest.mark.parametrize("full_batches", ["whole", "partition"])
+def test_srba_matches_the_benchmark_step_in_numpy(hb, full_batches: str) -> None:
+    """60 steps of hg.SRBA equal the benchmark's SRBA step (transcribed to numpy) on one batch sequence."""
+    inner, outer, y0, x0 = srba_samples(0)
+    steps = SRBA_SETUP["steps"]
+    inner_starts = shuffled_starts(SRBA_SETUP["n_inner"], steps, 1)
+    outer_starts = shuffled_starts(SRBA_SETUP["n_outer"], steps, 2)
+    ys_ref, xs_ref = benchmark_srba_numpy(hb, inner, outer, y0, x0, inner_starts, outer_starts)
+    ys, xs = hypergrad_srba(hb, inner, outer, y0, x0, inner_starts, outer_starts, full_batches)
+    assert np.abs(xs_ref[-1] - x0).max() > 0.1, "the outer variable hardly moves: the test would see nothing"
+    assert max(np.abs(ys - ys_ref).max(), np.abs(xs - xs_ref).max()) <= 1e-12
+
+
+def benchmark_srba_jax(directory: Path, inner: tuple[np.ndarray, ...], outer: tuple[np.ndarray, ...], y0: np.ndarray,
+                       x0: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
+    """The benchmark's own SRBA (``solvers/srba.py``: ``init`` and the step of ``get_step``) on its
+    own losses (``datasets/simulated.py``'s ``get_function``) and samplers, in float64.
+
+    Returns the inner and outer iterates after every step and the batch starts its samplers drew
+    (replayed with the same sampler functions: the step draws only between restarts).
+    """
+    import jax
+
+    s = SRBA_SETUP
+    bench = load_benchmark("hypergrad_benchopt").Benchmark(directory)  # puts the checkout on sys.path
+    from benchmark_utils.minibatch_sampler import init_sampler
+
+    f_inner = bench.simulated.get_function(*(jax.numpy.asarray(a) for a in inner))
+    f_outer = bench.simulated.get_function(*(jax.numpy.asarray(a) for a in outer))
+    solver = bench.solver_class("srba.py").get_instance(step_size=s["step_size"], outer_ratio=s["outer_ratio"],
+                                                        batch_size=s["batch_size"], period_frac=s["period_frac"])
+    # what StochasticJaxSolver.set_objective sets, without its warm-up run
+    solver.f_inner = partial(f_inner, batch_size=s["batch_size"])
+    solver.f_outer = partial(f_outer, batch_size=s["batch_size"])
+    solver.n_inner_samples, solver.n_outer_samples = s["n_inner"], s["n_outer"]
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    inner_sampler, solver.state_inner_sampler = init_sampler(n_samples=s["n_inner"], batch_size=s["batch_size"],
+                                                             key=keys[0])
+    outer_sampler, solver.state_outer_sampler = init_sampler(n_samples=s["n_outer"], batch_size=s["batch_size"],
+                                                             key=keys[1])
+    solver.inner_var0, solver.outer_var0 = jax.numpy.asarray(y0), jax.numpy.asarray(x0)
+    carry = solver.init()
+    assert solver.period == srba_period()
+    step = jax.jit(solver.get_step(inner_sampler, outer_sampler))
+    ys, xs = [], []
+    for i in range(s["steps"]):
+        carry, _ = step(carry, i)
+        ys.append(np.asarray(carry["inner_var"]))
+        xs.append(np.asarray(carry["outer_var"]))
+    # the starts the step drew: the same sampler functions from the same states, one draw per non-restart step
+    starts_in, starts_out = [], []
+    state_in = init_sampler(n_samples=s["n_inner"], batch_size=s["batch_size"], key=keys[0])[1]
+    state_out = init_sampler(n_samples=s["n_outer"], batch_size=s["batch_size"], key=keys[1])[1]
+    for i in range(s["steps"]):
+        if i % solver.period:
+            start, *_, state_in = inner_sampler(state_in)
+            starts_in.append(int(start))
+            start, *_, state_out = outer_sampler(state_out)
+            starts_out.append(int(start))
+    return np.stack(ys), np.stack(xs), starts_in, starts_out
+
+
+def test_srba_matches_the_benchmark_solver(hb) -> None:
+    """hg.SRBA equals benchmark_bilevel's own jax SRBA step (its solvers/srba.py) over 60 steps in float64.
+
+    Needs the bench extra (jax, benchopt) and ``BENCHMARK_BILEVEL_DIR``; measured 3e-16 (commit 3ad65dc).
+    """
+    pytest.importorskip("jax", reason="needs the bench extra (make setup-bench)")
+    pytest.importorskip("benchopt", reason="needs the bench extra (make setup-bench)")
+    directory = os.environ.get("BENCHMARK_BILEVEL_DIR")
+    if not directory:
+        pytest.skip("set BENCHMARK_BILEVEL_DIR to a checkout of https://github.com/benchopt/benchmark_bilevel")
+    import jax
+
+    inner, outer, y0, x0 = srba_samples(0)
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        ys_ref, xs_ref, starts_in, starts_out = benchmark_srba_jax(Path(directory), inner, outer, y0, x0)
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+    assert ys_ref.dtype == np.float64 and len(set(starts_in)) > 1
+    ys, xs = hypergrad_srba(hb, inner, outer, y0, x0, starts_in, starts_out)
+    difference = max(np.abs(ys - ys_ref).max(), np.abs(xs - xs_ref).max())
+    print(f"hg.SRBA vs benchmark_bilevel's SRBA, {SRBA_SETUP['steps']} steps, float64: max |difference| {difference:.1e}")
+    assert np.abs(xs_ref[-1] - x0).max() > 0.1
+    assert difference <= 1e-12

@@ -1,11 +1,13 @@
-"""No import cycles among the modules of ``hypergrad`` and ``llm_calib``.
+"""No import cycles among the modules of ``hypergrad`` and ``llm_calib``, at run time and in the design.
 
 The graph is built statically (``ast``), one node per file: an edge ``a -> b`` for every import
-in ``a`` of project module ``b``, wherever it stands (imports inside functions run too, later),
-except imports under ``if TYPE_CHECKING:`` (never run). ``from p import x`` points at the module
-``p.x`` when there is one, else at ``p``; a package ``__init__`` re-exporting its submodules
-counts like any other import. A cycle is a strongly connected component of more than one module;
-the test lists one closed path through each.
+in ``a`` of project module ``b``, wherever it stands (imports inside functions run too, later).
+Two graphs are checked: the run-time one leaves out imports under ``if TYPE_CHECKING:`` (never
+run); the design one keeps them (a type-only import still makes one file's concepts depend on
+another's, so a loop through it is a loop in the design). ``from p import x`` points at the
+module ``p.x`` when there is one, else at ``p``; a package ``__init__`` re-exporting its
+submodules counts like any other import. A cycle is a strongly connected component of more than
+one module; the test lists one closed path through each.
 """
 
 from __future__ import annotations
@@ -59,14 +61,15 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, m
     return out
 
 
-def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
-    """Module -> the project modules it imports (run-time imports only, itself excluded)."""
+def import_graph(root: Path, packages: tuple[str, ...], *, type_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (itself excluded): run-time imports only, or with
+    ``type_only`` also those under ``if TYPE_CHECKING:``."""
     files = module_files(root, packages)
     names = set(files)
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        skipped = _type_checking_only(tree)
+        skipped = set() if type_only else _type_checking_only(tree)
         edges: set[str] = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in skipped:
@@ -148,6 +151,14 @@ def test_hypergrad_and_llm_calib_have_no_import_cycles() -> None:
     assert not cycles, "import cycles (break them; see this test's docstring for what counts):\n" + "\n".join(cycles)
 
 
+def test_no_design_cycles_counting_type_only_imports() -> None:
+    """The loop, the objectives and the formats share :mod:`llm_calib.training_interface` instead of
+    importing each other (type-only imports included)."""
+    cycles = describe(import_graph(ROOT, PACKAGES, type_only=True))
+    assert not cycles, ("design-level import cycles, type-only imports included (move the shared names to a "
+                        "module below both, e.g. llm_calib.training_interface):\n" + "\n".join(cycles))
+
+
 def test_the_graph_sees_function_level_imports_and_skips_type_checking(tmp_path: Path) -> None:
     """The checker itself: a cycle closed inside a function is found, one through a type-only
     import is not, relative imports and package re-exports resolve."""
@@ -165,6 +176,10 @@ def test_the_graph_sees_function_level_imports_and_skips_type_checking(tmp_path:
     assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.sub.b"}, "pkg.sub": {"pkg.sub.b"}, "pkg.sub.b": {"pkg.c"},
                      "pkg.c": {"pkg.sub.b"}}
     assert describe(graph) == ["cycle of 2 (pkg.c, pkg.sub.b): pkg.c -> pkg.sub.b -> pkg.c"]
+    design = import_graph(tmp_path, ("pkg",), type_only=True)  # the type-only import closes a longer loop
+    assert design["pkg.c"] == {"pkg.a", "pkg.sub.b"}
+    assert describe(design) == [
+        "cycle of 3 (pkg.a, pkg.c, pkg.sub.b): pkg.a -> pkg.sub.b -> pkg.c -> pkg.a"]
     (pkg / "c.py").write_text("from pkg.a import x\n")  # a run-time import closes a longer cycle
     assert describe(import_graph(tmp_path, ("pkg",))) == [
         "cycle of 3 (pkg.a, pkg.c, pkg.sub.b): pkg.a -> pkg.sub.b -> pkg.c -> pkg.a"]

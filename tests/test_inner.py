@@ -133,8 +133,9 @@ def test_adam_zero_gradient_coordinate_is_finite_and_differentiable() -> None:
         hg.inner.SGD(lr=0.1),
         hg.inner.Momentum(lr=0.1, beta=0.9, nesterov=True),
         hg.inner.Adam(lr=0.1),
+        hg.inner.LBFGS(lr=0.1, history_size=3),
     ],
-    ids=["sgd", "momentum", "adam"],
+    ids=["sgd", "momentum", "adam", "lbfgs"],
 )
 def test_update_is_pure(opt: InnerOptimizer) -> None:
     """update() must not modify its inputs in place: unrolling relies on every iterate surviving."""
@@ -172,6 +173,11 @@ def test_update_is_pure(opt: InnerOptimizer) -> None:
         (lambda: hg.inner.Adam(lr=0.1, leaf_lr={"x": 0.0}), r"leaf_lr['x']"),
         (lambda: hg.inner.SGD(lr=0.1, leaf_lr={"x": math.inf}), r"leaf_lr['x']"),
         (lambda: hg.inner.Momentum(lr=0.1, leaf_lr={"x": -1.0}), r"leaf_lr['x']"),
+        (lambda: hg.inner.LBFGS(lr=0.0), "lr"),
+        (lambda: hg.inner.LBFGS(history_size=0), "history_size"),
+        (lambda: hg.inner.LBFGS(max_backtracks=2.5), "max_backtracks"),
+        (lambda: hg.inner.LBFGS(c1=1.0), "c1"),
+        (lambda: hg.inner.LBFGS(line_search="yes"), "line_search"),
     ],
 )
 def test_invalid_arguments_raise_value_error(make, name: str) -> None:
@@ -208,3 +214,114 @@ def test_leaf_lr_must_be_a_mapping_of_names() -> None:
 def test_nesterov_must_be_bool() -> None:
     with pytest.raises(TypeError, match="nesterov"):
         hg.inner.Momentum(lr=0.1, nesterov="yes")
+
+
+def _torch_lbfgs(lr: float, history: int, w0: dict[str, torch.Tensor], loss) -> list[dict[str, torch.Tensor]]:
+    """torch.optim.LBFGS, one iteration per step() and its tolerance tests off."""
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in w0.items()}
+    opt = torch.optim.LBFGS(list(params.values()), lr=lr, max_iter=1, history_size=history,
+                            tolerance_grad=-1.0, tolerance_change=0.0, line_search_fn=None)
+
+    def closure():
+        opt.zero_grad()
+        value = loss(params)
+        value.backward()
+        return value
+
+    out = []
+    for _ in range(STEPS):
+        opt.step(closure)
+        out.append({k: v.detach().clone() for k, v in params.items()})
+    return out
+
+
+@pytest.mark.parametrize(("lr", "history"), [(0.5, 3), (0.3, 10)])
+def test_lbfgs_update_matches_torch_optim(lr: float, history: int) -> None:
+    """hg.inner.LBFGS().update is torch.optim.LBFGS(max_iter=1, line_search_fn=None), step by step."""
+    for seed in (0, 1):
+        w0, loss = _problem(seed)
+        ours = _ours(hg.inner.LBFGS(lr=lr, history_size=history), w0, loss)
+        assert _max_diff(ours, _torch_lbfgs(lr, history, w0, loss)) < 1e-10
+        assert _max_diff(ours, _ours(hg.inner.SGD(lr=lr), w0, loss)) > 1e-2  # not gradient descent
+
+
+def _ridge(dtype=DT):
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(40, 8, generator=gen, dtype=dtype)
+    y = X @ torch.randn(8, generator=gen, dtype=dtype) + 0.1 * torch.randn(40, generator=gen, dtype=dtype)
+
+    def g(w, lam, batch):
+        return 0.5 * ((X @ w["beta"] + w["b"] - y) ** 2).mean() + 0.5 * (torch.exp(lam["log_l2"]) * w["beta"] ** 2).sum()
+
+    def closed_form(lam):
+        # [beta; b] solves the normal equations of the centred-intercept ridge problem
+        A = torch.cat([X, torch.ones(40, 1, dtype=dtype)], 1)
+        reg = torch.diag(torch.cat([torch.exp(lam["log_l2"]), torch.zeros(1, dtype=dtype)])) * 40
+        sol = torch.linalg.solve(A.T @ A + reg, A.T @ y)
+        return sol[:8], sol[8]
+
+    lam = {"log_l2": torch.linspace(-3, 1, 8, dtype=dtype)}
+    w0 = {"beta": torch.zeros(8, dtype=dtype), "b": torch.zeros((), dtype=dtype)}
+    return hg.BilevelProblem(g, g), w0, lam, closed_form(lam)
+
+
+def test_lbfgs_inner_solve_reaches_ridge_closed_form() -> None:
+    problem, w0, lam, (beta, b) = _ridge()
+    out = hg.inner_solve(problem, w0, lam, 200, hg.inner.LBFGS(), tol=1e-13)
+    assert out.converged is True and out.grad_norm <= 1e-13
+    assert out.steps < 40  # quasi-Newton: a few dozen steps where SGD needs thousands
+    assert float((out.w["beta"] - beta).abs().max()) < 1e-10
+    assert abs(float(out.w["b"] - b)) < 1e-10
+    sgd = hg.inner_solve(problem, w0, lam, out.steps, hg.inner.SGD(lr=0.5), tol=1e-13)
+    assert sgd.converged is False and sgd.steps == out.steps and sgd.grad_norm > 1e-6
+    # the fixed-step variant (no line search) converges too on this problem
+    plain = hg.inner_solve(problem, w0, lam, 200, hg.inner.LBFGS(line_search=False), tol=1e-12)
+    assert plain.converged and float((plain.w["beta"] - beta).abs().max()) < 1e-10
+
+
+def test_lbfgs_line_search_keeps_a_too_long_step_from_diverging() -> None:
+    problem, w0, lam, (beta, _) = _ridge()
+    searched = hg.inner_solve(problem, w0, lam, 100, hg.inner.LBFGS(lr=50.0), tol=1e-6)
+    assert searched.converged and float((searched.w["beta"] - beta).abs().max()) < 1e-5
+    with pytest.raises(hg.NonFiniteError):  # the same steps without the search blow up
+        hg.inner_solve(problem, w0, lam, 300, hg.inner.LBFGS(lr=50.0, line_search=False), tol=1e-12)
+
+
+def test_inner_solve_tol_stops_and_reports() -> None:
+    g = lambda w, lam, b: 0.5 * ((w["x"] - lam["c"]) ** 2).sum()  # noqa: E731
+    p, w0, lam = hg.BilevelProblem(g, g), {"x": torch.zeros(3, dtype=DT)}, {"c": torch.ones(3, dtype=DT)}
+    out = hg.inner_solve(p, w0, lam, 1000, hg.inner.SGD(lr=0.5), tol=1e-6)
+    # ‖∇g‖ = sqrt(3) 0.5^k after k steps: the first k with sqrt(3) 0.5^k <= 1e-6 is 21
+    assert (out.steps, out.converged) == (21, True)
+    assert out.grad_norm <= 1e-6 < math.sqrt(3) * 0.5**20
+    w, state, norm = out  # still unpacks as before
+    assert norm == out.grad_norm and w is out.w and state is out.state
+    short = hg.inner_solve(p, w0, lam, 5, hg.inner.SGD(lr=0.5), tol=1e-6)
+    assert (short.steps, short.converged) == (5, False)
+    assert short.grad_norm == pytest.approx(math.sqrt(3) * 0.5**5)  # measured at the final w
+    untested = hg.inner_solve(p, w0, lam, 5, hg.inner.SGD(lr=0.5))
+    assert (untested.steps, untested.converged) == (5, None)
+    assert torch.equal(untested.w["x"], short.w["x"])
+    assert hg.inner_solve(p, w0, lam, 0, hg.inner.SGD(lr=0.5), tol=10.0).converged is True
+    for bad in (-1.0, math.nan, math.inf, "1e-6", True):
+        with pytest.raises(ValueError, match="tol must be None or a finite number >= 0"):
+            hg.inner_solve(p, w0, lam, 5, hg.inner.SGD(lr=0.5), tol=bad)
+
+
+def test_lbfgs_plain_inner_steps_of_solve_and_unrolled() -> None:
+    """As solve's inner_optimizer (line search, warm state across outer steps) and inside Unrolled
+    (differentiated through the fixed-step update): both give the ridge problem's hypergradient."""
+    problem, w0, lam, _ = _ridge()
+    gen = torch.Generator().manual_seed(1)
+    X_val = torch.randn(20, 8, generator=gen, dtype=DT)
+    y_val = torch.randn(20, generator=gen, dtype=DT)
+    f = lambda w, lam, b: 0.5 * ((X_val @ w["beta"] + w["b"] - y_val) ** 2).mean()  # noqa: E731
+    bilevel = hg.BilevelProblem(problem.inner, f)
+    w_star = hg.inner_solve(bilevel, w0, lam, 200, hg.inner.LBFGS(), tol=1e-13).w
+    exact = hg.Implicit(hg.linear.Dense()).hypergrad(bilevel, w_star, lam).grad["log_l2"]
+    unrolled = hg.Unrolled(hg.inner.LBFGS(history_size=20, lr=0.5), steps=60).hypergrad(bilevel, w0, lam)
+    assert float((unrolled.grad["log_l2"] - exact).abs().max()) < 1e-8 * float(exact.abs().max()) + 1e-12
+    res = hg.solve(bilevel, w0, lam, hg.Implicit(hg.linear.Dense()), lambda p: torch.optim.SGD(p, lr=1e-9),
+                   steps=2, inner_steps=30, inner_optimizer=hg.inner.LBFGS(), progress=False)
+    assert res.history["inner_residual"][-1] < 1e-10
+    assert set(res.state.inner_optimizer) >= {"t", "rho", "s.beta", "y.beta"}

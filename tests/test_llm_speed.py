@@ -17,7 +17,7 @@ from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
-from llm_calib.calm.objectives import CalmLosses
+from llm_calib.calm.losses import CalmLosses
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import pack_questions
 

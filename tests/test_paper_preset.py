@@ -13,7 +13,7 @@ from llm_calib.calm.config import (
     CalibrationConfig,
     apply_preset,
 )
-from llm_calib.calm.encoding import run_formats
+from llm_calib.calm.run import run_formats
 from llm_calib.data import OpenQA, builtin_multiple_choice
 from llm_calib.data import load as load_data
 from llm_calib.data.errors import DataError

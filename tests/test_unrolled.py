@@ -18,12 +18,6 @@ from hypergrad.unrolled import StepBatches
 
 DT = torch.float64
 
-# torch's own first use of torch.func.jvp scripts its jvp decompositions with torch.jit.script.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
-)
-
-
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     """``|a - b|_inf <= tol * max(1, |b|_inf)``."""
     return float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
@@ -275,7 +269,8 @@ def test_forward_loop_equals_vmap() -> None:
 
 
 class _SquareNoVmap(torch.autograd.Function):
-    """x**2 with backward and jvp but no vmap rule: vmap must fail, the loop must work."""
+    """x**2 whose backward is itself a Function (:class:`_TwiceTimes`) that reads its cotangent in
+    Python control flow: forward mode's batched backward pass (vmap) must fail, the loop must work."""
 
     @staticmethod
     def forward(x):
@@ -284,17 +279,30 @@ class _SquareNoVmap(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[0])
-        ctx.save_for_forward(inputs[0])
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
+        return _TwiceTimes.apply(x, grad)
+
+
+class _TwiceTimes(torch.autograd.Function):
+    """``2 x grad``; its backward branches on the values of its cotangent (not batchable)."""
+
+    @staticmethod
+    def forward(x, grad):
         return 2 * x * grad
 
     @staticmethod
-    def jvp(ctx, tangent):
-        (x,) = ctx.saved_tensors
-        return 2 * x * tangent
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, out):
+        x, grad = ctx.saved_tensors
+        if bool((out == 0).all()):  # data-dependent control flow: vmap raises here
+            return torch.zeros_like(x), torch.zeros_like(grad)
+        return 2 * grad * out, 2 * x * out
 
 
 def test_forward_falls_back_to_loop_when_vmap_fails() -> None:

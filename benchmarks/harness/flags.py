@@ -1,5 +1,5 @@
 """Command-line flags of a benchmark's settings dataclass: one ``--field-name`` per field, typed by
-its annotation (:func:`llm_calib.flags.flag_type`) and documented by the class's ``Attributes:``
+its annotation (:func:`llm_calib.cli.flags.flag_type`) and documented by the class's ``Attributes:``
 docstring; :func:`dataclass_overrides` reads the ones given back, so a new field gets its flag
 without another line of parsing.
 
@@ -15,8 +15,7 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-from llm_calib.calm.config import field_help
-from llm_calib.flags import flag_type, plain_help
+from llm_calib.cli.flags import field_help, flag_type, plain_help
 
 __all__ = ["add_dataclass_flags", "dataclass_overrides"]
 

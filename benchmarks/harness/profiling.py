@@ -310,13 +310,13 @@ def bome_step_breakdown(trainer: Any, state: Any, repeats: int = 2) -> dict[str,
     import hypergrad as hg
 
     inner, outer = trainer.train_batch(state.step), trainer.unlabeled_batch(state.step)
-    lam, theta = {k: v.detach() for k, v in state.lam.items()}, state.theta
+    lam, theta = {k: v.detach() for k, v in state.objective_state.lam.items()}, state.theta
 
     def g(w: Any, l_: Any) -> Any:
         return trainer.losses.inner(w, l_, inner)
 
     _, grad_w, _ = hg.autodiff.loss_and_grads(g, theta, lam)
-    inner_lr = trainer.config.objective.solver.step_size(trainer.config)
+    inner_lr = trainer.config.objective.solver.step_size(trainer.config.training.lr)
     w_hat = {k: (v - inner_lr * grad_w[k]).detach() for k, v in theta.items()}
     parts = {
         "grad g(w) (theta and lambda)": lambda: hg.autodiff.loss_and_grads(g, theta, lam),
@@ -325,8 +325,8 @@ def bome_step_breakdown(trainer: Any, state: Any, repeats: int = 2) -> dict[str,
             lambda w, l_: trainer.losses.outer(w, l_, outer), theta, lam),
         "plain LoRA: grad CE(w)": lambda: hg.autodiff.loss_and_grads(
             lambda w, _l: trainer.losses.one_level(w, inner), theta, {"_": torch.zeros(1)}, wrt_lam=False),
-        "whole BOME direction (hypergrad call)": lambda: trainer.solver.hypergrad(
-            trainer.problem, theta, lam, inner, outer, state.solver_state),
+        "whole BOME direction (hypergrad call)": lambda: state.objective_state.method.hypergrad(
+            state.objective_state.problem, theta, lam, inner, outer, state.objective_state.solver_state),
     }
     out: dict[str, Any] = {}
     for name, fn in parts.items():

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hypergrad.errors import SolverMessage
 from hypergrad.linear._checks import check_nonnegative, check_positive_int
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.tree import (
@@ -22,7 +23,7 @@ from hypergrad.tree import (
 __all__ = ["CG", "fused_conjugate_gradient", "hutchinson_diagonal", "preconditioned_cg"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CG:
     r"""Conjugate gradient on ``(A + damping I) x = b`` for symmetric positive-definite ``A``.
 
@@ -196,7 +197,10 @@ def _cg_loop(name: str, op: Callable[[Tensor], Tensor], b: Tensor, x0: Tree | No
             z = precondition(r)
             rz_new = float(torch.dot(r, z))
             if not rz_new > 0.0:
-                warnings.append(f"{name}: the preconditioner is not positive definite (r^T M^-1 r = {rz_new:.3e})")
+                warnings.append(SolverMessage(
+                    f"{name}: the preconditioner is not positive definite (r^T M^-1 r = {rz_new:.3e})",
+                    kind=f"{name}: the preconditioner is not positive definite", value=rz_new,
+                    larger_is_worse=False))
                 break
         p = torch.add(z, p, alpha=rz_new / rz)  # out of place: matvec may have kept a view of p
         rz = rz_new
@@ -261,8 +265,10 @@ def _iteration_cap(maxiter: int | None, b: Tensor) -> int:
 
 
 def _non_positive_curvature(name: str, curvature: float, iteration: int) -> str:
-    return (f"{name}: non-positive curvature p^T A p = {curvature:.3e} at iteration {iteration}; "
-            "the matrix is not positive definite (add damping or use Dense)")
+    return SolverMessage(
+        f"{name}: non-positive curvature p^T A p = {curvature:.3e} at iteration {iteration}; "
+        "the matrix is not positive definite (add damping or use Dense)",
+        kind=f"{name}: non-positive curvature", value=curvature, larger_is_worse=False)
 
 
 def _start(op: Callable[[Tensor], Tensor], b: Tensor, x0: Tree | None) -> tuple[Tensor, Tensor, int]:
@@ -278,10 +284,10 @@ def _finish(name: str, x: Tensor, like: Tree, iterations: int, rs: float, b_norm
     """The result, with a non-convergence warning unless another one explains the stop."""
     residual = math.sqrt(rs) if rs >= 0.0 else float("nan")
     if not converged and not warnings:
-        warnings.append(
+        warnings.append(SolverMessage(
             f"{name}: not converged after {iterations} iterations (relative residual "
-            f"{residual / b_norm:.3e} > tol {tol:.1e}); raise maxiter or add damping"
-        )
+            f"{residual / b_norm:.3e} > tol {tol:.1e}); raise maxiter or add damping",
+            kind=f"{name}: not converged", value=residual / b_norm))
     return LinearSolveResult(tree_unflatten(x, like), iterations, residual, converged, matvecs, warnings)
 
 

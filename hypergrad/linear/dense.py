@@ -13,7 +13,7 @@ from hypergrad.tree import Tree, tree_flatten, tree_numel, tree_unflatten
 __all__ = ["Dense"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Dense:
     r"""Materialise ``A`` (``n`` products, or one batched product) and solve directly.
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hypergrad.errors import SolverMessage
 from hypergrad.linear._checks import check_nonnegative, check_positive_int
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
 from hypergrad.linear.cg import flat_operator
@@ -55,7 +56,7 @@ def largest_eigenvalue(system: LinearSystem, iterations: int = 20, seed: int = 0
     return abs(estimate)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Neumann:
     r"""Approximate :math:`A^{-1} b \approx \alpha \sum_{k=0}^{K} (I - \alpha A)^k b`.
 
@@ -72,10 +73,12 @@ class Neumann:
         power_iterations: iterations of the eigenvalue estimate when ``alpha`` is None.
 
     Warnings: a truncated series (``steps`` terms short of ``tol``) is often intended (e.g.
-    ``Neumann(steps=10)`` as a cheap approximate inverse), so each solver instance reports each
-    kind of warning (not converged, diverging) as a Python warning once: later calls still list
-    it in ``result.warnings`` (and ``Implicit``'s ``info.warnings``), with
-    ``result.repeated_warnings`` set so that callers do not warn again.
+    ``Neumann(steps=10)`` as a cheap approximate inverse), so outside :func:`hypergrad.solve`
+    each solver instance reports each kind of warning (not converged, diverging) as a Python
+    warning once: later calls still list it in ``result.warnings`` (and ``Implicit``'s
+    ``info.warnings``), with ``result.repeated_warnings`` set so that callers do not warn again.
+    Inside a solve every occurrence is counted and each kind warned once at the end, as for any
+    solver (:func:`hypergrad.errors.report`).
 
     Example:
         >>> import torch
@@ -135,10 +138,10 @@ class Neumann:
             matvecs += 1
             res_norm = float(torch.linalg.vector_norm(residual))
             if not res_norm < 1e6 * b_norm:  # also catches NaN
-                warnings.append(
+                warnings.append(SolverMessage(
                     f"Neumann: diverging (residual {res_norm:.3e}) with alpha={alpha:.3e}; the "
-                    "series needs 0 < alpha < 2 / lambda_max (use alpha=None to estimate it)"
-                )
+                    "series needs 0 < alpha < 2 / lambda_max (use alpha=None to estimate it)",
+                    kind="Neumann: diverging", value=res_norm))
                 break
             if res_norm <= self.tol * b_norm:
                 converged = True
@@ -148,10 +151,10 @@ class Neumann:
         if converged:
             x.add_(residual, alpha=alpha)
         elif not warnings:
-            warnings.append(
+            warnings.append(SolverMessage(
                 f"Neumann: not converged after {self.steps} terms (relative residual "
-                f"{res_norm / b_norm:.3e} > tol {self.tol:.1e}); raise steps or use CG"
-            )
+                f"{res_norm / b_norm:.3e} > tol {self.tol:.1e}); raise steps or use CG",
+                kind="Neumann: not converged", value=res_norm / b_norm))
         repeated = bool(warnings) and kind in self._reported
         if warnings:
             self._reported.add(kind)

@@ -12,7 +12,7 @@ from hypergrad.tree import Tree
 __all__ = ["NormalCG"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NormalCG:
     r"""Conjugate gradient on :math:`A^\top A x = A^\top b`.
 

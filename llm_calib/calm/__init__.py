@@ -1,4 +1,4 @@
-"""CALM: bilevel training-time calibration (config, LoRA model, objectives, trainer).
+"""CALM: bilevel training-time calibration (config, run resolution, LoRA model, losses, trainer).
 
 The names are imported on first access, so importing a submodule (as :mod:`llm_calib.objectives`
 does) does not load the configuration and trainer first.

@@ -11,7 +11,7 @@ same nesting, with the objective and its solver tagged by name::
     training: {steps: 60, lr: 1.0e-3}
 
 A key of the flat configuration before the nesting (``bome_eta``, ``steps``, ...) is an error
-naming its new place (:data:`FLAT_KEYS`).
+naming its new place (:data:`~llm_calib.calm.flat_keys.FLAT_KEYS`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import llm_calib.objectives.builtin  # noqa: F401  registers the built-in objectives and solvers
+from llm_calib.calm.flat_keys import FLAT_KEYS, flat_key_location, flat_key_message
 from llm_calib.checks import check_int, check_number, is_int
 from llm_calib.data.spec import SpecError, absolute_spec, parse_spec
-from llm_calib.formats import MULTIPLE_CHOICE_FORMATS
+from llm_calib.engine.packing import NORMALIZE_MODES
+from llm_calib.formats import SCORER_NAMES
 from llm_calib.objectives.base import Objective
 from llm_calib.objectives.calm import Calm
 from llm_calib.objectives.registry import (
@@ -40,9 +42,9 @@ from llm_calib.objectives.registry import (
 from llm_calib.prompts import PRESETS, PromptFormat, short_answer_format
 
 __all__ = [
-    "CONFIG_PRESETS", "FLAT_KEYS", "METHODS", "PAPER_LORA_MODULES", "PARTS", "SOLVERS",
+    "CONFIG_PRESETS", "METHODS", "PAPER_LORA_MODULES", "PARTS", "SOLVERS",
     "CalibrationConfig", "LoraSettings", "PromptSettings", "SelectionSettings", "TrainingSettings", "apply_preset",
-    "field_help", "flat_key_location", "flat_key_message", "flat_paths", "open_prompt_format", "read_config_file",
+    "flat_paths", "open_prompt_format", "read_config_file",
 ]
 
 METHODS = BUILTIN_OBJECTIVES
@@ -181,8 +183,8 @@ class PromptSettings:
     """
 
     field_choices: ClassVar[dict[str, tuple[str, ...]]] = {
-        # the scorers are the formats' (the registry that evaluation and training read)
-        "scorer": tuple(MULTIPLE_CHOICE_FORMATS), "normalize": ("sum", "mean", "char", "byte"), "style": ("cloze", "listed"),
+        # the scorers: the formats' registry, read at each check (a format registered later is accepted)
+        "scorer": SCORER_NAMES, "normalize": NORMALIZE_MODES, "style": ("cloze", "listed"),
     }
     format_fields: ClassVar[tuple[str, ...]] = (
         "template", "target_delimiter", "choices", "system_message", "answer_prefix", "fewshot", "fewshot_split",
@@ -323,43 +325,6 @@ PARTS: dict[str, type] = {
 }
 """The settings parts of :class:`CalibrationConfig` besides the objective, by field name."""
 
-FLAT_KEYS: dict[str, tuple[str, str | None, str | None]] = {
-    "method": ("objective.name", None, None),
-    "solver": ("objective.solver.name", "calm", None),
-    "adjustment": ("objective.adjustment", "calm", None),
-    "scorer": ("prompt.scorer", None, None),
-    "normalize": ("prompt.normalize", None, None),
-    "output_scale": ("lora.output_scale", None, None),
-    "output_scale_lr": ("lora.output_scale_lr", None, None),
-    "steps": ("training.steps", None, None),
-    "batch_size": ("training.batch_size", None, None),
-    "heldout_batch_size": ("training.heldout_batch_size", None, None),
-    "lr": ("training.lr", None, None),
-    "lam_lr": ("objective.lam_lr", "calm", None),
-    "inner_steps": ("objective.solver.inner_steps", "calm", None),
-    "inner_lr": ("objective.solver.inner_lr", "calm", None),
-    "bome_eta": ("objective.solver.eta", "calm", "bome"),
-    "bome_barrier": ("objective.solver.barrier", "calm", "bome"),
-    "f2sa_sigma": ("objective.solver.sigma", "calm", "f2sa"),
-    "cg_maxiter": ("objective.solver.maxiter", "calm", "implicit"),
-    "cg_damping": ("objective.solver.damping", "calm", "implicit"),
-    "cg_tol": ("objective.solver.tol", "calm", "implicit"),
-    "label_smoothing": ("objective.eps", "label_smoothing", None),
-    "penalty_beta": ("objective.beta", "confidence_penalty", None),
-    "max_log_scale": ("objective.max_log_scale", "calm", None),
-    "max_bias": ("objective.max_bias", "calm", None),
-    "guard_accuracy": ("selection.guard_accuracy", None, None),
-    "guard_patience": ("selection.guard_patience", None, None),
-    "eval_every": ("selection.eval_every", None, None),
-    "prompt_style": ("prompt.style", None, None),
-    "chat_template": ("prompt.chat_template", None, None),
-    "open_examples": ("prompt.open_examples", None, None),
-}
-"""The keys of the flat configuration (before the nesting) that moved, in their old order: key ->
-(new path, the objective it belongs to, the solver it belongs to; None: any). ``lora``,
-``checkpoint_every`` and ``seed`` kept their place."""
-
-
 PAPER_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Every linear layer of a Llama-style decoder block (Llama, Mistral, Qwen2, SmolLM2): the
 paper's "LoRA on all linear layers" (the LM head excluded)."""
@@ -426,20 +391,6 @@ def _merge(base: Any, over: Any) -> Any:
     for key, value in over.items():
         out[key] = _merge(base[key], value) if key in base else copy.deepcopy(value)
     return out
-
-
-def flat_key_message(key: str) -> str:
-    """The error text for an old flat ``key``: its new path (and which objective/solver has it).
-
-    Example:
-        >>> flat_key_message("bome_eta")
-        '`bome_eta` is now `objective.solver.eta` (objective.name: calm, solver.name: bome)'
-        >>> flat_key_message("steps")
-        '`steps` is now `training.steps`'
-    """
-    path, objective, solver = FLAT_KEYS[key]
-    where = [f"objective.name: {objective}"] * (objective is not None) + [f"solver.name: {solver}"] * (solver is not None)
-    return f"`{key}` is now `{path}`" + (f" ({', '.join(where)})" if where else "")
 
 
 @dataclass
@@ -532,7 +483,7 @@ class CalibrationConfig:
         with a ``preset`` key, the dict's values are laid over the preset's (:func:`apply_preset`).
 
         Raises:
-            ValueError: an old flat key (see :data:`FLAT_KEYS`), an unknown key, or an invalid value.
+            ValueError: an old flat key (see :data:`~llm_calib.calm.flat_keys.FLAT_KEYS`), an unknown key, or an invalid value.
         """
         if not isinstance(data, dict):
             raise ValueError(f"the calibration config must be a mapping, got {data!r}")
@@ -583,36 +534,6 @@ def _part_from_dict(name: str, cls: type, data: dict[str, Any]) -> Any:
     if unknown:
         raise ValueError(f"unknown {name} key(s) {unknown}; valid keys: {sorted(known)}")
     return cls(**data)
-
-
-def flat_key_location(path: str | Path, data: dict[str, Any]) -> str:
-    """``path``, with ``:LINE`` of the first old flat key in it when the file is YAML (from the
-    parser's node marks) or JSON (the line of its first ``"key":``).
-
-    Example:
-        >>> import pathlib, tempfile
-        >>> path = pathlib.Path(tempfile.mkdtemp()) / "old.yaml"
-        >>> _ = path.write_text("seed: 1\\nbome_eta: 2.0\\n")
-        >>> flat_key_location(path, {"seed": 1, "bome_eta": 2.0}).endswith("old.yaml:2")
-        True
-    """
-    flat = [k for k in data if k in FLAT_KEYS]
-    if not flat:
-        return str(path)
-    path = Path(path)
-    try:
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            node = yaml.compose(text)
-            lines = {k.value: k.start_mark.line + 1 for k, _ in getattr(node, "value", []) if hasattr(k, "value")}
-            line = lines.get(flat[0])
-        else:  # the first line naming the first flat key
-            line = next((i for i, text_line in enumerate(text.splitlines(), 1) if f'"{flat[0]}"' in text_line), None)
-    except Exception:  # the location is a courtesy; the error itself is raised by the caller
-        return str(path)
-    return f"{path}:{line}" if line else str(path)
 
 
 def _question_answer_pairs(value: Any) -> tuple[tuple[str, str], ...]:
@@ -707,36 +628,3 @@ def _fewshot_split_from_file(data: dict[str, Any], path: Path) -> dict[str, Any]
                          "is read from the config file's directory)")
     return {**data, "prompt": {**prompt, "fewshot_split": resolved}}
 
-
-def field_help(cls: type) -> dict[str, str]:
-    """One line of help per field of a config dataclass, read from its ``Attributes:`` docstring.
-
-    Fields documented together (``max_log_scale, max_bias: ...``) share their text.
-
-    Example:
-        >>> field_help(LoraSettings)["rank"]
-        'adapter rank ``r``.'
-    """
-    out: dict[str, str] = {}
-    lines = (cls.__doc__ or "").splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.strip() == "Attributes:")
-    except StopIteration:
-        return out
-    indent, names = None, []
-    for line in lines[start + 1 :]:
-        if not line.strip():
-            continue
-        depth = len(line) - len(line.lstrip())
-        indent = depth if indent is None else indent
-        if depth < indent:
-            break
-        if depth == indent and ":" in line:
-            head, text = line.strip().split(":", 1)
-            names = [n.strip() for n in head.split(",")]
-            for n in names:
-                out[n] = text.strip()
-        else:
-            for n in names:
-                out[n] += " " + line.strip()
-    return out

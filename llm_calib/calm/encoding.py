@@ -9,24 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from llm_calib import distributed
-from llm_calib.calm.config import CalibrationConfig, open_prompt_format
+from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.lora import FunctionalLM
-from llm_calib.calm.objectives import Batch
+from llm_calib.calm.run import format_settings, task_format
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.engine.packing import PackedQuestions, length_parts
-from llm_calib.formats import MULTIPLE_CHOICE_FORMATS, TaskFormat, format_for, records_family
-from llm_calib.prompts import preset
+from llm_calib.engine.packing import LENGTH_NORMALIZATIONS, PackedQuestions, length_parts
+from llm_calib.formats import TaskFormat
+from llm_calib.training_interface import Batch
 
-__all__ = [
-    "TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "RunFormats", "encode_records", "format_settings",
-    "run_formats", "task_format",
-]
+__all__ = ["TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records"]
 
 TRUNK_CHUNK = 16
 """Questions per trunk-cache forward pass: question ``i`` is always computed with its chunk
@@ -114,11 +111,11 @@ class EncodedRecords:
 
     def batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None, *,
               split: bool = True) -> Batch:
-        """The :class:`~llm_calib.calm.objectives.Batch` of the questions at ``indices``, with the cached trunk for
+        """The :class:`~llm_calib.training_interface.Batch` of the questions at ``indices``, with the cached trunk for
         a trunk-caching ``lm``.
 
         ``split``: multiple-choice questions of different lengths also come as parts of similar length
-        (:attr:`Batch.parts <llm_calib.calm.objectives.Batch.parts>`, chosen by
+        (:attr:`Batch.parts <llm_calib.training_interface.Batch.parts>`, chosen by
         :func:`~llm_calib.engine.packing.length_parts`), which the losses run instead of the padded batch.
         Under ``torchrun`` every rank's shard comes in the same number of parts (one small collective:
         every rank calls this alike).
@@ -156,7 +153,7 @@ class EncodedRecords:
                 [torch.nn.functional.pad(self.trunk_cache[i], (0, 0, 0, L - self.trunk_cache[i].shape[0])) for i in idx]
             )
         return Batch(packed, labels, [self.records[i].id for i in idx], self.format, trunk,
-                     {n: t for n in ("char", "byte") if (t := self.option_text_lengths(idx, n)) is not None})
+                     {n: t for n in LENGTH_NORMALIZATIONS if (t := self.option_text_lengths(idx, n)) is not None})
 
     def option_text_lengths(self, indices: Sequence[int], normalize: str) -> Tensor | None:
         """``(len(indices), K_max)`` option lengths in characters or bytes (1 at padding); None without option
@@ -170,130 +167,12 @@ class EncodedRecords:
         return out
 
 
-def format_settings(config: CalibrationConfig) -> dict[str, Any]:
-    """The scorer settings of a configuration, as :func:`~llm_calib.formats.format_for` and
-    :func:`~llm_calib.evaluate.evaluate_records` take them: the one reader of its ``prompt`` part.
-
-    The multiple-choice prompt follows ``style`` (listed for the letter scorer), or, with ``preset`` or
-    any prompt setting ``evaluate`` has a flag for (``template``, ``target_delimiter``, ``choices``,
-    ``system_message``, ``answer_prefix``, ``fewshot``...), the prompt ``evaluate`` builds from the same
-    flags. Few-shot examples come from ``config.prompt.fewshot_pool`` (loaded from ``fewshot_split``
-    when empty), so training, selection and evaluation show a question the same examples. Open
-    questions use :func:`~llm_calib.calm.config.open_prompt_format`.
-
-    Example:
-        >>> s = format_settings(CalibrationConfig(prompt=dict(scorer="letter")))
-        >>> s["scorer"], s["prompt"].style, s["answer_stop"]
-        ('letter', 'listed', False)
-    """
-    import dataclasses
-
-    settings = config.prompt
-    given = settings.prompt_overrides()
-    prompt = MULTIPLE_CHOICE_FORMATS[settings.scorer].configured_prompt(settings.style, settings.chat_template)
-    if settings.preset is not None:  # as evaluate --prompt-preset: the preset, then the settings given
-        chat = {} if settings.chat_template is None else {"chat_template": settings.chat_template}
-        prompt = preset(settings.preset, **given, **chat)
-    elif given:  # as evaluate's prompt flags without a preset
-        prompt = dataclasses.replace(prompt, **given)
-    if prompt.fewshot:
-        if not settings.fewshot_pool:
-            from llm_calib.fewshot import resolve_fewshot
-
-            settings.fewshot_pool = resolve_fewshot(prompt).fewshot_pool  # type: ignore[union-attr]
-        prompt = dataclasses.replace(prompt, fewshot_pool=settings.fewshot_pool)
-    return {
-        "scorer": config.prompt.scorer,
-        "normalize": config.prompt.normalize,
-        "prompt": prompt,
-        "open_prompt": open_prompt_format(config),
-        "answer_stop": bool(config.prompt.open_examples),
-    }
-
-
-def task_format(records: Iterable[Any], config: CalibrationConfig | None = None, *, what: str = "records") -> TaskFormat:
-    """The task format of a run's records under its configuration: where a run reads the kind of its records.
-
-    Raises:
-        ValueError: no records, records of both kinds or of another type (naming the record).
-
-    Example:
-        >>> from llm_calib.data import builtin_multiple_choice
-        >>> fmt = task_format(builtin_multiple_choice(1, domains=["capitals"]), CalibrationConfig(prompt=dict(normalize="mean")))
-        >>> type(fmt).__name__, fmt.normalize
-        ('OptionLikelihood', 'mean')
-    """
-    return format_for(records, **format_settings(config or CalibrationConfig()), what=what)
-
-
-class RunFormats(NamedTuple):
-    """The task formats of a run's sets (see :func:`run_formats`).
-
-    Attributes:
-        lower: the format of the training records (the lower level's loss).
-        upper: the format of the held-out and unlabelled records (model selection, the accuracy
-            guard, the upper level and the temperature fit); ``lower`` itself when the kinds agree.
-    """
-
-    lower: TaskFormat
-    upper: TaskFormat
-
-
-def _set_records(data: Any) -> Sequence[Any]:
-    return data.records if isinstance(data, EncodedRecords) else data
-
-
-def _set_format(data: Any, config: CalibrationConfig, what: str) -> TaskFormat:
-    return data.format if isinstance(data, EncodedRecords) else task_format(data, config, what=what)
-
-
-def run_formats(train: Any, heldout: Any, config: CalibrationConfig | None = None, unlabeled: Any = None, *,
-                names: tuple[str, str, str] = ("train", "heldout", "unlabeled")) -> RunFormats:
-    """The formats of a run's training and held-out records, with the unlabelled ones checked.
-
-    Each set is all of one kind. The held-out set may be of another kind than the training set
-    where the training format serves it (:attr:`~llm_calib.formats.base.TaskFormat.upper_families`):
-    open-ended (prompt, response) records train a lower level for a multiple-choice upper level
-    (the paper's instruction-data lower level); multiple-choice training needs multiple-choice
-    held-out records. The unlabelled records are of the held-out kind (the upper level scores
-    what selection scores).
-
-    Args:
-        train, heldout: records, or their :class:`EncodedRecords`.
-        config: the run's configuration (the prompt settings of the formats).
-        unlabeled: upper-level inputs (records or encodings), or None.
-        names: how error messages name the three sets (e.g. ``"--train SPEC"``).
-
-    Raises:
-        ValueError: a set mixing kinds or holding something else, or held-out / unlabelled
-            records of a kind the run cannot use, naming the set and the record.
-
-    Example:
-        >>> from llm_calib.data import OpenQA, builtin_multiple_choice
-        >>> mc = builtin_multiple_choice(2, domains=["capitals"])
-        >>> formats = run_formats([OpenQA("Say hi.", ("Hi!",), "chat", "c0")], mc, CalibrationConfig(), mc)
-        >>> formats.lower.layout, formats.upper.layout
-        ('open', 'options')
-    """
-    config = config or CalibrationConfig()
-    lower = _set_format(train, config, names[0])
-    held = _set_records(heldout)
-    family = heldout.format.family if isinstance(heldout, EncodedRecords) else records_family(held, what=names[1])
-    if family == lower.family or family not in lower.upper_families:
-        lower.check(held, what=names[1])  # the same kind, or the error naming the record of another kind
-        upper = lower if not isinstance(heldout, EncodedRecords) else heldout.format
-    else:
-        upper = _set_format(heldout, config, names[1])
-    if unlabeled is not None:
-        upper.check(_set_records(unlabeled), what=names[2])
-    return RunFormats(lower, upper)
-
-
 def encode_records(
-    tokenizer: Any, records: Sequence[MultipleChoice] | Sequence[OpenQA], config: CalibrationConfig,
+    tokenizer: Any, records: Sequence[MultipleChoice] | Sequence[OpenQA], config: CalibrationConfig | None = None,
     *, fmt: TaskFormat | None = None,
 ) -> EncodedRecords:
-    """Tokenise records once with their format (``fmt``, checked, or :func:`task_format` under ``config``).
+    """Tokenise records once with their format (``fmt``, checked, or
+    :func:`~llm_calib.calm.run.task_format` under ``config``).
 
     Open questions train on their first alias (``" " + alias``, plus the stop newline with
     ``config.prompt.open_examples``); for every alias, give one record per alias
@@ -315,7 +194,7 @@ def encode_records(
     if not records:
         raise ValueError("no records to encode")
     if fmt is None:
-        fmt = task_format(records, config)
+        fmt = task_format(records, config or CalibrationConfig())
     else:
         fmt.check(records)
     prompts, options = fmt.encode(tokenizer, records)
@@ -345,5 +224,5 @@ class EncodingCache:
         prompts = settings["scorer"], settings["prompt"], settings["open_prompt"], settings["answer_stop"]
         key = (tuple(f"{r.domain}/{r.id}" for r in records), *prompts, config.lora.layers, config.lora.top_layers)
         if key not in self.encodings:
-            self.encodings[key] = encode_records(tokenizer, records, config)
+            self.encodings[key] = encode_records(tokenizer, records, fmt=task_format(records, settings=settings))
         return self.encodings[key]

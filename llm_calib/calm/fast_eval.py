@@ -16,17 +16,18 @@ import torch
 from torch import Tensor
 
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
-from llm_calib.calm.encoding import (
-    EncodedRecords,
-    encode_records,
-    format_settings,
-    task_format,
-)
+from llm_calib.calm.encoding import EncodedRecords, encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
+from llm_calib.calm.run import format_settings, task_format
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GenOut, TrunkGenerator
 from llm_calib.engine.options import forward_rows
-from llm_calib.engine.packing import PackedQuestions, length_batches, option_scores_from_logits
+from llm_calib.engine.packing import (
+    LENGTH_NORMALIZATIONS,
+    PackedQuestions,
+    length_batches,
+    option_scores_from_logits,
+)
 from llm_calib.formats.base import TaskFormat
 from llm_calib.models import lm_head_logits, split_decoder_head
 from llm_calib.scoring.base import ScoredSet
@@ -97,7 +98,7 @@ def _option_scores(enc: EncodedRecords, batch_size: int, normalize: str, bar: An
     with torch.inference_mode():
         for idx in length_batches([enc.length(i) for i in range(len(enc))], batch_size):
             packed, logits = forward(idx)
-            lengths = enc.option_text_lengths(idx, normalize) if normalize in ("char", "byte") else None
+            lengths = enc.option_text_lengths(idx, normalize) if normalize in LENGTH_NORMALIZATIONS else None
             s = option_scores_from_logits(logits, packed, normalize, lengths)
             for row, i in enumerate(idx):
                 scores[i] = s[row, : len(enc.options[i])].double().cpu()
@@ -198,13 +199,16 @@ class SharedTrunkEval:
         records = {k: v.records if isinstance(v, EncodedRecords) else list(v) for k, v in sets.items()}
         # the kind of the sets is read here, once: the first set's format, the others checked against it
         (first, first_set), *_ = sets.items()
-        fmt = first_set.format if isinstance(first_set, EncodedRecords) else task_format(records[first], self.config, what=first)
+        settings = format_settings(self.config)
+        fmt = (first_set.format if isinstance(first_set, EncodedRecords)
+               else task_format(records[first], what=first, settings=settings))
         for name, recs in records.items():
             fmt.check(recs, what=name)
         self.format: TaskFormat = fmt
-        self.normalize = format_settings(self.config)["normalize"]
+        self.normalize = settings["normalize"]
         self.records = records
-        self._sets = _TRUNK_SETS[fmt.family](self, sets, max_new_tokens, temperatures)
+        sets_class = next(c for c in (_ChoiceSets, _AnswerSets) if c.family == fmt.family)
+        self._sets = sets_class(self, sets, max_new_tokens, temperatures)
 
     @property
     def base_outputs(self) -> dict[str, list[GenOut]]:
@@ -238,6 +242,8 @@ class _ChoiceSets:
     """Multiple-choice sets of a :class:`SharedTrunkEval`: option scores from the base pass, then each model's top
     layers."""
 
+    family = "multiple_choice"  # the format family (record kind) these sets score
+
     def __init__(self, ev: SharedTrunkEval, sets: Mapping[str, Sequence[Any] | EncodedRecords], max_new_tokens: int,
                  temperatures: Sequence[float] | None) -> None:
         self.ev = ev
@@ -267,6 +273,8 @@ class _AnswerSets:
     """Open-question sets of a :class:`SharedTrunkEval`: greedy answers (one :class:`TrunkGenerator` over all
     sets)."""
 
+    family = "open"  # the format family (record kind) these sets score
+
     def __init__(self, ev: SharedTrunkEval, sets: Mapping[str, Sequence[Any] | EncodedRecords], max_new_tokens: int,
                  temperatures: Sequence[float] | None) -> None:
         self.ev = ev
@@ -291,6 +299,3 @@ class _AnswerSets:
     def adapted(self, model: Any, normalize: str | None, bar: Any) -> dict[str, OpenEndedSet]:
         return {n: open_ended_set(self.ev.records[n], o) for n, o in self._split(self.generator.trained(model, bar)).items()}
 
-
-_TRUNK_SETS: dict[str, type[_ChoiceSets] | type[_AnswerSets]] = {"multiple_choice": _ChoiceSets, "open": _AnswerSets}
-"""How :class:`SharedTrunkEval` scores each record kind (a format's ``family``)."""

@@ -23,8 +23,8 @@ from tqdm.auto import tqdm
 from llm_calib import distributed
 from llm_calib.calm import training
 from llm_calib.calm.config import CalibrationConfig
-from llm_calib.calm.encoding import format_settings
 from llm_calib.calm.lora import peft_deprecations_silenced
+from llm_calib.calm.run import ResolvedRun, format_settings, resolve_run
 from llm_calib.calm.training import Records, TrainingDiverged
 from llm_calib.prompts import prompt_dict
 
@@ -72,7 +72,7 @@ class CalibrationResult:
         save_file({k: v.detach().contiguous().cpu() for k, v in self.lam.items()}, str(out / "lambda.safetensors"))
         (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         (out / "history.json").write_text(json.dumps(self.history, indent=2))
-        from llm_calib import __version__
+        from llm_calib.version import __version__
 
         saved = {"metrics": self.metrics, "timings": self.timings, "notes": list(self.notes),
                  "llm_calib_version": __version__}
@@ -104,8 +104,9 @@ class CalibrationResult:
                    saved.get("notes", []))
 
 
-def base_model_record(model: Any, config: CalibrationConfig) -> dict[str, Any]:
-    """What a result records of its base model and prompt (:data:`BASE_MODEL_FILE`).
+def base_model_record(model: Any, config: CalibrationConfig | ResolvedRun) -> dict[str, Any]:
+    """What a result records of its base model and prompt (:data:`BASE_MODEL_FILE`), under a configuration
+    or a resolved run (:func:`~llm_calib.calm.run.resolve_run`).
 
     Returns:
         JSON-ready ``model`` (``config._name_or_path`` or None), ``dtype``, ``prompt``
@@ -117,7 +118,7 @@ def base_model_record(model: Any, config: CalibrationConfig) -> dict[str, Any]:
         >>> rec["model"], rec["dtype"], rec["prompt"]["style"], rec["normalize"]
         (None, 'float32', 'cloze', 'sum')
     """
-    settings = format_settings(config)
+    settings = config.settings if isinstance(config, ResolvedRun) else format_settings(config)
     name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
     param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
     dtype = str(param.dtype).removeprefix("torch.") if param is not None else None
@@ -125,8 +126,8 @@ def base_model_record(model: Any, config: CalibrationConfig) -> dict[str, Any]:
             "scorer": settings["scorer"], "normalize": settings["normalize"]}
 
 
-def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, config: CalibrationConfig | None = None,
-              *, unlabeled: Records | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
+def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
+              config: CalibrationConfig | ResolvedRun | None = None, *, unlabeled: Records | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
               resume: bool = False, progress: bool = True) -> CalibrationResult:
     """Fine-tune ``model`` (LoRA) so that its confidence is calibrated; return the result.
 
@@ -137,7 +138,9 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, conf
             :class:`~llm_calib.calm.encoding.EncodedRecords` (reused with its trunk cache).
         heldout: held-out questions of the same kind: model selection and the accuracy guard;
             also the upper-level inputs unless ``unlabeled`` is given.
-        config: the run's configuration (default :class:`CalibrationConfig()`).
+        config: the run's configuration (default :class:`CalibrationConfig()`), or the run already
+            resolved from it (:func:`~llm_calib.calm.run.resolve_run`, as
+            :func:`~llm_calib.compare.run_comparison` passes it); not changed.
         unlabeled: upper-level inputs of the same kind (labels ignored). Default: held-out inputs.
         checkpoint_dir: where to write checkpoints every ``config.checkpoint_every`` steps.
         resume: continue from the newest checkpoint in ``checkpoint_dir`` (same configuration but
@@ -163,14 +166,14 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, conf
         >>> sorted(calibrate(model, tok, qs[:2], qs[2:], cfg, progress=False).metrics)
         ['after', 'before']
     """
-    config = config or CalibrationConfig()
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
     timings: dict[str, float] = {}
-
-    base = base_model_record(model, config)  # before LoRA is attached
     with _timed(timings, "setup"):  # checks the records first: a bad mix fails before the model is touched
-        trainer = training.build_trainer(model, tokenizer, train, heldout, config, unlabeled=unlabeled)
-    config = trainer.config  # training.epochs resolved to steps
+        training.check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
+        run = config if isinstance(config, ResolvedRun) else resolve_run(config, train, heldout, unlabeled)
+        base = base_model_record(model, run)  # before LoRA is attached
+        trainer = training.build_trainer(model, tokenizer, train, heldout, run, unlabeled=unlabeled)
+    config = run.config  # training.epochs resolved to steps
     with _timed(timings, "evaluate_before"):
         state = training.init_state(trainer)
     run_data = training.data_fingerprint(train, heldout, unlabeled) if checkpoint_dir is not None else None

@@ -1,7 +1,7 @@
 """The public training loop of a calibration run, as small functions on two dataclasses.
 
-:class:`Trainer` holds what a run does not change (model, losses, encoded data, solver);
-:class:`TrainState` what it changes (θ, λ, optimiser states, history, selection). A run::
+:class:`Trainer` holds what a run does not change (model, losses, encoded data, θ's optimiser, the
+objective); :class:`TrainState` what it changes (θ, the objective's state, history, selection). A run::
 
     trainer = build_trainer(model, tokenizer, train, heldout, config)
     state = init_state(trainer)                     # evaluates the initial model
@@ -13,6 +13,11 @@
 
 is what :func:`llm_calib.calm.trainer.calibrate` runs, with checkpoints (:func:`save_state`,
 :func:`resume_state`) around it. Batches come from seeded streams (:mod:`llm_calib.calm.sampling`).
+
+The loop knows an objective only through :mod:`llm_calib.training_interface`: it makes a
+:class:`RunContext` (the :class:`~llm_calib.training_interface.StepContext` of a step) and calls the
+:class:`~llm_calib.training_interface.ObjectiveState` that the objective's ``start`` returned; λ, its
+optimiser and CALM's solver live there (:class:`~llm_calib.objectives.calm.CalmState`).
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import hashlib
 import math
 import re
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +39,18 @@ import hypergrad as hg
 from llm_calib import distributed
 from llm_calib.calm import sampling
 from llm_calib.calm.config import CalibrationConfig, flat_paths
-from llm_calib.calm.encoding import EncodedRecords, encode_records, format_settings, run_formats
+from llm_calib.calm.encoding import EncodedRecords, encode_records
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
-from llm_calib.calm.methods import make_adjustment, theta_optimizer
-from llm_calib.calm.objectives import Batch, CalmLosses, DataParallelLosses
+from llm_calib.calm.losses import CalmLosses, DataParallelLosses
+from llm_calib.calm.run import ResolvedRun, resolve_run, set_records
 from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.formats.base import TaskFormat
 from llm_calib.metrics import ece as ece_metric
+from llm_calib.objectives.base import Objective
+from llm_calib.training_interface import Batch, ObjectiveState
 
-__all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "SECOND_ORDER_SOLVERS", "TrainState",
+__all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "RunContext", "TrainState",
            "Trainer", "TrainingDiverged", "build_trainer", "check_not_empty",
            "data_fingerprint", "done", "evaluate", "evaluation_due",
            "init_state", "is_selectable", "keep_differentiated_units_gathered", "parameter_summary",
@@ -59,43 +66,22 @@ class TrainingDiverged(FloatingPointError):  # noqa: N818 (public name)
     """A loss or update became NaN/inf; the last good checkpoint is left untouched."""
 
 
-class _FirstValues:
-    """Keeps the first value of each wrapped loss since the last :meth:`reset` (a step's start)."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, float] = {}
-
-    def reset(self) -> None:
-        self.values = {}
-
-    def wrap(self, name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        def recorded(*args: Any) -> Tensor:
-            value = fn(*args)
-            if name not in self.values:
-                self.values[name] = float(value.detach())
-            return value
-
-        return recorded
-
-
 @dataclass
 class Trainer:
-    """What a calibration run keeps fixed: model, losses, data, solver.
+    """What a calibration run keeps fixed: model, losses, data, θ's optimiser, the objective.
 
     Attributes:
-        config: the run's configuration.
+        config: the run's configuration (resolved: ``training.steps`` set).
         model: the peft model (its adapter weights are the deployed θ).
         lm: the functional view of ``model`` that the losses evaluate.
-        losses: g, f, the baselines and the held-out monitor (:class:`CalmLosses`).
+        losses: g, f, the baselines and the held-out monitor (:class:`~llm_calib.calm.losses.CalmLosses`,
+            with the objective's logit adjustment, or none).
         train: encoded training questions (lower level).
         heldout: encoded held-out questions (model selection and the accuracy guard).
         unlabeled: encoded upper-level inputs; ``heldout`` itself unless others were given.
         pad_id: the tokenizer's padding id.
-        theta_optimizer: θ's optimiser for the one-level baselines.
-        solver: the bilevel solver, None for a one-level objective.
-        problem: ``BilevelProblem(inner=g, outer=f)`` for the solver (None for a baseline).
-        step_losses: the first g and f the solver computed in the current step.
-        objective: the run's objective (default ``config.objective``).
+        theta_optimizer: θ's optimiser (:func:`~llm_calib.calm.run.theta_optimizer`).
+        objective: the run's objective (default ``config.objective``); :func:`init_state` starts it.
     """
 
     config: CalibrationConfig
@@ -107,23 +93,16 @@ class Trainer:
     unlabeled: EncodedRecords
     pad_id: int
     theta_optimizer: Any
-    solver: Any | None
-    problem: hg.BilevelProblem | None
-    step_losses: _FirstValues = field(default_factory=_FirstValues, repr=False)
-    objective: Any = None
+    objective: Objective | None = None
 
     def __post_init__(self) -> None:
         if self.objective is None:
             self.objective = self.config.objective
 
     def with_losses(self, losses: CalmLosses) -> Trainer:
-        """A copy computing the losses with ``losses`` (e.g. a slow reference) on the same steps."""
-        recorder = _FirstValues()
-        problem = None
-        if self.solver is not None:
-            problem = hg.BilevelProblem(inner=recorder.wrap("g", losses.inner),
-                                        outer=recorder.wrap("f", losses.outer))
-        return dataclasses.replace(self, losses=losses, problem=problem, step_losses=recorder)
+        """A copy computing the losses with ``losses`` (e.g. a slow reference) on the same steps; call it
+        before :func:`init_state` (the objective's state binds the losses it starts with)."""
+        return dataclasses.replace(self, losses=losses)
 
     def fill_trunk_caches(self) -> int:
         """Cache the trunk of every question now (nothing without a trunk cache); return the count."""
@@ -134,7 +113,7 @@ class Trainer:
 
     @property
     def adjustment(self) -> Any:
-        """The logit adjustment λ (:class:`~llm_calib.adjustment.LogitAdjustment`)."""
+        """The logit adjustment λ (:class:`~llm_calib.adjustment.LogitAdjustment`); None when the objective trains none."""
         return self.losses.adjustment
 
     def train_batch(self, step: int) -> Batch:
@@ -158,23 +137,18 @@ class TrainState:
     Attributes:
         step: steps taken.
         theta: the current LoRA parameters θ (detached tensors).
-        lam: the current λ (leaf tensors stepped by ``lam_optimizer``).
-        lam_optimizer: λ's :class:`torch.optim.Adam`.
-        theta_opt_state: θ's optimiser state (the baselines').
-        solver_state: the solver's state (BOME's θ optimiser, F2SA's iterates), or None.
+        objective_state: the objective's state (:class:`~llm_calib.training_interface.ObjectiveState`:
+            CALM's λ, its optimiser and the solver's state; a baseline's θ optimiser state).
         history: one record per step (see :func:`train_step`, :func:`select`).
         before: held-out metrics of the initial model.
         best: the selected step, its held-out ECE and the count of evaluations below the floor.
-        best_theta, best_lam: θ and λ of the selected step.
+        best_theta, best_lam: θ and the objective's λ of the selected step (λ empty when it trains none).
         stopped_early: the accuracy guard stopped the run.
     """
 
     step: int
     theta: dict[str, Tensor]
-    lam: dict[str, Tensor]
-    lam_optimizer: torch.optim.Optimizer
-    theta_opt_state: Any
-    solver_state: Any
+    objective_state: ObjectiveState
     history: list[dict[str, float]]
     before: dict[str, float]
     best: dict[str, float]
@@ -183,12 +157,53 @@ class TrainState:
     stopped_early: bool = False
 
 
-def _encode(tokenizer: Any, data: Records, config: CalibrationConfig, fmt: TaskFormat) -> EncodedRecords:
-    return data if isinstance(data, EncodedRecords) else encode_records(tokenizer, data, config, fmt=fmt)
+class RunContext:
+    """The :class:`~llm_calib.training_interface.StepContext` of a run at its current step.
+
+    Args:
+        trainer: the run (its losses, θ optimiser and upper-level batches).
+        state: its state (the step count and θ, which an objective's step assigns).
+
+    Example:
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(training={"heldout_batch_size": 2}))
+        >>> context = RunContext(trainer, init_state(trainer, evaluate_before=False))
+        >>> context.step, len(context.unlabeled_batch().ids)
+        (0, 2)
+    """
+
+    def __init__(self, trainer: Trainer, state: TrainState) -> None:
+        self._trainer, self._state = trainer, state
+        self.losses = trainer.losses
+        self.theta_optimizer = trainer.theta_optimizer
+
+    @property
+    def step(self) -> int:
+        """The steps taken so far."""
+        return self._state.step
+
+    @property
+    def theta(self) -> dict[str, Tensor]:
+        """The current θ (assigning it updates the state)."""
+        return self._state.theta
+
+    @theta.setter
+    def theta(self, value: dict[str, Tensor]) -> None:
+        self._state.theta = value
+
+    def unlabeled_batch(self) -> Batch:
+        """This rank's upper-level batch of the step being taken."""
+        return self._trainer.unlabeled_batch(self._state.step)
 
 
-def _records(data: Records) -> Sequence[Any]:
-    return data.records if isinstance(data, EncodedRecords) else data
+def _encode(tokenizer: Any, data: Records, fmt: TaskFormat) -> EncodedRecords:
+    return data if isinstance(data, EncodedRecords) else encode_records(tokenizer, data, fmt=fmt)
+
+
+_records = set_records
 
 
 _SET_NAMES_AND_USES = {
@@ -221,13 +236,14 @@ def check_not_empty(**sets: Records | None) -> None:
             raise ValueError(f"the {name} set ({role}) is empty: {use}; pass at least one question")
 
 
-def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, config: CalibrationConfig, *,
-                  unlabeled: Records | None = None) -> Trainer:
-    """Attach LoRA to ``model`` (in place) and set up a run: encodings, λ, losses, solver.
+def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records,
+                  config: CalibrationConfig | ResolvedRun | None = None, *, unlabeled: Records | None = None) -> Trainer:
+    """Attach LoRA to ``model`` (in place) and set up a run: encodings, λ's adjustment, losses.
 
     Seeds torch with ``config.seed`` first. Under ``torchrun`` it also shards the frozen base
-    (:func:`llm_calib.distributed.shard_frozen_base`) and uses :class:`DataParallelLosses`.
-    The arguments are those of :func:`~llm_calib.calm.trainer.calibrate`.
+    (:func:`llm_calib.distributed.shard_frozen_base`) and uses :class:`~llm_calib.calm.losses.DataParallelLosses`.
+    The arguments are those of :func:`~llm_calib.calm.trainer.calibrate`; ``config`` may be the run
+    already resolved (:func:`~llm_calib.calm.run.resolve_run`).
 
     Raises:
         ValueError: records of mixed kinds or another type (naming the record).
@@ -242,8 +258,8 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
         (4, False)
     """
     check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
-    fmt, upper = run_formats(train, heldout, config, unlabeled)  # lower level; selection and upper level
-    config = config.resolved(len(_records(train)))  # training.epochs -> steps
+    run = config if isinstance(config, ResolvedRun) else resolve_run(config, train, heldout, unlabeled)
+    config, (fmt, upper) = run.config, run.formats  # lower level; selection and upper level
     warn_small_heldout(len(_records(heldout)), config)
     torch.manual_seed(config.seed)
     peft_model = attach_lora(model, config.lora, output_scale=config.lora.output_scale)
@@ -257,20 +273,20 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
     # need it (FunctionalLM.train_mode).
     peft_model.eval()
     lm = FunctionalLM(peft_model)
-    keep_differentiated_units_gathered(lm, config)
+    objective = config.objective
+    keep_differentiated_units_gathered(lm, objective.second_order)
     vocab = lm.head.out_features if hasattr(lm.head, "out_features") else lm.base.config.vocab_size
-    train_enc = _encode(tokenizer, train, config, fmt)
-    heldout_enc = _encode(tokenizer, heldout, config, upper)
-    unlabeled_enc = heldout_enc if unlabeled is None else _encode(tokenizer, unlabeled, config, upper)
+    train_enc = _encode(tokenizer, train, fmt)
+    heldout_enc = _encode(tokenizer, heldout, upper)
+    unlabeled_enc = heldout_enc if unlabeled is None else _encode(tokenizer, unlabeled, upper)
     sources = (train_enc, heldout_enc) if unlabeled is None else (train_enc, heldout_enc, unlabeled_enc)
     tokens = (t for src in sources for opts in src.options for o in opts for t in o)  # read by "answer_tokens" only
-    adjustment = make_adjustment(config, vocab, tokens, fmt.layout)
+    adjustment = objective.logit_adjustment(vocab, tokens, fmt.auto_adjustment)
     loss_class = DataParallelLosses if distributed.is_distributed() else CalmLosses
-    losses = loss_class(lm, adjustment, format_settings(config)["normalize"])
+    losses = loss_class(lm, adjustment, run.settings["normalize"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = Trainer(config, peft_model, lm, losses, train_enc, heldout_enc, unlabeled_enc, pad_id,
-                      theta_optimizer(config), config.objective.make_solver(config), None)
-    trainer = trainer.with_losses(losses)
+                      run.theta_optimizer, objective)
     if distributed.is_distributed():
         # A forward pass through the sharded base is a collective: every rank must run the same
         # ones, which a lazily filled cache (each rank its own shard's chunks) would not.
@@ -278,15 +294,11 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
     return trainer
 
 
-SECOND_ORDER_SOLVERS = ("implicit",)
-"""Solvers taking second derivatives: under ``torchrun`` the sharded units they differentiate
-through twice stay gathered (:func:`keep_differentiated_units_gathered`)."""
-
-
-def keep_differentiated_units_gathered(lm: FunctionalLM, config: CalibrationConfig) -> list[str]:
-    """Under ``torchrun`` with a solver of :data:`SECOND_ORDER_SOLVERS`: keep the FSDP2 units of the
-    trained layers, the layers above them and the head gathered for the run
-    (:func:`llm_calib.distributed.keep_gathered`); the layers below stay sharded.
+def keep_differentiated_units_gathered(lm: FunctionalLM, second_order: bool) -> list[str]:
+    """Under ``torchrun`` for an objective that takes ``second_order`` derivatives (CALM with a solver whose
+    :attr:`~llm_calib.objectives.calm.CalmSolver.second_order` is set): keep the FSDP2 units of the trained
+    layers, the layers above them and the head gathered for the run (:func:`llm_calib.distributed.keep_gathered`):
+    they are differentiated through twice; the layers below stay sharded.
 
     Returns:
         The units kept gathered; empty in one process or for a first-order method.
@@ -295,11 +307,10 @@ def keep_differentiated_units_gathered(lm: FunctionalLM, config: CalibrationConf
         >>> from llm_calib.models import tiny_random_model
         >>> from llm_calib.calm.config import LoraSettings
         >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))
-        >>> keep_differentiated_units_gathered(lm, CalibrationConfig(objective={"name": "calm", "solver": "implicit"}))
+        >>> keep_differentiated_units_gathered(lm, CalibrationConfig(objective={"name": "calm", "solver": "implicit"}).objective.second_order)
         []
     """
-    solver = getattr(getattr(config.objective, "solver", None), "name", None)
-    if solver not in SECOND_ORDER_SOLVERS or not distributed.is_distributed():
+    if not second_order or not distributed.is_distributed():
         return []
     layers = getattr(lm.decoder, "layers", None)
     trained = [int(m.group(1)) for n in lm.theta() if (m := re.search(r"layers\.(\d+)\.", n))]
@@ -350,7 +361,7 @@ def evaluate(trainer: Trainer, theta: dict[str, Tensor] | None = None, batch_siz
 
     Returns:
         ``accuracy``, ``ece`` (10 bins), ``nll``, ``entropy`` and ``confidence`` (means), from
-        :meth:`CalmLosses.monitor <llm_calib.calm.objectives.CalmLosses.monitor>`.
+        :meth:`CalmLosses.monitor <llm_calib.calm.losses.CalmLosses.monitor>`.
     """
     if theta is not None:
         trainer.lm.load_theta(theta)
@@ -386,21 +397,16 @@ def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
         >>> state.step, sorted(k for k in ("g", "phi", "q", "unlabeled_entropy") if k in record)
         (1, ['g', 'phi', 'q', 'unlabeled_entropy'])
     """
-    lm = trainer.lm
-    theta = lm.theta()
-    # λ in the float precision of the model (float32 for half-precision models)
-    lam0 = trainer.adjustment.init(dtype=torch.float64 if lm.dtype == torch.float64 else torch.float32, device=lm.device)
-    lam = {k: v.clone().requires_grad_(True) for k, v in lam0.items()}
+    nan = dict.fromkeys(("accuracy", "ece", "nll", "entropy", "confidence"), math.nan)
+    theta = trainer.lm.theta()
+    state = TrainState(step=0, theta=theta, objective_state=None, history=[], before=nan,  # type: ignore[arg-type]
+                       best={}, best_theta={k: v.clone() for k, v in theta.items()}, best_lam={})
+    state.objective_state = trainer.objective.start(RunContext(trainer, state))
+    state.best_lam = {k: v.detach().clone() for k, v in state.objective_state.lam.items()}
     if evaluate_before:
-        before = evaluate(trainer)
-    else:
-        before = dict.fromkeys(("accuracy", "ece", "nll", "entropy", "confidence"), math.nan)
-    lam_optimizer = torch.optim.Adam(list(lam.values()), lr=trainer.config.objective.lam_lr)
-    return TrainState(step=0, theta=theta, lam=lam, lam_optimizer=lam_optimizer,
-                      theta_opt_state=trainer.theta_optimizer.init(theta), solver_state=None, history=[],
-                      before=before, best={"ece": before["ece"], "step": 0},
-                      best_theta={k: v.clone() for k, v in theta.items()},
-                      best_lam={k: v.detach().clone() for k, v in lam.items()})
+        state.before = evaluate(trainer)
+    state.best = {"ece": state.before["ece"], "step": 0}
+    return state
 
 
 def parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[str, float]:
@@ -423,8 +429,9 @@ def parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[
 def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
     """Take step ``state.step + 1`` of ``trainer.objective``; update ``state`` in place.
 
-    CALM: the solver's joint step of θ and λ's direction, then one projected Adam step of λ.
-    One-level objectives: one Adam step of θ on their loss.
+    The step is the objective state's (:class:`~llm_calib.training_interface.ObjectiveState`), given the
+    run's :class:`RunContext`. CALM: the solver's joint step of θ and λ's direction, then one projected
+    Adam step of λ; one-level objectives: one Adam step of θ on their loss.
 
     Returns:
         The step's record (not yet appended to ``state.history``): ``step`` (1-based), the
@@ -435,10 +442,9 @@ def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
         TrainingDiverged: a loss or update is NaN/inf (names the step and the batch).
     """
     inner = trainer.train_batch(state.step)
-    objective = trainer.objective
     try:
         with trainer.lm.train_mode():
-            record = objective.step(trainer, state, inner)
+            record = state.objective_state.step(RunContext(trainer, state), inner)
         hg.tree.check_finite(state.theta, "updated LoRA parameters")
     except (hg.NonFiniteError, FloatingPointError) as err:
         raise TrainingDiverged(
@@ -446,8 +452,7 @@ def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
             "No checkpoint was written for this step; lower the learning rates or check the data."
         ) from err
     state.step += 1
-    return {"step": state.step, **record,
-            **parameter_summary(state.theta, state.lam if objective.trains_adjustment else {})}
+    return {"step": state.step, **record, **parameter_summary(state.theta, state.objective_state.lam)}
 
 
 def evaluation_due(config: CalibrationConfig, step: int) -> bool:
@@ -486,7 +491,7 @@ def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> di
     if is_selectable(metrics["accuracy"], before["accuracy"], cfg) and metrics["ece"] < best["ece"]:
         best = state.best = {"ece": metrics["ece"], "step": state.step, "violations": 0}
         state.best_theta = {k: v.clone() for k, v in state.theta.items()}
-        state.best_lam = {k: v.detach().clone() for k, v in state.lam.items()}
+        state.best_lam = {k: v.detach().clone() for k, v in state.objective_state.lam.items()}
     below = metrics["accuracy"] < cfg.selection.guard_accuracy * before["accuracy"]
     best["violations"] = best.get("violations", 0) + 1 if below else 0
     if best["violations"] >= cfg.selection.guard_patience:
@@ -548,9 +553,9 @@ def data_fingerprint(train: Records, heldout: Records, unlabeled: Records | None
     return out
 
 
-_STATE_TREES = {"theta/": "theta", "best_theta/": "best_theta", "lam/": "lam", "best_lam/": "best_lam",
-                "theta_opt/": "theta_opt_state", "method/": "solver_state"}
-"""The tensors of a checkpoint: key prefix -> the :class:`TrainState` field holding them."""
+_STATE_TREES = {"theta/": "theta", "best_theta/": "best_theta", "best_lam/": "best_lam"}
+"""The loop's tensors of a checkpoint: key prefix -> the :class:`TrainState` field holding them. The
+objective state's come under its own prefixes (CALM: ``lam/``, ``method/``; a baseline: ``theta_opt/``)."""
 
 
 def _tree_to_flat(prefix: str, tree: dict[str, Any], out: dict[str, Tensor]) -> None:
@@ -577,10 +582,12 @@ def _flat_to_tree(prefix: str, flat: dict[str, Tensor]) -> dict[str, Any]:
 def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any] | None) -> Path:
     """Write ``state`` as checkpoint ``state.step``, with the config and ``data`` (a :func:`data_fingerprint`)."""
     tensors: dict[str, Tensor] = {}
-    for prefix, name in _STATE_TREES.items():
-        _tree_to_flat(prefix, getattr(state, name) or {}, tensors)  # save_checkpoint stores detached copies
+    objective_trees, objective_meta = state.objective_state.checkpoint()
+    trees = {**{prefix: getattr(state, name) for prefix, name in _STATE_TREES.items()}, **objective_trees}
+    for prefix, tree in trees.items():
+        _tree_to_flat(prefix, tree or {}, tensors)  # save_checkpoint stores detached copies
     meta = {"step": state.step, "history": state.history, "best": state.best, "before": state.before,
-            "stopped_early": state.stopped_early, "lam_optimizer": state.lam_optimizer.state_dict(),
+            "stopped_early": state.stopped_early, **objective_meta,
             "rng": torch.get_rng_state(), "run": {"config": trainer.config.to_dict(), "data": data}}
     return save_checkpoint(directory, state.step, tensors, meta)
 
@@ -613,14 +620,10 @@ def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, dat
     tensors, meta = load_checkpoint(ckpt)
     _check_resumable(ckpt, meta.get("run"), trainer.config, data)
     tensors = {k: v.to(trainer.lm.device) for k, v in tensors.items()}
-    trees = {name: _flat_to_tree(prefix, tensors) for prefix, name in _STATE_TREES.items()}
-    with torch.no_grad():  # λ's leaves stay the ones its optimiser steps
-        for k, v in trees.pop("lam").items():
-            state.lam[k].copy_(v)
-    trees["solver_state"] = trees["solver_state"] or None
-    for name, tree in trees.items():
-        setattr(state, name, tree)
-    state.lam_optimizer.load_state_dict(meta["lam_optimizer"])
+    for prefix, name in _STATE_TREES.items():
+        setattr(state, name, _flat_to_tree(prefix, tensors))
+    prefixes = {key.split("/", 1)[0] + "/" for key in tensors} - set(_STATE_TREES)
+    state.objective_state.restore({prefix: _flat_to_tree(prefix, tensors) for prefix in prefixes}, meta)
     state.history, state.best, state.step, state.before = meta["history"], meta["best"], meta["step"], meta["before"]
     torch.set_rng_state(meta["rng"])
     state.stopped_early = bool(meta.get("stopped_early", False))

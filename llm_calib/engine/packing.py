@@ -10,16 +10,41 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
 
 __all__ = [
-    "PACKED_MASK_ATTENTION", "PART_OVERHEAD_TOKENS", "OptionSequences", "PackedQuestions", "accepts_packed_masks",
-    "causal_additive_mask", "gather_token_logprobs", "length_batches", "length_parts", "option_scores_from_logits",
-    "option_sequences", "pack_continuations", "pack_letters", "pack_questions", "reduce_per_option",
+    "LENGTH_NORMALIZATIONS",
+    "NORMALIZE_MODES",
+    "PACKED_MASK_ATTENTION",
+    "PART_OVERHEAD_TOKENS",
+    "Normalize",
+    "OptionSequences",
+    "PackedQuestions",
+    "accepts_packed_masks",
+    "causal_additive_mask",
+    "gather_token_logprobs",
+    "length_batches",
+    "length_parts",
+    "option_scores_from_logits",
+    "option_sequences",
+    "pack_continuations",
+    "pack_letters",
+    "pack_questions",
+    "reduce_per_option",
 ]
+
+Normalize = Literal["sum", "mean", "char", "byte"]
+"""How an option's token log-probabilities become its score: summed, per token, per character
+(lm-eval's ``acc_norm``) or per UTF-8 byte (``acc_bytes``). The one place the modes are spelled."""
+
+NORMALIZE_MODES: tuple[str, ...] = get_args(Normalize)
+"""The values of :data:`Normalize`, in order."""
+
+LENGTH_NORMALIZATIONS: tuple[str, ...] = ("char", "byte")
+"""The modes of :data:`NORMALIZE_MODES` that divide by the option's text length (they need the option texts)."""
 
 
 @dataclass
@@ -388,9 +413,10 @@ def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize
         >>> [round(v, 4) for v in option_scores_from_logits(torch.zeros(2, 5), p)[0].tolist()]
         [-1.6094, -3.2189]
     """
-    if normalize not in ("sum", "mean", "char", "byte"):
-        raise ValueError(f"normalize must be 'sum', 'mean', 'char' or 'byte', got {normalize!r}")
-    by_length = normalize in ("char", "byte")
+    if normalize not in NORMALIZE_MODES:
+        spelled = ", ".join(repr(m) for m in NORMALIZE_MODES[:-1]) + f" or {NORMALIZE_MODES[-1]!r}"
+        raise ValueError(f"normalize must be {spelled}, got {normalize!r}")
+    by_length = normalize in LENGTH_NORMALIZATIONS
     if by_length and lengths is None:
         raise ValueError(f"normalize={normalize!r} needs the options' lengths in characters or bytes")
     device = logits.device

@@ -1,15 +1,16 @@
 """Task formats, one object per way of asking questions (:mod:`llm_calib.formats.base`):
 :class:`OptionLikelihood` and :class:`Letter` (multiple choice), :class:`OpenEnded` (open
-questions). :func:`format_for` reads the kind of the records, once, where they enter.
+questions), registered by name (:mod:`llm_calib.formats.registry`; a multiple-choice format's
+name is its ``scorer``). :func:`format_for` reads the kind of the records, once, where they enter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
-from llm_calib.data.records import RECORD_KINDS
+from llm_calib.data.records import MultipleChoice
 from llm_calib.formats.base import RecordKindError, TaskFormat, records_family
 from llm_calib.formats.categorical import cross_entropy, entropy, identity
 from llm_calib.formats.multiple_choice import (
@@ -19,42 +20,31 @@ from llm_calib.formats.multiple_choice import (
     normalization_summary,
 )
 from llm_calib.formats.open_ended import OpenEnded
+from llm_calib.formats.registry import (
+    BUILTIN_FORMATS,
+    MULTIPLE_CHOICE_FORMATS,
+    SCORER_NAMES,
+    family_format,
+    format_class,
+    format_names,
+    register_format,
+    scorer_class,
+    unregister_format,
+)
 from llm_calib.prompts import PromptFormat
-from llm_calib.scoring.base import ScoredResult
+from llm_calib.scoring.base import ScoredResult, ScoredSet
 
 __all__ = [
-    "MULTIPLE_CHOICE_FORMATS", "Letter", "MultipleChoiceFormat", "OpenEnded", "OptionLikelihood",
-    "RecordKindError", "ScoredResult", "TaskFormat", "cross_entropy", "entropy", "family_format",
-    "format_for", "identity", "multiple_choice_format", "normalization_summary", "records_family",
+    "BUILTIN_FORMATS", "MULTIPLE_CHOICE_FORMATS", "SCORER_NAMES", "Letter", "MultipleChoiceFormat", "OpenEnded",
+    "OptionLikelihood", "RecordKindError", "ScoredResult", "TaskFormat", "cross_entropy", "entropy",
+    "family_format", "format_class", "format_for", "format_names", "identity", "multiple_choice_format",
+    "normalization_summary", "records_family", "register_format", "score_multiple_choice", "scorer_class",
+    "unregister_format",
 ]
-
-MULTIPLE_CHOICE_FORMATS: dict[str, type[MultipleChoiceFormat]] = {
-    "option_likelihood": OptionLikelihood,
-    "letter": Letter,
-}
-"""The multiple-choice formats by scorer name (the ``scorer`` setting)."""
-
-_FAMILIES: dict[str, type[TaskFormat]] = {"multiple_choice": MultipleChoiceFormat, "open": OpenEnded}
-
-
-def family_format(family: str) -> type[TaskFormat]:
-    """The format class of a record kind (as result files store it).
-
-    Raises:
-        ValueError: an unknown kind.
-
-    Example:
-        >>> family_format("open").description
-        'open-ended (exact match)'
-    """
-    if family not in _FAMILIES:
-        raise ValueError(f"kind must be one of {RECORD_KINDS}, got {family!r}")
-    return _FAMILIES[family]
-
 
 def multiple_choice_format(scorer: str = "option_likelihood", *, normalize: str = "sum",
                            prompt: PromptFormat | None = None) -> MultipleChoiceFormat:
-    """The multiple-choice format of a scorer name (a key of :data:`MULTIPLE_CHOICE_FORMATS`).
+    """The multiple-choice format of a scorer name (one of :data:`SCORER_NAMES`).
 
     Raises:
         ValueError: an unknown scorer, or a prompt the scorer cannot use.
@@ -63,9 +53,29 @@ def multiple_choice_format(scorer: str = "option_likelihood", *, normalize: str 
         >>> multiple_choice_format("letter").prompt_settings().style
         'listed'
     """
-    if scorer not in MULTIPLE_CHOICE_FORMATS:
-        raise ValueError(f"scorer must be one of {tuple(MULTIPLE_CHOICE_FORMATS)}, got {scorer!r}")
-    return MULTIPLE_CHOICE_FORMATS[scorer](normalize=normalize, prompt=prompt)
+    return scorer_class(scorer)(normalize=normalize, prompt=prompt)
+
+
+def score_multiple_choice(
+    model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, scorer: str = "option_likelihood",
+    normalize: Literal["sum", "mean", "char", "byte"] = "sum", prompt: PromptFormat | None = None,
+    batch_size: int = 8, progress: bool = False,
+) -> ScoredSet:
+    """Score multiple-choice records with the format registered as ``scorer``
+    (:func:`multiple_choice_format`; ``normalize``: option likelihood only).
+
+    Raises:
+        ValueError: an unknown ``scorer``, or the scorer's own argument errors.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> qs = [MultipleChoice("Capital of France?", ("Paris", "Rome"), 0, "geo", "q0")]
+        >>> score_multiple_choice(model, tok, qs, scorer="letter").scorer
+        'letter'
+    """
+    fmt = multiple_choice_format(scorer, normalize=normalize, prompt=prompt)
+    return fmt.score(model, tokenizer, records, batch_size=batch_size, progress=progress)
 
 
 def format_for(
@@ -77,7 +87,7 @@ def format_for(
 
     Args:
         records: all multiple choice or all open questions.
-        scorer: multiple-choice scorer name (see :data:`MULTIPLE_CHOICE_FORMATS`).
+        scorer: multiple-choice scorer name (one of :data:`SCORER_NAMES`).
         normalize: option-likelihood normalisation.
         prompt: multiple-choice prompt format (None: the scorer's default).
         open_prompt: open-question prompt format (None: ``prompt`` as a cloze prompt).

@@ -17,7 +17,7 @@ from llm_calib.scoring.base import ScoredResult
 
 if TYPE_CHECKING:
     from llm_calib.adjustment import LogitAdjustment
-    from llm_calib.calm.objectives import Batch, CalmLosses
+    from llm_calib.training_interface import Batch, Losses
 
 __all__ = ["RecordKindError", "TaskFormat", "records_family"]
 
@@ -82,6 +82,9 @@ class TaskFormat(ABC):
     Attributes:
         family: the record kind taken (``"multiple_choice"`` or ``"open"``), results' ``kind``.
         layout: the training-batch layout (``"options"``, ``"letter"`` or ``"open"``).
+        auto_adjustment: the logit adjustment λ of CALM's ``adjustment="auto"`` for this format: λ acts
+            where the prediction is made (an option temperature on option scores, the letters'
+            logits for the letter scorer, the vocabulary for open answers).
         description: how reports name the kind of question.
         temperature_scalable: whether the scores are option logits a temperature applies to.
         answer_stop: open questions: each reference ends with greedy answering's stop token.
@@ -102,6 +105,7 @@ class TaskFormat(ABC):
 
     family: ClassVar[str]
     layout: ClassVar[str]
+    auto_adjustment: ClassVar[str]
     description: ClassVar[str]
     temperature_scalable: ClassVar[bool] = False
     training_notes: ClassVar[tuple[str, ...]] = ()
@@ -146,16 +150,16 @@ class TaskFormat(ABC):
 
     @abstractmethod
     def categorical(
-        self, losses: CalmLosses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
+        self, losses: Losses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
     ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
         """The predictions the task loss fits (adjusted by ``lam``), their targets, and the per-question reduction."""
 
     @abstractmethod
-    def deployed_entropy(self, losses: CalmLosses, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
+    def deployed_entropy(self, losses: Losses, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
         """Per-question entropy of the unadjusted model's prediction (the upper-level target)."""
 
     @abstractmethod
-    def monitor(self, losses: CalmLosses, batch: Batch) -> dict[str, Tensor]:
+    def monitor(self, losses: Losses, batch: Batch) -> dict[str, Tensor]:
         """Per-question held-out ``confidence``, ``correct``, ``nll`` and ``entropy`` (float64, CPU)."""
 
     # --- scoring and results ------------------------------------------------------------------

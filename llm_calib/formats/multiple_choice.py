@@ -17,6 +17,7 @@ from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import PackedQuestions, pack_letters, pack_questions
 from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy, identity
+from llm_calib.formats.registry import register_format
 from llm_calib.prompts import PromptFormat
 from llm_calib.scoring.base import ScoredSet, encode_prompts
 from llm_calib.scoring.letter import check_listed_prompt, letter_token_ids, score_letter
@@ -29,7 +30,7 @@ from llm_calib.scoring.option_likelihood import (
 )
 
 if TYPE_CHECKING:
-    from llm_calib.calm.objectives import Batch, CalmLosses
+    from llm_calib.training_interface import Batch, Losses
 
 __all__ = ["Letter", "MultipleChoiceFormat", "OptionLikelihood", "normalization_metrics", "normalization_summary"]
 
@@ -76,11 +77,17 @@ def normalization_metrics(scored: ScoredSet, normalize: str, n_bins: int = 10) -
 class MultipleChoiceFormat(TaskFormat):
     """What the multiple-choice formats share: labels, option-distribution losses, temperature scaling, rows.
 
+    A subclass registered by name (:func:`~llm_calib.formats.registry.register_format`) is a
+    scorer; it is built as ``cls(normalize=..., prompt=...)`` and scores under
+    :meth:`~llm_calib.formats.base.TaskFormat.prompt_settings` (its ``default_prompt`` when given
+    no prompt; a configuration's ``style`` becomes a prompt through :meth:`configured_prompt`).
+
     Example:
         >>> issubclass(Letter, MultipleChoiceFormat), Letter().description
         (True, 'multiple choice')
     """
 
+    name: ClassVar[str]
     family: ClassVar[str] = "multiple_choice"
     description: ClassVar[str] = "multiple choice"
     temperature_scalable: ClassVar[bool] = True
@@ -100,17 +107,17 @@ class MultipleChoiceFormat(TaskFormat):
         return record.gold
 
     def categorical(
-        self, losses: CalmLosses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
+        self, losses: Losses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
     ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
         """One option distribution per question (adjusted scores), the gold options, no reduction."""
         scores = losses.scores(theta, lam, batch)
         return scores, batch.labels.to(scores.device), identity
 
-    def deployed_entropy(self, losses: CalmLosses, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
+    def deployed_entropy(self, losses: Losses, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
         """Entropy of the unadjusted option distribution."""
         return entropy(losses.scores(theta, None, batch))
 
-    def monitor(self, losses: CalmLosses, batch: Batch) -> dict[str, Tensor]:
+    def monitor(self, losses: Losses, batch: Batch) -> dict[str, Tensor]:
         """Max probability, argmax correct, ``-log p(gold)`` and entropy of the option distribution."""
         scores = losses.scores(None, None, batch).double().cpu()
         p = torch.softmax(scores, -1)
@@ -148,6 +155,7 @@ class MultipleChoiceFormat(TaskFormat):
             }
 
 
+@register_format("option_likelihood")
 @dataclass(frozen=True)
 class OptionLikelihood(MultipleChoiceFormat):
     """Multiple choice scored by the log-likelihood of each option's text.
@@ -171,6 +179,7 @@ class OptionLikelihood(MultipleChoiceFormat):
     prompt: PromptFormat | None = None
 
     layout: ClassVar[str] = "options"
+    auto_adjustment: ClassVar[str] = "option_temperature"
     default_prompt: ClassVar[PromptFormat] = PromptFormat()  # cloze
 
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
@@ -189,11 +198,12 @@ class OptionLikelihood(MultipleChoiceFormat):
 
     def score(self, model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, batch_size: int = 8,
               progress: bool = False) -> ScoredSet:
-        """:func:`~llm_calib.scoring.option_likelihood.score_option_likelihood`."""
-        return score_option_likelihood(model, tokenizer, records, normalize=self.normalize, prompt=self.prompt,
-                                       batch_size=batch_size, progress=progress)
+        """:func:`~llm_calib.scoring.option_likelihood.score_option_likelihood` under :meth:`prompt_settings`."""
+        return score_option_likelihood(model, tokenizer, records, normalize=self.normalize,
+                                       prompt=self.prompt_settings(), batch_size=batch_size, progress=progress)
 
 
+@register_format("letter")
 @dataclass(frozen=True)
 class Letter(MultipleChoiceFormat):
     """Multiple choice scored by the option letters after a prompt that lists the options.
@@ -218,6 +228,7 @@ class Letter(MultipleChoiceFormat):
     normalize: str = "sum"
 
     layout: ClassVar[str] = "letter"
+    auto_adjustment: ClassVar[str] = "answer_tokens"
     default_prompt: ClassVar[PromptFormat] = PromptFormat(style="listed")
 
     def __post_init__(self) -> None:
@@ -249,5 +260,6 @@ class Letter(MultipleChoiceFormat):
 
     def score(self, model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, batch_size: int = 8,
               progress: bool = False) -> ScoredSet:
-        """:func:`~llm_calib.scoring.letter.score_letter`."""
-        return score_letter(model, tokenizer, records, prompt=self.prompt, batch_size=batch_size, progress=progress)
+        """:func:`~llm_calib.scoring.letter.score_letter` under :meth:`prompt_settings`."""
+        return score_letter(model, tokenizer, records, prompt=self.prompt_settings(), batch_size=batch_size,
+                            progress=progress)

@@ -13,17 +13,19 @@ from llm_calib.data.records import OpenQA
 from llm_calib.engine.packing import PackedQuestions, pack_continuations, reduce_per_option
 from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy
+from llm_calib.formats.registry import register_format
 from llm_calib.prompts import PromptFormat, continuation_text
 from llm_calib.scoring.base import encode_continuation
 from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts, score_open_ended
 
 if TYPE_CHECKING:
     from llm_calib.adjustment import LogitAdjustment
-    from llm_calib.calm.objectives import Batch, CalmLosses
+    from llm_calib.training_interface import Batch, Losses
 
 __all__ = ["OpenEnded"]
 
 
+@register_format("open_ended")
 @dataclass(frozen=True)
 class OpenEnded(TaskFormat):
     """Open questions answered greedily; exact match against the accepted answers.
@@ -48,8 +50,10 @@ class OpenEnded(TaskFormat):
     max_new_tokens: int = 32
     answer_stop: bool = False
 
+    name: ClassVar[str]
     family: ClassVar[str] = "open"
     layout: ClassVar[str] = "open"
+    auto_adjustment: ClassVar[str] = "vector"
     description: ClassVar[str] = "open-ended (exact match)"
     default_prompt: ClassVar[PromptFormat] = PromptFormat()
     upper_families: ClassVar[tuple[str, ...]] = ("open", "multiple_choice")
@@ -99,7 +103,7 @@ class OpenEnded(TaskFormat):
             )
 
     def categorical(
-        self, losses: CalmLosses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
+        self, losses: Losses, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch
     ) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
         """One vocabulary distribution per answer token, its reference token, and the per-answer mean."""
         packed = batch.packed
@@ -113,11 +117,11 @@ class OpenEnded(TaskFormat):
             lambda per_token: reduce_per_option(per_token, packed, "mean"),
         )
 
-    def deployed_entropy(self, losses: CalmLosses, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
+    def deployed_entropy(self, losses: Losses, theta: dict[str, Tensor] | None, batch: Batch) -> Tensor:
         """Entropy of the unadjusted next-token distribution at the first answer position."""
         return entropy(losses.logits(theta, None, batch, batch.packed.answer_start_rows()))
 
-    def monitor(self, losses: CalmLosses, batch: Batch) -> dict[str, Tensor]:
+    def monitor(self, losses: Losses, batch: Batch) -> dict[str, Tensor]:
         """A teacher-forced proxy of greedy answering."""
         packed = batch.packed
         logp = torch.log_softmax(losses.logits(None, None, batch).double(), -1).cpu()

@@ -1,14 +1,19 @@
-"""What the training loop needs from an objective: :class:`Objective`, and its config-file form."""
+"""What the training loop needs from an objective: :class:`Objective`, and its config-file form.
+
+An objective talks to the loop through :mod:`llm_calib.training_interface` only: :meth:`Objective.start`
+gets a :class:`~llm_calib.training_interface.StepContext` and returns the run's
+:class:`~llm_calib.training_interface.ObjectiveState`, whose ``step`` the loop calls.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from llm_calib.calm.config import CalibrationConfig
-    from llm_calib.calm.objectives import Batch
-    from llm_calib.calm.training import Trainer, TrainState
+    from llm_calib.adjustment import LogitAdjustment
+    from llm_calib.training_interface import ObjectiveState, StepContext
 
 __all__ = ["Objective", "settings_from_dict", "settings_to_dict"]
 
@@ -55,39 +60,45 @@ def settings_from_dict(cls: type, data: dict[str, Any], path: str) -> Any:
 
 
 class Objective:
-    """A training objective: its settings (dataclass fields of a subclass) and its :meth:`step`.
+    """A training objective: its settings (dataclass fields of a subclass) and the state of a run of it.
 
     It is the ``objective`` part of :class:`~llm_calib.calm.config.CalibrationConfig`, registered by
-    name with :func:`~llm_calib.objectives.registry.register_objective`. An objective that trains the
-    logit adjustment λ (CALM) makes ``adjustment``, ``lam_lr``, ``max_log_scale`` and ``max_bias``
-    fields; the others keep the class defaults (λ stays the identity).
+    name with :func:`~llm_calib.objectives.registry.register_objective`. The settings stay as
+    configured; what a run changes lives in the :class:`~llm_calib.training_interface.ObjectiveState`
+    that :meth:`start` returns (an objective that trains a logit adjustment λ, as CALM does, keeps λ
+    and its optimiser there and says which λ in :meth:`logit_adjustment`).
 
     Attributes:
         name: the registered name.
-        trains_adjustment: whether the step updates ``state.lam``.
+        trains_adjustment: whether its runs train a logit adjustment λ.
+        second_order: whether its runs take second derivatives (CALM with the implicit solver).
         field_choices: the allowed values of string fields (command-line choices).
 
     Example:
         >>> from llm_calib.objectives.lora_ce import LoraCE
-        >>> LoraCE().to_dict(), LoraCE().adjustment
-        ({'name': 'lora_ce'}, 'auto')
+        >>> LoraCE().to_dict(), LoraCE().logit_adjustment(10, (), "vector") is None
+        ({'name': 'lora_ce'}, True)
     """
 
     name: ClassVar[str] = ""
     trains_adjustment: ClassVar[bool] = False
+    second_order: ClassVar[bool] = False
     field_choices: ClassVar[dict[str, tuple[str, ...]]] = {}
-    adjustment = "auto"
-    lam_lr = 5e-2
-    max_log_scale = 3.0
-    max_bias = 10.0
 
-    def make_solver(self, config: CalibrationConfig) -> Any:
-        """The bilevel solver of ``BilevelProblem(g, f)``; None (default): a one-level objective."""
+    def logit_adjustment(self, vocab_size: int, token_ids: Iterable[int], auto_kind: str) -> LogitAdjustment | None:
+        """The logit adjustment λ a run of this objective trains, or None (default): it trains none.
+
+        Args:
+            vocab_size: the model's vocabulary size.
+            token_ids: the answer tokens of the run's records (what ``"answer_tokens"`` adjusts).
+            auto_kind: the kind the run's task format adjusts by default
+                (:attr:`~llm_calib.formats.base.TaskFormat.auto_adjustment`).
+        """
         return None
 
-    def step(self, trainer: Trainer, state: TrainState, inner: Batch) -> dict[str, float]:
-        """One step on the training batch ``inner``: update ``state`` in place, return the step's record (floats)."""
-        raise NotImplementedError(f"{type(self).__name__} must define step(trainer, state, inner)")
+    def start(self, context: StepContext) -> ObjectiveState:
+        """The state of a new run at step 0 (``context.losses`` carries :meth:`logit_adjustment`'s λ)."""
+        raise NotImplementedError(f"{type(self).__name__} must define start(context)")
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as a dict tagged with ``name`` (see :func:`settings_to_dict`)."""

@@ -2,23 +2,25 @@
 
 :class:`Calm` holds one solver config, :class:`Bome`, :class:`F2SA` or :class:`ImplicitSolver`
 (registered with :func:`~llm_calib.objectives.registry.register_solver`); each validates its
-settings and builds its :mod:`hypergrad` method.
+settings and builds its :mod:`hypergrad` method. A run's λ, its optimiser, the solver's method and
+state and the bilevel problem live in its :class:`CalmState`, not in the training loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+from torch import Tensor
 
 import hypergrad as hg
-from llm_calib.adjustment import ADJUSTMENT_KINDS
+from llm_calib.adjustment import ADJUSTMENT_KINDS, LogitAdjustment
 from llm_calib.calm.attention import second_order_attention
-from llm_calib.calm.methods import theta_optimizer
 from llm_calib.checks import check_int, check_number
 from llm_calib.objectives.base import Objective, settings_from_dict
 from llm_calib.objectives.registry import (
@@ -29,12 +31,10 @@ from llm_calib.objectives.registry import (
 )
 
 if TYPE_CHECKING:
-    from llm_calib.calm.config import CalibrationConfig
-    from llm_calib.calm.objectives import Batch
-    from llm_calib.calm.training import Trainer, TrainState
+    from llm_calib.training_interface import Batch, StepContext
 
 __all__ = [
-    "ADJUSTMENT_CHOICES", "F2SA", "Bome", "Calm", "CalmSolver", "ImplicitSolver",
+    "ADJUSTMENT_CHOICES", "F2SA", "Bome", "Calm", "CalmSolver", "CalmState", "ImplicitSolver",
 ]
 
 ADJUSTMENT_CHOICES = ("auto", *ADJUSTMENT_KINDS)
@@ -53,27 +53,31 @@ class CalmSolver(Protocol):
     Attributes:
         name: the registered name (``objective.solver.name`` in a config file).
         scores_f_at_step: whether the solver evaluates f at the step's θ (BOME); else the step scores it again.
+        second_order: whether the solver takes second derivatives (under ``torchrun`` the sharded units
+            it differentiates through twice stay gathered:
+            :func:`~llm_calib.calm.training.keep_differentiated_units_gathered`).
         inner_steps: lower-level steps per outer step.
         inner_lr: their step size; None: the solver's default.
     """
 
     name: ClassVar[str]
     scores_f_at_step: ClassVar[bool]
+    second_order: ClassVar[bool]
     inner_steps: int
     inner_lr: float | None
 
-    def step_size(self, config: CalibrationConfig) -> float:
-        """The step size of the solver's inner steps in a run with ``config``."""
+    def step_size(self, lr: float) -> float:
+        """The step size of the solver's inner steps in a run whose θ learns at rate ``lr``."""
 
-    def build(self, config: CalibrationConfig) -> Any:
-        """The :mod:`hypergrad` method of a run with ``config``."""
+    def build(self, theta_optimizer: hg.inner.Adam) -> Any:
+        """The :mod:`hypergrad` method of a run whose θ optimiser is ``theta_optimizer``."""
 
 
 @register_solver("bome")
 @dataclass
 class Bome:
     """BOME (:class:`hypergrad.BOME`): ``inner_steps`` plain-SGD steps define the value function; θ steps by
-    :func:`~llm_calib.calm.methods.theta_optimizer`.
+    the run's θ optimiser (:func:`~llm_calib.calm.run.theta_optimizer`).
 
     Attributes:
         eta: the barrier coefficient η > 0 (2: θ's step weighs the task loss about as much as the
@@ -94,6 +98,7 @@ class Bome:
     inner_steps: int = 5
     inner_lr: float | None = None
     scores_f_at_step: ClassVar[bool] = True
+    second_order: ClassVar[bool] = False
     field_choices: ClassVar[dict[str, tuple[str, ...]]] = {"barrier": ("value", "gradient")}
     default_inner_lr: ClassVar[float] = 5e-2
 
@@ -103,15 +108,15 @@ class Bome:
             raise ValueError(f"objective.solver.barrier must be 'value' or 'gradient', got {self.barrier!r}")
         _check_inner("objective.solver", self)
 
-    def step_size(self, config: CalibrationConfig) -> float:
-        """:attr:`inner_lr` when set, else 5e-2 (large enough for the lower level to bind)."""
+    def step_size(self, lr: float) -> float:
+        """:attr:`inner_lr` when set, else 5e-2 (large enough for the lower level to bind); ``lr`` is not used."""
         return self.default_inner_lr if self.inner_lr is None else self.inner_lr
 
-    def build(self, config: CalibrationConfig) -> hg.BOME:
-        """The :class:`hypergrad.BOME` of the run."""
+    def build(self, theta_optimizer: hg.inner.Adam) -> hg.BOME:
+        """The :class:`hypergrad.BOME` of the run: θ steps by ``theta_optimizer``."""
         return hg.BOME(
-            hg.inner.SGD(lr=self.step_size(config)), w_lr=config.training.lr, inner_steps=self.inner_steps,
-            eta=self.eta, barrier=self.barrier, w_optimizer=theta_optimizer(config),
+            hg.inner.SGD(lr=self.step_size(theta_optimizer.lr)), w_lr=theta_optimizer.lr,
+            inner_steps=self.inner_steps, eta=self.eta, barrier=self.barrier, w_optimizer=theta_optimizer,
         )
 
 
@@ -135,20 +140,21 @@ class F2SA:
     inner_steps: int = 5
     inner_lr: float | None = None
     scores_f_at_step: ClassVar[bool] = False
+    second_order: ClassVar[bool] = False
     evaluate: ClassVar[str] = "advanced"
 
     def __post_init__(self) -> None:
         self.sigma = check_number("objective.solver.sigma", self.sigma, positive=True)
         _check_inner("objective.solver", self)
 
-    def step_size(self, config: CalibrationConfig) -> float:
-        """:attr:`inner_lr` when set, else θ's rate ``config.training.lr``."""
-        return config.training.lr if self.inner_lr is None else self.inner_lr
+    def step_size(self, lr: float) -> float:
+        """:attr:`inner_lr` when set, else θ's rate ``lr`` (``training.lr``)."""
+        return lr if self.inner_lr is None else self.inner_lr
 
-    def build(self, config: CalibrationConfig) -> hg.Penalty:
-        """The :class:`hypergrad.Penalty` of the run."""
-        return hg.Penalty(sigma=self.sigma, inner_optimizer=theta_optimizer(config, self.step_size(config)),
-                          inner_steps=self.inner_steps, evaluate=self.evaluate)
+    def build(self, theta_optimizer: hg.inner.Adam) -> hg.Penalty:
+        """The :class:`hypergrad.Penalty` of the run: its iterates step by ``theta_optimizer`` at :meth:`step_size`."""
+        inner = dataclasses.replace(theta_optimizer, lr=self.step_size(theta_optimizer.lr))
+        return hg.Penalty(sigma=self.sigma, inner_optimizer=inner, inner_steps=self.inner_steps, evaluate=self.evaluate)
 
 
 @contextlib.contextmanager
@@ -185,6 +191,7 @@ class ImplicitSolver:
     inner_steps: int = 5
     inner_lr: float | None = None
     scores_f_at_step: ClassVar[bool] = False
+    second_order: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_int("objective.solver.maxiter", self.maxiter, minimum=1)
@@ -192,15 +199,17 @@ class ImplicitSolver:
         self.tol = check_number("objective.solver.tol", self.tol, positive=True)
         _check_inner("objective.solver", self)
 
-    def step_size(self, config: CalibrationConfig) -> float:
-        """:attr:`inner_lr` when set, else θ's rate ``config.training.lr``."""
-        return config.training.lr if self.inner_lr is None else self.inner_lr
+    def step_size(self, lr: float) -> float:
+        """:attr:`inner_lr` when set, else θ's rate ``lr`` (``training.lr``)."""
+        return lr if self.inner_lr is None else self.inner_lr
 
-    def build(self, config: CalibrationConfig) -> hg.AlternatingImplicit:
-        """The :class:`hypergrad.AlternatingImplicit` of the run."""
+    def build(self, theta_optimizer: hg.inner.Adam) -> hg.AlternatingImplicit:
+        """The :class:`hypergrad.AlternatingImplicit` of the run: lower-level steps by ``theta_optimizer`` at
+        :meth:`step_size`."""
         cg = hg.linear.CG(tol=self.tol, maxiter=self.maxiter, damping=self.damping)
-        return hg.AlternatingImplicit(theta_optimizer(config, self.step_size(config)), self.inner_steps,
-                                      hg.Implicit(solver=cg, warm_start=True), solve_context=_capped_second_order_solve)
+        inner = dataclasses.replace(theta_optimizer, lr=self.step_size(theta_optimizer.lr))
+        return hg.AlternatingImplicit(inner, self.inner_steps, hg.Implicit(solver=cg, warm_start=True),
+                                      solve_context=_capped_second_order_solve)
 
 
 @register_objective("calm")
@@ -213,8 +222,8 @@ class Calm(Objective):
 
     Attributes:
         solver: a registered solver config: :class:`Bome` (default), :class:`F2SA` or :class:`ImplicitSolver`.
-        adjustment: λ variant (:data:`ADJUSTMENT_CHOICES`; ``"auto"``: where the prediction is made,
-            :func:`~llm_calib.calm.methods.resolve_adjustment`).
+        adjustment: λ variant (:data:`ADJUSTMENT_CHOICES`; ``"auto"``: where the prediction is made, the
+            :attr:`~llm_calib.formats.base.TaskFormat.auto_adjustment` of the run's format).
         lam_lr: learning rate of λ (Adam).
         max_log_scale, max_bias: bounds on λ.
 
@@ -224,10 +233,10 @@ class Calm(Objective):
     """
 
     solver: Any = field(default_factory=Bome)
-    adjustment: str = Objective.adjustment
-    lam_lr: float = Objective.lam_lr
-    max_log_scale: float = Objective.max_log_scale
-    max_bias: float = Objective.max_bias
+    adjustment: str = "auto"
+    lam_lr: float = 5e-2
+    max_log_scale: float = 3.0
+    max_bias: float = 10.0
     trains_adjustment: ClassVar[bool] = True
     field_choices: ClassVar[dict[str, tuple[str, ...]]] = {"adjustment": ADJUSTMENT_CHOICES}
 
@@ -246,28 +255,108 @@ class Calm(Objective):
         self.max_log_scale = check_number("objective.max_log_scale", self.max_log_scale, positive=True)
         self.max_bias = check_number("objective.max_bias", self.max_bias, minimum=0)
 
-    def make_solver(self, config: CalibrationConfig) -> Any:
-        """The solver's :mod:`hypergrad` method."""
-        return self.solver.build(config)
+    @property
+    def second_order(self) -> bool:
+        """Whether the solver takes second derivatives (:attr:`CalmSolver.second_order`)."""
+        return self.solver.second_order
 
-    def step(self, trainer: Trainer, state: TrainState, inner: Batch) -> dict[str, float]:
-        """One CALM step (see the class docstring)."""
-        outer = trainer.unlabeled_batch(state.step)
-        lam_now = {k: v.detach() for k, v in state.lam.items()}
-        trainer.step_losses.reset()
-        r = trainer.solver.hypergrad(trainer.problem, state.theta, lam_now, inner, outer, state.solver_state)
-        state.lam_optimizer.zero_grad(set_to_none=False)
-        for k, p in state.lam.items():
+    def logit_adjustment(self, vocab_size: int, token_ids: Iterable[int], auto_kind: str) -> LogitAdjustment:
+        """λ of kind :attr:`adjustment` (``"auto"``: ``auto_kind``) within :attr:`max_log_scale` and :attr:`max_bias`.
+
+        Example:
+            >>> Calm(adjustment="answer_tokens").logit_adjustment(10, [3, 1, 3], "vector").token_ids
+            (1, 3)
+        """
+        bounds = {"max_log_scale": self.max_log_scale, "max_bias": self.max_bias}
+        kind = auto_kind if self.adjustment == "auto" else self.adjustment
+        if kind == "answer_tokens":
+            return LogitAdjustment.for_tokens(token_ids, vocab_size, **bounds)
+        return LogitAdjustment(kind, vocab_size, **bounds)
+
+    def start(self, context: StepContext) -> CalmState:
+        """λ at the identity, its Adam optimiser, the solver's method and the bilevel problem of the run."""
+        return CalmState(self, context)
+
+
+class _FirstValues:
+    """Keeps the first value of each wrapped loss since the last :meth:`reset` (a step's start)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.values = {}
+
+    def wrap(self, name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def recorded(*args: Any) -> Tensor:
+            value = fn(*args)
+            if name not in self.values:
+                self.values[name] = float(value.detach())
+            return value
+
+        return recorded
+
+
+class CalmState:
+    """A CALM run: λ and its optimiser, the solver's :mod:`hypergrad` method and state, and the problem.
+
+    Made by :meth:`Calm.start` from the run's :class:`~llm_calib.training_interface.StepContext`
+    (its losses carry λ's :class:`~llm_calib.adjustment.LogitAdjustment`).
+
+    Attributes:
+        lam: the current λ (leaf tensors stepped by ``lam_optimizer``).
+        lam_optimizer: λ's :class:`torch.optim.Adam` (rate :attr:`Calm.lam_lr`).
+        method: the solver's :mod:`hypergrad` method (:meth:`CalmSolver.build`).
+        problem: ``BilevelProblem(inner=g, outer=f)`` of the run's losses.
+        solver_state: the method's state between steps (BOME's θ optimiser, F2SA's iterates), or None.
+        step_losses: the first g and f the method computed in the current step.
+    """
+
+    def __init__(self, objective: Calm, context: StepContext) -> None:
+        losses = context.losses
+        self.scores_f_at_step = objective.solver.scores_f_at_step
+        self.method = objective.solver.build(context.theta_optimizer)
+        self.step_losses = _FirstValues()
+        self.problem = hg.BilevelProblem(inner=self.step_losses.wrap("g", losses.inner),
+                                         outer=self.step_losses.wrap("f", losses.outer))
+        self.lam = {k: v.clone().requires_grad_(True) for k, v in losses.initial_lam().items()}
+        self.lam_optimizer = torch.optim.Adam(list(self.lam.values()), lr=objective.lam_lr)
+        self.solver_state: Any = None
+
+    def step(self, context: StepContext, inner: Batch) -> dict[str, float]:
+        """One CALM step: the method's joint step of θ and λ's direction, then one projected Adam step of λ.
+
+        The record holds ``g``, ``unlabeled_entropy`` (−f at the step's θ) and the method's diagnostics.
+        """
+        outer = context.unlabeled_batch()
+        lam_now = {k: v.detach() for k, v in self.lam.items()}
+        self.step_losses.reset()
+        r = self.method.hypergrad(self.problem, context.theta, lam_now, inner, outer, self.solver_state)
+        self.lam_optimizer.zero_grad(set_to_none=False)
+        for k, p in self.lam.items():
             p.grad = r.grad[k].detach().clone()
-        state.lam_optimizer.step()
-        trainer.adjustment.clamp_(state.lam)
-        seen = trainer.step_losses.values
+        self.lam_optimizer.step()
+        context.losses.adjustment.clamp_(self.lam)
+        seen = self.step_losses.values
         record = {"g": seen["g"]}
-        if self.solver.scores_f_at_step:
+        if self.scores_f_at_step:
             record["unlabeled_entropy"] = -seen["f"]
         else:  # f was evaluated elsewhere (F2SA: at its penalised iterate); score the step's θ (no grad)
             with torch.no_grad():
-                record["unlabeled_entropy"] = -float(trainer.losses.outer(state.theta, lam_now, outer))
-        state.theta, state.solver_state = r.w, r.state
+                record["unlabeled_entropy"] = -float(context.losses.outer(context.theta, lam_now, outer))
+        context.theta, self.solver_state = r.w, r.state
         record.update({k: float(v) for k, v in r.info.extra.items() if isinstance(v, (int, float))})
         return record
+
+    def checkpoint(self) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        """λ (``lam/``), the method's state (``method/``) and λ's optimiser state (``lam_optimizer``)."""
+        return {"lam/": self.lam, "method/": self.solver_state or {}}, {"lam_optimizer": self.lam_optimizer.state_dict()}
+
+    def restore(self, trees: dict[str, dict[str, Any]], meta: dict[str, Any]) -> None:
+        """Load :meth:`checkpoint`'s trees and λ's optimiser state; λ's leaves stay the ones its optimiser steps."""
+        with torch.no_grad():
+            for k, v in trees.get("lam/", {}).items():
+                self.lam[k].copy_(v)
+        self.solver_state = trees.get("method/") or None
+        if "lam_optimizer" in meta:
+            self.lam_optimizer.load_state_dict(meta["lam_optimizer"])

@@ -13,8 +13,7 @@ from llm_calib.objectives.one_level import OneLevelObjective
 from llm_calib.objectives.registry import register_objective
 
 if TYPE_CHECKING:
-    from llm_calib.calm.objectives import Batch
-    from llm_calib.calm.training import Trainer, TrainState
+    from llm_calib.training_interface import Batch, StepContext
 
 __all__ = ["ConfidencePenalty"]
 
@@ -40,14 +39,14 @@ class ConfidencePenalty(OneLevelObjective):
     def __post_init__(self) -> None:
         self.beta = check_number("objective.beta", self.beta, minimum=0)
 
-    def loss_fn(self, trainer: Trainer, state: TrainState, inner: Batch,
+    def loss_fn(self, context: StepContext, inner: Batch,
                 parts: dict[str, Tensor]) -> Callable[[dict[str, Tensor]], Tensor]:
         """CE of ``inner`` plus β times f (minus the entropy) of this step's unlabelled batch."""
-        outer = trainer.unlabeled_batch(state.step)
+        outer = context.unlabeled_batch()
 
         def loss(theta: dict[str, Tensor]) -> Tensor:
-            parts["ce"] = trainer.losses.one_level(theta, inner)
-            parts["f"] = trainer.losses.outer(theta, None, outer)
+            parts["ce"] = context.losses.one_level(theta, inner)
+            parts["f"] = context.losses.outer(theta, None, outer)
             return parts["ce"] + self.beta * parts["f"]
 
         return loss

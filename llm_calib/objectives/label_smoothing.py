@@ -13,8 +13,7 @@ from llm_calib.objectives.one_level import OneLevelObjective
 from llm_calib.objectives.registry import register_objective
 
 if TYPE_CHECKING:
-    from llm_calib.calm.objectives import Batch
-    from llm_calib.calm.training import Trainer, TrainState
+    from llm_calib.training_interface import Batch, StepContext
 
 __all__ = ["LabelSmoothing"]
 
@@ -39,7 +38,7 @@ class LabelSmoothing(OneLevelObjective):
     def __post_init__(self) -> None:
         self.eps = check_number("objective.eps", self.eps, minimum=0, below=1)
 
-    def loss_fn(self, trainer: Trainer, state: TrainState, inner: Batch,
+    def loss_fn(self, context: StepContext, inner: Batch,
                 parts: dict[str, Tensor]) -> Callable[[dict[str, Tensor]], Tensor]:
         """Smoothed CE of ``inner`` under θ."""
-        return lambda theta: trainer.losses.one_level(theta, inner, smoothing=self.eps)
+        return lambda theta: context.losses.one_level(theta, inner, smoothing=self.eps)

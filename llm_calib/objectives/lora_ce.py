@@ -12,8 +12,7 @@ from llm_calib.objectives.one_level import OneLevelObjective
 from llm_calib.objectives.registry import register_objective
 
 if TYPE_CHECKING:
-    from llm_calib.calm.objectives import Batch
-    from llm_calib.calm.training import Trainer, TrainState
+    from llm_calib.training_interface import Batch, StepContext
 
 __all__ = ["LoraCE"]
 
@@ -28,7 +27,7 @@ class LoraCE(OneLevelObjective):
         'lora_ce'
     """
 
-    def loss_fn(self, trainer: Trainer, state: TrainState, inner: Batch,
+    def loss_fn(self, context: StepContext, inner: Batch,
                 parts: dict[str, Tensor]) -> Callable[[dict[str, Tensor]], Tensor]:
         """CE of ``inner`` under θ."""
-        return lambda theta: trainer.losses.one_level(theta, inner)
+        return lambda theta: context.losses.one_level(theta, inner)

@@ -12,7 +12,11 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import forward_rows, target_logprobs
-from llm_calib.engine.packing import accepts_packed_masks, pack_questions
+from llm_calib.engine.packing import (
+    NORMALIZE_MODES,
+    accepts_packed_masks,
+    pack_questions,
+)
 from llm_calib.prompts import (
     PromptFormat,
     option_continuations,
@@ -32,8 +36,6 @@ __all__ = [
     "option_log_likelihoods", "option_text_lengths", "score_option_likelihood",
 ]
 
-NORMALIZE_MODES = ("sum", "mean", "char", "byte")
-"""Summed token log-probabilities, per token, per character (``acc_norm``) or per UTF-8 byte (``acc_bytes``)."""
 
 STRATEGIES = ("packed", "padded")
 """Batch layouts of :func:`score_option_likelihood`: ``"packed"`` (one row per question, the prompt

@@ -11,7 +11,7 @@ from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
-from llm_calib.calm.objectives import CalmLosses
+from llm_calib.calm.losses import CalmLosses
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.formats.categorical import cross_entropy, entropy
 from llm_calib.models import tiny_random_model

@@ -9,68 +9,35 @@ first one). The formulas and why are on :doc:`/methods/calm`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
 
 import torch
 from torch import Tensor
 
+from hypergrad.distributed import global_mean, replicated
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.lora import FunctionalLM
-from llm_calib.distributed import global_mean, replicated
-from llm_calib.engine.packing import PackedQuestions, option_scores_from_logits
-from llm_calib.formats.base import TaskFormat
+from llm_calib.engine.packing import (
+    LENGTH_NORMALIZATIONS,
+    PackedQuestions,
+    option_scores_from_logits,
+)
 from llm_calib.formats.categorical import cross_entropy, entropy
+from llm_calib.training_interface import Batch
 
-__all__ = ["Batch", "CalmLosses", "DataParallelLosses", "option_lengths"]
-
-
-@dataclass
-class Batch:
-    """A packed batch of questions with gold labels (labels may be unused, e.g. for f).
-
-    Attributes:
-        packed: model inputs and gather indices.
-        labels: gold option per question, ``(B,)`` (0 for open questions: the reference answer).
-        ids: record ids (for diagnostics).
-        format: the :class:`~llm_calib.formats.base.TaskFormat` that gives the losses their view.
-        trunk: cached hidden states entering the first trainable layer, or None.
-        option_text_lengths: ``"char"``/``"byte"``: option lengths ``(B, K_max)`` (1 at padding)
-            for those normalisations; empty for open questions.
-        parts: multiple-choice batches only: the same questions as sub-batches of similar length
-            (:func:`~llm_calib.engine.packing.length_parts`), through which :meth:`CalmLosses.scores`
-            runs the model instead of the whole padded batch; empty: the whole batch in one pass.
-        part_order: with ``parts``: the position in the concatenated parts of each question of the batch.
-    """
-
-    packed: PackedQuestions
-    labels: Tensor
-    ids: list[str]
-    format: TaskFormat
-    trunk: Tensor | None = None
-    option_text_lengths: dict[str, Tensor] = field(default_factory=dict)
-    parts: tuple[Batch, ...] = ()
-    part_order: Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.parts and (self.part_order is None or len(self.part_order) != self.packed.batch_size):
-            raise ValueError(f"a batch of {self.packed.batch_size} questions in parts needs part_order with one "
-                             f"position per question, got {None if self.part_order is None else len(self.part_order)}")
-
-    @property
-    def answer_stop(self) -> bool:
-        """Whether each reference answer ends with greedy answering's stop token."""
-        return self.format.answer_stop
+__all__ = ["CalmLosses", "DataParallelLosses", "option_lengths"]
 
 
 class CalmLosses:
     """The losses of a calibration run, bound to a model, an adjustment and a scoring mode.
 
-    Each loss is the mean over the :class:`Batch` it is given (any task format: the batch's
-    format gives the categorical view) and calls no collective (see :class:`DataParallelLosses`).
+    Each loss is the mean over the :class:`~llm_calib.training_interface.Batch` it is given (any task
+    format: the batch's format gives the categorical view) and calls no collective (see
+    :class:`DataParallelLosses`). It implements :class:`~llm_calib.training_interface.Losses`.
 
     Args:
         lm: the functional model.
-        adjustment: the logit adjustment (λ's shape).
+        adjustment: the logit adjustment (λ's shape); None: a run that trains no λ (pass no ``lam``).
         normalize: option scores ``"sum"``, ``"mean"`` (per token), ``"char"`` or ``"byte"``
             (per character or UTF-8 byte), as scoring does; open answers are averaged per token.
 
@@ -81,6 +48,7 @@ class CalmLosses:
         >>> from llm_calib.calm.lora import attach_lora
         >>> from llm_calib.engine.packing import pack_continuations
         >>> from llm_calib.formats import OpenEnded
+        >>> from llm_calib.training_interface import Batch
         >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))
         >>> losses = CalmLosses(lm, LogitAdjustment("vector", lm.head.out_features))
         >>> batch = Batch(pack_continuations([((5, 6, 7), (8, 9))], 0), torch.zeros(1), ["q0"], OpenEnded())
@@ -89,10 +57,27 @@ class CalmLosses:
         (True, True)
     """
 
-    def __init__(self, lm: FunctionalLM, adjustment: LogitAdjustment, normalize: str = "sum") -> None:
+    def __init__(self, lm: FunctionalLM, adjustment: LogitAdjustment | None, normalize: str = "sum") -> None:
         self.lm = lm
         self.adjustment = adjustment
         self.normalize = normalize
+
+    def with_adjustment(self, adjustment: LogitAdjustment) -> CalmLosses:
+        """A copy of these losses (same class, model and normalisation) adjusting logits with ``adjustment``."""
+        out = copy.copy(self)
+        out.adjustment = adjustment
+        return out
+
+    def initial_lam(self) -> dict[str, Tensor]:
+        """λ at the identity, in the model's float precision (float32 for half-precision models), on its device.
+
+        Raises:
+            ValueError: losses without an adjustment.
+        """
+        if self.adjustment is None:
+            raise ValueError("these losses have no logit adjustment (the run trains no λ)")
+        dtype = torch.float64 if self.lm.dtype == torch.float64 else torch.float32
+        return self.adjustment.init(dtype=dtype, device=self.lm.device)
 
     def logits(self, theta: dict[str, Tensor] | None, lam: dict[str, Tensor] | None, batch: Batch,
                select: Tensor | None = None) -> Tensor:
@@ -119,7 +104,7 @@ class CalmLosses:
                                 for s in per_part])[batch.part_order.to(per_part[0].device)]
         else:
             lengths = None
-            if self.normalize in ("char", "byte"):
+            if self.normalize in LENGTH_NORMALIZATIONS:
                 lengths = batch.option_text_lengths.get(self.normalize)
                 if lengths is None:
                     raise ValueError(f"normalize={self.normalize!r} needs multiple-choice options to measure; "
@@ -164,8 +149,8 @@ class DataParallelLosses(CalmLosses):
     """:class:`CalmLosses` of the global batch when each rank holds a shard of it (``torchrun``).
 
     Each loss is this rank's loss of its (equal-sized) shard averaged over ranks
-    (:func:`~llm_calib.distributed.global_mean`), with θ and λ as
-    :func:`~llm_calib.distributed.replicated` parameters: every rank gets the value and gradient of
+    (:func:`~hypergrad.distributed.global_mean`), with θ and λ as
+    :func:`~hypergrad.distributed.replicated` parameters: every rank gets the value and gradient of
     the global-batch mean. Without a process group it equals :class:`CalmLosses`;
     :meth:`~CalmLosses.monitor` stays local.
 
@@ -176,6 +161,7 @@ class DataParallelLosses(CalmLosses):
         >>> from llm_calib.calm.lora import attach_lora
         >>> from llm_calib.engine.packing import pack_continuations
         >>> from llm_calib.formats import OpenEnded
+        >>> from llm_calib.training_interface import Batch
         >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))
         >>> local = CalmLosses(lm, LogitAdjustment("vector", lm.head.out_features))
         >>> batch = Batch(pack_continuations([((5, 6, 7), (8, 9))], 0), torch.zeros(1), ["q"], OpenEnded())

@@ -1,5 +1,7 @@
 """Command-line flags of dataclass fields: an argparse type and metavar per type hint
-(:func:`flag_type`), help text from docstrings (:func:`plain_help`).
+(:func:`flag_type`), help text from the class's ``Attributes:`` docstring (:func:`field_help`,
+:func:`plain_help`). ``calibrate``'s configuration flags (:mod:`llm_calib.cli.config_flags`) and
+the benchmarks' settings flags are generated with them.
 """
 
 from __future__ import annotations
@@ -10,9 +12,44 @@ import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["flag_type", "optional", "parse_bool", "parse_csv", "parse_json_pairs", "plain_help"]
+__all__ = ["field_help", "flag_type", "optional", "parse_bool", "parse_csv", "parse_json_pairs", "plain_help"]
 
 T = TypeVar("T")
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """One line of help per field of a config dataclass, read from its ``Attributes:`` docstring.
+
+    Fields documented together (``max_log_scale, max_bias: ...``) share their text.
+
+    Example:
+        >>> from llm_calib.calm.config import LoraSettings
+        >>> field_help(LoraSettings)["rank"]
+        'adapter rank ``r``.'
+    """
+    out: dict[str, str] = {}
+    lines = (cls.__doc__ or "").splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Attributes:")
+    except StopIteration:
+        return out
+    indent, names = None, []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        indent = depth if indent is None else indent
+        if depth < indent:
+            break
+        if depth == indent and ":" in line:
+            head, text = line.strip().split(":", 1)
+            names = [n.strip() for n in head.split(",")]
+            for n in names:
+                out[n] = text.strip()
+        else:
+            for n in names:
+                out[n] += " " + line.strip()
+    return out
 
 
 def plain_help(text: str) -> str:

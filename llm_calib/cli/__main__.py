@@ -1,0 +1,7 @@
+"""``python -m llm_calib.cli`` (and ``torchrun ... -m llm_calib.cli``): the ``llm-calib`` command."""
+
+import sys
+
+from llm_calib.cli.app import main
+
+sys.exit(main())

@@ -1,0 +1,237 @@
+"""Loading the model and the data sets: the model and data loading flags of the commands that
+load them, the base model a saved result records, ``--limit``/``--limit-mode``, few-shot pools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from llm_calib.cli._common import DEFAULT_MODEL, UserError, positive_int, user_call
+
+
+def add_model_loading_args(p: argparse.ArgumentParser, *, training: bool, quantization: bool = True) -> None:
+    """``--dtype``, ``--load-in-4bit/8bit``, ``--attn-implementation``, ``--trust-remote-code``
+    (and for training ``--gradient-checkpointing``): the fields of ``ModelLoadConfig``; every
+    command that loads a model (``evaluate``, ``calibrate``, ``export``) takes them from here.
+    ``quantization=False`` leaves out the 4/8-bit flags (``export`` merges into full weights)."""
+    from llm_calib.models import ATTN_IMPLEMENTATIONS, DTYPES
+
+    p.add_argument(
+        "--dtype", choices=DTYPES, default=None,
+        help="parameter dtype of the base model; auto: the checkpoint's own. With bfloat16/float16 "
+        "the LoRA weights, the output scale, λ and the optimiser states stay float32 "
+        "(default: float32; with a saved calibration result, the dtype it was trained in)",
+    )
+    if quantization:
+        quant = p.add_mutually_exclusive_group()
+        quant.add_argument(
+            "--load-in-4bit", action="store_true",
+            help="quantise the frozen base weights to 4-bit NF4 (QLoRA; needs bitsandbytes: pip install "
+            "'llm-calib[quant]'); computes in --dtype, bfloat16 when that is float32 or auto",
+        )
+        quant.add_argument("--load-in-8bit", action="store_true", help="8-bit (LLM.int8) base weights instead")
+    p.add_argument(
+        "--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default=None,
+        help="attention kernel (default: transformers' choice, sdpa where available); with a kernel "
+        "other than eager/sdpa each option is scored as its own sequence instead of packed",
+    )
+    if training:
+        p.add_argument(
+            "--gradient-checkpointing", action="store_true",
+            help="recompute the trained layers' activations in the backward pass instead of storing "
+            "them (less memory, about a third more compute; same gradients)",
+        )
+    p.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="allow custom model code from the hub (only for repositories you trust)",
+    )
+    p.add_argument(
+        "--threads", type=positive_int, default=None,
+        help="torch CPU threads (default: torch's choice)",
+    )
+
+
+def start(args: argparse.Namespace, quiet: bool) -> None:
+    """What every command that loads a model does first: ``--threads`` (of
+    :func:`add_model_loading_args`) sets torch's CPU thread count; ``quiet``: no transformers /
+    huggingface_hub progress bars ("Loading weights", "Writing model shards", downloads) for the
+    rest of the process."""
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+def resolve_base(args: argparse.Namespace, adapter: str | None, flag: str) -> dict[str, Any]:
+    """``--model`` and ``--dtype`` default to what the saved result at ``adapter`` records
+    (:func:`~llm_calib.export.saved_base`); without an adapter, to the built-in model and float32.
+
+    Returns:
+        The saved record (empty when there is none); without an adapter, the record of an exported
+        merged ``--model`` (:func:`~llm_calib.export.merged_record`): the prompt it was trained with.
+        The file it was read from is ``args.base_record`` (None when there is none).
+
+    Raises:
+        UserError: ``adapter`` is not an adapter directory, or names no base model and no
+            ``--model`` is given.
+    """
+    from llm_calib.export import (
+        EXPORT_FILE,
+        adapter_directory,
+        merged_record,
+        saved_base,
+        saved_base_file,
+    )
+
+    base: dict[str, Any] = {}
+    args.base_record = None
+    if adapter is not None:
+        user_call(lambda: adapter_directory(adapter), flag)  # fail before loading the model
+        base = saved_base(adapter)
+        args.base_record = saved_base_file(adapter)
+    elif args.model is not None:
+        base = merged_record(args.model)
+        args.base_record = Path(args.model) / EXPORT_FILE if base else None
+    if args.model is None:
+        if adapter is not None and not base.get("model"):
+            raise UserError(
+                f"--model is required: {flag} {adapter} does not record the base model it was trained on "
+                "(a plain peft adapter, or a result saved by an older llm-calib); give the model it was "
+                "trained on with --model"
+            )
+        args.model = base.get("model") or DEFAULT_MODEL
+    if args.dtype is None:
+        args.dtype = base.get("dtype") or "float32"
+    return base
+
+
+def recorded_model(name: str) -> str:
+    """The model name a saved result records: an existing local path made absolute (so it still
+    loads from another working directory), anything else (alias, hub name) as given."""
+    return str(Path(name).resolve()) if Path(name).exists() else name
+
+
+def load_base_model(args: argparse.Namespace, device: str = "cpu") -> tuple[Any, Any, Any]:
+    """``--model`` loaded onto ``device`` with the model loading flags (their ``ModelLoadConfig``; on
+    a GPU the weights load straight onto it): ``(model, tokenizer, the ModelLoadConfig)``."""
+    from llm_calib.models import ModelLoadConfig
+    from llm_calib.models import load as load_model
+
+    loading = user_call(
+        lambda: ModelLoadConfig(
+            dtype=args.dtype or "float32", load_in_4bit=getattr(args, "load_in_4bit", False),
+            load_in_8bit=getattr(args, "load_in_8bit", False),
+            attn_implementation=args.attn_implementation,
+            gradient_checkpointing=getattr(args, "gradient_checkpointing", False),
+            trust_remote_code=args.trust_remote_code,
+            device_map=device if str(device).startswith("cuda") else None,
+        ),
+        "model loading flags",
+    )
+    model, tokenizer = user_call(
+        lambda: load_model(args.model, cache_dir=args.cache_dir, device=device, config=loading), f"--model {args.model}"
+    )
+    return model, tokenizer, loading
+
+
+def add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> None:
+    """``--limit``, ``--limit-mode`` and ``--on-error``: how every command that loads data reads it."""
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N", help=limit_help)
+    p.add_argument(
+        "--limit-mode",
+        choices=("sample", "first"),
+        default=None,
+        help="which N questions --limit keeps: a seeded subsample in file order (sample), or the "
+        "first N rows of the file (first, as lm-eval's --limit) (default: first with an lm_eval_* "
+        "--prompt-preset, else sample)",
+    )
+    p.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="a malformed data row stops the run (raise) or is skipped and reported with its "
+        "file:line:field (skip) (default: %(default)s)",
+    )
+
+
+SET_OF_FLAG = {"--train": "training", "--heldout": "held-out", "--unlabeled": "unlabelled", "--eval": "evaluation",
+               "--data": "evaluation", "--temperature-fit": "temperature-fit"}
+
+
+def limit_mode(args: argparse.Namespace) -> str:
+    """``--limit-mode`` as given, else ``first`` under an ``lm_eval_*`` prompt preset (lm-eval's
+    ``--limit`` takes the first N; the preset of the flag, else the one a saved ``--adapter`` or
+    an exported merged ``--model`` was trained with when no prompt flag is given), else ``sample``."""
+    mode = getattr(args, "limit_mode", None)
+    if mode is not None:
+        return mode
+    preset = getattr(args, "prompt_preset", None) or getattr(args, "saved_preset", None)
+    return "first" if (preset or "").startswith("lm_eval_") else "sample"
+
+
+def load_records(args: argparse.Namespace, flag: str, spec: str, log: Callable[[str], None], *,
+                 seed: int | None = None, limited: bool = True, note: str = "") -> tuple[str, list]:
+    """Load one spec with the shared data-loading flags (``--limit`` only when ``limited``) as
+    ``(spec, records)``, logging ``loaded N questions from SPEC`` (and ``note``) with ``log``; no
+    records is an error naming the empty set.
+
+    Skipped rows (``--on-error skip``) are reported on stderr even with ``--quiet``, one line
+    per row naming its file, line and field, and kept in ``args.skipped_rows``.
+    """
+    from llm_calib.data import load as load_data
+
+    res = user_call(
+        lambda: load_data(
+            spec,
+            limit=args.limit if limited else None,
+            seed=seed if seed is not None else (args.seed if args.seed is not None else 0),
+            on_error=getattr(args, "on_error", "raise"),
+            limit_mode=limit_mode(args),
+        ),
+        f"{flag} {spec}",
+        # ImportError: a loader's optional extra is missing (lm_eval:, hf:); the message names it
+        errors=(ValueError, OSError, KeyError, TypeError, ImportError),
+    )
+    if res.skipped:
+        if not hasattr(args, "skipped_rows"):
+            args.skipped_rows = {}
+        args.skipped_rows[spec] = {"count": res.skipped, "errors": list(res.errors)}
+        lines = [f"{flag} {spec}: skipped {res.skipped} malformed rows:"]
+        lines += [f"  {message}" for message in res.errors]
+        if res.skipped > len(res.errors):
+            lines.append(f"  ... and {res.skipped - len(res.errors)} more")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    if not res.records:
+        raise UserError(f"{flag} {spec}: no records (the {SET_OF_FLAG.get(flag, flag)} set is empty)")
+    log(f"loaded {len(res.records)} questions from {spec}{note}")
+    return spec, res.records
+
+
+def run_device(name: str) -> str:
+    import os
+
+    if name == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return name
+
+
+def fewshot_pool(args: argparse.Namespace, prompt: Any, evaluated: list, log: Callable[[str], None],
+                 what: str | None = None) -> Any:
+    """``prompt`` with its few-shot pool: ``prompt.fewshot_split`` loaded once, without the
+    ``evaluated`` questions (``evaluate``: the questions it scores; ``calibrate``: the held-out and
+    evaluation sets, so training, selection and evaluation draw each question's examples from the
+    same pool, and a question shows the same examples in all three and in an ``evaluate`` of the
+    same split with the same flags). A load error names ``what`` (default: ``--fewshot-split SPEC``)."""
+    from llm_calib.fewshot import resolve_fewshot
+
+    fmt = user_call(lambda: resolve_fewshot(prompt, exclude=evaluated, on_error=args.on_error),
+                    what or f"--fewshot-split {prompt.fewshot_split}")
+    log(f"few-shot pool: {len(fmt.fewshot_pool)} examples from {fmt.fewshot_split}")
+    return fmt

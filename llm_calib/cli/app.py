@@ -1,0 +1,77 @@
+"""The ``llm-calib`` command: its parser (one subparser per command, each from its module) and
+its entry point."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from llm_calib.cli import calibrate, demo, evaluate, export, metrics
+from llm_calib.cli._common import UserError, did_you_mean
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``llm-calib`` argument parser (one subparser per subcommand).
+
+    Example:
+        >>> args = build_parser().parse_args(["evaluate", "--data", "builtin", "--out", "x"])
+        >>> args.command, args.data, args.fewshot
+        ('evaluate', ['builtin'], None)
+    """
+    parser = argparse.ArgumentParser(
+        prog="llm-calib",
+        description="Calibration of causal language models: evaluation and training (CALM).",
+    )
+    from llm_calib import __version__
+
+    parser.add_argument("--version", action="version", version=f"llm-calib {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in (evaluate, calibrate, export, demo, metrics):  # the order of --help
+        command.add_parser(sub)
+    return parser
+
+
+def _reject_unknown(sub: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """Exit (status 2) with the subcommand's usage, naming the unknown arguments and, for each
+    unknown flag, the closest flag the subcommand has."""
+    flags = [s for a in sub._actions for s in a.option_strings if s.startswith("--")]
+    hints = [f"{flag}{hint}" for flag in (w.split("=", 1)[0] for w in unknown if w.startswith("-"))
+             for hint in [did_you_mean(flag, flags)] if hint]
+    sub.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"\n  {h}" for h in hints))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``llm-calib`` command.
+
+    Args:
+        argv: arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 on success, 2 on a user error (message on stderr).
+
+    Example:
+        >>> main(["evaluate", "--data", "nosuchloader:x", "--out", "/tmp/x", "--quiet"])
+        2
+    """
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    if argv and not argv[0].startswith("-") and argv[0] not in commands:
+        parser.error(f"unknown command {argv[0]!r}{did_you_mean(argv[0], commands)}; the commands: {', '.join(commands)}")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage and the closest flags, not the top-level usage
+        _reject_unknown(commands[args.command], unknown)
+    if not (getattr(args, "load_in_4bit", False) or getattr(args, "load_in_8bit", False)):
+        # bitsandbytes, imported by peft when installed, warns about its optional CPU kernels on
+        # every run; without quantisation it is not used
+        import logging
+
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"llm-calib: error: {exc}", file=sys.stderr)
+        return 2
