@@ -190,7 +190,11 @@ def domain_result(
         m = s.summary(n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
         c = s.confidences
         scored = ~np.isnan(c)  # answers without a confidence (an unparsed stated one) are counted in m, not binned
-        rb = metrics.reliability_bins(c[scored], s.correct[scored], n_bins=n_bins).to_dict()
+        if scored.any():
+            rb = metrics.reliability_bins(c[scored], s.correct[scored], n_bins=n_bins).to_dict()
+        else:  # no answer has a confidence: every bin empty
+            nan = np.full(n_bins, np.nan)
+            rb = metrics.ReliabilityBins(np.arange(n_bins + 1) / n_bins, np.zeros(n_bins, np.int64), nan, nan).to_dict()
         return m, rb
 
     unc, rb = summary(scored)

@@ -524,14 +524,19 @@ def binary_summary(
         "auroc": auroc,
     }
     out: dict[str, float] = {"n": len(c)}
-    out.update({name: f(c, k) for name, f in funcs.items()})
-    out["ece15"] = ece(c, k, 15)
-    out["mce"] = mce(c, k, n_bins)
-    out["mean_confidence"] = float(c.mean()) if len(c) else float("nan")
+    if len(c) == 0:  # nothing to measure (e.g. no stated confidence could be read): every metric NaN
+        out.update({name: float("nan") for name in (*funcs, "ece15", "mce", "mean_confidence")})
+    else:
+        out.update({name: f(c, k) for name, f in funcs.items()})
+        out["ece15"] = ece(c, k, 15)
+        out["mce"] = mce(c, k, n_bins)
+        out["mean_confidence"] = float(c.mean())
     if not scored.all():
         out["unscored"] = int((~scored).sum())
         out["accuracy_all"] = float(k_all.mean())
-    if ci:
+    if ci and len(c) == 0:
+        out.update({f"{name}_ci_{side}": float("nan") for name in funcs for side in ("low", "high")})
+    elif ci:
         for name, f in funcs.items():
             lo, hi = bootstrap_ci(f, c, k, n_resamples=n_resamples, seed=seed)
             out[f"{name}_ci_low"], out[f"{name}_ci_high"] = lo, hi
