@@ -34,6 +34,7 @@ from llm_calib.formats import (
 from llm_calib.prompts import PromptFormat, prompt_dict
 from llm_calib.scoring import OpenEndedSet, ScoredSet
 from llm_calib.scoring.base import scoring_split
+from llm_calib.scoring.open_confidence import OpenConfidence
 from llm_calib.temperature import fit_temperature, temperature_nll
 
 __all__ = [
@@ -187,7 +188,13 @@ def domain_result(
 
     def summary(s: ScoredResult) -> tuple[dict[str, float], dict[str, list[float]]]:
         m = s.summary(n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
-        rb = metrics.reliability_bins(s.confidences, s.correct, n_bins=n_bins).to_dict()
+        c = s.confidences
+        scored = ~np.isnan(c)  # answers without a confidence (an unparsed stated one) are counted in m, not binned
+        if scored.any():
+            rb = metrics.reliability_bins(c[scored], s.correct[scored], n_bins=n_bins).to_dict()
+        else:  # no answer has a confidence: every bin empty
+            nan = np.full(n_bins, np.nan)
+            rb = metrics.ReliabilityBins(np.arange(n_bins + 1) / n_bins, np.zeros(n_bins, np.int64), nan, nan).to_dict()
         return m, rb
 
     unc, rb = summary(scored)
@@ -206,6 +213,7 @@ def evaluate_records(
     temperature_fit: tuple[str, Sequence[MultipleChoice]] | None = None, n_bins: int = 10, ci: bool = True,
     n_resamples: int = 1000, seed: int = 0, max_new_tokens: int = 32, progress: bool = False,
     open_prompt: PromptFormat | None = None, task: TaskFormat | None = None,
+    confidence: OpenConfidence | None = None,
 ) -> EvaluationResult:
     """Evaluate already-loaded ``(name, records)`` data sets, per record domain.
 
@@ -236,7 +244,7 @@ def evaluate_records(
             evaluated += list(temperature_fit[1])
         prompt = resolve_fewshot(prompt, exclude=evaluated)
     settings = {"scorer": scorer, "normalize": normalize, "prompt": prompt, "max_new_tokens": max_new_tokens,
-                "open_prompt": open_prompt}
+                "open_prompt": open_prompt, "confidence": confidence}
     for name, records in datasets:
         if not records:
             raise ValueError(f"the evaluation set {name!r} (eval) is empty: the report scores it; pass at least one question")
@@ -257,6 +265,8 @@ def evaluate_records(
     }
     if open_prompt is not None:
         config["open_prompt"] = prompt_dict(open_prompt)
+    if confidence is not None and any(r.kind == "open" for r in domains.values()):
+        config["confidence"] = confidence.to_dict()
     return EvaluationResult(domains, fit, config, timing)
 
 
@@ -314,7 +324,7 @@ def evaluate(
     limit: int | None = None, limit_mode: Literal["sample", "first"] = "sample",
     on_error: Literal["raise", "skip"] = "raise", batch_size: int = 8, temperature_fit: str | None = None,
     n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0, max_new_tokens: int = 32,
-    progress: bool = False,
+    progress: bool = False, confidence: OpenConfidence | None = None,
 ) -> EvaluationResult:
     """Load data sets by spec, score them and compute per-domain calibration metrics.
 
@@ -337,6 +347,9 @@ def evaluate(
         seed: subsample and bootstrap seed.
         max_new_tokens: generation budget for open questions.
         progress: show progress bars.
+        confidence: open questions: the confidence of each answer
+            (:class:`~llm_calib.scoring.open_confidence.OpenConfidence`: ``token``, the default,
+            ``semantic`` (Sem-ECE over sampled answers), ``p_true`` or ``verbalized``).
 
     Raises:
         ValueError: a malformed spec or bad arguments (messages name the parameter).
@@ -369,7 +382,7 @@ def evaluate(
     result = evaluate_records(
         model, tokenizer, loaded, scorer=scorer, normalize=normalize, prompt=prompt, batch_size=batch_size,
         temperature_fit=fit, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed,
-        max_new_tokens=max_new_tokens, progress=progress,
+        max_new_tokens=max_new_tokens, progress=progress, confidence=confidence,
     )
     result.timing["data_loading_s"] = load_s
     result.config.update({"limit": limit, "limit_mode": limit_mode, "skipped": skipped})

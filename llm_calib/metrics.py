@@ -14,8 +14,8 @@ import numpy as np
 
 __all__ = [
     "CLIP_ATOL", "NLL_EPS", "SUM_ATOL", "ReliabilityBins", "accuracy", "adaptive_ece",
-    "as_prob_matrix", "auroc", "bootstrap_ci", "brier", "classwise_ece", "confidence_correct",
-    "ece", "mce", "mean_entropy", "nll", "reliability_bins", "summarize",
+    "as_prob_matrix", "auroc", "binary_summary", "bootstrap_ci", "brier", "classwise_ece",
+    "confidence_correct", "ece", "mce", "mean_entropy", "nll", "reliability_bins", "summarize",
 ]
 
 SUM_ATOL = 1e-3
@@ -479,4 +479,65 @@ def summarize(
                 values[name][r] = fn(*args)
         for name, vals in values.items():
             out[f"{name}_ci_low"], out[f"{name}_ci_high"] = _difference_interval(out[name], vals, alpha)
+    return out
+
+
+def _binary_nll(c: np.ndarray, k: np.ndarray) -> float:
+    """NLL of the 0/1 correctness under confidence ``c``."""
+    cc = np.clip(np.asarray(c), NLL_EPS, 1 - NLL_EPS)
+    kk = np.asarray(k)
+    return float(-np.mean(kk * np.log(cc) + (1 - kk) * np.log(1 - cc)))
+
+
+def binary_summary(
+    confidences: ArrayLike, correct: ArrayLike, n_bins: int = 10, ci: bool = True, n_resamples: int = 1000,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Calibration metrics of answers with one confidence each (open questions: token, semantic,
+    P(True) or verbalized confidence).
+
+    Keys: ``n``, ``accuracy``, ``ece``, ``adaptive_ece``, ``brier`` (of the 0/1 correctness),
+    ``nll``, ``auroc``, ``ece15``, ``mce``, ``mean_confidence``; with ``ci``, :func:`bootstrap_ci`
+    bounds of accuracy, ece, adaptive_ece, brier, nll and auroc. Answers whose confidence is NaN
+    (e.g. an unparsed verbalized confidence) are left out of every metric and counted as
+    ``unscored`` (the key is present only when some are); ``accuracy_all`` is then the accuracy
+    over every answer.
+
+    Example:
+        >>> r = binary_summary([0.9, 0.2, float("nan")], [True, False, True], ci=False)
+        >>> r["n"], r["unscored"], round(r["brier"], 3), r["accuracy"], round(r["accuracy_all"], 3)
+        (2, 1, 0.025, 0.5, 0.667)
+    """
+    c_all = np.asarray(confidences, dtype=np.float64)
+    k_all = np.asarray(correct, dtype=np.float64)
+    if c_all.shape != k_all.shape or c_all.ndim != 1:
+        raise ValueError(f"confidences {c_all.shape} and correct {k_all.shape} must be 1-D of one length")
+    n_bins = _check_bins(n_bins)
+    scored = ~np.isnan(c_all)
+    c, k = np.clip(c_all[scored], 0.0, 1.0), k_all[scored]
+    funcs: dict[str, Callable[[np.ndarray, np.ndarray], float]] = {
+        "accuracy": lambda c, k: float(np.mean(k)),
+        "ece": lambda c, k: ece(c, k, n_bins),
+        "adaptive_ece": lambda c, k: adaptive_ece(c, k, n_bins),
+        "brier": lambda c, k: float(np.mean((np.asarray(c) - np.asarray(k)) ** 2)),
+        "nll": _binary_nll,
+        "auroc": auroc,
+    }
+    out: dict[str, float] = {"n": len(c)}
+    if len(c) == 0:  # nothing to measure (e.g. no stated confidence could be read): every metric NaN
+        out.update({name: float("nan") for name in (*funcs, "ece15", "mce", "mean_confidence")})
+    else:
+        out.update({name: f(c, k) for name, f in funcs.items()})
+        out["ece15"] = ece(c, k, 15)
+        out["mce"] = mce(c, k, n_bins)
+        out["mean_confidence"] = float(c.mean())
+    if not scored.all():
+        out["unscored"] = int((~scored).sum())
+        out["accuracy_all"] = float(k_all.mean())
+    if ci and len(c) == 0:
+        out.update({f"{name}_ci_{side}": float("nan") for name in funcs for side in ("low", "high")})
+    elif ci:
+        for name, f in funcs.items():
+            lo, hi = bootstrap_ci(f, c, k, n_resamples=n_resamples, seed=seed)
+            out[f"{name}_ci_low"], out[f"{name}_ci_high"] = lo, hi
     return out

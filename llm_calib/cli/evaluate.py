@@ -27,6 +27,7 @@ from llm_calib.cli._loading import (
     resolve_base,
     start,
 )
+from llm_calib.cli.confidence import add_confidence_args, open_confidence
 from llm_calib.cli.prompt import (
     EVALUATE_PROMPT_DEST,
     PROMPT_GROUP_HELP,
@@ -127,6 +128,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "set is read whole)",
     )
     _add_run_flags(p)
+    add_confidence_args(p)
     p.set_defaults(func=run)
 
 
@@ -151,7 +153,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="S",
-        help="seed of the --limit subsample and of the bootstrap (default: %(default)s)",
+        help="seed of the --limit subsample, the bootstrap and the sampled answers of --confidence "
+        "semantic (default: %(default)s)",
     )
     p.add_argument("--bins", **BINS_FLAG)
     p.add_argument(
@@ -238,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
     from llm_calib.report import write_report
 
     start(args, args.quiet)
+    confidence = user_call(lambda: open_confidence(args, seed=args.seed), None)  # before any loading
     base = resolve_base(args, args.adapter, "--adapter")
     source = f"--adapter {args.adapter}" if args.adapter else f"--model {args.model}"
     prompt = prompt_format(args, base)
@@ -270,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_new_tokens=args.max_new_tokens,
             progress=not args.quiet,
+            confidence=confidence,
         ),
         "evaluate",
         # only argument problems of the records themselves are user errors here

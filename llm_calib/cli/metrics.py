@@ -13,6 +13,7 @@ from llm_calib.cli._common import (
     unescape,
     user_call,
 )
+from llm_calib.cli.confidence import add_semantic_args
 
 __all__ = ["add_parser", "run"]
 
@@ -31,7 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="calibration metrics of lm-eval --log_samples files (no model needed)",
         description="Read lm-evaluation-harness samples_<task>_<date>.jsonl files (--log_samples) "
         "of multiple-choice tasks, from any model lm-eval ran, and write the calibration report "
-        "of `evaluate` (metrics.json, report.md, reliability diagrams): one domain per task.",
+        "of `evaluate` (metrics.json, report.md, reliability diagrams): one domain per task. "
+        "Files of generate_until tasks run with `repeats: N` and sampling (do_sample: true) get "
+        "semantic confidence (Sem-ECE) from each question's N responses, against lm-eval's target.",
     )
     p.add_argument("samples", nargs="+", metavar="SAMPLES", help="lm-eval samples_*.jsonl files")
     p.add_argument(
@@ -50,7 +53,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the tasks' target delimiter, removed from each continuation to get the choice text "
         "acc_norm and acc_bytes divide by (default: a space)",
     )
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="bootstrap seed (default: %(default)s)")
+    g = p.add_argument_group("generate_until tasks (semantic confidence of the N responses)")
+    add_semantic_args(g)
+    g.add_argument("--response-regex", default=None, metavar="REGEX",
+                   help="extract each response's answer as lm-eval's regex filter does (group 1 of the "
+                   "first match, '[invalid]' without one) before comparing answers")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="bootstrap seed, and the sample splits' (default: %(default)s)")
     p.add_argument("--bins", **BINS_FLAG)
     p.add_argument(
         "--bootstrap", type=non_negative_int, default=1000, metavar="R",
@@ -73,25 +82,33 @@ def run(args: argparse.Namespace) -> int:
         >>> main(["metrics", "/nonexistent/samples.jsonl", "--out", "/tmp/x"])
         2
     """
+    from llm_calib.lm_eval_generations import first_row, generation_result, is_generation_row
     from llm_calib.lm_eval_samples import samples_result
     from llm_calib.report import write_report
 
     for path in args.samples:
+        if Path(path).is_dir():
+            raise UserError(f"{path}: a folder; pass the samples_<task>_<date>.jsonl files in it")
         if not Path(path).is_file():
             raise UserError(f"{path}: no such samples file")
-    result = user_call(
-        lambda: samples_result(
-            args.samples,
-            normalize=args.normalize,
-            temperature_fit=args.temperature_fit,
-            target_delimiter=args.target_delimiter,
-            n_bins=args.bins,
-            ci=args.bootstrap > 0,
-            n_resamples=max(args.bootstrap, 1),
-            seed=args.seed,
-        ),
-        "metrics",
-    )
+    generation = [p for p in args.samples if is_generation_row(user_call(lambda p=p: first_row(p) or {}, None))]
+    choice = [p for p in args.samples if p not in generation]
+    stats = {"n_bins": args.bins, "ci": args.bootstrap > 0, "n_resamples": max(args.bootstrap, 1), "seed": args.seed}
+    if generation and args.temperature_fit:
+        raise UserError("--temperature-fit: generate_until samples log no scores a temperature could scale")
+    results = []
+    if choice:
+        results.append(user_call(lambda: samples_result(
+            choice, normalize=args.normalize, temperature_fit=args.temperature_fit,
+            target_delimiter=args.target_delimiter, **stats), "metrics"))
+    if generation:
+        results.append(user_call(lambda: generation_result(
+            generation, equivalence=args.equivalence, threshold=args.f1_threshold, estimator=args.estimator,
+            splits=args.splits, response_regex=args.response_regex, **stats), "metrics"))
+    result = results[0]
+    if len(results) == 2:  # one report: the multiple-choice tasks, then the generation tasks
+        result.domains.update(results[1].domains)
+        result.config["generate_until"] = results[1].config
     paths = write_report(result, args.out, title="Calibration report (lm-eval samples)")
     print_summary(result, paths, args.out)
     return 0

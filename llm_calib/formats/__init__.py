@@ -33,6 +33,7 @@ from llm_calib.formats.registry import (
 )
 from llm_calib.prompts import PromptFormat
 from llm_calib.scoring.base import ScoredResult, ScoredSet
+from llm_calib.scoring.open_confidence import OpenConfidence
 
 __all__ = [
     "BUILTIN_FORMATS", "MULTIPLE_CHOICE_FORMATS", "SCORER_NAMES", "Letter", "MultipleChoiceFormat", "OpenEnded",
@@ -81,7 +82,7 @@ def score_multiple_choice(
 def format_for(
     records: Iterable[Any], *, scorer: str = "option_likelihood", normalize: str = "sum",
     prompt: PromptFormat | None = None, open_prompt: PromptFormat | None = None, max_new_tokens: int = 32,
-    answer_stop: bool = False, what: str = "records",
+    answer_stop: bool = False, what: str = "records", confidence: OpenConfidence | None = None,
 ) -> TaskFormat:
     """The format of a record set: the one place the kind of records is decided.
 
@@ -94,6 +95,7 @@ def format_for(
         max_new_tokens: open questions: generation budget.
         answer_stop: open questions: train on the stop token after the answer.
         what: how error messages name the records.
+        confidence: open questions: how answers get their confidence (None: ``token``).
 
     Raises:
         ValueError: no records, records of both kinds or another type (naming the record), an
@@ -109,6 +111,6 @@ def format_for(
     if records_family(records, what=what) == "open":
         if open_prompt is None and prompt is not None and prompt.style != "cloze":
             open_prompt = replace(prompt, style="cloze")
-        return OpenEnded(open_prompt if open_prompt is not None else prompt, max_new_tokens, answer_stop)
+        return OpenEnded(open_prompt if open_prompt is not None else prompt, max_new_tokens, answer_stop, confidence)
     return multiple_choice_format(scorer, normalize=normalize, prompt=prompt)
 

@@ -15,8 +15,10 @@ from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy
 from llm_calib.formats.registry import register_format
 from llm_calib.prompts import PromptFormat, continuation_text
-from llm_calib.scoring.base import encode_continuation
-from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts, score_open_ended
+from llm_calib.scoring.base import ScoredResult, encode_continuation
+from llm_calib.scoring.open_confidence import JudgedSet, OpenConfidence, score_open
+from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts
+from llm_calib.scoring.sampled import SampledSet
 
 if TYPE_CHECKING:
     from llm_calib.adjustment import LogitAdjustment
@@ -35,6 +37,9 @@ class OpenEnded(TaskFormat):
         max_new_tokens: generation budget per answer.
         answer_stop: train each reference with the newline greedy answering stops at (the
             short-answer prompt); :meth:`monitor` leaves it out of the confidence, as scoring does.
+        confidence: how scored answers get their confidence
+            (:class:`~llm_calib.scoring.open_confidence.OpenConfidence`: ``token``, ``semantic``,
+            ``p_true`` or ``verbalized``); None: ``token``. Training is the same for every kind.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -49,6 +54,7 @@ class OpenEnded(TaskFormat):
     prompt: PromptFormat | None = None
     max_new_tokens: int = 32
     answer_stop: bool = False
+    confidence: OpenConfidence | None = None
 
     name: ClassVar[str]
     family: ClassVar[str] = "open"
@@ -65,8 +71,18 @@ class OpenEnded(TaskFormat):
 
     @classmethod
     def domain_notes(cls, metrics: dict[str, float]) -> list[str]:
-        """The confidence used and the token F1."""
-        return [f"Confidence = mean answer-token probability; token F1 {metrics.get('f1', float('nan')):.3f}."]
+        """The confidence used (read off the metrics each kind reports) and the token F1 or cluster count."""
+        if "mean_clusters" in metrics:
+            return [f"Confidence = semantic: the share of {metrics.get('samples', float('nan')):.0f} sampled answers in "
+                    f"the modal answer's meaning cluster (ECE here is Sem-ECE); {metrics['mean_clusters']:.2f} "
+                    "clusters per question on average."]
+        f1 = f"token F1 {metrics.get('f1', float('nan')):.3f}"
+        if "ece_token" in metrics:
+            unscored = int(metrics.get("unscored", 0))
+            left_out = f"; {unscored} answer(s) without a readable confidence left out" if unscored else ""
+            return [f"Confidence = the model's own judgement of its greedy answer (P(True) or stated); "
+                    f"{f1}; token-confidence ECE {metrics['ece_token']:.3f}{left_out}."]
+        return [f"Confidence = mean answer-token probability; {f1}."]
 
     # --- training encoding --------------------------------------------------------------------
     def encode(self, tokenizer: Any, records: Sequence[OpenQA]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
@@ -146,21 +162,48 @@ class OpenEnded(TaskFormat):
 
     # --- scoring and results ------------------------------------------------------------------
     def score(self, model: Any, tokenizer: Any, records: Sequence[OpenQA], *, batch_size: int = 8,
-              progress: bool = False) -> OpenEndedSet:
-        """:func:`~llm_calib.scoring.open_ended.score_open_ended`."""
-        return score_open_ended(model, tokenizer, records, prompt=self.prompt, max_new_tokens=self.max_new_tokens,
-                                batch_size=batch_size, progress=progress)
+              progress: bool = False) -> ScoredResult:
+        """:func:`~llm_calib.scoring.open_confidence.score_open` under the format's confidence kind."""
+        return score_open(model, tokenizer, records, self.confidence, prompt=self.prompt,
+                          max_new_tokens=self.max_new_tokens, batch_size=batch_size, progress=progress)
 
-    def sample_rows(self, domain: str, scored: OpenEndedSet) -> Iterator[dict[str, Any]]:
-        """Per question: ``prompt``, ``answer``, ``references``, token ids and probabilities, ``confidence``,
-        ``correct``, ``f1``, ``stop``."""
-        s = scored
-        conf, correct, f1 = s.confidence("mean"), s.correct, s.f1
+    def sample_rows(self, domain: str, scored: ScoredResult) -> Iterator[dict[str, Any]]:
+        """Per question: ``prompt``, ``answer``, ``references``, ``confidence``, ``correct``, and what
+        the confidence came from: token ids and probabilities, ``f1`` and ``stop`` (greedy answers),
+        ``samples`` and their ``clusters`` (semantic), the model's ``reply`` (verbalized)."""
+        if isinstance(scored, SampledSet):
+            yield from _sampled_rows(domain, scored)
+            return
+        s: OpenEndedSet = scored  # type: ignore[assignment]
+        conf, correct, f1 = s.confidences, s.correct, s.f1
         for i in range(len(s)):
             d = s.details[i] if s.details is not None else {}
-            yield {
+            row = {
                 "id": s.ids[i], "domain": domain, "prompt": d.get("prompt"), "answer": s.answers[i],
                 "references": list(s.references[i]), "token_ids": d.get("token_ids"),
-                "token_probs": list(s.token_probs[i]), "confidence": float(conf[i]), "correct": bool(correct[i]),
+                "token_probs": list(s.token_probs[i]), "confidence": _json_float(conf[i]), "correct": bool(correct[i]),
                 "f1": float(f1[i]), "stop": d.get("stop"),
             }
+            if isinstance(s, JudgedSet):
+                row["token_confidence"] = float(s.confidence("mean")[i])
+                if "reply" in d:
+                    row["reply"] = d["reply"]
+            yield row
+
+
+def _json_float(value: float) -> float | None:
+    """A confidence for a JSON line: None where there is none (an unparsed verbalized reply)."""
+    return None if value != value else float(value)
+
+
+def _sampled_rows(domain: str, s: SampledSet) -> Iterator[dict[str, Any]]:
+    conf, correct = s.confidences, s.correct
+    for i in range(len(s)):
+        d = s.details[i] if s.details is not None else {}
+        sem = s.semantic[i]
+        yield {
+            "id": s.ids[i], "domain": domain, "prompt": d.get("prompt"), "answer": sem.answer,
+            "references": list(s.references[i]), "samples": list(s.samples[i]), "clusters": list(sem.labels),
+            "confidence": _json_float(conf[i]), "plug_in": sem.plug_in, "sample_split": _json_float(sem.sample_split),
+            "correct": bool(correct[i]), "stop": d.get("stop"),
+        }

@@ -92,32 +92,17 @@ def open_ended_summary(
     """
     c = np.clip(scored.confidence("mean"), 0.0, 1.0)
     k = scored.correct.astype(np.float64)
-
-    def _nll(c: np.ndarray, k: np.ndarray) -> float:  # of the 0/1 correctness under confidence c
-        cc = np.clip(np.asarray(c), metrics.NLL_EPS, 1 - metrics.NLL_EPS)
-        kk = np.asarray(k)
-        return float(-np.mean(kk * np.log(cc) + (1 - kk) * np.log(1 - cc)))
-
-    funcs = {
-        "accuracy": lambda c, k: float(np.mean(k)),
-        "ece": lambda c, k: metrics.ece(c, k, n_bins),
-        "adaptive_ece": lambda c, k: metrics.adaptive_ece(c, k, n_bins),
-        "brier": lambda c, k: float(np.mean((np.asarray(c) - np.asarray(k)) ** 2)),
-        "nll": _nll,
-        "auroc": metrics.auroc,
+    base = metrics.binary_summary(c, k, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed)
+    extra = {
+        "f1": float(np.mean(scored.f1)) if len(scored) else math.nan,
+        "ece_product": metrics.ece(np.clip(scored.confidence("product"), 0, 1), k, n_bins),
+        "ece_min": metrics.ece(np.clip(scored.confidence("min"), 0, 1), k, n_bins),
     }
-    out: dict[str, float] = {"n": len(scored)}
-    out.update({name: f(c, k) for name, f in funcs.items()})
-    out["f1"] = float(np.mean(scored.f1)) if len(scored) else math.nan
-    out["ece15"] = metrics.ece(c, k, 15)
-    out["mce"] = metrics.mce(c, k, n_bins)
-    out["mean_confidence"] = float(c.mean())
-    out["ece_product"] = metrics.ece(np.clip(scored.confidence("product"), 0, 1), k, n_bins)
-    out["ece_min"] = metrics.ece(np.clip(scored.confidence("min"), 0, 1), k, n_bins)
-    if ci:
-        for name, f in funcs.items():
-            lo, hi = metrics.bootstrap_ci(f, c, k, n_resamples=n_resamples, seed=seed)
-            out[f"{name}_ci_low"], out[f"{name}_ci_high"] = lo, hi
+    head = ("n", "accuracy", "ece", "adaptive_ece", "brier", "nll", "auroc", "f1", "ece15", "mce",
+            "mean_confidence", "ece_product", "ece_min")  # the key order reports and JSON files have always had
+    merged = {**base, **extra}
+    out = {key: merged[key] for key in head}
+    out.update((key, value) for key, value in base.items() if key not in out)
     return out
 
 
