@@ -157,7 +157,6 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     from llm_calib.calm.encoding import encode_records
     from llm_calib.calm.fast_eval import SharedTrunkEval
     from llm_calib.calm.trainer import calibrate
-    from llm_calib.calm.training import MIN_GUARD_QUESTIONS
     from llm_calib.metrics import summarize
     from llm_calib.models import load
     from llm_calib.temperature import fit_temperature
@@ -209,16 +208,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     reading = explain_table(rows, columns, settings, int(result.metrics["after"]["selected_step"]))
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = (
-        "# llm-calib demo\n\n"
-        f"Model `{settings.model}`; CALM ({settings.objective.solver.name}, λ = {settings.objective.adjustment}) trained on "
-        f"{', '.join(settings.in_domain)} ({len(train)} questions, {len(heldout)} held-out inputs), {settings.steps} steps "
-        f"of {settings.batch_size}, LoRA on the top {settings.top_layers} layers. Temperature fitted on the in-domain "
-        f"held-out split. Model selection used {len(heldout)} held-out questions, sized for a demo: calibrate real "
-        f"models with at least {MIN_GUARD_QUESTIONS}.\n\n"
-        + table + "\n\n" + "\n".join(reading) + "\n\nWall time per phase (s): "
-        + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()) + "\n"
-    )
+    report = _report_text(settings, len(train), len(heldout), table, reading, timings)
     write_text_atomic(out / "report.md", report)
     results = {"rows": rows, "temperature": temperature, "calm_temperature": calm_temperature, "timings": timings,
                "calm_metrics": result.metrics, "reading": reading}
@@ -226,6 +216,23 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     result.save(out / "calm")
     print(report)
     return results
+
+
+def _report_text(settings: DemoSettings, n_train: int, n_heldout: int, table: str, reading: Sequence[str],
+                 timings: Mapping[str, float]) -> str:
+    """The demo's ``report.md``: what was trained, the table, how to read it and the phase times."""
+    from llm_calib.calm.training import MIN_GUARD_QUESTIONS
+
+    return (
+        "# llm-calib demo\n\n"
+        f"Model `{settings.model}`; CALM ({settings.objective.solver.name}, λ = {settings.objective.adjustment}) trained on "
+        f"{', '.join(settings.in_domain)} ({n_train} questions, {n_heldout} held-out inputs), {settings.steps} steps "
+        f"of {settings.batch_size}, LoRA on the top {settings.top_layers} layers. Temperature fitted on the in-domain "
+        f"held-out split. Model selection used {n_heldout} held-out questions, sized for a demo: calibrate real "
+        f"models with at least {MIN_GUARD_QUESTIONS}.\n\n"
+        + table + "\n\n" + "\n".join(reading) + "\n\nWall time per phase (s): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()) + "\n"
+    )
 
 
 def _group_means(rows: Mapping[str, Mapping[str, Mapping[str, float]]], domains: Sequence[str],

@@ -23,26 +23,17 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from llm_calib.lm_eval_samples import iter_rows, rows_by_doc, samples_task_name
 from llm_calib.scoring.sampled import SampledSet
 from llm_calib.semantic import ESTIMATORS, Equivalence, answer_equivalence
 
 __all__ = ["first_row", "generation_result", "is_generation_row", "read_generation_samples"]
-
-_FILE_NAME = re.compile(r"^samples_(?P<task>.+)_(?P<date>\d{4}-\d{2}-\d{2}T[0-9.\-]+)$")
-
-
-def _task_name(path: Path) -> str:
-    stem = path.name.removesuffix(".jsonl")
-    m = _FILE_NAME.match(stem)
-    return m.group("task") if m else stem
-
 
 def _first_request(arguments: Any) -> Any:
     """The first request's arguments: ``{"gen_args_0": {"arg_0": .., "arg_1": ..}}`` in files, a list in memory."""
@@ -64,19 +55,6 @@ def is_generation_row(row: Mapping[str, Any]) -> bool:
     """
     first = _first_request(row.get("arguments"))
     return isinstance(first, (list, tuple)) and len(first) == 2 and isinstance(first[1], Mapping)
-
-
-def _rows(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
-    try:
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield line_no, json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"{path}:{line_no}: not JSON: {err}") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start})") from None
 
 
 def _aliases(target: Any, where: str) -> tuple[str, ...]:
@@ -141,18 +119,11 @@ def read_generation_samples(
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     same = answer_equivalence(equivalence, threshold=threshold) if isinstance(equivalence, str) else equivalence
     pattern = re.compile(response_regex) if response_regex is not None else None
-    name = task or _task_name(path)
-    items = list(enumerate(rows, 1)) if rows is not None else list(_rows(path))
-    if not items:
-        raise ValueError(f"{path}: no samples")
-    first_filter = items[0][1].get("filter", "none")
-    by_doc: dict[int, tuple[int, Mapping[str, Any]]] = {}
-    for line_no, row in items:
-        if row.get("filter", "none") == first_filter:
-            by_doc.setdefault(int(row["doc_id"]) if "doc_id" in row else line_no - 1, (line_no, row))
+    name = task or samples_task_name(path)
     samples, references, ids, details = [], [], [], []
-    for doc_id in sorted(by_doc):
-        line_no, row = by_doc[doc_id]
+    first_filter = "none"
+    for doc_id, line_no, row in rows_by_doc(path, rows):
+        first_filter = row.get("filter", "none")
         where = f"{path}:{line_no}"
         if not is_generation_row(row):
             raise ValueError(f"{where}: not a generate_until row (its request has no generation settings); "
@@ -191,7 +162,7 @@ def first_row(path: str | os.PathLike[str]) -> dict[str, Any] | None:
         >>> first_row(p)
         {'doc_id': 3}
     """
-    for _, row in _rows(Path(path)):
+    for _, row in iter_rows(path):
         return row
     return None
 

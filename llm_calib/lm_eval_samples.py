@@ -10,7 +10,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,10 @@ from llm_calib.evaluate import DomainResult, EvaluationResult, TemperatureFit
 from llm_calib.formats.multiple_choice import normalization_metrics
 from llm_calib.scoring import ScoredSet, normalized
 
-__all__ = ["SAMPLES_NORMALIZATIONS", "check_samples_file", "read_samples", "samples_result", "samples_task_name"]
+__all__ = [
+    "SAMPLES_NORMALIZATIONS", "check_samples_file", "iter_rows", "read_samples", "rows_by_doc", "samples_result",
+    "samples_task_name",
+]
 
 SAMPLES_NORMALIZATIONS: dict[str, str] = {"acc": "sum", "acc_norm": "char", "acc_bytes": "byte"}
 """lm-eval's metric names and the ``normalize`` mode each takes its argmax under; the ones a
@@ -93,8 +96,18 @@ def check_samples_file(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-def _rows(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
-    check_samples_file(path)
+def iter_rows(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` of every non-empty line of a samples file; ValueError naming the file
+    and line for a line that is not UTF-8 or not JSON (and :func:`check_samples_file`'s errors).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "samples_t.jsonl"
+        >>> _ = p.write_text('\\n{"doc_id": 3}\\n')
+        >>> list(iter_rows(p))
+        [(2, {'doc_id': 3})]
+    """
+    path = check_samples_file(path)
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, 1):
             try:
@@ -107,6 +120,28 @@ def _rows(path: Path) -> Iterable[tuple[int, dict[str, Any]]]:
                     yield line_no, json.loads(line)
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{path}:{line_no}: not JSON: {err}") from None
+
+
+def rows_by_doc(path: str | os.PathLike[str],
+                rows: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[int, int, Mapping[str, Any]]]:
+    """The rows of the file's first filter, one per ``doc_id`` in ``doc_id`` order, as
+    ``(doc_id, line number, row)``; ``rows``: the samples themselves instead of the file (numbered
+    from 1). ValueError naming the file when there are no samples.
+
+    Example:
+        >>> rows = [{"doc_id": 1, "filter": "a"}, {"doc_id": 0, "filter": "a"}, {"doc_id": 0, "filter": "b"}]
+        >>> [(d, line) for d, line, _ in rows_by_doc("x.jsonl", rows)]
+        [(0, 2), (1, 1)]
+    """
+    items = list(enumerate(rows, 1)) if rows is not None else list(iter_rows(path))
+    if not items:
+        raise ValueError(f"{path}: no samples")
+    first_filter = items[0][1].get("filter", "none")
+    by_doc: dict[int, tuple[int, Mapping[str, Any]]] = {}
+    for line_no, row in items:
+        if row.get("filter", "none") == first_filter:
+            by_doc.setdefault(int(row["doc_id"]) if "doc_id" in row else line_no - 1, (line_no, row))
+    return [(doc_id, *by_doc[doc_id]) for doc_id in sorted(by_doc)]
 
 
 def read_samples(path: str | os.PathLike[str], *, task: str | None = None, target_delimiter: str = " ",
@@ -143,19 +178,8 @@ def read_samples(path: str | os.PathLike[str], *, task: str | None = None, targe
     """
     path = Path(path)
     name = task or samples_task_name(path)
-    items = list(enumerate(rows, 1)) if rows is not None else list(_rows(path))
-    if not items:
-        raise ValueError(f"{path}: no samples")
-    first_filter = items[0][1].get("filter", "none")
-    by_doc: dict[int, tuple[int, Mapping[str, Any]]] = {}
-    for line_no, row in items:
-        if row.get("filter", "none") != first_filter:
-            continue
-        doc_id = int(row["doc_id"]) if "doc_id" in row else line_no - 1
-        by_doc.setdefault(doc_id, (line_no, row))
     logits, labels, ids, details = [], [], [], []
-    for doc_id in sorted(by_doc):
-        line_no, row = by_doc[doc_id]
+    for doc_id, line_no, row in rows_by_doc(path, rows):
         where = f"{path}:{line_no}"
         resps = row.get("filtered_resps", row.get("resps"))
         if resps is None or "arguments" not in row:

@@ -88,7 +88,7 @@ def test_aliases_regex_filter_and_errors(tmp_path: Path):
         read_generation_samples("t.jsonl", rows=mc)
     bad = tmp_path / "samples_bad.jsonl"
     bad.write_bytes(b"\xff\xfe not utf-8\n")
-    with pytest.raises(ValueError, match=r"samples_bad.jsonl: not a UTF-8 text file"):
+    with pytest.raises(ValueError, match=r"samples_bad.jsonl:1: not UTF-8"):
         read_generation_samples(bad)
     with pytest.raises(ValueError, match="neither a string nor a list"):
         read_generation_samples("t.jsonl", rows=[{**rows[0], "target": 3}])

@@ -102,9 +102,12 @@ def test_metrics_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         "resps": [["Paris"]], "filtered_resps": ["Paris"], "filter": "none", "exact_match": 1.0}
     p = tmp_path / f"samples_capitals_gen_{DATE}.jsonl"
     p.write_text(json.dumps(gen) + "\n")
+    # a generate_until file goes to semantic confidence, which needs repeats (one response here)
     assert main(["metrics", str(p), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert f"{p}:1" in err and "only multiple_choice tasks" in err
+    assert f"{p}:1" in err and "repeats" in err
+    with pytest.raises(ValueError, match=rf"{p}:1: .*only multiple_choice tasks"):
+        read_samples(p)
     with pytest.raises(ValueError, match="no token counts"):
         samples_result([p], normalize="mean")
     with pytest.raises(ValueError, match="neither an option index"):
