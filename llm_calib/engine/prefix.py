@@ -310,14 +310,22 @@ def compute_prefix(model: Any, tokens: Sequence[int]) -> PrefixKV:
 
 
 def kv_bytes_per_token(model: Any) -> int:
-    """Bytes of keys and values one token adds to a model's cache (measured on a one-token prefix).
+    """Bytes of keys and values one token adds to a model's cache: ``2 * layers * kv_heads * head_dim``
+    elements of the compute dtype, from the config (measured on a one-token prefix where it lacks them).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
-        >>> kv_bytes_per_token(tiny_random_model()[0]) > 0
+        >>> model = tiny_random_model()[0]
+        >>> kv_bytes_per_token(model) == compute_prefix(model, [0]).nbytes
         True
     """
-    return compute_prefix(model, [0]).nbytes
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
+    if not layers or not heads or not getattr(config, "hidden_size", None):
+        return compute_prefix(model, [0]).nbytes
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=compute_dtype(model)).element_size()
 
 
 def _suffix_mask(packed: PackedQuestions, prefix_len: int, dtype: torch.dtype) -> Tensor:
