@@ -428,6 +428,21 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
         help="questions per forward pass (default: %(default)s)",
     )
     p.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compute a prompt prefix shared by several questions (few-shot examples, a task "
+        "description, a system message) once and reuse its keys/values; scores are the same up to "
+        "float rounding, bit-identical with --no-prefix-cache (default: on)",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=_positive_int,
+        default=1024,
+        metavar="MB",
+        help="bound on the prefix keys/values held for one batch, in MiB (default: %(default)s)",
+    )
+    p.add_argument(
         "--temperature-fit",
         default=None,
         metavar="SPEC",
@@ -1303,27 +1318,30 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     model_s = time.perf_counter() - t0
     _log(args, f"loaded model {args.model}{' + ' + args.adapter if args.adapter else ''} in {model_s:.1f} s")
     _warn_prompt_mismatch(base, prompt, tokenizer, source, scoring={"scorer": args.scorer, "normalize": args.normalize})
-    result = _user_call(
-        lambda: evaluate_records(
-            model,
-            tokenizer,
-            datasets,
-            scorer=args.scorer,
-            normalize=args.normalize,
-            prompt=prompt,
-            batch_size=args.batch_size,
-            temperature_fit=fit,
-            n_bins=args.bins,
-            ci=args.bootstrap > 0,
-            n_resamples=max(args.bootstrap, 1),
-            seed=args.seed,
-            max_new_tokens=args.max_new_tokens,
-            progress=not args.quiet,
-        ),
-        "evaluate",
-        # only argument problems of the records themselves are user errors here
-        errors=(ValueError, TypeError, KeyError),
-    )
+    from llm_calib.engine.prefix import prefix_cache
+
+    with prefix_cache(args.prefix_cache, args.prefix_cache_mb):  # --prefix-cache, --prefix-cache-mb
+        result = _user_call(
+            lambda: evaluate_records(
+                model,
+                tokenizer,
+                datasets,
+                scorer=args.scorer,
+                normalize=args.normalize,
+                prompt=prompt,
+                batch_size=args.batch_size,
+                temperature_fit=fit,
+                n_bins=args.bins,
+                ci=args.bootstrap > 0,
+                n_resamples=max(args.bootstrap, 1),
+                seed=args.seed,
+                max_new_tokens=args.max_new_tokens,
+                progress=not args.quiet,
+            ),
+            "evaluate",
+            # only argument problems of the records themselves are user errors here
+            errors=(ValueError, TypeError, KeyError),
+        )
     result.config.update(
         {
             "model": args.model,
