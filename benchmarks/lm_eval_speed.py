@@ -202,6 +202,32 @@ def compare(theirs: dict, ours: dict) -> dict[str, Any]:
             "mean_abs_dll": float(np.mean(diffs)), "argmax_agree": agree}
 
 
+def prefix_cache_stats(task: str, work: Path, model_dir: Path, batch: int) -> dict[str, Any]:
+    """What llm-calib's prefix cache does on a task (groups, requests, tokens saved, peak bytes), from its
+    batch plan (:func:`llm_calib.engine.prefix.plan_prefix_batches`, the default bound), without running the model."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from llm_calib.data import load
+    from llm_calib.engine.prefix import DEFAULT_PREFIX_CACHE_MB, plan_prefix_batches
+    from llm_calib.prompts import PromptFormat
+    from llm_calib.scoring.option_likelihood import encode_questions
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # float32 keys/values
+    items = encode_questions(tok, load(f"lm_eval:{task}:include={work}").records, PromptFormat())
+    plan = plan_prefix_batches([it.prompt for it in items], [it.n_tokens for it in items], batch,
+                               bytes_per_token=per_token, max_bytes=DEFAULT_PREFIX_CACHE_MB * 2**20)
+    shared = [b for b in plan if b.prefix_len > 0]
+    groups = {(b.prefix_len, tuple(items[b.indices[0]].prompt[: b.prefix_len])) for b in shared}
+    total = sum(it.n_tokens for it in items)
+    saved = sum(len(b.indices) * b.prefix_len for b in shared) - sum(n for n, _ in groups)
+    return {"groups": len(groups), "requests": sum(len(b.indices) for b in shared), "tokens_saved": saved,
+            "tokens_total": total, "peak_bytes": max(((len(b.indices) + 1) * b.prefix_len * per_token
+                                                      for b in shared), default=0),
+            "prompt_tokens_mean": float(np.mean([len(it.prompt) for it in items]))}
+
+
 def _machine() -> dict[str, Any]:
     info = {"python": platform.python_version(), "cores": os.cpu_count()}
     try:
@@ -243,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="mmlu_5shot,piqa_style,letter_choice")
     p.add_argument("--quick", action="store_true", help="8 questions per shape, 1 round, print only")
     p.add_argument("--out", type=Path, default=RESULTS / "lm_eval_speed")
+    p.add_argument("--prefix-stats-only", action="store_true",
+                   help="only add the prefix cache's plan (groups, tokens saved, peak bytes) to --out's JSON")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.zero_shot_n, args.per_subject, args.subjects = 1, 8, 4, 2
@@ -258,6 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=str(work / "hf_datasets"),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    if args.prefix_stats_only:
+        path = args.out.with_suffix(".json")
+        saved = json.loads(path.read_text())
+        for name, entry in saved["shapes"].items():
+            entry["prefix_cache"] = prefix_cache_stats(shapes[name]["task"], work, model_dir, saved["batch_size"])
+            print(name, entry["prefix_cache"])
+        path.write_text(json.dumps(saved, indent=2) + "\n")
+        return 0
     result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": _machine(), "model": str(args.model), "batch_size": args.batch_size, "rounds": args.rounds,
