@@ -284,7 +284,7 @@ class PrefixKV:
 
 
 def compute_prefix(model: Any, tokens: Sequence[int]) -> PrefixKV:
-    """Run ``tokens`` (positions ``0 .. len - 1``) through the decoder once and keep every layer's keys/values.
+    """Run ``tokens`` (positions 0 to ``len(tokens) - 1``) through the decoder once and keep every layer's keys/values.
 
     Raises:
         ValueError: no tokens.
