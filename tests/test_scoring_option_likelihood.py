@@ -84,19 +84,22 @@ def test_result_fields_and_probabilities(tiny, mc_records):
 
 def test_one_decoder_pass_per_batch_and_head_only_on_needed_rows(tiny, mc_records):
     model, tok = tiny
-    calls, head_rows = [], []
-    h1 = model.model.register_forward_hook(lambda m, i, o: calls.append(1))
-    h2 = model.lm_head.register_forward_hook(lambda m, i, o: head_rows.append(i[0].shape[0]))
-    try:
-        score_option_likelihood(model, tok, mc_records, batch_size=4)
-    finally:
-        h1.remove()
-        h2.remove()
-    assert len(calls) == math.ceil(len(mc_records) / 4)
     enc = encode_questions(tok, mc_records, PromptFormat())
     # one shared row for each question's first option token + one per later option token
     needed = sum(1 + sum(len(o) - 1 for o in e.options) for e in enc)
-    assert sum(head_rows) == needed
+    for prefix_cache in (False, True):
+        calls, head_rows = [], []
+        h1 = model.model.register_forward_hook(lambda m, i, o, calls=calls: calls.append(1))
+        h2 = model.lm_head.register_forward_hook(lambda m, i, o, rows=head_rows: rows.append(i[0].shape[0]))
+        try:
+            scored = score_option_likelihood(model, tok, mc_records, batch_size=4, prefix_cache=prefix_cache)
+        finally:
+            h1.remove()
+            h2.remove()
+        # with the prefix cache, one more pass per shared prefix (here the chat template's system message)
+        prefixes = scored.info["prefix_cache"]["groups"] if prefix_cache else 0
+        assert len(calls) == math.ceil(len(mc_records) / 4) + prefixes
+        assert sum(head_rows) == needed
 
 
 def test_long_option_sums_agree(tiny):

@@ -142,6 +142,21 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         help="questions per forward pass (default: %(default)s)",
     )
     p.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compute a prompt prefix shared by several questions (few-shot examples, a task "
+        "description, a system message) once and reuse its keys/values; scores are the same up to "
+        "float rounding, bit-identical with --no-prefix-cache (default: on)",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=positive_int,
+        default=1024,
+        metavar="MB",
+        help="bound on the prefix keys/values held for one batch, in MiB (default: %(default)s)",
+    )
+    p.add_argument(
         "--temperature-fit",
         default=None,
         metavar="SPEC",
@@ -223,42 +238,13 @@ def _load_model_and_adapter(args: argparse.Namespace) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``llm-calib evaluate`` with its parsed ``args``: load the data, then the model (and
-    adapter), score every set and write the report to ``--out``.
+def _score(args: argparse.Namespace, model: Any, tokenizer: Any, datasets: list, prompt: Any, fit: Any,
+           confidence: Any) -> Any:
+    """:func:`~llm_calib.evaluate.evaluate_records` under the parsed flags (argument errors of the
+    records themselves are user errors)."""
+    from llm_calib.evaluate import evaluate_records
 
-    Returns:
-        0; a user error raises the CLI's user error, which :func:`~llm_calib.cli.main` reports
-        in one line with status 2.
-
-    Example:
-        >>> from llm_calib.cli import main
-        >>> main(["evaluate", "--data", "nosuchloader:x", "--out", "/tmp/x", "--quiet"])
-        2
-    """
-    from llm_calib.evaluate import evaluate_records, write_samples
-    from llm_calib.prompts import prompt_dict
-    from llm_calib.report import write_report
-
-    start(args, args.quiet)
-    confidence = user_call(lambda: open_confidence(args, seed=args.seed), None)  # before any loading
-    base = resolve_base(args, args.adapter, "--adapter")
-    source = f"--adapter {args.adapter}" if args.adapter else f"--model {args.model}"
-    prompt = prompt_format(args, base)
-    args.saved_preset = preset_in_use(args, base)  # the saved prompt: its preset's --limit-mode
-    origin = prompt_origin(args, base, source)
-    if origin:
-        log_status(args, origin)
-    t0 = time.perf_counter()
-    # Load every data set before the model, so a bad spec fails fast.
-    datasets, fit, prompt = _load_data(args, prompt)
-    load_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    model, tokenizer = _load_model_and_adapter(args)
-    model_s = time.perf_counter() - t0
-    log_status(args, f"loaded model {args.model}{' + ' + args.adapter if args.adapter else ''} in {model_s:.1f} s")
-    warn_prompt_mismatch(base, prompt, tokenizer, source, scoring={"scorer": args.scorer, "normalize": args.normalize})
-    result = user_call(
+    return user_call(
         lambda: evaluate_records(
             model,
             tokenizer,
@@ -280,6 +266,47 @@ def run(args: argparse.Namespace) -> int:
         # only argument problems of the records themselves are user errors here
         errors=(ValueError, TypeError, KeyError),
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``llm-calib evaluate`` with its parsed ``args``: load the data, then the model (and
+    adapter), score every set and write the report to ``--out``.
+
+    Returns:
+        0; a user error raises the CLI's user error, which :func:`~llm_calib.cli.main` reports
+        in one line with status 2.
+
+    Example:
+        >>> from llm_calib.cli import main
+        >>> main(["evaluate", "--data", "nosuchloader:x", "--out", "/tmp/x", "--quiet"])
+        2
+    """
+    from llm_calib.evaluate import write_samples
+    from llm_calib.prompts import prompt_dict
+    from llm_calib.report import write_report
+
+    start(args, args.quiet)
+    confidence = user_call(lambda: open_confidence(args, seed=args.seed), None)  # before any loading
+    base = resolve_base(args, args.adapter, "--adapter")
+    source = f"--adapter {args.adapter}" if args.adapter else f"--model {args.model}"
+    prompt = prompt_format(args, base)
+    args.saved_preset = preset_in_use(args, base)  # the saved prompt: its preset's --limit-mode
+    origin = prompt_origin(args, base, source)
+    if origin:
+        log_status(args, origin)
+    t0 = time.perf_counter()
+    # Load every data set before the model, so a bad spec fails fast.
+    datasets, fit, prompt = _load_data(args, prompt)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model, tokenizer = _load_model_and_adapter(args)
+    model_s = time.perf_counter() - t0
+    log_status(args, f"loaded model {args.model}{' + ' + args.adapter if args.adapter else ''} in {model_s:.1f} s")
+    warn_prompt_mismatch(base, prompt, tokenizer, source, scoring={"scorer": args.scorer, "normalize": args.normalize})
+    from llm_calib.engine.prefix import prefix_cache
+
+    with prefix_cache(args.prefix_cache, args.prefix_cache_mb):  # --prefix-cache, --prefix-cache-mb
+        result = _score(args, model, tokenizer, datasets, prompt, fit, confidence)
     result.config.update(
         {
             "model": args.model,

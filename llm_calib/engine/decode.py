@@ -29,6 +29,7 @@ from torch import Tensor
 
 from llm_calib.engine.options import capture_layer_input
 from llm_calib.engine.packing import causal_additive_mask, length_batches
+from llm_calib.engine.prefix import cache_keyword
 from llm_calib.models import lm_head_logits, split_decoder_head
 
 __all__ = [
@@ -216,68 +217,85 @@ def greedy_loop(
         >>> [(len(a.token_ids), a.stop) for a, _ in outs], outs[1][0].token_ids == (50, 50, 50)
         ([(0, 'eos'), (3, 'length')], True)
     """
-    newline = {} if newline is None else newline
     stops = list(until) if until is not None else [None] * logits.shape[0]
     if len(stops) != logits.shape[0]:
         raise ValueError(f"until: {len(stops)} rows of stop sequences for a batch of {logits.shape[0]}")
-
-    def is_stop(b: int, tok: int) -> bool:
-        if tok in eos:
-            return True
-        if stops[b] is not None:  # the generated text holds one of the stop sequences
-            text = tokenizer.decode(gen[b], skip_special_tokens=True)
-            return any(u and u in text for u in stops[b])  # type: ignore[union-attr]
-        if stop_at_newline and tok not in newline:
-            newline[tok] = "\n" in tokenizer.decode([tok])
-        return stop_at_newline and newline[tok]
-
-    B = logits.shape[0]
-    active = list(range(B))
-    done = [False] * B
-    gen: list[list[int]] = [[] for _ in range(B)]
-    probs: list[list[float]] = [[] for _ in range(B)]
-    tprobs: list[list[np.ndarray]] = [[] for _ in range(B)]
+    rows = _DecodedRows(tokenizer, eos, stop_at_newline, {} if newline is None else newline, stops)
+    active = list(range(len(stops)))
     for t in range(max_new_tokens):
         z = logits.float()
         top_p, top = torch.softmax(z, dim=-1).max(dim=-1)
-        pt = None
-        if temperatures is not None:  # probability of the greedy (argmax) token at every grid temperature
-            temps = temperatures.to(z.device)
-            zmax = z.max(-1, keepdim=True).values
-            pt = torch.exp(zmax / temps - torch.logsumexp(z[:, :, None] / temps, dim=1)).cpu().numpy()
-        for r, b in enumerate(active):
-            if done[b]:
-                continue
-            tok = int(top[r])
-            gen[b].append(tok)
-            probs[b].append(float(top_p[r]))
-            if pt is not None:
-                tprobs[b].append(pt[r])
-            done[b] = is_stop(b, tok)
-        if all(done) or t == max_new_tokens - 1:
+        rows.record(active, top, top_p, _greedy_grid_probs(z, temperatures))
+        if all(rows.done) or t == max_new_tokens - 1:
             break
         keep = None
-        if drop_finished and any(done[b] for b in active):
-            rows = [r for r, b in enumerate(active) if not done[b]]
-            keep = torch.tensor(rows)
+        if drop_finished and any(rows.done[b] for b in active):
+            kept = [r for r, b in enumerate(active) if not rows.done[b]]
+            keep = torch.tensor(kept)
             top = top[keep.to(top.device)]
-            active = [active[r] for r in rows]
+            active = [active[r] for r in kept]
         logits = step(top, keep)
-    outs = []
-    for b in range(B):
-        ans = finish_answer(tokenizer, gen[b], probs[b], eos, stop_at_newline, stops[b])
-        temp_probs = None
-        if temperatures is not None:
-            kept = finish_answer(tokenizer, gen[b], [float(p) for p in range(len(gen[b]))], eos, stop_at_newline,
-                                 stops[b])
-            temp_probs = np.stack([tprobs[b][int(p)] for p in kept.token_probs])
-        outs.append((ans, temp_probs))
-    return outs
+    return rows.finish(with_grid=temperatures is not None)
 
 
-def _cache_kw(module: Any) -> str:
-    """The cache keyword of ``module.forward``: transformers >= 5.2x renamed ``past_key_values`` to ``cache``."""
-    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+def _greedy_grid_probs(z: Tensor, temperatures: Tensor | None) -> np.ndarray | None:
+    """Per row, the probability of the greedy (argmax) token of float32 logits ``z`` at every grid temperature."""
+    if temperatures is None:
+        return None
+    temps = temperatures.to(z.device)
+    zmax = z.max(-1, keepdim=True).values
+    return torch.exp(zmax / temps - torch.logsumexp(z[:, :, None] / temps, dim=1)).cpu().numpy()
+
+
+class _DecodedRows:
+    """:func:`greedy_loop`'s per-row record: the tokens, their probabilities (and grid probabilities),
+    whether each row has stopped, and the stopping rule."""
+
+    def __init__(self, tokenizer: Any, eos: set[int], stop_at_newline: bool, newline: dict[int, bool],
+                 stops: list[Sequence[str] | None]) -> None:
+        self.tokenizer, self.eos, self.stop_at_newline, self.newline, self.stops = (
+            tokenizer, eos, stop_at_newline, newline, stops)
+        B = len(stops)
+        self.done = [False] * B
+        self.gen: list[list[int]] = [[] for _ in range(B)]
+        self.probs: list[list[float]] = [[] for _ in range(B)]
+        self.tprobs: list[list[np.ndarray]] = [[] for _ in range(B)]
+
+    def is_stop(self, b: int, tok: int) -> bool:
+        """Whether row ``b`` stops after its new token ``tok``."""
+        if tok in self.eos:
+            return True
+        if self.stops[b] is not None:  # the generated text holds one of the stop sequences
+            text = self.tokenizer.decode(self.gen[b], skip_special_tokens=True)
+            return any(u and u in text for u in self.stops[b])  # type: ignore[union-attr]
+        if self.stop_at_newline and tok not in self.newline:
+            self.newline[tok] = "\n" in self.tokenizer.decode([tok])
+        return self.stop_at_newline and self.newline[tok]
+
+    def record(self, active: list[int], top: Tensor, top_p: Tensor, pt: np.ndarray | None) -> None:
+        """Append each running row's greedy token (``active[r]`` is the row of batch position ``r``)."""
+        for r, b in enumerate(active):
+            if self.done[b]:
+                continue
+            tok = int(top[r])
+            self.gen[b].append(tok)
+            self.probs[b].append(float(top_p[r]))
+            if pt is not None:
+                self.tprobs[b].append(pt[r])
+            self.done[b] = self.is_stop(b, tok)
+
+    def finish(self, *, with_grid: bool) -> list[tuple[GreedyAnswer, np.ndarray | None]]:
+        """Each row's :class:`GreedyAnswer` and (``with_grid``) its kept positions' grid probabilities."""
+        outs = []
+        for b, stops in enumerate(self.stops):
+            ans = finish_answer(self.tokenizer, self.gen[b], self.probs[b], self.eos, self.stop_at_newline, stops)
+            temp_probs = None
+            if with_grid:  # which positions finish_answer keeps: run it on the positions themselves
+                kept = finish_answer(self.tokenizer, self.gen[b], [float(p) for p in range(len(self.gen[b]))],
+                                     self.eos, self.stop_at_newline, stops)
+                temp_probs = np.stack([self.tprobs[b][int(p)] for p in kept.token_probs])
+            outs.append((ans, temp_probs))
+        return outs
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -341,7 +359,7 @@ def generate_greedy(
     eos = eos_token_ids(model, tokenizer)
     # A peft wrapper's forward takes ``**kwargs`` and hands them on: read the wrapped model's signature.
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cache_kw = _cache_kw(base)
+    cache_kw = cache_keyword(base)
     # Only the last position's logits are used: skip the vocabulary projection of the rest of
     # the prompt (a (B, L, vocab) tensor) where the model supports it.
     params = inspect.signature(base.forward).parameters
@@ -440,7 +458,7 @@ class TrunkGenerator:
         from transformers import DynamicCache
 
         decoder, _ = split_decoder_head(model)
-        kw = _cache_kw(decoder)
+        kw = cache_keyword(decoder)
         k = self.trunk_layers
         outs: list[GenOut | None] = [None] * self.n
         with torch.inference_mode():
@@ -486,7 +504,7 @@ class TrunkGenerator:
                 for j in range(k, len(decoder.layers)):
                     layer = decoder.layers[j]
                     hidden = layer(hidden, attention_mask=mask, position_ids=pos, use_cache=True,
-                                   position_embeddings=pe, **{_cache_kw(layer): cache})
+                                   position_embeddings=pe, **{cache_keyword(layer): cache})
                     if isinstance(hidden, tuple):
                         hidden = hidden[0]
                 hidden = decoder.norm(hidden)
@@ -498,7 +516,7 @@ class TrunkGenerator:
     def _decode(self, model: Any, gb: GenBatch, cache: Any, last_hidden: Tensor, temperatures: bool,
                 outs: list[GenOut | None]) -> None:
         decoder, head = split_decoder_head(model)
-        kw = _cache_kw(decoder)
+        kw = cache_keyword(decoder)
         attn = [gb.attn]
 
         def step(tokens: Tensor, keep: Tensor | None) -> Tensor:

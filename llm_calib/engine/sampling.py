@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from llm_calib.engine.decode import eos_token_ids, finish_answer
+from llm_calib.engine.prefix import cache_keyword
 
 __all__ = ["SampledAnswer", "SamplingSettings", "sample_answers", "sample_seed"]
 
@@ -128,7 +129,7 @@ def _model_step(model: Any) -> Any:
     """``forward(ids, attn, past) -> (last logits, past)`` over a causal LM with left padding."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     params = inspect.signature(base.forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"
+    cache_kw = cache_keyword(base)
     keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
     extra = {keep_kw: 1} if keep_kw else {}
 

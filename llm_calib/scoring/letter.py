@@ -13,14 +13,15 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import target_logprobs
-from llm_calib.engine.packing import pack_letters
+from llm_calib.engine.packing import accepts_packed_masks, pack_letters
+from llm_calib.engine.prefix import PrefixKV, forward_rows_after, prefix_cache_settings
 from llm_calib.prompts import (
     PromptFormat,
     option_letters,
     record_prompt,
     uses_chat_template,
 )
-from llm_calib.scoring.base import ScoredSet, check_records, encode_prompts, score_in_batches
+from llm_calib.scoring.base import ScoredSet, check_records, encode_prompts, score_sharing_prefixes
 
 __all__ = ["check_listed_prompt", "letter_token_ids", "score_letter"]
 
@@ -61,11 +62,15 @@ def check_listed_prompt(prompt: PromptFormat | None) -> None:
 
 def score_letter(
     model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *, prompt: PromptFormat | None = None,
-    batch_size: int = 8, progress: bool = False,
+    batch_size: int = 8, progress: bool = False, prefix_cache: bool | None = None,
+    prefix_cache_mb: float | None = None,
 ) -> ScoredSet:
     """Score multiple-choice questions (at most 26 options) by the log-probabilities of the option
     letters after a prompt that lists them (default ``PromptFormat(style="listed")``);
-    ``info["letter_mass"]`` is the mean total probability on the letters.
+    ``info["letter_mass"]`` is the mean total probability on the letters. Prompts starting with
+    the same tokens share them through the prefix cache, as in
+    :func:`~llm_calib.scoring.option_likelihood.score_option_likelihood` (``prefix_cache``,
+    ``prefix_cache_mb``, ``info["prefix_cache"]``).
 
     Raises:
         ValueError: a prompt without the options, ``batch_size < 1``, bad records or letters of several tokens.
@@ -91,16 +96,24 @@ def score_letter(
     prompts = encode_prompts(tokenizer, records, fmt, texts)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    def score(idx: list[int]) -> tuple[torch.Tensor, ...]:
+    def score(idx: list[int], prefix: PrefixKV | None = None) -> tuple[torch.Tensor, ...]:
         letters = [letter_ids[: len(records[i].options)] for i in idx]
-        packed = pack_letters([prompts[i] for i in idx], letters, pad_id)
+        skip = prefix.length if prefix is not None else 0
+        packed = pack_letters([prompts[i][skip:] for i in idx], letters, pad_id)
         with torch.inference_mode():
-            return torch.split(target_logprobs(model, packed).double().cpu(), packed.n_options)
+            hidden = forward_rows_after(model, prefix, packed) if prefix is not None else None
+            return torch.split(target_logprobs(model, packed, hidden).double().cpu(), packed.n_options)
 
-    scores = score_in_batches([len(p) for p in prompts], batch_size, score, desc="letter", progress=progress)
+    settings = prefix_cache_settings(prefix_cache, prefix_cache_mb)
+    if not accepts_packed_masks(model):
+        settings = replace(settings, enabled=False)
+    scores, stats = score_sharing_prefixes(model, prompts, [len(p) for p in prompts], batch_size, score,
+                                           settings=settings, desc="letter", progress=progress)
     mass = [float(s.exp().sum()) for s in scores]
     info = {"prompt_style": fmt.style, "chat_template": chat, "answer_prefix": fmt.answer_prefix,
             "letter_mass": float(np.mean(mass)) if mass else float("nan")}
+    if stats is not None:
+        info["prefix_cache"] = stats.as_dict()
     details = []
     for t, r, s in zip(texts, records, scores, strict=True):
         ids, ones = letter_ids[: len(r.options)], [1] * len(r.options)

@@ -5,18 +5,15 @@ forward pass per batch of questions through the engine (:mod:`llm_calib.engine.o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import forward_rows, target_logprobs
-from llm_calib.engine.packing import (
-    NORMALIZE_MODES,
-    accepts_packed_masks,
-    pack_questions,
-)
+from llm_calib.engine.packing import NORMALIZE_MODES, accepts_packed_masks, pack_questions
+from llm_calib.engine.prefix import PrefixKV, forward_rows_after, prefix_cache_settings
 from llm_calib.prompts import (
     PromptFormat,
     option_continuations,
@@ -28,7 +25,7 @@ from llm_calib.scoring.base import (
     check_records,
     encode_continuation,
     encode_prompts,
-    score_in_batches,
+    score_sharing_prefixes,
 )
 
 __all__ = [
@@ -125,9 +122,12 @@ def _option_scores(details: dict[str, Any], normalize: str) -> torch.Tensor:
 
 
 def option_log_likelihoods(model: Any, items: Sequence[EncodedQuestion], *, pad_id: int = 0,
-                           strategy: Literal["packed", "padded"] = "packed") -> list[list[torch.Tensor]]:
+                           strategy: Literal["packed", "padded"] = "packed",
+                           prefix: PrefixKV | None = None) -> list[list[torch.Tensor]]:
     """``out[q][k]``: float64 log-probabilities of option ``k``'s tokens of question ``q``, in one
-    forward pass (``"packed"`` falls back to ``"padded"`` for attention without 4-D masks).
+    forward pass (``"packed"`` falls back to ``"padded"`` for attention without 4-D masks). With
+    ``prefix`` (the keys/values of the first ``prefix.length`` tokens every prompt starts with,
+    :func:`~llm_calib.engine.prefix.compute_prefix`) only the rest of each row runs.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -140,11 +140,15 @@ def option_log_likelihoods(model: Any, items: Sequence[EncodedQuestion], *, pad_
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if not items:
         return []
-    packed = pack_questions([(it.prompt, it.options) for it in items], pad_id)
+    skip = prefix.length if prefix is not None else 0
+    packed = pack_questions([(it.prompt[skip:], it.options) for it in items], pad_id)
     # the packed layout's 4-D masks need eager or sdpa attention; flash kernels get one row per option
     use_masks = strategy == "packed" and accepts_packed_masks(model)
     with torch.inference_mode():
-        hidden, _ = forward_rows(model, packed, packed_masks=use_masks)
+        if prefix is not None:
+            hidden = forward_rows_after(model, prefix, packed)
+        else:
+            hidden, _ = forward_rows(model, packed, packed_masks=use_masks)
         token_lp = target_logprobs(model, packed, hidden)
     # targets are laid out option by option, so each option's tokens are one contiguous run
     flat = iter(torch.split(token_lp.double().cpu(), packed.option_lengths.tolist()))
@@ -155,12 +159,21 @@ def score_option_likelihood(
     model: Any, tokenizer: Any, records: Sequence[MultipleChoice], *,
     normalize: Literal["sum", "mean"] = "sum", prompt: PromptFormat | None = None, batch_size: int = 8,
     strategy: Literal["packed", "padded"] = "packed", progress: bool = False,
+    prefix_cache: bool | None = None, prefix_cache_mb: float | None = None,
 ) -> ScoredSet:
     """Score multiple-choice questions by the log-likelihood of ``target_delimiter + option`` after the
     prompt (default ``PromptFormat()``): probabilities are the softmax over the options' scores under
     ``normalize`` (:data:`NORMALIZE_MODES`); ``details`` keep every option's summed log-likelihood and
     lengths, so other normalisations need no second pass (:func:`normalized`). ``batch_size``:
     questions per forward pass; ``strategy``: a :data:`STRATEGIES` layout.
+
+    Questions whose prompts start with the same tokens (a few-shot context, a task description)
+    share them (:mod:`llm_calib.engine.prefix`): the prefix's keys/values are computed once per
+    group and only the rest runs per question, same scores up to float rounding; ``info["prefix_cache"]``
+    reports the groups, tokens saved and peak bytes. ``prefix_cache`` (default: on, or as set by
+    :func:`~llm_calib.engine.prefix.prefix_cache`) turns it off (scores then bit-identical to
+    scoring without it), ``prefix_cache_mb`` bounds the prefix keys/values of one batch (MiB). The
+    ``"padded"`` strategy and attention without 4-D masks score without it.
 
     Raises:
         ValueError: an unknown ``normalize`` or ``strategy``, ``batch_size < 1``, or malformed records.
@@ -184,16 +197,23 @@ def score_option_likelihood(
     items = encode_questions(tokenizer, records, fmt)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    def score(idx: list[int]) -> list[list[torch.Tensor]]:
-        return option_log_likelihoods(model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy)
+    settings = prefix_cache_settings(prefix_cache, prefix_cache_mb)
+    if strategy != "packed" or not accepts_packed_masks(model):  # the prefix runs under a 4-D mask
+        settings = replace(settings, enabled=False)
 
-    token_lps = score_in_batches([it.n_tokens for it in items], batch_size, score, desc="option likelihood",
-                                 progress=progress)
+    def score(idx: list[int], prefix: PrefixKV | None) -> list[list[torch.Tensor]]:
+        return option_log_likelihoods(model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy, prefix=prefix)
+
+    token_lps, stats = score_sharing_prefixes(model, [it.prompt for it in items], [it.n_tokens for it in items],
+                                              batch_size, score, settings=settings, desc="option likelihood",
+                                              progress=progress)
     details = [_question_details(tokenizer, r, fmt, item, per_option)
                for r, item, per_option in zip(records, items, token_lps, strict=True)]
     scores = [_option_scores(d, normalize) for d in details]
     info = {"normalize": normalize, "prompt_style": fmt.style, "chat_template": uses_chat_template(tokenizer, fmt),
             "answer_prefix": fmt.answer_prefix, "strategy": strategy, "template": fmt.template, "fewshot": fmt.fewshot}
+    if stats is not None:
+        info["prefix_cache"] = stats.as_dict()
     return ScoredSet.from_records(records, scores, "option_likelihood", info, details)
 
 

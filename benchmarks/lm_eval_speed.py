@@ -1,0 +1,335 @@
+"""Speed side by side with EleutherAI's lm-evaluation-harness: the same model directory, the same
+questions (local lm-eval task YAMLs over ``../shared/data``), the same batch size, both as a user
+runs them (two command-line processes), in interleaved rounds.
+
+Three task shapes:
+
+* ``piqa_style`` (zero-shot): two solutions of several tokens each (``doc_to_choice:
+  "{{[sol1, sol2]}}"``), built from ARC-Easy test questions (the gold answer and one distractor,
+  the gold one first on even rows);
+* ``letter_choice`` (zero-shot): MMLU test questions with the options listed and the letters
+  ``A``-``D`` as choices, no description (a MedMCQA-like letter task);
+* ``mmlu_5shot``: lm-eval's MMLU prompt (per-subject description) with 5 examples of the
+  subject's dev split (``first_n``), ``--per-subject`` questions of each of ``--subjects``.
+
+Each round runs ``lm_eval --model hf ... --log_samples`` and ``llm-calib evaluate --data
+lm_eval:TASK:include=DIR --log-samples`` (rounds alternate which runs first) and records wall
+time and the CPU time of the child process; the two tools' per-option log-likelihoods are
+matched by task and document and compared (maximum absolute difference, argmax agreement).
+
+lm-eval is not a dependency of llm-calib (``pip install "llm-calib[bench]"``).
+
+Usage::
+
+    .venv/bin/python benchmarks/lm_eval_speed.py --rounds 2 --zero-shot-n 100 --per-subject 60
+    .venv/bin/python benchmarks/lm_eval_speed.py --quick          # a few questions, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+PIQA_YAML = """\
+task: speed_piqa_style
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "Question: {{{{goal}}}}\\nAnswer:"
+doc_to_target: label
+doc_to_choice: "{{{{[sol1, sol2]}}}}"
+metric_list:
+  - metric: acc
+"""
+
+LETTER_YAML = """\
+task: speed_letter_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "Question: {{{{question.strip()}}}}\\nChoices:\\nA. {{{{choices[0]}}}}\\nB. {{{{choices[1]}}}}\\nC. {{{{choices[2]}}}}\\nD. {{{{choices[3]}}}}\\nAnswer:"
+doc_to_choice: ["A", "B", "C", "D"]
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+
+# lm-eval 0.4.13 tasks/mmlu/default/_default_template_yaml with a subject's dev split as few-shot pool
+MMLU_YAML = """\
+task: speed_mmlu5_{subject}
+tag: speed_mmlu5
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+    dev: {dev}
+output_type: multiple_choice
+test_split: test
+fewshot_split: dev
+fewshot_config:
+  sampler: first_n
+num_fewshot: 5
+description: "The following are multiple choice questions (with answers) about {subject_text}.\\n\\n"
+doc_to_text: "{{{{question.strip()}}}}\\nA. {{{{choices[0]}}}}\\nB. {{{{choices[1]}}}}\\nC. {{{{choices[2]}}}}\\nD. {{{{choices[3]}}}}\\nAnswer:"
+doc_to_choice: ["A", "B", "C", "D"]
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+
+SUBJECTS = ("high_school_geography", "high_school_psychology", "miscellaneous", "nutrition", "prehistory",
+            "high_school_macroeconomics", "marketing")
+LETTER_SUBJECTS = ("clinical_knowledge", "college_medicine", "medical_genetics", "anatomy", "professional_medicine")
+
+
+def _mmlu_rows(data: Path, subject: str, split: str) -> list[dict[str, Any]]:
+    with open(data / "mmlu" / split / f"{subject}_{split}.csv", newline="", encoding="utf-8") as f:
+        return [{"question": r[0], "choices": r[1:5], "answer": "ABCD".index(r[5].strip()), "subject": subject}
+                for r in csv.reader(f)]
+
+
+def _write(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def build_tasks(work: Path, data: Path, zero_n: int, subjects: list[str], per_subject: int) -> dict[str, dict]:
+    """Write the task YAMLs and their rows; returns ``{shape: {"task": name, "n": questions}}``."""
+    arc = [json.loads(line) for line in (data / "arc_easy" / "test.jsonl").read_text().splitlines()[:zero_n]]
+    piqa = []
+    for i, r in enumerate(arc):
+        labels = [c["label"] for c in r["question"]["choices"]]
+        texts = [c["text"] for c in r["question"]["choices"]]
+        gold = labels.index(r["answerKey"])
+        sols = [texts[gold], texts[(gold + 1) % len(texts)]]
+        piqa.append({"goal": r["question"]["stem"], "sol1": sols[i % 2], "sol2": sols[1 - i % 2], "label": i % 2})
+    _write(work / "piqa.jsonl", piqa)
+    (work / "speed_piqa_style.yaml").write_text(PIQA_YAML.format(data=work / "piqa.jsonl"))
+    letter: list[dict[str, Any]] = []
+    for s in LETTER_SUBJECTS:
+        letter.extend(_mmlu_rows(data, s, "test")[: -(-zero_n // len(LETTER_SUBJECTS))])
+    _write(work / "letter.jsonl", letter[:zero_n])
+    (work / "speed_letter_choice.yaml").write_text(LETTER_YAML.format(data=work / "letter.jsonl"))
+    for s in subjects:
+        _write(work / f"mmlu_{s}_test.jsonl", _mmlu_rows(data, s, "test")[:per_subject])
+        _write(work / f"mmlu_{s}_dev.jsonl", _mmlu_rows(data, s, "dev"))
+        (work / f"speed_mmlu5_{s}.yaml").write_text(MMLU_YAML.format(
+            subject=s, subject_text=s.replace("_", " "), data=work / f"mmlu_{s}_test.jsonl",
+            dev=work / f"mmlu_{s}_dev.jsonl"))
+    return {"piqa_style": {"task": "speed_piqa_style", "n": len(piqa), "fewshot": 0},
+            "letter_choice": {"task": "speed_letter_choice", "n": len(letter[:zero_n]), "fewshot": 0},
+            "mmlu_5shot": {"task": "speed_mmlu5", "n": len(subjects) * per_subject, "fewshot": 5,
+                           "subjects": subjects}}
+
+
+def _timed(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
+    """Run ``cmd``; its wall time and the CPU time (user + system) of the child."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, check=False)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:4]} failed (exit {proc.returncode}); see {log}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": wall, "cpu_s": cpu}
+
+
+def run_lm_eval(task: str, work: Path, model_dir: Path, batch: int, out: Path, env: dict[str, str]) -> dict:
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf",
+           "--model_args", f"pretrained={model_dir},dtype=float32", "--tasks", task, "--include_path", str(work),
+           "--batch_size", str(batch), "--device", "cpu", "--log_samples", "--output_path", str(out)]
+    return _timed(cmd, env, out.with_suffix(".log"))
+
+
+def run_llm_calib(task: str, work: Path, model_dir: Path, batch: int, out: Path, env: dict[str, str],
+                  extra: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "llm_calib.cli", "evaluate", "--model", str(model_dir),
+           "--data", f"lm_eval:{task}:include={work}", "--batch-size", str(batch), "--bootstrap", "0",
+           "--log-samples", "--quiet", "--out", str(out), *extra]
+    return _timed(cmd, env, out.with_suffix(".log"))
+
+
+def lm_eval_loglik(out: Path) -> dict[tuple[str, int], list[float]]:
+    """``(task, doc_id) -> per-option log-likelihoods`` from lm-eval's samples files."""
+    rows = {}
+    for f in out.rglob("samples_*.jsonl"):
+        task = f.name[len("samples_"):].rsplit("_", 1)[0]
+        for line in f.read_text().splitlines():
+            s = json.loads(line)
+            rows[(task, int(s["doc_id"]))] = [float(r[0]) for r in s["filtered_resps"]]
+    return rows
+
+
+def llm_calib_loglik(out: Path) -> dict[tuple[str, int], list[float]]:
+    """The same from ``llm-calib evaluate --log-samples`` (ids ``TASK/DOC_ID``)."""
+    rows = {}
+    for line in (out / "samples.jsonl").read_text().splitlines():
+        s = json.loads(line)
+        task, doc = s["id"].rsplit("/", 1)
+        rows[(task, int(doc))] = [float(v) for v in s["loglik"]]
+    return rows
+
+
+def compare(theirs: dict, ours: dict) -> dict[str, Any]:
+    if set(theirs) != set(ours):
+        raise RuntimeError(f"different documents: {len(theirs)} in lm-eval, {len(ours)} in llm-calib")
+    diffs = [abs(a - b) for k in theirs for a, b in zip(theirs[k], ours[k], strict=True)]
+    agree = sum(int(np.argmax(theirs[k])) == int(np.argmax(ours[k])) for k in theirs)
+    return {"questions": len(theirs), "options": len(diffs), "max_abs_dll": max(diffs),
+            "mean_abs_dll": float(np.mean(diffs)), "argmax_agree": agree}
+
+
+def prefix_cache_stats(task: str, work: Path, model_dir: Path, batch: int) -> dict[str, Any]:
+    """What llm-calib's prefix cache does on a task (groups, requests, tokens saved, peak bytes), from its
+    batch plan (:func:`llm_calib.engine.prefix.plan_prefix_batches`, the default bound), without running the model."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from llm_calib.data import load
+    from llm_calib.engine.prefix import DEFAULT_PREFIX_CACHE_MB, plan_prefix_batches
+    from llm_calib.prompts import PromptFormat
+    from llm_calib.scoring.option_likelihood import encode_questions
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # float32 keys/values
+    items = encode_questions(tok, load(f"lm_eval:{task}:include={work}").records, PromptFormat())
+    plan = plan_prefix_batches([it.prompt for it in items], [it.n_tokens for it in items], batch,
+                               bytes_per_token=per_token, max_bytes=DEFAULT_PREFIX_CACHE_MB * 2**20)
+    shared = [b for b in plan if b.prefix_len > 0]
+    groups = {(b.prefix_len, tuple(items[b.indices[0]].prompt[: b.prefix_len])) for b in shared}
+    total = sum(it.n_tokens for it in items)
+    saved = sum(len(b.indices) * b.prefix_len for b in shared) - sum(n for n, _ in groups)
+    return {"groups": len(groups), "requests": sum(len(b.indices) for b in shared), "tokens_saved": saved,
+            "tokens_total": total, "peak_bytes": max(((len(b.indices) + 1) * b.prefix_len * per_token
+                                                      for b in shared), default=0),
+            "prompt_tokens_mean": float(np.mean([len(it.prompt) for it in items]))}
+
+
+def _machine() -> dict[str, Any]:
+    info = {"python": platform.python_version(), "cores": os.cpu_count()}
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in lscpu.splitlines():
+            if line.startswith("Model name:"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+            if line.startswith("Flags:"):
+                flags = line.split()
+                info["avx512"] = "avx512f" in flags
+                info["avx2"] = "avx2" in flags
+                info["amx"] = "amx_tile" in flags
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    import torch
+    import transformers
+
+    info |= {"torch": torch.__version__, "transformers": transformers.__version__,
+             "torch_threads": torch.get_num_threads()}
+    try:
+        import lm_eval
+
+        info["lm_eval"] = getattr(lm_eval, "__version__", "?")
+    except ImportError:
+        pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-root", type=Path, default=ROOT.parent / "shared" / "data")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a model directory, or a built-in alias (its converted cache directory is used)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--zero-shot-n", type=int, default=100)
+    p.add_argument("--per-subject", type=int, default=60)
+    p.add_argument("--subjects", type=int, default=5)
+    p.add_argument("--shapes", default="mmlu_5shot,piqa_style,letter_choice")
+    p.add_argument("--quick", action="store_true", help="8 questions per shape, 1 round, print only")
+    p.add_argument("--out", type=Path, default=RESULTS / "lm_eval_speed")
+    p.add_argument("--prefix-stats-only", action="store_true",
+                   help="only add the prefix cache's plan (groups, tokens saved, peak bytes) to --out's JSON")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.zero_shot_n, args.per_subject, args.subjects = 1, 8, 4, 2
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        from llm_calib.models import default_cache_dir, load
+
+        model_dir = default_cache_dir(args.model)
+        if not (model_dir / "model.safetensors").is_file():
+            load(args.model)  # converts the GGUF into the cache directory once
+    work = Path(tempfile.mkdtemp(prefix="lm_eval_speed_"))
+    shapes = build_tasks(work, args.data_root, args.zero_shot_n, list(SUBJECTS[: args.subjects]), args.per_subject)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=str(work / "hf_datasets"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    if args.prefix_stats_only:
+        path = args.out.with_suffix(".json")
+        saved = json.loads(path.read_text())
+        for name, entry in saved["shapes"].items():
+            entry["prefix_cache"] = prefix_cache_stats(shapes[name]["task"], work, model_dir, saved["batch_size"])
+            print(name, entry["prefix_cache"])
+        path.write_text(json.dumps(saved, indent=2) + "\n")
+        return 0
+    result: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": _machine(), "model": str(args.model), "batch_size": args.batch_size, "rounds": args.rounds,
+        "command": "python benchmarks/lm_eval_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "shapes": {},
+    }
+    for name in args.shapes.split(","):
+        shape = shapes[name]
+        rows: list[dict[str, Any]] = []
+        for r in range(args.rounds):
+            order = ("lm_eval", "llm_calib") if r % 2 == 0 else ("llm_calib", "lm_eval")
+            times: dict[str, dict] = {}
+            for side in order:
+                out = work / f"{name}_{side}_{r}"
+                if side == "lm_eval":
+                    times[side] = run_lm_eval(shape["task"], work, model_dir, args.batch_size, out, env)
+                else:
+                    times[side] = run_llm_calib(shape["task"], work, model_dir, args.batch_size, out, env, [])
+                print(f"{name} round {r + 1} {side}: {times[side]['wall_s']:.1f} s wall, "
+                      f"{times[side]['cpu_s']:.1f} s CPU", flush=True)
+            ours = llm_calib_loglik(work / f"{name}_llm_calib_{r}")
+            row = {"round": r + 1, "order": list(order), **{f"{s}_{k}": v for s in times for k, v in times[s].items()},
+                   "wall_ratio": times["lm_eval"]["wall_s"] / times["llm_calib"]["wall_s"],
+                   "cpu_ratio": times["lm_eval"]["cpu_s"] / times["llm_calib"]["cpu_s"],
+                   **compare(lm_eval_loglik(work / f"{name}_lm_eval_{r}"), ours)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            result["shapes"][name] = {**shape, "rows": rows,
+                                      "wall_ratio_mean": float(np.mean([x["wall_ratio"] for x in rows])),
+                                      "cpu_ratio_mean": float(np.mean([x["cpu_ratio"] for x in rows]))}
+            if not args.quick:  # written after every round, so a cut-short run keeps what it measured
+                args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: {"wall_ratio_mean": v["wall_ratio_mean"], "cpu_ratio_mean": v["cpu_ratio_mean"]}
+                      for k, v in result["shapes"].items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
