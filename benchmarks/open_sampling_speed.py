@@ -36,12 +36,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
 
-from harness.report import machine_info, markdown_table, provenance_lines  # noqa: E402
+from harness.report import machine_info, markdown_table, provenance_lines
 
-from llm_calib.data import load_nq_open  # noqa: E402
-from llm_calib.engine.sampling import SamplingSettings, sample_answers, sample_seed  # noqa: E402
-from llm_calib.models import load  # noqa: E402
-from llm_calib.scoring.open_ended import encode_open_prompts  # noqa: E402
+from llm_calib.data import load_nq_open
+from llm_calib.engine.sampling import SamplingSettings, sample_answers, sample_seed
+from llm_calib.models import load
+from llm_calib.scoring.open_ended import encode_open_prompts
 
 ALIAS = "smollm2-135m-instruct"
 NQ = "/work/shared/data/nq_open/NQ-open.dev.jsonl"
@@ -91,7 +91,7 @@ def timed(fn: Any) -> tuple[Any, float, float]:
 
 def same(sample: tuple[int, ...], ref: list[int]) -> bool:
     # sample_answers drops the stopping newline token from token_ids; the reference keeps it
-    return list(sample) == ref or list(sample) == ref[:-1] and len(ref) == len(sample) + 1
+    return list(sample) == ref or (list(sample) == ref[:-1] and len(ref) == len(sample) + 1)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
