@@ -17,7 +17,6 @@ from llm_calib import cli
 from llm_calib.cli import calibrate as cli_calibrate
 from llm_calib.cli import evaluate as cli_evaluate
 from llm_calib.cli import export as cli_export
-from llm_calib.cli._common import UserError
 from llm_calib.outputs import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +59,7 @@ def _copy(run_dir: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("command", ["calibrate", "evaluate", "metrics"])
 def test_out_an_existing_file_fails_before_loading(command, tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli_calibrate, "load_base_model", _no_loading)
-    monkeypatch.setattr(cli_evaluate, "_load_model_and_adapter", _no_loading)
+    monkeypatch.setattr(cli_evaluate, "load_base_model", _no_loading)
     out = tmp_path / "taken"
     out.write_text("not a folder")
     samples = tmp_path / "samples_arc_easy_2024.jsonl"
@@ -88,7 +87,7 @@ def test_interrupt_gives_130_and_the_resume_hint(tiny_model_dir, tmp_path, monke
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_calibrate, "_run_locked", interrupted)
+    monkeypatch.setattr(cli_calibrate, "load_records", interrupted)  # while the run holds the lock
     out = tmp_path / "out"
     assert cli.main(_calibrate_argv(tiny_model_dir, out)) == 130
     err = capsys.readouterr().err.strip()
@@ -215,9 +214,9 @@ def test_adapter_on_another_base_is_refused(run, tiny_model_dir, tmp_path, monke
     adapter = str(run[0] / "calm")
 
     def reached_loading(*args, **kwargs):
-        raise UserError("reached loading")
+        raise ValueError("reached loading")
 
-    monkeypatch.setattr(cli_evaluate, "_load_model_and_adapter", reached_loading)
+    monkeypatch.setattr(cli_evaluate, "load_base_model", reached_loading)
     monkeypatch.setattr(cli_export, "load_base_model", reached_loading)
     for argv in (["evaluate", "--adapter", adapter, "--model", str(other), "--data", EVAL, "--quiet",
                   "--out", str(tmp_path / "e")],
@@ -225,8 +224,8 @@ def test_adapter_on_another_base_is_refused(run, tiny_model_dir, tmp_path, monke
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "was trained on" in err and "--allow-other-base" in err, err
-        assert cli.main([*argv, "--allow-other-base"]) == 2
-        assert "reached loading" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="reached loading"):
+            cli.main([*argv, "--allow-other-base"])
 
 
 def test_truncated_base_record_is_one_line(run, tmp_path, capsys):
@@ -310,3 +309,16 @@ def test_metrics_on_a_folder_lists_its_samples_files(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "is a folder, not a samples file" in err and "samples_arc_easy_2024.jsonl" in err
+
+
+def test_too_little_free_space_fails_before_loading(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import collections
+
+    import llm_calib.outputs
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(llm_calib.outputs.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(cli_calibrate, "load_base_model", _no_loading)
+    assert cli.main(_calibrate_argv(tiny_model_dir, tmp_path / "o")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "free on its disk, the run writes about" in err

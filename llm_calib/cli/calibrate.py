@@ -267,6 +267,23 @@ def _print_ece(cmp: Any) -> None:
         print(f"{dom}: n={d.n} ECE {cells}")
 
 
+def _run_bytes(model: str, config: Any, methods: list[Any]) -> int:
+    """A rough estimate of what the run writes (:func:`~llm_calib.outputs.lora_run_bytes`), from a
+    local model's ``config.json`` (no model is loaded); 0 (no free-space check) for a hub name or
+    alias, or a config without the sizes."""
+    from llm_calib.file_modes import read_json
+    from llm_calib.outputs import lora_run_bytes
+
+    path = Path(model).expanduser() / "config.json"
+    try:
+        sizes = read_json(path) if path.is_file() else {}
+        hidden, layers = int(sizes["hidden_size"]), int(sizes["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError, OSError):
+        return 0
+    return lora_run_bytes(hidden, layers, rank=config.lora.rank, modules_per_layer=max(len(config.lora.target_modules), 1),
+                          methods=len(methods), checkpoints_kept=2 if config.checkpoint_every else 0)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``llm-calib calibrate`` with its parsed ``args``: resolve the configuration, load the
     data, then the model (once), train and compare the objectives and write the report to ``--out``.
@@ -287,7 +304,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.restart:
         raise UserError("--resume and --restart: choose one (continue the earlier run, or delete its checkpoints)")
     config, methods = calibration_config(args)
-    user_call(lambda: check_output_folder(args.out), None)  # before the data and the model: not after the work
+    # before the data and the model, not after the work: a file, not writable, too little free space
+    user_call(lambda: check_output_folder(args.out, need_bytes=_run_bytes(args.model, config, methods)), None)
     check_model_path(args.model)
     stale = stale_checkpoints(args.out, [m.name for m in methods])
     if stale and not args.resume and not args.restart:
