@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 __all__ = ["check_int", "check_number", "is_int"]
@@ -22,8 +23,8 @@ def is_int(value: Any) -> bool:
 
 def check_number(name: str, value: Any, *, minimum: float | None = None, positive: bool = False,
                  below: float | None = None) -> float:
-    """``value`` as a checked float (numeric strings accepted: YAML 1.1 reads ``1e-3`` as one);
-    ``minimum`` is inclusive, ``below`` exclusive.
+    """``value`` as a checked, finite float (numeric strings accepted: YAML 1.1 reads ``1e-3`` as
+    one); ``minimum`` is inclusive, ``below`` exclusive.
 
     Example:
         >>> check_number("objective.beta", -1, minimum=0)
@@ -39,6 +40,8 @@ def check_number(name: str, value: Any, *, minimum: float | None = None, positiv
         number = float(value)
     if number is None:
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(number):  # inf/nan: accepted as a rate, it would blow up after model loading
+        raise ValueError(f"{name} must be a finite number, got {number!r}")
     if positive and not number > 0:
         raise ValueError(f"{name} must be > 0, got {number!r}")
     if minimum is not None and not number >= minimum:

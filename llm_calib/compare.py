@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,8 @@ from llm_calib.report import (
     setting_line,
 )
 
-__all__ = ["BASELINE_COLUMNS", "Comparison", "DomainComparison", "run_comparison", "write_comparison_report"]
+__all__ = ["BASELINE_COLUMNS", "Comparison", "DomainComparison", "run_comparison", "stale_checkpoints",
+           "stale_checkpoints_message", "write_comparison_report"]
 
 BASELINE_COLUMNS = ("uncalibrated", "temperature_scaled")
 """The columns that need no training (the base model, and the base model with a temperature)."""
@@ -129,7 +131,7 @@ def run_comparison(
     unlabeled: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]] | None = None,
     checkpoints: bool = True, resume: bool = False, progress: bool = True, n_bins: int = 10,
     bootstrap: int = 1000, eval_batch_size: int = 8, log: Callable[[str], None] = lambda message: None,
-    base_model: dict[str, Any] | None = None,
+    base_model: dict[str, Any] | None = None, restart: bool = False,
 ) -> Comparison:
     """Train each method on the base model, save it, and evaluate every column per domain.
 
@@ -156,13 +158,16 @@ def run_comparison(
         eval_batch_size: questions per forward pass when scoring.
         log: receives one-line status messages.
         base_model: entries replacing those of each saved result's base-model record (e.g. ``model``).
+        restart: without ``resume``, delete a method's checkpoints left by an earlier run in
+            ``out_dir`` and start over; otherwise such checkpoints are an error.
 
     Returns:
         A :class:`Comparison`. Under ``torchrun`` only rank 0 writes.
 
     Raises:
         ValueError: no method or two of one name, records not all of one kind (naming the record),
-            an empty set, or (with ``resume``) a saved result trained with a different configuration.
+            an empty set, (with ``resume``) a saved result trained with a different configuration, or
+            (without ``resume`` and ``restart``) checkpoints of an earlier run (:func:`stale_checkpoints`).
         llm_calib.calm.trainer.TrainingDiverged: a method's training diverged.
     """
     run = _resolve(train, heldout, evals, config, unlabeled)
@@ -184,7 +189,7 @@ def run_comparison(
     data = _encode(tokenizer, run, train, heldout, unlabeled)
     training: dict[str, dict[str, Any]] = {}
     method_temperatures: dict[str, TemperatureFit] = {}
-    options = _TrainOptions(Path(out_dir), checkpoints, resume, progress, base_model or {})
+    options = _TrainOptions(Path(out_dir), checkpoints, resume, progress, base_model or {}, restart, log)
     for objective in objectives:
         model, training[objective.name], fit = _train_and_evaluate(
             model, run.with_objective(objective), data, session, domains, options)
@@ -246,6 +251,32 @@ class _Session:
                                 **self.eval_kwargs)
 
 
+def stale_checkpoints(out_dir: str | Path, methods: Sequence[str]) -> list[Path]:
+    """The checkpoint folders of ``methods`` that an earlier run left in ``out_dir``
+    (``out_dir/checkpoints/<method>/``, not empty): a new run without ``resume`` would delete them.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> out = pathlib.Path(tempfile.mkdtemp())
+        >>> (out / "checkpoints" / "calm" / "ckpt-000010").mkdir(parents=True)
+        >>> [p.name for p in stale_checkpoints(out, ["calm", "lora_ce"])]
+        ['calm']
+    """
+    folders = [Path(out_dir) / "checkpoints" / m for m in methods]
+    return [f for f in folders if f.is_dir() and any(f.iterdir())]
+
+
+def stale_checkpoints_message(out_dir: str | Path, methods: Sequence[str]) -> str:
+    """The one-line refusal to delete the checkpoints of an earlier run (:func:`stale_checkpoints`).
+
+    Example:
+        >>> stale_checkpoints_message("runs/x", ["calm"])
+        '--out runs/x holds checkpoints of an earlier run (calm); continue it with --resume, or pass --restart to delete them and start over'
+    """
+    return (f"--out {out_dir} holds checkpoints of an earlier run ({', '.join(str(m) for m in methods)}); "
+            "continue it with --resume, or pass --restart to delete them and start over")
+
+
 @dataclass
 class _TrainOptions:
     """Where and how each method trains: output directory, checkpoints, resume, progress, base-model record."""
@@ -255,6 +286,9 @@ class _TrainOptions:
     resume: bool
     progress: bool
     base_model: dict[str, Any]
+    restart: bool = False
+    log: Callable[[str], None] | None = None
+    warned: set[str] = field(default_factory=set)
 
 
 def _collect(result: EvaluationResult, domains: dict[str, DomainComparison], columns: dict[str, str]) -> None:
@@ -329,12 +363,29 @@ def _trained(model: Any, tokenizer: Any, run: ResolvedRun, data: tuple[Any, Any,
         return result, True
     writer = distributed.rank() == 0
     if writer and not options.resume and ckpt_dir.exists():
+        if any(ckpt_dir.iterdir()) and not options.restart:
+            raise ValueError(stale_checkpoints_message(options.out, [method]))
         shutil.rmtree(ckpt_dir)  # stale checkpoints of an earlier run must not be resumed
     use_ckpt = options.checkpoints and cfg.checkpoint_every > 0
     log(f"[{method}] training {cfg.training.steps} steps")
     train_enc, heldout_enc, unlabeled_enc = data
-    result = calibrate(model, tokenizer, train_enc, heldout_enc, run, unlabeled=unlabeled_enc,
-                       checkpoint_dir=ckpt_dir if use_ckpt else None, resume=options.resume, progress=options.progress)
+    notes: list[str] = []
+    # Each method's training warns anew about the same held-out set (a change of warning filters, as
+    # peft's silencing makes, resets Python's once-per-place memory), and its selection note is
+    # also logged as a status line: each warning is shown once per comparison.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = calibrate(model, tokenizer, train_enc, heldout_enc, run, unlabeled=unlabeled_enc,
+                               checkpoint_dir=ckpt_dir if use_ckpt else None, resume=options.resume,
+                               progress=options.progress,
+                               log=lambda message: (options.log or (lambda _: None))(f"[{method}] {message}"))
+            notes = result.notes
+        finally:
+            shown = [w for w in caught if str(w.message) not in notes and str(w.message) not in options.warned]
+    for w in shown:
+        options.warned.add(str(w.message))
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     result.base.update(options.base_model)
     if writer:
         result.save(target)

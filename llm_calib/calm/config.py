@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -580,7 +579,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     absolute), so the file names the same data whatever the working directory.
 
     Raises:
-        ValueError: the file is not valid YAML/JSON or does not hold a mapping, or its
+        ValueError: the file is not valid YAML/JSON, sets a key twice in one mapping, or does not hold a mapping, or its
             ``prompt.fewshot_split`` is malformed or names a path that does not exist (names the
             file and the field).
         OSError: the file cannot be read.
@@ -593,19 +592,14 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         {'training': {'steps': 5}, 'lora': {'rank': 2}}
     """
     path = Path(path)
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
+    from llm_calib.unique_keys import load_json_unique, load_yaml_unique
 
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"{path}: not valid YAML: {err}") from err
+    text = path.read_text()
+    # a key given twice is an error naming its line: YAML and JSON would silently keep the last
+    if path.suffix in (".yaml", ".yml"):
+        data = load_yaml_unique(text, path) or {}
     else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON: {err}") from err
+        data = load_json_unique(text, path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the config must be a mapping of keys to values")
     return _fewshot_split_from_file(data, path)

@@ -24,7 +24,8 @@ from llm_calib.models import lm_head_logits, split_decoder_head
 if TYPE_CHECKING:
     from llm_calib.calm.config import LoraSettings
 
-__all__ = ["OUTPUT_LOG_SCALE", "TRUNK_CACHE_ARCHITECTURES", "FunctionalLM", "attach_lora", "detach_lora",
+__all__ = ["OUTPUT_LOG_SCALE", "TRUNK_CACHE_ARCHITECTURES", "FunctionalLM", "attach_lora", "check_target_modules",
+           "detach_lora",
            "peft_deprecations_silenced"]
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,40 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
             if ".modules_to_save." in name:
                 param.requires_grad_(False)
     return peft_model
+
+
+def linear_module_names(model: Any) -> list[str]:
+    """The distinct last name parts of ``model``'s linear layers but the output head: what LoRA's
+    ``target_modules`` can name (``q_proj``, ``down_proj``, ...)."""
+    head = getattr(model.get_output_embeddings(), "weight", None) if hasattr(model, "get_output_embeddings") else None
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear) and module.weight is not head}
+    return sorted(names)
+
+
+def check_target_modules(model: Any, target_modules: Any, *, flag: str = "--lora-target-modules") -> None:
+    """Refuse LoRA ``target_modules`` that ``model`` does not have, before any training (peft's own
+    error comes late and does not say what the model has).
+
+    Raises:
+        ValueError: a name matches no linear layer of ``model``; names ``flag`` and lists the
+            model's linear module names.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> model = tiny_random_model()[0]
+        >>> check_target_modules(model, ("q_proj", "v_proj"))
+        >>> check_target_modules(model, ("foo_proj",))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: --lora-target-modules foo_proj: LlamaForCausalLM has no such linear module; its linear modules: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj
+    """
+    if isinstance(target_modules, str):  # peft's "all-linear" and regular expressions: peft checks them
+        return
+    names = linear_module_names(model)
+    missing = [m for m in target_modules if m not in names]
+    if missing:
+        raise ValueError(f"{flag} {','.join(missing)}: {type(model).__name__} has no such linear module; "
+                         f"its linear modules: {', '.join(names)}")
 
 
 def detach_lora(model: Any) -> Any:

@@ -8,11 +8,10 @@ is a short sequence of the stages in :mod:`llm_calib.calm.training`.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,26 +60,42 @@ class CalibrationResult:
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``adapter/``, ``lambda.safetensors``, ``config.json``, ``history.json``,
-        ``metrics.json`` and (when known) :data:`BASE_MODEL_FILE` into ``directory``."""
+        ``metrics.json`` and (when known) :data:`BASE_MODEL_FILE` into ``directory``.
+
+        Every file is written atomically (the adapter to a temporary folder renamed into place), so
+        a failed save (a full disk) leaves no truncated file that a later ``--resume`` would trust;
+        ``metrics.json``, which marks the result finished, is written last."""
+        import shutil
+        import tempfile
+
         from safetensors.torch import save_file
 
-        from llm_calib.file_modes import ordinary_modes
+        from llm_calib.file_modes import atomic_path, ordinary_modes, write_json_atomic
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(str(out / "adapter"))
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.lam.items()}, str(out / "lambda.safetensors"))
-        (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        (out / "history.json").write_text(json.dumps(self.history, indent=2))
+        (out / "metrics.json").unlink(missing_ok=True)  # an older result's: the folder is not finished until the end
+        staging = Path(tempfile.mkdtemp(dir=out, prefix=".adapter.", suffix=".tmp"))
+        try:
+            self.model.save_pretrained(str(staging))
+            ordinary_modes(staging)  # mkdtemp makes 0700, safetensors writes the adapter weights 0600
+            if (out / "adapter").exists():
+                shutil.rmtree(out / "adapter")
+            os.replace(staging, out / "adapter")
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        with atomic_path(out / "lambda.safetensors") as tmp:
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.lam.items()}, str(tmp))
+        write_json_atomic(out / "config.json", self.config.to_dict())
+        write_json_atomic(out / "history.json", self.history)
+        if self.base:
+            write_json_atomic(out / BASE_MODEL_FILE, self.base)
         from llm_calib.version import __version__
 
         saved = {"metrics": self.metrics, "timings": self.timings, "notes": list(self.notes),
                  "llm_calib_version": __version__}
-        (out / "metrics.json").write_text(json.dumps(saved, indent=2))
-        if self.base:
-            (out / BASE_MODEL_FILE).write_text(json.dumps(self.base, indent=2))
-        for written in (out / "adapter", out / "lambda.safetensors"):
-            ordinary_modes(written)  # safetensors writes the adapter weights and λ 0600
+        write_json_atomic(out / "metrics.json", saved)
         return out
 
     @classmethod
@@ -89,6 +104,8 @@ class CalibrationResult:
         from peft import PeftModel
         from safetensors.torch import load_file
 
+        from llm_calib.file_modes import read_json
+
         src = Path(directory)
         if not (src / "adapter").is_dir():
             raise FileNotFoundError(f"{src}: no adapter/ directory (not a saved CalibrationResult)")
@@ -96,10 +113,10 @@ class CalibrationResult:
             model = PeftModel.from_pretrained(base_model, str(src / "adapter"))
         model.eval()
         lam = load_file(str(src / "lambda.safetensors")) if (src / "lambda.safetensors").exists() else {}
-        config = CalibrationConfig.from_dict(json.loads((src / "config.json").read_text()))
-        history = json.loads((src / "history.json").read_text())
-        saved = json.loads((src / "metrics.json").read_text())
-        base = json.loads((src / BASE_MODEL_FILE).read_text()) if (src / BASE_MODEL_FILE).is_file() else {}
+        config = CalibrationConfig.from_dict(read_json(src / "config.json"))
+        history = read_json(src / "history.json")
+        saved = read_json(src / "metrics.json")
+        base = read_json(src / BASE_MODEL_FILE) if (src / BASE_MODEL_FILE).is_file() else {}
         return cls(model, lam, history, saved["metrics"], config, saved.get("timings", {}), base,
                    saved.get("notes", []))
 
@@ -128,7 +145,8 @@ def base_model_record(model: Any, config: CalibrationConfig | ResolvedRun) -> di
 
 def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
               config: CalibrationConfig | ResolvedRun | None = None, *, unlabeled: Records | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
-              resume: bool = False, progress: bool = True) -> CalibrationResult:
+              resume: bool = False, progress: bool = True,
+              log: Callable[[str], None] | None = None) -> CalibrationResult:
     """Fine-tune ``model`` (LoRA) so that its confidence is calibrated; return the result.
 
     Args:
@@ -146,6 +164,7 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
         resume: continue from the newest checkpoint in ``checkpoint_dir`` (same configuration but
             for ``training.steps`` and ``checkpoint_every``, same records).
         progress: show a tqdm progress bar.
+        log: where to say which checkpoint a resumed run continues from (default: nowhere).
 
     Warns:
         UserWarning: model selection kept the initial model (why, and what to try).
@@ -178,7 +197,9 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
         state = training.init_state(trainer)
     run_data = training.data_fingerprint(train, heldout, unlabeled) if checkpoint_dir is not None else None
     if resume and checkpoint_dir is not None:
-        training.resume_state(checkpoint_dir, trainer, state, run_data)
+        loaded = training.resume_state(checkpoint_dir, trainer, state, run_data)
+        if loaded is not None and log is not None and distributed.rank() == 0:
+            log(f"resuming from step {state.step} (checkpoint {loaded})")
     with _timed(timings, "train"):
         _train(trainer, state, checkpoint_dir, run_data, progress)
     with _timed(timings, "evaluate_after"):

@@ -600,25 +600,36 @@ def _check_resumable(path: Path, saved: dict[str, Any] | None, config: Calibrati
     if changed:
         diffs = "; ".join(f"{k}: checkpoint {then.get(k)!r}, now {now.get(k)!r}" for k in changed)
         raise ValueError(f"cannot resume from {path}: the configuration differs ({diffs}). Use the checkpoint's "
-                         f"configuration, or another checkpoint_dir to start a new run.")
+                         f"configuration, or start a new run (calibrate: another --out, or --restart to "
+                         f"delete the earlier run's checkpoints).")
     if saved["data"] != data:
         raise ValueError(f"cannot resume from {path}: it was trained on other data (checkpoint: "
                          f"{saved['data']['train']} train / {saved['data']['heldout']} held-out records, hash "
                          f"{saved['data']['sha256']}; now {data['train']} / {data['heldout']}, hash {data['sha256']}).")
 
 
-def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any]) -> bool:
-    """Load the newest checkpoint in ``directory`` into ``state`` (and torch's RNG); False if none.
+def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any]) -> Path | None:
+    """Load the newest checkpoint in ``directory`` into ``state`` (and torch's RNG).
+
+    Returns:
+        The checkpoint loaded, or None when there is none.
 
     Raises:
         ValueError: the checkpoint comes from another configuration (but for
-            :data:`RESUMABLE_CHANGES`) or other ``data``; the message names the fields.
+            :data:`RESUMABLE_CHANGES`) or other ``data``, or it has trained more steps than
+            ``training.steps`` now allows (the result would be trained longer than recorded); the
+            message names the fields, or both step counts.
     """
     ckpt = latest_checkpoint(directory)
     if ckpt is None:
-        return False
+        return None
     tensors, meta = load_checkpoint(ckpt)
     _check_resumable(ckpt, meta.get("run"), trainer.config, data)
+    steps = trainer.config.training.steps
+    if int(meta["step"]) > steps:
+        raise ValueError(f"cannot resume from {ckpt}: it has trained {int(meta['step'])} steps, more than "
+                         f"training.steps (--steps) {steps}; resume with --steps {int(meta['step'])} or more, "
+                         "or start over without --resume")
     tensors = {k: v.to(trainer.lm.device) for k, v in tensors.items()}
     for prefix, name in _STATE_TREES.items():
         setattr(state, name, _flat_to_tree(prefix, tensors))
@@ -627,4 +638,4 @@ def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, dat
     state.history, state.best, state.step, state.before = meta["history"], meta["best"], meta["step"], meta["before"]
     torch.set_rng_state(meta["rng"])
     state.stopped_early = bool(meta.get("stopped_early", False))
-    return True
+    return ckpt

@@ -79,12 +79,15 @@ def resolve_base(args: argparse.Namespace, adapter: str | None, flag: str) -> di
         The file it was read from is ``args.base_record`` (None when there is none).
 
     Raises:
-        UserError: ``adapter`` is not an adapter directory, or names no base model and no
-            ``--model`` is given.
+        UserError: ``adapter`` is not an adapter directory, its record is unreadable, it was trained
+            on another base than ``--model`` (without ``--allow-other-base``), or it names no base
+            model and no ``--model`` is given; a local ``--model`` that is no model
+            (:func:`check_model_path`).
     """
     from llm_calib.export import (
         EXPORT_FILE,
         adapter_directory,
+        check_adapter_base,
         merged_record,
         saved_base,
         saved_base_file,
@@ -94,10 +97,13 @@ def resolve_base(args: argparse.Namespace, adapter: str | None, flag: str) -> di
     args.base_record = None
     if adapter is not None:
         user_call(lambda: adapter_directory(adapter), flag)  # fail before loading the model
-        base = saved_base(adapter)
+        base = user_call(lambda: saved_base(adapter), flag)  # a truncated base_model.json: one line naming it
         args.base_record = saved_base_file(adapter)
+        if args.model is not None:  # an adapter on another base of the same shape would score nonsense silently
+            user_call(lambda: check_adapter_base(adapter, args.model,
+                                                 allow_other_base=getattr(args, "allow_other_base", False)), None)
     elif args.model is not None:
-        base = merged_record(args.model)
+        base = user_call(lambda: merged_record(args.model), f"--model {args.model}")
         args.base_record = Path(args.model) / EXPORT_FILE if base else None
     if args.model is None:
         if adapter is not None and not base.get("model"):
@@ -107,9 +113,46 @@ def resolve_base(args: argparse.Namespace, adapter: str | None, flag: str) -> di
                 "trained on with --model"
             )
         args.model = base.get("model") or DEFAULT_MODEL
+    check_model_path(args.model)
     if args.dtype is None:
         args.dtype = base.get("dtype") or "float32"
     return base
+
+
+def add_allow_other_base_arg(p: argparse.ArgumentParser) -> None:
+    """``--allow-other-base``: put an adapter on a ``--model`` other than the base it records."""
+    p.add_argument(
+        "--allow-other-base", action="store_true",
+        help="put --adapter on --model even though the saved result records another base model "
+        "(refused otherwise: an adapter on another base of the same shape loads without error and "
+        "scores nonsense)",
+    )
+
+
+def check_model_path(name: str) -> None:
+    """A local ``--model`` path that cannot be a model is a one-line error naming it, before any
+    loading (transformers' own messages do not say what is wrong with the path): a folder without
+    ``config.json`` (or a ``.gguf`` file), a file that is not a ``.gguf``, or a ``.gguf`` without the
+    GGUF magic bytes. Names that are no local path (aliases, hub names) pass.
+
+    Raises:
+        UserError: as above.
+    """
+    path = Path(name).expanduser()
+    if not path.exists():
+        return
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not any(path.glob("*.gguf")):
+            raise UserError(f"--model {name}: a folder without config.json, not a saved model (save one with "
+                            "save_pretrained, or give a .gguf file, a built-in alias or a hub name)")
+        return
+    if path.suffix.lower() != ".gguf":
+        raise UserError(f"--model {name}: a file, not a model; give a model folder (with config.json), a .gguf "
+                        "file, a built-in alias or a hub name")
+    with path.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise UserError(f"--model {name}: not a GGUF file (it does not start with the GGUF magic bytes)")
 
 
 def recorded_model(name: str) -> str:
@@ -135,9 +178,21 @@ def load_base_model(args: argparse.Namespace, device: str = "cpu") -> tuple[Any,
         ),
         "model loading flags",
     )
-    model, tokenizer = user_call(
-        lambda: load_model(args.model, cache_dir=args.cache_dir, device=device, config=loading), f"--model {args.model}"
-    )
+    check_model_path(args.model)
+    local = Path(args.model).expanduser().exists()
+    try:
+        model, tokenizer = user_call(
+            lambda: load_model(args.model, cache_dir=args.cache_dir, device=device, config=loading),
+            f"--model {args.model}",
+        )
+    except UserError:
+        raise
+    except Exception as exc:
+        if not local:
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise UserError(f"--model {args.model}: cannot be loaded ({type(exc).__name__}: {first}); truncated or "
+                        "damaged weights? check the files or download the model again") from exc
     return model, tokenizer, loading
 
 

@@ -50,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: arguments (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0 on success, 2 on a user error (message on stderr).
+        The exit status: 0 on success, 2 on a user error (message on stderr), 130 when
+        interrupted (Ctrl-C; ``calibrate`` says how to continue with ``--resume``).
 
     Example:
         >>> main(["evaluate", "--data", "nosuchloader:x", "--out", "/tmp/x", "--quiet"])
@@ -75,3 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"llm-calib: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line (and how to continue), not a traceback
+        hint = ""
+        if args.command == "calibrate":
+            hint = (f"; continue with the same command and --resume (from the newest checkpoint in "
+                    f"{args.out}/checkpoints, with --checkpoint-every)")
+        print(f"llm-calib: interrupted{hint}", file=sys.stderr)
+        return 130

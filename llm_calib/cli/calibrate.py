@@ -4,6 +4,7 @@ the results with the uncalibrated and temperature-scaled model."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from llm_calib.cli._common import (
 from llm_calib.cli._loading import (
     add_data_loading_args,
     add_model_loading_args,
+    check_model_path,
     fewshot_pool,
     limit_mode,
     load_base_model,
@@ -194,6 +196,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "their newest checkpoint",
     )
     p.add_argument(
+        "--restart", action="store_true",
+        help="start over: delete the checkpoints an earlier run left in --out/checkpoints/<method> "
+        "(without --resume or --restart, such checkpoints stop the run before the model is loaded)",
+    )
+    p.add_argument(
         "--no-progress", "--quiet", dest="no_progress", action="store_true",
         help="no progress bars, transformers' loading bars included (training shows "
         "loss/accuracy/entropy/held-out ECE otherwise)",
@@ -260,6 +267,23 @@ def _print_ece(cmp: Any) -> None:
         print(f"{dom}: n={d.n} ECE {cells}")
 
 
+def _run_bytes(model: str, config: Any, methods: list[Any]) -> int:
+    """A rough estimate of what the run writes (:func:`~llm_calib.outputs.lora_run_bytes`), from a
+    local model's ``config.json`` (no model is loaded); 0 (no free-space check) for a hub name or
+    alias, or a config without the sizes."""
+    from llm_calib.file_modes import read_json
+    from llm_calib.outputs import lora_run_bytes
+
+    path = Path(model).expanduser() / "config.json"
+    try:
+        sizes = read_json(path) if path.is_file() else {}
+        hidden, layers = int(sizes["hidden_size"]), int(sizes["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError, OSError):
+        return 0
+    return lora_run_bytes(hidden, layers, rank=config.lora.rank, modules_per_layer=max(len(config.lora.target_modules), 1),
+                          methods=len(methods), checkpoints_kept=2 if config.checkpoint_every else 0)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``llm-calib calibrate`` with its parsed ``args``: resolve the configuration, load the
     data, then the model (once), train and compare the objectives and write the report to ``--out``.
@@ -274,12 +298,31 @@ def run(args: argparse.Namespace) -> int:
         ...       "--out", "/tmp/x", "--quiet"])
         2
     """
+    from llm_calib.compare import stale_checkpoints, stale_checkpoints_message
+    from llm_calib.outputs import check_output_folder, run_lock
+
+    if args.resume and args.restart:
+        raise UserError("--resume and --restart: choose one (continue the earlier run, or delete its checkpoints)")
+    config, methods = calibration_config(args)
+    # before the data and the model, not after the work: a file, not writable, too little free space
+    user_call(lambda: check_output_folder(args.out, need_bytes=_run_bytes(args.model, config, methods)), None)
+    check_model_path(args.model)
+    stale = stale_checkpoints(args.out, [m.name for m in methods])
+    if stale and not args.resume and not args.restart:
+        raise UserError(stale_checkpoints_message(args.out, [p.name for p in stale]))
+    with contextlib.ExitStack() as stack:  # the lock: a second run into --out is refused
+        user_call(lambda: stack.enter_context(run_lock(args.out)), None)
+        return _run_locked(args, config, methods)
+
+
+def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any]) -> int:
+    """:func:`run` after the checks of ``--out``, while holding its lock."""
     from llm_calib import distributed
+    from llm_calib.calm.lora import check_target_modules
     from llm_calib.calm.trainer import TrainingDiverged
     from llm_calib.compare import run_comparison, write_comparison_report
     from llm_calib.prompts import prompt_dict
 
-    config, methods = calibration_config(args)
     args.prompt_preset = config.prompt.preset  # --limit-mode's default follows the preset (flag or file)
     start(args, args.no_progress)
     distributed.init_from_env()
@@ -297,12 +340,15 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer, loading = load_base_model(args, run_device(args.device))  # once: every method trains its own adapters
     log(f"loaded {args.model} ({loading.dtype}{', 4-bit' if loading.load_in_4bit else ''}"
         f"{', 8-bit' if loading.load_in_8bit else ''}) in {time.perf_counter() - t1:.1f} s")
+    # before any training: a module name the model lacks, named with the ones it has
+    user_call(lambda: check_target_modules(model, config.lora.target_modules), None)
     # the prompt as resolved (chat_template: whether this tokenizer's template is used), as evaluate records it
     prompt = prompt_dict(resolved.settings["prompt"], tokenizer)
     try:
         cmp = run_comparison(
             model, tokenizer, train, heldout, evals, resolved, methods, args.out,
-            unlabeled=unlabeled, resume=args.resume, progress=not args.no_progress, n_bins=args.bins,
+            unlabeled=unlabeled, resume=args.resume, restart=args.restart, progress=not args.no_progress,
+            n_bins=args.bins,
             bootstrap=args.bootstrap, log=log,
             base_model={"model": recorded_model(args.model), "dtype": loading.dtype, "prompt": prompt,
                         "prompt_preset": config.prompt.preset},

@@ -18,6 +18,7 @@ from llm_calib.cli._common import (
     user_call,
 )
 from llm_calib.cli._loading import (
+    add_allow_other_base_arg,
     add_data_loading_args,
     add_model_loading_args,
     fewshot_pool,
@@ -96,6 +97,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="put this adapter on --model first: a saved calibration result (llm-calib "
         "calibrate's --out/<method>) or any peft adapter directory",
     )
+    add_allow_other_base_arg(p)
     add_model_loading_args(p, training=False)
     p.add_argument(
         "--data",
@@ -282,9 +284,11 @@ def run(args: argparse.Namespace) -> int:
         2
     """
     from llm_calib.evaluate import write_samples
+    from llm_calib.outputs import check_output_folder
     from llm_calib.prompts import prompt_dict
     from llm_calib.report import write_report
 
+    user_call(lambda: check_output_folder(args.out), None)  # before any loading, not after the scoring
     start(args, args.quiet)
     confidence = user_call(lambda: open_confidence(args, seed=args.seed), None)  # before any loading
     base = resolve_base(args, args.adapter, "--adapter")

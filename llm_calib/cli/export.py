@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from llm_calib.cli._common import user_call
-from llm_calib.cli._loading import add_model_loading_args, load_base_model, resolve_base, start
+from llm_calib.cli._loading import (
+    add_allow_other_base_arg,
+    add_model_loading_args,
+    load_base_model,
+    resolve_base,
+    start,
+)
 from llm_calib.cli.prompt import (
     EVALUATE_PROMPT_DEST,
     add_prompt_args,
@@ -53,7 +58,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                  "the dtype of the merged weights)"),
                             training=False, quantization=False)
     p.add_argument("--cache-dir", default=None, help="cache of the converted built-in model, or hub cache")
-    p.add_argument("--out", required=True, metavar="MERGED", help="output directory (created if missing)")
+    p.add_argument("--out", required=True, metavar="MERGED",
+                   help="output directory (created if missing); never the base model's or the adapter's "
+                   "folder, and a non-empty folder only when an earlier export wrote it, or with --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --out folder that llm-calib export did not write (never the base "
+                   "model's or the adapter's folder)")
+    add_allow_other_base_arg(p)
     p.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true",
                    help="no progress bars (transformers' 'Loading weights' and 'Writing model shards')")
     add_prompt_args(
@@ -81,20 +92,22 @@ def run(args: argparse.Namespace) -> int:
     """
     import warnings
 
-    from llm_calib.export import EXPORT_FILE, export_merged
-    from llm_calib.file_modes import write_text_atomic
+    from llm_calib.export import EXPORT_FILE, check_export_target, export_merged
+    from llm_calib.file_modes import read_json, write_json_atomic
     from llm_calib.prompts import prompt_dict
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     start(args, args.quiet)
     base = resolve_base(args, args.adapter, "export")  # fails before loading the model
+    # never the base model's folder, nor a folder of something else without --overwrite: before loading
+    user_call(lambda: check_export_target(args.out, args.model, adapter=args.adapter, overwrite=args.overwrite), None)
     prompt = prompt_format(args, base)
     model, tokenizer, _ = load_base_model(args)
     warn_prompt_mismatch(base, prompt, tokenizer, f"--adapter {args.adapter}", doing="exporting")
-    out = user_call(lambda: export_merged(model, tokenizer, args.adapter, args.out), "export")
+    out = user_call(lambda: export_merged(model, tokenizer, args.adapter, args.out, overwrite=args.overwrite), "export")
     record = Path(out) / EXPORT_FILE  # what the merged model was calibrated for: evaluate --model reads it
-    write_text_atomic(record, json.dumps({**json.loads(record.read_text()), "prompt": prompt_dict(prompt, tokenizer),
-                                          "prompt_preset": preset_in_use(args, base),
-                                          **{k: base[k] for k in ("scorer", "normalize") if k in base}}, indent=2))
+    write_json_atomic(record, {**read_json(record), "prompt": prompt_dict(prompt, tokenizer),
+                               "prompt_preset": preset_in_use(args, base),
+                               **{k: base[k] for k in ("scorer", "normalize") if k in base}})
     print(f"wrote the merged model to {out}")
     return 0

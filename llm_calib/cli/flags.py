@@ -7,12 +7,13 @@ the benchmarks' settings flags are generated with them.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["field_help", "flag_type", "optional", "parse_bool", "parse_csv", "parse_json_pairs", "plain_help"]
+__all__ = ["field_help", "finite_float", "flag_type", "optional", "parse_bool", "parse_csv", "parse_json_pairs", "plain_help"]
 
 T = TypeVar("T")
 
@@ -127,6 +128,25 @@ def parse_json_pairs(text: str) -> tuple[tuple[Any, ...], ...]:
     return tuple(tuple(v) for v in value)
 
 
+def finite_float(text: str) -> float:
+    """An argparse type: a finite number (``inf`` and ``nan`` are refused, naming the text).
+
+    Example:
+        >>> finite_float("1e-3")
+        0.001
+        >>> finite_float("inf")
+        Traceback (most recent call last):
+        argparse.ArgumentTypeError: expected a finite number, got 'inf'
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def flag_type(hint: Any) -> tuple[Callable[[str], Any], str]:
     """An argparse ``type`` and ``metavar`` for a type hint: ``bool``, ``int``, ``float``, ``str``,
     ``tuple[int | str | None, ...]`` (comma-separated), ``tuple[tuple[...], ...]`` (JSON), each
@@ -151,8 +171,10 @@ def flag_type(hint: Any) -> tuple[Callable[[str], Any], str]:
             parse, metavar = parse_csv(str), "A,B,..."
     elif base is bool:
         parse, metavar = parse_bool, "{true,false}"
-    elif base in (int, float):
-        parse, metavar = base, base.__name__.upper()
+    elif base is float:  # inf and nan are never a usable learning rate, step size or weight
+        parse, metavar = finite_float, "FLOAT"
+    elif base is int:
+        parse, metavar = int, "INT"
     else:
         parse, metavar = str, "VALUE"
     return (optional(parse), metavar + "|null") if is_optional else (parse, metavar)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from llm_calib.cli._common import (
     BINS_FLAG,
@@ -83,14 +82,13 @@ def run(args: argparse.Namespace) -> int:
         2
     """
     from llm_calib.lm_eval_generations import first_row, generation_result, is_generation_row
-    from llm_calib.lm_eval_samples import samples_result
+    from llm_calib.lm_eval_samples import check_samples_file, samples_result
+    from llm_calib.outputs import check_output_folder
     from llm_calib.report import write_report
 
-    for path in args.samples:
-        if Path(path).is_dir():
-            raise UserError(f"{path}: a folder; pass the samples_<task>_<date>.jsonl files in it")
-        if not Path(path).is_file():
-            raise UserError(f"{path}: no such samples file")
+    for path in args.samples:  # a folder's error lists the samples files in it
+        user_call(lambda path=path: check_samples_file(path), None)
+    user_call(lambda: check_output_folder(args.out), None)  # before reading and scoring, not after
     generation = [p for p in args.samples if is_generation_row(user_call(lambda p=p: first_row(p) or {}, None))]
     choice = [p for p in args.samples if p not in generation]
     stats = {"n_bins": args.bins, "ci": args.bootstrap > 0, "n_resamples": max(args.bootstrap, 1), "seed": args.seed}
