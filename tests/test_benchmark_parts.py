@@ -68,7 +68,8 @@ def test_a_problem_no_part_serves_is_left_out() -> None:
 def test_the_entry_runs_every_family_in_the_single_file_order() -> None:
     bench = load_benchmark("hypergrad_bench")
     b = bench.build_bench({"key": "ridge_feature", "kind": "ridge", "n": 60, "d": 5, "scalar": False, "K": 3})
-    runners = bench.make_runners(b, PROBLEMS.TINY)
+    # jaxopt's peer rows join when the bench extra is installed; hypergrad's own rows are the ones in order
+    runners = [r for r in bench.make_runners(b, PROBLEMS.TINY) if r.library != "jaxopt"]
     assert [r.family for r in runners] == RIDGE_FEATURE_FAMILIES
     # each runner knows the group that builds it again in the memory worker
     for r in runners:

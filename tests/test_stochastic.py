@@ -562,7 +562,7 @@ def test_srba_through_solve_with_data_loaders() -> None:
     # measured: 5.1e-5 against 5.9e-3 at the start (a flat objective in log l2: 300 steps take it 100x down)
     start = exact_hypergrad({"l2": torch.zeros(1, dtype=DT)})
     assert float(exact_hypergrad(res.lam).norm()) < 0.05 * float(start.norm())
-    assert res.state["step"] == 300
+    assert res.state.method["step"] == 300
 
 
 @pytest.mark.parametrize(
