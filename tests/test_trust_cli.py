@@ -95,6 +95,21 @@ def test_interrupt_gives_130_and_the_resume_hint(tiny_model_dir, tmp_path, monke
     assert not (out / LOCK_FILE).exists()  # the lock goes with the run
 
 
+def test_a_full_disk_while_writing_the_report_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import errno
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "metrics.json"))
+
+    monkeypatch.setattr(cli_evaluate, "write_report", full_disk, raising=False)
+    monkeypatch.setattr("llm_calib.report.write_report", full_disk)
+    argv = ["evaluate", "--model", str(tiny_model_dir), "--data", "builtin:capitals:n=2", "--quiet", "--bootstrap", "0",
+            "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "No space left on device" in err and "metrics.json" in err
+
+
 # --------------------------------------------------------------------------- checkpoints and resume
 
 def test_warnings_are_shown_once(run):

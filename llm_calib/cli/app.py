@@ -4,6 +4,7 @@ its entry point."""
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Sequence
 
@@ -43,6 +44,10 @@ def _reject_unknown(sub: argparse.ArgumentParser, unknown: list[str]) -> None:
     sub.error(f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"\n  {h}" for h in hints))
 
 
+_ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES})
+"""Errors of the machine rather than the program, reported in one line with status 2."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``llm-calib`` command.
 
@@ -50,8 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: arguments (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0 on success, 2 on a user error (message on stderr), 130 when
-        interrupted (Ctrl-C; ``calibrate`` says how to continue with ``--resume``).
+        The exit status: 0 on success, 2 on a user error or a full disk / read-only output
+        (message on stderr), 130 when interrupted (Ctrl-C; ``calibrate`` says how to continue
+        with ``--resume``).
 
     Example:
         >>> main(["evaluate", "--data", "nosuchloader:x", "--out", "/tmp/x", "--quiet"])
@@ -83,3 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{args.out}/checkpoints, with --checkpoint-every)")
         print(f"llm-calib: interrupted{hint}", file=sys.stderr)
         return 130
+    except OSError as exc:
+        # a full disk, a quota or a folder that became read-only while writing the outputs: the
+        # user's to fix, so one line (the atomic writers leave no truncated file behind), not a traceback
+        if exc.errno not in _ENVIRONMENT_ERRNOS:
+            raise
+        print(f"llm-calib: error: {exc}", file=sys.stderr)
+        return 2
