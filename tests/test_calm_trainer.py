@@ -64,8 +64,18 @@ def final_tensors(result):
 
 
 if __name__ == "__main__":
+    import os, time
     from safetensors.torch import save_file
     method, ckpt, resume, out = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+    if os.environ.get("PAUSE_IN_CHECKPOINT_WRITE"):  # stop inside one checkpoint's write, to be killed there
+        import llm_calib.checkpoint as checkpoint
+        real_save, step_tag = checkpoint.torch.save, f".ckpt-{int(os.environ['PAUSE_IN_CHECKPOINT_WRITE']):08d}."
+        def paused_save(obj, f, *args, **kwargs):
+            if step_tag in str(f):  # its tensors are written, its state is not, nothing is renamed yet
+                open(os.environ["PAUSE_MARKER"], "w").close()
+                time.sleep(600)
+            return real_save(obj, f, *args, **kwargs)
+        checkpoint.torch.save = paused_save
     calls = []
     sampler = sampling.batch_indices
     sampling.batch_indices = lambda n, b, step, seed, stream: calls.append(step) or sampler(n, b, step, seed, stream)
@@ -248,9 +258,9 @@ def test_a_learning_rate_beyond_float32_range_raises_at_the_first_step(tmp_path,
     assert _latest_step(tmp_path / "ckpt") == 0
 
 
-def _spawn(script: Path, method: str, ckpt: Path, resume: bool, out: Path) -> subprocess.Popen:
+def _spawn(script: Path, method: str, ckpt: Path, resume: bool, out: Path, **env_extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env_extra}
     return subprocess.Popen(
         [sys.executable, str(script), method, str(ckpt), "1" if resume else "0", str(out)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -317,6 +327,40 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, run_module):
         assert set(t_resumed) == set(t_ref)
         for k in t_ref:
             assert torch.allclose(t_resumed[k], t_ref[k], atol=1e-6, rtol=0), (m, k)
+
+
+def test_sigkill_inside_a_checkpoint_write_then_resume_equals_an_uninterrupted_run(tmp_path, run_module):
+    """Killed while writing step 4's checkpoint (tensors written, state not, not renamed): the run
+    resumes from step 2's, the half-written folder is cleaned away, and the result is the same."""
+    script, ns = run_module
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "paused"
+    p = _spawn(script, "calm", ckpt, False, tmp_path / "killed.safetensors",
+               PAUSE_IN_CHECKPOINT_WRITE="4", PAUSE_MARKER=str(marker))
+    deadline = time.monotonic() + 300
+    try:
+        while not marker.exists():
+            if p.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the run did not reach step 4's checkpoint write: {p.stderr.read().decode()[-2000:]}")
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == -signal.SIGKILL
+    assert _latest_step(ckpt) == 2 and list(ckpt.glob(".ckpt-00000004.*.tmp"))  # the write was cut short
+    resumed = _spawn(script, "calm", ckpt, True, tmp_path / "resumed.safetensors")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err.decode()[-3000:]
+    info = json.loads((tmp_path / "resumed.safetensors.json").read_text())
+    assert info["steps_run"] == list(range(2, ns["STEPS"]))
+    assert not list(ckpt.glob(".ckpt-*.tmp"))  # the half-written folder is gone
+    ref = ns["final_tensors"](ns["run"]("calm", tmp_path / "ref", False))
+    got = load_file(str(tmp_path / "resumed.safetensors"))
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert torch.allclose(got[k], v, atol=1e-6, rtol=0), (k, float((got[k] - v).abs().max()))
 
 
 def test_accuracy_guard_stops_and_returns_the_initial_parameters(data):
