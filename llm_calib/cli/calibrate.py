@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -311,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
     if stale and not args.resume and not args.restart:
         raise UserError(stale_checkpoints_message(args.out, [p.name for p in stale]))
     with contextlib.ExitStack() as stack:  # the lock: a second run into --out is refused
-        user_call(lambda: stack.enter_context(run_lock(args.out)), None)
+        if int(os.environ.get("RANK", "0")) == 0:  # torchrun's ranks are one run: the first holds the lock
+            user_call(lambda: stack.enter_context(run_lock(args.out)), None)
         return _run_locked(args, config, methods)
 
 
