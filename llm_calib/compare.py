@@ -39,6 +39,7 @@ from llm_calib.report import (
     reliability_filename,
     setting_line,
 )
+from llm_calib.scoring.open_confidence import OpenConfidence
 
 __all__ = ["BASELINE_COLUMNS", "Comparison", "DomainComparison", "run_comparison", "stale_checkpoints",
            "stale_checkpoints_message", "write_comparison_report"]
@@ -131,7 +132,7 @@ def run_comparison(
     unlabeled: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]] | None = None,
     checkpoints: bool = True, resume: bool = False, progress: bool = True, n_bins: int = 10,
     bootstrap: int = 1000, eval_batch_size: int = 8, log: Callable[[str], None] = lambda message: None,
-    base_model: dict[str, Any] | None = None, restart: bool = False,
+    base_model: dict[str, Any] | None = None, restart: bool = False, confidence: OpenConfidence | None = None,
 ) -> Comparison:
     """Train each method on the base model, save it, and evaluate every column per domain.
 
@@ -160,6 +161,10 @@ def run_comparison(
         base_model: entries replacing those of each saved result's base-model record (e.g. ``model``).
         restart: without ``resume``, delete a method's checkpoints left by an earlier run in
             ``out_dir`` and start over; otherwise such checkpoints are an error.
+        confidence: how open-ended answers of the evaluation sets get their confidence in every
+            column (:class:`~llm_calib.scoring.open_confidence.OpenConfidence`: ``token``,
+            ``semantic`` with Sem-ECE, ``p_true`` or ``verbalized``); None: ``token``. Training and
+            model selection do not depend on it; multiple-choice sets ignore it.
 
     Returns:
         A :class:`Comparison`. Under ``torchrun`` only rank 0 writes.
@@ -177,8 +182,8 @@ def run_comparison(
         raise ValueError(f"methods must be a non-empty list of objectives of distinct names, got {names}")
     # a temperature is fitted on option scores, which open questions do not have
     temperature_fit = heldout if run.formats.upper.temperature_scalable else None
-    session = _Session(tokenizer, evals, temperature_fit, _evaluation_settings(run, eval_batch_size, n_bins, bootstrap,
-                                                                              progress), log)
+    session = _Session(tokenizer, evals, temperature_fit,
+                       _evaluation_settings(run, eval_batch_size, n_bins, bootstrap, progress, confidence), log)
     t0 = time.perf_counter()
     log(f"evaluating the base model{f' (temperature fitted on {heldout[0]})' if temperature_fit else ''}")
     model = _base_model(model)
@@ -221,11 +226,11 @@ def _resolve(train: tuple[str, Any], heldout: tuple[str, Any], evals: Sequence[t
 
 
 def _evaluation_settings(run: ResolvedRun, batch_size: int, n_bins: int, bootstrap: int,
-                         progress: bool) -> dict[str, Any]:
+                         progress: bool, confidence: OpenConfidence | None) -> dict[str, Any]:
     """The keyword arguments of :func:`~llm_calib.evaluate.evaluate_records` for every column."""
     return {**{k: run.settings[k] for k in ("scorer", "normalize", "prompt", "open_prompt")}, "batch_size": batch_size,
             "n_bins": n_bins, "ci": bootstrap > 0, "n_resamples": max(bootstrap, 1), "seed": run.config.seed,
-            "progress": progress}
+            "progress": progress, "confidence": confidence}
 
 
 def _base_model(model: Any) -> Any:
@@ -404,8 +409,16 @@ def _run_config(run: ResolvedRun, objectives: Sequence[Objective], train: tuple[
         "calibration": {**{k: v for k, v in run.config.to_dict().items() if k != "objective"},
                         "objectives": {o.name: o.to_dict() for o in objectives}},
         "evaluation": {"scorer": run.settings["scorer"], "normalize": run.settings["normalize"],
-                       "prompt_style": session.eval_kwargs["prompt"].style, "n_bins": n_bins, "bootstrap": bootstrap},
+                       "prompt_style": session.eval_kwargs["prompt"].style, "n_bins": n_bins, "bootstrap": bootstrap,
+                       **_confidence_setting(session.eval_kwargs["confidence"], evals)},
     }
+
+
+def _confidence_setting(confidence: OpenConfidence | None, evals: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """``{"confidence": settings}`` when open questions were scored with a chosen confidence kind, else empty."""
+    if confidence is None or not any(isinstance(r, OpenQA) for _, recs in evals for r in recs):
+        return {}
+    return {"confidence": confidence.to_dict()}
 
 
 def _label(column: str) -> str:
@@ -510,7 +523,8 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
         lines += ["Values are point estimates with 95% bootstrap confidence intervals.", ""]
     # every metric evaluate's report shows (report.REPORT_METRICS), per domain and overall
     for dom, d in cmp.domains.items():
-        lines += [f"## {dom}", "", f"{d.n} questions, {d.description}.", ""]
+        lines += [f"## {dom}", "", f"{d.n} questions, {d.description}.",
+                  *family_format(d.kind).domain_notes(d.columns.get("uncalibrated") or {}), ""]
         lines.append(metrics_table([(_label(c), d.columns.get(c)) for c in cmp.columns], metrics=REPORT_METRICS))
         lines += ["", f"![reliability diagrams]({reliability_filename(dom)})", ""]
     if len(cmp.domains) > 1:

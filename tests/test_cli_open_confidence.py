@@ -96,3 +96,26 @@ def test_metrics_on_a_generation_file_without_repeats(tmp_path, capsys):
     assert len(err) == 1 and "repeats" in err[0] and str(path) in err[0]
     assert main(["metrics", str(tmp_path), "--out", str(tmp_path / "m")]) == 2
     assert "a folder" in capsys.readouterr().err
+
+
+def test_calibrate_report_scores_every_column_with_the_chosen_confidence(tiny_model_dir, open_file, tmp_path):
+    """``calibrate --confidence semantic``: every column of the report is Sem-ECE over sampled answers,
+    and the uncalibrated column equals ``evaluate --confidence semantic`` on the same model, set and seed."""
+    out = tmp_path / "cal"
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--train", f"jsonl:{open_file}",
+                 "--heldout", f"jsonl:{open_file}", "--eval", f"jsonl:{open_file}", "--methods", "lora_ce",
+                 "--steps", "1", "--batch-size", "2", "--bootstrap", "50", "--quiet",
+                 "--no-progress", "--confidence", "semantic", "--samples", "3", "--splits", "4",
+                 "--out", str(out)]) == 0
+    report = json.loads((out / "metrics.json").read_text())
+    assert report["config"]["evaluation"]["confidence"]["kind"] == "semantic"
+    cols = {k: v for k, v in report["domains"]["toy"]["columns"].items() if v}
+    assert {"uncalibrated", "lora_ce"} <= set(cols)
+    assert all(c["samples"] == 3 and "mean_clusters" in c for c in cols.values())
+    assert "Sem-ECE" in (out / "report.md").read_text()
+    ev = tmp_path / "ev"
+    assert main(["evaluate", "--model", str(tiny_model_dir), "--data", f"jsonl:{open_file}", "--bootstrap", "50",
+                 "--quiet", "--confidence", "semantic", "--samples", "3", "--splits", "4", "--out", str(ev)]) == 0
+    direct = json.loads((ev / "metrics.json").read_text())["domains"]["toy"]["uncalibrated"]
+    for key in ("ece", "accuracy", "mean_confidence", "brier", "mean_clusters"):
+        assert cols["uncalibrated"][key] == pytest.approx(direct[key], abs=1e-12), key

@@ -33,6 +33,7 @@ from llm_calib.cli._loading import (
     run_device,
     start,
 )
+from llm_calib.cli.confidence import add_confidence_args, open_confidence
 from llm_calib.cli.config_flags import add_config_flags, calibration_config
 
 __all__ = ["add_parser", "run"]
@@ -88,6 +89,8 @@ open-ended training (greedy answers, exact match in the report; no temperature c
   llm-calib calibrate --train webquestions:../shared/data:train \\
       --heldout webquestions:../shared/data:dev --eval webquestions:../shared/data:test \\
       --eval nq_open:../shared/data:dev --limit 200 --out /tmp/calm_open
+(--confidence semantic --samples 10 reports every column's Sem-ECE over sampled answers instead
+of the greedy answer's token probability; also p_true, verbalized.)
 """
 
 
@@ -220,6 +223,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "--cache-dir", default=None,
         help="cache of the converted built-in model, or hub cache for hub names",
     )
+    add_confidence_args(p)
 
 
 def _load_data(args: argparse.Namespace, config: Any,
@@ -305,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.restart:
         raise UserError("--resume and --restart: choose one (continue the earlier run, or delete its checkpoints)")
     config, methods = calibration_config(args)
+    confidence = user_call(lambda: open_confidence(args, seed=config.seed), None)  # a bad template: before any work
     # before the data and the model, not after the work: a file, not writable, too little free space
     user_call(lambda: check_output_folder(args.out, need_bytes=_run_bytes(args.model, config, methods)), None)
     check_model_path(args.model)
@@ -314,10 +319,10 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:  # the lock: a second run into --out is refused
         if int(os.environ.get("RANK", "0")) == 0:  # torchrun's ranks are one run: the first holds the lock
             user_call(lambda: stack.enter_context(run_lock(args.out)), None)
-        return _run_locked(args, config, methods)
+        return _run_locked(args, config, methods, None if confidence.kind == "token" else confidence)
 
 
-def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any]) -> int:
+def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any], confidence: Any) -> int:
     """:func:`run` after the checks of ``--out``, while holding its lock."""
     from llm_calib import distributed
     from llm_calib.calm.lora import check_target_modules
@@ -354,6 +359,7 @@ def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any]) -> in
             bootstrap=args.bootstrap, log=log,
             base_model={"model": recorded_model(args.model), "dtype": loading.dtype, "prompt": prompt,
                         "prompt_preset": config.prompt.preset},
+            confidence=confidence,
         )
     except TrainingDiverged as exc:
         print(f"llm-calib: error: training diverged: {exc}", file=sys.stderr)
