@@ -3,6 +3,7 @@ with themselves across layouts and model runners, and the scorers are built on t
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,3 +89,20 @@ def test_greedy_loop_feeds_or_drops_stopped_rows_with_the_same_answers(tiny) -> 
     assert seen == [2, 2]
     assert [a for a, _ in kept] == [a for a, _ in dropped]
     assert kept[0][0].stop == "eos" and kept[1][0].token_ids == (40, 40, 40)
+
+
+def test_generate_greedy_records_each_answer_token_at_every_grid_temperature():
+    """``temperatures``: the answers are those without a grid; the T = 1 column is the token probabilities;
+    the greedy token's probability falls as T rises; a temperature <= 0 is refused."""
+    model, tok = tiny_random_model(seed=3)
+    prompts = [tok("What is 2 + 3?")["input_ids"], tok("Capital of France")["input_ids"]]
+    plain = generate_greedy(model, tok, prompts, max_new_tokens=5)
+    gridded = generate_greedy(model, tok, prompts, max_new_tokens=5, temperatures=[0.5, 1.0, 4.0])
+    for a, b in zip(plain, gridded, strict=True):
+        assert (a.text, a.token_ids, a.stop) == (b.text, b.token_ids, b.stop) and a.temp_probs is None
+        assert b.temp_probs.shape == (len(b.token_probs), 3)
+        np.testing.assert_allclose(b.temp_probs[:, 1], b.token_probs, rtol=1e-5, atol=1e-7)
+        assert (b.temp_probs[:, 0] >= b.temp_probs[:, 1] - 1e-7).all()
+        assert (b.temp_probs[:, 1] >= b.temp_probs[:, 2] - 1e-7).all()
+    with pytest.raises(ValueError, match="temperatures"):
+        generate_greedy(model, tok, prompts, temperatures=[1.0, 0.0])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,9 @@ class GreedyAnswer:
         token_probs: probability of each answer token under the model (temperature 1).
         stop: why generation ended: ``"newline"``, ``"until"`` (a stop sequence), ``"eos"`` or
             ``"length"``.
+        temp_probs: with a temperature grid (:func:`generate_greedy`'s ``temperatures``), each
+            answer token's probability at every grid temperature, ``(len(token_probs), G)``; else None.
+            The greedy answer itself does not depend on the temperature (the argmax is the same).
 
     Example:
         >>> GreedyAnswer("Paris", (7,), (0.5,), "eos").text
@@ -65,6 +68,7 @@ class GreedyAnswer:
     token_ids: tuple[int, ...]
     token_probs: tuple[float, ...]
     stop: str
+    temp_probs: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -319,6 +323,7 @@ def generate_greedy(
     max_new_tokens: int = 32,
     stop_at_newline: bool = True,
     until: Sequence[Sequence[str] | None] | None = None,
+    temperatures: Sequence[float] | None = None,
 ) -> list[GreedyAnswer]:
     """Greedy decoding of a batch of tokenised prompts, with per-token probabilities.
 
@@ -336,22 +341,31 @@ def generate_greedy(
         stop_at_newline: stop at the first newline.
         until: per prompt, stop sequences (e.g. a record's lm-eval ``until``) or None; a prompt
             with them stops at EOS or at the first of them instead (see :func:`greedy_loop`).
+        temperatures: a grid of temperatures (each > 0): every answer also records its tokens'
+            probabilities at each of them (``GreedyAnswer.temp_probs``), e.g. to fit a temperature
+            to the answers' token confidence.
 
     Returns:
         One :class:`GreedyAnswer` per prompt.
 
     Raises:
-        ValueError: ``max_new_tokens < 1`` or an empty prompt.
+        ValueError: ``max_new_tokens < 1``, an empty prompt or a temperature that is not > 0.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
-        >>> out = generate_greedy(model, tok, [tok("What is 2 + 3?")["input_ids"]], max_new_tokens=4)
-        >>> len(out[0].token_probs) >= 1
-        True
+        >>> out = generate_greedy(model, tok, [tok("What is 2 + 3?")["input_ids"]], max_new_tokens=4,
+        ...                       temperatures=[0.5, 1.0, 2.0])
+        >>> len(out[0].token_probs) >= 1, out[0].temp_probs.shape[1]
+        (True, 3)
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    grid = None
+    if temperatures is not None:
+        grid = torch.tensor([float(t) for t in temperatures], dtype=torch.float32)
+        if grid.ndim != 1 or not len(grid) or not bool(torch.isfinite(grid).all() and (grid > 0).all()):
+            raise ValueError(f"temperatures must be a non-empty list of finite numbers > 0, got {list(temperatures)!r}")
     if not prompts:
         return []
     device = next(model.parameters()).device
@@ -382,8 +396,8 @@ def generate_greedy(
 
     with torch.inference_mode():
         outs = greedy_loop(step, forward(ids.to(device)), tokenizer, eos, max_new_tokens=max_new_tokens,
-                           stop_at_newline=stop_at_newline, until=until)
-    return [ans for ans, _ in outs]
+                           stop_at_newline=stop_at_newline, until=until, temperatures=grid)
+    return [ans if probs is None else replace(ans, temp_probs=probs) for ans, probs in outs]
 
 
 @dataclass
