@@ -268,7 +268,9 @@ def fit_open_temperature(records: Sequence[OpenQA], outs: Sequence[GenOut], grid
     if any(o.temp_probs is None or o.temp_probs.shape[1] != len(grid) for o in outs):
         raise ValueError(f"every answer needs grid probabilities for the {len(grid)} grid temperatures")
     correct = open_ended_set(records, outs).correct.astype(np.float64)[:, None]
-    conf = np.clip(np.stack([o.temp_probs.mean(0) for o in outs]), 1e-12, 1 - 1e-12)  # (N, G)
+    # float64 before clipping: in float32 1 - 1e-12 is 1.0, so a sure wrong answer gave log(0) and a NaN
+    # loss at the sharpest temperatures, which argmin then picked
+    conf = np.clip(np.stack([o.temp_probs.mean(0) for o in outs]).astype(np.float64), 1e-12, 1 - 1e-12)  # (N, G)
     loss = -(correct * np.log(conf) + (1 - correct) * np.log(1 - conf)).mean(0)
     g = int(np.argmin(loss))
     return float(grid[g]), g

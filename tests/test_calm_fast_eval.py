@@ -229,3 +229,16 @@ def test_fill_trunk_caches_computes_each_missing_trunk_once() -> None:
     torch.testing.assert_close(a.trunk_cache[5], ref, rtol=1e-5, atol=1e-6)
     assert fill_trunk_caches(model, [a, b], cfg.lora, tok.pad_token_id) == 0  # all cached now
     assert fill_trunk_caches(model, [a], LoraSettings(rank=2), tok.pad_token_id) == 0  # LoRA everywhere: no trunk
+
+
+def test_fit_open_temperature_is_not_fooled_by_float32_probabilities_of_one() -> None:
+    """A right answer whose float32 grid probability is 1.0 at the sharpest temperature: its loss term
+    there is 0, not 0 * log(0) = NaN, so the fit does not pick the grid's edge (it did before the float64 cast)."""
+    fit_open_temperature = load_benchmark("calibration_bench").fit_open_temperature
+    recs = [OpenQA(f"q{i}?", ("yes",), "d", str(i)) for i in range(4)]
+    grid = np.array([0.25, 1.0, 4.0])
+    sure_right = np.array([[1.0, 0.95, 0.8]], dtype=np.float32)  # rounded to 1 at T = 0.25
+    wrong = np.array([[0.9, 0.6, 0.4]], dtype=np.float32)
+    outs = [GenOut("yes", (1,), (0.95,), sure_right), *(GenOut("no", (1,), (0.6,), wrong) for _ in range(3))]
+    t, g = fit_open_temperature(recs, outs, grid)
+    assert (t, g) == (4.0, 2)
