@@ -82,9 +82,11 @@ class Sizes:
     model: str = "smollm2-135m-instruct"
     test: int = 100  # in-domain test questions
     heldout: int = 60  # labelled: selection, the temperature fit; also CALM's unlabelled inputs
-    ood: int = 60  # questions per out-of-domain set
+    ood: int = 60  # questions of the built-in sums set
+    ood_real: int = 40  # questions per real out-of-domain set (NQ-open, ...): long sampled answers, costly
+    real_sets: tuple[str, ...] = ("nq_open",)  # of nq_open, triviaqa, webquestions
     fewshot: int = 5
-    steps: int = 50
+    steps: int = 40
     batch_size: int = 8
     eval_every: int = 10
     samples: int = 10
@@ -94,7 +96,7 @@ class Sizes:
     seeds: int = 3
 
 
-QUICK = Sizes(model="tiny", test=6, heldout=6, ood=4, fewshot=2, steps=2, batch_size=2, eval_every=1, samples=3,
+QUICK = Sizes(model="tiny", test=6, heldout=6, ood=4, ood_real=4, real_sets=("nq_open", "triviaqa", "webquestions"), fewshot=2, steps=2, batch_size=2, eval_every=1, samples=3,
               max_new_tokens=4, bootstrap=20, seeds=2)
 
 
@@ -105,12 +107,14 @@ def data(sizes: Sizes, data_dir: str | None) -> dict[str, Any]:
     test, heldout, train = facts[: sizes.test], facts[sizes.test : sizes.test + sizes.heldout], facts[sizes.test + sizes.heldout :]
     ood: dict[str, list[OpenQA]] = {"sums": builtin_open_questions(60, ["sums"])[: sizes.ood]}
     if data_dir:
-        for name, spec, keep in (("nq_open", f"nq_open:{data_dir}", lambda r: bool(r.answers)),
-                                 ("triviaqa", f"selfaware:{data_dir}:triviaqa", lambda r: r.answerable and bool(r.answers)),
-                                 ("webquestions", f"webquestions:{data_dir}", lambda r: bool(r.answers))):
+        specs = {"nq_open": (f"nq_open:{data_dir}", lambda r: bool(r.answers)),
+                 "triviaqa": (f"selfaware:{data_dir}:triviaqa", lambda r: r.answerable and bool(r.answers)),
+                 "webquestions": (f"webquestions:{data_dir}", lambda r: bool(r.answers))}
+        for name in sizes.real_sets:
+            spec, keep = specs[name]
             recs = [r for r in load(spec).records if keep(r)]
             random.Random(1).shuffle(recs)
-            ood[name] = [replace(r, domain=name) for r in recs[: sizes.ood]]
+            ood[name] = [replace(r, domain=name) for r in recs[: sizes.ood_real]]
     return {"train": train, "heldout": heldout, "tests": {"facts": test, **ood},
             "examples": draw_short_answer_examples(train, sizes.fewshot, seed=0)}
 
@@ -154,6 +158,7 @@ def score_model(model: Any, tok: Any, d: dict[str, Any], fmt: Any, sizes: Sizes,
         outs = greedy_grid(model, tok, recs, fmt, sizes)
         out["token"][name] = _clean(open_ended_set(recs, outs).summary(**boot))
         out["token+T"][name] = _clean(open_ended_set(recs, outs, g).summary(**boot))
+        log(f"  greedy {name}: accuracy {out['token'][name]['accuracy']:.3f}")
     out["greedy_s"] = time.perf_counter() - t0
     for key, temp in (("semantic", 1.0), ("semantic+T", T)):
         t1 = time.perf_counter()
@@ -317,10 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--real-sets", default=None, help="comma-separated real OOD sets (default: nq_open)")
     args = p.parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
     if args.steps:
         sizes = replace(sizes, steps=args.steps)
+    if args.real_sets:
+        sizes = replace(sizes, real_sets=tuple(x.strip() for x in args.real_sets.split(",") if x.strip()))
     if not Path(args.data_dir).is_dir():
         args.data_dir = None
     command = "python benchmarks/open_calibration.py " + " ".join(argv if argv is not None else sys.argv[1:])
