@@ -209,9 +209,19 @@ def run_part(part: str, sizes: Sizes, args: argparse.Namespace) -> None:
             t1 = time.perf_counter()
             result = calibrate(copy.deepcopy(model), tok, d["train"], d["heldout"], cfg, progress=False)
             train_s = time.perf_counter() - t1
-            scored = score_model(result.model, tok, d, fmt, sizes, log)
+            selected = result.metrics.get("after", {}).get("selected_step")
+            base_part = out_dir / "parts" / "base.json"
+            if selected == 0 and base_part.is_file():
+                # the selection rule kept the initial model: the deployed model is the base model (LoRA B = 0
+                # adds exact zeros) and the samples are seeded alike, so its rows are the base part's
+                log(f"  {method}: the initial model was kept (selected step 0): its rows are the base part's")
+                scored = {**json.loads(base_part.read_text())["rows"]["uncalibrated"], "reused": "base"}
+            else:
+                scored = score_model(result.model, tok, d, fmt, sizes, log)
             scored["train_s"] = train_s
-            scored["selected_step"] = result.metrics.get("after", {}).get("selected_step")
+            scored["selected_step"] = selected
+            scored["notes"] = list(getattr(result, "notes", []) or [])
+            scored["history"] = result.history
             record["rows"][method] = scored
             del result
     record["wall_s"], record["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
