@@ -259,6 +259,35 @@ def _cell(values: list[dict[str, float]], name: str, metric: str) -> str:
     return f"{np.mean(xs):.3f} ± {np.std(xs, ddof=1):.3f}"
 
 
+def _cpu() -> str:
+    """The CPU's model name and its widest vector extension (AVX-512 or AVX2), from /proc/cpuinfo."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    return f"{name} ({'AVX-512' if 'avx512f' in info else 'AVX2' if 'avx2' in info else 'no AVX2'})"
+
+
+def _summary(parts: list[dict[str, Any]], sets: list[str]) -> list[str]:
+    """The headline table: accuracy / ECE per set under both confidences (means over seeds)."""
+    head = " | ".join(f"{n}, token | {n}, semantic" for n in sets)
+    lines = ["## Summary: accuracy / ECE (Sem-ECE under semantic), mean over seeds", "",
+             f"| row | {head} |", "|---|" + "---|" * (2 * len(sets))]
+    rows = {k: _rows(parts, k) for k in KINDS}
+    for r in ROWS:
+        if not rows["token"][r]:
+            continue
+        cells = []
+        for n in sets:
+            for k in KINDS:
+                acc = [v[n]["accuracy"] for v in rows[k][r] if n in v]
+                ece = [v[n]["ece"] for v in rows[k][r] if n in v]
+                cells.append(f"{np.mean(acc):.3f} / {np.mean(ece):.3f}" if acc else "n/a")
+        lines.append(f"| {LABELS[r]} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def report(out_dir: Path, md: Path | None, command: str) -> str:
     parts = [json.loads(p.read_text()) for p in sorted((out_dir / "parts").glob("*.json"))]
     if not parts:
@@ -273,7 +302,7 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
     lines += [
         f"- Command: `{command}` (parts `base`, {', '.join(map(str, seeds))}, one process each, run two at a time); "
         f"date {base['started'][:10]}",
-        f"- Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"- Machine: {_cpu()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"1 torch thread per part; wall / CPU per part: "
         + ", ".join(f"{p['part']} {p['wall_s'] / 60:.1f} / {p['cpu_s'] / 60:.1f} min" for p in parts),
         f"- Model `{s['model']}` (float32). Training: {base['n']['train']} capital and chemical-symbol questions "
@@ -302,6 +331,18 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
                 temps.setdefault(f"{m}+T", []).append(r["temperature"])
     lines.append("Fitted temperatures: " + "; ".join(f"{LABELS[k]} {', '.join(f'{t:.2f}' for t in v)}" for k, v in temps.items()) + ".")
     lines.append("")
+    trained = [(m, int(p["part"]), r) for p in parts if p["part"] != "base" for m, r in p["rows"].items()]
+    for m in ("lora_ce", "calm"):
+        runs = sorted((seed, r) for name, seed, r in trained if name == m)
+        if runs:
+            lines.append(f"- {LABELS[m]}: selected step per seed " + ", ".join(f"{r['selected_step']}" for _, r in runs)
+                         + f" of {s['steps']}; training " + ", ".join(f"{r['train_s'] / 60:.1f}" for _, r in runs) + " min"
+                         + ("; rows of runs that kept the initial model are the base part's (the deployed model is "
+                            "the base model)" if any(r.get("reused") for _, r in runs) else "") + ".")
+    lines += ["- Selection is the library's rule: the lowest held-out ECE (for open questions a teacher-forced proxy) "
+              "among evaluations whose held-out accuracy is at least 95% of the initial one; step 0 (the initial "
+              "model) is a candidate, so a run whose training only raised the held-out ECE deploys the base model.", ""]
+    lines += [*_summary(parts, sets), ""]
     if near_zero:
         lines += [f"**Near-zero accuracy** (uncalibrated token accuracy < {NEAR_ZERO}): {', '.join(near_zero)}. There the "
                   "model answers (almost) nothing correctly, so ECE equals the mean confidence and only rewards low "
