@@ -253,7 +253,7 @@ def _cell(values: list[dict[str, float]], name: str, metric: str) -> str:
     if not xs:
         return "n/a"
     if len(xs) == 1:
-        lo, hi = values[0][name].get(f"{metric}_lo"), values[0][name].get(f"{metric}_hi")
+        lo, hi = values[0][name].get(f"{metric}_ci_low"), values[0][name].get(f"{metric}_ci_high")
         ci = f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None and math.isfinite(lo) else ""
         return f"{xs[0]:.3f}{ci}"
     return f"{np.mean(xs):.3f} ± {np.std(xs, ddof=1):.3f}"
@@ -267,6 +267,25 @@ def _cpu() -> str:
         return platform.processor() or platform.machine()
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
     return f"{name} ({'AVX-512' if 'avx512f' in info else 'AVX2' if 'avx2' in info else 'no AVX2'})"
+
+
+def _histories(trained: list[tuple[str, int, dict[str, Any]]]) -> list[str]:
+    """The held-out (teacher-forced) ECE and accuracy at each evaluation of the runs that recorded them."""
+    rows = [(m, seed, r["history"]) for m, seed, r in sorted(trained, key=lambda t: (t[0], t[1])) if r.get("history")]
+    if not rows:
+        return []
+    lines = ["## Held-out split during training (teacher-forced proxy: ECE / accuracy per evaluation)", "",
+             "| run | selected step | evaluations |", "|---|---|---|"]
+    for m, seed, hist in rows:
+        evals = ", ".join(f"step {int(h['step'])}: {h['heldout_ece']:.3f} / {h['heldout_accuracy']:.3f}"
+                          for h in hist if "heldout_ece" in h)
+        selected = next(r["selected_step"] for name, s, r in trained if name == m and s == seed)
+        lines.append(f"| {LABELS[m]}, seed {seed} | {selected} | {evals} |")
+    missing = sorted({seed for m, seed, r in trained if not r.get("history")})
+    if missing:
+        lines += ["", f"(Seeds {', '.join(map(str, missing))} ran before the parts kept the history; their selected steps "
+                  "are above.)"]
+    return [*lines, ""]
 
 
 def _summary(parts: list[dict[str, Any]], sets: list[str]) -> list[str]:
@@ -343,6 +362,7 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
               "among evaluations whose held-out accuracy is at least 95% of the initial one; step 0 (the initial "
               "model) is a candidate, so a run whose training only raised the held-out ECE deploys the base model.", ""]
     lines += [*_summary(parts, sets), ""]
+    lines += _histories(trained)
     if near_zero:
         lines += [f"**Near-zero accuracy** (uncalibrated token accuracy < {NEAR_ZERO}): {', '.join(near_zero)}. There the "
                   "model answers (almost) nothing correctly, so ECE equals the mean confidence and only rewards low "
@@ -350,7 +370,7 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
                   "Read them with the accuracy and AUROC columns.", ""]
     for kind in KINDS:
         rows = _rows(parts, kind)
-        title = "token confidence" if kind == "token" else "semantic confidence (Sem-ECE)"
+        title = "token confidence" if kind == "token" else "semantic confidence"
         for metric, name in (("accuracy", "Accuracy"), ("ece", "ECE" if kind == "token" else "Sem-ECE"),
                              ("brier", "Brier"), ("auroc", "AUROC"), ("mean_confidence", "Mean confidence")):
             lines += [f"## {name}, {title}", "", "| row | " + " | ".join(sets) + " |", "|---|" + "---|" * len(sets)]
