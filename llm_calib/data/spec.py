@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from llm_calib.data.errors import OnError
 from llm_calib.data.mmlu import MMLU_GROUPS
 from llm_calib.data.result import LoadResult, subsample
+from llm_calib.registration import check_registry_name, register_entry, unregister_entry
 
 __all__ = [
     "BUILTIN_LOADERS", "Spec", "SpecError", "SpecLoader", "absolute_spec", "load", "loader_names", "parse_spec",
@@ -133,14 +134,10 @@ def register_loader(name: str, description: str, *, path: bool = True) -> Callab
         '1 + 1 = ?'
         >>> unregister_loader("doc_one")
     """
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"loader name must be a Python identifier (it starts a data spec), got {name!r}")
+    check_registry_name("loader", name, "it starts a data spec")
 
     def decorate(fn: L) -> L:
-        if name in _LOADERS and _LOADERS[name].load is not fn:
-            raise ValueError(f"loader {name!r} is already registered (by {_LOADERS[name].load.__qualname__}); "
-                             "unregister it first or choose another name")
-        _LOADERS[name] = SpecLoader(name, description, fn, path)
+        register_entry(_LOADERS, "loader", name, SpecLoader(name, description, fn, path), owner=lambda entry: entry.load)
         return fn
 
     return decorate
@@ -158,11 +155,7 @@ def unregister_loader(name: str) -> None:
         ...
         ValueError: the built-in loader 'builtin' cannot be unregistered
     """
-    if name in BUILTIN_LOADERS:
-        raise ValueError(f"the built-in loader {name!r} cannot be unregistered")
-    if name not in _LOADERS:
-        raise ValueError(f"no loader {name!r} is registered")
-    del _LOADERS[name]
+    unregister_entry(_LOADERS, BUILTIN_LOADERS, "loader", name)
 
 
 def loader_names() -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar, overload
 
 from llm_calib.data.records import RECORD_KINDS
 from llm_calib.formats.base import TaskFormat
+from llm_calib.registration import check_registry_name, register_entry, unregister_entry
 
 __all__ = [
     "BUILTIN_FORMATS", "MULTIPLE_CHOICE_FORMATS", "SCORER_NAMES", "RegisteredFormats", "RegisteredNames", "family_format", "format_class", "format_names",
@@ -52,17 +53,13 @@ def register_format(name: str) -> Callable[[F], F]:
         >>> "doc_scorer" in SCORER_NAMES
         False
     """
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"format name must be a Python identifier (it is a config value and a flag value), got {name!r}")
+    check_registry_name("format", name)
 
     def decorate(cls: F) -> F:
         if not (isinstance(cls, type) and issubclass(cls, TaskFormat)):
             raise TypeError(f"register_format({name!r}) takes a TaskFormat subclass, got {cls!r}")
-        if name in _FORMATS and _FORMATS[name] is not cls:
-            raise ValueError(f"format {name!r} is already registered (by {_FORMATS[name].__qualname__}); "
-                             f"unregister it first or choose another name")
+        register_entry(_FORMATS, "format", name, cls)
         cls.name = name  # type: ignore[attr-defined]
-        _FORMATS[name] = cls
         return cls
 
     return decorate
@@ -80,11 +77,7 @@ def unregister_format(name: str) -> None:
         ...
         ValueError: the built-in format 'letter' cannot be unregistered
     """
-    if name in BUILTIN_FORMATS:
-        raise ValueError(f"the built-in format {name!r} cannot be unregistered")
-    if name not in _FORMATS:
-        raise ValueError(f"no format {name!r} is registered")
-    del _FORMATS[name]
+    unregister_entry(_FORMATS, BUILTIN_FORMATS, "format", name)
 
 
 def format_names(family: str | None = None) -> tuple[str, ...]:

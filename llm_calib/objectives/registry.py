@@ -3,13 +3,16 @@
 A new objective is one module: an :class:`~llm_calib.objectives.base.Objective` subclass decorated
 with :func:`register_objective`; config files, ``CalibrationConfig`` and the command line then
 reach it. The built-in names are known before their modules load (:data:`BUILTIN_OBJECTIVES`),
-which :mod:`llm_calib.objectives.builtin` registers. This module imports no other project module.
+which :mod:`llm_calib.objectives.builtin` registers. This module imports only
+:mod:`llm_calib.registration` (the rules every registry shares).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from llm_calib.registration import check_registry_name, register_entry, unregister_entry
 
 __all__ = [
     "BUILTIN_OBJECTIVES", "BUILTIN_SOLVERS", "objective_class", "objective_from_dict",
@@ -30,15 +33,11 @@ T = TypeVar("T", bound=type)
 
 
 def _register(table: dict[str, type], kind: str, name: str) -> Callable[[T], T]:
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"{kind} name must be a Python identifier (it is a config value and a flag value), got {name!r}")
+    check_registry_name(kind, name)
 
     def decorate(cls: T) -> T:
-        if name in table and table[name] is not cls:
-            raise ValueError(f"{kind} {name!r} is already registered (by {table[name].__qualname__}); "
-                             f"unregister it first or choose another name")
+        register_entry(table, kind, name, cls)
         cls.name = name
-        table[name] = cls
         return cls
 
     return decorate
@@ -82,20 +81,12 @@ def unregister_objective(name: str) -> None:
     Raises:
         ValueError: a built-in objective or an unknown name.
     """
-    _unregister(_OBJECTIVES, BUILTIN_OBJECTIVES, "objective", name)
+    unregister_entry(_OBJECTIVES, BUILTIN_OBJECTIVES, "objective", name)
 
 
 def unregister_solver(name: str) -> None:
     """Remove a registered solver (see :func:`unregister_objective`)."""
-    _unregister(_SOLVERS, BUILTIN_SOLVERS, "solver", name)
-
-
-def _unregister(table: dict[str, type], builtin: tuple[str, ...], kind: str, name: str) -> None:
-    if name in builtin:
-        raise ValueError(f"the built-in {kind} {name!r} cannot be unregistered")
-    if name not in table:
-        raise ValueError(f"no {kind} {name!r} is registered")
-    del table[name]
+    unregister_entry(_SOLVERS, BUILTIN_SOLVERS, "solver", name)
 
 
 def objective_names() -> tuple[str, ...]:
