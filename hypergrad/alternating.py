@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from hypergrad.autodiff import loss_and_grads
+from hypergrad.autodiff import inner_grads
 from hypergrad.batches import per_step
 from hypergrad.errors import check_inner_optimizer, check_not_class
 from hypergrad.implicit import Implicit
@@ -101,9 +101,7 @@ class AlternatingImplicit:
         opt_state = state.get("opt_state") or self.inner_optimizer.init(w)
         batches = per_step(inner_batch, self.inner_steps)
         for batch in batches:
-            _, grad, _ = loss_and_grads(
-                lambda w_, l_, b=batch: problem.inner_loss(w_, l_, b), w, lam, wrt_lam=False, what="inner loss"
-            )
+            _, grad, _ = inner_grads(problem, batch, w, lam)
             with torch.no_grad():
                 w, opt_state = self.inner_optimizer.update(w, grad, opt_state)
             w = tree_detach(w)
@@ -116,6 +114,7 @@ class AlternatingImplicit:
             iterations=r.info.iterations,
             residual=r.info.residual,
             converged=r.info.converged,
+            stopping_test=r.info.stopping_test,
             warnings=r.info.warnings,
             grad_evals=r.info.grad_evals + self.inner_steps,
             # the linear solve's iterations and convergence as numbers, for per-step logs

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from hypergrad.autodiff import loss_and_grads
+from hypergrad.autodiff import inner_grads, loss_and_grads
 from hypergrad.batches import per_step
 from hypergrad.compiled import (
     all_finite,
@@ -237,7 +237,7 @@ class BOME:
         g = _inner_loss(problem, batches[0])
 
         # Inner steps from w; the first backward also gives q's gradients at (w, lam).
-        g_w, grad_w_g, grad_lam_g = loss_and_grads(g, w, lam, what="inner loss")
+        g_w, grad_w_g, grad_lam_g = inner_grads(problem, batches[0], w, lam, wrt_lam=True)
         assert grad_w_g is not None and grad_lam_g is not None
         opt = self.inner_optimizer
         opt_state = opt.init(w)
@@ -245,7 +245,7 @@ class BOME:
             w_hat, opt_state = opt.update(w, grad_w_g, opt_state)
         w_hat = tree_detach(w_hat)
         for batch in batches[1:]:
-            _, gw, _ = loss_and_grads(_inner_loss(problem, batch), w_hat, lam, wrt_lam=False, what="inner loss")
+            _, gw, _ = inner_grads(problem, batch, w_hat, lam)
             assert gw is not None
             with torch.no_grad():
                 w_hat, opt_state = opt.update(w_hat, gw, opt_state)
@@ -282,6 +282,7 @@ class BOME:
             iterations=self.inner_steps,
             residual=sq_norm**0.5,
             converged=q <= float(self.tol),
+            stopping_test="value-function gap",
             grad_evals=self.inner_steps + 2,
             extra={"phi": phi, "q": q, "grad_q_norm": sq_norm**0.5},
         )
@@ -364,7 +365,8 @@ def compiled_bome(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inne
         w_opt_state = (state or {}).get("w_opt_state") or method.w_optimizer.init(w)
     batches = per_step(inner_batch, method.inner_steps)
     (outer_batch,) = per_step(outer_batch, 1)  # one outer batch per call, as in the eager call
-    ran = run_stage(problem, _bome_stage, method, w, lam, batches, batches[0], outer_batch, w_opt_state)
+    ran = run_stage(problem, _bome_stage, method, w, lam, batches, batches[0], outer_batch, w_opt_state,
+                    checks=(w, lam, batches[0]))
     if ran is None:
         return eager_fallback(method, problem, args)
     (d_lam, new_w, w_opt_state, scalars), compile_s = ran
@@ -375,6 +377,7 @@ def compiled_bome(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inne
         iterations=method.inner_steps,
         residual=sq_norm**0.5,
         converged=q <= float(method.tol),
+        stopping_test="value-function gap",
         grad_evals=method.inner_steps + 2,
         extra={"phi": phi, "q": q, "grad_q_norm": sq_norm**0.5, "compiled": True, "compile_s": compile_s},
     )

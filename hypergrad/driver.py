@@ -35,9 +35,10 @@ except ImportError:
             pass
 
 
-from hypergrad.autodiff import inner_fn, loss_and_grads
+from hypergrad.autodiff import inner_grads
 from hypergrad.batches import StepBatches
 from hypergrad.checkpoint import SolveState, save_checkpoint
+from hypergrad.compiled import check_compilable
 from hypergrad.errors import (
     NonFiniteError,
     WarningLog,
@@ -78,9 +79,12 @@ class SolveResult:
             :func:`~hypergrad.checkpoint.save_checkpoint`.
         steps_run: outer steps taken (``steps`` unless the callback stopped the loop).
         stopped_early: whether the callback stopped the loop before ``steps``.
-        unconverged_steps: outer steps whose method reported ``info.converged`` False: for
-            ``Implicit``, ``FiniteDifference`` and ``AlternatingImplicit`` the steps whose linear
-            solve stopped short of its tolerance (0 for methods without a stopping test).
+        unconverged_steps: outer steps whose linear solve stopped short of its tolerance
+            (``info.converged`` False with ``info.stopping_test`` ``"linear solve"``: ``Implicit``,
+            ``FiniteDifference``, ``AlternatingImplicit``; also a method of your own that reports
+            False without naming its test). 0 for the other methods: ``BOME``'s value-function
+            gap and ``Penalty``'s inner residuals stay above their tolerances during most of a
+            run by design (``history["converged"]`` records them).
         warnings: the warnings of the solve, one line per kind, as warned at its end (a kind
             that occurred at several outer steps: at how many, and the worst occurrence).
 
@@ -264,6 +268,14 @@ def _check_components(method: Any, inner_optimizer: Any, outer_optimizer: Any) -
     check_not_class(method, "method")
     if inner_optimizer is not None:
         check_inner_optimizer(inner_optimizer, "inner_optimizer")
+    if isinstance(outer_optimizer, type) and not issubclass(outer_optimizer, torch.optim.Optimizer):
+        # a torch.optim class is a factory (torch.optim.Adam(params)); any other class is not
+        hint = (" (hypergrad.inner optimizers are for inner_optimizer)"
+                if callable(getattr(outer_optimizer, "update", None)) else "")
+        raise TypeError(
+            "outer_optimizer must be a factory params -> torch.optim.Optimizer, e.g. lambda p: "
+            f"torch.optim.Adam(p, lr=1e-2), not the class {outer_optimizer.__module__}.{outer_optimizer.__qualname__}"
+            f"{hint}")
     if isinstance(outer_optimizer, torch.optim.Optimizer) or (
             outer_optimizer is not None and not callable(outer_optimizer)):
         kind = type(outer_optimizer)
@@ -274,6 +286,16 @@ def _check_components(method: Any, inner_optimizer: Any, outer_optimizer: Any) -
             "outer_optimizer must be a factory params -> torch.optim.Optimizer, e.g. lambda p: "
             f"torch.optim.Adam(p, lr=1e-2), not a {given} instance: solve builds the optimizer over its own "
             f"copy of lam{hint}")
+
+
+def _compiled_combination(method: Any) -> str | None:
+    """How ``method`` asks for compiled stages (``"SOBA(compile=True)"``), or None when it does not."""
+    if getattr(method, "compile", False) is True:
+        return f"{type(method).__name__}(compile=True)"
+    nested = getattr(method, "implicit", None)  # AlternatingImplicit's Implicit
+    if nested is not None and _compiled_combination(nested) is not None:
+        return f"{type(method).__name__}(implicit={_compiled_combination(nested)})"
+    return None
 
 
 def _function_of(message: str) -> str:
@@ -418,7 +440,7 @@ def _inner_steps(
     update_with_loss = getattr(optimizer, "update_with_loss", None)  # an optimizer with a line search
     for _ in range(steps + (tol is not None)):  # with a tol: one more gradient, at the final w
         batch = stream.next()
-        loss, gw, _ = loss_and_grads(inner_fn(problem, batch), w, lam, wrt_lam=False, what="inner loss")
+        loss, gw, _ = inner_grads(problem, batch, w, lam)
         assert gw is not None
         residual = float(tree_norm(gw))
         if tol is not None and residual <= tol:
@@ -444,6 +466,7 @@ def inner_solve(
     steps: int,
     optimizer: InnerOptimizer,
     batches: Iterable[Any] | None = None,
+    *,
     opt_state: Tree | None = None,
     tol: float | None = None,
 ) -> InnerSolveResult:
@@ -526,6 +549,7 @@ def solve(
     lam: Tree,
     method: HypergradMethod,
     outer_optimizer: OptimizerFactory | None = None,
+    *,
     steps: int = 100,
     inner_steps: int = 0,
     inner_optimizer: InnerOptimizer | None = None,
@@ -679,6 +703,9 @@ def solve(
     _check_components(method, inner_optimizer, outer_optimizer)
     if not hasattr(method, "hypergrad"):
         raise TypeError(f"method must have a hypergrad(...) method, got {type(method).__name__}")
+    combination = _compiled_combination(method)
+    if combination is not None:
+        check_compilable(problem, combination)  # before the first step: no step is taken and then refused
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     _check_steps(inner_steps, "inner_steps")
@@ -769,7 +796,9 @@ def solve(
         history["inner_residual"].append(residual)
         converged = result.info.converged
         history["converged"].append(float("nan") if converged is None else float(converged))
-        unconverged_steps += converged is False
+        # a linear solve that stopped short (or a test a method of its own does not name); BOME's gap and
+        # Penalty's residuals are above their tolerance during most of a run, by design
+        unconverged_steps += converged is False and result.info.stopping_test in (None, "linear solve")
         history["lr"].append(lr)
         steps_run = step + 1 - start
         bar.set_postfix(F=f"{last_outer_loss:.4g}", grad=f"{grad_norm:.3g}")
