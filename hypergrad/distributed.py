@@ -72,6 +72,10 @@ class _SumOverRanks(torch.autograd.Function):
 
     @staticmethod
     def forward(value: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            # losses built on replicated / global_mean by hand (data_parallel problems are refused up
+            # front): a compiled stage fails here and falls back to the eager products, with this reason
+            raise RuntimeError("hypergrad.distributed's all-reduce cannot be traced by torch.compile; use compile=False")
         total = value.clone()
         dist.all_reduce(total)
         return total

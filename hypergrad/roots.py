@@ -184,8 +184,8 @@ class _Spec:
         return pytree.tree_unflatten(leaves, self.batch_spec)
 
 
-def _run_solver(spec: _Spec, w0: Tree, lam: Tree, batch: Any) -> Tree:
-    """The inner solver's solution, checked to be shaped like ``w0``."""
+def _run_solver(spec: _Spec, w0: Tree, lam: Tree, batch: Any, finite: bool = True) -> Tree:
+    """The inner solver's solution, checked to be shaped like ``w0`` (and ``finite``)."""
     with torch.no_grad():
         out = spec.solve({k: v.detach() for k, v in w0.items()}, {k: v.detach() for k, v in lam.items()}, batch)
     w = out if isinstance(out, dict) else getattr(out, "w", out)
@@ -196,7 +196,8 @@ def _run_solver(spec: _Spec, w0: Tree, lam: Tree, batch: Any) -> Tree:
         if not isinstance(w[k], Tensor) or w[k].shape != w0[k].shape:
             raise ValueError(f"the inner solver's w[{k!r}] must be a tensor of shape {tuple(w0[k].shape)} like w0's, got "
                              f"{getattr(w[k], 'shape', type(w[k]).__name__)}")
-    check_finite(w, "custom_root inner solution")
+    if finite:  # under vmap (vectorize=True) the caller checks the stacked solutions
+        check_finite(w, "custom_root inner solution")
     return {k: w[k] for k in spec.w_keys}
 
 
@@ -253,10 +254,11 @@ class _Solution(torch.autograd.Function):
             lam_dims, w_dims, batch_dims, _ = spec.split(dims)
 
             def one(lam_: Tree, w0_: Tree, batch_tensors_: list[Tensor]) -> tuple[Tensor, ...]:
-                return tuple(_run_solver(spec, w0_, lam_, spec.batch(batch_tensors_)).values())
+                return tuple(_run_solver(spec, w0_, lam_, spec.batch(batch_tensors_), finite=False).values())
 
             solutions = torch.func.vmap(one, in_dims=(lam_dims, w_dims, batch_dims), randomness="same")(
                 lam, w0, batch_tensors)
+            check_finite(dict(zip(spec.w_keys, solutions, strict=True)), "custom_root inner solution")
             given = replace(spec, given=True)
             rows = [_Solution.apply(given, *_slice(tensors, dims, i), *(s[i] for s in solutions))
                     for i in range(info.batch_size)]
