@@ -1,16 +1,16 @@
 """The confidence of open-ended answers, four ways (one option of ``evaluate`` and the Python API).
 
-=============== ================================================================ ============================
-kind            the answer and its confidence                                    cost per question
-=============== ================================================================ ============================
-``token``       greedy answer; mean (or product, min) answer-token probability   one greedy decode
-``semantic``    modal answer of N samples; the frequency of its meaning cluster  one prompt pass + N decodes
+=============== ====================================================================== ============================
+kind            the answer and its confidence                                          cost per question
+=============== ====================================================================== ============================
+``token``       greedy answer; mean (or product, min) answer-token probability         one greedy decode
+``semantic``    modal answer of N samples; the frequency of its meaning cluster        one prompt pass + N decodes
                 (Sem-ECE; :mod:`llm_calib.confidence.semantic`)
-``p_true``      greedy answer; the model's P(True) that it is correct            greedy decode + one pass
+``p_true``      greedy answer; the model's P(True) that it is correct                  greedy decode + one pass
                 (Kadavath et al., 2022; :mod:`llm_calib.confidence.p_true`)
-``verbalized``  greedy answer; the confidence 0-100 the model states when asked  greedy decode + a short one
+``verbalized``  greedy answer; the confidence 0-100 the model states when asked        greedy decode + a short one
                 (:mod:`llm_calib.confidence.verbalized`); unparsed replies counted
-=============== ================================================================ ============================
+=============== ====================================================================== ============================
 
 :func:`score_open` dispatches on :class:`OpenConfidence`; ``token`` and ``semantic`` return an
 :class:`~llm_calib.confidence.token.OpenEndedSet` / :class:`~llm_calib.confidence.sampled.SampledSet`,
