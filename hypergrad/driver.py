@@ -47,6 +47,7 @@ from hypergrad.errors import (
     collect_warnings,
 )
 from hypergrad.inner import SGD, InnerOptimizer
+from hypergrad.objective import InnerObjective
 from hypergrad.problem import BilevelProblem, HypergradMethod
 from hypergrad.tree import Tree, check_finite, check_like, tree_detach, tree_norm
 
@@ -267,7 +268,7 @@ def _check_components(method: Any, inner_optimizer: Any, outer_optimizer: Any) -
     wrong kind (torch.optim where hypergrad's inner optimizers go, and the other way round)."""
     check_not_class(method, "method")
     if inner_optimizer is not None:
-        check_inner_optimizer(inner_optimizer, "inner_optimizer")
+        check_inner_optimizer(inner_optimizer, "inner_optimizer", objective=True)
     if isinstance(outer_optimizer, type) and not issubclass(outer_optimizer, torch.optim.Optimizer):
         # a torch.optim class is a factory (torch.optim.Adam(params)); any other class is not
         hint = (" (hypergrad.inner optimizers are for inner_optimizer)"
@@ -437,7 +438,9 @@ def _inner_steps(
     state = optimizer.init(w) if opt_state is None else opt_state
     residual = float("nan")
     taken, converged = 0, None if tol is None else False
-    update_with_loss = getattr(optimizer, "update_with_loss", None)  # an optimizer with a line search
+    # an optimizer with a line search or second-order steps: it gets the step's loss itself
+    update_with_objective = getattr(optimizer, "update_with_objective", None)
+    update_with_loss = getattr(optimizer, "update_with_loss", None)  # the earlier form: values only
     for _ in range(steps + (tol is not None)):  # with a tol: one more gradient, at the final w
         batch = stream.next()
         loss, gw, _ = inner_grads(problem, batch, w, lam)
@@ -449,7 +452,9 @@ def _inner_steps(
         if taken == steps:
             break
         with torch.no_grad():
-            if update_with_loss is not None:
+            if update_with_objective is not None:
+                w, state = update_with_objective(w, gw, state, InnerObjective(problem, lam, batch, w, float(loss), gw))
+            elif update_with_loss is not None:
                 w, state = update_with_loss(w, gw, state, float(loss),
                                             lambda v, batch=batch: float(problem.inner_loss(v, lam, batch)))
             else:
@@ -519,7 +524,7 @@ def inner_solve(
         (18, True, True)
     """
     _check_steps(steps, "inner_steps")
-    check_inner_optimizer(optimizer, "optimizer")
+    check_inner_optimizer(optimizer, "optimizer", objective=True)
     if tol is not None and (not isinstance(tol, (int, float)) or isinstance(tol, bool) or not 0 <= tol < math.inf):
         raise ValueError(f"tol must be None or a finite number >= 0, got {tol!r}")
     return _inner_steps(problem, w, lam, steps, optimizer, _BatchStream(batches, "batches"), opt_state, tol)
