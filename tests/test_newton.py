@@ -281,7 +281,7 @@ def test_newton_is_refused_where_only_gradients_are_given():
                         (lambda: hg.AlternatingImplicit(newton, 2, hg.Implicit()), "inner_optimizer")):
         with pytest.raises(TypeError, match=rf"^{name} steps with update\(w, grad, state\), which Newton cannot take"):
             build()
-    with pytest.raises(TypeError, match="Newton steps with the loss.s Hessian"):
+    with pytest.raises(TypeError, match=r"Newton steps with the loss's Hessian"):
         newton.update({"x": torch.zeros(1)}, {"x": torch.zeros(1)}, newton.init({"x": torch.zeros(1)}))
     with pytest.raises(ValueError, match="lr must be a finite number > 0"):
         hg.inner.Newton(lr=0.0)
