@@ -387,6 +387,10 @@ class InnerSolveResult(tuple):
         steps: optimizer steps taken.
         converged: with a ``tol``, whether the gradient norm reached it (then ``grad_norm`` is
             the norm at ``w`` and ``<= tol``); None without a ``tol`` (nothing was checked).
+        evaluations: evaluations of the inner loss with its gradient: at the start of each step
+            (and at the final ``w`` with a ``tol``), plus those of a line search (``LBFGS``,
+            ``Newton``); a step that starts where the previous step's search already evaluated
+            the loss on the same batch (a full-batch solve) reuses that evaluation.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -398,11 +402,12 @@ class InnerSolveResult(tuple):
 
     steps: int
     converged: bool | None
+    evaluations: int
 
     def __new__(cls, w: Tree, state: Tree, grad_norm: float, *, steps: int,
-                converged: bool | None) -> InnerSolveResult:
+                converged: bool | None, evaluations: int = 0) -> InnerSolveResult:
         self = super().__new__(cls, (w, state, grad_norm))
-        self.steps, self.converged = steps, converged
+        self.steps, self.converged, self.evaluations = steps, converged, evaluations
         return self
 
     @property
@@ -437,13 +442,19 @@ def _inner_steps(
 ) -> InnerSolveResult:
     state = optimizer.init(w) if opt_state is None else opt_state
     residual = float("nan")
-    taken, converged = 0, None if tol is None else False
+    taken, converged, evaluations = 0, None if tol is None else False, 0
     # an optimizer with a line search or second-order steps: it gets the step's loss itself
     update_with_objective = getattr(optimizer, "update_with_objective", None)
     update_with_loss = getattr(optimizer, "update_with_loss", None)  # the earlier form: values only
+    known: tuple[Any, float, Tree] | None = None  # (batch, loss, gradient) at w from the last step's search
     for _ in range(steps + (tol is not None)):  # with a tol: one more gradient, at the final w
         batch = stream.next()
-        loss, gw, _ = inner_grads(problem, batch, w, lam)
+        if known is not None and known[0] is batch:  # the same batch: the search already evaluated w
+            loss, gw = known[1], known[2]
+        else:
+            loss, gw, _ = inner_grads(problem, batch, w, lam)
+            evaluations += 1
+        known = None
         assert gw is not None
         residual = float(tree_norm(gw))
         if tol is not None and residual <= tol:
@@ -453,7 +464,11 @@ def _inner_steps(
             break
         with torch.no_grad():
             if update_with_objective is not None:
-                w, state = update_with_objective(w, gw, state, InnerObjective(problem, lam, batch, w, float(loss), gw))
+                objective = InnerObjective(problem, lam, batch, w, float(loss), gw)
+                w, state = update_with_objective(w, gw, state, objective)
+                evaluations += objective.evaluations
+                if objective.last is not None and objective.last[0] is w:  # a full-batch search ended at w
+                    known = (batch, objective.last[1], objective.last[2])
             elif update_with_loss is not None:
                 w, state = update_with_loss(w, gw, state, float(loss),
                                             lambda v, batch=batch: float(problem.inner_loss(v, lam, batch)))
@@ -461,7 +476,7 @@ def _inner_steps(
                 w, state = optimizer.update(w, gw, state)
         w = tree_detach(w)
         taken += 1
-    return InnerSolveResult(w, state, residual, steps=taken, converged=converged)
+    return InnerSolveResult(w, state, residual, steps=taken, converged=converged, evaluations=evaluations)
 
 
 def inner_solve(

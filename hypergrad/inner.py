@@ -258,7 +258,9 @@ class LBFGS:
     (:meth:`update_with_loss`). This is the deterministic, full-batch solver of a smooth inner
     problem (ridge or logistic regression to machine precision, with ``inner_solve(..., tol=)``):
     on the wine problem of ``tests/test_newton.py`` it reaches a gradient norm of 1e-10 in
-    30 steps where SciPy's L-BFGS-B stops after 32 at 1.6e-9 and backtracking needed 104.
+    36 steps (39 loss-and-gradient evaluations) where SciPy's L-BFGS-B stops after 32 at 1.6e-9,
+    ``torch.optim.LBFGS`` with its strong Wolfe search after 81 at 8.5e-10, and backtracking
+    needs 104 (``benchmarks/results/inner_solvers.md``).
 
     Where it does not fit: a stochastic inner loss (a fresh batch per step) mixes gradients of
     different batches into the curvature pairs, so L-BFGS is no better than SGD there; as the

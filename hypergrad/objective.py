@@ -29,7 +29,9 @@ class InnerObjective:
     Holds the point the step starts from (``w``, its ``value`` and ``grad``, computed by the
     caller) and evaluates the loss, its gradient and its Hessian elsewhere, counting every
     evaluation in ``evaluations`` (values and gradients at new points; Hessian products are
-    counted in ``hessian_products``).
+    counted in ``hessian_products``). ``last`` is ``(point, value, gradient)`` of the latest
+    :meth:`value_and_grad`: when a step ends at that point (the point object itself), the caller
+    reuses them for the next step on the same batch instead of evaluating again.
 
     Args:
         problem: the bilevel problem (its inner loss).
@@ -56,6 +58,7 @@ class InnerObjective:
         self.w, self.value, self.grad = w, float(value), grad
         self.evaluations = 0
         self.hessian_products = 0
+        self.last: tuple[Tree, float, Tree] | None = None
 
     def value_at(self, w: Tree) -> float:
         """:math:`g` at ``w`` (no gradient; NaN or inf are returned, not raised: a search backs off)."""
@@ -73,6 +76,7 @@ class InnerObjective:
             nan = {k: torch.full_like(v, float("nan")) for k, v in w.items()}
             return float("nan"), nan
         assert grad is not None
+        self.last = (w, float(value), grad)
         return float(value), grad
 
     def linearization(self, w: Tree) -> RootSystem:
