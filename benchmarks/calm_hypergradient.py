@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 import hypergrad as hg
+from llm_calib.calm.run import task_format
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,8 +69,8 @@ def run_kind(kind: str, args: argparse.Namespace) -> list[dict]:
     adjustment = LogitAdjustment(kind, lm.head.out_features)
     losses = CalmLosses(lm, adjustment, "sum")
     pad = tok.pad_token_id or 0
-    inner_batch = encode_records(tok, train, config).batch(range(len(train)), pad, lm)
-    outer_batch = encode_records(tok, unlabeled, config).batch(range(len(unlabeled)), pad, lm)
+    inner_batch = encode_records(tok, train, task_format(train, resolve_prompt_settings(config.prompt))).batch(range(len(train)), pad, lm)
+    outer_batch = encode_records(tok, unlabeled, task_format(unlabeled, resolve_prompt_settings(config.prompt))).batch(range(len(unlabeled)), pad, lm)
     problem = hg.BilevelProblem(inner=losses.inner, outer=losses.outer)
 
     def f2sa() -> hg.Penalty:

@@ -24,6 +24,9 @@ import numpy as np
 import torch
 from calm_regimes import OOD, one_setting, one_setting_parser
 
+from llm_calib.calm.run import resolve_run, task_format
+from llm_calib.prompts.resolution import resolve_prompt_settings
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -52,9 +55,9 @@ def main() -> None:
     t0 = time.perf_counter()
     data, cfg = one_setting(args, normalize=args.normalize, steps=args.steps, eval_every=args.every)
     model, tok = load_model("smollm2-135m-instruct")
-    trainer = training.build_trainer(model, tok, data["train"], data["select"], cfg,
+    trainer = training.build_trainer(model, tok, data["train"], data["select"], resolve_run(cfg, data["train"], data["select"], data["unlabeled"][args.regime]),
                                      unlabeled=data["unlabeled"][args.regime])
-    encodings = {name: encode_records(tok, recs, cfg) for name, recs in data["evals"]}
+    encodings = {name: encode_records(tok, recs, task_format(recs, resolve_prompt_settings(cfg.prompt))) for name, recs in data["evals"]}
     in_domain = data["evals"][0][0]
     state = training.init_state(trainer)
     rows = []

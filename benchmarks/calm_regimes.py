@@ -114,6 +114,7 @@ def summary_table(summary: dict, in_domain: str) -> list[str]:
 def main() -> None:
     from harness.flat_config import with_flat
 
+    from llm_calib.calm.run import resolve_run
     from llm_calib.config.calibration import CalibrationConfig
     from llm_calib.evaluation.compare import run_comparison, write_comparison_report
     from llm_calib.models import load as load_model
@@ -155,7 +156,8 @@ def main() -> None:
     given = {config.objective.name: config.objective}  # the config's objective keeps its settings
     methods = [given.get(name) or objective_from_dict(name) for name in args.methods.split(",")]
     for regime in args.regimes.split(","):
-        cmp = run_comparison(fresh, tok, ("arc", data["train"]), ("arc_easy_dev", data["select"]), data["evals"], config,
+        run = resolve_run(config, data["train"], data["select"], data["unlabeled"][regime])
+        cmp = run_comparison(fresh, tok, ("arc", data["train"]), ("arc_easy_dev", data["select"]), data["evals"], run,
                              methods, out / regime, unlabeled=(f"regime_{regime}", data["unlabeled"][regime]),
                              checkpoints=False, progress=False, bootstrap=0 if args.quick else 1000, log=print)
         write_comparison_report(cmp, out / regime)

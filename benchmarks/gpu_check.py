@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from llm_calib.calm.run import resolve_run
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -129,7 +131,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
                                                       heldout_batch_size=args.batch_size),
                             selection=SelectionSettings(eval_every=args.steps, guard_accuracy=0.0),
                             lora=dict(rank=8, layers=list(range(n_layers - args.top_k, n_layers))))
-    trainer = training.build_trainer(model, TOKENIZER, train, heldout, cfg)  # shards the base under torchrun
+    trainer = training.build_trainer(model, TOKENIZER, train, heldout, resolve_run(cfg, train, heldout))  # shards the base under torchrun
     base_mb_rank = parameter_bytes(trainer.lm.base) / 2**20  # this rank's shards (and LoRA)
     sharded_weights_mb = (torch.cuda.memory_allocated() if cuda else 0) / 2**20
     state = training.init_state(trainer, evaluate_before=False)

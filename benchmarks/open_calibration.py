@@ -57,7 +57,6 @@ from llm_calib import (
 from llm_calib.calm.fast_eval import open_ended_set
 from llm_calib.confidence.kinds import OpenConfidence
 from llm_calib.confidence.token import encode_open_prompts
-from llm_calib.config.calibration import open_prompt_format
 from llm_calib.data import builtin_open_questions, load
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GenOut, generate_greedy
@@ -65,6 +64,7 @@ from llm_calib.evaluation.evaluate import evaluate_records
 from llm_calib.files.atomic import write_json_atomic, write_text_atomic
 from llm_calib.models import load as load_model
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import open_prompt_format
 from llm_calib.prompts.templates import draw_short_answer_examples
 
 ROWS = ("uncalibrated", "temperature", "lora_ce", "lora_ce+T", "calm", "calm+T")
@@ -186,7 +186,7 @@ def run_part(part: str, sizes: Sizes, args: argparse.Namespace) -> None:
     else:
         model, tok = load_model(sizes.model)
     n_layers = int(model.config.num_hidden_layers)
-    fmt = open_prompt_format(config(sizes, d["examples"], "lora_ce", 0, n_layers))
+    fmt = open_prompt_format(config(sizes, d["examples"], "lora_ce", 0, n_layers).prompt)
     record: dict[str, Any] = {"part": part, "sizes": sizes.__dict__, "started": _dt.datetime.now(_dt.UTC).isoformat(),
                               "n": {"train": len(d["train"]), "heldout": len(d["heldout"]),
                                     **{k: len(v) for k, v in d["tests"].items()}}, "examples": d["examples"]}

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from llm_calib.calm.run import resolve_run
+
 GB = 1e9
 # the SmolLM2 run's batches (ARC-Easy, limit 100): padded batch length of 8 questions, mean packed
 # length of a cached question, gathered rows per batch of 8 (measured on the encoded records)
@@ -208,7 +210,7 @@ def measured_terms(dtype: str, data_dir: str, checkpointing: bool = False) -> di
     train = load_data(f"arc_easy:{data_dir}:train", limit=100, seed=0).records
     heldout = load_data(f"arc_easy:{data_dir}:dev", limit=100, seed=0).records
     cfg = CalibrationConfig(lora=dict(rank=8, layers=list(range(24, 30))))
-    trainer = training.build_trainer(model, tok, train, heldout, cfg)
+    trainer = training.build_trainer(model, tok, train, heldout, resolve_run(cfg, train, heldout))
     for enc in (trainer.train, trainer.heldout):
         enc.fill_trunk_cache(trainer.lm, trainer.pad_id)
     theta = {k: v.requires_grad_(True) for k, v in trainer.lm.theta().items()}

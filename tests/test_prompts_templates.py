@@ -10,10 +10,10 @@ import torch
 from _benchmarks import load_benchmark
 
 from llm_calib.confidence.token import encode_open_prompts, score_open_ended
+from llm_calib.config.choices import PROMPT_PRESETS
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.prompts.fewshot import resolve_fewshot
+from llm_calib.prompts.resolution import resolve_fewshot
 from llm_calib.prompts.templates import (
-    PRESETS,
     PromptFormat,
     build_prompt,
     draw_fewshot,
@@ -74,7 +74,7 @@ def test_lm_eval_presets_render_exactly_lm_eval_prompts():
         assert record_prompt(None, ARC_Q, preset(name)).startswith("Question: ")
     # every preset is plain text except the reference format
     assert all(PresetFmt.chat_template is False for n, PresetFmt in
-               ((n, preset(n)) for n in PRESETS) if n != "default")
+               ((n, preset(n)) for n in PROMPT_PRESETS) if n != "default")
 
 
 def test_template_fields_and_a_missing_field_is_named():

@@ -284,7 +284,7 @@ def fewshot_pool(args: argparse.Namespace, prompt: Any, evaluated: list, log: Ca
     evaluation sets, so training, selection and evaluation draw each question's examples from the
     same pool, and a question shows the same examples in all three and in an ``evaluate`` of the
     same split with the same flags). A load error names ``what`` (default: ``--fewshot-split SPEC``)."""
-    from llm_calib.prompts.fewshot import resolve_fewshot
+    from llm_calib.prompts.resolution import resolve_fewshot
 
     fmt = user_call(lambda: resolve_fewshot(prompt, exclude=evaluated, on_error=args.on_error),
                     what or f"--fewshot-split {prompt.fewshot_split}")

@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="llm-calib",
         description="Calibration of causal language models: evaluation and training (CALM).",
     )
-    from llm_calib import __version__
+    from llm_calib.version import __version__
 
     parser.add_argument("--version", action="version", version=f"llm-calib {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -230,8 +230,8 @@ def _load_data(args: argparse.Namespace, config: Any,
                log: Callable[[str], None]) -> tuple[Any, Any, list, Any, Any]:
     """The ``--train``, ``--heldout``, ``--eval`` and ``--unlabeled`` sets (the last None without
     the flag), each checked against the formats of the run, and the run resolved once
-    (:func:`~llm_calib.calm.run.resolve_run`); ``config.prompt``'s few-shot pool (the config this
-    command built), drawn once without the held-out and evaluated questions."""
+    (:func:`~llm_calib.calm.run.resolve_run`) with ``config.prompt``'s few-shot pool, drawn once without
+    the held-out and evaluated questions."""
     from llm_calib.calm.run import resolve_run
     from llm_calib.data import load as load_data
     from llm_calib.prompts.templates import PromptFormat
@@ -240,16 +240,18 @@ def _load_data(args: argparse.Namespace, config: Any,
     train = load_records(args, "--train", args.train, log, seed=seed)
     heldout = load_records(args, "--heldout", args.heldout, log, seed=seed)
     evals = [load_records(args, "--eval", spec, log, seed=seed) for spec in args.eval]
+    pool: tuple[Any, ...] = ()
     if config.prompt.fewshot:  # one pool for training, selection and evaluation, as evaluate draws it
         settings = config.prompt
-        settings.fewshot_pool = fewshot_pool(
+        pool = fewshot_pool(
             args, PromptFormat(fewshot=settings.fewshot, fewshot_split=settings.fewshot_split),
             [r for _, recs in [heldout, *evals] for r in recs], log,
         ).fewshot_pool
     # one kind of record per set, read here; the held-out kind is the training kind, or multiple
     # choice under open-ended (prompt, response) training; the message names the offending record
     names = (f"--train {args.train}", f"--heldout {args.heldout}", "--unlabeled")
-    resolved = user_call(lambda: resolve_run(config, train[1], heldout[1], names=names), None, (ValueError,))
+    resolved = user_call(lambda: resolve_run(config, train[1], heldout[1], names=names, fewshot_pool=pool), None,
+                         (ValueError,))
     fmt = resolved.formats.upper
     unlabeled = None
     if args.unlabeled:
@@ -350,7 +352,7 @@ def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any], confi
     # before any training: a module name the model lacks, named with the ones it has
     user_call(lambda: check_target_modules(model, config.lora.target_modules), None)
     # the prompt as resolved (chat_template: whether this tokenizer's template is used), as evaluate records it
-    prompt = prompt_dict(resolved.settings["prompt"], tokenizer)
+    prompt = prompt_dict(resolved.settings.prompt, tokenizer)
     try:
         cmp = run_comparison(
             model, tokenizer, train, heldout, evals, resolved, methods, args.out,

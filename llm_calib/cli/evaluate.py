@@ -71,7 +71,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         (8, True)
     """
     from llm_calib.config.calibration import PromptSettings
-    from llm_calib.engine.packing import NORMALIZE_MODES
+    from llm_calib.config.choices import NORMALIZE_MODES
 
     p = sub.add_parser(
         "evaluate",

@@ -81,12 +81,9 @@ def run(args: argparse.Namespace) -> int:
         >>> main(["metrics", "/nonexistent/samples.jsonl", "--out", "/tmp/x"])
         2
     """
-    from llm_calib.confidence.lm_eval_generations import (
-        first_row,
-        generation_result,
-        is_generation_row,
-    )
-    from llm_calib.evaluation.lm_eval_samples import check_samples_file, samples_result
+    from llm_calib.confidence.lm_eval_generations import is_generation_row
+    from llm_calib.data.lm_eval_logs import check_samples_file, first_row
+    from llm_calib.evaluation.lm_eval_samples import generation_result, samples_result
     from llm_calib.evaluation.report import write_report
     from llm_calib.files.outputs import check_output_folder
 

@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from llm_calib.data.records import OpenQA
-from llm_calib.engine.decode import GreedyAnswer, generate_greedy
+from llm_calib.engine.decode import generate_greedy
+from llm_calib.engine.generation import GreedyAnswer
 from llm_calib.metrics import calibration as metrics
 from llm_calib.metrics.answers import exact_match, token_f1
 from llm_calib.prompts.templates import (

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from llm_calib import distributed
-from llm_calib.calm.run import ResolvedRun
+from llm_calib.calm.run import ResolvedRun, check_resolved
 from llm_calib.confidence.kinds import OpenConfidence
-from llm_calib.config.calibration import CalibrationConfig, flat_paths
+from llm_calib.config.calibration import flat_paths
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.evaluation.evaluate import (
     HEADLINE_METRICS,
@@ -111,7 +111,7 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``metrics.json``)."""
-        from llm_calib import __version__
+        from llm_calib.version import __version__
 
         return {
             "llm_calib_version": __version__,
@@ -132,7 +132,7 @@ class Comparison:
 def run_comparison(
     model: Any, tokenizer: Any, train: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
     heldout: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
-    evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]], config: CalibrationConfig | ResolvedRun,
+    evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]], run: ResolvedRun,
     methods: Sequence[Objective] | None, out_dir: str | Path, *,
     unlabeled: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]] | None = None,
     checkpoints: bool = True, resume: bool = False, progress: bool = True, n_bins: int = 10,
@@ -150,13 +150,12 @@ def run_comparison(
             the training records are open-ended (prompt, response) pairs
             (:func:`~llm_calib.calm.run.run_formats`).
         evals: ``(name, records)`` evaluation sets; results are per record domain.
-        config: the base configuration, or the run resolved from it and these sets
-            (:func:`~llm_calib.calm.run.resolve_run`); its ``objective`` is replaced by each of
-            ``methods``; ``training.epochs`` (when set) becomes ``training.steps`` for ``len(train)`` questions.
-        methods: the objectives to train (distinct names); None: only ``config.objective``.
+        run: the run resolved from its configuration and these sets (:func:`~llm_calib.calm.run.resolve_run`,
+            with ``unlabeled`` when given); its ``objective`` is replaced by each of ``methods``.
+        methods: the objectives to train (distinct names); None: only the run's objective.
         out_dir: results go to ``out_dir/<method>/``, checkpoints to ``out_dir/checkpoints/<method>/``.
         unlabeled: ``(name, records)`` of unlabelled upper-level inputs; default: the held-out inputs.
-        checkpoints: write checkpoints (when ``config.checkpoint_every > 0``).
+        checkpoints: write checkpoints (when the configuration's ``checkpoint_every > 0``).
         resume: reuse finished results whose saved config matches; continue unfinished ones.
         progress: show progress bars.
         n_bins: ECE and reliability-diagram bins.
@@ -180,7 +179,7 @@ def run_comparison(
             (without ``resume`` and ``restart``) checkpoints of an earlier run (:func:`stale_checkpoints`).
         llm_calib.calm.trainer.TrainingDiverged: a method's training diverged.
     """
-    run = _resolve(train, heldout, evals, config, unlabeled)
+    _check_sets(train, heldout, evals, check_resolved(run, "run_comparison"), unlabeled)
     objectives = [run.objective] if methods is None else list(methods)
     names = [o.name for o in objectives]
     if not objectives or len(set(names)) != len(names):
@@ -210,30 +209,25 @@ def run_comparison(
                       method_temperatures)
 
 
-def _resolve(train: tuple[str, Any], heldout: tuple[str, Any], evals: Sequence[tuple[str, Any]],
-             config: CalibrationConfig | ResolvedRun, unlabeled: tuple[str, Any] | None) -> ResolvedRun:
-    """The sets checked (not empty, each of a kind the run can use) and the run resolved once."""
-    from llm_calib.calm.run import resolve_run
+def _check_sets(train: tuple[str, Any], heldout: tuple[str, Any], evals: Sequence[tuple[str, Any]], run: ResolvedRun,
+                unlabeled: tuple[str, Any] | None) -> None:
+    """The sets checked: not empty, the unlabelled ones of the kind the run's upper level reads."""
     from llm_calib.calm.training import check_not_empty
 
     check_not_empty(train=train[1], heldout=heldout[1], unlabeled=None if unlabeled is None else unlabeled[1])
     for name, records in evals:
         if not records:
             raise ValueError(f"the evaluation set {name!r} (eval) is empty: the report scores it; pass at least one question")
-    if isinstance(config, ResolvedRun):
-        if unlabeled is not None:
-            config.formats.upper.check(unlabeled[1], what=unlabeled[0])
-        return config
-    # the lower level trains on the training kind; selection, the upper level and the temperature
-    # fit read the held-out kind (open-ended training records may serve multiple-choice ones)
-    return resolve_run(config, train[1], heldout[1], None if unlabeled is None else unlabeled[1],
-                       names=(train[0], heldout[0], "" if unlabeled is None else unlabeled[0]))
+    if unlabeled is not None:
+        run.formats.upper.check(unlabeled[1], what=unlabeled[0])
 
 
 def _evaluation_settings(run: ResolvedRun, batch_size: int, n_bins: int, bootstrap: int,
                          progress: bool, confidence: OpenConfidence | None) -> dict[str, Any]:
     """The keyword arguments of :func:`~llm_calib.evaluation.evaluate.evaluate_records` for every column."""
-    return {**{k: run.settings[k] for k in ("scorer", "normalize", "prompt", "open_prompt")}, "batch_size": batch_size,
+    settings = run.settings
+    return {"scorer": settings.scorer, "normalize": settings.normalize, "prompt": settings.prompt,
+            "open_prompt": settings.open_prompt, "batch_size": batch_size,
             "n_bins": n_bins, "ci": bootstrap > 0, "n_resamples": max(bootstrap, 1), "seed": run.config.seed,
             "progress": progress, "confidence": confidence}
 
@@ -357,7 +351,7 @@ def _train_and_evaluate(model: Any, run: ResolvedRun, data: tuple[Any, Any, Any]
 def _trained(model: Any, tokenizer: Any, run: ResolvedRun, data: tuple[Any, Any, Any], log: Callable[[str], None],
              options: _TrainOptions) -> tuple[Any, bool]:
     """The method's result: a finished one reused (``resume`` and the same configuration), else trained and saved."""
-    from llm_calib.calm.trainer import CalibrationResult, calibrate
+    from llm_calib.calm.trainer import CalibrationResult, calibrate_run
 
     method, cfg = run.objective.name, run.config
     target, ckpt_dir = options.out / method, options.out / "checkpoints" / method
@@ -386,7 +380,7 @@ def _trained(model: Any, tokenizer: Any, run: ResolvedRun, data: tuple[Any, Any,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            result = calibrate(model, tokenizer, train_enc, heldout_enc, run, unlabeled=unlabeled_enc,
+            result = calibrate_run(model, tokenizer, train_enc, heldout_enc, run, unlabeled=unlabeled_enc,
                                checkpoint_dir=ckpt_dir if use_ckpt else None, resume=options.resume,
                                progress=options.progress,
                                log=lambda message: (options.log or (lambda _: None))(f"[{method}] {message}"))
@@ -413,7 +407,7 @@ def _run_config(run: ResolvedRun, objectives: Sequence[Objective], train: tuple[
         "eval": [name for name, _ in evals],
         "calibration": {**{k: v for k, v in run.config.to_dict().items() if k != "objective"},
                         "objectives": {o.name: o.to_dict() for o in objectives}},
-        "evaluation": {"scorer": run.settings["scorer"], "normalize": run.settings["normalize"],
+        "evaluation": {"scorer": run.settings.scorer, "normalize": run.settings.normalize,
                        "prompt_style": session.eval_kwargs["prompt"].style, "n_bins": n_bins, "bootstrap": bootstrap,
                        **_confidence_setting(session.eval_kwargs["confidence"], evals)},
     }

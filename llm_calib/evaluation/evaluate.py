@@ -20,9 +20,9 @@ import numpy as np
 
 from llm_calib.confidence.kinds import OpenConfidence
 from llm_calib.confidence.token import OpenEndedSet
+from llm_calib.config.choices import Normalize
 from llm_calib.data import load as load_data
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.engine.packing import Normalize
 from llm_calib.formats import (
     RecordKindError,
     ScoredResult,
@@ -33,7 +33,7 @@ from llm_calib.formats import (
 )
 from llm_calib.metrics import calibration as metrics
 from llm_calib.metrics.temperature import fit_temperature, temperature_nll
-from llm_calib.prompts.fewshot import resolve_fewshot
+from llm_calib.prompts.resolution import resolve_fewshot
 from llm_calib.prompts.templates import PromptFormat, prompt_dict
 from llm_calib.scoring import ScoredSet
 from llm_calib.scoring.base import scoring_split
@@ -222,7 +222,7 @@ def evaluate_records(
     ``open_prompt`` is the prompt of open questions (None: ``prompt`` as a cloze prompt); ``task``
     scores every set with that format instead of :func:`~llm_calib.formats.format_for`'s. With
     ``prompt.fewshot > 0`` and no pool, the pool is loaded without the evaluated questions
-    (:func:`~llm_calib.prompts.fewshot.resolve_fewshot`).
+    (:func:`~llm_calib.prompts.resolution.resolve_fewshot`).
 
     Raises:
         ValueError: an unknown scorer, an empty data set, or a temperature-fit split without

@@ -315,7 +315,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     metrics_path = out / "metrics.json"
-    from llm_calib import __version__
+    from llm_calib.version import __version__
 
     write_json_atomic(metrics_path, jsonable({"llm_calib_version": __version__, **result.to_dict()}), allow_nan=False)
     paths["metrics"] = metrics_path
