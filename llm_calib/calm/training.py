@@ -121,9 +121,11 @@ class Trainer:
         return self._batch(self.train, self.config.training.batch_size, step, sampling.TRAIN_STREAM)
 
     def unlabeled_batch(self, step: int) -> Batch:
-        """This rank's batch of upper-level inputs of ``step`` (labels unused)."""
+        """This rank's batch of upper-level inputs of ``step`` (labels unused; open questions as their
+        prompts alone: :meth:`EncodedRecords.upper_batch <llm_calib.calm.encoding.EncodedRecords.upper_batch>`)."""
         size = self.config.training.heldout_batch_size
-        return self._batch(self.unlabeled, size, step, sampling.UPPER_STREAM)
+        idx = sampling.batch_indices(len(self.unlabeled.records), size, step, self.config.seed, sampling.UPPER_STREAM)
+        return self.unlabeled.upper_batch(sampling.shard(idx), self.pad_id, self.lm)
 
     def _batch(self, data: EncodedRecords, size: int, step: int, stream: int) -> Batch:
         idx = sampling.batch_indices(len(data.records), size, step, self.config.seed, stream)
