@@ -75,8 +75,8 @@ def _metadata(base_model: str | None, table: Sequence[Mapping[str, Any]] | None,
     return meta
 
 
-def _format(value: Any) -> str:
-    return f"{value:.4f}" if isinstance(value, float) else str(value)
+def _format(value: Any, digits: str = ".4f") -> str:
+    return f"{value:{digits}}" if isinstance(value, float) else str(value)
 
 
 def model_card_text(*, base_model: str | None, method: Mapping[str, Any], data: Mapping[str, str],
@@ -103,7 +103,7 @@ def model_card_text(*, base_model: str | None, method: Mapping[str, Any], data: 
     lines += [f"| {role} | {what} |" for role, what in data.items()]
     if training:
         lines += ["", "## Training", "", "| setting | value |", "|---|---|"]
-        lines += [f"| {k} | {_format(v)} |" for k, v in training.items()]
+        lines += [f"| {k} | {_format(v, 'g')} |" for k, v in training.items()]
     lines += ["", "## Calibration at the end of training", ""]
     if table:
         lines.append("| domain | " + " | ".join(title for _, title in _COLUMNS) + " |")

@@ -24,7 +24,6 @@ accumulation windows, schedules, logging callbacks, checkpoints, resuming, evalu
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +42,7 @@ from llm_calib.integrations.collators import (
 from llm_calib.integrations.model_card import calibration_table, write_model_card
 from llm_calib.integrations.step import CalmStep, TrainerAdam
 from llm_calib.metrics import ece as ece_metric
+from llm_calib.objectives.base import settings_to_dict
 
 try:
     from transformers import Trainer
@@ -452,8 +452,8 @@ class CalmTrainerMixin:
         if self.args.should_save:
             model = self.accelerator.unwrap_model(self.model)
             base = getattr(getattr(model, "peft_config", {}).get("default", None), "base_model_name_or_path", None)
-            objective = dataclasses.asdict(self.calm_config.objective)
-            write_model_card(output_dir or self.args.output_dir, base_model=base, method=objective,
+            objective = settings_to_dict(self.calm_config.objective)
+            write_model_card(output_dir or self.args.output_dir, base_model=base, method={"objective": objective},
                              data=self._data_description(), table=table,
                              training={"steps": self.state.global_step, "learning_rate": self.args.learning_rate,
                                        "batch_size": self.args.per_device_train_batch_size
