@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from llm_calib import CalibrationConfig, calibrate
-from llm_calib.calm import sampling
-from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
+from llm_calib.calm import batch_order
 from llm_calib.data import builtin_multiple_choice, builtin_open_questions
+from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.integrations import (
     CalmStep,
     MultipleChoiceCollator,
@@ -64,8 +64,8 @@ def plain_loop(kind: str, cfg: CalibrationConfig, steps: range = range(STEPS), c
     if calm is None:
         calm = CalmStep(attach_adapters(model, cfg), cfg, task_format=collate.format, **step_options)
     for step in steps:
-        i = sampling.batch_indices(len(train), 4, step, cfg.seed, sampling.TRAIN_STREAM)
-        j = sampling.batch_indices(len(heldout), 4, step, cfg.seed, sampling.UPPER_STREAM)
+        i = batch_order.batch_indices(len(train), 4, step, cfg.seed, batch_order.TRAIN_STREAM)
+        j = batch_order.batch_indices(len(heldout), 4, step, cfg.seed, batch_order.UPPER_STREAM)
         calm.step(collate([train[k] for k in i]), collate_upper([heldout[k] for k in j]))
     return calm
 
@@ -104,9 +104,9 @@ def test_trunk_cache_filled_like_calibrate_reproduces_it(tmp_path: Path) -> None
     for records in (train, heldout):
         for start in range(0, len(records), 16):
             calm.cache_trunks(collate(records[start:start + 16]))
-    cached = len(calm._trunks)
+    cached = calm.cached_trunks
     plain_loop("mc", cfg, calm=calm)
-    assert len(calm._trunks) == cached == len(train) + len(heldout)  # every question computed once
+    assert calm.cached_trunks == cached == len(train) + len(heldout)  # every question computed once
     dt, dl = max_differences(calm, ref)
     assert dt <= 1e-6 and dl <= 1e-6, (dt, dl)
 

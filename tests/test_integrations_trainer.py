@@ -15,8 +15,8 @@ import torch
 from transformers import PrinterCallback, TrainingArguments
 
 from llm_calib import CalibrationConfig, calibrate
-from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.data import builtin_multiple_choice, builtin_open_questions
+from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.integrations import MultipleChoiceCollator, OpenAnswerCollator, attach_adapters
 from llm_calib.integrations.trainer import CalmTrainer
 from llm_calib.models import tiny_random_model

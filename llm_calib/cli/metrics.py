@@ -81,10 +81,14 @@ def run(args: argparse.Namespace) -> int:
         >>> main(["metrics", "/nonexistent/samples.jsonl", "--out", "/tmp/x"])
         2
     """
-    from llm_calib.lm_eval_generations import first_row, generation_result, is_generation_row
-    from llm_calib.lm_eval_samples import check_samples_file, samples_result
-    from llm_calib.outputs import check_output_folder
-    from llm_calib.report import write_report
+    from llm_calib.confidence.lm_eval_generations import (
+        first_row,
+        generation_result,
+        is_generation_row,
+    )
+    from llm_calib.evaluation.lm_eval_samples import check_samples_file, samples_result
+    from llm_calib.evaluation.report import write_report
+    from llm_calib.files.outputs import check_output_folder
 
     for path in args.samples:  # a folder's error lists the samples files in it
         user_call(lambda path=path: check_samples_file(path), None)

@@ -2,7 +2,7 @@
 
 * :class:`MultipleChoiceCollator`: question + options (+ answer) -> the option-likelihood batch
   llm-calib's own trainer uses (every option scored as a continuation of the prompt in one packed
-  row), under the prompt of a :class:`~llm_calib.calm.config.CalibrationConfig`.
+  row), under the prompt of a :class:`~llm_calib.config.calibration.CalibrationConfig`.
 * :class:`OpenAnswerCollator`: open question (+ reference answer) -> a Hugging Face causal-LM
   batch (``input_ids``, ``attention_mask``, ``labels`` with -100 on the prompt), under the prompt
   ``llm-calib calibrate`` trains open questions with.
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.encoding import EncodedRecords
 from llm_calib.calm.run import format_settings
+from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.data.jsonl import mc_from_dict, openqa_from_dict
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.formats import OpenEnded, TaskFormat, multiple_choice_format
@@ -100,7 +100,7 @@ class MultipleChoiceCollator:
 
     Args:
         tokenizer: the model's tokenizer.
-        config: the prompt settings (default :class:`~llm_calib.calm.config.CalibrationConfig()`:
+        config: the prompt settings (default :class:`~llm_calib.config.calibration.CalibrationConfig()`:
             option likelihood, cloze, the chat template when the tokenizer has one).
         labels: True: examples carry the gold answer (``answer``: index, letter or text; or
             ``label``, ``answerKey``); False: upper-level inputs, answers refused; None: upper-level

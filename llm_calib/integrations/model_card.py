@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 from torch import Tensor
 
-from llm_calib.file_modes import atomic_path
-from llm_calib.metrics import ece as ece_metric
+from llm_calib.files.atomic import atomic_path
+from llm_calib.metrics.calibration import ece as ece_metric
 
 __all__ = ["MODEL_CARD_FILE", "calibration_table", "model_card_text", "write_model_card"]
 

@@ -22,12 +22,12 @@ from torch import Tensor
 
 import hypergrad as hg
 from llm_calib import distributed
-from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.encoding import TRUNK_CHUNK, EncodedRecords
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses, DataParallelLosses
 from llm_calib.calm.run import theta_optimizer as config_theta_optimizer
 from llm_calib.calm.training import TrainingDiverged, parameter_summary
+from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.engine.packing import pack_prompts
 from llm_calib.formats import OpenEnded, TaskFormat
 from llm_calib.integrations.batches import (
@@ -448,6 +448,11 @@ class CalmStep:
                 self._trunks[s] = hidden[row, : len(s)].clone()
         L = packed.input_ids.shape[1]
         return torch.stack([torch.nn.functional.pad(self._trunks[s], (0, 0, 0, L - len(s))) for s in seqs])
+
+    @property
+    def cached_trunks(self) -> int:
+        """How many questions' trunks are cached."""
+        return len(self._trunks)
 
     def cache_trunks(self, data: Any) -> int:
         """Compute the trunks of ``data``'s questions not cached yet, together (in chunks of

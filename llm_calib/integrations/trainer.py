@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llm_calib.calm import sampling
-from llm_calib.calm.config import CalibrationConfig
+from llm_calib.calm import batch_order
 from llm_calib.calm.run import theta_optimizer as config_theta_optimizer
+from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.integrations.batches import labelled_prompts, prompt_batch
 from llm_calib.integrations.collators import (
     QUESTIONS_KEY,
@@ -41,7 +41,7 @@ from llm_calib.integrations.collators import (
 )
 from llm_calib.integrations.model_card import calibration_table, write_model_card
 from llm_calib.integrations.step import CalmStep, TrainerAdam
-from llm_calib.metrics import ece as ece_metric
+from llm_calib.metrics.calibration import ece as ece_metric
 from llm_calib.objectives.base import settings_to_dict
 
 try:
@@ -99,14 +99,14 @@ def check_training_arguments(args: Any) -> None:
 class CalibrationOrderSampler(torch.utils.data.Sampler[int]):
     """The order of :func:`llm_calib.calibrate`'s training batches, as a sampler.
 
-    Per epoch, the global batch of each step is :func:`~llm_calib.calm.sampling.batch_indices`
+    Per epoch, the global batch of each step is :func:`~llm_calib.calm.batch_order.batch_indices`
     (a per-epoch permutation seeded by ``seed``, cut into batches of ``batch_size``, a remainder
     dropped); the sampler yields those batches one after the other. A DataLoader of
     ``batch_size / (accumulation x ranks)`` per process then hands every step exactly those questions.
 
     Example:
         >>> s = CalibrationOrderSampler(10, 4, seed=0)
-        >>> len(s), list(s)[:4] == sampling.batch_indices(10, 4, 0, 0, sampling.TRAIN_STREAM)
+        >>> len(s), list(s)[:4] == batch_order.batch_indices(10, 4, 0, 0, batch_order.TRAIN_STREAM)
         (8, True)
     """
 
@@ -129,7 +129,7 @@ class CalibrationOrderSampler(torch.utils.data.Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         first = self.epoch * self.steps_per_epoch
         for step in range(first, first + self.steps_per_epoch):
-            yield from sampling.batch_indices(self.n, self.batch_size, step, self.seed, sampling.TRAIN_STREAM)
+            yield from batch_order.batch_indices(self.n, self.batch_size, step, self.seed, batch_order.TRAIN_STREAM)
 
 
 class CalmOptimizer(torch.optim.Optimizer):
@@ -199,7 +199,7 @@ class CalmTrainerMixin:
     CALM options below.
 
     Keyword Args:
-        calm_config: the CALM settings (:class:`~llm_calib.calm.config.CalibrationConfig`: ``objective``
+        calm_config: the CALM settings (:class:`~llm_calib.config.calibration.CalibrationConfig`: ``objective``
             with its solver, ``lam_lr``, ``adjustment``; ``lora.output_scale_lr``; the prompt of the
             default multiple-choice collators). θ's learning rate, Adam's betas and epsilon, the
             schedule and ``max_grad_norm`` come from the ``TrainingArguments``.
@@ -347,8 +347,8 @@ class CalmTrainerMixin:
     def _upper_micro_batches(self, step: int) -> list[Any]:
         """This rank's upper-level micro-batches of ``step`` (0-based): calibrate's seeded stream, sharded."""
         n = len(self.upper_dataset)
-        idx = sampling.shard(sampling.batch_indices(n, self.upper_batch_size, step, self._seed(),
-                                                    sampling.UPPER_STREAM))
+        idx = batch_order.shard(batch_order.batch_indices(n, self.upper_batch_size, step, self._seed(),
+                                                    batch_order.UPPER_STREAM))
         parts = self.args.gradient_accumulation_steps
         size = len(idx) // parts
         if size < 1:

@@ -1,0 +1,327 @@
+"""Loading a saved adapter onto its base model, and exporting a merged standalone model that
+``AutoModelForCausalLM.from_pretrained`` loads alone, at the base model's inference cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from llm_calib.calm.lora import peft_deprecations_silenced
+from llm_calib.calm.trainer import BASE_MODEL_FILE
+from llm_calib.files.atomic import ordinary_modes, read_json, write_json_atomic
+
+__all__ = ["EXPORT_FILE", "adapter_directory", "check_adapter_base", "check_export_target", "export_merged", "load_adapter", "merge_adapter", "merged_record",
+           "saved_base", "saved_base_file"]
+
+EXPORT_FILE = "llm_calib_export.json"
+"""The record :func:`export_merged` writes next to the merged weights (the adapter merged; ``llm-calib
+export`` adds the prompt, preset, scorer and normalisation it was calibrated with)."""
+
+
+def adapter_directory(path: str | os.PathLike[str]) -> Path:
+    """The peft adapter directory of a saved calibration result (``adapter/``) or of an adapter;
+    ``FileNotFoundError`` for anything else.
+
+    Example:
+        >>> import tempfile
+        >>> adapter_directory(tempfile.mkdtemp())  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        FileNotFoundError: ...
+    """
+    src = Path(path)
+    for candidate in (src, src / "adapter"):
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{src}: not a saved calibration result (no adapter/adapter_config.json) nor a peft adapter "
+        "(no adapter_config.json)"
+    )
+
+
+def saved_base_file(path: str | os.PathLike[str]) -> Path | None:
+    """The file where the saved result at ``path`` (or the one whose ``adapter/`` it is) records
+    its base model (:data:`~llm_calib.calm.trainer.BASE_MODEL_FILE`); None for a plain peft adapter.
+
+    Example:
+        >>> import tempfile
+        >>> saved_base_file(tempfile.mkdtemp()) is None
+        True
+    """
+    src = Path(path)
+    for candidate in (src, src.parent):
+        if (candidate / BASE_MODEL_FILE).is_file():
+            return candidate / BASE_MODEL_FILE
+    return None
+
+
+def saved_base(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The base model a saved result records (:func:`saved_base_file`: ``model``, ``dtype``,
+    ``prompt``); empty for a plain peft adapter.
+
+    Example:
+        >>> import tempfile
+        >>> saved_base(tempfile.mkdtemp())
+        {}
+    """
+    record = saved_base_file(path)
+    return dict(read_json(record)) if record is not None else {}
+
+
+def merged_record(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What an exported merged model at ``path`` records (:data:`EXPORT_FILE`); empty for any other
+    model (a hub name, an alias, a plain checkpoint).
+
+    Example:
+        >>> import tempfile
+        >>> merged_record(tempfile.mkdtemp()), merged_record("smollm2-135m")
+        ({}, {})
+    """
+    record = Path(path) / EXPORT_FILE
+    return dict(read_json(record)) if record.is_file() else {}
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model names (a local path, an alias, a hub name) name one model."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() or pb.exists():
+        return pa.exists() and pb.exists() and _same_folder(pa, pb)
+    return a.strip().rstrip("/").lower() == b.strip().rstrip("/").lower()
+
+
+def check_adapter_base(adapter: str | os.PathLike[str], model: str, *, allow_other_base: bool = False) -> None:
+    """Refuse to put the saved result ``adapter`` on ``model`` (as given to the loader: a path, an
+    alias or a hub name) when the result records another base (:func:`saved_base`): an adapter on
+    another base of the same shape loads without a word and scores nonsense. A plain peft adapter
+    (no record) passes. Meant to run before the model is loaded.
+
+    Raises:
+        ValueError: the recorded base differs and not ``allow_other_base``; names both and the file.
+
+    Example:
+        >>> import json, pathlib, tempfile
+        >>> run = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (run / "base_model.json").write_text(json.dumps({"model": "smollm2-135m-instruct"}))
+        >>> check_adapter_base(run, "smollm2-135m-instruct")
+        >>> check_adapter_base(run, "smollm2-360m-instruct")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: --adapter ... was trained on smollm2-135m-instruct (.../base_model.json), not on --model smollm2-360m-instruct; ...
+        >>> check_adapter_base(run, "smollm2-360m-instruct", allow_other_base=True)
+    """
+    record = saved_base_file(adapter)
+    if record is None:
+        return
+    trained_on = saved_base(adapter).get("model")  # a truncated record: ValueError naming it
+    if not trained_on or allow_other_base or _same_model(str(trained_on), str(model)):
+        return
+    raise ValueError(f"--adapter {adapter} was trained on {trained_on} ({record}), not on --model {model}; "
+                     "leave out --model to use that base, or pass --allow-other-base to apply it anyway")
+
+
+_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) "
+                            r"from checkpoint, the shape in current model is (torch\.Size\(\[[^\]]*\]\))")
+
+
+def _shape_error(err: RuntimeError, path: str | os.PathLike[str]) -> ValueError | None:
+    """peft's 40-line ``size mismatch`` error as one line naming the first tensor, or None for another error."""
+    found = _SIZE_MISMATCH.findall(str(err))
+    if not found:
+        return None
+    name, saved, current = found[0]
+    trained_on = saved_base(path).get("model") if saved_base_file(path) is not None else None
+    on = f" (trained on {trained_on})" if trained_on else ""
+    return ValueError(f"--adapter {path} does not fit this model{on}: {len(found)} tensor(s) differ in shape, "
+                      f"e.g. {name.replace('.default', '')} is {tuple(_dims(saved))} in the adapter, "
+                      f"{tuple(_dims(current))} in the model; it was trained on another base")
+
+
+def _dims(size: str) -> list[int]:
+    return [int(d) for d in re.findall(r"\d+", size)]
+
+
+def load_adapter(base_model: Any, path: str | os.PathLike[str]) -> Any:
+    """Put the adapter saved at ``path`` (:func:`adapter_directory`) on ``base_model`` (eval mode).
+
+    Raises:
+        FileNotFoundError: ``path`` holds no adapter.
+        ValueError: the adapter's tensors do not fit ``base_model`` (trained on another base); one
+            line naming the first tensor and both shapes.
+
+    Example:
+        >>> import tempfile
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.calm.lora import attach_lora
+        >>> from llm_calib.config.calibration import LoraSettings
+        >>> d = tempfile.mkdtemp()
+        >>> attach_lora(tiny_random_model()[0], LoraSettings(rank=2)).save_pretrained(d)
+        >>> type(load_adapter(tiny_random_model()[0], d)).__name__
+        'PeftModelForCausalLM'
+    """
+    from peft import PeftModel
+
+    with peft_deprecations_silenced():
+        try:
+            model = PeftModel.from_pretrained(base_model, str(adapter_directory(path)))
+        except RuntimeError as err:
+            clear = _shape_error(err, path)
+            if clear is None:
+                raise
+            raise clear from None
+    model.eval()
+    return model
+
+
+def merge_adapter(model: Any) -> Any:
+    """Fold a peft model's adapters into plain weights (a plain model is returned as it is).
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.calm.lora import attach_lora
+        >>> from llm_calib.config.calibration import LoraSettings
+        >>> merged = merge_adapter(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))
+        >>> type(merged).__name__, any("lora_" in n for n, _ in merged.named_parameters())
+        ('LlamaForCausalLM', False)
+    """
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    merged = model.merge_and_unload()
+    leftover = [n for n, _ in merged.named_modules() if "lora_" in n or "modules_to_save" in n]
+    if leftover:  # pragma: no cover - peft guarantees this; a clear error if it ever does not
+        raise RuntimeError(f"merging left adapter modules behind: {leftover[:3]}")
+    merged.eval()
+    return merged
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one folder (symlinks resolved, or the same inode: a bind mount)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:  # pragma: no cover - a race with a deletion: they are not the same then
+        return False
+
+
+def check_export_target(out: str | os.PathLike[str], base: str | os.PathLike[str] | None = None, *,
+                        adapter: str | os.PathLike[str] | None = None, overwrite: bool = False) -> Path:
+    """Refuse an export folder ``out`` that would destroy something: the base model's own folder
+    ``base`` (or the ``adapter``'s; symlinks and hard-linked folders count as the same), always; a
+    file; or a non-empty folder that is not an earlier export (no :data:`EXPORT_FILE`), unless
+    ``overwrite``. Meant to run before any model is loaded; :func:`export_merged` runs it again.
+
+    Args:
+        out: the folder the merged model will be written to.
+        base: the base model as given to the loader (a hub name or alias, that is no local folder,
+            is not checked).
+        adapter: the saved result or adapter being merged.
+        overwrite: replace a non-empty folder of something else (never the base's or the adapter's).
+
+    Returns:
+        ``out`` as a path.
+
+    Raises:
+        ValueError: ``out`` is the base model's or the adapter's folder, a file, or (without
+            ``overwrite``) a non-empty folder export did not write; the message names it.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> base = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (base / "config.json").write_text("{}")
+        >>> check_export_target(base / "merged", base).name
+        'merged'
+        >>> check_export_target(base, base)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: export --out ...: this is the base model's folder (...); ...
+        >>> check_export_target(base, "smollm2-135m")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: export --out ...: a non-empty folder that llm-calib export did not write ...
+    """
+    target = Path(out)
+    for what, source in (("the base model's", base), ("the adapter's", adapter)):
+        if source is None or not Path(source).exists():
+            continue
+        src = Path(source)
+        inner = src / "adapter"  # a saved result keeps its peft adapter there
+        if _same_folder(target, src) or (what == "the adapter's" and inner.is_dir() and _same_folder(target, inner)):
+            raise ValueError(f"export --out {target}: this is {what} folder ({src}); exporting there would "
+                             "replace its weights. Choose a new folder")
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"export --out {target}: exists and is not a folder; choose a folder")
+    if (target.is_dir() and any(target.iterdir()) and not (target / EXPORT_FILE).is_file() and not overwrite):
+        raise ValueError(f"export --out {target}: a non-empty folder that llm-calib export did not write "
+                         f"(no {EXPORT_FILE}); choose a new or empty folder, or pass --overwrite to replace it")
+    return target
+
+
+def export_merged(
+    base_model: Any, tokenizer: Any, adapter: str | os.PathLike[str], out: str | os.PathLike[str], *,
+    overwrite: bool = False,
+) -> Path:
+    """Merge the adapter into ``base_model`` (in place) and save a standalone model to ``out``
+    (safetensors, tokenizer, and :data:`EXPORT_FILE` naming the adapter).
+
+    The model is written to a temporary folder beside ``out`` and renamed into place, so a failed
+    export (a full disk) leaves ``out`` as it was. :func:`check_export_target` runs first, with
+    ``base_model``'s ``name_or_path`` as the base: the base model's own folder is never replaced.
+
+    Args:
+        base_model: the loaded base model (changed in place).
+        tokenizer: its tokenizer (saved with the merged weights).
+        adapter: a saved calibration result or peft adapter (:func:`adapter_directory`).
+        out: the folder to write.
+        overwrite: replace a non-empty folder that is not an earlier export.
+
+    Raises:
+        ValueError: ``out`` is refused by :func:`check_export_target`.
+
+    Example:
+        >>> import tempfile
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.calm.lora import attach_lora
+        >>> from llm_calib.config.calibration import LoraSettings
+        >>> d, out = tempfile.mkdtemp(), tempfile.mkdtemp()
+        >>> lora = attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True)
+        >>> lora.save_pretrained(d)
+        >>> model, tok = tiny_random_model()
+        >>> [p.name for p in export_merged(model, tok, d, out).glob("*.safetensors")]
+        ['model.safetensors']
+    """
+    src = adapter_directory(adapter)
+    base_path = getattr(base_model, "name_or_path", None) or None
+    target = check_export_target(out, base_path, adapter=adapter, overwrite=overwrite)
+    merged = merge_adapter(load_adapter(base_model, src))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    try:
+        merged.save_pretrained(str(staging), safe_serialization=True)
+        tokenizer.save_pretrained(str(staging))
+        write_json_atomic(staging / EXPORT_FILE, {"adapter": str(src.resolve()), "merged": ["lora", "modules_to_save"]})
+        ordinary_modes(staging)  # mkdtemp makes 0700 and safetensors writes model.safetensors 0600
+        _replace_folder(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    """Put folder ``new`` at ``target`` by renames (the old ``target``, if any, moved aside first and
+    removed after), so ``target`` is never a half-written folder."""
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".old"))
+        os.replace(target, old / target.name)
+    try:
+        os.replace(new, target)
+    except BaseException:
+        if old is not None:
+            os.replace(old / target.name, target)
+        raise
+    if old is not None:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(old)
