@@ -12,8 +12,12 @@ See the tutorial :doc:`/tutorials/fine_tuning_scripts`.
 """
 
 from llm_calib.integrations.batches import IGNORE_INDEX, labelled_sequences, prompt_sequences
-from llm_calib.integrations.collators import MultipleChoiceCollator, OpenAnswerCollator
+from llm_calib.integrations.collators import (
+           MultipleChoiceCollator,
+           OpenAnswerCollator,
+           PromptCollator,
+)
 from llm_calib.integrations.step import CalmStep, MicroBatches, TrainerAdam, attach_adapters
 
-__all__ = ["IGNORE_INDEX", "CalmStep", "MicroBatches", "MultipleChoiceCollator", "OpenAnswerCollator", "TrainerAdam",
-           "attach_adapters", "labelled_sequences", "prompt_sequences"]
+__all__ = ["IGNORE_INDEX", "CalmStep", "MicroBatches", "MultipleChoiceCollator", "OpenAnswerCollator", "PromptCollator",
+           "TrainerAdam", "attach_adapters", "labelled_sequences", "prompt_sequences"]

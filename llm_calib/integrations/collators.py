@@ -27,7 +27,7 @@ from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.formats import OpenEnded, TaskFormat, multiple_choice_format
 from llm_calib.integrations.batches import IGNORE_INDEX
 
-__all__ = ["QUESTIONS_KEY", "MultipleChoiceCollator", "OpenAnswerCollator"]
+__all__ = ["QUESTIONS_KEY", "MultipleChoiceCollator", "OpenAnswerCollator", "PromptCollator"]
 
 QUESTIONS_KEY = "questions"
 """The key of a :class:`MultipleChoiceCollator` batch: ``{"questions": EncodedRecords}``."""
@@ -205,3 +205,85 @@ class OpenAnswerCollator:
         if self.labels:
             out["labels"] = labels
         return out
+
+
+def _conversational(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) and "role" in m for m in value)
+
+
+class PromptCollator:
+    """Upper-level prompts -> an unlabelled causal-LM batch (``input_ids``, ``attention_mask``, right-padded).
+
+    Examples are TRL's prompt-only rows: ``{"prompt": text}`` or ``{"prompt": [messages]}`` (the chat
+    template with the generation prompt, as TRL's ``SFTTrainer`` tokenises a prompt),
+    ``{"messages": [...]}`` awaiting the assistant's reply, ``{"text": text}``, or tokenised
+    ``{"input_ids": [...]}``.
+
+    Args:
+        tokenizer: the model's tokenizer (its chat template for conversations).
+        labels: False: an example carrying an answer (``completion``, ``labels``, ``answer(s)``, or
+            messages ending with the assistant's turn) is refused; None: the answer is dropped (a
+            labelled set used for its prompts).
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> _, tok = tiny_random_model()
+        >>> batch = PromptCollator(tok)([{"prompt": "2 + 2 ="}, {"prompt": [{"role": "user", "content": "Hi"}]}])
+        >>> batch["input_ids"].shape[0], sorted(batch)
+        (2, ['attention_mask', 'input_ids'])
+        >>> PromptCollator(tok)([{"prompt": "2 + 2 =", "completion": " 4"}])
+        Traceback (most recent call last):
+        ...
+        ValueError: upper-level batch: example 0 of the batch has labels ('completion') where none are expected: the upper level reads prompts alone; pass prompt-only rows
+    """
+
+    def __init__(self, tokenizer: Any, *, labels: bool | None = False) -> None:
+        self.tokenizer = tokenizer
+        self.labels = labels
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+
+    def _answer_field(self, row: Mapping[str, Any]) -> str | None:
+        for key in ("completion", "labels", *_ANSWER_KEYS):
+            if row.get(key) is not None:
+                return key
+        messages = row.get("messages")
+        if _conversational(messages) and messages[-1].get("role") == "assistant":
+            return "messages (the last turn is the assistant's)"
+        return None
+
+    def tokens(self, example: Any, position: int) -> list[int]:
+        """The prompt token ids of one example."""
+        if not isinstance(example, Mapping):
+            raise ValueError(f"prompt collator: example {position} is a {type(example).__name__}; expected a dict with "
+                             "'prompt', 'messages', 'text' or 'input_ids'")
+        answer = self._answer_field(example)
+        if answer is not None and self.labels is False:
+            raise ValueError(f"upper-level batch: {_example_name(example, position)} has labels ({answer!r}) where none "
+                             "are expected: the upper level reads prompts alone; pass prompt-only rows")
+        if example.get("input_ids") is not None:
+            return [int(t) for t in example["input_ids"]]
+        messages = example.get("prompt", example.get("messages"))
+        if _conversational(messages):
+            while messages and messages[-1].get("role") == "assistant":  # labels=None: the answer is dropped
+                messages = messages[:-1]
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+            return list(out["input_ids"])
+        text = example.get("prompt", example.get("text"))
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"prompt collator: {_example_name(example, position)} has no prompt ('prompt', 'messages', "
+                             "'text' or 'input_ids')")
+        return list(self.tokenizer(text)["input_ids"])
+
+    def __call__(self, examples: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """``input_ids`` and ``attention_mask`` of the examples' prompts."""
+        seqs = [self.tokens(e, i) for i, e in enumerate(examples)]
+        if not seqs:
+            raise ValueError("prompt collator: an empty batch")
+        L = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), L), dtype=torch.long)
+        for b, seq in enumerate(seqs):
+            ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[b, : len(seq)] = 1
+        return {"input_ids": ids, "attention_mask": mask}

@@ -38,6 +38,7 @@ from llm_calib.integrations.collators import (
     QUESTIONS_KEY,
     MultipleChoiceCollator,
     OpenAnswerCollator,
+    PromptCollator,
 )
 from llm_calib.integrations.model_card import calibration_table, write_model_card
 from llm_calib.integrations.step import CalmStep, TrainerAdam
@@ -208,7 +209,7 @@ class CalmTrainerMixin:
             :func:`llm_calib.calibrate` does without ``unlabeled``).
         upper_collator: collates ``upper_dataset`` (default: a :class:`~llm_calib.integrations.MultipleChoiceCollator`
             or :class:`~llm_calib.integrations.OpenAnswerCollator` without labels when ``data_collator``
-            is one, else ``DataCollatorWithPadding`` of the tokenizer).
+            is one, else a :class:`~llm_calib.integrations.PromptCollator` of the tokenizer).
         upper_batch_size: upper-level inputs per step, over all ranks (default: the step's
             training batch, ``per_device_train_batch_size x gradient_accumulation_steps x ranks``).
         calm_sampler: draw training batches in :func:`llm_calib.calibrate`'s seeded order (default
@@ -261,19 +262,22 @@ class CalmTrainerMixin:
     def _default_upper_collator(self) -> Any:
         labels = None if self.upper_labels_ignored else False
         collator = self.data_collator
-        tokenizer = self.processing_class
         if isinstance(collator, MultipleChoiceCollator):
             return MultipleChoiceCollator(collator.tokenizer, self.calm_config, labels=labels)
         if isinstance(collator, OpenAnswerCollator):
             return OpenAnswerCollator(collator.tokenizer, self.calm_config, labels=labels)
         if self.upper_labels_ignored:
             return collator  # the evaluation set's own collation; its prompts are cut before the first label
-        if tokenizer is None or not hasattr(tokenizer, "pad"):
+        if self.processing_class is None or not hasattr(self.processing_class, "pad_token_id"):
             raise ValueError("CalmTrainer: pass upper_collator= to collate upper_dataset (or processing_class=, the "
-                             "tokenizer, for DataCollatorWithPadding)")
-        from transformers import DataCollatorWithPadding
+                             "tokenizer, for llm_calib.integrations.PromptCollator)")
+        return PromptCollator(self.processing_class, labels=False)
 
-        return DataCollatorWithPadding(tokenizer)
+    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
+        """Keep a ``datasets.Dataset``'s question columns for llm-calib's collators (they are not model inputs)."""
+        if isinstance(self.data_collator, (MultipleChoiceCollator, OpenAnswerCollator)):
+            return dataset
+        return super()._remove_unused_columns(dataset, description)  # type: ignore[misc]
 
     def _seed(self) -> int:
         return int(self.args.data_seed if getattr(self.args, "data_seed", None) is not None else self.args.seed)
@@ -341,7 +345,12 @@ class CalmTrainerMixin:
         if self.upper_labels_ignored and isinstance(batch, Mapping) and QUESTIONS_KEY not in batch \
                 and batch.get("labels") is not None:
             calm = self.calm_step()
-            return prompt_batch(labelled_prompts(batch, what="upper-level batch (from eval_dataset)"), calm.pad_id)
+            prompts = labelled_prompts(batch, what="upper-level batch (from eval_dataset)")
+            if all(len(p) == 1 for p in prompts):
+                raise ValueError("upper level from eval_dataset: its labels cover whole sequences (every token after the "
+                                 "first), so it holds no prompts to read; pass upper_dataset= (prompt-only rows), or "
+                                 "label completions only (TRL: prompt/completion data, or assistant_only_loss=True)")
+            return prompt_batch(prompts, calm.pad_id)
         return batch
 
     def _upper_micro_batches(self, step: int) -> list[Any]:
