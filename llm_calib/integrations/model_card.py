@@ -18,13 +18,13 @@ from torch import Tensor
 from llm_calib.files.atomic import atomic_path
 from llm_calib.metrics.calibration import ece as ece_metric
 
-__all__ = ["MODEL_CARD_FILE", "calibration_table", "model_card_text", "write_model_card"]
+__all__ = ["MODEL_CARD_FILE", "calibration_table", "model_card_text", "result_model_card", "write_model_card"]
 
 MODEL_CARD_FILE = "README.md"
 """Where a model card lives in a model folder (what the Hub shows)."""
 
-_COLUMNS = (("n", "questions"), ("accuracy", "accuracy"), ("ece", "ECE (10 bins)"), ("nll", "NLL"),
-            ("confidence", "mean confidence"), ("entropy", "mean entropy"))
+_COLUMNS = (("n", "questions"), ("accuracy", "accuracy"), ("ece", "ECE (10 bins)"), ("ece_uncalibrated", "ECE uncalibrated"),
+            ("nll", "NLL"), ("confidence", "mean confidence"), ("entropy", "mean entropy"))
 
 
 def calibration_table(stats: Mapping[str, Tensor], domains: Sequence[str]) -> list[dict[str, Any]]:
@@ -81,7 +81,7 @@ def _format(value: Any, digits: str = ".4f") -> str:
 
 def model_card_text(*, base_model: str | None, method: Mapping[str, Any], data: Mapping[str, str],
                     table: Sequence[Mapping[str, Any]] | None, training: Mapping[str, Any] | None = None,
-                    name: str = "calm-calibrated") -> str:
+                    name: str = "calm-calibrated", note: str | None = None) -> str:
     """The text of a model card: YAML metadata, then method, data, training and the calibration table.
 
     Example:
@@ -106,13 +106,15 @@ def model_card_text(*, base_model: str | None, method: Mapping[str, Any], data: 
         lines += [f"| {k} | {_format(v, 'g')} |" for k, v in training.items()]
     lines += ["", "## Calibration at the end of training", ""]
     if table:
-        lines.append("| domain | " + " | ".join(title for _, title in _COLUMNS) + " |")
-        lines.append("|---|" + "---|" * len(_COLUMNS))
+        columns = [(key, title) for key, title in _COLUMNS if any(key in row for row in table)]
+        lines.append("| domain | " + " | ".join(title for _, title in columns) + " |")
+        lines.append("|---|" + "---|" * len(columns))
         for row in table:
-            lines.append(f"| {row['domain']} | " + " | ".join(_format(row[key]) for key, _ in _COLUMNS) + " |")
-        lines += ["", "Confidence is the probability of the predicted answer (multiple choice: over the options; "
-                  "open answers: the mean probability of the reference answer's tokens, teacher-forced); ECE with "
-                  "10 equal-width bins."]
+            lines.append(f"| {row['domain']} | " + " | ".join(_format(row.get(key, "-")) for key, _ in columns) + " |")
+        lines += ["", note or ("Measured on the evaluation set at the end of training (llm-calib's held-out monitor): "
+                               "confidence is the probability of the predicted answer (multiple choice: over the "
+                               "options; open answers: the mean probability of the reference answer's tokens, "
+                               "teacher-forced); ECE with 10 equal-width bins.")]
     else:
         lines.append("Not measured (no evaluation set).")
     return "\n".join(lines) + "\n"
@@ -142,3 +144,72 @@ def write_model_card(directory: str | os.PathLike[str], **card: Any) -> Path:
     with atomic_path(out / MODEL_CARD_FILE) as tmp:
         Path(tmp).write_text(model_card_text(**card))
     return out / MODEL_CARD_FILE
+
+
+def _report_data(report: Path) -> dict[str, str]:
+    """The data lines of a ``llm-calib calibrate`` report (``- train: ...``, ``- evaluated: ...``)."""
+    out = {}
+    if report.is_file():
+        for line in report.read_text().splitlines():
+            for key in ("train", "evaluated"):
+                if line.startswith(f"- {key}: "):
+                    out[key] = line[len(f"- {key}: "):]
+    return out
+
+
+def result_model_card(result: str | os.PathLike[str], base_model: str | None = None) -> str:
+    """The model card of a saved calibration result (what ``llm-calib export`` writes beside the merged model).
+
+    A result of ``llm-calib calibrate`` (``RUN/<method>/``): the method from its ``config.json``, the
+    data and the per-domain table of ``<method>`` (with the uncalibrated ECE) from the run's
+    ``metrics.json`` and ``report.md``. A result saved by :meth:`CalibrationResult.save
+    <llm_calib.calm.trainer.CalibrationResult.save>` alone: its held-out metrics after training. An
+    adapter saved by :class:`~llm_calib.integrations.trainer.CalmTrainer`: the card it wrote. Any other
+    adapter: a card saying that its training was not recorded.
+
+    Example:
+        >>> import tempfile
+        >>> "not recorded" in result_model_card(tempfile.mkdtemp())
+        True
+    """
+    from llm_calib.files.atomic import read_json
+
+    src = Path(result)
+    if src.name == "adapter" and (src.parent / "config.json").is_file():  # RUN/<method>/adapter
+        src = src.parent
+    own_card = src / MODEL_CARD_FILE
+    if own_card.is_file() and "llm-calib" in own_card.read_text():
+        text = own_card.read_text()
+        if base_model and "base_model:" not in text.split("---", 2)[1]:
+            text = text.replace("---\n", f"---\nbase_model: {base_model}\n", 1)
+        return text
+    if not (src / "config.json").is_file() or not (src / "metrics.json").is_file():
+        return model_card_text(base_model=base_model, method={"method": "not recorded (an adapter without llm-calib's "
+                                                               "record of its training)"},
+                               data={"data": "not recorded"}, table=None)
+    config = read_json(src / "config.json")
+    method = {"objective": config.get("objective", {}), "lora": config.get("lora", {}),
+              "training": config.get("training", {})}
+    run = src.parent
+    table: list[dict[str, Any]] = []
+    data: dict[str, str] = {}
+    if (run / "metrics.json").is_file():
+        summary = read_json(run / "metrics.json")
+        data = _report_data(run / "report.md")
+        for domain, entry in summary.get("domains", {}).items():
+            ours, before = entry.get("columns", {}).get(src.name), entry.get("columns", {}).get("uncalibrated", {})
+            if ours:
+                table.append({"domain": domain, "n": entry.get("n", ours.get("n")), "accuracy": ours["accuracy"],
+                              "ece": ours["ece"], "ece_uncalibrated": before.get("ece", "-"), "nll": ours["nll"],
+                              "confidence": ours.get("mean_confidence", "-"), "entropy": ours.get("mean_entropy", "-")})
+    if not table:
+        after = read_json(src / "metrics.json").get("metrics", {}).get("after", {})
+        before = read_json(src / "metrics.json").get("metrics", {}).get("before", {})
+        if after:
+            table = [{"domain": "held-out", "n": "-", "accuracy": after["accuracy"], "ece": after["ece"],
+                      "ece_uncalibrated": before.get("ece", "-"), "nll": after["nll"],
+                      "confidence": after.get("confidence", "-"), "entropy": after.get("entropy", "-")}]
+    note = ("Measured by `llm-calib calibrate` on its evaluation sets (the run's report.md has the full "
+            "comparison): confidence is the probability of the answer given; ECE with 10 equal-width bins.")
+    return model_card_text(base_model=base_model, method=method, data=data or {"data": "not recorded"},
+                           table=table or None, note=note)
