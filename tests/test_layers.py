@@ -17,7 +17,8 @@ training vocabulary         ``training_interface``, ``adjustment``: what the loo
                             and the formats share
 formats and objectives      ``formats``, ``objectives`` (they do not import each other)
 training loop               ``calm``: run resolution, encoding, LoRA, losses, the loop, the trainer
-evaluation                  ``evaluation``: evaluate, compare, report, lm-eval logs, the demo
+applications                ``evaluation`` (evaluate, compare, report, lm-eval logs, the demo) and
+                            ``integrations`` (CALM inside Hugging Face's Trainer and TRL)
 command line                ``cli``
 public surface              ``llm_calib`` (the package's lazy re-exports)
 ==========================  ==========================================================================
@@ -47,7 +48,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("training vocabulary", ("llm_calib.training_interface", "llm_calib.adjustment")),
     ("formats and objectives", ("llm_calib.formats", "llm_calib.objectives")),
     ("training loop", ("llm_calib.calm",)),
-    ("evaluation", ("llm_calib.evaluation",)),
+    ("applications", ("llm_calib.evaluation", "llm_calib.integrations")),
     ("command line", ("llm_calib.cli",)),
     ("public surface", ("llm_calib",)),
 )

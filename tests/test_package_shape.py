@@ -19,12 +19,16 @@ ENTRY_POINTS = {
     ("calm/trainer.py", "calibrate"),  # llm_calib.calibrate: resolves, then calibrate_run
 }
 """The functions below the command line that take a :class:`~llm_calib.config.calibration.CalibrationConfig`:
-they resolve it once. The configuration's own package (``config/``) and the command line (``cli/``,
-which builds configurations from flags and files) are above or beside them."""
+they resolve it once. The configuration's own package (``config/``), the command line (``cli/``, which
+builds configurations from flags and files) and the Hugging Face integrations (``integrations/``: a
+``Trainer``, a step and collators built from a configuration, with no record sets to resolve a whole
+run from) are entry points too."""
 
-RESOLVING_MODULES = {"prompts/resolution.py", "calm/run.py"}
-"""Where a run's prompt settings are resolved: the module that owns prompt resolution, and the one that
-resolves a run (its one caller)."""
+ENTRY_PACKAGES = ("config/", "cli/", "integrations/")
+
+RESOLVING_MODULES = {"prompts/resolution.py", "calm/run.py", "integrations/collators.py"}
+"""Where prompt settings are resolved: the module that owns prompt resolution, the one that resolves a run,
+and the integrations' collators (entry points that take a configuration, see :data:`ENTRY_POINTS`)."""
 
 
 def test_the_package_root_holds_at_most_ten_modules() -> None:
@@ -72,7 +76,7 @@ def test_no_function_below_the_entry_points_takes_a_configuration() -> None:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel.startswith(("config/", "cli/")):
+        if rel.startswith(ENTRY_PACKAGES):
             continue
         found += [f for f in config_parameters(path) if (rel, f.split(" ")[1].split("(")[0]) not in ENTRY_POINTS]
     assert not found, ("below the entry points only resolved values travel (a ResolvedRun, its ResolvedPromptSettings, "

@@ -157,7 +157,9 @@ class EncodedRecords:
             >>> from llm_calib.data import OpenQA
             >>> from llm_calib.models import tiny_random_model
             >>> _, tok = tiny_random_model()
-            >>> enc = encode_records(tok, [OpenQA("Capital of France?", ("Paris",), "geo", "q0")], CalibrationConfig())
+            >>> from llm_calib.calm.run import resolve_run
+            >>> qs = [OpenQA("Capital of France?", ("Paris",), "geo", "q0")]
+            >>> enc = encode_records(tok, qs, resolve_run(None, qs, qs).formats.lower)
             >>> enc.upper_batch([0], 0).packed.input_ids.shape[1] == len(enc.prompts[0])
             True
         """
