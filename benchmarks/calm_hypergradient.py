@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
+from harness.report import machine_info, machine_line
 
 import hypergrad as hg
 from llm_calib.calm.run import task_format
@@ -133,8 +133,7 @@ def write_report(rows: list[dict], args: argparse.Namespace, seconds: float) -> 
         "# CALM: first-order λ directions against exact implicit hypergradients",
         "",
         f"- Command: `{cmd}`",
-        f"- Machine: {platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}; "
-        f"date {time.strftime('%Y-%m-%d %H:%M')}; {seconds:.0f} s wall",
+        machine_line(machine_info(), f"torch {torch.__version__}; date {time.strftime('%Y-%m-%d %H:%M')}; {seconds:.0f} s wall"),
         f"- Model: {'tiny random Llama (float64)' if args.tiny else 'SmolLM2-135M-Instruct (float32)'}, LoRA rank "
         f"{args.rank} on the top {args.layers} layers; lower batch {args.n_train} "
         f"{'built-in' if args.tiny else 'ARC-Easy train'} questions, upper batch {args.n_unlabeled} unlabelled "

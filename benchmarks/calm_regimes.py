@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
+from harness.report import machine_info, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 OOD = ("openbookqa", "qasc", "commonsenseqa", "mmlu_humanities", "mmlu_stem")
@@ -166,8 +166,8 @@ def main() -> None:
         "# CALM: regimes A (unlabelled inputs from the training domain) and B (from the target domains)",
         "",
         f"- Command: `python benchmarks/calm_regimes.py {' '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in vars(args).items() if k not in ('out', 'data_dir', 'quick') and v is not None)}{' --quick' if args.quick else ''}`",
-        f"- Machine: {platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}; "
-        f"date {time.strftime('%Y-%m-%d %H:%M')}; {time.time() - start:.0f} s wall",
+        machine_line(machine_info(), f"torch {torch.__version__}; date {time.strftime('%Y-%m-%d %H:%M')}; "
+                     f"{time.time() - start:.0f} s wall"),
         f"- Config: `{json.dumps(config.to_dict())}`",
         f"- Data: train {len(data['train'])}, selection {len(data['select'])}, unlabelled A {len(data['unlabeled']['A'])}, "
         f"B {len(data['unlabeled']['B'])}; test sets {', '.join(f'{n} {len(r)}' for n, r in data['evals'])}. One seed.",

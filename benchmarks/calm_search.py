@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 from calm_regimes import OOD, real_data
+from harness.report import machine_info, machine_line
 
 from llm_calib.calm.run import task_format
 from llm_calib.prompts.resolution import resolve_prompt_settings
@@ -181,7 +181,7 @@ def main() -> None:
                "selected_step": res.metrics["after"]["selected_step"],
                "heldout_before": res.metrics["before"]["ece"], "heldout_after": res.metrics["after"]["ece"],
                "last": {k: v for k, v in last.items() if isinstance(v, float)},
-               "train_s": train_s, "machine": f"{platform.machine()}, {args.threads} threads, torch {torch.__version__}",
+               "train_s": train_s, "machine": machine_line(machine_info(args.threads)).removeprefix("- Machine: "),
                "date": time.strftime("%Y-%m-%d %H:%M")}
         with args.out.open("a") as fh:
             fh.write(json.dumps(row) + "\n")

@@ -37,13 +37,13 @@ import argparse
 import importlib.util
 import json
 import math
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from harness.report import machine_info
 
 from llm_calib.calm.run import resolve_run
 
@@ -220,8 +220,8 @@ def main() -> int:
     if "4bit" in modes and importlib.util.find_spec("bitsandbytes") is None:
         print("bitsandbytes not installed: skipping 4bit", flush=True)
         modes.remove("4bit")
-    machine = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
-               "torch": torch.__version__, "python": platform.python_version(), "ranks": ranks}
+    machine = machine_info() | {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                                "ranks": ranks}
     if main_rank:
         print(json.dumps(machine), flush=True)
     results = []

@@ -10,7 +10,7 @@ Usage (from the repository root, after ``make setup``)::
 
 Two paths compute the same numbers. **naive**: every option scored as its own sequence through the
 whole model, the output head over every position; training with LoRA on every layer and the
-reference option scores of ``naive_scoring.py`` (beside this script) inside the CALM losses.
+reference option scores of ``harness/naive_scoring.py`` (beside this script) inside the CALM losses.
 **default**: what ``llm_calib`` does: one packed row per question, the head only where needed,
 LoRA on the top ``k`` layers with the frozen trunk cached, driven by the public training loop
 (``llm_calib.calm.training``). Measured: (a) evaluation questions per second; (b) seconds per CALM
@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers b
 from harness.evaluation import group_means
 from harness.flags import add_dataclass_flags, dataclass_overrides
 from harness.loss_check import compare_losses, relative_difference
+from harness.naive_scoring import NaiveCalmLosses, score_option_likelihood_naive
 from harness.profiling import (
     MB,
     Phase,
@@ -51,7 +52,6 @@ from harness.profiling import (
     run_json_worker,
 )
 from harness.report import format_number, machine_info, markdown_table, provenance_lines, verdict
-from naive_scoring import NaiveCalmLosses, score_option_likelihood_naive
 
 from llm_calib.calm import training
 from llm_calib.calm.encoding import encode_records

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from _benchmarks import load_benchmark
+from _benchmarks import load_benchmark, load_harness
 
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.encoding import encode_records
@@ -23,7 +23,7 @@ from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import pack_questions
 from llm_calib.prompts.resolution import resolve_prompt_settings
 
-_naive = load_benchmark("naive_scoring")
+_naive = load_harness("naive_scoring")
 option_scores_naive, score_option_likelihood_naive = _naive.option_scores_naive, _naive.score_option_likelihood_naive
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from _benchmarks import load_benchmark
+from _benchmarks import load_harness
 
 from llm_calib.confidence.token import encode_open_prompts, score_open_ended
 from llm_calib.config.choices import PROMPT_PRESETS
@@ -28,8 +28,8 @@ from llm_calib.prompts.templates import (
 from llm_calib.scoring import normalized, score_letter, score_option_likelihood
 from llm_calib.scoring.base import encode_prompt
 
-# the slow one-sequence-per-option reference (benchmarks/naive_scoring.py, not library API)
-score_option_likelihood_naive = load_benchmark("naive_scoring").score_option_likelihood_naive
+# the slow one-sequence-per-option reference (benchmarks/harness/naive_scoring.py, not library API)
+score_option_likelihood_naive = load_harness("naive_scoring").score_option_likelihood_naive
 
 ARC_Q = MultipleChoice(
     "Which gas do plants absorb?", ("oxygen", "carbon dioxide", "helium"), 1, "arc_easy", "a1"
