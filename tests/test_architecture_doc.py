@@ -70,3 +70,11 @@ def test_the_parser_reads_nesting_and_continuation_lines() -> None:
             "              e.py)\n    f.py\n  g.py        back at the top\n")
     assert named_modules(tree) == {"pkg/", "pkg/a.py", "pkg/b.py", "pkg/sub/", "pkg/sub/c.py", "pkg/sub/d.py",
                                    "pkg/sub/e.py", "pkg/sub/f.py", "pkg/g.py"}
+
+
+def test_the_pages_examples_run() -> None:
+    """The "How to add" examples (a registered objective, loader and scorer) run as written."""
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.DOTALL)
+    assert len(blocks) >= 3
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/architecture.md python block {i}", "exec"), {})
