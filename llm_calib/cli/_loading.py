@@ -269,6 +269,30 @@ def load_records(args: argparse.Namespace, flag: str, spec: str, log: Callable[[
     return spec, res.records
 
 
+def check_device(name: str) -> None:
+    """A ``--device`` this machine does not have is a one-line error naming it and what it has,
+    before any loading (torch's own error surfaces only when the model is moved there).
+
+    Raises:
+        UserError: no CUDA (or MPS, XPU, ...) on this machine or in this torch build, or a device
+            index beyond the devices there are.
+    """
+    import torch
+
+    device = torch.device(name)
+    if device.type in ("cpu", "meta"):
+        return
+    backend = {"mps": getattr(torch.backends, "mps", None)}.get(device.type, getattr(torch, device.type, None))
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        build = f"; this torch {torch.__version__} is built without CUDA" if device.type == "cuda" and not torch.version.cuda else ""
+        raise UserError(f"--device {name}: no {device.type} device on this machine{build}; use --device cpu")
+    count = getattr(backend, "device_count", None)
+    if device.index is not None and count is not None and device.index >= count():
+        raise UserError(f"--device {name}: this machine has {count()} {device.type} device(s), "
+                        f"{device.type}:0 to {device.type}:{count() - 1}")
+
+
 def run_device(name: str) -> str:
     import os
 

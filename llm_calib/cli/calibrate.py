@@ -16,6 +16,10 @@ from llm_calib.cli._common import (
     BINS_FLAG,
     DATA_SPECS_HELP,
     DEFAULT_MODEL,
+    DEVICE,
+    MODEL,
+    PATH,
+    SPEC,
     UserError,
     non_negative_int,
     positive_int,
@@ -24,6 +28,7 @@ from llm_calib.cli._common import (
 from llm_calib.cli._loading import (
     add_data_loading_args,
     add_model_loading_args,
+    check_device,
     check_model_path,
     fewshot_pool,
     limit_mode,
@@ -135,32 +140,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--model",
+        "--model", type=MODEL,
         default=DEFAULT_MODEL,
         help="built-in alias (smollm2-135m-instruct), local model directory, .gguf file or hub "
         "name; loaded once, every method trains its own adapters on it (default: %(default)s)",
     )
     p.add_argument(
-        "--train", required=True, metavar="SPEC",
+        "--train", type=SPEC, required=True, metavar="SPEC",
         help="data spec of the labelled training split (lower level: task cross-entropy); all "
         "multiple choice, or all open questions (e.g. nq_open), trained on their first answer; or "
         "instruction data, jsonl:PATH of {prompt, response} (or Alpaca's {instruction, input, output}) "
         "lines, trained on the response under a multiple-choice --heldout",
     )
     p.add_argument(
-        "--heldout", required=True, metavar="SPEC",
+        "--heldout", type=SPEC, required=True, metavar="SPEC",
         help="data spec of the held-out split, of the kind of --train (multiple choice also under "
         "open-ended --train records): its labels serve "
         "model selection, the accuracy guard and (multiple choice only) the temperature fit; its "
         "inputs drive CALM's entropy objective unless --unlabeled is given",
     )
     p.add_argument(
-        "--eval", action="append", required=True, metavar="SPEC",
+        "--eval", type=SPEC, action="append", required=True, metavar="SPEC",
         help="data spec to evaluate on; repeat for several sets (reported per domain)",
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    p.add_argument("--out", type=PATH, required=True, metavar="DIR", help="output directory (created if missing)")
     p.add_argument(
-        "--config", default=None, metavar="FILE",
+        "--config", type=PATH, default=None, metavar="FILE",
         help="YAML or JSON file of the nested CalibrationConfig (overridden by explicit flags)",
     )
     p.add_argument(
@@ -183,7 +188,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """``calibrate``'s flags after the data: unlabelled inputs, resuming, progress, report, device."""
     p.add_argument(
-        "--unlabeled", action="append", default=None, metavar="SPEC",
+        "--unlabeled", type=SPEC, action="append", default=None, metavar="SPEC",
         help="data spec of unlabelled upper-level inputs (CALM's entropy objective and the "
         "confidence penalty's entropy term), of the same kind as --heldout; labels in it are "
         "ignored; repeat for several sets (default: the --heldout inputs; then --heldout "
@@ -216,11 +221,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bins", **BINS_FLAG)
     p.add_argument(
-        "--device", default="cpu",
+        "--device", type=DEVICE, default="cpu",
         help="torch device (default: %(default)s); 'cuda' under torchrun means cuda:LOCAL_RANK",
     )
     p.add_argument(
-        "--cache-dir", default=None,
+        "--cache-dir", type=PATH, default=None,
         help="cache of the converted built-in model, or hub cache for hub names",
     )
     add_confidence_args(p)
@@ -285,7 +290,12 @@ def _run_bytes(model: str, config: Any, methods: list[Any]) -> int:
         hidden, layers = int(sizes["hidden_size"]), int(sizes["num_hidden_layers"])
     except (KeyError, TypeError, ValueError, OSError):
         return 0
-    return lora_run_bytes(hidden, layers, rank=config.lora.rank, modules_per_layer=max(len(config.lora.target_modules), 1),
+    try:
+        adapted = config.lora.layer_indices(layers)  # --lora-layers / top_layers: only those get adapters
+    except ValueError:  # an index out of range: the run reports it
+        return 0
+    return lora_run_bytes(hidden, layers if adapted is None else max(len(adapted), 1), rank=config.lora.rank,
+                          modules_per_layer=max(len(config.lora.target_modules), 1),
                           methods=len(methods), checkpoints_kept=2 if config.checkpoint_every else 0)
 
 
@@ -313,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
     # before the data and the model, not after the work: a file, not writable, too little free space
     user_call(lambda: check_output_folder(args.out, need_bytes=_run_bytes(args.model, config, methods)), None)
     check_model_path(args.model)
+    check_device(args.device)
     stale = stale_checkpoints(args.out, [m.name for m in methods])
     if stale and not args.resume and not args.restart:
         raise UserError(stale_checkpoints_message(args.out, [p.name for p in stale]))

@@ -11,6 +11,10 @@ from typing import Any
 from llm_calib.cli._common import (
     BINS_FLAG,
     DATA_SPECS_HELP,
+    DEVICE,
+    MODEL,
+    PATH,
+    SPEC,
     log_status,
     non_negative_int,
     positive_int,
@@ -21,6 +25,7 @@ from llm_calib.cli._loading import (
     add_allow_other_base_arg,
     add_data_loading_args,
     add_model_loading_args,
+    check_device,
     fewshot_pool,
     limit_mode,
     load_base_model,
@@ -86,12 +91,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
+        type=MODEL,
         default=None,
         help="built-in alias (smollm2-135m-instruct), local model directory, .gguf file or hub "
         "name (default: the base model a saved --adapter records, else smollm2-135m-instruct)",
     )
     p.add_argument(
         "--adapter",
+        type=PATH,
         default=None,
         metavar="DIR",
         help="put this adapter on --model first: a saved calibration result (llm-calib "
@@ -101,6 +108,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_loading_args(p, training=False)
     p.add_argument(
         "--data",
+        type=SPEC,
         action="append",
         required=True,
         metavar="SPEC",
@@ -160,6 +168,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--temperature-fit",
+        type=SPEC,
         default=None,
         metavar="SPEC",
         help="fit a temperature on this split (e.g. arc_easy:../shared/data:dev) and report "
@@ -167,7 +176,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seed",
-        type=int,
+        type=non_negative_int,
         default=0,
         metavar="S",
         help="seed of the --limit subsample, the bootstrap and the sampled answers of --confidence "
@@ -188,10 +197,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         help="generation budget for open-ended questions (default: %(default)s)",
     )
     p.add_argument(
-        "--device", default="cpu", help="torch device to run the model on (default: %(default)s)"
+        "--device", type=DEVICE, default="cpu", help="torch device to run the model on (default: %(default)s)"
     )
     p.add_argument(
         "--cache-dir",
+        type=PATH,
         default=None,
         help="cache of the converted built-in model (default: $LLM_CALIB_CACHE/<alias> or "
         "~/.cache/llm_calib/<alias>) or hub cache for hub names",
@@ -206,7 +216,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "confidence, correct), written atomically",
     )
     p.add_argument(
-        "--out", required=True, metavar="DIR", help="output directory (created if missing)"
+        "--out", type=PATH, required=True, metavar="DIR", help="output directory (created if missing)"
     )
 
 
@@ -283,12 +293,25 @@ def run(args: argparse.Namespace) -> int:
         >>> main(["evaluate", "--data", "nosuchloader:x", "--out", "/tmp/x", "--quiet"])
         2
     """
+    import contextlib
+
+    from llm_calib.outputs import check_output_folder, earlier_report, run_lock
+
+    user_call(lambda: check_output_folder(args.out), None)  # before any loading, not after the scoring
+    user_call(lambda: earlier_report(args.out), None)  # files of another kind there: refused before any work
+    check_device(args.device)
+    with contextlib.ExitStack() as stack:  # the lock calibrate takes: one run at a time writes to --out
+        user_call(lambda: stack.enter_context(run_lock(args.out)), None)
+        return _run_locked(args)
+
+
+def _run_locked(args: argparse.Namespace) -> int:
+    """:func:`run` after the checks of ``--out``, while holding its lock."""
     from llm_calib.evaluate import write_samples
-    from llm_calib.outputs import check_output_folder
+    from llm_calib.outputs import earlier_report, remove_stale
     from llm_calib.prompts import prompt_dict
     from llm_calib.report import write_report
 
-    user_call(lambda: check_output_folder(args.out), None)  # before any loading, not after the scoring
     start(args, args.quiet)
     confidence = user_call(lambda: open_confidence(args, seed=args.seed), None)  # before any loading
     base = resolve_base(args, args.adapter, "--adapter")
@@ -324,9 +347,11 @@ def run(args: argparse.Namespace) -> int:
         }
     )
     result.timing.update({"data_loading_s": load_s, "model_loading_s": model_s})
+    earlier = user_call(lambda: earlier_report(args.out), None)
     paths = write_report(result, args.out)
     if args.log_samples:
         write_samples(result, Path(args.out) / "samples.jsonl")
         paths["samples"] = Path(args.out) / "samples.jsonl"
+    remove_stale(earlier, list(paths.values()))  # an earlier run's samples and diagrams do not stay beside this report
     print_summary(result, paths, args.out)
     return 0

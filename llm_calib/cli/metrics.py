@@ -6,8 +6,10 @@ import argparse
 
 from llm_calib.cli._common import (
     BINS_FLAG,
+    PATH,
     UserError,
     non_negative_int,
+    nonempty,
     print_summary,
     unescape,
     user_call,
@@ -35,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "Files of generate_until tasks run with `repeats: N` and sampling (do_sample: true) get "
         "semantic confidence (Sem-ECE) from each question's N responses, against lm-eval's target.",
     )
-    p.add_argument("samples", nargs="+", metavar="SAMPLES", help="lm-eval samples_*.jsonl files")
+    p.add_argument("samples", type=PATH, nargs="+", metavar="SAMPLES", help="lm-eval samples_*.jsonl files")
     p.add_argument(
         "--normalize", choices=("sum", "char", "byte"), default="sum",
         help="option scores of the headline metrics: summed log-likelihoods (lm-eval's acc), per "
@@ -43,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
-        "--temperature-fit", default=None, metavar="TASK",
+        "--temperature-fit", type=nonempty("a task or samples file"), default=None, metavar="TASK",
         help="fit a temperature on this task (one of the SAMPLES tasks, or another samples file) "
         "and report temperature-scaled metrics for every task",
     )
@@ -57,14 +59,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--response-regex", default=None, metavar="REGEX",
                    help="extract each response's answer as lm-eval's regex filter does (group 1 of the "
                    "first match, '[invalid]' without one) before comparing answers")
-    p.add_argument("--seed", type=int, default=0, metavar="S",
+    p.add_argument("--seed", type=non_negative_int, default=0, metavar="S",
                    help="bootstrap seed, and the sample splits' (default: %(default)s)")
     p.add_argument("--bins", **BINS_FLAG)
     p.add_argument(
         "--bootstrap", type=non_negative_int, default=1000, metavar="R",
         help="bootstrap resamples for the 95%% confidence intervals; 0 disables them (default: %(default)s)",
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    p.add_argument("--out", type=PATH, required=True, metavar="DIR", help="output directory (created if missing)")
     p.set_defaults(func=run)
 
 
