@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from llm_calib.file_modes import ordinary_modes, write_text_atomic
 
 __all__ = ["CHECKSUMS_FILE", "checkpoint_problem", "latest_checkpoint", "load_checkpoint", "remove_stale_temporaries",
-           "save_checkpoint"]
+           "safetensors_problem", "save_checkpoint"]
 
 CHECKSUMS_FILE = "checksums.json"
 """The file of a checkpoint holding the SHA-256 of its other files, verified before it is resumed from."""
@@ -170,20 +170,9 @@ def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
     for f in (weights, state):
         if not f.is_file():
             return f"{f.name}: missing"
-    size = weights.stat().st_size
-    with open(weights, "rb") as fh:
-        head = fh.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 2 or 8 + n > size:
-            return f"{weights.name}: cut short ({size} bytes, less than its header needs)"
-        try:
-            header = json.loads(fh.read(n))
-        except (ValueError, UnicodeDecodeError):
-            return f"{weights.name}: the header is not valid JSON"
-    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
-            and "data_offsets" in v]
-    if 8 + n + max(ends, default=0) > size:
-        return f"{weights.name}: cut short ({size} of {8 + n + max(ends)} bytes)"
+    problem = safetensors_problem(weights)
+    if problem is not None:
+        return f"{weights.name}: {problem}"
     try:
         with zipfile.ZipFile(state) as archive:
             bad = archive.testzip()
@@ -208,6 +197,43 @@ def _checksum_problem(path: Path) -> str | None:
     for name, digest in expected.items():
         if _sha256(path / name) != digest:
             return f"{name}: its SHA-256 is not the one recorded in {CHECKSUMS_FILE} (changed after it was written)"
+    return None
+
+
+def safetensors_problem(path: str | os.PathLike[str]) -> str | None:
+    """What is wrong with the safetensors file ``path`` (missing, cut short, a header that does not
+    parse), or None when its structure is whole; reads the header, not the tensors.
+
+    Example:
+        >>> import pathlib, tempfile, torch
+        >>> from safetensors.torch import save_file
+        >>> f = pathlib.Path(tempfile.mkdtemp()) / "w.safetensors"
+        >>> save_file({"w": torch.ones(8)}, str(f))
+        >>> safetensors_problem(f) is None
+        True
+        >>> _ = f.write_bytes(f.read_bytes()[:-4])
+        >>> safetensors_problem(f)
+        'cut short (92 of 96 bytes)'
+    """
+    path = Path(path)
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            return f"cut short ({size} bytes, less than its header needs)"
+        try:
+            header = json.loads(fh.read(n))
+        except (ValueError, UnicodeDecodeError):
+            return "the header is not valid JSON"
+    if not isinstance(header, dict):
+        return "the header is not valid JSON"
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+            and "data_offsets" in v]
+    if 8 + n + max(ends, default=0) > size:
+        return f"cut short ({size} of {8 + n + max(ends)} bytes)"
     return None
 
 

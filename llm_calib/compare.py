@@ -41,8 +41,8 @@ from llm_calib.report import (
 )
 from llm_calib.scoring.open_confidence import OpenConfidence
 
-__all__ = ["BASELINE_COLUMNS", "Comparison", "DomainComparison", "run_comparison", "stale_checkpoints",
-           "stale_checkpoints_message", "write_comparison_report"]
+__all__ = ["BASELINE_COLUMNS", "Comparison", "DomainComparison", "resume_budget_problem", "run_comparison",
+           "stale_checkpoints", "stale_checkpoints_message", "write_comparison_report"]
 
 BASELINE_COLUMNS = ("uncalibrated", "temperature_scaled")
 """The columns that need no training (the base model, and the base model with a temperature)."""
@@ -271,6 +271,34 @@ def stale_checkpoints(out_dir: str | Path, methods: Sequence[str]) -> list[Path]
     return [f for f in folders if f.is_dir() and any(f.iterdir())]
 
 
+def resume_budget_problem(out_dir: str | Path, methods: Sequence[str], steps: int | None) -> str | None:
+    """Why ``--resume`` with a budget of ``steps`` cannot continue a method of ``out_dir``: its
+    newest intact checkpoint has trained more steps (found before any model is loaded; None when
+    every unfinished method can resume, or ``steps`` is None: a budget in epochs, resolved later).
+
+    Example:
+        >>> import tempfile
+        >>> resume_budget_problem(tempfile.mkdtemp(), ["calm"], 10) is None
+        True
+    """
+    from llm_calib.calm.trainer import CalibrationResult
+    from llm_calib.calm.training import budget_refusal
+    from llm_calib.checkpoint import latest_checkpoint
+
+    if steps is None:
+        return None
+    for method in methods:
+        result = Path(out_dir) / method
+        if (result / "metrics.json").is_file() and CalibrationResult.problem(result) is None:
+            continue  # finished: reused, not resumed
+        with warnings.catch_warnings():  # a damaged checkpoint is named when the run resumes
+            warnings.simplefilter("ignore")
+            ckpt = latest_checkpoint(Path(out_dir) / "checkpoints" / method)
+        if ckpt is not None and int(ckpt.name[5:]) > steps:
+            return budget_refusal(ckpt, int(ckpt.name[5:]), steps)
+    return None
+
+
 def stale_checkpoints_message(out_dir: str | Path, methods: Sequence[str]) -> str:
     """The one-line refusal to delete the checkpoints of an earlier run (:func:`stale_checkpoints`).
 
@@ -356,14 +384,18 @@ def _trained(model: Any, tokenizer: Any, run: ResolvedRun, data: tuple[Any, Any,
 
     method, cfg = run.objective.name, run.config
     target, ckpt_dir = options.out / method, options.out / "checkpoints" / method
-    if options.resume and (target / "metrics.json").is_file():
+    damaged = CalibrationResult.problem(target) if options.resume and (target / "metrics.json").is_file() else None
+    if damaged is not None:  # trained again (from its newest checkpoint), as a damaged checkpoint is skipped
+        warnings.warn(f"[{method}] the finished result in {target} is damaged ({damaged}); training it again "
+                      "from its newest checkpoint", UserWarning, stacklevel=2)
+    if options.resume and damaged is None and (target / "metrics.json").is_file():
         result = CalibrationResult.load(target, model)
         saved, wanted = flat_paths(result.config.to_dict()), flat_paths(cfg.to_dict())
         saved.pop("checkpoint_every"), wanted.pop("checkpoint_every")
         if saved != wanted:
             diff = sorted(k for k in wanted if saved.get(k) != wanted[k])
             raise ValueError(f"{target} was trained with a different configuration (differs in {diff}); "
-                             "remove it or run without --resume")
+                             "remove it, start over with --restart, or choose another --out")
         log(f"[{method}] reusing the finished result in {target}")
         return result, True
     writer = distributed.rank() == 0

@@ -16,7 +16,7 @@ from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.trainer import BASE_MODEL_FILE
 from llm_calib.file_modes import as_os_error, ordinary_modes, read_json, write_json_atomic
 
-__all__ = ["EXPORT_FILE", "adapter_directory", "check_adapter_base", "check_export_target", "export_merged", "load_adapter", "merge_adapter", "merged_bytes", "merged_record",
+__all__ = ["ADAPTER_WEIGHTS", "EXPORT_FILE", "adapter_directory", "check_adapter_base", "check_export_target", "export_merged", "load_adapter", "merge_adapter", "merged_bytes", "merged_record",
            "saved_base", "saved_base_file"]
 
 EXPORT_FILE = "llm_calib_export.json"
@@ -24,9 +24,17 @@ EXPORT_FILE = "llm_calib_export.json"
 export`` adds the prompt, preset, scorer and normalisation it was calibrated with)."""
 
 
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+"""The weight files peft saves an adapter in (safetensors by default)."""
+
+
 def adapter_directory(path: str | os.PathLike[str]) -> Path:
-    """The peft adapter directory of a saved calibration result (``adapter/``) or of an adapter;
-    ``FileNotFoundError`` for anything else.
+    """The peft adapter directory of a saved calibration result (``adapter/``) or of an adapter,
+    with its weights checked (present; a safetensors file whole, :func:`~llm_calib.checkpoint.safetensors_problem`).
+
+    Raises:
+        FileNotFoundError: no adapter there, or its weights are missing.
+        ValueError: its weights are damaged (a copy cut short); the message names the file.
 
     Example:
         >>> import tempfile
@@ -34,9 +42,19 @@ def adapter_directory(path: str | os.PathLike[str]) -> Path:
         Traceback (most recent call last):
         FileNotFoundError: ...
     """
+    from llm_calib.checkpoint import safetensors_problem
+
     src = Path(path)
     for candidate in (src, src / "adapter"):
         if (candidate / "adapter_config.json").is_file():
+            weights = [candidate / name for name in ADAPTER_WEIGHTS if (candidate / name).is_file()]
+            if not weights:
+                raise FileNotFoundError(f"{candidate}: has adapter_config.json but no {ADAPTER_WEIGHTS[0]} (nor "
+                                        f"{ADAPTER_WEIGHTS[1]}): the adapter's weights are missing")
+            problem = safetensors_problem(weights[0]) if weights[0].suffix == ".safetensors" else None
+            if problem is not None:
+                raise ValueError(f"{weights[0]}: {problem}; the adapter's weights are damaged (a copy cut short?): "
+                                 "copy or save the adapter again")
             return candidate
     raise FileNotFoundError(
         f"{src}: not a saved calibration result (no adapter/adapter_config.json) nor a peft adapter "
@@ -94,14 +112,26 @@ def _same_model(a: str, b: str) -> bool:
     return a.strip().rstrip("/").lower() == b.strip().rstrip("/").lower()
 
 
-def check_adapter_base(adapter: str | os.PathLike[str], model: str, *, allow_other_base: bool = False) -> None:
+_DIFFERENCES = {"shapes": "another model: its tensors' names or shapes differ",
+                "weights": "same shapes but other weights: another checkpoint, or a fine-tune",
+                "config": "same weights but another config.json"}
+"""How :func:`check_adapter_base` says what differs between two fingerprints, first difference first."""
+
+
+def check_adapter_base(adapter: str | os.PathLike[str], model: str, *, allow_other_base: bool = False,
+                       cache_dir: str | os.PathLike[str] | None = None) -> None:
     """Refuse to put the saved result ``adapter`` on ``model`` (as given to the loader: a path, an
-    alias or a hub name) when the result records another base (:func:`saved_base`): an adapter on
-    another base of the same shape loads without a word and scores nonsense. A plain peft adapter
-    (no record) passes. Meant to run before the model is loaded.
+    alias or a hub name) when it records another base (:func:`saved_base`): an adapter on another
+    base of the same shape loads without a word and scores nonsense. The base is matched by content
+    where the result records its fingerprint (:func:`~llm_calib.models.model_fingerprint`) and
+    ``model``'s files are here: a copy or a moved folder of the base is accepted, another model (or
+    another checkpoint of one) refused, whatever the paths say; otherwise (an older result, an
+    uncached hub name) by name or folder. A plain peft adapter (no record) passes. Meant to run
+    before the model is loaded.
 
     Raises:
-        ValueError: the recorded base differs and not ``allow_other_base``; names both and the file.
+        ValueError: another base and not ``allow_other_base``; names both, the file and what
+            differs. With ``allow_other_base`` that is a warning instead.
 
     Example:
         >>> import json, pathlib, tempfile
@@ -110,17 +140,35 @@ def check_adapter_base(adapter: str | os.PathLike[str], model: str, *, allow_oth
         >>> check_adapter_base(run, "smollm2-135m-instruct")
         >>> check_adapter_base(run, "smollm2-360m-instruct")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ValueError: --adapter ... was trained on smollm2-135m-instruct (.../base_model.json), not on --model smollm2-360m-instruct; ...
-        >>> check_adapter_base(run, "smollm2-360m-instruct", allow_other_base=True)
+        ValueError: --adapter ... was trained on smollm2-135m-instruct (.../base_model.json), not on --model smollm2-360m-instruct (another model); ...
     """
+    import warnings
+
+    from llm_calib.models import model_fingerprint
+
     record = saved_base_file(adapter)
     if record is None:
         return
-    trained_on = saved_base(adapter).get("model")  # a truncated record: ValueError naming it
-    if not trained_on or allow_other_base or _same_model(str(trained_on), str(model)):
+    saved = saved_base(adapter)  # a truncated record: ValueError naming it
+    trained_on = saved.get("model")
+    if not trained_on:
         return
-    raise ValueError(f"--adapter {adapter} was trained on {trained_on} ({record}), not on --model {model}; "
-                     "leave out --model to use that base, or pass --allow-other-base to apply it anyway")
+    recorded = saved.get("fingerprint")
+    current = model_fingerprint(model, cache_dir) if isinstance(recorded, dict) else None
+    if current is not None and recorded.get("scheme") == current["scheme"]:
+        differs = [k for k in _DIFFERENCES if recorded.get(k) != current[k]]
+        if not differs:
+            return  # the base itself, wherever it is now
+        why = _DIFFERENCES[differs[0]]
+    elif _same_model(str(trained_on), str(model)):
+        return
+    else:
+        why = "another model"
+    message = f"--adapter {adapter} was trained on {trained_on} ({record}), not on --model {model} ({why})"
+    if allow_other_base:
+        warnings.warn(f"{message}; applied anyway, as --allow-other-base asks", UserWarning, stacklevel=2)
+        return
+    raise ValueError(f"{message}; leave out --model to use that base, or pass --allow-other-base to apply it anyway")
 
 
 _SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) "

@@ -98,6 +98,36 @@ class CalibrationResult:
         write_json_atomic(out / "metrics.json", saved)
         return out
 
+    @staticmethod
+    def problem(directory: str | os.PathLike[str]) -> str | None:
+        """What is wrong with the saved result in ``directory`` (a file missing, cut short or not
+        valid JSON: a copy cut short, a disk error), or None when it loads. Reads the records and
+        the safetensors headers, not the tensors.
+
+        Example:
+            >>> import tempfile
+            >>> CalibrationResult.problem(tempfile.mkdtemp())
+            'adapter/adapter_model.safetensors: missing'
+        """
+        from llm_calib.checkpoint import safetensors_problem
+        from llm_calib.file_modes import read_json
+
+        src = Path(directory)
+        for name in ("adapter/adapter_model.safetensors", "lambda.safetensors"):
+            if name == "lambda.safetensors" and not (src / name).exists():
+                continue  # a method without λ
+            found = safetensors_problem(src / name)
+            if found is not None:
+                return f"{name}: {found}"
+        for name in ("adapter/adapter_config.json", "config.json", "history.json", "metrics.json"):
+            try:
+                read_json(src / name)
+            except FileNotFoundError:
+                return f"{name}: missing"
+            except (OSError, ValueError) as err:
+                return f"{name}: {err}"
+        return None
+
     @classmethod
     def load(cls, directory: str | os.PathLike[str], base_model: Any) -> CalibrationResult:
         """Load a saved result onto ``base_model`` (the same base the adapter was trained on)."""
@@ -126,20 +156,26 @@ def base_model_record(model: Any, config: CalibrationConfig | ResolvedRun) -> di
     or a resolved run (:func:`~llm_calib.calm.run.resolve_run`).
 
     Returns:
-        JSON-ready ``model`` (``config._name_or_path`` or None), ``dtype``, ``prompt``
+        JSON-ready ``model`` (``config._name_or_path`` or None), ``dtype`` (the compute dtype),
+        ``quantization`` (``"4-bit NF4"``, ... or None; :func:`~llm_calib.engine.options.loaded_precision`),
+        ``fingerprint`` (:func:`~llm_calib.models.model_fingerprint` of its files, which lets a copy
+        or a moved folder of the base be recognised; None without local files), ``prompt``
         (:func:`~llm_calib.prompts.prompt_dict`), ``scorer`` and ``normalize``.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> rec = base_model_record(tiny_random_model()[0], CalibrationConfig())
-        >>> rec["model"], rec["dtype"], rec["prompt"]["style"], rec["normalize"]
-        (None, 'float32', 'cloze', 'sum')
+        >>> rec["model"], rec["dtype"], rec["quantization"], rec["prompt"]["style"], rec["normalize"]
+        (None, 'float32', None, 'cloze', 'sum')
     """
+    from llm_calib.engine.options import loaded_precision
+    from llm_calib.models import model_fingerprint
+
     settings = config.settings if isinstance(config, ResolvedRun) else format_settings(config)
     name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
-    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    dtype = str(param.dtype).removeprefix("torch.") if param is not None else None
-    return {"model": name, "dtype": dtype, "prompt": prompt_dict(settings["prompt"]),
+    precision = loaded_precision(model) if hasattr(model, "parameters") else {}
+    return {"model": name, "dtype": precision.get("dtype"), "quantization": precision.get("quantization"),
+            "fingerprint": model_fingerprint(str(name)) if name else None, "prompt": prompt_dict(settings["prompt"]),
             "scorer": settings["scorer"], "normalize": settings["normalize"]}
 
 

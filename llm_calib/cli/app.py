@@ -4,9 +4,10 @@ its entry point."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from llm_calib.cli import calibrate, demo, evaluate, export, metrics
 from llm_calib.cli._common import UserError, did_you_mean
@@ -65,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["evaluate", "--data", "nosuchloader:x", "--out", "/tmp/x", "--quiet"])
         2
     """
-    with terminate_as_interrupt():
+    with terminate_as_interrupt(), _one_line_warnings():
         args = None
         try:
             args = _parse(argv)
@@ -87,6 +88,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             print(f"llm-calib: error: {_located(exc, args)}", file=sys.stderr)
             return 2
+
+
+@contextlib.contextmanager
+def _one_line_warnings() -> Iterator[None]:
+    """Warnings as the command's one-line messages (``llm-calib: warning: ...``), not Python's two
+    lines of file, line number and source."""
+    import warnings
+
+    previous = warnings.formatwarning
+    warnings.formatwarning = lambda message, *args, **kwargs: f"llm-calib: warning: {message}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

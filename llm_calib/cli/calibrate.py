@@ -33,6 +33,7 @@ from llm_calib.cli._loading import (
     fewshot_pool,
     limit_mode,
     load_base_model,
+    load_distinct,
     load_records,
     recorded_model,
     run_device,
@@ -244,7 +245,7 @@ def _load_data(args: argparse.Namespace, config: Any,
     seed = config.seed
     train = load_records(args, "--train", args.train, log, seed=seed)
     heldout = load_records(args, "--heldout", args.heldout, log, seed=seed)
-    evals = [load_records(args, "--eval", spec, log, seed=seed) for spec in args.eval]
+    evals = load_distinct(args, "--eval", args.eval, log, seed=seed)  # a set given twice is scored once
     if config.prompt.fewshot:  # one pool for training, selection and evaluation, as evaluate draws it
         settings = config.prompt
         settings.fewshot_pool = fewshot_pool(
@@ -258,9 +259,11 @@ def _load_data(args: argparse.Namespace, config: Any,
     fmt = resolved.formats.upper
     unlabeled = None
     if args.unlabeled:
-        parts = [user_call(lambda spec=spec: load_data(spec, limit=args.unlabeled_limit, seed=seed).records,
-                           f"--unlabeled {spec}") for spec in args.unlabeled]
-        unlabeled = ("+".join(args.unlabeled), [r for part in parts for r in part])
+        parts = load_distinct(args, "--unlabeled", args.unlabeled, lambda message: None, seed=seed,
+                              load=lambda spec: user_call(
+                                  lambda: load_data(spec, limit=args.unlabeled_limit, seed=seed).records,
+                                  f"--unlabeled {spec}"))
+        unlabeled = ("+".join(spec for spec, _ in parts), [r for _, part in parts for r in part])
         if not unlabeled[1]:
             raise UserError(f"--unlabeled {unlabeled[0]}: no records (the unlabelled set is empty)")
         user_call(lambda: fmt.check(unlabeled[1], what=f"--unlabeled {unlabeled[0]}"), None, (ValueError,))
@@ -313,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         ...       "--out", "/tmp/x", "--quiet"])
         2
     """
-    from llm_calib.compare import stale_checkpoints, stale_checkpoints_message
+    from llm_calib.compare import resume_budget_problem, stale_checkpoints, stale_checkpoints_message
     from llm_calib.outputs import check_output_folder, run_lock
 
     if args.resume and args.restart:
@@ -327,6 +330,11 @@ def run(args: argparse.Namespace) -> int:
     stale = stale_checkpoints(args.out, [m.name for m in methods])
     if stale and not args.resume and not args.restart:
         raise UserError(stale_checkpoints_message(args.out, [p.name for p in stale]))
+    if args.resume:  # a checkpoint past the budget: refused now, not after loading the model
+        problem = resume_budget_problem(args.out, [m.name for m in methods],
+                                        None if config.training.epochs is not None else config.training.steps)
+        if problem is not None:
+            raise UserError(problem)
     with contextlib.ExitStack() as stack:  # the lock: a second run into --out is refused
         if int(os.environ.get("RANK", "0")) == 0:  # torchrun's ranks are one run: the first holds the lock
             user_call(lambda: stack.enter_context(run_lock(args.out)), None)
@@ -368,8 +376,8 @@ def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any], confi
             unlabeled=unlabeled, resume=args.resume, restart=args.restart, progress=not args.no_progress,
             n_bins=args.bins,
             bootstrap=args.bootstrap, log=log,
-            base_model={"model": recorded_model(args.model), "dtype": loading.dtype, "prompt": prompt,
-                        "prompt_preset": config.prompt.preset},
+            # the dtype and quantisation are the model's own (base_model_record), not the flags asked for
+            base_model={"model": recorded_model(args.model), "prompt": prompt, "prompt_preset": config.prompt.preset},
             confidence=confidence,
         )
     except TrainingDiverged as exc:

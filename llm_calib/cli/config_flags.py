@@ -147,6 +147,27 @@ def config_overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str
     return parts, objectives, solvers
 
 
+def _naming_flag(message: str, parts: dict[str, Any]) -> str:
+    """A config check's message (``seed must be an int >= 0, got -5``) with the flag that set the
+    value named after its field (``seed (--seed) must be ...``), when a flag set it.
+
+    Example:
+        >>> _naming_flag("training.steps must be an int >= 1, got 0", {"training": {"steps": 0}})
+        'training.steps (--steps) must be an int >= 1, got 0'
+    """
+    import re
+
+    found = re.match(r"([a-z_]+(?:\.[a-z_]+)?) must", message)
+    if found is None:
+        return message
+    part, _, name = found.group(1).rpartition(".")
+    given = parts.get(part, {}) if part else parts
+    if not isinstance(given, dict) or name not in given or (part and part not in _PART_GROUPS):
+        return message
+    flag = (_PART_GROUPS[part][1] if part else "--") + _dashed(name)
+    return f"{found.group(1)} ({flag}){message[found.end(1):]}"
+
+
 def _flag_of(dest: str) -> str:
     """The flag of an objective's or solver's setting stored as ``dest`` (``obj:calm:lam_lr``)."""
     if dest == "solver_name":
@@ -246,8 +267,10 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
         merged["training"]["epochs"] = None  # an explicit --steps replaces the preset's or the file's epochs
     objectives = _objectives(args, data.get("objective", CalibrationConfig().objective.name), objective_flags,
                              solver_flags)
-    config = user_call(lambda: CalibrationConfig.from_dict({**merged, "objective": objectives[0]}),
-                       "calibration config")
+    try:
+        config = CalibrationConfig.from_dict({**merged, "objective": objectives[0]})
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"calibration config: {_naming_flag(str(exc), parts)}") from exc
     if config.prompt.fewshot_split:  # recorded absolute (config.json, base_model.json), as the model path is
         config.prompt.fewshot_split = user_call(lambda: absolute_spec(config.prompt.fewshot_split), "--fewshot-split")
     return config, objectives

@@ -29,6 +29,7 @@ from llm_calib.cli._loading import (
     fewshot_pool,
     limit_mode,
     load_base_model,
+    load_distinct,
     load_records,
     resolve_base,
     start,
@@ -224,7 +225,7 @@ def _load_data(args: argparse.Namespace, prompt: Any) -> tuple[list, Any, Any]:
     """The ``--data`` sets, the ``--temperature-fit`` set (None without it) and ``prompt`` with its
     few-shot pool (drawn without the evaluated and fitted questions)."""
     log = lambda message: log_status(args, message)  # noqa: E731
-    datasets = [load_records(args, "--data", spec, log) for spec in args.data]
+    datasets = load_distinct(args, "--data", args.data, log)  # a set given twice is scored once
     fit = None
     if args.temperature_fit:
         fit = load_records(args, "--temperature-fit", args.temperature_fit, log, limited=False,

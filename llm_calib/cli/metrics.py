@@ -18,6 +18,17 @@ from llm_calib.cli.confidence import add_semantic_args
 
 __all__ = ["add_parser", "run"]
 
+def _regex(text: str) -> str:
+    """An argparse type: a Python regular expression (refused with re's reason and position)."""
+    import re
+
+    try:
+        re.compile(text)
+    except re.error as err:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {err} in {text!r}") from None
+    return text
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``metrics`` command to the subcommands ``sub`` of the ``llm-calib`` parser.
 
@@ -56,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     g = p.add_argument_group("generate_until tasks (semantic confidence of the N responses)")
     add_semantic_args(g)
-    g.add_argument("--response-regex", default=None, metavar="REGEX",
+    g.add_argument("--response-regex", type=_regex, default=None, metavar="REGEX",
                    help="extract each response's answer as lm-eval's regex filter does (group 1 of the "
                    "first match, '[invalid]' without one) before comparing answers")
     p.add_argument("--seed", type=non_negative_int, default=0, metavar="S",
