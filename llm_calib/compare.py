@@ -24,6 +24,7 @@ from llm_calib import distributed
 from llm_calib.calm.config import CalibrationConfig, flat_paths
 from llm_calib.calm.run import ResolvedRun
 from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.engine.context import ContextOverflow, context_window
 from llm_calib.evaluate import HEADLINE_METRICS, EvaluationResult, TemperatureFit, evaluate_records
 from llm_calib.file_modes import write_json_atomic, write_text_atomic
 from llm_calib.formats import family_format
@@ -31,9 +32,11 @@ from llm_calib.models import free_memory
 from llm_calib.objectives.base import Objective
 from llm_calib.report import (
     REPORT_METRICS,
+    context_lines,
     format_metric,
     jsonable,
     mean_of_domains,
+    merged_specs_lines,
     metrics_table,
     plot_reliability,
     reliability_filename,
@@ -133,6 +136,7 @@ def run_comparison(
     checkpoints: bool = True, resume: bool = False, progress: bool = True, n_bins: int = 10,
     bootstrap: int = 1000, eval_batch_size: int = 8, log: Callable[[str], None] = lambda message: None,
     base_model: dict[str, Any] | None = None, restart: bool = False, confidence: OpenConfidence | None = None,
+    context_overflow: ContextOverflow | None = None,
 ) -> Comparison:
     """Train each method on the base model, save it, and evaluate every column per domain.
 
@@ -165,6 +169,10 @@ def run_comparison(
             column (:class:`~llm_calib.scoring.open_confidence.OpenConfidence`: ``token``,
             ``semantic`` with Sem-ECE, ``p_true`` or ``verbalized``); None: ``token``. Training and
             model selection do not depend on it; multiple-choice sets ignore it.
+        context_overflow: a question (trained on or evaluated) longer than the model's context is
+            refused (``"refuse"``, the default) or its prompt cut from the left and counted
+            (``"truncate"``; :func:`~llm_calib.engine.context.context_window`); ``config["context"]``
+            records which.
 
     Returns:
         A :class:`Comparison`. Under ``torchrun`` only rank 0 writes.
@@ -184,25 +192,27 @@ def run_comparison(
     temperature_fit = heldout if run.formats.upper.temperature_scalable else None
     session = _Session(tokenizer, evals, temperature_fit,
                        _evaluation_settings(run, eval_batch_size, n_bins, bootstrap, progress, confidence), log)
-    t0 = time.perf_counter()
-    log(f"evaluating the base model{f' (temperature fitted on {heldout[0]})' if temperature_fit else ''}")
     model = _base_model(model)
-    base = session.evaluate(model)
-    domains: dict[str, DomainComparison] = {}
-    _collect(base, domains, {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature_scaled"})
-    timings = {"baselines_s": time.perf_counter() - t0}
-    data = _encode(tokenizer, run, train, heldout, unlabeled)
-    training: dict[str, dict[str, Any]] = {}
-    method_temperatures: dict[str, TemperatureFit] = {}
-    options = _TrainOptions(Path(out_dir), checkpoints, resume, progress, base_model or {}, restart, log)
-    for objective in objectives:
-        model, training[objective.name], fit = _train_and_evaluate(
-            model, run.with_objective(objective), data, session, domains, options)
-        if fit is not None:
-            method_temperatures[objective.name] = fit
+    with context_window(model, context_overflow) as window:  # every sequence trained on or scored
+        # the training sets first: one longer than the context fails before the baselines are scored
+        data = _encode(tokenizer, run, train, heldout, unlabeled)
+        t0 = time.perf_counter()
+        log(f"evaluating the base model{f' (temperature fitted on {heldout[0]})' if temperature_fit else ''}")
+        base = session.evaluate(model)
+        domains: dict[str, DomainComparison] = {}
+        _collect(base, domains, {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature_scaled"})
+        timings = {"baselines_s": time.perf_counter() - t0}
+        training: dict[str, dict[str, Any]] = {}
+        method_temperatures: dict[str, TemperatureFit] = {}
+        options = _TrainOptions(Path(out_dir), checkpoints, resume, progress, base_model or {}, restart, log)
+        for objective in objectives:
+            model, training[objective.name], fit = _train_and_evaluate(
+                model, run.with_objective(objective), data, session, domains, options)
+            if fit is not None:
+                method_temperatures[objective.name] = fit
     run_config = _run_config(run, objectives, train, heldout, unlabeled, evals, session, n_bins, bootstrap)
-    return Comparison(names, domains, base.temperature, training, {**run_config, "timings": timings},
-                      method_temperatures)
+    return Comparison(names, domains, base.temperature, training,
+                      {**run_config, "context": window.summary(), "timings": timings}, method_temperatures)
 
 
 def _resolve(train: tuple[str, Any], heldout: tuple[str, Any], evals: Sequence[tuple[str, Any]],
@@ -496,11 +506,14 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
     cal = cfg.get("calibration", {})
     lines = [f"# {title}", ""]
     if cfg.get("model"):
-        lines.append(f"- model: `{cfg['model']}`")
+        computed = ", ".join(str(cfg[k]) for k in ("dtype", "quantization", "device") if cfg.get(k))
+        lines.append(f"- model: `{cfg['model']}`" + (f" ({computed})" if computed else ""))
     lines += [
         f"- train: `{cfg['train']['spec']}` ({cfg['train']['n']} questions); held-out: "
         f"`{cfg['heldout']['spec']}` ({cfg['heldout']['n']} questions)",
         f"- evaluated: {', '.join(f'`{s}`' for s in cfg['eval'])}",
+        *merged_specs_lines(cfg.get("merged_specs") or []),
+        *context_lines(cfg.get("context")),
         f"- methods: {', '.join(_describe(cal.get('objectives', {}).get(m, {'name': m})) for m in cmp.methods)}; "
         f"same data order, seed ({cal.get('seed')}) and budget "
         f"({cal.get('training', {}).get('steps')} steps of {cal.get('training', {}).get('batch_size')} questions) for each",

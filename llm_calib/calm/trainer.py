@@ -25,6 +25,7 @@ from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.run import ResolvedRun, format_settings, resolve_run
 from llm_calib.calm.training import Records, TrainingDiverged
+from llm_calib.engine.context import context_window
 from llm_calib.prompts import prompt_dict
 
 __all__ = ["BASE_MODEL_FILE", "CalibrationResult", "TrainingDiverged", "base_model_record", "calibrate"]
@@ -207,7 +208,8 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
 
     Raises:
         TrainingDiverged: a loss or update is NaN/inf (names the step and the batch).
-        ValueError: an empty set, records of mixed kinds or another type (naming it), or
+        ValueError: a question longer than the model's context (unless a caller's
+            :func:`~llm_calib.engine.context.context_window` truncates), an empty set, records of mixed kinds or another type (naming it), or
             ``resume`` from a checkpoint of another configuration or data (names the fields).
 
     Example:
@@ -222,6 +224,15 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
         ['after', 'before']
     """
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
+    with context_window(model):  # every sequence within the model's positions (a caller's window: its mode)
+        return _calibrate(model, tokenizer, train, heldout, config, unlabeled=unlabeled,
+                          checkpoint_dir=checkpoint_dir, resume=resume, progress=progress, log=log)
+
+
+def _calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, config: CalibrationConfig | ResolvedRun | None,
+               *, unlabeled: Records | None, checkpoint_dir: str | os.PathLike[str] | None, resume: bool,
+               progress: bool, log: Callable[[str], None] | None) -> CalibrationResult:
+    """:func:`calibrate` inside its context window."""
     timings: dict[str, float] = {}
     with _timed(timings, "setup"):  # checks the records first: a bad mix fails before the model is touched
         training.check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)

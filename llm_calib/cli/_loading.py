@@ -202,7 +202,8 @@ def load_base_model(args: argparse.Namespace, device: str = "cpu") -> tuple[Any,
 
 
 def add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> None:
-    """``--limit``, ``--limit-mode`` and ``--on-error``: how every command that loads data reads it."""
+    """``--limit``, ``--limit-mode``, ``--context-overflow`` and ``--on-error``: how every command that
+    loads data reads it (and fits it to the model)."""
     p.add_argument("--limit", type=positive_int, default=None, metavar="N", help=limit_help)
     p.add_argument(
         "--limit-mode",
@@ -211,6 +212,14 @@ def add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> Non
         help="which N questions --limit keeps: a seeded subsample in file order (sample), or the "
         "first N rows of the file (first, as lm-eval's --limit) (default: first with an lm_eval_* "
         "--prompt-preset, else sample)",
+    )
+    p.add_argument(
+        "--context-overflow",
+        choices=("refuse", "truncate"),
+        default="refuse",
+        help="a question whose prompt and answer are longer than the model's context (its "
+        "max_position_embeddings): refuse it, naming it (refuse), or cut its prompt from the left to fit, "
+        "as lm-eval does, counted in the report and warned about (truncate) (default: %(default)s)",
     )
     p.add_argument(
         "--on-error",
@@ -342,6 +351,22 @@ def load_distinct(args: argparse.Namespace, flag: str, specs: list[str], log: Ca
         by_key[key], by_records[digest] = spec, spec
         out.append((name, records))
     return out
+
+
+def check_confidence_applies(kind: str, sets: list[tuple[str, list]], flag: str) -> None:
+    """``--confidence`` other than ``token`` with no open-ended question among the evaluated ``sets``
+    is an error: it would change nothing (multiple choice is scored by its option probabilities),
+    and a user asking for Sem-ECE would get option ECE without a word.
+
+    Raises:
+        UserError: as above, naming the sets.
+    """
+    from llm_calib.data.records import OpenQA
+
+    if kind != "token" and not any(isinstance(r, OpenQA) for _, records in sets for r in records):
+        raise UserError(f"--confidence {kind}: applies to open-ended questions, and every {flag} set here is multiple "
+                        f"choice ({', '.join(name for name, _ in sets)}; its confidence is the probability of the "
+                        "chosen option): leave out --confidence, or add an open-ended set")
 
 
 def run_device(name: str) -> str:

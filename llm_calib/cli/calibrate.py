@@ -28,6 +28,7 @@ from llm_calib.cli._common import (
 from llm_calib.cli._loading import (
     add_data_loading_args,
     add_model_loading_args,
+    check_confidence_applies,
     check_device,
     check_model_path,
     fewshot_pool,
@@ -316,7 +317,11 @@ def run(args: argparse.Namespace) -> int:
         ...       "--out", "/tmp/x", "--quiet"])
         2
     """
-    from llm_calib.compare import resume_budget_problem, stale_checkpoints, stale_checkpoints_message
+    from llm_calib.compare import (
+        resume_budget_problem,
+        stale_checkpoints,
+        stale_checkpoints_message,
+    )
     from llm_calib.outputs import check_output_folder, run_lock
 
     if args.resume and args.restart:
@@ -347,6 +352,7 @@ def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any], confi
     from llm_calib.calm.lora import check_target_modules
     from llm_calib.calm.trainer import TrainingDiverged
     from llm_calib.compare import run_comparison, write_comparison_report
+    from llm_calib.engine.options import loaded_precision
     from llm_calib.prompts import prompt_dict
 
     args.prompt_preset = config.prompt.preset  # --limit-mode's default follows the preset (flag or file)
@@ -361,11 +367,14 @@ def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any], confi
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
     train, heldout, evals, unlabeled, resolved = _load_data(args, config, log)
+    if confidence is not None:
+        check_confidence_applies(confidence.kind, evals, "--eval")  # before the model is loaded
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     model, tokenizer, loading = load_base_model(args, run_device(args.device))  # once: every method trains its own adapters
-    log(f"loaded {args.model} ({loading.dtype}{', 4-bit' if loading.load_in_4bit else ''}"
-        f"{', 8-bit' if loading.load_in_8bit else ''}) in {time.perf_counter() - t1:.1f} s")
+    precision = loaded_precision(model)
+    log(f"loaded {args.model} ({precision['dtype']}{', ' + precision['quantization'] if precision['quantization'] else ''}"
+        f", {precision['device']}) in {time.perf_counter() - t1:.1f} s")
     # before any training: a module name the model lacks, named with the ones it has
     user_call(lambda: check_target_modules(model, config.lora.target_modules), None)
     # the prompt as resolved (chat_template: whether this tokenizer's template is used), as evaluate records it
@@ -378,7 +387,7 @@ def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any], confi
             bootstrap=args.bootstrap, log=log,
             # the dtype and quantisation are the model's own (base_model_record), not the flags asked for
             base_model={"model": recorded_model(args.model), "prompt": prompt, "prompt_preset": config.prompt.preset},
-            confidence=confidence,
+            confidence=confidence, context_overflow=args.context_overflow,
         )
     except TrainingDiverged as exc:
         print(f"llm-calib: error: training diverged: {exc}", file=sys.stderr)
@@ -387,6 +396,8 @@ def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any], confi
         raise UserError(str(exc)) from exc
     cmp.config["model"] = args.model
     cmp.config["model_loading"] = loading.to_dict()
+    cmp.config.update(precision)  # what the model computed with, not what was asked
+    cmp.config["merged_specs"] = getattr(args, "merged_specs", [])
     cmp.config["prompt"] = prompt
     cmp.config["limit"] = args.limit
     cmp.config["limit_mode"] = limit_mode(args)

@@ -191,6 +191,9 @@ def _objectives(args: argparse.Namespace, file_objective: Any, objective_flags: 
     base = {"name": base} if isinstance(base, str) else {"name": CalibrationConfig().objective.name, **base}
     if args.objective_name is not None:  # another objective than the file's: its settings were for that one
         base = {base["name"]: base}.get(args.objective_name, {"name": args.objective_name})
+    if args.methods and args.objective_name is not None and args.objective_name not in args.methods:
+        raise UserError(f"--objective {args.objective_name}: not among --methods {','.join(args.methods)}, which "
+                        "chooses the objectives trained; add it to --methods, or leave out --objective")
     names = args.methods or [base["name"]]
     given = {base["name"]: base}
     objectives, used_solvers = [], set()

@@ -25,12 +25,14 @@ from llm_calib.cli._loading import (
     add_allow_other_base_arg,
     add_data_loading_args,
     add_model_loading_args,
+    check_confidence_applies,
     check_device,
     fewshot_pool,
     limit_mode,
     load_base_model,
     load_distinct,
     load_records,
+    recorded_model,
     resolve_base,
     start,
 )
@@ -238,9 +240,10 @@ def _load_data(args: argparse.Namespace, prompt: Any) -> tuple[list, Any, Any]:
     return datasets, fit, prompt
 
 
-def _load_model_and_adapter(args: argparse.Namespace) -> tuple[Any, Any]:
-    """``--model`` on ``--device``, with ``--adapter`` on it when given: ``(model, tokenizer)``."""
-    model, tokenizer, _ = load_base_model(args, args.device)
+def _load_model_and_adapter(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """``--model`` on ``--device``, with ``--adapter`` on it when given: ``(model, tokenizer, the
+    ModelLoadConfig)``."""
+    model, tokenizer, loading = load_base_model(args, args.device)
     if args.adapter:
         import warnings
 
@@ -248,7 +251,7 @@ def _load_model_and_adapter(args: argparse.Namespace) -> tuple[Any, Any]:
 
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         model = user_call(lambda: load_adapter(model, args.adapter), f"--adapter {args.adapter}")
-    return model, tokenizer
+    return model, tokenizer, loading
 
 
 def _score(args: argparse.Namespace, model: Any, tokenizer: Any, datasets: list, prompt: Any, fit: Any,
@@ -274,6 +277,7 @@ def _score(args: argparse.Namespace, model: Any, tokenizer: Any, datasets: list,
             max_new_tokens=args.max_new_tokens,
             progress=not args.quiet,
             confidence=confidence,
+            context_overflow=args.context_overflow,
         ),
         "evaluate",
         # only argument problems of the records themselves are user errors here
@@ -308,6 +312,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_locked(args: argparse.Namespace) -> int:
     """:func:`run` after the checks of ``--out``, while holding its lock."""
+    from llm_calib.engine.options import loaded_precision
     from llm_calib.evaluate import write_samples
     from llm_calib.outputs import earlier_report, remove_stale
     from llm_calib.prompts import prompt_dict
@@ -325,9 +330,10 @@ def _run_locked(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
     datasets, fit, prompt = _load_data(args, prompt)
+    check_confidence_applies(confidence.kind, datasets, "--data")  # before the model is loaded
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model, tokenizer = _load_model_and_adapter(args)
+    model, tokenizer, loading = _load_model_and_adapter(args)
     model_s = time.perf_counter() - t0
     log_status(args, f"loaded model {args.model}{' + ' + args.adapter if args.adapter else ''} in {model_s:.1f} s")
     warn_prompt_mismatch(base, prompt, tokenizer, source, scoring={"scorer": args.scorer, "normalize": args.normalize})
@@ -338,8 +344,11 @@ def _run_locked(args: argparse.Namespace) -> int:
     result.config.update(
         {
             "model": args.model,
-            "adapter": args.adapter,
-            "dtype": args.dtype,
+            "adapter": None if args.adapter is None else recorded_model(args.adapter),
+            # what the model computes with, not what was asked: --load-in-4bit computes in bfloat16
+            **loaded_precision(model),
+            "model_loading": loading.to_dict(),
+            "merged_specs": getattr(args, "merged_specs", []),
             "limit": args.limit,
             "limit_mode": limit_mode(args),
             "on_error": args.on_error,
