@@ -149,7 +149,7 @@ def context_lines(context: dict[str, Any] | None) -> list[str]:
 
     Example:
         >>> context_lines({"limit": 512, "on_overflow": "truncate", "truncated": 2, "truncated_examples": ["q1", "q4"]})
-        ['- context: 2 question(s) longer than the model\'s 512 tokens cut from the left to fit (q1, q4)']
+        ["- context: 2 question(s) longer than the model's 512 tokens cut from the left to fit (q1, q4)"]
     """
     if not context or not context.get("truncated"):
         return []
