@@ -402,6 +402,18 @@ def test_evaluate_replaces_an_earlier_report_entirely(tiny_model_dir, tmp_path, 
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "notes.txt", "reliability_capitals.png", "report.md"]
 
 
+def test_metrics_replaces_an_earlier_report_too(tiny_model_dir, tmp_path):
+    out = tmp_path / "e"
+    assert cli.main(_evaluate_argv(tiny_model_dir, out, "--log-samples")) == 0
+    row = {"doc_id": 0, "target": "0", "filter": "none", "filtered_resps": [["-1.0", "False"], ["-1.5", "False"]],
+           "arguments": {"gen_args_0": {"arg_0": "Q", "arg_1": " a"}, "gen_args_1": {"arg_0": "Q", "arg_1": " bb"}}}
+    samples = tmp_path / "samples_toy_2026-01-02T10-11-12.5.jsonl"
+    samples.write_text(json.dumps(row) + "\n")
+    with untouched(tmp_path, run=out):
+        assert cli.main(["metrics", str(samples), "--bootstrap", "0", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "reliability_toy.png", "report.md"]
+
+
 def test_evaluate_refuses_a_folder_of_other_reports(tiny_model_dir, run, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli_evaluate, "load_base_model", _no_loading)
     mine = tmp_path / "mine"

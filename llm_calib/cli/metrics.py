@@ -94,14 +94,27 @@ def run(args: argparse.Namespace) -> int:
         >>> main(["metrics", "/nonexistent/samples.jsonl", "--out", "/tmp/x"])
         2
     """
-    from llm_calib.lm_eval_generations import first_row, generation_result, is_generation_row
-    from llm_calib.lm_eval_samples import check_samples_file, samples_result
-    from llm_calib.outputs import check_output_folder
-    from llm_calib.report import write_report
+    import contextlib
+
+    from llm_calib.lm_eval_samples import check_samples_file
+    from llm_calib.outputs import check_output_folder, earlier_report, run_lock
 
     for path in args.samples:  # a folder's error lists the samples files in it
         user_call(lambda path=path: check_samples_file(path), None)
     user_call(lambda: check_output_folder(args.out), None)  # before reading and scoring, not after
+    user_call(lambda: earlier_report(args.out), None)  # report files of another kind there: refused now
+    with contextlib.ExitStack() as stack:  # evaluate's and calibrate's lock: one run at a time writes to --out
+        user_call(lambda: stack.enter_context(run_lock(args.out)), None)
+        return _run_locked(args)
+
+
+def _run_locked(args: argparse.Namespace) -> int:
+    """:func:`run` after the checks of ``--out``, while holding its lock."""
+    from llm_calib.lm_eval_generations import first_row, generation_result, is_generation_row
+    from llm_calib.lm_eval_samples import samples_result
+    from llm_calib.outputs import earlier_report, remove_stale
+    from llm_calib.report import write_report
+
     generation = [p for p in args.samples if is_generation_row(user_call(lambda p=p: first_row(p) or {}, None))]
     choice = [p for p in args.samples if p not in generation]
     stats = {"n_bins": args.bins, "ci": args.bootstrap > 0, "n_resamples": max(args.bootstrap, 1), "seed": args.seed}
@@ -120,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
     if len(results) == 2:  # one report: the multiple-choice tasks, then the generation tasks
         result.domains.update(results[1].domains)
         result.config["generate_until"] = results[1].config
+    earlier = user_call(lambda: earlier_report(args.out), None)
     paths = write_report(result, args.out, title="Calibration report (lm-eval samples)")
+    remove_stale(earlier, list(paths.values()))  # an earlier report's diagrams do not stay beside this one
     print_summary(result, paths, args.out)
     return 0
