@@ -90,7 +90,6 @@ from harness.sweep import (
     write_json_atomic,
 )
 
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import EncodingCache
 from llm_calib.calm.fast_eval import (
     SharedTrunkEval,
@@ -98,6 +97,7 @@ from llm_calib.calm.fast_eval import (
     open_ended_set,
 )
 from llm_calib.calm.trainer import calibrate
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import (
     BUILTIN_DOMAINS,
     OpenQA,
@@ -106,14 +106,14 @@ from llm_calib.data import (
     load,
 )
 from llm_calib.engine.decode import GenOut
-from llm_calib.file_modes import write_text_atomic
-from llm_calib.metrics import confidence_correct, ece, reliability_bins
+from llm_calib.evaluation.report import plot_reliability
+from llm_calib.files.atomic import write_text_atomic
+from llm_calib.metrics.calibration import confidence_correct, ece, reliability_bins
+from llm_calib.metrics.temperature import fit_temperature
 from llm_calib.models import free_memory, tiny_random_model
 from llm_calib.models import load as load_model
-from llm_calib.prompts import continuation_text
-from llm_calib.report import plot_reliability
+from llm_calib.prompts.templates import continuation_text
 from llm_calib.scoring.base import ScoredSet
-from llm_calib.temperature import fit_temperature
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -442,7 +442,7 @@ def open_task(data_dir: Path | None, sizes: Sizes) -> Task:
     """The open-ended task: NQ-open dev split into test / held-out / unlabelled / train, few-shot
     examples from the training split, one training target per alias."""
     from llm_calib.data import one_record_per_alias
-    from llm_calib.prompts import draw_short_answer_examples
+    from llm_calib.prompts.templates import draw_short_answer_examples
 
     parts = [sizes.open_test, sizes.open_heldout, sizes.open_unlabeled, sizes.open_train]
     if data_dir is None:

@@ -51,11 +51,11 @@ def build(args: argparse.Namespace):
 
 def run_kind(kind: str, args: argparse.Namespace) -> list[dict]:
     from llm_calib.adjustment import LogitAdjustment
-    from llm_calib.calm.config import CalibrationConfig, LoraSettings
     from llm_calib.calm.encoding import encode_records
     from llm_calib.calm.lora import FunctionalLM, attach_lora
     from llm_calib.calm.losses import CalmLosses
     from llm_calib.calm.verify import check_hypergradients, proximal_problem
+    from llm_calib.config.calibration import CalibrationConfig, LoraSettings
     from llm_calib.objectives.calm import Calm
 
     model, tok, train, unlabeled, dtype = build(args)

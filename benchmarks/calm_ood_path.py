@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def domain_metrics(trainer, encodings, normalize: str) -> dict[str, dict[str, float]]:
     from llm_calib.calm.fast_eval import trunk_scores
-    from llm_calib.metrics import summarize
+    from llm_calib.metrics.calibration import summarize
 
     out = {}
     for name, enc in encodings.items():

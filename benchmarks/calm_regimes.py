@@ -9,7 +9,7 @@ Both train on ARC (Easy + Challenge train), select on ARC-Easy dev (labelled, us
 selection and the accuracy guard only) and test on ARC-Easy test (in domain) and several
 out-of-domain sets. Every trained method gets the same data, budget and seed; temperature
 scaling is fitted on the selection split and carried to every set. Uses only the public API
-(``llm_calib.compare.run_comparison``).
+(``llm_calib.evaluation.compare.run_comparison``).
 
 Run::
 
@@ -74,7 +74,7 @@ def one_setting(args: argparse.Namespace, **overrides) -> tuple[dict, object]:
     """The data (default sizes of this benchmark) and the config of a :func:`one_setting_parser` run."""
     from harness.flat_config import with_flat
 
-    from llm_calib.calm.config import CalibrationConfig
+    from llm_calib.config.calibration import CalibrationConfig
 
     torch.set_num_threads(args.threads)
     sizes = argparse.Namespace(data_dir=args.data_dir, n_train=400, n_select=150, n_unlabeled=300,
@@ -114,8 +114,8 @@ def summary_table(summary: dict, in_domain: str) -> list[str]:
 def main() -> None:
     from harness.flat_config import with_flat
 
-    from llm_calib.calm.config import CalibrationConfig
-    from llm_calib.compare import run_comparison, write_comparison_report
+    from llm_calib.config.calibration import CalibrationConfig
+    from llm_calib.evaluation.compare import run_comparison, write_comparison_report
     from llm_calib.models import load as load_model
     from llm_calib.models import tiny_random_model
     from llm_calib.objectives.registry import objective_from_dict

@@ -45,7 +45,7 @@ def fast_summary(model, tok, evals, encodings, cfg, in_domain: str) -> dict[str,
     from llm_calib.calm.encoding import encode_records
     from llm_calib.calm.fast_eval import trunk_scores
     from llm_calib.calm.lora import FunctionalLM
-    from llm_calib.metrics import summarize as metrics_of
+    from llm_calib.metrics.calibration import summarize as metrics_of
 
     lm = FunctionalLM(model)
     per = {}
@@ -104,10 +104,10 @@ def write_report(rows: list[dict], path: Path) -> None:
 def main() -> None:
     from harness.flat_config import with_flat
 
-    from llm_calib.calm.config import CalibrationConfig
     from llm_calib.calm.encoding import encode_records
     from llm_calib.calm.trainer import calibrate
-    from llm_calib.evaluate import evaluate_records
+    from llm_calib.config.calibration import CalibrationConfig
+    from llm_calib.evaluation.evaluate import evaluate_records
     from llm_calib.models import load as load_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

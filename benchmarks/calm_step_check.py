@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from calm_step_profile import arc  # the profile's seeded ARC-Easy samples (run from benchmarks/)
 
-from llm_calib.calm import sampling, training
-from llm_calib.calm.config import CalibrationConfig
+from llm_calib.calm import batch_order, training
+from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.models import load, random_init_model
 from llm_calib.objectives.lora_ce import LoraCE
 from llm_calib.scoring.option_likelihood import score_option_likelihood
@@ -78,8 +78,8 @@ def parts_vs_whole(args: argparse.Namespace) -> list[str]:
     lam = {k: v.detach() + 0.1 for k, v in state.objective_state.lam.items()}
     lines = []
     for step in range(args.steps):
-        idx = sampling.batch_indices(len(trainer.train), trainer.config.training.batch_size, step,
-                                              trainer.config.seed, sampling.TRAIN_STREAM)
+        idx = batch_order.batch_indices(len(trainer.train), trainer.config.training.batch_size, step,
+                                              trainer.config.seed, batch_order.TRAIN_STREAM)
         split = trainer.train.batch(idx, trainer.pad_id, trainer.lm)
         whole = trainer.train.batch(idx, trainer.pad_id, trainer.lm, split=False)
         for name, loss in (("g", trainer.losses.inner), ("f", trainer.losses.outer)):
@@ -110,10 +110,10 @@ def parts_vs_whole_cpu(args: argparse.Namespace) -> list[str]:
     for step in range(args.steps):
         batches = {}
         for how in ("parts", "whole"):
-            inner, outer = (enc.batch(sampling.batch_indices(len(enc), size, step, 0, stream), trainer.pad_id, trainer.lm,
+            inner, outer = (enc.batch(batch_order.batch_indices(len(enc), size, step, 0, stream), trainer.pad_id, trainer.lm,
                                       split=how == "parts")
-                            for enc, size, stream in ((trainer.train, 8, sampling.TRAIN_STREAM),
-                                                      (trainer.unlabeled, 8, sampling.UPPER_STREAM)))
+                            for enc, size, stream in ((trainer.train, 8, batch_order.TRAIN_STREAM),
+                                                      (trainer.unlabeled, 8, batch_order.UPPER_STREAM)))
             batches[how] = (inner, outer)
             tokens[how] += sum(int(p.packed.input_ids.numel()) for b in (inner, outer) for p in (b.parts or (b,)))
         for rep in range(3):

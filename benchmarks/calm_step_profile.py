@@ -42,8 +42,8 @@ from harness.report import machine_info
 
 import hypergrad as hg
 from llm_calib.calm import training
-from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.encoding import EncodedRecords
+from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.data import load as load_data
 from llm_calib.models import load, random_init_model, tiny_random_model
 from llm_calib.objectives.lora_ce import LoraCE

@@ -106,7 +106,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
 
     from llm_calib import distributed
     from llm_calib.calm import training
-    from llm_calib.calm.config import CalibrationConfig, SelectionSettings, TrainingSettings
+    from llm_calib.config.calibration import CalibrationConfig, SelectionSettings, TrainingSettings
     from llm_calib.data import builtin_multiple_choice
     from llm_calib.objectives.calm import Bome, Calm, ImplicitSolver
 

@@ -54,18 +54,18 @@ from harness.report import format_number, machine_info, markdown_table, provenan
 from naive_scoring import NaiveCalmLosses, score_option_likelihood_naive
 
 from llm_calib.calm import training
-from llm_calib.calm.config import (
+from llm_calib.calm.encoding import encode_records
+from llm_calib.calm.lora import FunctionalLM
+from llm_calib.calm.trainer import calibrate
+from llm_calib.config.calibration import (
     CalibrationConfig,
     LoraSettings,
     SelectionSettings,
     TrainingSettings,
 )
-from llm_calib.calm.encoding import encode_records
-from llm_calib.calm.lora import FunctionalLM
-from llm_calib.calm.trainer import calibrate
 from llm_calib.data import BUILTIN_DOMAINS, MultipleChoice, builtin_multiple_choice
 from llm_calib.data import load as load_data
-from llm_calib.demo import DemoSettings, split_data
+from llm_calib.evaluation.demo import DemoSettings, split_data
 from llm_calib.models import default_cache_dir, load, random_init_model, tiny_random_model
 from llm_calib.objectives.lora_ce import LoraCE
 from llm_calib.scoring.option_likelihood import score_option_likelihood
@@ -174,7 +174,7 @@ def questions(data_dir: Path | None, split: str, n: int, seed: int = 0) -> tuple
 
 
 def demo_config(n_layers: int, k: int | None, steps: int, seed: int = 0, batch_size: int | None = None) -> CalibrationConfig:
-    """The demo's CALM configuration (``llm_calib.demo.run_demo``) with LoRA on the top ``k`` layers."""
+    """The demo's CALM configuration (``llm_calib.evaluation.demo.run_demo``) with LoRA on the top ``k`` layers."""
     d = DemoSettings()
     k = n_layers if k is None else min(k, n_layers)
     bs = batch_size or d.batch_size
@@ -602,7 +602,7 @@ def render(result: dict[str, Any], out: Path | None) -> str:
         lines += ["", f"The trunk cache: {d['trunk_bytes_per_question'] / 1024:.0f} KiB per question, about "
                   f"{d['trunk_bytes_per_question'] * (EPOCH_QUESTIONS + HELDOUT_QUESTIONS) / MB:.0f} MB for an epoch's questions."]
     lines += ["", "## (e) Calibration quality against k (top-k LoRA layers)", "",
-              f"Demo data (`llm_calib.demo.split_data`): {q['n_train']} training, {q['n_heldout']} held-out, {q['n_test']} test "
+              f"Demo data (`llm_calib.evaluation.demo.split_data`): {q['n_train']} training, {q['n_heldout']} held-out, {q['n_test']} test "
               f"questions; ECE averaged over domains; {s.quality_steps} steps; s / step includes held-out evaluations.", "",
               *markdown_table(("k", "trainable params", "s / step", "selected step", "acc in", "ECE in", "acc out", "ECE out"),
                       [(*((r["k"], "-", "-", "-") if r["k"] == "uncalibrated" else (r["k"], f"{r['trainable_params']:,}",

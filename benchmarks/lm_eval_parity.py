@@ -148,7 +148,7 @@ def _lm_eval_worker(config_path: str) -> None:
 
 
 def _ece(lls: list[list[float]], gold: list[int]) -> float:
-    from llm_calib import metrics
+    from llm_calib.metrics import calibration as metrics
 
     probs = [np.exp(np.asarray(z) - np.logaddexp.reduce(np.asarray(z))) for z in lls]
     conf, correct = metrics.confidence_correct(probs, np.asarray(gold))
@@ -209,7 +209,7 @@ fewshot_config:
 def _fewshot_check(args: argparse.Namespace, records: dict[str, list[Any]], env: dict[str, str]) -> dict[str, Any]:
     """Prompt-level parity of k-shot prompts (lm-eval's first_n sampler; no model is run)."""
     from llm_calib.data import load as load_data
-    from llm_calib.prompts import preset, record_prompt, with_fewshot
+    from llm_calib.prompts.templates import preset, record_prompt, with_fewshot
 
     k = args.fewshot_check
     work = Path(tempfile.mkdtemp(prefix="lm_eval_fewshot_"))
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     from llm_calib.data import load as load_data
     from llm_calib.models import ALIASES, default_cache_dir
     from llm_calib.models import load as load_model
-    from llm_calib.prompts import preset
+    from llm_calib.prompts.templates import preset
     from llm_calib.scoring import score_option_likelihood
 
     n = 20 if args.quick else args.n

@@ -209,7 +209,7 @@ def prefix_cache_stats(task: str, work: Path, model_dir: Path, batch: int) -> di
 
     from llm_calib.data import load
     from llm_calib.engine.prefix import DEFAULT_PREFIX_CACHE_MB, plan_prefix_batches
-    from llm_calib.prompts import PromptFormat
+    from llm_calib.prompts.templates import PromptFormat
     from llm_calib.scoring.option_likelihood import encode_questions
 
     tok = AutoTokenizer.from_pretrained(model_dir)

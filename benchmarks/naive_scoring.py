@@ -24,7 +24,7 @@ from llm_calib.calm.losses import CalmLosses, option_lengths
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import PackedQuestions
 from llm_calib.formats import MultipleChoiceFormat
-from llm_calib.prompts import PromptFormat, uses_chat_template
+from llm_calib.prompts.templates import PromptFormat, uses_chat_template
 from llm_calib.scoring.base import ScoredSet, check_records, progress_bar
 from llm_calib.scoring.option_likelihood import NORMALIZE_MODES, EncodedQuestion, encode_questions
 from llm_calib.training_interface import Batch

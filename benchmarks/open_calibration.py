@@ -54,18 +54,18 @@ from llm_calib import (
     TrainingSettings,
     calibrate,
 )
-from llm_calib.calm.config import open_prompt_format
 from llm_calib.calm.fast_eval import open_ended_set
+from llm_calib.confidence.kinds import OpenConfidence
+from llm_calib.confidence.token import encode_open_prompts
+from llm_calib.config.calibration import open_prompt_format
 from llm_calib.data import builtin_open_questions, load
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GenOut, generate_greedy
-from llm_calib.evaluate import evaluate_records
-from llm_calib.file_modes import write_json_atomic, write_text_atomic
+from llm_calib.evaluation.evaluate import evaluate_records
+from llm_calib.files.atomic import write_json_atomic, write_text_atomic
 from llm_calib.models import load as load_model
 from llm_calib.models import tiny_random_model
-from llm_calib.prompts import draw_short_answer_examples
-from llm_calib.scoring.open_confidence import OpenConfidence
-from llm_calib.scoring.open_ended import encode_open_prompts
+from llm_calib.prompts.templates import draw_short_answer_examples
 
 ROWS = ("uncalibrated", "temperature", "lora_ce", "lora_ce+T", "calm", "calm+T")
 LABELS = {"uncalibrated": "uncalibrated", "temperature": "temperature scaling", "lora_ce": "LoRA CE",

@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers b
 
 from harness.report import machine_info, markdown_table, provenance_lines
 
+from llm_calib.confidence.token import encode_open_prompts
 from llm_calib.data import load_nq_open
 from llm_calib.engine.sampling import SamplingSettings, sample_answers, sample_seed
 from llm_calib.models import load
-from llm_calib.scoring.open_ended import encode_open_prompts
 
 ALIAS = "smollm2-135m-instruct"
 NQ = "/work/shared/data/nq_open/NQ-open.dev.jsonl"

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     from llm_calib.data import load
-    from llm_calib.metrics import ece
+    from llm_calib.metrics.calibration import ece
     from llm_calib.models import load as load_model
     from llm_calib.scoring.option_likelihood import score_option_likelihood
 

@@ -200,7 +200,7 @@ def measured_terms(dtype: str, data_dir: str, checkpointing: bool = False) -> di
     one training loss g on a batch of 8 (``saved_tensors_hooks``, each storage counted once),
     split into the output head's (vocabulary-sized) and the layers' activations."""
     from llm_calib.calm import training
-    from llm_calib.calm.config import CalibrationConfig
+    from llm_calib.config.calibration import CalibrationConfig
     from llm_calib.data import load as load_data
     from llm_calib.models import load
 

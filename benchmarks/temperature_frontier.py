@@ -28,7 +28,7 @@ GRID = np.exp(np.linspace(np.log(0.5), np.log(40.0), 120))
 
 
 def ece_at(scored, temperature: float) -> tuple[float, float, float]:
-    from llm_calib.metrics import summarize
+    from llm_calib.metrics.calibration import summarize
 
     probs = [(s / temperature).softmax(-1).numpy() for s in scored.logits]
     m = summarize(probs, list(scored.labels), ci=False)
@@ -38,8 +38,8 @@ def ece_at(scored, temperature: float) -> tuple[float, float, float]:
 def main() -> None:
     from harness.evaluation import score_records
 
+    from llm_calib.metrics.temperature import fit_temperature
     from llm_calib.models import load as load_model
-    from llm_calib.temperature import fit_temperature
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from llm_calib import distributed
-from llm_calib.file_modes import write_text_atomic
+from llm_calib.files.atomic import write_text_atomic
 
 __all__ = [
     "ALIASES", "ATTN_IMPLEMENTATIONS", "CACHE_MARKER", "DTYPES", "FINGERPRINT_WINDOW", "GGUFAlias",

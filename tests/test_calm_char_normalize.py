@@ -10,11 +10,11 @@ import torch
 
 from llm_calib import cli
 from llm_calib.adjustment import LogitAdjustment
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.fast_eval import base_scores
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import MultipleChoice, OpenQA, builtin_multiple_choice
 from llm_calib.models import tiny_random_model
 from llm_calib.scoring import score_option_likelihood
@@ -79,7 +79,7 @@ def test_calibrate_cli_trains_and_selects_under_char(tiny_model_dir, tmp_path):
 
 
 def test_training_under_an_lm_eval_preset_scores_like_evaluate():
-    from llm_calib.prompts import preset
+    from llm_calib.prompts.templates import preset
 
     model, tok = tiny_random_model(seed=0, init_std=0.1)
     want = score_option_likelihood(model, tok, QUESTIONS, normalize="char", prompt=preset("lm_eval_arc"))

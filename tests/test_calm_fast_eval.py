@@ -12,7 +12,6 @@ import torch
 from _benchmarks import BENCHMARKS, load_benchmark  # noqa: F401  (puts benchmarks/ on sys.path for harness)
 from harness.sweep import ece_resamples
 
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.fast_eval import (
     SharedTrunkEval,
@@ -22,12 +21,13 @@ from llm_calib.calm.fast_eval import (
     trunk_scores,
 )
 from llm_calib.calm.lora import FunctionalLM, attach_lora
+from llm_calib.confidence.token import encode_open_prompts, score_open_ended
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import MultipleChoice, OpenQA, builtin_multiple_choice
 from llm_calib.engine.decode import GenOut, TrunkGenerator
-from llm_calib.metrics import ece
+from llm_calib.metrics.calibration import ece
 from llm_calib.models import tiny_random_model
-from llm_calib.prompts import short_answer_format
-from llm_calib.scoring.open_ended import encode_open_prompts, score_open_ended
+from llm_calib.prompts.templates import short_answer_format
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
 GRID = np.exp(np.linspace(np.log(0.25), np.log(64.0), 41))  # T = 1 included

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 import hypergrad as hg
 from llm_calib.adjustment import LogitAdjustment
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.engine.packing import length_parts
 from llm_calib.models import tiny_random_model

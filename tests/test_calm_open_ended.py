@@ -10,7 +10,6 @@ from _configs import configured
 from _directional import directional_derivatives
 
 from llm_calib.adjustment import LogitAdjustment
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import EncodingCache, encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses
@@ -19,16 +18,17 @@ from llm_calib.calm.trainer import (
     TrainingDiverged,
     calibrate,
 )
-from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
+from llm_calib.confidence.token import encode_open_prompts
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice, one_record_per_alias
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import finish_answer, generate_greedy
 from llm_calib.engine.packing import pack_continuations
+from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.formats import OpenEnded
 from llm_calib.models import tiny_random_model
-from llm_calib.prompts import PromptFormat, short_answer_format
+from llm_calib.prompts.templates import PromptFormat, short_answer_format
 from llm_calib.scoring.base import encode_continuation
-from llm_calib.scoring.open_ended import encode_open_prompts
 from llm_calib.training_interface import Batch
 
 

@@ -11,9 +11,9 @@ import torch
 from _configs import configured
 
 from llm_calib.calm import training
-from llm_calib.calm.config import LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
+from llm_calib.config.calibration import LoraSettings
 from llm_calib.data import load
 from llm_calib.models import enable_checkpointing, tiny_random_model
 
@@ -196,7 +196,7 @@ def test_attention_without_4d_masks_is_detected_and_exact(tiny_model_dir, mc_rec
     one sequence per option by themselves, and compute what the packed layout computes (1e-5)."""
     from llm_calib.engine.packing import accepts_packed_masks
     from llm_calib.models import load as load_model
-    from llm_calib.prompts import PromptFormat
+    from llm_calib.prompts.templates import PromptFormat
     from llm_calib.scoring.option_likelihood import encode_questions, option_log_likelihoods
 
     impl = _padding_only_attention()

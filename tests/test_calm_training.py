@@ -16,13 +16,13 @@ from _configs import configured
 from harness.selection import best_candidate
 
 from llm_calib.calm import training
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.run import theta_optimizer
 from llm_calib.calm.trainer import calibrate
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import load as load_data
 from llm_calib.models import tiny_random_model
-from llm_calib.prompts import PromptFormat
+from llm_calib.prompts.templates import PromptFormat
 from llm_calib.scoring import score_option_likelihood
 
 

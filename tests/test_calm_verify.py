@@ -14,7 +14,6 @@ from harness.loss_check import compare_losses, relative_difference
 
 import hypergrad as hg
 from llm_calib.adjustment import LogitAdjustment
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses
@@ -25,6 +24,7 @@ from llm_calib.calm.verify import (
     proximal_problem,
     solve_lower_level,
 )
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.models import tiny_random_model
 

@@ -14,15 +14,15 @@ from transformers.utils import logging as hf_logging
 
 import llm_calib
 from llm_calib import cli
-from llm_calib.calm.config import (
+from llm_calib.calm.training import selection_note, warn_small_heldout
+from llm_calib.config.calibration import (
     CalibrationConfig,
     LoraSettings,
     SelectionSettings,
     TrainingSettings,
 )
-from llm_calib.calm.training import selection_note, warn_small_heldout
 from llm_calib.data import builtin_multiple_choice
-from llm_calib.evaluate import evaluate_records
+from llm_calib.evaluation.evaluate import evaluate_records
 from llm_calib.models import tiny_random_model
 
 TRAIN = "builtin:arithmetic,capitals:n=4"

@@ -1,7 +1,7 @@
 """The configuration is resolved once and passed on: following it from ``llm_calib.calibrate``.
 
 The trace records, in call order, every call into an ``llm_calib`` file that receives the
-configuration or one of its parts (the :class:`~llm_calib.calm.config.CalibrationConfig`, its
+configuration or one of its parts (the :class:`~llm_calib.config.calibration.CalibrationConfig`, its
 ``lora``/``prompt``/``training``/``selection`` parts, the objective or its solver) as an argument
 or as ``self``. Consecutive calls into one file count once; a *return* is a call into a file the
 trace had left before. Downstream of :func:`~llm_calib.calm.run.resolve_run` the loop reads the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import llm_calib
 from llm_calib import CalibrationConfig, calibrate
-from llm_calib.calm import config as config_module
+from llm_calib.config import calibration as config_module
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.models import tiny_random_model
 from llm_calib.objectives.base import Objective

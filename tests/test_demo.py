@@ -1,4 +1,4 @@
-"""``llm-calib demo`` (llm_calib.demo): the trunk-cached pipeline gives the plain scorer's numbers,
+"""``llm-calib demo`` (llm_calib.evaluation.demo): the trunk-cached pipeline gives the plain scorer's numbers,
 the report says what the table means, and its reading follows the numbers."""
 
 from __future__ import annotations
@@ -10,7 +10,13 @@ import pytest
 
 from llm_calib.calm.run import format_settings
 from llm_calib.calm.trainer import CalibrationResult
-from llm_calib.demo import DemoSettings, calibration_config, explain_table, run_demo, split_data
+from llm_calib.evaluation.demo import (
+    DemoSettings,
+    calibration_config,
+    explain_table,
+    run_demo,
+    split_data,
+)
 from llm_calib.models import load
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 

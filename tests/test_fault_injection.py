@@ -22,7 +22,7 @@ import pytest
 from safetensors.torch import load_file
 
 from llm_calib import cli
-from llm_calib.outputs import LOCK_FILE
+from llm_calib.files.outputs import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

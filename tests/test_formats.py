@@ -15,15 +15,16 @@ import torch
 from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
 from harness.evaluation import summarize_scored
 
-from llm_calib import metrics
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm import training
-from llm_calib.calm.config import CalibrationConfig, open_prompt_format
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.run import format_settings, task_format
+from llm_calib.confidence.token import OpenEndedSet
+from llm_calib.config.calibration import CalibrationConfig, open_prompt_format
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.evaluate import evaluate_records, sample_rows
+from llm_calib.evaluation.evaluate import evaluate_records, sample_rows
+from llm_calib.evaluation.report import markdown_report
 from llm_calib.formats import (
     Letter,
     OpenEnded,
@@ -34,10 +35,10 @@ from llm_calib.formats import (
     family_format,
     format_for,
 )
+from llm_calib.metrics import calibration as metrics
 from llm_calib.models import tiny_random_model
-from llm_calib.prompts import PromptFormat
-from llm_calib.report import markdown_report
-from llm_calib.scoring import OpenEndedSet, ScoredSet
+from llm_calib.prompts.templates import PromptFormat
+from llm_calib.scoring import ScoredSet
 
 
 def _mc(n: int = 3, domains: Sequence[str] = ("capitals",)) -> list[MultipleChoice]:
@@ -257,7 +258,7 @@ def test_task_format_subclasses_need_the_whole_interface() -> None:
 def test_letter_training_prompts_are_the_letter_scorer_s(tiny) -> None:
     """Training under the letter format reads the prompt the letter scorer scores (a template or a
     pre-rendered prompt included), so training and evaluation see the same text."""
-    from llm_calib.prompts import record_prompt
+    from llm_calib.prompts.templates import record_prompt
     from llm_calib.scoring.base import encode_prompt
 
     _, tok = tiny

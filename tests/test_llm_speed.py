@@ -14,10 +14,10 @@ import torch
 from _benchmarks import load_benchmark
 
 from llm_calib.adjustment import LogitAdjustment
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import pack_questions
 

@@ -99,7 +99,7 @@ def test_generation_stops_at_the_tasks_until_sequences_as_lm_eval(tmp_path: Path
     pytest.importorskip("lm_eval")
     from lm_eval.models.huggingface import HFLM
 
-    from llm_calib.scoring.open_ended import encode_open_prompts, generate_greedy, score_open_ended
+    from llm_calib.confidence.token import encode_open_prompts, generate_greedy, score_open_ended
 
     model, tok = tiny_random_model(seed=0, init_std=0.1)
     # stop sequences taken from the middle of the model's own free answers, so that each one stops early

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from llm_calib import cli
-from llm_calib.calm.config import CalibrationConfig
-from llm_calib.compare import run_comparison
+from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.data import load as load_data
+from llm_calib.evaluation.compare import run_comparison
 from llm_calib.models import ModelLoadConfig, load, load_count
 from llm_calib.objectives.calm import Calm
 from llm_calib.objectives.lora_ce import LoraCE

@@ -7,13 +7,13 @@ import json
 import pytest
 
 from llm_calib import cli
-from llm_calib.calm.config import (
+from llm_calib.calm.run import run_formats
+from llm_calib.config.calibration import (
     CONFIG_PRESETS,
     PAPER_LORA_MODULES,
     CalibrationConfig,
     apply_preset,
 )
-from llm_calib.calm.run import run_formats
 from llm_calib.data import OpenQA, builtin_multiple_choice
 from llm_calib.data import load as load_data
 from llm_calib.data.errors import DataError

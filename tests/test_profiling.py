@@ -23,8 +23,8 @@ from harness.profiling import (
     timed,
 )
 
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.training import build_trainer, init_state
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
 
 

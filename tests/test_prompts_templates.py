@@ -9,9 +9,10 @@ import pytest
 import torch
 from _benchmarks import load_benchmark
 
+from llm_calib.confidence.token import encode_open_prompts, score_open_ended
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.fewshot import resolve_fewshot
-from llm_calib.prompts import (
+from llm_calib.prompts.fewshot import resolve_fewshot
+from llm_calib.prompts.templates import (
     PRESETS,
     PromptFormat,
     build_prompt,
@@ -24,14 +25,8 @@ from llm_calib.prompts import (
     template_fields,
     with_fewshot,
 )
-from llm_calib.scoring import (
-    normalized,
-    score_letter,
-    score_open_ended,
-    score_option_likelihood,
-)
+from llm_calib.scoring import normalized, score_letter, score_option_likelihood
 from llm_calib.scoring.base import encode_prompt
-from llm_calib.scoring.open_ended import encode_open_prompts
 
 # the slow one-sequence-per-option reference (benchmarks/naive_scoring.py, not library API)
 score_option_likelihood_naive = load_benchmark("naive_scoring").score_option_likelihood_naive

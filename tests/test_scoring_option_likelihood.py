@@ -9,7 +9,7 @@ import torch
 from _benchmarks import load_benchmark
 
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.prompts import PromptFormat
+from llm_calib.prompts.templates import PromptFormat
 from llm_calib.scoring import score_option_likelihood
 from llm_calib.scoring.option_likelihood import encode_questions
 

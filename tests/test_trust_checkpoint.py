@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_calib.checkpoint import (
+from llm_calib.files.checkpoint import (
     checkpoint_problem,
     latest_checkpoint,
     load_checkpoint,

@@ -41,7 +41,7 @@ def compare_losses(a: Trainer, a_theta: dict[str, Tensor], b: Trainer, b_theta: 
         ``g`` ``grad_lam_rel``), :func:`relative_difference` against ``b``; and ``scores_max_abs_diff``.
 
     Example:
-        >>> from llm_calib.calm.config import CalibrationConfig, LoraSettings
+        >>> from llm_calib.config.calibration import CalibrationConfig, LoraSettings
         >>> from llm_calib.calm.training import build_trainer
         >>> from llm_calib.data import builtin_multiple_choice
         >>> from llm_calib.models import tiny_random_model

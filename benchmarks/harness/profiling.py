@@ -293,7 +293,7 @@ def bome_step_breakdown(trainer: Any, state: Any, repeats: int = 2) -> dict[str,
         the plain step's; ``call_ratio``: the whole call's over the plain step's.
 
     Example:
-        >>> from llm_calib.calm.config import CalibrationConfig, LoraSettings, TrainingSettings
+        >>> from llm_calib.config.calibration import CalibrationConfig, LoraSettings, TrainingSettings
         >>> from llm_calib.calm.training import build_trainer, init_state
         >>> from llm_calib.data import builtin_multiple_choice
         >>> from llm_calib.models import tiny_random_model

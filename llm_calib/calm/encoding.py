@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from llm_calib import distributed
-from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.run import format_settings, task_format
+from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.engine.packing import LENGTH_NORMALIZATIONS, PackedQuestions, length_parts
 from llm_calib.formats import TaskFormat
@@ -206,7 +206,7 @@ class EncodingCache:
     every run.
 
     Example:
-        >>> from llm_calib.calm.config import TrainingSettings
+        >>> from llm_calib.config.calibration import TrainingSettings
         >>> from llm_calib.data import builtin_multiple_choice
         >>> from llm_calib.models import tiny_random_model
         >>> _, tok = tiny_random_model()

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import EncodedRecords, encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.run import format_settings, task_format
+from llm_calib.confidence.token import OpenEndedSet, encode_open_prompts
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GenOut, TrunkGenerator
 from llm_calib.engine.options import forward_rows
@@ -31,7 +32,6 @@ from llm_calib.engine.packing import (
 from llm_calib.formats.base import TaskFormat
 from llm_calib.models import lm_head_logits, split_decoder_head
 from llm_calib.scoring.base import ScoredSet
-from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts
 
 __all__ = [
     "SharedTrunkEval", "base_scores", "fill_trunk_caches", "open_ended_set", "trunk_scores",
@@ -108,7 +108,7 @@ def _option_scores(enc: EncodedRecords, batch_size: int, normalize: str, bar: An
 
 
 def open_ended_set(records: Sequence[OpenQA], outs: Sequence[GenOut], temperature_index: int | None = None) -> OpenEndedSet:
-    """The :class:`~llm_calib.scoring.open_ended.OpenEndedSet` of greedy answers (token probabilities at grid
+    """The :class:`~llm_calib.confidence.token.OpenEndedSet` of greedy answers (token probabilities at grid
     temperature ``temperature_index``).
 
     Raises:

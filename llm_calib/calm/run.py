@@ -4,7 +4,7 @@ Everything the configuration leaves to be worked out is worked out here, once: t
 (:func:`resolve_prompt`, the one prompt resolver, which ``llm-calib evaluate`` uses too), the scorer
 settings (:func:`format_settings`), the task formats of the sets (:func:`run_formats`), θ's
 optimiser (:func:`theta_optimizer`) and the budget (``training.epochs`` -> ``training.steps``).
-:func:`~llm_calib.calm.trainer.calibrate`, :func:`~llm_calib.compare.run_comparison` and
+:func:`~llm_calib.calm.trainer.calibrate`, :func:`~llm_calib.evaluation.compare.run_comparison` and
 ``llm-calib calibrate`` pass the resolved run on; nothing here writes into the configuration.
 """
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import hypergrad as hg
-from llm_calib.calm.config import CalibrationConfig, open_prompt_format
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE
+from llm_calib.config.calibration import CalibrationConfig, open_prompt_format
 from llm_calib.formats import MULTIPLE_CHOICE_FORMATS, TaskFormat, format_for, records_family
 from llm_calib.objectives.base import Objective
-from llm_calib.prompts import PromptFormat, preset
+from llm_calib.prompts.templates import PromptFormat, preset
 
 __all__ = ["ResolvedRun", "RunFormats", "format_settings", "resolve_prompt", "resolve_run", "run_formats",
            "set_records", "task_format", "theta_optimizer"]
@@ -32,13 +32,13 @@ def resolve_prompt(scorer: str, overrides: Mapping[str, Any] | None = None, *, p
     """The multiple-choice prompt of a run or an evaluation: the one place a prompt is resolved.
 
     The preset ``preset_name`` (with ``chat_template`` when given), else the prompt a saved result
-    records (``saved``: :class:`~llm_calib.prompts.PromptFormat` fields), else the scorer's prompt
+    records (``saved``: :class:`~llm_calib.prompts.templates.PromptFormat` fields), else the scorer's prompt
     of ``style`` (the scorer's default style when None); then the ``overrides`` (prompt fields
     given explicitly: a template, few-shot settings, ...). The few-shot pool is not loaded here.
 
     Raises:
         ValueError: an unknown scorer or preset, or an invalid prompt field (from
-            :class:`~llm_calib.prompts.PromptFormat`).
+            :class:`~llm_calib.prompts.templates.PromptFormat`).
 
     Example:
         >>> resolve_prompt("letter").style, resolve_prompt("option_likelihood", {"fewshot": 1}, style="listed").fewshot
@@ -61,7 +61,7 @@ def resolve_prompt(scorer: str, overrides: Mapping[str, Any] | None = None, *, p
 
 def format_settings(config: CalibrationConfig) -> dict[str, Any]:
     """The scorer settings of a configuration, as :func:`~llm_calib.formats.format_for` and
-    :func:`~llm_calib.evaluate.evaluate_records` take them: the one reader of its ``prompt`` part.
+    :func:`~llm_calib.evaluation.evaluate.evaluate_records` take them: the one reader of its ``prompt`` part.
 
     The multiple-choice prompt follows ``style`` (listed for the letter scorer), or, with ``preset`` or
     any prompt setting ``evaluate`` has a flag for (``template``, ``target_delimiter``, ``choices``,
@@ -69,7 +69,7 @@ def format_settings(config: CalibrationConfig) -> dict[str, Any]:
     flags (:func:`resolve_prompt`). Few-shot examples come from ``config.prompt.fewshot_pool``, or,
     when it is empty, from ``fewshot_split`` loaded here (the configuration is not changed), so
     training, selection and evaluation show a question the same examples. Open questions use
-    :func:`~llm_calib.calm.config.open_prompt_format`.
+    :func:`~llm_calib.config.calibration.open_prompt_format`.
 
     Example:
         >>> s = format_settings(CalibrationConfig(prompt=dict(scorer="letter")))
@@ -82,7 +82,7 @@ def format_settings(config: CalibrationConfig) -> dict[str, Any]:
     if prompt.fewshot:
         pool = settings.fewshot_pool
         if not pool:
-            from llm_calib.fewshot import resolve_fewshot
+            from llm_calib.prompts.fewshot import resolve_fewshot
 
             pool = resolve_fewshot(prompt).fewshot_pool  # type: ignore[union-attr]
         prompt = dataclasses.replace(prompt, fewshot_pool=pool)
@@ -102,7 +102,7 @@ def theta_optimizer(config: CalibrationConfig, lr: float | None = None) -> hg.in
     a useful distance (log 2 for T = 2) in a few dozen steps. ``lr`` defaults to ``config.training.lr``.
 
     Example:
-        >>> from llm_calib.calm.config import TrainingSettings
+        >>> from llm_calib.config.calibration import TrainingSettings
         >>> theta_optimizer(CalibrationConfig(training=TrainingSettings(lr=1e-3))).lr
         0.001
     """
@@ -234,7 +234,7 @@ class ResolvedRun:
         return self.config.objective
 
     def with_objective(self, objective: Objective) -> ResolvedRun:
-        """The same run training ``objective`` (as :func:`~llm_calib.compare.run_comparison` trains each method).
+        """The same run training ``objective`` (as :func:`~llm_calib.evaluation.compare.run_comparison` trains each method).
 
         Example:
             >>> from llm_calib.data import builtin_multiple_choice
@@ -251,7 +251,7 @@ def resolve_run(config: CalibrationConfig | None, train: Any, heldout: Any, unla
     """Resolve a run once: its prompt and scorer settings, the formats of its sets, θ's optimiser, its budget.
 
     Args:
-        config: the configuration (None: :class:`~llm_calib.calm.config.CalibrationConfig()`); not changed.
+        config: the configuration (None: :class:`~llm_calib.config.calibration.CalibrationConfig()`); not changed.
         train, heldout, unlabeled: the run's sets (records or their encodings; ``unlabeled`` may be None),
             checked as :func:`run_formats` checks them.
         names: how error messages name the three sets.

@@ -21,12 +21,12 @@ from tqdm.auto import tqdm
 
 from llm_calib import distributed
 from llm_calib.calm import training
-from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.run import ResolvedRun, format_settings, resolve_run
 from llm_calib.calm.training import Records, TrainingDiverged
+from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.engine.context import context_window
-from llm_calib.prompts import prompt_dict
+from llm_calib.prompts.templates import prompt_dict
 
 __all__ = ["BASE_MODEL_FILE", "CalibrationResult", "TrainingDiverged", "base_model_record", "calibrate"]
 
@@ -71,7 +71,7 @@ class CalibrationResult:
 
         from safetensors.torch import save_file
 
-        from llm_calib.file_modes import atomic_path, ordinary_modes, write_json_atomic
+        from llm_calib.files.atomic import atomic_path, ordinary_modes, write_json_atomic
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
@@ -110,8 +110,8 @@ class CalibrationResult:
             >>> CalibrationResult.problem(tempfile.mkdtemp())
             'adapter/adapter_model.safetensors: missing'
         """
-        from llm_calib.checkpoint import safetensors_problem
-        from llm_calib.file_modes import read_json
+        from llm_calib.files.atomic import read_json
+        from llm_calib.files.checkpoint import safetensors_problem
 
         src = Path(directory)
         for name in ("adapter/adapter_model.safetensors", "lambda.safetensors"):
@@ -135,7 +135,7 @@ class CalibrationResult:
         from peft import PeftModel
         from safetensors.torch import load_file
 
-        from llm_calib.file_modes import read_json
+        from llm_calib.files.atomic import read_json
 
         src = Path(directory)
         if not (src / "adapter").is_dir():
@@ -161,7 +161,7 @@ def base_model_record(model: Any, config: CalibrationConfig | ResolvedRun) -> di
         ``quantization`` (``"4-bit NF4"``, ... or None; :func:`~llm_calib.engine.options.loaded_precision`),
         ``fingerprint`` (:func:`~llm_calib.models.model_fingerprint` of its files, which lets a copy
         or a moved folder of the base be recognised; None without local files), ``prompt``
-        (:func:`~llm_calib.prompts.prompt_dict`), ``scorer`` and ``normalize``.
+        (:func:`~llm_calib.prompts.templates.prompt_dict`), ``scorer`` and ``normalize``.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -195,7 +195,7 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
             also the upper-level inputs unless ``unlabeled`` is given.
         config: the run's configuration (default :class:`CalibrationConfig()`), or the run already
             resolved from it (:func:`~llm_calib.calm.run.resolve_run`, as
-            :func:`~llm_calib.compare.run_comparison` passes it); not changed.
+            :func:`~llm_calib.evaluation.compare.run_comparison` passes it); not changed.
         unlabeled: upper-level inputs of the same kind (labels ignored). Default: held-out inputs.
         checkpoint_dir: where to write checkpoints every ``config.checkpoint_every`` steps.
         resume: continue from the newest checkpoint in ``checkpoint_dir`` (same configuration but
@@ -215,7 +215,7 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
     Example:
         >>> from llm_calib.models import tiny_random_model
         >>> from llm_calib.data import builtin_multiple_choice
-        >>> from llm_calib.calm.config import SelectionSettings, TrainingSettings
+        >>> from llm_calib.config.calibration import SelectionSettings, TrainingSettings
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
         >>> cfg = CalibrationConfig(training=TrainingSettings(steps=2, batch_size=2, heldout_batch_size=2),

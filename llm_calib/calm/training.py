@@ -12,7 +12,7 @@ objective); :class:`TrainState` what it changes (θ, the objective's state, hist
         state.history.append(record)
 
 is what :func:`llm_calib.calm.trainer.calibrate` runs, with checkpoints (:func:`save_state`,
-:func:`resume_state`) around it. Batches come from seeded streams (:mod:`llm_calib.calm.sampling`).
+:func:`resume_state`) around it. Batches come from seeded streams (:mod:`llm_calib.calm.batch_order`).
 
 The loop knows an objective only through :mod:`llm_calib.training_interface`: it makes a
 :class:`RunContext` (the :class:`~llm_calib.training_interface.StepContext` of a step) and calls the
@@ -37,16 +37,16 @@ from torch import Tensor
 
 import hypergrad as hg
 from llm_calib import distributed
-from llm_calib.calm import sampling
-from llm_calib.calm.config import CalibrationConfig, flat_paths
+from llm_calib.calm import batch_order
 from llm_calib.calm.encoding import EncodedRecords, encode_records
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses, DataParallelLosses
 from llm_calib.calm.run import ResolvedRun, resolve_run, set_records
-from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from llm_calib.config.calibration import CalibrationConfig, flat_paths
 from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llm_calib.formats.base import TaskFormat
-from llm_calib.metrics import ece as ece_metric
+from llm_calib.metrics.calibration import ece as ece_metric
 from llm_calib.objectives.base import Objective
 from llm_calib.training_interface import Batch, ObjectiveState
 
@@ -118,16 +118,16 @@ class Trainer:
 
     def train_batch(self, step: int) -> Batch:
         """This rank's training batch of ``step`` (0-based)."""
-        return self._batch(self.train, self.config.training.batch_size, step, sampling.TRAIN_STREAM)
+        return self._batch(self.train, self.config.training.batch_size, step, batch_order.TRAIN_STREAM)
 
     def unlabeled_batch(self, step: int) -> Batch:
         """This rank's batch of upper-level inputs of ``step`` (labels unused)."""
         size = self.config.training.heldout_batch_size
-        return self._batch(self.unlabeled, size, step, sampling.UPPER_STREAM)
+        return self._batch(self.unlabeled, size, step, batch_order.UPPER_STREAM)
 
     def _batch(self, data: EncodedRecords, size: int, step: int, stream: int) -> Batch:
-        idx = sampling.batch_indices(len(data.records), size, step, self.config.seed, stream)
-        return data.batch(sampling.shard(idx), self.pad_id, self.lm)
+        idx = batch_order.batch_indices(len(data.records), size, step, self.config.seed, stream)
+        return data.batch(batch_order.shard(idx), self.pad_id, self.lm)
 
 
 @dataclass
@@ -305,7 +305,7 @@ def keep_differentiated_units_gathered(lm: FunctionalLM, second_order: bool) -> 
 
     Example:
         >>> from llm_calib.models import tiny_random_model
-        >>> from llm_calib.calm.config import LoraSettings
+        >>> from llm_calib.config.calibration import LoraSettings
         >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))
         >>> keep_differentiated_units_gathered(lm, CalibrationConfig(objective={"name": "calm", "solver": "implicit"}).objective.second_order)
         []
@@ -469,7 +469,7 @@ def is_selectable(accuracy: float, reference_accuracy: float, config: Calibratio
     """The accuracy floor of model selection: ``accuracy >= guard_accuracy * reference_accuracy``.
 
     Example:
-        >>> from llm_calib.calm.config import SelectionSettings
+        >>> from llm_calib.config.calibration import SelectionSettings
         >>> cfg = CalibrationConfig(selection=SelectionSettings(guard_accuracy=0.9))
         >>> is_selectable(0.45, 0.5, cfg), is_selectable(0.44, 0.5, cfg)
         (True, False)

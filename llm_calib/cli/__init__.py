@@ -12,7 +12,7 @@ Subcommands:
   save a standalone Hugging Face model.
 * ``llm-calib demo``: the main job on the embedded default.
 * ``llm-calib metrics SAMPLES...``: the calibration report of lm-eval ``--log_samples`` files
-  (:mod:`llm_calib.lm_eval_samples`; no model needed).
+  (:mod:`llm_calib.evaluation.lm_eval_samples`; no model needed).
 
 Errors in the user's input (a bad data spec, a missing file, an unknown model) print one line
 ``llm-calib: error: ...`` and exit with status 2, without a traceback; Ctrl-C and SIGTERM print one

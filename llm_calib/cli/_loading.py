@@ -72,11 +72,11 @@ def start(args: argparse.Namespace, quiet: bool) -> None:
 
 def resolve_base(args: argparse.Namespace, adapter: str | None, flag: str) -> dict[str, Any]:
     """``--model`` and ``--dtype`` default to what the saved result at ``adapter`` records
-    (:func:`~llm_calib.export.saved_base`); without an adapter, to the built-in model and float32.
+    (:func:`~llm_calib.calm.export.saved_base`); without an adapter, to the built-in model and float32.
 
     Returns:
         The saved record (empty when there is none); without an adapter, the record of an exported
-        merged ``--model`` (:func:`~llm_calib.export.merged_record`): the prompt it was trained with.
+        merged ``--model`` (:func:`~llm_calib.calm.export.merged_record`): the prompt it was trained with.
         The file it was read from is ``args.base_record`` (None when there is none).
 
     Raises:
@@ -85,7 +85,7 @@ def resolve_base(args: argparse.Namespace, adapter: str | None, flag: str) -> di
             model and no ``--model`` is given; a local ``--model`` that is no model
             (:func:`check_model_path`).
     """
-    from llm_calib.export import (
+    from llm_calib.calm.export import (
         EXPORT_FILE,
         adapter_directory,
         check_adapter_base,
@@ -384,7 +384,7 @@ def fewshot_pool(args: argparse.Namespace, prompt: Any, evaluated: list, log: Ca
     evaluation sets, so training, selection and evaluation draw each question's examples from the
     same pool, and a question shows the same examples in all three and in an ``evaluate`` of the
     same split with the same flags). A load error names ``what`` (default: ``--fewshot-split SPEC``)."""
-    from llm_calib.fewshot import resolve_fewshot
+    from llm_calib.prompts.fewshot import resolve_fewshot
 
     fmt = user_call(lambda: resolve_fewshot(prompt, exclude=evaluated, on_error=args.on_error),
                     what or f"--fewshot-split {prompt.fewshot_split}")

@@ -64,7 +64,7 @@ A config file (YAML or JSON) holds the nested CalibrationConfig, for example:
 Unknown keys are errors; a key of the old flat format (steps:, bome_eta:, ...) is an error naming
 its new place. Flags of an objective's or solver's settings (--confidence-penalty-beta,
 --f2sa-sigma, ...) apply wherever that objective or solver is trained. See
-llm_calib.calm.config.CalibrationConfig for every field.
+llm_calib.config.calibration.CalibrationConfig for every field.
 
 outputs in --out DIR:
   <method>/            adapter/ (peft), lambda.safetensors, config.json, history.json, metrics.json
@@ -241,7 +241,7 @@ def _load_data(args: argparse.Namespace, config: Any,
     command built), drawn once without the held-out and evaluated questions."""
     from llm_calib.calm.run import resolve_run
     from llm_calib.data import load as load_data
-    from llm_calib.prompts import PromptFormat
+    from llm_calib.prompts.templates import PromptFormat
 
     seed = config.seed
     train = load_records(args, "--train", args.train, log, seed=seed)
@@ -282,11 +282,11 @@ def _print_ece(cmp: Any) -> None:
 
 
 def _run_bytes(model: str, config: Any, methods: list[Any]) -> int:
-    """A rough estimate of what the run writes (:func:`~llm_calib.outputs.lora_run_bytes`), from a
+    """A rough estimate of what the run writes (:func:`~llm_calib.files.outputs.lora_run_bytes`), from a
     local model's ``config.json`` (no model is loaded); 0 (no free-space check) for a hub name or
     alias, or a config without the sizes."""
-    from llm_calib.file_modes import read_json
-    from llm_calib.outputs import lora_run_bytes
+    from llm_calib.files.atomic import read_json
+    from llm_calib.files.outputs import lora_run_bytes
 
     path = Path(model).expanduser() / "config.json"
     try:
@@ -317,12 +317,12 @@ def run(args: argparse.Namespace) -> int:
         ...       "--out", "/tmp/x", "--quiet"])
         2
     """
-    from llm_calib.compare import (
+    from llm_calib.evaluation.compare import (
         resume_budget_problem,
         stale_checkpoints,
         stale_checkpoints_message,
     )
-    from llm_calib.outputs import check_output_folder, run_lock
+    from llm_calib.files.outputs import check_output_folder, run_lock
 
     if args.resume and args.restart:
         raise UserError("--resume and --restart: choose one (continue the earlier run, or delete its checkpoints)")
@@ -351,9 +351,9 @@ def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any], confi
     from llm_calib import distributed
     from llm_calib.calm.lora import check_target_modules
     from llm_calib.calm.trainer import TrainingDiverged
-    from llm_calib.compare import run_comparison, write_comparison_report
     from llm_calib.engine.options import loaded_precision
-    from llm_calib.prompts import prompt_dict
+    from llm_calib.evaluation.compare import run_comparison, write_comparison_report
+    from llm_calib.prompts.templates import prompt_dict
 
     args.prompt_preset = config.prompt.preset  # --limit-mode's default follows the preset (flag or file)
     start(args, args.no_progress)

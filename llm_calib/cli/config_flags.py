@@ -1,5 +1,5 @@
 """``calibrate``'s configuration flags, generated from
-:class:`~llm_calib.calm.config.CalibrationConfig`'s dataclasses (one flag per setting, the old
+:class:`~llm_calib.config.calibration.CalibrationConfig`'s dataclasses (one flag per setting, the old
 spellings kept), and the configuration of a run: defaults < ``--config`` file < flags."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     """The config's flags, generated from its dataclasses, one group per part."""
     import dataclasses
 
-    from llm_calib.calm.config import CONFIG_PRESETS, PARTS, CalibrationConfig
+    from llm_calib.config.calibration import CONFIG_PRESETS, PARTS, CalibrationConfig
     from llm_calib.objectives.registry import (
         objective_class,
         objective_names,
@@ -184,7 +184,7 @@ def _objectives(args: argparse.Namespace, file_objective: Any, objective_flags: 
     flags). A flag of an objective or solver that is not trained is an error naming it."""
     import dataclasses
 
-    from llm_calib.calm.config import CalibrationConfig
+    from llm_calib.config.calibration import CalibrationConfig
     from llm_calib.objectives.registry import objective_class, objective_from_dict
 
     base = file_objective
@@ -230,7 +230,7 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
         args: ``llm-calib calibrate`` arguments parsed by :func:`~llm_calib.cli.build_parser`.
 
     Returns:
-        The :class:`~llm_calib.calm.config.CalibrationConfig` (its objective: the first one to
+        The :class:`~llm_calib.config.calibration.CalibrationConfig` (its objective: the first one to
         train) and the list of objectives.
 
     Raises:
@@ -246,8 +246,8 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
         >>> config.training.steps, [o.name for o in objectives]
         (5, ['calm', 'lora_ce'])
     """
-    from llm_calib.calm.config import CalibrationConfig, apply_preset, read_config_file
-    from llm_calib.calm.flat_keys import flat_key_location
+    from llm_calib.config.calibration import CalibrationConfig, apply_preset, read_config_file
+    from llm_calib.config.flat_keys import flat_key_location
     from llm_calib.data import absolute_spec
 
     data: dict = {}

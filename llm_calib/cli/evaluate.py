@@ -78,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         >>> args.batch_size, args.func is run
         (8, True)
     """
-    from llm_calib.calm.config import PromptSettings
+    from llm_calib.config.calibration import PromptSettings
     from llm_calib.engine.packing import NORMALIZE_MODES
 
     p = sub.add_parser(
@@ -247,7 +247,7 @@ def _load_model_and_adapter(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if args.adapter:
         import warnings
 
-        from llm_calib.export import load_adapter
+        from llm_calib.calm.export import load_adapter
 
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         model = user_call(lambda: load_adapter(model, args.adapter), f"--adapter {args.adapter}")
@@ -256,9 +256,9 @@ def _load_model_and_adapter(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 def _score(args: argparse.Namespace, model: Any, tokenizer: Any, datasets: list, prompt: Any, fit: Any,
            confidence: Any) -> Any:
-    """:func:`~llm_calib.evaluate.evaluate_records` under the parsed flags (argument errors of the
+    """:func:`~llm_calib.evaluation.evaluate.evaluate_records` under the parsed flags (argument errors of the
     records themselves are user errors)."""
-    from llm_calib.evaluate import evaluate_records
+    from llm_calib.evaluation.evaluate import evaluate_records
 
     return user_call(
         lambda: evaluate_records(
@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     """
     import contextlib
 
-    from llm_calib.outputs import check_output_folder, earlier_report, run_lock
+    from llm_calib.files.outputs import check_output_folder, earlier_report, run_lock
 
     user_call(lambda: check_output_folder(args.out), None)  # before any loading, not after the scoring
     user_call(lambda: earlier_report(args.out), None)  # files of another kind there: refused before any work
@@ -313,10 +313,10 @@ def run(args: argparse.Namespace) -> int:
 def _run_locked(args: argparse.Namespace) -> int:
     """:func:`run` after the checks of ``--out``, while holding its lock."""
     from llm_calib.engine.options import loaded_precision
-    from llm_calib.evaluate import write_samples
-    from llm_calib.outputs import earlier_report, remove_stale
-    from llm_calib.prompts import prompt_dict
-    from llm_calib.report import write_report
+    from llm_calib.evaluation.evaluate import write_samples
+    from llm_calib.evaluation.report import write_report
+    from llm_calib.files.outputs import earlier_report, remove_stale
+    from llm_calib.prompts.templates import prompt_dict
 
     start(args, args.quiet)
     confidence = user_call(lambda: open_confidence(args, seed=args.seed), None)  # before any loading

@@ -93,10 +93,10 @@ def run(args: argparse.Namespace) -> int:
     """
     import warnings
 
-    from llm_calib.export import EXPORT_FILE, check_export_target, export_merged, merged_bytes
-    from llm_calib.file_modes import read_json, write_json_atomic
-    from llm_calib.outputs import check_output_folder
-    from llm_calib.prompts import prompt_dict
+    from llm_calib.calm.export import EXPORT_FILE, check_export_target, export_merged, merged_bytes
+    from llm_calib.files.atomic import read_json, write_json_atomic
+    from llm_calib.files.outputs import check_output_folder
+    from llm_calib.prompts.templates import prompt_dict
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     start(args, args.quiet)

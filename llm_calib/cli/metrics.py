@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
     """
     import contextlib
 
-    from llm_calib.lm_eval_samples import check_samples_file
-    from llm_calib.outputs import check_output_folder, earlier_report, run_lock
+    from llm_calib.evaluation.lm_eval_samples import check_samples_file
+    from llm_calib.files.outputs import check_output_folder, earlier_report, run_lock
 
     for path in args.samples:  # a folder's error lists the samples files in it
         user_call(lambda path=path: check_samples_file(path), None)
@@ -110,10 +110,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_locked(args: argparse.Namespace) -> int:
     """:func:`run` after the checks of ``--out``, while holding its lock."""
-    from llm_calib.lm_eval_generations import first_row, generation_result, is_generation_row
-    from llm_calib.lm_eval_samples import samples_result
-    from llm_calib.outputs import earlier_report, remove_stale
-    from llm_calib.report import write_report
+    from llm_calib.confidence.lm_eval_generations import (
+        first_row,
+        generation_result,
+        is_generation_row,
+    )
+    from llm_calib.evaluation.lm_eval_samples import samples_result
+    from llm_calib.evaluation.report import write_report
+    from llm_calib.files.outputs import earlier_report, remove_stale
 
     generation = [p for p in args.samples if is_generation_row(user_call(lambda p=p: first_row(p) or {}, None))]
     choice = [p for p in args.samples if p not in generation]

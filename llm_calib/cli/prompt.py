@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llm_calib.cli._common import SPEC, UserError, non_negative_int, unescape, user_call
-from llm_calib.prompts import PRESETS
+from llm_calib.prompts.templates import PRESETS
 
 __all__ = ["PROMPT_FIELDS", "prompt_format"]
 
@@ -25,7 +25,7 @@ PROMPT_FIELDS = (
     "fewshot_sampler", "style", "chat_template", "system_message", "answer_prefix",
 )
 """The prompt settings ``evaluate``, ``calibrate`` and ``export`` take flags for (one builder),
-by their :class:`~llm_calib.calm.config.PromptSettings` name."""
+by their :class:`~llm_calib.config.calibration.PromptSettings` name."""
 
 
 EVALUATE_PROMPT_DEST = {field: {"preset": "prompt_preset", "style": "prompt_style"}.get(field, field)
@@ -81,22 +81,22 @@ def add_prompt_args(group: Any, dest: Callable[[str], str | None]) -> None:
 
 def prompt_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The prompt flags given (:func:`add_prompt_args`, as evaluate and export store them), as
-    :class:`~llm_calib.prompts.PromptFormat` fields."""
+    :class:`~llm_calib.prompts.templates.PromptFormat` fields."""
     return {field: getattr(args, dest) for field, dest in EVALUATE_PROMPT_DEST.items()
             if field != "preset" and getattr(args, dest) is not None}
 
 
 def saved_prompt(base: dict[str, Any]) -> dict[str, Any]:
-    """The :class:`~llm_calib.prompts.PromptFormat` fields a saved result records (none for a
+    """The :class:`~llm_calib.prompts.templates.PromptFormat` fields a saved result records (none for a
     plain adapter)."""
-    from llm_calib.prompts import PromptFormat
+    from llm_calib.prompts.templates import PromptFormat
 
     saved = base.get("prompt") or {}
     return {k: v for k, v in saved.items() if k in PromptFormat.__dataclass_fields__ and k != "fewshot_pool"}
 
 
 def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) -> Any:
-    """The :class:`~llm_calib.prompts.PromptFormat` of ``llm-calib evaluate`` (and ``export``):
+    """The :class:`~llm_calib.prompts.templates.PromptFormat` of ``llm-calib evaluate`` (and ``export``):
     the preset, else the prompt a saved ``--adapter`` records (``base``), else the scorer's
     default; then the explicit prompt flags. ``calibrate`` builds the same format from the same
     flags (:func:`llm_calib.calm.run.format_settings`; both resolve with :func:`llm_calib.calm.run.resolve_prompt`).
@@ -106,7 +106,7 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
 
     Args:
         args: ``evaluate`` or ``export`` arguments parsed by :func:`~llm_calib.cli.build_parser`.
-        base: the saved result's record (:func:`llm_calib.export.saved_base`), or None.
+        base: the saved result's record (:func:`llm_calib.calm.export.saved_base`), or None.
 
     Returns:
         The prompt format (without the few-shot pool).
@@ -174,7 +174,7 @@ def warn_prompt_mismatch(trained: dict[str, Any], prompt: Any, tokenizer: Any, s
     DIR``) was trained with (``trained``: its saved record; nothing when it does not record the
     prompt). Both prompts are compared as resolved for ``tokenizer`` (an automatic chat template is
     the one it has or not)."""
-    from llm_calib.prompts import PromptFormat, prompt_dict
+    from llm_calib.prompts.templates import PromptFormat, prompt_dict
 
     if not trained.get("prompt"):
         return

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from llm_calib.data.errors import OnError
 from llm_calib.data.mmlu import MMLU_GROUPS
 from llm_calib.data.result import LoadResult, subsample
-from llm_calib.registration import check_registry_name, register_entry, unregister_entry
+from llm_calib.registry import check_registry_name, register_entry, unregister_entry
 
 __all__ = [
     "BUILTIN_LOADERS", "Spec", "SpecError", "SpecLoader", "absolute_spec", "load", "loader_names", "parse_spec",

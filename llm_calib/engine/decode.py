@@ -434,7 +434,7 @@ class TrunkGenerator:
 
     Args:
         tokenizer: the tokenizer.
-        prompts: token ids of each prompt (e.g. :func:`~llm_calib.scoring.open_ended.encode_open_prompts`).
+        prompts: token ids of each prompt (e.g. :func:`~llm_calib.confidence.token.encode_open_prompts`).
         batch_size: prompts per batch (batched by length).
         max_new_tokens: generation budget per prompt.
         trunk_layers: the first adapted layer of the models :meth:`trained` will see (0: none).

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from llm_calib import metrics
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import PackedQuestions, pack_letters, pack_questions
 from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy, identity
 from llm_calib.formats.registry import register_format
-from llm_calib.prompts import PromptFormat
+from llm_calib.metrics import calibration as metrics
+from llm_calib.prompts.templates import PromptFormat
 from llm_calib.scoring.base import ScoredSet, encode_prompts
 from llm_calib.scoring.letter import check_listed_prompt, letter_token_ids, score_letter
 from llm_calib.scoring.option_likelihood import (

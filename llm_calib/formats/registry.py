@@ -4,7 +4,7 @@ A format is a :class:`~llm_calib.formats.base.TaskFormat` subclass decorated wit
 :func:`register_format`; its properties (``family``, ``layout``, ``default_prompt``,
 ``configured_prompt``, ...) are attributes of the class. Every place that takes a scorer name
 reads this registry when it is used, so a format registered after import is accepted by
-``CalibrationConfig(prompt=dict(scorer=...))``, :func:`~llm_calib.evaluate.evaluate`,
+``CalibrationConfig(prompt=dict(scorer=...))``, :func:`~llm_calib.evaluation.evaluate.evaluate`,
 ``llm_calib.calibrate`` and the command line's ``--scorer``. The shipped formats register
 themselves when :mod:`llm_calib.formats` is imported (:data:`BUILTIN_FORMATS`).
 """
@@ -16,7 +16,7 @@ from typing import Any, TypeVar, overload
 
 from llm_calib.data.records import RECORD_KINDS
 from llm_calib.formats.base import TaskFormat
-from llm_calib.registration import check_registry_name, register_entry, unregister_entry
+from llm_calib.registry import check_registry_name, register_entry, unregister_entry
 
 __all__ = [
     "BUILTIN_FORMATS", "MULTIPLE_CHOICE_FORMATS", "SCORER_NAMES", "RegisteredFormats", "RegisteredNames", "family_format", "format_class", "format_names",

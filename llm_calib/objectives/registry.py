@@ -4,7 +4,7 @@ A new objective is one module: an :class:`~llm_calib.objectives.base.Objective` 
 with :func:`register_objective`; config files, ``CalibrationConfig`` and the command line then
 reach it. The built-in names are known before their modules load (:data:`BUILTIN_OBJECTIVES`),
 which :mod:`llm_calib.objectives.builtin` registers. This module imports only
-:mod:`llm_calib.registration` (the rules every registry shares).
+:mod:`llm_calib.registry` (the rules every registry shares).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from llm_calib.registration import check_registry_name, register_entry, unregister_entry
+from llm_calib.registry import check_registry_name, register_entry, unregister_entry
 
 __all__ = [
     "BUILTIN_OBJECTIVES", "BUILTIN_SOLVERS", "objective_class", "objective_from_dict",

@@ -15,7 +15,7 @@ from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.options import target_logprobs
 from llm_calib.engine.packing import accepts_packed_masks, pack_letters
 from llm_calib.engine.prefix import PrefixKV, forward_rows_after, prefix_cache_settings
-from llm_calib.prompts import (
+from llm_calib.prompts.templates import (
     PromptFormat,
     option_letters,
     record_prompt,

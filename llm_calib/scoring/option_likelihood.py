@@ -15,7 +15,7 @@ from llm_calib.engine.context import fit_options
 from llm_calib.engine.options import forward_rows, target_logprobs
 from llm_calib.engine.packing import NORMALIZE_MODES, accepts_packed_masks, pack_questions
 from llm_calib.engine.prefix import PrefixKV, forward_rows_after, prefix_cache_settings
-from llm_calib.prompts import (
+from llm_calib.prompts.templates import (
     PromptFormat,
     option_continuations,
     record_prompt,
