@@ -54,6 +54,11 @@ class ContextWindow:
         limit: the model's context length (None: no limit known, nothing is checked).
         on_overflow: ``"refuse"`` or ``"truncate"`` (:data:`ContextOverflow`).
         truncated: per record (its description), ``(tokens it needed, tokens kept)``.
+
+    Example:
+        >>> window = ContextWindow(512, "truncate", {"question 'q1' (geo)": (700, 512)})
+        >>> window.summary()["truncated"], window.note()[:60]
+        (1, "1 question(s) longer than the model's context of 512 tokens ")
     """
 
     limit: int | None
