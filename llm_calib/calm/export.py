@@ -140,7 +140,7 @@ def check_adapter_base(adapter: str | os.PathLike[str], model: str, *, allow_oth
         >>> check_adapter_base(run, "smollm2-135m-instruct")
         >>> check_adapter_base(run, "smollm2-360m-instruct")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ValueError: --adapter ... was trained on smollm2-135m-instruct (.../base_model.json), not on --model smollm2-360m-instruct (another model); ...
+        ValueError: --adapter ... was trained on smollm2-135m-instruct (.../base_model.json), not on --model smollm2-360m-instruct; ...
     """
     import warnings
 
@@ -159,16 +159,16 @@ def check_adapter_base(adapter: str | os.PathLike[str], model: str, *, allow_oth
         differs = [k for k in _DIFFERENCES if recorded.get(k) != current[k]]
         if not differs:
             return  # the base itself, wherever it is now
-        why = _DIFFERENCES[differs[0]]
+        why = _DIFFERENCES[differs[0]] + "; "
     elif _same_model(str(trained_on), str(model)):
         return
     else:
-        why = "another model"
-    message = f"--adapter {adapter} was trained on {trained_on} ({record}), not on --model {model} ({why})"
+        why = ""  # by name: the result records no fingerprint, or --model has no local files
+    message = f"--adapter {adapter} was trained on {trained_on} ({record}), not on --model {model}; {why}"
     if allow_other_base:
-        warnings.warn(f"{message}; applied anyway, as --allow-other-base asks", UserWarning, stacklevel=2)
+        warnings.warn(f"{message}applied anyway, as --allow-other-base asks", UserWarning, stacklevel=2)
         return
-    raise ValueError(f"{message}; leave out --model to use that base, or pass --allow-other-base to apply it anyway")
+    raise ValueError(f"{message}leave out --model to use that base, or pass --allow-other-base to apply it anyway")
 
 
 _SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) "

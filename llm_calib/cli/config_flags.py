@@ -147,25 +147,26 @@ def config_overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str
     return parts, objectives, solvers
 
 
-def _naming_flag(message: str, parts: dict[str, Any]) -> str:
-    """A config check's message (``seed must be an int >= 0, got -5``) with the flag that set the
-    value named after its field (``seed (--seed) must be ...``), when a flag set it.
+def _setting_flag(message: str, parts: dict[str, Any]) -> str | None:
+    """The flag that set the value a config check refuses (``seed must be an int >= 0, got -5``:
+    ``--seed``), or None when no flag set it (a config file did, or the check names no field).
 
     Example:
-        >>> _naming_flag("training.steps must be an int >= 1, got 0", {"training": {"steps": 0}})
-        'training.steps (--steps) must be an int >= 1, got 0'
+        >>> _setting_flag("training.steps must be an int >= 1, got 0", {"training": {"steps": 0}})
+        '--steps'
+        >>> _setting_flag("training.steps must be an int >= 1, got 0", {}) is None
+        True
     """
     import re
 
     found = re.match(r"([a-z_]+(?:\.[a-z_]+)?) must", message)
     if found is None:
-        return message
+        return None
     part, _, name = found.group(1).rpartition(".")
     given = parts.get(part, {}) if part else parts
     if not isinstance(given, dict) or name not in given or (part and part not in _PART_GROUPS):
-        return message
-    flag = (_PART_GROUPS[part][1] if part else "--") + _dashed(name)
-    return f"{found.group(1)} ({flag}){message[found.end(1):]}"
+        return None
+    return (_PART_GROUPS[part][1] if part else "--") + _dashed(name)
 
 
 def _flag_of(dest: str) -> str:
@@ -273,7 +274,8 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
     try:
         config = CalibrationConfig.from_dict({**merged, "objective": objectives[0]})
     except (ValueError, TypeError, KeyError) as exc:
-        raise UserError(f"calibration config: {_naming_flag(str(exc), parts)}") from exc
+        flag = _setting_flag(str(exc), parts)  # the flag that set the value, when one did: named first
+        raise UserError(f"{flag or 'calibration config'}: {exc}") from exc
     if config.prompt.fewshot_split:  # recorded absolute (config.json, base_model.json), as the model path is
         config.prompt.fewshot_split = user_call(lambda: absolute_spec(config.prompt.fewshot_split), "--fewshot-split")
     return config, objectives
