@@ -641,6 +641,18 @@ def test_a_full_disk_names_the_file(command, tiny_model_dir, tmp_path, monkeypat
     assert "No space left on device" in err and str(tmp_path / "out" / "metrics.json") in err
 
 
+def test_a_full_disk_while_drawing_a_diagram_names_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import matplotlib.figure
+
+    def full(*args, **kwargs):  # matplotlib's own write: an OSError without a file name
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    assert cli.main(_evaluate_argv(tiny_model_dir, tmp_path / "out")) == 2
+    err = _one_line(capsys)
+    assert f"No space left on device: '{tmp_path / 'out' / 'reliability_capitals.png'}'" in err
+
+
 def test_the_free_space_check_does_not_refuse_a_disk_the_run_fits_on(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """A 300 KiB disk was refused for a run that writes 230 KB."""
     import collections
