@@ -19,7 +19,12 @@ from llm_calib.calm.lora import FunctionalLM
 from llm_calib.calm.run import format_settings, task_format
 from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.engine.packing import LENGTH_NORMALIZATIONS, PackedQuestions, length_parts
+from llm_calib.engine.packing import (
+    LENGTH_NORMALIZATIONS,
+    PackedQuestions,
+    length_parts,
+    pack_prompts,
+)
 from llm_calib.formats import TaskFormat
 from llm_calib.training_interface import Batch
 
@@ -141,6 +146,33 @@ class EncodedRecords:
         batch.part_order = torch.empty(len(order), dtype=torch.long).scatter_(0, torch.tensor(order),
                                                                               torch.arange(len(order)))
         return batch
+
+    def upper_batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None) -> Batch:
+        """The upper-level batch of the questions at ``indices``: open questions as their prompts alone
+        (:func:`~llm_calib.engine.packing.pack_prompts`: the upper level reads the entropy where the answer
+        starts, which the answer's tokens do not change, and an unlabelled input has none), with the cached
+        trunks cut to the prompt; multiple-choice questions as :meth:`batch` packs them (every option).
+
+        Example:
+            >>> from llm_calib.data import OpenQA
+            >>> from llm_calib.models import tiny_random_model
+            >>> _, tok = tiny_random_model()
+            >>> enc = encode_records(tok, [OpenQA("Capital of France?", ("Paris",), "geo", "q0")], CalibrationConfig())
+            >>> enc.upper_batch([0], 0).packed.input_ids.shape[1] == len(enc.prompts[0])
+            True
+        """
+        if self.layout != "open":
+            return self.batch(indices, pad_id, lm)
+        idx = list(indices)
+        packed = pack_prompts([self.prompts[i] for i in idx], pad_id)
+        trunk = None
+        if lm is not None and lm.caches_trunk:
+            self.fill_trunk_cache(lm, pad_id, idx)
+            L = packed.input_ids.shape[1]
+            trunk = torch.stack([torch.nn.functional.pad(self.trunk_cache[i][: len(self.prompts[i])],
+                                                         (0, 0, 0, L - len(self.prompts[i]))) for i in idx])
+        return Batch(packed, torch.zeros(len(idx), dtype=torch.long), [self.records[i].id for i in idx], self.format,
+                     trunk)
 
     def _whole_batch(self, idx: list[int], pad_id: int, lm: FunctionalLM | None) -> Batch:
         packed = self.pack(idx, pad_id)

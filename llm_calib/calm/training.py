@@ -121,9 +121,12 @@ class Trainer:
         return self._batch(self.train, self.config.training.batch_size, step, batch_order.TRAIN_STREAM)
 
     def unlabeled_batch(self, step: int) -> Batch:
-        """This rank's batch of upper-level inputs of ``step`` (labels unused)."""
+        """This rank's batch of upper-level inputs of ``step`` (labels unused; open questions as their
+        prompts alone: :meth:`EncodedRecords.upper_batch <llm_calib.calm.encoding.EncodedRecords.upper_batch>`)."""
         size = self.config.training.heldout_batch_size
-        return self._batch(self.unlabeled, size, step, batch_order.UPPER_STREAM)
+        idx = batch_order.batch_indices(len(self.unlabeled.records), size, step, self.config.seed,
+                                        batch_order.UPPER_STREAM)
+        return self.unlabeled.upper_batch(batch_order.shard(idx), self.pad_id, self.lm)
 
     def _batch(self, data: EncodedRecords, size: int, step: int, stream: int) -> Batch:
         idx = batch_order.batch_indices(len(data.records), size, step, self.config.seed, stream)

@@ -39,7 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Load --model, put the adapter of DIR on it (a saved calibration result or any peft "
             "adapter), fold LoRA and the output scale into the base weights and save the merged "
-            "model with save_pretrained (safetensors) plus its tokenizer to --out. The result "
+            "model with save_pretrained (safetensors) plus its tokenizer and a Hugging Face model card "
+            "(README.md: method, data and the per-domain calibration table of the run) to --out. The result "
             "loads with plain transformers (AutoModelForCausalLM.from_pretrained), without peft "
             "or llm_calib, and runs at the base model's cost."
         ),
@@ -79,8 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``llm-calib export`` with its parsed ``args``: resolve the base model and the prompt the
-    adapter was trained with, load the model, merge the adapter and save the merged model and its
-    record to ``--out``.
+    adapter was trained with, load the model, merge the adapter and save the merged model, its
+    record and its model card (:func:`~llm_calib.integrations.model_card.result_model_card`) to ``--out``.
 
     Returns:
         0; a user error raises the CLI's user error, which :func:`~llm_calib.cli.main` reports
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     from llm_calib.calm.export import EXPORT_FILE, check_export_target, export_merged, merged_bytes
-    from llm_calib.files.atomic import read_json, write_json_atomic
+    from llm_calib.files.atomic import read_json, write_json_atomic, write_text_atomic
     from llm_calib.files.outputs import check_output_folder
     from llm_calib.prompts.templates import prompt_dict
 
@@ -115,5 +116,8 @@ def run(args: argparse.Namespace) -> int:
     write_json_atomic(record, {**read_json(record), "prompt": prompt_dict(prompt, tokenizer),
                                "prompt_preset": preset_in_use(args, base),
                                **{k: base[k] for k in ("scorer", "normalize") if k in base}})
-    print(f"wrote the merged model to {out}")
+    from llm_calib.integrations.model_card import MODEL_CARD_FILE, result_model_card
+
+    write_text_atomic(Path(out) / MODEL_CARD_FILE, result_model_card(args.adapter, base.get("model") or args.model))
+    print(f"wrote the merged model and its model card to {out}")
     return 0

@@ -32,6 +32,7 @@ __all__ = [
     "option_sequences",
     "pack_continuations",
     "pack_letters",
+    "pack_prompts",
     "pack_questions",
     "reduce_per_option",
 ]
@@ -355,6 +356,32 @@ def pack_continuations(items: Sequence[tuple[Sequence[int], Sequence[int]]], pad
         ids, mask, pos, torch.tensor(rows), torch.arange(len(rows)), torch.tensor(target_ids),
         torch.tensor(target_option), torch.arange(len(items)), torch.tensor(lengths), [1] * len(items),
     )
+
+
+def pack_prompts(prompts: Sequence[Sequence[int]], pad_id: int) -> PackedQuestions:
+    """Pack prompts alone (right-padded), one gathered row per prompt: its last token, which predicts the
+    first token of the answer (open questions' upper level reads the entropy there; no answer is needed).
+
+    Each question has one "option" of one token; its target id is a placeholder 0 that no loss reads.
+
+    Raises:
+        ValueError: no prompts, or an empty one.
+
+    Example:
+        >>> p = pack_prompts([(5, 6, 7), (8,)], pad_id=0)
+        >>> p.input_ids.tolist(), p.rows.tolist(), p.answer_start_rows().tolist()
+        ([[5, 6, 7], [8, 0, 0]], [2, 3], [0, 1])
+    """
+    if not prompts:
+        raise ValueError("pack_prompts needs at least one prompt")
+    for b, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"question {b}: empty prompt")
+    ids, mask, pos = _right_pad(prompts, pad_id)
+    L, n = ids.shape[1], len(prompts)
+    rows = [b * L + len(p) - 1 for b, p in enumerate(prompts)]
+    return PackedQuestions(ids, mask, pos, torch.tensor(rows), torch.arange(n), torch.zeros(n, dtype=torch.long),
+                           torch.arange(n), torch.arange(n), torch.ones(n, dtype=torch.long), [1] * n)
 
 
 def reduce_per_option(token_values: Tensor, packed: PackedQuestions, normalize: str = "sum") -> Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.context import fit_prompt
+from llm_calib.engine.flat import flat_supported
 from llm_calib.engine.packing import length_batches
 from llm_calib.engine.prefix import (
     PrefixCacheSettings,
@@ -350,31 +351,35 @@ def score_in_batches(lengths: Sequence[int], batch_size: int, score: Callable[[l
 
 def score_sharing_prefixes(
     model: Any, prompts: Sequence[Sequence[int]], lengths: Sequence[int], batch_size: int,
-    score: Callable[[list[int], PrefixKV | None], Sequence[T]], *, settings: PrefixCacheSettings, desc: str,
+    score: Callable[[list[int], list[PrefixKV | None]], Sequence[T]], *, settings: PrefixCacheSettings, desc: str,
     progress: bool,
 ) -> tuple[list[T], PrefixCacheStats | None]:
-    """``score(indices, prefix)`` over batches that share prompt prefixes
-    (:func:`~llm_calib.engine.prefix.plan_prefix_batches`), in input order, with the cache's counts; with the
-    cache off (``settings.enabled`` False) exactly :func:`score_in_batches` with ``prefix=None`` and no counts.
+    """``score(indices, prefixes)`` over batches that share prompt prefixes
+    (:func:`~llm_calib.engine.prefix.plan_prefix_batches`, flat batches where the model runs them:
+    :func:`~llm_calib.engine.flat.flat_supported`), in input order, with the prefix each row continues
+    and the cache's counts; with the cache off (``settings.enabled`` False) exactly
+    :func:`score_in_batches` with no prefixes and no counts.
 
     Example:
         >>> from llm_calib.engine.prefix import PrefixCacheSettings
         >>> from llm_calib.models import tiny_random_model
         >>> model = tiny_random_model()[0]
         >>> prompts = [[7] * 20 + [1], [7] * 20 + [2], [3]]
-        >>> out, stats = score_sharing_prefixes(model, prompts, [21, 21, 1], 4, lambda idx, kv: [kv.length if kv
-        ...     else 0 for _ in idx], settings=PrefixCacheSettings(), desc="x", progress=False)
+        >>> out, stats = score_sharing_prefixes(model, prompts, [21, 21, 1], 4, lambda idx, kvs: [kv.length if kv
+        ...     else 0 for kv in kvs], settings=PrefixCacheSettings(), desc="x", progress=False)
         >>> out, stats.tokens_saved
         ([20, 20, 0], 20)
     """
     if not settings.enabled or not prompts:
-        return score_in_batches(lengths, batch_size, lambda idx: score(idx, None), desc=desc, progress=progress), None
+        return score_in_batches(lengths, batch_size, lambda idx: score(idx, [None] * len(idx)), desc=desc,
+                                progress=progress), None
     stats = PrefixCacheStats()
+    flat = flat_supported(model)
     plan = plan_prefix_batches(prompts, lengths, batch_size, bytes_per_token=kv_bytes_per_token(model),
-                               max_bytes=settings.max_mb * 2**20)
+                               max_bytes=settings.max_mb * 2**20, flat=flat)
     bar = progress_bar(total=len(prompts), desc=desc, enabled=progress)
     try:
-        out = run_prefix_plan(model, prompts, plan, score, stats=stats, on_batch=bar.update)
+        out = run_prefix_plan(model, prompts, plan, score, stats=stats, on_batch=bar.update, flat=flat)
     finally:
         bar.close()
     return out, stats
