@@ -486,13 +486,27 @@ def test_a_bad_response_regex_is_one_line(tmp_path, capsys):
     assert "argument --response-regex: not a regular expression: unterminated character set" in capsys.readouterr().err
 
 
+def _wait_until_loading(pid: int, library: str, timeout: float = 60) -> None:
+    """Wait until process ``pid`` has mapped ``library`` (``/proc/PID/maps``): it is importing it."""
+    maps = Path(f"/proc/{pid}/maps")
+    if not maps.exists():
+        pytest.skip("no /proc")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if library in maps.read_text():
+                return
+        time.sleep(0.002)
+    pytest.fail(f"pid {pid} never loaded {library}")
+
+
 @pytest.mark.parametrize(("sig", "status", "word"), [(signal.SIGINT, 130, "interrupted"),
                                                      (signal.SIGTERM, 143, "terminated (SIGTERM)")])
 def test_stopping_the_command_while_it_starts_is_one_line(sig, status, word, tmp_path):
     """Ctrl-C in the first seconds (while torch imports) gave a KeyboardInterrupt traceback."""
     proc = subprocess.Popen([sys.executable, "-m", "llm_calib.cli", "evaluate", "--data", "builtin", "--quiet",
                              "--out", str(tmp_path / "e")], stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
-    time.sleep(0.4)  # past the interpreter's start, inside the imports (torch alone takes a second or more)
+    _wait_until_loading(proc.pid, "libtorch_cpu")  # torch is being imported: a second or more of start-up to go
     proc.send_signal(sig)
     err = proc.communicate(timeout=60)[1].strip()
     assert proc.returncode == status, err
