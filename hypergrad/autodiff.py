@@ -68,15 +68,18 @@ def loss_and_grads(
     wrt_w: bool = True,
     wrt_lam: bool = True,
     what: str = "loss",
+    check: bool = True,
 ) -> tuple[Tensor, Tree | None, Tree | None]:
     """Return ``loss(w, lam)`` (detached) and its gradients w.r.t. ``w`` and/or ``lam``.
 
     First-order only: no graph is kept, so the result is safe for functions that are not twice
     differentiable. A gradient the loss does not depend on is zero (also when the loss depends
-    on none of the inputs asked for).
+    on none of the inputs asked for). ``check=False`` skips the finiteness test of the loss, the
+    one value this function reads back to the host (a synchronisation on a GPU): the caller
+    checks the value later.
 
     Raises:
-        hypergrad.NonFiniteError: the loss is NaN or inf (``what`` names it).
+        hypergrad.NonFiniteError: the loss is NaN or inf (``what`` names it), with ``check``.
 
     Example:
         >>> import torch
@@ -87,7 +90,7 @@ def loss_and_grads(
         >>> loss_and_grads(lambda w, l: (w["x"] ** 2).sum(), w, lam, wrt_w=False)[2]["c"].item()  # ignores lam
         0.0
     """
-    value, w_, lam_, grads = _value_and_grads(loss, w, lam, wrt_w, wrt_lam, what)
+    value, w_, lam_, grads = _value_and_grads(loss, w, lam, wrt_w, wrt_lam, what, check=check)
     n_w = len(w_) if wrt_w else 0
     gw = grads_to_tree(grads[:n_w], w_) if wrt_w else None
     glam = grads_to_tree(grads[n_w:], lam_) if wrt_lam else None
@@ -95,7 +98,8 @@ def loss_and_grads(
 
 
 def _value_and_grads(loss: Callable[[Tree, Tree], Tensor], w: Tree, lam: Tree, wrt_w: bool, wrt_lam: bool,
-                     what: str, track_w: bool = False) -> tuple[Tensor, Tree, Tree, tuple[Tensor | None, ...]]:
+                     what: str, track_w: bool = False,
+                     check: bool = True) -> tuple[Tensor, Tree, Tree, tuple[Tensor | None, ...]]:
     """The detached value, the inputs and the raw gradients (None where the loss does not use an
     input). ``track_w`` (without ``wrt_w``): check that the loss uses every entry of ``w`` from its
     graph, without taking their gradients."""
@@ -111,7 +115,7 @@ def _value_and_grads(loss: Callable[[Tree, Tree], Tensor], w: Tree, lam: Tree, w
             grads: tuple[Tensor | None, ...] = torch.autograd.grad(value, inputs, allow_unused=True)
         else:  # the loss depends on none of the inputs (torch.autograd.grad would raise)
             grads = (None,) * len(inputs)
-    if not bool(torch.isfinite(value)):
+    if check and not bool(torch.isfinite(value)):
         from hypergrad.errors import NonFiniteError
 
         raise NonFiniteError(f"{what} is {float(value.detach())} (non-finite)")
@@ -174,6 +178,7 @@ def inner_grads(
     wrt_lam: bool = False,
     check_w: bool = False,
     what: str = "inner loss",
+    check: bool = True,
 ) -> tuple[Tensor, Tree | None, Tree | None]:
     """The inner loss ``g(w, lam, batch)`` and its gradients, with the checks every method makes.
 
@@ -181,7 +186,8 @@ def inner_grads(
     without taking the gradients), an entry of ``w`` that ``g`` does not use is refused
     (:func:`check_w_used`); with ``wrt_lam``, a ``g`` that does not use ``lam`` at all warns
     (:func:`report_lam_unused`). Every method takes its first-order inner gradients here, so the
-    same problem gets the same error or warning from any method.
+    same problem gets the same error or warning from any method. ``check=False`` skips the
+    finiteness test of the loss, as in :func:`loss_and_grads`.
 
     Raises:
         ValueError: an entry of ``w`` that ``g`` does not use.
@@ -200,7 +206,8 @@ def inner_grads(
         ValueError: w['y'] is not used by the inner loss g: the inner problem does not determine it, so it has no implicit derivative; remove it from w (or make g use it)
     """
     value, w_, lam_, grads = _value_and_grads(
-        lambda w_, lam_: problem.inner_loss(w_, lam_, batch), w, lam, wrt_w, wrt_lam, what, track_w=check_w)
+        lambda w_, lam_: problem.inner_loss(w_, lam_, batch), w, lam, wrt_w, wrt_lam, what, track_w=check_w,
+        check=check)
     n_w = len(w_) if wrt_w else 0
     if wrt_w:
         check_w_used(w_, grads[:n_w])

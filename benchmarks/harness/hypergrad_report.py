@@ -2,7 +2,7 @@
 
 The targets and their pass/fail, the ours/peer ratio table, the jaxopt/hypergrad/torchopt side
 by side, one table per problem, the hyper-cleaning and preconditioning sections and the notes on
-what limits each target, from the rows of ``hg_harness.suite`` (sections whose rows a partial run
+what limits each target, from the rows of ``harness.hypergrad_suite.suite`` (sections whose rows a partial run
 does not have are left out).
 """
 
@@ -16,11 +16,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from hg_harness import Row, fmt_value
-from hg_problems import Sizes
+from harness.hypergrad_problems import Sizes
+from harness.hypergrad_suite import Row, fmt_value
+from harness.report import machine_line
 
-RESULTS = Path(__file__).resolve().parent / "results"
-GUIDE = Path(__file__).resolve().parent.parent / "docs" / "methods" / "choosing.md"
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+GUIDE = Path(__file__).resolve().parent.parent.parent / "docs" / "methods" / "choosing.md"
 GUIDE_BEGIN = "<!-- benchmark-results: begin -->"
 GUIDE_END = "<!-- benchmark-results: end -->"
 
@@ -495,9 +496,7 @@ def render(result: dict[str, Any], out: Path | None) -> str:
         f"- Command: `{result.get('command', 'python benchmarks/hypergrad_bench.py')}` "
         f"({sizes.name} mode; wall time {result['elapsed_s'] / 60:.1f} min)",
         f"- Date: {meta['date']}",
-        f"- Machine: {meta['cpu']}, {meta['cores']} cores; torch threads = {meta['threads']} for every "
-        f"library (load average of the shared machine at the end: "
-        f"{', '.join(f'{x:.1f}' for x in meta['load']) if meta['load'] else '?'})",
+        machine_line(meta, "the same torch threads for every library; load average of the shared machine at the end"),
         f"- Versions: torch {meta['torch']}, torchopt {meta['torchopt']}, higher {meta['higher']}, "
         f"jax {meta.get('jax', '-')}, jaxopt {meta.get('jaxopt', '-')}, "
         f"hypergrad {meta['hypergrad']}, Python {meta['python']}",
