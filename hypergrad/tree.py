@@ -200,6 +200,11 @@ def tree_axpy(alpha: float | Tensor, x: Mapping[str, Tensor], y: Mapping[str, Te
     is read back to the host.
     """
     ys = list(y.values())
+    if isinstance(alpha, Tensor):  # a scalar, as a Python float would be: the leaves keep their dtype
+        dtypes = {v.dtype for v in ys}
+        if len(dtypes) != 1:
+            return {k: y[k] + alpha.to(x[k].dtype) * x[k] for k in y}
+        alpha = alpha.to(ys[0].dtype)
     if supports_foreach(ys) and _foreach_scalar(alpha, ys[0]):
         # multiply, then add (two roundings, as the per-leaf form)
         return dict(zip(y, torch._foreach_add(ys, torch._foreach_mul(_leaves(x, y), alpha)), strict=True))
