@@ -51,7 +51,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import platform
 import statistics
 import sys
 import tempfile
@@ -62,6 +61,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.report import machine_info
 
 SINGLE_MODES = ("bf16", "bf16+ckpt", "4bit", "compile")
 FSDP2_MODES = {"fsdp2": "bf16", "fsdp2+ckpt": "bf16+ckpt", "fsdp2+load": "bf16", "fsdp2+implicit": "bf16"}
@@ -212,7 +212,8 @@ class Runner:
 def build_runner(model: Any, mode: str, objective: str, batch_size: int, args: argparse.Namespace,
                  records: tuple[list[Any], list[Any]]) -> Runner:
     from llm_calib.calm import training
-    from llm_calib.calm.config import CalibrationConfig, SelectionSettings, TrainingSettings
+    from llm_calib.calm.run import resolve_run
+    from llm_calib.config.calibration import CalibrationConfig, SelectionSettings, TrainingSettings
     from llm_calib.objectives.calm import Bome, Calm, ImplicitSolver
     from llm_calib.objectives.lora_ce import LoraCE
 
@@ -228,7 +229,8 @@ def build_runner(model: Any, mode: str, objective: str, batch_size: int, args: a
                             selection=SelectionSettings(eval_every=10**6, guard_accuracy=0.0),
                             lora=dict(rank=8, layers=list(range(n_layers - args.top_k, n_layers))))
     train, heldout = records
-    trainer = training.build_trainer(model, TOKENIZER, train, heldout, cfg)  # shards the base under torchrun
+    # shards the base under torchrun
+    trainer = training.build_trainer(model, TOKENIZER, train, heldout, resolve_run(cfg, train, heldout))
     state = training.init_state(trainer, evaluate_before=False)
     trainer.fill_trunk_caches()  # the one-off trunk pass, not timed
     checkpointing = FSDP2_MODES.get(mode, mode) == "bf16+ckpt" or mode == "4bit"
@@ -347,10 +349,9 @@ def main() -> int:
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     peak = {"measured": matmul_tflops(args.device, dtype, 8192 if cuda else 512), "nominal": args.peak_tflops}
-    machine = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-               "torch": torch.__version__, "python": platform.python_version(), "ranks": ranks,
+    machine = machine_info() | {"device": torch.cuda.get_device_name() if cuda else "cpu", "ranks": ranks,
                "matmul_tflops": peak["measured"], "dtype": str(dtype).removeprefix("torch."),
-               "date": time.strftime("%Y-%m-%d %H:%M"), "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:]),
+               "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:]),
                "warmup_steps": args.warmup, "timed_steps": args.steps}
     if main_rank:
         print(json.dumps(machine), flush=True)

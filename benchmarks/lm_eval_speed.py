@@ -32,7 +32,6 @@ import csv
 import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness.report import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -99,6 +99,27 @@ metric_list:
   - metric: acc
 """
 
+# CommonsenseQA as text choices (the option texts scored after "Answer:"), 5 examples of the train split (first_n)
+CSQA_YAML = """\
+task: speed_csqa5
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+    train: {train}
+output_type: multiple_choice
+test_split: test
+fewshot_split: train
+fewshot_config:
+  sampler: first_n
+num_fewshot: 5
+doc_to_text: "Question: {{{{question.strip()}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+"""
+
 SUBJECTS = ("high_school_geography", "high_school_psychology", "miscellaneous", "nutrition", "prehistory",
             "high_school_macroeconomics", "marketing")
 LETTER_SUBJECTS = ("clinical_knowledge", "college_medicine", "medical_genetics", "anatomy", "professional_medicine")
@@ -114,7 +135,18 @@ def _write(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def build_tasks(work: Path, data: Path, zero_n: int, subjects: list[str], per_subject: int) -> dict[str, dict]:
+def _csqa_rows(path: Path, n: int) -> list[dict[str, Any]]:
+    rows = []
+    for line in path.read_text().splitlines()[:n]:
+        r = json.loads(line)
+        labels = [c["label"] for c in r["question"]["choices"]]
+        rows.append({"question": r["question"]["stem"], "choices": [c["text"] for c in r["question"]["choices"]],
+                     "label": labels.index(r["answerKey"])})
+    return rows
+
+
+def build_tasks(work: Path, data: Path, zero_n: int, subjects: list[str], per_subject: int,
+                text_n: int) -> dict[str, dict]:
     """Write the task YAMLs and their rows; returns ``{shape: {"task": name, "n": questions}}``."""
     arc = [json.loads(line) for line in (data / "arc_easy" / "test.jsonl").read_text().splitlines()[:zero_n]]
     piqa = []
@@ -137,10 +169,16 @@ def build_tasks(work: Path, data: Path, zero_n: int, subjects: list[str], per_su
         (work / f"speed_mmlu5_{s}.yaml").write_text(MMLU_YAML.format(
             subject=s, subject_text=s.replace("_", " "), data=work / f"mmlu_{s}_test.jsonl",
             dev=work / f"mmlu_{s}_dev.jsonl"))
+    csqa = _csqa_rows(data / "commonsenseqa" / "genmc_dev.jsonl", text_n)
+    _write(work / "csqa_test.jsonl", csqa)
+    _write(work / "csqa_train.jsonl", _csqa_rows(data / "commonsenseqa" / "genmc_train.jsonl", 5))
+    (work / "speed_csqa5.yaml").write_text(CSQA_YAML.format(data=work / "csqa_test.jsonl",
+                                                            train=work / "csqa_train.jsonl"))
     return {"piqa_style": {"task": "speed_piqa_style", "n": len(piqa), "fewshot": 0},
             "letter_choice": {"task": "speed_letter_choice", "n": len(letter[:zero_n]), "fewshot": 0},
             "mmlu_5shot": {"task": "speed_mmlu5", "n": len(subjects) * per_subject, "fewshot": 5,
-                           "subjects": subjects}}
+                           "subjects": subjects},
+            "csqa_5shot": {"task": "speed_csqa5", "n": len(csqa), "fewshot": 5}}
 
 
 def _timed(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
@@ -209,7 +247,7 @@ def prefix_cache_stats(task: str, work: Path, model_dir: Path, batch: int) -> di
 
     from llm_calib.data import load
     from llm_calib.engine.prefix import DEFAULT_PREFIX_CACHE_MB, plan_prefix_batches
-    from llm_calib.prompts import PromptFormat
+    from llm_calib.prompts.templates import PromptFormat
     from llm_calib.scoring.option_likelihood import encode_questions
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -228,34 +266,6 @@ def prefix_cache_stats(task: str, work: Path, model_dir: Path, batch: int) -> di
             "prompt_tokens_mean": float(np.mean([len(it.prompt) for it in items]))}
 
 
-def _machine() -> dict[str, Any]:
-    info = {"python": platform.python_version(), "cores": os.cpu_count()}
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-            if line.startswith("Flags:"):
-                flags = line.split()
-                info["avx512"] = "avx512f" in flags
-                info["avx2"] = "avx2" in flags
-                info["amx"] = "amx_tile" in flags
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    import torch
-    import transformers
-
-    info |= {"torch": torch.__version__, "transformers": transformers.__version__,
-             "torch_threads": torch.get_num_threads()}
-    try:
-        import lm_eval
-
-        info["lm_eval"] = getattr(lm_eval, "__version__", "?")
-    except ImportError:
-        pass
-    return info
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-root", type=Path, default=ROOT.parent / "shared" / "data")
@@ -266,14 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zero-shot-n", type=int, default=100)
     p.add_argument("--per-subject", type=int, default=60)
     p.add_argument("--subjects", type=int, default=5)
-    p.add_argument("--shapes", default="mmlu_5shot,piqa_style,letter_choice")
+    p.add_argument("--text-n", type=int, default=240, help="CommonsenseQA questions of the csqa_5shot shape")
+    p.add_argument("--shapes", default="mmlu_5shot,csqa_5shot,piqa_style,letter_choice")
     p.add_argument("--quick", action="store_true", help="8 questions per shape, 1 round, print only")
     p.add_argument("--out", type=Path, default=RESULTS / "lm_eval_speed")
     p.add_argument("--prefix-stats-only", action="store_true",
                    help="only add the prefix cache's plan (groups, tokens saved, peak bytes) to --out's JSON")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.zero_shot_n, args.per_subject, args.subjects = 1, 8, 4, 2
+        args.rounds, args.zero_shot_n, args.per_subject, args.subjects, args.text_n = 1, 8, 4, 2, 8
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         from llm_calib.models import default_cache_dir, load
@@ -282,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (model_dir / "model.safetensors").is_file():
             load(args.model)  # converts the GGUF into the cache directory once
     work = Path(tempfile.mkdtemp(prefix="lm_eval_speed_"))
-    shapes = build_tasks(work, args.data_root, args.zero_shot_n, list(SUBJECTS[: args.subjects]), args.per_subject)
+    shapes = build_tasks(work, args.data_root, args.zero_shot_n, list(SUBJECTS[: args.subjects]), args.per_subject,
+                          args.text_n)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=str(work / "hf_datasets"),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
@@ -296,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": _machine(), "model": str(args.model), "batch_size": args.batch_size, "rounds": args.rounds,
+        "machine": machine_info(libraries=("torch", "transformers", "lm_eval")), "model": str(args.model), "batch_size": args.batch_size, "rounds": args.rounds,
         "command": "python benchmarks/lm_eval_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "shapes": {},
     }

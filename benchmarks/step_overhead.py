@@ -68,7 +68,7 @@ def methods_available() -> list[str]:
 
         solvers = list(solver_names())
     except ImportError:  # a layout without the registry module
-        from llm_calib.calm.config import SOLVERS
+        from llm_calib.config.calibration import SOLVERS
 
         solvers = list(SOLVERS)
     return ["lora_ce", *(f"calm:{s}" for s in solvers)]
