@@ -281,8 +281,10 @@ def run_tree(tree: Path, cmd: list[str]) -> list[dict[str, Any]]:
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     """Counts once per tree, then ``--rounds`` timing rounds alternating before/after (rotating start)."""
     trees = {"before": Path(args.compare).resolve(), "after": ROOT}
-    rows: dict[str, dict[tuple[str, str], dict[str, Any]]] = {}
+    rows: dict[str, dict[tuple[str, str], dict[str, Any]]] = {label: {} for label in trees}
     for label, tree in trees.items():
+        if args.no_counts:
+            break
         rows[label] = {(r["model"], r["method"]): r for r in run_tree(tree, worker_command(args, 0, True))}
         print(f"counts {label}: done", file=sys.stderr, flush=True)
     order = list(trees)
