@@ -208,3 +208,27 @@ def test_compile_refuses_what_it_cannot_compile():
         training.build_trainer(model, tok, qs[:1], qs[1:], resolve_run(compiled, qs[:1], qs[1:]))
     with pytest.raises(ValueError, match=r"training\.compile must be true or false"):
         CalibrationConfig.from_dict({"training": {"compile": "yes"}})
+
+
+def test_a_compiled_graph_reused_by_a_later_run_computes_with_that_runs_weights(monkeypatch):
+    """One process, several runs (llm_calib.compare does that): dynamo reuses the graph of the first
+    run; the frozen weights and θ are its inputs, never constants of the first model."""
+    from llm_calib.calm import training
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
+    qs = builtin_multiple_choice(n_per_domain=4, seed=0, domains=["capitals"])
+
+    def run(seed: int, compile_: bool) -> tuple[float, float]:
+        model, tok = tiny_random_model(seed=seed)
+        cfg = CalibrationConfig.from_dict({"objective": {"name": "lora_ce"}, "lora": {"rank": 2, "layers": [1]},
+                                           "training": {"batch_size": 2, "heldout_batch_size": 2, "compile": compile_}})
+        trainer = training.build_trainer(model, tok, qs[:2], qs[2:], resolve_run(cfg, qs[:2], qs[2:]))
+        state = training.init_state(trainer, evaluate_before=False)
+        return training.train_step(trainer, state)["loss"], training.evaluate(trainer)["nll"]
+
+    compiled = [run(seed, True) for seed in (0, 1, 2)]
+    eager = [run(seed, False) for seed in (0, 1, 2)]
+    assert len({c[0] for c in compiled}) == 3  # different models, different losses
+    for c, e in zip(compiled, eager, strict=True):
+        assert c == pytest.approx(e, rel=1e-5)
