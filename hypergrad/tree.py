@@ -179,36 +179,41 @@ def tree_sub(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tree:
     return {k: a[k] - b[k] for k in a}
 
 
-def _foreach_scalar(s: float | Tensor, like: Tensor) -> bool:
-    """Whether ``s`` can be the scalar of a ``_foreach`` call on leaves like ``like`` (a number, or a
-    0-dim tensor on their device)."""
-    return not isinstance(s, Tensor) or (s.dim() == 0 and s.device == like.device)
+def _as_scalar(s: float | Tensor, leaves: list[Tensor]) -> float | Tensor | None:
+    """``s`` as the scalar of one ``_foreach`` call on ``leaves``: a number as it is; a 0-dim tensor on
+    their device in their (common) dtype, as a number would be taken (a float64 step size does not
+    promote a float32 0-dim leaf). None where one call cannot take it."""
+    if not isinstance(s, Tensor):
+        return s
+    dtypes = {t.dtype for t in leaves}
+    if s.dim() != 0 or s.device != leaves[0].device or len(dtypes) != 1:
+        return None
+    return s.to(dtypes.pop())
+
+
+def _leaf_scalar(s: float | Tensor, leaf: Tensor) -> float | Tensor:
+    return s.to(leaf.dtype) if isinstance(s, Tensor) and s.dim() == 0 else s
 
 
 def tree_scale(a: Mapping[str, Tensor], s: float | Tensor) -> Tree:
-    """Return ``s * a``."""
+    """Return ``s * a`` (a 0-dim tensor ``s`` is taken in the leaves' dtype, as a number is)."""
     xs = list(a.values())
-    if supports_foreach(xs) and _foreach_scalar(s, xs[0]):
-        return dict(zip(a, torch._foreach_mul(xs, s), strict=True))
-    return {k: v * s for k, v in a.items()}
+    if supports_foreach(xs) and (scalar := _as_scalar(s, xs)) is not None:
+        return dict(zip(a, torch._foreach_mul(xs, scalar), strict=True))
+    return {k: v * _leaf_scalar(s, v) for k, v in a.items()}
 
 
 def tree_axpy(alpha: float | Tensor, x: Mapping[str, Tensor], y: Mapping[str, Tensor]) -> Tree:
     """Return ``alpha * x + y``.
 
     ``alpha`` may be a 0-dim tensor on the leaves' device (e.g. a step size computed there): nothing
-    is read back to the host.
+    is read back to the host, and it is taken in the leaves' dtype, as a number is.
     """
     ys = list(y.values())
-    if isinstance(alpha, Tensor):  # a scalar, as a Python float would be: the leaves keep their dtype
-        dtypes = {v.dtype for v in ys}
-        if len(dtypes) != 1:
-            return {k: y[k] + alpha.to(x[k].dtype) * x[k] for k in y}
-        alpha = alpha.to(ys[0].dtype)
-    if supports_foreach(ys) and _foreach_scalar(alpha, ys[0]):
+    if supports_foreach(ys) and (scalar := _as_scalar(alpha, ys)) is not None:
         # multiply, then add (two roundings, as the per-leaf form)
-        return dict(zip(y, torch._foreach_add(ys, torch._foreach_mul(_leaves(x, y), alpha)), strict=True))
-    return {k: y[k] + alpha * x[k] for k in y}
+        return dict(zip(y, torch._foreach_add(ys, torch._foreach_mul(_leaves(x, y), scalar)), strict=True))
+    return {k: y[k] + _leaf_scalar(alpha, y[k]) * x[k] for k in y}
 
 
 def _flat_pair(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> tuple[Tensor, Tensor] | None:

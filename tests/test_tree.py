@@ -52,13 +52,16 @@ def test_foreach_forms_equal_the_per_leaf_arithmetic(shapes, seed, alpha) -> Non
 
 
 def test_a_tensor_step_size_on_the_device_is_used_without_reading_it() -> None:
-    a, b = _tree(0, [(3,), (2, 2)], torch.float32), _tree(1, [(3,), (2, 2)], torch.float32)
-    alpha = torch.tensor(0.25, dtype=torch.float64)  # float64 scalar, float32 leaves: float32 result
+    a, b = _tree(0, [(3,), (2, 2), ()], torch.float32), _tree(1, [(3,), (2, 2), ()], torch.float32)
+    alpha = torch.tensor(0.25, dtype=torch.float64)  # float64 scalar, float32 leaves (a 0-dim one too): float32
     reads = _HostReads()
     with reads:
         out = tree_axpy(alpha, a, b)
     assert reads.count == 0
     assert all(out[k].dtype == torch.float32 and torch.equal(out[k], b[k] + 0.25 * a[k]) for k in a)
+    assert all(v.dtype == torch.float32 for v in tree_scale(a, alpha).values())
+    mixed = {**a, "f64": torch.ones(2, dtype=torch.float64)}  # no common dtype: per leaf, each in its own
+    assert {k: v.dtype for k, v in tree_axpy(alpha, mixed, mixed).items()} == {k: v.dtype for k, v in mixed.items()}
 
 
 def test_under_vmap_the_tree_operations_fall_back_to_per_leaf_operations() -> None:

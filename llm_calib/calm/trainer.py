@@ -311,17 +311,21 @@ def _train(trainer: training.Trainer, state: training.TrainState, checkpoint_dir
     bar = tqdm(total=config.training.steps, initial=state.step, desc=f"calibrate[{config.objective.name}] train", dynamic_ncols=True,
                disable=not progress or distributed.rank() != 0)
     while not training.done(trainer, state):
-        record = training.train_step(trainer, state)
+        # the step reads nothing back: its record is read (and checked) with the others when the loop logs
+        record = training.train_step(trainer, state, read=False)
+        state.history.append(record)
+        if training.log_due(trainer, state.step):
+            training.read_back(state)  # raises TrainingDiverged naming the first non-finite step
         if training.evaluation_due(trainer, state.step):
             record.update(training.select(trainer, state, training.evaluate(trainer, state.theta)))
             shown = {k: record[k] for k in ("loss", "q") if k in record}
             bar.set_postfix(**{k: f"{v:.3g}" for k, v in shown.items()}, ece=f"{record['heldout_ece']:.3f}",
                             acc=f"{record['heldout_accuracy']:.3f}", H=f"{record['heldout_entropy']:.3f}")
-        state.history.append(record)
         due = config.checkpoint_every and (state.step % config.checkpoint_every == 0 or state.stopped_early)
         if checkpoint_dir is not None and due and distributed.rank() == 0:
-            training.save_state(checkpoint_dir, trainer, state, run_data)
+            training.save_state(checkpoint_dir, trainer, state, run_data)  # reads the unread steps first
         bar.update(1)
+    training.read_back(state)
     bar.close()
 
 

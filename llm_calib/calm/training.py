@@ -7,13 +7,18 @@ objective); :class:`TrainState` what it changes (θ, the objective's state, hist
     trainer = build_trainer(model, tokenizer, train, heldout, run)
     state = init_state(trainer)                     # evaluates the initial model
     while not done(trainer, state):
-        record = train_step(trainer, state)         # one step of the configured method
+        record = train_step(trainer, state, read=False)   # one step of the configured method
+        state.history.append(record)
+        if log_due(trainer, state.step):
+            read_back(state)                            # the records since the last read, checked
         if evaluation_due(trainer, state.step):
             record.update(select(trainer, state, evaluate(trainer, state.theta)))
-        state.history.append(record)
 
 is what :func:`llm_calib.calm.trainer.calibrate` runs, with checkpoints (:func:`save_state`,
 :func:`resume_state`) around it. Batches come from seeded streams (:mod:`llm_calib.calm.batch_order`).
+A step reads nothing back to the host (on a GPU the queue of operations keeps running): its record
+holds tensors until :func:`read_back` reads all the unread steps at once (``training.log_every``), checks
+that they are finite and names the first step that was not.
 
 The loop knows an objective only through :mod:`llm_calib.training_interface`: it makes a
 :class:`RunContext` (the :class:`~llm_calib.training_interface.StepContext` of a step) and calls the
@@ -52,10 +57,10 @@ from llm_calib.objectives.base import Objective
 from llm_calib.training_interface import Batch, ObjectiveState
 
 __all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "RunContext", "TrainState",
-           "Trainer", "TrainingDiverged", "budget_refusal", "build_trainer", "check_not_empty",
+           "Trainer", "TrainingDiverged", "UnreadStep", "budget_refusal", "build_trainer", "check_not_empty",
            "data_fingerprint", "done", "evaluate", "evaluation_due",
-           "init_state", "is_selectable", "keep_differentiated_units_gathered", "parameter_summary",
-           "resume_state",
+           "init_state", "is_selectable", "keep_differentiated_units_gathered", "log_due", "parameter_summary",
+           "parameter_tensors", "read_back", "resume_state",
            "save_state", "select", "selection_note", "train_step", "warn_small_heldout"]
 
 Records = Sequence[MultipleChoice] | Sequence[OpenQA] | EncodedRecords
@@ -135,6 +140,22 @@ class Trainer:
 
 
 @dataclass
+class UnreadStep:
+    """A step whose record still holds tensors where they were computed (see :func:`read_back`).
+
+    Attributes:
+        record: the step's record, the same dict as in ``TrainState.history``.
+        theta_finite, lam_finite: 0-dim bool tensors: θ and λ after the step were finite.
+        batch_ids: the ids of the step's training questions (for the message of a divergence).
+    """
+
+    record: dict[str, Any]
+    theta_finite: Tensor
+    lam_finite: Tensor
+    batch_ids: list[str]
+
+
+@dataclass
 class TrainState:
     """What a calibration run changes, step by step (everything a checkpoint stores).
 
@@ -148,6 +169,8 @@ class TrainState:
         best: the selected step, its held-out ECE and the count of evaluations below the floor.
         best_theta, best_lam: θ and the objective's λ of the selected step (λ empty when it trains none).
         stopped_early: the accuracy guard stopped the run.
+        unread: the steps since the last :func:`read_back` (not checkpointed: a checkpoint is written
+            after reading them).
     """
 
     step: int
@@ -159,6 +182,7 @@ class TrainState:
     best_theta: dict[str, Tensor]
     best_lam: dict[str, Tensor]
     stopped_early: bool = False
+    unread: list[UnreadStep] = dataclasses.field(default_factory=list)
 
 
 class RunContext:
@@ -280,6 +304,12 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
     peft_model.eval()
     lm = FunctionalLM(peft_model)
     objective = config.objective
+    if config.training.compile:
+        if objective.second_order or distributed.is_distributed():
+            raise ValueError("training.compile: the compiled step takes first derivatives in one process; "
+                             f"{'torchrun' if distributed.is_distributed() else 'this solver'} needs the eager "
+                             "step (set training.compile false)")
+        lm.compile_step()
     keep_differentiated_units_gathered(lm, objective.second_order)
     vocab = lm.head.out_features if hasattr(lm.head, "out_features") else lm.base.config.vocab_size
     train_enc = _encode(tokenizer, train, fmt)
@@ -417,6 +447,23 @@ def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
     return state
 
 
+def parameter_tensors(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[str, Tensor]:
+    """:func:`parameter_summary` as 0-dim tensors where θ and λ are (float64; nothing read back to the host).
+
+    Example:
+        >>> parameter_tensors({}, {"b": torch.tensor([1.0, -3.0])})
+        {'lambda_b_mean': tensor(-1., dtype=torch.float64), 'lambda_b_absmax': tensor(3., dtype=torch.float64)}
+    """
+    out = {}
+    if OUTPUT_LOG_SCALE in theta:
+        out[OUTPUT_LOG_SCALE] = theta[OUTPUT_LOG_SCALE].detach().double().reshape(())
+    for name, value in lam.items():
+        v = value.detach().double()
+        out[f"lambda_{name}_mean"] = v.mean()
+        out[f"lambda_{name}_absmax"] = v.abs().max()
+    return out
+
+
 def parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[str, float]:
     """A step's trajectory diagnostics: the output log-scale, λ's mean and largest absolute entry.
 
@@ -424,22 +471,24 @@ def parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[
         >>> parameter_summary({}, {"b": torch.tensor([1.0, -3.0])})
         {'lambda_b_mean': -1.0, 'lambda_b_absmax': 3.0}
     """
-    out = {}
-    if OUTPUT_LOG_SCALE in theta:
-        out[OUTPUT_LOG_SCALE] = float(theta[OUTPUT_LOG_SCALE])
-    for name, value in lam.items():
-        v = value.detach().double()
-        out[f"lambda_{name}_mean"] = float(v.mean())
-        out[f"lambda_{name}_absmax"] = float(v.abs().max())
-    return out
+    tensors = parameter_tensors(theta, lam)
+    return dict(zip(tensors, torch.stack(list(tensors.values())).tolist(), strict=True)) if tensors else {}
 
 
-def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
+def train_step(trainer: Trainer, state: TrainState, *, read: bool = True) -> dict[str, Any]:
     """Take step ``state.step + 1`` of ``trainer.objective``; update ``state`` in place.
 
     The step is the objective state's (:class:`~llm_calib.training_interface.ObjectiveState`), given the
     run's :class:`RunContext`. CALM: the solver's joint step of θ and λ's direction, then one projected
     Adam step of λ; one-level objectives: one Adam step of θ on their loss.
+
+    Args:
+        trainer: the run.
+        state: its state.
+        read: read the record back to the host (floats) and check it now (:func:`read_back`). Without it the
+            step reads nothing back (on a GPU the queue keeps running): the record's values stay 0-dim
+            tensors, the step waits in ``state.unread`` until the next :func:`read_back`, which turns them
+            into floats in place and raises for a non-finite step.
 
     Returns:
         The step's record (not yet appended to ``state.history``): ``step`` (1-based), the
@@ -447,20 +496,91 @@ def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
         baselines: ``loss``), then :func:`parameter_summary` of the new θ and λ.
 
     Raises:
-        TrainingDiverged: a loss or update is NaN/inf (names the step and the batch).
+        TrainingDiverged: a loss or update is NaN/inf (names the step and the batch); with ``read=False``
+            only what the objective's step raises itself.
     """
     inner = trainer.train_batch(state.step)
     try:
         with trainer.lm.train_mode():
             record = state.objective_state.step(RunContext(trainer, state), inner)
-        hg.tree.check_finite(state.theta, "updated LoRA parameters")
     except (hg.NonFiniteError, FloatingPointError) as err:
-        raise TrainingDiverged(
-            f"step {state.step + 1}: {err}; batch ids {inner.ids[:8]}{'...' if len(inner.ids) > 8 else ''}. "
-            "No checkpoint was written for this step; lower the learning rates or check the data."
-        ) from err
+        raise TrainingDiverged(_diverged(state.step + 1, str(err), inner.ids)) from err
     state.step += 1
-    return {"step": state.step, **record, **parameter_summary(state.theta, state.objective_state.lam)}
+    lam = state.objective_state.lam
+    record = {"step": state.step, **record, **parameter_tensors(state.theta, lam)}
+    state.unread.append(UnreadStep(record, hg.tree.tree_all_finite(state.theta), hg.tree.tree_all_finite(lam),
+                                   list(inner.ids)))
+    if read:
+        read_back(state)
+    return record
+
+
+def _diverged(step: int, what: str, ids: Sequence[str]) -> str:
+    return (f"step {step}: {what}; batch ids {list(ids[:8])}{'...' if len(ids) > 8 else ''}. "
+            "No checkpoint was written for this step; lower the learning rates or check the data.")
+
+
+def read_back(state: TrainState) -> None:
+    """Read the records of ``state.unread`` back to the host, all with one read, and check them.
+
+    Each record's 0-dim tensors become floats in place (the dicts in ``state.history`` too); its 0-dim bool
+    tensors are checks (``solver_step_finite``: the solver's own finiteness flag), dropped from the record.
+
+    Raises:
+        TrainingDiverged: at the first unread step with a NaN or inf value, a failed check, or a
+            non-finite θ or λ after it (naming the step, what was non-finite and the step's batch ids);
+            ``state.unread`` is left as it was.
+    """
+    if not state.unread:
+        return
+    keys, columns = [], []
+    for entry in state.unread:
+        names = [k for k, v in entry.record.items() if isinstance(v, Tensor)]
+        keys.append(names)
+        columns.append(torch.stack([*(entry.record[k].detach().double().reshape(()) for k in names),
+                                    entry.theta_finite.double(), entry.lam_finite.double()]))
+    values = torch.cat(columns).tolist()  # the one read
+    offset = 0
+    for entry, names in zip(state.unread, keys, strict=True):
+        row = values[offset : offset + len(names) + 2]
+        offset += len(names) + 2
+        read = dict(zip(names, row, strict=False))
+        checks = {k for k in names if entry.record[k].dtype == torch.bool}
+        bad = [k for k in names if k not in checks and not math.isfinite(read[k])]
+        failed = [k for k in names if k in checks and not read[k]]
+        what = ""
+        if bad:
+            what = ", ".join(f"{k} is {read[k]}" for k in bad) + " (non-finite)"
+        elif failed:
+            what = f"the solver's step is non-finite ({', '.join(failed)} is False)"
+        elif not row[-2]:
+            what = _non_finite_tree(state.theta, "updated LoRA parameters")
+        elif not row[-1]:
+            what = _non_finite_tree(state.objective_state.lam, "updated λ")
+        if what:
+            step = int(entry.record["step"])
+            raise TrainingDiverged(_diverged(step, what, entry.batch_ids)) from hg.NonFiniteError(what)
+        for k in names:
+            if k in checks:
+                del entry.record[k]
+            else:
+                entry.record[k] = read[k]
+    state.unread.clear()
+
+
+def _non_finite_tree(tree: dict[str, Tensor], what: str) -> str:
+    """``check_finite``'s message for ``tree`` (which entry, how many values) while it is still non-finite."""
+    try:
+        hg.tree.check_finite(tree, what)
+    except hg.NonFiniteError as err:
+        return str(err)
+    return f"{what}: non-finite value(s) after the step"
+
+
+def log_due(trainer: Trainer, step: int) -> bool:
+    """True when the loop reads the records back after ``step``: every ``training.log_every`` steps, at
+    every evaluation (:func:`evaluation_due`) and at the last step."""
+    return step % trainer.config.training.log_every == 0 or evaluation_due(trainer, step)
 
 
 def evaluation_due(trainer: Trainer, step: int) -> bool:
@@ -536,7 +656,7 @@ def selection_note(history: Sequence[dict[str, float]], before: dict[str, float]
 
 # --------------------------------------------------------------------------- checkpoints
 
-RESUMABLE_CHANGES = ("training.steps", "checkpoint_every")
+RESUMABLE_CHANGES = ("training.steps", "training.log_every", "checkpoint_every")
 """Fields a resumed run may change; any other difference would splice two runs into one."""
 
 
@@ -588,7 +708,14 @@ def _flat_to_tree(prefix: str, flat: dict[str, Tensor]) -> dict[str, Any]:
 
 
 def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any] | None) -> Path:
-    """Write ``state`` as checkpoint ``state.step``, with the config and ``data`` (a :func:`data_fingerprint`)."""
+    """Write ``state`` as checkpoint ``state.step``, with the config and ``data`` (a :func:`data_fingerprint`).
+
+    Reads the unread steps first (:func:`read_back`): a checkpoint holds no unchecked step.
+
+    Raises:
+        TrainingDiverged: an unread step was not finite (nothing is written).
+    """
+    read_back(state)
     tensors: dict[str, Tensor] = {}
     objective_trees, objective_meta = state.objective_state.checkpoint()
     trees = {**{prefix: getattr(state, name) for prefix, name in _STATE_TREES.items()}, **objective_trees}

@@ -263,6 +263,16 @@ class TrainingSettings:
         heldout_batch_size: unlabelled upper-level inputs per step (outer batch; CALM's f and the
             confidence penalty's entropy term; labels unused).
         lr: learning rate of θ (LoRA, Adam).
+        log_every: steps between reads of the step records back to the host (the losses and
+            diagnostics of the history, one read for all the steps since the last one) and the
+            finiteness checks of those steps (also at every evaluation and checkpoint, and at the
+            end). Between reads a step waits on nothing it computed (on a GPU the queue keeps
+            running); a NaN or inf is still reported with the step that produced it. Changes no
+            number of the run.
+        compile: run the trained layers as graphs compiled by :func:`torch.compile` (fewer, fused
+            kernels per step; first-order objectives, Llama-style decoders, no gradient
+            checkpointing: :meth:`~llm_calib.calm.lora.FunctionalLM.compile_step`). The first steps
+            compile (seconds to minutes); the numbers equal the eager step's to float round-off.
 
     Example:
         >>> TrainingSettings(lr="1e-3").lr
@@ -276,9 +286,13 @@ class TrainingSettings:
     heldout_batch_size: int = 8
     lr: float = 1e-3
     epochs: int | None = None
+    log_every: int = 10
+    compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "heldout_batch_size"):
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"training.compile must be true or false, got {self.compile!r}")
+        for name in ("steps", "batch_size", "heldout_batch_size", "log_every"):
             check_int(f"training.{name}", getattr(self, name), minimum=1)
         if self.epochs is not None:
             check_int("training.epochs", self.epochs, minimum=1)
