@@ -37,13 +37,15 @@ import argparse
 import importlib.util
 import json
 import math
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from harness.report import machine_info
+
+from llm_calib.calm.run import resolve_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -106,7 +108,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
 
     from llm_calib import distributed
     from llm_calib.calm import training
-    from llm_calib.calm.config import CalibrationConfig, SelectionSettings, TrainingSettings
+    from llm_calib.config.calibration import CalibrationConfig, SelectionSettings, TrainingSettings
     from llm_calib.data import builtin_multiple_choice
     from llm_calib.objectives.calm import Bome, Calm, ImplicitSolver
 
@@ -129,7 +131,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
                                                       heldout_batch_size=args.batch_size),
                             selection=SelectionSettings(eval_every=args.steps, guard_accuracy=0.0),
                             lora=dict(rank=8, layers=list(range(n_layers - args.top_k, n_layers))))
-    trainer = training.build_trainer(model, TOKENIZER, train, heldout, cfg)  # shards the base under torchrun
+    trainer = training.build_trainer(model, TOKENIZER, train, heldout, resolve_run(cfg, train, heldout))  # shards the base under torchrun
     base_mb_rank = parameter_bytes(trainer.lm.base) / 2**20  # this rank's shards (and LoRA)
     sharded_weights_mb = (torch.cuda.memory_allocated() if cuda else 0) / 2**20
     state = training.init_state(trainer, evaluate_before=False)
@@ -218,8 +220,8 @@ def main() -> int:
     if "4bit" in modes and importlib.util.find_spec("bitsandbytes") is None:
         print("bitsandbytes not installed: skipping 4bit", flush=True)
         modes.remove("4bit")
-    machine = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
-               "torch": torch.__version__, "python": platform.python_version(), "ranks": ranks}
+    machine = machine_info() | {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                                "ranks": ranks}
     if main_rank:
         print(json.dumps(machine), flush=True)
     results = []

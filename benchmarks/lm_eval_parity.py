@@ -37,7 +37,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness.report import machine_info, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,7 +148,7 @@ def _lm_eval_worker(config_path: str) -> None:
 
 
 def _ece(lls: list[list[float]], gold: list[int]) -> float:
-    from llm_calib import metrics
+    from llm_calib.metrics import calibration as metrics
 
     probs = [np.exp(np.asarray(z) - np.logaddexp.reduce(np.asarray(z))) for z in lls]
     conf, correct = metrics.confidence_correct(probs, np.asarray(gold))
@@ -209,7 +209,7 @@ fewshot_config:
 def _fewshot_check(args: argparse.Namespace, records: dict[str, list[Any]], env: dict[str, str]) -> dict[str, Any]:
     """Prompt-level parity of k-shot prompts (lm-eval's first_n sampler; no model is run)."""
     from llm_calib.data import load as load_data
-    from llm_calib.prompts import preset, record_prompt, with_fewshot
+    from llm_calib.prompts.templates import preset, record_prompt, with_fewshot
 
     k = args.fewshot_check
     work = Path(tempfile.mkdtemp(prefix="lm_eval_fewshot_"))
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     from llm_calib.data import load as load_data
     from llm_calib.models import ALIASES, default_cache_dir
     from llm_calib.models import load as load_model
-    from llm_calib.prompts import preset
+    from llm_calib.prompts.templates import preset
     from llm_calib.scoring import score_option_likelihood
 
     n = 20 if args.quick else args.n
@@ -353,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         "# lm-eval parity: llm-calib evaluate vs lm-evaluation-harness",
         "",
         f"- command: `{cmd.strip()}`",
-        f"- date: {datetime.date.today().isoformat()}; machine: {os.cpu_count()} cores ({platform.machine()}, "
-        f"shared with other jobs), torch {torch.__version__}, lm-eval {theirs['version']}, float32, CPU",
+        f"- date: {datetime.date.today().isoformat()}; torch {torch.__version__}, lm-eval {theirs['version']}, "
+        "float32, CPU",
+        machine_line(machine_info(), "shared with other jobs"),
         f"- model: {args.model} (the same converted directory for both tools), no chat template, zero-shot",
         "- ARC-Easy: the first N test questions (`--limit-mode first`); MMLU: a seeded sample of N test",
         "  questions (seed 0) across subjects; both tools get the same questions (lm-eval from local",

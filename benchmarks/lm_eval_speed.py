@@ -32,7 +32,6 @@ import csv
 import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness.report import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -247,7 +247,7 @@ def prefix_cache_stats(task: str, work: Path, model_dir: Path, batch: int) -> di
 
     from llm_calib.data import load
     from llm_calib.engine.prefix import DEFAULT_PREFIX_CACHE_MB, plan_prefix_batches
-    from llm_calib.prompts import PromptFormat
+    from llm_calib.prompts.templates import PromptFormat
     from llm_calib.scoring.option_likelihood import encode_questions
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -264,34 +264,6 @@ def prefix_cache_stats(task: str, work: Path, model_dir: Path, batch: int) -> di
             "tokens_total": total, "peak_bytes": max(((len(b.indices) + 1) * b.prefix_len * per_token
                                                       for b in shared), default=0),
             "prompt_tokens_mean": float(np.mean([len(it.prompt) for it in items]))}
-
-
-def _machine() -> dict[str, Any]:
-    info = {"python": platform.python_version(), "cores": os.cpu_count()}
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-            if line.startswith("Flags:"):
-                flags = line.split()
-                info["avx512"] = "avx512f" in flags
-                info["avx2"] = "avx2" in flags
-                info["amx"] = "amx_tile" in flags
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    import torch
-    import transformers
-
-    info |= {"torch": torch.__version__, "transformers": transformers.__version__,
-             "torch_threads": torch.get_num_threads()}
-    try:
-        import lm_eval
-
-        info["lm_eval"] = getattr(lm_eval, "__version__", "?")
-    except ImportError:
-        pass
-    return info
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": _machine(), "model": str(args.model), "batch_size": args.batch_size, "rounds": args.rounds,
+        "machine": machine_info(libraries=("torch", "transformers", "lm_eval")), "model": str(args.model), "batch_size": args.batch_size, "rounds": args.rounds,
         "command": "python benchmarks/lm_eval_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "shapes": {},
     }

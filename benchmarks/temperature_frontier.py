@@ -15,20 +15,20 @@ Run::
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from calm_regimes import OOD, real_data
+from harness.report import machine_info, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = np.exp(np.linspace(np.log(0.5), np.log(40.0), 120))
 
 
 def ece_at(scored, temperature: float) -> tuple[float, float, float]:
-    from llm_calib.metrics import summarize
+    from llm_calib.metrics.calibration import summarize
 
     probs = [(s / temperature).softmax(-1).numpy() for s in scored.logits]
     m = summarize(probs, list(scored.labels), ci=False)
@@ -38,8 +38,8 @@ def ece_at(scored, temperature: float) -> tuple[float, float, float]:
 def main() -> None:
     from harness.evaluation import score_records
 
+    from llm_calib.metrics.temperature import fit_temperature
     from llm_calib.models import load as load_model
-    from llm_calib.temperature import fit_temperature
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
@@ -78,8 +78,7 @@ def main() -> None:
         "# One global temperature: in domain against out of domain (SmolLM2-135M-Instruct)",
         "",
         f"- Command: `python benchmarks/temperature_frontier.py --normalize {args.normalize}` ({time.perf_counter() - t0:.0f} s)",
-        f"- Machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}; "
-        f"date {time.strftime('%Y-%m-%d %H:%M')}",
+        machine_line(machine_info(args.threads), f"torch {torch.__version__}; date {time.strftime('%Y-%m-%d %H:%M')}"),
         f"- Data as `benchmarks/calm_regimes.py`: selection = {len(data['select'])} ARC-Easy dev questions; "
         f"in domain = {in_domain} test ({len(data['evals'][0][1])}); OOD = {', '.join(ood)} "
         f"({args.n_eval} each). Cloze prompts, option log-likelihoods aggregated by `{args.normalize}`.",

@@ -67,14 +67,16 @@ def loss_and_grads(
     wrt_w: bool = True,
     wrt_lam: bool = True,
     what: str = "loss",
+    check: bool = True,
 ) -> tuple[Tensor, Tree | None, Tree | None]:
     """Return ``loss(w, lam)`` (detached) and its gradients w.r.t. ``w`` and/or ``lam``.
 
     First-order only: no graph is kept, so the result is safe for functions that are not twice
-    differentiable.
+    differentiable. ``check=False`` skips the finiteness test of the loss, the one value this
+    function reads back to the host (a synchronisation on a GPU): the caller checks the value later.
 
     Raises:
-        hypergrad.NonFiniteError: the loss is NaN or inf (``what`` names it).
+        hypergrad.NonFiniteError: the loss is NaN or inf (``what`` names it), with ``check``.
 
     Example:
         >>> import torch
@@ -89,7 +91,7 @@ def loss_and_grads(
         value = loss(w_, lam_)
         inputs = (list(w_.values()) if wrt_w else []) + (list(lam_.values()) if wrt_lam else [])
         grads = torch.autograd.grad(value, inputs, allow_unused=True) if inputs else ()
-    if not bool(torch.isfinite(value)):
+    if check and not bool(torch.isfinite(value)):
         from hypergrad.errors import NonFiniteError
 
         raise NonFiniteError(f"{what} is {float(value.detach())} (non-finite)")

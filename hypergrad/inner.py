@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from hypergrad.tree import Tree
+from hypergrad.tree import Tree, supports_foreach
 
 __all__ = ["LBFGS", "SGD", "Adam", "InnerOptimizer", "Momentum"]
 
@@ -42,6 +42,24 @@ def _check_leaf_lr(leaf_lr: Mapping[str, float]) -> None:
 def _check_unit_interval(value: float, name: str) -> None:
     if not _is_real(value) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+
+
+def _step_sizes(keys: list[str], lr: float, leaf_lr: Mapping[str, float]) -> list[float]:
+    return [leaf_lr.get(k, lr) for k in keys]
+
+
+def _descend(keys: list[str], w: Tree, steps: list[torch.Tensor], lrs: list[float]) -> Tree:
+    """``w[k] - lr_k * steps[i]`` for every leaf, one fused ``torch.add(..., alpha=-lr)`` per leaf (the
+    ``torch.optim.SGD`` form), or one ``_foreach_add`` per distinct step size."""
+    ws = [w[k] for k in keys]
+    if not supports_foreach(ws):
+        return {k: torch.add(w_k, s, alpha=-lr) for k, w_k, s, lr in zip(keys, ws, steps, lrs, strict=True)}
+    out: dict[str, torch.Tensor] = {}
+    for lr in dict.fromkeys(lrs):  # distinct step sizes, in order
+        group = [i for i, lr_i in enumerate(lrs) if lr_i == lr]
+        new = torch._foreach_add([ws[i] for i in group], [steps[i] for i in group], alpha=-lr)
+        out.update((keys[i], t) for i, t in zip(group, new, strict=True))
+    return {k: out[k] for k in keys}
 
 
 @runtime_checkable
@@ -103,7 +121,8 @@ class SGD:
         """Return ``(w - lr * grad, state)``."""
         # One fused op per leaf (as torch.optim.SGD's add_(grad, alpha=-lr)): in reverse-mode
         # unrolling every op here is recorded K times and replayed in the backward pass.
-        return {k: torch.add(w[k], grad[k], alpha=-self.leaf_lr.get(k, self.lr)) for k in w}, state
+        keys = list(w)
+        return _descend(keys, w, [grad[k] for k in keys], _step_sizes(keys, self.lr, self.leaf_lr)), state
 
 
 @dataclass(frozen=True)
@@ -147,12 +166,17 @@ class Momentum:
 
     def update(self, w: Tree, grad: Tree, state: Tree) -> tuple[Tree, Tree]:
         """Return the parameters and momentum buffers after one step."""
-        new_state = {f"m.{k}": torch.add(grad[k], state[f"m.{k}"], alpha=self.beta) for k in w}
-        if self.nesterov:
-            step = {k: torch.add(grad[k], new_state[f"m.{k}"], alpha=self.beta) for k in w}
+        keys = list(w)
+        grads, moments = [grad[k] for k in keys], [state[f"m.{k}"] for k in keys]
+        if supports_foreach(grads + moments):
+            moments = torch._foreach_add(grads, moments, alpha=self.beta)
+            steps = torch._foreach_add(grads, moments, alpha=self.beta) if self.nesterov else moments
         else:
-            step = {k: new_state[f"m.{k}"] for k in w}
-        return {k: torch.add(w[k], step[k], alpha=-self.leaf_lr.get(k, self.lr)) for k in w}, new_state
+            moments = [torch.add(g, m, alpha=self.beta) for g, m in zip(grads, moments, strict=True)]
+            steps = ([torch.add(g, m, alpha=self.beta) for g, m in zip(grads, moments, strict=True)]
+                     if self.nesterov else moments)
+        new_state = {f"m.{k}": m for k, m in zip(keys, moments, strict=True)}
+        return _descend(keys, w, list(steps), _step_sizes(keys, self.lr, self.leaf_lr)), new_state
 
 
 @dataclass(frozen=True)
@@ -216,6 +240,25 @@ class Adam:
         b1, b2 = self.betas
         t = state["t"] + 1
         new_state = {"t": t}
+        keys = list(w)
+        ws, grads = [w[k] for k in keys], [grad[k] for k in keys]
+        ms, vs = [state[f"m.{k}"] for k in keys], [state[f"v.{k}"] for k in keys]
+        tensors = ws + grads + ms + vs
+        differentiated = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+        if not differentiated and supports_foreach(tensors) and t.device == ws[0].device:
+            # the per-leaf arithmetic below, operation by operation, over all leaves at once (not
+            # where the update is differentiated: the double backward of these _foreach
+            # operators fails in torch 2.13, "inconsistent range for TensorList output")
+            ms = torch._foreach_add(torch._foreach_mul(ms, b1), torch._foreach_mul(grads, 1 - b1))
+            vs = torch._foreach_add(torch._foreach_mul(vs, b2),
+                                    torch._foreach_mul(torch._foreach_mul(grads, 1 - b2), grads))
+            m_hat = torch._foreach_div(ms, 1 - b1**t)
+            v_hat = torch._foreach_div(vs, 1 - b2**t)
+            denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_add(v_hat, self.eps_root)), self.eps)
+            steps = torch._foreach_div(torch._foreach_mul(m_hat, _step_sizes(keys, self.lr, self.leaf_lr)), denom)
+            new_state.update((f"m.{k}", m) for k, m in zip(keys, ms, strict=True))
+            new_state.update((f"v.{k}", v) for k, v in zip(keys, vs, strict=True))
+            return dict(zip(keys, torch._foreach_sub(ws, steps), strict=True)), new_state
         new_w = {}
         for k in w:
             m = b1 * state[f"m.{k}"] + (1 - b1) * grad[k]

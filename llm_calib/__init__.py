@@ -47,7 +47,7 @@ from llm_calib.version import __version__ as __version__  # noqa: E402  (after t
 _LAZY = {  # public name -> the module that defines it
     name: module
     for module, names in {
-        "llm_calib.calm.config": ("CalibrationConfig", "LoraSettings", "PromptSettings",
+        "llm_calib.config.calibration": ("CalibrationConfig", "LoraSettings", "PromptSettings",
                                   "SelectionSettings", "TrainingSettings"),
         "llm_calib.objectives.calm": ("Calm", "Bome", "F2SA", "ImplicitSolver"),
         "llm_calib.objectives.lora_ce": ("LoraCE",),
@@ -59,14 +59,14 @@ _LAZY = {  # public name -> the module that defines it
 }
 
 if TYPE_CHECKING:
-    from llm_calib.calm.config import (
+    from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
+    from llm_calib.config.calibration import (
         CalibrationConfig,
         LoraSettings,
         PromptSettings,
         SelectionSettings,
         TrainingSettings,
     )
-    from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
     from llm_calib.objectives.calm import F2SA, Bome, Calm, ImplicitSolver
     from llm_calib.objectives.confidence_penalty import ConfidencePenalty
     from llm_calib.objectives.label_smoothing import LabelSmoothing

@@ -1,4 +1,4 @@
-"""Test helper: a :class:`~llm_calib.calm.config.CalibrationConfig` from a nested base dict and
+"""Test helper: a :class:`~llm_calib.config.calibration.CalibrationConfig` from a nested base dict and
 per-test overrides.
 
 ``configured(base, training=dict(steps=2), objective=dict(name="lora_ce"))``: a dict override of a
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from llm_calib.calm.config import CalibrationConfig
+from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.objectives.registry import objective_class, solver_class
 
 

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from llm_calib.data.records import MultipleChoice
-from llm_calib.prompts import PromptFormat
+from llm_calib.metrics.temperature import T_MAX, T_MIN
+from llm_calib.prompts.templates import PromptFormat
 from llm_calib.scoring.option_likelihood import encode_questions
-from llm_calib.temperature import T_MAX, T_MIN
 
-NLL_FLOOR = 1e-12  # llm_calib.metrics.NLL_EPS, the documented floor of p(gold) in the NLL
+NLL_FLOOR = 1e-12  # llm_calib.metrics.calibration.NLL_EPS, the documented floor of p(gold) in the NLL
 
 # Packed and per-option forward passes differ by float32 rounding: |Δ log p| < 1e-5 per option
 # (tests/test_scoring_option_likelihood.py). Metrics of such probabilities agree to ~1e-5; ECE and

@@ -103,7 +103,7 @@ def test_quick_run_reports_every_method_and_resumes(bench, tmp_path, capsys) -> 
 
 
 def _ece_of_scores(scores, labels, temperature: float = 1.0) -> float:
-    from llm_calib.metrics import confidence_correct, ece
+    from llm_calib.metrics.calibration import confidence_correct, ece
     from llm_calib.scoring.base import ScoredSet
 
     s = ScoredSet([torch.tensor(x) for x in scores], labels, ["d"] * len(labels), [str(i) for i in range(len(labels))])

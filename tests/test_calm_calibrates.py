@@ -14,8 +14,8 @@ import pytest
 import torch
 from _configs import configured
 
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.trainer import calibrate
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.models import tiny_random_model
 

@@ -9,8 +9,8 @@ import json
 import pytest
 import yaml
 
-from llm_calib.calm.config import PARTS, CalibrationConfig
-from llm_calib.calm.flat_keys import FLAT_KEYS, flat_key_message
+from llm_calib.config.calibration import PARTS, CalibrationConfig
+from llm_calib.config.flat_keys import FLAT_KEYS, flat_key_message
 from llm_calib.objectives.calm import F2SA, Bome, Calm, ImplicitSolver
 from llm_calib.objectives.confidence_penalty import ConfidencePenalty
 from llm_calib.objectives.label_smoothing import LabelSmoothing

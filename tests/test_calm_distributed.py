@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
+from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,11 +8,13 @@ import warnings
 import pytest
 import torch
 
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
+from llm_calib.calm.run import task_format
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,7 @@ def scaled():
     model = model.double()
     lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2, layers=(1, 2)), output_scale=True))
     theta = {k: (0.05 * torch.randn_like(v) if "lora_" in k else v) for k, v in lm.theta().items()}
-    enc = encode_records(tok, builtin_multiple_choice(n_per_domain=2), CalibrationConfig())
+    enc = encode_records(tok, builtin_multiple_choice(n_per_domain=2), task_format(builtin_multiple_choice(n_per_domain=2), resolve_prompt_settings(CalibrationConfig().prompt)))
     return lm, theta, enc
 
 

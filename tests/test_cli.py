@@ -14,7 +14,7 @@ import torch
 from llm_calib import cli
 from llm_calib.data import load as load_data
 from llm_calib.models import load as load_model
-from llm_calib.prompts import PromptFormat, build_prompt
+from llm_calib.prompts.templates import PromptFormat, build_prompt
 from llm_calib.scoring.base import encode_prompt
 
 
@@ -194,9 +194,9 @@ def test_entry_point_process_reports_bad_spec():
 
 
 def test_demo_subcommand_calls_run_demo(monkeypatch):
-    import llm_calib.demo
+    import llm_calib.evaluation.demo
 
     calls = []
-    monkeypatch.setattr(llm_calib.demo, "run_demo", lambda: calls.append(1))
+    monkeypatch.setattr(llm_calib.evaluation.demo, "run_demo", lambda: calls.append(1))
     assert cli.main(["demo"]) == 0
     assert calls == [1]

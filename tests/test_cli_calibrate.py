@@ -14,7 +14,7 @@ from llm_calib import cli
 from llm_calib.calm.trainer import CalibrationResult
 from llm_calib.data import load as load_data
 from llm_calib.models import load as load_model
-from llm_calib.prompts import PromptFormat
+from llm_calib.prompts.templates import PromptFormat
 
 TRAIN = "builtin:arithmetic,capitals:n=4"
 HELDOUT = "builtin:arithmetic,capitals:n=4,seed=1"
@@ -227,9 +227,8 @@ def _write_open(path, start, n):
 @pytest.mark.parametrize("examples", [None, (("What is 1 + 1?", "2"), ("Capital of Italy?", "Rome"))])
 def test_open_ended_training_and_report(tiny_model_dir, tmp_path, examples):
     """Also with --open-examples: the evaluation sets are answered with the same short-answer prompt."""
-    from llm_calib.prompts import PromptFormat, short_answer_format
-    from llm_calib.scoring import score_open_ended
-    from llm_calib.scoring.open_ended import open_ended_summary
+    from llm_calib.confidence.token import open_ended_summary, score_open_ended
+    from llm_calib.prompts.templates import PromptFormat, short_answer_format
 
     train, heldout, test = (_write_open(tmp_path / f"{name}.jsonl", start, 4)
                             for name, start in (("train", 0), ("dev", 10), ("test", 20)))

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from llm_calib import cli
-from llm_calib.calm import config as config_module
-from llm_calib.calm.config import PARTS, CalibrationConfig
+from llm_calib.config import calibration as config_module
+from llm_calib.config.calibration import PARTS, CalibrationConfig
 from llm_calib.objectives.registry import (
     objective_class,
     objective_names,

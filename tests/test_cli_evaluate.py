@@ -12,9 +12,9 @@ from _rows import ROWS
 
 from llm_calib import cli
 from llm_calib.data import load as load_data
-from llm_calib.fewshot import resolve_fewshot
 from llm_calib.models import load as load_model
-from llm_calib.prompts import preset, record_prompt
+from llm_calib.prompts.resolution import resolve_fewshot
+from llm_calib.prompts.templates import preset, record_prompt
 from llm_calib.scoring import normalized, score_option_likelihood
 
 
@@ -158,7 +158,7 @@ def test_dtype_flag_changes_the_model_precision(tiny_model_dir, jsonl_file, tmp_
 
 
 def test_write_samples_is_atomic(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
-    from llm_calib import evaluate as ev
+    from llm_calib.evaluation import evaluate as ev
 
     res = ev.evaluate(tiny_model, tiny_tokenizer, ["builtin:capitals:n=4"], ci=False)
     path = ev.write_samples(res, tmp_path / "samples.jsonl")

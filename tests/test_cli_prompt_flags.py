@@ -14,8 +14,8 @@ from _rows import ROWS
 import llm_calib.scoring.base as scoring_base
 import llm_calib.scoring.option_likelihood as option_likelihood
 from llm_calib import cli
-from llm_calib.calm.run import format_settings
 from llm_calib.calm.trainer import BASE_MODEL_FILE
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
@@ -56,7 +56,7 @@ def test_calibrate_builds_the_prompt_evaluate_builds(flags):
     cal = cli.build_parser().parse_args(["calibrate", "--train", SPEC, "--heldout", SPEC, "--eval", SPEC,
                                          "--out", "x", *flags])
     config, _ = cli.calibration_config(cal)
-    assert format_settings(config)["prompt"] == cli.prompt_format(ev)
+    assert resolve_prompt_settings(config.prompt).prompt == cli.prompt_format(ev)
 
 
 def test_no_chat_template_and_texts_reach_the_config():
@@ -192,7 +192,7 @@ def test_evaluate_merged_model_uses_the_prompt_it_was_trained_with(spied, tmp_pa
 def test_calibrate_report_shows_every_metric_the_prompt_and_an_overall_table(spied):
     """calibrate's report.md: the metrics of evaluate's domain tables (report.REPORT_METRICS) for
     every column, the resolved prompt, and an overall table (mean of the domains)."""
-    from llm_calib.report import METRIC_LABELS, REPORT_METRICS, format_metric
+    from llm_calib.evaluation.report import METRIC_LABELS, REPORT_METRICS, format_metric
 
     out = spied[0]
     report = (out / "report.md").read_text()
@@ -229,8 +229,8 @@ def test_calibrate_report_names_the_preset_prompt_it_used(spied):
 def test_comparison_report_names_the_prompt_kind(prompt, scorer, style, named):
     """The scorer line follows the prompt of the run's settings (``prompt_style`` as run_comparison
     records it: listed for the letter scorer)."""
-    from llm_calib.calm.config import CalibrationConfig
-    from llm_calib.compare import Comparison, comparison_markdown
+    from llm_calib.config.calibration import CalibrationConfig
+    from llm_calib.evaluation.compare import Comparison, comparison_markdown
 
     cfg = {"train": {"spec": "t", "n": 2}, "heldout": {"spec": "h", "n": 2}, "eval": ["e"], "timings": {},
            "calibration": CalibrationConfig.from_dict({"prompt": prompt}).to_dict(),

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from llm_calib import cli
+from llm_calib.calm.export import saved_base
 from llm_calib.calm.trainer import BASE_MODEL_FILE, CalibrationResult
-from llm_calib.export import saved_base
 from llm_calib.models import load as load_model
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

@@ -23,7 +23,7 @@ from llm_calib.data import (
     register_loader,
     unregister_loader,
 )
-from llm_calib.evaluate import evaluate
+from llm_calib.evaluation.evaluate import evaluate
 
 NAME = "semicolon"
 LINES = ["2 + 2 = ?;3|4|5;1", "Capital of France?;Rome|Paris;1", "Largest planet?;Jupiter|Mars|Venus|Earth;0"]

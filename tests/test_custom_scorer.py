@@ -4,7 +4,7 @@ The scorer scores each option's text (as option likelihood) after a prompt that 
 options (as the letter scorer's): a subclass of
 :class:`~llm_calib.formats.multiple_choice.OptionLikelihood` whose default and configured prompt
 list the options, registered by name with :func:`~llm_calib.formats.register_format` after
-llm_calib was imported. ``CalibrationConfig``, :func:`llm_calib.evaluate.evaluate`,
+llm_calib was imported. ``CalibrationConfig``, :func:`llm_calib.evaluation.evaluate.evaluate`,
 ``llm-calib evaluate --scorer`` and :func:`llm_calib.calibrate` then reach it by that name.
 """
 
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from llm_calib import CalibrationConfig, SelectionSettings, TrainingSettings, calibrate, cli
-from llm_calib.calm.config import PromptSettings
+from llm_calib.config.calibration import PromptSettings
 from llm_calib.data import builtin_multiple_choice
-from llm_calib.evaluate import evaluate, sample_rows
+from llm_calib.evaluation.evaluate import evaluate, sample_rows
 from llm_calib.formats import (
     SCORER_NAMES,
     OptionLikelihood,
@@ -31,7 +31,7 @@ from llm_calib.formats import (
 )
 from llm_calib.models import load as load_model
 from llm_calib.models import tiny_random_model
-from llm_calib.prompts import PromptFormat
+from llm_calib.prompts.templates import PromptFormat
 from llm_calib.scoring import score_option_likelihood
 
 NAME = "listed_likelihood_test"

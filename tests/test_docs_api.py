@@ -55,7 +55,7 @@ def test_architecture_names_the_scorer_registry_the_code_reads() -> None:
     look it up: the ``--scorer`` choices of ``evaluate`` and ``calibrate`` and the config's are
     the names of that registry."""
     from llm_calib import cli
-    from llm_calib.calm.config import PromptSettings
+    from llm_calib.config.calibration import PromptSettings
     from llm_calib.formats import MULTIPLE_CHOICE_FORMATS
 
     paragraph = (ROOT / "docs" / "architecture.md").read_text().split("**A scorer**", 1)[1].split("\n\n", 1)[0]

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
+from llm_calib.confidence.token import encode_open_prompts
 from llm_calib.data import MultipleChoice, OpenQA
 from llm_calib.engine.decode import TrunkGenerator, generate_greedy, greedy_loop
 from llm_calib.engine.options import forward_rows, target_logprobs
 from llm_calib.engine.packing import pack_letters, pack_questions, reduce_per_option
 from llm_calib.models import tiny_random_model
-from llm_calib.prompts import PromptFormat
+from llm_calib.prompts.templates import PromptFormat
 from llm_calib.scoring import score_letter, score_option_likelihood
-from llm_calib.scoring.open_ended import encode_open_prompts
 from llm_calib.scoring.option_likelihood import encode_questions
 
 

@@ -35,7 +35,7 @@ from llm_calib.engine.prefix import (
     run_prefix_plan,
 )
 from llm_calib.models import tiny_random_model
-from llm_calib.prompts import PromptFormat, preset, with_fewshot
+from llm_calib.prompts.templates import PromptFormat, preset, with_fewshot
 from llm_calib.scoring import score_letter, score_option_likelihood
 from llm_calib.scoring.option_likelihood import EncodedQuestion, option_log_likelihoods
 

@@ -25,7 +25,7 @@ from llm_calib.engine.prefix import (
     prefix_groups,
 )
 from llm_calib.models import tiny_random_model
-from llm_calib.prompts import PromptFormat, preset, with_fewshot
+from llm_calib.prompts.templates import PromptFormat, preset, with_fewshot
 from llm_calib.scoring import score_letter, score_option_likelihood
 from llm_calib.scoring.base import score_in_batches
 from llm_calib.scoring.option_likelihood import encode_questions, option_log_likelihoods

@@ -14,8 +14,8 @@ from harness.evaluation import group_means, score_records, summarize_scored
 
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.data.records import OpenQA
-from llm_calib.evaluate import evaluate, evaluate_records
-from llm_calib.prompts import PromptFormat
+from llm_calib.evaluation.evaluate import evaluate, evaluate_records
+from llm_calib.prompts.templates import PromptFormat
 from llm_calib.scoring import ScoredSet
 
 
@@ -164,8 +164,8 @@ def test_prompt_is_recorded(tiny, builtin_small):
 
 
 def test_summarize_scored_and_group_means() -> None:
-    from llm_calib.metrics import summarize
-    from llm_calib.scoring.open_ended import OpenEndedSet, open_ended_summary
+    from llm_calib.confidence.token import OpenEndedSet, open_ended_summary
+    from llm_calib.metrics.calibration import summarize
 
     rng = np.random.default_rng(0)
     logits = [torch.tensor(rng.normal(size=3)) for _ in range(30)]

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from llm_calib import cli
-from llm_calib.calm.config import LoraSettings
+from llm_calib.calm.export import adapter_directory, export_merged, load_adapter, merge_adapter
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
+from llm_calib.config.calibration import LoraSettings
 from llm_calib.data import load as load_data
-from llm_calib.export import adapter_directory, export_merged, load_adapter, merge_adapter
 from llm_calib.models import load as load_model
 from llm_calib.scoring import score_option_likelihood
 

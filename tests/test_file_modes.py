@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from llm_calib.calm import CalibrationConfig, CalibrationResult
-from llm_calib.calm.config import LoraSettings
+from llm_calib.calm.export import export_merged
 from llm_calib.calm.lora import attach_lora
-from llm_calib.checkpoint import save_checkpoint
-from llm_calib.evaluate import evaluate, write_samples
-from llm_calib.export import export_merged
-from llm_calib.file_modes import ordinary_modes, write_text_atomic
+from llm_calib.config.calibration import LoraSettings
+from llm_calib.evaluation.evaluate import evaluate, write_samples
+from llm_calib.files.atomic import ordinary_modes, write_text_atomic
+from llm_calib.files.checkpoint import save_checkpoint
 from llm_calib.models import tiny_random_model
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

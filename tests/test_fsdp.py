@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.engine.packing import length_parts
+from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.models import tiny_random_model
 
 REPO = Path(__file__).resolve().parents[1]

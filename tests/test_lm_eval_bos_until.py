@@ -13,7 +13,8 @@ import pytest
 from test_lm_eval_task import ARC_YAML, ROWS
 
 from llm_calib.data import load
-from llm_calib.engine.decode import finish_answer, greedy_loop
+from llm_calib.engine.decode import greedy_loop
+from llm_calib.engine.generation import finish_answer
 from llm_calib.models import tiny_random_model
 
 GEN_YAML = """\
@@ -99,7 +100,7 @@ def test_generation_stops_at_the_tasks_until_sequences_as_lm_eval(tmp_path: Path
     pytest.importorskip("lm_eval")
     from lm_eval.models.huggingface import HFLM
 
-    from llm_calib.scoring.open_ended import encode_open_prompts, generate_greedy, score_open_ended
+    from llm_calib.confidence.token import encode_open_prompts, generate_greedy, score_open_ended
 
     model, tok = tiny_random_model(seed=0, init_std=0.1)
     # stop sequences taken from the middle of the model's own free answers, so that each one stops early

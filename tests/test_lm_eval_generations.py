@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llm_calib.confidence.lm_eval_generations import is_generation_row, read_generation_samples
+from llm_calib.confidence.sampled import SampledSet, score_sampled
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.sampling import SamplingSettings
-from llm_calib.lm_eval_generations import is_generation_row, read_generation_samples
 from llm_calib.models import tiny_random_model
-from llm_calib.scoring.sampled import SampledSet, score_sampled
 
 DATE = "2026-12-06T12-00-00.000001"
 
@@ -124,7 +124,7 @@ def test_a_real_lm_eval_generation_run_with_repeats(tmp_path: Path, monkeypatch:
     # a direct computation from the logged responses: the modal normalised answer and its share
     for row, answer, conf, correct in zip(sorted(logged, key=lambda r: r["doc_id"]), got.answers, got.confidences,
                                           got.correct, strict=True):
-        from llm_calib.answers import normalize_answer
+        from llm_calib.metrics.answers import normalize_answer
 
         keys = [normalize_answer(r) for r in row["resps"][0]]
         mode = max(keys, key=lambda k: (keys.count(k), -keys.index(k)))

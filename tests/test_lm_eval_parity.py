@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from llm_calib.data import load as load_data
-from llm_calib.prompts import preset
+from llm_calib.prompts.templates import preset
 from llm_calib.scoring import normalized, score_option_likelihood
 
 FIXTURE = Path(__file__).parent / "data" / "lm_eval_parity.json"

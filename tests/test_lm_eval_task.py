@@ -197,7 +197,7 @@ def test_local_generation_task_gives_open_questions(task_dir: Path) -> None:
     assert isinstance(r, OpenQA)
     assert r.prompt == "Q: Capital of France?\nA:" and r.answers == ("Paris",)
     assert r.until == ("\n", "Q:")
-    from llm_calib.prompts import record_prompt
+    from llm_calib.prompts.templates import record_prompt
 
     assert record_prompt(None, r) == r.prompt
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_calib.metrics import (
+from llm_calib.metrics.calibration import (
     NLL_EPS,
     accuracy,
     adaptive_ece,

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from llm_calib.confidence.p_true import P_TRUE_CHOICES, p_true, p_true_from_loglik, p_true_prompt
 from llm_calib.models import tiny_random_model
-from llm_calib.p_true import P_TRUE_CHOICES, p_true, p_true_from_loglik, p_true_prompt
 
 
 def _loglik(model, ids, cont):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_calib.prompts import (
+from llm_calib.prompts.templates import (
     PromptFormat,
     build_prompt,
     continuation_text,

@@ -13,16 +13,17 @@ import numpy as np
 import pytest
 import torch
 
+from llm_calib.confidence.token import score_open_ended
 from llm_calib.data import builtin_multiple_choice, builtin_open_questions
 from llm_calib.data import load as load_data
 from llm_calib.models import default_cache_dir, load, resolve_gguf
-from llm_calib.prompts import (
+from llm_calib.prompts.templates import (
     PromptFormat,
     build_prompt,
     draw_short_answer_examples,
     short_answer_format,
 )
-from llm_calib.scoring import score_letter, score_open_ended, score_option_likelihood
+from llm_calib.scoring import score_letter, score_option_likelihood
 from llm_calib.scoring.base import encode_prompt
 
 pytestmark = [

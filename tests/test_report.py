@@ -8,8 +8,8 @@ import math
 import pytest
 
 from llm_calib.data import builtin_multiple_choice
-from llm_calib.evaluate import EvaluationResult, evaluate_records
-from llm_calib.report import (
+from llm_calib.evaluation.evaluate import EvaluationResult, evaluate_records
+from llm_calib.evaluation.report import (
     domain_table,
     format_metric,
     jsonable,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from llm_calib.metrics.temperature import apply_temperature
 from llm_calib.scoring import ScoredSet
-from llm_calib.temperature import apply_temperature
 
 
 def _set() -> ScoredSet:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from llm_calib.prompts import PromptFormat, build_prompt
+from llm_calib.prompts.templates import PromptFormat, build_prompt
 from llm_calib.scoring import letter_token_ids, score_letter
 from llm_calib.scoring.base import encode_prompt
 

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from llm_calib.answers import exact_match, normalize_answer, token_f1
+from llm_calib.confidence.token import OpenEndedSet, score_open_ended
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.engine.decode import generate_greedy
+from llm_calib.metrics.answers import exact_match, normalize_answer, token_f1
 from llm_calib.models import tiny_random_model
-from llm_calib.scoring import score_open_ended
-from llm_calib.scoring.open_ended import OpenEndedSet
 
 # Token probabilities come from a float32 softmax: a few units of float32 rounding (~1.2e-7
 # relative each), which differ between CPUs, so exact values are compared at this tolerance.
@@ -93,8 +92,8 @@ def test_greedy_projects_only_the_last_position(tiny):
 
 def test_greedy_on_a_peft_model_uses_the_current_cache_name_and_one_head_row():
     """A peft wrapper's forward takes **kwargs: the wrapped model's signature decides the names."""
-    from llm_calib.calm.config import LoraSettings
     from llm_calib.calm.lora import attach_lora
+    from llm_calib.config.calibration import LoraSettings
 
     model, tok = tiny_random_model(seed=0, init_std=0.1)
     peft_model = attach_lora(model, LoraSettings(rank=2, layers=(1,)))

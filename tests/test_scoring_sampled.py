@@ -7,13 +7,13 @@ import math
 import numpy as np
 import pytest
 
-from llm_calib import metrics
+from llm_calib.confidence.sampled import SampledSet, score_sampled
+from llm_calib.confidence.semantic import answer_equivalence
+from llm_calib.confidence.token import encode_open_prompts
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.sampling import SamplingSettings, sample_answers
+from llm_calib.metrics import calibration as metrics
 from llm_calib.models import tiny_random_model
-from llm_calib.scoring.open_ended import encode_open_prompts
-from llm_calib.scoring.sampled import SampledSet, score_sampled
-from llm_calib.semantic import answer_equivalence
 
 
 def _toy() -> SampledSet:

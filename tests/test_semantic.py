@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_calib.semantic import (
+from llm_calib.confidence.semantic import (
     answer_equivalence,
     cluster_answers,
     nli_equivalence,

@@ -20,7 +20,7 @@ from harness.sweep import (
     write_json_atomic,
 )
 
-from llm_calib.metrics import ece
+from llm_calib.metrics.calibration import ece
 
 
 def test_fingerprint_ignores_key_order_and_sees_values() -> None:

@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from llm_calib.metrics import nll
-from llm_calib.temperature import T_MAX, T_MIN, apply_temperature, fit_temperature, temperature_nll
+from llm_calib.metrics.calibration import nll
+from llm_calib.metrics.temperature import (
+    T_MAX,
+    T_MIN,
+    apply_temperature,
+    fit_temperature,
+    temperature_nll,
+)
 
 
 def tempered_data(n: int, k: int, t_true: float, seed: int, scale: float = 3.0):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from llm_calib.calm.config import LoraSettings
+from llm_calib.calm.export import check_adapter_base, load_adapter
 from llm_calib.calm.lora import attach_lora
-from llm_calib.export import check_adapter_base, load_adapter
+from llm_calib.config.calibration import LoraSettings
 from llm_calib.models import tiny_random_model
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

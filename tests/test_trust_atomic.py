@@ -17,9 +17,9 @@ import matplotlib.figure
 import pytest
 
 from llm_calib.data import builtin_multiple_choice
-from llm_calib.evaluate import EvaluationResult, evaluate_records, write_samples
-from llm_calib.file_modes import atomic_path, read_json, write_bytes_atomic, write_json_atomic
-from llm_calib.report import write_report
+from llm_calib.evaluation.evaluate import EvaluationResult, evaluate_records, write_samples
+from llm_calib.evaluation.report import write_report
+from llm_calib.files.atomic import atomic_path, read_json, write_bytes_atomic, write_json_atomic
 
 PNG_END = b"IEND\xaeB`\x82"
 

@@ -17,7 +17,7 @@ from llm_calib import cli
 from llm_calib.cli import calibrate as cli_calibrate
 from llm_calib.cli import evaluate as cli_evaluate
 from llm_calib.cli import export as cli_export
-from llm_calib.outputs import LOCK_FILE
+from llm_calib.files.outputs import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = "builtin:arithmetic,capitals:n=4"
@@ -102,7 +102,7 @@ def test_a_full_disk_while_writing_the_report_is_one_line(tiny_model_dir, tmp_pa
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "metrics.json"))
 
     monkeypatch.setattr(cli_evaluate, "write_report", full_disk, raising=False)
-    monkeypatch.setattr("llm_calib.report.write_report", full_disk)
+    monkeypatch.setattr("llm_calib.evaluation.report.write_report", full_disk)
     argv = ["evaluate", "--model", str(tiny_model_dir), "--data", "builtin:capitals:n=2", "--quiet", "--bootstrap", "0",
             "--out", str(tmp_path / "out")]
     assert cli.main(argv) == 2
@@ -218,14 +218,18 @@ def test_export_overwrite_replaces_a_non_empty_folder(run, tmp_path):
     (other / "keep.txt").write_text("mine")
     assert cli.main(["export", str(run[0] / "calm"), "--out", str(other), "--quiet", "--overwrite"]) == 0
     assert not (other / "keep.txt").exists() and (other / "llm_calib_export.json").is_file()
-    from llm_calib.file_modes import read_json
+    from llm_calib.files.atomic import read_json
 
     assert "prompt" in read_json(other / "llm_calib_export.json")
 
 
 def test_adapter_on_another_base_is_refused(run, tiny_model_dir, tmp_path, monkeypatch, capsys):
-    other = tmp_path / "other_base"
-    shutil.copytree(tiny_model_dir, other)
+    from llm_calib.models import tiny_random_model
+
+    other = tmp_path / "other_base"  # the tiny model's shape, other weights (an exact copy is the same base)
+    model, tok = tiny_random_model(seed=1, init_std=0.1)
+    model.save_pretrained(other)
+    tok.save_pretrained(other)
     adapter = str(run[0] / "calm")
 
     def reached_loading(*args, **kwargs):
@@ -311,7 +315,7 @@ def test_unknown_lora_target_module_fails_before_training(tiny_model_dir, tmp_pa
     def no_training(*args, **kwargs):
         raise AssertionError("training started")
 
-    monkeypatch.setattr("llm_calib.compare.run_comparison", no_training)
+    monkeypatch.setattr("llm_calib.evaluation.compare.run_comparison", no_training)
     assert cli.main(_calibrate_argv(tiny_model_dir, tmp_path / "o", "--lora-target-modules", "q_proj,foo_proj")) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--lora-target-modules foo_proj: LlamaForCausalLM has no such linear module" in err
@@ -329,10 +333,10 @@ def test_metrics_on_a_folder_lists_its_samples_files(tmp_path, capsys):
 def test_too_little_free_space_fails_before_loading(tiny_model_dir, tmp_path, monkeypatch, capsys):
     import collections
 
-    import llm_calib.outputs
+    import llm_calib.files.outputs
 
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(llm_calib.outputs.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(llm_calib.files.outputs.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     monkeypatch.setattr(cli_calibrate, "load_base_model", _no_loading)
     assert cli.main(_calibrate_argv(tiny_model_dir, tmp_path / "o")) == 2
     err = capsys.readouterr().err.strip()

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from llm_calib.calm.config import LoraSettings
+from llm_calib.calm.export import EXPORT_FILE, check_export_target, export_merged
 from llm_calib.calm.lora import attach_lora
-from llm_calib.export import EXPORT_FILE, check_export_target, export_merged
+from llm_calib.config.calibration import LoraSettings
 from llm_calib.models import load as load_model
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

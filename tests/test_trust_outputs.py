@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_calib.outputs import (
+from llm_calib.files.outputs import (
     LOCK_FILE,
     RunLockedError,
     check_output_file,
@@ -90,7 +90,7 @@ def test_a_second_run_into_the_same_folder_is_refused_naming_the_holder(tmp_path
 
 
 def test_a_live_process_in_another_interpreter_holds_the_lock(tmp_path: Path) -> None:
-    code = ("import sys, time; from llm_calib.outputs import run_lock\n"
+    code = ("import sys, time; from llm_calib.files.outputs import run_lock\n"
             "with run_lock(sys.argv[1]):\n    print('locked', flush=True); time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})

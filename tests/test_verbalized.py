@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_calib.verbalized import (
+from llm_calib.confidence.verbalized import (
     parse_verbalized_confidence,
     parse_verbalized_replies,
     verbalized_prompt,

@@ -4,7 +4,7 @@ means over groups of domains.
 
 Benchmark-only tooling (not installed with ``llm_calib``): the benchmark scripts beside this
 package import it as ``harness.evaluation``. The library's own path is
-:func:`llm_calib.evaluate.evaluate_records`.
+:func:`llm_calib.evaluation.evaluate.evaluate_records`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from llm_calib.confidence.token import OpenEndedSet
 from llm_calib.formats import RecordKindError, ScoredResult, TaskFormat, format_for
-from llm_calib.prompts import PromptFormat
-from llm_calib.scoring import OpenEndedSet, ScoredSet
+from llm_calib.prompts.templates import PromptFormat
+from llm_calib.scoring import ScoredSet
 
 __all__ = ["group_means", "score_records", "split_items", "summarize_scored"]
 

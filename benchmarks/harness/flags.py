@@ -47,7 +47,7 @@ def add_dataclass_flags(parser: Any, cls: type, *, exclude: Iterable[str] = (), 
 
     Example:
         >>> import argparse
-        >>> from llm_calib.calm.config import LoraSettings
+        >>> from llm_calib.config.calibration import LoraSettings
         >>> p = argparse.ArgumentParser()
         >>> add_dataclass_flags(p, LoraSettings, exclude=("target_modules",))
         ['rank', 'alpha', 'dropout', 'layers', 'top_layers', 'output_scale', 'output_scale_lr']
@@ -83,7 +83,7 @@ def dataclass_overrides(args: argparse.Namespace, cls: type, *, dest_prefix: str
 
     Example:
         >>> import argparse
-        >>> from llm_calib.calm.config import LoraSettings
+        >>> from llm_calib.config.calibration import LoraSettings
         >>> dataclass_overrides(argparse.Namespace(**{"field:alpha": 8.0, "other": 1}), LoraSettings)
         {'alpha': 8.0}
     """

@@ -1,5 +1,5 @@
 """The benchmarks' flat hyperparameter names, translated to and from the nested
-:class:`~llm_calib.calm.config.CalibrationConfig`.
+:class:`~llm_calib.config.calibration.CalibrationConfig`.
 
 The benchmarks store their settings (``benchmarks/results/calibration_hparams.json``, search grids,
 the built-in hyperparameters of ``calibration_bench.py``) as flat keys of the configuration before
@@ -7,7 +7,7 @@ it was nested (``lr``, ``bome_eta``, ``penalty_beta``, ...), and fingerprint eve
 that flat layout. :func:`config_from_flat` builds the nested config from such keys (a key of an
 objective or solver that is not trained is dropped: it had no effect before either);
 :func:`flat_config` writes a nested config back in the old layout, so results and fingerprints stored
-before the nesting stay valid. The mapping is the library's :data:`~llm_calib.calm.flat_keys.FLAT_KEYS`.
+before the nesting stay valid. The mapping is the library's :data:`~llm_calib.config.flat_keys.FLAT_KEYS`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from llm_calib.calm.config import CalibrationConfig, LoraSettings
-from llm_calib.calm.flat_keys import FLAT_KEYS
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
+from llm_calib.config.flat_keys import FLAT_KEYS
 from llm_calib.objectives.registry import objective_class, solver_class
 
 __all__ = ["config_from_flat", "flat_config", "with_flat"]

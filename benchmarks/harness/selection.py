@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llm_calib.calm.config import CalibrationConfig
 from llm_calib.calm.training import is_selectable
+from llm_calib.config.calibration import CalibrationConfig
 
 __all__ = ["best_candidate"]
 
@@ -24,7 +24,7 @@ def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: f
         ValueError: no candidates.
 
     Example:
-        >>> from llm_calib.calm.config import CalibrationConfig, SelectionSettings
+        >>> from llm_calib.config.calibration import CalibrationConfig, SelectionSettings
         >>> cfg = CalibrationConfig(selection=SelectionSettings(guard_accuracy=0.9))
         >>> rows = [{"accuracy": 0.5, "ece": 0.2}, {"accuracy": 0.3, "ece": 0.01}, {"accuracy": 0.46, "ece": 0.1}]
         >>> best_candidate(rows, 0.5, cfg), best_candidate(rows[1:2], 0.5, cfg)
@@ -32,7 +32,7 @@ def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: f
     """
     if not candidates:
         raise ValueError("best_candidate needs at least one candidate")
-    ok = [i for i, m in enumerate(candidates) if is_selectable(m["accuracy"], reference_accuracy, config)]
+    ok = [i for i, m in enumerate(candidates) if is_selectable(m["accuracy"], reference_accuracy, config.selection)]
     if ok:
         return min(ok, key=lambda i: candidates[i]["ece"])
     return max(range(len(candidates)), key=lambda i: candidates[i]["accuracy"])

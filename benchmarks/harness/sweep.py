@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from llm_calib.file_modes import write_text_atomic
-from llm_calib.metrics import ece
-from llm_calib.report import jsonable
+from llm_calib.evaluation.report import jsonable
+from llm_calib.files.atomic import write_text_atomic
+from llm_calib.metrics.calibration import ece
 
 __all__ = ["SeedResults", "SweepLog", "ece_resamples", "fingerprint", "read_result", "run_forked", "write_json_atomic"]
 
@@ -212,7 +212,7 @@ def _fork(jobs: Sequence[J], run: Callable[[J, int | None], None], workers: int,
 
 
 def ece_resamples(confidences: Any, correct: Any, indices: Any, n_bins: int = 10) -> np.ndarray:
-    """:func:`llm_calib.metrics.ece` of each resample, a row of ``indices`` ``(R, n)``, at once (``(R,)``).
+    """:func:`llm_calib.metrics.calibration.ece` of each resample, a row of ``indices`` ``(R, n)``, at once (``(R,)``).
 
     Example:
         >>> conf, correct = [0.9, 1.0, 0.6, 0.0], [1, 0, 1, 0]

@@ -17,12 +17,13 @@ __all__ = [
 
 _LAZY = {
     **dict.fromkeys(("METHODS", "SOLVERS", "CalibrationConfig", "LoraSettings", "PromptSettings", "SelectionSettings",
-                     "TrainingSettings"), "llm_calib.calm.config"),
+                     "TrainingSettings"), "llm_calib.config.calibration"),
     **dict.fromkeys(("CalibrationResult", "TrainingDiverged", "calibrate"), "llm_calib.calm.trainer"),
 }
 
 if TYPE_CHECKING:
-    from llm_calib.calm.config import (
+    from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
+    from llm_calib.config.calibration import (
         METHODS,
         SOLVERS,
         CalibrationConfig,
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
         SelectionSettings,
         TrainingSettings,
     )
-    from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
 
 
 __getattr__, __dir__ = lazy_exports(globals(), _LAZY)

@@ -22,7 +22,7 @@ from llm_calib.engine.packing import (
 from llm_calib.models import lm_head_logits, split_decoder_head
 
 if TYPE_CHECKING:
-    from llm_calib.calm.config import LoraSettings
+    from llm_calib.config.calibration import LoraSettings
 
 __all__ = ["OUTPUT_LOG_SCALE", "TRUNK_CACHE_ARCHITECTURES", "FunctionalLM", "attach_lora", "check_target_modules",
            "detach_lora",
@@ -92,7 +92,7 @@ def attach_lora(model: Any, settings: LoraSettings, output_scale: bool = False) 
 
     Example:
         >>> from llm_calib.models import tiny_random_model
-        >>> from llm_calib.calm.config import LoraSettings
+        >>> from llm_calib.config.calibration import LoraSettings
         >>> peft_model = attach_lora(tiny_random_model()[0], LoraSettings(rank=2, layers=(1,)))
         >>> sorted({n.split(".")[4] for n, p in peft_model.named_parameters() if p.requires_grad})
         ['1']
@@ -168,7 +168,7 @@ def detach_lora(model: Any) -> Any:
 
     Example:
         >>> from llm_calib.models import tiny_random_model
-        >>> from llm_calib.calm.config import LoraSettings
+        >>> from llm_calib.config.calibration import LoraSettings
         >>> base, _ = tiny_random_model()
         >>> names, before = sorted(base.state_dict()), base.model.norm.weight.clone()
         >>> lm = FunctionalLM(attach_lora(base, LoraSettings(rank=2), output_scale=True))
@@ -207,7 +207,7 @@ class FunctionalLM:
 
     Example:
         >>> from llm_calib.models import tiny_random_model
-        >>> from llm_calib.calm.config import LoraSettings
+        >>> from llm_calib.config.calibration import LoraSettings
         >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True))
         >>> sorted({k.split(".")[-2] for k in lm.theta() if "lora_" in k}), float(lm.theta()[OUTPUT_LOG_SCALE])
         (['default'], 0.0)
@@ -338,7 +338,7 @@ class FunctionalLM:
 
         Example:
             >>> from llm_calib.models import tiny_random_model
-            >>> from llm_calib.calm.config import LoraSettings
+            >>> from llm_calib.config.calibration import LoraSettings
             >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2), output_scale=True))
             >>> [k for k in lm.decoder_parameters(lm.theta()) if k.startswith("norm.")]
             ['norm.modules_to_save.default.weight']

@@ -44,7 +44,7 @@ class CalmLosses:
     Example:
         >>> import torch
         >>> from llm_calib.models import tiny_random_model
-        >>> from llm_calib.calm.config import LoraSettings
+        >>> from llm_calib.config.calibration import LoraSettings
         >>> from llm_calib.calm.lora import attach_lora
         >>> from llm_calib.engine.packing import pack_continuations
         >>> from llm_calib.formats import OpenEnded
@@ -157,7 +157,7 @@ class DataParallelLosses(CalmLosses):
     Example:
         >>> import torch
         >>> from llm_calib.models import tiny_random_model
-        >>> from llm_calib.calm.config import LoraSettings
+        >>> from llm_calib.config.calibration import LoraSettings
         >>> from llm_calib.calm.lora import attach_lora
         >>> from llm_calib.engine.packing import pack_continuations
         >>> from llm_calib.formats import OpenEnded

@@ -3,16 +3,17 @@
 :class:`Trainer` holds what a run does not change (model, losses, encoded data, θ's optimiser, the
 objective); :class:`TrainState` what it changes (θ, the objective's state, history, selection). A run::
 
-    trainer = build_trainer(model, tokenizer, train, heldout, config)
+    run = resolve_run(config, train, heldout)        # the configuration resolved once
+    trainer = build_trainer(model, tokenizer, train, heldout, run)
     state = init_state(trainer)                     # evaluates the initial model
     while not done(trainer, state):
         record = train_step(trainer, state)         # one step of the configured method
-        if evaluation_due(trainer.config, state.step):
+        if evaluation_due(trainer, state.step):
             record.update(select(trainer, state, evaluate(trainer, state.theta)))
         state.history.append(record)
 
 is what :func:`llm_calib.calm.trainer.calibrate` runs, with checkpoints (:func:`save_state`,
-:func:`resume_state`) around it. Batches come from seeded streams (:mod:`llm_calib.calm.sampling`).
+:func:`resume_state`) around it. Batches come from seeded streams (:mod:`llm_calib.calm.batch_order`).
 
 The loop knows an objective only through :mod:`llm_calib.training_interface`: it makes a
 :class:`RunContext` (the :class:`~llm_calib.training_interface.StepContext` of a step) and calls the
@@ -37,21 +38,21 @@ from torch import Tensor
 
 import hypergrad as hg
 from llm_calib import distributed
-from llm_calib.calm import sampling
-from llm_calib.calm.config import CalibrationConfig, flat_paths
+from llm_calib.calm import batch_order
 from llm_calib.calm.encoding import EncodedRecords, encode_records
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses, DataParallelLosses
-from llm_calib.calm.run import ResolvedRun, resolve_run, set_records
-from llm_calib.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from llm_calib.calm.run import ResolvedRun, check_resolved, set_records
+from llm_calib.config.calibration import CalibrationConfig, SelectionSettings, flat_paths
 from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llm_calib.formats.base import TaskFormat
-from llm_calib.metrics import ece as ece_metric
+from llm_calib.metrics.calibration import ece as ece_metric
 from llm_calib.objectives.base import Objective
 from llm_calib.training_interface import Batch, ObjectiveState
 
 __all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "RunContext", "TrainState",
-           "Trainer", "TrainingDiverged", "build_trainer", "check_not_empty",
+           "Trainer", "TrainingDiverged", "budget_refusal", "build_trainer", "check_not_empty",
            "data_fingerprint", "done", "evaluate", "evaluation_due",
            "init_state", "is_selectable", "keep_differentiated_units_gathered", "parameter_summary",
            "resume_state",
@@ -118,16 +119,19 @@ class Trainer:
 
     def train_batch(self, step: int) -> Batch:
         """This rank's training batch of ``step`` (0-based)."""
-        return self._batch(self.train, self.config.training.batch_size, step, sampling.TRAIN_STREAM)
+        return self._batch(self.train, self.config.training.batch_size, step, batch_order.TRAIN_STREAM)
 
     def unlabeled_batch(self, step: int) -> Batch:
-        """This rank's batch of upper-level inputs of ``step`` (labels unused)."""
+        """This rank's batch of upper-level inputs of ``step`` (labels unused; open questions as their
+        prompts alone: :meth:`EncodedRecords.upper_batch <llm_calib.calm.encoding.EncodedRecords.upper_batch>`)."""
         size = self.config.training.heldout_batch_size
-        return self._batch(self.unlabeled, size, step, sampling.UPPER_STREAM)
+        idx = batch_order.batch_indices(len(self.unlabeled.records), size, step, self.config.seed,
+                                        batch_order.UPPER_STREAM)
+        return self.unlabeled.upper_batch(batch_order.shard(idx), self.pad_id, self.lm)
 
     def _batch(self, data: EncodedRecords, size: int, step: int, stream: int) -> Batch:
-        idx = sampling.batch_indices(len(data.records), size, step, self.config.seed, stream)
-        return data.batch(sampling.shard(idx), self.pad_id, self.lm)
+        idx = batch_order.batch_indices(len(data.records), size, step, self.config.seed, stream)
+        return data.batch(batch_order.shard(idx), self.pad_id, self.lm)
 
 
 @dataclass
@@ -169,7 +173,9 @@ class RunContext:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(training={"heldout_batch_size": 2}))
+        >>> from llm_calib.calm.run import resolve_run
+        >>> run = resolve_run(CalibrationConfig(training={"heldout_batch_size": 2}), qs[:2], qs[2:])
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], run)
         >>> context = RunContext(trainer, init_state(trainer, evaluate_before=False))
         >>> context.step, len(context.unlabeled_batch().ids)
         (0, 2)
@@ -236,14 +242,14 @@ def check_not_empty(**sets: Records | None) -> None:
             raise ValueError(f"the {name} set ({role}) is empty: {use}; pass at least one question")
 
 
-def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records,
-                  config: CalibrationConfig | ResolvedRun | None = None, *, unlabeled: Records | None = None) -> Trainer:
+def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, run: ResolvedRun, *,
+                  unlabeled: Records | None = None) -> Trainer:
     """Attach LoRA to ``model`` (in place) and set up a run: encodings, λ's adjustment, losses.
 
-    Seeds torch with ``config.seed`` first. Under ``torchrun`` it also shards the frozen base
+    Seeds torch with the run's ``seed`` first. Under ``torchrun`` it also shards the frozen base
     (:func:`llm_calib.distributed.shard_frozen_base`) and uses :class:`~llm_calib.calm.losses.DataParallelLosses`.
-    The arguments are those of :func:`~llm_calib.calm.trainer.calibrate`; ``config`` may be the run
-    already resolved (:func:`~llm_calib.calm.run.resolve_run`).
+    The arguments are those of :func:`~llm_calib.calm.trainer.calibrate_run`: ``run`` is the run resolved
+    from its configuration and these sets (:func:`~llm_calib.calm.run.resolve_run`).
 
     Raises:
         ValueError: records of mixed kinds or another type (naming the record).
@@ -253,14 +259,14 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records,
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(), unlabeled=qs)
+        >>> from llm_calib.calm.run import resolve_run
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], resolve_run(None, qs[:2], qs[2:], qs), unlabeled=qs)
         >>> len(trainer.unlabeled), trainer.unlabeled is trainer.heldout
         (4, False)
     """
     check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
-    run = config if isinstance(config, ResolvedRun) else resolve_run(config, train, heldout, unlabeled)
-    config, (fmt, upper) = run.config, run.formats  # lower level; selection and upper level
-    warn_small_heldout(len(_records(heldout)), config)
+    config, (fmt, upper) = check_resolved(run, "build_trainer").config, run.formats  # lower level; selection and upper level
+    warn_small_heldout(len(_records(heldout)), config.selection)
     torch.manual_seed(config.seed)
     peft_model = attach_lora(model, config.lora, output_scale=config.lora.output_scale)
     if distributed.shard_frozen_base(peft_model):
@@ -283,7 +289,7 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records,
     tokens = (t for src in sources for opts in src.options for o in opts for t in o)  # read by "answer_tokens" only
     adjustment = objective.logit_adjustment(vocab, tokens, fmt.auto_adjustment)
     loss_class = DataParallelLosses if distributed.is_distributed() else CalmLosses
-    losses = loss_class(lm, adjustment, run.settings["normalize"])
+    losses = loss_class(lm, adjustment, run.settings.normalize)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = Trainer(config, peft_model, lm, losses, train_enc, heldout_enc, unlabeled_enc, pad_id,
                       run.theta_optimizer, objective)
@@ -305,7 +311,7 @@ def keep_differentiated_units_gathered(lm: FunctionalLM, second_order: bool) -> 
 
     Example:
         >>> from llm_calib.models import tiny_random_model
-        >>> from llm_calib.calm.config import LoraSettings
+        >>> from llm_calib.config.calibration import LoraSettings
         >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))
         >>> keep_differentiated_units_gathered(lm, CalibrationConfig(objective={"name": "calm", "solver": "implicit"}).objective.second_order)
         []
@@ -323,7 +329,7 @@ MIN_GUARD_QUESTIONS = 500
 """Held-out questions below which :func:`build_trainer` warns that model selection is noisy."""
 
 
-def warn_small_heldout(n: int, config: CalibrationConfig) -> bool:
+def warn_small_heldout(n: int, selection: SelectionSettings) -> bool:
     """Warn when ``n`` held-out questions make the accuracy guard noisy; return whether it warned.
 
     The guard's accuracies have a standard error of up to ``0.5 / sqrt(n)`` (0.041 at 150
@@ -336,16 +342,16 @@ def warn_small_heldout(n: int, config: CalibrationConfig) -> bool:
         >>> import warnings
         >>> with warnings.catch_warnings(record=True) as seen:
         ...     warnings.simplefilter("always")
-        ...     warn_small_heldout(150, CalibrationConfig()), warn_small_heldout(600, CalibrationConfig())
+        ...     warn_small_heldout(150, SelectionSettings()), warn_small_heldout(600, SelectionSettings())
         (True, False)
     """
     if n <= 0:
         check_not_empty(heldout=[])  # raises: names the empty held-out set (no division by zero)
-    if n >= MIN_GUARD_QUESTIONS or config.selection.guard_accuracy <= 0:
+    if n >= MIN_GUARD_QUESTIONS or selection.guard_accuracy <= 0:
         return False
     warnings.warn(
         f"{n} held-out questions: model selection and the accuracy guard (guard_accuracy="
-        f"{config.selection.guard_accuracy}) compare accuracies with a standard error of up to {0.5 / math.sqrt(n):.3f}; "
+        f"{selection.guard_accuracy}) compare accuracies with a standard error of up to {0.5 / math.sqrt(n):.3f}; "
         f"use at least {MIN_GUARD_QUESTIONS} held-out questions (unlabelled upper-level inputs can be passed "
         "separately with unlabeled=)", UserWarning, stacklevel=3)
     return True
@@ -391,7 +397,9 @@ def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(training={"batch_size": 2, "heldout_batch_size": 2}))
+        >>> from llm_calib.calm.run import resolve_run
+        >>> run = resolve_run(CalibrationConfig(training={"batch_size": 2, "heldout_batch_size": 2}), qs[:2], qs[2:])
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], run)
         >>> state = init_state(trainer)
         >>> record = train_step(trainer, state)
         >>> state.step, sorted(k for k in ("g", "phi", "q", "unlabeled_entropy") if k in record)
@@ -455,8 +463,9 @@ def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
     return {"step": state.step, **record, **parameter_summary(state.theta, state.objective_state.lam)}
 
 
-def evaluation_due(config: CalibrationConfig, step: int) -> bool:
+def evaluation_due(trainer: Trainer, step: int) -> bool:
     """True when the held-out set is scored after ``step`` (every ``selection.eval_every`` and the last)."""
+    config = trainer.config
     return step % config.selection.eval_every == 0 or step == config.training.steps
 
 
@@ -465,16 +474,15 @@ def done(trainer: Trainer, state: TrainState) -> bool:
     return state.stopped_early or state.step >= trainer.config.training.steps
 
 
-def is_selectable(accuracy: float, reference_accuracy: float, config: CalibrationConfig) -> bool:
+def is_selectable(accuracy: float, reference_accuracy: float, selection: SelectionSettings) -> bool:
     """The accuracy floor of model selection: ``accuracy >= guard_accuracy * reference_accuracy``.
 
     Example:
-        >>> from llm_calib.calm.config import SelectionSettings
-        >>> cfg = CalibrationConfig(selection=SelectionSettings(guard_accuracy=0.9))
-        >>> is_selectable(0.45, 0.5, cfg), is_selectable(0.44, 0.5, cfg)
+        >>> guard = SelectionSettings(guard_accuracy=0.9)
+        >>> is_selectable(0.45, 0.5, guard), is_selectable(0.44, 0.5, guard)
         (True, False)
     """
-    return accuracy + 1e-12 >= config.selection.guard_accuracy * reference_accuracy
+    return accuracy + 1e-12 >= selection.guard_accuracy * reference_accuracy
 
 
 def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> dict[str, float]:
@@ -488,7 +496,7 @@ def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> di
         The evaluation's entries for the step's record: ``heldout_<metric>``.
     """
     cfg, before, best = trainer.config, state.before, state.best
-    if is_selectable(metrics["accuracy"], before["accuracy"], cfg) and metrics["ece"] < best["ece"]:
+    if is_selectable(metrics["accuracy"], before["accuracy"], cfg.selection) and metrics["ece"] < best["ece"]:
         best = state.best = {"ece": metrics["ece"], "step": state.step, "violations": 0}
         state.best_theta = {k: v.clone() for k, v in state.theta.items()}
         state.best_lam = {k: v.detach().clone() for k, v in state.objective_state.lam.items()}
@@ -500,7 +508,7 @@ def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> di
 
 
 def selection_note(history: Sequence[dict[str, float]], before: dict[str, float], selected_step: int,
-                   config: CalibrationConfig) -> str | None:
+                   selection: SelectionSettings) -> str | None:
     """One line saying why model selection kept the initial model (step 0), and what to try.
 
     None when a trained step was selected or nothing was trained. ``history``: the run's records
@@ -508,18 +516,18 @@ def selection_note(history: Sequence[dict[str, float]], before: dict[str, float]
 
     Example:
         >>> hist = [{"step": 5, "heldout_accuracy": 0.542, "heldout_ece": 0.1}]
-        >>> print(selection_note(hist, {"accuracy": 0.583, "ece": 0.2}, 0, CalibrationConfig()))
+        >>> print(selection_note(hist, {"accuracy": 0.583, "ece": 0.2}, 0, SelectionSettings()))
         guard: held-out accuracy 0.542 < 0.554 (guard_accuracy 0.95 x initial 0.583) at every evaluation; the initial model was kept (step 0). Try more steps (--steps), a lower learning rate (--lr) or a lower --guard-accuracy.
     """
     evaluations = [r for r in history if "heldout_accuracy" in r and r.get("step", 0) > 0]
     if selected_step != 0 or not evaluations:
         return None
     advice = "Try more steps (--steps), a lower learning rate (--lr) or a lower --guard-accuracy."
-    floor = config.selection.guard_accuracy * before["accuracy"]
-    ok = [r for r in evaluations if is_selectable(r["heldout_accuracy"], before["accuracy"], config)]
+    floor = selection.guard_accuracy * before["accuracy"]
+    ok = [r for r in evaluations if is_selectable(r["heldout_accuracy"], before["accuracy"], selection)]
     if not ok:
         best = max(r["heldout_accuracy"] for r in evaluations)
-        return (f"guard: held-out accuracy {best:.3f} < {floor:.3f} (guard_accuracy {config.selection.guard_accuracy:g} "
+        return (f"guard: held-out accuracy {best:.3f} < {floor:.3f} (guard_accuracy {selection.guard_accuracy:g} "
                 f"x initial {before['accuracy']:.3f}) at every evaluation; the initial model was kept (step 0). {advice}")
     best_row = min(ok, key=lambda r: r["heldout_ece"])
     return (f"selection: no evaluation lowered the held-out ECE below the initial {before['ece']:.3f} (best "
@@ -592,10 +600,11 @@ def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data:
     return save_checkpoint(directory, state.step, tensors, meta)
 
 
-def _check_resumable(path: Path, saved: dict[str, Any] | None, config: CalibrationConfig, data: dict[str, Any]) -> None:
+def _check_resumable(path: Path, saved: dict[str, Any] | None, config: dict[str, Any], data: dict[str, Any]) -> None:
+    """Raise unless the checkpoint's recorded run (``saved``) matches this run's ``config`` (as a dict) and ``data``."""
     if saved is None:  # checkpoints written before configs were recorded
         return
-    now, then = flat_paths(config.to_dict()), flat_paths(saved["config"])
+    now, then = flat_paths(config), flat_paths(saved["config"])
     changed = sorted(k for k in set(now) | set(then) if k not in RESUMABLE_CHANGES and now.get(k) != then.get(k))
     if changed:
         diffs = "; ".join(f"{k}: checkpoint {then.get(k)!r}, now {now.get(k)!r}" for k in changed)
@@ -606,6 +615,19 @@ def _check_resumable(path: Path, saved: dict[str, Any] | None, config: Calibrati
         raise ValueError(f"cannot resume from {path}: it was trained on other data (checkpoint: "
                          f"{saved['data']['train']} train / {saved['data']['heldout']} held-out records, hash "
                          f"{saved['data']['sha256']}; now {data['train']} / {data['heldout']}, hash {data['sha256']}).")
+
+
+def budget_refusal(checkpoint: str | Path, trained: int, steps: int) -> str:
+    """Why a run of ``steps`` steps cannot resume from ``checkpoint``, which has ``trained`` more
+    (the result would be trained longer than it records), and what to do instead.
+
+    Example:
+        >>> budget_refusal("ckpt-00000004", 4, 2)  # doctest: +ELLIPSIS
+        'cannot resume from ckpt-00000004: it has trained 4 steps, more than training.steps (--steps) 2; ...'
+    """
+    return (f"cannot resume from {checkpoint}: it has trained {trained} steps, more than training.steps (--steps) "
+            f"{steps}; resume with --steps {trained} or more, or start over with --restart (which deletes the "
+            "checkpoints) or another --out")
 
 
 def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any]) -> Path | None:
@@ -624,12 +646,10 @@ def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, dat
     if ckpt is None:
         return None
     tensors, meta = load_checkpoint(ckpt)
-    _check_resumable(ckpt, meta.get("run"), trainer.config, data)
+    _check_resumable(ckpt, meta.get("run"), trainer.config.to_dict(), data)
     steps = trainer.config.training.steps
     if int(meta["step"]) > steps:
-        raise ValueError(f"cannot resume from {ckpt}: it has trained {int(meta['step'])} steps, more than "
-                         f"training.steps (--steps) {steps}; resume with --steps {int(meta['step'])} or more, "
-                         "or start over without --resume")
+        raise ValueError(budget_refusal(ckpt, int(meta["step"]), steps))
     tensors = {k: v.to(trainer.lm.device) for k, v in tensors.items()}
     for prefix, name in _STATE_TREES.items():
         setattr(state, name, _flat_to_tree(prefix, tensors))

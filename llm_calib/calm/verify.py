@@ -16,7 +16,7 @@ from torch import Tensor
 
 import hypergrad as hg
 from hypergrad.tree import tree_dot, tree_norm
-from llm_calib.calm.attention import second_order_attention
+from llm_calib.engine.attention import second_order_attention
 
 __all__ = [
     "DirectionCheck", "HypergradientCheck", "check_hypergradients", "compare_directions",

@@ -1,5 +1,5 @@
 """The open-answer confidence flags of ``llm-calib evaluate`` and ``llm-calib metrics``:
-``--confidence`` and the settings of each kind (:mod:`llm_calib.scoring.open_confidence`)."""
+``--confidence`` and the settings of each kind (:mod:`llm_calib.confidence.kinds`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 from typing import Any
 
 from llm_calib.cli._common import int_at_least, unescape
-from llm_calib.scoring.open_confidence import OPEN_CONFIDENCE_KINDS, OpenConfidence
-from llm_calib.semantic import EQUIVALENCE_KINDS, ESTIMATORS
+from llm_calib.confidence.kinds import OPEN_CONFIDENCE_KINDS, OpenConfidence
+from llm_calib.confidence.semantic import EQUIVALENCE_KINDS, ESTIMATORS
 
 __all__ = ["add_confidence_args", "add_semantic_args", "open_confidence"]
 
@@ -87,7 +87,7 @@ def add_confidence_args(p: argparse.ArgumentParser | Any) -> None:
 
 
 def open_confidence(args: argparse.Namespace, *, seed: int) -> OpenConfidence:
-    """The :class:`~llm_calib.scoring.open_confidence.OpenConfidence` of the parsed flags (``seed``
+    """The :class:`~llm_calib.confidence.kinds.OpenConfidence` of the parsed flags (``seed``
     seeds the samples and the splits); ValueError naming the flag for a template without its fields."""
     templates = {}
     for flag, dest, field_name in (("--p-true-template", "p_true_template", "p_true_template"),

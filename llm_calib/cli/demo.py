@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo (:func:`llm_calib.demo.run_demo`); ``args`` has no settings.
+    """Run the demo (:func:`llm_calib.evaluation.demo.run_demo`); ``args`` has no settings.
 
     Returns:
         0.
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         >>> build_parser().parse_args(["demo"]).func is run
         True
     """
-    from llm_calib.demo import run_demo
+    from llm_calib.evaluation.demo import run_demo
 
     run_demo()
     return 0

@@ -24,7 +24,7 @@ def field_help(cls: type) -> dict[str, str]:
     Fields documented together (``max_log_scale, max_bias: ...``) share their text.
 
     Example:
-        >>> from llm_calib.calm.config import LoraSettings
+        >>> from llm_calib.config.calibration import LoraSettings
         >>> field_help(LoraSettings)["rank"]
         'adapter rank ``r``.'
     """
@@ -57,8 +57,8 @@ def plain_help(text: str) -> str:
     """Docstring text for ``--help``: no reST roles or literals, ``%`` escaped for argparse.
 
     Example:
-        >>> plain_help("rank ``r`` of :class:`~llm_calib.calm.config.LoraSettings` (100%)")
-        'rank r of llm_calib.calm.config.LoraSettings (100%%)'
+        >>> plain_help("rank ``r`` of :class:`~llm_calib.config.calibration.LoraSettings` (100%)")
+        'rank r of llm_calib.config.calibration.LoraSettings (100%%)'
     """
     text = re.sub(r":\w+:`~?([^`<]*?)(?: <[^>]*>)?`", r"\1", text).replace("``", "")
     return text.replace("%", "%%")

@@ -8,8 +8,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from llm_calib.cli._common import UserError, non_negative_int, unescape, user_call
-from llm_calib.prompts import PRESETS
+from llm_calib.cli._common import SPEC, UserError, non_negative_int, unescape, user_call
+from llm_calib.config.choices import PROMPT_PRESETS
 
 __all__ = ["PROMPT_FIELDS", "prompt_format"]
 
@@ -25,7 +25,7 @@ PROMPT_FIELDS = (
     "fewshot_sampler", "style", "chat_template", "system_message", "answer_prefix",
 )
 """The prompt settings ``evaluate``, ``calibrate`` and ``export`` take flags for (one builder),
-by their :class:`~llm_calib.calm.config.PromptSettings` name."""
+by their :class:`~llm_calib.config.calibration.PromptSettings` name."""
 
 
 EVALUATE_PROMPT_DEST = {field: {"preset": "prompt_preset", "style": "prompt_style"}.get(field, field)
@@ -41,7 +41,7 @@ def add_prompt_args(group: Any, dest: Callable[[str], str | None]) -> None:
     def add(field: str, *flags: str, **kwargs: Any) -> None:
         group.add_argument(*flags, dest=dest(field), default=None, **kwargs)
 
-    add("preset", "--prompt-preset", choices=tuple(PRESETS),
+    add("preset", "--prompt-preset", choices=tuple(PROMPT_PRESETS),
         help="a named prompt format; the lm_eval_* presets reproduce lm-eval's prompts "
         "(lm_eval_arc, lm_eval_mmlu, lm_eval_openbookqa, lm_eval_commonsenseqa, lm_eval_qasc, "
         "lm_eval_piqa), qa is the open-ended 'Q: ...\\nA:' format; other prompt flags override it "
@@ -59,7 +59,7 @@ def add_prompt_args(group: Any, dest: Callable[[str], str | None]) -> None:
         help="solved examples before each question, drawn from --fewshot-split (never an "
         "evaluated question; a question gets the same examples in training, selection and "
         "evaluation) (default: 0, zero-shot)")
-    add("fewshot_split", "--fewshot-split", type=str, metavar="SPEC",
+    add("fewshot_split", "--fewshot-split", type=SPEC, metavar="SPEC",
         help="data spec the few-shot examples come from, e.g. arc_easy:../shared/data:train (default: "
         "none; needed with --fewshot)")
     add("fewshot_seed", "--fewshot-seed", type=int, metavar="S",
@@ -81,32 +81,32 @@ def add_prompt_args(group: Any, dest: Callable[[str], str | None]) -> None:
 
 def prompt_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The prompt flags given (:func:`add_prompt_args`, as evaluate and export store them), as
-    :class:`~llm_calib.prompts.PromptFormat` fields."""
+    :class:`~llm_calib.prompts.templates.PromptFormat` fields."""
     return {field: getattr(args, dest) for field, dest in EVALUATE_PROMPT_DEST.items()
             if field != "preset" and getattr(args, dest) is not None}
 
 
 def saved_prompt(base: dict[str, Any]) -> dict[str, Any]:
-    """The :class:`~llm_calib.prompts.PromptFormat` fields a saved result records (none for a
+    """The :class:`~llm_calib.prompts.templates.PromptFormat` fields a saved result records (none for a
     plain adapter)."""
-    from llm_calib.prompts import PromptFormat
+    from llm_calib.prompts.templates import PromptFormat
 
     saved = base.get("prompt") or {}
     return {k: v for k, v in saved.items() if k in PromptFormat.__dataclass_fields__ and k != "fewshot_pool"}
 
 
 def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) -> Any:
-    """The :class:`~llm_calib.prompts.PromptFormat` of ``llm-calib evaluate`` (and ``export``):
+    """The :class:`~llm_calib.prompts.templates.PromptFormat` of ``llm-calib evaluate`` (and ``export``):
     the preset, else the prompt a saved ``--adapter`` records (``base``), else the scorer's
     default; then the explicit prompt flags. ``calibrate`` builds the same format from the same
-    flags (:func:`llm_calib.calm.run.format_settings`; both resolve with :func:`llm_calib.calm.run.resolve_prompt`).
+    flags (:func:`llm_calib.prompts.resolution.resolve_prompt_settings`; both resolve with :func:`llm_calib.prompts.resolution.resolve_prompt`).
 
     ``args.scorer`` and ``args.normalize`` (when the command has them) not given default to the
     saved result's, else ``option_likelihood`` and ``sum``.
 
     Args:
         args: ``evaluate`` or ``export`` arguments parsed by :func:`~llm_calib.cli.build_parser`.
-        base: the saved result's record (:func:`llm_calib.export.saved_base`), or None.
+        base: the saved result's record (:func:`llm_calib.calm.export.saved_base`), or None.
 
     Returns:
         The prompt format (without the few-shot pool).
@@ -124,9 +124,9 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
         >>> fmt.template, fmt.fewshot, args.normalize
         ('Question: {question}\\nAnswer:', 2, 'sum')
     """
-    from llm_calib.calm.run import resolve_prompt
     from llm_calib.data import absolute_spec
     from llm_calib.formats import multiple_choice_format
+    from llm_calib.prompts.resolution import resolve_prompt
 
     base = base or {}
     scorer = getattr(args, "scorer", None) or base.get("scorer") or "option_likelihood"
@@ -174,7 +174,7 @@ def warn_prompt_mismatch(trained: dict[str, Any], prompt: Any, tokenizer: Any, s
     DIR``) was trained with (``trained``: its saved record; nothing when it does not record the
     prompt). Both prompts are compared as resolved for ``tokenizer`` (an automatic chat template is
     the one it has or not)."""
-    from llm_calib.prompts import PromptFormat, prompt_dict
+    from llm_calib.prompts.templates import PromptFormat, prompt_dict
 
     if not trained.get("prompt"):
         return

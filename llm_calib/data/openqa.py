@@ -10,11 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from llm_calib.answers import normalize_answer
 from llm_calib.data._rows import domain_from_name, load_json_lines, require_text
 from llm_calib.data.errors import DataError, OnError
 from llm_calib.data.records import OpenQA
 from llm_calib.data.result import LoadResult
+from llm_calib.metrics.answers import normalize_answer
 
 __all__ = ["answer_aliases", "load_nq_open", "load_openqa_jsonl", "load_webquestions", "one_record_per_alias"]
 
@@ -93,7 +93,7 @@ def one_record_per_alias(records: Sequence[OpenQA]) -> list[OpenQA]:
     """One record per (question, accepted answer), to train on every alias.
 
     Alias ``j`` of ``r`` becomes a record with ``answers=(a_j,)``, id ``f"{r.id}#{j}"`` and
-    ``meta["source_id"]``; aliases equal after :func:`~llm_calib.answers.normalize_answer` count
+    ``meta["source_id"]``; aliases equal after :func:`~llm_calib.metrics.answers.normalize_answer` count
     once, records without answers stay. For training: evaluate on the original records.
 
     Example:

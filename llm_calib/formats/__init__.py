@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
+from llm_calib.confidence.kinds import OpenConfidence
 from llm_calib.data.records import MultipleChoice
 from llm_calib.formats.base import RecordKindError, TaskFormat, records_family
 from llm_calib.formats.categorical import cross_entropy, entropy, identity
@@ -31,9 +32,8 @@ from llm_calib.formats.registry import (
     scorer_class,
     unregister_format,
 )
-from llm_calib.prompts import PromptFormat
+from llm_calib.prompts.templates import PromptFormat
 from llm_calib.scoring.base import ScoredResult, ScoredSet
-from llm_calib.scoring.open_confidence import OpenConfidence
 
 __all__ = [
     "BUILTIN_FORMATS", "MULTIPLE_CHOICE_FORMATS", "SCORER_NAMES", "Letter", "MultipleChoiceFormat", "OpenEnded",

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from llm_calib import metrics
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import PackedQuestions, pack_letters, pack_questions
 from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy, identity
 from llm_calib.formats.registry import register_format
-from llm_calib.prompts import PromptFormat
+from llm_calib.metrics import calibration as metrics
+from llm_calib.prompts.templates import PromptFormat
 from llm_calib.scoring.base import ScoredSet, encode_prompts
 from llm_calib.scoring.letter import check_listed_prompt, letter_token_ids, score_letter
 from llm_calib.scoring.option_likelihood import (
@@ -241,7 +241,7 @@ class Letter(MultipleChoiceFormat):
 
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
         """The listed prompt's ids (as the letter scorer's) and one letter token id per option."""
-        prompts = [tuple(p) for p in encode_prompts(tokenizer, records, self.prompt_settings())]
+        prompts = [tuple(p) for p in encode_prompts(tokenizer, records, self.prompt_settings(), reserve=0)]
         options = [tuple((t,) for t in letter_token_ids(tokenizer, len(r.options))) for r in records]
         return prompts, options
 

@@ -9,16 +9,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
+from llm_calib.confidence.kinds import JudgedSet, OpenConfidence, score_open
+from llm_calib.confidence.sampled import SampledSet
+from llm_calib.confidence.token import OpenEndedSet, encode_open_prompts
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.packing import PackedQuestions, pack_continuations, reduce_per_option
 from llm_calib.formats.base import TaskFormat
 from llm_calib.formats.categorical import entropy
 from llm_calib.formats.registry import register_format
-from llm_calib.prompts import PromptFormat, continuation_text
+from llm_calib.prompts.templates import PromptFormat, continuation_text
 from llm_calib.scoring.base import ScoredResult, encode_continuation
-from llm_calib.scoring.open_confidence import JudgedSet, OpenConfidence, score_open
-from llm_calib.scoring.open_ended import OpenEndedSet, encode_open_prompts
-from llm_calib.scoring.sampled import SampledSet
 
 if TYPE_CHECKING:
     from llm_calib.adjustment import LogitAdjustment
@@ -38,7 +38,7 @@ class OpenEnded(TaskFormat):
         answer_stop: train each reference with the newline greedy answering stops at (the
             short-answer prompt); :meth:`monitor` leaves it out of the confidence, as scoring does.
         confidence: how scored answers get their confidence
-            (:class:`~llm_calib.scoring.open_confidence.OpenConfidence`: ``token``, ``semantic``,
+            (:class:`~llm_calib.confidence.kinds.OpenConfidence`: ``token``, ``semantic``,
             ``p_true`` or ``verbalized``); None: ``token``. Training is the same for every kind.
 
     Example:
@@ -95,9 +95,9 @@ class OpenEnded(TaskFormat):
         unanswered = [r.id for r in records if not r.answers]
         if unanswered:
             raise ValueError(f"open question {unanswered[0]!r} has no reference answer to train or monitor on")
-        prompts = encode_open_prompts(tokenizer, records, self.prompt)
         stop = "\n" if self.answer_stop else ""
         answers = [(tuple(encode_continuation(tokenizer, continuation_text(r.answers[0]) + stop)),) for r in records]
+        prompts = encode_open_prompts(tokenizer, records, self.prompt, reserve=[len(a[0]) for a in answers])
         return [tuple(p) for p in prompts], answers
 
     def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:
@@ -163,7 +163,7 @@ class OpenEnded(TaskFormat):
     # --- scoring and results ------------------------------------------------------------------
     def score(self, model: Any, tokenizer: Any, records: Sequence[OpenQA], *, batch_size: int = 8,
               progress: bool = False) -> ScoredResult:
-        """:func:`~llm_calib.scoring.open_confidence.score_open` under the format's confidence kind."""
+        """:func:`~llm_calib.confidence.kinds.score_open` under the format's confidence kind."""
         return score_open(model, tokenizer, records, self.confidence, prompt=self.prompt,
                           max_new_tokens=self.max_new_tokens, batch_size=batch_size, progress=progress)
 

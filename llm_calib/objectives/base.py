@@ -62,7 +62,7 @@ def settings_from_dict(cls: type, data: dict[str, Any], path: str) -> Any:
 class Objective:
     """A training objective: its settings (dataclass fields of a subclass) and the state of a run of it.
 
-    It is the ``objective`` part of :class:`~llm_calib.calm.config.CalibrationConfig`, registered by
+    It is the ``objective`` part of :class:`~llm_calib.config.calibration.CalibrationConfig`, registered by
     name with :func:`~llm_calib.objectives.registry.register_objective`. The settings stay as
     configured; what a run changes lives in the :class:`~llm_calib.training_interface.ObjectiveState`
     that :meth:`start` returns (an objective that trains a logit adjustment λ, as CALM does, keeps λ

@@ -20,8 +20,8 @@ from torch import Tensor
 
 import hypergrad as hg
 from llm_calib.adjustment import ADJUSTMENT_KINDS, LogitAdjustment
-from llm_calib.calm.attention import second_order_attention
-from llm_calib.checks import check_int, check_number
+from llm_calib.config.checks import check_int, check_number
+from llm_calib.engine.attention import second_order_attention
 from llm_calib.objectives.base import Objective, settings_from_dict
 from llm_calib.objectives.registry import (
     register_objective,

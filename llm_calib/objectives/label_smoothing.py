@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from llm_calib.checks import check_number
+from llm_calib.config.checks import check_number
 from llm_calib.objectives.one_level import OneLevelObjective
 from llm_calib.objectives.registry import register_objective
 
