@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from hypergrad.autodiff import loss_and_grads
+from hypergrad.autodiff import inner_grads
 from hypergrad.batches import per_step
 from hypergrad.errors import check_inner_optimizer, check_not_class
 from hypergrad.implicit import Implicit
@@ -103,10 +103,7 @@ class AlternatingImplicit:
         for batch in batches:
             # a non-finite loss gives a non-finite iterate, which the check below reports (one read
             # back to the host per call instead of one per step); the update under no_grad keeps no graph
-            _, grad, _ = loss_and_grads(
-                lambda w_, l_, b=batch: problem.inner_loss(w_, l_, b), w, lam, wrt_lam=False, what="inner loss",
-                check=False,
-            )
+            _, grad, _ = inner_grads(problem, batch, w, lam, check=False)
             with torch.no_grad():
                 w, opt_state = self.inner_optimizer.update(w, grad, opt_state)
         check_finite(w, "AlternatingImplicit inner iterate (did the inner optimizer diverge? lower its lr)")
@@ -118,6 +115,7 @@ class AlternatingImplicit:
             iterations=r.info.iterations,
             residual=r.info.residual,
             converged=r.info.converged,
+            stopping_test=r.info.stopping_test,
             warnings=r.info.warnings,
             grad_evals=r.info.grad_evals + self.inner_steps,
             # the linear solve's iterations and convergence as numbers, for per-step logs

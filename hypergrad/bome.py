@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from hypergrad.autodiff import loss_and_grads
+from hypergrad.autodiff import inner_grads, loss_and_grads
 from hypergrad.batches import per_step
 from hypergrad.compiled import (
     all_finite,
@@ -271,15 +271,14 @@ class BOME:
 
         # Inner steps from w; the first backward also gives q's gradients at (w, lam). The updates
         # run under no_grad, so the iterates carry no graph.
-        g_w, grad_w_g, grad_lam_g = loss_and_grads(g, w, lam, what="inner loss", check=check)
+        g_w, grad_w_g, grad_lam_g = inner_grads(problem, batches[0], w, lam, wrt_lam=True, check=check)
         assert grad_w_g is not None and grad_lam_g is not None
         opt = self.inner_optimizer
         opt_state = opt.init(w)
         with torch.no_grad():
             w_hat, opt_state = opt.update(w, grad_w_g, opt_state)
         for batch in batches[1:]:
-            _, gw, _ = loss_and_grads(_inner_loss(problem, batch), w_hat, lam, wrt_lam=False, what="inner loss",
-                                      check=check)
+            _, gw, _ = inner_grads(problem, batch, w_hat, lam, check=check)
             assert gw is not None
             with torch.no_grad():
                 w_hat, opt_state = opt.update(w_hat, gw, opt_state)
@@ -328,6 +327,7 @@ class BOME:
             iterations=self.inner_steps,
             residual=residual,
             converged=converged,
+            stopping_test="value-function gap",
             grad_evals=self.inner_steps + 2,
             extra=extra,
         )
@@ -408,7 +408,8 @@ def compiled_bome(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inne
         w_opt_state = (state or {}).get("w_opt_state") or method.w_optimizer.init(w)
     batches = per_step(inner_batch, method.inner_steps)
     (outer_batch,) = per_step(outer_batch, 1)  # one outer batch per call, as in the eager call
-    ran = run_stage(problem, _bome_stage, method, w, lam, batches, batches[0], outer_batch, w_opt_state)
+    ran = run_stage(problem, _bome_stage, method, w, lam, batches, batches[0], outer_batch, w_opt_state,
+                    checks=(w, lam, batches[0]))
     if ran is None:
         return eager_fallback(method, problem, args)
     (d_lam, new_w, w_opt_state, scalars), compile_s = ran
@@ -419,6 +420,7 @@ def compiled_bome(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inne
         iterations=method.inner_steps,
         residual=sq_norm**0.5,
         converged=q <= float(method.tol),
+        stopping_test="value-function gap",
         grad_evals=method.inner_steps + 2,
         extra={"phi": phi, "q": q, "grad_q_norm": sq_norm**0.5, "compiled": True, "compile_s": compile_s},
     )

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from hypergrad.autodiff import loss_and_grads
+from hypergrad.autodiff import inner_grads, loss_and_grads
 from hypergrad.batches import per_step
 from hypergrad.compiled import (
     all_finite,
@@ -38,10 +38,6 @@ __all__ = ["Penalty", "compiled_penalty"]
 
 
 _EVALUATE = ("advanced", "current")
-
-
-def _inner_loss(problem: BilevelProblem, batch: Any) -> Callable[[Tree, Tree], torch.Tensor]:
-    return lambda w_, lam_: problem.inner_loss(w_, lam_, batch)
 
 
 def _penalised_loss(problem: BilevelProblem, sigma: float, inner_batch: Any,
@@ -250,9 +246,8 @@ class Penalty:
         losses: list[Tensor] = []
         for t in range(n_evals):
             here = t == estimate_at
-            g = _inner_loss(problem, inner_batches[t])
             penalised = _penalised_loss(problem, sigma, inner_batches[t], outer_batches[t])
-            g_value, gw, lam_g = loss_and_grads(g, w, lam, wrt_lam=here, what="inner loss", check=check)
+            g_value, gw, lam_g = inner_grads(problem, inner_batches[t], w, lam, wrt_lam=here, check=check)
             pen_value, gws, lam_pen = loss_and_grads(
                 penalised, w_sigma, lam, wrt_lam=here, what="penalised loss g + sigma f", check=check
             )
@@ -288,6 +283,7 @@ class Penalty:
             iterations=T,
             residual=inner_residual,
             converged=converged,
+            stopping_test="inner residuals",
             grad_evals=3 * n_evals,
             extra=extra,
         )
@@ -381,8 +377,9 @@ def compiled_penalty(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, i
     opt_state = opt.init(w) if opt_state is None else opt_state
     sigma_opt_state = sigma_opt.init(w_sigma) if sigma_opt_state is None else sigma_opt_state
     n_evals = method.inner_steps if method.evaluate == "current" else method.inner_steps + 1
-    ran = run_stage(problem, _penalty_stage, method, w, w_sigma, lam, per_step(inner_batch, n_evals),
-                    per_step(outer_batch, n_evals), opt_state, sigma_opt_state)
+    inner_batches = per_step(inner_batch, n_evals)
+    ran = run_stage(problem, _penalty_stage, method, w, w_sigma, lam, inner_batches,
+                    per_step(outer_batch, n_evals), opt_state, sigma_opt_state, checks=(w, lam, inner_batches[0]))
     if ran is None:
         return eager_fallback(method, problem, args)
     (grad, w, w_sigma, opt_state, sigma_opt_state, scalars), compile_s = ran
@@ -394,6 +391,7 @@ def compiled_penalty(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, i
         iterations=method.inner_steps,
         residual=inner_residual,
         converged=inner_residual <= tol and sigma_residual <= tol,
+        stopping_test="inner residuals",
         grad_evals=3 * n_evals,
         extra={"sigma": float(method.sigma), "inner_residual": inner_residual, "sigma_residual": sigma_residual,
                "gap": gap, "evaluate": method.evaluate, "compiled": True, "compile_s": compile_s},

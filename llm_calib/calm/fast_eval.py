@@ -285,7 +285,7 @@ class _AnswerSets:
                  temperatures: Sequence[float] | None) -> None:
         self.ev = ev
         flat = [r for recs in ev.records.values() for r in recs]
-        prompts = encode_open_prompts(ev.tokenizer, flat, ev.format.prompt_settings())
+        prompts = encode_open_prompts(ev.tokenizer, flat, ev.format.prompt_settings(), reserve=max_new_tokens)
         self.generator = TrunkGenerator(ev.tokenizer, prompts, ev.batch_size, max_new_tokens, ev.trunk_layers,
                                         temperatures, until=[getattr(r, "until", None) for r in flat])
         self.base_outputs: dict[str, list[GenOut]] = {}

@@ -25,6 +25,7 @@ from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.run import ResolvedRun, check_resolved, resolve_run
 from llm_calib.calm.training import Records, TrainingDiverged
 from llm_calib.config.calibration import CalibrationConfig
+from llm_calib.engine.context import context_window
 from llm_calib.prompts.templates import prompt_dict
 
 __all__ = ["BASE_MODEL_FILE", "CalibrationResult", "TrainingDiverged", "base_model_record", "calibrate", "calibrate_run"]
@@ -98,6 +99,36 @@ class CalibrationResult:
         write_json_atomic(out / "metrics.json", saved)
         return out
 
+    @staticmethod
+    def problem(directory: str | os.PathLike[str]) -> str | None:
+        """What is wrong with the saved result in ``directory`` (a file missing, cut short or not
+        valid JSON: a copy cut short, a disk error), or None when it loads. Reads the records and
+        the safetensors headers, not the tensors.
+
+        Example:
+            >>> import tempfile
+            >>> CalibrationResult.problem(tempfile.mkdtemp())
+            'adapter/adapter_model.safetensors: missing'
+        """
+        from llm_calib.files.atomic import read_json
+        from llm_calib.files.checkpoint import safetensors_problem
+
+        src = Path(directory)
+        for name in ("adapter/adapter_model.safetensors", "lambda.safetensors"):
+            if name == "lambda.safetensors" and not (src / name).exists():
+                continue  # a method without λ
+            found = safetensors_problem(src / name)
+            if found is not None:
+                return f"{name}: {found}"
+        for name in ("adapter/adapter_config.json", "config.json", "history.json", "metrics.json"):
+            try:
+                read_json(src / name)
+            except FileNotFoundError:
+                return f"{name}: missing"
+            except (OSError, ValueError) as err:
+                return f"{name}: {err}"
+        return None
+
     @classmethod
     def load(cls, directory: str | os.PathLike[str], base_model: Any) -> CalibrationResult:
         """Load a saved result onto ``base_model`` (the same base the adapter was trained on)."""
@@ -126,7 +157,10 @@ def base_model_record(model: Any, run: ResolvedRun) -> dict[str, Any]:
     run (:func:`~llm_calib.calm.run.resolve_run`).
 
     Returns:
-        JSON-ready ``model`` (``config._name_or_path`` or None), ``dtype``, ``prompt``
+        JSON-ready ``model`` (``config._name_or_path`` or None), ``dtype`` (the compute dtype),
+        ``quantization`` (``"4-bit NF4"``, ... or None; :func:`~llm_calib.engine.options.loaded_precision`),
+        ``fingerprint`` (:func:`~llm_calib.models.model_fingerprint` of its files, which lets a copy
+        or a moved folder of the base be recognised; None without local files), ``prompt``
         (:func:`~llm_calib.prompts.templates.prompt_dict`), ``scorer`` and ``normalize``.
 
     Example:
@@ -135,14 +169,17 @@ def base_model_record(model: Any, run: ResolvedRun) -> dict[str, Any]:
         >>> from llm_calib.models import tiny_random_model
         >>> qs = builtin_multiple_choice(n_per_domain=1, domains=["capitals"])
         >>> rec = base_model_record(tiny_random_model()[0], resolve_run(CalibrationConfig(), qs, qs))
-        >>> rec["model"], rec["dtype"], rec["prompt"]["style"], rec["normalize"]
-        (None, 'float32', 'cloze', 'sum')
+        >>> rec["model"], rec["dtype"], rec["quantization"], rec["prompt"]["style"], rec["normalize"]
+        (None, 'float32', None, 'cloze', 'sum')
     """
+    from llm_calib.engine.options import loaded_precision
+    from llm_calib.models import model_fingerprint
+
     settings = check_resolved(run, "base_model_record").settings
     name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
-    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    dtype = str(param.dtype).removeprefix("torch.") if param is not None else None
-    return {"model": name, "dtype": dtype, "prompt": prompt_dict(settings.prompt),
+    precision = loaded_precision(model) if hasattr(model, "parameters") else {}
+    return {"model": name, "dtype": precision.get("dtype"), "quantization": precision.get("quantization"),
+            "fingerprint": model_fingerprint(str(name)) if name else None, "prompt": prompt_dict(settings.prompt),
             "scorer": settings.scorer, "normalize": settings.normalize}
 
 
@@ -174,7 +211,8 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
 
     Raises:
         TrainingDiverged: a loss or update is NaN/inf (names the step and the batch).
-        ValueError: an empty set, records of mixed kinds or another type (naming it), or
+        ValueError: a question longer than the model's context (unless a caller's
+            :func:`~llm_calib.engine.context.context_window` truncates), an empty set, records of mixed kinds or another type (naming it), or
             ``resume`` from a checkpoint of another configuration or data (names the fields).
 
     Example:
@@ -223,6 +261,16 @@ def _calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, res
                log: Callable[[str], None] | None) -> CalibrationResult:
     """The body of :func:`calibrate` and :func:`calibrate_run`; ``resolve`` gives the run (timed as set-up)."""
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
+    with context_window(model):  # every sequence within the model's positions (a caller's window: its mode)
+        return _calibrate_in_window(model, tokenizer, train, heldout, resolve, unlabeled, checkpoint_dir, resume,
+                                    progress, log)
+
+
+def _calibrate_in_window(model: Any, tokenizer: Any, train: Records, heldout: Records,
+                         resolve: Callable[[], ResolvedRun], unlabeled: Records | None,
+                         checkpoint_dir: str | os.PathLike[str] | None, resume: bool, progress: bool,
+                         log: Callable[[str], None] | None) -> CalibrationResult:
+    """:func:`_calibrate` inside its context window."""
     timings: dict[str, float] = {}
     with _timed(timings, "setup"):  # checks the records first: a bad mix fails before the model is touched
         training.check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)

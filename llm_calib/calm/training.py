@@ -52,7 +52,7 @@ from llm_calib.objectives.base import Objective
 from llm_calib.training_interface import Batch, ObjectiveState
 
 __all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "RunContext", "TrainState",
-           "Trainer", "TrainingDiverged", "build_trainer", "check_not_empty",
+           "Trainer", "TrainingDiverged", "budget_refusal", "build_trainer", "check_not_empty",
            "data_fingerprint", "done", "evaluate", "evaluation_due",
            "init_state", "is_selectable", "keep_differentiated_units_gathered", "parameter_summary",
            "resume_state",
@@ -617,6 +617,19 @@ def _check_resumable(path: Path, saved: dict[str, Any] | None, config: dict[str,
                          f"{saved['data']['sha256']}; now {data['train']} / {data['heldout']}, hash {data['sha256']}).")
 
 
+def budget_refusal(checkpoint: str | Path, trained: int, steps: int) -> str:
+    """Why a run of ``steps`` steps cannot resume from ``checkpoint``, which has ``trained`` more
+    (the result would be trained longer than it records), and what to do instead.
+
+    Example:
+        >>> budget_refusal("ckpt-00000004", 4, 2)  # doctest: +ELLIPSIS
+        'cannot resume from ckpt-00000004: it has trained 4 steps, more than training.steps (--steps) 2; ...'
+    """
+    return (f"cannot resume from {checkpoint}: it has trained {trained} steps, more than training.steps (--steps) "
+            f"{steps}; resume with --steps {trained} or more, or start over with --restart (which deletes the "
+            "checkpoints) or another --out")
+
+
 def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any]) -> Path | None:
     """Load the newest checkpoint in ``directory`` into ``state`` (and torch's RNG).
 
@@ -636,9 +649,7 @@ def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, dat
     _check_resumable(ckpt, meta.get("run"), trainer.config.to_dict(), data)
     steps = trainer.config.training.steps
     if int(meta["step"]) > steps:
-        raise ValueError(f"cannot resume from {ckpt}: it has trained {int(meta['step'])} steps, more than "
-                         f"training.steps (--steps) {steps}; resume with --steps {int(meta['step'])} or more, "
-                         "or start over without --resume")
+        raise ValueError(budget_refusal(ckpt, int(meta["step"]), steps))
     tensors = {k: v.to(trainer.lm.device) for k, v in tensors.items()}
     for prefix, name in _STATE_TREES.items():
         setattr(state, name, _flat_to_tree(prefix, tensors))

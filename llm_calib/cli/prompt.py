@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from llm_calib.cli._common import UserError, non_negative_int, unescape, user_call
+from llm_calib.cli._common import SPEC, UserError, non_negative_int, unescape, user_call
 from llm_calib.config.choices import PROMPT_PRESETS
 
 __all__ = ["PROMPT_FIELDS", "prompt_format"]
@@ -59,7 +59,7 @@ def add_prompt_args(group: Any, dest: Callable[[str], str | None]) -> None:
         help="solved examples before each question, drawn from --fewshot-split (never an "
         "evaluated question; a question gets the same examples in training, selection and "
         "evaluation) (default: 0, zero-shot)")
-    add("fewshot_split", "--fewshot-split", type=str, metavar="SPEC",
+    add("fewshot_split", "--fewshot-split", type=SPEC, metavar="SPEC",
         help="data spec the few-shot examples come from, e.g. arc_easy:../shared/data:train (default: "
         "none; needed with --fewshot)")
     add("fewshot_seed", "--fewshot-seed", type=int, metavar="S",

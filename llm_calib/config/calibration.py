@@ -465,7 +465,7 @@ class CalibrationConfig:
             elif not isinstance(value, cls):
                 raise ValueError(f"{name} must be a mapping of {cls.__name__} fields, got {value!r}")
         check_int("checkpoint_every", self.checkpoint_every, minimum=0)
-        check_int("seed", self.seed)
+        check_int("seed", self.seed, minimum=0)  # numpy's generators take no negative seed
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (also valid YAML for :meth:`from_file`); the objective and its

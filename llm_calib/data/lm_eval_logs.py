@@ -85,7 +85,9 @@ def rows_by_doc(path: str | os.PathLike[str],
                 rows: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[int, int, Mapping[str, Any]]]:
     """The rows of the file's first filter, one per ``doc_id`` in ``doc_id`` order, as
     ``(doc_id, line number, row)``; ``rows``: the samples themselves instead of the file (numbered
-    from 1). ValueError naming the file when there are no samples.
+    from 1). ValueError naming the file when there are no samples, and naming both lines when a
+    ``doc_id`` comes twice under one filter (lm-eval logs a document once: two runs' samples
+    appended into one file would count each question twice, or one of them silently).
 
     Example:
         >>> rows = [{"doc_id": 1, "filter": "a"}, {"doc_id": 0, "filter": "a"}, {"doc_id": 0, "filter": "b"}]
@@ -99,7 +101,12 @@ def rows_by_doc(path: str | os.PathLike[str],
     by_doc: dict[int, tuple[int, Mapping[str, Any]]] = {}
     for line_no, row in items:
         if row.get("filter", "none") == first_filter:
-            by_doc.setdefault(int(row["doc_id"]) if "doc_id" in row else line_no - 1, (line_no, row))
+            doc_id = int(row["doc_id"]) if "doc_id" in row else line_no - 1
+            if doc_id in by_doc:
+                raise ValueError(f"{path}:{line_no}: doc_id {doc_id} again (first at line {by_doc[doc_id][0]}, filter "
+                                 f"{first_filter!r}); lm-eval logs each document once: were two runs' samples "
+                                 "put into one file? Keep one run's rows")
+            by_doc[doc_id] = (line_no, row)
     return [(doc_id, *by_doc[doc_id]) for doc_id in sorted(by_doc)]
 
 

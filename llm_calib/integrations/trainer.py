@@ -473,6 +473,9 @@ class CalmTrainerMixin:
         def describe(data: Any) -> str:
             if data is None:
                 return "none"
+            if isinstance(data, Sequence) and data and all(hasattr(r, "domain") for r in data[:1000]):
+                domains = sorted({r.domain for r in data})
+                return f"{len(data)} {type(data[0]).__name__} records ({', '.join(domains[:8])}{', ...' if len(domains) > 8 else ''})"
             name = getattr(getattr(data, "info", None), "dataset_name", None) or type(data).__name__
             return f"{name} ({len(data)} examples)" if hasattr(data, "__len__") else str(name)
 

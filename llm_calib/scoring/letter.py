@@ -94,7 +94,7 @@ def score_letter(
     max_k = max((len(r.options) for r in records), default=2)
     letter_ids = letter_token_ids(tokenizer, max_k)
     texts = [record_prompt(tokenizer, r, fmt) for r in records]
-    prompts = encode_prompts(tokenizer, records, fmt, texts)
+    prompts = encode_prompts(tokenizer, records, fmt, texts, reserve=0)  # the letters are read at the prompt's end
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def score(idx: list[int], prefixes: list[PrefixKV | None]) -> tuple[torch.Tensor, ...]:

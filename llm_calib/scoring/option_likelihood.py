@@ -12,6 +12,7 @@ import torch
 
 from llm_calib.config.choices import NORMALIZE_MODES
 from llm_calib.data.records import MultipleChoice
+from llm_calib.engine.context import fit_options
 from llm_calib.engine.flat import flat_supported, prefixes_per_row
 from llm_calib.engine.options import forward_rows, target_logprobs
 from llm_calib.engine.packing import accepts_packed_masks, pack_questions
@@ -27,6 +28,7 @@ from llm_calib.scoring.base import (
     check_records,
     encode_continuation,
     encode_prompts,
+    record_label,
     score_sharing_prefixes,
 )
 
@@ -75,8 +77,9 @@ def encode_questions(tokenizer: Any, records: Sequence[MultipleChoice], fmt: Pro
     for r, prompt in zip(records, encode_prompts(tokenizer, records, fmt), strict=True):
         if not prompt:
             raise ValueError(f"record {r.id!r}: the prompt tokenises to no tokens")
-        options = tuple(tuple(encode_continuation(tokenizer, c)) for c in option_continuations(r, fmt))
-        out.append(EncodedQuestion(tuple(prompt), options))
+        options = [encode_continuation(tokenizer, c) for c in option_continuations(r, fmt)]
+        prompt, options = fit_options(prompt, options, record_label(r))  # the model's context (engine.context)
+        out.append(EncodedQuestion(tuple(prompt), tuple(tuple(o) for o in options)))
     return out
 
 
