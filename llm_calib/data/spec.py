@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from llm_calib.data.errors import OnError
 from llm_calib.data.result import LoadResult, subsample
-from llm_calib.registry import LOADERS
+from llm_calib.registry import LOADERS, Registry
 
 __all__ = [
     "BUILTIN_LOADERS", "Spec", "SpecError", "SpecLoader", "absolute_spec", "load", "loader_names", "parse_spec",
@@ -137,10 +138,10 @@ def register_loader(name: str, description: str, *, path: bool = True) -> Callab
     return decorate
 
 
-unregister_loader = LOADERS.unregister
+unregister_loader = partial(Registry.unregister, LOADERS)
 """Remove a registered loader (:meth:`~llm_calib.registry.Registry.unregister`; a built-in one cannot be)."""
 
-loader_names = LOADERS.names
+loader_names = partial(Registry.names, LOADERS)
 """The registered loaders: the built-in ones, then the others in registration order
 (:meth:`~llm_calib.registry.Registry.names`)."""
 

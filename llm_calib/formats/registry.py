@@ -13,11 +13,12 @@ reads the registry when it is used, so a format registered after import is accep
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from llm_calib.data.records import RECORD_KINDS
 from llm_calib.formats.base import TaskFormat
-from llm_calib.registry import TASK_FORMATS, NamesView, RegistryView, UnknownNameError
+from llm_calib.registry import TASK_FORMATS, NamesView, Registry, RegistryView, UnknownNameError
 
 __all__ = [
     "BUILTIN_FORMATS", "MULTIPLE_CHOICE_FORMATS", "SCORER_NAMES", "family_format", "format_class", "format_names",
@@ -65,14 +66,14 @@ def register_format(name: str) -> Callable[[F], F]:
     return decorate
 
 
-unregister_format = TASK_FORMATS.unregister
+unregister_format = partial(Registry.unregister, TASK_FORMATS)
 """Remove a registered format (:meth:`~llm_calib.registry.Registry.unregister`; a built-in one cannot be)."""
 
-format_names = TASK_FORMATS.names
+format_names = partial(Registry.names, TASK_FORMATS)
 """The registered formats (of one family, e.g. ``format_names("open")``): the built-in ones, then the others
 in registration order (:meth:`~llm_calib.registry.Registry.names`)."""
 
-format_class = TASK_FORMATS.get
+format_class = partial(Registry.get, TASK_FORMATS)
 """The format class registered as a name (:meth:`~llm_calib.registry.Registry.get`)."""
 
 SCORER_NAMES: NamesView = TASK_FORMATS.names_view("multiple_choice")

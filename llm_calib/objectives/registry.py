@@ -11,6 +11,7 @@ a built-in's module is imported the first time its name is looked up. This modul
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from llm_calib.registry import OBJECTIVES, SOLVERS, Registry
@@ -74,24 +75,24 @@ def register_solver(name: str) -> Callable[[T], T]:
     return _registering(SOLVERS, name)
 
 
-unregister_objective = OBJECTIVES.unregister
+unregister_objective = partial(Registry.unregister, OBJECTIVES)
 """Remove a registered objective (:meth:`~llm_calib.registry.Registry.unregister`; a built-in one cannot be)."""
 
-unregister_solver = SOLVERS.unregister
+unregister_solver = partial(Registry.unregister, SOLVERS)
 """Remove a registered solver (:meth:`~llm_calib.registry.Registry.unregister`)."""
 
-objective_names = OBJECTIVES.names
+objective_names = partial(Registry.names, OBJECTIVES)
 """The built-in objectives, then the registered others in registration order
 (:meth:`~llm_calib.registry.Registry.names`)."""
 
-solver_names = SOLVERS.names
+solver_names = partial(Registry.names, SOLVERS)
 """The built-in solvers, then the registered others (:meth:`~llm_calib.registry.Registry.names`)."""
 
-objective_class = OBJECTIVES.get
+objective_class = partial(Registry.get, OBJECTIVES)
 """The objective class registered as a name, its module imported on first use
 (:meth:`~llm_calib.registry.Registry.get`)."""
 
-solver_class = SOLVERS.get
+solver_class = partial(Registry.get, SOLVERS)
 """The solver config class registered as a name (:meth:`~llm_calib.registry.Registry.get`)."""
 
 
