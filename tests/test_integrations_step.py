@@ -221,3 +221,20 @@ def test_bad_input_one_clear_line() -> None:
     with pytest.raises(ValueError, match=r"accumulation_steps=2 needs a first-order solver"):
         CalmStep(attach_adapters(tiny_random_model()[0]), CalibrationConfig(objective={"name": "calm", "solver": "implicit"}),
                  accumulation_steps=2)
+
+
+def test_readme_plain_loop_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's plain-loop block, given a model and the two DataLoaders it names."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "CalmStep" in b)
+    model, tok = tiny_random_model()
+    train, heldout = _sets("open")
+    loader = torch.utils.data.DataLoader(train, batch_size=4, collate_fn=OpenAnswerCollator(tok))
+    prompts = torch.utils.data.DataLoader(heldout, batch_size=4, collate_fn=OpenAnswerCollator(tok, labels=None))
+    monkeypatch.chdir(tmp_path)
+    namespace = {"model": model, "train_loader": loader, "prompt_loader": prompts}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["calm"].steps_taken == 3 and (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert torch.load(tmp_path / "calm_state.pt", weights_only=True)["steps"] == 3

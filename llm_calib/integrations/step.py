@@ -484,7 +484,7 @@ class CalmStep:
             entry (``lambda_<name>_mean``, ``lambda_<name>_absmax``), the output log-scale when trained.
 
         Raises:
-            TrainingDiverged: a loss or update became NaN/inf.
+            ~llm_calib.calm.training.TrainingDiverged: a loss or update became NaN/inf.
             ValueError: bad batches (see :meth:`batch`), or under ``torchrun`` shards of different sizes.
         """
         inner = self.batch(batch)
