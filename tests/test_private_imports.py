@@ -30,9 +30,6 @@ CHECKED = ("hypergrad", "llm_calib", "benchmarks", "tests")
 ALLOWED: dict[tuple[str, str], str] = {
     ("tests/test_models.py", "_convert_gguf"): "replaces the GGUF conversion (slow, needs the model wheel) to see "
     "that load() converts only an invalid cache",
-    ("llm_calib/engine/packing.py", "_attn_implementation"): "transformers' own config attribute (which attention "
-    "kernel a model runs), read; not a project name, though engine/flat.py sets it while a flat forward runs",
-    ("tests/test_model_loading.py", "_attn_implementation"): "transformers' own config attribute, read (see above)",
 }
 """``(file relative to the root, private name) -> why`` this file may touch another module's private
 name. Keep it short: a test of a module's own private helper, where no public seam exists."""
