@@ -504,8 +504,11 @@ def _wait_until_loading(pid: int, library: str, timeout: float = 60) -> None:
                                                      (signal.SIGTERM, 143, "terminated (SIGTERM)")])
 def test_stopping_the_command_while_it_starts_is_one_line(sig, status, word, tmp_path):
     """Ctrl-C in the first seconds (while torch imports) gave a KeyboardInterrupt traceback."""
+    # The child starts with SIGINT at its default, as from a terminal: a pytest-xdist worker ignores SIGINT, and a
+    # process that starts with SIGINT ignored keeps it ignored (Python then installs no KeyboardInterrupt handler).
     proc = subprocess.Popen([sys.executable, "-m", "llm_calib.cli", "evaluate", "--data", "builtin", "--quiet",
-                             "--out", str(tmp_path / "e")], stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+                             "--out", str(tmp_path / "e")], stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _wait_until_loading(proc.pid, "libtorch_cpu")  # torch is being imported: a second or more of start-up to go
     proc.send_signal(sig)
     err = proc.communicate(timeout=60)[1].strip()
