@@ -18,7 +18,7 @@ from llm_calib.calm.losses import CalmLosses
 from llm_calib.calm.run import task_format
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
-from llm_calib.engine.packing import length_parts
+from llm_calib.engine.packing import PART_OVERHEAD_TOKENS, length_parts
 from llm_calib.models import tiny_random_model
 from llm_calib.prompts.resolution import resolve_prompt_settings
 from llm_calib.training_interface import Batch
@@ -90,7 +90,8 @@ def run():
 @pytest.mark.parametrize("kind", ["option_temperature", "vector"])
 def test_losses_and_gradients_in_parts_equal_the_whole_batch(run, kind):
     lm, theta, enc, idx, pad_id = run
-    split, whole = enc.batch(idx, pad_id, lm), enc.batch(idx, pad_id, lm, split=False)
+    # the overhead measured on SmolLM2: this tiny model alone would not split (part_overhead_tokens)
+    split, whole = enc.batch(idx, pad_id, lm, part_overhead=PART_OVERHEAD_TOKENS), enc.batch(idx, pad_id, lm, split=False)
     assert len(split.parts) >= 2 and not whole.parts
     assert sum(p.packed.input_ids.numel() for p in split.parts) < whole.packed.input_ids.numel()
     adjustment = LogitAdjustment(kind, lm.head.out_features)
@@ -113,3 +114,15 @@ def test_a_batch_in_parts_needs_one_position_per_question(run):
     whole = enc.batch(idx, pad_id, lm, split=False)
     with pytest.raises(ValueError, match="part_order with one position per question"):
         Batch(whole.packed, whole.labels, whole.ids, whole.format, parts=(whole,), part_order=torch.arange(2))
+
+
+def test_a_small_model_splits_its_batches_less_readily(run):
+    """The cost of one more pass, in tokens, scales with how cheap a token is: on this tiny model a
+    pass costs more than the padding it would save, so a step runs each loss in one pass."""
+    from llm_calib.calm.encoding import part_overhead_tokens
+
+    lm, _, enc, idx, pad_id = run
+    assert part_overhead_tokens(None) == PART_OVERHEAD_TOKENS
+    assert part_overhead_tokens(lm) > 100 * PART_OVERHEAD_TOKENS  # width 32: ~380 times cheaper tokens
+    assert not enc.batch(idx, pad_id, lm).parts
+    assert len(enc.batch(idx, pad_id, lm, part_overhead=PART_OVERHEAD_TOKENS).parts) >= 2

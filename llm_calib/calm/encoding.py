@@ -20,6 +20,7 @@ from llm_calib.calm.run import ResolvedRun, check_resolved, task_format
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.engine.packing import (
     LENGTH_NORMALIZATIONS,
+    PART_OVERHEAD_TOKENS,
     PackedQuestions,
     length_parts,
     pack_prompts,
@@ -27,7 +28,8 @@ from llm_calib.engine.packing import (
 from llm_calib.formats import TaskFormat
 from llm_calib.training_interface import Batch
 
-__all__ = ["TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records"]
+__all__ = ["REFERENCE_LAYER_WEIGHTS", "TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records",
+           "part_overhead_tokens"]
 
 TRUNK_CHUNK = 16
 """Questions per trunk-cache forward pass: question ``i`` is always computed with its chunk
@@ -115,13 +117,14 @@ class EncodedRecords:
         return n
 
     def batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None, *,
-              split: bool = True) -> Batch:
+              split: bool = True, part_overhead: int | None = None) -> Batch:
         """The :class:`~llm_calib.training_interface.Batch` of the questions at ``indices``, with the cached trunk for
         a trunk-caching ``lm``.
 
         ``split``: multiple-choice questions of different lengths also come as parts of similar length
         (:attr:`Batch.parts <llm_calib.training_interface.Batch.parts>`, chosen by
-        :func:`~llm_calib.engine.packing.length_parts`), which the losses run instead of the padded batch.
+        :func:`~llm_calib.engine.packing.length_parts`, one more pass costing ``part_overhead`` padded tokens;
+        None: :func:`part_overhead_tokens` of ``lm``), which the losses run instead of the padded batch.
         Under ``torchrun`` every rank's shard comes in the same number of parts (one small collective:
         every rank calls this alike).
         """
@@ -130,7 +133,8 @@ class EncodedRecords:
         if not split or self.layout == "open":
             return batch
         lengths = [self.length(i) for i in idx]
-        parts = length_parts(lengths) if len(idx) > 1 else [list(range(len(idx)))]
+        overhead = part_overhead_tokens(lm) if part_overhead is None else part_overhead
+        parts = length_parts(lengths, overhead) if len(idx) > 1 else [list(range(len(idx)))]
         if distributed.is_distributed():
             # Every rank must run the same number of passes (FSDP2 gathers weights in each one), and each
             # rank's shard splits differently: all take the most parts any shard wants, but no more than
@@ -195,10 +199,45 @@ class EncodedRecords:
         rows = [self.format.option_text_lengths(self.records[i], normalize) for i in indices]
         if any(r is None for r in rows):
             return None
-        out = torch.ones((len(rows), max(len(r) for r in rows)), dtype=torch.float64)
-        for b, r in enumerate(rows):
-            out[b, : len(r)] = torch.tensor(r, dtype=torch.float64)
-        return out
+        width = max(len(r) for r in rows)
+        return torch.tensor([[*r, *([1.0] * (width - len(r)))] for r in rows], dtype=torch.float64)  # one operator
+
+
+REFERENCE_LAYER_WEIGHTS = 3_538_944
+"""Weights of one SmolLM2-135M decoder layer (hidden 576, MLP 1536, 3 of 9 heads for keys and values), the
+model :data:`~llm_calib.engine.packing.PART_OVERHEAD_TOKENS` was measured on."""
+
+
+def part_overhead_tokens(lm: FunctionalLM | None) -> int:
+    """What one more forward pass costs, in padded tokens, for :func:`~llm_calib.engine.packing.length_parts`
+    splitting a batch of ``lm``.
+
+    The cost of a pass that does not scale with its tokens (Python, operator dispatch, kernel launches)
+    is about the same for any Llama-style model, while a token costs in proportion to a layer's weights:
+    :data:`~llm_calib.engine.packing.PART_OVERHEAD_TOKENS` (measured on SmolLM2-135M on a CPU) scaled by
+    :data:`REFERENCE_LAYER_WEIGHTS` over ``lm``'s. A model 100 times smaller splits its batches 100 times
+    less readily (on the 4-layer width-64 test model: never, where the default split each batch in 2 or
+    3 passes and so doubled a step's operators). On a GPU the passes are bound by launches (a token costs
+    about a thousand times less than on a CPU): batches are not split. None: the default.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> from llm_calib.config.calibration import LoraSettings
+        >>> from llm_calib.calm.lora import attach_lora
+        >>> part_overhead_tokens(None), part_overhead_tokens(FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))) > 10**4
+        (64, True)
+    """
+    if lm is None:
+        return PART_OVERHEAD_TOKENS
+    if lm.device.type != "cpu":
+        return 2**62  # one pass per batch
+    cfg = lm.base.config
+    try:
+        h, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        weights = 2 * h * h + 2 * h * kv_heads * (h // heads) + 3 * h * cfg.intermediate_size
+    except (AttributeError, TypeError, ZeroDivisionError):  # not Llama-style: the measured default
+        return PART_OVERHEAD_TOKENS
+    return max(1, round(PART_OVERHEAD_TOKENS * REFERENCE_LAYER_WEIGHTS / max(weights, 1)))
 
 
 def encode_records(tokenizer: Any, records: Sequence[MultipleChoice] | Sequence[OpenQA], fmt: TaskFormat) -> EncodedRecords:
