@@ -90,8 +90,7 @@ def run():
 @pytest.mark.parametrize("kind", ["option_temperature", "vector"])
 def test_losses_and_gradients_in_parts_equal_the_whole_batch(run, kind):
     lm, theta, enc, idx, pad_id = run
-    # the overhead measured on SmolLM2: this tiny model alone would not split (part_overhead_tokens)
-    split, whole = enc.batch(idx, pad_id, lm, part_overhead=PART_OVERHEAD_TOKENS), enc.batch(idx, pad_id, lm, split=False)
+    split, whole = enc.batch(idx, pad_id, lm), enc.batch(idx, pad_id, lm, split=False)
     assert len(split.parts) >= 2 and not whole.parts
     assert sum(p.packed.input_ids.numel() for p in split.parts) < whole.packed.input_ids.numel()
     adjustment = LogitAdjustment(kind, lm.head.out_features)
@@ -116,13 +115,23 @@ def test_a_batch_in_parts_needs_one_position_per_question(run):
         Batch(whole.packed, whole.labels, whole.ids, whole.format, parts=(whole,), part_order=torch.arange(2))
 
 
-def test_a_small_model_splits_its_batches_less_readily(run):
-    """The cost of one more pass, in tokens, scales with how cheap a token is: on this tiny model a
-    pass costs more than the padding it would save, so a step runs each loss in one pass."""
-    from llm_calib.calm.encoding import part_overhead_tokens
+def test_the_part_overhead_decides_the_split_and_the_config_sets_it(run):
+    """The CPU default splits (the measured 64 tokens per pass); a per-pass cost no padding outweighs
+    (what a GPU gets by default, launch-bound) runs one pass; training.part_overhead sets it for a run."""
+    from llm_calib.calm import training
+    from llm_calib.calm.encoding import NO_SPLIT, part_overhead_tokens
+    from llm_calib.calm.run import resolve_run
 
     lm, _, enc, idx, pad_id = run
-    assert part_overhead_tokens(None) == PART_OVERHEAD_TOKENS
-    assert part_overhead_tokens(lm) > 100 * PART_OVERHEAD_TOKENS  # width 32: ~380 times cheaper tokens
-    assert not enc.batch(idx, pad_id, lm).parts
-    assert len(enc.batch(idx, pad_id, lm, part_overhead=PART_OVERHEAD_TOKENS).parts) >= 2
+    assert part_overhead_tokens(None) == part_overhead_tokens(lm) == PART_OVERHEAD_TOKENS  # a CPU model
+    assert len(enc.batch(idx, pad_id, lm).parts) >= 2
+    assert not enc.batch(idx, pad_id, lm, part_overhead=NO_SPLIT).parts
+    qs = builtin_multiple_choice(n_per_domain=3)
+    for overhead, split in ((None, True), (NO_SPLIT, False)):
+        model, tok = tiny_random_model(num_layers=3)
+        cfg = CalibrationConfig.from_dict({"training": {"part_overhead": overhead, "batch_size": len(qs)},
+                                           "lora": {"rank": 2, "layers": [1, 2]}})
+        trainer = training.build_trainer(model, tok, qs, qs, resolve_run(cfg, qs, qs))
+        assert bool(trainer.train_batch(0).parts) is split and bool(trainer.unlabeled_batch(0).parts) is split
+    with pytest.raises(ValueError, match=r"training\.part_overhead"):
+        CalibrationConfig.from_dict({"training": {"part_overhead": -1}})

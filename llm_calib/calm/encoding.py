@@ -28,7 +28,7 @@ from llm_calib.engine.packing import (
 from llm_calib.formats import TaskFormat
 from llm_calib.training_interface import Batch
 
-__all__ = ["REFERENCE_LAYER_WEIGHTS", "TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records",
+__all__ = ["NO_SPLIT", "TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records",
            "part_overhead_tokens"]
 
 TRUNK_CHUNK = 16
@@ -151,7 +151,8 @@ class EncodedRecords:
                                                                               torch.arange(len(order)))
         return batch
 
-    def upper_batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None) -> Batch:
+    def upper_batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None, *,
+                    part_overhead: int | None = None) -> Batch:
         """The upper-level batch of the questions at ``indices``: open questions as their prompts alone
         (:func:`~llm_calib.engine.packing.pack_prompts`: the upper level reads the entropy where the answer
         starts, which the answer's tokens do not change, and an unlabelled input has none), with the cached
@@ -168,7 +169,7 @@ class EncodedRecords:
             True
         """
         if self.layout != "open":
-            return self.batch(indices, pad_id, lm)
+            return self.batch(indices, pad_id, lm, part_overhead=part_overhead)
         idx = list(indices)
         packed = pack_prompts([self.prompts[i] for i in idx], pad_id)
         trunk = None
@@ -203,41 +204,27 @@ class EncodedRecords:
         return torch.tensor([[*r, *([1.0] * (width - len(r)))] for r in rows], dtype=torch.float64)  # one operator
 
 
-REFERENCE_LAYER_WEIGHTS = 3_538_944
-"""Weights of one SmolLM2-135M decoder layer (hidden 576, MLP 1536, 3 of 9 heads for keys and values), the
-model :data:`~llm_calib.engine.packing.PART_OVERHEAD_TOKENS` was measured on."""
-
-
 def part_overhead_tokens(lm: FunctionalLM | None) -> int:
     """What one more forward pass costs, in padded tokens, for :func:`~llm_calib.engine.packing.length_parts`
-    splitting a batch of ``lm``.
+    splitting a batch of ``lm`` (``training.part_overhead`` when unset).
 
-    The cost of a pass that does not scale with its tokens (Python, operator dispatch, kernel launches)
-    is about the same for any Llama-style model, while a token costs in proportion to a layer's weights:
-    :data:`~llm_calib.engine.packing.PART_OVERHEAD_TOKENS` (measured on SmolLM2-135M on a CPU) scaled by
-    :data:`REFERENCE_LAYER_WEIGHTS` over ``lm``'s. A model 100 times smaller splits its batches 100 times
-    less readily (on the 4-layer width-64 test model: never, where the default split each batch in 2 or
-    3 passes and so doubled a step's operators). On a GPU the passes are bound by launches (a token costs
-    about a thousand times less than on a CPU): batches are not split. None: the default.
+    On a CPU: :data:`~llm_calib.engine.packing.PART_OVERHEAD_TOKENS`, measured on SmolLM2-135M; on the
+    4-layer width-64 test model too, splitting into parts was about 10% faster than one padded pass (the
+    attention's cost grows with the padded length), though it doubles the operators of a step. On a GPU
+    a pass is bound by its kernel launches (a token costs about a thousand times less than on a CPU):
+    batches are not split. None: the CPU's value.
 
     Example:
-        >>> from llm_calib.models import tiny_random_model
-        >>> from llm_calib.config.calibration import LoraSettings
-        >>> from llm_calib.calm.lora import attach_lora
-        >>> part_overhead_tokens(None), part_overhead_tokens(FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))) > 10**4
-        (64, True)
+        >>> part_overhead_tokens(None)
+        64
     """
-    if lm is None:
-        return PART_OVERHEAD_TOKENS
-    if lm.device.type != "cpu":
-        return 2**62  # one pass per batch
-    cfg = lm.base.config
-    try:
-        h, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-        weights = 2 * h * h + 2 * h * kv_heads * (h // heads) + 3 * h * cfg.intermediate_size
-    except (AttributeError, TypeError, ZeroDivisionError):  # not Llama-style: the measured default
-        return PART_OVERHEAD_TOKENS
-    return max(1, round(PART_OVERHEAD_TOKENS * REFERENCE_LAYER_WEIGHTS / max(weights, 1)))
+    if lm is not None and lm.device.type != "cpu":
+        return NO_SPLIT
+    return PART_OVERHEAD_TOKENS
+
+
+NO_SPLIT = 2**62
+"""A per-pass cost no padding outweighs: one pass per batch."""
 
 
 def encode_records(tokenizer: Any, records: Sequence[MultipleChoice] | Sequence[OpenQA], fmt: TaskFormat) -> EncodedRecords:
