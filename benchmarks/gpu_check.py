@@ -325,7 +325,8 @@ def main() -> int:
     from llm_calib.models import tiny_random_model
 
     TOKENIZER = tiny_random_model()[1]
-    default = ",".join(FSDP2_MODES) if ranks > 1 else ",".join(SINGLE_MODES)
+    # --small: the two eager modes (compiling takes a minute on a CPU: ask for it with --modes compile)
+    default = ",".join(FSDP2_MODES) if ranks > 1 else ",".join(SINGLE_MODES[:2] if args.small else SINGLE_MODES)
     modes = [m for m in (args.modes or default).split(",") if m]
     unknown = sorted(set(modes) - {*SINGLE_MODES, *FSDP2_MODES})
     if unknown:

@@ -44,9 +44,10 @@ def objective(method: str) -> Any:
 def dump(method: str, steps: int, out: Path) -> None:
     """Run ``method`` for ``steps`` steps; write its last checkpoint's tensors and the history under ``out``."""
     import llm_calib
-    try:
+    # the tree's own module (an editable install elsewhere may answer for modules this tree lacks)
+    if (Path(llm_calib.__file__).parent / "files" / "checkpoint.py").is_file():
         from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint
-    except ImportError:  # the layout before llm_calib.files
+    else:  # the layout before llm_calib.files
         from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
     from llm_calib.data import builtin_multiple_choice
     from llm_calib.models import tiny_random_model

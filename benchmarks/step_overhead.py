@@ -63,21 +63,16 @@ SHAPE_SYNC_OPS = ("aten::nonzero", "aten::masked_select", "aten::unique", "aten:
 
 def methods_available() -> list[str]:
     """``lora_ce`` and ``calm:<solver>`` for every registered solver of this tree."""
-    try:
-        from llm_calib.objectives.registry import solver_names
+    from llm_calib.objectives.registry import solver_names
 
-        solvers = list(solver_names())
-    except ImportError:  # a layout without the registry module
-        from llm_calib.config.calibration import SOLVERS
-
-        solvers = list(SOLVERS)
+    solvers = list(solver_names())
     return ["lora_ce", *(f"calm:{s}" for s in solvers)]
 
 
 def objective_for(method: str) -> Any:
     import llm_calib
 
-    method = method.removesuffix(COMPILED)
+    method = base_method(method)
     if method == "lora_ce":
         return llm_calib.LoraCE()
     if method.startswith("calm:"):
@@ -87,14 +82,27 @@ def objective_for(method: str) -> Any:
 
 COMPILED = "+compile"
 """A method name's suffix for the compiled step (``training.compile``; trees without it skip the row)."""
+ONE_PASS = "+one_pass"
+"""A method name's suffix for one forward pass per batch (``training.part_overhead`` at its no-split value),
+as a GPU runs by default: the CPU's default splits a batch by length into 2-3 passes."""
 
 
-def compile_available() -> bool:
+def _settings_fields() -> set[str]:
     import dataclasses
 
     import llm_calib
 
-    return "compile" in {f.name for f in dataclasses.fields(llm_calib.TrainingSettings)}
+    return {f.name for f in dataclasses.fields(llm_calib.TrainingSettings)}
+
+
+def variant_available(method: str) -> bool:
+    """Whether this tree has the settings a method name's suffixes ask for."""
+    fields = _settings_fields()
+    return (COMPILED not in method or "compile" in fields) and (ONE_PASS not in method or "part_overhead" in fields)
+
+
+def base_method(method: str) -> str:
+    return method.replace(COMPILED, "").replace(ONE_PASS, "")
 
 
 class Models:
@@ -138,7 +146,9 @@ def run_calibrate(models: Models, method: str, steps: int) -> dict[str, Any]:
     import llm_calib
 
     train, heldout = data(models.tokenizer)
-    compiled = {"compile": True} if method.endswith(COMPILED) else {}
+    compiled = {"compile": True} if COMPILED in method else {}
+    if ONE_PASS in method:
+        compiled["part_overhead"] = 2**62
     config = llm_calib.CalibrationConfig(
         objective=objective_for(method),
         training=llm_calib.TrainingSettings(steps=steps, batch_size=8, heldout_batch_size=8, **compiled),
@@ -208,6 +218,8 @@ def profile_counts(models: Models, method: str, steps: int) -> dict[str, Any]:
 
 def per_step_counts(models: Models, method: str, warm: int, steps: int) -> dict[str, Any]:
     """Counts of ``warm + steps`` steps minus those of ``warm``, divided by ``steps``."""
+    if COMPILED in method:  # compile first: later runs in this process reuse the graphs
+        run_calibrate(models, method, warm)
     short, long = profile_counts(models, method, warm), profile_counts(models, method, warm + steps)
     out: dict[str, Any] = {}
     for key in ("aten_ops", "top_level_ops", "syncs", "shape_syncs", "kernels", "kernel_ms", "device_to_host"):
@@ -226,6 +238,8 @@ def per_step_counts(models: Models, method: str, warm: int, steps: int) -> dict[
 def per_step_ms(models: Models, method: str, warm: int, steps: int, repeats: int) -> list[float]:
     """Wall milliseconds per step of ``repeats`` pairs of runs (``warm + steps`` minus ``warm``)."""
     times = []
+    if repeats:  # untimed: process-wide caches (allocator, compiled graphs) warm for both runs of a pair
+        run_calibrate(models, method, warm)
     for _ in range(repeats):
         short = run_calibrate(models, method, warm)["train_s"]
         long = run_calibrate(models, method, warm + steps)["train_s"]
@@ -238,10 +252,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     for model_name in args.model.split(","):
         models = Models(model_name, args.device)
-        default = [*methods_available(), f"lora_ce{COMPILED}", f"calm:bome{COMPILED}"]
+        default = [*methods_available(), f"lora_ce{ONE_PASS}", f"calm:bome{ONE_PASS}", f"lora_ce{ONE_PASS}{COMPILED}",
+                   f"calm:bome{ONE_PASS}{COMPILED}"]
         for method in (args.methods.split(",") if args.methods else default):
-            known = method.removesuffix(COMPILED) in methods_available()
-            if not known or (method.endswith(COMPILED) and not compile_available()):
+            if base_method(method) not in methods_available() or not variant_available(method):
                 row = {"model": model_name, "method": method, "missing": True}
                 results.append(row)
                 print(json.dumps(row), flush=True)

@@ -18,7 +18,7 @@ from llm_calib.calm.losses import CalmLosses
 from llm_calib.calm.run import task_format
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
-from llm_calib.engine.packing import length_parts
+from llm_calib.engine.packing import PART_OVERHEAD_TOKENS, length_parts
 from llm_calib.models import tiny_random_model
 from llm_calib.prompts.resolution import resolve_prompt_settings
 from llm_calib.training_interface import Batch
@@ -113,3 +113,25 @@ def test_a_batch_in_parts_needs_one_position_per_question(run):
     whole = enc.batch(idx, pad_id, lm, split=False)
     with pytest.raises(ValueError, match="part_order with one position per question"):
         Batch(whole.packed, whole.labels, whole.ids, whole.format, parts=(whole,), part_order=torch.arange(2))
+
+
+def test_the_part_overhead_decides_the_split_and_the_config_sets_it(run):
+    """The CPU default splits (the measured 64 tokens per pass); a per-pass cost no padding outweighs
+    (what a GPU gets by default, launch-bound) runs one pass; training.part_overhead sets it for a run."""
+    from llm_calib.calm import training
+    from llm_calib.calm.encoding import NO_SPLIT, part_overhead_tokens
+    from llm_calib.calm.run import resolve_run
+
+    lm, _, enc, idx, pad_id = run
+    assert part_overhead_tokens(None) == part_overhead_tokens(lm) == PART_OVERHEAD_TOKENS  # a CPU model
+    assert len(enc.batch(idx, pad_id, lm).parts) >= 2
+    assert not enc.batch(idx, pad_id, lm, part_overhead=NO_SPLIT).parts
+    qs = builtin_multiple_choice(n_per_domain=3)
+    for overhead, split in ((None, True), (NO_SPLIT, False)):
+        model, tok = tiny_random_model(num_layers=3)
+        cfg = CalibrationConfig.from_dict({"training": {"part_overhead": overhead, "batch_size": len(qs)},
+                                           "lora": {"rank": 2, "layers": [1, 2]}})
+        trainer = training.build_trainer(model, tok, qs, qs, resolve_run(cfg, qs, qs))
+        assert bool(trainer.train_batch(0).parts) is split and bool(trainer.unlabeled_batch(0).parts) is split
+    with pytest.raises(ValueError, match=r"training\.part_overhead"):
+        CalibrationConfig.from_dict({"training": {"part_overhead": -1}})

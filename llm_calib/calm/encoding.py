@@ -20,6 +20,7 @@ from llm_calib.calm.run import ResolvedRun, check_resolved, task_format
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.engine.packing import (
     LENGTH_NORMALIZATIONS,
+    PART_OVERHEAD_TOKENS,
     PackedQuestions,
     length_parts,
     pack_prompts,
@@ -27,7 +28,8 @@ from llm_calib.engine.packing import (
 from llm_calib.formats import TaskFormat
 from llm_calib.training_interface import Batch
 
-__all__ = ["TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records"]
+__all__ = ["NO_SPLIT", "TRUNK_CHUNK", "EncodedRecords", "EncodingCache", "encode_records",
+           "part_overhead_tokens"]
 
 TRUNK_CHUNK = 16
 """Questions per trunk-cache forward pass: question ``i`` is always computed with its chunk
@@ -115,13 +117,14 @@ class EncodedRecords:
         return n
 
     def batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None, *,
-              split: bool = True) -> Batch:
+              split: bool = True, part_overhead: int | None = None) -> Batch:
         """The :class:`~llm_calib.training_interface.Batch` of the questions at ``indices``, with the cached trunk for
         a trunk-caching ``lm``.
 
         ``split``: multiple-choice questions of different lengths also come as parts of similar length
         (:attr:`Batch.parts <llm_calib.training_interface.Batch.parts>`, chosen by
-        :func:`~llm_calib.engine.packing.length_parts`), which the losses run instead of the padded batch.
+        :func:`~llm_calib.engine.packing.length_parts`, one more pass costing ``part_overhead`` padded tokens;
+        None: :func:`part_overhead_tokens` of ``lm``), which the losses run instead of the padded batch.
         Under ``torchrun`` every rank's shard comes in the same number of parts (one small collective:
         every rank calls this alike).
         """
@@ -130,7 +133,8 @@ class EncodedRecords:
         if not split or self.layout == "open":
             return batch
         lengths = [self.length(i) for i in idx]
-        parts = length_parts(lengths) if len(idx) > 1 else [list(range(len(idx)))]
+        overhead = part_overhead_tokens(lm) if part_overhead is None else part_overhead
+        parts = length_parts(lengths, overhead) if len(idx) > 1 else [list(range(len(idx)))]
         if distributed.is_distributed():
             # Every rank must run the same number of passes (FSDP2 gathers weights in each one), and each
             # rank's shard splits differently: all take the most parts any shard wants, but no more than
@@ -147,7 +151,8 @@ class EncodedRecords:
                                                                               torch.arange(len(order)))
         return batch
 
-    def upper_batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None) -> Batch:
+    def upper_batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None, *,
+                    part_overhead: int | None = None) -> Batch:
         """The upper-level batch of the questions at ``indices``: open questions as their prompts alone
         (:func:`~llm_calib.engine.packing.pack_prompts`: the upper level reads the entropy where the answer
         starts, which the answer's tokens do not change, and an unlabelled input has none), with the cached
@@ -164,7 +169,7 @@ class EncodedRecords:
             True
         """
         if self.layout != "open":
-            return self.batch(indices, pad_id, lm)
+            return self.batch(indices, pad_id, lm, part_overhead=part_overhead)
         idx = list(indices)
         packed = pack_prompts([self.prompts[i] for i in idx], pad_id)
         trunk = None
@@ -195,10 +200,31 @@ class EncodedRecords:
         rows = [self.format.option_text_lengths(self.records[i], normalize) for i in indices]
         if any(r is None for r in rows):
             return None
-        out = torch.ones((len(rows), max(len(r) for r in rows)), dtype=torch.float64)
-        for b, r in enumerate(rows):
-            out[b, : len(r)] = torch.tensor(r, dtype=torch.float64)
-        return out
+        width = max(len(r) for r in rows)
+        return torch.tensor([[*r, *([1.0] * (width - len(r)))] for r in rows], dtype=torch.float64)  # one operator
+
+
+def part_overhead_tokens(lm: FunctionalLM | None) -> int:
+    """What one more forward pass costs, in padded tokens, for :func:`~llm_calib.engine.packing.length_parts`
+    splitting a batch of ``lm`` (``training.part_overhead`` when unset).
+
+    On a CPU: :data:`~llm_calib.engine.packing.PART_OVERHEAD_TOKENS`, measured on SmolLM2-135M; on the
+    4-layer width-64 test model too, splitting into parts was about 10% faster than one padded pass (the
+    attention's cost grows with the padded length), though it doubles the operators of a step. On a GPU
+    a pass is bound by its kernel launches (a token costs about a thousand times less than on a CPU):
+    batches are not split. None: the CPU's value.
+
+    Example:
+        >>> part_overhead_tokens(None)
+        64
+    """
+    if lm is not None and lm.device.type != "cpu":
+        return NO_SPLIT
+    return PART_OVERHEAD_TOKENS
+
+
+NO_SPLIT = 2**62
+"""A per-pass cost no padding outweighs: one pass per batch."""
 
 
 def encode_records(tokenizer: Any, records: Sequence[MultipleChoice] | Sequence[OpenQA], fmt: TaskFormat) -> EncodedRecords:

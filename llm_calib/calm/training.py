@@ -132,11 +132,13 @@ class Trainer:
         size = self.config.training.heldout_batch_size
         idx = batch_order.batch_indices(len(self.unlabeled.records), size, step, self.config.seed,
                                         batch_order.UPPER_STREAM)
-        return self.unlabeled.upper_batch(batch_order.shard(idx), self.pad_id, self.lm)
+        return self.unlabeled.upper_batch(batch_order.shard(idx), self.pad_id, self.lm,
+                                          part_overhead=self.config.training.part_overhead)
 
     def _batch(self, data: EncodedRecords, size: int, step: int, stream: int) -> Batch:
         idx = batch_order.batch_indices(len(data.records), size, step, self.config.seed, stream)
-        return data.batch(batch_order.shard(idx), self.pad_id, self.lm)
+        return data.batch(batch_order.shard(idx), self.pad_id, self.lm,
+                          part_overhead=self.config.training.part_overhead)
 
 
 @dataclass
@@ -405,7 +407,8 @@ def evaluate(trainer: Trainer, theta: dict[str, Tensor] | None = None, batch_siz
     parts = []
     with torch.inference_mode():
         for start in range(0, len(data.records), batch_size):
-            batch = data.batch(range(start, min(start + batch_size, len(data.records))), trainer.pad_id, trainer.lm)
+            batch = data.batch(range(start, min(start + batch_size, len(data.records))), trainer.pad_id, trainer.lm,
+                               part_overhead=trainer.config.training.part_overhead)
             parts.append(trainer.losses.monitor(batch))
     stats = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
     conf, correct = stats["confidence"], stats["correct"]
@@ -656,7 +659,7 @@ def selection_note(history: Sequence[dict[str, float]], before: dict[str, float]
 
 # --------------------------------------------------------------------------- checkpoints
 
-RESUMABLE_CHANGES = ("training.steps", "training.log_every", "checkpoint_every")
+RESUMABLE_CHANGES = ("training.steps", "training.log_every", "training.compile", "checkpoint_every")
 """Fields a resumed run may change; any other difference would splice two runs into one."""
 
 

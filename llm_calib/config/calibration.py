@@ -273,6 +273,11 @@ class TrainingSettings:
             kernels per step; first-order objectives, Llama-style decoders, no gradient
             checkpointing: :meth:`~llm_calib.calm.lora.FunctionalLM.compile_step`). The first steps
             compile (seconds to minutes); the numbers equal the eager step's to float round-off.
+        part_overhead: what one more forward pass is worth, in padded tokens, when a batch of
+            questions of different lengths is run in parts of similar length
+            (:func:`~llm_calib.engine.packing.length_parts`); None (default): 64 on a CPU (measured),
+            one pass per batch on a GPU (launch-bound: a pass costs more than the padding it saves).
+            The numbers agree to float round-off either way.
 
     Example:
         >>> TrainingSettings(lr="1e-3").lr
@@ -288,12 +293,15 @@ class TrainingSettings:
     epochs: int | None = None
     log_every: int = 10
     compile: bool = False
+    part_overhead: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
             raise ValueError(f"training.compile must be true or false, got {self.compile!r}")
         for name in ("steps", "batch_size", "heldout_batch_size", "log_every"):
             check_int(f"training.{name}", getattr(self, name), minimum=1)
+        if self.part_overhead is not None:
+            check_int("training.part_overhead", self.part_overhead, minimum=0)
         if self.epochs is not None:
             check_int("training.epochs", self.epochs, minimum=1)
         self.lr = check_number("training.lr", self.lr, positive=True)
