@@ -47,7 +47,7 @@ def dump(method: str, steps: int, out: Path) -> None:
     try:
         from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint
     except ImportError:  # the layout before llm_calib.files
-        from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
+        from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint
     from llm_calib.data import builtin_multiple_choice
     from llm_calib.models import tiny_random_model
 
