@@ -47,8 +47,11 @@ def dump(method: str, steps: int, out: Path) -> None:
     # the tree's own module (an editable install elsewhere may answer for modules this tree lacks)
     if (Path(llm_calib.__file__).parent / "files" / "checkpoint.py").is_file():
         from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint
-    else:  # the layout before llm_calib.files
-        from llm_calib.checkpoint import latest_checkpoint, load_checkpoint
+    else:  # the layout before llm_calib.files: an older tree measured side by side (--compare)
+        import importlib
+
+        before = importlib.import_module("llm_calib.checkpoint")
+        latest_checkpoint, load_checkpoint = before.latest_checkpoint, before.load_checkpoint
     from llm_calib.data import builtin_multiple_choice
     from llm_calib.models import tiny_random_model
 
