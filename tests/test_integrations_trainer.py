@@ -120,10 +120,14 @@ def test_gradient_accumulation_and_checkpointing(tmp_path: Path) -> None:
     plain = make_trainer("mc", tmp_path / "plain", max_steps=6, eval_strategy="no")
     plain.train()
     for name, overrides in {"accumulation": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2),
-                            "checkpointing": dict(gradient_checkpointing=True)}.items():
+                            "checkpointing": dict(gradient_checkpointing=True),
+                            "late_checkpointing": {}}.items():
         other = make_trainer("mc", tmp_path / name, max_steps=6, eval_strategy="no", **overrides)
+        if name == "late_checkpointing":  # switched on after the CALM step exists: transformers' own recomputation
+            other.calm_step()             # would use the module's weights, not θ; the step installs its own again
+            other.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         other.train()
-        if name == "checkpointing":
+        if name != "accumulation":
             assert other.calm.lm.checkpointing
         for k, v in plain.calm.theta.items():
             assert torch.allclose(v, other.calm.theta[k], atol=1e-6, rtol=0), (name, k)

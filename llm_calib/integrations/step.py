@@ -492,6 +492,7 @@ class CalmStep:
         if distributed.is_distributed():
             _check_equal_shards(inner, outer)
         self._context.upper = outer
+        self.lm.refresh_checkpointing()  # layers switched to checkpointing since: recomputed with the step's θ
         try:
             with self.lm.train_mode(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*use_reentrant.*")
