@@ -1,7 +1,7 @@
 """Open-ended calibration, measured: CALM and its baselines on open questions, under token and
 semantic confidence, at several seeds.
 
-Trained on open questions the model can answer (capitals and chemical symbols, ``open_facts.py``:
+Trained on open questions the model can answer (capitals and chemical symbols, ``harness/open_facts.py``:
 the built-in open domains plus the rest of the countries and elements), tested in domain and on
 sets of other kinds (built-in sums, NQ-open, TriviaQA from SelfAware, WebQuestions). Rows:
 uncalibrated, temperature scaling, LoRA CE, LoRA CE + T, CALM, CALM + T. Confidence:
@@ -27,8 +27,6 @@ import copy
 import datetime as _dt
 import json
 import math
-import os
-import platform
 import random
 import sys
 import time
@@ -42,7 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from calibration_bench import TEMPERATURE_GRID, fit_open_temperature
-from open_facts import fact_questions
+from harness.open_facts import fact_questions
+from harness.report import machine_info, machine_line
 
 from llm_calib import (
     CalibrationConfig,
@@ -57,7 +56,6 @@ from llm_calib import (
 from llm_calib.calm.fast_eval import open_ended_set
 from llm_calib.confidence.kinds import OpenConfidence
 from llm_calib.confidence.token import encode_open_prompts
-from llm_calib.config.calibration import open_prompt_format
 from llm_calib.data import builtin_open_questions, load
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GenOut, generate_greedy
@@ -65,6 +63,7 @@ from llm_calib.evaluation.evaluate import evaluate_records
 from llm_calib.files.atomic import write_json_atomic, write_text_atomic
 from llm_calib.models import load as load_model
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import open_prompt_format
 from llm_calib.prompts.templates import draw_short_answer_examples
 
 ROWS = ("uncalibrated", "temperature", "lora_ce", "lora_ce+T", "calm", "calm+T")
@@ -186,7 +185,7 @@ def run_part(part: str, sizes: Sizes, args: argparse.Namespace) -> None:
     else:
         model, tok = load_model(sizes.model)
     n_layers = int(model.config.num_hidden_layers)
-    fmt = open_prompt_format(config(sizes, d["examples"], "lora_ce", 0, n_layers))
+    fmt = open_prompt_format(config(sizes, d["examples"], "lora_ce", 0, n_layers).prompt)
     record: dict[str, Any] = {"part": part, "sizes": sizes.__dict__, "started": _dt.datetime.now(_dt.UTC).isoformat(),
                               "n": {"train": len(d["train"]), "heldout": len(d["heldout"]),
                                     **{k: len(v) for k, v in d["tests"].items()}}, "examples": d["examples"]}
@@ -259,16 +258,6 @@ def _cell(values: list[dict[str, float]], name: str, metric: str) -> str:
     return f"{np.mean(xs):.3f} ± {np.std(xs, ddof=1):.3f}"
 
 
-def _cpu() -> str:
-    """The CPU's model name and its widest vector extension (AVX-512 or AVX2), from /proc/cpuinfo."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    return f"{name} ({'AVX-512' if 'avx512f' in info else 'AVX2' if 'avx2' in info else 'no AVX2'})"
-
-
 def _histories(trained: list[tuple[str, int, dict[str, Any]]]) -> list[str]:
     """The held-out (teacher-forced) ECE and accuracy at each evaluation of the runs that recorded them."""
     rows = [(m, seed, r["history"]) for m, seed, r in sorted(trained, key=lambda t: (t[0], t[1])) if r.get("history")]
@@ -321,11 +310,10 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
     lines += [
         f"- Command: `{command}` (parts `base`, {', '.join(map(str, seeds))}, one process each, run two at a time); "
         f"date {base['started'][:10]}",
-        f"- Machine: {_cpu()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"1 torch thread per part; wall / CPU per part: "
-        + ", ".join(f"{p['part']} {p['wall_s'] / 60:.1f} / {p['cpu_s'] / 60:.1f} min" for p in parts),
+        machine_line(machine_info(1), f"torch {torch.__version__}, 1 torch thread per part; wall / CPU per part: "
+                     + ", ".join(f"{p['part']} {p['wall_s'] / 60:.1f} / {p['cpu_s'] / 60:.1f} min" for p in parts)),
         f"- Model `{s['model']}` (float32). Training: {base['n']['train']} capital and chemical-symbol questions "
-        f"(`benchmarks/open_facts.py`: the built-in open domains plus the other countries and elements); held-out: "
+        f"(`benchmarks/harness/open_facts.py`: the built-in open domains plus the other countries and elements); held-out: "
         f"{base['n']['heldout']} more (model selection, the temperature fits, CALM's unlabelled inputs); tests: "
         + ", ".join(f"{n} ({base['n'][n]})" for n in sets) + ". Prompt: "
         f"{s['fewshot']} solved examples from the training split (`Q: ... A: ...`), greedy answers stop at the newline.",

@@ -1,6 +1,6 @@
 """``llm_calib.integrations.CalmStep``: a plain PyTorch loop reproduces ``llm_calib.calibrate``.
 
-The loop draws calibrate's batches (``llm_calib.calm.sampling``) and feeds them through the public
+The loop draws calibrate's batches (``llm_calib.calm.batch_order``) and feeds them through the public
 collators; after 20 steps θ and λ equal calibrate's last checkpoint (float32). The state saves and
 loads exactly, micro-batches equal the whole batch, and bad input gets one clear line.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from llm_calib.cli._common import user_call
+from llm_calib.cli._common import MODEL, PATH, user_call
 from llm_calib.cli._loading import (
     add_allow_other_base_arg,
     add_model_loading_args,
@@ -47,9 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog="example:\n  llm-calib export runs/calm/calm --model smollm2-135m-instruct --out smollm2-calm\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("adapter", metavar="DIR", help="saved calibration result or peft adapter directory")
+    p.add_argument("adapter", type=PATH, metavar="DIR", help="saved calibration result or peft adapter directory")
     p.add_argument(
         "--model",
+        type=MODEL,
         default=None,
         help="the base model the adapter was trained on: built-in alias, local directory, .gguf "
         "file or hub name (default: the one the saved result records; required for a plain peft "
@@ -58,8 +59,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_loading_args(p.add_argument_group("model loading", "how the base model is loaded (--dtype: "
                                                  "the dtype of the merged weights)"),
                             training=False, quantization=False)
-    p.add_argument("--cache-dir", default=None, help="cache of the converted built-in model, or hub cache")
-    p.add_argument("--out", required=True, metavar="MERGED",
+    p.add_argument("--cache-dir", type=PATH, default=None, help="cache of the converted built-in model, or hub cache")
+    p.add_argument("--out", type=PATH, required=True, metavar="MERGED",
                    help="output directory (created if missing); never the base model's or the adapter's "
                    "folder, and a non-empty folder only when an earlier export wrote it, or with --overwrite")
     p.add_argument("--overwrite", action="store_true",
@@ -93,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
     """
     import warnings
 
-    from llm_calib.calm.export import EXPORT_FILE, check_export_target, export_merged
+    from llm_calib.calm.export import EXPORT_FILE, check_export_target, export_merged, merged_bytes
     from llm_calib.files.atomic import read_json, write_json_atomic, write_text_atomic
+    from llm_calib.files.outputs import check_output_folder
     from llm_calib.prompts.templates import prompt_dict
 
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -102,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     base = resolve_base(args, args.adapter, "export")  # fails before loading the model
     # never the base model's folder, nor a folder of something else without --overwrite: before loading
     user_call(lambda: check_export_target(args.out, args.model, adapter=args.adapter, overwrite=args.overwrite), None)
+    # a read-only folder or a disk without room for the merged weights: now, not after loading and merging
+    user_call(lambda: check_output_folder(args.out, flag="export --out",
+                                          need_bytes=merged_bytes(args.model, args.dtype),
+                                          writes="the merged model needs about {size}"), None)
     prompt = prompt_format(args, base)
     model, tokenizer, _ = load_base_model(args)
     warn_prompt_mismatch(base, prompt, tokenizer, f"--adapter {args.adapter}", doing="exporting")

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from llm_calib.config.choices import NORMALIZE_MODES
+
 __all__ = [
     "LENGTH_NORMALIZATIONS",
-    "NORMALIZE_MODES",
     "PACKED_MASK_ATTENTION",
     "PART_OVERHEAD_TOKENS",
-    "Normalize",
     "OptionSequences",
     "PackedQuestions",
     "accepts_packed_masks",
@@ -37,15 +37,8 @@ __all__ = [
     "reduce_per_option",
 ]
 
-Normalize = Literal["sum", "mean", "char", "byte"]
-"""How an option's token log-probabilities become its score: summed, per token, per character
-(lm-eval's ``acc_norm``) or per UTF-8 byte (``acc_bytes``). The one place the modes are spelled."""
-
-NORMALIZE_MODES: tuple[str, ...] = get_args(Normalize)
-"""The values of :data:`Normalize`, in order."""
-
 LENGTH_NORMALIZATIONS: tuple[str, ...] = ("char", "byte")
-"""The modes of :data:`NORMALIZE_MODES` that divide by the option's text length (they need the option texts)."""
+"""The modes of :data:`~llm_calib.config.choices.NORMALIZE_MODES` that divide by the option's text length (they need the option texts)."""
 
 
 @dataclass

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from llm_calib.calm.encoding import EncodedRecords
-from llm_calib.calm.run import format_settings
 from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.data.jsonl import mc_from_dict, openqa_from_dict
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.formats import OpenEnded, TaskFormat, multiple_choice_format
 from llm_calib.integrations.batches import IGNORE_INDEX
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 __all__ = ["QUESTIONS_KEY", "MultipleChoiceCollator", "OpenAnswerCollator", "PromptCollator"]
 
@@ -125,11 +125,11 @@ class MultipleChoiceCollator:
     """
 
     def __init__(self, tokenizer: Any, config: CalibrationConfig | None = None, *, labels: bool | None = True) -> None:
-        settings = format_settings(config or CalibrationConfig())
+        settings = resolve_prompt_settings((config or CalibrationConfig()).prompt)  # an entry point: resolved here
         self.tokenizer = tokenizer
         self.labels = labels
-        self.format: TaskFormat = multiple_choice_format(settings["scorer"], normalize=settings["normalize"],
-                                                         prompt=settings["prompt"])
+        self.format: TaskFormat = multiple_choice_format(settings.scorer, normalize=settings.normalize,
+                                                         prompt=settings.prompt)
         self._encoded: dict[MultipleChoice, tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]] = {}
 
     def records(self, examples: Sequence[Any]) -> list[MultipleChoice]:
@@ -180,10 +180,10 @@ class OpenAnswerCollator:
     """
 
     def __init__(self, tokenizer: Any, config: CalibrationConfig | None = None, *, labels: bool | None = True) -> None:
-        settings = format_settings(config or CalibrationConfig())
+        settings = resolve_prompt_settings((config or CalibrationConfig()).prompt)  # an entry point: resolved here
         self.tokenizer = tokenizer
         self.labels = labels
-        self.format: TaskFormat = OpenEnded(settings["open_prompt"], answer_stop=settings["answer_stop"])
+        self.format: TaskFormat = OpenEnded(settings.open_prompt, answer_stop=settings.answer_stop)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def __call__(self, examples: Sequence[Any]) -> dict[str, torch.Tensor]:

@@ -290,7 +290,7 @@ class CalmStep:
             for value in theta.values():
                 torch.distributed.broadcast(value, src=0)
             self.lm.load_theta(theta)
-        self.theta_optimizer = theta_optimizer if theta_optimizer is not None else config_theta_optimizer(config)
+        self.theta_optimizer = theta_optimizer if theta_optimizer is not None else config_theta_optimizer(config.lora, config.training.lr)
         self._context = _Context(self.losses, theta, self.theta_optimizer)
         self.state: CalmState = self.objective.start(self._context)
         self._trunks: dict[Any, Tensor] = {}

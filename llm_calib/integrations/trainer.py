@@ -302,7 +302,7 @@ class CalmTrainerMixin:
         """The run's :class:`~llm_calib.integrations.CalmStep` (made on first use)."""
         if self.calm is None:
             args = self.args
-            base = config_theta_optimizer(self.calm_config, lr=args.learning_rate)
+            base = config_theta_optimizer(self.calm_config.lora, args.learning_rate)
             self._theta_optimizer = TrainerAdam(lr=base.lr, leaf_lr=dict(base.leaf_lr),
                                                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                                 max_grad_norm=float(args.max_grad_norm or 0.0))
