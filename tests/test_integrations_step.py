@@ -238,3 +238,18 @@ def test_readme_plain_loop_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["calm"].steps_taken == 3 and (tmp_path / "adapter" / "adapter_config.json").is_file()
     assert torch.load(tmp_path / "calm_state.pt", weights_only=True)["steps"] == 3
+
+
+def test_a_non_finite_step_raises_training_diverged() -> None:
+    from llm_calib.calm.training import TrainingDiverged
+
+    model, tok = tiny_random_model()
+    calm = CalmStep(attach_adapters(model))
+    state = calm.state_dict()
+    state["theta"] = {k: torch.full_like(v, float("nan")) for k, v in state["theta"].items()}
+    calm.load_state_dict(state)
+    batch = OpenAnswerCollator(tok)([{"question": "Capital of France?", "answers": ["Paris"]}] * 2)
+    upper = OpenAnswerCollator(tok, labels=False)([{"question": "Capital of Peru?"}] * 2)
+    with pytest.raises(TrainingDiverged, match=r"^CALM step 1: .*non-finite"):
+        calm.step(batch, upper)
+    assert calm.steps_taken == 0

@@ -120,10 +120,14 @@ def test_gradient_accumulation_and_checkpointing(tmp_path: Path) -> None:
     plain = make_trainer("mc", tmp_path / "plain", max_steps=6, eval_strategy="no")
     plain.train()
     for name, overrides in {"accumulation": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2),
-                            "checkpointing": dict(gradient_checkpointing=True)}.items():
+                            "checkpointing": dict(gradient_checkpointing=True),
+                            "late_checkpointing": {}}.items():
         other = make_trainer("mc", tmp_path / name, max_steps=6, eval_strategy="no", **overrides)
+        if name == "late_checkpointing":  # switched on after the CALM step exists: transformers' own recomputation
+            other.calm_step()             # would use the module's weights, not θ; the step installs its own again
+            other.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         other.train()
-        if name == "checkpointing":
+        if name != "accumulation":
             assert other.calm.lm.checkpointing
         for k, v in plain.calm.theta.items():
             assert torch.allclose(v, other.calm.theta[k], atol=1e-6, rtol=0), (name, k)
@@ -190,3 +194,21 @@ def test_bad_trainer_input(tmp_path: Path) -> None:
     trainer.remove_callback(PrinterCallback)
     with pytest.raises(ValueError, match=r"^upper-level batch: example 0 of the batch has labels .'answer'. where none"):
         trainer.train()
+
+
+def test_load_best_model_at_end_by_ece(tmp_path: Path) -> None:
+    """metric_for_best_model="ece" (lower is better) keeps the best-calibrated checkpoint's adapter."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    trainer = make_trainer("mc", tmp_path, max_steps=6, eval_steps=2, save_strategy="steps", save_steps=2,
+                           load_best_model_at_end=True, metric_for_best_model="ece", greater_is_better=False)
+    trainer.train()
+    evals = {h["step"]: h["eval_ece"] for h in trainer.state.log_history if "eval_ece" in h}
+    best = min(evals, key=evals.get)
+    assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{best}")
+    saved = load_file(str(tmp_path / f"checkpoint-{best}" / "adapter_model.safetensors"))
+    now = get_peft_model_state_dict(trainer.model)
+    assert set(now) == set(saved) and all(torch.equal(now[k], v) for k, v in saved.items())
+    final = load_file(str(tmp_path / "checkpoint-6" / "adapter_model.safetensors"))
+    assert best == 6 or any(not torch.equal(final[k], v) for k, v in saved.items())  # the best, not the last

@@ -245,6 +245,27 @@ class FunctionalLM:
                     sorted(TRUNK_CACHE_ARCHITECTURES), len(getattr(self.decoder, "layers", ())) or "its",
                 )
 
+    def refresh_checkpointing(self) -> bool:
+        """Give llm-calib's functional checkpointing to decoder layers switched to gradient checkpointing
+        after this view was made (``gradient_checkpointing_enable`` installs transformers' own, which
+        recomputes with the module's weights, not θ: silently wrong gradients). Returns whether any changed.
+
+        Example:
+            >>> from llm_calib.models import tiny_random_model
+            >>> from llm_calib.config.calibration import LoraSettings
+            >>> lm = FunctionalLM(attach_lora(tiny_random_model()[0], LoraSettings(rank=2)))
+            >>> lm.model.gradient_checkpointing_enable()
+            >>> lm.refresh_checkpointing(), lm.checkpointing, lm.refresh_checkpointing()
+            (True, True, False)
+        """
+        layers = [m for m in self.decoder.modules() if getattr(m, "gradient_checkpointing", False) and m is not self.decoder]
+        stale = [m for m in layers if not getattr(getattr(m, "_gradient_checkpointing_func", None), "substitutes_theta", False)]
+        if not stale and len(layers) == len(self._checkpointed):
+            return False
+        self._checkpointed = _install_functional_checkpointing(self.decoder)
+        self.checkpointing = bool(self._checkpointed)
+        return True
+
     @contextlib.contextmanager
     def train_mode(self) -> Iterator[None]:
         """Training mode only on the LoRA dropouts and checkpointed layers, for a step.
@@ -499,6 +520,7 @@ def _functional_checkpoint(layer: torch.nn.Module) -> Callable[..., Any]:
 
         return checkpoint(replay, *args, use_reentrant=False)
 
+    run.substitutes_theta = True  # type: ignore[attr-defined]  # what FunctionalLM.refresh_checkpointing looks for
     return run
 
 

@@ -13,6 +13,7 @@ losses, solver and λ update, so a loop feeding it the same batches trains the s
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from llm_calib.calm.encoding import TRUNK_CHUNK, EncodedRecords
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses, DataParallelLosses
 from llm_calib.calm.run import theta_optimizer as config_theta_optimizer
-from llm_calib.calm.training import TrainingDiverged, parameter_summary
+from llm_calib.calm.training import TrainingDiverged, parameter_tensors
 from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.engine.packing import pack_prompts
 from llm_calib.formats import OpenEnded, TaskFormat
@@ -492,23 +493,41 @@ class CalmStep:
         if distributed.is_distributed():
             _check_equal_shards(inner, outer)
         self._context.upper = outer
+        self.lm.refresh_checkpointing()  # layers switched to checkpointing since: recomputed with the step's θ
         try:
             with self.lm.train_mode(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*use_reentrant.*")
                 record = self.state.step(self._context, inner)
-            hg.tree.check_finite(self._context.theta, "updated adapter parameters")
         except (hg.NonFiniteError, FloatingPointError) as err:
             raise TrainingDiverged(f"CALM step {self.steps_taken + 1}: {err}; lower the learning rates or check "
                                    "the batch") from err
         finally:
             self._context.upper = None
+        norm = getattr(self.theta_optimizer, "last_norm", None)
+        out = {**record, **parameter_tensors(self._context.theta, self.lam),
+               **({"theta_grad_norm": norm} if norm is not None else {})}
+        out = self._read_back(out)
         self._context.step += 1
         self.lm.load_theta(self._context.theta)
-        out = {"step": self.steps_taken, **record, **parameter_summary(self.theta, self.lam)}
-        norm = getattr(self.theta_optimizer, "last_norm", None)
-        if norm is not None:
-            out["theta_grad_norm"] = float(norm)
-        return out
+        return {"step": self.steps_taken, **out}
+
+    def _read_back(self, record: dict[str, Any]) -> dict[str, float]:
+        """The record as floats, read in one transfer with θ's and λ's finiteness; a non-finite step raises."""
+        names = [k for k, v in record.items() if isinstance(v, Tensor)]
+        flags = [hg.tree.tree_all_finite(self._context.theta), hg.tree.tree_all_finite(self.lam)]
+        values = torch.stack([*(record[k].detach().double().reshape(()).cpu() for k in names),
+                              *(f.double().cpu() for f in flags)]).tolist()
+        read = {**{k: v for k, v in record.items() if k not in names}, **dict(zip(names, values, strict=False))}
+        checks = [k for k in names if record[k].dtype == torch.bool]
+        bad = [k for k in names if k not in checks and not math.isfinite(read[k])]
+        what = ", ".join(f"{k} is {read[k]}" for k in bad) + (" (non-finite)" if bad else "")
+        what = what or ", ".join(f"the solver's step is non-finite ({k} is False)" for k in checks if not read[k])
+        what = what or ("updated adapter parameters are non-finite" if not values[-2] else "")
+        what = what or ("updated λ is non-finite" if not values[-1] else "")
+        if what:
+            raise TrainingDiverged(f"CALM step {self.steps_taken + 1}: {what}; the model keeps the last θ; lower the "
+                                   "learning rates or check the batch, and restore the state of a good step")
+        return {k: float(v) for k, v in read.items() if k not in checks}
 
     def evaluate(self, batch: Any) -> dict[str, Tensor]:
         """Per-question held-out statistics of the deployed model on a labelled ``batch``
