@@ -228,6 +228,26 @@ class ResolvedRun:
     settings: dict[str, Any]
     theta_optimizer: hg.inner.Adam
 
+    def with_confidence(self, confidence: Any) -> ResolvedRun:
+        """The same run scoring open answers with ``confidence``
+        (:class:`~llm_calib.confidence.kinds.OpenConfidence`; None: token): the held-out answers of model
+        selection (``selection.open_metric: generated``) are scored as the report scores them.
+
+        Example:
+            >>> from llm_calib.confidence.kinds import OpenConfidence
+            >>> from llm_calib.data import builtin_open_questions
+            >>> qs = builtin_open_questions(2, ["capitals"])
+            >>> run = resolve_run(CalibrationConfig(), qs[:1], qs[1:]).with_confidence(OpenConfidence("semantic"))
+            >>> run.formats.upper.confidence.kind
+            'semantic'
+        """
+        def scored(fmt: TaskFormat) -> TaskFormat:
+            return dataclasses.replace(fmt, confidence=confidence) if fmt.family == "open" else fmt
+
+        lower, upper = self.formats
+        formats = RunFormats(scored(lower), upper if upper is lower and lower.family != "open" else scored(upper))
+        return dataclasses.replace(self, formats=formats, settings={**self.settings, "confidence": confidence})
+
     @property
     def objective(self) -> Objective:
         """The run's objective (``config.objective``)."""
@@ -247,7 +267,7 @@ class ResolvedRun:
 
 
 def resolve_run(config: CalibrationConfig | None, train: Any, heldout: Any, unlabeled: Any = None, *,
-                names: tuple[str, str, str] = ("train", "heldout", "unlabeled")) -> ResolvedRun:
+                names: tuple[str, str, str] = ("train", "heldout", "unlabeled"), confidence: Any = None) -> ResolvedRun:
     """Resolve a run once: its prompt and scorer settings, the formats of its sets, θ's optimiser, its budget.
 
     Args:
@@ -255,6 +275,9 @@ def resolve_run(config: CalibrationConfig | None, train: Any, heldout: Any, unla
         train, heldout, unlabeled: the run's sets (records or their encodings; ``unlabeled`` may be None),
             checked as :func:`run_formats` checks them.
         names: how error messages name the three sets.
+        confidence: open questions: how held-out answers are scored for model selection
+            (:class:`~llm_calib.confidence.kinds.OpenConfidence`; None: token confidence);
+            see :meth:`ResolvedRun.with_confidence`.
 
     Raises:
         ValueError: a set of records the run cannot use (see :func:`run_formats`).
@@ -270,4 +293,5 @@ def resolve_run(config: CalibrationConfig | None, train: Any, heldout: Any, unla
     optimizer = theta_optimizer(config)
     settings = format_settings(config)
     formats = run_formats(train, heldout, unlabeled=unlabeled, names=names, settings=settings)
-    return ResolvedRun(config.resolved(len(set_records(train))), formats, settings, optimizer)
+    run = ResolvedRun(config.resolved(len(set_records(train))), formats, settings, optimizer)
+    return run if confidence is None else run.with_confidence(confidence)

@@ -47,6 +47,8 @@ class CalibrationResult:
         timings: wall-clock seconds per phase.
         base: :func:`base_model_record` (empty for results saved before it was recorded).
         notes: one line each: why selection kept the initial model, and what to try.
+        selection: how model selection measured the held-out split
+            (:func:`~llm_calib.calm.training.selection_budget`: the metric, evaluations, answers generated).
     """
 
     model: Any
@@ -57,6 +59,7 @@ class CalibrationResult:
     timings: dict[str, float] = field(default_factory=dict)
     base: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    selection: dict[str, Any] = field(default_factory=dict)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``adapter/``, ``lambda.safetensors``, ``config.json``, ``history.json``,
@@ -94,7 +97,7 @@ class CalibrationResult:
         from llm_calib.version import __version__
 
         saved = {"metrics": self.metrics, "timings": self.timings, "notes": list(self.notes),
-                 "llm_calib_version": __version__}
+                 "selection": self.selection, "llm_calib_version": __version__}
         write_json_atomic(out / "metrics.json", saved)
         return out
 
@@ -118,7 +121,7 @@ class CalibrationResult:
         saved = read_json(src / "metrics.json")
         base = read_json(src / BASE_MODEL_FILE) if (src / BASE_MODEL_FILE).is_file() else {}
         return cls(model, lam, history, saved["metrics"], config, saved.get("timings", {}), base,
-                   saved.get("notes", []))
+                   saved.get("notes", []), saved.get("selection", {}))
 
 
 def base_model_record(model: Any, config: CalibrationConfig | ResolvedRun) -> dict[str, Any]:
@@ -146,7 +149,7 @@ def base_model_record(model: Any, config: CalibrationConfig | ResolvedRun) -> di
 def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
               config: CalibrationConfig | ResolvedRun | None = None, *, unlabeled: Records | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
               resume: bool = False, progress: bool = True,
-              log: Callable[[str], None] | None = None) -> CalibrationResult:
+              log: Callable[[str], None] | None = None, confidence: Any = None) -> CalibrationResult:
     """Fine-tune ``model`` (LoRA) so that its confidence is calibrated; return the result.
 
     Args:
@@ -165,6 +168,11 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
             for ``training.steps`` and ``checkpoint_every``, same records).
         progress: show a tqdm progress bar.
         log: where to say which checkpoint a resumed run continues from (default: nowhere).
+        confidence: open questions: how model selection scores the held-out answers
+            (:class:`~llm_calib.confidence.kinds.OpenConfidence`, the kind the report uses; None: the
+            run's, token by default): greedy-answer ECE under ``token``, Sem-ECE of sampled answers
+            under ``semantic`` (``config.selection.sample_budget`` bounds the samples). See
+            ``selection.open_metric``.
 
     Warns:
         UserWarning: model selection kept the initial model (why, and what to try).
@@ -190,6 +198,8 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
     with _timed(timings, "setup"):  # checks the records first: a bad mix fails before the model is touched
         training.check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
         run = config if isinstance(config, ResolvedRun) else resolve_run(config, train, heldout, unlabeled)
+        if confidence is not None:
+            run = run.with_confidence(confidence)
         base = base_model_record(model, run)  # before LoRA is attached
         trainer = training.build_trainer(model, tokenizer, train, heldout, run, unlabeled=unlabeled)
     config = run.config  # training.epochs resolved to steps
@@ -207,11 +217,12 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
     distributed.reshard_all(trainer.model)  # units the implicit solver kept gathered are sharded again
     after["selected_step"] = int(state.best["step"])  # integers as integers in metrics.json
     after["stopped_early"] = int(state.stopped_early)
-    note = training.selection_note(state.history, state.before, after["selected_step"], config)
+    selection = training.selection_budget(config, trainer.heldout_format, len(trainer.heldout.records))
+    note = training.selection_note(state.history, state.before, after["selected_step"], config, selection["metric"])
     if note is not None and distributed.rank() == 0:
         warnings.warn(note, UserWarning, stacklevel=2)
     return CalibrationResult(trainer.model, state.best_lam, state.history, {"before": state.before, "after": after},
-                             config, timings, base, [] if note is None else [note])
+                             config, timings, base, [] if note is None else [note], selection)
 
 
 def _train(trainer: training.Trainer, state: training.TrainState, checkpoint_dir: str | os.PathLike[str] | None,

@@ -168,8 +168,9 @@ def run_comparison(
             ``out_dir`` and start over; otherwise such checkpoints are an error.
         confidence: how open-ended answers of the evaluation sets get their confidence in every
             column (:class:`~llm_calib.confidence.kinds.OpenConfidence`: ``token``,
-            ``semantic`` with Sem-ECE, ``p_true`` or ``verbalized``); None: ``token``. Training and
-            model selection do not depend on it; multiple-choice sets ignore it.
+            ``semantic`` with Sem-ECE, ``p_true`` or ``verbalized``); None: ``token``. Open-question
+            model selection scores the held-out answers with it too (``selection.open_metric``);
+            training does not depend on it; multiple-choice sets ignore it.
 
     Returns:
         A :class:`Comparison`. Under ``torchrun`` only rank 0 writes.
@@ -181,6 +182,8 @@ def run_comparison(
         llm_calib.calm.trainer.TrainingDiverged: a method's training diverged.
     """
     run = _resolve(train, heldout, evals, config, unlabeled)
+    if confidence is not None:  # model selection scores the open held-out answers as the report does
+        run = run.with_confidence(confidence)
     objectives = [run.objective] if methods is None else list(methods)
     names = [o.name for o in objectives]
     if not objectives or len(set(names)) != len(names):
@@ -345,6 +348,7 @@ def _train_and_evaluate(model: Any, run: ResolvedRun, data: tuple[Any, Any, Any]
     summary = {
         "dir": method, "reused": reused, "heldout_before": result.metrics.get("before", {}),
         "heldout_after": result.metrics.get("after", {}), "notes": list(result.notes),
+        "selection": dict(result.selection),
         "timings": {**result.timings, "train_total_s": train_s, "evaluate_s": time.perf_counter() - t0},
     }
     fit = res.temperature
@@ -358,6 +362,7 @@ def _trained(model: Any, tokenizer: Any, run: ResolvedRun, data: tuple[Any, Any,
              options: _TrainOptions) -> tuple[Any, bool]:
     """The method's result: a finished one reused (``resume`` and the same configuration), else trained and saved."""
     from llm_calib.calm.trainer import CalibrationResult, calibrate
+    from llm_calib.calm.training import selection_metric
 
     method, cfg = run.objective.name, run.config
     target, ckpt_dir = options.out / method, options.out / "checkpoints" / method
@@ -369,6 +374,10 @@ def _trained(model: Any, tokenizer: Any, run: ResolvedRun, data: tuple[Any, Any,
             diff = sorted(k for k in wanted if saved.get(k) != wanted[k])
             raise ValueError(f"{target} was trained with a different configuration (differs in {diff}); "
                              "remove it or run without --resume")
+        metric = selection_metric(cfg, run.formats.upper)
+        if result.selection.get("metric", metric) != metric:
+            raise ValueError(f"{target} was selected on the held-out {result.selection['metric']}, this run selects "
+                             f"on the {metric}; remove it or run without --resume")
         log(f"[{method}] reusing the finished result in {target}")
         return result, True
     writer = distributed.rank() == 0
@@ -463,6 +472,25 @@ def _prompt_kind(cfg: dict[str, Any]) -> str:
     return f"{cfg['evaluation']['prompt_style']} prompt"
 
 
+def _selection_lines(cmp: Comparison) -> list[str]:
+    """What model selection measured on the held-out split, once per distinct setting (a results folder
+    written before it was recorded: nothing)."""
+    seen: list[dict[str, Any]] = []
+    for t in cmp.training.values():
+        sel = t.get("selection") or {}
+        if sel and sel not in seen:
+            seen.append(sel)
+    lines = []
+    for sel in seen:
+        generated = ""
+        if "answers" in sel:
+            each = f", {sel['samples_per_question']} samples per question" if sel.get("samples_per_question") else ""
+            generated = f"; at most {sel['answers']} answers generated{each}"
+        lines.append(f"Model selection and the accuracy guard read the held-out {sel['metric']}: at most "
+                     f"{sel['evaluations']} evaluations of {sel['questions']} questions{generated}.")
+    return ["", *lines] if lines else []
+
+
 def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods compared") -> str:
     """The ``report.md`` text: settings, training summary, summary tables, one table per domain."""
     cfg = cmp.config
@@ -517,6 +545,7 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
             f"{'n/a' if step is None else step if isinstance(step, str) else int(step)} | {stopped} | "
             f"{t.get('timings', {}).get('train_total_s', math.nan):.1f} |"
         )
+    lines += _selection_lines(cmp)
     notes = [(m, note) for m, t in cmp.training.items() for note in t.get("notes", [])]
     if notes:
         lines.append("")
