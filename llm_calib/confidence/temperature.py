@@ -29,8 +29,9 @@ from torch import Tensor
 from llm_calib.models import lm_head_logits, split_decoder_head
 
 __all__ = [
-    "OPEN_TEMPERATURE_RANGE", "SAMPLING_TEMPERATURES", "AnswerTokenLogits", "TokenTemperatureFit",
-    "choose_sampling_temperature", "correctness_log_loss", "fit_token_temperature",
+    "OPEN_TEMPERATURE_RANGE", "SAMPLING_TEMPERATURES", "AnswerTokenLogits", "OpenTemperatureFit",
+    "TokenTemperatureFit", "choose_sampling_temperature", "correctness_log_loss", "fit_open_temperature",
+    "fit_token_temperature",
 ]
 
 OPEN_TEMPERATURE_RANGE = (0.05, 20.0)
@@ -246,3 +247,86 @@ def choose_sampling_temperature(
     best = min(grid, key=lambda t: (values[t], grid.index(t)))
     return best, values
 
+
+
+@dataclass(frozen=True)
+class OpenTemperatureFit:
+    """The post-hoc temperature of open answers under one confidence kind.
+
+    Attributes:
+        temperature: the chosen T.
+        criterion: ``"correctness_nll"`` (token confidence: the log-loss of correctness, fitted) or
+            ``"sem_ece"`` (semantic confidence: the held-out Sem-ECE, chosen from a grid).
+        before: the criterion at T = 1 (semantic: at the confidence's own sampling temperature).
+        after: the criterion at ``temperature``.
+        tried: semantic: the Sem-ECE at each sampling temperature tried (``{"0.7": 0.12, ...}``); token: empty.
+
+    Example:
+        >>> OpenTemperatureFit(0.7, "sem_ece", 0.14, 0.12, {"0.7": 0.12, "1": 0.14}).criterion
+        'sem_ece'
+    """
+
+    temperature: float
+    criterion: str
+    before: float
+    after: float
+    tried: dict[str, float]
+
+
+def fit_open_temperature(model: Any, tokenizer: Any, records: Sequence[Any], confidence: Any = None, *,
+                         prompt: Any = None, max_new_tokens: int = 32, batch_size: int = 8,
+                         sampling_temperatures: Sequence[float] = SAMPLING_TEMPERATURES) -> OpenTemperatureFit:
+    """The temperature of ``model``'s open answers, chosen on ``records`` (a held-out split).
+
+    ``token`` confidence: the greedy answers, then :func:`fit_token_temperature` on their exact token
+    probabilities (:class:`AnswerTokenLogits`). ``semantic``: the answers sampled at each of
+    ``sampling_temperatures`` (the same seed), :func:`choose_sampling_temperature` by Sem-ECE.
+
+    Args:
+        model: the causal LM (the deployed model: a trained one included).
+        tokenizer: its tokenizer.
+        records: open questions with reference answers.
+        confidence: :class:`~llm_calib.confidence.kinds.OpenConfidence` (None: token).
+        prompt: the prompt format (cloze).
+        max_new_tokens: the answers' token budget.
+        batch_size: questions per forward pass.
+        sampling_temperatures: semantic: the grid (the confidence's own temperature is added).
+
+    Raises:
+        ValueError: ``p_true`` or ``verbalized`` confidence (their confidence is the model's judgement of a
+            greedy answer, which no temperature of the answers sets).
+
+    Example:
+        >>> from llm_calib.data import builtin_open_questions
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> fit = fit_open_temperature(model, tok, builtin_open_questions(3, ["capitals"]), max_new_tokens=3)
+        >>> fit.criterion, fit.after <= fit.before
+        ('correctness_nll', True)
+    """
+    from dataclasses import replace
+
+    from llm_calib.confidence.kinds import OpenConfidence, score_open
+    from llm_calib.confidence.token import encode_open_prompts
+
+    confidence = confidence or OpenConfidence()
+    kw = {"prompt": prompt, "max_new_tokens": max_new_tokens, "batch_size": batch_size}
+    if confidence.kind == "token":
+        greedy = score_open(model, tokenizer, records, replace(confidence, temperature=1.0), **kw)
+        answers = [tuple(d["token_ids"]) for d in greedy.details]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        view = AnswerTokenLogits(model, encode_open_prompts(tokenizer, records, prompt), answers, pad, batch_size)
+        fit = fit_token_temperature(greedy.correct, view.probs)
+        return OpenTemperatureFit(fit.temperature, "correctness_nll", fit.log_loss_before, fit.log_loss_after, {})
+    if confidence.kind != "semantic":
+        raise ValueError(f"no temperature applies to {confidence.kind} confidence (the model's judgement of its "
+                         "greedy answer); use token or semantic confidence")
+    grid = sorted({*(float(t) for t in sampling_temperatures), float(confidence.temperature)})
+
+    def sem_ece(t: float) -> float:
+        scored = score_open(model, tokenizer, records, replace(confidence, temperature=t), **kw)
+        return float(scored.summary(ci=False)["ece"])
+
+    best, values = choose_sampling_temperature(sem_ece, grid)
+    return OpenTemperatureFit(best, "sem_ece", values[float(confidence.temperature)], values[best],
+                              {f"{t:g}": v for t, v in values.items()})

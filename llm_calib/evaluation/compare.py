@@ -91,7 +91,8 @@ class Comparison:
     @property
     def columns(self) -> list[str]:
         """All column names: the two untrained baselines, then each method, followed by
-        ``<method>+temperature`` where a temperature was fitted on it (multiple choice)."""
+        ``<method>+temperature`` where a temperature was fitted on it (multiple choice; open questions
+        under token or semantic confidence)."""
         return [*BASELINE_COLUMNS, *(c for m in self.methods
                                      for c in (m, *((m + TEMPERATURE_SUFFIX,) if m in self.method_temperatures else ())))]
 
@@ -188,8 +189,10 @@ def run_comparison(
     names = [o.name for o in objectives]
     if not objectives or len(set(names)) != len(names):
         raise ValueError(f"methods must be a non-empty list of objectives of distinct names, got {names}")
-    # a temperature is fitted on option scores, which open questions do not have
-    temperature_fit = heldout if run.formats.upper.temperature_scalable else None
+    # the post-hoc knob, fitted on the held-out split: a temperature of the option scores (multiple choice), of
+    # the greedy answers' token probabilities (open, token confidence) or of the sampling (semantic); none for
+    # the model's judgement of its answers (p_true, verbalized)
+    temperature_fit = heldout if _has_temperature(run.formats.upper) else None
     session = _Session(tokenizer, evals, temperature_fit,
                        _evaluation_settings(run, eval_batch_size, n_bins, bootstrap, progress, confidence), log)
     t0 = time.perf_counter()
@@ -231,6 +234,14 @@ def _resolve(train: tuple[str, Any], heldout: tuple[str, Any], evals: Sequence[t
     # fit read the held-out kind (open-ended training records may serve multiple-choice ones)
     return resolve_run(config, train[1], heldout[1], None if unlabeled is None else unlabeled[1],
                        names=(train[0], heldout[0], "" if unlabeled is None else unlabeled[0]))
+
+
+def _has_temperature(fmt: Any) -> bool:
+    """Whether the held-out format takes a post-hoc temperature (see :mod:`llm_calib.confidence.temperature`)."""
+    if fmt.family == "open":
+        confidence = getattr(fmt, "confidence", None)
+        return confidence is None or confidence.kind in ("token", "semantic")
+    return bool(fmt.temperature_scalable)
 
 
 def _evaluation_settings(run: ResolvedRun, batch_size: int, n_bins: int, bootstrap: int,
@@ -454,6 +465,12 @@ def _summary_table(cmp: Comparison, metric: str) -> list[str]:
     return lines
 
 
+def _fitted(fit: TemperatureFit) -> str:
+    """How a temperature was found: fitted by likelihood, or (semantic confidence) chosen by held-out Sem-ECE."""
+    return {"sem_ece": "the sampling temperature chosen by Sem-ECE",
+            "correctness_nll": "fitted to token confidence (NLL of correctness)"}.get(fit.criterion, "fitted")
+
+
 def _describe(objective: dict[str, Any]) -> str:
     """``calm (solver: bome)``: an objective's name and the names of its tagged parts."""
     parts = [f"{k}: {v['name']}" for k, v in objective.items() if isinstance(v, dict) and "name" in v]
@@ -520,14 +537,13 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
     fit = cmp.temperature
     if fit is not None:
         lines.append(
-            f"- temperature scaling: T = {fit.temperature:.3f}, fitted on `{fit.source}` "
-            f"({fit.n} questions; NLL {fit.nll_before:.3f} -> {fit.nll_after:.3f}), carried to "
-            "every domain"
+            f"- temperature scaling: T = {fit.temperature:.3f}, {_fitted(fit)} on `{fit.source}` "
+            f"({fit.n} questions; {fit.describe()}), carried to every domain of its kind"
         )
     for m, mfit in cmp.method_temperatures.items():
-        lines.append(f"- {m} + temperature: the trained model, then T = {mfit.temperature:.3f} fitted on its own scores "
-                     f"of `{mfit.source}` (NLL {mfit.nll_before:.3f} -> {mfit.nll_after:.3f}); compare it with "
-                     "temperature scaling alone to see what training adds")
+        lines.append(f"- {m} + temperature: the trained model, then T = {mfit.temperature:.3f} {_fitted(mfit)} on its own "
+                     f"answers to `{mfit.source}` ({mfit.describe()}); compare it with temperature scaling alone to "
+                     "see what training adds")
     lines += ["", "## Training (held-out split)", ""]
     lines += [
         "| method | accuracy before | accuracy after | ECE before | ECE after | selected step | stopped early | time (s) |",
