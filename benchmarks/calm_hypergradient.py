@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
+from harness.report import machine_info, machine_line
 
 import hypergrad as hg
+from llm_calib.calm.run import task_format
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,8 +69,8 @@ def run_kind(kind: str, args: argparse.Namespace) -> list[dict]:
     adjustment = LogitAdjustment(kind, lm.head.out_features)
     losses = CalmLosses(lm, adjustment, "sum")
     pad = tok.pad_token_id or 0
-    inner_batch = encode_records(tok, train, config).batch(range(len(train)), pad, lm)
-    outer_batch = encode_records(tok, unlabeled, config).batch(range(len(unlabeled)), pad, lm)
+    inner_batch = encode_records(tok, train, task_format(train, resolve_prompt_settings(config.prompt))).batch(range(len(train)), pad, lm)
+    outer_batch = encode_records(tok, unlabeled, task_format(unlabeled, resolve_prompt_settings(config.prompt))).batch(range(len(unlabeled)), pad, lm)
     problem = hg.BilevelProblem(inner=losses.inner, outer=losses.outer)
 
     def f2sa() -> hg.Penalty:
@@ -131,8 +133,7 @@ def write_report(rows: list[dict], args: argparse.Namespace, seconds: float) -> 
         "# CALM: first-order λ directions against exact implicit hypergradients",
         "",
         f"- Command: `{cmd}`",
-        f"- Machine: {platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}; "
-        f"date {time.strftime('%Y-%m-%d %H:%M')}; {seconds:.0f} s wall",
+        machine_line(machine_info(), f"torch {torch.__version__}; date {time.strftime('%Y-%m-%d %H:%M')}; {seconds:.0f} s wall"),
         f"- Model: {'tiny random Llama (float64)' if args.tiny else 'SmolLM2-135M-Instruct (float32)'}, LoRA rank "
         f"{args.rank} on the top {args.layers} layers; lower batch {args.n_train} "
         f"{'built-in' if args.tiny else 'ARC-Easy train'} questions, upper batch {args.n_unlabeled} unlabelled "

@@ -16,13 +16,16 @@ Run::
 from __future__ import annotations
 
 import json
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from calm_regimes import OOD, one_setting, one_setting_parser
+from harness.report import machine_info, machine_line
+
+from llm_calib.calm.run import resolve_run, task_format
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,9 +55,9 @@ def main() -> None:
     t0 = time.perf_counter()
     data, cfg = one_setting(args, normalize=args.normalize, steps=args.steps, eval_every=args.every)
     model, tok = load_model("smollm2-135m-instruct")
-    trainer = training.build_trainer(model, tok, data["train"], data["select"], cfg,
+    trainer = training.build_trainer(model, tok, data["train"], data["select"], resolve_run(cfg, data["train"], data["select"], data["unlabeled"][args.regime]),
                                      unlabeled=data["unlabeled"][args.regime])
-    encodings = {name: encode_records(tok, recs, cfg) for name, recs in data["evals"]}
+    encodings = {name: encode_records(tok, recs, task_format(recs, resolve_prompt_settings(cfg.prompt))) for name, recs in data["evals"]}
     in_domain = data["evals"][0][0]
     state = training.init_state(trainer)
     rows = []
@@ -81,8 +84,7 @@ def main() -> None:
         "",
         f"- Command: `python benchmarks/calm_ood_path.py '{args.setting}' {args.regime} --normalize {args.normalize} "
         f"--steps {args.steps} --every {args.every}` ({time.perf_counter() - t0:.0f} s)",
-        f"- Machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}, shared; "
-        f"date {time.strftime('%Y-%m-%d %H:%M')}",
+        machine_line(machine_info(args.threads), f"torch {torch.__version__}, shared; date {time.strftime('%Y-%m-%d %H:%M')}"),
         f"- Data as `benchmarks/calm_regimes.py`, regime {args.regime}; base config `{args.config.name}`; option "
         f"scores aggregated by `{args.normalize}`. Held-out = the 150-question selection split.",
         "",

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
+from harness.report import machine_info, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 OOD = ("openbookqa", "qasc", "commonsenseqa", "mmlu_humanities", "mmlu_stem")
@@ -114,6 +114,7 @@ def summary_table(summary: dict, in_domain: str) -> list[str]:
 def main() -> None:
     from harness.flat_config import with_flat
 
+    from llm_calib.calm.run import resolve_run
     from llm_calib.config.calibration import CalibrationConfig
     from llm_calib.evaluation.compare import run_comparison, write_comparison_report
     from llm_calib.models import load as load_model
@@ -155,7 +156,8 @@ def main() -> None:
     given = {config.objective.name: config.objective}  # the config's objective keeps its settings
     methods = [given.get(name) or objective_from_dict(name) for name in args.methods.split(",")]
     for regime in args.regimes.split(","):
-        cmp = run_comparison(fresh, tok, ("arc", data["train"]), ("arc_easy_dev", data["select"]), data["evals"], config,
+        run = resolve_run(config, data["train"], data["select"], data["unlabeled"][regime])
+        cmp = run_comparison(fresh, tok, ("arc", data["train"]), ("arc_easy_dev", data["select"]), data["evals"], run,
                              methods, out / regime, unlabeled=(f"regime_{regime}", data["unlabeled"][regime]),
                              checkpoints=False, progress=False, bootstrap=0 if args.quick else 1000, log=print)
         write_comparison_report(cmp, out / regime)
@@ -164,8 +166,8 @@ def main() -> None:
         "# CALM: regimes A (unlabelled inputs from the training domain) and B (from the target domains)",
         "",
         f"- Command: `python benchmarks/calm_regimes.py {' '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in vars(args).items() if k not in ('out', 'data_dir', 'quick') and v is not None)}{' --quick' if args.quick else ''}`",
-        f"- Machine: {platform.machine()}, {torch.get_num_threads()} torch thread(s), torch {torch.__version__}; "
-        f"date {time.strftime('%Y-%m-%d %H:%M')}; {time.time() - start:.0f} s wall",
+        machine_line(machine_info(), f"torch {torch.__version__}; date {time.strftime('%Y-%m-%d %H:%M')}; "
+                     f"{time.time() - start:.0f} s wall"),
         f"- Config: `{json.dumps(config.to_dict())}`",
         f"- Data: train {len(data['train'])}, selection {len(data['select'])}, unlabelled A {len(data['unlabeled']['A'])}, "
         f"B {len(data['unlabeled']['B'])}; test sets {', '.join(f'{n} {len(r)}' for n, r in data['evals'])}. One seed.",

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 from calm_regimes import OOD, real_data
+from harness.report import machine_info, machine_line
+
+from llm_calib.calm.run import task_format
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +54,7 @@ def fast_summary(model, tok, evals, encodings, cfg, in_domain: str) -> dict[str,
     per = {}
     for name, records in evals:
         key = (name, cfg.prompt.scorer, cfg.prompt.style, cfg.prompt.chat_template, cfg.lora.layers)
-        enc = encodings.setdefault(key, encode_records(tok, records, cfg))
+        enc = encodings.setdefault(key, encode_records(tok, records, task_format(records, resolve_prompt_settings(cfg.prompt))))
         scores = trunk_scores(lm, enc, 8, tok.pad_token_id, cfg.prompt.normalize)
         per[name] = metrics_of([s.softmax(-1).numpy() for s in scores], [r.gold for r in records], ci=False)
     ood = [d for d in per if d in OOD]
@@ -163,7 +166,7 @@ def main() -> None:
         cfg = with_flat(base_cfg, **s)  # a setting: flat keys (harness.flat_config)
         key = (cfg.prompt.scorer, cfg.prompt.style, cfg.prompt.chat_template, cfg.lora.layers)
         if key not in encodings:  # the trunk cache is shared by settings adapting the same layers
-            encodings[key] = tuple(encode_records(tok, data[k] if k != "unlabeled" else data[k][args.regime], cfg)
+            encodings[key] = tuple(encode_records(tok, data[k] if k != "unlabeled" else data[k][args.regime], task_format(data[k] if k != 'unlabeled' else data[k][args.regime], resolve_prompt_settings(cfg.prompt)))
                                    for k in ("train", "select", "unlabeled"))
         train, select, unlabeled = encodings[key]
         t0 = time.perf_counter()
@@ -178,7 +181,7 @@ def main() -> None:
                "selected_step": res.metrics["after"]["selected_step"],
                "heldout_before": res.metrics["before"]["ece"], "heldout_after": res.metrics["after"]["ece"],
                "last": {k: v for k, v in last.items() if isinstance(v, float)},
-               "train_s": train_s, "machine": f"{platform.machine()}, {args.threads} threads, torch {torch.__version__}",
+               "train_s": train_s, "machine": machine_line(machine_info(args.threads)).removeprefix("- Machine: "),
                "date": time.strftime("%Y-%m-%d %H:%M")}
         with args.out.open("a") as fh:
             fh.write(json.dumps(row) + "\n")

@@ -29,6 +29,7 @@ import torch
 from calm_step_profile import arc  # the profile's seeded ARC-Easy samples (run from benchmarks/)
 
 from llm_calib.calm import batch_order, training
+from llm_calib.calm.run import resolve_run
 from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.models import load, random_init_model
 from llm_calib.objectives.lora_ce import LoraCE
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                         score_option_likelihood(model, tok, test, batch_size=16).probs_numpy])}
     for kind, objective in (("bome", CalibrationConfig().objective), ("ce", LoraCE())):
         trainer = training.build_trainer(copy.deepcopy(model), tok, train, heldout,
-                                         replace(CalibrationConfig(), objective=objective))
+                                         resolve_run(replace(CalibrationConfig(), objective=objective), train, heldout))
         state = training.init_state(trainer, evaluate_before=False)
         gen = torch.Generator().manual_seed(1)
         state.theta = {k: v + (0.02 * torch.randn(v.shape, generator=gen) if "lora_" in k else 0)
@@ -71,7 +72,7 @@ def parts_vs_whole(args: argparse.Namespace) -> list[str]:
     torch.set_num_threads(args.threads)
     model, tok = load(ALIAS) if args.model == "real" else random_init_model(ALIAS, 0)
     trainer = training.build_trainer(model, tok, arc(args.data_dir, "train", 64), arc(args.data_dir, "dev", 64),
-                                     CalibrationConfig())
+                                     resolve_run(CalibrationConfig(), arc(args.data_dir, "train", 64), arc(args.data_dir, "dev", 64)))
     state = training.init_state(trainer, evaluate_before=False)
     gen = torch.Generator().manual_seed(1)
     theta = {k: v + (0.02 * torch.randn(v.shape, generator=gen) if "lora_" in k else 0) for k, v in state.theta.items()}
@@ -101,7 +102,7 @@ def parts_vs_whole_cpu(args: argparse.Namespace) -> list[str]:
     torch.set_num_threads(args.threads)
     model, tok = load(ALIAS) if args.model == "real" else random_init_model(ALIAS, 0)
     trainer = training.build_trainer(model, tok, arc(args.data_dir, "train", 64), arc(args.data_dir, "dev", 64),
-                                     CalibrationConfig())
+                                     resolve_run(CalibrationConfig(), arc(args.data_dir, "train", 64), arc(args.data_dir, "dev", 64)))
     state = training.init_state(trainer, evaluate_before=False)
     trainer.fill_trunk_caches()
     theta, lam = state.theta, {k: v.detach() for k, v in state.objective_state.lam.items()}

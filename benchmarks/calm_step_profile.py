@@ -43,6 +43,7 @@ from harness.report import machine_info
 import hypergrad as hg
 from llm_calib.calm import training
 from llm_calib.calm.encoding import EncodedRecords
+from llm_calib.calm.run import resolve_run
 from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.data import load as load_data
 from llm_calib.models import load, random_init_model, tiny_random_model
@@ -218,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     **profile_call(fn, vocab, config.lora.rank, cpu)}
     runs = {}
     for kind, objective in (("bome", config.objective), ("ce", LoraCE())):
-        trainer = training.build_trainer(copy.deepcopy(model), tok, train, heldout, replace(config, objective=objective))
+        trainer = training.build_trainer(copy.deepcopy(model), tok, train, heldout, resolve_run(replace(config, objective=objective), train, heldout))
         state = training.init_state(trainer, evaluate_before=False)
         trainer.fill_trunk_caches()
         instrument(trainer, state)

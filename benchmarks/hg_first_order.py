@@ -5,7 +5,7 @@ The runners of the ``fd`` group (``FiniteDifference`` with a CG solve, and with 
 DARTS) and of the ``penalty`` group (``Penalty`` at its steady state, ``evaluate="current"`` and
 ``"advanced"``). Further first-order or stochastic methods join as new groups here: a name in
 ``GROUPS``, a block in ``add_runners``, and the group in the family lists of the suite's problems
-(``hg_harness.suite``).
+(``harness.hypergrad_suite.suite``).
 
 Alone, on the problems these runners serve (the report covers only them; printed unless ``--out``)::
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import hg_cli
 import torch
-from hg_harness import Add, Want, cg_settings, no_experiments, ours
-from hg_problems import Bench, Sizes
+from harness import hypergrad_cli
+from harness.hypergrad_problems import Bench, Sizes
+from harness.hypergrad_suite import Add, Want, cg_settings, no_experiments, ours
 
 import hypergrad as hg
 
@@ -32,7 +32,7 @@ def _penalty_state(b: Bench) -> dict[str, Any]:
 
 
 def add_runners(b: Bench, sizes: Sizes, K: int, want: Want, add: Add) -> None:
-    """The wanted ``fd`` and ``penalty`` runners (see ``hg_harness.make_runners``)."""
+    """The wanted ``fd`` and ``penalty`` runners (see ``harness.hypergrad_suite.make_runners``)."""
     cg_tol, cg_maxiter = cg_settings(b, sizes)
     if want("fd"):
         eps = 1e-4 if b.dtype == torch.float64 else 1e-2
@@ -55,7 +55,7 @@ after_problem = no_experiments
 
 
 def main(argv: list[str] | None = None) -> int:
-    return hg_cli.concern_main(argv, sys.modules[__name__], "hg_first_order.py")
+    return hypergrad_cli.concern_main(argv, sys.modules[__name__], "hg_first_order.py")
 
 
 if __name__ == "__main__":

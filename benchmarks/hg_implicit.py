@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import hg_cli
 import torch
-from hg_harness import (
+from harness import hypergrad_cli
+from harness.hypergrad_problems import Bench, Sizes, Tree, flat, fresh_leaves, minimize, rel_err
+from harness.hypergrad_suite import (
     Add,
     Runner,
     Want,
@@ -33,7 +34,6 @@ from hg_harness import (
     ours,
     peers,
 )
-from hg_problems import Bench, Sizes, Tree, flat, fresh_leaves, minimize, rel_err
 from torch import Tensor
 from torch.func import functional_call
 
@@ -140,7 +140,7 @@ def _neumann_steps(b: Bench, tol: float, cap: int) -> int:
 
 
 def add_runners(b: Bench, sizes: Sizes, K: int, want: Want, add: Add) -> None:
-    """The wanted ``implicit-*`` runners (see ``hg_harness.make_runners``)."""
+    """The wanted ``implicit-*`` runners (see ``harness.hypergrad_suite.make_runners``)."""
     torchopt, _ = peers()
     tol = sizes.tol
     cg_tol, cg_maxiter = cg_settings(b, sizes)
@@ -348,7 +348,7 @@ def after_problem(b: Bench, sizes: Sizes, log: Callable[[str], None]) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    return hg_cli.concern_main(argv, sys.modules[__name__], "hg_implicit.py")
+    return hypergrad_cli.concern_main(argv, sys.modules[__name__], "hg_implicit.py")
 
 
 if __name__ == "__main__":

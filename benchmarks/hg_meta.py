@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness.hypergrad_problems import Tree, flat, rel_err
+from harness.hypergrad_suite import MB, RESULTS, cpu_timer, fmt_value, metadata, peers
 from harness.profiling import Phase
-from hg_harness import MB, RESULTS, cpu_timer, fmt_value, metadata, peers
-from hg_problems import Tree, flat, rel_err
+from harness.report import machine_line
 from torch import Tensor
 
 import hypergrad as hg
@@ -369,9 +370,9 @@ def render_imaml(result: dict[str, Any], out: Path | None, command: str) -> str:
     lines = [
         "# Batched iMAML: hypergrad (vmap) vs torchopt on sinusoid few-shot regression", "",
         f"- Command: `{command}` ({sizes.name} mode)",
-        f"- Date: {meta['date']}; machine: {meta['cpu']}, {meta['cores']} cores, shared with other jobs "
-        f"(load average at the end {', '.join(f'{x:.1f}' for x in meta['load']) if meta['load'] else '?'}); "
-        f"torch {meta['torch']} with 1 thread, torchopt {meta['torchopt']}, hypergrad {meta['hypergrad']}.",
+        f"- Date: {meta['date']}",
+        machine_line(meta, "shared with other jobs; load average at the end"),
+        f"- Versions: torch {meta['torch']}, torchopt {meta['torchopt']}, hypergrad {meta['hypergrad']}.",
         f"- Tasks: sinusoids (amplitude U[0.1, 5], phase U[0, pi]), {sizes.shots} support and "
         f"{sizes.shots} query points per task; model 1-{sizes.width}-{sizes.width}-1 tanh MLP; iMAML inner "
         f"loss = support MSE + {sizes.rho:g}/2 ||w - theta||^2, {sizes.inner_steps} gradient steps of "

@@ -16,10 +16,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import hg_cli
 import torch
-from hg_harness import Add, Runner, Want, loaded_copy, no_experiments, peers
-from hg_problems import Bench, Sizes, flat, fresh_leaves
+from harness import hypergrad_cli
+from harness.hypergrad_problems import Bench, Sizes, flat, fresh_leaves
+from harness.hypergrad_suite import Add, Runner, Want, loaded_copy, no_experiments, peers
 from torch import Tensor
 
 import hypergrad as hg
@@ -100,7 +100,7 @@ def _unrolled(b: Bench, K: int, mode: str = "reverse", truncate: int | None = No
 
 
 def add_runners(b: Bench, sizes: Sizes, K: int, want: Want, add: Add) -> None:
-    """The wanted ``unrolled-*`` runners (see ``hg_harness.make_runners``)."""
+    """The wanted ``unrolled-*`` runners (see ``harness.hypergrad_suite.make_runners``)."""
     if want("unrolled-reverse"):
         add("unrolled-reverse", _unrolled(b, K), _higher(b, K), _metasgd(b, K))
     if want("unrolled-checkpoint"):
@@ -119,7 +119,7 @@ after_problem = no_experiments
 
 
 def main(argv: list[str] | None = None) -> int:
-    return hg_cli.concern_main(argv, sys.modules[__name__], "hg_unrolled.py")
+    return hypergrad_cli.concern_main(argv, sys.modules[__name__], "hg_unrolled.py")
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ reports the peak RSS over that baseline for one hypergradient.
 The parts, each runnable alone with ``--quick`` (see its docstring): ``hg_implicit.py`` (implicit
 differentiation vs torchopt and jaxopt, preconditioning, the hyper-cleaning loop),
 ``hg_unrolled.py`` (unrolling vs higher and MetaSGD), ``hg_first_order.py`` (finite differences,
-Penalty/F2SA), ``hg_meta.py`` (batched iMAML, ``--imaml`` here), over ``hg_problems.py``
-(sizes and problems), the shared harness ``hg_harness.py`` (runners, timing, memory, the suite),
-``hg_report.py`` (the report) and ``hg_cli.py`` (the command line).
+Penalty/F2SA), ``hg_meta.py`` (batched iMAML, ``--imaml`` here), over ``harness/hypergrad_problems.py``
+(sizes and problems), the shared harness ``harness/hypergrad_suite.py`` (runners, timing, memory, the suite),
+``harness/hypergrad_report.py`` (the report) and ``harness/hypergrad_cli.py`` (the command line).
 """
 
 from __future__ import annotations
@@ -43,16 +43,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import hg_cli
 import hg_first_order
 import hg_implicit
 import hg_meta
 import hg_unrolled
 import torch
-from hg_harness import RESULTS, Concern, Runner, metadata, time_interleaved, worker
-from hg_harness import make_runners as make_concern_runners
-from hg_harness import suite as concern_suite
-from hg_problems import FULL, QUICK, TINY, Bench, Sizes, build_bench, flat, rel_err
+from harness import hypergrad_cli
+from harness.hypergrad_problems import FULL, QUICK, TINY, Bench, Sizes, build_bench, flat, rel_err
+from harness.hypergrad_suite import RESULTS, Concern, Runner, metadata, time_interleaved, worker
+from harness.hypergrad_suite import make_runners as make_concern_runners
+from harness.hypergrad_suite import suite as concern_suite
 
 __all__ = [
     "CONCERNS", "FULL", "QUICK", "TINY", "Bench", "Runner", "Sizes", "build_bench", "flat", "main",
@@ -69,13 +69,13 @@ def make_runners(b: Bench, sizes: Sizes, which: list[str] | None = None, K: int 
 
 def suite(sizes: Sizes, threads: int = 1, log: Callable[[str], None] = print,
           cache: Path | None = None) -> dict[str, Any]:
-    """Run every problem with every concern's runners (``hg_harness.suite``)."""
+    """Run every problem with every concern's runners (``harness.hypergrad_suite.suite``)."""
     return concern_suite(sizes, CONCERNS, threads, log, cache)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    hg_cli.add_suite_arguments(parser)
+    hypergrad_cli.add_suite_arguments(parser)
     parser.add_argument("--imaml", action="store_true",
                         help="only the batched iMAML comparison (writes hypergrad_imaml.md)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -89,13 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         hg_meta.rerender(args.render, args.out)
         return 0
     if args.render:
-        hg_cli.rerender(args.render, args.out)
+        hypergrad_cli.rerender(args.render, args.out)
         return 0
     if args.imaml:
         out = args.out if args.out is not None else (None if args.quick else RESULTS)
         command = "python benchmarks/hypergrad_bench.py --imaml" + (" --quick" if args.quick else "")
         return hg_meta.run(args.quick, out, command)
-    return hg_cli.run_suite(args, parser, CONCERNS, "hypergrad_bench.py", default_out=RESULTS)
+    return hypergrad_cli.run_suite(args, parser, CONCERNS, "hypergrad_bench.py", default_out=RESULTS)
 
 
 if __name__ == "__main__":

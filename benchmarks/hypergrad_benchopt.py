@@ -55,7 +55,6 @@ import importlib.util  # noqa: E402
 import inspect  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -65,6 +64,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
+from harness.report import load_average, machine_info  # noqa: E402
 
 TARGET_FRACTION = 1e-3
 BATCH_SIZE = 64  # every stochastic solver of config/quadratics_021424*.yml
@@ -871,7 +871,7 @@ def profile_hypergrad(name: str, instance: Instance, sigma: float, compile_: boo
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
     per_step = traj.seconds_per_iteration()
     return (f"{name}: {traj.iterations[-1]} steps, {per_step * 1e3 if per_step else float('nan'):.3g} ms per step "
-            f"under cProfile (load {_loadavg()})\n{out.getvalue()}")
+            f"under cProfile (load {load_average()})\n{out.getvalue()}")
 
 
 def _versions() -> str:
@@ -897,22 +897,6 @@ def _hypergrad_source() -> str:
     except (OSError, subprocess.CalledProcessError):
         commit = "not a git checkout"
     return f"{root} ({commit})"
-
-
-def _cpu() -> tuple[str, str]:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown", str(os.cpu_count())
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return fields.get("Model name", "unknown").strip(), fields.get("CPU(s)", str(os.cpu_count())).strip()
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -945,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
 
     single_thread()
     hypergrad_source = _hypergrad_source()  # before the run: a checkout may move while it runs
-    load_before = _loadavg()
+    load_before = load_average()
     bench = Benchmark(args.benchmark_dir)
     compile_timer = CompileTimer()
     params = {"n_samples_inner": 32768, "n_samples_outer": 1024, "dim_inner": 100, "dim_outer": 10,
@@ -984,11 +968,12 @@ def main(argv: list[str] | None = None) -> int:
             comparisons.append(Comparison(algorithm if len(adapters) == 1 else f"{algorithm} ({adapter.name})",
                                           mine, theirs, note))
     checks = target_checks(comparisons, bome_rounds=bome_rounds)
-    cpu, cores = _cpu()
+    meta = machine_info(libraries=("torch", "jax", "jaxopt", "benchopt"))
+    cpu, cores = meta["cpu"], meta["cores"]
     meta = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "cpu": cpu, "cores": cores, "load_before": load_before, "load_after": _loadavg(),
+        "cpu": cpu, "cores": cores, "load_before": load_before, "load_after": load_average(),
         "versions": _versions(), "benchmark_commit": bench.commit(), "hypergrad": hypergrad_source,
         "instance": f"simulated {instance.params}, init y=0, x=-2 (objective.py); torch/jax loss gap {gap:.1e}",
         "initial_value": initial, "quick": args.quick, "compile": args.compile, "budget_s": budget,

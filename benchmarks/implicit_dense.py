@@ -33,6 +33,7 @@ from typing import Any
 
 import hypergrad_bench as hb
 import torch
+from harness.report import machine_line
 
 import hypergrad as hg
 from hypergrad.autodiff import RootSystem
@@ -146,8 +147,7 @@ def render(result: dict[str, Any]) -> str:
         "",
         f"- Command: `{result['command']}` (wall time {result['elapsed_s'] / 60:.1f} min)",
         f"- Date: {meta['date']}",
-        f"- Machine: {meta['cpu']}, {meta['cores']} cores, shared with other jobs (load average at the end: "
-        f"{', '.join(f'{x:.1f}' for x in meta['load'])}); torch threads = 1",
+        machine_line(meta, "shared with other jobs; load average at the end"),
         f"- Versions: torch {meta['torch']}, hypergrad {meta['hypergrad']}, jax {meta['jax']}, jaxopt "
         f"{meta['jaxopt']}, torchopt {meta['torchopt']}, Python {meta['python']}",
         "- Problems: those of `benchmarks/hypergrad_bench.py` (same data and inner solutions), float64, at more "

@@ -10,7 +10,7 @@ Usage (from the repository root, after ``make setup``)::
 
 Two paths compute the same numbers. **naive**: every option scored as its own sequence through the
 whole model, the output head over every position; training with LoRA on every layer and the
-reference option scores of ``naive_scoring.py`` (beside this script) inside the CALM losses.
+reference option scores of ``harness/naive_scoring.py`` (beside this script) inside the CALM losses.
 **default**: what ``llm_calib`` does: one packed row per question, the head only where needed,
 LoRA on the top ``k`` layers with the frozen trunk cached, driven by the public training loop
 (``llm_calib.calm.training``). Measured: (a) evaluation questions per second; (b) seconds per CALM
@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers b
 from harness.evaluation import group_means
 from harness.flags import add_dataclass_flags, dataclass_overrides
 from harness.loss_check import compare_losses, relative_difference
+from harness.naive_scoring import NaiveCalmLosses, score_option_likelihood_naive
 from harness.profiling import (
     MB,
     Phase,
@@ -51,11 +52,11 @@ from harness.profiling import (
     run_json_worker,
 )
 from harness.report import format_number, machine_info, markdown_table, provenance_lines, verdict
-from naive_scoring import NaiveCalmLosses, score_option_likelihood_naive
 
 from llm_calib.calm import training
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM
+from llm_calib.calm.run import resolve_run, task_format
 from llm_calib.calm.trainer import calibrate
 from llm_calib.config.calibration import (
     CalibrationConfig,
@@ -68,6 +69,7 @@ from llm_calib.data import load as load_data
 from llm_calib.evaluation.demo import DemoSettings, split_data
 from llm_calib.models import default_cache_dir, load, random_init_model, tiny_random_model
 from llm_calib.objectives.lora_ce import LoraCE
+from llm_calib.prompts.resolution import resolve_prompt_settings
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,7 +201,7 @@ class Run:
 
 def make_run(model: Any, tok: Any, train: Any, heldout: Any, config: CalibrationConfig, naive: bool) -> Run:
     """Attach LoRA to ``model`` (in place) as ``calibrate`` does; ``naive``: the reference losses."""
-    trainer = training.build_trainer(model, tok, train, heldout, config)
+    trainer = training.build_trainer(model, tok, train, heldout, resolve_run(config, train, heldout))
     if naive:
         trainer = trainer.with_losses(NaiveCalmLosses(trainer.lm, trainer.adjustment, config.prompt.normalize))
     return Run(trainer, training.init_state(trainer, evaluate_before=False))
@@ -231,7 +233,7 @@ def step_speed(base: Any, tok: Any, train: list[MultipleChoice], heldout: list[M
     out: dict[str, Any] = {"paths": {}}
     for path, (k, naive) in paths.items():
         cfg = demo_config(n_layers, k, steps=10**6, batch_size=s.batch_size)
-        encs = [encode_records(tok, r, cfg) for r in (train, heldout)]  # shared: the CE run reuses BOME's trunk cache
+        encs = [encode_records(tok, r, task_format(r, resolve_prompt_settings(cfg.prompt))) for r in (train, heldout)]  # shared: the CE run reuses BOME's trunk cache
         runs[path] = {kind: make_run(copy.deepcopy(base), tok, *encs, replace(cfg, objective=objective), naive)
                       for kind, objective in (("bome", cfg.objective), ("ce", LoraCE()))}
         tr = runs[path]["bome"].trainer
@@ -287,7 +289,7 @@ def default_config_steps(base: Any, tok: Any, train: list[MultipleChoice], heldo
     parts over the CE step, the ratio no implementation of the same arithmetic can go below.
     """
     cfg = CalibrationConfig(training=TrainingSettings(steps=10**6), selection=SelectionSettings(eval_every=10**6))
-    encs = [encode_records(tok, r, cfg) for r in (train, heldout)]
+    encs = [encode_records(tok, r, task_format(r, resolve_prompt_settings(cfg.prompt))) for r in (train, heldout)]
     runs = {kind: make_run(copy.deepcopy(base), tok, *encs, replace(cfg, objective=objective), naive=False)
             for kind, objective in (("bome", cfg.objective), ("ce", LoraCE()))}
     runs["bome"].trainer.fill_trunk_caches()

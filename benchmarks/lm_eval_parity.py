@@ -37,7 +37,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness.report import machine_info, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -353,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         "# lm-eval parity: llm-calib evaluate vs lm-evaluation-harness",
         "",
         f"- command: `{cmd.strip()}`",
-        f"- date: {datetime.date.today().isoformat()}; machine: {os.cpu_count()} cores ({platform.machine()}, "
-        f"shared with other jobs), torch {torch.__version__}, lm-eval {theirs['version']}, float32, CPU",
+        f"- date: {datetime.date.today().isoformat()}; torch {torch.__version__}, lm-eval {theirs['version']}, "
+        "float32, CPU",
+        machine_line(machine_info(), "shared with other jobs"),
         f"- model: {args.model} (the same converted directory for both tools), no chat template, zero-shot",
         "- ARC-Easy: the first N test questions (`--limit-mode first`); MMLU: a seeded sample of N test",
         "  questions (seed 0) across subjects; both tools get the same questions (lm-eval from local",

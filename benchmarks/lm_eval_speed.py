@@ -1,8 +1,8 @@
 """Speed side by side with EleutherAI's lm-evaluation-harness: the same model directory, the same
 questions (local lm-eval task YAMLs over ``../shared/data``), the same batch size, both as a user
-runs them (two command-line processes), in interleaved rounds.
+runs them (command-line processes), in interleaved rounds.
 
-Three task shapes:
+Four task shapes:
 
 * ``piqa_style`` (zero-shot): two solutions of several tokens each (``doc_to_choice:
   "{{[sol1, sol2]}}"``), built from ARC-Easy test questions (the gold answer and one distractor,
@@ -10,18 +10,25 @@ Three task shapes:
 * ``letter_choice`` (zero-shot): MMLU test questions with the options listed and the letters
   ``A``-``D`` as choices, no description (a MedMCQA-like letter task);
 * ``mmlu_5shot``: lm-eval's MMLU prompt (per-subject description) with 5 examples of the
-  subject's dev split (``first_n``), ``--per-subject`` questions of each of ``--subjects``.
+  subject's dev split (``first_n``), ``--per-subject`` questions of each of ``--subjects``;
+* ``csqa_5shot``: CommonsenseQA dev questions (``--text-n``) with the five option texts as
+  choices (``Question: ...\nAnswer:``, multi-token continuations), 5 examples of the train split
+  (``first_n``).
 
 Each round runs ``lm_eval --model hf ... --log_samples`` and ``llm-calib evaluate --data
-lm_eval:TASK:include=DIR --log-samples`` (rounds alternate which runs first) and records wall
-time and the CPU time of the child process; the two tools' per-option log-likelihoods are
-matched by task and document and compared (maximum absolute difference, argmax agreement).
+lm_eval:TASK:include=DIR --log-samples`` (and, with ``--baseline-tree DIR``, the same command on
+another llm-calib source tree, e.g. a checkout of the commit before a change); the order rotates
+each round. It records wall time and the CPU time of each child process; the tools' per-option
+log-likelihoods are matched by task and document and compared (maximum absolute difference,
+argmax agreement). The environment passes to every child, so ``OMP_NUM_THREADS`` sets the
+threads of all sides alike (recorded).
 
 lm-eval is not a dependency of llm-calib (``pip install "llm-calib[bench]"``).
 
 Usage::
 
     .venv/bin/python benchmarks/lm_eval_speed.py --rounds 2 --zero-shot-n 100 --per-subject 60
+    .venv/bin/python benchmarks/lm_eval_speed.py --baseline-tree ../base  # also time an older tree
     .venv/bin/python benchmarks/lm_eval_speed.py --quick          # a few questions, prints only
 """
 
@@ -32,7 +39,6 @@ import csv
 import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -42,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness.report import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -99,6 +106,27 @@ metric_list:
   - metric: acc
 """
 
+# CommonsenseQA as text choices (the option texts scored after "Answer:"), 5 examples of the train split (first_n)
+CSQA_YAML = """\
+task: speed_csqa5
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+    train: {train}
+output_type: multiple_choice
+test_split: test
+fewshot_split: train
+fewshot_config:
+  sampler: first_n
+num_fewshot: 5
+doc_to_text: "Question: {{{{question.strip()}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+"""
+
 SUBJECTS = ("high_school_geography", "high_school_psychology", "miscellaneous", "nutrition", "prehistory",
             "high_school_macroeconomics", "marketing")
 LETTER_SUBJECTS = ("clinical_knowledge", "college_medicine", "medical_genetics", "anatomy", "professional_medicine")
@@ -114,7 +142,18 @@ def _write(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def build_tasks(work: Path, data: Path, zero_n: int, subjects: list[str], per_subject: int) -> dict[str, dict]:
+def _csqa_rows(path: Path, n: int) -> list[dict[str, Any]]:
+    rows = []
+    for line in path.read_text().splitlines()[:n]:
+        r = json.loads(line)
+        labels = [c["label"] for c in r["question"]["choices"]]
+        rows.append({"question": r["question"]["stem"], "choices": [c["text"] for c in r["question"]["choices"]],
+                     "label": labels.index(r["answerKey"])})
+    return rows
+
+
+def build_tasks(work: Path, data: Path, zero_n: int, subjects: list[str], per_subject: int,
+                text_n: int) -> dict[str, dict]:
     """Write the task YAMLs and their rows; returns ``{shape: {"task": name, "n": questions}}``."""
     arc = [json.loads(line) for line in (data / "arc_easy" / "test.jsonl").read_text().splitlines()[:zero_n]]
     piqa = []
@@ -137,18 +176,25 @@ def build_tasks(work: Path, data: Path, zero_n: int, subjects: list[str], per_su
         (work / f"speed_mmlu5_{s}.yaml").write_text(MMLU_YAML.format(
             subject=s, subject_text=s.replace("_", " "), data=work / f"mmlu_{s}_test.jsonl",
             dev=work / f"mmlu_{s}_dev.jsonl"))
+    csqa = _csqa_rows(data / "commonsenseqa" / "genmc_dev.jsonl", text_n)
+    _write(work / "csqa_test.jsonl", csqa)
+    _write(work / "csqa_train.jsonl", _csqa_rows(data / "commonsenseqa" / "genmc_train.jsonl", 5))
+    (work / "speed_csqa5.yaml").write_text(CSQA_YAML.format(data=work / "csqa_test.jsonl",
+                                                            train=work / "csqa_train.jsonl"))
     return {"piqa_style": {"task": "speed_piqa_style", "n": len(piqa), "fewshot": 0},
             "letter_choice": {"task": "speed_letter_choice", "n": len(letter[:zero_n]), "fewshot": 0},
             "mmlu_5shot": {"task": "speed_mmlu5", "n": len(subjects) * per_subject, "fewshot": 5,
-                           "subjects": subjects}}
+                           "subjects": subjects},
+            "csqa_5shot": {"task": "speed_csqa5", "n": len(csqa), "fewshot": 5}}
 
 
 def _timed(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, float]:
-    """Run ``cmd``; its wall time and the CPU time (user + system) of the child."""
+    """Run ``cmd`` in ``log``'s folder (``python -m`` puts the working directory first on ``sys.path``: the
+    environment's ``PYTHONPATH`` chooses the tree); its wall time and the CPU time (user + system) of the child."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, check=False)
+        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, check=False, cwd=log.parent)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -228,34 +274,6 @@ def prefix_cache_stats(task: str, work: Path, model_dir: Path, batch: int) -> di
             "prompt_tokens_mean": float(np.mean([len(it.prompt) for it in items]))}
 
 
-def _machine() -> dict[str, Any]:
-    info = {"python": platform.python_version(), "cores": os.cpu_count()}
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-            if line.startswith("Flags:"):
-                flags = line.split()
-                info["avx512"] = "avx512f" in flags
-                info["avx2"] = "avx2" in flags
-                info["amx"] = "amx_tile" in flags
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    import torch
-    import transformers
-
-    info |= {"torch": torch.__version__, "transformers": transformers.__version__,
-             "torch_threads": torch.get_num_threads()}
-    try:
-        import lm_eval
-
-        info["lm_eval"] = getattr(lm_eval, "__version__", "?")
-    except ImportError:
-        pass
-    return info
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-root", type=Path, default=ROOT.parent / "shared" / "data")
@@ -266,14 +284,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zero-shot-n", type=int, default=100)
     p.add_argument("--per-subject", type=int, default=60)
     p.add_argument("--subjects", type=int, default=5)
-    p.add_argument("--shapes", default="mmlu_5shot,piqa_style,letter_choice")
+    p.add_argument("--text-n", type=int, default=240, help="CommonsenseQA questions of the csqa_5shot shape")
+    p.add_argument("--shapes", default="mmlu_5shot,csqa_5shot,piqa_style,letter_choice")
     p.add_argument("--quick", action="store_true", help="8 questions per shape, 1 round, print only")
     p.add_argument("--out", type=Path, default=RESULTS / "lm_eval_speed")
+    p.add_argument("--baseline-tree", type=Path, default=None,
+                   help="another llm-calib source tree run as a third side (llm_calib_base) in the same rounds")
     p.add_argument("--prefix-stats-only", action="store_true",
                    help="only add the prefix cache's plan (groups, tokens saved, peak bytes) to --out's JSON")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.zero_shot_n, args.per_subject, args.subjects = 1, 8, 4, 2
+        args.rounds, args.zero_shot_n, args.per_subject, args.subjects, args.text_n = 1, 8, 4, 2, 8
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         from llm_calib.models import default_cache_dir, load
@@ -281,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = default_cache_dir(args.model)
         if not (model_dir / "model.safetensors").is_file():
             load(args.model)  # converts the GGUF into the cache directory once
+    model_dir = model_dir.resolve()  # the children run in the work folder
     work = Path(tempfile.mkdtemp(prefix="lm_eval_speed_"))
-    shapes = build_tasks(work, args.data_root, args.zero_shot_n, list(SUBJECTS[: args.subjects]), args.per_subject)
+    shapes = build_tasks(work, args.data_root, args.zero_shot_n, list(SUBJECTS[: args.subjects]), args.per_subject,
+                          args.text_n)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=str(work / "hf_datasets"),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
@@ -294,9 +317,19 @@ def main(argv: list[str] | None = None) -> int:
             print(name, entry["prefix_cache"])
         path.write_text(json.dumps(saved, indent=2) + "\n")
         return 0
+    sides = ["lm_eval", "llm_calib"] + (["llm_calib_base"] if args.baseline_tree is not None else [])
+    envs = {"lm_eval": env, "llm_calib": env}
+    if args.baseline_tree is not None:
+        base = args.baseline_tree.resolve()
+        if not (base / "llm_calib" / "__init__.py").is_file():
+            raise SystemExit(f"--baseline-tree {base}: not an llm-calib source tree (no llm_calib/__init__.py)")
+        envs["llm_calib_base"] = dict(env, PYTHONPATH=os.pathsep.join(
+            [str(base), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": _machine(), "model": str(args.model), "batch_size": args.batch_size, "rounds": args.rounds,
+        "machine": machine_info(libraries=("torch", "transformers", "lm_eval")),
+        "child_threads": os.environ.get("OMP_NUM_THREADS", "torch default"), "model": str(args.model),
+        "batch_size": args.batch_size, "rounds": args.rounds, "baseline_tree": str(args.baseline_tree or ""),
         "command": "python benchmarks/lm_eval_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "shapes": {},
     }
@@ -304,14 +337,14 @@ def main(argv: list[str] | None = None) -> int:
         shape = shapes[name]
         rows: list[dict[str, Any]] = []
         for r in range(args.rounds):
-            order = ("lm_eval", "llm_calib") if r % 2 == 0 else ("llm_calib", "lm_eval")
+            order = sides[r % len(sides):] + sides[: r % len(sides)]
             times: dict[str, dict] = {}
             for side in order:
                 out = work / f"{name}_{side}_{r}"
                 if side == "lm_eval":
-                    times[side] = run_lm_eval(shape["task"], work, model_dir, args.batch_size, out, env)
+                    times[side] = run_lm_eval(shape["task"], work, model_dir, args.batch_size, out, envs[side])
                 else:
-                    times[side] = run_llm_calib(shape["task"], work, model_dir, args.batch_size, out, env, [])
+                    times[side] = run_llm_calib(shape["task"], work, model_dir, args.batch_size, out, envs[side], [])
                 print(f"{name} round {r + 1} {side}: {times[side]['wall_s']:.1f} s wall, "
                       f"{times[side]['cpu_s']:.1f} s CPU", flush=True)
             ours = llm_calib_loglik(work / f"{name}_llm_calib_{r}")
@@ -319,15 +352,21 @@ def main(argv: list[str] | None = None) -> int:
                    "wall_ratio": times["lm_eval"]["wall_s"] / times["llm_calib"]["wall_s"],
                    "cpu_ratio": times["lm_eval"]["cpu_s"] / times["llm_calib"]["cpu_s"],
                    **compare(lm_eval_loglik(work / f"{name}_lm_eval_{r}"), ours)}
+            if "llm_calib_base" in times:
+                before = compare(llm_calib_loglik(work / f"{name}_llm_calib_base_{r}"), ours)
+                row |= {"base_wall_ratio": times["llm_calib_base"]["wall_s"] / times["llm_calib"]["wall_s"],
+                        "base_cpu_ratio": times["llm_calib_base"]["cpu_s"] / times["llm_calib"]["cpu_s"],
+                        "base_lm_eval_cpu_ratio": times["lm_eval"]["cpu_s"] / times["llm_calib_base"]["cpu_s"],
+                        "base_max_abs_dll": before["max_abs_dll"], "base_argmax_agree": before["argmax_agree"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-            result["shapes"][name] = {**shape, "rows": rows,
-                                      "wall_ratio_mean": float(np.mean([x["wall_ratio"] for x in rows])),
-                                      "cpu_ratio_mean": float(np.mean([x["cpu_ratio"] for x in rows]))}
+            means = {f"{k}_mean": float(np.mean([x[k] for x in rows])) for k in
+                     ("wall_ratio", "cpu_ratio", "base_wall_ratio", "base_cpu_ratio", "base_lm_eval_cpu_ratio")
+                     if k in row}
+            result["shapes"][name] = {**shape, "rows": rows, **means}
             if not args.quick:  # written after every round, so a cut-short run keeps what it measured
                 args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: {"wall_ratio_mean": v["wall_ratio_mean"], "cpu_ratio_mean": v["cpu_ratio_mean"]}
-                      for k, v in result["shapes"].items()}))
+    print(json.dumps({k: {m: v[m] for m in v if m.endswith("_mean")} for k, v in result["shapes"].items()}))
     return 0
 
 

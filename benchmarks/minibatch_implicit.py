@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import os
 import platform
 import statistics
 import time
@@ -30,6 +29,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from harness.report import machine_info, machine_line
 
 import hypergrad as hg
 
@@ -101,15 +101,13 @@ def main() -> None:
         table.append(f"| {name} | {statistics.median(errors):.3g} | {mean_error:.3g} | {converged}/{count} | "
                      f"{matvecs / count:.1f} | {len(caught)} |")
     wall = time.perf_counter() - wall
-    load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "n/a"
     text = "\n".join([
         "# Minibatch implicit hypergradients: batch Hessians of rank <= batch size",
         "",
         f"- Command: `PYTHONPATH=. python benchmarks/minibatch_implicit.py{' --quick' if args.quick else ''}` "
         f"(wall time {wall / 60:.1f} min)",
         f"- Date: {_dt.datetime.now(_dt.UTC).strftime('%Y-%m-%d %H:%M')} UTC",
-        f"- Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other jobs "
-        f"(load average at the end: {load}); torch threads = 1",
+        machine_line(machine_info(1), "shared with other jobs; load average at the end"),
         f"- Versions: torch {torch.__version__}, Python {platform.python_version()}",
         f"- Problem: least squares, dim w = 100, 4096 samples, one hyperparameter (a target shift); exact "
         f"full-batch hypergradient {float(exact):.6f}; {count} random batches per row (the same batches for "

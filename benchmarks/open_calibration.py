@@ -1,7 +1,7 @@
 """Open-ended calibration, measured: CALM and its baselines on open questions, under token and
 semantic confidence, at several seeds.
 
-Trained on open questions the model can answer (capitals and chemical symbols, ``open_facts.py``:
+Trained on open questions the model can answer (capitals and chemical symbols, ``harness/open_facts.py``:
 the built-in open domains plus the rest of the countries and elements), tested in domain and on
 sets of other kinds (built-in sums, NQ-open, TriviaQA from SelfAware, WebQuestions). Rows:
 uncalibrated, temperature scaling, LoRA CE, LoRA CE + T, CALM, CALM + T. Confidence:
@@ -32,8 +32,6 @@ import copy
 import datetime as _dt
 import json
 import math
-import os
-import platform
 import random
 import sys
 import time
@@ -46,7 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from open_facts import fact_questions
+from harness.open_facts import fact_questions
+from harness.report import machine_info, machine_line
 from scipy.stats import spearmanr
 
 from llm_calib import (
@@ -59,6 +58,7 @@ from llm_calib import (
     TrainingSettings,
 )
 from llm_calib.calm import training
+from llm_calib.calm.run import resolve_run
 from llm_calib.calm.fast_eval import open_ended_set
 from llm_calib.confidence.kinds import OpenConfidence, score_open
 from llm_calib.confidence.temperature import (
@@ -68,7 +68,6 @@ from llm_calib.confidence.temperature import (
     fit_token_temperature,
 )
 from llm_calib.confidence.token import encode_open_prompts
-from llm_calib.config.calibration import open_prompt_format
 from llm_calib.data import builtin_open_questions, load
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GenOut, generate_greedy
@@ -76,6 +75,7 @@ from llm_calib.evaluation.evaluate import evaluate_records
 from llm_calib.files.atomic import write_json_atomic, write_text_atomic
 from llm_calib.models import load as load_model
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import open_prompt_format
 from llm_calib.prompts.templates import draw_short_answer_examples
 
 ROWS = ("uncalibrated", "temperature", "lora_ce", "lora_ce+T", "calm", "calm+T")
@@ -228,12 +228,13 @@ def train_keeping_evaluations(model: Any, tok: Any, d: dict[str, Any], cfg: Cali
     """The library's training loop (:mod:`llm_calib.calm.training`, as ``calibrate`` runs it, with selection on
     the held-out greedy answers' ECE), keeping θ at every evaluation; returns the trainer, its state and the
     θ per evaluated step (0: the initial model)."""
-    trainer = training.build_trainer(copy.deepcopy(model), tok, d["train"], d["heldout"], cfg)
+    trainer = training.build_trainer(copy.deepcopy(model), tok, d["train"], d["heldout"],
+                                     resolve_run(cfg, d["train"], d["heldout"]))
     state = training.init_state(trainer)
     thetas = {0: {k: v.clone() for k, v in state.theta.items()}}
     while not training.done(trainer, state):
         record = training.train_step(trainer, state)
-        if training.evaluation_due(cfg, state.step):
+        if training.evaluation_due(trainer, state.step):
             record.update(training.select(trainer, state, training.evaluate(trainer, state.theta)))
             thetas[state.step] = {k: v.clone() for k, v in state.theta.items()}
             log(f"  step {state.step}: held-out greedy ECE {record['heldout_ece']:.3f} (accuracy "
@@ -272,7 +273,7 @@ def run_part(part: str, sizes: Sizes, args: argparse.Namespace) -> None:
     else:
         model, tok = load_model(sizes.model)
     n_layers = int(model.config.num_hidden_layers)
-    fmt = open_prompt_format(config(sizes, d["examples"], "lora_ce", 0, n_layers))
+    fmt = open_prompt_format(config(sizes, d["examples"], "lora_ce", 0, n_layers).prompt)
     record: dict[str, Any] = {"part": part, "sizes": sizes.__dict__, "started": _dt.datetime.now(_dt.UTC).isoformat(),
                               "commit": _commit(),
                               "n": {"train": len(d["train"]), "heldout": len(d["heldout"]),
@@ -309,11 +310,11 @@ def run_part(part: str, sizes: Sizes, args: argparse.Namespace) -> None:
                     rec["heldout_sem_accuracy"] = sem_at_step[rec["step"]]["accuracy"]
             sem_eval_s = time.perf_counter() - t1
             token_step = int(state.best["step"])
-            replayed = training.replay_selection(state.history, before, cfg)
+            replayed = training.replay_selection(state.history, before, cfg.selection)
             assert replayed["step"] == token_step, (replayed, token_step)  # the replay is the loop's rule
-            semantic_step = training.replay_selection(state.history, before, cfg, metric="sem_ece",
+            semantic_step = training.replay_selection(state.history, before, cfg.selection, metric="sem_ece",
                                                       accuracy="sem_accuracy")["step"]
-            proxy_step = training.replay_selection(state.history, before, cfg, metric="teacher_forced_ece",
+            proxy_step = training.replay_selection(state.history, before, cfg.selection, metric="teacher_forced_ece",
                                                    accuracy="teacher_forced_accuracy")["step"]
             log(f"  {method}: selected step {token_step} (greedy ECE), {semantic_step} (Sem-ECE); the proxy would "
                 f"pick {proxy_step}")
@@ -337,7 +338,7 @@ def run_part(part: str, sizes: Sizes, args: argparse.Namespace) -> None:
             scored.update({"train_s": train_s, "sem_eval_s": sem_eval_s, "selected_step": token_step,
                            "semantic_selected_step": semantic_step, "proxy_selected_step": proxy_step,
                            "stopped_early": bool(state.stopped_early),
-                           "notes": [n for n in [training.selection_note(state.history, state.before, token_step, cfg,
+                           "notes": [n for n in [training.selection_note(state.history, state.before, token_step, cfg.selection,
                                                                           "greedy-answer ECE")] if n],
                            "history": state.history, "before": before})
             record["rows"][method] = scored
@@ -373,16 +374,6 @@ def _cell(values: list[dict[str, float]], name: str, metric: str) -> str:
         ci = f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None and math.isfinite(lo) else ""
         return f"{xs[0]:.3f}{ci}"
     return f"{np.mean(xs):.3f} ± {np.std(xs, ddof=1):.3f}"
-
-
-def _cpu() -> str:
-    """The CPU's model name and its widest vector extension (AVX-512 or AVX2), from /proc/cpuinfo."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    return f"{name} ({'AVX-512' if 'avx512f' in info else 'AVX2' if 'avx2' in info else 'no AVX2'})"
 
 
 def _evaluations(trained: list[tuple[str, int, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -496,11 +487,10 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
     lines += [
         f"- Command: `{command}` (parts `base`, {', '.join(map(str, seeds))}, one process each, run two at a time); "
         f"date {base['started'][:10]}",
-        f"- Machine: {_cpu()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"1 torch thread per part; wall / CPU per part: "
-        + ", ".join(f"{p['part']} {p['wall_s'] / 60:.1f} / {p['cpu_s'] / 60:.1f} min" for p in parts),
+        machine_line(machine_info(1), f"torch {torch.__version__}, 1 torch thread per part; wall / CPU per part: "
+                     + ", ".join(f"{p['part']} {p['wall_s'] / 60:.1f} / {p['cpu_s'] / 60:.1f} min" for p in parts)),
         f"- Model `{s['model']}` (float32). Training: {base['n']['train']} capital and chemical-symbol questions "
-        f"(`benchmarks/open_facts.py`: the built-in open domains plus the other countries and elements); held-out: "
+        f"(`benchmarks/harness/open_facts.py`: the built-in open domains plus the other countries and elements); held-out: "
         f"{base['n']['heldout']} more (model selection, the temperature fits, CALM's unlabelled inputs); tests: "
         + ", ".join(f"{n} ({base['n'][n]})" for n in sets) + ". Prompt: "
         f"{s['fewshot']} solved examples from the training split (`Q: ... A: ...`), greedy answers stop at the newline.",

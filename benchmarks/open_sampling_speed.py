@@ -129,7 +129,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 lengths.append(len(ref))
         rounds.append(row)
     meta = machine_info()
-    avx = "AVX-512" if "avx512f" in Path("/proc/cpuinfo").read_text() else "AVX2"
     return {
         "questions": len(prompts), "samples": settings.n, "temperature": settings.temperature, "top_p": settings.top_p,
         "seed": settings.seed, "max_new_tokens": settings.max_new_tokens, "batch_size": args.batch_size,
@@ -139,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "generate_wall_s": totals["generate"][0], "generate_cpu_s": totals["generate"][1],
         "wall_ratio": totals["generate"][0] / totals["shared"][0],
         "cpu_ratio": totals["generate"][1] / totals["shared"][1],
-        "meta": meta, "simd": avx, "load_start": load_start,
+        "meta": meta, "simd": meta["simd"], "load_start": load_start,
     }
 
 

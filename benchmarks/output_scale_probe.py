@@ -14,12 +14,12 @@ Run::
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from harness.report import machine_info, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,8 +61,8 @@ def main() -> None:
         "# Output scale probe: token-level temperature vs option-level confidence",
         "",
         f"- Command: `python benchmarks/output_scale_probe.py --n {args.n} --log-scales {args.log_scales}`",
-        f"- Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s); "
-        f"torch {torch.__version__}; date {time.strftime('%Y-%m-%d %H:%M')}; {time.time() - start:.0f} s",
+        machine_line(machine_info(), f"torch {torch.__version__}; date {time.strftime('%Y-%m-%d %H:%M')}; "
+                     f"{time.time() - start:.0f} s"),
         f"- Data: the first {len(records)} ARC-Easy dev questions (the pool the calibration benchmark draws its held-out inputs from); "
         "SmolLM2-135M-Instruct, cloze prompt, softmax over option scores.",
         "",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from harness.report import machine_info
+
+from llm_calib.calm.run import resolve_run
 
 GB = 1e9
 # the SmolLM2 run's batches (ARC-Easy, limit 100): padded batch length of 8 questions, mean packed
@@ -161,36 +163,37 @@ def run(dtype: str, data_dir: str, out: Path, extra: list[str]) -> dict:
             "heldout_after": tr["heldout_after"], "command": " ".join(argv[1:])}
 
 
-CHILD = """
-import json, sys, time
-sys.path.insert(0, "benchmarks")
-from _memory import Phase, proc_status
-import llm_calib
-from llm_calib.data import load as load_data
-from llm_calib.models import free_memory, load
-dtype, data = sys.argv[1], sys.argv[2]
-free_memory()
-imported = proc_status()["VmRSS"]
-model, tok = load("smollm2-135m-instruct", dtype=dtype)
-train = load_data(f"arc_easy:{data}:train", limit=100, seed=0).records
-heldout = load_data(f"arc_easy:{data}:dev", limit=100, seed=0).records
-free_memory()
-loaded = proc_status()["VmRSS"]
-cfg = llm_calib.CalibrationConfig(training={"steps": 10}, selection={"eval_every": 10},
-                                  lora=dict(rank=8, layers=list(range(24, 30))))
-with Phase() as p:
-    result = llm_calib.calibrate(model, tok, train, heldout, cfg, progress=False)
-print(json.dumps({"dtype": dtype, "import_rss_mb": imported / 2**20, "loaded_rss_mb": loaded / 2**20,
-                  "calibrate_peak_rss_mb": p.peak / 2**20, "calibrate_s": p.seconds,
-                  "train_s": result.timings["train"], "after": result.metrics["after"],
-                  "before": result.metrics["before"]}))
-"""
+def child(dtype: str, data: str) -> None:
+    """The measured process of :func:`in_process`: imports, loads the model and data, then ``llm_calib.calibrate``
+    inside a :class:`harness.profiling.Phase` (``VmHWM`` reset at its start); prints one JSON line."""
+    from harness.profiling import Phase, proc_status
+
+    import llm_calib
+    from llm_calib.data import load as load_data
+    from llm_calib.models import free_memory, load
+
+    free_memory()
+    imported = proc_status()["VmRSS"]
+    model, tok = load("smollm2-135m-instruct", dtype=dtype)
+    train = load_data(f"arc_easy:{data}:train", limit=100, seed=0).records
+    heldout = load_data(f"arc_easy:{data}:dev", limit=100, seed=0).records
+    free_memory()
+    loaded = proc_status()["VmRSS"]
+    cfg = llm_calib.CalibrationConfig(training={"steps": 10}, selection={"eval_every": 10},
+                                      lora=dict(rank=8, layers=list(range(24, 30))))
+    with Phase() as p:
+        result = llm_calib.calibrate(model, tok, train, heldout, cfg, progress=False)
+    print(json.dumps({"dtype": dtype, "import_rss_mb": imported / 2**20, "loaded_rss_mb": loaded / 2**20,
+                      "calibrate_peak_rss_mb": p.peak / 2**20, "calibrate_s": p.seconds,
+                      "train_s": result.timings["train"], "after": result.metrics["after"],
+                      "before": result.metrics["before"]}))
 
 
 def in_process(dtype: str, data_dir: str) -> dict:
     """``llm_calib.calibrate`` in a child process: resident size after the imports and after
     loading, and the peak during calibrate alone (``VmHWM`` reset at its start)."""
-    out = subprocess.run([sys.executable, "-c", CHILD, dtype, data_dir], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, __file__, "--child", dtype, data_dir], capture_output=True, text=True,
+                         check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -208,7 +211,7 @@ def measured_terms(dtype: str, data_dir: str, checkpointing: bool = False) -> di
     train = load_data(f"arc_easy:{data_dir}:train", limit=100, seed=0).records
     heldout = load_data(f"arc_easy:{data_dir}:dev", limit=100, seed=0).records
     cfg = CalibrationConfig(lora=dict(rank=8, layers=list(range(24, 30))))
-    trainer = training.build_trainer(model, tok, train, heldout, cfg)
+    trainer = training.build_trainer(model, tok, train, heldout, resolve_run(cfg, train, heldout))
     for enc in (trainer.train, trainer.heldout):
         enc.fill_trunk_cache(trainer.lm, trainer.pad_id)
     theta = {k: v.requires_grad_(True) for k, v in trainer.lm.theta().items()}
@@ -254,7 +257,11 @@ def main() -> int:
     p.add_argument("--terms", action="store_true", help="measure the formula's terms on the tensors")
     p.add_argument("--in-process", action="store_true",
                    help="measure llm_calib.calibrate alone in a child process (peak during calibrate)")
+    p.add_argument("--child", nargs=2, metavar=("DTYPE", "DATA_DIR"), help=argparse.SUPPRESS)  # in_process's child
     args = p.parse_args()
+    if args.child:
+        child(*args.child)
+        return 0
     if args.terms:
         shape = SHAPES["smollm2-135m"]
         rows = []
@@ -306,8 +313,7 @@ def main() -> int:
         r["formula"] = {k: v / 2**20 for k, v in peak_bytes(
             shape, weights=r["dtype"], top_k=6, batch=8, tokens=TOKENS, cached=200, rows=ROWS,
             cache_tokens=CACHE_TOKENS).items()}
-    machine = {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-               "processor": platform.processor(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    machine = machine_info()
     Path(args.out).write_text(json.dumps({"machine": machine, "results": results}, indent=2))
     print(json.dumps(machine))
     return 0

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import os
 import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from harness.report import machine_info, machine_line
 
 import hypergrad as hg
 
@@ -79,14 +79,12 @@ def main() -> None:
     base = statistics.median(times[1])
     rows = [f"| {every} | {statistics.median(times[every]) * 1e3:.1f} | {statistics.median(times[every]) / base:.3f} |"
             for every in SETTINGS]
-    load = " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "n/a"
     lines = [
         "# `hg.solve`: cost of the per-step outer-loss evaluation (`outer_loss_every`)",
         "",
         f"- Command: `python benchmarks/solve_loop_controls.py{' --quick' if args.quick else ''}` (wall time {wall / 60:.1f} min)",
         f"- Date: {_dt.datetime.now(_dt.UTC).strftime('%Y-%m-%d %H:%M')} UTC",
-        f"- Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other jobs "
-        f"(load average at the end: {load}); torch threads = 1",
+        machine_line(machine_info(1), "shared with other jobs; load average at the end"),
         f"- Versions: torch {torch.__version__}, Python {platform.python_version()}",
         "- Problem: logistic regression with per-feature L2 (n = 4000 + 4000, d = 300, float64), full batch, "
         f"`hg.BOME(hg.inner.SGD(lr=1.0), w_lr=0.5, inner_steps=10)`, {steps} outer steps per run, "

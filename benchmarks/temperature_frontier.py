@@ -15,13 +15,13 @@ Run::
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from calm_regimes import OOD, real_data
+from harness.report import machine_info, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = np.exp(np.linspace(np.log(0.5), np.log(40.0), 120))
@@ -78,8 +78,7 @@ def main() -> None:
         "# One global temperature: in domain against out of domain (SmolLM2-135M-Instruct)",
         "",
         f"- Command: `python benchmarks/temperature_frontier.py --normalize {args.normalize}` ({time.perf_counter() - t0:.0f} s)",
-        f"- Machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}; "
-        f"date {time.strftime('%Y-%m-%d %H:%M')}",
+        machine_line(machine_info(args.threads), f"torch {torch.__version__}; date {time.strftime('%Y-%m-%d %H:%M')}"),
         f"- Data as `benchmarks/calm_regimes.py`: selection = {len(data['select'])} ARC-Easy dev questions; "
         f"in domain = {in_domain} test ({len(data['evals'][0][1])}); OOD = {', '.join(ood)} "
         f"({args.n_eval} each). Cloze prompts, option log-likelihoods aggregated by `{args.normalize}`.",

@@ -13,6 +13,7 @@ from hypergrad import (
     distributed,
     inner,
     linear,
+    roots,
     stochastic,
     tree,
 )
@@ -28,6 +29,7 @@ from hypergrad.implicit import Implicit
 from hypergrad.modules import functional, load_params, module_params
 from hypergrad.penalty import Penalty
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradMethod, HypergradResult
+from hypergrad.roots import custom_root
 from hypergrad.saba import SABA
 from hypergrad.soba import SOBA
 from hypergrad.srba import SRBA
@@ -61,6 +63,7 @@ __all__ = [
     "batches",
     "checkpoint",
     "compiled",
+    "custom_root",
     "distributed",
     "functional",
     "inner",
@@ -69,6 +72,7 @@ __all__ = [
     "load_checkpoint",
     "load_params",
     "module_params",
+    "roots",
     "save_checkpoint",
     "solve",
     "stochastic",

@@ -10,13 +10,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from hypergrad.autodiff import loss_and_grads
+from hypergrad.autodiff import inner_grads
 from hypergrad.batches import per_step
 from hypergrad.errors import check_inner_optimizer, check_not_class
 from hypergrad.implicit import Implicit
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
-from hypergrad.tree import Tree, check_finite, tree_detach
+from hypergrad.tree import Tree, check_finite
 
 __all__ = ["AlternatingImplicit"]
 
@@ -101,12 +101,11 @@ class AlternatingImplicit:
         opt_state = state.get("opt_state") or self.inner_optimizer.init(w)
         batches = per_step(inner_batch, self.inner_steps)
         for batch in batches:
-            _, grad, _ = loss_and_grads(
-                lambda w_, l_, b=batch: problem.inner_loss(w_, l_, b), w, lam, wrt_lam=False, what="inner loss"
-            )
+            # a non-finite loss gives a non-finite iterate, which the check below reports (one read
+            # back to the host per call instead of one per step); the update under no_grad keeps no graph
+            _, grad, _ = inner_grads(problem, batch, w, lam, check=False)
             with torch.no_grad():
                 w, opt_state = self.inner_optimizer.update(w, grad, opt_state)
-            w = tree_detach(w)
         check_finite(w, "AlternatingImplicit inner iterate (did the inner optimizer diverge? lower its lr)")
         with self.solve_context():
             # under hg.solve a stream of outer batches arrives as StepBatches: Implicit takes one
@@ -116,6 +115,7 @@ class AlternatingImplicit:
             iterations=r.info.iterations,
             residual=r.info.residual,
             converged=r.info.converged,
+            stopping_test=r.info.stopping_test,
             warnings=r.info.warnings,
             grad_evals=r.info.grad_evals + self.inner_steps,
             # the linear solve's iterations and convergence as numbers, for per-step logs

@@ -228,7 +228,8 @@ def _amigo_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_
     shared = not isinstance(inner_batch, StepBatches)
     rho_t, eta_t = tensor_like(rho, w), tensor_like(eta, w)
     v = linear_iterate(state, w, "AmIGO")
-    ran = run_stage(problem, _amigo_stage, w, lam, v, rho_t, eta_t, batches, one_batch(outer_batch), shared, T)
+    ran = run_stage(problem, _amigo_stage, w, lam, v, rho_t, eta_t, batches, one_batch(outer_batch), shared, T,
+                    checks=(w, lam, batches[0]))
     if ran is None:
         return None
     (d_lam, new_w, v, scalars), compile_s = ran

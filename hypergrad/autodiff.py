@@ -11,7 +11,7 @@ checked gradients and linearisations as the methods do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,8 @@ from hypergrad.problem import BilevelProblem
 from hypergrad.tree import Tree, check_finite, grads_to_tree, tree_requires_grad
 
 __all__ = [
-    "RootSystem", "grad_or_zeros", "grad_with_graph", "inner_fn", "loss_and_grads", "outer_fn", "report_lam_unused",
+    "RootSystem", "check_inner_graph", "check_w_used", "grad_or_zeros", "grad_with_graph", "inner_fn", "inner_grads", "loss_and_grads",
+    "outer_fn", "report_lam_unused",
 ]
 
 LossFn = Callable[[Tree, Tree, Any], Tensor]
@@ -67,14 +68,18 @@ def loss_and_grads(
     wrt_w: bool = True,
     wrt_lam: bool = True,
     what: str = "loss",
+    check: bool = True,
 ) -> tuple[Tensor, Tree | None, Tree | None]:
     """Return ``loss(w, lam)`` (detached) and its gradients w.r.t. ``w`` and/or ``lam``.
 
     First-order only: no graph is kept, so the result is safe for functions that are not twice
-    differentiable.
+    differentiable. A gradient the loss does not depend on is zero (also when the loss depends
+    on none of the inputs asked for). ``check=False`` skips the finiteness test of the loss, the
+    one value this function reads back to the host (a synchronisation on a GPU): the caller
+    checks the value later.
 
     Raises:
-        hypergrad.NonFiniteError: the loss is NaN or inf (``what`` names it).
+        hypergrad.NonFiniteError: the loss is NaN or inf (``what`` names it), with ``check``.
 
     Example:
         >>> import torch
@@ -82,21 +87,135 @@ def loss_and_grads(
         >>> value, gw, glam = loss_and_grads(lambda w, l: l["c"] * (w["x"] ** 2).sum(), w, lam)
         >>> float(value), gw["x"].tolist(), float(glam["c"])
         (15.0, [6.0, 12.0], 5.0)
+        >>> loss_and_grads(lambda w, l: (w["x"] ** 2).sum(), w, lam, wrt_w=False)[2]["c"].item()  # ignores lam
+        0.0
     """
-    w_ = tree_requires_grad(w) if wrt_w else {k: v.detach() for k, v in w.items()}
+    value, w_, lam_, grads = _value_and_grads(loss, w, lam, wrt_w, wrt_lam, what, check=check)
+    n_w = len(w_) if wrt_w else 0
+    gw = grads_to_tree(grads[:n_w], w_) if wrt_w else None
+    glam = grads_to_tree(grads[n_w:], lam_) if wrt_lam else None
+    return value, gw, glam
+
+
+def _value_and_grads(loss: Callable[[Tree, Tree], Tensor], w: Tree, lam: Tree, wrt_w: bool, wrt_lam: bool,
+                     what: str, track_w: bool = False,
+                     check: bool = True) -> tuple[Tensor, Tree, Tree, tuple[Tensor | None, ...]]:
+    """The detached value, the inputs and the raw gradients (None where the loss does not use an
+    input). ``track_w`` (without ``wrt_w``): check that the loss uses every entry of ``w`` from its
+    graph, without taking their gradients."""
+    w_ = tree_requires_grad(w) if wrt_w or track_w else {k: v.detach() for k, v in w.items()}
     lam_ = tree_requires_grad(lam) if wrt_lam else {k: v.detach() for k, v in lam.items()}
     with torch.enable_grad():
         value = loss(w_, lam_)
         inputs = (list(w_.values()) if wrt_w else []) + (list(lam_.values()) if wrt_lam else [])
-        grads = torch.autograd.grad(value, inputs, allow_unused=True) if inputs else ()
-    if not bool(torch.isfinite(value)):
+        if track_w and not wrt_w:
+            reached = _reached_leaves(value, list(w_.values()))
+            check_w_used(w_, [x if hit else None for x, hit in zip(w_.values(), reached, strict=True)])
+        if inputs and value.requires_grad:
+            grads: tuple[Tensor | None, ...] = torch.autograd.grad(value, inputs, allow_unused=True)
+        else:  # the loss depends on none of the inputs (torch.autograd.grad would raise)
+            grads = (None,) * len(inputs)
+    if check and not bool(torch.isfinite(value)):
         from hypergrad.errors import NonFiniteError
 
         raise NonFiniteError(f"{what} is {float(value.detach())} (non-finite)")
+    return value.detach(), w_, lam_, grads
+
+
+def check_inner_graph(value: Tensor, w: Tree, lam: Tree) -> None:
+    """The checks of :func:`inner_grads`, read from the graph of one evaluation of ``g``.
+
+    For methods that differentiate ``g`` with a graph of their own (``Unrolled``): ``value`` is
+    ``g(w, lam, batch)`` computed from leaves ``w`` and ``lam`` that require grad. A walk over its
+    autograd graph (no backward pass) finds the leaves it uses: an entry of ``w`` it does not use
+    is refused (:func:`check_w_used`), and a ``g`` that uses no entry of ``lam`` warns
+    (:func:`report_lam_unused`).
+
+    Raises:
+        ValueError: an entry of ``w`` that ``g`` does not use.
+
+    Example:
+        >>> import torch
+        >>> w = {"x": torch.ones(2, requires_grad=True), "y": torch.ones(1, requires_grad=True)}
+        >>> lam = {"c": torch.ones(2, requires_grad=True)}
+        >>> check_inner_graph(((w["x"] - lam["c"]) ** 2).sum() + w["y"].sum(), w, lam)   # all used
+        >>> check_inner_graph(((w["x"] - lam["c"]) ** 2).sum(), w, lam)
+        Traceback (most recent call last):
+        ...
+        ValueError: w['y'] is not used by the inner loss g: the inner problem does not determine it, so it has no implicit derivative; remove it from w (or make g use it)
+    """
+    reached = _reached_leaves(value, [*w.values(), *lam.values()])
+    check_w_used(w, [x if hit else None for x, hit in zip(w.values(), reached, strict=False)])
+    if lam and not any(reached[len(w):]):
+        report_lam_unused(stacklevel=5)
+
+
+def _reached_leaves(value: Tensor, leaves: list[Tensor]) -> list[bool]:
+    """Which of ``leaves`` the autograd graph of ``value`` reaches (a walk over its nodes, no backward pass)."""
+    index = {id(x): i for i, x in enumerate(leaves)}
+    reached = [False] * len(leaves)
+    seen: set[Any] = set()  # the nodes themselves (torch keeps one Python object per node of a live graph)
+    stack = [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
+        if variable is not None and id(variable) in index:
+            reached[index[id(variable)]] = True
+        stack.extend(child for child, _ in node.next_functions)
+    return reached
+
+
+def inner_grads(
+    problem: BilevelProblem,
+    batch: Any,
+    w: Tree,
+    lam: Tree,
+    *,
+    wrt_w: bool = True,
+    wrt_lam: bool = False,
+    check_w: bool = False,
+    what: str = "inner loss",
+    check: bool = True,
+) -> tuple[Tensor, Tree | None, Tree | None]:
+    """The inner loss ``g(w, lam, batch)`` and its gradients, with the checks every method makes.
+
+    As :func:`loss_and_grads` on the inner loss, and: with ``wrt_w`` (or ``check_w``, which checks
+    without taking the gradients), an entry of ``w`` that ``g`` does not use is refused
+    (:func:`check_w_used`); with ``wrt_lam``, a ``g`` that does not use ``lam`` at all warns
+    (:func:`report_lam_unused`). Every method takes its first-order inner gradients here, so the
+    same problem gets the same error or warning from any method. ``check=False`` skips the
+    finiteness test of the loss, as in :func:`loss_and_grads`.
+
+    Raises:
+        ValueError: an entry of ``w`` that ``g`` does not use.
+        hypergrad.NonFiniteError: the loss is NaN or inf (``what`` names it).
+
+    Example:
+        >>> import torch, hypergrad as hg
+        >>> g = lambda w, lam, b: (lam["c"] * w["x"] ** 2).sum()
+        >>> value, gw, glam = inner_grads(hg.BilevelProblem(g, g), None, {"x": torch.ones(2)},
+        ...                               {"c": torch.tensor(3.0)}, wrt_lam=True)
+        >>> float(value), gw["x"].tolist(), float(glam["c"])
+        (6.0, [6.0, 6.0], 2.0)
+        >>> inner_grads(hg.BilevelProblem(g, g), None, {"x": torch.ones(2), "y": torch.ones(1)}, {"c": torch.tensor(3.0)})
+        Traceback (most recent call last):
+        ...
+        ValueError: w['y'] is not used by the inner loss g: the inner problem does not determine it, so it has no implicit derivative; remove it from w (or make g use it)
+    """
+    value, w_, lam_, grads = _value_and_grads(
+        lambda w_, lam_: problem.inner_loss(w_, lam_, batch), w, lam, wrt_w, wrt_lam, what, track_w=check_w,
+        check=check)
     n_w = len(w_) if wrt_w else 0
+    if wrt_w:
+        check_w_used(w_, grads[:n_w])
+    if wrt_lam and lam_ and all(grad is None for grad in grads[n_w:]):
+        report_lam_unused(stacklevel=5)
     gw = grads_to_tree(grads[:n_w], w_) if wrt_w else None
     glam = grads_to_tree(grads[n_w:], lam_) if wrt_lam else None
-    return value.detach(), gw, glam
+    return value, gw, glam
 
 
 def inner_fn(problem: BilevelProblem, batch: Any) -> Callable[[Tree, Tree], Tensor]:
@@ -112,9 +231,10 @@ def outer_fn(problem: BilevelProblem, batch: Any) -> Callable[[Tree, Tree], Tens
 class RootSystem:
     r"""Linearisation of an optimality condition :math:`F(w, \lambda) = 0` at a point.
 
-    ``F`` is either the gradient :math:`\nabla_w g` (gradient-root form; its Jacobian is the
-    symmetric Hessian) or :math:`w - T(w, \lambda)` (fixed-point form). The graph of ``F`` is built
-    once; every product afterwards is one backward pass through it.
+    ``F`` is the gradient :math:`\nabla_w g` (gradient-root form; its Jacobian is the
+    symmetric Hessian), :math:`w - T(w, \lambda)` (fixed-point form) or any residual
+    ``optimality(w, lam, batch)`` (root form). The graph of ``F`` is built once; every product
+    afterwards is one backward pass through it.
 
     Args:
         problem: the bilevel problem (its inner loss defines the gradient-root form).
@@ -123,6 +243,10 @@ class RootSystem:
         fixed_point: optional map ``T(w, lam, batch) -> w``; when given, ``F = w - T``.
         products: ``"reverse"`` (retained graph) or ``"forward"`` (``torch.func`` jvp over grad;
             gradient-root form only).
+        optimality: optional residual ``F(w, lam, batch) -> dict shaped like w`` whose root is the
+            inner solution (instead of ``problem``'s gradient or ``fixed_point``).
+        symmetric: with ``optimality``, whether its Jacobian in ``w`` is symmetric (e.g. a
+            gradient written by hand), which CG and Cholesky need; default False.
     """
 
     def __init__(
@@ -133,12 +257,16 @@ class RootSystem:
         batch: Any,
         fixed_point: Callable[[Tree, Tree, Any], Tree] | None = None,
         products: str = "reverse",
+        optimality: Callable[[Tree, Tree, Any], Tree] | None = None,
+        symmetric: bool | None = None,
     ) -> None:
         if products not in ("reverse", "forward"):
             raise ValueError(f"products must be 'reverse' or 'forward', got {products!r}")
-        if products == "forward" and fixed_point is not None:
+        if fixed_point is not None and optimality is not None:
+            raise ValueError("give fixed_point or optimality, not both")
+        if products == "forward" and (fixed_point is not None or optimality is not None):
             raise ValueError("products='forward' supports the gradient-root form only (fixed_point=None)")
-        self.symmetric = fixed_point is None
+        self.symmetric = (fixed_point is None and optimality is None) or (optimality is not None and bool(symmetric))
         self.products = products
         self.matvec_count = 0
         self._problem, self._batch = problem, batch
@@ -148,16 +276,26 @@ class RootSystem:
         self._lam_leaves = list(self._lam.values())
         if products == "forward":
             self._F = None
+            with torch.enable_grad():  # the checks of the reverse form, from the graph of one evaluation of g
+                check_inner_graph(problem.inner_loss(self._w, self._lam, batch), self._w, self._lam)
             return
         with torch.enable_grad():
-            if fixed_point is None:
+            if optimality is not None:
+                F_tree = optimality(self._w, self._lam, batch)
+                if not isinstance(F_tree, dict) or set(F_tree) != set(self._w) or any(
+                        F_tree[k].shape != x.shape for k, x in self._w.items()):
+                    raise ValueError("optimality(w, lam, batch) must return a dict shaped like w (same keys and shapes)")
+                self._F = [F_tree[k] if F_tree[k].requires_grad else F_tree[k] + 0.0 * x.sum()
+                           for k, x in self._w.items()]
+                self._residual_tree = {k: f.detach() for k, f in zip(self._w, self._F, strict=True)}
+            elif fixed_point is None:
                 g = problem.inner_loss(self._w, self._lam, batch)
                 if not bool(torch.isfinite(g)):
                     from hypergrad.errors import NonFiniteError
 
                     raise NonFiniteError(f"inner loss is {float(g.detach())} (non-finite) at the linearisation point")
                 F = torch.autograd.grad(g, self._w_leaves, create_graph=True, allow_unused=True)
-                _check_w_used(self._w, F)
+                _check_w_determined(self._w, F)
                 self._F = [
                     f if f is not None else torch.zeros_like(x) for f, x in zip(F, self._w_leaves, strict=True)
                 ]
@@ -283,12 +421,19 @@ class RootSystem:
             basis.append(eye[:, offset : offset + x.numel()].reshape(n, *x.shape))
             offset += x.numel()
         self.matvec_count += n
-        rows = torch.autograd.grad(self._F, self._w_leaves, basis, retain_graph=True, is_grads_batched=True, allow_unused=True)
+        F, leaves = self._F, self._w_leaves
+
+        def row(*cotangents: Tensor) -> tuple[Tensor, ...]:
+            grads = torch.autograd.grad(F, leaves, list(cotangents), retain_graph=True, allow_unused=True)
+            return tuple(g if g is not None else torch.zeros_like(x) for g, x in zip(grads, leaves, strict=True))
+
+        # torch.func.vmap over the backward pass, not torch.autograd.grad(is_grads_batched=True):
+        # as fast (measured on the benchmark's logistic problems), and it applies the vmap rules of
+        # autograd Functions in the graph (hypergrad.distributed's all-reduce), which the legacy
+        # batching of is_grads_batched cannot
+        rows = torch.func.vmap(row)(*basis)
         # rows[j][i] = (J^T e_i) restricted to leaf j, i.e. column i of J^T.
-        return torch.cat(
-            [(r if r is not None else torch.zeros(n, *x.shape, dtype=x.dtype, device=x.device)).reshape(n, -1)
-             for r, x in zip(rows, self._w_leaves, strict=True)], dim=1
-        ).T
+        return torch.cat([r.reshape(n, -1) for r in rows], dim=1).T
 
     def _flat(self, t: Tree) -> Tensor:
         return torch.cat([t[k].reshape(-1) for k in self._w])
@@ -320,28 +465,51 @@ class RootSystem:
         return torch.func.grad(inner_product)(lam)
 
 
-def _check_w_used(w: Tree, grads: tuple[Tensor | None, ...]) -> None:
-    """One-line errors for entries of ``w`` that the inner loss does not determine."""
+def check_w_used(w: Tree, grads: Sequence[Tensor | None]) -> None:
+    """A one-line :class:`ValueError` for an entry of ``w`` that the inner loss ``g`` does not use.
+
+    ``grads`` are ``torch.autograd.grad(g, list(w.values()), allow_unused=True)``: None marks an
+    entry ``g`` does not depend on. The inner problem does not determine such an entry (any value
+    minimises ``g``), so no method can say how it moves with ``lam``: every method refuses it,
+    rather than carry it along unchanged.
+
+    Example:
+        >>> import torch
+        >>> check_w_used({"x": torch.ones(1)}, (torch.ones(1),))   # used: nothing happens
+        >>> check_w_used({"x": torch.ones(1), "extra": torch.ones(1)}, (torch.ones(1), None))
+        Traceback (most recent call last):
+        ...
+        ValueError: w['extra'] is not used by the inner loss g: the inner problem does not determine it, so it has no implicit derivative; remove it from w (or make g use it)
+    """
     for key, grad in zip(w, grads, strict=True):
         if grad is None:
             raise ValueError(
                 f"w[{key!r}] is not used by the inner loss g: the inner problem does not determine it, so it has no "
                 "implicit derivative; remove it from w (or make g use it)"
             )
-        if not grad.requires_grad:
+
+
+def _check_w_determined(w: Tree, grads: tuple[Tensor | None, ...]) -> None:
+    """:func:`check_w_used`, and a one-line error for an entry ``g`` is linear in (gradients with a graph)."""
+    check_w_used(w, grads)
+    for key, grad in zip(w, grads, strict=True):
+        if grad is not None and not grad.requires_grad:
             raise ValueError(
                 f"the inner loss g is linear in w[{key!r}] (its gradient does not depend on w or lam): the inner "
                 "problem has no minimiser in it; remove it from w or make g strictly convex in it"
             )
 
 
-def report_lam_unused() -> None:
+def report_lam_unused(stacklevel: int = 4) -> None:
     r"""Warn that the inner optimality condition does not depend on ``lam``.
 
     Then :math:`\partial^2 g / \partial\lambda\partial w = 0`, ``w*`` does not move with ``lam``,
     and the hypergradient is :math:`\nabla_\lambda f` alone (zero when ``f`` ignores ``lam`` too):
     usually a ``g`` that forgot to use ``lam``. Folded like every hypergrad warning: once per call,
     once per :func:`hypergrad.solve`.
+
+    Args:
+        stacklevel: as for :func:`warnings.warn`, counted from the caller of this function.
 
     Example:
         >>> import warnings, torch, hypergrad as hg
@@ -357,7 +525,7 @@ def report_lam_unused() -> None:
 
     report(["the inner loss g's gradient in w does not depend on lam (g ignores lam, or uses it only in terms "
             "without w): w* does not move with lam and the hypergradient is grad_lam f alone (zero if f "
-            "ignores lam too); check that g uses lam"], UserWarning, stacklevel=4)
+            "ignores lam too); check that g uses lam"], UserWarning, stacklevel=stacklevel)
 
 
 def grad_or_zeros(value: Tensor, inputs: Tree, create_graph: bool) -> Tree:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from hypergrad.autodiff import loss_and_grads
+from hypergrad.autodiff import inner_grads, loss_and_grads
 from hypergrad.batches import per_step
 from hypergrad.compiled import (
     all_finite,
@@ -22,7 +22,15 @@ from hypergrad.compiled import (
 )
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
-from hypergrad.tree import Tree, check_finite, tree_axpy, tree_detach, tree_dot, tree_sub
+from hypergrad.tree import (
+    Tree,
+    check_finite,
+    tree_all_finite,
+    tree_axpy,
+    tree_detach,
+    tree_dot,
+    tree_sub,
+)
 
 __all__ = ["BOME", "compiled_bome"]
 
@@ -50,6 +58,15 @@ def bome_phi(q: float, dot: float, sq_norm: float, eta: float, barrier: str) -> 
         return 0.0
     target = eta * q if barrier == "value" else eta * sq_norm
     return max((target - dot) / sq_norm, 0.0)
+
+
+def _phi_tensor(q: Tensor, dot: Tensor, sq_norm: Tensor, eta: float, barrier: str) -> Tensor:
+    """:func:`bome_phi` on 0-dim tensors, computed where they are (nothing read back to the host).
+
+    NaN in, NaN out (as :func:`bome_phi`: a NaN norm is not ``<= 0``).
+    """
+    target = eta * q if barrier == "value" else eta * sq_norm
+    return torch.where(sq_norm <= 0, torch.zeros_like(sq_norm), torch.clamp_min((target - dot) / sq_norm, 0.0))
 
 
 def _inner_loss(problem: BilevelProblem, batch: Any) -> Callable[[Tree, Tree], torch.Tensor]:
@@ -131,6 +148,16 @@ class BOME:
             Compiles once per problem, shape, dtype and configuration (seconds), falls back to
             eager with a log line where compilation fails; ``info.extra["compiled"]`` and
             ``["compile_s"]`` say what happened.
+        device_scalars: read nothing back to the host inside the call (on a GPU every read
+            drains the queue): :math:`q`, the inner products and :math:`\varphi` stay 0-dim
+            tensors where the gradients are, ``info.residual``, ``info.extra["q"]``,
+            ``["phi"]`` and ``["grad_q_norm"]`` are such tensors (float64 for
+            :math:`\varphi` and the norm, as the host arithmetic), ``info.converged`` a 0-dim
+            bool tensor, and ``info.extra["finite"]`` a 0-dim bool tensor saying whether every
+            loss, :math:`\varphi` and both directions were finite. The finiteness checks of the
+            default (a :class:`~hypergrad.errors.NonFiniteError` at once) are then the caller's:
+            read ``finite`` when logging, before using or saving the result. Same numbers
+            otherwise; not with ``compile``.
 
     ``info.converged`` is True when the constraint holds to ``tol`` at the given ``w``:
     :math:`q = g(w, \lambda) - g(\hat w_T, \lambda) \le` ``tol``, i.e. ``T`` more inner steps
@@ -169,10 +196,15 @@ class BOME:
     w_optimizer: InnerOptimizer | None = None
     tol: float = 1e-6
     compile: bool = False
+    device_scalars: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.compile, bool):
-            raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
+        for name in ("compile", "device_scalars"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.compile and self.device_scalars:
+            raise ValueError("device_scalars is an option of the eager call; the compiled one (compile=True) "
+                             "reads its scalars back once per call")
         # a local import keeps the module's import block as it was
         from hypergrad.errors import check_inner_optimizer
 
@@ -229,6 +261,7 @@ class BOME:
             return compiled_bome(self, problem, w, lam, inner_batch, outer_batch, state)
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
+        check = not self.device_scalars  # else nothing is read back: the caller reads extra["finite"]
 
         # One inner batch per inner step; q = g(w) - g(w_hat_T) is taken on the first step's
         # batch, so that its two values (and their lam-gradients) are on the same batch.
@@ -236,54 +269,67 @@ class BOME:
         (outer_batch,) = per_step(outer_batch, 1)
         g = _inner_loss(problem, batches[0])
 
-        # Inner steps from w; the first backward also gives q's gradients at (w, lam).
-        g_w, grad_w_g, grad_lam_g = loss_and_grads(g, w, lam, what="inner loss")
+        # Inner steps from w; the first backward also gives q's gradients at (w, lam). The updates
+        # run under no_grad, so the iterates carry no graph.
+        g_w, grad_w_g, grad_lam_g = inner_grads(problem, batches[0], w, lam, wrt_lam=True, check=check)
         assert grad_w_g is not None and grad_lam_g is not None
         opt = self.inner_optimizer
         opt_state = opt.init(w)
         with torch.no_grad():
             w_hat, opt_state = opt.update(w, grad_w_g, opt_state)
-        w_hat = tree_detach(w_hat)
         for batch in batches[1:]:
-            _, gw, _ = loss_and_grads(_inner_loss(problem, batch), w_hat, lam, wrt_lam=False, what="inner loss")
+            _, gw, _ = inner_grads(problem, batch, w_hat, lam, check=check)
             assert gw is not None
             with torch.no_grad():
                 w_hat, opt_state = opt.update(w_hat, gw, opt_state)
-            w_hat = tree_detach(w_hat)
-        check_finite(w_hat, "BOME inner iterate w_hat")
-        g_hat, _, grad_lam_g_hat = loss_and_grads(g, w_hat, lam, wrt_w=False, what="inner loss")
+        if check:
+            check_finite(w_hat, "BOME inner iterate w_hat")
+        g_hat, _, grad_lam_g_hat = loss_and_grads(g, w_hat, lam, wrt_w=False, what="inner loss", check=check)
         assert grad_lam_g_hat is not None
-        _, grad_w_f, grad_lam_f = loss_and_grads(
-            lambda w_, lam_: problem.outer_loss(w_, lam_, outer_batch), w, lam, what="outer loss"
+        f_value, grad_w_f, grad_lam_f = loss_and_grads(
+            lambda w_, lam_: problem.outer_loss(w_, lam_, outer_batch), w, lam, what="outer loss", check=check
         )
         assert grad_w_f is not None and grad_lam_f is not None
 
-        q = float(g_w - g_hat)
+        # q, the inner products and phi stay on the device; phi in float64, as bome_phi on floats
+        q = g_w - g_hat
         grad_w_q = grad_w_g
         grad_lam_q = tree_sub(grad_lam_g, grad_lam_g_hat)
-        sq_norm = float(tree_dot(grad_w_q, grad_w_q) + tree_dot(grad_lam_q, grad_lam_q))
-        dot = float(tree_dot(grad_w_f, grad_w_q) + tree_dot(grad_lam_f, grad_lam_q))
-        phi = bome_phi(q, dot, sq_norm, float(self.eta), self.barrier)
+        sq_norm = tree_dot(grad_w_q, grad_w_q) + tree_dot(grad_lam_q, grad_lam_q)
+        dot = tree_dot(grad_w_f, grad_w_q) + tree_dot(grad_lam_f, grad_lam_q)
+        phi = _phi_tensor(q.double(), dot.double(), sq_norm.double(), float(self.eta), self.barrier)
         d_w = tree_axpy(phi, grad_w_q, grad_w_f)
         d_lam = tree_axpy(phi, grad_lam_q, grad_lam_f)
-        check_finite(d_lam, "BOME direction d_lam")
-        check_finite(d_w, "BOME direction d_w")
+        if check:
+            check_finite(d_lam, "BOME direction d_lam")
+            check_finite(d_w, "BOME direction d_w")
         new_state: dict[str, Any] | None = None
-        if self.w_optimizer is None:
-            assert self.w_lr is not None
-            new_w = tree_detach(tree_axpy(-float(self.w_lr), d_w, w))
-        else:
-            w_opt_state = (state or {}).get("w_opt_state") or self.w_optimizer.init(w)
-            with torch.no_grad():
+        with torch.no_grad():
+            if self.w_optimizer is None:
+                assert self.w_lr is not None
+                new_w = tree_axpy(-float(self.w_lr), d_w, w)
+            else:
+                w_opt_state = (state or {}).get("w_opt_state") or self.w_optimizer.init(w)
                 new_w, w_opt_state = self.w_optimizer.update(w, d_w, w_opt_state)
-            new_w = tree_detach(new_w)
-            new_state = {"w_opt_state": tree_detach(w_opt_state)}
+                new_state = {"w_opt_state": tree_detach(w_opt_state)}
+        grad_q_norm = sq_norm.double().sqrt()
+        if self.device_scalars:
+            finite = torch.isfinite(torch.stack([g_w, g_hat, f_value, sq_norm, dot]).double()).all()
+            finite = finite & torch.isfinite(phi) & tree_all_finite(d_w) & tree_all_finite(d_lam)
+            residual: Any = grad_q_norm
+            converged: Any = q <= float(self.tol)
+            extra: dict[str, Any] = {"phi": phi, "q": q, "grad_q_norm": grad_q_norm, "finite": finite}
+        else:  # one read for the three numbers
+            q_f, phi_f, norm_f = torch.stack([q.double(), phi, grad_q_norm]).tolist()
+            residual, converged = norm_f, q_f <= float(self.tol)
+            extra = {"phi": phi_f, "q": q_f, "grad_q_norm": norm_f}
         info = HypergradInfo(
             iterations=self.inner_steps,
-            residual=sq_norm**0.5,
-            converged=q <= float(self.tol),
+            residual=residual,
+            converged=converged,
+            stopping_test="value-function gap",
             grad_evals=self.inner_steps + 2,
-            extra={"phi": phi, "q": q, "grad_q_norm": sq_norm**0.5},
+            extra=extra,
         )
         return HypergradResult(tree_detach(d_lam), new_w, info, new_state)
 
@@ -314,9 +360,7 @@ def _bome_stage(problem: BilevelProblem, method: Any, w: Tree, lam: Tree, step_b
     grad_lam_q = tree_sub(grad_lam_g, grad_lam_g_hat)
     sq_norm = tree_dot(grad_w_g, grad_w_g) + tree_dot(grad_lam_q, grad_lam_q)
     dot = tree_dot(grad_w_f, grad_w_g) + tree_dot(grad_lam_f, grad_lam_q)
-    target = method.eta * q if method.barrier == "value" else method.eta * sq_norm
-    # bome_phi: max((target - dot) / |grad q|^2, 0), and 0 where grad q = 0
-    phi = torch.where(sq_norm > 0, torch.clamp_min((target - dot) / sq_norm, 0.0), torch.zeros_like(sq_norm))
+    phi = _phi_tensor(q, dot, sq_norm, method.eta, method.barrier)
     d_w = tree_axpy(phi, grad_w_g, grad_w_f)
     d_lam = tree_axpy(phi, grad_lam_q, grad_lam_f)
     if method.w_optimizer is None:
@@ -364,7 +408,8 @@ def compiled_bome(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inne
         w_opt_state = (state or {}).get("w_opt_state") or method.w_optimizer.init(w)
     batches = per_step(inner_batch, method.inner_steps)
     (outer_batch,) = per_step(outer_batch, 1)  # one outer batch per call, as in the eager call
-    ran = run_stage(problem, _bome_stage, method, w, lam, batches, batches[0], outer_batch, w_opt_state)
+    ran = run_stage(problem, _bome_stage, method, w, lam, batches, batches[0], outer_batch, w_opt_state,
+                    checks=(w, lam, batches[0]))
     if ran is None:
         return eager_fallback(method, problem, args)
     (d_lam, new_w, w_opt_state, scalars), compile_s = ran
@@ -375,6 +420,7 @@ def compiled_bome(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inne
         iterations=method.inner_steps,
         residual=sq_norm**0.5,
         converged=q <= float(method.tol),
+        stopping_test="value-function gap",
         grad_evals=method.inner_steps + 2,
         extra={"phi": phi, "q": q, "grad_q_norm": sq_norm**0.5, "compiled": True, "compile_s": compile_s},
     )

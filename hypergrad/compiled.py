@@ -76,13 +76,16 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from hypergrad.autodiff import inner_grads
 from hypergrad.batches import StepBatches
+from hypergrad.distributed import is_data_parallel, world_size
 from hypergrad.problem import BilevelProblem, HypergradResult
 from hypergrad.tree import Tree
 
 __all__ = [
     "CompiledStage",
     "all_finite",
+    "check_compilable",
     "compiled_products",
     "compiler_available",
     "eager_fallback",
@@ -334,15 +337,50 @@ _STAGES: OrderedDict[tuple[str, BilevelProblem], Callable[..., Any] | str] = Ord
 MAX_PROBLEMS = 16
 
 
-def _stage_for(problem: BilevelProblem, stage: Callable[..., Any], backend: Callable[..., Any]) -> Callable[..., Any] | str:
+def check_compilable(problem: BilevelProblem, what: str) -> None:
+    """Refuse ``compile=True`` on a :func:`hypergrad.distributed.data_parallel` problem, in one line.
+
+    :func:`torch.compile` cannot trace the all-reduce in the gradients of such a problem's losses
+    (measured: the compiled stages returned a zero ``lam``-gradient on 2 ranks), so every method
+    with ``compile=True`` refuses it before its first step; the eager call (``compile=False``)
+    takes the same step on every rank. :func:`hypergrad.solve` checks it before the first outer
+    step, each compiled call before it compiles.
+
+    Args:
+        problem: the problem.
+        what: the combination refused, for the message (``"Implicit(compile=True)"``).
+
+    Raises:
+        ValueError: ``problem`` is data-parallel over several ranks.
+
+    Example:
+        >>> import hypergrad as hg
+        >>> g = lambda w, lam, b: (w["x"] ** 2).sum()
+        >>> check_compilable(hg.BilevelProblem(g, g), "SOBA(compile=True)")   # one process: nothing to refuse
+    """
+    if is_data_parallel(problem):
+        raise ValueError(
+            f"{what} under hypergrad.distributed.data_parallel ({world_size()} ranks) is not supported: "
+            "torch.compile cannot trace the all-reduce of the ranks' gradients; use compile=False, which takes "
+            "the same steps on every rank")
+
+
+def _stage_for(problem: BilevelProblem, stage: Callable[..., Any], backend: Callable[..., Any],
+               checks: tuple[Tree, Tree, Any] | None = None) -> Callable[..., Any] | str:
     name = _stage_key(stage)
     if name not in _STAGE_INFO:
         raise ValueError(f"stage must be a function declared with hypergrad.compiled.traced_stage, got {name}")
+    check_compilable(problem, f"compile=True ({_STAGE_INFO[name][0]})")
     key = (name, problem)
     entry = _STAGES.get(key)
     if entry is not None:
         _STAGES.move_to_end(key)
     else:
+        if checks is not None:
+            # the traced gradients (torch.func) are zero where the eager ones are None: the checks every
+            # eager method makes (an entry of w that g does not use, a g without lam) run here once
+            w, lam, batch = checks
+            inner_grads(problem, batch, w, lam, wrt_lam=True)
         ok, detail = compiler_available()
         if not ok:
             entry = detail
@@ -444,7 +482,7 @@ def compiled_products(problem: BilevelProblem, stage: Callable[..., tuple[Any, .
         >>> stage is None or stage.hvp_flat(torch.ones(3, dtype=torch.float64)).tolist() == [1.0, 1.0, 1.0]
         True
     """
-    fn = _stage_for(problem, stage, _backend)
+    fn = _stage_for(problem, stage, _backend, (w, lam, inner_batch))
     if isinstance(fn, str):
         return None
     w_ = {k: x.detach() for k, x in w.items()}
@@ -576,16 +614,21 @@ def replayable(batch: Any) -> Any:
     return StepBatches(_Replay(batch.batches)) if isinstance(batch, StepBatches) else batch
 
 
-def run_stage(problem: BilevelProblem, stage: Callable[..., Any], *args: Any) -> tuple[Any, float] | None:
+def run_stage(problem: BilevelProblem, stage: Callable[..., Any], *args: Any,
+              checks: tuple[Tree, Tree, Any] | None = None) -> tuple[Any, float] | None:
     """The compiled ``stage`` on ``(problem, *args)``, and the seconds it spent compiling; None: use eager.
 
     ``stage`` is declared with :func:`traced_stage`; it is compiled once per problem (and per
     shape, dtype and guarded value of ``args``) by inductor as one graph. None where compilation
     is unavailable or failed, now or before for this problem (logged once on the ``hypergrad``
-    logger).
+    logger). ``checks``: ``(w, lam, inner_batch)`` at which, before the first compilation for this
+    problem, one eager inner gradient makes the checks of the eager methods
+    (:func:`hypergrad.autodiff.inner_grads`): traced gradients cannot see an unused input.
 
     Raises:
-        ValueError: ``stage`` was not declared with :func:`traced_stage`.
+        ValueError: ``stage`` was not declared with :func:`traced_stage`; a
+            :func:`~hypergrad.distributed.data_parallel` problem (:func:`check_compilable`); an
+            entry of ``w`` that ``g`` does not use (with ``checks``).
 
     Example:
         >>> import torch, hypergrad as hg
@@ -597,7 +640,7 @@ def run_stage(problem: BilevelProblem, stage: Callable[..., Any], *args: Any) ->
         >>> ran is None or ran[0]["x"].tolist() == [4.0, 4.0]
         True
     """
-    fn = _stage_for(problem, stage, _first_order_backend)
+    fn = _stage_for(problem, stage, _first_order_backend, checks)
     if isinstance(fn, str):
         return None
     _HANDOFF.compiled = _HANDOFF.ran = False

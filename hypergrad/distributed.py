@@ -17,6 +17,7 @@ Without a process group of several ranks everything here is the identity.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from torch import Tensor
 from hypergrad.problem import BilevelProblem
 from hypergrad.tree import Tree
 
-__all__ = ["data_parallel", "global_mean", "is_distributed", "rank", "replicated", "world_size"]
+__all__ = ["data_parallel", "global_mean", "is_data_parallel", "is_distributed", "rank", "replicated", "world_size"]
 
 
 def is_distributed() -> bool:
@@ -64,41 +65,84 @@ class _SumOverRanks(torch.autograd.Function):
 
     Every rank holds the same sum and receives the same cotangent ``u`` for it, so each rank's
     summand gets ``u`` (``torch.distributed.nn.functional.all_reduce`` would sum the ``u`` of the
-    copies, ``world_size * u``)."""
+    copies, ``world_size * u``). Forward mode sums the ranks' tangents (each rank's summand moves
+    with its own tangent). Under ``vmap`` the all-reduce runs once on the whole batched tensor
+    (it is elementwise), so batched products (``Dense``'s Hessian, ``vmap`` over tangents) take
+    one collective, not one per batch entry."""
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor) -> Tensor:
+    def forward(value: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            # losses built on replicated / global_mean by hand (data_parallel problems are refused up
+            # front): a compiled stage fails here and falls back to the eager products, with this reason
+            raise RuntimeError("hypergrad.distributed's all-reduce cannot be traced by torch.compile; use compile=False")
         total = value.clone()
         dist.all_reduce(total)
         return total
 
     @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
     def backward(ctx: Any, cotangent: Tensor) -> Tensor:
         return cotangent
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor) -> Tensor:
+        return _SumOverRanks.apply(tangent)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None], value: Tensor) -> tuple[Tensor, int | None]:
+        return _SumOverRanks.apply(value), in_dims[0]
 
 
 class _Replicated(torch.autograd.Function):
     """The identity on a replicated tensor whose gradient is the sum of the ranks' gradients."""
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor) -> Tensor:
+    def forward(value: Tensor) -> Tensor:
         return value.view_as(value)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         return _SumOverRanks.apply(grad)  # differentiable: Hessian-vector products run through it
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor) -> Tensor:
+        return tangent  # every rank moves the replicated value by the same tangent
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None], value: Tensor) -> tuple[Tensor, int | None]:
+        return _Replicated.apply(value), in_dims[0]
 
 
 class _GlobalMean(torch.autograd.Function):
     """The mean over ranks of a per-rank value; every rank's value gets ``1 / world_size`` of the gradient."""
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor) -> Tensor:
-        return _SumOverRanks.forward(ctx, value) / dist.get_world_size()
+    def forward(value: Tensor) -> Tensor:
+        return _SumOverRanks.forward(value) / dist.get_world_size()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         return grad / dist.get_world_size()
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: Tensor) -> Tensor:
+        return _SumOverRanks.apply(tangent) / dist.get_world_size()
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None], value: Tensor) -> tuple[Tensor, int | None]:
+        return _GlobalMean.apply(value), in_dims[0]
 
 
 def replicated(params: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
@@ -173,10 +217,13 @@ def data_parallel(problem: BilevelProblem) -> BilevelProblem:
     shards from a :class:`torch.utils.data.DistributedSampler`, which pads to equal sizes).
 
     Requirements: every rank starts from the same ``w`` and ``lam`` and makes the same calls (as
-    :func:`~hypergrad.driver.solve` does when every rank draws its shard of the same batches); the
-    losses must be differentiated with ``torch.autograd`` (not ``torch.func`` transforms: not
-    ``Implicit(products="forward")``, ``Unrolled(mode="forward")`` nor ``compile=True``). Without
-    a process group of several ranks the problem is returned as it is.
+    :func:`~hypergrad.driver.solve` does when every rank draws its shard of the same batches).
+    Every method works, with reverse and forward products (``Implicit(products="forward")``,
+    ``Unrolled(mode="forward")``), batched ones (``Implicit(hg.linear.Dense())``, ``vmap``: one
+    all-reduce per batched product) and :func:`hypergrad.custom_root`; ``compile=True`` is
+    refused before the first step (:func:`torch.compile` cannot trace the all-reduce; the eager
+    steps are the same on every rank). Without a process group of several ranks the problem is
+    returned as it is.
 
     Args:
         problem: the per-rank problem (its losses call no collective).
@@ -207,7 +254,26 @@ def data_parallel(problem: BilevelProblem) -> BilevelProblem:
     def global_outer(w: Tree, lam: Tree, batch: Any) -> Tensor:
         return global_mean(outer(*_replicated_pair(w, lam), batch))
 
-    return BilevelProblem(inner=global_inner, outer=global_outer)
+    return _DataParallelProblem(inner=global_inner, outer=global_outer, per_rank=problem)
+
+
+@dataclass(frozen=True)
+class _DataParallelProblem(BilevelProblem):
+    """The problem :func:`data_parallel` returns: its losses all-reduce over the ranks."""
+
+    per_rank: BilevelProblem
+
+
+def is_data_parallel(problem: BilevelProblem) -> bool:
+    """Whether ``problem`` is a :func:`data_parallel` problem over several ranks (its losses all-reduce).
+
+    Example:
+        >>> import hypergrad as hg
+        >>> g = lambda w, lam, batch: (w["x"] ** 2).sum()
+        >>> is_data_parallel(hg.distributed.data_parallel(hg.BilevelProblem(g, g)))   # one process
+        False
+    """
+    return isinstance(problem, _DataParallelProblem) and is_distributed()
 
 
 def _replicated_pair(w: Tree, lam: Tree) -> tuple[Tree, Tree]:

@@ -35,9 +35,10 @@ except ImportError:
             pass
 
 
-from hypergrad.autodiff import inner_fn, loss_and_grads
+from hypergrad.autodiff import inner_grads
 from hypergrad.batches import StepBatches
 from hypergrad.checkpoint import SolveState, save_checkpoint
+from hypergrad.compiled import check_compilable
 from hypergrad.errors import (
     NonFiniteError,
     WarningLog,
@@ -46,6 +47,7 @@ from hypergrad.errors import (
     collect_warnings,
 )
 from hypergrad.inner import SGD, InnerOptimizer
+from hypergrad.objective import InnerObjective
 from hypergrad.problem import BilevelProblem, HypergradMethod
 from hypergrad.tree import Tree, check_finite, check_like, tree_detach, tree_norm
 
@@ -78,9 +80,12 @@ class SolveResult:
             :func:`~hypergrad.checkpoint.save_checkpoint`.
         steps_run: outer steps taken (``steps`` unless the callback stopped the loop).
         stopped_early: whether the callback stopped the loop before ``steps``.
-        unconverged_steps: outer steps whose method reported ``info.converged`` False: for
-            ``Implicit``, ``FiniteDifference`` and ``AlternatingImplicit`` the steps whose linear
-            solve stopped short of its tolerance (0 for methods without a stopping test).
+        unconverged_steps: outer steps whose linear solve stopped short of its tolerance
+            (``info.converged`` False with ``info.stopping_test`` ``"linear solve"``: ``Implicit``,
+            ``FiniteDifference``, ``AlternatingImplicit``; also a method of your own that reports
+            False without naming its test). 0 for the other methods: ``BOME``'s value-function
+            gap and ``Penalty``'s inner residuals stay above their tolerances during most of a
+            run by design (``history["converged"]`` records them).
         warnings: the warnings of the solve, one line per kind, as warned at its end (a kind
             that occurred at several outer steps: at how many, and the worst occurrence).
 
@@ -263,7 +268,15 @@ def _check_components(method: Any, inner_optimizer: Any, outer_optimizer: Any) -
     wrong kind (torch.optim where hypergrad's inner optimizers go, and the other way round)."""
     check_not_class(method, "method")
     if inner_optimizer is not None:
-        check_inner_optimizer(inner_optimizer, "inner_optimizer")
+        check_inner_optimizer(inner_optimizer, "inner_optimizer", objective=True)
+    if isinstance(outer_optimizer, type) and not issubclass(outer_optimizer, torch.optim.Optimizer):
+        # a torch.optim class is a factory (torch.optim.Adam(params)); any other class is not
+        hint = (" (hypergrad.inner optimizers are for inner_optimizer)"
+                if callable(getattr(outer_optimizer, "update", None)) else "")
+        raise TypeError(
+            "outer_optimizer must be a factory params -> torch.optim.Optimizer, e.g. lambda p: "
+            f"torch.optim.Adam(p, lr=1e-2), not the class {outer_optimizer.__module__}.{outer_optimizer.__qualname__}"
+            f"{hint}")
     if isinstance(outer_optimizer, torch.optim.Optimizer) or (
             outer_optimizer is not None and not callable(outer_optimizer)):
         kind = type(outer_optimizer)
@@ -274,6 +287,16 @@ def _check_components(method: Any, inner_optimizer: Any, outer_optimizer: Any) -
             "outer_optimizer must be a factory params -> torch.optim.Optimizer, e.g. lambda p: "
             f"torch.optim.Adam(p, lr=1e-2), not a {given} instance: solve builds the optimizer over its own "
             f"copy of lam{hint}")
+
+
+def _compiled_combination(method: Any) -> str | None:
+    """How ``method`` asks for compiled stages (``"SOBA(compile=True)"``), or None when it does not."""
+    if getattr(method, "compile", False) is True:
+        return f"{type(method).__name__}(compile=True)"
+    nested = getattr(method, "implicit", None)  # AlternatingImplicit's Implicit
+    if nested is not None and _compiled_combination(nested) is not None:
+        return f"{type(method).__name__}(implicit={_compiled_combination(nested)})"
+    return None
 
 
 def _function_of(message: str) -> str:
@@ -364,6 +387,10 @@ class InnerSolveResult(tuple):
         steps: optimizer steps taken.
         converged: with a ``tol``, whether the gradient norm reached it (then ``grad_norm`` is
             the norm at ``w`` and ``<= tol``); None without a ``tol`` (nothing was checked).
+        evaluations: evaluations of the inner loss with its gradient: at the start of each step
+            (and at the final ``w`` with a ``tol``), plus those of a line search (``LBFGS``,
+            ``Newton``); a step that starts where the previous step's search already evaluated
+            the loss on the same batch (a full-batch solve) reuses that evaluation.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -375,11 +402,12 @@ class InnerSolveResult(tuple):
 
     steps: int
     converged: bool | None
+    evaluations: int
 
     def __new__(cls, w: Tree, state: Tree, grad_norm: float, *, steps: int,
-                converged: bool | None) -> InnerSolveResult:
+                converged: bool | None, evaluations: int = 0) -> InnerSolveResult:
         self = super().__new__(cls, (w, state, grad_norm))
-        self.steps, self.converged = steps, converged
+        self.steps, self.converged, self.evaluations = steps, converged, evaluations
         return self
 
     @property
@@ -414,11 +442,19 @@ def _inner_steps(
 ) -> InnerSolveResult:
     state = optimizer.init(w) if opt_state is None else opt_state
     residual = float("nan")
-    taken, converged = 0, None if tol is None else False
-    update_with_loss = getattr(optimizer, "update_with_loss", None)  # an optimizer with a line search
+    taken, converged, evaluations = 0, None if tol is None else False, 0
+    # an optimizer with a line search or second-order steps: it gets the step's loss itself
+    update_with_objective = getattr(optimizer, "update_with_objective", None)
+    update_with_loss = getattr(optimizer, "update_with_loss", None)  # the earlier form: values only
+    known: tuple[Any, float, Tree] | None = None  # (batch, loss, gradient) at w from the last step's search
     for _ in range(steps + (tol is not None)):  # with a tol: one more gradient, at the final w
         batch = stream.next()
-        loss, gw, _ = loss_and_grads(inner_fn(problem, batch), w, lam, wrt_lam=False, what="inner loss")
+        if known is not None and known[0] is batch:  # the same batch: the search already evaluated w
+            loss, gw = known[1], known[2]
+        else:
+            loss, gw, _ = inner_grads(problem, batch, w, lam)
+            evaluations += 1
+        known = None
         assert gw is not None
         residual = float(tree_norm(gw))
         if tol is not None and residual <= tol:
@@ -427,14 +463,20 @@ def _inner_steps(
         if taken == steps:
             break
         with torch.no_grad():
-            if update_with_loss is not None:
+            if update_with_objective is not None:
+                objective = InnerObjective(problem, lam, batch, w, float(loss), gw)
+                w, state = update_with_objective(w, gw, state, objective)
+                evaluations += objective.evaluations
+                if objective.last is not None and objective.last[0] is w:  # a full-batch search ended at w
+                    known = (batch, objective.last[1], objective.last[2])
+            elif update_with_loss is not None:
                 w, state = update_with_loss(w, gw, state, float(loss),
                                             lambda v, batch=batch: float(problem.inner_loss(v, lam, batch)))
             else:
                 w, state = optimizer.update(w, gw, state)
         w = tree_detach(w)
         taken += 1
-    return InnerSolveResult(w, state, residual, steps=taken, converged=converged)
+    return InnerSolveResult(w, state, residual, steps=taken, converged=converged, evaluations=evaluations)
 
 
 def inner_solve(
@@ -444,6 +486,7 @@ def inner_solve(
     steps: int,
     optimizer: InnerOptimizer,
     batches: Iterable[Any] | None = None,
+    *,
     opt_state: Tree | None = None,
     tol: float | None = None,
 ) -> InnerSolveResult:
@@ -496,7 +539,7 @@ def inner_solve(
         (18, True, True)
     """
     _check_steps(steps, "inner_steps")
-    check_inner_optimizer(optimizer, "optimizer")
+    check_inner_optimizer(optimizer, "optimizer", objective=True)
     if tol is not None and (not isinstance(tol, (int, float)) or isinstance(tol, bool) or not 0 <= tol < math.inf):
         raise ValueError(f"tol must be None or a finite number >= 0, got {tol!r}")
     return _inner_steps(problem, w, lam, steps, optimizer, _BatchStream(batches, "batches"), opt_state, tol)
@@ -526,6 +569,7 @@ def solve(
     lam: Tree,
     method: HypergradMethod,
     outer_optimizer: OptimizerFactory | None = None,
+    *,
     steps: int = 100,
     inner_steps: int = 0,
     inner_optimizer: InnerOptimizer | None = None,
@@ -679,6 +723,9 @@ def solve(
     _check_components(method, inner_optimizer, outer_optimizer)
     if not hasattr(method, "hypergrad"):
         raise TypeError(f"method must have a hypergrad(...) method, got {type(method).__name__}")
+    combination = _compiled_combination(method)
+    if combination is not None:
+        check_compilable(problem, combination)  # before the first step: no step is taken and then refused
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     _check_steps(inner_steps, "inner_steps")
@@ -769,7 +816,9 @@ def solve(
         history["inner_residual"].append(residual)
         converged = result.info.converged
         history["converged"].append(float("nan") if converged is None else float(converged))
-        unconverged_steps += converged is False
+        # a linear solve that stopped short (or a test a method of its own does not name); BOME's gap and
+        # Penalty's residuals are above their tolerance during most of a run, by design
+        unconverged_steps += converged is False and result.info.stopping_test in (None, "linear solve")
         history["lr"].append(lr)
         steps_run = step + 1 - start
         bar.set_postfix(F=f"{last_outer_loss:.4g}", grad=f"{grad_norm:.3g}")

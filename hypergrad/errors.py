@@ -251,16 +251,20 @@ def check_not_class(value: object, name: str) -> None:
                         f"{value.__name__} itself")
 
 
-def check_inner_optimizer(value: object, name: str) -> None:
+def check_inner_optimizer(value: object, name: str, *, objective: bool = False) -> None:
     """Raise a one-line :class:`TypeError` unless ``value`` is a hypergrad inner optimizer.
 
     Inner optimizers (:mod:`hypergrad.inner`) update a dict of tensors functionally
     (``init(w)``, ``update(w, grad, state)``); a :mod:`torch.optim` optimizer, its class, or the
-    class of an inner optimizer gets a message saying which to use.
+    class of an inner optimizer gets a message saying which to use. An optimizer that needs the
+    loss itself (``needs_objective``, e.g. :class:`hypergrad.inner.Newton`) is refused unless the
+    caller hands it one (``objective``).
 
     Args:
         value: the argument.
         name: the parameter's name, for the message.
+        objective: whether the caller steps with ``update_with_objective`` (``inner_solve``,
+            ``solve``'s inner steps).
 
     Example:
         >>> import torch
@@ -285,3 +289,8 @@ def check_inner_optimizer(value: object, name: str) -> None:
             f"{name} must be an inner optimizer with init(w) and update(w, grad, state) "
             f"(e.g. hypergrad.inner.SGD(lr=0.1)), got {type(value).__name__}"
         )
+    if getattr(value, "needs_objective", False) and not objective:
+        raise TypeError(
+            f"{name} steps with update(w, grad, state), which {type(value).__name__} cannot take (it needs the loss "
+            "itself): use it in hypergrad.inner_solve or as solve's inner_optimizer; here use SGD, Momentum, Adam or "
+            "LBFGS")

@@ -6,9 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from hypergrad.autodiff import inner_fn, loss_and_grads, outer_fn
+from hypergrad.autodiff import inner_grads, loss_and_grads, outer_fn
 from hypergrad.errors import ConvergenceWarning, check_not_class, report
 from hypergrad.linear import CG
 from hypergrad.linear.base import LinearSolveResult, LinearSystem
@@ -146,21 +144,20 @@ class FiniteDifference:
         if not isinstance(self.virtual_step, bool):
             raise TypeError(f"virtual_step must be a bool, got {type(self.virtual_step).__name__}")
 
-    def _central(
-        self, g: Callable[[Tree, Tree], torch.Tensor], w: Tree, lam: Tree, u: Tree, wrt: str
-    ) -> Tree:
-        """Central difference of ``grad_wrt g`` at ``w`` along ``u`` (two gradients)."""
+    def _central(self, problem: BilevelProblem, batch: Any, w: Tree, lam: Tree, u: Tree, wrt: str,
+                 check_w: bool = False) -> Tree:
+        """Central difference of ``grad_wrt g`` at ``w`` along ``u`` (two gradients); ``check_w``:
+        refuse entries of ``w`` that ``g`` does not use although no ``w``-gradient is taken."""
         norm = float(tree_norm(u))
         if norm == 0.0:
             return tree_zeros_like(w if wrt == "w" else lam)
         h = self.eps / norm
         wrt_w, wrt_lam = wrt == "w", wrt == "lam"
-        _, gw_p, gl_p = loss_and_grads(
-            g, tree_axpy(h, u, w), lam, wrt_w=wrt_w, wrt_lam=wrt_lam, what="inner loss"
-        )
-        _, gw_m, gl_m = loss_and_grads(
-            g, tree_axpy(-h, u, w), lam, wrt_w=wrt_w, wrt_lam=wrt_lam, what="inner loss"
-        )
+        _, gw_p, gl_p = inner_grads(problem, batch, tree_axpy(h, u, w), lam, wrt_w=wrt_w, wrt_lam=wrt_lam,
+                                    check_w=check_w)
+        # checked (and warned) once, at the first point
+        _, gw_m, gl_m = loss_and_grads(lambda w_, l_: problem.inner_loss(w_, l_, batch), tree_axpy(-h, u, w), lam,
+                                       wrt_w=wrt_w, wrt_lam=wrt_lam, what="inner loss")
         plus, minus = (gw_p, gw_m) if wrt_w else (gl_p, gl_m)
         assert plus is not None and minus is not None
         return tree_scale(tree_sub(plus, minus), 1.0 / (2.0 * h))
@@ -180,13 +177,14 @@ class FiniteDifference:
         """
         w, lam = problem.validate(w, lam)
         w, lam = tree_detach(w), tree_detach(lam)
-        g = inner_fn(problem, inner_batch)
         grad_evals = 0
+        checked_w = False  # whether a w-gradient of g was taken (it refuses entries of w that g does not use)
         w_outer = w
         if isinstance(self.solver, str) and self.virtual_step:
             assert self.xi is not None
-            _, gw_g, _ = loss_and_grads(g, w, lam, wrt_lam=False, what="inner loss")
+            _, gw_g, _ = inner_grads(problem, inner_batch, w, lam)
             assert gw_g is not None
+            checked_w = True
             w_outer = tree_axpy(-self.xi, gw_g, w)
             grad_evals += 1
         _, grad_w_f, grad_lam_f = loss_and_grads(
@@ -208,7 +206,7 @@ class FiniteDifference:
 
             def hvp(u: Tree) -> Tree:
                 counter[0] += 1
-                return self._central(g, w, lam, u, "w")
+                return self._central(problem, inner_batch, w, lam, u, "w")
 
             system = LinearSystem(matvec=hvp, rhs=grad_w_f, symmetric=True)
             x0 = state.get("v") if (self.warm_start and state) else None
@@ -220,7 +218,8 @@ class FiniteDifference:
             grad_evals += 2 * matvecs
             v = solve.solution
             check_finite(v, "FiniteDifference linear solve")
-        mixed = self._central(g, w, lam, v, "lam")
+            checked_w = checked_w or counter[0] > 0
+        mixed = self._central(problem, inner_batch, w, lam, v, "lam", check_w=not checked_w)
         if float(tree_norm(v)) > 0.0:
             grad_evals += 2
         grad = tree_sub(grad_lam_f, mixed)
@@ -229,6 +228,7 @@ class FiniteDifference:
             iterations=iterations,
             residual=residual,
             converged=converged,
+            stopping_test=None if converged is None else "linear solve",
             warnings=messages,
             grad_evals=grad_evals,
             extra={"matvecs": matvecs, "eps": self.eps},

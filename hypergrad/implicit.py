@@ -136,6 +136,7 @@ class Implicit:
             iterations=solve.iterations,
             residual=solve.residual,
             converged=solve.converged,
+            stopping_test="linear solve",
             warnings=list(solve.warnings),
             grad_evals=3 + solve.matvecs,
             extra={"inner_residual": float(tree_norm(residual_tree)), "matvecs": solve.matvecs,

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from hypergrad.autodiff import loss_and_grads
+from hypergrad.autodiff import inner_grads, loss_and_grads
 from hypergrad.batches import per_step
 from hypergrad.compiled import (
     all_finite,
@@ -27,6 +27,7 @@ from hypergrad.tree import (
     check_finite,
     check_like,
     check_tree,
+    tree_all_finite,
     tree_detach,
     tree_norm,
     tree_scale,
@@ -37,10 +38,6 @@ __all__ = ["Penalty", "compiled_penalty"]
 
 
 _EVALUATE = ("advanced", "current")
-
-
-def _inner_loss(problem: BilevelProblem, batch: Any) -> Callable[[Tree, Tree], torch.Tensor]:
-    return lambda w_, lam_: problem.inner_loss(w_, lam_, batch)
 
 
 def _penalised_loss(problem: BilevelProblem, sigma: float, inner_batch: Any,
@@ -132,10 +129,17 @@ class Penalty:
             counts without the per-operator overhead of eager PyTorch. Compiles once per problem,
             shape, dtype and configuration, falls back to eager with a log line where compilation
             fails; ``info.extra["compiled"]`` and ``["compile_s"]`` say what happened.
+        device_scalars: read nothing back to the host inside the call (on a GPU every read
+            drains the queue): ``info.residual``, ``info.extra["inner_residual"]``,
+            ``["sigma_residual"]`` and ``["gap"]`` stay 0-dim tensors where the gradients are,
+            ``info.converged`` is a 0-dim bool tensor, and ``info.extra["finite"]`` a 0-dim bool
+            tensor saying whether the losses, the new :math:`w_\sigma` and the estimate were
+            finite; the default's finiteness checks (a :class:`~hypergrad.errors.NonFiniteError`
+            at once) are then the caller's. Same numbers otherwise; not with ``compile``.
 
     Raises:
         ValueError: ``sigma <= 0``, ``inner_steps < 1``, ``tol < 0`` or an unknown ``evaluate``; a
-            ``state`` whose ``w_sigma`` does not match ``w``.
+            ``state`` whose ``w_sigma`` does not match ``w``; ``compile`` with ``device_scalars``.
         TypeError: non-numeric ``sigma``, non-integer ``inner_steps``, a non-bool ``compile``, or
             an optimizer without ``init``/``update``.
 
@@ -168,10 +172,15 @@ class Penalty:
     evaluate: str = "current"
     tol: float = 1e-4
     compile: bool = False
+    device_scalars: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.compile, bool):
-            raise TypeError(f"compile must be a bool, got {type(self.compile).__name__}")
+        for name in ("compile", "device_scalars"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.compile and self.device_scalars:
+            raise ValueError("device_scalars is an option of the eager call; the compiled one (compile=True) "
+                             "reads its scalars back once per call")
         if not isinstance(self.sigma, (int, float)) or isinstance(self.sigma, bool):
             raise TypeError(f"sigma must be a real number, got {type(self.sigma).__name__}")
         if not 0.0 < self.sigma < float("inf"):
@@ -222,6 +231,7 @@ class Penalty:
         sigma_opt_state = sigma_opt.init(w_sigma) if sigma_opt_state is None else sigma_opt_state
 
         T = self.inner_steps
+        check = not self.device_scalars  # else nothing is read back: the caller reads extra["finite"]
         current = self.evaluate == "current"
         grad_lam_g: Tree | None = None
         grad_lam_pen: Tree | None = None
@@ -233,42 +243,49 @@ class Penalty:
         # One inner (and outer) batch per evaluation: both iterates see the same batch, so the
         # difference of lam-gradients at the estimate is taken on one batch.
         inner_batches, outer_batches = per_step(inner_batch, n_evals), per_step(outer_batch, n_evals)
+        losses: list[Tensor] = []
         for t in range(n_evals):
             here = t == estimate_at
-            g = _inner_loss(problem, inner_batches[t])
             penalised = _penalised_loss(problem, sigma, inner_batches[t], outer_batches[t])
-            _, gw, lam_g = loss_and_grads(g, w, lam, wrt_lam=here, what="inner loss")
-            _, gws, lam_pen = loss_and_grads(
-                penalised, w_sigma, lam, wrt_lam=here, what="penalised loss g + sigma f"
+            g_value, gw, lam_g = inner_grads(problem, inner_batches[t], w, lam, wrt_lam=here, check=check)
+            pen_value, gws, lam_pen = loss_and_grads(
+                penalised, w_sigma, lam, wrt_lam=here, what="penalised loss g + sigma f", check=check
             )
             assert gw is not None and gws is not None
+            losses.extend((g_value, pen_value))
             if here:
                 grad_lam_g, grad_lam_pen = lam_g, lam_pen
-                inner_residual, sigma_residual = float(tree_norm(gw)), float(tree_norm(gws))
-                gap = float(tree_norm(tree_sub(w_sigma, w)))
+                norms = torch.stack([tree_norm(gw), tree_norm(gws), tree_norm(tree_sub(w_sigma, w))])
                 if not current:
                     break
-            with torch.no_grad():
+            with torch.no_grad():  # no graph: the iterates need no detaching
                 w, opt_state = opt.update(w, gw, opt_state)
                 w_sigma, sigma_opt_state = sigma_opt.update(w_sigma, gws, sigma_opt_state)
-            w, w_sigma = tree_detach(w), tree_detach(w_sigma)
         assert grad_lam_g is not None and grad_lam_pen is not None
-        check_finite(w_sigma, "Penalty iterate w_sigma")
+        if check:
+            check_finite(w_sigma, "Penalty iterate w_sigma")
         grad = tree_scale(tree_sub(grad_lam_pen, grad_lam_g), 1.0 / sigma)
-        check_finite(grad, "Penalty (F2SA) hypergradient")
+        if check:
+            check_finite(grad, "Penalty (F2SA) hypergradient")
         tol = float(self.tol)
+        if self.device_scalars:
+            inner_residual, sigma_residual, gap = norms.unbind()
+            converged: Any = (inner_residual <= tol) & (sigma_residual <= tol)
+        else:  # one read for the three norms
+            inner_residual, sigma_residual, gap = norms.tolist()
+            converged = inner_residual <= tol and sigma_residual <= tol
+        extra: dict[str, Any] = {"sigma": sigma, "inner_residual": inner_residual, "sigma_residual": sigma_residual,
+                                 "gap": gap, "evaluate": self.evaluate}
+        if self.device_scalars:
+            extra["finite"] = (torch.isfinite(torch.stack(losses)).all() & tree_all_finite(w_sigma)
+                               & tree_all_finite(grad))
         info = HypergradInfo(
             iterations=T,
             residual=inner_residual,
-            converged=inner_residual <= tol and sigma_residual <= tol,
+            converged=converged,
+            stopping_test="inner residuals",
             grad_evals=3 * n_evals,
-            extra={
-                "sigma": sigma,
-                "inner_residual": inner_residual,
-                "sigma_residual": sigma_residual,
-                "gap": gap,
-                "evaluate": self.evaluate,
-            },
+            extra=extra,
         )
         new_state: dict[str, Any] = {
             "w": w,
@@ -360,8 +377,9 @@ def compiled_penalty(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, i
     opt_state = opt.init(w) if opt_state is None else opt_state
     sigma_opt_state = sigma_opt.init(w_sigma) if sigma_opt_state is None else sigma_opt_state
     n_evals = method.inner_steps if method.evaluate == "current" else method.inner_steps + 1
-    ran = run_stage(problem, _penalty_stage, method, w, w_sigma, lam, per_step(inner_batch, n_evals),
-                    per_step(outer_batch, n_evals), opt_state, sigma_opt_state)
+    inner_batches = per_step(inner_batch, n_evals)
+    ran = run_stage(problem, _penalty_stage, method, w, w_sigma, lam, inner_batches,
+                    per_step(outer_batch, n_evals), opt_state, sigma_opt_state, checks=(w, lam, inner_batches[0]))
     if ran is None:
         return eager_fallback(method, problem, args)
     (grad, w, w_sigma, opt_state, sigma_opt_state, scalars), compile_s = ran
@@ -373,6 +391,7 @@ def compiled_penalty(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, i
         iterations=method.inner_steps,
         residual=inner_residual,
         converged=inner_residual <= tol and sigma_residual <= tol,
+        stopping_test="inner residuals",
         grad_evals=3 * n_evals,
         extra={"sigma": float(method.sigma), "inner_residual": inner_residual, "sigma_residual": sigma_residual,
                "gap": gap, "evaluate": method.evaluate, "compiled": True, "compile_s": compile_s},

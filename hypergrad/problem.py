@@ -69,11 +69,17 @@ class HypergradInfo:
             solve; ``Penalty``: both inner residuals; ``BOME``: the value-function gap). None
             when the method has no stopping test, so nothing was checked: ``Unrolled`` (a
             fixed number of steps), ``FiniteDifference(solver="identity")``, and the stochastic
-            methods ``SOBA``, ``SABA``, ``AmIGO`` and ``StocBiO`` (judge them by the iterates).
+            methods ``SOBA``, ``SABA``, ``SRBA``, ``AmIGO`` and ``StocBiO`` (judge them by the
+            iterates).
         warnings: human-readable messages (non-convergence, clipping, ...).
         grad_evals: gradient-equivalents spent, counted as one per first-order gradient or
             Hessian-vector product (a rough, implementation-level cost measure).
         extra: method-specific values (e.g. BOME's ``phi`` and ``q``).
+        stopping_test: what ``converged`` is the outcome of: ``"linear solve"`` (``Implicit``,
+            ``FiniteDifference``, ``AlternatingImplicit``), ``"inner residuals"`` (``Penalty``),
+            ``"value-function gap"`` (``BOME``); None where there is no test (or a method of
+            your own does not name it). :attr:`hypergrad.SolveResult.unconverged_steps` counts
+            the linear solves (and unnamed tests) that stopped short.
 
     Example:
         >>> import torch, hypergrad as hg
@@ -92,6 +98,7 @@ class HypergradInfo:
     warnings: list[str] = field(default_factory=list)
     grad_evals: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    stopping_test: str | None = None
 
 
 @dataclass

@@ -364,7 +364,7 @@ def _saba_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_b
     stored_outer = memory["outer"].get(j) or _zeros_like_fields(memory["outer_mean"])
     ran = run_stage(problem, _saba_stage, w, lam, v, tensor_like(rho, w), inner_batch, outer_batch,
                     stored_inner, memory["inner_mean"], stored_outer, memory["outer_mean"],
-                    1.0 / method.n_inner, 1.0 / method.n_outer)
+                    1.0 / method.n_inner, 1.0 / method.n_outer, checks=(w, lam, inner_batch))
     if ran is None:
         return None
     (d_lam, new_w, new_v, fresh_inner, fresh_outer, inner_mean, outer_mean, scalars), compile_s = ran

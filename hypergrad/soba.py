@@ -186,8 +186,9 @@ def _soba_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inner_b
                state: dict[str, Any] | None, t: int) -> HypergradResult | None:
     v = linear_iterate(state, w, "SOBA")
     rho = step_size_at(method.step_size, t, "step_size")
-    ran = run_stage(problem, _soba_stage, w, lam, v, tensor_like(rho, w), one_batch(inner_batch),
-                    one_batch(outer_batch))
+    batch = one_batch(inner_batch)
+    ran = run_stage(problem, _soba_stage, w, lam, v, tensor_like(rho, w), batch, one_batch(outer_batch),
+                    checks=(w, lam, batch))
     if ran is None:
         return None
     (d_lam, new_w, new_v, scalars), compile_s = ran

@@ -278,7 +278,8 @@ def _stocbio_call(method: Any, problem: BilevelProblem, w: Tree, lam: Tree, inne
     batches = per_step(inner_batch, T + n_products + 1)
     shared = not isinstance(inner_batch, StepBatches)
     rho_t, eta_t = tensor_like(rho, w), tensor_like(eta, w)
-    ran = run_stage(problem, _stocbio_stage, w, lam, rho_t, eta_t, batches, one_batch(outer_batch), shared, T)
+    ran = run_stage(problem, _stocbio_stage, w, lam, rho_t, eta_t, batches, one_batch(outer_batch), shared, T,
+                    checks=(w, lam, batches[0]))
     if ran is None:
         return None
     (d_lam, new_w, v, scalars), compile_s = ran

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from hypergrad.autodiff import (
     RootSystem,
+    check_w_used,
     grad_with_graph,
     loss_and_grads,
     outer_fn,
@@ -297,11 +298,13 @@ def inner_products(
         if not bool(torch.isfinite(value)):
             raise NonFiniteError(f"inner loss is {float(value.detach())} (non-finite)")
         if not (hvp or cross):
-            grads = torch.autograd.grad(value, w_leaves, allow_unused=True)
+            grads = torch.autograd.grad(value, w_leaves, allow_unused=True) if value.requires_grad else (None,) * len(w_leaves)
+            check_w_used(w_, grads)
             grad = grads_to_tree(grads, w_)
             check_finite(grad, "inner gradient")
             return InnerProducts(grad, None, None)
-        first = grad_with_graph(value, w_leaves)
+        first = grad_with_graph(value, w_leaves) if value.requires_grad else (None,) * len(w_leaves)
+        check_w_used(w_, first)
         grad = grads_to_tree([None if f is None else f.detach() for f in first], w_)
         check_finite(grad, "inner gradient")
         assert v is not None

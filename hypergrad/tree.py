@@ -6,7 +6,8 @@ vectors) is a flat dict of tensors, the convention of :func:`torch.func.function
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -19,7 +20,9 @@ __all__ = [
     "check_like",
     "check_scalar_loss",
     "check_tree",
+    "supports_foreach",
     "tree_add",
+    "tree_all_finite",
     "tree_axpy",
     "tree_detach",
     "tree_dot",
@@ -89,8 +92,50 @@ def check_scalar_loss(value: object, name: str) -> Tensor:
     return value.reshape(())
 
 
+def supports_foreach(tensors: Sequence[Tensor]) -> bool:
+    """Whether the ``torch._foreach_*`` operators apply to ``tensors``: plain tensors on one device,
+    outside the :mod:`torch.func` transforms (``vmap`` has no batching rules for them).
+
+    On a GPU one ``_foreach`` call launches one kernel for all the leaves instead of one per leaf;
+    on the CPU it runs the same per-leaf kernels as a loop (the same numbers) from one Python call.
+
+    Example:
+        >>> import torch
+        >>> supports_foreach([torch.ones(2), torch.zeros(3)]), supports_foreach([])
+        (True, False)
+    """
+    if not tensors or torch._C._are_functorch_transforms_active():
+        return False
+    device = tensors[0].device
+    return all(type(t) is Tensor or type(t) is torch.nn.Parameter for t in tensors) and all(
+        t.device == device for t in tensors)
+
+
+def tree_all_finite(tree: Mapping[str, Tensor]) -> Tensor:
+    """Whether every entry of every leaf is finite, as a 0-dim bool tensor on the leaves' device.
+
+    Nothing is read back to the host (no synchronisation on a GPU): a training loop can keep the
+    flag and check it when it logs.
+
+    Example:
+        >>> import torch
+        >>> tree_all_finite({"a": torch.ones(2), "b": torch.tensor([1.0, float("inf")])})
+        tensor(False)
+    """
+    leaves = list(tree.values())
+    if not leaves:
+        return torch.ones((), dtype=torch.bool)
+    if supports_foreach(leaves):
+        # the largest magnitude per leaf: NaN where a leaf holds a NaN, inf where it holds an inf
+        return torch.isfinite(torch.stack(torch._foreach_norm(leaves, ord=math.inf))).all()
+    return torch.stack([torch.isfinite(v).all() for v in leaves]).all()
+
+
 def check_finite(tree: Mapping[str, Tensor], what: str) -> None:
     """Raise :class:`hypergrad.NonFiniteError` if any entry of ``tree`` holds NaN or inf.
+
+    One value is read back to the host (:func:`tree_all_finite`); the leaves are scanned one by one
+    only to name the first bad entry.
 
     Example:
         >>> import torch
@@ -101,6 +146,8 @@ def check_finite(tree: Mapping[str, Tensor], what: str) -> None:
     """
     from hypergrad.errors import NonFiniteError
 
+    if not tree or bool(tree_all_finite(tree)):
+        return
     for key, value in tree.items():
         if not bool(torch.isfinite(value).all()):
             n_bad = int((~torch.isfinite(value)).sum())
@@ -112,33 +159,92 @@ def tree_map(fn: Callable[..., Tensor], tree: Mapping[str, Tensor], *rest: Mappi
     return {k: fn(v, *(r[k] for r in rest)) for k, v in tree.items()}
 
 
+def _leaves(tree: Mapping[str, Tensor], keys: Iterable[str]) -> list[Tensor]:
+    return [tree[k] for k in keys]
+
+
 def tree_add(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tree:
     """Return ``a + b``."""
+    xs = list(a.values())
+    if supports_foreach(xs):
+        return dict(zip(a, torch._foreach_add(xs, _leaves(b, a)), strict=True))
     return {k: a[k] + b[k] for k in a}
 
 
 def tree_sub(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tree:
     """Return ``a - b``."""
+    xs = list(a.values())
+    if supports_foreach(xs):
+        return dict(zip(a, torch._foreach_sub(xs, _leaves(b, a)), strict=True))
     return {k: a[k] - b[k] for k in a}
 
 
+def _as_scalar(s: float | Tensor, leaves: list[Tensor]) -> float | Tensor | None:
+    """``s`` as the scalar of one ``_foreach`` call on ``leaves``: a number as it is; a 0-dim tensor on
+    their device in their (common) dtype, as a number would be taken (a float64 step size does not
+    promote a float32 0-dim leaf). None where one call cannot take it."""
+    if not isinstance(s, Tensor):
+        return s
+    dtypes = {t.dtype for t in leaves}
+    if s.dim() != 0 or s.device != leaves[0].device or len(dtypes) != 1:
+        return None
+    return s.to(dtypes.pop())
+
+
+def _leaf_scalar(s: float | Tensor, leaf: Tensor) -> float | Tensor:
+    return s.to(leaf.dtype) if isinstance(s, Tensor) and s.dim() == 0 else s
+
+
 def tree_scale(a: Mapping[str, Tensor], s: float | Tensor) -> Tree:
-    """Return ``s * a``."""
-    return {k: v * s for k, v in a.items()}
+    """Return ``s * a`` (a 0-dim tensor ``s`` is taken in the leaves' dtype, as a number is)."""
+    xs = list(a.values())
+    if supports_foreach(xs) and (scalar := _as_scalar(s, xs)) is not None:
+        return dict(zip(a, torch._foreach_mul(xs, scalar), strict=True))
+    return {k: v * _leaf_scalar(s, v) for k, v in a.items()}
 
 
 def tree_axpy(alpha: float | Tensor, x: Mapping[str, Tensor], y: Mapping[str, Tensor]) -> Tree:
-    """Return ``alpha * x + y``."""
-    return {k: y[k] + alpha * x[k] for k in y}
+    """Return ``alpha * x + y``.
+
+    ``alpha`` may be a 0-dim tensor on the leaves' device (e.g. a step size computed there): nothing
+    is read back to the host, and it is taken in the leaves' dtype, as a number is.
+    """
+    ys = list(y.values())
+    if supports_foreach(ys) and (scalar := _as_scalar(alpha, ys)) is not None:
+        # multiply, then add (two roundings, as the per-leaf form)
+        return dict(zip(y, torch._foreach_add(ys, torch._foreach_mul(_leaves(x, y), scalar)), strict=True))
+    return {k: y[k] + _leaf_scalar(alpha, y[k]) * x[k] for k in y}
+
+
+def _flat_pair(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> tuple[Tensor, Tensor] | None:
+    """Both trees as flat vectors (leaves in ``a``'s key order) when their leaves share one device."""
+    xs, ys = list(a.values()), _leaves(b, a)
+    if not supports_foreach(xs + ys):
+        return None
+    if len(xs) == 1:
+        return xs[0].reshape(-1), ys[0].reshape(-1)
+    return torch.cat([v.reshape(-1) for v in xs]), torch.cat([v.reshape(-1) for v in ys])
 
 
 def tree_dot(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tensor:
-    """Return the Euclidean inner product ``<a, b>`` as a scalar tensor."""
-    return sum((torch.sum(a[k] * b[k]) for k in a), start=torch.zeros((), dtype=next(iter(a.values())).dtype, device=next(iter(a.values())).device))
+    """Return the Euclidean inner product ``<a, b>`` as a scalar tensor (on the leaves' device)."""
+    flat = _flat_pair(a, b)
+    if flat is not None:
+        x, y = flat
+        if x.dtype == y.dtype:
+            return torch.dot(x, y)
+        return torch.sum(x * y)  # mixed dtypes: the product promotes (torch.dot would refuse)
+    ref = next(iter(a.values()))
+    return sum((torch.sum(a[k] * b[k]) for k in a), start=torch.zeros((), dtype=ref.dtype, device=ref.device))
 
 
 def tree_norm(a: Mapping[str, Tensor]) -> Tensor:
     """Return the Euclidean norm of the concatenated leaves."""
+    xs = list(a.values())
+    if supports_foreach(xs):
+        if len(xs) == 1:
+            return torch.linalg.vector_norm(xs[0])
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(xs)))
     return torch.sqrt(tree_dot(a, a))
 
 

@@ -9,7 +9,13 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from hypergrad.autodiff import grad_or_zeros, inner_fn, loss_and_grads, outer_fn
+from hypergrad.autodiff import (
+    check_inner_graph,
+    grad_or_zeros,
+    inner_grads,
+    loss_and_grads,
+    outer_fn,
+)
 from hypergrad.batches import StepBatches, per_step  # noqa: F401  (StepBatches: the old import path)
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
@@ -294,6 +300,8 @@ class Unrolled:
         saver = RecomputeSaved(self.recompute_min_bytes) if self.recompute else None
         for i in range(K - k, K):
             value = problem.inner_loss(w, lam_, batches[i])
+            if i == K - k:  # the same checks as every method, once per call
+                check_inner_graph(value, w, lam_)
             # the recomputable tensors are those the first backward saves (the forward's are kept)
             if saver is not None:
                 grad_w = saver.grad(value, w)
@@ -350,6 +358,8 @@ class Unrolled:
             s_ = {key: (v.detach().requires_grad_(True) if v.is_floating_point() else v) for key, v in s_i.items()}
             _set_rng(device, rng)
             value = problem.inner_loss(w_, lam_, batches[K - k + j])
+            if j == k - 1:  # the same checks as every method, once per call
+                check_inner_graph(value, w_, lam_)
             w_next, s_next = opt.update(w_, grad_or_zeros(value, w_, create_graph=True), s_)
             outputs, cotangents = [], []
             for key, v in w_next.items():
@@ -422,6 +432,8 @@ class Unrolled:
             w_leaves = list(w_.values())
             n_w = len(w_leaves)
             value = problem.inner_loss(w_, lam_, batches[i])
+            if i == 0:  # the same checks as every method, once per call
+                check_inner_graph(value, w_, lam_)
             if value.requires_grad:
                 grads = torch.autograd.grad(value, w_leaves + lam_leaves, create_graph=True, allow_unused=True)
             else:
@@ -553,7 +565,7 @@ def _plain_step(
     problem: BilevelProblem, opt: InnerOptimizer, w: Tree, lam: Tree, batch: Any, s: Tree, i: int
 ) -> tuple[Tree, Tree]:
     """One optimizer step on g without a graph (detached result)."""
-    _, gw, _ = loss_and_grads(inner_fn(problem, batch), w, lam, wrt_lam=False, what=f"inner loss at step {i}")
+    _, gw, _ = inner_grads(problem, batch, w, lam, what=f"inner loss at step {i}")
     assert gw is not None
     with torch.no_grad():
         w, s = opt.update(w, gw, s)

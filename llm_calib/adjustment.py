@@ -32,7 +32,12 @@ def _scale(x: Tensor, lam: dict[str, Tensor]) -> Tensor:
 
 
 def _affine(x: Tensor, lam: dict[str, Tensor], _: Tensor | None) -> Tensor:
-    return _scale(x, lam) + lam["b"].to(x.dtype)
+    # one fused operation on the (rows, vocabulary) logits: b + x * exp(log_a)
+    return torch.addcmul(_same_dtype(lam["b"], x), x, _same_dtype(torch.exp(lam["log_a"]), x))
+
+
+def _same_dtype(t: Tensor, x: Tensor) -> Tensor:
+    return t if t.dtype == x.dtype else t.to(x.dtype)
 
 
 def _affine_on(x: Tensor, lam: dict[str, Tensor], index: Tensor | None) -> Tensor:

@@ -155,8 +155,12 @@ class ObjectiveState(Protocol):
 
     lam: dict[str, Tensor]
 
-    def step(self, context: StepContext, inner: Batch) -> dict[str, float]:
-        """One step on the training batch ``inner``: assign ``context.theta``, return the step's record (floats)."""
+    def step(self, context: StepContext, inner: Batch) -> dict[str, float | Tensor]:
+        """One step on the training batch ``inner``: assign ``context.theta``, return the step's record.
+
+        Values are numbers or 0-dim tensors where they were computed (read back to the host only when the
+        loop logs, :func:`~llm_calib.calm.training.read_back`, which also checks that they are finite); a 0-dim
+        bool tensor is a check (False: the step diverged), not kept in the history."""
 
     def checkpoint(self) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         """Its tensors, as trees by checkpoint key prefix (e.g. ``"lam/"``), and its other state (picklable)."""

@@ -1,5 +1,5 @@
 """The hypergrad benchmark's parts (benchmarks/hg_implicit.py, hg_unrolled.py, hg_first_order.py
-over hg_problems.py and hg_harness.py): each alone times only its own families, on the problems
+over harness/hypergrad_problems.py and harness/hypergrad_suite.py): each alone times only its own families, on the problems
 it serves; together, through hypergrad_bench.py, every family in the order of the report."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from _benchmarks import load_benchmark
+from _benchmarks import load_benchmark, load_harness
 
 pytest.importorskip("torchopt")
 pytest.importorskip("higher")
 pytest.importorskip("sklearn")
 
-HARNESS, PROBLEMS = load_benchmark("hg_harness"), load_benchmark("hg_problems")
+HARNESS, PROBLEMS = load_harness("hypergrad_suite"), load_harness("hypergrad_problems")
 UNITS = {"unit", "unit-hvp"}
 # hypergrad_bench.py's runners on the per-feature ridge problem, in the order the single-file
 # benchmark built them (its make_runners): implicit, unrolled, then first-order families

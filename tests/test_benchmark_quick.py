@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _benchmarks import load_benchmark
+from _benchmarks import load_benchmark, load_harness
 
 pytest.importorskip("torchopt")
 pytest.importorskip("higher")
@@ -20,17 +20,17 @@ def bench():
 
 @pytest.fixture(scope="module")
 def harness():
-    return load_benchmark("hg_harness")
+    return load_harness("hypergrad_suite")
 
 
 @pytest.fixture(scope="module")
 def problems():
-    return load_benchmark("hg_problems")
+    return load_harness("hypergrad_problems")
 
 
 @pytest.fixture(scope="module")
 def report():
-    return load_benchmark("hg_report")
+    return load_harness("hypergrad_report")
 
 
 @pytest.fixture(scope="module")

@@ -282,3 +282,69 @@ def test_step_batches_give_a_fresh_batch_per_inner_step_and_count_every_gradient
     assert seen_f == [-1.0]
     assert next(inner) == 4.0 and next(outer) == -2.0   # drew exactly what it used
     assert r.info.grad_evals == len(seen_g) + len(seen_f) == T + 2
+
+
+# ---------------------------------------------------------------------------------------------
+# device_scalars: the same step without reading anything back to the host
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts reads of tensor values by the host (``bool``, ``float``, ``item``, ``tolist``...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("__bool__", "__float__", "__int__", "item", "tolist", "numpy"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _multi_leaf_problem() -> tuple[hg.BilevelProblem, dict, dict]:
+    from tests._problems import Quadratic
+
+    q = Quadratic.random(5, 3, 10.0, seed=3)
+    g = lambda w, lam, b: q.problem().inner({"w": torch.cat([w["a"], w["b"]])}, lam, b)  # noqa: E731
+    f = lambda w, lam, b: q.problem().outer({"w": torch.cat([w["a"], w["b"]])}, lam, b)  # noqa: E731
+    w = {"a": torch.linspace(-1, 1, 2, dtype=DT), "b": torch.linspace(0, 2, 3, dtype=DT)}
+    return hg.BilevelProblem(g, f), w, {"lam": torch.tensor([0.5, -1.0, 2.0], dtype=DT)}
+
+
+@pytest.mark.parametrize("barrier", ["value", "gradient"])
+@pytest.mark.parametrize("w_optimizer", [None, hg.inner.Adam(lr=0.05)])
+def test_device_scalars_give_the_same_step_and_read_nothing_back(barrier, w_optimizer):
+    problem, w, lam = _multi_leaf_problem()
+    kwargs = dict(w_lr=None if w_optimizer else 0.1, inner_steps=3, eta=50.0, barrier=barrier,
+                  w_optimizer=w_optimizer)
+    host = hg.BOME(hg.inner.SGD(lr=0.05), **kwargs).hypergrad(problem, w, lam)
+    reads = _HostReads()
+    with reads:
+        device = hg.BOME(hg.inner.SGD(lr=0.05), device_scalars=True, **kwargs).hypergrad(problem, w, lam)
+    assert reads.count == 0
+    for k in lam:
+        assert torch.equal(device.grad[k], host.grad[k])
+    for k in w:
+        assert torch.equal(device.w[k], host.w[k])
+    assert set(device.info.extra) == {*host.info.extra, "finite"} and bool(device.info.extra["finite"])
+    for k, value in host.info.extra.items():
+        assert isinstance(value, float) and isinstance(device.info.extra[k], torch.Tensor)
+        assert float(device.info.extra[k]) == value, k
+    assert float(device.info.residual) == host.info.residual
+    assert bool(device.info.converged) is host.info.converged
+    assert host.info.extra["phi"] > 0  # the correction is active: phi reaches the directions
+
+
+def test_device_scalars_flag_a_non_finite_step_instead_of_raising():
+    problem, w, lam = _multi_leaf_problem()
+    nan_f = hg.BilevelProblem(problem.inner, lambda w_, l_, b: problem.outer(w_, l_, b) * float("nan"))
+    with pytest.raises(hg.NonFiniteError, match="outer loss is nan"):
+        hg.BOME(hg.inner.SGD(lr=0.05), w_lr=0.1, inner_steps=2).hypergrad(nan_f, w, lam)
+    r = hg.BOME(hg.inner.SGD(lr=0.05), w_lr=0.1, inner_steps=2, device_scalars=True).hypergrad(nan_f, w, lam)
+    assert not bool(r.info.extra["finite"])
+    ok = hg.BOME(hg.inner.SGD(lr=0.05), w_lr=0.1, inner_steps=2, device_scalars=True).hypergrad(problem, w, lam)
+    assert bool(ok.info.extra["finite"])
+    with pytest.raises(ValueError, match="device_scalars"):
+        hg.BOME(hg.inner.SGD(lr=0.05), w_lr=0.1, compile=True, device_scalars=True)
+    with pytest.raises(TypeError, match="device_scalars must be a bool"):
+        hg.BOME(hg.inner.SGD(lr=0.05), w_lr=0.1, device_scalars=1)

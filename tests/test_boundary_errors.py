@@ -132,3 +132,101 @@ def test_a_g_that_ignores_lam_warns_that_the_hypergradient_is_grad_lam_f_alone()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hg.Implicit().hypergrad(hg.BilevelProblem(G, F), W, LAM)  # g uses lam: no warning
+
+
+# Every method class hypergrad exports, in eager form: the same problem gets the same check from each
+# (test_every_method_is_checked keeps the list complete).
+EVERY_METHOD = {
+    "Implicit": lambda: hg.Implicit(),
+    "Implicit forward products": lambda: hg.Implicit(products="forward"),
+    "AlternatingImplicit": lambda: hg.AlternatingImplicit(SGD, 2, hg.Implicit()),
+    "FiniteDifference": lambda: hg.FiniteDifference(),
+    "FiniteDifference identity": lambda: hg.FiniteDifference(solver="identity", xi=0.1),
+    "FiniteDifference identity virtual step": lambda: hg.FiniteDifference(solver="identity", xi=0.1, virtual_step=True),
+    "Unrolled": lambda: hg.Unrolled(SGD, 3),
+    "Unrolled truncated": lambda: hg.Unrolled(SGD, 3, truncate=1),
+    "Unrolled checkpoint": lambda: hg.Unrolled(SGD, 3, checkpoint=True),
+    "Unrolled forward": lambda: hg.Unrolled(SGD, 3, mode="forward"),
+    "Penalty": lambda: hg.Penalty(0.1, SGD, inner_steps=3),
+    "BOME": lambda: hg.BOME(SGD, w_lr=0.1, inner_steps=3),
+    "SOBA": lambda: hg.SOBA(0.1),
+    "SABA": lambda: hg.SABA(0.1, n_inner=1, n_outer=1),
+    "SRBA": lambda: hg.SRBA(0.1, period=2, full_inner_batches=[None], full_outer_batches=[None]),
+    "AmIGO": lambda: hg.AmIGO(0.1, inner_steps=2, linear_steps=2),
+    "StocBiO": lambda: hg.StocBiO(0.1, inner_steps=2, linear_steps=2),
+}
+W_OFF = {"x": torch.full((2,), 0.3, dtype=DT)}  # not w* = c: every estimate takes its products here
+
+
+def _call(name, problem, w):
+    batch = (0, None) if name == "SABA" else None
+    return EVERY_METHOD[name]().hypergrad(problem, w, LAM, batch, batch)
+
+
+def test_every_method_is_checked():
+    classes = {name for name in hg.__all__ if isinstance(getattr(hg, name), type) and name != "HypergradMethod"
+               and callable(getattr(getattr(hg, name), "hypergrad", None))}
+    covered = {name.split()[0] for name in EVERY_METHOD}
+    assert classes <= covered, sorted(classes - covered)
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_METHOD))
+def test_every_method_refuses_a_w_entry_that_g_does_not_use(name):
+    f = lambda w, lam, b: (w["x"] ** 2).sum() + (w["head"] ** 2).sum()  # noqa: E731
+    w = {**W_OFF, "head": torch.ones(3, dtype=DT)}
+    with pytest.raises(ValueError, match=r"^w\['head'\] is not used by the inner loss g: the inner problem does not "
+                                         r"determine it"):
+        _call(name, hg.BilevelProblem(G, f), w)
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_METHOD))
+def test_every_method_warns_when_g_ignores_lam_and_none_crashes(name):
+    g = lambda w, lam, b: 0.5 * ((w["x"] - 1.0) ** 2).sum()  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = _call(name, hg.BilevelProblem(g, F), W_OFF)
+    lam_unused = [w for w in caught if "does not depend on lam" in str(w.message)]
+    assert len(lam_unused) == 1, [str(w.message) for w in caught]  # once per call
+    assert torch.isfinite(r.grad["c"]).all()
+    if name != "BOME":  # BOME's grad is its update direction; the others estimate grad F = grad_lam f = 0 here
+        assert r.grad["c"].abs().max() == 0.0, name
+
+
+def test_inner_solve_refuses_a_w_entry_that_g_does_not_use():
+    with pytest.raises(ValueError, match=r"^w\['head'\] is not used by the inner loss g"):
+        hg.inner_solve(hg.BilevelProblem(G, F), {**W, "head": torch.ones(1, dtype=DT)}, LAM, 3, SGD)
+    with pytest.raises(ValueError, match=r"^w\['head'\] is not used by the inner loss g"):
+        hg.solve(hg.BilevelProblem(G, F), {**W, "head": torch.ones(1, dtype=DT)}, LAM, hg.Unrolled(SGD, 2),
+                 steps=1, inner_steps=1, progress=False)
+
+
+@pytest.mark.parametrize("method", [
+    hg.SOBA(0.1, compile=True), hg.AmIGO(0.1, inner_steps=2, linear_steps=2, compile=True),
+    hg.BOME(SGD, w_lr=0.1, compile=True), hg.Penalty(0.1, SGD, inner_steps=2, compile=True), hg.Implicit(compile=True),
+], ids=["SOBA", "AmIGO", "BOME", "Penalty", "Implicit"])
+def test_the_compiled_methods_check_before_they_compile(method):
+    # traced gradients are zero where the eager ones are None: the check runs eagerly, before compiling
+    problem = hg.BilevelProblem(lambda w, lam, b: G(w, lam, b) + 0.0 * lam["c"].sum(), F)  # a problem of its own
+    with pytest.raises(ValueError, match=r"^w\['head'\] is not used by the inner loss g"):
+        method.hypergrad(problem, {**W_OFF, "head": torch.ones(3, dtype=DT)}, LAM)
+
+
+def test_solve_takes_its_options_by_name_only():
+    problem = hg.BilevelProblem(G, F)
+    with pytest.raises(TypeError, match="positional argument"):
+        hg.solve(problem, W, LAM, hg.Implicit(), None, 2, 3)
+    with pytest.raises(TypeError, match="positional argument"):
+        hg.inner_solve(problem, W, LAM, 3, SGD, None, None, 1e-6)
+    res = hg.solve(problem, W, LAM, hg.Implicit(), lambda p: torch.optim.SGD(p, lr=0.1), steps=2, progress=False)
+    assert res.steps_run == 2  # the method and the optimizer factory stay positional
+
+
+def test_an_optimizer_class_as_outer_optimizer_is_named():
+    problem = hg.BilevelProblem(G, F)
+    with pytest.raises(TypeError, match=r"^outer_optimizer must be a factory params -> torch.optim.Optimizer, e.g. "
+                                        r"lambda p: torch.optim.Adam\(p, lr=1e-2\), not the class "
+                                        r"hypergrad.inner.Adam \(hypergrad.inner optimizers are for inner_optimizer\)$"):
+        hg.solve(problem, W, LAM, hg.Implicit(), hg.inner.Adam, steps=2, progress=False)
+    # a torch.optim class is a factory (its default lr)
+    res = hg.solve(problem, W, LAM, hg.Implicit(), torch.optim.Adam, steps=2, inner_steps=5, progress=False)
+    assert not torch.equal(res.lam["c"], LAM["c"])

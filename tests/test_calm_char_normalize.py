@@ -14,9 +14,11 @@ from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.fast_eval import base_scores
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses
+from llm_calib.calm.run import task_format
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import MultipleChoice, OpenQA, builtin_multiple_choice
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import resolve_prompt_settings
 from llm_calib.scoring import score_option_likelihood
 
 # options of different lengths in characters, bytes and tokens (so the normalisations disagree)
@@ -32,7 +34,7 @@ def test_training_scores_equal_evaluation_scores(normalize):
     model, tok = tiny_random_model(seed=0, init_std=0.1)
     want = score_option_likelihood(model, tok, QUESTIONS, normalize=normalize)
     config = CalibrationConfig(prompt={"normalize": normalize})
-    enc = encode_records(tok, QUESTIONS, config)
+    enc = encode_records(tok, QUESTIONS, task_format(QUESTIONS, resolve_prompt_settings(config.prompt)))
     lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))  # LoRA B = 0: the base model
     losses = CalmLosses(lm, LogitAdjustment("vector", lm.head.out_features), normalize)
     got = losses.scores(None, None, enc.batch(range(len(QUESTIONS)), tok.pad_token_id))
@@ -59,7 +61,7 @@ def test_char_differs_from_sum_and_mean():
 def test_char_on_open_questions_is_a_clear_error():
     model, tok = tiny_random_model()
     qs = [OpenQA("What is 1 + 1?", ("2",), "sums", "s0")]
-    enc = encode_records(tok, qs, CalibrationConfig())
+    enc = encode_records(tok, qs, task_format(qs, resolve_prompt_settings(CalibrationConfig().prompt)))
     lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
     losses = CalmLosses(lm, LogitAdjustment("vector", lm.head.out_features), "char")
     with pytest.raises(ValueError, match="needs multiple-choice options"):
@@ -84,7 +86,7 @@ def test_training_under_an_lm_eval_preset_scores_like_evaluate():
     model, tok = tiny_random_model(seed=0, init_std=0.1)
     want = score_option_likelihood(model, tok, QUESTIONS, normalize="char", prompt=preset("lm_eval_arc"))
     config = CalibrationConfig(prompt={"normalize": "char", "preset": "lm_eval_arc"})
-    enc = encode_records(tok, QUESTIONS, config)
+    enc = encode_records(tok, QUESTIONS, task_format(QUESTIONS, resolve_prompt_settings(config.prompt)))
     assert tok.decode(enc.prompts[0]).startswith("Question: Capital of Switzerland?\nAnswer:")
     lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2)))
     got = CalmLosses(lm, LogitAdjustment("vector", lm.head.out_features), "char").scores(
@@ -93,7 +95,7 @@ def test_training_under_an_lm_eval_preset_scores_like_evaluate():
         torch.testing.assert_close(got[i, : len(w)].double(), w.double(), atol=2e-5, rtol=0)
     # a template given as on the command line ("\n" escaped) is the same prompt
     escaped = CalibrationConfig(prompt={"template": "Question: {question}\\nAnswer:", "chat_template": False})
-    assert encode_records(tok, QUESTIONS, escaped).prompts == enc.prompts
+    assert encode_records(tok, QUESTIONS, task_format(QUESTIONS, resolve_prompt_settings(escaped.prompt))).prompts == enc.prompts
 
 
 def test_calibrate_cli_prompt_preset_is_recorded_and_checked_at_evaluation(tiny_model_dir, tmp_path, capsys):

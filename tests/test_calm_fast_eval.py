@@ -21,12 +21,14 @@ from llm_calib.calm.fast_eval import (
     trunk_scores,
 )
 from llm_calib.calm.lora import FunctionalLM, attach_lora
+from llm_calib.calm.run import task_format
 from llm_calib.confidence.token import encode_open_prompts, score_open_ended
-from llm_calib.config.calibration import CalibrationConfig, LoraSettings
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings, PromptSettings
 from llm_calib.data import MultipleChoice, OpenQA, builtin_multiple_choice
 from llm_calib.engine.decode import GenOut, TrunkGenerator
 from llm_calib.metrics.calibration import ece
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import resolve_prompt_settings
 from llm_calib.prompts.templates import short_answer_format
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
@@ -61,7 +63,7 @@ def test_trunk_cached_scores_equal_the_plain_scorer_on_the_merged_model() -> Non
         MultipleChoice("Pick the city.", ("Paris", "Lyon", "dog", "2 + 3", "Rome"), 4, "x", "x1"),
     ]
     cfg = CalibrationConfig(lora=LoraSettings(rank=2, layers=(2,)))
-    enc = encode_records(tok, records, cfg)
+    enc = encode_records(tok, records, task_format(records, resolve_prompt_settings(cfg.prompt)))
     pad = tok.pad_token_id
     base = base_scores(model, enc, 2, 4, pad, "sum")
     assert len(enc.trunk_cache) == len(records)
@@ -158,7 +160,7 @@ def test_shared_trunk_eval_answers_open_questions_with_the_configs_short_answer_
     model, tok = tiny_random_model(seed=0, num_layers=3)
     examples = (("What is 1 plus 1?", "2"), ("Name the capital of Italy.", "Rome"))
     recs = [OpenQA(f"What is {a} plus {b}?", (str(a + b),), "sums", f"s{a}{b}") for a in range(3) for b in range(3)]
-    ev = SharedTrunkEval(model, tok, {"sums": recs}, 2, config=CalibrationConfig(prompt=dict(open_examples=examples)),
+    ev = SharedTrunkEval(model, tok, {"sums": recs}, 2, settings=resolve_prompt_settings(PromptSettings(open_examples=examples)),
                          batch_size=4, max_new_tokens=5)
     fmt = short_answer_format(examples)
     adapted_model = _adapted(model)
@@ -213,8 +215,8 @@ def test_fit_open_temperature_minimises_the_log_loss_on_the_grid() -> None:
 def test_fill_trunk_caches_computes_each_missing_trunk_once() -> None:
     model, tok = tiny_random_model(seed=0, num_layers=3)
     cfg = CalibrationConfig(lora=LoraSettings(rank=2, layers=(2,)))
-    a = encode_records(tok, builtin_multiple_choice(n_per_domain=20, domains=["capitals"]), cfg)
-    b = encode_records(tok, builtin_multiple_choice(n_per_domain=3, domains=["arithmetic"]), cfg)
+    a = encode_records(tok, builtin_multiple_choice(n_per_domain=20, domains=["capitals"]), task_format(builtin_multiple_choice(n_per_domain=20, domains=['capitals']), resolve_prompt_settings(cfg.prompt)))
+    b = encode_records(tok, builtin_multiple_choice(n_per_domain=3, domains=["arithmetic"]), task_format(builtin_multiple_choice(n_per_domain=3, domains=['arithmetic']), resolve_prompt_settings(cfg.prompt)))
     b.trunk_cache[0] = torch.zeros(1)  # already cached: not counted (its chunk is computed whole)
     updates: list[int] = []
 

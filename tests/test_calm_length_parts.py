@@ -15,10 +15,12 @@ from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses
+from llm_calib.calm.run import task_format
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.engine.packing import length_parts
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import resolve_prompt_settings
 from llm_calib.training_interface import Batch
 
 
@@ -78,7 +80,7 @@ def run():
     lm = FunctionalLM(attach_lora(model.double(), LoraSettings(rank=2, layers=(1, 2))))
     theta = {k: 0.05 * torch.randn_like(v) for k, v in lm.theta().items()}
     qs = builtin_multiple_choice(n_per_domain=3)
-    enc = encode_records(tok, qs, CalibrationConfig())
+    enc = encode_records(tok, qs, task_format(qs, resolve_prompt_settings(CalibrationConfig().prompt)))
     # the longest and shortest questions side by side: the whole batch is mostly padding for the short ones
     by_length = sorted(range(len(qs)), key=enc.length)
     idx = [by_length[-1], by_length[0], by_length[1], by_length[-2], by_length[len(qs) // 2]]

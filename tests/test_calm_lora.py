@@ -10,9 +10,11 @@ import torch
 
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
+from llm_calib.calm.run import resolve_run, task_format
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,7 @@ def scaled():
     model = model.double()
     lm = FunctionalLM(attach_lora(model, LoraSettings(rank=2, layers=(1, 2)), output_scale=True))
     theta = {k: (0.05 * torch.randn_like(v) if "lora_" in k else v) for k, v in lm.theta().items()}
-    enc = encode_records(tok, builtin_multiple_choice(n_per_domain=2), CalibrationConfig())
+    enc = encode_records(tok, builtin_multiple_choice(n_per_domain=2), task_format(builtin_multiple_choice(n_per_domain=2), resolve_prompt_settings(CalibrationConfig().prompt)))
     return lm, theta, enc
 
 
@@ -118,3 +120,115 @@ def test_top_layers_adapts_only_the_top_layers_and_explicit_layers_win() -> None
         attach_lora(model, LoraSettings(layers=(n,)))
     with pytest.raises(ValueError, match="top_layers must be an int >= 1"):
         LoraSettings(top_layers=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# training.compile: the trained layers as compiled graphs, the same numbers
+
+
+def _compiled_runs(objective: dict, layers: tuple[int, ...], backend: str | None, monkeypatch) -> tuple:
+    """θ, λ and the per-step losses of 3 steps, eager and with training.compile (``backend``: the
+    torch.compile backend; aot_eager captures the same graphs without inductor's code generation)."""
+    from llm_calib.calm import training
+
+    calls = {"n": 0}
+    real = torch.compile
+
+    def counting_compile(fn, **kwargs):
+        compiled = real(fn, **({**kwargs, "backend": backend} if backend else kwargs))
+
+        def run(*args, **kw):
+            calls["n"] += 1
+            return compiled(*args, **kw)
+
+        return run
+
+    qs = builtin_multiple_choice(n_per_domain=4, seed=0, domains=["capitals", "arithmetic"])
+    out = []
+    for compile_ in (False, True):
+        model, tok = tiny_random_model(seed=0, init_std=0.1)
+        cfg = CalibrationConfig.from_dict({"objective": objective, "lora": {"rank": 2, "layers": list(layers)},
+                                           "training": {"batch_size": 4, "heldout_batch_size": 4, "lr": 1e-2,
+                                                        "compile": compile_}})
+        with monkeypatch.context() as m:
+            m.setattr(torch, "compile", counting_compile)
+            trainer = training.build_trainer(model, tok, qs[::2], qs[1::2], resolve_run(cfg, qs[::2], qs[1::2]))
+            assert trainer.lm.compiled is compile_
+            state = training.init_state(trainer, evaluate_before=False)
+            records = [training.train_step(trainer, state) for _ in range(3)]
+            metrics = training.evaluate(trainer)  # the no-grad pass compiled too
+        out.append((state.theta, state.objective_state.lam, records, metrics))
+    return (*out, calls["n"])
+
+
+@pytest.mark.parametrize("objective", [{"name": "calm"}, {"name": "lora_ce"}], ids=["calm", "lora_ce"])
+@pytest.mark.parametrize("layers", [(0, 1), (1,)], ids=["every-layer", "trunk-cached"])
+def test_the_compiled_step_computes_the_eager_step(objective, layers, monkeypatch):
+    (t0, l0, r0, m0), (t1, l1, r1, m1), calls = _compiled_runs(objective, layers, "aot_eager", monkeypatch)
+    assert calls >= 3 * (7 if objective["name"] == "calm" else 1)  # every loss evaluation went through it
+    for k in t0:
+        torch.testing.assert_close(t1[k], t0[k], rtol=1e-5, atol=1e-6, msg=k)
+    for k in l0:
+        torch.testing.assert_close(l1[k], l0[k], rtol=1e-5, atol=1e-6, msg=k)
+    for a, b in zip(r0, r1, strict=True):
+        assert a.keys() == b.keys() and all(b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6) for k in a)
+    assert m1 == pytest.approx(m0, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_the_inductor_compiled_step_computes_the_eager_step(monkeypatch):
+    """The real thing (inductor's generated kernels, about a minute of compiling on a CPU)."""
+    from hypergrad.compiled import compiler_available
+
+    if not compiler_available()[0]:
+        pytest.skip("no C++ compiler for inductor")
+    (t0, l0, r0, _), (t1, l1, r1, _), _ = _compiled_runs({"name": "calm"}, (1,), None, monkeypatch)
+    for k in l0:
+        torch.testing.assert_close(l1[k], l0[k], rtol=1e-4, atol=1e-5, msg=k)
+    for k in t0:
+        torch.testing.assert_close(t1[k], t0[k], rtol=1e-4, atol=1e-5, msg=k)
+    for a, b in zip(r0, r1, strict=True):
+        assert all(b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-5) for k in a)
+
+
+def test_compile_refuses_what_it_cannot_compile():
+    from llm_calib.calm import training
+    from llm_calib.models import enable_checkpointing
+
+    qs = builtin_multiple_choice(n_per_domain=2, seed=0, domains=["capitals"])
+    model, tok = tiny_random_model(seed=0)
+    implicit = CalibrationConfig.from_dict({"objective": {"name": "calm", "solver": {"name": "implicit"}},
+                                            "training": {"compile": True}})
+    with pytest.raises(ValueError, match=r"training\.compile: the compiled step takes first derivatives"):
+        training.build_trainer(model, tok, qs[:1], qs[1:], resolve_run(implicit, qs[:1], qs[1:]))
+    model, tok = tiny_random_model(seed=0)
+    enable_checkpointing(model)
+    with pytest.raises(ValueError, match="does not combine with gradient checkpointing"):
+        compiled = CalibrationConfig.from_dict({"training": {"compile": True}})
+        training.build_trainer(model, tok, qs[:1], qs[1:], resolve_run(compiled, qs[:1], qs[1:]))
+    with pytest.raises(ValueError, match=r"training\.compile must be true or false"):
+        CalibrationConfig.from_dict({"training": {"compile": "yes"}})
+
+
+def test_a_compiled_graph_reused_by_a_later_run_computes_with_that_runs_weights(monkeypatch):
+    """One process, several runs (llm_calib.compare does that): dynamo reuses the graph of the first
+    run; the frozen weights and θ are its inputs, never constants of the first model."""
+    from llm_calib.calm import training
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
+    qs = builtin_multiple_choice(n_per_domain=4, seed=0, domains=["capitals"])
+
+    def run(seed: int, compile_: bool) -> tuple[float, float]:
+        model, tok = tiny_random_model(seed=seed)
+        cfg = CalibrationConfig.from_dict({"objective": {"name": "lora_ce"}, "lora": {"rank": 2, "layers": [1]},
+                                           "training": {"batch_size": 2, "heldout_batch_size": 2, "compile": compile_}})
+        trainer = training.build_trainer(model, tok, qs[:2], qs[2:], resolve_run(cfg, qs[:2], qs[2:]))
+        state = training.init_state(trainer, evaluate_before=False)
+        return training.train_step(trainer, state)["loss"], training.evaluate(trainer)["nll"]
+
+    compiled = [run(seed, True) for seed in (0, 1, 2)]
+    eager = [run(seed, False) for seed in (0, 1, 2)]
+    assert len({c[0] for c in compiled}) == 3  # different models, different losses
+    for c, e in zip(compiled, eager, strict=True):
+        assert c == pytest.approx(e, rel=1e-5)

@@ -11,10 +11,12 @@ from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses
+from llm_calib.calm.run import task_format
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.formats.categorical import cross_entropy, entropy
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def setup():
     adjustment = LogitAdjustment("vector", lm.head.out_features)
     losses = CalmLosses(lm, adjustment)
     qs = builtin_multiple_choice(n_per_domain=2)
-    enc = encode_records(tok, qs, CalibrationConfig())
+    enc = encode_records(tok, qs, task_format(qs, resolve_prompt_settings(CalibrationConfig().prompt)))
     return lm, theta, adjustment, losses, enc, qs
 
 

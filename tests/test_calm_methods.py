@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hypergrad as hg
+from llm_calib.calm.run import resolve_run
 from llm_calib.calm.trainer import calibrate
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
@@ -21,7 +22,7 @@ def test_the_implicit_solver_builds_its_method_from_the_runs_theta_optimizer() -
     from llm_calib.calm.run import theta_optimizer
 
     cfg = CalibrationConfig(objective=Calm(solver=ImplicitSolver(inner_steps=3, maxiter=7, damping=0.5)), training=dict(lr=2e-3))
-    solver = cfg.objective.solver.build(theta_optimizer(cfg))
+    solver = cfg.objective.solver.build(theta_optimizer(cfg.lora, cfg.training.lr))
     assert cfg.objective.second_order and ImplicitSolver.second_order  # under torchrun its units stay gathered
     assert isinstance(solver, hg.AlternatingImplicit)
     assert solver.inner_steps == 3 and solver.inner_optimizer.lr == 2e-3
@@ -72,5 +73,5 @@ def test_auto_adjustment_trains_an_option_temperature_on_option_scores() -> None
 
     qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
     trainer = build_trainer(tiny_random_model()[0], tiny_random_model()[1], qs[:2], qs[2:],
-                            CalibrationConfig(objective=Calm(adjustment="auto"), training=dict(steps=1, batch_size=2, heldout_batch_size=2)))
+                            resolve_run(CalibrationConfig(objective=Calm(adjustment="auto"), training=dict(steps=1, batch_size=2, heldout_batch_size=2)), qs[:2], qs[2:]))
     assert trainer.adjustment.kind == "option_temperature"

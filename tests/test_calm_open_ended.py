@@ -13,6 +13,7 @@ from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.encoding import EncodingCache, encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses
+from llm_calib.calm.run import resolve_run, task_format
 from llm_calib.calm.trainer import (
     CalibrationResult,
     TrainingDiverged,
@@ -22,11 +23,13 @@ from llm_calib.confidence.token import encode_open_prompts
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice, one_record_per_alias
 from llm_calib.data.records import OpenQA
-from llm_calib.engine.decode import finish_answer, generate_greedy
+from llm_calib.engine.decode import generate_greedy
+from llm_calib.engine.generation import finish_answer
 from llm_calib.engine.packing import pack_continuations
 from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.formats import OpenEnded
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import resolve_prompt_settings
 from llm_calib.prompts.templates import PromptFormat, short_answer_format
 from llm_calib.scoring.base import encode_continuation
 from llm_calib.training_interface import Batch
@@ -49,7 +52,7 @@ def setup():
     adjustment = LogitAdjustment("vector", lm.head.out_features)
     losses = CalmLosses(lm, adjustment)
     records = open_records(3)
-    enc = encode_records(tok, records, CalibrationConfig())
+    enc = encode_records(tok, records, task_format(records, resolve_prompt_settings(CalibrationConfig().prompt)))
     return lm, theta, adjustment, losses, enc, tok
 
 
@@ -91,7 +94,7 @@ def test_short_answer_encoding_ends_the_target_with_the_stop_token_of_the_exampl
     *_, tok = setup
     records = open_records(2)
     cfg = CalibrationConfig(prompt=dict(open_examples=EXAMPLES))
-    enc = encode_records(tok, records, cfg)
+    enc = encode_records(tok, records, task_format(records, resolve_prompt_settings(cfg.prompt)))
     assert [list(p) for p in enc.prompts] == encode_open_prompts(tok, records, short_answer_format(EXAMPLES))
     prompt = list(enc.prompts[0])
     rome = encode_continuation(tok, " Rome")
@@ -102,12 +105,15 @@ def test_short_answer_encoding_ends_the_target_with_the_stop_token_of_the_exampl
         done = finish_answer(tok, list(target), [0.5] * len(target), {tok.eos_token_id})
         assert (done.stop, done.text, done.token_ids) == ("newline", rec.answers[0], tuple(answer))
     # the chat prompt keeps the bare answer (no stop token), and the cache tells the two apart
-    chat = encode_records(tok, records, CalibrationConfig())
+    chat = encode_records(tok, records, task_format(records, resolve_prompt_settings(CalibrationConfig().prompt)))
     assert [list(o[0]) for o in chat.options] == [encode_continuation(tok, " " + r.answers[0]) for r in records]
     assert enc.batch([0, 1], 0).answer_stop and not chat.batch([0, 1], 0).answer_stop
     cache = EncodingCache()
-    assert cache(tok, records, cfg) is cache(tok, records, CalibrationConfig(training=dict(lr=0.1), prompt=dict(open_examples=EXAMPLES)))
-    assert cache(tok, records, cfg) is not cache(tok, records, CalibrationConfig())
+    def run(config):
+        return resolve_run(config, records, records)
+
+    assert cache(tok, records, run(cfg)) is cache(tok, records, run(CalibrationConfig(training=dict(lr=0.1), prompt=dict(open_examples=EXAMPLES))))
+    assert cache(tok, records, run(cfg)) is not cache(tok, records, run(CalibrationConfig()))
 
 
 def test_adjusted_loss_equals_a_hand_computation(setup):
@@ -309,9 +315,9 @@ def test_mixing_record_kinds_raises_naming_the_record(data):
     with pytest.raises(ValueError, match=rf"heldout: record '{heldout[0].id}' is OpenQA"):
         calibrate(model, tok, mc, heldout, _cfg(), progress=False)
     with pytest.raises(ValueError, match=r"record 'x' is a SimpleNamespace"):
-        encode_records(tok, [*train[:1], SimpleNamespace(id="x", question="q?")], _cfg())
+        encode_records(tok, [*train[:1], SimpleNamespace(id="x", question="q?")], task_format([*train[:1], SimpleNamespace(id='x', question='q?')], resolve_prompt_settings(_cfg().prompt)))
     with pytest.raises(ValueError, match=r"record at position 1 is a dict"):
-        encode_records(tok, [*train[:1], {"question": "q?"}], _cfg())
+        encode_records(tok, [*train[:1], {"question": "q?"}], task_format([*train[:1], {'question': 'q?'}], resolve_prompt_settings(_cfg().prompt)))
     unanswerable = OpenQA("What happens after death?", (), "selfaware", "sa-1", answerable=False)
     with pytest.raises(ValueError, match="'sa-1' has no reference answer"):
         calibrate(model, tok, train, [*heldout, unanswerable], _cfg(), progress=False)
@@ -332,7 +338,7 @@ def test_save_load_gives_identical_teacher_forced_scores(data, tmp_path):
                        progress=False)
     assert result.metrics["after"]["selected_step"] > 0  # the adapter differs from the base model
     loaded = CalibrationResult.load(result.save(tmp_path / "res"), tiny_random_model(seed=0, init_std=0.1)[0])
-    enc = encode_records(tok, heldout, result.config)
+    enc = encode_records(tok, heldout, task_format(heldout, resolve_prompt_settings(result.config.prompt)))
     original, again = _teacher_forced_logprobs(result.model, enc), _teacher_forced_logprobs(loaded.model, enc)
     base = _teacher_forced_logprobs(tiny_random_model(seed=0, init_std=0.1)[0], enc)
     assert torch.allclose(original, again, atol=1e-6, rtol=0)

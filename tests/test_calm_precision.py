@@ -13,9 +13,11 @@ from _configs import configured
 from llm_calib.calm import training
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
+from llm_calib.calm.run import resolve_run, task_format
 from llm_calib.config.calibration import LoraSettings
 from llm_calib.data import load
 from llm_calib.models import enable_checkpointing, tiny_random_model
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 TRAIN = "builtin:arithmetic,capitals:n=4"
 HELDOUT = "builtin:arithmetic,capitals:n=4,seed=1"
@@ -32,7 +34,7 @@ def _config(**kw):
 
 
 def _run(model, tok, cfg, steps=3):
-    trainer = training.build_trainer(model, tok, load(TRAIN).records, load(HELDOUT).records, cfg)
+    trainer = training.build_trainer(model, tok, load(TRAIN).records, load(HELDOUT).records, resolve_run(cfg, load(TRAIN).records, load(HELDOUT).records))
     state = training.init_state(trainer)
     records = [training.train_step(trainer, state) for _ in range(steps)]
     return trainer, state, records, training.evaluate(trainer, state.theta)
@@ -88,7 +90,7 @@ def _g_and_grads(lm_layers, checkpointing, seed=0):
     if checkpointing:
         enable_checkpointing(model)
     cfg = _config(lora=dict(rank=2, layers=lm_layers))
-    trainer = training.build_trainer(model, tok, load(TRAIN).records, load(HELDOUT).records, cfg)
+    trainer = training.build_trainer(model, tok, load(TRAIN).records, load(HELDOUT).records, resolve_run(cfg, load(TRAIN).records, load(HELDOUT).records))
     theta0 = trainer.lm.theta()
     gen = torch.Generator().manual_seed(seed)
     theta = {k: (v + 0.2 * torch.randn(v.shape, generator=gen)).requires_grad_(True) for k, v in theta0.items()}
@@ -126,7 +128,7 @@ def test_train_mode_applies_lora_dropout_only_in_steps():
     for dropout in (0.0, 0.5):
         model, tok = tiny_random_model(seed=0, init_std=0.1)
         cfg = _config(lora=dict(rank=2, layers=[1], dropout=dropout))
-        trainer = training.build_trainer(model, tok, load(TRAIN).records, load(HELDOUT).records, cfg)
+        trainer = training.build_trainer(model, tok, load(TRAIN).records, load(HELDOUT).records, resolve_run(cfg, load(TRAIN).records, load(HELDOUT).records))
         theta = {k: v + 0.3 for k, v in trainer.lm.theta().items()}  # nonzero LoRA output
         lam = trainer.adjustment.init(dtype=torch.float32)
         batch = trainer.train_batch(0)
@@ -148,7 +150,7 @@ def test_option_sequences_equal_the_packed_layout(layers, normalize, mc_records)
     layout's option scores (float32, 1e-5) and gradients."""
     model, tok = tiny_random_model(seed=0, init_std=0.1)
     cfg = _config(lora=dict(rank=2, layers=layers), prompt=dict(normalize=normalize))
-    trainer = training.build_trainer(model, tok, mc_records[:5], mc_records[5:], cfg)
+    trainer = training.build_trainer(model, tok, mc_records[:5], mc_records[5:], resolve_run(cfg, mc_records[:5], mc_records[5:]))
     lm, losses = trainer.lm, trainer.losses
     assert lm.packed_masks
     gen = torch.Generator().manual_seed(1)
@@ -156,7 +158,7 @@ def test_option_sequences_equal_the_packed_layout(layers, normalize, mc_records)
     out = {}
     for packed_masks in (True, False):
         lm.packed_masks = packed_masks
-        enc = encode_records(tok, mc_records, cfg)  # fresh trunk cache, computed in this layout
+        enc = encode_records(tok, mc_records, task_format(mc_records, resolve_prompt_settings(cfg.prompt)))  # fresh trunk cache, computed in this layout
         batch = enc.batch(range(len(mc_records)), trainer.pad_id, lm)
         scores = losses.scores(theta, None, batch)
         grads = torch.autograd.grad(scores.logsumexp(-1).sum(), list(theta.values()))
@@ -245,7 +247,7 @@ def test_unknown_decoder_falls_back_to_the_full_forward(caplog, mc_records):
     assert not lm.caches_trunk
     assert any("trunk cache off for GemmaModel" in r.getMessage() for r in caplog.records)
     cfg = _config(lora=dict(rank=2, layers=[1], output_scale=False))
-    enc = encode_records(tok, mc_records, cfg)
+    enc = encode_records(tok, mc_records, task_format(mc_records, resolve_prompt_settings(cfg.prompt)))
     batch = enc.batch(range(len(mc_records)), tok.pad_token_id, lm)
     assert batch.trunk is None
     hidden = lm.hidden_rows(None, batch.packed)
@@ -325,7 +327,7 @@ def test_4bit_gradients_are_those_of_the_dequantised_weights(tmp_path):
     assert replaced == 14  # 7 projections x 2 layers
     out = {}
     for key, model in (("4bit", quantised), ("dequantised", reference)):
-        trainer = training.build_trainer(model, tok, load(TRAIN).records, load(HELDOUT).records, _config())
+        trainer = training.build_trainer(model, tok, load(TRAIN).records, load(HELDOUT).records, resolve_run(_config(), load(TRAIN).records, load(HELDOUT).records))
         training.init_state(trainer)  # an evaluation without gradients first, as in every run
         theta = {k: (v + 0.05).requires_grad_(True) for k, v in trainer.lm.theta().items()}
         loss = trainer.losses.inner(theta, trainer.adjustment.init(dtype=torch.float32), trainer.train_batch(0))

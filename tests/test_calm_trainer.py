@@ -21,13 +21,14 @@ import llm_calib
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM
 from llm_calib.calm.losses import CalmLosses
 from llm_calib.calm.trainer import CalibrationResult, TrainingDiverged, calibrate
-from llm_calib.config.calibration import CalibrationConfig, LoraSettings, open_prompt_format
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import load as load_data
 from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint
 from llm_calib.formats import score_multiple_choice
 from llm_calib.models import tiny_random_model
 from llm_calib.objectives.calm import F2SA, Bome, Calm
 from llm_calib.objectives.confidence_penalty import ConfidencePenalty
+from llm_calib.prompts.resolution import open_prompt_format
 from llm_calib.prompts.templates import PromptFormat, short_answer_format
 
 REPO = Path(__file__).resolve().parents[1]
@@ -461,12 +462,12 @@ def test_config_yaml_round_trip_and_unknown_key(tmp_path):
 
 
 def test_open_prompt_format_is_the_chat_prompt_or_the_short_answer_prompt():
-    assert open_prompt_format(CalibrationConfig()) == PromptFormat()
-    assert open_prompt_format(CalibrationConfig(prompt=dict(chat_template=False))) == PromptFormat(chat_template=False)
+    assert open_prompt_format(CalibrationConfig().prompt) == PromptFormat()
+    assert open_prompt_format(CalibrationConfig(prompt=dict(chat_template=False)).prompt) == PromptFormat(chat_template=False)
     examples = (("Capital of Italy?", "Rome"), ("2 + 2?", "4"))
-    assert open_prompt_format(CalibrationConfig(prompt=dict(open_examples=examples))) == short_answer_format(examples)
+    assert open_prompt_format(CalibrationConfig(prompt=dict(open_examples=examples)).prompt) == short_answer_format(examples)
     # the few-shot prompt is plain text whatever chat_template says
-    assert open_prompt_format(CalibrationConfig(prompt=dict(open_examples=examples, chat_template=True))).chat_template is False
+    assert open_prompt_format(CalibrationConfig(prompt=dict(open_examples=examples, chat_template=True)).prompt).chat_template is False
 
 
 @pytest.mark.parametrize(("solver", "method_class"), [("bome", "BOME"), ("f2sa", "Penalty")])

@@ -17,11 +17,12 @@ from harness.selection import best_candidate
 
 from llm_calib.calm import training
 from llm_calib.calm.encoding import encode_records
-from llm_calib.calm.run import theta_optimizer
+from llm_calib.calm.run import resolve_run, task_format, theta_optimizer
 from llm_calib.calm.trainer import calibrate
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import load as load_data
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import resolve_prompt_settings
 from llm_calib.prompts.templates import PromptFormat
 from llm_calib.scoring import score_option_likelihood
 
@@ -75,11 +76,11 @@ def test_the_public_loop_is_what_calibrate_runs(data, tok, method):
     cfg = _cfg(objective=dict(name=method))
     result = calibrate(_model(), tok, train, heldout, cfg, progress=False)
 
-    trainer = training.build_trainer(_model(), tok, train, heldout, cfg)
+    trainer = training.build_trainer(_model(), tok, train, heldout, resolve_run(cfg, train, heldout))
     state = training.init_state(trainer)
     while not training.done(trainer, state):
         record = training.train_step(trainer, state)
-        if training.evaluation_due(cfg, state.step):
+        if training.evaluation_due(trainer, state.step):
             record.update(training.select(trainer, state, training.evaluate(trainer, state.theta)))
         state.history.append(record)
     after = training.evaluate(trainer, state.best_theta)
@@ -105,7 +106,7 @@ def test_step_records_hold_g_and_the_unlabelled_entropy(data, tok):
     training batch and the recorded entropy the base model's on the unlabelled batch, both
     computed here by the evaluation scorer on the same records."""
     train, heldout, unlabeled = data
-    trainer = training.build_trainer(_model(), tok, train, heldout, _cfg(prompt=dict(normalize="mean")), unlabeled=unlabeled)
+    trainer = training.build_trainer(_model(), tok, train, heldout, resolve_run(_cfg(prompt=dict(normalize="mean")), train, heldout, unlabeled), unlabeled=unlabeled)
     inner_ids, outer_ids = trainer.train_batch(0).ids, trainer.unlabeled_batch(0).ids
     state = training.init_state(trainer)
     record = training.train_step(trainer, state)
@@ -146,7 +147,7 @@ def test_confidence_penalty_takes_its_entropy_on_the_unlabelled_batch(data, tok)
     """loss = CE(training batch) - β·H(unlabelled batch) at step 1, from an independent computation."""
     train, heldout, unlabeled = data
     beta = 0.7
-    trainer = training.build_trainer(_model(), tok, train, heldout, _cfg(objective=dict(name="confidence_penalty", beta=beta), prompt=dict(normalize="mean")),
+    trainer = training.build_trainer(_model(), tok, train, heldout, resolve_run(_cfg(objective=dict(name="confidence_penalty", beta=beta), prompt=dict(normalize="mean")), train, heldout, unlabeled),
                                      unlabeled=unlabeled)
     inner_ids, outer_ids = trainer.train_batch(0).ids, trainer.unlabeled_batch(0).ids
     assert not set(inner_ids) & set(outer_ids)
@@ -164,9 +165,9 @@ def test_confidence_penalty_takes_its_entropy_on_the_unlabelled_batch(data, tok)
 def test_f2sa_steps_with_inner_lr_and_defaults_to_lr(data, tok):
     train, heldout, _ = data
     cfg = _cfg(objective=dict(solver=dict(name="f2sa")), training=dict(steps=2), selection=dict(eval_every=1))
-    assert cfg.objective.solver.build(theta_optimizer(cfg)).inner_optimizer.lr == cfg.training.lr  # default: θ's rate, as before inner_lr was read
+    assert cfg.objective.solver.build(theta_optimizer(cfg.lora, cfg.training.lr)).inner_optimizer.lr == cfg.training.lr  # default: θ's rate, as before inner_lr was read
     fast = _inner_lr(cfg, 0.05)
-    assert fast.objective.solver.build(theta_optimizer(fast)).inner_optimizer.lr == 0.05
+    assert fast.objective.solver.build(theta_optimizer(fast.lora, fast.training.lr)).inner_optimizer.lr == 0.05
     default = calibrate(_model(), tok, train, heldout, cfg, progress=False)
     same = calibrate(_model(), tok, train, heldout, _inner_lr(cfg, cfg.training.lr), progress=False)
     _assert_same(_final(default), _final(same))
@@ -177,7 +178,7 @@ def test_f2sa_steps_with_inner_lr_and_defaults_to_lr(data, tok):
 def test_an_encoding_is_reused_with_its_trunk_cache(data, tok):
     train, heldout, _ = data
     cfg = _cfg(objective=dict(name="lora_ce"))
-    enc_train, enc_held = encode_records(tok, train, cfg), encode_records(tok, heldout, cfg)
+    enc_train, enc_held = encode_records(tok, train, task_format(train, resolve_prompt_settings(cfg.prompt))), encode_records(tok, heldout, task_format(heldout, resolve_prompt_settings(cfg.prompt)))
     first = calibrate(_model(), tok, enc_train, enc_held, cfg, progress=False)
     assert len(enc_train.trunk_cache) == len(train) and len(enc_held.trunk_cache) == len(heldout)
     cached = {i: v.clone() for i, v in enc_train.trunk_cache.items()}
@@ -193,14 +194,14 @@ def test_unlabeled_of_another_kind_is_rejected(data, tok):
 
     train, heldout, _ = data
     with pytest.raises(ValueError, match="unlabeled"):
-        training.build_trainer(_model(), tok, train, heldout, _cfg(), unlabeled=[OpenQA("q?", ("a",), "d", "o1")])
+        training.build_trainer(_model(), tok, train, heldout, resolve_run(_cfg(), train, heldout, [OpenQA("q?", ("a",), "d", "o1")]), unlabeled=[OpenQA("q?", ("a",), "d", "o1")])
 
 
 def test_is_selectable_is_the_guard_of_select(data, tok):
     cfg = _cfg(selection=dict(guard_accuracy=0.9))
-    assert training.is_selectable(0.9, 1.0, cfg) and not training.is_selectable(0.899, 1.0, cfg)
+    assert training.is_selectable(0.9, 1.0, cfg.selection) and not training.is_selectable(0.899, 1.0, cfg.selection)
     train, heldout, _ = data
-    trainer = training.build_trainer(_model(), tok, train, heldout, cfg)
+    trainer = training.build_trainer(_model(), tok, train, heldout, resolve_run(cfg, train, heldout))
     state = training.init_state(trainer)
     state.before = {**state.before, "accuracy": 1.0}
     training.select(trainer, state, {"accuracy": 0.95, "ece": state.before["ece"] - 0.1})
@@ -227,27 +228,143 @@ def test_fill_trunk_caches_and_the_encoding_cache() -> None:
     model, tok = tiny_random_model(seed=0, num_layers=2)
     qs = load_data("builtin:capitals:n=6").records
     cache, cfg = EncodingCache(), CalibrationConfig(lora=LoraSettings(rank=2, layers=(1,)))
-    train = cache(tok, qs, cfg)
-    assert cache(tok, list(qs), dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, lr=0.5), seed=3)) is train  # settings that do not encode
-    assert cache(tok, qs, dataclasses.replace(cfg, prompt=dataclasses.replace(cfg.prompt, style="listed"))) is not train
-    assert cache(tok, qs, dataclasses.replace(cfg, lora=LoraSettings(rank=2, layers=(0, 1)))) is not train
-    assert cache(tok, qs[:4], cfg) is not train and len(cache.encodings) == 4
-    tr = training.build_trainer(copy.deepcopy(model), tok, train, cache(tok, qs[:4], cfg), cfg)
+
+    def run(config):
+        return resolve_run(config, qs, qs)
+
+    train = cache(tok, qs, run(cfg))
+    assert cache(tok, list(qs), run(dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, lr=0.5), seed=3))) is train  # settings that do not encode
+    assert cache(tok, qs, run(dataclasses.replace(cfg, prompt=dataclasses.replace(cfg.prompt, style="listed")))) is not train
+    assert cache(tok, qs, run(dataclasses.replace(cfg, lora=LoraSettings(rank=2, layers=(0, 1))))) is not train
+    assert cache(tok, qs[:4], run(cfg)) is not train and len(cache.encodings) == 4
+    tr = training.build_trainer(copy.deepcopy(model), tok, train, cache(tok, qs[:4], run(cfg)), resolve_run(cfg, train, cache(tok, qs[:4], run(cfg))))
     assert tr.fill_trunk_caches() == 10 and len(train.trunk_cache) == 6
     ref = tr.lm.trunk_hidden(train.pack([2], tok.pad_token_id))[0, : train.length(2)]
     torch.testing.assert_close(train.trunk_cache[2], ref)
-    everywhere = training.build_trainer(copy.deepcopy(model), tok, qs, qs, CalibrationConfig(lora=LoraSettings(rank=2)))
+    everywhere = training.build_trainer(copy.deepcopy(model), tok, qs, qs, resolve_run(CalibrationConfig(lora=LoraSettings(rank=2)), qs, qs))
     assert everywhere.fill_trunk_caches() == 0  # no trunk below LoRA on every layer
 
 
 def test_a_small_heldout_split_warns_that_the_guard_is_noise(data, tok):
     train, heldout, _ = data
     with pytest.warns(UserWarning, match=r"8 held-out questions.*at least 500"):
-        training.build_trainer(_model(), tok, train, heldout, _cfg(selection=dict(guard_accuracy=0.95)))
+        training.build_trainer(_model(), tok, train, heldout, resolve_run(_cfg(selection=dict(guard_accuracy=0.95)), train, heldout))
     # no guard, no warning; 500 questions, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        training.build_trainer(_model(), tok, train, heldout, _cfg(selection=dict(guard_accuracy=0.0)))
-        assert not training.warn_small_heldout(training.MIN_GUARD_QUESTIONS, CalibrationConfig())
+        training.build_trainer(_model(), tok, train, heldout, resolve_run(_cfg(selection=dict(guard_accuracy=0.0)), train, heldout))
+        assert not training.warn_small_heldout(training.MIN_GUARD_QUESTIONS, CalibrationConfig().selection)
     with pytest.warns(UserWarning, match="standard error of up to 0.022"):
-        assert training.warn_small_heldout(499, CalibrationConfig())
+        assert training.warn_small_heldout(499, CalibrationConfig().selection)
+
+
+# ---------------------------------------------------------------------------------------------
+# The step without host reads: same run, one read per log, divergence still named by its step
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Reads of tensor values by the host, by the file that asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.files: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("__bool__", "__float__", "__int__", "item", "tolist", "numpy"):
+            import traceback
+
+            self.files.append(traceback.extract_stack(limit=2)[0].filename)
+        return func(*args, **(kwargs or {}))
+
+
+def _per_leaf_reference(monkeypatch) -> None:
+    """The step as it was before the hot path: per-leaf tree operations and optimizer updates, the
+    solvers' numbers read back (and checked) inside each step, every step read back at once."""
+    import hypergrad.inner
+    import hypergrad.tree
+    from llm_calib.objectives.calm import F2SA, Bome
+
+    monkeypatch.setattr(hypergrad.tree, "supports_foreach", lambda tensors: False)
+    monkeypatch.setattr(hypergrad.inner, "supports_foreach", lambda tensors: False)
+    for cls in (Bome, F2SA):
+        build = cls.build
+        monkeypatch.setattr(cls, "build", lambda self, opt, build=build: dataclasses.replace(build(self, opt),
+                                                                                             device_scalars=False))
+
+
+@pytest.mark.parametrize("solver", ["bome", "f2sa"])
+def test_the_fast_step_computes_the_run_of_the_per_leaf_step(data, tok, tmp_path, monkeypatch, solver):
+    """foreach operations, device scalars and deferred reads change no number of a run beyond float32
+    round-off (the per-leaf dot products sum in another order): θ, λ and the history agree to 1e-6."""
+    from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint
+
+    train, heldout, _ = data
+    cfg = _cfg(objective={"solver": {"name": solver, "inner_steps": 3}}, training={"steps": 6, "log_every": 4},
+               checkpoint_every=6)
+
+    def run(out):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = calibrate(_model(), tok, train, heldout, cfg, checkpoint_dir=out, progress=False)
+        return result.history, load_checkpoint(latest_checkpoint(out))[0]
+
+    fast_history, fast = run(tmp_path / "fast")
+    with monkeypatch.context() as m:
+        _per_leaf_reference(m)
+        slow_history, slow = run(tmp_path / "slow")
+    assert fast.keys() == slow.keys() and any(k.startswith("lam/") for k in fast)
+    for k in fast:
+        torch.testing.assert_close(fast[k], slow[k], rtol=0, atol=1e-6, msg=k)
+    assert [r.keys() for r in fast_history] == [r.keys() for r in slow_history]
+    assert all(isinstance(v, (int, float)) for r in fast_history for v in r.values())
+    for a, b in zip(fast_history, slow_history, strict=True):
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (a["step"], k)
+    assert any(r.get("heldout_ece") is not None for r in fast_history)
+
+
+@pytest.mark.parametrize("objective", [{"name": "lora_ce"}, {}])
+def test_a_step_reads_nothing_back_and_read_back_reads_once(data, tok, objective):
+    train, heldout, _ = data
+    trainer = training.build_trainer(_model(), tok, train, heldout, resolve_run(_cfg(objective=objective), train, heldout))
+    state = training.init_state(trainer, evaluate_before=False)
+    training.train_step(trainer, state)  # the first step builds what later steps reuse
+    reads = _HostReads()
+    with reads:
+        records = [training.train_step(trainer, state, read=False) for _ in range(3)]
+    # the batch order (a seeded permutation of indices, on the CPU) and torch.optim.Adam's CPU step
+    # counter for λ are host values: no device is waited on. Nothing else is read.
+    assert {f.rsplit("/", 2)[-1] for f in reads.files} <= {"batch_order.py", "optimizer.py"}, reads.files
+    assert all(isinstance(r["g" if "g" in r else "loss"], torch.Tensor) for r in records)
+    assert len(state.unread) == 3
+    reads = _HostReads()
+    with reads:
+        training.read_back(state)
+    assert len(reads.files) == 1 and not state.unread
+    assert all(isinstance(v, (int, float)) for r in records for v in r.values())
+    assert "solver_step_finite" not in records[0]
+
+
+def test_a_non_finite_step_is_named_by_its_own_step_when_read_later(data, tok, tmp_path, monkeypatch):
+    """NaN from step 3 on, read at step 5 (log_every) with a checkpoint due at step 4: the checkpoint
+    is not written (it reads first) and the error names step 3 and its batch."""
+    from llm_calib.calm.losses import CalmLosses
+    from llm_calib.files.checkpoint import latest_checkpoint
+
+    train, heldout, _ = data
+    seen: list = []
+    inner = CalmLosses.inner
+
+    def poisoned(self, theta, lam, batch):
+        if not seen or batch is not seen[-1]:
+            seen.append(batch)
+        loss = inner(self, theta, lam, batch)
+        return loss * float("nan") if len(seen) >= 3 else loss
+
+    monkeypatch.setattr(CalmLosses, "inner", poisoned)
+    cfg = _cfg(training={"steps": 6, "log_every": 5}, selection={"eval_every": 100}, checkpoint_every=4)
+    with pytest.raises(training.TrainingDiverged) as info:
+        calibrate(_model(), tok, train, heldout, cfg, checkpoint_dir=tmp_path / "ckpt", progress=False)
+    assert str(info.value).startswith("step 3: g is nan") and f"batch ids {seen[2].ids[:8]}" in str(info.value)
+    assert latest_checkpoint(tmp_path / "ckpt") is None
+    assert isinstance(info.value.__cause__, FloatingPointError)

@@ -17,6 +17,7 @@ from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses
+from llm_calib.calm.run import resolve_run, task_format
 from llm_calib.calm.verify import (
     check_hypergradients,
     compare_directions,
@@ -27,6 +28,7 @@ from llm_calib.calm.verify import (
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 
 def _rms_norm_float64(self, hidden_states):
@@ -48,8 +50,8 @@ def calm_problem():
     lm = FunctionalLM(attach_lora(model, LoraSettings(rank=1, layers=(1,), target_modules=("v_proj",))))
     adjustment = LogitAdjustment("option_length", lm.head.out_features)
     losses = CalmLosses(lm, adjustment, "sum")
-    inner_batch = encode_records(tok, qs[:8], config).batch(range(8), 0, lm)
-    outer_batch = encode_records(tok, qs[8:], config).batch(range(8), 0, lm)
+    inner_batch = encode_records(tok, qs[:8], task_format(qs[:8], resolve_prompt_settings(config.prompt))).batch(range(8), 0, lm)
+    outer_batch = encode_records(tok, qs[8:], task_format(qs[8:], resolve_prompt_settings(config.prompt))).batch(range(8), 0, lm)
     anchor = {k: v + 0.3 * torch.randn_like(v) for k, v in lm.theta().items()}
     problem = proximal_problem(hg.BilevelProblem(inner=losses.inner, outer=losses.outer), anchor, mu=1.0)
     lam = {"log_a": torch.tensor([0.2], dtype=torch.float64), "length": torch.tensor([-0.1], dtype=torch.float64)}
@@ -113,7 +115,7 @@ def test_compare_losses_is_zero_for_one_path_and_sees_a_different_one() -> None:
     model, tok = tiny_random_model(seed=0, num_layers=2)
     qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals", "arithmetic"])
     cfg = CalibrationConfig(training=dict(batch_size=4, heldout_batch_size=4), lora=LoraSettings(rank=2, layers=(1,)))
-    a = build_trainer(copy.deepcopy(model), tok, qs, qs, cfg)
+    a = build_trainer(copy.deepcopy(model), tok, qs, qs, resolve_run(cfg, qs, qs))
     theta = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(0)) for k, v in a.lm.theta().items()}
     lam = {k: v + 0.1 for k, v in a.adjustment.init().items()}
     same = compare_losses(a, theta, a, theta, lam, step=1)

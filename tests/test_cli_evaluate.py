@@ -13,7 +13,7 @@ from _rows import ROWS
 from llm_calib import cli
 from llm_calib.data import load as load_data
 from llm_calib.models import load as load_model
-from llm_calib.prompts.fewshot import resolve_fewshot
+from llm_calib.prompts.resolution import resolve_fewshot
 from llm_calib.prompts.templates import preset, record_prompt
 from llm_calib.scoring import normalized, score_option_likelihood
 

@@ -14,8 +14,8 @@ from _rows import ROWS
 import llm_calib.scoring.base as scoring_base
 import llm_calib.scoring.option_likelihood as option_likelihood
 from llm_calib import cli
-from llm_calib.calm.run import format_settings
 from llm_calib.calm.trainer import BASE_MODEL_FILE
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
@@ -56,7 +56,7 @@ def test_calibrate_builds_the_prompt_evaluate_builds(flags):
     cal = cli.build_parser().parse_args(["calibrate", "--train", SPEC, "--heldout", SPEC, "--eval", SPEC,
                                          "--out", "x", *flags])
     config, _ = cli.calibration_config(cal)
-    assert format_settings(config)["prompt"] == cli.prompt_format(ev)
+    assert resolve_prompt_settings(config.prompt).prompt == cli.prompt_format(ev)
 
 
 def test_no_chat_template_and_texts_reach_the_config():

@@ -1,5 +1,5 @@
-"""A one-level objective registered here (no llm_calib file edited, ``objectives/builtin.py``
-included) is reachable from ``llm-calib calibrate`` by name: ``--objective NAME`` trains it alone,
+"""A one-level objective registered here (no llm_calib file edited, the built-in table of
+:data:`llm_calib.registry.OBJECTIVES` included) is reachable from ``llm-calib calibrate`` by name: ``--objective NAME`` trains it alone,
 ``--methods lora_ce,NAME`` next to a built-in one, and its setting has its own flag
 (``--NAME-SETTING``) in ``--help``.
 

@@ -73,7 +73,7 @@ def test_calibrate_names_the_empty_split(split, needle):
 
 def test_warn_small_heldout_names_an_empty_heldout_set():
     with pytest.raises(ValueError, match=re.escape("the held-out set (heldout) is empty")):
-        warn_small_heldout(0, CalibrationConfig())
+        warn_small_heldout(0, CalibrationConfig().selection)
 
 
 def test_evaluate_names_the_empty_set_before_scoring_anything(tiny):
@@ -119,14 +119,14 @@ def test_selection_note_says_why_and_what_to_try():
     cfg = CalibrationConfig()
     hist = [{"step": 0, "loss": 1.0}, {"step": 3, "heldout_accuracy": 0.542, "heldout_ece": 0.1},
             {"step": 6, "heldout_accuracy": 0.5, "heldout_ece": 0.05}]
-    note = selection_note(hist, {"accuracy": 0.583, "ece": 0.2}, 0, cfg)
+    note = selection_note(hist, {"accuracy": 0.583, "ece": 0.2}, 0, cfg.selection)
     assert note.startswith("guard: held-out accuracy 0.542 < 0.554")
     assert "initial model was kept" in note and "--steps" in note and "--guard-accuracy" in note
     ok = [{"step": 3, "heldout_accuracy": 0.6, "heldout_ece": 0.25}]
-    note = selection_note(ok, {"accuracy": 0.583, "ece": 0.2}, 0, cfg)
+    note = selection_note(ok, {"accuracy": 0.583, "ece": 0.2}, 0, cfg.selection)
     assert note.startswith("selection: no evaluation lowered the held-out ECE below the initial 0.200 (best 0.250 at step 3)")
-    assert selection_note(ok, {"accuracy": 0.583, "ece": 0.3}, 3, cfg) is None
-    assert selection_note([{"step": 1, "loss": 1.0}], {"accuracy": 0.5, "ece": 0.2}, 0, cfg) is None
+    assert selection_note(ok, {"accuracy": 0.583, "ece": 0.3}, 3, cfg.selection) is None
+    assert selection_note([{"step": 1, "loss": 1.0}], {"accuracy": 0.5, "ece": 0.2}, 0, cfg.selection) is None
 
 
 def test_calibrate_warns_and_records_when_the_initial_model_is_kept(tmp_path):

@@ -16,6 +16,7 @@ import torch
 
 from llm_calib import CalibrationConfig, SelectionSettings, TrainingSettings, calibrate, cli
 from llm_calib.calm import training
+from llm_calib.calm.run import resolve_run
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.models import tiny_random_model
 from llm_calib.objectives.one_level import OneLevelObjective
@@ -61,7 +62,7 @@ QUESTIONS = builtin_multiple_choice(n_per_domain=4, domains=["capitals", "arithm
 
 def test_the_step_minimises_the_registered_loss_and_records_its_terms():
     model, tok = tiny_random_model(seed=0, init_std=0.1)
-    trainer = training.build_trainer(model, tok, QUESTIONS[:4], QUESTIONS[4:], _config())
+    trainer = training.build_trainer(model, tok, QUESTIONS[:4], QUESTIONS[4:], resolve_run(_config(), QUESTIONS[:4], QUESTIONS[4:]))
     assert isinstance(trainer.objective, FocalLoss) and trainer.adjustment is None  # one-level: no λ to train
     state = training.init_state(trainer, evaluate_before=False)
     batch = trainer.train_batch(0)

@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 
-from llm_calib.calm.run import format_settings
 from llm_calib.calm.trainer import CalibrationResult
 from llm_calib.evaluation.demo import (
     DemoSettings,
@@ -18,6 +17,7 @@ from llm_calib.evaluation.demo import (
     split_data,
 )
 from llm_calib.models import load
+from llm_calib.prompts.resolution import resolve_prompt_settings
 from llm_calib.scoring.option_likelihood import score_option_likelihood
 
 
@@ -53,7 +53,7 @@ def test_demo_on_the_tiny_model_matches_the_plain_scorer(tiny_model_dir, tmp_pat
 
     # the table's numbers are the plain scorer's: base model, and the saved CALM adapter on a fresh base
     _, _, test = split_data(settings)
-    fmt = format_settings(calibration_config(settings))["prompt"]
+    fmt = resolve_prompt_settings(calibration_config(settings).prompt).prompt
     model, tok = load(str(tiny_model_dir))
     calm = CalibrationResult.load(tmp_path / "demo" / "calm", load(str(tiny_model_dir))[0]).model
     for domain, records in test.items():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from llm_calib.data import MultipleChoice
+from llm_calib.engine.flat import flat_batches
 from llm_calib.engine.options import forward_rows, target_logprobs
 from llm_calib.engine.packing import pack_letters, pack_questions
 from llm_calib.engine.prefix import (
@@ -146,10 +147,11 @@ def test_letter_scorer_shares_the_prefix(tiny) -> None:
 def test_memory_bound_is_kept_and_reported(tiny) -> None:
     model, tok = tiny
     recs, fmt = _questions(10), _fewshot_format()
-    free = score_option_likelihood(model, tok, recs, prompt=fmt, batch_size=8)
-    per_prefix = free.info["prefix_cache"]["peak_bytes"] // (8 + 1)
-    bound_mb = 3.5 * per_prefix / 2**20  # the prefix and two copies fit, not three
-    tight = score_option_likelihood(model, tok, recs, prompt=fmt, batch_size=8, prefix_cache_mb=bound_mb)
+    with flat_batches(False):  # padded batches: the prefix copied per row
+        free = score_option_likelihood(model, tok, recs, prompt=fmt, batch_size=8)
+        per_prefix = free.info["prefix_cache"]["peak_bytes"] // (8 + 1)
+        bound_mb = 3.5 * per_prefix / 2**20  # the prefix and two copies fit, not three
+        tight = score_option_likelihood(model, tok, recs, prompt=fmt, batch_size=8, prefix_cache_mb=bound_mb)
     assert tight.info["prefix_cache"]["peak_bytes"] == 3 * per_prefix <= bound_mb * 2**20
     assert tight.info["prefix_cache"]["requests"] == 10
     for a, b in zip(free.logits, tight.logits, strict=True):

@@ -18,9 +18,9 @@ from harness.evaluation import summarize_scored
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm import training
 from llm_calib.calm.encoding import encode_records
-from llm_calib.calm.run import format_settings, task_format
+from llm_calib.calm.run import resolve_run, task_format
 from llm_calib.confidence.token import OpenEndedSet
-from llm_calib.config.calibration import CalibrationConfig, open_prompt_format
+from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.evaluation.evaluate import evaluate_records, sample_rows
@@ -37,6 +37,7 @@ from llm_calib.formats import (
 )
 from llm_calib.metrics import calibration as metrics
 from llm_calib.models import tiny_random_model
+from llm_calib.prompts.resolution import open_prompt_format, resolve_prompt_settings
 from llm_calib.prompts.templates import PromptFormat
 from llm_calib.scoring import ScoredSet
 
@@ -72,8 +73,8 @@ def test_the_letter_rule_and_the_option_adjustment_rule_live_in_the_formats() ->
         Letter(PromptFormat(style="cloze"))
     assert Letter(PromptFormat(template="{question}\n{options}\nAnswer:")).prompt is not None
     # the configuration's letter scorer always gets the listed prompt, whatever prompt_style says
-    assert format_settings(CalibrationConfig(prompt=dict(scorer="letter", style="cloze")))["prompt"].style == "listed"
-    assert task_format(_mc(), CalibrationConfig(prompt=dict(scorer="letter"))).prompt_settings().style == "listed"
+    assert resolve_prompt_settings(CalibrationConfig(prompt=dict(scorer="letter", style="cloze")).prompt).prompt.style == "listed"
+    assert task_format(_mc(), resolve_prompt_settings(CalibrationConfig(prompt=dict(scorer="letter")).prompt)).prompt_settings().style == "listed"
     OpenEnded().check_adjustment(LogitAdjustment("vector", 10))
     with pytest.raises(ValueError, match="acts on option scores; open questions need a token-level"):
         OpenEnded().check_adjustment(LogitAdjustment("option_temperature", 10))
@@ -82,10 +83,10 @@ def test_the_letter_rule_and_the_option_adjustment_rule_live_in_the_formats() ->
 def test_task_format_reads_the_configuration() -> None:
     cfg = CalibrationConfig(prompt=dict(normalize="mean", style="listed", chat_template=False,
                                           open_examples=[["2 + 2?", "4"]]))
-    mc = task_format(_mc(), cfg)
+    mc = task_format(_mc(), resolve_prompt_settings(cfg.prompt))
     assert mc == OptionLikelihood("mean", PromptFormat(style="listed", chat_template=False))
-    op = task_format(_open(), cfg)
-    assert op.answer_stop and op.prompt == open_prompt_format(cfg)
+    op = task_format(_open(), resolve_prompt_settings(cfg.prompt))
+    assert op.answer_stop and op.prompt == open_prompt_format(cfg.prompt)
     assert family_format(mc.family) is type(mc).__mro__[1] and family_format(op.family) is OpenEnded
 
 
@@ -229,9 +230,9 @@ def test_training_goes_through_the_batch_format() -> None:
     model, tok = tiny_random_model(seed=0, init_std=0.1)
     cfg = CalibrationConfig(training=dict(steps=2, batch_size=2, heldout_batch_size=2), selection=dict(eval_every=1))
     fmt = _Counting(PromptFormat(chat_template=cfg.prompt.chat_template), 32)
-    train = encode_records(tok, _open(4), cfg, fmt=fmt)
+    train = encode_records(tok, _open(4), fmt)
     assert train.format is fmt and train.layout == "open"
-    trainer = training.build_trainer(model, tok, train, _open(4)[:2], cfg)
+    trainer = training.build_trainer(model, tok, train, _open(4)[:2], resolve_run(cfg, train, _open(4)[:2]))
     assert trainer.heldout.format is fmt and trainer.train_batch(0).format is fmt
     state = training.init_state(trainer)
     for _ in range(cfg.training.steps):
@@ -239,10 +240,10 @@ def test_training_goes_through_the_batch_format() -> None:
     assert fmt.calls["categorical"] > 0 and fmt.calls["deployed_entropy"] > 0 and fmt.calls["monitor"] > 0
     # open-ended training records serve a multiple-choice held-out set (the instruction-data
     # lower level); multiple-choice training still refuses open held-out records
-    mixed = training.build_trainer(tiny_random_model()[0], tok, train, _mc(2), cfg)
+    mixed = training.build_trainer(tiny_random_model()[0], tok, train, _mc(2), resolve_run(cfg, train, _mc(2)))
     assert mixed.train.format is fmt and mixed.heldout.layout == "options" and mixed.unlabeled is mixed.heldout
     with pytest.raises(ValueError, match="heldout: record"):
-        training.build_trainer(tiny_random_model()[0], tok, _mc(2), _open(2), cfg)
+        training.build_trainer(tiny_random_model()[0], tok, _mc(2), _open(2), resolve_run(cfg, _mc(2), _open(2)))
 
 
 def test_task_format_subclasses_need_the_whole_interface() -> None:

@@ -380,6 +380,7 @@ import torch
 torch.set_num_threads(1)
 import hypergrad as hg
 from llm_calib import CalibrationConfig, distributed
+from llm_calib.calm.run import resolve_run
 from llm_calib.calm.training import build_trainer
 from llm_calib.data import load
 from llm_calib.models import tiny_random_model
@@ -393,7 +394,7 @@ SHARDS = {"equal": ([0, 4, 9, 1], [7, 3, 5, 15]), "unequal": ([0], [7, 3, 5, 15]
 def trainer():
     model, tok = tiny_random_model(seed=0, init_std=0.1)
     records = load("builtin:arithmetic,capitals:n=10").records
-    return build_trainer(model, tok, records, records, CalibrationConfig(lora=dict(rank=2, layers=[1])))
+    return build_trainer(model, tok, records, records, resolve_run(CalibrationConfig(lora=dict(rank=2, layers=[1])), records, records))
 
 
 def losses_and_gradients(trainer, indices):

@@ -180,3 +180,19 @@ def test_preconditioner_arguments_and_an_indefinite_preconditioner():
     A = torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=DT))
     r = CG(tol=1e-12, preconditioner=lambda v: -v)(_system(A, torch.ones(3, dtype=DT)))
     assert not r.converged and "not positive definite" in r.warnings[0]
+
+
+def test_cg_reaching_a_zero_residual_converges_instead_of_reporting_zero_curvature():
+    # float32, tol=0: the residual falls to round-off (3.7e-23 here), the next direction's curvature
+    # underflows to exactly 0; the system is solved, not indefinite
+    A = torch.tensor([[2.3569583892822266]], dtype=torch.float32)
+    b = torch.tensor([-0.9588403105735779], dtype=torch.float32)
+    system = LinearSystem(matvec=lambda x: {"x": A @ x["x"]}, rhs={"x": b})
+    result = CG(tol=0.0)(system)
+    assert result.converged and result.warnings == [] and result.residual < 1e-20
+    assert torch.allclose(A @ result.solution["x"], b, rtol=1e-6)
+    # a zero curvature with a residual far from round-off is still a singular matrix
+    singular = LinearSystem(matvec=lambda x: {"x": torch.diag(torch.tensor([0.0, 2.0])) @ x["x"]},
+                            rhs={"x": torch.tensor([1.0, 2.0])})
+    flagged = CG(tol=0.0)(singular)
+    assert not flagged.converged and "non-positive curvature p^T A p = 0.000e+00" in flagged.warnings[0]

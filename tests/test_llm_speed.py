@@ -11,17 +11,19 @@ import re
 
 import pytest
 import torch
-from _benchmarks import load_benchmark
+from _benchmarks import load_benchmark, load_harness
 
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.encoding import encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses
+from llm_calib.calm.run import task_format
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import pack_questions
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
-_naive = load_benchmark("naive_scoring")
+_naive = load_harness("naive_scoring")
 option_scores_naive, score_option_likelihood_naive = _naive.option_scores_naive, _naive.score_option_likelihood_naive
 
 
@@ -50,7 +52,7 @@ def _adapted(tiny_model, tiny_tokenizer, records, output_scale=False):
         theta = lm.theta()
         theta["output_log_scale"] = torch.tensor(0.3)
         lm.load_theta(theta)
-    enc = encode_records(tiny_tokenizer, records, config)
+    enc = encode_records(tiny_tokenizer, records, task_format(records, resolve_prompt_settings(config.prompt)))
     batch = enc.batch(range(len(records)), tiny_tokenizer.pad_token_id, lm)
     vocab = lm.head.out_features
     adjustment = LogitAdjustment("vector", vocab)

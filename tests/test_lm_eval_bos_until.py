@@ -13,7 +13,8 @@ import pytest
 from test_lm_eval_task import ARC_YAML, ROWS
 
 from llm_calib.data import load
-from llm_calib.engine.decode import finish_answer, greedy_loop
+from llm_calib.engine.decode import greedy_loop
+from llm_calib.engine.generation import finish_answer
 from llm_calib.models import tiny_random_model
 
 GEN_YAML = """\

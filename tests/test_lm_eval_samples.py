@@ -15,8 +15,9 @@ import pytest
 
 from llm_calib.cli import main
 from llm_calib.data import builtin_multiple_choice
+from llm_calib.data.lm_eval_logs import samples_task_name
 from llm_calib.evaluation.evaluate import HEADLINE_METRICS, evaluate_records
-from llm_calib.evaluation.lm_eval_samples import read_samples, samples_result, samples_task_name
+from llm_calib.evaluation.lm_eval_samples import read_samples, samples_result
 from llm_calib.models import tiny_random_model
 
 DATE = "2026-12-02T12-00-00.000001"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llm_calib import cli
+from llm_calib.calm.run import resolve_run
 from llm_calib.config.calibration import CalibrationConfig
 from llm_calib.data import load as load_data
 from llm_calib.evaluation.compare import run_comparison
@@ -69,7 +70,8 @@ def test_one_base_model_load_per_comparison(tiny_model_dir, tmp_path):
     train, heldout = load_data(TRAIN).records, load_data(HELDOUT).records
     cfg = CalibrationConfig(training=dict(steps=2, batch_size=4, heldout_batch_size=4),
                             selection=dict(eval_every=1, guard_accuracy=0.0), lora=dict(rank=2, layers=[1]))
-    cmp = run_comparison(loader, tok, ("t", train), ("h", heldout), [("e", load_data(EVAL).records)], cfg,
+    cmp = run_comparison(loader, tok, ("t", train), ("h", heldout), [("e", load_data(EVAL).records)],
+                         resolve_run(cfg, train, heldout),
                          [Calm(), LoraCE()], tmp_path / "out", checkpoints=False, progress=False, bootstrap=0)
     assert len(calls) == 1
     assert cmp.methods == ["calm", "lora_ce"]

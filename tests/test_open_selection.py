@@ -20,7 +20,8 @@ from llm_calib.confidence.temperature import (
     fit_token_temperature,
 )
 from llm_calib.confidence.token import encode_open_prompts, score_open_ended
-from llm_calib.config.calibration import CalibrationConfig
+from llm_calib.calm.run import resolve_run
+from llm_calib.config.calibration import CalibrationConfig, SelectionSettings
 from llm_calib.data import builtin_open_questions
 from llm_calib.engine.decode import generate_greedy
 from llm_calib.models import tiny_random_model
@@ -47,19 +48,19 @@ HISTORY = [{"step": 1, "loss": 1.0}, _evaluation(10, 0.16, 0.50, 0.24), {"step":
 def test_a_later_step_with_lower_greedy_ece_within_the_guard_is_selected() -> None:
     """Step 20 lowers the held-out greedy ECE (0.14 -> 0.09) at accuracy 0.48 >= 0.95 x 0.50: selected; step 30
     is lower still but below the accuracy floor; the teacher-forced proxy would have kept the initial model."""
-    cfg = CalibrationConfig()
+    cfg = SelectionSettings()
     assert training.replay_selection(HISTORY, BEFORE, cfg) == {"step": 20, "ece": 0.09, "stopped_at": None}
     proxy = training.replay_selection(HISTORY, BEFORE, cfg, metric="teacher_forced_ece", accuracy="teacher_forced_accuracy")
     assert proxy["step"] == 0
     # below the floor at step 20 too (guard 0.97: floor 0.485): nothing is selectable; two in a row stop the run
-    strict = CalibrationConfig(selection={"guard_accuracy": 0.97})
+    strict = SelectionSettings(guard_accuracy=0.97)
     assert training.replay_selection(HISTORY, BEFORE, strict) == {"step": 0, "ece": 0.14, "stopped_at": 30}
 
 
 def test_the_training_loop_selects_as_the_replay_does() -> None:
     """select() on the same evaluations (the loop's rule) keeps the same step and θ as replay_selection."""
     model, tok = tiny_random_model(seed=0)
-    trainer = training.build_trainer(model, tok, QS[:6], QS[6:], _cfg())
+    trainer = training.build_trainer(model, tok, QS[:6], QS[6:], resolve_run(_cfg(), QS[:6], QS[6:]))
     state = training.init_state(trainer, evaluate_before=False)
     state.before = dict(BEFORE)
     state.best = {"ece": BEFORE["ece"], "step": 0}

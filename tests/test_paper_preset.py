@@ -18,6 +18,7 @@ from llm_calib.data import OpenQA, builtin_multiple_choice
 from llm_calib.data import load as load_data
 from llm_calib.data.errors import DataError
 from llm_calib.data.jsonl import load_jsonl
+from llm_calib.prompts.resolution import resolve_prompt_settings
 
 HELDOUT = "builtin:capitals:n=8,seed=1"
 UNLABELED = "builtin:arithmetic:n=8,seed=3"
@@ -105,13 +106,13 @@ def test_bad_instruction_rows_name_file_line_and_field(tmp_path, row, field, rea
 def test_run_formats_lets_open_training_serve_a_multiple_choice_upper_level():
     mc = builtin_multiple_choice(2, domains=["capitals"])
     chat = [OpenQA("Say hi.", ("Hi!",), "chat", "c0")]
-    lower, upper = run_formats(chat, mc, CalibrationConfig.from_dict({"preset": "paper"}), mc)
+    lower, upper = run_formats(chat, mc, resolve_prompt_settings(CalibrationConfig.from_dict({"preset": "paper"}).prompt), mc)
     assert (lower.layout, upper.layout) == ("open", "letter")
     with pytest.raises(ValueError, match=r"unlabeled: record 'c0' is OpenQA, expected multiple_choice"):
-        run_formats(chat, mc, CalibrationConfig(), chat)  # the upper level reads what selection scores
+        run_formats(chat, mc, resolve_prompt_settings(CalibrationConfig().prompt), chat)  # the upper level reads what selection scores
     with pytest.raises(ValueError, match=r"heldout: record 'c0' is OpenQA, expected multiple_choice"):
-        run_formats(mc, chat, CalibrationConfig())  # option-score training says nothing about greedy answers
-    assert run_formats(chat, chat, CalibrationConfig()).upper.layout == "open"
+        run_formats(mc, chat, resolve_prompt_settings(CalibrationConfig().prompt))  # option-score training says nothing about greedy answers
+    assert run_formats(chat, chat, resolve_prompt_settings(CalibrationConfig().prompt)).upper.layout == "open"
 
 
 def test_calibrate_preset_paper_trains_on_instruction_data(tiny_model_dir, tmp_path, capsys):
@@ -126,7 +127,7 @@ def test_calibrate_preset_paper_trains_on_instruction_data(tiny_model_dir, tmp_p
     data = json.loads((out / "metrics.json").read_text())
     cal = data["config"]["calibration"]
     assert cal["preset"] == "paper" and cal["training"] == {"steps": 5, "batch_size": 16, "heldout_batch_size": 16,
-                                                             "lr": 1e-3, "epochs": 5}
+                                                             "lr": 1e-3, "epochs": 5, "log_every": 10}
     assert cal["lora"]["rank"] == 64 and cal["objectives"]["calm"]["adjustment"] == "vector"
     assert (data["config"]["train"]["kind"], data["config"]["heldout"]["kind"]) == ("open", "multiple_choice")
     assert data["columns"] == ["uncalibrated", "temperature_scaled", "calm", "calm+temperature"]

@@ -297,3 +297,38 @@ def test_step_batches_give_a_fresh_batch_per_evaluation_pair(evaluate, pairs):
     assert seen_g == [b for b in expected for _ in range(2)]   # g at w, then g + sigma f at w_sigma
     assert seen_f == [-b for b in expected]
     assert next(inner) == pairs + 1.0 and next(outer) == -(pairs + 1.0)   # drew exactly what it used
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts reads of tensor values by the host (``bool``, ``float``, ``item``, ``tolist``...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("__bool__", "__float__", "__int__", "item", "tolist", "numpy"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("evaluate", ["current", "advanced"])
+def test_device_scalars_give_the_same_estimate_and_read_nothing_back(evaluate):
+    q = Quadratic.random(4, 3, 10.0, seed=5)
+    lam = {"lam": torch.tensor([0.5, -1.0, 2.0], dtype=DT)}
+    w = {"w": torch.zeros(4, dtype=DT)}
+    kwargs = dict(sigma=0.1, inner_optimizer=hg.inner.Adam(lr=0.05), inner_steps=3, evaluate=evaluate)
+    host = hg.Penalty(**kwargs).hypergrad(q.problem(), w, lam)
+    reads = _HostReads()
+    with reads:
+        device = hg.Penalty(**kwargs, device_scalars=True).hypergrad(q.problem(), w, lam)
+    assert reads.count == 0
+    assert torch.equal(device.grad["lam"], host.grad["lam"]) and torch.equal(device.w["w"], host.w["w"])
+    assert torch.equal(device.state["w_sigma"]["w"], host.state["w_sigma"]["w"])
+    for k, value in host.info.extra.items():
+        assert float(device.info.extra[k]) == value if isinstance(value, float) else device.info.extra[k] == value, k
+    assert bool(device.info.converged) is host.info.converged and bool(device.info.extra["finite"])
+    nan_f = hg.BilevelProblem(q.problem().inner, lambda w_, l_, b: q.problem().outer(w_, l_, b) * float("nan"))
+    assert not bool(hg.Penalty(**kwargs, device_scalars=True).hypergrad(nan_f, w, lam).info.extra["finite"])
+    with pytest.raises(hg.NonFiniteError):
+        hg.Penalty(**kwargs).hypergrad(nan_f, w, lam)

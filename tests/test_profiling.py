@@ -23,6 +23,7 @@ from harness.profiling import (
     timed,
 )
 
+from llm_calib.calm.run import resolve_run
 from llm_calib.calm.training import build_trainer, init_state
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import builtin_multiple_choice
@@ -86,7 +87,7 @@ def test_bome_step_breakdown_times_each_part(tiny_model, tiny_tokenizer) -> None
 
     qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
     cfg = CalibrationConfig(training=dict(batch_size=2, heldout_batch_size=2), lora=LoraSettings(rank=2, layers=(1,)))
-    tr = build_trainer(copy.deepcopy(tiny_model), tiny_tokenizer, qs, qs, cfg)
+    tr = build_trainer(copy.deepcopy(tiny_model), tiny_tokenizer, qs, qs, resolve_run(cfg, qs, qs))
     out = bome_step_breakdown(tr, init_state(tr, evaluate_before=False), repeats=1)
     parts = [k for k, v in out.items() if isinstance(v, dict)]
     assert len(parts) == 5 and all(out[k]["cpu_s"] > 0 and out[k]["wall_s"] > 0 for k in parts)

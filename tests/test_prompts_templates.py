@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from _benchmarks import load_benchmark
+from _benchmarks import load_harness
 
 from llm_calib.confidence.token import encode_open_prompts, score_open_ended
+from llm_calib.config.choices import PROMPT_PRESETS
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.prompts.fewshot import resolve_fewshot
+from llm_calib.prompts.resolution import resolve_fewshot
 from llm_calib.prompts.templates import (
-    PRESETS,
     PromptFormat,
     build_prompt,
     draw_fewshot,
@@ -28,8 +28,8 @@ from llm_calib.prompts.templates import (
 from llm_calib.scoring import normalized, score_letter, score_option_likelihood
 from llm_calib.scoring.base import encode_prompt
 
-# the slow one-sequence-per-option reference (benchmarks/naive_scoring.py, not library API)
-score_option_likelihood_naive = load_benchmark("naive_scoring").score_option_likelihood_naive
+# the slow one-sequence-per-option reference (benchmarks/harness/naive_scoring.py, not library API)
+score_option_likelihood_naive = load_harness("naive_scoring").score_option_likelihood_naive
 
 ARC_Q = MultipleChoice(
     "Which gas do plants absorb?", ("oxygen", "carbon dioxide", "helium"), 1, "arc_easy", "a1"
@@ -74,7 +74,7 @@ def test_lm_eval_presets_render_exactly_lm_eval_prompts():
         assert record_prompt(None, ARC_Q, preset(name)).startswith("Question: ")
     # every preset is plain text except the reference format
     assert all(PresetFmt.chat_template is False for n, PresetFmt in
-               ((n, preset(n)) for n in PRESETS) if n != "default")
+               ((n, preset(n)) for n in PROMPT_PRESETS) if n != "default")
 
 
 def test_template_fields_and_a_missing_field_is_named():

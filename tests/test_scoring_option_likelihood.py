@@ -6,15 +6,15 @@ import math
 
 import pytest
 import torch
-from _benchmarks import load_benchmark
+from _benchmarks import load_harness
 
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.prompts.templates import PromptFormat
 from llm_calib.scoring import score_option_likelihood
 from llm_calib.scoring.option_likelihood import encode_questions
 
-# the slow one-sequence-per-option reference (benchmarks/naive_scoring.py, not library API)
-score_option_likelihood_naive = load_benchmark("naive_scoring").score_option_likelihood_naive
+# the slow one-sequence-per-option reference (benchmarks/harness/naive_scoring.py, not library API)
+score_option_likelihood_naive = load_harness("naive_scoring").score_option_likelihood_naive
 
 
 def _max_excess(a, b) -> float:

@@ -29,6 +29,7 @@ WITHOUT_A_TEST = {
     "FiniteDifference identity": lambda: hg.FiniteDifference(solver="identity", xi=0.01),
     "SOBA": lambda: hg.SOBA(0.01),
     "SABA": lambda: hg.SABA(0.01, n_inner=1, n_outer=1),
+    "SRBA": lambda: hg.SRBA(0.01, period=2, full_inner_batches=[None], full_outer_batches=[None]),
     "AmIGO": lambda: hg.AmIGO(0.01, inner_steps=2, linear_steps=2),
     "StocBiO": lambda: hg.StocBiO(0.01, inner_steps=2, neumann_steps=2),
 }
@@ -164,3 +165,34 @@ def test_progress_without_tqdm_says_once_that_it_needs_tqdm():
     quiet, caught, filename, message = run.stdout.strip().split(" ", 3)
     assert (quiet, caught, filename) == ("0", "1", "<string>"), run.stdout
     assert message.startswith("progress=True shows a progress bar only with tqdm installed (pip install tqdm)")
+
+
+def test_unconverged_steps_counts_linear_solves_only():
+    # BOME's value-function gap and Penalty's residuals stay above their tolerances during a run by design:
+    # history["converged"] records that, unconverged_steps (the linear solves that stopped short) does not
+    for method, test in ((hg.BOME(hg.inner.SGD(0.1), w_lr=0.01, inner_steps=2, tol=0.0), "value-function gap"),
+                         (hg.Penalty(0.1, hg.inner.SGD(0.1), inner_steps=2, tol=0.0), "inner residuals")):
+        res = _solve(method, steps=4)
+        assert res.history["converged"].count(0.0) >= 1 and res.unconverged_steps == 0, test
+        w, lam = _start()
+        assert method.hypergrad(QUAD.problem(), w, lam).info.stopping_test == test
+    w, lam = _start()
+    assert hg.Implicit().hypergrad(QUAD.problem(), w, lam).info.stopping_test == "linear solve"
+    assert hg.Unrolled(hg.inner.SGD(0.01), steps=2).hypergrad(QUAD.problem(), w, lam).info.stopping_test is None
+
+
+def test_the_docs_name_every_method_without_a_stopping_test():
+    import inspect
+    from pathlib import Path
+
+    names = {name.split()[0] for name in WITHOUT_A_TEST}
+    assert "SRBA" in names
+    listed_in = {
+        "HypergradInfo": " ".join(inspect.getdoc(hg.HypergradInfo).split()),
+        "bilevel.md": " ".join((Path(__file__).parents[1] / "docs/methods/bilevel.md").read_text().split()),
+    }
+    for where, text in listed_in.items():
+        start = text.index("no stopping test" if where == "HypergradInfo" else "no such test")
+        none_part = text[start:start + 300]  # the sentence listing the methods without a test
+        missing = [name for name in sorted(names) if f"``{name}" not in none_part and f"`{name}" not in none_part]
+        assert not missing, (where, missing)

@@ -101,3 +101,20 @@ def test_other_runtime_errors_are_not_disguised(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match=r"^a bug$"):
         save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, {"step": 1})
+
+
+def test_a_byte_changed_in_place_is_caught_by_the_checksum(tmp_path: Path) -> None:
+    """Same size, a header that parses, CRCs that hold: only the recorded SHA-256 tells (issue 51, 9)."""
+    _, middle, newest = _three(tmp_path)
+    weights = newest / "tensors.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x40  # the last value's top byte
+    weights.write_bytes(bytes(data))
+    assert checkpoint_problem(newest) == ("tensors.safetensors: its SHA-256 is not the one recorded in checksums.json "
+                                          "(changed after it was written)")
+    with pytest.warns(UserWarning, match=rf"skipping damaged checkpoint {newest} .*resuming from {middle}"):
+        assert latest_checkpoint(tmp_path) == middle
+    (middle / "checksums.json").write_text('{"tensors.safetensors": ')
+    assert "checksums.json: unreadable" in checkpoint_problem(middle)
+    (middle / "checksums.json").unlink()  # a checkpoint written before checksums: the structural checks alone
+    assert checkpoint_problem(middle) is None

@@ -224,8 +224,12 @@ def test_export_overwrite_replaces_a_non_empty_folder(run, tmp_path):
 
 
 def test_adapter_on_another_base_is_refused(run, tiny_model_dir, tmp_path, monkeypatch, capsys):
-    other = tmp_path / "other_base"
-    shutil.copytree(tiny_model_dir, other)
+    from llm_calib.models import tiny_random_model
+
+    other = tmp_path / "other_base"  # the tiny model's shape, other weights (an exact copy is the same base)
+    model, tok = tiny_random_model(seed=1, init_std=0.1)
+    model.save_pretrained(other)
+    tok.save_pretrained(other)
     adapter = str(run[0] / "calm")
 
     def reached_loading(*args, **kwargs):

@@ -15,7 +15,8 @@ from llm_calib.config.unique_keys import UniqueKeyLoader, load_json_unique, load
 from llm_calib.data import load
 from llm_calib.data.errors import DataError
 from llm_calib.data.jsonl import distinct_options, load_jsonl
-from llm_calib.evaluation.lm_eval_samples import check_samples_file, read_samples
+from llm_calib.data.lm_eval_logs import check_samples_file
+from llm_calib.evaluation.lm_eval_samples import read_samples
 
 
 def test_a_duplicate_yaml_key_names_file_and_line(tmp_path: Path) -> None:

@@ -47,7 +47,9 @@ def compare_losses(a: Trainer, a_theta: dict[str, Tensor], b: Trainer, b_theta: 
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=2, domains=["capitals"])
-        >>> tr = build_trainer(model, tok, qs, qs, CalibrationConfig(training={"batch_size": 2}, lora=LoraSettings(layers=(1,))))
+        >>> from llm_calib.calm.run import resolve_run
+        >>> cfg = CalibrationConfig(training={"batch_size": 2}, lora=LoraSettings(layers=(1,)))
+        >>> tr = build_trainer(model, tok, qs, qs, resolve_run(cfg, qs, qs))
         >>> theta, lam = tr.lm.theta(), {k: v.detach() for k, v in tr.adjustment.init().items()}
         >>> compare_losses(tr, theta, tr, theta, lam)["g"]["abs_diff"]
         0.0

@@ -294,13 +294,14 @@ def bome_step_breakdown(trainer: Any, state: Any, repeats: int = 2) -> dict[str,
 
     Example:
         >>> from llm_calib.config.calibration import CalibrationConfig, LoraSettings, TrainingSettings
+        >>> from llm_calib.calm.run import resolve_run
         >>> from llm_calib.calm.training import build_trainer, init_state
         >>> from llm_calib.data import builtin_multiple_choice
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=2, domains=["capitals"])
-        >>> tr = build_trainer(model, tok, qs, qs, CalibrationConfig(training=TrainingSettings(batch_size=2),
-        ...                                                     lora=LoraSettings(layers=(1,))))
+        >>> cfg = CalibrationConfig(training=TrainingSettings(batch_size=2), lora=LoraSettings(layers=(1,)))
+        >>> tr = build_trainer(model, tok, qs, qs, resolve_run(cfg, qs, qs))
         >>> out = bome_step_breakdown(tr, init_state(tr, evaluate_before=False), repeats=1)
         >>> out["call_ratio"] > 0, len(out)
         (True, 7)

@@ -13,33 +13,70 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_number", "machine_info", "markdown_table", "mean_sd", "provenance_lines", "verdict"]
+__all__ = ["format_number", "load_average", "machine_info", "machine_line", "markdown_table", "mean_sd", "provenance_lines", "verdict"]
 
 
-def machine_info(threads: int | None = None) -> dict[str, Any]:
-    """What a benchmark report states about where it ran: date, CPU model, cores, torch threads,
-    torch / transformers / Python versions and the load average (a shared machine shows in it).
+def machine_info(threads: int | None = None, libraries: tuple[str, ...] = ("torch", "transformers")) -> dict[str, Any]:
+    """Where a benchmark ran, the one place every script reads it from: date, CPU model and its widest
+    vector extension, cores, torch threads, the load average (a shared machine shows in it), Python and
+    the version of each of ``libraries`` (read from the installed distributions, so a library that is
+    not installed is reported, not imported).
 
     Example:
-        >>> sorted(machine_info(1))[:4]
-        ['cores', 'cpu', 'date', 'load']
+        >>> sorted(machine_info(1))[:5]
+        ['cores', 'cpu', 'date', 'load', 'python']
+        >>> machine_info(1, libraries=("no_such_library",))["no_such_library"]
+        'not installed'
     """
     import datetime
     import platform
+    from importlib.metadata import PackageNotFoundError, version
 
-    import torch
-    import transformers
-
-    cpu = "unknown"
+    cpu, simd = platform.processor() or platform.machine() or "unknown", "?"
     try:
-        match = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+        info = Path("/proc/cpuinfo").read_text()
+        match = re.search(r"model name\s*:\s*(.+)", info)
         cpu = match.group(1).strip() if match else cpu
+        simd = "AVX-512" if "avx512f" in info else "AVX2" if "avx2" in info else "no AVX2"
     except OSError:
         pass
-    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "cores": os.cpu_count(),
-            "threads": torch.get_num_threads() if threads is None else threads, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "load": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "simd": simd,
+            "cores": os.cpu_count(), "threads": threads,
+            "load": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "python": platform.python_version(), **{name: installed(name) for name in libraries}}
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages now, as text (``"?"`` where the system has none).
+
+    Example:
+        >>> len(load_average().split()) in (1, 3)
+        True
+    """
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+
+
+def machine_line(meta: dict[str, Any], note: str = "") -> str:
+    """The ``- Machine:`` line of a report from :func:`machine_info`; ``note`` is appended.
+
+    Example:
+        >>> machine_line({"cpu": "X", "simd": "AVX2", "cores": 2, "threads": 1, "load": [1.0, 2.0, 3.0]}, "shared")
+        '- Machine: X (AVX2), 2 cores, 1 torch thread(s); load average 1.0, 2.0, 3.0; shared'
+    """
+    load = ", ".join(f"{x:.1f}" for x in meta["load"]) if meta.get("load") else "?"
+    return (f"- Machine: {meta['cpu']} ({meta.get('simd', '?')}), {meta['cores']} cores, {meta['threads']} torch "
+            f"thread(s); load average {load}" + (f"; {note}" if note else ""))
 
 
 def provenance_lines(

@@ -32,7 +32,7 @@ def best_candidate(candidates: Sequence[dict[str, float]], reference_accuracy: f
     """
     if not candidates:
         raise ValueError("best_candidate needs at least one candidate")
-    ok = [i for i, m in enumerate(candidates) if is_selectable(m["accuracy"], reference_accuracy, config)]
+    ok = [i for i, m in enumerate(candidates) if is_selectable(m["accuracy"], reference_accuracy, config.selection)]
     if ok:
         return min(ok, key=lambda i: candidates[i]["ece"])
     return max(range(len(candidates)), key=lambda i: candidates[i]["accuracy"])

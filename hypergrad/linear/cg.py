@@ -181,7 +181,9 @@ def _cg_loop(name: str, op: Callable[[Tensor], Tensor], b: Tensor, x0: Tree | No
         matvecs += 1
         curvature = float(torch.dot(p, Ap))
         if not curvature > 0.0:
-            warnings.append(_non_positive_curvature(name, curvature, iterations))
+            converged = _solved_at_round_off(curvature, rs, b)
+            if not converged:
+                warnings.append(_non_positive_curvature(name, curvature, iterations))
             break
         alpha = rz / curvature
         x.add_(p, alpha=alpha)
@@ -249,7 +251,9 @@ def fused_conjugate_gradient(system: LinearSystem, x0: Tree | None, tol: float, 
         matvecs += 1
         curvature = float(curvature_t)
         if not curvature > 0.0:
-            warnings.append(_non_positive_curvature("CG", curvature, iterations))
+            converged = _solved_at_round_off(curvature, rs, b)
+            if not converged:
+                warnings.append(_non_positive_curvature("CG", curvature, iterations))
             break
         x, r, p, rs_t = x_new, r_new, p_new, rs_new
         rs = float(rs_t)
@@ -269,6 +273,18 @@ def _non_positive_curvature(name: str, curvature: float, iteration: int) -> str:
         f"{name}: non-positive curvature p^T A p = {curvature:.3e} at iteration {iteration}; "
         "the matrix is not positive definite (add damping or use Dense)",
         kind=f"{name}: non-positive curvature", value=curvature, larger_is_worse=False)
+
+
+def _solved_at_round_off(curvature: float, rs: float, b: Tensor) -> bool:
+    """Whether a zero curvature ``p^T A p`` means a solved system, not an indefinite one.
+
+    Once the residual is at round-off level (``||r|| <= eps ||b||``; exactly zero included), the
+    next direction is as small and its curvature underflows to 0: the system is solved as far
+    as the arithmetic can tell (a ``tol`` of 0 asks for exactly that), not a matrix that fails
+    to be positive definite.
+    """
+    b_norm = float(torch.linalg.vector_norm(b))
+    return curvature == 0.0 and rs <= (torch.finfo(b.dtype).eps * b_norm) ** 2
 
 
 def _start(op: Callable[[Tensor], Tensor], b: Tensor, x0: Tree | None) -> tuple[Tensor, Tensor, int]:

@@ -16,10 +16,14 @@ from torch import Tensor
 
 from llm_calib import distributed
 from llm_calib.calm.lora import FunctionalLM
-from llm_calib.calm.run import format_settings, task_format
-from llm_calib.config.calibration import CalibrationConfig
+from llm_calib.calm.run import ResolvedRun, check_resolved, task_format
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.engine.packing import LENGTH_NORMALIZATIONS, PackedQuestions, length_parts
+from llm_calib.engine.packing import (
+    LENGTH_NORMALIZATIONS,
+    PackedQuestions,
+    length_parts,
+    pack_prompts,
+)
 from llm_calib.formats import TaskFormat
 from llm_calib.training_interface import Batch
 
@@ -49,8 +53,9 @@ class EncodedRecords:
         >>> from llm_calib.data import builtin_multiple_choice
         >>> from llm_calib.models import tiny_random_model
         >>> _, tok = tiny_random_model()
-        >>> enc = encode_records(tok, builtin_multiple_choice(n_per_domain=2, domains=["capitals"]),
-        ...                      CalibrationConfig())
+        >>> from llm_calib.calm.run import resolve_run
+        >>> qs = builtin_multiple_choice(n_per_domain=2, domains=["capitals"])
+        >>> enc = encode_records(tok, qs, resolve_run(None, qs, qs).formats.lower)
         >>> len(enc), enc.layout, enc.pack([0, 1], 0).input_ids.shape[0]
         (2, 'options', 2)
     """
@@ -142,6 +147,35 @@ class EncodedRecords:
                                                                               torch.arange(len(order)))
         return batch
 
+    def upper_batch(self, indices: Sequence[int], pad_id: int, lm: FunctionalLM | None = None) -> Batch:
+        """The upper-level batch of the questions at ``indices``: open questions as their prompts alone
+        (:func:`~llm_calib.engine.packing.pack_prompts`: the upper level reads the entropy where the answer
+        starts, which the answer's tokens do not change, and an unlabelled input has none), with the cached
+        trunks cut to the prompt; multiple-choice questions as :meth:`batch` packs them (every option).
+
+        Example:
+            >>> from llm_calib.data import OpenQA
+            >>> from llm_calib.models import tiny_random_model
+            >>> _, tok = tiny_random_model()
+            >>> from llm_calib.calm.run import resolve_run
+            >>> qs = [OpenQA("Capital of France?", ("Paris",), "geo", "q0")]
+            >>> enc = encode_records(tok, qs, resolve_run(None, qs, qs).formats.lower)
+            >>> enc.upper_batch([0], 0).packed.input_ids.shape[1] == len(enc.prompts[0])
+            True
+        """
+        if self.layout != "open":
+            return self.batch(indices, pad_id, lm)
+        idx = list(indices)
+        packed = pack_prompts([self.prompts[i] for i in idx], pad_id)
+        trunk = None
+        if lm is not None and lm.caches_trunk:
+            self.fill_trunk_cache(lm, pad_id, idx)
+            L = packed.input_ids.shape[1]
+            trunk = torch.stack([torch.nn.functional.pad(self.trunk_cache[i][: len(self.prompts[i])],
+                                                         (0, 0, 0, L - len(self.prompts[i]))) for i in idx])
+        return Batch(packed, torch.zeros(len(idx), dtype=torch.long), [self.records[i].id for i in idx], self.format,
+                     trunk)
+
     def _whole_batch(self, idx: list[int], pad_id: int, lm: FunctionalLM | None) -> Batch:
         packed = self.pack(idx, pad_id)
         labels = torch.tensor([self.format.label(self.records[i]) for i in idx], dtype=torch.long)
@@ -167,15 +201,12 @@ class EncodedRecords:
         return out
 
 
-def encode_records(
-    tokenizer: Any, records: Sequence[MultipleChoice] | Sequence[OpenQA], config: CalibrationConfig | None = None,
-    *, fmt: TaskFormat | None = None,
-) -> EncodedRecords:
-    """Tokenise records once with their format (``fmt``, checked, or
-    :func:`~llm_calib.calm.run.task_format` under ``config``).
+def encode_records(tokenizer: Any, records: Sequence[MultipleChoice] | Sequence[OpenQA], fmt: TaskFormat) -> EncodedRecords:
+    """Tokenise records once with their format ``fmt`` (checked against them; a run's formats come
+    from :func:`~llm_calib.calm.run.resolve_run`, another set's from :func:`~llm_calib.calm.run.task_format`).
 
-    Open questions train on their first alias (``" " + alias``, plus the stop newline with
-    ``config.prompt.open_examples``); for every alias, give one record per alias
+    Open questions train on their first alias (``" " + alias``, plus the stop newline under a run's
+    ``prompt.open_examples``); for every alias, give one record per alias
     (:func:`~llm_calib.data.one_record_per_alias`).
 
     Raises:
@@ -186,17 +217,16 @@ def encode_records(
         >>> from llm_calib.data import OpenQA
         >>> from llm_calib.models import tiny_random_model
         >>> _, tok = tiny_random_model()
-        >>> enc = encode_records(tok, [OpenQA("Capital of France?", ("Paris",), "geo", "q0")], CalibrationConfig())
+        >>> from llm_calib.calm.run import resolve_run
+        >>> qs = [OpenQA("Capital of France?", ("Paris",), "geo", "q0")]
+        >>> enc = encode_records(tok, qs, resolve_run(None, qs, qs).formats.lower)
         >>> enc.layout, tok.decode(enc.options[0][0])
         ('open', ' Paris')
     """
     records = list(records)
     if not records:
         raise ValueError("no records to encode")
-    if fmt is None:
-        fmt = task_format(records, config or CalibrationConfig())
-    else:
-        fmt.check(records)
+    fmt.check(records)
     prompts, options = fmt.encode(tokenizer, records)
     return EncodedRecords(records, prompts, options, fmt)
 
@@ -206,23 +236,26 @@ class EncodingCache:
     every run.
 
     Example:
-        >>> from llm_calib.config.calibration import TrainingSettings
+        >>> from llm_calib.calm.run import resolve_run
+        >>> from llm_calib.config.calibration import CalibrationConfig, TrainingSettings
         >>> from llm_calib.data import builtin_multiple_choice
         >>> from llm_calib.models import tiny_random_model
         >>> _, tok = tiny_random_model()
         >>> qs, cache = builtin_multiple_choice(n_per_domain=2, domains=["capitals"]), EncodingCache()
-        >>> cache(tok, qs, CalibrationConfig()) is cache(tok, list(qs), CalibrationConfig(training=TrainingSettings(lr=0.1)))
+        >>> fast = CalibrationConfig(training=TrainingSettings(lr=0.1))
+        >>> cache(tok, qs, resolve_run(None, qs, qs)) is cache(tok, list(qs), resolve_run(fast, qs, qs))
         True
     """
 
     def __init__(self) -> None:
         self.encodings: dict[Any, EncodedRecords] = {}
 
-    def __call__(self, tokenizer: Any, records: Sequence[Any], config: CalibrationConfig) -> EncodedRecords:
-        """The encoding of ``records`` (recognised by domain and id) under ``config``; made on first use."""
-        settings = format_settings(config)  # what the encoding depends on (normalize does not matter)
-        prompts = settings["scorer"], settings["prompt"], settings["open_prompt"], settings["answer_stop"]
-        key = (tuple(f"{r.domain}/{r.id}" for r in records), *prompts, config.lora.layers, config.lora.top_layers)
+    def __call__(self, tokenizer: Any, records: Sequence[Any], run: ResolvedRun) -> EncodedRecords:
+        """The encoding of ``records`` (recognised by domain and id) under the resolved ``run``; made on first use."""
+        settings = check_resolved(run, "EncodingCache").settings  # what the encoding depends on (normalize does not matter)
+        prompts = settings.scorer, settings.prompt, settings.open_prompt, settings.answer_stop
+        lora = run.config.lora
+        key = (tuple(f"{r.domain}/{r.id}" for r in records), *prompts, lora.layers, lora.top_layers)
         if key not in self.encodings:
-            self.encodings[key] = encode_records(tokenizer, records, fmt=task_format(records, settings=settings))
+            self.encodings[key] = encode_records(tokenizer, records, task_format(records, settings))
         return self.encodings[key]

@@ -14,9 +14,9 @@ from typing import Any
 
 from llm_calib.calm.lora import peft_deprecations_silenced
 from llm_calib.calm.trainer import BASE_MODEL_FILE
-from llm_calib.files.atomic import ordinary_modes, read_json, write_json_atomic
+from llm_calib.files.atomic import as_os_error, ordinary_modes, read_json, write_json_atomic
 
-__all__ = ["EXPORT_FILE", "adapter_directory", "check_adapter_base", "check_export_target", "export_merged", "load_adapter", "merge_adapter", "merged_record",
+__all__ = ["ADAPTER_WEIGHTS", "EXPORT_FILE", "adapter_directory", "check_adapter_base", "check_export_target", "export_merged", "load_adapter", "merge_adapter", "merged_bytes", "merged_record",
            "saved_base", "saved_base_file"]
 
 EXPORT_FILE = "llm_calib_export.json"
@@ -24,9 +24,17 @@ EXPORT_FILE = "llm_calib_export.json"
 export`` adds the prompt, preset, scorer and normalisation it was calibrated with)."""
 
 
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+"""The weight files peft saves an adapter in (safetensors by default)."""
+
+
 def adapter_directory(path: str | os.PathLike[str]) -> Path:
-    """The peft adapter directory of a saved calibration result (``adapter/``) or of an adapter;
-    ``FileNotFoundError`` for anything else.
+    """The peft adapter directory of a saved calibration result (``adapter/``) or of an adapter,
+    with its weights checked (present; a safetensors file whole, :func:`~llm_calib.files.checkpoint.safetensors_problem`).
+
+    Raises:
+        FileNotFoundError: no adapter there, or its weights are missing.
+        ValueError: its weights are damaged (a copy cut short); the message names the file.
 
     Example:
         >>> import tempfile
@@ -34,9 +42,19 @@ def adapter_directory(path: str | os.PathLike[str]) -> Path:
         Traceback (most recent call last):
         FileNotFoundError: ...
     """
+    from llm_calib.files.checkpoint import safetensors_problem
+
     src = Path(path)
     for candidate in (src, src / "adapter"):
         if (candidate / "adapter_config.json").is_file():
+            weights = [candidate / name for name in ADAPTER_WEIGHTS if (candidate / name).is_file()]
+            if not weights:
+                raise FileNotFoundError(f"{candidate}: has adapter_config.json but no {ADAPTER_WEIGHTS[0]} (nor "
+                                        f"{ADAPTER_WEIGHTS[1]}): the adapter's weights are missing")
+            problem = safetensors_problem(weights[0]) if weights[0].suffix == ".safetensors" else None
+            if problem is not None:
+                raise ValueError(f"{weights[0]}: {problem}; the adapter's weights are damaged (a copy cut short?): "
+                                 "copy or save the adapter again")
             return candidate
     raise FileNotFoundError(
         f"{src}: not a saved calibration result (no adapter/adapter_config.json) nor a peft adapter "
@@ -94,14 +112,26 @@ def _same_model(a: str, b: str) -> bool:
     return a.strip().rstrip("/").lower() == b.strip().rstrip("/").lower()
 
 
-def check_adapter_base(adapter: str | os.PathLike[str], model: str, *, allow_other_base: bool = False) -> None:
+_DIFFERENCES = {"shapes": "another model: its tensors' names or shapes differ",
+                "weights": "same shapes but other weights: another checkpoint, or a fine-tune",
+                "config": "same weights but another config.json"}
+"""How :func:`check_adapter_base` says what differs between two fingerprints, first difference first."""
+
+
+def check_adapter_base(adapter: str | os.PathLike[str], model: str, *, allow_other_base: bool = False,
+                       cache_dir: str | os.PathLike[str] | None = None) -> None:
     """Refuse to put the saved result ``adapter`` on ``model`` (as given to the loader: a path, an
-    alias or a hub name) when the result records another base (:func:`saved_base`): an adapter on
-    another base of the same shape loads without a word and scores nonsense. A plain peft adapter
-    (no record) passes. Meant to run before the model is loaded.
+    alias or a hub name) when it records another base (:func:`saved_base`): an adapter on another
+    base of the same shape loads without a word and scores nonsense. The base is matched by content
+    where the result records its fingerprint (:func:`~llm_calib.models.model_fingerprint`) and
+    ``model``'s files are here: a copy or a moved folder of the base is accepted, another model (or
+    another checkpoint of one) refused, whatever the paths say; otherwise (an older result, an
+    uncached hub name) by name or folder. A plain peft adapter (no record) passes. Meant to run
+    before the model is loaded.
 
     Raises:
-        ValueError: the recorded base differs and not ``allow_other_base``; names both and the file.
+        ValueError: another base and not ``allow_other_base``; names both, the file and what
+            differs. With ``allow_other_base`` that is a warning instead.
 
     Example:
         >>> import json, pathlib, tempfile
@@ -111,16 +141,34 @@ def check_adapter_base(adapter: str | os.PathLike[str], model: str, *, allow_oth
         >>> check_adapter_base(run, "smollm2-360m-instruct")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ValueError: --adapter ... was trained on smollm2-135m-instruct (.../base_model.json), not on --model smollm2-360m-instruct; ...
-        >>> check_adapter_base(run, "smollm2-360m-instruct", allow_other_base=True)
     """
+    import warnings
+
+    from llm_calib.models import model_fingerprint
+
     record = saved_base_file(adapter)
     if record is None:
         return
-    trained_on = saved_base(adapter).get("model")  # a truncated record: ValueError naming it
-    if not trained_on or allow_other_base or _same_model(str(trained_on), str(model)):
+    saved = saved_base(adapter)  # a truncated record: ValueError naming it
+    trained_on = saved.get("model")
+    if not trained_on:
         return
-    raise ValueError(f"--adapter {adapter} was trained on {trained_on} ({record}), not on --model {model}; "
-                     "leave out --model to use that base, or pass --allow-other-base to apply it anyway")
+    recorded = saved.get("fingerprint")
+    current = model_fingerprint(model, cache_dir) if isinstance(recorded, dict) else None
+    if current is not None and recorded.get("scheme") == current["scheme"]:
+        differs = [k for k in _DIFFERENCES if recorded.get(k) != current[k]]
+        if not differs:
+            return  # the base itself, wherever it is now
+        why = _DIFFERENCES[differs[0]] + "; "
+    elif _same_model(str(trained_on), str(model)):
+        return
+    else:
+        why = ""  # by name: the result records no fingerprint, or --model has no local files
+    message = f"--adapter {adapter} was trained on {trained_on} ({record}), not on --model {model}; {why}"
+    if allow_other_base:
+        warnings.warn(f"{message}applied anyway, as --allow-other-base asks", UserWarning, stacklevel=2)
+        return
+    raise ValueError(f"{message}leave out --model to use that base, or pass --allow-other-base to apply it anyway")
 
 
 _SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) "
@@ -207,55 +255,174 @@ def _same_folder(a: Path, b: Path) -> bool:
         return False
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """``(device, inode)`` of an existing path (one folder seen through a symlink or a bind mount has one), else None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _ancestry(path: Path) -> set[tuple[int, int]]:
+    """The identities of ``path`` and of every folder above it, along its written and its resolved
+    chain (a folder reached through a symlink is inside the link's target)."""
+    found = set()
+    for start in (path.absolute(), path.resolve()):
+        for p in (start, *start.parents):
+            ident = _identity(p)
+            if ident is not None:
+                found.add(ident)
+    return found
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or below it: by path (symlinks resolved) or by identity
+    (a bind mount of ``folder``, a hard-linked view)."""
+    ident = _identity(folder)
+    return ident is not None and ident in _ancestry(path)
+
+
+def _mount_points() -> list[Path] | None:
+    """The mount points of this process's view (``/proc/self/mountinfo``), None where it cannot be read."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    unescape = lambda field: re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)  # noqa: E731
+    return [Path(unescape(line.split()[4])) for line in lines if len(line.split()) > 4]
+
+
+def _holds(folder: Path, path: Path) -> bool:
+    """Whether deleting ``folder`` would delete ``path``: ``path`` is inside it, or a mount point in
+    ``folder``'s tree is ``path`` or a folder above it (a bind mount placed inside ``folder``; a
+    symlink does not count: deletion does not follow symlinks)."""
+    if _inside(path, folder):
+        return True
+    if not folder.is_dir():
+        return False
+    above = _ancestry(path)
+    mounts = _mount_points()
+    if mounts is not None:  # only a mount point can bring another folder into the tree
+        root = folder.resolve()
+        return any(m != root and m.is_relative_to(root) and _identity(m) in above for m in mounts)
+    for top, dirs, _files in os.walk(folder):  # no mount table: look at every folder
+        for name in list(dirs):
+            if _identity(Path(top) / name) in above:
+                return True
+            if os.path.islink(Path(top) / name):
+                dirs.remove(name)
+    return False
+
+
+def _run_folder(adapter: Path) -> Path | None:
+    """The ``calibrate --out`` folder a saved result ``adapter`` (``RUN/<method>``) belongs to, when
+    it is one (it holds the run's checkpoints, report or lock), else None."""
+    from llm_calib.files.outputs import LOCK_FILE
+
+    result = adapter.parent if adapter.name == "adapter" and (adapter.parent / "metrics.json").is_file() else adapter
+    if not (result / "adapter").is_dir():
+        return None
+    run = result.absolute().parent
+    markers = ("checkpoints", "report.md", LOCK_FILE)
+    return run if any((run / m).exists() for m in markers) else None
+
+
 def check_export_target(out: str | os.PathLike[str], base: str | os.PathLike[str] | None = None, *,
                         adapter: str | os.PathLike[str] | None = None, overwrite: bool = False) -> Path:
-    """Refuse an export folder ``out`` that would destroy something: the base model's own folder
-    ``base`` (or the ``adapter``'s; symlinks and hard-linked folders count as the same), always; a
-    file; or a non-empty folder that is not an earlier export (no :data:`EXPORT_FILE`), unless
-    ``overwrite``. Meant to run before any model is loaded; :func:`export_merged` runs it again.
+    """Refuse an export folder ``out`` that would destroy something. Always: the base model's
+    folder ``base``, the ``adapter``'s, or the folder of the run that saved it, a folder that
+    contains one of them, and a folder inside the base model's or the adapter's; a file. A
+    non-empty folder that is not an earlier export (no :data:`EXPORT_FILE`) only with ``overwrite``,
+    and never one of the run's own folders. Paths are compared resolved (symlinks, ``..``) and by
+    identity (bind mounts). Meant to run before any model is loaded; :func:`export_merged` runs it again.
 
     Args:
         out: the folder the merged model will be written to.
-        base: the base model as given to the loader (a hub name or alias, that is no local folder,
+        base: the base model as given to the loader (a hub name or alias, that is no local path,
             is not checked).
         adapter: the saved result or adapter being merged.
-        overwrite: replace a non-empty folder of something else (never the base's or the adapter's).
+        overwrite: replace a non-empty folder of something else (never one of the above).
 
     Returns:
         ``out`` as a path.
 
     Raises:
-        ValueError: ``out`` is the base model's or the adapter's folder, a file, or (without
-            ``overwrite``) a non-empty folder export did not write; the message names it.
+        ValueError: as above; the message names ``out`` and what it would destroy.
 
     Example:
         >>> import pathlib, tempfile
-        >>> base = pathlib.Path(tempfile.mkdtemp())
+        >>> base = pathlib.Path(tempfile.mkdtemp()) / "base"
+        >>> base.mkdir()
         >>> _ = (base / "config.json").write_text("{}")
-        >>> check_export_target(base / "merged", base).name
+        >>> check_export_target(base.parent / "merged", base).name
         'merged'
         >>> check_export_target(base, base)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ValueError: export --out ...: this is the base model's folder (...); ...
+        >>> check_export_target(base.parent, base, overwrite=True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: export --out ...: it holds the base model (...); ...
         >>> check_export_target(base, "smollm2-135m")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ValueError: export --out ...: a non-empty folder that llm-calib export did not write ...
     """
     target = Path(out)
-    for what, source in (("the base model's", base), ("the adapter's", adapter)):
-        if source is None or not Path(source).exists():
+    adapter_path = None if adapter is None or not Path(adapter).exists() else Path(adapter)
+    protected = [("the base model", None if base is None or not Path(base).exists() else Path(base)),
+                 ("the adapter", adapter_path),
+                 ("the run", None if adapter_path is None else _run_folder(adapter_path))]
+    for what, src in protected:
+        if src is None:
             continue
-        src = Path(source)
-        inner = src / "adapter"  # a saved result keeps its peft adapter there
-        if _same_folder(target, src) or (what == "the adapter's" and inner.is_dir() and _same_folder(target, inner)):
-            raise ValueError(f"export --out {target}: this is {what} folder ({src}); exporting there would "
+        if _same_folder(target, src) or (what == "the adapter" and _same_folder(target, src / "adapter")):
+            raise ValueError(f"export --out {target}: this is {what}'s folder ({src}); exporting there would "
                              "replace its weights. Choose a new folder")
+        if _holds(target, src):
+            raise ValueError(f"export --out {target}: it holds {what} ({src}); exporting there would delete "
+                             "it. Choose a new folder")
+        if what != "the run" and src.is_dir() and _inside(target, src):
+            raise ValueError(f"export --out {target}: a folder inside {what}'s folder ({src}); exporting "
+                             "there would change it. Choose a folder outside it")
     if target.exists() and not target.is_dir():
         raise ValueError(f"export --out {target}: exists and is not a folder; choose a folder")
-    if (target.is_dir() and any(target.iterdir()) and not (target / EXPORT_FILE).is_file() and not overwrite):
+    foreign = target.is_dir() and any(target.iterdir()) and not (target / EXPORT_FILE).is_file()
+    run = protected[2][1]
+    if foreign and run is not None and _inside(target, run):
+        raise ValueError(f"export --out {target}: a folder of the run {run} that llm-calib export did not "
+                         "write; --overwrite never deletes a run's folders. Choose a new folder")
+    if foreign and not overwrite:
         raise ValueError(f"export --out {target}: a non-empty folder that llm-calib export did not write "
                          f"(no {EXPORT_FILE}); choose a new or empty folder, or pass --overwrite to replace it")
     return target
+
+
+def merged_bytes(base: str | os.PathLike[str], dtype: str | None = None) -> int:
+    """A rough lower bound of what exporting the local model ``base`` writes: its weight files'
+    size, scaled from the checkpoint's dtype to ``dtype`` when both are known; 0 for a model that
+    is no local folder (a hub name, an alias).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (d / "model.safetensors").write_bytes(bytes(1000))
+        >>> _ = (d / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+        >>> merged_bytes(d), merged_bytes(d, "float32"), merged_bytes("smollm2-135m")
+        (1000, 2000, 0)
+    """
+    folder = Path(base).expanduser()
+    if not folder.is_dir():
+        return 0
+    size = sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    widths = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+    try:
+        config = read_json(folder / "config.json")
+        saved = config.get("torch_dtype") or config.get("dtype")
+    except (OSError, ValueError, AttributeError):
+        saved = None
+    if dtype in widths and saved in widths:
+        size = size * widths[dtype] // widths[saved]
+    return size
 
 
 def export_merged(
@@ -303,8 +470,11 @@ def export_merged(
         write_json_atomic(staging / EXPORT_FILE, {"adapter": str(src.resolve()), "merged": ["lora", "modules_to_save"]})
         ordinary_modes(staging)  # mkdtemp makes 0700 and safetensors writes model.safetensors 0600
         _replace_folder(staging, target)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
+        converted = as_os_error(err, target)  # a full disk: safetensors' error, not an OSError naming the folder
+        if converted is not None:
+            raise converted from err
         raise
     return target
 

@@ -17,9 +17,9 @@ from torch import Tensor
 
 from llm_calib.calm.encoding import EncodedRecords, encode_records
 from llm_calib.calm.lora import FunctionalLM, attach_lora
-from llm_calib.calm.run import format_settings, task_format
+from llm_calib.calm.run import task_format
 from llm_calib.confidence.token import OpenEndedSet, encode_open_prompts
-from llm_calib.config.calibration import CalibrationConfig, LoraSettings
+from llm_calib.config.calibration import LoraSettings
 from llm_calib.data.records import OpenQA
 from llm_calib.engine.decode import GenOut, TrunkGenerator
 from llm_calib.engine.options import forward_rows
@@ -31,6 +31,7 @@ from llm_calib.engine.packing import (
 )
 from llm_calib.formats.base import TaskFormat
 from llm_calib.models import lm_head_logits, split_decoder_head
+from llm_calib.prompts.resolution import ResolvedPromptSettings
 from llm_calib.scoring.base import ScoredSet
 
 __all__ = [
@@ -56,7 +57,9 @@ def base_scores(model: Any, enc: EncodedRecords, trunk_layers: int, batch_size: 
         >>> from llm_calib.data import builtin_multiple_choice
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
-        >>> enc = encode_records(tok, builtin_multiple_choice(n_per_domain=2, domains=["capitals"]), CalibrationConfig())
+        >>> from llm_calib.calm.run import resolve_run
+        >>> qs = builtin_multiple_choice(n_per_domain=2, domains=["capitals"])
+        >>> enc = encode_records(tok, qs, resolve_run(None, qs, qs).formats.lower)
         >>> scores = base_scores(model, enc, trunk_layers=1, batch_size=2, pad_id=tok.pad_token_id)
         >>> len(scores), len(enc.trunk_cache)
         (2, 2)
@@ -143,7 +146,9 @@ def fill_trunk_caches(model: Any, encodings: Sequence[EncodedRecords], lora: Lor
         >>> from llm_calib.data import builtin_multiple_choice
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
-        >>> enc = encode_records(tok, builtin_multiple_choice(n_per_domain=3, domains=["capitals"]), CalibrationConfig())
+        >>> from llm_calib.calm.run import resolve_run
+        >>> qs = builtin_multiple_choice(n_per_domain=3, domains=["capitals"])
+        >>> enc = encode_records(tok, qs, resolve_run(None, qs, qs).formats.lower)
         >>> fill_trunk_caches(model, [enc], LoraSettings(layers=(1,)), tok.pad_token_id), len(enc.trunk_cache)
         (3, 3)
     """
@@ -165,7 +170,8 @@ class SharedTrunkEval:
         sets: set name -> records (all of one kind), or an :class:`~llm_calib.calm.encoding.EncodedRecords`
             whose trunk cache the base pass fills.
         trunk_layers: the first adapted layer (at least 1, below the number of layers).
-        config: encoding settings (its ``prompt`` part); default ``CalibrationConfig()``.
+        settings: the run's resolved prompt settings (:attr:`~llm_calib.calm.run.ResolvedRun.settings`: the
+            sets' format and normalisation); default: the default prompt settings resolved.
         batch_size: questions (prompts) per forward pass.
         max_new_tokens: open questions: the generation budget.
         temperatures: open questions: a temperature grid recorded by :meth:`base`.
@@ -185,7 +191,7 @@ class SharedTrunkEval:
     """
 
     def __init__(self, model: Any, tokenizer: Any, sets: Mapping[str, Sequence[Any] | EncodedRecords], trunk_layers: int,
-                 *, config: CalibrationConfig | None = None, batch_size: int = 16, max_new_tokens: int = 10,
+                 *, settings: ResolvedPromptSettings | None = None, batch_size: int = 16, max_new_tokens: int = 10,
                  temperatures: Sequence[float] | None = None) -> None:
         if not sets or any(len(v) == 0 for v in sets.values()):
             raise ValueError("sets must name at least one non-empty record set")
@@ -193,19 +199,19 @@ class SharedTrunkEval:
         if not 0 < trunk_layers < n_layers:
             raise ValueError(f"trunk_layers must be in [1, {n_layers - 1}], got {trunk_layers}")
         self.model, self.tokenizer, self.trunk_layers = model, tokenizer, trunk_layers
-        self.config = config or CalibrationConfig()
         self.batch_size = batch_size
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         records = {k: v.records if isinstance(v, EncodedRecords) else list(v) for k, v in sets.items()}
         # the kind of the sets is read here, once: the first set's format, the others checked against it
         (first, first_set), *_ = sets.items()
-        settings = format_settings(self.config)
+        if settings is None:
+            settings = ResolvedPromptSettings.default()
         fmt = (first_set.format if isinstance(first_set, EncodedRecords)
-               else task_format(records[first], what=first, settings=settings))
+               else task_format(records[first], settings, what=first))
         for name, recs in records.items():
             fmt.check(recs, what=name)
         self.format: TaskFormat = fmt
-        self.normalize = settings["normalize"]
+        self.normalize = settings.normalize
         self.records = records
         sets_class = next(c for c in (_ChoiceSets, _AnswerSets) if c.family == fmt.family)
         self._sets = sets_class(self, sets, max_new_tokens, temperatures)
@@ -247,7 +253,7 @@ class _ChoiceSets:
     def __init__(self, ev: SharedTrunkEval, sets: Mapping[str, Sequence[Any] | EncodedRecords], max_new_tokens: int,
                  temperatures: Sequence[float] | None) -> None:
         self.ev = ev
-        self.encodings = {k: v if isinstance(v, EncodedRecords) else encode_records(ev.tokenizer, v, ev.config, fmt=ev.format)
+        self.encodings = {k: v if isinstance(v, EncodedRecords) else encode_records(ev.tokenizer, v, ev.format)
                           for k, v in sets.items()}
 
     def _scored(self, name: str, scores: list[Tensor]) -> ScoredSet:
@@ -279,7 +285,7 @@ class _AnswerSets:
                  temperatures: Sequence[float] | None) -> None:
         self.ev = ev
         flat = [r for recs in ev.records.values() for r in recs]
-        prompts = encode_open_prompts(ev.tokenizer, flat, ev.format.prompt_settings())
+        prompts = encode_open_prompts(ev.tokenizer, flat, ev.format.prompt_settings(), reserve=max_new_tokens)
         self.generator = TrunkGenerator(ev.tokenizer, prompts, ev.batch_size, max_new_tokens, ev.trunk_layers,
                                         temperatures, until=[getattr(r, "until", None) for r in flat])
         self.base_outputs: dict[str, list[GenOut]] = {}

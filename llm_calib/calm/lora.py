@@ -233,6 +233,7 @@ class FunctionalLM:
         if norm is not None and hasattr(norm, "original_module") and hasattr(norm, "modules_to_save"):
             self._scaled_norm = next(n for n, _ in norm.named_parameters() if n.startswith("modules_to_save."))
             self._norm_base_weight = norm.original_module.weight
+        self._compiled_stack: Callable[..., Tensor] | None = None
         self.trunk_layers = 0
         if cache_trunk and trainable_layers and trainable_layers[0] > 0 and not has_other_trainable:
             if layered and known:
@@ -288,6 +289,10 @@ class FunctionalLM:
     def _run_layers(self, hidden: Tensor, packed: PackedQuestions, indices: range,
                     per_layer: dict[int, dict[str, Tensor]] | None = None) -> Tensor:
         """Run decoder layers ``indices`` on ``hidden``, with θ substituted in the layers of ``per_layer``."""
+        return self._layers(hidden, *self._layer_inputs(packed), indices, per_layer)
+
+    def _layer_inputs(self, packed: PackedQuestions) -> tuple[Tensor, Tensor]:
+        """The attention mask the layers take and the position ids, on the model's device."""
         device = self.device
         pos = packed.position_ids.to(device)
         if self._four_d_masks or packed.attention_mask.dim() == 4:
@@ -296,6 +301,10 @@ class FunctionalLM:
             mask = mask.to(device)
         else:  # flash-style kernels take the 2-D padding mask
             mask = packed.attention_mask.to(device)
+        return mask, pos
+
+    def _layers(self, hidden: Tensor, mask: Tensor, pos: Tensor, indices: range,
+                per_layer: dict[int, dict[str, Tensor]] | None) -> Tensor:
         kwargs = {"attention_mask": mask, "position_ids": pos,
                   "position_embeddings": self.decoder.rotary_emb(hidden, position_ids=pos)}
         for index in indices:
@@ -316,10 +325,53 @@ class FunctionalLM:
             if m is None:
                 raise ValueError(f"theta entry {name!r} is not inside a decoder layer")
             per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = value
-        hidden = self._run_layers(trunk.to(self.device), packed, range(self.trunk_layers, len(self.decoder.layers)), per_layer)
+        stack = self._layer_stack if self._compiled_stack is None else self._compiled_stack
+        return stack(per_layer, norm_weight, trunk.to(self.device), *self._layer_inputs(packed))
+
+    def _layer_stack(self, per_layer: dict[int, dict[str, Tensor]], norm_weight: dict[str, Tensor], hidden: Tensor,
+                     mask: Tensor, pos: Tensor) -> Tensor:
+        """The layers from the first trained one and the final norm: what :meth:`compile_step` compiles."""
+        hidden = self._layers(hidden, mask, pos, range(self.trunk_layers, len(self.decoder.layers)), per_layer)
         if norm_weight:
             return torch.func.functional_call(self.decoder.norm, norm_weight, (hidden,), strict=False)
         return self.decoder.norm(hidden)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether :meth:`compile_step` compiled the trained layers."""
+        return self._compiled_stack is not None
+
+    def compile_step(self) -> None:
+        """Run the trained layers and the final norm (forward and backward) as graphs compiled by
+        :func:`torch.compile` (inductor, dynamic shapes: one graph for every batch shape).
+
+        Every loss evaluation of a step then launches a few fused kernels instead of one per operator:
+        the step's cost on a GPU stops being set by the launches. The frozen layers below (the trunk, or
+        the embedding) run as before. Compiling takes seconds to minutes on the first steps (each of
+        training, a gradient in λ only, and the no-grad evaluation compiles once); results equal the
+        eager step's to float round-off (fused kernels round differently). CUDA graphs are not used:
+        each step's batch has its own shape, which a captured graph cannot take.
+
+        Raises:
+            ValueError: a decoder this cannot run layer by layer (not one of
+                :data:`TRUNK_CACHE_ARCHITECTURES`, or without 4-D attention masks), gradient checkpointing
+                (it recomputes through the compiled graph), θ outside the decoder layers, or no compiler.
+        """
+        from hypergrad.compiled import compiler_available
+
+        if type(self.decoder).__name__ not in TRUNK_CACHE_ARCHITECTURES or not self.packed_masks:
+            raise ValueError(f"training.compile runs the layers one by one, which {type(self.decoder).__name__} "
+                             f"does not allow (compiled decoders: {sorted(TRUNK_CACHE_ARCHITECTURES)}, with 4-D "
+                             "attention masks)")
+        if self.checkpointing:
+            raise ValueError("training.compile does not combine with gradient checkpointing; turn one off")
+        outside = [n for n in self.theta() if n != OUTPUT_LOG_SCALE and not re.match(r"layers\.\d+\.", n)]
+        if outside:
+            raise ValueError(f"training.compile needs θ inside the decoder layers; {outside[:3]} are not")
+        ok, why = compiler_available()
+        if not ok:
+            raise ValueError(f"training.compile: torch.compile has no compiler here ({why})")
+        self._compiled_stack = torch.compile(self._layer_stack, dynamic=True)
 
     def _split_scale(self, theta: dict[str, Tensor] | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """θ without the output log-scale, and the final norm's substituted weight (or ``{}``)."""
@@ -386,6 +438,9 @@ class FunctionalLM:
                     trunk: Tensor | None = None) -> Tensor:
         """Final hidden states at ``packed.rows`` (``(R, hidden)``), with θ substituted; with
         ``trunk`` (:meth:`trunk_hidden`) only the layers from the first trainable one run."""
+        if trunk is None and self._compiled_stack is not None:  # every layer trained: the embedding is the trunk
+            with torch.no_grad():
+                trunk = self.decoder.embed_tokens(packed.input_ids.to(self.device))
         if trunk is None:  # the engine's forward pass (one sequence per option where 4-D masks cannot go)
             params = None if theta is None else self.decoder_parameters(theta)
             return forward_rows(self.base, packed, packed_masks=self.packed_masks, parameters=params)[0]

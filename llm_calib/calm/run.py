@@ -1,113 +1,45 @@
 """A calibration run resolved once: :func:`resolve_run` turns (configuration, records) into a :class:`ResolvedRun`.
 
-Everything the configuration leaves to be worked out is worked out here, once: the prompt
-(:func:`resolve_prompt`, the one prompt resolver, which ``llm-calib evaluate`` uses too), the scorer
-settings (:func:`format_settings`), the task formats of the sets (:func:`run_formats`), θ's
-optimiser (:func:`theta_optimizer`) and the budget (``training.epochs`` -> ``training.steps``).
+Everything the configuration leaves to be worked out is worked out here, once: the prompt settings
+(:func:`~llm_calib.prompts.resolution.resolve_prompt_settings`, the module that owns prompt
+resolution), the task formats of the sets (:func:`run_formats`), θ's optimiser
+(:func:`theta_optimizer`) and the budget (``training.epochs`` -> ``training.steps``).
 :func:`~llm_calib.calm.trainer.calibrate`, :func:`~llm_calib.evaluation.compare.run_comparison` and
-``llm-calib calibrate`` pass the resolved run on; nothing here writes into the configuration.
+``llm-calib calibrate`` resolve the run and pass the :class:`ResolvedRun` on: below them no function
+takes a :class:`~llm_calib.config.calibration.CalibrationConfig`. Nothing here writes into the
+configuration.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import hypergrad as hg
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE
-from llm_calib.config.calibration import CalibrationConfig, open_prompt_format
-from llm_calib.formats import MULTIPLE_CHOICE_FORMATS, TaskFormat, format_for, records_family
+from llm_calib.config.calibration import CalibrationConfig, LoraSettings
+from llm_calib.formats import TaskFormat, format_for, records_family
 from llm_calib.objectives.base import Objective
-from llm_calib.prompts.templates import PromptFormat, preset
+from llm_calib.prompts.resolution import ResolvedPromptSettings, resolve_prompt_settings
 
-__all__ = ["ResolvedRun", "RunFormats", "format_settings", "resolve_prompt", "resolve_run", "run_formats",
-           "set_records", "task_format", "theta_optimizer"]
-
-
-def resolve_prompt(scorer: str, overrides: Mapping[str, Any] | None = None, *, preset_name: str | None = None,
-                   saved: Mapping[str, Any] | None = None, style: str | None = None,
-                   chat_template: bool | None = None) -> PromptFormat:
-    """The multiple-choice prompt of a run or an evaluation: the one place a prompt is resolved.
-
-    The preset ``preset_name`` (with ``chat_template`` when given), else the prompt a saved result
-    records (``saved``: :class:`~llm_calib.prompts.templates.PromptFormat` fields), else the scorer's prompt
-    of ``style`` (the scorer's default style when None); then the ``overrides`` (prompt fields
-    given explicitly: a template, few-shot settings, ...). The few-shot pool is not loaded here.
-
-    Raises:
-        ValueError: an unknown scorer or preset, or an invalid prompt field (from
-            :class:`~llm_calib.prompts.templates.PromptFormat`).
-
-    Example:
-        >>> resolve_prompt("letter").style, resolve_prompt("option_likelihood", {"fewshot": 1}, style="listed").fewshot
-        ('listed', 1)
-        >>> resolve_prompt("option_likelihood", preset_name="lm_eval_arc").template
-        'Question: {question}\\nAnswer:'
-    """
-    given = dict(overrides or {})
-    if preset_name is not None:
-        chat = {} if chat_template is None else {"chat_template": chat_template}
-        return preset(preset_name, **given, **chat)
-    if saved:
-        return PromptFormat(**{**saved, **given})
-    fmt = MULTIPLE_CHOICE_FORMATS.get(scorer)
-    if fmt is None:
-        raise ValueError(f"scorer must be one of {tuple(MULTIPLE_CHOICE_FORMATS)}, got {scorer!r}")
-    prompt = fmt.configured_prompt(fmt.default_prompt.style if style is None else style, chat_template)
-    return dataclasses.replace(prompt, **given) if given else prompt
+__all__ = ["ResolvedRun", "RunFormats", "check_resolved", "resolve_run", "run_formats", "set_records", "task_format",
+           "theta_optimizer"]
 
 
-def format_settings(config: CalibrationConfig) -> dict[str, Any]:
-    """The scorer settings of a configuration, as :func:`~llm_calib.formats.format_for` and
-    :func:`~llm_calib.evaluation.evaluate.evaluate_records` take them: the one reader of its ``prompt`` part.
-
-    The multiple-choice prompt follows ``style`` (listed for the letter scorer), or, with ``preset`` or
-    any prompt setting ``evaluate`` has a flag for (``template``, ``target_delimiter``, ``choices``,
-    ``system_message``, ``answer_prefix``, ``fewshot``...), the prompt ``evaluate`` builds from the same
-    flags (:func:`resolve_prompt`). Few-shot examples come from ``config.prompt.fewshot_pool``, or,
-    when it is empty, from ``fewshot_split`` loaded here (the configuration is not changed), so
-    training, selection and evaluation show a question the same examples. Open questions use
-    :func:`~llm_calib.config.calibration.open_prompt_format`.
-
-    Example:
-        >>> s = format_settings(CalibrationConfig(prompt=dict(scorer="letter")))
-        >>> s["scorer"], s["prompt"].style, s["answer_stop"]
-        ('letter', 'listed', False)
-    """
-    settings = config.prompt
-    prompt = resolve_prompt(settings.scorer, settings.prompt_overrides(), preset_name=settings.preset,
-                            style=settings.style, chat_template=settings.chat_template)
-    if prompt.fewshot:
-        pool = settings.fewshot_pool
-        if not pool:
-            from llm_calib.prompts.fewshot import resolve_fewshot
-
-            pool = resolve_fewshot(prompt).fewshot_pool  # type: ignore[union-attr]
-        prompt = dataclasses.replace(prompt, fewshot_pool=pool)
-    return {
-        "scorer": settings.scorer,
-        "normalize": settings.normalize,
-        "prompt": prompt,
-        "open_prompt": open_prompt_format(config),
-        "answer_stop": bool(settings.open_examples),
-    }
-
-
-def theta_optimizer(config: CalibrationConfig, lr: float | None = None) -> hg.inner.Adam:
-    """The Adam optimiser of θ (LoRA weights; the output log-scale at ``config.lora.output_scale_lr``).
+def theta_optimizer(lora: LoraSettings, lr: float) -> hg.inner.Adam:
+    """The Adam optimiser of θ at rate ``lr`` (LoRA weights; the output log-scale at ``lora.output_scale_lr``).
 
     Adam moves every coordinate by about ``lr`` per step, so the log-scale gets its own rate to travel
-    a useful distance (log 2 for T = 2) in a few dozen steps. ``lr`` defaults to ``config.training.lr``.
+    a useful distance (log 2 for T = 2) in a few dozen steps.
 
     Example:
-        >>> from llm_calib.config.calibration import TrainingSettings
-        >>> theta_optimizer(CalibrationConfig(training=TrainingSettings(lr=1e-3))).lr
+        >>> theta_optimizer(LoraSettings(), 1e-3).lr
         0.001
     """
-    leaf_lr = {OUTPUT_LOG_SCALE: config.lora.output_scale_lr} if config.lora.output_scale else {}
-    return hg.inner.Adam(lr=config.training.lr if lr is None else lr, leaf_lr=leaf_lr)
+    leaf_lr = {OUTPUT_LOG_SCALE: lora.output_scale_lr} if lora.output_scale else {}
+    return hg.inner.Adam(lr=lr, leaf_lr=leaf_lr)
 
 
 @runtime_checkable
@@ -129,23 +61,22 @@ def set_records(data: Any) -> Sequence[Any]:
     return data.records if isinstance(data, _Encoded) else data
 
 
-def task_format(records: Iterable[Any], config: CalibrationConfig | None = None, *, what: str = "records",
-                settings: Mapping[str, Any] | None = None) -> TaskFormat:
-    """The task format of a run's records under its configuration (or its resolved ``settings``,
-    :func:`format_settings`): where a run reads the kind of its records.
+def task_format(records: Iterable[Any], settings: ResolvedPromptSettings, *, what: str = "records") -> TaskFormat:
+    """The task format of a run's records under its resolved prompt ``settings``: where a run reads
+    the kind of its records.
 
     Raises:
         ValueError: no records, records of both kinds or of another type (naming the record).
 
     Example:
+        >>> from llm_calib.config.calibration import PromptSettings
         >>> from llm_calib.data import builtin_multiple_choice
-        >>> fmt = task_format(builtin_multiple_choice(1, domains=["capitals"]), CalibrationConfig(prompt=dict(normalize="mean")))
+        >>> settings = resolve_prompt_settings(PromptSettings(normalize="mean"))
+        >>> fmt = task_format(builtin_multiple_choice(1, domains=["capitals"]), settings)
         >>> type(fmt).__name__, fmt.normalize
         ('OptionLikelihood', 'mean')
     """
-    if settings is None:
-        settings = format_settings(config or CalibrationConfig())
-    return format_for(records, **settings, what=what)
+    return format_for(records, **settings.format_options(), what=what)
 
 
 class RunFormats(NamedTuple):
@@ -161,9 +92,8 @@ class RunFormats(NamedTuple):
     upper: TaskFormat
 
 
-def run_formats(train: Any, heldout: Any, config: CalibrationConfig | None = None, unlabeled: Any = None, *,
-                names: tuple[str, str, str] = ("train", "heldout", "unlabeled"),
-                settings: Mapping[str, Any] | None = None) -> RunFormats:
+def run_formats(train: Any, heldout: Any, settings: ResolvedPromptSettings, unlabeled: Any = None, *,
+                names: tuple[str, str, str] = ("train", "heldout", "unlabeled")) -> RunFormats:
     """The formats of a run's training and held-out records, with the unlabelled ones checked.
 
     Each set is all of one kind. The held-out set may be of another kind than the training set
@@ -175,10 +105,9 @@ def run_formats(train: Any, heldout: Any, config: CalibrationConfig | None = Non
 
     Args:
         train, heldout: records, or their :class:`~llm_calib.calm.encoding.EncodedRecords`.
-        config: the run's configuration (the prompt settings of the formats).
+        settings: the run's resolved prompt settings (those of the formats).
         unlabeled: upper-level inputs (records or encodings), or None.
         names: how error messages name the three sets (e.g. ``"--train SPEC"``).
-        settings: the configuration's :func:`format_settings`, when already resolved.
 
     Raises:
         ValueError: a set mixing kinds or holding something else, or held-out / unlabelled
@@ -187,15 +116,12 @@ def run_formats(train: Any, heldout: Any, config: CalibrationConfig | None = Non
     Example:
         >>> from llm_calib.data import OpenQA, builtin_multiple_choice
         >>> mc = builtin_multiple_choice(2, domains=["capitals"])
-        >>> formats = run_formats([OpenQA("Say hi.", ("Hi!",), "chat", "c0")], mc, CalibrationConfig(), mc)
+        >>> formats = run_formats([OpenQA("Say hi.", ("Hi!",), "chat", "c0")], mc, ResolvedPromptSettings.default(), mc)
         >>> formats.lower.layout, formats.upper.layout
         ('open', 'options')
     """
-    if settings is None:
-        settings = format_settings(config or CalibrationConfig())
-
     def set_format(data: Any, what: str) -> TaskFormat:
-        return data.format if isinstance(data, _Encoded) else task_format(data, what=what, settings=settings)
+        return data.format if isinstance(data, _Encoded) else task_format(data, settings, what=what)
 
     lower = set_format(train, names[0])
     held = set_records(heldout)
@@ -218,14 +144,14 @@ class ResolvedRun:
         config: the configuration, with ``training.epochs`` resolved to ``training.steps`` (what
             results and checkpoints record).
         formats: the task formats of the training and the held-out sets (:class:`RunFormats`).
-        settings: the scorer settings (:func:`format_settings`): ``scorer``, ``normalize``,
-            ``prompt`` (few-shot pool loaded), ``open_prompt`` and ``answer_stop``.
+        settings: the prompt settings resolved (:class:`~llm_calib.prompts.resolution.ResolvedPromptSettings`:
+            ``scorer``, ``normalize``, ``prompt`` with its few-shot pool loaded, ``open_prompt``, ``answer_stop``).
         theta_optimizer: θ's optimiser (:func:`theta_optimizer`).
     """
 
     config: CalibrationConfig
     formats: RunFormats
-    settings: dict[str, Any]
+    settings: ResolvedPromptSettings
     theta_optimizer: hg.inner.Adam
 
     def with_confidence(self, confidence: Any) -> ResolvedRun:
@@ -245,8 +171,7 @@ class ResolvedRun:
             return dataclasses.replace(fmt, confidence=confidence) if fmt.family == "open" else fmt
 
         lower, upper = self.formats
-        formats = RunFormats(scored(lower), upper if upper is lower and lower.family != "open" else scored(upper))
-        return dataclasses.replace(self, formats=formats, settings={**self.settings, "confidence": confidence})
+        return dataclasses.replace(self, formats=RunFormats(scored(lower), scored(upper)))
 
     @property
     def objective(self) -> Objective:
@@ -266,8 +191,24 @@ class ResolvedRun:
         return dataclasses.replace(self, config=dataclasses.replace(self.config, objective=objective))
 
 
+def check_resolved(run: Any, where: str) -> ResolvedRun:
+    """``run`` when it is a :class:`ResolvedRun`; else a TypeError naming ``where`` and how to make one.
+
+    Example:
+        >>> check_resolved(CalibrationConfig(), "build_trainer")
+        Traceback (most recent call last):
+        ...
+        TypeError: build_trainer takes the run resolved from its configuration (llm_calib.calm.run.resolve_run(config, train, heldout)), got a CalibrationConfig
+    """
+    if not isinstance(run, ResolvedRun):
+        raise TypeError(f"{where} takes the run resolved from its configuration "
+                        f"(llm_calib.calm.run.resolve_run(config, train, heldout)), got a {type(run).__name__}")
+    return run
+
+
 def resolve_run(config: CalibrationConfig | None, train: Any, heldout: Any, unlabeled: Any = None, *,
-                names: tuple[str, str, str] = ("train", "heldout", "unlabeled"), confidence: Any = None) -> ResolvedRun:
+                names: tuple[str, str, str] = ("train", "heldout", "unlabeled"),
+                fewshot_pool: Sequence[Any] = (), confidence: Any = None) -> ResolvedRun:
     """Resolve a run once: its prompt and scorer settings, the formats of its sets, θ's optimiser, its budget.
 
     Args:
@@ -275,23 +216,26 @@ def resolve_run(config: CalibrationConfig | None, train: Any, heldout: Any, unla
         train, heldout, unlabeled: the run's sets (records or their encodings; ``unlabeled`` may be None),
             checked as :func:`run_formats` checks them.
         names: how error messages name the three sets.
+        fewshot_pool: the few-shot examples of ``config.prompt.fewshot`` (empty: ``fewshot_split`` loaded
+            whole; see :func:`~llm_calib.prompts.resolution.resolve_prompt_settings`).
         confidence: open questions: how held-out answers are scored for model selection
             (:class:`~llm_calib.confidence.kinds.OpenConfidence`; None: token confidence);
             see :meth:`ResolvedRun.with_confidence`.
 
     Raises:
-        ValueError: a set of records the run cannot use (see :func:`run_formats`).
+        ValueError: a set of records the run cannot use (see :func:`run_formats`), or prompt settings
+            that cannot be resolved.
 
     Example:
         >>> from llm_calib.data import builtin_multiple_choice
         >>> qs = builtin_multiple_choice(4, domains=["capitals"])
         >>> run = resolve_run(CalibrationConfig.from_dict({"preset": "paper"}), qs[:3], qs[3:])
-        >>> run.config.training.steps, run.formats.lower.layout, run.settings["scorer"]   # 5 epochs of 3 questions
+        >>> run.config.training.steps, run.formats.lower.layout, run.settings.scorer   # 5 epochs of 3 questions
         (5, 'letter', 'letter')
     """
     config = config or CalibrationConfig()
-    optimizer = theta_optimizer(config)
-    settings = format_settings(config)
-    formats = run_formats(train, heldout, unlabeled=unlabeled, names=names, settings=settings)
+    optimizer = theta_optimizer(config.lora, config.training.lr)
+    settings = resolve_prompt_settings(config.prompt, fewshot_pool)
+    formats = run_formats(train, heldout, settings, unlabeled, names=names)
     run = ResolvedRun(config.resolved(len(set_records(train))), formats, settings, optimizer)
     return run if confidence is None else run.with_confidence(confidence)

@@ -22,12 +22,13 @@ from tqdm.auto import tqdm
 from llm_calib import distributed
 from llm_calib.calm import training
 from llm_calib.calm.lora import peft_deprecations_silenced
-from llm_calib.calm.run import ResolvedRun, format_settings, resolve_run
+from llm_calib.calm.run import ResolvedRun, check_resolved, resolve_run
 from llm_calib.calm.training import Records, TrainingDiverged
 from llm_calib.config.calibration import CalibrationConfig
+from llm_calib.engine.context import context_window
 from llm_calib.prompts.templates import prompt_dict
 
-__all__ = ["BASE_MODEL_FILE", "CalibrationResult", "TrainingDiverged", "base_model_record", "calibrate"]
+__all__ = ["BASE_MODEL_FILE", "CalibrationResult", "TrainingDiverged", "base_model_record", "calibrate", "calibrate_run"]
 
 BASE_MODEL_FILE = "base_model.json"
 """The file of a saved :class:`CalibrationResult` recording its base model (:func:`base_model_record`)."""
@@ -96,10 +97,40 @@ class CalibrationResult:
             write_json_atomic(out / BASE_MODEL_FILE, self.base)
         from llm_calib.version import __version__
 
-        saved = {"metrics": self.metrics, "timings": self.timings, "notes": list(self.notes),
-                 "selection": self.selection, "llm_calib_version": __version__}
+        saved = {"metrics": self.metrics, "timings": self.timings, "notes": list(self.notes), "selection": self.selection,
+                 "llm_calib_version": __version__}
         write_json_atomic(out / "metrics.json", saved)
         return out
+
+    @staticmethod
+    def problem(directory: str | os.PathLike[str]) -> str | None:
+        """What is wrong with the saved result in ``directory`` (a file missing, cut short or not
+        valid JSON: a copy cut short, a disk error), or None when it loads. Reads the records and
+        the safetensors headers, not the tensors.
+
+        Example:
+            >>> import tempfile
+            >>> CalibrationResult.problem(tempfile.mkdtemp())
+            'adapter/adapter_model.safetensors: missing'
+        """
+        from llm_calib.files.atomic import read_json
+        from llm_calib.files.checkpoint import safetensors_problem
+
+        src = Path(directory)
+        for name in ("adapter/adapter_model.safetensors", "lambda.safetensors"):
+            if name == "lambda.safetensors" and not (src / name).exists():
+                continue  # a method without λ
+            found = safetensors_problem(src / name)
+            if found is not None:
+                return f"{name}: {found}"
+        for name in ("adapter/adapter_config.json", "config.json", "history.json", "metrics.json"):
+            try:
+                read_json(src / name)
+            except FileNotFoundError:
+                return f"{name}: missing"
+            except (OSError, ValueError) as err:
+                return f"{name}: {err}"
+        return None
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], base_model: Any) -> CalibrationResult:
@@ -124,30 +155,39 @@ class CalibrationResult:
                    saved.get("notes", []), saved.get("selection", {}))
 
 
-def base_model_record(model: Any, config: CalibrationConfig | ResolvedRun) -> dict[str, Any]:
-    """What a result records of its base model and prompt (:data:`BASE_MODEL_FILE`), under a configuration
-    or a resolved run (:func:`~llm_calib.calm.run.resolve_run`).
+def base_model_record(model: Any, run: ResolvedRun) -> dict[str, Any]:
+    """What a result records of its base model and prompt (:data:`BASE_MODEL_FILE`) under a resolved
+    run (:func:`~llm_calib.calm.run.resolve_run`).
 
     Returns:
-        JSON-ready ``model`` (``config._name_or_path`` or None), ``dtype``, ``prompt``
+        JSON-ready ``model`` (``config._name_or_path`` or None), ``dtype`` (the compute dtype),
+        ``quantization`` (``"4-bit NF4"``, ... or None; :func:`~llm_calib.engine.options.loaded_precision`),
+        ``fingerprint`` (:func:`~llm_calib.models.model_fingerprint` of its files, which lets a copy
+        or a moved folder of the base be recognised; None without local files), ``prompt``
         (:func:`~llm_calib.prompts.templates.prompt_dict`), ``scorer`` and ``normalize``.
 
     Example:
+        >>> from llm_calib.calm.run import resolve_run
+        >>> from llm_calib.data import builtin_multiple_choice
         >>> from llm_calib.models import tiny_random_model
-        >>> rec = base_model_record(tiny_random_model()[0], CalibrationConfig())
-        >>> rec["model"], rec["dtype"], rec["prompt"]["style"], rec["normalize"]
-        (None, 'float32', 'cloze', 'sum')
+        >>> qs = builtin_multiple_choice(n_per_domain=1, domains=["capitals"])
+        >>> rec = base_model_record(tiny_random_model()[0], resolve_run(CalibrationConfig(), qs, qs))
+        >>> rec["model"], rec["dtype"], rec["quantization"], rec["prompt"]["style"], rec["normalize"]
+        (None, 'float32', None, 'cloze', 'sum')
     """
-    settings = config.settings if isinstance(config, ResolvedRun) else format_settings(config)
+    from llm_calib.engine.options import loaded_precision
+    from llm_calib.models import model_fingerprint
+
+    settings = check_resolved(run, "base_model_record").settings
     name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
-    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    dtype = str(param.dtype).removeprefix("torch.") if param is not None else None
-    return {"model": name, "dtype": dtype, "prompt": prompt_dict(settings["prompt"]),
-            "scorer": settings["scorer"], "normalize": settings["normalize"]}
+    precision = loaded_precision(model) if hasattr(model, "parameters") else {}
+    return {"model": name, "dtype": precision.get("dtype"), "quantization": precision.get("quantization"),
+            "fingerprint": model_fingerprint(str(name)) if name else None, "prompt": prompt_dict(settings.prompt),
+            "scorer": settings.scorer, "normalize": settings.normalize}
 
 
 def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
-              config: CalibrationConfig | ResolvedRun | None = None, *, unlabeled: Records | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
+              config: CalibrationConfig | None = None, *, unlabeled: Records | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
               resume: bool = False, progress: bool = True,
               log: Callable[[str], None] | None = None, confidence: Any = None) -> CalibrationResult:
     """Fine-tune ``model`` (LoRA) so that its confidence is calibrated; return the result.
@@ -159,9 +199,9 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
             :class:`~llm_calib.calm.encoding.EncodedRecords` (reused with its trunk cache).
         heldout: held-out questions of the same kind: model selection and the accuracy guard;
             also the upper-level inputs unless ``unlabeled`` is given.
-        config: the run's configuration (default :class:`CalibrationConfig()`), or the run already
-            resolved from it (:func:`~llm_calib.calm.run.resolve_run`, as
-            :func:`~llm_calib.evaluation.compare.run_comparison` passes it); not changed.
+        config: the run's configuration (default :class:`CalibrationConfig()`), resolved here once
+            (:func:`~llm_calib.calm.run.resolve_run`); not changed. A run already resolved trains with
+            :func:`calibrate_run`.
         unlabeled: upper-level inputs of the same kind (labels ignored). Default: held-out inputs.
         checkpoint_dir: where to write checkpoints every ``config.checkpoint_every`` steps.
         resume: continue from the newest checkpoint in ``checkpoint_dir`` (same configuration but
@@ -169,17 +209,18 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
         progress: show a tqdm progress bar.
         log: where to say which checkpoint a resumed run continues from (default: nowhere).
         confidence: open questions: how model selection scores the held-out answers
-            (:class:`~llm_calib.confidence.kinds.OpenConfidence`, the kind the report uses; None: the
-            run's, token by default): greedy-answer ECE under ``token``, Sem-ECE of sampled answers
-            under ``semantic`` (``config.selection.sample_budget`` bounds the samples). See
-            ``selection.open_metric``.
+            (:class:`~llm_calib.confidence.kinds.OpenConfidence`, the kind the report uses; None: token):
+            greedy-answer ECE under ``token``, Sem-ECE of sampled answers under ``semantic``
+            (``config.selection.sample_budget`` bounds the samples). See ``selection.open_metric``;
+            :func:`calibrate_run` reads it from the resolved run (:meth:`~llm_calib.calm.run.ResolvedRun.with_confidence`).
 
     Warns:
         UserWarning: model selection kept the initial model (why, and what to try).
 
     Raises:
         TrainingDiverged: a loss or update is NaN/inf (names the step and the batch).
-        ValueError: an empty set, records of mixed kinds or another type (naming it), or
+        ValueError: a question longer than the model's context (unless a caller's
+            :func:`~llm_calib.engine.context.context_window` truncates), an empty set, records of mixed kinds or another type (naming it), or
             ``resume`` from a checkpoint of another configuration or data (names the fields).
 
     Example:
@@ -193,13 +234,56 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
         >>> sorted(calibrate(model, tok, qs[:2], qs[2:], cfg, progress=False).metrics)
         ['after', 'before']
     """
+    result = _calibrate(model, tokenizer, train, heldout,
+                        lambda: resolve_run(config, train, heldout, unlabeled, confidence=confidence),
+                        unlabeled, checkpoint_dir, resume, progress, log)
+    _warn(result.notes)
+    return result
+
+
+def calibrate_run(model: Any, tokenizer: Any, train: Records, heldout: Records, run: ResolvedRun, *,
+                  unlabeled: Records | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
+                  resume: bool = False, progress: bool = True,
+                  log: Callable[[str], None] | None = None) -> CalibrationResult:
+    """:func:`calibrate` for a run already resolved (:func:`~llm_calib.calm.run.resolve_run`) from its
+    configuration and these sets, as :func:`~llm_calib.evaluation.compare.run_comparison` trains each method.
+
+    Example:
+        >>> from llm_calib.calm.run import resolve_run
+        >>> from llm_calib.config.calibration import TrainingSettings
+        >>> from llm_calib.data import builtin_multiple_choice
+        >>> from llm_calib.models import tiny_random_model
+        >>> model, tok = tiny_random_model()
+        >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
+        >>> run = resolve_run(CalibrationConfig(training=TrainingSettings(steps=1, batch_size=2)), qs[:2], qs[2:])
+        >>> calibrate_run(model, tok, qs[:2], qs[2:], run, progress=False).config.training.steps
+        1
+    """
+    check_resolved(run, "calibrate_run")
+    result = _calibrate(model, tokenizer, train, heldout, lambda: run, unlabeled, checkpoint_dir, resume, progress, log)
+    _warn(result.notes)
+    return result
+
+
+def _calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, resolve: Callable[[], ResolvedRun],
+               unlabeled: Records | None, checkpoint_dir: str | os.PathLike[str] | None, resume: bool, progress: bool,
+               log: Callable[[str], None] | None) -> CalibrationResult:
+    """The body of :func:`calibrate` and :func:`calibrate_run`; ``resolve`` gives the run (timed as set-up)."""
     distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
+    with context_window(model):  # every sequence within the model's positions (a caller's window: its mode)
+        return _calibrate_in_window(model, tokenizer, train, heldout, resolve, unlabeled, checkpoint_dir, resume,
+                                    progress, log)
+
+
+def _calibrate_in_window(model: Any, tokenizer: Any, train: Records, heldout: Records,
+                         resolve: Callable[[], ResolvedRun], unlabeled: Records | None,
+                         checkpoint_dir: str | os.PathLike[str] | None, resume: bool, progress: bool,
+                         log: Callable[[str], None] | None) -> CalibrationResult:
+    """:func:`_calibrate` inside its context window."""
     timings: dict[str, float] = {}
     with _timed(timings, "setup"):  # checks the records first: a bad mix fails before the model is touched
         training.check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
-        run = config if isinstance(config, ResolvedRun) else resolve_run(config, train, heldout, unlabeled)
-        if confidence is not None:
-            run = run.with_confidence(confidence)
+        run = resolve()
         base = base_model_record(model, run)  # before LoRA is attached
         trainer = training.build_trainer(model, tokenizer, train, heldout, run, unlabeled=unlabeled)
     config = run.config  # training.epochs resolved to steps
@@ -217,12 +301,19 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
     distributed.reshard_all(trainer.model)  # units the implicit solver kept gathered are sharded again
     after["selected_step"] = int(state.best["step"])  # integers as integers in metrics.json
     after["stopped_early"] = int(state.stopped_early)
-    selection = training.selection_budget(config, trainer.heldout_format, len(trainer.heldout.records))
-    note = training.selection_note(state.history, state.before, after["selected_step"], config, selection["metric"])
-    if note is not None and distributed.rank() == 0:
-        warnings.warn(note, UserWarning, stacklevel=2)
+    selection = training.selection_budget(config.selection, config.training.steps, trainer.heldout_format,
+                                          len(trainer.heldout.records))
+    note = training.selection_note(state.history, state.before, after["selected_step"], config.selection,
+                                   selection["metric"])
     return CalibrationResult(trainer.model, state.best_lam, state.history, {"before": state.before, "after": after},
                              config, timings, base, [] if note is None else [note], selection)
+
+
+def _warn(notes: list[str]) -> None:
+    """Each note as a UserWarning at the caller of :func:`calibrate` / :func:`calibrate_run`, on the first rank."""
+    if distributed.rank() == 0:
+        for note in notes:
+            warnings.warn(note, UserWarning, stacklevel=3)
 
 
 def _train(trainer: training.Trainer, state: training.TrainState, checkpoint_dir: str | os.PathLike[str] | None,
@@ -232,17 +323,21 @@ def _train(trainer: training.Trainer, state: training.TrainState, checkpoint_dir
     bar = tqdm(total=config.training.steps, initial=state.step, desc=f"calibrate[{config.objective.name}] train", dynamic_ncols=True,
                disable=not progress or distributed.rank() != 0)
     while not training.done(trainer, state):
-        record = training.train_step(trainer, state)
-        if training.evaluation_due(config, state.step):
+        # the step reads nothing back: its record is read (and checked) with the others when the loop logs
+        record = training.train_step(trainer, state, read=False)
+        state.history.append(record)
+        if training.log_due(trainer, state.step):
+            training.read_back(state)  # raises TrainingDiverged naming the first non-finite step
+        if training.evaluation_due(trainer, state.step):
             record.update(training.select(trainer, state, training.evaluate(trainer, state.theta)))
             shown = {k: record[k] for k in ("loss", "q") if k in record}
             bar.set_postfix(**{k: f"{v:.3g}" for k, v in shown.items()}, ece=f"{record['heldout_ece']:.3f}",
                             acc=f"{record['heldout_accuracy']:.3f}", H=f"{record['heldout_entropy']:.3f}")
-        state.history.append(record)
         due = config.checkpoint_every and (state.step % config.checkpoint_every == 0 or state.stopped_early)
         if checkpoint_dir is not None and due and distributed.rank() == 0:
-            training.save_state(checkpoint_dir, trainer, state, run_data)
+            training.save_state(checkpoint_dir, trainer, state, run_data)  # reads the unread steps first
         bar.update(1)
+    training.read_back(state)
     bar.close()
 
 

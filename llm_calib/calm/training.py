@@ -3,16 +3,22 @@
 :class:`Trainer` holds what a run does not change (model, losses, encoded data, θ's optimiser, the
 objective); :class:`TrainState` what it changes (θ, the objective's state, history, selection). A run::
 
-    trainer = build_trainer(model, tokenizer, train, heldout, config)
+    run = resolve_run(config, train, heldout)        # the configuration resolved once
+    trainer = build_trainer(model, tokenizer, train, heldout, run)
     state = init_state(trainer)                     # evaluates the initial model
     while not done(trainer, state):
-        record = train_step(trainer, state)         # one step of the configured method
-        if evaluation_due(trainer.config, state.step):
-            record.update(select(trainer, state, evaluate(trainer, state.theta)))
+        record = train_step(trainer, state, read=False)   # one step of the configured method
         state.history.append(record)
+        if log_due(trainer, state.step):
+            read_back(state)                            # the records since the last read, checked
+        if evaluation_due(trainer, state.step):
+            record.update(select(trainer, state, evaluate(trainer, state.theta)))
 
 is what :func:`llm_calib.calm.trainer.calibrate` runs, with checkpoints (:func:`save_state`,
 :func:`resume_state`) around it. Batches come from seeded streams (:mod:`llm_calib.calm.batch_order`).
+A step reads nothing back to the host (on a GPU the queue of operations keeps running): its record
+holds tensors until :func:`read_back` reads all the unread steps at once (``training.log_every``), checks
+that they are finite and names the first step that was not.
 
 The loop knows an objective only through :mod:`llm_calib.training_interface`: it makes a
 :class:`RunContext` (the :class:`~llm_calib.training_interface.StepContext` of a step) and calls the
@@ -41,8 +47,8 @@ from llm_calib.calm import batch_order
 from llm_calib.calm.encoding import EncodedRecords, encode_records
 from llm_calib.calm.lora import OUTPUT_LOG_SCALE, FunctionalLM, attach_lora
 from llm_calib.calm.losses import CalmLosses, DataParallelLosses
-from llm_calib.calm.run import ResolvedRun, resolve_run, set_records
-from llm_calib.config.calibration import CalibrationConfig, flat_paths
+from llm_calib.calm.run import ResolvedRun, check_resolved, set_records
+from llm_calib.config.calibration import CalibrationConfig, SelectionSettings, flat_paths
 from llm_calib.data.records import MultipleChoice, OpenQA
 from llm_calib.files.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from llm_calib.formats.base import TaskFormat
@@ -51,11 +57,12 @@ from llm_calib.objectives.base import Objective
 from llm_calib.training_interface import Batch, ObjectiveState
 
 __all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "RunContext", "TrainState", "Trainer", "TrainingDiverged",
-           "build_trainer", "check_not_empty", "check_selection_budget", "data_fingerprint", "done", "evaluate",
-           "evaluation_due", "heldout_confidence", "init_state", "is_selectable",
-           "keep_differentiated_units_gathered", "parameter_summary", "replay_selection", "resume_state",
-           "save_state", "select", "selection_budget", "selection_metric", "selection_note", "selection_update",
-           "train_step", "warn_small_heldout"]
+           "UnreadStep", "budget_refusal", "build_trainer", "check_not_empty", "check_selection_budget",
+           "data_fingerprint", "done", "evaluate", "evaluation_due", "heldout_confidence", "init_state",
+           "is_selectable", "keep_differentiated_units_gathered", "log_due", "parameter_summary",
+           "parameter_tensors", "read_back", "replay_selection", "resume_state", "save_state", "select",
+           "selection_budget", "selection_metric", "selection_note", "selection_update", "train_step",
+           "warn_small_heldout"]
 
 Records = Sequence[MultipleChoice] | Sequence[OpenQA] | EncodedRecords
 """Records of one kind, or their encoding (:class:`~llm_calib.calm.encoding.EncodedRecords`)."""
@@ -129,13 +136,32 @@ class Trainer:
         return self._batch(self.train, self.config.training.batch_size, step, batch_order.TRAIN_STREAM)
 
     def unlabeled_batch(self, step: int) -> Batch:
-        """This rank's batch of upper-level inputs of ``step`` (labels unused)."""
+        """This rank's batch of upper-level inputs of ``step`` (labels unused; open questions as their
+        prompts alone: :meth:`EncodedRecords.upper_batch <llm_calib.calm.encoding.EncodedRecords.upper_batch>`)."""
         size = self.config.training.heldout_batch_size
-        return self._batch(self.unlabeled, size, step, batch_order.UPPER_STREAM)
+        idx = batch_order.batch_indices(len(self.unlabeled.records), size, step, self.config.seed,
+                                        batch_order.UPPER_STREAM)
+        return self.unlabeled.upper_batch(batch_order.shard(idx), self.pad_id, self.lm)
 
     def _batch(self, data: EncodedRecords, size: int, step: int, stream: int) -> Batch:
         idx = batch_order.batch_indices(len(data.records), size, step, self.config.seed, stream)
         return data.batch(batch_order.shard(idx), self.pad_id, self.lm)
+
+
+@dataclass
+class UnreadStep:
+    """A step whose record still holds tensors where they were computed (see :func:`read_back`).
+
+    Attributes:
+        record: the step's record, the same dict as in ``TrainState.history``.
+        theta_finite, lam_finite: 0-dim bool tensors: θ and λ after the step were finite.
+        batch_ids: the ids of the step's training questions (for the message of a divergence).
+    """
+
+    record: dict[str, Any]
+    theta_finite: Tensor
+    lam_finite: Tensor
+    batch_ids: list[str]
 
 
 @dataclass
@@ -152,6 +178,8 @@ class TrainState:
         best: the selected step, its held-out ECE and the count of evaluations below the floor.
         best_theta, best_lam: θ and the objective's λ of the selected step (λ empty when it trains none).
         stopped_early: the accuracy guard stopped the run.
+        unread: the steps since the last :func:`read_back` (not checkpointed: a checkpoint is written
+            after reading them).
     """
 
     step: int
@@ -163,6 +191,7 @@ class TrainState:
     best_theta: dict[str, Tensor]
     best_lam: dict[str, Tensor]
     stopped_early: bool = False
+    unread: list[UnreadStep] = dataclasses.field(default_factory=list)
 
 
 class RunContext:
@@ -177,7 +206,9 @@ class RunContext:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(training={"heldout_batch_size": 2}))
+        >>> from llm_calib.calm.run import resolve_run
+        >>> run = resolve_run(CalibrationConfig(training={"heldout_batch_size": 2}), qs[:2], qs[2:])
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], run)
         >>> context = RunContext(trainer, init_state(trainer, evaluate_before=False))
         >>> context.step, len(context.unlabeled_batch().ids)
         (0, 2)
@@ -244,14 +275,14 @@ def check_not_empty(**sets: Records | None) -> None:
             raise ValueError(f"the {name} set ({role}) is empty: {use}; pass at least one question")
 
 
-def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records,
-                  config: CalibrationConfig | ResolvedRun | None = None, *, unlabeled: Records | None = None) -> Trainer:
+def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, run: ResolvedRun, *,
+                  unlabeled: Records | None = None) -> Trainer:
     """Attach LoRA to ``model`` (in place) and set up a run: encodings, λ's adjustment, losses.
 
-    Seeds torch with ``config.seed`` first. Under ``torchrun`` it also shards the frozen base
+    Seeds torch with the run's ``seed`` first. Under ``torchrun`` it also shards the frozen base
     (:func:`llm_calib.distributed.shard_frozen_base`) and uses :class:`~llm_calib.calm.losses.DataParallelLosses`.
-    The arguments are those of :func:`~llm_calib.calm.trainer.calibrate`; ``config`` may be the run
-    already resolved (:func:`~llm_calib.calm.run.resolve_run`).
+    The arguments are those of :func:`~llm_calib.calm.trainer.calibrate_run`: ``run`` is the run resolved
+    from its configuration and these sets (:func:`~llm_calib.calm.run.resolve_run`).
 
     Raises:
         ValueError: records of mixed kinds or another type (naming the record).
@@ -261,15 +292,15 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records,
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(), unlabeled=qs)
+        >>> from llm_calib.calm.run import resolve_run
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], resolve_run(None, qs[:2], qs[2:], qs), unlabeled=qs)
         >>> len(trainer.unlabeled), trainer.unlabeled is trainer.heldout
         (4, False)
     """
     check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
-    run = config if isinstance(config, ResolvedRun) else resolve_run(config, train, heldout, unlabeled)
-    config, (fmt, upper) = run.config, run.formats  # lower level; selection and upper level
-    warn_small_heldout(len(_records(heldout)), config)
-    check_selection_budget(config, upper, len(_records(heldout)))  # before any work
+    config, (fmt, upper) = check_resolved(run, "build_trainer").config, run.formats  # lower level; selection and upper level
+    warn_small_heldout(len(_records(heldout)), config.selection)
+    check_selection_budget(config.selection, config.training.steps, upper, len(_records(heldout)))  # before any work
     torch.manual_seed(config.seed)
     peft_model = attach_lora(model, config.lora, output_scale=config.lora.output_scale)
     if distributed.shard_frozen_base(peft_model):
@@ -283,6 +314,12 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records,
     peft_model.eval()
     lm = FunctionalLM(peft_model)
     objective = config.objective
+    if config.training.compile:
+        if objective.second_order or distributed.is_distributed():
+            raise ValueError("training.compile: the compiled step takes first derivatives in one process; "
+                             f"{'torchrun' if distributed.is_distributed() else 'this solver'} needs the eager "
+                             "step (set training.compile false)")
+        lm.compile_step()
     keep_differentiated_units_gathered(lm, objective.second_order)
     vocab = lm.head.out_features if hasattr(lm.head, "out_features") else lm.base.config.vocab_size
     train_enc = _encode(tokenizer, train, fmt)
@@ -292,7 +329,7 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records,
     tokens = (t for src in sources for opts in src.options for o in opts for t in o)  # read by "answer_tokens" only
     adjustment = objective.logit_adjustment(vocab, tokens, fmt.auto_adjustment)
     loss_class = DataParallelLosses if distributed.is_distributed() else CalmLosses
-    losses = loss_class(lm, adjustment, run.settings["normalize"])
+    losses = loss_class(lm, adjustment, run.settings.normalize)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = Trainer(config, peft_model, lm, losses, train_enc, heldout_enc, unlabeled_enc, pad_id,
                       run.theta_optimizer, objective, tokenizer, upper)
@@ -332,7 +369,7 @@ MIN_GUARD_QUESTIONS = 500
 """Held-out questions below which :func:`build_trainer` warns that model selection is noisy."""
 
 
-def warn_small_heldout(n: int, config: CalibrationConfig) -> bool:
+def warn_small_heldout(n: int, selection: SelectionSettings) -> bool:
     """Warn when ``n`` held-out questions make the accuracy guard noisy; return whether it warned.
 
     The guard's accuracies have a standard error of up to ``0.5 / sqrt(n)`` (0.041 at 150
@@ -345,16 +382,16 @@ def warn_small_heldout(n: int, config: CalibrationConfig) -> bool:
         >>> import warnings
         >>> with warnings.catch_warnings(record=True) as seen:
         ...     warnings.simplefilter("always")
-        ...     warn_small_heldout(150, CalibrationConfig()), warn_small_heldout(600, CalibrationConfig())
+        ...     warn_small_heldout(150, SelectionSettings()), warn_small_heldout(600, SelectionSettings())
         (True, False)
     """
     if n <= 0:
         check_not_empty(heldout=[])  # raises: names the empty held-out set (no division by zero)
-    if n >= MIN_GUARD_QUESTIONS or config.selection.guard_accuracy <= 0:
+    if n >= MIN_GUARD_QUESTIONS or selection.guard_accuracy <= 0:
         return False
     warnings.warn(
         f"{n} held-out questions: model selection and the accuracy guard (guard_accuracy="
-        f"{config.selection.guard_accuracy}) compare accuracies with a standard error of up to {0.5 / math.sqrt(n):.3f}; "
+        f"{selection.guard_accuracy}) compare accuracies with a standard error of up to {0.5 / math.sqrt(n):.3f}; "
         f"use at least {MIN_GUARD_QUESTIONS} held-out questions (unlabelled upper-level inputs can be passed "
         "separately with unlabeled=)", UserWarning, stacklevel=3)
     return True
@@ -410,19 +447,19 @@ def evaluate(trainer: Trainer, theta: dict[str, Tensor] | None = None, batch_siz
             **proxy}
 
 
-def selection_metric(config: CalibrationConfig, heldout_format: TaskFormat) -> str:
+def selection_metric(selection: SelectionSettings, heldout_format: TaskFormat) -> str:
     """How a run's held-out ECE is measured, in words (reports, notes).
 
     Example:
         >>> from llm_calib.formats import OpenEnded, OptionLikelihood
-        >>> selection_metric(CalibrationConfig(), OpenEnded())
+        >>> selection_metric(SelectionSettings(), OpenEnded())
         'ECE of the greedy answers (token confidence)'
-        >>> selection_metric(CalibrationConfig(), OptionLikelihood())
+        >>> selection_metric(SelectionSettings(), OptionLikelihood())
         'option ECE'
     """
     if heldout_format.family != "open":
         return "option ECE"
-    if config.selection.open_metric != "generated":
+    if selection.open_metric != "generated":
         return "teacher-forced proxy ECE (reference answers, no generation)"
     confidence = getattr(heldout_format, "confidence", None)
     kind = "token" if confidence is None else confidence.kind
@@ -431,11 +468,13 @@ def selection_metric(config: CalibrationConfig, heldout_format: TaskFormat) -> s
     return f"ECE of the greedy answers ({kind} confidence)"
 
 
-def selection_budget(config: CalibrationConfig, heldout_format: TaskFormat, questions: int) -> dict[str, Any]:
+def selection_budget(selection: SelectionSettings, steps: int, heldout_format: TaskFormat,
+                     questions: int) -> dict[str, Any]:
     """What a run's held-out evaluations will generate, before it trains.
 
     Args:
-        config: the run's configuration (``training.steps``, ``selection``).
+        selection: the run's selection settings.
+        steps: its training steps.
         heldout_format: the format that scores the held-out answers (:attr:`Trainer.heldout_format`).
         questions: held-out questions.
 
@@ -448,17 +487,17 @@ def selection_budget(config: CalibrationConfig, heldout_format: TaskFormat, ques
     Example:
         >>> from llm_calib.confidence.kinds import OpenConfidence
         >>> from llm_calib.formats import OpenEnded
-        >>> budget = selection_budget(CalibrationConfig(training={"steps": 20}), OpenEnded(), 60)
+        >>> budget = selection_budget(SelectionSettings(), 20, OpenEnded(), 60)
         >>> budget["evaluations"], budget["answers"]
         (4, 240)
-        >>> selection_budget(CalibrationConfig(training={"steps": 20}), OpenEnded(confidence=OpenConfidence("semantic")), 60)["answers"]
+        >>> selection_budget(SelectionSettings(), 20, OpenEnded(confidence=OpenConfidence("semantic")), 60)["answers"]
         2400
     """
-    steps, every = config.training.steps, config.selection.eval_every
+    every = selection.eval_every
     evaluations = 2 + steps // every + (1 if steps % every else 0)
-    out: dict[str, Any] = {"metric": selection_metric(config, heldout_format), "evaluations": evaluations,
+    out: dict[str, Any] = {"metric": selection_metric(selection, heldout_format), "evaluations": evaluations,
                            "questions": questions}
-    if heldout_format.family == "open" and config.selection.open_metric == "generated":
+    if heldout_format.family == "open" and selection.open_metric == "generated":
         confidence = getattr(heldout_format, "confidence", None)
         per_question = confidence.samples if confidence is not None and confidence.kind == "semantic" else 1
         out["answers"] = evaluations * questions * per_question
@@ -467,7 +506,8 @@ def selection_budget(config: CalibrationConfig, heldout_format: TaskFormat, ques
     return out
 
 
-def check_selection_budget(config: CalibrationConfig, heldout_format: TaskFormat, questions: int) -> dict[str, Any]:
+def check_selection_budget(selection: SelectionSettings, steps: int, heldout_format: TaskFormat,
+                           questions: int) -> dict[str, Any]:
     """:func:`selection_budget`, refused when semantic selection would sample more than ``selection.sample_budget``.
 
     Raises:
@@ -476,14 +516,14 @@ def check_selection_budget(config: CalibrationConfig, heldout_format: TaskFormat
     Example:
         >>> from llm_calib.confidence.kinds import OpenConfidence
         >>> from llm_calib.formats import OpenEnded
-        >>> check_selection_budget(CalibrationConfig(training={"steps": 200}, selection={"sample_budget": 1000}),
+        >>> check_selection_budget(SelectionSettings(sample_budget=1000), 200,
         ...                        OpenEnded(confidence=OpenConfidence("semantic")), 60)
         Traceback (most recent call last):
         ...
         ValueError: semantic model selection would sample 13200 answers (22 evaluations x 60 held-out questions x 10 samples), over selection.sample_budget 1000: evaluate less often (selection.eval_every, --eval-every), use fewer held-out questions or samples (--samples), raise --sample-budget, or select on the greedy answers' ECE (--confidence token) or the teacher-forced proxy (--open-metric teacher_forced)
     """
-    budget = selection_budget(config, heldout_format, questions)
-    limit = config.selection.sample_budget
+    budget = selection_budget(selection, steps, heldout_format, questions)
+    limit = selection.sample_budget
     if budget.get("samples_per_question", 1) > 1 and budget["answers"] > limit:
         raise ValueError(
             f"semantic model selection would sample {budget['answers']} answers ({budget['evaluations']} evaluations x "
@@ -507,7 +547,9 @@ def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
         >>> from llm_calib.models import tiny_random_model
         >>> model, tok = tiny_random_model()
         >>> qs = builtin_multiple_choice(n_per_domain=4, domains=["capitals"])
-        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], CalibrationConfig(training={"batch_size": 2, "heldout_batch_size": 2}))
+        >>> from llm_calib.calm.run import resolve_run
+        >>> run = resolve_run(CalibrationConfig(training={"batch_size": 2, "heldout_batch_size": 2}), qs[:2], qs[2:])
+        >>> trainer = build_trainer(model, tok, qs[:2], qs[2:], run)
         >>> state = init_state(trainer)
         >>> record = train_step(trainer, state)
         >>> state.step, sorted(k for k in ("g", "phi", "q", "unlabeled_entropy") if k in record)
@@ -525,6 +567,23 @@ def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
     return state
 
 
+def parameter_tensors(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[str, Tensor]:
+    """:func:`parameter_summary` as 0-dim tensors where θ and λ are (float64; nothing read back to the host).
+
+    Example:
+        >>> parameter_tensors({}, {"b": torch.tensor([1.0, -3.0])})
+        {'lambda_b_mean': tensor(-1., dtype=torch.float64), 'lambda_b_absmax': tensor(3., dtype=torch.float64)}
+    """
+    out = {}
+    if OUTPUT_LOG_SCALE in theta:
+        out[OUTPUT_LOG_SCALE] = theta[OUTPUT_LOG_SCALE].detach().double().reshape(())
+    for name, value in lam.items():
+        v = value.detach().double()
+        out[f"lambda_{name}_mean"] = v.mean()
+        out[f"lambda_{name}_absmax"] = v.abs().max()
+    return out
+
+
 def parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[str, float]:
     """A step's trajectory diagnostics: the output log-scale, λ's mean and largest absolute entry.
 
@@ -532,22 +591,24 @@ def parameter_summary(theta: dict[str, Tensor], lam: dict[str, Tensor]) -> dict[
         >>> parameter_summary({}, {"b": torch.tensor([1.0, -3.0])})
         {'lambda_b_mean': -1.0, 'lambda_b_absmax': 3.0}
     """
-    out = {}
-    if OUTPUT_LOG_SCALE in theta:
-        out[OUTPUT_LOG_SCALE] = float(theta[OUTPUT_LOG_SCALE])
-    for name, value in lam.items():
-        v = value.detach().double()
-        out[f"lambda_{name}_mean"] = float(v.mean())
-        out[f"lambda_{name}_absmax"] = float(v.abs().max())
-    return out
+    tensors = parameter_tensors(theta, lam)
+    return dict(zip(tensors, torch.stack(list(tensors.values())).tolist(), strict=True)) if tensors else {}
 
 
-def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
+def train_step(trainer: Trainer, state: TrainState, *, read: bool = True) -> dict[str, Any]:
     """Take step ``state.step + 1`` of ``trainer.objective``; update ``state`` in place.
 
     The step is the objective state's (:class:`~llm_calib.training_interface.ObjectiveState`), given the
     run's :class:`RunContext`. CALM: the solver's joint step of θ and λ's direction, then one projected
     Adam step of λ; one-level objectives: one Adam step of θ on their loss.
+
+    Args:
+        trainer: the run.
+        state: its state.
+        read: read the record back to the host (floats) and check it now (:func:`read_back`). Without it the
+            step reads nothing back (on a GPU the queue keeps running): the record's values stay 0-dim
+            tensors, the step waits in ``state.unread`` until the next :func:`read_back`, which turns them
+            into floats in place and raises for a non-finite step.
 
     Returns:
         The step's record (not yet appended to ``state.history``): ``step`` (1-based), the
@@ -555,24 +616,96 @@ def train_step(trainer: Trainer, state: TrainState) -> dict[str, float]:
         baselines: ``loss``), then :func:`parameter_summary` of the new θ and λ.
 
     Raises:
-        TrainingDiverged: a loss or update is NaN/inf (names the step and the batch).
+        TrainingDiverged: a loss or update is NaN/inf (names the step and the batch); with ``read=False``
+            only what the objective's step raises itself.
     """
     inner = trainer.train_batch(state.step)
     try:
         with trainer.lm.train_mode():
             record = state.objective_state.step(RunContext(trainer, state), inner)
-        hg.tree.check_finite(state.theta, "updated LoRA parameters")
     except (hg.NonFiniteError, FloatingPointError) as err:
-        raise TrainingDiverged(
-            f"step {state.step + 1}: {err}; batch ids {inner.ids[:8]}{'...' if len(inner.ids) > 8 else ''}. "
-            "No checkpoint was written for this step; lower the learning rates or check the data."
-        ) from err
+        raise TrainingDiverged(_diverged(state.step + 1, str(err), inner.ids)) from err
     state.step += 1
-    return {"step": state.step, **record, **parameter_summary(state.theta, state.objective_state.lam)}
+    lam = state.objective_state.lam
+    record = {"step": state.step, **record, **parameter_tensors(state.theta, lam)}
+    state.unread.append(UnreadStep(record, hg.tree.tree_all_finite(state.theta), hg.tree.tree_all_finite(lam),
+                                   list(inner.ids)))
+    if read:
+        read_back(state)
+    return record
 
 
-def evaluation_due(config: CalibrationConfig, step: int) -> bool:
+def _diverged(step: int, what: str, ids: Sequence[str]) -> str:
+    return (f"step {step}: {what}; batch ids {list(ids[:8])}{'...' if len(ids) > 8 else ''}. "
+            "No checkpoint was written for this step; lower the learning rates or check the data.")
+
+
+def read_back(state: TrainState) -> None:
+    """Read the records of ``state.unread`` back to the host, all with one read, and check them.
+
+    Each record's 0-dim tensors become floats in place (the dicts in ``state.history`` too); its 0-dim bool
+    tensors are checks (``solver_step_finite``: the solver's own finiteness flag), dropped from the record.
+
+    Raises:
+        TrainingDiverged: at the first unread step with a NaN or inf value, a failed check, or a
+            non-finite θ or λ after it (naming the step, what was non-finite and the step's batch ids);
+            ``state.unread`` is left as it was.
+    """
+    if not state.unread:
+        return
+    keys, columns = [], []
+    for entry in state.unread:
+        names = [k for k, v in entry.record.items() if isinstance(v, Tensor)]
+        keys.append(names)
+        columns.append(torch.stack([*(entry.record[k].detach().double().reshape(()) for k in names),
+                                    entry.theta_finite.double(), entry.lam_finite.double()]))
+    values = torch.cat(columns).tolist()  # the one read
+    offset = 0
+    for entry, names in zip(state.unread, keys, strict=True):
+        row = values[offset : offset + len(names) + 2]
+        offset += len(names) + 2
+        read = dict(zip(names, row, strict=False))
+        checks = {k for k in names if entry.record[k].dtype == torch.bool}
+        bad = [k for k in names if k not in checks and not math.isfinite(read[k])]
+        failed = [k for k in names if k in checks and not read[k]]
+        what = ""
+        if bad:
+            what = ", ".join(f"{k} is {read[k]}" for k in bad) + " (non-finite)"
+        elif failed:
+            what = f"the solver's step is non-finite ({', '.join(failed)} is False)"
+        elif not row[-2]:
+            what = _non_finite_tree(state.theta, "updated LoRA parameters")
+        elif not row[-1]:
+            what = _non_finite_tree(state.objective_state.lam, "updated λ")
+        if what:
+            step = int(entry.record["step"])
+            raise TrainingDiverged(_diverged(step, what, entry.batch_ids)) from hg.NonFiniteError(what)
+        for k in names:
+            if k in checks:
+                del entry.record[k]
+            else:
+                entry.record[k] = read[k]
+    state.unread.clear()
+
+
+def _non_finite_tree(tree: dict[str, Tensor], what: str) -> str:
+    """``check_finite``'s message for ``tree`` (which entry, how many values) while it is still non-finite."""
+    try:
+        hg.tree.check_finite(tree, what)
+    except hg.NonFiniteError as err:
+        return str(err)
+    return f"{what}: non-finite value(s) after the step"
+
+
+def log_due(trainer: Trainer, step: int) -> bool:
+    """True when the loop reads the records back after ``step``: every ``training.log_every`` steps, at
+    every evaluation (:func:`evaluation_due`) and at the last step."""
+    return step % trainer.config.training.log_every == 0 or evaluation_due(trainer, step)
+
+
+def evaluation_due(trainer: Trainer, step: int) -> bool:
     """True when the held-out set is scored after ``step`` (every ``selection.eval_every`` and the last)."""
+    config = trainer.config
     return step % config.selection.eval_every == 0 or step == config.training.steps
 
 
@@ -581,16 +714,15 @@ def done(trainer: Trainer, state: TrainState) -> bool:
     return state.stopped_early or state.step >= trainer.config.training.steps
 
 
-def is_selectable(accuracy: float, reference_accuracy: float, config: CalibrationConfig) -> bool:
+def is_selectable(accuracy: float, reference_accuracy: float, selection: SelectionSettings) -> bool:
     """The accuracy floor of model selection: ``accuracy >= guard_accuracy * reference_accuracy``.
 
     Example:
-        >>> from llm_calib.config.calibration import SelectionSettings
-        >>> cfg = CalibrationConfig(selection=SelectionSettings(guard_accuracy=0.9))
-        >>> is_selectable(0.45, 0.5, cfg), is_selectable(0.44, 0.5, cfg)
+        >>> guard = SelectionSettings(guard_accuracy=0.9)
+        >>> is_selectable(0.45, 0.5, guard), is_selectable(0.44, 0.5, guard)
         (True, False)
     """
-    return accuracy + 1e-12 >= config.selection.guard_accuracy * reference_accuracy
+    return accuracy + 1e-12 >= selection.guard_accuracy * reference_accuracy
 
 
 def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> dict[str, float]:
@@ -604,9 +736,8 @@ def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> di
     Returns:
         The evaluation's entries for the step's record: ``heldout_<metric>``.
     """
-    cfg = trainer.config
     best, chosen, stop = selection_update(state.best, metrics["accuracy"], metrics["ece"], state.before["accuracy"],
-                                          state.step, cfg)
+                                          state.step, trainer.config.selection)
     state.best = best
     if chosen:
         state.best_theta = {k: v.clone() for k, v in state.theta.items()}
@@ -617,7 +748,7 @@ def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> di
 
 
 def selection_update(best: dict[str, float], accuracy: float, ece: float, reference_accuracy: float, step: int,
-                     config: CalibrationConfig) -> tuple[dict[str, float], bool, bool]:
+                     selection: SelectionSettings) -> tuple[dict[str, float], bool, bool]:
     """One evaluation's effect on model selection: THE rule of :func:`select` and :func:`replay_selection`.
 
     Args:
@@ -626,7 +757,7 @@ def selection_update(best: dict[str, float], accuracy: float, ece: float, refere
         accuracy, ece: the evaluation's held-out accuracy and ECE.
         reference_accuracy: the initial model's held-out accuracy (the guard's reference).
         step: the evaluated step.
-        config: the run's configuration (``selection``).
+        selection: the run's selection settings (the guard).
 
     Returns:
         ``(best, chosen, stop)``: the new selection, whether this evaluation became the selected one,
@@ -634,19 +765,19 @@ def selection_update(best: dict[str, float], accuracy: float, ece: float, refere
 
     Example:
         >>> best = {"ece": 0.2, "step": 0}
-        >>> selection_update(best, 0.5, 0.1, 0.5, 10, CalibrationConfig())
+        >>> selection_update(best, 0.5, 0.1, 0.5, 10, SelectionSettings())
         ({'ece': 0.1, 'step': 10, 'violations': 0}, True, False)
-        >>> selection_update(best, 0.4, 0.0, 0.5, 10, CalibrationConfig())   # below the floor 0.475
+        >>> selection_update(best, 0.4, 0.0, 0.5, 10, SelectionSettings())   # below the floor 0.475
         ({'ece': 0.2, 'step': 0, 'violations': 1}, False, False)
     """
-    chosen = is_selectable(accuracy, reference_accuracy, config) and ece < best["ece"]
+    chosen = is_selectable(accuracy, reference_accuracy, selection) and ece < best["ece"]
     new = {"ece": ece, "step": step, "violations": 0} if chosen else dict(best)
-    below = accuracy < config.selection.guard_accuracy * reference_accuracy
+    below = accuracy < selection.guard_accuracy * reference_accuracy
     new["violations"] = best.get("violations", 0) + 1 if below else 0
-    return new, chosen, new["violations"] >= config.selection.guard_patience
+    return new, chosen, new["violations"] >= selection.guard_patience
 
 
-def replay_selection(history: Sequence[dict[str, float]], before: dict[str, float], config: CalibrationConfig, *,
+def replay_selection(history: Sequence[dict[str, float]], before: dict[str, float], selection: SelectionSettings, *,
                      metric: str = "ece", accuracy: str = "accuracy") -> dict[str, Any]:
     """The step model selection picks from a recorded history, by the rule of :func:`select`.
 
@@ -665,9 +796,9 @@ def replay_selection(history: Sequence[dict[str, float]], before: dict[str, floa
         ...         {"step": 20, "heldout_ece": 0.08, "heldout_accuracy": 0.49, "heldout_teacher_forced_ece": 0.30,
         ...          "heldout_teacher_forced_accuracy": 0.5}]
         >>> before = {"ece": 0.14, "accuracy": 0.5, "teacher_forced_ece": 0.14, "teacher_forced_accuracy": 0.5}
-        >>> replay_selection(hist, before, CalibrationConfig())["step"]
+        >>> replay_selection(hist, before, SelectionSettings())["step"]
         20
-        >>> replay_selection(hist, before, CalibrationConfig(), metric="teacher_forced_ece",
+        >>> replay_selection(hist, before, SelectionSettings(), metric="teacher_forced_ece",
         ...                  accuracy="teacher_forced_accuracy")["step"]
         10
     """
@@ -677,14 +808,14 @@ def replay_selection(history: Sequence[dict[str, float]], before: dict[str, floa
             continue
         step = int(record["step"])
         best, _, stop = selection_update(best, record[f"heldout_{accuracy}"], record[f"heldout_{metric}"],
-                                         before[accuracy], step, config)
+                                         before[accuracy], step, selection)
         if stop:
             return {"step": int(best["step"]), "ece": best["ece"], "stopped_at": step}
     return {"step": int(best["step"]), "ece": best["ece"], "stopped_at": None}
 
 
 def selection_note(history: Sequence[dict[str, float]], before: dict[str, float], selected_step: int,
-                   config: CalibrationConfig, metric: str = "ECE") -> str | None:
+                   selection: SelectionSettings, metric: str = "ECE") -> str | None:
     """One line saying why model selection kept the initial model (step 0), and what to try.
 
     None when a trained step was selected or nothing was trained. ``history``: the run's records
@@ -693,18 +824,18 @@ def selection_note(history: Sequence[dict[str, float]], before: dict[str, float]
 
     Example:
         >>> hist = [{"step": 5, "heldout_accuracy": 0.542, "heldout_ece": 0.1}]
-        >>> print(selection_note(hist, {"accuracy": 0.583, "ece": 0.2}, 0, CalibrationConfig()))
+        >>> print(selection_note(hist, {"accuracy": 0.583, "ece": 0.2}, 0, SelectionSettings()))
         guard: held-out accuracy 0.542 < 0.554 (guard_accuracy 0.95 x initial 0.583) at every evaluation; the initial model was kept (step 0). Try more steps (--steps), a lower learning rate (--lr) or a lower --guard-accuracy.
     """
     evaluations = [r for r in history if "heldout_accuracy" in r and r.get("step", 0) > 0]
     if selected_step != 0 or not evaluations:
         return None
     advice = "Try more steps (--steps), a lower learning rate (--lr) or a lower --guard-accuracy."
-    floor = config.selection.guard_accuracy * before["accuracy"]
-    ok = [r for r in evaluations if is_selectable(r["heldout_accuracy"], before["accuracy"], config)]
+    floor = selection.guard_accuracy * before["accuracy"]
+    ok = [r for r in evaluations if is_selectable(r["heldout_accuracy"], before["accuracy"], selection)]
     if not ok:
         best = max(r["heldout_accuracy"] for r in evaluations)
-        return (f"guard: held-out accuracy {best:.3f} < {floor:.3f} (guard_accuracy {config.selection.guard_accuracy:g} "
+        return (f"guard: held-out accuracy {best:.3f} < {floor:.3f} (guard_accuracy {selection.guard_accuracy:g} "
                 f"x initial {before['accuracy']:.3f}) at every evaluation; the initial model was kept (step 0). {advice}")
     best_row = min(ok, key=lambda r: r["heldout_ece"])
     return (f"selection: no evaluation lowered the held-out {metric} below the initial {before['ece']:.3f} (best "
@@ -713,7 +844,7 @@ def selection_note(history: Sequence[dict[str, float]], before: dict[str, float]
 
 # --------------------------------------------------------------------------- checkpoints
 
-RESUMABLE_CHANGES = ("training.steps", "checkpoint_every")
+RESUMABLE_CHANGES = ("training.steps", "training.log_every", "checkpoint_every")
 """Fields a resumed run may change; any other difference would splice two runs into one."""
 
 
@@ -765,7 +896,14 @@ def _flat_to_tree(prefix: str, flat: dict[str, Tensor]) -> dict[str, Any]:
 
 
 def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any] | None) -> Path:
-    """Write ``state`` as checkpoint ``state.step``, with the config and ``data`` (a :func:`data_fingerprint`)."""
+    """Write ``state`` as checkpoint ``state.step``, with the config and ``data`` (a :func:`data_fingerprint`).
+
+    Reads the unread steps first (:func:`read_back`): a checkpoint holds no unchecked step.
+
+    Raises:
+        TrainingDiverged: an unread step was not finite (nothing is written).
+    """
+    read_back(state)
     tensors: dict[str, Tensor] = {}
     objective_trees, objective_meta = state.objective_state.checkpoint()
     trees = {**{prefix: getattr(state, name) for prefix, name in _STATE_TREES.items()}, **objective_trees}
@@ -788,15 +926,17 @@ def heldout_confidence(trainer: Trainer) -> dict[str, Any] | None:
     return None if confidence is None or confidence.kind == "token" else confidence.to_dict()
 
 
-def _check_resumable(path: Path, saved: dict[str, Any] | None, config: CalibrationConfig, data: dict[str, Any],
+def _check_resumable(path: Path, saved: dict[str, Any] | None, config: dict[str, Any], data: dict[str, Any],
                      selection: dict[str, Any] | None = None) -> None:
+    """Raise unless the checkpoint's recorded run (``saved``) matches this run's ``config`` (as a dict), ``data``
+    and the confidence its model selection scores open held-out answers with (``selection``)."""
     if saved is None:  # checkpoints written before configs were recorded
         return
     if saved.get("selection") != selection:
         raise ValueError(f"cannot resume from {path}: its model selection scored the held-out answers with "
                          f"{saved.get('selection') or 'token confidence'}, this run with {selection or 'token confidence'} "
                          "(--confidence and its settings must match), or start a new run")
-    now, then = flat_paths(config.to_dict()), flat_paths(saved["config"])
+    now, then = flat_paths(config), flat_paths(saved["config"])
     changed = sorted(k for k in set(now) | set(then) if k not in RESUMABLE_CHANGES and now.get(k) != then.get(k))
     if changed:
         diffs = "; ".join(f"{k}: checkpoint {then.get(k)!r}, now {now.get(k)!r}" for k in changed)
@@ -807,6 +947,19 @@ def _check_resumable(path: Path, saved: dict[str, Any] | None, config: Calibrati
         raise ValueError(f"cannot resume from {path}: it was trained on other data (checkpoint: "
                          f"{saved['data']['train']} train / {saved['data']['heldout']} held-out records, hash "
                          f"{saved['data']['sha256']}; now {data['train']} / {data['heldout']}, hash {data['sha256']}).")
+
+
+def budget_refusal(checkpoint: str | Path, trained: int, steps: int) -> str:
+    """Why a run of ``steps`` steps cannot resume from ``checkpoint``, which has ``trained`` more
+    (the result would be trained longer than it records), and what to do instead.
+
+    Example:
+        >>> budget_refusal("ckpt-00000004", 4, 2)  # doctest: +ELLIPSIS
+        'cannot resume from ckpt-00000004: it has trained 4 steps, more than training.steps (--steps) 2; ...'
+    """
+    return (f"cannot resume from {checkpoint}: it has trained {trained} steps, more than training.steps (--steps) "
+            f"{steps}; resume with --steps {trained} or more, or start over with --restart (which deletes the "
+            "checkpoints) or another --out")
 
 
 def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, data: dict[str, Any]) -> Path | None:
@@ -825,12 +978,10 @@ def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, dat
     if ckpt is None:
         return None
     tensors, meta = load_checkpoint(ckpt)
-    _check_resumable(ckpt, meta.get("run"), trainer.config, data, heldout_confidence(trainer))
+    _check_resumable(ckpt, meta.get("run"), trainer.config.to_dict(), data, heldout_confidence(trainer))
     steps = trainer.config.training.steps
     if int(meta["step"]) > steps:
-        raise ValueError(f"cannot resume from {ckpt}: it has trained {int(meta['step'])} steps, more than "
-                         f"training.steps (--steps) {steps}; resume with --steps {int(meta['step'])} or more, "
-                         "or start over without --resume")
+        raise ValueError(budget_refusal(ckpt, int(meta["step"]), steps))
     tensors = {k: v.to(trainer.lm.device) for k, v in tensors.items()}
     for prefix, name in _STATE_TREES.items():
         setattr(state, name, _flat_to_tree(prefix, tensors))

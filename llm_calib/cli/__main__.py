@@ -2,6 +2,6 @@
 
 import sys
 
-from llm_calib.cli.app import main
+from llm_calib.cli import main
 
 sys.exit(main())

@@ -45,6 +45,51 @@ def int_at_least(minimum: int):
     return parse
 
 
+def nonempty(what: str) -> Callable[[str], str]:
+    """An argparse type accepting any text but an empty or blank one (``--out ""``, ``--out "$UNSET"``:
+    a path flag given an unset shell variable must not mean the current folder).
+
+    Example:
+        >>> nonempty("a folder")("runs/x")
+        'runs/x'
+        >>> nonempty("a folder")(" ")
+        Traceback (most recent call last):
+        argparse.ArgumentTypeError: expected a folder, got ' ' (empty: an unset shell variable?)
+    """
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r} (empty: an unset shell variable?)")
+        return text
+
+    parse.__name__ = "nonempty"
+    return parse
+
+
+PATH = nonempty("a path")
+"""The argparse type of every flag naming a file or folder (:func:`nonempty`)."""
+
+MODEL = nonempty("a model (a folder, a .gguf file, a built-in alias or a hub name)")
+"""The argparse type of ``--model``."""
+
+SPEC = nonempty("a data spec")
+"""The argparse type of every data spec flag."""
+
+def _device(text: str) -> str:
+    import torch
+
+    nonempty("a torch device")(text)
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a torch device (cpu, cuda, cuda:N, mps), got {text!r}") from None
+    return text
+
+
+DEVICE = _device
+"""The argparse type of ``--device``: a device name torch can parse (whether this machine has it:
+checked by each command before any loading)."""
+
 positive_int = int_at_least(1)
 
 

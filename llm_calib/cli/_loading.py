@@ -4,6 +4,7 @@ load them, the base model a saved result records, ``--limit``/``--limit-mode``, 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -100,8 +101,12 @@ def resolve_base(args: argparse.Namespace, adapter: str | None, flag: str) -> di
         base = user_call(lambda: saved_base(adapter), flag)  # a truncated base_model.json: one line naming it
         args.base_record = saved_base_file(adapter)
         if args.model is not None:  # an adapter on another base of the same shape would score nonsense silently
-            user_call(lambda: check_adapter_base(adapter, args.model,
+            user_call(lambda: check_adapter_base(adapter, args.model, cache_dir=getattr(args, "cache_dir", None),
                                                  allow_other_base=getattr(args, "allow_other_base", False)), None)
+        elif base.get("model") and os.path.isabs(str(base["model"])) and not Path(base["model"]).exists():
+            raise UserError(f"{flag} {adapter}: the base model it was trained on, {base['model']} ({args.base_record}), "
+                            "is not there any more (moved or deleted?); give its new place with --model (a copy or "
+                            "a moved folder of it is recognised by its content)")
     elif args.model is not None:
         base = user_call(lambda: merged_record(args.model), f"--model {args.model}")
         args.base_record = Path(args.model) / EXPORT_FILE if base else None
@@ -197,7 +202,8 @@ def load_base_model(args: argparse.Namespace, device: str = "cpu") -> tuple[Any,
 
 
 def add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> None:
-    """``--limit``, ``--limit-mode`` and ``--on-error``: how every command that loads data reads it."""
+    """``--limit``, ``--limit-mode``, ``--context-overflow`` and ``--on-error``: how every command that
+    loads data reads it (and fits it to the model)."""
     p.add_argument("--limit", type=positive_int, default=None, metavar="N", help=limit_help)
     p.add_argument(
         "--limit-mode",
@@ -206,6 +212,14 @@ def add_data_loading_args(p: argparse.ArgumentParser, *, limit_help: str) -> Non
         help="which N questions --limit keeps: a seeded subsample in file order (sample), or the "
         "first N rows of the file (first, as lm-eval's --limit) (default: first with an lm_eval_* "
         "--prompt-preset, else sample)",
+    )
+    p.add_argument(
+        "--context-overflow",
+        choices=("refuse", "truncate"),
+        default="refuse",
+        help="a question whose prompt and answer are longer than the model's context (its "
+        "max_position_embeddings): refuse it, naming it (refuse), or cut its prompt from the left to fit, "
+        "as lm-eval does, counted in the report and warned about (truncate) (default: %(default)s)",
     )
     p.add_argument(
         "--on-error",
@@ -269,6 +283,92 @@ def load_records(args: argparse.Namespace, flag: str, spec: str, log: Callable[[
     return spec, res.records
 
 
+def check_device(name: str) -> None:
+    """A ``--device`` this machine does not have is a one-line error naming it and what it has,
+    before any loading (torch's own error surfaces only when the model is moved there).
+
+    Raises:
+        UserError: no CUDA (or MPS, XPU, ...) on this machine or in this torch build, or a device
+            index beyond the devices there are.
+    """
+    import torch
+
+    device = torch.device(name)
+    if device.type in ("cpu", "meta"):
+        return
+    backend = {"mps": getattr(torch.backends, "mps", None)}.get(device.type, getattr(torch, device.type, None))
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        build = f"; this torch {torch.__version__} is built without CUDA" if device.type == "cuda" and not torch.version.cuda else ""
+        raise UserError(f"--device {name}: no {device.type} device on this machine{build}; use --device cpu")
+    count = getattr(backend, "device_count", None)
+    if device.index is not None and count is not None and device.index >= count():
+        raise UserError(f"--device {name}: this machine has {count()} {device.type} device(s), "
+                        f"{device.type}:0 to {device.type}:{count() - 1}")
+
+
+def _spec_key(spec: str) -> str:
+    """A spec as a key that two spellings of one data set share (a relative path made absolute)."""
+    from llm_calib.data import absolute_spec
+
+    try:
+        return absolute_spec(spec.strip())
+    except ValueError:
+        return spec.strip()
+
+
+def load_distinct(args: argparse.Namespace, flag: str, specs: list[str], log: Callable[[str], None], *,
+                  seed: int | None = None, load: Callable[[str], list] | None = None) -> list[tuple[str, list]]:
+    """The sets of a repeatable data flag (``--data``, ``--eval``, ``--unlabeled``), each loaded with
+    :func:`load_records` (or ``load(spec)``), a set given twice counted once: a spec repeated (the same text, or the same
+    path spelled another way) is not loaded again, and a spec whose records are those of an earlier
+    one (``builtin:capitals:n=6`` and ``builtin:capitals:n=6,seed=0``) is dropped. Each merge is a
+    one-line warning on stderr (even with ``--quiet``) and an entry ``{"flag", "spec", "same_as"}``
+    of ``args.merged_specs``, which the report shows: counted twice, every interval would be too narrow.
+    """
+    import hashlib
+
+    if not hasattr(args, "merged_specs"):
+        args.merged_specs = []
+    out: list[tuple[str, list]] = []
+    by_key: dict[str, str] = {}
+    by_records: dict[str, str] = {}
+
+    def merge(spec: str, first: str, why: str) -> None:
+        args.merged_specs.append({"flag": flag, "spec": spec, "same_as": first})
+        print(f"llm-calib: warning: {flag} {spec}: {why} {flag} {first}; counted once", file=sys.stderr, flush=True)
+
+    for spec in specs:
+        key = _spec_key(spec)
+        if key in by_key:
+            merge(spec, by_key[key], "the same data set as")
+            continue
+        name, records = (spec, load(spec)) if load is not None else load_records(args, flag, spec, log, seed=seed)
+        digest = hashlib.sha256("\n".join(repr(r) for r in records).encode()).hexdigest()
+        if digest in by_records:
+            merge(spec, by_records[digest], "the same questions as")
+            continue
+        by_key[key], by_records[digest] = spec, spec
+        out.append((name, records))
+    return out
+
+
+def check_confidence_applies(kind: str, sets: list[tuple[str, list]], flag: str) -> None:
+    """``--confidence`` other than ``token`` with no open-ended question among the evaluated ``sets``
+    is an error: it would change nothing (multiple choice is scored by its option probabilities),
+    and a user asking for Sem-ECE would get option ECE without a word.
+
+    Raises:
+        UserError: as above, naming the sets.
+    """
+    from llm_calib.data.records import OpenQA
+
+    if kind != "token" and not any(isinstance(r, OpenQA) for _, records in sets for r in records):
+        raise UserError(f"--confidence {kind}: applies to open-ended questions, and every {flag} set here is multiple "
+                        f"choice ({', '.join(name for name, _ in sets)}; its confidence is the probability of the "
+                        "chosen option): leave out --confidence, or add an open-ended set")
+
+
 def run_device(name: str) -> str:
     import os
 
@@ -284,7 +384,7 @@ def fewshot_pool(args: argparse.Namespace, prompt: Any, evaluated: list, log: Ca
     evaluation sets, so training, selection and evaluation draw each question's examples from the
     same pool, and a question shows the same examples in all three and in an ``evaluate`` of the
     same split with the same flags). A load error names ``what`` (default: ``--fewshot-split SPEC``)."""
-    from llm_calib.prompts.fewshot import resolve_fewshot
+    from llm_calib.prompts.resolution import resolve_fewshot
 
     fmt = user_call(lambda: resolve_fewshot(prompt, exclude=evaluated, on_error=args.on_error),
                     what or f"--fewshot-split {prompt.fewshot_split}")

@@ -16,6 +16,10 @@ from llm_calib.cli._common import (
     BINS_FLAG,
     DATA_SPECS_HELP,
     DEFAULT_MODEL,
+    DEVICE,
+    MODEL,
+    PATH,
+    SPEC,
     UserError,
     non_negative_int,
     positive_int,
@@ -24,10 +28,13 @@ from llm_calib.cli._common import (
 from llm_calib.cli._loading import (
     add_data_loading_args,
     add_model_loading_args,
+    check_confidence_applies,
+    check_device,
     check_model_path,
     fewshot_pool,
     limit_mode,
     load_base_model,
+    load_distinct,
     load_records,
     recorded_model,
     run_device,
@@ -135,32 +142,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--model",
+        "--model", type=MODEL,
         default=DEFAULT_MODEL,
         help="built-in alias (smollm2-135m-instruct), local model directory, .gguf file or hub "
         "name; loaded once, every method trains its own adapters on it (default: %(default)s)",
     )
     p.add_argument(
-        "--train", required=True, metavar="SPEC",
+        "--train", type=SPEC, required=True, metavar="SPEC",
         help="data spec of the labelled training split (lower level: task cross-entropy); all "
         "multiple choice, or all open questions (e.g. nq_open), trained on their first answer; or "
         "instruction data, jsonl:PATH of {prompt, response} (or Alpaca's {instruction, input, output}) "
         "lines, trained on the response under a multiple-choice --heldout",
     )
     p.add_argument(
-        "--heldout", required=True, metavar="SPEC",
+        "--heldout", type=SPEC, required=True, metavar="SPEC",
         help="data spec of the held-out split, of the kind of --train (multiple choice also under "
         "open-ended --train records): its labels serve "
         "model selection, the accuracy guard and (multiple choice only) the temperature fit; its "
         "inputs drive CALM's entropy objective unless --unlabeled is given",
     )
     p.add_argument(
-        "--eval", action="append", required=True, metavar="SPEC",
+        "--eval", type=SPEC, action="append", required=True, metavar="SPEC",
         help="data spec to evaluate on; repeat for several sets (reported per domain)",
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    p.add_argument("--out", type=PATH, required=True, metavar="DIR", help="output directory (created if missing)")
     p.add_argument(
-        "--config", default=None, metavar="FILE",
+        "--config", type=PATH, default=None, metavar="FILE",
         help="YAML or JSON file of the nested CalibrationConfig (overridden by explicit flags)",
     )
     p.add_argument(
@@ -183,7 +190,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """``calibrate``'s flags after the data: unlabelled inputs, resuming, progress, report, device."""
     p.add_argument(
-        "--unlabeled", action="append", default=None, metavar="SPEC",
+        "--unlabeled", type=SPEC, action="append", default=None, metavar="SPEC",
         help="data spec of unlabelled upper-level inputs (CALM's entropy objective and the "
         "confidence penalty's entropy term), of the same kind as --heldout; labels in it are "
         "ignored; repeat for several sets (default: the --heldout inputs; then --heldout "
@@ -216,11 +223,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--bins", **BINS_FLAG)
     p.add_argument(
-        "--device", default="cpu",
+        "--device", type=DEVICE, default="cpu",
         help="torch device (default: %(default)s); 'cuda' under torchrun means cuda:LOCAL_RANK",
     )
     p.add_argument(
-        "--cache-dir", default=None,
+        "--cache-dir", type=PATH, default=None,
         help="cache of the converted built-in model, or hub cache for hub names",
     )
     add_confidence_args(p)
@@ -230,8 +237,8 @@ def _load_data(args: argparse.Namespace, config: Any,
                log: Callable[[str], None]) -> tuple[Any, Any, list, Any, Any]:
     """The ``--train``, ``--heldout``, ``--eval`` and ``--unlabeled`` sets (the last None without
     the flag), each checked against the formats of the run, and the run resolved once
-    (:func:`~llm_calib.calm.run.resolve_run`); ``config.prompt``'s few-shot pool (the config this
-    command built), drawn once without the held-out and evaluated questions."""
+    (:func:`~llm_calib.calm.run.resolve_run`) with ``config.prompt``'s few-shot pool, drawn once without
+    the held-out and evaluated questions."""
     from llm_calib.calm.run import resolve_run
     from llm_calib.data import load as load_data
     from llm_calib.prompts.templates import PromptFormat
@@ -239,23 +246,27 @@ def _load_data(args: argparse.Namespace, config: Any,
     seed = config.seed
     train = load_records(args, "--train", args.train, log, seed=seed)
     heldout = load_records(args, "--heldout", args.heldout, log, seed=seed)
-    evals = [load_records(args, "--eval", spec, log, seed=seed) for spec in args.eval]
+    evals = load_distinct(args, "--eval", args.eval, log, seed=seed)  # a set given twice is scored once
+    pool: tuple[Any, ...] = ()
     if config.prompt.fewshot:  # one pool for training, selection and evaluation, as evaluate draws it
         settings = config.prompt
-        settings.fewshot_pool = fewshot_pool(
+        pool = fewshot_pool(
             args, PromptFormat(fewshot=settings.fewshot, fewshot_split=settings.fewshot_split),
             [r for _, recs in [heldout, *evals] for r in recs], log,
         ).fewshot_pool
     # one kind of record per set, read here; the held-out kind is the training kind, or multiple
     # choice under open-ended (prompt, response) training; the message names the offending record
     names = (f"--train {args.train}", f"--heldout {args.heldout}", "--unlabeled")
-    resolved = user_call(lambda: resolve_run(config, train[1], heldout[1], names=names), None, (ValueError,))
+    resolved = user_call(lambda: resolve_run(config, train[1], heldout[1], names=names, fewshot_pool=pool), None,
+                         (ValueError,))
     fmt = resolved.formats.upper
     unlabeled = None
     if args.unlabeled:
-        parts = [user_call(lambda spec=spec: load_data(spec, limit=args.unlabeled_limit, seed=seed).records,
-                           f"--unlabeled {spec}") for spec in args.unlabeled]
-        unlabeled = ("+".join(args.unlabeled), [r for part in parts for r in part])
+        parts = load_distinct(args, "--unlabeled", args.unlabeled, lambda message: None, seed=seed,
+                              load=lambda spec: user_call(
+                                  lambda: load_data(spec, limit=args.unlabeled_limit, seed=seed).records,
+                                  f"--unlabeled {spec}"))
+        unlabeled = ("+".join(spec for spec, _ in parts), [r for _, part in parts for r in part])
         if not unlabeled[1]:
             raise UserError(f"--unlabeled {unlabeled[0]}: no records (the unlabelled set is empty)")
         user_call(lambda: fmt.check(unlabeled[1], what=f"--unlabeled {unlabeled[0]}"), None, (ValueError,))
@@ -285,7 +296,12 @@ def _run_bytes(model: str, config: Any, methods: list[Any]) -> int:
         hidden, layers = int(sizes["hidden_size"]), int(sizes["num_hidden_layers"])
     except (KeyError, TypeError, ValueError, OSError):
         return 0
-    return lora_run_bytes(hidden, layers, rank=config.lora.rank, modules_per_layer=max(len(config.lora.target_modules), 1),
+    try:
+        adapted = config.lora.layer_indices(layers)  # --lora-layers / top_layers: only those get adapters
+    except ValueError:  # an index out of range: the run reports it
+        return 0
+    return lora_run_bytes(hidden, layers if adapted is None else max(len(adapted), 1), rank=config.lora.rank,
+                          modules_per_layer=max(len(config.lora.target_modules), 1),
                           methods=len(methods), checkpoints_kept=2 if config.checkpoint_every else 0)
 
 
@@ -303,7 +319,11 @@ def run(args: argparse.Namespace) -> int:
         ...       "--out", "/tmp/x", "--quiet"])
         2
     """
-    from llm_calib.evaluation.compare import stale_checkpoints, stale_checkpoints_message
+    from llm_calib.evaluation.compare import (
+        resume_budget_problem,
+        stale_checkpoints,
+        stale_checkpoints_message,
+    )
     from llm_calib.files.outputs import check_output_folder, run_lock
 
     if args.resume and args.restart:
@@ -313,9 +333,15 @@ def run(args: argparse.Namespace) -> int:
     # before the data and the model, not after the work: a file, not writable, too little free space
     user_call(lambda: check_output_folder(args.out, need_bytes=_run_bytes(args.model, config, methods)), None)
     check_model_path(args.model)
+    check_device(args.device)
     stale = stale_checkpoints(args.out, [m.name for m in methods])
     if stale and not args.resume and not args.restart:
         raise UserError(stale_checkpoints_message(args.out, [p.name for p in stale]))
+    if args.resume:  # a checkpoint past the budget: refused now, not after loading the model
+        problem = resume_budget_problem(args.out, [m.name for m in methods],
+                                        None if config.training.epochs is not None else config.training.steps)
+        if problem is not None:
+            raise UserError(problem)
     with contextlib.ExitStack() as stack:  # the lock: a second run into --out is refused
         if int(os.environ.get("RANK", "0")) == 0:  # torchrun's ranks are one run: the first holds the lock
             user_call(lambda: stack.enter_context(run_lock(args.out)), None)
@@ -327,6 +353,7 @@ def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any], confi
     from llm_calib import distributed
     from llm_calib.calm.lora import check_target_modules
     from llm_calib.calm.trainer import TrainingDiverged
+    from llm_calib.engine.options import loaded_precision
     from llm_calib.evaluation.compare import run_comparison, write_comparison_report
     from llm_calib.prompts.templates import prompt_dict
 
@@ -342,24 +369,27 @@ def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any], confi
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
     train, heldout, evals, unlabeled, resolved = _load_data(args, config, log)
+    if confidence is not None:
+        check_confidence_applies(confidence.kind, evals, "--eval")  # before the model is loaded
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     model, tokenizer, loading = load_base_model(args, run_device(args.device))  # once: every method trains its own adapters
-    log(f"loaded {args.model} ({loading.dtype}{', 4-bit' if loading.load_in_4bit else ''}"
-        f"{', 8-bit' if loading.load_in_8bit else ''}) in {time.perf_counter() - t1:.1f} s")
+    precision = loaded_precision(model)
+    log(f"loaded {args.model} ({precision['dtype']}{', ' + precision['quantization'] if precision['quantization'] else ''}"
+        f", {precision['device']}) in {time.perf_counter() - t1:.1f} s")
     # before any training: a module name the model lacks, named with the ones it has
     user_call(lambda: check_target_modules(model, config.lora.target_modules), None)
     # the prompt as resolved (chat_template: whether this tokenizer's template is used), as evaluate records it
-    prompt = prompt_dict(resolved.settings["prompt"], tokenizer)
+    prompt = prompt_dict(resolved.settings.prompt, tokenizer)
     try:
         cmp = run_comparison(
             model, tokenizer, train, heldout, evals, resolved, methods, args.out,
             unlabeled=unlabeled, resume=args.resume, restart=args.restart, progress=not args.no_progress,
             n_bins=args.bins,
             bootstrap=args.bootstrap, log=log,
-            base_model={"model": recorded_model(args.model), "dtype": loading.dtype, "prompt": prompt,
-                        "prompt_preset": config.prompt.preset},
-            confidence=confidence,
+            # the dtype and quantisation are the model's own (base_model_record), not the flags asked for
+            base_model={"model": recorded_model(args.model), "prompt": prompt, "prompt_preset": config.prompt.preset},
+            confidence=confidence, context_overflow=args.context_overflow,
         )
     except TrainingDiverged as exc:
         print(f"llm-calib: error: training diverged: {exc}", file=sys.stderr)
@@ -368,6 +398,8 @@ def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any], confi
         raise UserError(str(exc)) from exc
     cmp.config["model"] = args.model
     cmp.config["model_loading"] = loading.to_dict()
+    cmp.config.update(precision)  # what the model computed with, not what was asked
+    cmp.config["merged_specs"] = getattr(args, "merged_specs", [])
     cmp.config["prompt"] = prompt
     cmp.config["limit"] = args.limit
     cmp.config["limit_mode"] = limit_mode(args)

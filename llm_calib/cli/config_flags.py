@@ -147,6 +147,28 @@ def config_overrides(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str
     return parts, objectives, solvers
 
 
+def _setting_flag(message: str, parts: dict[str, Any]) -> str | None:
+    """The flag that set the value a config check refuses (``seed must be an int >= 0, got -5``:
+    ``--seed``), or None when no flag set it (a config file did, or the check names no field).
+
+    Example:
+        >>> _setting_flag("training.steps must be an int >= 1, got 0", {"training": {"steps": 0}})
+        '--steps'
+        >>> _setting_flag("training.steps must be an int >= 1, got 0", {}) is None
+        True
+    """
+    import re
+
+    found = re.match(r"([a-z_]+(?:\.[a-z_]+)?) must", message)
+    if found is None:
+        return None
+    part, _, name = found.group(1).rpartition(".")
+    given = parts.get(part, {}) if part else parts
+    if not isinstance(given, dict) or name not in given or (part and part not in _PART_GROUPS):
+        return None
+    return (_PART_GROUPS[part][1] if part else "--") + _dashed(name)
+
+
 def _flag_of(dest: str) -> str:
     """The flag of an objective's or solver's setting stored as ``dest`` (``obj:calm:lam_lr``)."""
     if dest == "solver_name":
@@ -170,6 +192,9 @@ def _objectives(args: argparse.Namespace, file_objective: Any, objective_flags: 
     base = {"name": base} if isinstance(base, str) else {"name": CalibrationConfig().objective.name, **base}
     if args.objective_name is not None:  # another objective than the file's: its settings were for that one
         base = {base["name"]: base}.get(args.objective_name, {"name": args.objective_name})
+    if args.methods and args.objective_name is not None and args.objective_name not in args.methods:
+        raise UserError(f"--objective {args.objective_name}: not among --methods {','.join(args.methods)}, which "
+                        "chooses the objectives trained; add it to --methods, or leave out --objective")
     names = args.methods or [base["name"]]
     given = {base["name"]: base}
     objectives, used_solvers = [], set()
@@ -246,8 +271,11 @@ def calibration_config(args: argparse.Namespace) -> tuple[Any, list[Any]]:
         merged["training"]["epochs"] = None  # an explicit --steps replaces the preset's or the file's epochs
     objectives = _objectives(args, data.get("objective", CalibrationConfig().objective.name), objective_flags,
                              solver_flags)
-    config = user_call(lambda: CalibrationConfig.from_dict({**merged, "objective": objectives[0]}),
-                       "calibration config")
+    try:
+        config = CalibrationConfig.from_dict({**merged, "objective": objectives[0]})
+    except (ValueError, TypeError, KeyError) as exc:
+        flag = _setting_flag(str(exc), parts)  # the flag that set the value, when one did: named first
+        raise UserError(f"{flag or 'calibration config'}: {exc}") from exc
     if config.prompt.fewshot_split:  # recorded absolute (config.json, base_model.json), as the model path is
         config.prompt.fewshot_split = user_call(lambda: absolute_spec(config.prompt.fewshot_split), "--fewshot-split")
     return config, objectives

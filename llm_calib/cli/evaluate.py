@@ -11,6 +11,10 @@ from typing import Any
 from llm_calib.cli._common import (
     BINS_FLAG,
     DATA_SPECS_HELP,
+    DEVICE,
+    MODEL,
+    PATH,
+    SPEC,
     log_status,
     non_negative_int,
     positive_int,
@@ -21,10 +25,14 @@ from llm_calib.cli._loading import (
     add_allow_other_base_arg,
     add_data_loading_args,
     add_model_loading_args,
+    check_confidence_applies,
+    check_device,
     fewshot_pool,
     limit_mode,
     load_base_model,
+    load_distinct,
     load_records,
+    recorded_model,
     resolve_base,
     start,
 )
@@ -71,7 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         (8, True)
     """
     from llm_calib.config.calibration import PromptSettings
-    from llm_calib.engine.packing import NORMALIZE_MODES
+    from llm_calib.config.choices import NORMALIZE_MODES
 
     p = sub.add_parser(
         "evaluate",
@@ -86,12 +94,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
+        type=MODEL,
         default=None,
         help="built-in alias (smollm2-135m-instruct), local model directory, .gguf file or hub "
         "name (default: the base model a saved --adapter records, else smollm2-135m-instruct)",
     )
     p.add_argument(
         "--adapter",
+        type=PATH,
         default=None,
         metavar="DIR",
         help="put this adapter on --model first: a saved calibration result (llm-calib "
@@ -101,6 +111,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_loading_args(p, training=False)
     p.add_argument(
         "--data",
+        type=SPEC,
         action="append",
         required=True,
         metavar="SPEC",
@@ -160,6 +171,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--temperature-fit",
+        type=SPEC,
         default=None,
         metavar="SPEC",
         help="fit a temperature on this split (e.g. arc_easy:../shared/data:dev) and report "
@@ -167,7 +179,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seed",
-        type=int,
+        type=non_negative_int,
         default=0,
         metavar="S",
         help="seed of the --limit subsample, the bootstrap and the sampled answers of --confidence "
@@ -188,10 +200,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         help="generation budget for open-ended questions (default: %(default)s)",
     )
     p.add_argument(
-        "--device", default="cpu", help="torch device to run the model on (default: %(default)s)"
+        "--device", type=DEVICE, default="cpu", help="torch device to run the model on (default: %(default)s)"
     )
     p.add_argument(
         "--cache-dir",
+        type=PATH,
         default=None,
         help="cache of the converted built-in model (default: $LLM_CALIB_CACHE/<alias> or "
         "~/.cache/llm_calib/<alias>) or hub cache for hub names",
@@ -206,7 +219,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "confidence, correct), written atomically",
     )
     p.add_argument(
-        "--out", required=True, metavar="DIR", help="output directory (created if missing)"
+        "--out", type=PATH, required=True, metavar="DIR", help="output directory (created if missing)"
     )
 
 
@@ -214,7 +227,7 @@ def _load_data(args: argparse.Namespace, prompt: Any) -> tuple[list, Any, Any]:
     """The ``--data`` sets, the ``--temperature-fit`` set (None without it) and ``prompt`` with its
     few-shot pool (drawn without the evaluated and fitted questions)."""
     log = lambda message: log_status(args, message)  # noqa: E731
-    datasets = [load_records(args, "--data", spec, log) for spec in args.data]
+    datasets = load_distinct(args, "--data", args.data, log)  # a set given twice is scored once
     fit = None
     if args.temperature_fit:
         fit = load_records(args, "--temperature-fit", args.temperature_fit, log, limited=False,
@@ -227,9 +240,10 @@ def _load_data(args: argparse.Namespace, prompt: Any) -> tuple[list, Any, Any]:
     return datasets, fit, prompt
 
 
-def _load_model_and_adapter(args: argparse.Namespace) -> tuple[Any, Any]:
-    """``--model`` on ``--device``, with ``--adapter`` on it when given: ``(model, tokenizer)``."""
-    model, tokenizer, _ = load_base_model(args, args.device)
+def _load_model_and_adapter(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """``--model`` on ``--device``, with ``--adapter`` on it when given: ``(model, tokenizer, the
+    ModelLoadConfig)``."""
+    model, tokenizer, loading = load_base_model(args, args.device)
     if args.adapter:
         import warnings
 
@@ -237,7 +251,7 @@ def _load_model_and_adapter(args: argparse.Namespace) -> tuple[Any, Any]:
 
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         model = user_call(lambda: load_adapter(model, args.adapter), f"--adapter {args.adapter}")
-    return model, tokenizer
+    return model, tokenizer, loading
 
 
 def _score(args: argparse.Namespace, model: Any, tokenizer: Any, datasets: list, prompt: Any, fit: Any,
@@ -263,6 +277,7 @@ def _score(args: argparse.Namespace, model: Any, tokenizer: Any, datasets: list,
             max_new_tokens=args.max_new_tokens,
             progress=not args.quiet,
             confidence=confidence,
+            context_overflow=args.context_overflow,
         ),
         "evaluate",
         # only argument problems of the records themselves are user errors here
@@ -283,12 +298,26 @@ def run(args: argparse.Namespace) -> int:
         >>> main(["evaluate", "--data", "nosuchloader:x", "--out", "/tmp/x", "--quiet"])
         2
     """
-    from llm_calib.evaluation.evaluate import write_samples
-    from llm_calib.evaluation.report import write_report
-    from llm_calib.files.outputs import check_output_folder
-    from llm_calib.prompts.templates import prompt_dict
+    import contextlib
+
+    from llm_calib.files.outputs import check_output_folder, earlier_report, run_lock
 
     user_call(lambda: check_output_folder(args.out), None)  # before any loading, not after the scoring
+    user_call(lambda: earlier_report(args.out), None)  # files of another kind there: refused before any work
+    check_device(args.device)
+    with contextlib.ExitStack() as stack:  # the lock calibrate takes: one run at a time writes to --out
+        user_call(lambda: stack.enter_context(run_lock(args.out)), None)
+        return _run_locked(args)
+
+
+def _run_locked(args: argparse.Namespace) -> int:
+    """:func:`run` after the checks of ``--out``, while holding its lock."""
+    from llm_calib.engine.options import loaded_precision
+    from llm_calib.evaluation.evaluate import write_samples
+    from llm_calib.evaluation.report import write_report
+    from llm_calib.files.outputs import earlier_report, remove_stale
+    from llm_calib.prompts.templates import prompt_dict
+
     start(args, args.quiet)
     confidence = user_call(lambda: open_confidence(args, seed=args.seed), None)  # before any loading
     base = resolve_base(args, args.adapter, "--adapter")
@@ -301,9 +330,10 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     # Load every data set before the model, so a bad spec fails fast.
     datasets, fit, prompt = _load_data(args, prompt)
+    check_confidence_applies(confidence.kind, datasets, "--data")  # before the model is loaded
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model, tokenizer = _load_model_and_adapter(args)
+    model, tokenizer, loading = _load_model_and_adapter(args)
     model_s = time.perf_counter() - t0
     log_status(args, f"loaded model {args.model}{' + ' + args.adapter if args.adapter else ''} in {model_s:.1f} s")
     warn_prompt_mismatch(base, prompt, tokenizer, source, scoring={"scorer": args.scorer, "normalize": args.normalize})
@@ -314,8 +344,11 @@ def run(args: argparse.Namespace) -> int:
     result.config.update(
         {
             "model": args.model,
-            "adapter": args.adapter,
-            "dtype": args.dtype,
+            "adapter": None if args.adapter is None else recorded_model(args.adapter),
+            # what the model computes with, not what was asked: --load-in-4bit computes in bfloat16
+            **loaded_precision(model),
+            "model_loading": loading.to_dict(),
+            "merged_specs": getattr(args, "merged_specs", []),
             "limit": args.limit,
             "limit_mode": limit_mode(args),
             "on_error": args.on_error,
@@ -324,9 +357,11 @@ def run(args: argparse.Namespace) -> int:
         }
     )
     result.timing.update({"data_loading_s": load_s, "model_loading_s": model_s})
+    earlier = user_call(lambda: earlier_report(args.out), None)
     paths = write_report(result, args.out)
     if args.log_samples:
         write_samples(result, Path(args.out) / "samples.jsonl")
         paths["samples"] = Path(args.out) / "samples.jsonl"
+    remove_stale(earlier, list(paths.values()))  # an earlier run's samples and diagrams do not stay beside this report
     print_summary(result, paths, args.out)
     return 0

@@ -8,8 +8,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from llm_calib.cli._common import UserError, non_negative_int, unescape, user_call
-from llm_calib.prompts.templates import PRESETS
+from llm_calib.cli._common import SPEC, UserError, non_negative_int, unescape, user_call
+from llm_calib.config.choices import PROMPT_PRESETS
 
 __all__ = ["PROMPT_FIELDS", "prompt_format"]
 
@@ -41,7 +41,7 @@ def add_prompt_args(group: Any, dest: Callable[[str], str | None]) -> None:
     def add(field: str, *flags: str, **kwargs: Any) -> None:
         group.add_argument(*flags, dest=dest(field), default=None, **kwargs)
 
-    add("preset", "--prompt-preset", choices=tuple(PRESETS),
+    add("preset", "--prompt-preset", choices=tuple(PROMPT_PRESETS),
         help="a named prompt format; the lm_eval_* presets reproduce lm-eval's prompts "
         "(lm_eval_arc, lm_eval_mmlu, lm_eval_openbookqa, lm_eval_commonsenseqa, lm_eval_qasc, "
         "lm_eval_piqa), qa is the open-ended 'Q: ...\\nA:' format; other prompt flags override it "
@@ -59,7 +59,7 @@ def add_prompt_args(group: Any, dest: Callable[[str], str | None]) -> None:
         help="solved examples before each question, drawn from --fewshot-split (never an "
         "evaluated question; a question gets the same examples in training, selection and "
         "evaluation) (default: 0, zero-shot)")
-    add("fewshot_split", "--fewshot-split", type=str, metavar="SPEC",
+    add("fewshot_split", "--fewshot-split", type=SPEC, metavar="SPEC",
         help="data spec the few-shot examples come from, e.g. arc_easy:../shared/data:train (default: "
         "none; needed with --fewshot)")
     add("fewshot_seed", "--fewshot-seed", type=int, metavar="S",
@@ -99,7 +99,7 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
     """The :class:`~llm_calib.prompts.templates.PromptFormat` of ``llm-calib evaluate`` (and ``export``):
     the preset, else the prompt a saved ``--adapter`` records (``base``), else the scorer's
     default; then the explicit prompt flags. ``calibrate`` builds the same format from the same
-    flags (:func:`llm_calib.calm.run.format_settings`; both resolve with :func:`llm_calib.calm.run.resolve_prompt`).
+    flags (:func:`llm_calib.prompts.resolution.resolve_prompt_settings`; both resolve with :func:`llm_calib.prompts.resolution.resolve_prompt`).
 
     ``args.scorer`` and ``args.normalize`` (when the command has them) not given default to the
     saved result's, else ``option_likelihood`` and ``sum``.
@@ -124,9 +124,9 @@ def prompt_format(args: argparse.Namespace, base: dict[str, Any] | None = None) 
         >>> fmt.template, fmt.fewshot, args.normalize
         ('Question: {question}\\nAnswer:', 2, 'sum')
     """
-    from llm_calib.calm.run import resolve_prompt
     from llm_calib.data import absolute_spec
     from llm_calib.formats import multiple_choice_format
+    from llm_calib.prompts.resolution import resolve_prompt
 
     base = base or {}
     scorer = getattr(args, "scorer", None) or base.get("scorer") or "option_likelihood"

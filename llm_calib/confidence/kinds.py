@@ -44,11 +44,12 @@ from llm_calib.confidence.verbalized import (
     verbalized_prompt,
 )
 from llm_calib.data.records import OpenQA
+from llm_calib.engine.context import fit_prompt
 from llm_calib.engine.decode import generate_greedy
 from llm_calib.engine.sampling import SamplingSettings
 from llm_calib.metrics import calibration as metrics
 from llm_calib.prompts.templates import PromptFormat
-from llm_calib.scoring.base import ScoredResult, encode_prompt
+from llm_calib.scoring.base import ScoredResult, encode_prompt, record_label
 
 __all__ = ["OPEN_CONFIDENCE_KINDS", "JudgedSet", "OpenConfidence", "score_open"]
 
@@ -197,7 +198,9 @@ def _judge(model: Any, tokenizer: Any, records: Sequence[OpenQA], greedy: OpenEn
                       for p, a in zip(_greedy_details(greedy), greedy.answers, strict=True)]
         replies: list[str] = []
         for start in range(0, len(follow_ups), batch_size):
-            ids = [encode_prompt(tokenizer, t, chat=False) for t in follow_ups[start:start + batch_size]]
+            ids = [fit_prompt(encode_prompt(tokenizer, t, chat=False), confidence.reply_tokens,
+                              f"the follow-up of {record_label(records[start + k])}")
+                   for k, t in enumerate(follow_ups[start:start + batch_size])]
             replies += [a.text for a in generate_greedy(model, tokenizer, ids, max_new_tokens=confidence.reply_tokens)]
         parsed = parse_verbalized_replies(replies)
         judged = [math.nan if c is None else c for c in parsed.confidences]

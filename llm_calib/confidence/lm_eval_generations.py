@@ -31,9 +31,9 @@ from typing import Any
 
 from llm_calib.confidence.sampled import SampledSet
 from llm_calib.confidence.semantic import ESTIMATORS, Equivalence, answer_equivalence
-from llm_calib.evaluation.lm_eval_samples import iter_rows, rows_by_doc, samples_task_name
+from llm_calib.data.lm_eval_logs import rows_by_doc, samples_task_name
 
-__all__ = ["first_row", "generation_result", "is_generation_row", "read_generation_samples"]
+__all__ = ["is_generation_row", "read_generation_samples"]
 
 def _first_request(arguments: Any) -> Any:
     """The first request's arguments: ``{"gen_args_0": {"arg_0": .., "arg_1": ..}}`` in files, a list in memory."""
@@ -149,81 +149,3 @@ def read_generation_samples(
     if response_regex is not None:
         info["response_regex"] = response_regex
     return SampledSet(samples, references, [name] * len(ids), ids, None, info, details, same)
-
-
-def first_row(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The first row of a samples file (None for an empty one); ValueError naming the file and
-    line for a line that is not JSON or a file that is not UTF-8.
-
-    Example:
-        >>> import tempfile, pathlib
-        >>> p = pathlib.Path(tempfile.mkdtemp()) / "s.jsonl"
-        >>> _ = p.write_text('\\n{"doc_id": 3}\\n')
-        >>> first_row(p)
-        {'doc_id': 3}
-    """
-    for _, row in iter_rows(path):
-        return row
-    return None
-
-
-def generation_result(
-    paths: Sequence[str | os.PathLike[str]], *, equivalence: str = "exact", threshold: float = 0.5,
-    estimator: str = "sample_split", splits: int = 10, seed: int = 0, response_regex: str | None = None,
-    n_bins: int = 10, ci: bool = True, n_resamples: int = 1000,
-) -> Any:
-    """The calibration report (:func:`llm_calib.evaluation.report.write_report`) of lm-eval generation runs,
-    one domain per task, semantic confidence from each question's sampled responses.
-
-    Args:
-        paths: ``samples_<task>_<date>.jsonl`` files of ``generate_until`` tasks run with ``repeats``.
-        equivalence: ``"exact"`` or ``"f1"`` (:func:`read_generation_samples`).
-        threshold: for ``"f1"``.
-        estimator: ``"sample_split"`` or ``"plug_in"``.
-        splits: R, the sample splits.
-        seed: seeds the splits and the bootstrap.
-        response_regex: per-response extraction (see :func:`read_generation_samples`).
-        n_bins: ECE and reliability bins.
-        ci: bootstrap intervals (``n_resamples`` resamples).
-
-    Returns:
-        An :class:`~llm_calib.evaluation.evaluate.EvaluationResult` (no temperature: lm-eval logs no scores to scale).
-
-    Raises:
-        ValueError: no paths, two files of one task, or a file :func:`read_generation_samples` rejects.
-
-    Example:
-        >>> import json, tempfile, pathlib
-        >>> rows = [{"doc_id": i, "target": "4", "arguments": [["2+2=", {"until": ["\\n"]}]],
-        ...          "resps": [["4", "4", "5"] if i else ["3", "3", "3"]], "filtered_resps": ["4"]} for i in range(2)]
-        >>> p = pathlib.Path(tempfile.mkdtemp()) / "samples_math_2026-01-02T10-11-12.5.jsonl"
-        >>> _ = p.write_text("".join(json.dumps(r) + "\\n" for r in rows))
-        >>> r = generation_result([p], estimator="plug_in", ci=False).domains["math"]
-        >>> r.n, r.uncalibrated["accuracy"], round(r.uncalibrated["ece"], 3)
-        (2, 0.5, 0.667)
-    """
-    from llm_calib.confidence.kinds import OpenConfidence
-    from llm_calib.evaluation.evaluate import EvaluationResult, domain_result
-    from llm_calib.formats.open_ended import OpenEnded
-
-    if not paths:
-        raise ValueError("no samples files given")
-    confidence = OpenConfidence("semantic", seed=seed, equivalence=equivalence, threshold=threshold,
-                                estimator=estimator, splits=splits)
-    task = OpenEnded(confidence=confidence)
-    sets: dict[str, SampledSet] = {}
-    files: dict[str, str] = {}
-    for p in paths:
-        s = read_generation_samples(p, equivalence=equivalence, threshold=threshold, estimator=estimator,
-                                    splits=splits, seed=seed, response_regex=response_regex)
-        name = s.domains[0]
-        if name in sets:
-            raise ValueError(f"two samples files of task {name!r}: {files[name]} and {p}")
-        sets[name], files[name] = s, str(p)
-    stats = {"n_bins": n_bins, "ci": ci, "n_resamples": n_resamples, "seed": seed}
-    domains = {name: domain_result(name, task, s, None, **stats) for name, s in sets.items()}
-    config = {"source": "lm-eval samples (generate_until)", "files": files, "confidence": confidence.to_dict(),
-              "datasets": list(files.values()), **stats}
-    if response_regex is not None:
-        config["response_regex"] = response_regex
-    return EvaluationResult(domains, None, config, {})

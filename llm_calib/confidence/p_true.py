@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from llm_calib.engine.context import fit_options
 from llm_calib.scoring.base import encode_continuation, encode_prompt
 from llm_calib.scoring.option_likelihood import EncodedQuestion, option_log_likelihoods
 
@@ -130,8 +131,11 @@ def p_true(model: Any, tokenizer: Any, questions: Sequence[str], answers: Sequen
     if int(batch_size) < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     options = tuple(tuple(encode_continuation(tokenizer, c)) for c in choices)
-    items = [EncodedQuestion(tuple(encode_prompt(tokenizer, p_true_prompt(q, a, template), chat=False)), options)
-             for q, a in zip(questions, answers, strict=True)]
+    items = []
+    for k, (q, a) in enumerate(zip(questions, answers, strict=True)):
+        prompt, fitted = fit_options(encode_prompt(tokenizer, p_true_prompt(q, a, template), chat=False), options,
+                                     f"the P(True) question of answer {k}")  # the model's context (engine.context)
+        items.append(EncodedQuestion(tuple(prompt), tuple(tuple(o) for o in fitted)))
     out = np.empty(len(items))
     for start in range(0, len(items), int(batch_size)):
         chunk = option_log_likelihoods(model, items[start:start + int(batch_size)], pad_id=_pad_id(tokenizer))

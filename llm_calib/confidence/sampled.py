@@ -197,7 +197,7 @@ def score_sampled(
     same = answer_equivalence(equivalence, threshold=threshold) if isinstance(equivalence, str) else equivalence
     records = list(records)
     fmt = prompt or PromptFormat()
-    prompts = encode_open_prompts(tokenizer, records, fmt)
+    prompts = encode_open_prompts(tokenizer, records, fmt, reserve=sampling.max_new_tokens)
 
     def answer(idx: list[int]) -> list[list[Any]]:
         # each question's samples are seeded by its index in the set, so batching never changes them

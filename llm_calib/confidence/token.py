@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from llm_calib.data.records import OpenQA
-from llm_calib.engine.decode import GreedyAnswer, generate_greedy
+from llm_calib.engine.decode import generate_greedy
+from llm_calib.engine.generation import GreedyAnswer
 from llm_calib.metrics import calibration as metrics
 from llm_calib.metrics.answers import exact_match, token_f1
 from llm_calib.prompts.templates import (
@@ -107,10 +108,13 @@ def open_ended_summary(
 
 
 def encode_open_prompts(
-    tokenizer: Any, records: Sequence[OpenQA], prompt: PromptFormat | None = None
+    tokenizer: Any, records: Sequence[OpenQA], prompt: PromptFormat | None = None,
+    reserve: int | Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Token ids of the prompts after which open questions are answered (scoring and training alike);
     TypeError for a record that is not ``OpenQA``, ValueError for a prompt style other than ``"cloze"``.
+    ``reserve``: the answer tokens after each prompt (the generation budget, or the reference answer
+    trained on), with which it is fitted to the model's context (:func:`~llm_calib.scoring.base.encode_prompts`).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -125,7 +129,7 @@ def encode_open_prompts(
     fmt = prompt or PromptFormat()
     if fmt.style != "cloze":
         raise ValueError(f"open questions have no options to list: prompt.style must be 'cloze', got {fmt.style!r}")
-    return encode_prompts(tokenizer, records, fmt)
+    return encode_prompts(tokenizer, records, fmt, reserve=reserve)
 
 
 def score_open_ended(
@@ -155,7 +159,7 @@ def score_open_ended(
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     records = list(records)
     fmt = prompt or PromptFormat()
-    prompts = encode_open_prompts(tokenizer, records, fmt)
+    prompts = encode_open_prompts(tokenizer, records, fmt, reserve=max_new_tokens)
     chat = uses_chat_template(tokenizer, fmt)
     scaled = temperature != 1.0
     def answer(idx: list[int]) -> list[GreedyAnswer]:

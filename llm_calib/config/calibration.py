@@ -21,16 +21,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
-import llm_calib.objectives.builtin  # noqa: F401  registers the built-in objectives and solvers
 from llm_calib.config.checks import check_int, check_number, is_int
+from llm_calib.config.choices import NORMALIZE_MODES, PROMPT_PRESETS, PROMPT_STYLES
 from llm_calib.config.flat_keys import FLAT_KEYS, flat_key_location, flat_key_message
-from llm_calib.data.spec import SpecError, absolute_spec, parse_spec
-from llm_calib.engine.packing import NORMALIZE_MODES
-from llm_calib.formats import SCORER_NAMES
-from llm_calib.objectives.base import Objective
-from llm_calib.objectives.calm import Calm
 from llm_calib.objectives.registry import (
     BUILTIN_OBJECTIVES,
     BUILTIN_SOLVERS,
@@ -38,12 +33,12 @@ from llm_calib.objectives.registry import (
     objective_from_dict,
     objective_names,
 )
-from llm_calib.prompts.templates import PRESETS, PromptFormat, short_answer_format
+from llm_calib.registry import TASK_FORMATS
 
 __all__ = [
     "CONFIG_PRESETS", "METHODS", "PAPER_LORA_MODULES", "PARTS", "SOLVERS",
-    "CalibrationConfig", "LoraSettings", "PromptSettings", "SelectionSettings", "TrainingSettings", "apply_preset",
-    "flat_paths", "open_prompt_format", "read_config_file",
+    "CalibrationConfig", "LoraSettings", "ObjectiveSettings", "PromptSettings", "SelectionSettings", "TrainingSettings",
+    "apply_preset", "flat_paths", "read_config_file",
 ]
 
 METHODS = BUILTIN_OBJECTIVES
@@ -54,6 +49,25 @@ SOLVERS = BUILTIN_SOLVERS
 """The built-in bilevel solvers of CALM (``objective.solver``): first-order BOME and F2SA, and
 exact implicit differentiation after lower-level steps (see :mod:`llm_calib.objectives.calm`);
 any solver registered with :func:`~llm_calib.objectives.registry.register_solver` is accepted too."""
+
+
+class ObjectiveSettings(Protocol):
+    """What the configuration reads of its ``objective``: the registered name and the settings as a
+    dict (an :class:`~llm_calib.objectives.base.Objective` is one). The configuration imports no
+    objective code: it finds the class of a name in :data:`~llm_calib.registry.OBJECTIVES`.
+    """
+
+    name: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as a dict tagged with ``name``."""
+        ...
+
+
+def _default_objective() -> ObjectiveSettings:
+    """CALM with its default settings (its module is imported by the registry on first use)."""
+    return objective_class(BUILTIN_OBJECTIVES[0])()
+
 
 @dataclass
 class LoraSettings:
@@ -142,7 +156,7 @@ class PromptSettings:
             :class:`llm_calib.prompts.templates.PromptFormat`); open questions always use the cloze style
             of the open-ended scorer.
         chat_template: wrap prompts in the model's chat template (None: when it has one).
-        preset: multiple choice: a named prompt format of :data:`llm_calib.prompts.templates.PRESETS`
+        preset: multiple choice: a named prompt format of :data:`llm_calib.config.choices.PROMPT_PRESETS`
             (e.g. ``"lm_eval_arc"``, lm-eval's ARC prompt), as ``evaluate --prompt-preset``; its
             template replaces ``style``; ``template`` and ``chat_template`` override it. None
             (default): the prompt of ``style``.
@@ -168,22 +182,23 @@ class PromptSettings:
             :func:`llm_calib.prompts.templates.short_answer_format` (e.g. drawn from the training split with
             :func:`llm_calib.prompts.templates.draw_short_answer_examples`); trained answers then end with
             the newline greedy answers stop at. Empty (default): the chat prompt ``The answer is:``
-            (see :func:`open_prompt_format`). On the command line: a JSON list of pairs.
+            (see :func:`~llm_calib.prompts.resolution.open_prompt_format`). On the command line: a JSON list of pairs.
 
     The few-shot pool (the records of ``fewshot_split``, less the evaluated questions) is not a
-    setting: ``llm-calib calibrate`` loads it once into the attribute ``fewshot_pool`` (see
-    :func:`llm_calib.prompts.fewshot.resolve_fewshot`); left empty, the split is loaded whole on first use.
+    setting: the run loads it once when it is resolved (:func:`~llm_calib.calm.run.resolve_run`;
+    ``llm-calib calibrate`` passes the pool it drew without the evaluated questions).
 
     Example:
         >>> PromptSettings(open_examples=[[" 2 + 2? ", "4"]]).open_examples
         (('2 + 2?', '4'),)
-        >>> PromptSettings(fewshot=2, fewshot_split="builtin:capitals:n=10").prompt_overrides()
-        {'fewshot': 2, 'fewshot_split': 'builtin:capitals:n=10'}
+        >>> PromptSettings(fewshot=2, fewshot_split="builtin:capitals:n=10").fewshot_split
+        'builtin:capitals:n=10'
     """
 
     field_choices: ClassVar[dict[str, tuple[str, ...]]] = {
-        # the scorers: the formats' registry, read at each check (a format registered later is accepted)
-        "scorer": SCORER_NAMES, "normalize": NORMALIZE_MODES, "style": ("cloze", "listed"),
+        # the scorers: the formats' registry, read at each check (a format registered later is accepted);
+        # its names are known without loading a format
+        "scorer": TASK_FORMATS.names_view("multiple_choice"), "normalize": NORMALIZE_MODES, "style": PROMPT_STYLES,
     }
     format_fields: ClassVar[tuple[str, ...]] = (
         "template", "target_delimiter", "choices", "system_message", "answer_prefix", "fewshot", "fewshot_split",
@@ -212,8 +227,8 @@ class PromptSettings:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"prompt.{name} must be one of {allowed}, got {value!r}")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"prompt.preset must be one of {tuple(PRESETS)} or null, got {self.preset!r}")
+        if self.preset is not None and self.preset not in PROMPT_PRESETS:
+            raise ValueError(f"prompt.preset must be one of {tuple(PROMPT_PRESETS)} or null, got {self.preset!r}")
         for name in ("template", "target_delimiter", "system_message", "answer_prefix", "fewshot_split"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -229,16 +244,9 @@ class PromptSettings:
         if self.fewshot and not self.fewshot_split:
             raise ValueError(f"prompt.fewshot={self.fewshot} needs prompt.fewshot_split (the data spec the examples "
                              "come from, e.g. arc_easy:../shared/data:train)")
-        self.fewshot_pool: tuple[Any, ...] = ()  # not a setting: the loaded examples (see the class docstring)
         if self.chat_template is not None and not isinstance(self.chat_template, bool):
             raise ValueError(f"prompt.chat_template must be true, false or null, got {self.chat_template!r}")
         self.open_examples = _question_answer_pairs(self.open_examples)
-
-    def prompt_overrides(self) -> dict[str, Any]:
-        """The :data:`format_fields` that are set, by name (``fewshot`` when > 0): what replaces
-        the preset's or the style's :class:`~llm_calib.prompts.templates.PromptFormat` fields."""
-        return {k: getattr(self, k) for k in self.format_fields
-                if getattr(self, k) is not None and not (k == "fewshot" and self.fewshot == 0)}
 
 
 @dataclass
@@ -255,6 +263,16 @@ class TrainingSettings:
         heldout_batch_size: unlabelled upper-level inputs per step (outer batch; CALM's f and the
             confidence penalty's entropy term; labels unused).
         lr: learning rate of θ (LoRA, Adam).
+        log_every: steps between reads of the step records back to the host (the losses and
+            diagnostics of the history, one read for all the steps since the last one) and the
+            finiteness checks of those steps (also at every evaluation and checkpoint, and at the
+            end). Between reads a step waits on nothing it computed (on a GPU the queue keeps
+            running); a NaN or inf is still reported with the step that produced it. Changes no
+            number of the run.
+        compile: run the trained layers as graphs compiled by :func:`torch.compile` (fewer, fused
+            kernels per step; first-order objectives, Llama-style decoders, no gradient
+            checkpointing: :meth:`~llm_calib.calm.lora.FunctionalLM.compile_step`). The first steps
+            compile (seconds to minutes); the numbers equal the eager step's to float round-off.
 
     Example:
         >>> TrainingSettings(lr="1e-3").lr
@@ -268,9 +286,13 @@ class TrainingSettings:
     heldout_batch_size: int = 8
     lr: float = 1e-3
     epochs: int | None = None
+    log_every: int = 10
+    compile: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "heldout_batch_size"):
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"training.compile must be true or false, got {self.compile!r}")
+        for name in ("steps", "batch_size", "heldout_batch_size", "log_every"):
             check_int(f"training.{name}", getattr(self, name), minimum=1)
         if self.epochs is not None:
             check_int("training.epochs", self.epochs, minimum=1)
@@ -438,7 +460,7 @@ class CalibrationConfig:
             fields hold the resolved values). :meth:`from_dict` lays the given keys over it.
 
     Example:
-        >>> from llm_calib.objectives.calm import F2SA
+        >>> from llm_calib.objectives.calm import F2SA, Calm
         >>> cfg = CalibrationConfig(objective=Calm(solver=F2SA(sigma=0.2)), training=TrainingSettings(steps=10))
         >>> CalibrationConfig.from_dict(cfg.to_dict()) == cfg
         True
@@ -450,7 +472,7 @@ class CalibrationConfig:
         ValueError: `bome_eta` is now `objective.solver.eta` (objective.name: calm, solver.name: bome)
     """
 
-    objective: Objective = field(default_factory=Calm)
+    objective: ObjectiveSettings = field(default_factory=_default_objective)
     lora: LoraSettings = field(default_factory=LoraSettings)
     prompt: PromptSettings = field(default_factory=PromptSettings)
     training: TrainingSettings = field(default_factory=TrainingSettings)
@@ -464,10 +486,13 @@ class CalibrationConfig:
             raise ValueError(f"preset must be one of {tuple(CONFIG_PRESETS)} or null, got {self.preset!r}")
         if isinstance(self.objective, (str, dict)):
             self.objective = objective_from_dict(self.objective)
-        if not isinstance(self.objective, Objective):
+        name = getattr(type(self.objective), "name", None)
+        if not isinstance(name, str) or not callable(getattr(self.objective, "to_dict", None)):
             raise ValueError(f"objective must be a registered objective ({', '.join(objective_names())}), "
                              f"got {self.objective!r}")
-        objective_class(self.objective.name)  # registered under its name
+        if not isinstance(self.objective, objective_class(name)):  # registered under its name
+            raise ValueError(f"objective must be a registered objective ({', '.join(objective_names())}), "
+                             f"got {self.objective!r}")
         for name, cls in PARTS.items():
             value = getattr(self, name)
             if isinstance(value, dict):
@@ -475,7 +500,7 @@ class CalibrationConfig:
             elif not isinstance(value, cls):
                 raise ValueError(f"{name} must be a mapping of {cls.__name__} fields, got {value!r}")
         check_int("checkpoint_every", self.checkpoint_every, minimum=0)
-        check_int("seed", self.seed)
+        check_int("seed", self.seed, minimum=0)  # numpy's generators take no negative seed
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (also valid YAML for :meth:`from_file`); the objective and its
@@ -570,27 +595,6 @@ def _question_answer_pairs(value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def open_prompt_format(config: CalibrationConfig) -> PromptFormat:
-    """The prompt of open questions under ``config``: the one place training
-    (:func:`~llm_calib.calm.encoding.encode_records`) and the trunk-cached evaluator
-    (:class:`~llm_calib.calm.fast_eval.SharedTrunkEval`) get it from; pass it as ``prompt`` to
-    :func:`~llm_calib.confidence.token.score_open_ended` to answer the same way.
-
-    With ``config.prompt.open_examples``: the few-shot short-answer prompt of
-    :func:`~llm_calib.prompts.templates.short_answer_format` (plain text; ``chat_template`` is not used).
-    Without: the scorer's reference prompt, ``PromptFormat(chat_template=config.prompt.chat_template)``.
-
-    Example:
-        >>> open_prompt_format(CalibrationConfig()).answer_prefix
-        'The answer is:'
-        >>> open_prompt_format(CalibrationConfig(prompt=PromptSettings(open_examples=[["2 + 2?", "4"]]))).description
-        'Q: 2 + 2?\\nA: 4\\n\\n'
-    """
-    if config.prompt.open_examples:
-        return short_answer_format(config.prompt.open_examples)
-    return PromptFormat(chat_template=config.prompt.chat_template)
-
-
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The mapping stored in a ``.yaml``/``.yml`` or ``.json`` config file, not yet validated.
 
@@ -629,6 +633,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 def _fewshot_split_from_file(data: dict[str, Any], path: Path) -> dict[str, Any]:
     """``data`` with its ``prompt.fewshot_split`` path made absolute against the directory of the
     config file ``path`` it was read from."""
+    from llm_calib.data.spec import SpecError, absolute_spec, parse_spec
+
     prompt = data.get("prompt")
     spec = prompt.get("fewshot_split") if isinstance(prompt, dict) else None
     if not isinstance(spec, str):

@@ -8,7 +8,6 @@ Example:
     8
 """
 
-from llm_calib.data import spec_loaders  # noqa: F401  registers the shipped loaders
 from llm_calib.data._io import repair_utf8
 from llm_calib.data.ai2 import AI2_DATASETS, ai2_domain, load_ai2
 from llm_calib.data.builtin import (

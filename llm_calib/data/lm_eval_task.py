@@ -130,6 +130,67 @@ def hub_offline(offline: bool = True) -> Iterator[None]:
                 os.environ[var] = value
 
 
+_LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "imagefolder", "audiofolder")
+"""``dataset_path`` values of lm-eval tasks that read local files (``dataset_kwargs: data_files``), not the hub."""
+
+
+def _task_file(task: str, include: str | None) -> Path | None:
+    """The YAML file defining the single task ``task`` (in ``include`` first, then lm-eval's own
+    tasks), found by a text search of the files, without lm-eval's task index (10 s); None for a
+    group, a tag or an unknown name."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("lm_eval")
+    roots = [Path(include)] if include is not None else []
+    if spec is not None and spec.submodule_search_locations:
+        roots.append(Path(next(iter(spec.submodule_search_locations))) / "tasks")
+    pattern = re.compile(rf"^task:\s*['\"]?{re.escape(task)}['\"]?\s*$", re.MULTILINE)
+    for root in roots:
+        for path in sorted(root.rglob("*.yaml")) if root.is_dir() else []:
+            try:
+                if pattern.search(path.read_text(encoding="utf-8", errors="replace")):
+                    return path
+            except OSError:
+                continue
+    return None
+
+
+def _yaml_value(path: Path, key: str, depth: int = 0) -> str | None:
+    """The top-level scalar ``key`` of an lm-eval task YAML, following its ``include:`` base files."""
+    import re
+
+    text = path.read_text(encoding="utf-8", errors="replace")
+    found = re.search(rf"^{key}:\s*['\"]?([^'\"#\n]+?)['\"]?\s*(?:#.*)?$", text, re.MULTILINE)
+    if found:
+        return found.group(1).strip()
+    base = re.search(r"^include:\s*['\"]?([^'\"#\n]+?)['\"]?\s*$", text, re.MULTILINE)
+    if base and depth < 4 and (path.parent / base.group(1).strip()).is_file():
+        return _yaml_value(path.parent / base.group(1).strip(), key, depth + 1)
+    return None
+
+
+def _offline_problem(task: str, include: str | None) -> str | None:
+    """Offline, why the task ``task`` cannot load: its hub dataset is in neither local cache (the
+    hub's, ``datasets``'); found in a second, before lm-eval builds its task index (10 s) and
+    ``datasets`` fails. None when it may load (cached, local files) or cannot be told (a group, a tag)."""
+    import huggingface_hub.constants as hub
+
+    path = _task_file(task, include)
+    dataset = _yaml_value(path, "dataset_path") if path is not None else None
+    if dataset is None or dataset in _LOCAL_BUILDERS or Path(dataset).expanduser().exists():
+        return None
+    hub_cache = Path(hub.HF_HUB_CACHE) / f"datasets--{dataset.replace('/', '--')}"
+    datasets_cache = Path(os.environ.get("HF_DATASETS_CACHE") or Path(hub.HF_HOME) / "datasets")
+    names = (dataset.replace("/", "___"), dataset.split("/")[-1])
+    if hub_cache.exists() or any((datasets_cache / name).exists() for name in names):
+        return None
+    return (f"lm-eval cannot load the task: its dataset {dataset} ({path.name}) is not in the local cache "
+            f"({hub_cache.parent}, {datasets_cache}) (offline: the Hugging Face hub is unreachable or HF_HUB_OFFLINE "
+            "is set; only datasets already in the local cache load): run once online, or give the data as a local "
+            "spec (e.g. arc_easy:PATH)")
+
+
 def _close_names(task: str, names: Any) -> str:
     close = difflib.get_close_matches(task, sorted(str(n) for n in names), n=3, cutoff=0.75)
     return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
@@ -272,7 +333,11 @@ def load_lm_eval_task(
     log = ErrorLog(on_error)
     kinds: set[str] = set()
     # offline, datasets retries every hub request five times (34 s); one probe, then cached files only
-    with _quiet(), hub_offline(not hub_reachable()):
+    offline = not hub_reachable()
+    problem = _offline_problem(task, include_dir) if offline else None
+    if problem is not None:  # in a second, not after lm-eval's task index (10 s) and datasets' attempts
+        raise DataError(f"lm_eval:{task}", 0, "task", problem)
+    with _quiet(), hub_offline(offline):
         tasks = _tasks(task, include_dir)
         for name in sorted(tasks):
             t = tasks[name]

@@ -3,7 +3,7 @@
 The first ``:`` ends the loader name; for file loaders the rest is all TARGET if it is an existing
 path, else the text after its last ``:`` is the OPTION. A loader is a function registered by name
 with :func:`register_loader` (the shipped ones, :data:`BUILTIN_LOADERS`, register themselves in
-:mod:`llm_calib.data.spec_loaders`); their targets and options: the table in
+:mod:`llm_calib.data.spec_loaders`, imported the first time one of them is looked up); their targets and options: the table in
 :doc:`/tutorials/evaluate_llm` ("Data specs").
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from llm_calib.data.errors import OnError
-from llm_calib.data.mmlu import MMLU_GROUPS
 from llm_calib.data.result import LoadResult, subsample
-from llm_calib.registry import check_registry_name, register_entry, unregister_entry
+from llm_calib.registry import LOADERS, Registry
 
 __all__ = [
     "BUILTIN_LOADERS", "Spec", "SpecError", "SpecLoader", "absolute_spec", "load", "loader_names", "parse_spec",
@@ -35,11 +35,7 @@ class SpecError(ValueError):
     """
 
 
-BUILTIN_LOADERS: tuple[str, ...] = (
-    "arc_easy", "arc_challenge", "openbookqa", "commonsenseqa", "qasc", "ai2", "mmlu",
-    *(f"mmlu_{g}" for g in MMLU_GROUPS), "opentriviaqa", "nq_open", "webquestions", "selfaware", "jsonl", "hf",
-    "builtin", "lm_eval",
-)
+BUILTIN_LOADERS: tuple[str, ...] = tuple(LOADERS.builtins)
 """The loaders shipped with llm_calib, in the order error messages list them."""
 
 
@@ -67,7 +63,7 @@ class Spec:
             >>> parse_spec("arc_easy:data:train").path, parse_spec("builtin:capitals").path
             (PosixPath('data'), None)
         """
-        entry = _LOADERS.get(self.loader)
+        entry = LOADERS.get(self.loader) if self.loader in LOADERS else None
         return None if entry is not None and not entry.takes_path else Path(self.target)
 
     def options(self, bare_key: str, allowed: set[str]) -> dict[str, str]:
@@ -112,8 +108,6 @@ class SpecLoader:
     takes_path: bool = True
 
 
-_LOADERS: dict[str, SpecLoader] = {}
-
 L = TypeVar("L", bound=Callable[..., LoadResult[Any]])
 
 
@@ -123,7 +117,8 @@ def register_loader(name: str, description: str, *, path: bool = True) -> Callab
     :class:`Spec`. ``path``: the target is a file or directory (checked to exist before the call).
 
     Raises:
-        ValueError: ``name`` is not an identifier, or another function holds it.
+        ~llm_calib.registry.InvalidNameError: ``name`` is not an identifier.
+        ~llm_calib.registry.NameTakenError: another function holds it.
 
     Example:
         >>> from llm_calib.data.records import MultipleChoice
@@ -134,39 +129,21 @@ def register_loader(name: str, description: str, *, path: bool = True) -> Callab
         '1 + 1 = ?'
         >>> unregister_loader("doc_one")
     """
-    check_registry_name("loader", name, "it starts a data spec")
+    LOADERS.check_name(name)
 
     def decorate(fn: L) -> L:
-        register_entry(_LOADERS, "loader", name, SpecLoader(name, description, fn, path), owner=lambda entry: entry.load)
+        LOADERS.register(name, SpecLoader(name, description, fn, path))
         return fn
 
     return decorate
 
 
-def unregister_loader(name: str) -> None:
-    """Remove a registered loader.
+unregister_loader = partial(Registry.unregister, LOADERS)
+"""Remove a registered loader (:meth:`~llm_calib.registry.Registry.unregister`; a built-in one cannot be)."""
 
-    Raises:
-        ValueError: a built-in loader or an unknown name.
-
-    Example:
-        >>> unregister_loader("builtin")
-        Traceback (most recent call last):
-        ...
-        ValueError: the built-in loader 'builtin' cannot be unregistered
-    """
-    unregister_entry(_LOADERS, BUILTIN_LOADERS, "loader", name)
-
-
-def loader_names() -> tuple[str, ...]:
-    """The registered loaders: the built-in ones, then the others in registration order.
-
-    Example:
-        >>> loader_names()[:2], "lm_eval" in loader_names()
-        (('arc_easy', 'arc_challenge'), True)
-    """
-    return (tuple(n for n in BUILTIN_LOADERS if n in _LOADERS)
-            + tuple(n for n in _LOADERS if n not in BUILTIN_LOADERS))
+loader_names = partial(Registry.names, LOADERS)
+"""The registered loaders: the built-in ones, then the others in registration order
+(:meth:`~llm_calib.registry.Registry.names`)."""
 
 
 def spec_loader(name: str) -> SpecLoader:
@@ -179,9 +156,9 @@ def spec_loader(name: str) -> SpecLoader:
         >>> spec_loader("mmlu_stem").description
         'MMLU csv, stem subjects only'
     """
-    if name not in _LOADERS:
+    if name not in LOADERS:
         raise SpecError(f"unknown loader {name!r}; valid loaders: {', '.join(loader_names())}")
-    return _LOADERS[name]
+    return LOADERS.get(name)
 
 
 def parse_spec(spec: str) -> Spec:
@@ -200,9 +177,9 @@ def _parse(spec: str, root: Path) -> Spec:
     if not spec or not spec.strip():
         raise SpecError("empty data spec")
     loader, _, rest = spec.strip().partition(":")
-    if loader not in _LOADERS:
+    if loader not in LOADERS:
         raise SpecError(f"unknown loader {loader!r} in spec {spec!r}; valid loaders: {', '.join(loader_names())}")
-    if not _LOADERS[loader].takes_path:
+    if not LOADERS.get(loader).takes_path:
         target, sep, option = rest.partition(":")
         return Spec(loader, target, option if sep else None, spec)
     if not rest:
@@ -257,7 +234,7 @@ def load(
     parsed = parse_spec(spec)
     if parsed.path is not None and not parsed.path.exists():
         raise FileNotFoundError(f"spec {spec!r}: {parsed.path} does not exist")
-    result = _LOADERS[parsed.loader].load(parsed, on_error)
+    result = LOADERS.get(parsed.loader).load(parsed, on_error)
     if limit_mode == "first" and limit is not None:
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")

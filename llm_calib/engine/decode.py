@@ -18,15 +18,22 @@ dropped, text before a newline inside it is kept).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from llm_calib.engine.generation import (
+    GreedyAnswer,
+    StopRule,
+    cached_step,
+    eos_token_ids,
+    finish_answer,
+    left_pad,
+)
 from llm_calib.engine.options import capture_layer_input
 from llm_calib.engine.packing import causal_additive_mask, length_batches
 from llm_calib.engine.prefix import cache_keyword
@@ -35,118 +42,10 @@ from llm_calib.models import lm_head_logits, split_decoder_head
 __all__ = [
     "GenBatch",
     "GenOut",
-    "GreedyAnswer",
     "TrunkGenerator",
-    "eos_token_ids",
-    "finish_answer",
     "generate_greedy",
     "greedy_loop",
 ]
-
-
-@dataclass(frozen=True)
-class GreedyAnswer:
-    """One greedy generation.
-
-    Attributes:
-        text: the answer text (stripped, cut at the first newline, or with stop sequences at the
-            first of them).
-        token_ids: ids of the answer tokens.
-        token_probs: probability of each answer token under the model (temperature 1).
-        stop: why generation ended: ``"newline"``, ``"until"`` (a stop sequence), ``"eos"`` or
-            ``"length"``.
-        temp_probs: with a temperature grid (:func:`generate_greedy`'s ``temperatures``), each
-            answer token's probability at every grid temperature, ``(len(token_probs), G)``; else None.
-            The greedy answer itself does not depend on the temperature (the argmax is the same).
-
-    Example:
-        >>> GreedyAnswer("Paris", (7,), (0.5,), "eos").text
-        'Paris'
-    """
-
-    text: str
-    token_ids: tuple[int, ...]
-    token_probs: tuple[float, ...]
-    stop: str
-    temp_probs: np.ndarray | None = field(default=None, compare=False, repr=False)
-
-
-def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Every end-of-sequence token id of a model: its generation config's, its config's and the
-    tokenizer's (generation stops at any of them).
-
-    Example:
-        >>> from llm_calib.models import tiny_random_model
-        >>> model, tok = tiny_random_model()
-        >>> tok.eos_token_id in eos_token_ids(model, tok)
-        True
-    """
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(src, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
-
-
-def finish_answer(
-    tokenizer: Any, ids: Sequence[int], probs: Sequence[float], eos: set[int], stop_at_newline: bool = True,
-    until: Sequence[str] | None = None,
-) -> GreedyAnswer:
-    """The :class:`GreedyAnswer` of generated token ids and their probabilities (the stopping
-    rule of :func:`generate_greedy`, for decoding loops of one's own).
-
-    A final EOS token is dropped; a final token containing a newline (with ``stop_at_newline``)
-    is dropped too, except for text before the newline inside it, which stays with its
-    probability. An empty answer takes the probability of the stop token as its confidence.
-
-    With stop sequences ``until`` (lm-eval's ``generate_until``; a newline then ends the answer
-    only when it is one of them), the answer is the generated text before the first occurrence of
-    any of them, as lm-eval cuts it, and its tokens are the fewest whose text covers that answer.
-
-    Example:
-        >>> from llm_calib.models import tiny_random_model
-        >>> _, tok = tiny_random_model()
-        >>> ids = tok.encode(" Paris", add_special_tokens=False)
-        >>> ans = finish_answer(tok, [*ids, tok.eos_token_id], [0.9] * len(ids) + [0.5], {tok.eos_token_id})
-        >>> ans.text, ans.stop, ans.token_probs == (0.9,) * len(ids)
-        ('Paris', 'eos', True)
-    """
-    ids, probs = list(ids), list(probs)
-    if until is not None:
-        return _finish_until(tokenizer, ids, probs, eos, until)
-    stop, keep, extra = "length", len(ids), ""
-    if ids and ids[-1] in eos:
-        stop, keep = "eos", len(ids) - 1
-    elif ids and stop_at_newline and "\n" in tokenizer.decode([ids[-1]]):
-        stop, keep = "newline", len(ids) - 1
-        extra = tokenizer.decode([ids[-1]]).split("\n", 1)[0]
-    ans_ids, ans_probs = ids[:keep], probs[:keep]
-    text = tokenizer.decode(ans_ids, skip_special_tokens=True) + extra
-    if extra.strip():  # text before the newline inside the stop token belongs to the answer
-        ans_ids, ans_probs = ids, probs
-    if not ans_probs:  # empty answer: its confidence is that of stopping right away
-        ans_probs = probs[-1:]
-    return GreedyAnswer(text.split("\n", 1)[0].strip(), tuple(ans_ids), tuple(ans_probs), stop)
-
-
-def _finish_until(tokenizer: Any, ids: list[int], probs: list[float], eos: set[int], until: Sequence[str]) -> GreedyAnswer:
-    """:func:`finish_answer` with stop sequences: the text before the earliest stop sequence."""
-    stop = "length"
-    if ids and ids[-1] in eos:
-        stop, ids = "eos", ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    cuts = [text.find(u) for u in until if u and u in text]
-    if cuts:
-        stop, text = "until", text[: min(cuts)]
-    keep = next(k for k in range(len(ids) + 1)
-                if k == len(ids) or len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= len(text))
-    ans_probs = probs[:keep] or probs[keep : keep + 1]  # empty answer: the probability of stopping right away
-    return GreedyAnswer(text.strip(), tuple(ids[:keep]), tuple(ans_probs), stop)
 
 
 @dataclass
@@ -253,28 +152,17 @@ def _greedy_grid_probs(z: Tensor, temperatures: Tensor | None) -> np.ndarray | N
 
 class _DecodedRows:
     """:func:`greedy_loop`'s per-row record: the tokens, their probabilities (and grid probabilities),
-    whether each row has stopped, and the stopping rule."""
+    whether each row has stopped (by the engine's :class:`~llm_calib.engine.generation.StopRule`)."""
 
     def __init__(self, tokenizer: Any, eos: set[int], stop_at_newline: bool, newline: dict[int, bool],
                  stops: list[Sequence[str] | None]) -> None:
-        self.tokenizer, self.eos, self.stop_at_newline, self.newline, self.stops = (
-            tokenizer, eos, stop_at_newline, newline, stops)
+        self.tokenizer, self.eos, self.stop_at_newline, self.stops = tokenizer, eos, stop_at_newline, stops
+        self.rule = StopRule(tokenizer, eos, stop_at_newline, newline)
         B = len(stops)
         self.done = [False] * B
         self.gen: list[list[int]] = [[] for _ in range(B)]
         self.probs: list[list[float]] = [[] for _ in range(B)]
         self.tprobs: list[list[np.ndarray]] = [[] for _ in range(B)]
-
-    def is_stop(self, b: int, tok: int) -> bool:
-        """Whether row ``b`` stops after its new token ``tok``."""
-        if tok in self.eos:
-            return True
-        if self.stops[b] is not None:  # the generated text holds one of the stop sequences
-            text = self.tokenizer.decode(self.gen[b], skip_special_tokens=True)
-            return any(u and u in text for u in self.stops[b])  # type: ignore[union-attr]
-        if self.stop_at_newline and tok not in self.newline:
-            self.newline[tok] = "\n" in self.tokenizer.decode([tok])
-        return self.stop_at_newline and self.newline[tok]
 
     def record(self, active: list[int], top: Tensor, top_p: Tensor, pt: np.ndarray | None) -> None:
         """Append each running row's greedy token (``active[r]`` is the row of batch position ``r``)."""
@@ -286,7 +174,7 @@ class _DecodedRows:
             self.probs[b].append(float(top_p[r]))
             if pt is not None:
                 self.tprobs[b].append(pt[r])
-            self.done[b] = self.is_stop(b, tok)
+            self.done[b] = self.rule.stops(self.gen[b], self.stops[b])
 
     def finish(self, *, with_grid: bool) -> list[tuple[GreedyAnswer, np.ndarray | None]]:
         """Each row's :class:`GreedyAnswer` and (``with_grid``) its kept positions' grid probabilities."""
@@ -300,19 +188,6 @@ class _DecodedRows:
                 temp_probs = np.stack([self.tprobs[b][int(p)] for p in kept.token_probs])
             outs.append((ans, temp_probs))
         return outs
-
-
-def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Left-padded ``(ids, attention mask)`` of the prompts (each with at least one token)."""
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {b} has no tokens")
-        ids[b, L - len(p) :] = torch.tensor(list(p))
-        attn[b, L - len(p) :] = 1
-    return ids, attn
 
 
 def generate_greedy(
@@ -369,25 +244,14 @@ def generate_greedy(
     if not prompts:
         return []
     device = next(model.parameters()).device
-    ids, attn = _left_pad(prompts, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    ids, attn = left_pad(prompts, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     eos = eos_token_ids(model, tokenizer)
-    # A peft wrapper's forward takes ``**kwargs`` and hands them on: read the wrapped model's signature.
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cache_kw = cache_keyword(base)
-    # Only the last position's logits are used: skip the vocabulary projection of the rest of
-    # the prompt (a (B, L, vocab) tensor) where the model supports it.
-    params = inspect.signature(base.forward).parameters
-    keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
-    extra = {keep_kw: 1} if keep_kw else {}
+    cached = cached_step(model)
     state = {"attn": attn.to(device), "past": None}
 
     def forward(step_ids: Tensor) -> Tensor:
-        attn = state["attn"]
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-        out = model(input_ids=step_ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                    **{cache_kw: state["past"]}, **extra)
-        state["past"] = getattr(out, cache_kw)
-        return out.logits[:, -1]
+        logits, state["past"] = cached(step_ids, state["attn"], state["past"])
+        return logits
 
     def step(tokens: Tensor, keep: Tensor | None) -> Tensor:
         attn = state["attn"]
@@ -464,7 +328,7 @@ class TrunkGenerator:
         self.newline: dict[int, bool] = {}
         self.batches = []
         for idx in length_batches([len(p) for p in prompts], batch_size):
-            self.batches.append(GenBatch(idx, *_left_pad([prompts[i] for i in idx], self.pad_id)))
+            self.batches.append(GenBatch(idx, *left_pad([prompts[i] for i in idx], self.pad_id)))
 
     def base(self, model: Any, *, keep_trunk: bool, temperatures: bool = True, bar: Any = None) -> list[GenOut]:
         """Greedy answers of the full model; with ``keep_trunk`` each batch keeps its trunk state;

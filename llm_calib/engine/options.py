@@ -20,7 +20,7 @@ from llm_calib.engine.packing import (
 )
 from llm_calib.models import lm_head_logits, split_decoder_head
 
-__all__ = ["capture_layer_input", "compute_dtype", "forward_rows", "target_logprobs"]
+__all__ = ["capture_layer_input", "compute_dtype", "forward_rows", "loaded_precision", "target_logprobs"]
 
 
 @contextlib.contextmanager
@@ -62,6 +62,28 @@ def compute_dtype(model: Any) -> torch.dtype:
     if weight is not None and weight.is_floating_point():
         return weight.dtype
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def loaded_precision(model: Any) -> dict[str, str | None]:
+    """What a loaded model computes with, as a run records it: ``dtype`` (:func:`compute_dtype`;
+    with 4/8-bit weights the dtype they are computed in, not the requested one), ``quantization``
+    (``"4-bit NF4"``, ``"4-bit FP4"``, ``"8-bit LLM.int8"`` or None) and ``device``.
+
+    Example:
+        >>> from llm_calib.models import tiny_random_model
+        >>> loaded_precision(tiny_random_model()[0])
+        {'dtype': 'float32', 'quantization': None, 'device': 'cpu'}
+    """
+    quantization = None
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    get = (lambda k: config.get(k)) if isinstance(config, dict) else (lambda k: getattr(config, k, None))
+    if getattr(model, "is_loaded_in_4bit", False) or (config is not None and get("load_in_4bit")):
+        quantization = f"4-bit {str(get('bnb_4bit_quant_type') or 'nf4').upper()}" if config is not None else "4-bit"
+    elif getattr(model, "is_loaded_in_8bit", False) or (config is not None and get("load_in_8bit")):
+        quantization = "8-bit LLM.int8"
+    param = next(iter(model.parameters()), None)
+    return {"dtype": str(compute_dtype(model)).removeprefix("torch."), "quantization": quantization,
+            "device": None if param is None else str(param.device)}
 
 
 def forward_rows(

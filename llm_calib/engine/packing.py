@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from llm_calib.config.choices import NORMALIZE_MODES
+
 __all__ = [
     "LENGTH_NORMALIZATIONS",
-    "NORMALIZE_MODES",
     "PACKED_MASK_ATTENTION",
     "PART_OVERHEAD_TOKENS",
-    "Normalize",
     "OptionSequences",
     "PackedQuestions",
     "accepts_packed_masks",
@@ -32,19 +32,13 @@ __all__ = [
     "option_sequences",
     "pack_continuations",
     "pack_letters",
+    "pack_prompts",
     "pack_questions",
     "reduce_per_option",
 ]
 
-Normalize = Literal["sum", "mean", "char", "byte"]
-"""How an option's token log-probabilities become its score: summed, per token, per character
-(lm-eval's ``acc_norm``) or per UTF-8 byte (``acc_bytes``). The one place the modes are spelled."""
-
-NORMALIZE_MODES: tuple[str, ...] = get_args(Normalize)
-"""The values of :data:`Normalize`, in order."""
-
 LENGTH_NORMALIZATIONS: tuple[str, ...] = ("char", "byte")
-"""The modes of :data:`NORMALIZE_MODES` that divide by the option's text length (they need the option texts)."""
+"""The modes of :data:`~llm_calib.config.choices.NORMALIZE_MODES` that divide by the option's text length (they need the option texts)."""
 
 
 @dataclass
@@ -355,6 +349,32 @@ def pack_continuations(items: Sequence[tuple[Sequence[int], Sequence[int]]], pad
         ids, mask, pos, torch.tensor(rows), torch.arange(len(rows)), torch.tensor(target_ids),
         torch.tensor(target_option), torch.arange(len(items)), torch.tensor(lengths), [1] * len(items),
     )
+
+
+def pack_prompts(prompts: Sequence[Sequence[int]], pad_id: int) -> PackedQuestions:
+    """Pack prompts alone (right-padded), one gathered row per prompt: its last token, which predicts the
+    first token of the answer (open questions' upper level reads the entropy there; no answer is needed).
+
+    Each question has one "option" of one token; its target id is a placeholder 0 that no loss reads.
+
+    Raises:
+        ValueError: no prompts, or an empty one.
+
+    Example:
+        >>> p = pack_prompts([(5, 6, 7), (8,)], pad_id=0)
+        >>> p.input_ids.tolist(), p.rows.tolist(), p.answer_start_rows().tolist()
+        ([[5, 6, 7], [8, 0, 0]], [2, 3], [0, 1])
+    """
+    if not prompts:
+        raise ValueError("pack_prompts needs at least one prompt")
+    for b, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"question {b}: empty prompt")
+    ids, mask, pos = _right_pad(prompts, pad_id)
+    L, n = ids.shape[1], len(prompts)
+    rows = [b * L + len(p) - 1 for b, p in enumerate(prompts)]
+    return PackedQuestions(ids, mask, pos, torch.tensor(rows), torch.arange(n), torch.zeros(n, dtype=torch.long),
+                           torch.arange(n), torch.arange(n), torch.ones(n, dtype=torch.long), [1] * n)
 
 
 def reduce_per_option(token_values: Tensor, packed: PackedQuestions, normalize: str = "sum") -> Tensor:

@@ -24,7 +24,13 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from llm_calib.engine.options import compute_dtype
+from llm_calib.engine.flat import (
+    FlatUnsupportedError,
+    flat_supported,
+    forward_rows_flat,
+    prefixes_per_row,
+)
+from llm_calib.engine.options import compute_dtype, forward_rows
 from llm_calib.engine.packing import PackedQuestions, accepts_packed_masks, length_batches
 from llm_calib.models import split_decoder_head
 
@@ -45,7 +51,8 @@ MAX_GROUP_SCAN = 512
 a larger set sharing one prefix is cut into groups of this size, each computing the prefix once)."""
 
 DEFAULT_PREFIX_CACHE_MB = 1024.0
-"""Default bound on the prefix keys/values held for one batch (the prefix and its copy per row), in MiB."""
+"""Default bound on the prefix keys/values held for one batch (flat batches: the prefixes it continues;
+padded batches: the prefix and its copy per row), in MiB."""
 
 
 @dataclass(frozen=True)
@@ -204,28 +211,38 @@ def prefix_groups(prompts: Sequence[Sequence[int]], *, min_tokens: int = MIN_PRE
 @dataclass(frozen=True)
 class PrefixBatch:
     """One batch of a plan: the rows ``indices`` continue the first ``prefix_len`` tokens of
-    ``prompts[indices[0]]`` (0: no prefix, whole sequences).
+    ``prompts[indices[0]]`` (0: no prefix, whole sequences). In a plan for flat batches a batch
+    may continue several prefixes: a segment that ``joins_previous`` runs in the same forward pass
+    as the segment before it.
 
     Example:
-        >>> PrefixBatch(0, (1, 0)).prefix_len
-        0
+        >>> PrefixBatch(0, (1, 0)).prefix_len, PrefixBatch(0, (1, 0)).joins_previous
+        (0, False)
     """
 
     prefix_len: int
     indices: tuple[int, ...]
+    joins_previous: bool = False
 
 
 def plan_prefix_batches(
     prompts: Sequence[Sequence[int]], lengths: Sequence[int], batch_size: int, *, bytes_per_token: int,
-    max_bytes: float, min_tokens: int = MIN_PREFIX_TOKENS,
+    max_bytes: float, min_tokens: int = MIN_PREFIX_TOKENS, flat: bool = False,
 ) -> list[PrefixBatch]:
-    """Batches of at most ``batch_size`` rows, each on one shared prefix (:func:`prefix_groups`).
+    """Batches of at most ``batch_size`` rows on shared prefixes (:func:`prefix_groups`).
 
     Within a group the rows are sorted by the length left after the prefix (little padding per
-    batch), and a batch holds at most as many rows as keep ``(rows + 1) * prefix_len *
-    bytes_per_token`` (the prefix and its copy per row) within ``max_bytes``; a group whose
-    prefix does not fit with even one row is scored without it. Prompts without a shared prefix
-    are batched by length as :func:`~llm_calib.engine.packing.length_batches` does.
+    batch). Padded batches (``flat=False``) hold one prefix each and at most as many rows as keep
+    ``(rows + 1) * prefix_len * bytes_per_token`` (the prefix and its copy per row) within
+    ``max_bytes``; a group whose prefix does not fit with even one row is scored without it, and
+    prompts without a shared prefix are batched by length as
+    :func:`~llm_calib.engine.packing.length_batches` does.
+
+    Flat batches (``flat=True``, :mod:`llm_calib.engine.flat`: no padding, no copy of a prefix per
+    row) are filled to ``batch_size`` rows in the order of the groups, then the prompts without
+    a shared prefix, so a batch may continue several prefixes (segments with ``joins_previous``)
+    as long as their keys/values fit ``max_bytes`` together; a prefix larger than ``max_bytes``
+    alone is not shared.
 
     Args:
         prompts: token ids of each prompt.
@@ -234,19 +251,26 @@ def plan_prefix_batches(
         bytes_per_token: bytes of keys and values per token (:func:`kv_bytes_per_token`).
         max_bytes: bound on the prefix keys/values of one batch.
         min_tokens: shortest prefix worth sharing.
+        flat: plan flat batches.
 
     Example:
         >>> fewshot = [7] * 20
-        >>> plan = plan_prefix_batches([fewshot + [1, 2], [9, 9], fewshot + [3]], [4, 2, 3], 8,
-        ...                            bytes_per_token=10, max_bytes=1e6)
+        >>> prompts = [fewshot + [1, 2], [9, 9], fewshot + [3]]
+        >>> plan = plan_prefix_batches(prompts, [4, 2, 3], 8, bytes_per_token=10, max_bytes=1e6)
         >>> [(b.prefix_len, b.indices) for b in plan]
         [(20, (2, 0)), (0, (1,))]
+        >>> plan = plan_prefix_batches(prompts, [4, 2, 3], 8, bytes_per_token=10, max_bytes=1e6, flat=True)
+        >>> [(b.prefix_len, b.indices, b.joins_previous) for b in plan]
+        [(20, (2, 0), False), (0, (1,), True)]
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    groups = prefix_groups(prompts, min_tokens=min_tokens)
+    if flat:
+        return _plan_flat(groups, lengths, batch_size, bytes_per_token, max_bytes)
     plan: list[PrefixBatch] = []
     loners: list[int] = []
-    for g in prefix_groups(prompts, min_tokens=min_tokens):
+    for g in groups:
         rows = min(batch_size, int(max_bytes // max(g.prefix_len * bytes_per_token, 1)) - 1)
         if g.prefix_len == 0 or rows < 1:
             loners.extend(g.indices)
@@ -256,6 +280,34 @@ def plan_prefix_batches(
     for idx in length_batches([lengths[i] for i in loners], batch_size):
         plan.append(PrefixBatch(0, tuple(loners[i] for i in idx)))
     return plan
+
+
+def _plan_flat(groups: list[PrefixGroup], lengths: Sequence[int], batch_size: int, bytes_per_token: int,
+               max_bytes: float) -> list[PrefixBatch]:
+    """:func:`plan_prefix_batches` for flat batches: groups, then loners, cut into batches of ``batch_size`` rows."""
+    sources: list[tuple[int, list[int]]] = []
+    loners: list[int] = []
+    for g in groups:
+        if g.prefix_len == 0 or g.prefix_len * bytes_per_token > max_bytes:
+            loners.extend(g.indices)
+        else:
+            sources.append((g.prefix_len, sorted(g.indices, key=lambda i: (lengths[i], i))))
+    sources.append((0, sorted(loners, key=lambda i: (lengths[i], i))))
+    passes: list[list[tuple[int, list[int]]]] = [[]]
+    rows, held = 0, 0.0
+    for prefix_len, members in sources:
+        cost = prefix_len * bytes_per_token
+        in_pass = False  # this group's prefix is held by the current batch
+        for i in members:
+            if rows == batch_size or (not in_pass and rows and held + cost > max_bytes):
+                passes.append([])
+                rows, held, in_pass = 0, 0.0, False
+            if not in_pass:
+                passes[-1].append((prefix_len, []))
+                held, in_pass = held + cost, True
+            passes[-1][-1][1].append(i)
+            rows += 1
+    return [PrefixBatch(prefix_len, tuple(idx), k > 0) for p in passes for k, (prefix_len, idx) in enumerate(p)]
 
 
 @dataclass
@@ -341,16 +393,24 @@ def _suffix_mask(packed: PackedQuestions, prefix_len: int, dtype: torch.dtype) -
     return torch.zeros(full.shape, dtype=dtype).masked_fill_(~full, torch.finfo(dtype).min)
 
 
-def forward_rows_after(model: Any, prefix: PrefixKV, packed: PackedQuestions) -> Tensor:
+def forward_rows_after(model: Any, prefix: PrefixKV | Sequence[PrefixKV | None] | None,
+                       packed: PackedQuestions) -> Tensor:
     """Final hidden states at ``packed.rows`` of a packed batch of continuations of ``prefix``.
 
     ``packed`` holds what follows the prefix (positions counted from 0 as if it stood alone):
     every row attends to all prefix tokens and, within the row, as its own mask says; positions
-    are shifted by the prefix length. The result equals :func:`~llm_calib.engine.options.forward_rows`
-    on the whole sequences up to float rounding.
+    are shifted by the prefix length. ``prefix`` is one :class:`PrefixKV` for every row, one per
+    row (None: that row stands alone), or None (whole sequences). The result equals
+    :func:`~llm_calib.engine.options.forward_rows` on the whole sequences up to float rounding.
+
+    Models that run flat batches (:func:`~llm_calib.engine.flat.flat_supported`) run the real
+    tokens of the batch as one unpadded sequence on the prefixes' keys and values as they are
+    (:func:`~llm_calib.engine.flat.forward_rows_flat`); others run the padded batch with the
+    prefix's keys and values copied per row (one prefix for all rows).
 
     Raises:
-        ValueError: a model whose attention takes no 4-D masks.
+        ValueError: a model that runs neither flat batches nor 4-D masks, or rows on different
+            prefixes for a model that does not run flat batches.
 
     Example:
         >>> from llm_calib.engine.options import forward_rows
@@ -362,10 +422,25 @@ def forward_rows_after(model: Any, prefix: PrefixKV, packed: PackedQuestions) ->
         >>> bool(torch.allclose(whole, after, atol=1e-5))
         True
     """
+    if flat_supported(model):
+        with contextlib.suppress(FlatUnsupportedError):  # remembered: the padded way from now on
+            return forward_rows_flat(model, packed, prefix)
+    per_row = prefixes_per_row(prefix, packed.batch_size)
+    if len({id(p) for p in per_row}) > 1:
+        raise ValueError("rows on different prefixes need a model that runs flat batches")
+    prefix = per_row[0]
+    if prefix is None:
+        with torch.inference_mode():
+            return forward_rows(model, packed)[0]
+    return _forward_rows_expanded(model, prefix, packed)
+
+
+def _forward_rows_expanded(model: Any, prefix: PrefixKV, packed: PackedQuestions) -> Tensor:
+    """:func:`forward_rows_after` the padded way: the prefix's keys/values copied per row, a 4-D mask."""
     from transformers import DynamicCache
 
     if not accepts_packed_masks(model):
-        raise ValueError("forward_rows_after needs attention that takes 4-D masks (eager or sdpa)")
+        raise ValueError("forward_rows_after needs attention that takes 4-D masks (eager or sdpa) or flat batches")
     decoder, _ = split_decoder_head(model)
     device = next(decoder.parameters()).device
     B = packed.input_ids.shape[0]
@@ -390,7 +465,8 @@ class PrefixCacheStats:
         groups: distinct prefixes computed.
         requests: requests scored on a shared prefix.
         tokens_saved: prefix tokens not recomputed, ``sum over groups of (members - 1) * prefix length``.
-        peak_bytes: the most prefix key/value bytes held at once (the prefix and its copy per row of a batch).
+        peak_bytes: the most prefix key/value bytes held at once (the prefixes of a flat batch; the
+            prefix and its copy per row of a padded batch).
 
     Example:
         >>> PrefixCacheStats().as_dict()
@@ -409,11 +485,14 @@ class PrefixCacheStats:
 
 def run_prefix_plan(
     model: Any, prompts: Sequence[Sequence[int]], plan: Sequence[PrefixBatch],
-    score: Callable[[list[int], PrefixKV | None], Sequence[T]], *, stats: PrefixCacheStats | None = None,
-    on_batch: Callable[[int], None] | None = None,
+    score: Callable[[list[int], list[PrefixKV | None]], Sequence[T]], *, stats: PrefixCacheStats | None = None,
+    on_batch: Callable[[int], None] | None = None, flat: bool = False,
 ) -> list[T]:
-    """``score(indices, prefix)`` over the batches of ``plan``, in input order; each distinct prefix
-    is computed once (the plan keeps a group's batches together, so one prefix is held at a time).
+    """``score(indices, prefixes)`` over the batches of ``plan`` (segments that join the previous one run
+    in its call), with the prefix each row continues (None: none), in input order; each distinct prefix is
+    computed once and released when no batch needs it any more (the plan keeps a group's batches together).
+    ``flat``: the scorer runs flat batches, so a batch holds each prefix once (else once per row too,
+    which ``stats.peak_bytes`` counts).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -421,30 +500,48 @@ def run_prefix_plan(
         >>> prompts = [[7] * 20 + [1], [7] * 20 + [2], [3]]
         >>> plan = plan_prefix_batches(prompts, [21, 21, 1], 4, bytes_per_token=1, max_bytes=1e9)
         >>> stats = PrefixCacheStats()
-        >>> run_prefix_plan(model, prompts, plan, lambda idx, kv: [kv.length if kv else 0 for _ in idx], stats=stats)
+        >>> run_prefix_plan(model, prompts, plan, lambda idx, kvs: [kv.length if kv else 0 for kv in kvs], stats=stats)
         [20, 20, 0]
         >>> stats.groups, stats.requests, stats.tokens_saved
         (1, 2, 20)
     """
     stats = stats if stats is not None else PrefixCacheStats()
     out: list[Any] = [None] * len(prompts)
-    held: PrefixKV | None = None
-    for batch in plan:
-        idx = list(batch.indices)
-        kv = None
-        if batch.prefix_len > 0:
-            tokens = tuple(prompts[idx[0]][: batch.prefix_len])
-            if held is None or held.tokens != tokens:
-                held = None  # release the previous prefix before computing the next
-                held = compute_prefix(model, tokens)
-                stats.groups += 1
-                stats.tokens_saved -= batch.prefix_len
-            kv = held
-            stats.requests += len(idx)
-            stats.tokens_saved += len(idx) * batch.prefix_len
-            stats.peak_bytes = max(stats.peak_bytes, kv.nbytes * (len(idx) + 1))
-        for i, value in zip(idx, score(idx, kv), strict=True):
+    held: dict[tuple[int, ...], PrefixKV] = {}
+    for segments in _batches(plan):
+        keys = [tuple(prompts[seg.indices[0]][: seg.prefix_len]) if seg.prefix_len > 0 else None for seg in segments]
+        for key in [k for k in held if k not in keys]:
+            del held[key]  # release a prefix no batch needs any more before computing the next
+        idx: list[int] = []
+        kvs: list[PrefixKV | None] = []
+        for seg, key in zip(segments, keys, strict=True):
+            kv = None
+            if key is not None:
+                if key not in held:
+                    held[key] = compute_prefix(model, key)
+                    stats.groups += 1
+                    stats.tokens_saved -= seg.prefix_len
+                kv = held[key]
+                stats.requests += len(seg.indices)
+                stats.tokens_saved += len(seg.indices) * seg.prefix_len
+            idx.extend(seg.indices)
+            kvs.extend([kv] * len(seg.indices))
+        held_bytes = sum(kv.nbytes for kv in held.values())
+        stats.peak_bytes = max(stats.peak_bytes, held_bytes if flat else held_bytes * (len(idx) + 1))
+        for i, value in zip(idx, score(idx, kvs), strict=True):
             out[i] = value
         if on_batch is not None:
             on_batch(len(idx))
     return out
+
+
+def _batches(plan: Sequence[PrefixBatch]) -> Iterator[list[PrefixBatch]]:
+    """The segments of ``plan`` that run in one call each (a segment that joins the previous one runs with it)."""
+    current: list[PrefixBatch] = []
+    for seg in plan:
+        if current and not seg.joins_previous:
+            yield current
+            current = []
+        current.append(seg)
+    if current:
+        yield current

@@ -3,7 +3,8 @@
 :func:`sample_answers` runs each batch of prompts through the model once, repeats the resulting KV
 cache N times along the batch (one row per sample) and decodes every row by multinomial sampling
 under a temperature and nucleus (top-p) filter, with the stopping rule of the greedy decoder
-(EOS, a newline, or the record's stop sequences; :func:`~llm_calib.engine.decode.finish_answer`).
+(EOS, a newline, or the record's stop sequences: :class:`~llm_calib.engine.generation.StopRule` and
+:func:`~llm_calib.engine.generation.finish_answer`, the core it shares with the greedy decoder).
 
 Every sample has its own random generator, seeded by :func:`sample_seed` from (``seed``,
 question index, sample index), so a sample does not depend on the batch it ran in, and it draws
@@ -24,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,8 +34,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from llm_calib.engine.decode import eos_token_ids, finish_answer
-from llm_calib.engine.prefix import cache_keyword
+from llm_calib.engine.generation import (
+    StopRule,
+    cached_step,
+    eos_token_ids,
+    finish_answer,
+    left_pad,
+)
 
 __all__ = ["SampledAnswer", "SamplingSettings", "sample_answers", "sample_seed"]
 
@@ -125,57 +130,19 @@ def _warp(logits: Tensor, temperature: float, top_p: float) -> Tensor:
     return torch.softmax(scores, dim=-1)
 
 
-def _model_step(model: Any) -> Any:
-    """``forward(ids, attn, past) -> (last logits, past)`` over a causal LM with left padding."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    params = inspect.signature(base.forward).parameters
-    cache_kw = cache_keyword(base)
-    keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
-    extra = {keep_kw: 1} if keep_kw else {}
-
-    def forward(ids: Tensor, attn: Tensor, past: Any) -> tuple[Tensor, Any]:
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **{cache_kw: past}, **extra)
-        return out.logits[:, -1].to(dtype=torch.float32), getattr(out, cache_kw)
-
-    return forward
-
-
-def _padded(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        attn[row, width - len(p):] = 1
-    return ids, attn
-
-
 class _Rows:
     """The decoding state of the rows of one batch: tokens, probabilities, stop flags."""
 
-    def __init__(self, tokenizer: Any, eos: set[int], stop_at_newline: bool, until: list[Sequence[str] | None]):
-        self.tokenizer, self.eos, self.stop_at_newline, self.until = tokenizer, eos, stop_at_newline, until
+    def __init__(self, rule: StopRule, until: list[Sequence[str] | None]):
+        self.rule, self.until = rule, until
         self.tokens: list[list[int]] = [[] for _ in until]
         self.probs: list[list[float]] = [[] for _ in until]
         self.done = [False] * len(until)
-        self.newline: dict[int, bool] = {}
 
     def add(self, row: int, token: int, prob: float) -> None:
         self.tokens[row].append(token)
         self.probs[row].append(prob)
-        self.done[row] = self._stops(row, token)
-
-    def _stops(self, row: int, token: int) -> bool:
-        if token in self.eos:
-            return True
-        stops = self.until[row]
-        if stops is not None:
-            text = self.tokenizer.decode(self.tokens[row], skip_special_tokens=True)
-            return any(u and u in text for u in stops)
-        if self.stop_at_newline and token not in self.newline:
-            self.newline[token] = "\n" in self.tokenizer.decode([token])
-        return self.stop_at_newline and self.newline[token]
+        self.done[row] = self.rule.stops(self.tokens[row], self.until[row])
 
 
 def _sample_batch(forward: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], seeds: list[int],
@@ -184,13 +151,14 @@ def _sample_batch(forward: Any, tokenizer: Any, prompts: Sequence[Sequence[int]]
     """Sample ``settings.n`` answers of each prompt of one batch, sharing each prompt's cache."""
     n = settings.n
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids, attn = _padded(prompts, pad)
+    ids, attn = left_pad(prompts, pad)
     attn = attn.to(device)
     logits, past = forward(ids.to(device), attn, None)
+    logits = logits.to(dtype=torch.float32)
     past.batch_repeat_interleave(n)  # one copy of each prompt's keys/values per sample, computed once
     logits, attn = logits.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
     generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
-    rows = _Rows(tokenizer, eos, stop_at_newline, until)
+    rows = _Rows(StopRule(tokenizer, eos, stop_at_newline), until)
     active = list(range(len(seeds)))
     for t in range(settings.max_new_tokens):
         probs = _warp(logits, settings.temperature, settings.top_p).cpu()
@@ -211,6 +179,7 @@ def _sample_batch(forward: Any, tokenizer: Any, prompts: Sequence[Sequence[int]]
         attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
         step_ids = torch.tensor([[chosen[r]] for r in keep], device=device)
         logits, past = forward(step_ids, attn, past)
+        logits = logits.to(dtype=torch.float32)
     out = []
     for row, s in enumerate(seeds):
         ans = finish_answer(tokenizer, rows.tokens[row], rows.probs[row], eos, stop_at_newline, until[row])
@@ -230,7 +199,7 @@ def sample_answers(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
         settings: n, temperature, top-p, seed and the token budget.
         stop_at_newline: a row stops at its first token holding a newline.
         until: per prompt, stop sequences (lm-eval's ``until``) or None (see
-            :func:`~llm_calib.engine.decode.finish_answer`).
+            :func:`~llm_calib.engine.generation.finish_answer`).
         batch_size: prompts per forward pass (each becomes ``n`` rows of the decoding batch).
         question_indices: each prompt's index in the whole set, for its samples' seeds (default
             ``0, 1, …``), so a set scored in chunks or in another order draws the same samples.
@@ -263,7 +232,7 @@ def sample_answers(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
     if len(indices) != len(prompts):
         raise ValueError(f"question_indices: {len(indices)} indices for {len(prompts)} prompts")
     device = next(model.parameters()).device
-    forward = _model_step(model)
+    forward = cached_step(model)
     eos = eos_token_ids(model, tokenizer)
     out: list[list[SampledAnswer]] = []
     with torch.inference_mode():

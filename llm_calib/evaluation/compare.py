@@ -21,10 +21,11 @@ from typing import Any
 import numpy as np
 
 from llm_calib import distributed
-from llm_calib.calm.run import ResolvedRun
+from llm_calib.calm.run import ResolvedRun, check_resolved
 from llm_calib.confidence.kinds import OpenConfidence
-from llm_calib.config.calibration import CalibrationConfig, flat_paths
+from llm_calib.config.calibration import flat_paths
 from llm_calib.data.records import MultipleChoice, OpenQA
+from llm_calib.engine.context import ContextOverflow, context_window
 from llm_calib.evaluation.evaluate import (
     HEADLINE_METRICS,
     EvaluationResult,
@@ -33,9 +34,11 @@ from llm_calib.evaluation.evaluate import (
 )
 from llm_calib.evaluation.report import (
     REPORT_METRICS,
+    context_lines,
     format_metric,
     jsonable,
     mean_of_domains,
+    merged_specs_lines,
     metrics_table,
     plot_reliability,
     reliability_filename,
@@ -46,8 +49,8 @@ from llm_calib.formats import family_format
 from llm_calib.models import free_memory
 from llm_calib.objectives.base import Objective
 
-__all__ = ["BASELINE_COLUMNS", "Comparison", "DomainComparison", "run_comparison", "stale_checkpoints",
-           "stale_checkpoints_message", "write_comparison_report"]
+__all__ = ["BASELINE_COLUMNS", "Comparison", "DomainComparison", "resume_budget_problem", "run_comparison",
+           "stale_checkpoints", "stale_checkpoints_message", "write_comparison_report"]
 
 BASELINE_COLUMNS = ("uncalibrated", "temperature_scaled")
 """The columns that need no training (the base model, and the base model with a temperature)."""
@@ -112,7 +115,7 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``metrics.json``)."""
-        from llm_calib import __version__
+        from llm_calib.version import __version__
 
         return {
             "llm_calib_version": __version__,
@@ -133,12 +136,13 @@ class Comparison:
 def run_comparison(
     model: Any, tokenizer: Any, train: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
     heldout: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]],
-    evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]], config: CalibrationConfig | ResolvedRun,
+    evals: Sequence[tuple[str, Sequence[MultipleChoice | OpenQA]]], run: ResolvedRun,
     methods: Sequence[Objective] | None, out_dir: str | Path, *,
     unlabeled: tuple[str, Sequence[MultipleChoice] | Sequence[OpenQA]] | None = None,
     checkpoints: bool = True, resume: bool = False, progress: bool = True, n_bins: int = 10,
     bootstrap: int = 1000, eval_batch_size: int = 8, log: Callable[[str], None] = lambda message: None,
     base_model: dict[str, Any] | None = None, restart: bool = False, confidence: OpenConfidence | None = None,
+    context_overflow: ContextOverflow | None = None,
 ) -> Comparison:
     """Train each method on the base model, save it, and evaluate every column per domain.
 
@@ -151,13 +155,12 @@ def run_comparison(
             the training records are open-ended (prompt, response) pairs
             (:func:`~llm_calib.calm.run.run_formats`).
         evals: ``(name, records)`` evaluation sets; results are per record domain.
-        config: the base configuration, or the run resolved from it and these sets
-            (:func:`~llm_calib.calm.run.resolve_run`); its ``objective`` is replaced by each of
-            ``methods``; ``training.epochs`` (when set) becomes ``training.steps`` for ``len(train)`` questions.
-        methods: the objectives to train (distinct names); None: only ``config.objective``.
+        run: the run resolved from its configuration and these sets (:func:`~llm_calib.calm.run.resolve_run`,
+            with ``unlabeled`` when given); its ``objective`` is replaced by each of ``methods``.
+        methods: the objectives to train (distinct names); None: only the run's objective.
         out_dir: results go to ``out_dir/<method>/``, checkpoints to ``out_dir/checkpoints/<method>/``.
         unlabeled: ``(name, records)`` of unlabelled upper-level inputs; default: the held-out inputs.
-        checkpoints: write checkpoints (when ``config.checkpoint_every > 0``).
+        checkpoints: write checkpoints (when the configuration's ``checkpoint_every > 0``).
         resume: reuse finished results whose saved config matches; continue unfinished ones.
         progress: show progress bars.
         n_bins: ECE and reliability-diagram bins.
@@ -172,6 +175,10 @@ def run_comparison(
             ``semantic`` with Sem-ECE, ``p_true`` or ``verbalized``); None: ``token``. Open-question
             model selection scores the held-out answers with it too (``selection.open_metric``);
             training does not depend on it; multiple-choice sets ignore it.
+        context_overflow: a question (trained on or evaluated) longer than the model's context is
+            refused (``"refuse"``, the default) or its prompt cut from the left and counted
+            (``"truncate"``; :func:`~llm_calib.engine.context.context_window`); ``config["context"]``
+            records which.
 
     Returns:
         A :class:`Comparison`. Under ``torchrun`` only rank 0 writes.
@@ -182,7 +189,7 @@ def run_comparison(
             (without ``resume`` and ``restart``) checkpoints of an earlier run (:func:`stale_checkpoints`).
         llm_calib.calm.trainer.TrainingDiverged: a method's training diverged.
     """
-    run = _resolve(train, heldout, evals, config, unlabeled)
+    _check_sets(train, heldout, evals, check_resolved(run, "run_comparison"), unlabeled)
     if confidence is not None:  # model selection scores the open held-out answers as the report does
         run = run.with_confidence(confidence)
     objectives = [run.objective] if methods is None else list(methods)
@@ -195,45 +202,40 @@ def run_comparison(
     temperature_fit = heldout if _has_temperature(run.formats.upper) else None
     session = _Session(tokenizer, evals, temperature_fit,
                        _evaluation_settings(run, eval_batch_size, n_bins, bootstrap, progress, confidence), log)
-    t0 = time.perf_counter()
-    log(f"evaluating the base model{f' (temperature fitted on {heldout[0]})' if temperature_fit else ''}")
     model = _base_model(model)
-    base = session.evaluate(model)
-    domains: dict[str, DomainComparison] = {}
-    _collect(base, domains, {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature_scaled"})
-    timings = {"baselines_s": time.perf_counter() - t0}
-    data = _encode(tokenizer, run, train, heldout, unlabeled)
-    training: dict[str, dict[str, Any]] = {}
-    method_temperatures: dict[str, TemperatureFit] = {}
-    options = _TrainOptions(Path(out_dir), checkpoints, resume, progress, base_model or {}, restart, log)
-    for objective in objectives:
-        model, training[objective.name], fit = _train_and_evaluate(
-            model, run.with_objective(objective), data, session, domains, options)
-        if fit is not None:
-            method_temperatures[objective.name] = fit
+    with context_window(model, context_overflow) as window:  # every sequence trained on or scored
+        # the training sets first: one longer than the context fails before the baselines are scored
+        data = _encode(tokenizer, run, train, heldout, unlabeled)
+        t0 = time.perf_counter()
+        log(f"evaluating the base model{f' (temperature fitted on {heldout[0]})' if temperature_fit else ''}")
+        base = session.evaluate(model)
+        domains: dict[str, DomainComparison] = {}
+        _collect(base, domains, {"uncalibrated": "uncalibrated", "temperature_scaled": "temperature_scaled"})
+        timings = {"baselines_s": time.perf_counter() - t0}
+        training: dict[str, dict[str, Any]] = {}
+        method_temperatures: dict[str, TemperatureFit] = {}
+        options = _TrainOptions(Path(out_dir), checkpoints, resume, progress, base_model or {}, restart, log)
+        for objective in objectives:
+            model, training[objective.name], fit = _train_and_evaluate(
+                model, run.with_objective(objective), data, session, domains, options)
+            if fit is not None:
+                method_temperatures[objective.name] = fit
     run_config = _run_config(run, objectives, train, heldout, unlabeled, evals, session, n_bins, bootstrap)
-    return Comparison(names, domains, base.temperature, training, {**run_config, "timings": timings},
-                      method_temperatures)
+    return Comparison(names, domains, base.temperature, training,
+                      {**run_config, "context": window.summary(), "timings": timings}, method_temperatures)
 
 
-def _resolve(train: tuple[str, Any], heldout: tuple[str, Any], evals: Sequence[tuple[str, Any]],
-             config: CalibrationConfig | ResolvedRun, unlabeled: tuple[str, Any] | None) -> ResolvedRun:
-    """The sets checked (not empty, each of a kind the run can use) and the run resolved once."""
-    from llm_calib.calm.run import resolve_run
+def _check_sets(train: tuple[str, Any], heldout: tuple[str, Any], evals: Sequence[tuple[str, Any]], run: ResolvedRun,
+                unlabeled: tuple[str, Any] | None) -> None:
+    """The sets checked: not empty, the unlabelled ones of the kind the run's upper level reads."""
     from llm_calib.calm.training import check_not_empty
 
     check_not_empty(train=train[1], heldout=heldout[1], unlabeled=None if unlabeled is None else unlabeled[1])
     for name, records in evals:
         if not records:
             raise ValueError(f"the evaluation set {name!r} (eval) is empty: the report scores it; pass at least one question")
-    if isinstance(config, ResolvedRun):
-        if unlabeled is not None:
-            config.formats.upper.check(unlabeled[1], what=unlabeled[0])
-        return config
-    # the lower level trains on the training kind; selection, the upper level and the temperature
-    # fit read the held-out kind (open-ended training records may serve multiple-choice ones)
-    return resolve_run(config, train[1], heldout[1], None if unlabeled is None else unlabeled[1],
-                       names=(train[0], heldout[0], "" if unlabeled is None else unlabeled[0]))
+    if unlabeled is not None:
+        run.formats.upper.check(unlabeled[1], what=unlabeled[0])
 
 
 def _has_temperature(fmt: Any) -> bool:
@@ -247,7 +249,9 @@ def _has_temperature(fmt: Any) -> bool:
 def _evaluation_settings(run: ResolvedRun, batch_size: int, n_bins: int, bootstrap: int,
                          progress: bool, confidence: OpenConfidence | None) -> dict[str, Any]:
     """The keyword arguments of :func:`~llm_calib.evaluation.evaluate.evaluate_records` for every column."""
-    return {**{k: run.settings[k] for k in ("scorer", "normalize", "prompt", "open_prompt")}, "batch_size": batch_size,
+    settings = run.settings
+    return {"scorer": settings.scorer, "normalize": settings.normalize, "prompt": settings.prompt,
+            "open_prompt": settings.open_prompt, "batch_size": batch_size,
             "n_bins": n_bins, "ci": bootstrap > 0, "n_resamples": max(bootstrap, 1), "seed": run.config.seed,
             "progress": progress, "confidence": confidence}
 
@@ -288,6 +292,34 @@ def stale_checkpoints(out_dir: str | Path, methods: Sequence[str]) -> list[Path]
     """
     folders = [Path(out_dir) / "checkpoints" / m for m in methods]
     return [f for f in folders if f.is_dir() and any(f.iterdir())]
+
+
+def resume_budget_problem(out_dir: str | Path, methods: Sequence[str], steps: int | None) -> str | None:
+    """Why ``--resume`` with a budget of ``steps`` cannot continue a method of ``out_dir``: its
+    newest intact checkpoint has trained more steps (found before any model is loaded; None when
+    every unfinished method can resume, or ``steps`` is None: a budget in epochs, resolved later).
+
+    Example:
+        >>> import tempfile
+        >>> resume_budget_problem(tempfile.mkdtemp(), ["calm"], 10) is None
+        True
+    """
+    from llm_calib.calm.trainer import CalibrationResult
+    from llm_calib.calm.training import budget_refusal
+    from llm_calib.files.checkpoint import latest_checkpoint
+
+    if steps is None:
+        return None
+    for method in methods:
+        result = Path(out_dir) / method
+        if (result / "metrics.json").is_file() and CalibrationResult.problem(result) is None:
+            continue  # finished: reused, not resumed
+        with warnings.catch_warnings():  # a damaged checkpoint is named when the run resumes
+            warnings.simplefilter("ignore")
+            ckpt = latest_checkpoint(Path(out_dir) / "checkpoints" / method)
+        if ckpt is not None and int(ckpt.name[5:]) > steps:
+            return budget_refusal(ckpt, int(ckpt.name[5:]), steps)
+    return None
 
 
 def stale_checkpoints_message(out_dir: str | Path, methods: Sequence[str]) -> str:
@@ -372,23 +404,27 @@ def _train_and_evaluate(model: Any, run: ResolvedRun, data: tuple[Any, Any, Any]
 def _trained(model: Any, tokenizer: Any, run: ResolvedRun, data: tuple[Any, Any, Any], log: Callable[[str], None],
              options: _TrainOptions) -> tuple[Any, bool]:
     """The method's result: a finished one reused (``resume`` and the same configuration), else trained and saved."""
-    from llm_calib.calm.trainer import CalibrationResult, calibrate
+    from llm_calib.calm.trainer import CalibrationResult, calibrate_run
     from llm_calib.calm.training import selection_metric
 
     method, cfg = run.objective.name, run.config
     target, ckpt_dir = options.out / method, options.out / "checkpoints" / method
-    if options.resume and (target / "metrics.json").is_file():
+    damaged = CalibrationResult.problem(target) if options.resume and (target / "metrics.json").is_file() else None
+    if damaged is not None:  # trained again (from its newest checkpoint), as a damaged checkpoint is skipped
+        warnings.warn(f"[{method}] the finished result in {target} is damaged ({damaged}); training it again "
+                      "from its newest checkpoint", UserWarning, stacklevel=2)
+    if options.resume and damaged is None and (target / "metrics.json").is_file():
         result = CalibrationResult.load(target, model)
         saved, wanted = flat_paths(result.config.to_dict()), flat_paths(cfg.to_dict())
         saved.pop("checkpoint_every"), wanted.pop("checkpoint_every")
         if saved != wanted:
             diff = sorted(k for k in wanted if saved.get(k) != wanted[k])
             raise ValueError(f"{target} was trained with a different configuration (differs in {diff}); "
-                             "remove it or run without --resume")
-        metric = selection_metric(cfg, run.formats.upper)
+                             "remove it, start over with --restart, or choose another --out")
+        metric = selection_metric(cfg.selection, run.formats.upper)
         if result.selection.get("metric", metric) != metric:
             raise ValueError(f"{target} was selected on the held-out {result.selection['metric']}, this run selects "
-                             f"on the {metric}; remove it or run without --resume")
+                             f"on the {metric}; remove it, start over with --restart, or choose another --out")
         log(f"[{method}] reusing the finished result in {target}")
         return result, True
     writer = distributed.rank() == 0
@@ -406,7 +442,7 @@ def _trained(model: Any, tokenizer: Any, run: ResolvedRun, data: tuple[Any, Any,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            result = calibrate(model, tokenizer, train_enc, heldout_enc, run, unlabeled=unlabeled_enc,
+            result = calibrate_run(model, tokenizer, train_enc, heldout_enc, run, unlabeled=unlabeled_enc,
                                checkpoint_dir=ckpt_dir if use_ckpt else None, resume=options.resume,
                                progress=options.progress,
                                log=lambda message: (options.log or (lambda _: None))(f"[{method}] {message}"))
@@ -433,7 +469,7 @@ def _run_config(run: ResolvedRun, objectives: Sequence[Objective], train: tuple[
         "eval": [name for name, _ in evals],
         "calibration": {**{k: v for k, v in run.config.to_dict().items() if k != "objective"},
                         "objectives": {o.name: o.to_dict() for o in objectives}},
-        "evaluation": {"scorer": run.settings["scorer"], "normalize": run.settings["normalize"],
+        "evaluation": {"scorer": run.settings.scorer, "normalize": run.settings.normalize,
                        "prompt_style": session.eval_kwargs["prompt"].style, "n_bins": n_bins, "bootstrap": bootstrap,
                        **_confidence_setting(session.eval_kwargs["confidence"], evals)},
     }
@@ -514,11 +550,14 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
     cal = cfg.get("calibration", {})
     lines = [f"# {title}", ""]
     if cfg.get("model"):
-        lines.append(f"- model: `{cfg['model']}`")
+        computed = ", ".join(str(cfg[k]) for k in ("dtype", "quantization", "device") if cfg.get(k))
+        lines.append(f"- model: `{cfg['model']}`" + (f" ({computed})" if computed else ""))
     lines += [
         f"- train: `{cfg['train']['spec']}` ({cfg['train']['n']} questions); held-out: "
         f"`{cfg['heldout']['spec']}` ({cfg['heldout']['n']} questions)",
         f"- evaluated: {', '.join(f'`{s}`' for s in cfg['eval'])}",
+        *merged_specs_lines(cfg.get("merged_specs") or []),
+        *context_lines(cfg.get("context")),
         f"- methods: {', '.join(_describe(cal.get('objectives', {}).get(m, {'name': m})) for m in cmp.methods)}; "
         f"same data order, seed ({cal.get('seed')}) and budget "
         f"({cal.get('training', {}).get('steps')} steps of {cal.get('training', {}).get('batch_size')} questions) for each",

@@ -156,7 +156,8 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     """
     from llm_calib.calm.encoding import encode_records
     from llm_calib.calm.fast_eval import SharedTrunkEval
-    from llm_calib.calm.trainer import calibrate
+    from llm_calib.calm.run import resolve_run
+    from llm_calib.calm.trainer import calibrate_run
     from llm_calib.metrics.calibration import summarize
     from llm_calib.metrics.temperature import fit_temperature
     from llm_calib.models import load
@@ -167,7 +168,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     model, tokenizer = load(settings.model)
     timings["load model"] = time.perf_counter() - t
     train, heldout, test = split_data(settings)
-    config = calibration_config(settings)
+    run = resolve_run(calibration_config(settings), train, heldout)
     n_layers = int(model.config.num_hidden_layers)
     if settings.top_layers >= n_layers:
         raise ValueError(f"top_layers must be below the model's {n_layers} layers (the frozen trunk below them is "
@@ -176,10 +177,10 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
 
     t = time.perf_counter()
     # Encoded once: the base pass below fills their trunk caches, which training then reuses.
-    train_enc = encode_records(tokenizer, train, config)
-    heldout_enc = encode_records(tokenizer, heldout, config)
+    train_enc = encode_records(tokenizer, train, run.formats.lower)
+    heldout_enc = encode_records(tokenizer, heldout, run.formats.upper)
     sets = {**test, "__heldout": heldout_enc, "__train": train_enc}
-    shared = SharedTrunkEval(model, tokenizer, sets, trunk_layers, config=config)
+    shared = SharedTrunkEval(model, tokenizer, sets, trunk_layers, settings=run.settings)
     base = shared.base()
     timings["score uncalibrated"] = time.perf_counter() - t
     temperature = fit_temperature(base["__heldout"].logits, base["__heldout"].labels)
@@ -188,7 +189,7 @@ def run_demo(settings: DemoSettings | None = None) -> dict[str, Any]:
     with warnings.catch_warnings():
         # a demo sized for minutes on a laptop; the report says how few held-out questions it used
         warnings.filterwarnings("ignore", message=".*held-out questions: model selection", category=UserWarning)
-        result = calibrate(model, tokenizer, train_enc, heldout_enc, config, progress=True)
+        result = calibrate_run(model, tokenizer, train_enc, heldout_enc, run, progress=True)
     timings["train CALM"] = time.perf_counter() - t
     t = time.perf_counter()
     calm = shared.adapted(result.model)

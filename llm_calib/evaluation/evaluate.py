@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +21,10 @@ import numpy as np
 
 from llm_calib.confidence.kinds import OpenConfidence
 from llm_calib.confidence.token import OpenEndedSet
+from llm_calib.config.choices import Normalize
 from llm_calib.data import load as load_data
 from llm_calib.data.records import MultipleChoice, OpenQA
-from llm_calib.engine.packing import Normalize
+from llm_calib.engine.context import ContextOverflow, context_window
 from llm_calib.formats import (
     RecordKindError,
     ScoredResult,
@@ -33,7 +35,7 @@ from llm_calib.formats import (
 )
 from llm_calib.metrics import calibration as metrics
 from llm_calib.metrics.temperature import fit_temperature, temperature_nll
-from llm_calib.prompts.fewshot import resolve_fewshot
+from llm_calib.prompts.resolution import resolve_fewshot
 from llm_calib.prompts.templates import PromptFormat, prompt_dict
 from llm_calib.scoring import ScoredSet
 from llm_calib.scoring.base import scoring_split
@@ -245,15 +247,18 @@ def evaluate_records(
     temperature_fit: tuple[str, Sequence[MultipleChoice]] | None = None, n_bins: int = 10, ci: bool = True,
     n_resamples: int = 1000, seed: int = 0, max_new_tokens: int = 32, progress: bool = False,
     open_prompt: PromptFormat | None = None, task: TaskFormat | None = None,
-    confidence: OpenConfidence | None = None,
+    confidence: OpenConfidence | None = None, context_overflow: ContextOverflow | None = None,
 ) -> EvaluationResult:
     """Evaluate already-loaded ``(name, records)`` data sets, per record domain.
 
     Arguments are those of :func:`evaluate`; ``temperature_fit`` is ``(name, records)``;
+    ``context_overflow``: a question longer than the model's context is refused (``"refuse"``, the
+    default) or its prompt cut from the left, counted in ``config["context"]`` and warned about
+    (``"truncate"``; :func:`~llm_calib.engine.context.context_window`);
     ``open_prompt`` is the prompt of open questions (None: ``prompt`` as a cloze prompt); ``task``
     scores every set with that format instead of :func:`~llm_calib.formats.format_for`'s. With
     ``prompt.fewshot > 0`` and no pool, the pool is loaded without the evaluated questions
-    (:func:`~llm_calib.prompts.fewshot.resolve_fewshot`).
+    (:func:`~llm_calib.prompts.resolution.resolve_fewshot`).
 
     Raises:
         ValueError: an unknown scorer, an empty data set, or a temperature-fit split that is empty,
@@ -281,22 +286,29 @@ def evaluate_records(
         if not records:
             raise ValueError(f"the evaluation set {name!r} (eval) is empty: the report scores it; pass at least one question")
     timing: dict[str, float] = {}
-    run = _Scoring(model, tokenizer, task, settings, batch_size, progress, timing)
-    fit, fit_family = run.fit_temperature(*temperature_fit) if temperature_fit is not None else (None, None)
     stats = {"n_bins": n_bins, "ci": ci, "n_resamples": n_resamples, "seed": seed}
-    groups = run.score_by_domain(datasets)
-    scaled_groups: dict[str, tuple[TaskFormat, list[Any]]] = {}
-    if fit is not None and fit_family == "open":
-        # open answers at T: the deployed model at T answers again (token: the same greedy answers, their
-        # token probabilities at T; semantic: samples drawn at T)
-        scaled_groups = run.score_by_domain(datasets, temperature=fit.temperature)
+    with context_window(model, context_overflow) as window:  # every scored sequence within the model's positions
+        run = _Scoring(model, tokenizer, task, settings, batch_size, progress, timing)
+        fit, fit_family = run.fit_temperature(*temperature_fit) if temperature_fit is not None else (None, None)
+        scored_domains = run.score_by_domain(datasets)
+        scaled_domains: dict[str, tuple[TaskFormat, list[Any]]] = {}
+        if fit is not None and fit_family == "open":
+            # open answers at T: the deployed model at T answers again (token: the same greedy answers, their
+            # token probabilities at T; semantic: samples drawn at T)
+            scaled_domains = run.score_by_domain(datasets, temperature=fit.temperature)
     domains = {}
-    for dom, (fmt, parts) in groups.items():
+    for dom, (fmt, parts) in scored_domains.items():
         applies = fit is not None and fmt.family == fit_family  # a fit serves the domains of its own kind
-        scaled = scaled_groups.get(dom)
+        scaled = scaled_domains.get(dom)
         domains[dom] = domain_result(dom, fmt, type(parts[0]).concat(parts), fit.temperature if applies else None,
                                      scaled=type(scaled[1][0]).concat(scaled[1]) if applies and scaled else None,
                                      **stats)
+    for dom, r in domains.items():
+        unscored = int(r.uncalibrated.get("unscored", 0) or 0)
+        if unscored and not r.uncalibrated.get("n"):  # nothing to measure: say so, not only "n/a" in the report
+            warnings.warn(f"{dom}: no confidence could be read from any of its {unscored} answers (every calibration "
+                          "metric is n/a); the model did not state a number 0-100 when asked: try another "
+                          "verbalized template (--verbalized-template), or --confidence p_true", UserWarning, stacklevel=2)
     config = {
         "scorer": scorer,
         "normalize": normalize,
@@ -304,6 +316,7 @@ def evaluate_records(
         "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "datasets": [name for name, _ in datasets],
+        "context": window.summary(),
         **stats,
     }
     if open_prompt is not None:
@@ -412,7 +425,7 @@ def evaluate(
     limit: int | None = None, limit_mode: Literal["sample", "first"] = "sample",
     on_error: Literal["raise", "skip"] = "raise", batch_size: int = 8, temperature_fit: str | None = None,
     n_bins: int = 10, ci: bool = True, n_resamples: int = 1000, seed: int = 0, max_new_tokens: int = 32,
-    progress: bool = False, confidence: OpenConfidence | None = None,
+    progress: bool = False, confidence: OpenConfidence | None = None, context_overflow: ContextOverflow | None = None,
 ) -> EvaluationResult:
     """Load data sets by spec, score them and compute per-domain calibration metrics.
 
@@ -441,9 +454,13 @@ def evaluate(
         confidence: open questions: the confidence of each answer
             (:class:`~llm_calib.confidence.kinds.OpenConfidence`: ``token``, the default,
             ``semantic`` (Sem-ECE over sampled answers), ``p_true`` or ``verbalized``).
+        context_overflow: a question longer than the model's context: ``"refuse"`` (the default,
+            ValueError naming it) or ``"truncate"`` its prompt from the left, counted in
+            ``config["context"]`` (:mod:`llm_calib.engine.context`).
 
     Raises:
-        ValueError: a malformed spec or bad arguments (messages name the parameter).
+        ValueError: a malformed spec or bad arguments (messages name the parameter); a question
+            longer than the model's context (unless ``context_overflow="truncate"``).
         FileNotFoundError: a spec's path does not exist.
 
     Example:
@@ -473,7 +490,7 @@ def evaluate(
     result = evaluate_records(
         model, tokenizer, loaded, scorer=scorer, normalize=normalize, prompt=prompt, batch_size=batch_size,
         temperature_fit=fit, n_bins=n_bins, ci=ci, n_resamples=n_resamples, seed=seed,
-        max_new_tokens=max_new_tokens, progress=progress, confidence=confidence,
+        max_new_tokens=max_new_tokens, progress=progress, confidence=confidence, context_overflow=context_overflow,
     )
     result.timing["data_loading_s"] = load_s
     result.config.update({"limit": limit, "limit_mode": limit_mode, "skipped": skipped})

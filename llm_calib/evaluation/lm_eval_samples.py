@@ -1,30 +1,37 @@
 """Calibration metrics for any lm-eval run, from lm-eval's ``--log_samples`` files
-(``samples_<task>_<date>.jsonl``, one per multiple-choice task): the option probabilities are the
+(``samples_<task>_<date>.jsonl``): for a multiple-choice task the option probabilities are the
 softmax over the logged option log-likelihoods, summed (``acc``), per character (``acc_norm``) or
-per UTF-8 byte (``acc_bytes``); no model or lm-eval needed. See :doc:`/tutorials/lm_eval`.
+per UTF-8 byte (``acc_bytes``) (:func:`samples_result`); for a generation task run with ``repeats``,
+the semantic confidence of each question's sampled responses (:func:`generation_result`). No model
+or lm-eval needed. See :doc:`/tutorials/lm_eval` and :doc:`/tutorials/open_ended`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from llm_calib.evaluation.evaluate import DomainResult, EvaluationResult, TemperatureFit
+from llm_calib.confidence.lm_eval_generations import read_generation_samples
+from llm_calib.confidence.sampled import SampledSet
+from llm_calib.data.lm_eval_logs import rows_by_doc, samples_task_name
+from llm_calib.evaluation.evaluate import (
+    DomainResult,
+    EvaluationResult,
+    TemperatureFit,
+    domain_result,
+)
 from llm_calib.formats.multiple_choice import normalization_metrics
 from llm_calib.metrics import calibration as metrics
 from llm_calib.scoring import ScoredSet, normalized
 
 __all__ = [
-    "SAMPLES_NORMALIZATIONS", "check_samples_file", "iter_rows", "read_samples", "rows_by_doc", "samples_result",
-    "samples_task_name",
+    "SAMPLES_NORMALIZATIONS", "generation_result", "read_samples", "samples_result",
 ]
 
 SAMPLES_NORMALIZATIONS: dict[str, str] = {"acc": "sum", "acc_norm": "char", "acc_bytes": "byte"}
@@ -32,21 +39,6 @@ SAMPLES_NORMALIZATIONS: dict[str, str] = {"acc": "sum", "acc_norm": "char", "acc
 samples file has what it takes to compute (no token counts, so no per-token mode)."""
 
 SCORER = "lm_eval_samples"
-
-_FILE_NAME = re.compile(r"^samples_(?P<task>.+)_(?P<date>\d{4}-\d{2}-\d{2}T[0-9.\-]+)$")
-
-
-def samples_task_name(path: str | os.PathLike[str]) -> str:
-    """The task name in an lm-eval samples file name (``samples_<task>_<date>.jsonl``), else the file's stem.
-
-    Example:
-        >>> samples_task_name("out/model/samples_arc_easy_2026-01-02T10-11-12.123456.jsonl")
-        'arc_easy'
-    """
-    stem = Path(path).name.removesuffix(".jsonl")
-    m = _FILE_NAME.match(stem)
-    return m.group("task") if m else stem
-
 
 def _pairs(arguments: Any) -> list[tuple[str, str]]:
     if isinstance(arguments, Mapping):  # the file format: {"gen_args_0": {"arg_0": .., "arg_1": ..}}
@@ -69,79 +61,6 @@ def _gold(target: Any, choices: list[str], where: str) -> int:
     if not 0 <= index < len(choices):
         raise ValueError(f"{where}: gold index {index} is not in [0, {len(choices) - 1}]")
     return index
-
-
-def check_samples_file(path: str | os.PathLike[str]) -> Path:
-    """``path`` as a path when it is a file; a missing file or a folder is an error naming it (a
-    folder's error lists the samples files inside it).
-
-    Raises:
-        FileNotFoundError: no such file.
-        IsADirectoryError: ``path`` is a folder.
-
-    Example:
-        >>> import tempfile
-        >>> check_samples_file(tempfile.mkdtemp())  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        IsADirectoryError: ...: is a folder, not a samples file; give a samples_<task>_<date>.jsonl file (none inside it)
-    """
-    p = Path(path)
-    if p.is_dir():
-        inside = sorted(str(f.relative_to(p)) for f in p.rglob("samples_*.jsonl"))[:5]
-        found = f"inside it: {', '.join(inside)}" if inside else "none inside it"
-        raise IsADirectoryError(f"{p}: is a folder, not a samples file; give a samples_<task>_<date>.jsonl file "
-                                f"({found})")
-    if not p.is_file():
-        raise FileNotFoundError(f"{p}: no such samples file")
-    return p
-
-
-def iter_rows(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, row)`` of every non-empty line of a samples file; ValueError naming the file
-    and line for a line that is not UTF-8 or not JSON (and :func:`check_samples_file`'s errors).
-
-    Example:
-        >>> import tempfile, pathlib
-        >>> p = pathlib.Path(tempfile.mkdtemp()) / "samples_t.jsonl"
-        >>> _ = p.write_text('\\n{"doc_id": 3}\\n')
-        >>> list(iter_rows(p))
-        [(2, {'doc_id': 3})]
-    """
-    path = check_samples_file(path)
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not UTF-8 text (byte {err.start} of the line); an lm-eval "
-                                 "samples file is UTF-8 JSON lines") from None
-            if line.strip():
-                try:
-                    yield line_no, json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{line_no}: not JSON: {err}") from None
-
-
-def rows_by_doc(path: str | os.PathLike[str],
-                rows: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[int, int, Mapping[str, Any]]]:
-    """The rows of the file's first filter, one per ``doc_id`` in ``doc_id`` order, as
-    ``(doc_id, line number, row)``; ``rows``: the samples themselves instead of the file (numbered
-    from 1). ValueError naming the file when there are no samples.
-
-    Example:
-        >>> rows = [{"doc_id": 1, "filter": "a"}, {"doc_id": 0, "filter": "a"}, {"doc_id": 0, "filter": "b"}]
-        >>> [(d, line) for d, line, _ in rows_by_doc("x.jsonl", rows)]
-        [(0, 2), (1, 1)]
-    """
-    items = list(enumerate(rows, 1)) if rows is not None else list(iter_rows(path))
-    if not items:
-        raise ValueError(f"{path}: no samples")
-    first_filter = items[0][1].get("filter", "none")
-    by_doc: dict[int, tuple[int, Mapping[str, Any]]] = {}
-    for line_no, row in items:
-        if row.get("filter", "none") == first_filter:
-            by_doc.setdefault(int(row["doc_id"]) if "doc_id" in row else line_no - 1, (line_no, row))
-    return [(doc_id, *by_doc[doc_id]) for doc_id in sorted(by_doc)]
 
 
 def read_samples(path: str | os.PathLike[str], *, task: str | None = None, target_delimiter: str = " ",
@@ -307,3 +226,64 @@ def samples_result(
     config = {"source": "lm-eval samples", "scorer": SCORER, "files": files, "normalize": mode,
               "target_delimiter": target_delimiter, "datasets": list(files.values()), **stats}
     return EvaluationResult(domains, fit, config, {})
+
+
+def generation_result(
+    paths: Sequence[str | os.PathLike[str]], *, equivalence: str = "exact", threshold: float = 0.5,
+    estimator: str = "sample_split", splits: int = 10, seed: int = 0, response_regex: str | None = None,
+    n_bins: int = 10, ci: bool = True, n_resamples: int = 1000,
+) -> Any:
+    """The calibration report (:func:`llm_calib.evaluation.report.write_report`) of lm-eval generation runs,
+    one domain per task, semantic confidence from each question's sampled responses.
+
+    Args:
+        paths: ``samples_<task>_<date>.jsonl`` files of ``generate_until`` tasks run with ``repeats``.
+        equivalence: ``"exact"`` or ``"f1"`` (:func:`~llm_calib.confidence.lm_eval_generations.read_generation_samples`).
+        threshold: for ``"f1"``.
+        estimator: ``"sample_split"`` or ``"plug_in"``.
+        splits: R, the sample splits.
+        seed: seeds the splits and the bootstrap.
+        response_regex: per-response extraction (see :func:`~llm_calib.confidence.lm_eval_generations.read_generation_samples`).
+        n_bins: ECE and reliability bins.
+        ci: bootstrap intervals (``n_resamples`` resamples).
+
+    Returns:
+        An :class:`~llm_calib.evaluation.evaluate.EvaluationResult` (no temperature: lm-eval logs no scores to scale).
+
+    Raises:
+        ValueError: no paths, two files of one task, or a file :func:`~llm_calib.confidence.lm_eval_generations.read_generation_samples` rejects.
+
+    Example:
+        >>> import json, tempfile, pathlib
+        >>> rows = [{"doc_id": i, "target": "4", "arguments": [["2+2=", {"until": ["\\n"]}]],
+        ...          "resps": [["4", "4", "5"] if i else ["3", "3", "3"]], "filtered_resps": ["4"]} for i in range(2)]
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "samples_math_2026-01-02T10-11-12.5.jsonl"
+        >>> _ = p.write_text("".join(json.dumps(r) + "\\n" for r in rows))
+        >>> r = generation_result([p], estimator="plug_in", ci=False).domains["math"]
+        >>> r.n, r.uncalibrated["accuracy"], round(r.uncalibrated["ece"], 3)
+        (2, 0.5, 0.667)
+    """
+    from llm_calib.confidence.kinds import OpenConfidence
+    from llm_calib.formats.open_ended import OpenEnded
+
+    if not paths:
+        raise ValueError("no samples files given")
+    confidence = OpenConfidence("semantic", seed=seed, equivalence=equivalence, threshold=threshold,
+                                estimator=estimator, splits=splits)
+    task = OpenEnded(confidence=confidence)
+    sets: dict[str, SampledSet] = {}
+    files: dict[str, str] = {}
+    for p in paths:
+        s = read_generation_samples(p, equivalence=equivalence, threshold=threshold, estimator=estimator,
+                                    splits=splits, seed=seed, response_regex=response_regex)
+        name = s.domains[0]
+        if name in sets:
+            raise ValueError(f"two samples files of task {name!r}: {files[name]} and {p}")
+        sets[name], files[name] = s, str(p)
+    stats = {"n_bins": n_bins, "ci": ci, "n_resamples": n_resamples, "seed": seed}
+    domains = {name: domain_result(name, task, s, None, **stats) for name, s in sets.items()}
+    config = {"source": "lm-eval samples (generate_until)", "files": files, "confidence": confidence.to_dict(),
+              "datasets": list(files.values()), **stats}
+    if response_regex is not None:
+        config["response_regex"] = response_regex
+    return EvaluationResult(domains, None, config, {})

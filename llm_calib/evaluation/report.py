@@ -15,8 +15,20 @@ from llm_calib.files.atomic import atomic_path, write_json_atomic, write_text_at
 from llm_calib.formats import family_format
 
 __all__ = [
-    "METRIC_LABELS", "REPORT_METRICS", "domain_table", "format_metric", "jsonable", "markdown_report",
-    "mean_of_domains", "metrics_table", "plot_reliability", "reliability_filename", "setting_line", "write_report",
+    "METRIC_LABELS",
+    "REPORT_METRICS",
+    "context_lines",
+    "domain_table",
+    "format_metric",
+    "jsonable",
+    "markdown_report",
+    "mean_of_domains",
+    "merged_specs_lines",
+    "metrics_table",
+    "plot_reliability",
+    "reliability_filename",
+    "setting_line",
+    "write_report",
 ]
 
 METRIC_LABELS: dict[str, str] = {
@@ -120,6 +132,32 @@ def setting_line(key: str, value: Any) -> str:
     return f"- {key}: `{value}`"
 
 
+def merged_specs_lines(merged: list[dict[str, str]]) -> list[str]:
+    """The report lines of data specs given twice and counted once (``merged_specs`` of a run's config).
+
+    Example:
+        >>> merged_specs_lines([{"flag": "--data", "spec": "x.jsonl", "same_as": "./x.jsonl"}])
+        ['- merged: `--data x.jsonl` holds the questions of `--data ./x.jsonl`: counted once']
+    """
+    return [f"- merged: `{m['flag']} {m['spec']}` holds the questions of `{m['flag']} {m['same_as']}`: counted once"
+            for m in merged]
+
+
+def context_lines(context: dict[str, Any] | None) -> list[str]:
+    """The report line of the questions cut to fit the model's context (``context`` of a run's
+    config, :meth:`~llm_calib.engine.context.ContextWindow.summary`); none when nothing was cut.
+
+    Example:
+        >>> context_lines({"limit": 512, "on_overflow": "truncate", "truncated": 2, "truncated_examples": ["q1", "q4"]})
+        ["- context: 2 question(s) longer than the model's 512 tokens cut from the left to fit (q1, q4)"]
+    """
+    if not context or not context.get("truncated"):
+        return []
+    shown = ", ".join(context.get("truncated_examples", [])) + (", ..." if context["truncated"] > 5 else "")
+    return [f"- context: {context['truncated']} question(s) longer than the model's {context['limit']} tokens cut "
+            f"from the left to fit ({shown})"]
+
+
 def mean_of_domains(rows: list[dict[str, float] | None], metrics: tuple[str, ...] = REPORT_METRICS) -> dict[str, float]:
     """The unweighted mean over domains of each metric (NaN where no domain has it), for a
     report's overall row or table.
@@ -150,12 +188,16 @@ def markdown_report(result: EvaluationResult, *, title: str = "Calibration repor
     cfg = result.config
     lines = [f"# {title}", ""]
     for key in (
-        "model", "adapter", "dtype", "scorer", "normalize", "prompt", "datasets", "limit", "limit_mode",
-        "n_bins", "seed",
+        "model", "adapter", "dtype", "quantization", "device", "scorer", "normalize", "prompt", "datasets",
+        "limit", "limit_mode", "n_bins", "seed",
     ):
         value = cfg.get(key)
         if value is not None:
             lines.append(setting_line(key, value))
+    if cfg.get("confidence"):  # open answers: how their confidence was read
+        lines.append(setting_line("confidence", cfg["confidence"]))
+    lines += merged_specs_lines(cfg.get("merged_specs") or [])
+    lines += context_lines(cfg.get("context"))
     fit = result.temperature
     if fit is not None:
         lines.append(
@@ -185,8 +227,9 @@ def markdown_report(result: EvaluationResult, *, title: str = "Calibration repor
             lines.append(row("overall (mean of domains)", sum(r.n for r in result.domains.values()),
                              avg.get("uncalibrated"), avg.get("temperature_scaled")))
         lines.append("")
-        lines.append("Values are point estimates with 95% bootstrap confidence intervals.")
-        lines.append("")
+        if cfg.get("ci", True):  # --bootstrap 0: point estimates alone
+            lines.append("Values are point estimates with 95% bootstrap confidence intervals.")
+            lines.append("")
     for dom, r in result.domains.items():
         lines += [f"## {dom}", ""]
         task = family_format(r.kind)
@@ -315,7 +358,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     metrics_path = out / "metrics.json"
-    from llm_calib import __version__
+    from llm_calib.version import __version__
 
     write_json_atomic(metrics_path, jsonable({"llm_calib_version": __version__, **result.to_dict()}), allow_nan=False)
     paths["metrics"] = metrics_path

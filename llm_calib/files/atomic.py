@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "ordinary_modes", "read_json", "write_bytes_atomic", "write_json_atomic",
+__all__ = ["as_os_error", "atomic_path", "named_os_error", "ordinary_modes", "read_json", "write_bytes_atomic", "write_json_atomic",
            "write_text_atomic"]
 
 
@@ -42,6 +43,47 @@ def ordinary_modes(path: str | os.PathLike[str]) -> Path:
     return path
 
 
+def named_os_error(err: OSError, path: str | os.PathLike[str]) -> OSError:
+    """``err`` naming ``path`` (``[Errno 28] No space left on device: 'runs/x/metrics.json'``): a
+    write's OS error names the temporary file or nothing, which tells the user nothing. Keeps the
+    errno (and so the subclass: ``PermissionError`` for EACCES); ``err`` itself when it already names ``path``.
+
+    Example:
+        >>> import errno
+        >>> str(named_os_error(OSError(errno.ENOSPC, "No space left on device"), "out/report.md"))
+        "[Errno 28] No space left on device: 'out/report.md'"
+    """
+    if err.filename is not None and str(err.filename) == str(path):
+        return err
+    if err.errno is None:
+        return OSError(f"{path}: {err}")
+    return OSError(err.errno, err.strerror or str(err), str(path))
+
+
+_OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
+
+
+def as_os_error(err: BaseException, path: str | os.PathLike[str]) -> OSError | None:
+    """``err`` as an ``OSError`` naming ``path`` (:func:`named_os_error`) when it is one, or one in
+    disguise: safetensors' ``SafetensorError`` on a full disk (``Error while serializing: I/O error:
+    No space left on device (os error 28)``) carries the OS error only in its text. None for any other error.
+
+    Example:
+        >>> from safetensors import SafetensorError
+        >>> str(as_os_error(SafetensorError("I/O error: No space left on device (os error 28)"), "m.safetensors"))
+        "[Errno 28] No space left on device: 'm.safetensors'"
+        >>> as_os_error(ValueError("bad"), "m.json") is None
+        True
+    """
+    if isinstance(err, OSError):
+        return named_os_error(err, path)
+    found = _OS_ERROR_CODE.search(str(err)) if type(err).__name__ == "SafetensorError" else None
+    if found is None:
+        return None
+    code = int(found.group(1) or found.group(2))
+    return OSError(code, os.strerror(code), str(path))
+
+
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically: a temporary file beside it, fsynced, renamed over
     ``path`` (parents made). A failed write (a full disk) leaves ``path`` as it was and no
@@ -53,8 +95,11 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
         b'ok'
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise named_os_error(err, path) from err
     try:
         with os.fdopen(fd, "wb") as fh:
             view = memoryview(data)
@@ -63,9 +108,11 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
             os.fsync(fh.fileno())
         ordinary_modes(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise named_os_error(err, path) from err
         raise
     return path
 
@@ -111,9 +158,12 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         (b'png', ['plot.png'])
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
-    os.close(fd)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
+        os.close(fd)
+    except OSError as err:
+        raise named_os_error(err, path) from err
     tmp = Path(name)
     try:
         yield tmp
@@ -121,9 +171,12 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
             os.fsync(fh.fileno())
         ordinary_modes(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        converted = as_os_error(err, path)  # the writer's error names the temporary file, or nothing
+        if converted is not None:
+            raise converted from err
         raise
 
 

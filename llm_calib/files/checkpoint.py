@@ -1,15 +1,17 @@
 """Atomic, resumable checkpoints.
 
-A checkpoint is a directory ``ckpt-<step>/`` with ``tensors.safetensors`` and ``state.pt`` (read
-with ``torch.load(weights_only=True)``), written under a temporary name and renamed into place
-before the ``LATEST`` pointer is replaced: a killed run leaves ``LATEST`` naming a complete one.
-Reading falls back from a damaged newest checkpoint (a disk error, a copy cut short) to the newest
-intact one, with a warning naming the one skipped; temporary folders a kill left are removed.
+A checkpoint is a directory ``ckpt-<step>/`` with ``tensors.safetensors``, ``state.pt`` (read
+with ``torch.load(weights_only=True)``) and ``checksums.json`` (the SHA-256 of both), written under
+a temporary name and renamed into place before the ``LATEST`` pointer is replaced: a killed run
+leaves ``LATEST`` naming a complete one. Reading falls back from a damaged newest checkpoint (a
+disk error, a copy cut short, bytes changed in place) to the newest intact one, with a warning
+naming the one skipped; temporary folders a kill left are removed.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -24,8 +26,13 @@ from safetensors.torch import load_file, save_file
 
 from llm_calib.files.atomic import ordinary_modes, write_text_atomic
 
-__all__ = ["checkpoint_problem", "latest_checkpoint", "load_checkpoint", "remove_stale_temporaries",
-           "save_checkpoint"]
+__all__ = ["CHECKSUMS_FILE", "checkpoint_problem", "latest_checkpoint", "load_checkpoint", "remove_stale_temporaries",
+           "safetensors_problem", "save_checkpoint"]
+
+CHECKSUMS_FILE = "checksums.json"
+"""The file of a checkpoint holding the SHA-256 of its other files, verified before it is resumed from."""
+
+_DATA_FILES = ("tensors.safetensors", "state.pt")
 
 _TEMPORARY = ".ckpt-*.tmp"
 """The names :func:`save_checkpoint` writes a checkpoint under before renaming it into place."""
@@ -72,13 +79,14 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: dict[
         try:
             save_file({k: _owned(v) for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
             torch.save(state, tmp / "state.pt")
+            write_text_atomic(tmp / CHECKSUMS_FILE, json.dumps({name: _sha256(tmp / name) for name in _DATA_FILES}))
             ordinary_modes(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
             write_text_atomic(root / "LATEST", final.name)
-        except (OSError, RuntimeError) as err:
-            if isinstance(err, RuntimeError) and not _is_write_failure(err):
+        except Exception as err:
+            if not isinstance(err, OSError) and not _is_write_failure(err):
                 raise
             raise _write_error(root, final.name, err) from err
     except BaseException:
@@ -90,11 +98,23 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: dict[
     return final
 
 
-def _is_write_failure(err: RuntimeError) -> bool:
+def _is_write_failure(err: Exception) -> bool:
     """Whether torch's ``RuntimeError`` is its zip writer failing to write (a full disk reads
-    ``[enforce fail at inline_container.cc:672] . unexpected pos 3968 vs 3860``)."""
+    ``[enforce fail at inline_container.cc:672] . unexpected pos 3968 vs 3860``), or safetensors'
+    error is an OS error (``No space left on device (os error 28)``)."""
     text = str(err)
-    return any(s in text for s in ("inline_container", "PytorchStreamWriter", "unexpected pos", "file write failed"))
+    if type(err).__name__ == "SafetensorError":
+        return "os error" in text or "Os {" in text
+    return isinstance(err, RuntimeError) and any(
+        s in text for s in ("inline_container", "PytorchStreamWriter", "unexpected pos", "file write failed"))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _write_error(root: Path, name: str, err: BaseException) -> OSError:
@@ -104,7 +124,7 @@ def _write_error(root: Path, name: str, err: BaseException) -> OSError:
         free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB free"
     except OSError:  # pragma: no cover - the folder vanished meanwhile
         free = "free space unknown"
-    code = err.errno if isinstance(err, OSError) and err.errno else errno.ENOSPC if "pos" in str(err) else errno.EIO
+    code = err.errno if isinstance(err, OSError) and err.errno else errno.ENOSPC if "pos" in str(err) or "os error 28" in str(err) else errno.EIO
     reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).strip()
     return OSError(code, f"could not write checkpoint {name} in {root} ({free}; {reason}); the previous "
                          "checkpoint is intact: free space, then continue with --resume")
@@ -130,8 +150,10 @@ def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
 
 def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
     """What is wrong with the checkpoint folder ``path`` (a file missing or cut short, a header
-    that does not parse), or None when it is intact. Reads the safetensors header and the zip
-    directory and CRCs of ``state.pt``, not the tensors themselves.
+    that does not parse, a byte changed: its SHA-256 is not the one :data:`CHECKSUMS_FILE` records),
+    or None when it is intact. Reads every file once (the checksums; a checkpoint written before
+    they were recorded gets the structural checks alone: the safetensors header and the zip
+    directory and CRCs of ``state.pt``).
 
     Example:
         >>> import pathlib, tempfile, torch
@@ -148,26 +170,71 @@ def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
     for f in (weights, state):
         if not f.is_file():
             return f"{f.name}: missing"
-    size = weights.stat().st_size
-    with open(weights, "rb") as fh:
-        head = fh.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 2 or 8 + n > size:
-            return f"{weights.name}: cut short ({size} bytes, less than its header needs)"
-        try:
-            header = json.loads(fh.read(n))
-        except (ValueError, UnicodeDecodeError):
-            return f"{weights.name}: the header is not valid JSON"
-    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
-            and "data_offsets" in v]
-    if 8 + n + max(ends, default=0) > size:
-        return f"{weights.name}: cut short ({size} of {8 + n + max(ends)} bytes)"
+    problem = safetensors_problem(weights)
+    if problem is not None:
+        return f"{weights.name}: {problem}"
     try:
         with zipfile.ZipFile(state) as archive:
             bad = archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError) as err:
         return f"{state.name}: not a complete torch archive ({err})"
-    return f"{state.name}: {bad} fails its CRC" if bad is not None else None
+    if bad is not None:
+        return f"{state.name}: {bad} fails its CRC"
+    return _checksum_problem(path)
+
+
+def _checksum_problem(path: Path) -> str | None:
+    """A file of the checkpoint whose SHA-256 differs from the recorded one (same size, other bytes: a
+    disk error, an edit), or an unreadable record; None when all match or nothing is recorded."""
+    record = path / CHECKSUMS_FILE
+    if not record.is_file():
+        return None  # written before checksums were recorded
+    try:
+        recorded = json.loads(record.read_text(encoding="utf-8"))
+        expected = {name: str(recorded[name]) for name in _DATA_FILES}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{CHECKSUMS_FILE}: unreadable ({type(err).__name__}: {err})"
+    for name, digest in expected.items():
+        if _sha256(path / name) != digest:
+            return f"{name}: its SHA-256 is not the one recorded in {CHECKSUMS_FILE} (changed after it was written)"
+    return None
+
+
+def safetensors_problem(path: str | os.PathLike[str]) -> str | None:
+    """What is wrong with the safetensors file ``path`` (missing, cut short, a header that does not
+    parse), or None when its structure is whole; reads the header, not the tensors.
+
+    Example:
+        >>> import pathlib, tempfile, torch
+        >>> from safetensors.torch import save_file
+        >>> f = pathlib.Path(tempfile.mkdtemp()) / "w.safetensors"
+        >>> save_file({"w": torch.ones(8)}, str(f))
+        >>> safetensors_problem(f) is None
+        True
+        >>> _ = f.write_bytes(f.read_bytes()[:-4])
+        >>> safetensors_problem(f)
+        'cut short (92 of 96 bytes)'
+    """
+    path = Path(path)
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            return f"cut short ({size} bytes, less than its header needs)"
+        try:
+            header = json.loads(fh.read(n))
+        except (ValueError, UnicodeDecodeError):
+            return "the header is not valid JSON"
+    if not isinstance(header, dict):
+        return "the header is not valid JSON"
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+            and "data_offsets" in v]
+    if 8 + n + max(ends, default=0) > size:
+        return f"cut short ({size} of {8 + n + max(ends)} bytes)"
+    return None
 
 
 def _step_folders(root: Path) -> list[Path]:

@@ -14,8 +14,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["LOCK_FILE", "RunLockedError", "check_output_file", "check_output_folder", "lora_run_bytes",
-           "run_lock"]
+__all__ = ["LOCK_FILE", "REPORT_OUTPUTS", "RunLockedError", "check_output_file", "check_output_folder",
+           "earlier_report", "lora_run_bytes", "remove_stale", "run_lock"]
 
 LOCK_FILE = ".llm-calib.lock"
 """The lock file :func:`run_lock` holds in an output folder (JSON: ``pid``, ``host``, ``started``)."""
@@ -37,7 +37,8 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def check_output_folder(path: str | os.PathLike[str], *, flag: str = "--out", need_bytes: int = 0) -> Path:
+def check_output_folder(path: str | os.PathLike[str], *, flag: str = "--out", need_bytes: int = 0,
+                        writes: str = "the run writes about {size} (adapters and checkpoints)") -> Path:
     """Check, before any work, that ``path`` can become an output folder: it is a folder or can be
     made one (no file there or on the way), writable, on a disk with roughly ``need_bytes`` free.
     Creates nothing.
@@ -45,14 +46,16 @@ def check_output_folder(path: str | os.PathLike[str], *, flag: str = "--out", ne
     Args:
         path: the output folder.
         flag: what to call it in the message (the command-line flag).
-        need_bytes: a rough estimate of what the run writes (:func:`lora_run_bytes`); 0 skips the
-            free-space check.
+        need_bytes: a rough estimate of what the run writes at least (:func:`lora_run_bytes`): a
+            disk with less free is refused; 0 skips the free-space check.
+        writes: what the message says is written (``{size}``: ``need_bytes``).
 
     Returns:
         ``path`` as a path.
 
     Raises:
-        ValueError: ``path`` (or a parent) exists and is not a folder, or ``need_bytes < 0``.
+        ValueError: ``path`` is empty or blank (it would mean the current folder), ``path`` (or a
+            parent) exists and is not a folder, or ``need_bytes < 0``.
         PermissionError: ``path`` (or the parent it would be created in) is not writable.
         OSError: less than ``need_bytes`` free. Each message names ``flag`` and the path.
 
@@ -68,6 +71,8 @@ def check_output_folder(path: str | os.PathLike[str], *, flag: str = "--out", ne
     """
     if need_bytes < 0:
         raise ValueError(f"need_bytes must be >= 0, got {need_bytes}")
+    if not str(path).strip():
+        raise ValueError(f"{flag} {str(path)!r}: an empty path (an unset shell variable?); give the output folder")
     out = Path(path)
     base = _nearest_existing(out)
     if not base.is_dir():
@@ -79,9 +84,8 @@ def check_output_folder(path: str | os.PathLike[str], *, flag: str = "--out", ne
     if need_bytes:
         free = shutil.disk_usage(base).free
         if free < need_bytes:
-            raise OSError(f"{flag} {out}: {_mib(free)} free on its disk, the run writes about "
-                                        f"{_mib(need_bytes)} (adapters and checkpoints); free space or choose "
-                                        "another folder")
+            raise OSError(f"{flag} {out}: {_mib(free)} free on its disk, {writes.format(size=_mib(need_bytes))}; "
+                          "free space or choose another folder")
     return out
 
 
@@ -110,14 +114,15 @@ def check_output_file(path: str | os.PathLike[str], *, flag: str = "--out") -> P
 
 def lora_run_bytes(hidden_size: int, layers: int, *, rank: int, modules_per_layer: int = 2, methods: int = 1,
                    checkpoints_kept: int = 2, bytes_per_value: int = 4) -> int:
-    """A rough upper estimate of what a calibration run writes: per method the adapter and
-    ``checkpoints_kept`` checkpoints (adapter, two optimiser moments and a solver copy each), plus
-    1 MiB of reports and plots. A LoRA pair on a ``hidden_size`` square projection holds
-    ``2 * rank * hidden_size`` values (a rough bound for q/k/v/o; MLP projections are wider).
+    """A rough lower estimate of what a calibration run writes (a free-space check refuses only a
+    disk the run cannot fit on): per method the adapter and ``checkpoints_kept`` checkpoints
+    (adapter, two optimiser moments and a solver copy each) and 128 KiB of records, reports and plots. A
+    LoRA pair on a ``hidden_size`` square projection holds ``2 * rank * hidden_size`` values (q/k/v/o
+    of most models; MLP projections are wider); ``layers``: the adapted layers.
 
     Example:
         >>> round(lora_run_bytes(576, 30, rank=8) / 2**20, 1)  # SmolLM2-135M, q/v, all layers
-        20.0
+        19.1
     """
     for name, value in (("hidden_size", hidden_size), ("layers", layers), ("rank", rank),
                         ("modules_per_layer", modules_per_layer), ("methods", methods),
@@ -127,7 +132,76 @@ def lora_run_bytes(hidden_size: int, layers: int, *, rank: int, modules_per_laye
     if checkpoints_kept < 0:
         raise ValueError(f"checkpoints_kept must be >= 0, got {checkpoints_kept}")
     adapter = 2 * rank * hidden_size * modules_per_layer * layers * bytes_per_value
-    return methods * (adapter * (1 + 4 * checkpoints_kept) + 2**20)
+    return methods * (adapter * (1 + 4 * checkpoints_kept) + 2**17)
+
+
+REPORT_OUTPUTS = ("metrics.json", "report.md", "samples.jsonl", "reliability_*.png")
+"""The files a calibration report of ``evaluate`` or ``metrics`` writes into its folder (glob patterns)."""
+
+
+def earlier_report(out_dir: str | os.PathLike[str], *, flag: str = "--out") -> list[Path]:
+    """The files (:data:`REPORT_OUTPUTS`) an earlier ``evaluate`` or ``metrics`` report left in
+    ``out_dir``: a new report into the folder replaces them, and removes those it does not write
+    again (another run's ``samples.jsonl``, the diagrams of domains it does not have), so the folder
+    never mixes two runs. Such files that no report wrote are refused: a calibrate run's report (its
+    ``metrics.json`` lists methods), or anything else of those names (a ``report.md`` of the user's).
+
+    Returns:
+        The earlier report's files (empty for a new or unrelated folder).
+
+    Raises:
+        ValueError: ``out_dir`` holds files of those names that no ``evaluate``/``metrics`` report
+            wrote; the message names them.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> earlier_report(d)
+        []
+        >>> _ = (d / "report.md").write_text("my notes")
+        >>> earlier_report(d)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: --out ...: holds report.md, which no llm-calib report wrote; ...
+    """
+    root = Path(out_dir)
+    if not root.is_dir():
+        return []
+    found = sorted({p for pattern in REPORT_OUTPUTS for p in root.glob(pattern) if p.is_file()})
+    if not found:
+        return []
+    try:
+        record = json.loads((root / "metrics.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        record = None
+    if isinstance(record, dict) and "methods" in record:
+        raise ValueError(f"{flag} {root}: holds the report of a calibrate run (metrics.json lists its methods "
+                         f"{record.get('methods')}); writing here would replace it; choose another folder")
+    if not (isinstance(record, dict) and "domains" in record and "llm_calib_version" in record):
+        names = ", ".join(p.name for p in found)
+        raise ValueError(f"{flag} {root}: holds {names}, which no llm-calib report wrote; writing here would "
+                         "replace it; choose a new or empty folder (or remove them)")
+    return found
+
+
+def remove_stale(earlier: list[Path], written: list[Path]) -> list[Path]:
+    """Remove the files of ``earlier`` (:func:`earlier_report`) that are not among ``written`` (the
+    new report's); return them.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> old = [d / "report.md", d / "samples.jsonl"]
+        >>> for p in old:
+        ...     _ = p.write_text("x")
+        >>> [p.name for p in remove_stale(old, [d / "report.md"])], sorted(p.name for p in d.iterdir())
+        (['samples.jsonl'], ['report.md'])
+    """
+    keep = {Path(p).absolute() for p in written}
+    removed = [p for p in earlier if p.absolute() not in keep]
+    for p in removed:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    return removed
 
 
 def _holder(lock: Path) -> dict[str, object]:
@@ -151,7 +225,8 @@ def _alive(pid: int) -> bool:
 def run_lock(out_dir: str | os.PathLike[str], *, flag: str = "--out") -> Iterator[Path]:
     """Hold :data:`LOCK_FILE` in ``out_dir`` (created if missing) for the block: a second run into
     the same folder is refused, naming the holder's pid; a lock left by a dead process on this
-    host (a kill) is replaced. The lock is removed when the block ends.
+    host (a kill) is replaced. The lock is removed when the block ends, and the folders it created
+    with it when they are still empty (a run that failed before writing leaves nothing behind).
 
     Raises:
         RunLockedError: a live process holds the lock (the message names its pid, host and start).
@@ -168,6 +243,7 @@ def run_lock(out_dir: str | os.PathLike[str], *, flag: str = "--out") -> Iterato
         False
     """
     root = Path(out_dir)
+    created = [p for p in (root.absolute(), *root.absolute().parents) if not p.exists()]
     root.mkdir(parents=True, exist_ok=True)
     lock = root / LOCK_FILE
     host = socket.gethostname()
@@ -199,3 +275,6 @@ def run_lock(out_dir: str | os.PathLike[str], *, flag: str = "--out") -> Iterato
         if _holder(lock).get("pid") == os.getpid():
             with contextlib.suppress(FileNotFoundError):
                 lock.unlink()
+        for folder in created:  # deepest first; one that holds anything stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()

@@ -241,7 +241,7 @@ class Letter(MultipleChoiceFormat):
 
     def encode(self, tokenizer: Any, records: Sequence[MultipleChoice]) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], ...]]]:
         """The listed prompt's ids (as the letter scorer's) and one letter token id per option."""
-        prompts = [tuple(p) for p in encode_prompts(tokenizer, records, self.prompt_settings())]
+        prompts = [tuple(p) for p in encode_prompts(tokenizer, records, self.prompt_settings(), reserve=0)]
         options = [tuple((t,) for t in letter_token_ids(tokenizer, len(r.options))) for r in records]
         return prompts, options
 

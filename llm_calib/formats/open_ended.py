@@ -95,9 +95,9 @@ class OpenEnded(TaskFormat):
         unanswered = [r.id for r in records if not r.answers]
         if unanswered:
             raise ValueError(f"open question {unanswered[0]!r} has no reference answer to train or monitor on")
-        prompts = encode_open_prompts(tokenizer, records, self.prompt)
         stop = "\n" if self.answer_stop else ""
         answers = [(tuple(encode_continuation(tokenizer, continuation_text(r.answers[0]) + stop)),) for r in records]
+        prompts = encode_open_prompts(tokenizer, records, self.prompt, reserve=[len(a[0]) for a in answers])
         return [tuple(p) for p in prompts], answers
 
     def pack(self, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]], pad_id: int) -> PackedQuestions:

@@ -117,6 +117,7 @@ class Bome:
         return hg.BOME(
             hg.inner.SGD(lr=self.step_size(theta_optimizer.lr)), w_lr=theta_optimizer.lr,
             inner_steps=self.inner_steps, eta=self.eta, barrier=self.barrier, w_optimizer=theta_optimizer,
+            device_scalars=True,  # the loop reads the step's numbers when it logs
         )
 
 
@@ -154,7 +155,8 @@ class F2SA:
     def build(self, theta_optimizer: hg.inner.Adam) -> hg.Penalty:
         """The :class:`hypergrad.Penalty` of the run: its iterates step by ``theta_optimizer`` at :meth:`step_size`."""
         inner = dataclasses.replace(theta_optimizer, lr=self.step_size(theta_optimizer.lr))
-        return hg.Penalty(sigma=self.sigma, inner_optimizer=inner, inner_steps=self.inner_steps, evaluate=self.evaluate)
+        return hg.Penalty(sigma=self.sigma, inner_optimizer=inner, inner_steps=self.inner_steps, evaluate=self.evaluate,
+                          device_scalars=True)  # the loop reads the step's numbers when it logs
 
 
 @contextlib.contextmanager
@@ -279,10 +281,11 @@ class Calm(Objective):
 
 
 class _FirstValues:
-    """Keeps the first value of each wrapped loss since the last :meth:`reset` (a step's start)."""
+    """Keeps the first value of each wrapped loss since the last :meth:`reset` (a step's start), as a
+    detached tensor where it was computed (read back when the loop logs)."""
 
     def __init__(self) -> None:
-        self.values: dict[str, float] = {}
+        self.values: dict[str, Tensor] = {}
 
     def reset(self) -> None:
         self.values = {}
@@ -291,7 +294,7 @@ class _FirstValues:
         def recorded(*args: Any) -> Tensor:
             value = fn(*args)
             if name not in self.values:
-                self.values[name] = float(value.detach())
+                self.values[name] = value.detach()
             return value
 
         return recorded
@@ -323,10 +326,13 @@ class CalmState:
         self.lam_optimizer = torch.optim.Adam(list(self.lam.values()), lr=objective.lam_lr)
         self.solver_state: Any = None
 
-    def step(self, context: StepContext, inner: Batch) -> dict[str, float]:
+    def step(self, context: StepContext, inner: Batch) -> dict[str, float | Tensor]:
         """One CALM step: the method's joint step of θ and λ's direction, then one projected Adam step of λ.
 
-        The record holds ``g``, ``unlabeled_entropy`` (−f at the step's θ) and the method's diagnostics.
+        The record holds ``g``, ``unlabeled_entropy`` (−f at the step's θ) and the method's diagnostics, as
+        0-dim tensors where they were computed (numbers where the method gives numbers), and the check
+        ``solver_step_finite`` when the method flags its own finiteness (``info.extra["finite"]``): nothing
+        is read back to the host here.
         """
         outer = context.unlabeled_batch()
         lam_now = {k: v.detach() for k, v in self.lam.items()}
@@ -338,14 +344,20 @@ class CalmState:
         self.lam_optimizer.step()
         context.losses.adjustment.clamp_(self.lam)
         seen = self.step_losses.values
-        record = {"g": seen["g"]}
+        record: dict[str, float | Tensor] = {"g": seen["g"]}
         if self.scores_f_at_step:
             record["unlabeled_entropy"] = -seen["f"]
         else:  # f was evaluated elsewhere (F2SA: at its penalised iterate); score the step's θ (no grad)
             with torch.no_grad():
-                record["unlabeled_entropy"] = -float(context.losses.outer(context.theta, lam_now, outer))
+                record["unlabeled_entropy"] = -context.losses.outer(context.theta, lam_now, outer)
         context.theta, self.solver_state = r.w, r.state
-        record.update({k: float(v) for k, v in r.info.extra.items() if isinstance(v, (int, float))})
+        for k, v in r.info.extra.items():
+            if k == "finite" and isinstance(v, Tensor):
+                record["solver_step_finite"] = v  # a check of the loop (see ObjectiveState.step)
+            elif isinstance(v, (int, float)):  # bools too, as 1.0 / 0.0
+                record[k] = float(v)
+            elif isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point():
+                record[k] = v.detach()
         return record
 
     def checkpoint(self) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:

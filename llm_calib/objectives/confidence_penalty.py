@@ -51,6 +51,6 @@ class ConfidencePenalty(OneLevelObjective):
 
         return loss
 
-    def record(self, parts: dict[str, Tensor]) -> dict[str, float]:
+    def record(self, parts: dict[str, Tensor]) -> dict[str, float | Tensor]:
         """``ce`` and ``unlabeled_entropy`` (−f) at the step's θ."""
-        return {"ce": float(parts["ce"].detach()), "unlabeled_entropy": -float(parts["f"].detach())}
+        return {"ce": parts["ce"].detach(), "unlabeled_entropy": -parts["f"].detach()}

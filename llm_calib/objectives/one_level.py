@@ -34,8 +34,9 @@ class OneLevelObjective(Objective):
         (``context.unlabeled_batch()``)."""
         raise NotImplementedError(f"{type(self).__name__} must define loss_fn(context, inner, parts)")
 
-    def record(self, parts: dict[str, Tensor]) -> dict[str, float]:
-        """Extra entries of the step's record from the stored terms (default: none)."""
+    def record(self, parts: dict[str, Tensor]) -> dict[str, float | Tensor]:
+        """Extra entries of the step's record from the stored terms (default: none): numbers, or 0-dim
+        tensors (detached) that the loop reads back when it logs."""
         return {}
 
     def start(self, context: StepContext) -> OneLevelState:
@@ -62,17 +63,18 @@ class OneLevelState:
         self.theta_opt_state = theta_opt_state
         self.lam: dict[str, Tensor] = {}  # trains no λ
 
-    def step(self, context: StepContext, inner: Batch) -> dict[str, float]:
-        """One step of θ's optimiser on the loss; the record holds ``loss`` and the objective's ``record``."""
+    def step(self, context: StepContext, inner: Batch) -> dict[str, float | Tensor]:
+        """One step of θ's optimiser on the loss; the record holds ``loss`` and the objective's ``record``
+        (0-dim tensors: the loop reads them back, and checks them, when it logs)."""
         parts: dict[str, Tensor] = {}
         loss_of_theta = self.objective.loss_fn(context, inner, parts)
         loss, grad, _ = hg.autodiff.loss_and_grads(lambda w, _lam: loss_of_theta(w), context.theta,
                                                    {"_": torch.zeros(1)}, wrt_lam=False,
-                                                   what=f"{self.objective.name} loss")
-        with torch.no_grad():
-            theta, self.theta_opt_state = context.theta_optimizer.update(context.theta, grad, self.theta_opt_state)
-        context.theta = {k: v.detach() for k, v in theta.items()}
-        return {"loss": float(loss), **self.objective.record(parts)}
+                                                   what=f"{self.objective.name} loss", check=False)
+        with torch.no_grad():  # no graph: the new θ needs no detaching
+            context.theta, self.theta_opt_state = context.theta_optimizer.update(context.theta, grad,
+                                                                                 self.theta_opt_state)
+        return {"loss": loss, **self.objective.record(parts)}
 
     def checkpoint(self) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         """θ's optimiser state under ``theta_opt/``."""

@@ -1,18 +1,20 @@
-"""The registry of training objectives and of CALM's solvers, by name.
+"""Training objectives and CALM's solvers by name: the decorators and look-ups over
+:data:`~llm_calib.registry.OBJECTIVES` and :data:`~llm_calib.registry.SOLVERS`.
 
 A new objective is one module: an :class:`~llm_calib.objectives.base.Objective` subclass decorated
 with :func:`register_objective`; config files, ``CalibrationConfig`` and the command line then
-reach it. The built-in names are known before their modules load (:data:`BUILTIN_OBJECTIVES`),
-which :mod:`llm_calib.objectives.builtin` registers. This module imports only
-:mod:`llm_calib.registry` (the rules every registry shares).
+reach it. The built-in names are known before their modules load (:data:`BUILTIN_OBJECTIVES`);
+a built-in's module is imported the first time its name is looked up. This module imports only
+:mod:`llm_calib.registry`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
-from llm_calib.registry import check_registry_name, register_entry, unregister_entry
+from llm_calib.registry import OBJECTIVES, SOLVERS, Registry
 
 __all__ = [
     "BUILTIN_OBJECTIVES", "BUILTIN_SOLVERS", "objective_class", "objective_from_dict",
@@ -20,23 +22,20 @@ __all__ = [
     "unregister_objective", "unregister_solver",
 ]
 
-BUILTIN_OBJECTIVES = ("calm", "lora_ce", "label_smoothing", "confidence_penalty")
+BUILTIN_OBJECTIVES: tuple[str, ...] = tuple(OBJECTIVES.builtins)
 """The objectives shipped with llm_calib: CALM (bilevel) and the one-level baselines."""
 
-BUILTIN_SOLVERS = ("bome", "f2sa", "implicit")
+BUILTIN_SOLVERS: tuple[str, ...] = tuple(SOLVERS.builtins)
 """CALM's shipped solvers (see :mod:`llm_calib.objectives.calm`)."""
-
-_OBJECTIVES: dict[str, type] = {}
-_SOLVERS: dict[str, type] = {}
 
 T = TypeVar("T", bound=type)
 
 
-def _register(table: dict[str, type], kind: str, name: str) -> Callable[[T], T]:
-    check_registry_name(kind, name)
+def _registering(registry: Registry[type], name: str) -> Callable[[T], T]:
+    registry.check_name(name)
 
     def decorate(cls: T) -> T:
-        register_entry(table, kind, name, cls)
+        registry.register(name, cls)
         cls.name = name
         return cls
 
@@ -47,7 +46,8 @@ def register_objective(name: str) -> Callable[[T], T]:
     """Class decorator: register an :class:`~llm_calib.objectives.base.Objective` as ``name`` (also its ``name``).
 
     Raises:
-        ValueError: ``name`` is not an identifier, or another class holds it.
+        ~llm_calib.registry.InvalidNameError: ``name`` is not an identifier.
+        ~llm_calib.registry.NameTakenError: another class holds it.
 
     Example:
         >>> from llm_calib.objectives.base import Objective
@@ -58,7 +58,7 @@ def register_objective(name: str) -> Callable[[T], T]:
         (True, True)
         >>> unregister_objective("doc_example")
     """
-    return _register(_OBJECTIVES, "objective", name)
+    return _registering(OBJECTIVES, name)
 
 
 def register_solver(name: str) -> Callable[[T], T]:
@@ -72,77 +72,28 @@ def register_solver(name: str) -> Callable[[T], T]:
         'doc_solver'
         >>> unregister_solver("doc_solver")
     """
-    return _register(_SOLVERS, "solver", name)
+    return _registering(SOLVERS, name)
 
 
-def unregister_objective(name: str) -> None:
-    """Remove a registered objective.
+unregister_objective = partial(Registry.unregister, OBJECTIVES)
+"""Remove a registered objective (:meth:`~llm_calib.registry.Registry.unregister`; a built-in one cannot be)."""
 
-    Raises:
-        ValueError: a built-in objective or an unknown name.
-    """
-    unregister_entry(_OBJECTIVES, BUILTIN_OBJECTIVES, "objective", name)
+unregister_solver = partial(Registry.unregister, SOLVERS)
+"""Remove a registered solver (:meth:`~llm_calib.registry.Registry.unregister`)."""
 
+objective_names = partial(Registry.names, OBJECTIVES)
+"""The built-in objectives, then the registered others in registration order
+(:meth:`~llm_calib.registry.Registry.names`)."""
 
-def unregister_solver(name: str) -> None:
-    """Remove a registered solver (see :func:`unregister_objective`)."""
-    unregister_entry(_SOLVERS, BUILTIN_SOLVERS, "solver", name)
+solver_names = partial(Registry.names, SOLVERS)
+"""The built-in solvers, then the registered others (:meth:`~llm_calib.registry.Registry.names`)."""
 
+objective_class = partial(Registry.get, OBJECTIVES)
+"""The objective class registered as a name, its module imported on first use
+(:meth:`~llm_calib.registry.Registry.get`)."""
 
-def objective_names() -> tuple[str, ...]:
-    """The built-in objectives, then the registered others in registration order.
-
-    Example:
-        >>> objective_names()[:2]
-        ('calm', 'lora_ce')
-    """
-    return tuple(dict.fromkeys(BUILTIN_OBJECTIVES + tuple(_OBJECTIVES)))
-
-
-def solver_names() -> tuple[str, ...]:
-    """The built-in solvers, then the registered others.
-
-    Example:
-        >>> solver_names()[:3]
-        ('bome', 'f2sa', 'implicit')
-    """
-    return tuple(dict.fromkeys(BUILTIN_SOLVERS + tuple(_SOLVERS)))
-
-
-def _lookup(table: dict[str, type], names: tuple[str, ...], field: str, name: str) -> type:
-    if name in table:
-        return table[name]
-    if name in names:  # a built-in whose module is not imported yet
-        raise ValueError(f"{field} {name!r} is built in but not loaded: import llm_calib.objectives.builtin first")
-    raise ValueError(f"{field} must be one of {names}, got {name!r}")
-
-
-def objective_class(name: str) -> type:
-    """The objective class registered as ``name``.
-
-    Raises:
-        ValueError: an unknown name (names the registered ones).
-
-    Example:
-        >>> import llm_calib.objectives.builtin
-        >>> objective_class("label_smoothing").__name__
-        'LabelSmoothing'
-    """
-    return _lookup(_OBJECTIVES, objective_names(), "objective.name", name)
-
-
-def solver_class(name: str) -> type:
-    """The solver config class registered as ``name``.
-
-    Raises:
-        ValueError: an unknown name (names the registered ones).
-
-    Example:
-        >>> import llm_calib.objectives.builtin
-        >>> solver_class("f2sa").__name__
-        'F2SA'
-    """
-    return _lookup(_SOLVERS, solver_names(), "objective.solver.name", name)
+solver_class = partial(Registry.get, SOLVERS)
+"""The solver config class registered as a name (:meth:`~llm_calib.registry.Registry.get`)."""
 
 
 def objective_from_dict(data: Any) -> Any:
@@ -153,7 +104,6 @@ def objective_from_dict(data: Any) -> Any:
         ValueError: an unknown name, or a key that is not one of the objective's settings.
 
     Example:
-        >>> import llm_calib.objectives.builtin
         >>> objective_from_dict({"name": "confidence_penalty", "beta": 0.3})
         ConfidencePenalty(beta=0.3)
     """

@@ -14,9 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from llm_calib.config.choices import CHOICE_KINDS, FEWSHOT_SAMPLERS, PROMPT_PRESETS, PROMPT_STYLES
+
 __all__ = [
     "LETTERS",
-    "PRESETS",
     "SHORT_ANSWER_TEMPLATE",
     "PromptFormat",
     "build_prompt",
@@ -39,9 +40,6 @@ __all__ = [
 LETTERS: str = string.ascii_uppercase
 """Letters used to label listed options (``A`` ... ``Z``)."""
 
-_STYLES = ("cloze", "listed")
-_CHOICES = ("text", "letters")
-_SAMPLERS = ("random", "first_n")
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ class PromptFormat:
         choices: score each option's ``"text"`` or its ``"letters"``.
         description: text written once at the very start, with the template's fields.
         fewshot: solved examples before each question (0: zero-shot).
-        fewshot_split: data spec the examples come from (:func:`~llm_calib.prompts.fewshot.resolve_fewshot`).
+        fewshot_split: data spec the examples come from (:func:`~llm_calib.prompts.resolution.resolve_fewshot`).
         fewshot_seed: seed of the per-question draw of examples.
         fewshot_delimiter: text between examples, and before the question.
         fewshot_sampler: ``"random"`` (seeded per question) or ``"first_n"`` (lm-eval's MMLU sampler).
@@ -96,16 +94,16 @@ class PromptFormat:
     fewshot_pool: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.style not in _STYLES:
-            raise ValueError(f"PromptFormat.style must be one of {_STYLES}, got {self.style!r}")
+        if self.style not in PROMPT_STYLES:
+            raise ValueError(f"PromptFormat.style must be one of {PROMPT_STYLES}, got {self.style!r}")
         if self.chat_template not in (True, False, None):
             raise ValueError(f"PromptFormat.chat_template must be True, False or None, got {self.chat_template!r}")
-        if self.choices not in _CHOICES:
-            raise ValueError(f"PromptFormat.choices must be one of {_CHOICES}, got {self.choices!r}")
+        if self.choices not in CHOICE_KINDS:
+            raise ValueError(f"PromptFormat.choices must be one of {CHOICE_KINDS}, got {self.choices!r}")
         if not isinstance(self.fewshot, int) or isinstance(self.fewshot, bool) or self.fewshot < 0:
             raise ValueError(f"PromptFormat.fewshot must be an integer >= 0, got {self.fewshot!r}")
-        if self.fewshot_sampler not in _SAMPLERS:
-            raise ValueError(f"PromptFormat.fewshot_sampler must be one of {_SAMPLERS}, got {self.fewshot_sampler!r}")
+        if self.fewshot_sampler not in FEWSHOT_SAMPLERS:
+            raise ValueError(f"PromptFormat.fewshot_sampler must be one of {FEWSHOT_SAMPLERS}, got {self.fewshot_sampler!r}")
         if self.template is not None and not self.template.strip():
             raise ValueError("PromptFormat.template must not be empty (None for the default format)")
         object.__setattr__(self, "fewshot_pool", tuple(self.fewshot_pool))
@@ -319,7 +317,7 @@ def draw_fewshot(fmt: PromptFormat, record: Any) -> list[Any]:
     if not fmt.fewshot_pool:
         raise ValueError(
             f"PromptFormat.fewshot={k} needs examples: set fewshot_split to a data spec and call "
-            "llm_calib.prompts.fewshot.resolve_fewshot(), or pass them with with_fewshot()"
+            "llm_calib.prompts.resolution.resolve_fewshot(), or pass them with with_fewshot()"
         )
     kind = type(record)
     question = record.question.strip()
@@ -433,33 +431,6 @@ def prompt_dict(fmt: PromptFormat, tokenizer: Any = None) -> dict[str, Any]:
     return out
 
 
-_LM_EVAL_QA = "Question: {question}\nAnswer:"
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "lm_eval_arc": {"template": _LM_EVAL_QA, "chat_template": False},
-    "lm_eval_mmlu": {
-        "template": "{question}\n{options}\nAnswer:",
-        "description": "The following are multiple choice questions (with answers) about {subject}.\n\n",
-        "choices": "letters",
-        "chat_template": False,
-        "fewshot_sampler": "first_n",
-        "fewshot_match": "subject",
-    },
-    "lm_eval_openbookqa": {"template": "{question}", "chat_template": False},
-    "lm_eval_commonsenseqa": {
-        "template": "Question: {question}\n{options}\nAnswer:",
-        "choices": "letters",
-        "chat_template": False,
-    },
-    "lm_eval_qasc": {"template": _LM_EVAL_QA, "chat_template": False},
-    "lm_eval_piqa": {"template": _LM_EVAL_QA, "chat_template": False},
-    "qa": {"template": "Q: {question}\nA:", "fewshot_delimiter": "\n", "chat_template": False},
-}
-"""Named prompt formats (keyword arguments of :class:`PromptFormat`): ``default`` (the reference
-format), lm-eval's zero-shot prompts (``lm_eval_*``, plain text; table in
-:doc:`/tutorials/evaluate_llm`) and ``qa`` (short-answer ``Q: {question}\\nA:``)."""
-
 SHORT_ANSWER_TEMPLATE = "Q: {question}\nA:"
 """The question block of :func:`short_answer_format` (each example is this, a space, its answer)."""
 
@@ -535,7 +506,7 @@ def draw_short_answer_examples(records: Sequence[Any], k: int, seed: int = 0) ->
 
 
 def preset(name: str, **overrides: Any) -> PromptFormat:
-    """The :class:`PromptFormat` of a :data:`PRESETS` name with fields overridden (e.g. ``fewshot=5``).
+    """The :class:`PromptFormat` of a :data:`PROMPT_PRESETS` name with fields overridden (e.g. ``fewshot=5``).
 
     Raises:
         ValueError: an unknown preset name (the message lists the valid ones).
@@ -544,6 +515,6 @@ def preset(name: str, **overrides: Any) -> PromptFormat:
         >>> preset("lm_eval_mmlu", fewshot=5).choices
         'letters'
     """
-    if name not in PRESETS:
-        raise ValueError(f"unknown prompt preset {name!r}; valid presets: {', '.join(PRESETS)}")
-    return PromptFormat(**{**PRESETS[name], **overrides})
+    if name not in PROMPT_PRESETS:
+        raise ValueError(f"unknown prompt preset {name!r}; valid presets: {', '.join(PROMPT_PRESETS)}")
+    return PromptFormat(**{**PROMPT_PRESETS[name], **overrides})

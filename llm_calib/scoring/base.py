@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 from llm_calib.data.records import MultipleChoice
+from llm_calib.engine.context import fit_prompt
+from llm_calib.engine.flat import flat_supported
 from llm_calib.engine.packing import length_batches
 from llm_calib.engine.prefix import (
     PrefixCacheSettings,
@@ -36,7 +38,7 @@ from llm_calib.prompts.templates import (
 
 __all__ = [
     "ScoredResult", "ScoredSet", "check_records", "encode_continuation", "encode_prompt", "encode_prompts",
-    "progress_bar", "score_in_batches", "score_sharing_prefixes", "scoring_split",
+    "progress_bar", "record_label", "score_in_batches", "score_sharing_prefixes", "scoring_split",
 ]
 
 _SPLIT: contextvars.ContextVar[str | None] = contextvars.ContextVar("llm_calib_scoring_split", default=None)
@@ -243,13 +245,26 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
     return ids
 
 
+def record_label(record: Any) -> str:
+    """How a message names a record: ``question 'q7' (arc_easy)``.
+
+    Example:
+        >>> record_label(MultipleChoice("q?", ("a", "b"), 0, "geo", "q7"))
+        "question 'q7' (geo)"
+    """
+    return f"question {getattr(record, 'id', '?')!r} ({getattr(record, 'domain', '?')})"
+
+
 def encode_prompts(
-    tokenizer: Any, records: Sequence[Any], fmt: PromptFormat, texts: Sequence[str] | None = None
+    tokenizer: Any, records: Sequence[Any], fmt: PromptFormat, texts: Sequence[str] | None = None,
+    reserve: int | Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Token ids of each record's prompt under ``fmt`` (:func:`encode_prompt`; chat-templated where
     the prompt format and the record use the chat template): what every scorer and format encodes.
     ``texts``: the prompts already rendered by :func:`~llm_calib.prompts.templates.record_prompt` (rendered
-    here when None), for a caller that also reports them.
+    here when None), for a caller that also reports them. ``reserve``: the tokens that follow each
+    prompt (one count, or one per record), with which it is fitted to the model's context
+    (:func:`~llm_calib.engine.context.fit_prompt`); None: not fitted (the caller fits it).
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -261,8 +276,12 @@ def encode_prompts(
     chat = uses_chat_template(tokenizer, fmt)
     if texts is None:
         texts = [record_prompt(tokenizer, r, fmt) for r in records]
-    return [encode_prompt(tokenizer, t, chat=chat and record_uses_chat_template(tokenizer, r, fmt))
-            for r, t in zip(records, texts, strict=True)]
+    prompts = [encode_prompt(tokenizer, t, chat=chat and record_uses_chat_template(tokenizer, r, fmt))
+               for r, t in zip(records, texts, strict=True)]
+    if reserve is None:
+        return prompts
+    reserves = [reserve] * len(prompts) if isinstance(reserve, int) else list(reserve)
+    return [fit_prompt(p, n, record_label(r)) for p, n, r in zip(prompts, reserves, records, strict=True)]
 
 
 def encode_continuation(tokenizer: Any, text: str) -> list[int]:
@@ -332,31 +351,35 @@ def score_in_batches(lengths: Sequence[int], batch_size: int, score: Callable[[l
 
 def score_sharing_prefixes(
     model: Any, prompts: Sequence[Sequence[int]], lengths: Sequence[int], batch_size: int,
-    score: Callable[[list[int], PrefixKV | None], Sequence[T]], *, settings: PrefixCacheSettings, desc: str,
+    score: Callable[[list[int], list[PrefixKV | None]], Sequence[T]], *, settings: PrefixCacheSettings, desc: str,
     progress: bool,
 ) -> tuple[list[T], PrefixCacheStats | None]:
-    """``score(indices, prefix)`` over batches that share prompt prefixes
-    (:func:`~llm_calib.engine.prefix.plan_prefix_batches`), in input order, with the cache's counts; with the
-    cache off (``settings.enabled`` False) exactly :func:`score_in_batches` with ``prefix=None`` and no counts.
+    """``score(indices, prefixes)`` over batches that share prompt prefixes
+    (:func:`~llm_calib.engine.prefix.plan_prefix_batches`, flat batches where the model runs them:
+    :func:`~llm_calib.engine.flat.flat_supported`), in input order, with the prefix each row continues
+    and the cache's counts; with the cache off (``settings.enabled`` False) exactly
+    :func:`score_in_batches` with no prefixes and no counts.
 
     Example:
         >>> from llm_calib.engine.prefix import PrefixCacheSettings
         >>> from llm_calib.models import tiny_random_model
         >>> model = tiny_random_model()[0]
         >>> prompts = [[7] * 20 + [1], [7] * 20 + [2], [3]]
-        >>> out, stats = score_sharing_prefixes(model, prompts, [21, 21, 1], 4, lambda idx, kv: [kv.length if kv
-        ...     else 0 for _ in idx], settings=PrefixCacheSettings(), desc="x", progress=False)
+        >>> out, stats = score_sharing_prefixes(model, prompts, [21, 21, 1], 4, lambda idx, kvs: [kv.length if kv
+        ...     else 0 for kv in kvs], settings=PrefixCacheSettings(), desc="x", progress=False)
         >>> out, stats.tokens_saved
         ([20, 20, 0], 20)
     """
     if not settings.enabled or not prompts:
-        return score_in_batches(lengths, batch_size, lambda idx: score(idx, None), desc=desc, progress=progress), None
+        return score_in_batches(lengths, batch_size, lambda idx: score(idx, [None] * len(idx)), desc=desc,
+                                progress=progress), None
     stats = PrefixCacheStats()
+    flat = flat_supported(model)
     plan = plan_prefix_batches(prompts, lengths, batch_size, bytes_per_token=kv_bytes_per_token(model),
-                               max_bytes=settings.max_mb * 2**20)
+                               max_bytes=settings.max_mb * 2**20, flat=flat)
     bar = progress_bar(total=len(prompts), desc=desc, enabled=progress)
     try:
-        out = run_prefix_plan(model, prompts, plan, score, stats=stats, on_batch=bar.update)
+        out = run_prefix_plan(model, prompts, plan, score, stats=stats, on_batch=bar.update, flat=flat)
     finally:
         bar.close()
     return out, stats

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from llm_calib.data.records import MultipleChoice
+from llm_calib.engine.flat import flat_supported
 from llm_calib.engine.options import target_logprobs
 from llm_calib.engine.packing import accepts_packed_masks, pack_letters
 from llm_calib.engine.prefix import PrefixKV, forward_rows_after, prefix_cache_settings
@@ -93,19 +94,19 @@ def score_letter(
     max_k = max((len(r.options) for r in records), default=2)
     letter_ids = letter_token_ids(tokenizer, max_k)
     texts = [record_prompt(tokenizer, r, fmt) for r in records]
-    prompts = encode_prompts(tokenizer, records, fmt, texts)
+    prompts = encode_prompts(tokenizer, records, fmt, texts, reserve=0)  # the letters are read at the prompt's end
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    def score(idx: list[int], prefix: PrefixKV | None = None) -> tuple[torch.Tensor, ...]:
+    def score(idx: list[int], prefixes: list[PrefixKV | None]) -> tuple[torch.Tensor, ...]:
         letters = [letter_ids[: len(records[i].options)] for i in idx]
-        skip = prefix.length if prefix is not None else 0
-        packed = pack_letters([prompts[i][skip:] for i in idx], letters, pad_id)
+        packed = pack_letters([prompts[i][kv.length if kv is not None else 0 :] for i, kv in zip(idx, prefixes, strict=True)],
+                              letters, pad_id)
         with torch.inference_mode():
-            hidden = forward_rows_after(model, prefix, packed) if prefix is not None else None
+            hidden = forward_rows_after(model, prefixes, packed)
             return torch.split(target_logprobs(model, packed, hidden).double().cpu(), packed.n_options)
 
     settings = prefix_cache_settings(prefix_cache, prefix_cache_mb)
-    if not accepts_packed_masks(model):
+    if not (flat_supported(model) or accepts_packed_masks(model)):  # the prefix runs flat or under a 4-D mask
         settings = replace(settings, enabled=False)
     scores, stats = score_sharing_prefixes(model, prompts, [len(p) for p in prompts], batch_size, score,
                                            settings=settings, desc="letter", progress=progress)

@@ -10,9 +10,12 @@ from typing import Any, Literal
 
 import torch
 
+from llm_calib.config.choices import NORMALIZE_MODES
 from llm_calib.data.records import MultipleChoice
+from llm_calib.engine.context import fit_options
+from llm_calib.engine.flat import flat_supported, prefixes_per_row
 from llm_calib.engine.options import forward_rows, target_logprobs
-from llm_calib.engine.packing import NORMALIZE_MODES, accepts_packed_masks, pack_questions
+from llm_calib.engine.packing import accepts_packed_masks, pack_questions
 from llm_calib.engine.prefix import PrefixKV, forward_rows_after, prefix_cache_settings
 from llm_calib.prompts.templates import (
     PromptFormat,
@@ -25,6 +28,7 @@ from llm_calib.scoring.base import (
     check_records,
     encode_continuation,
     encode_prompts,
+    record_label,
     score_sharing_prefixes,
 )
 
@@ -73,8 +77,9 @@ def encode_questions(tokenizer: Any, records: Sequence[MultipleChoice], fmt: Pro
     for r, prompt in zip(records, encode_prompts(tokenizer, records, fmt), strict=True):
         if not prompt:
             raise ValueError(f"record {r.id!r}: the prompt tokenises to no tokens")
-        options = tuple(tuple(encode_continuation(tokenizer, c)) for c in option_continuations(r, fmt))
-        out.append(EncodedQuestion(tuple(prompt), options))
+        options = [encode_continuation(tokenizer, c) for c in option_continuations(r, fmt)]
+        prompt, options = fit_options(prompt, options, record_label(r))  # the model's context (engine.context)
+        out.append(EncodedQuestion(tuple(prompt), tuple(tuple(o) for o in options)))
     return out
 
 
@@ -123,11 +128,13 @@ def _option_scores(details: dict[str, Any], normalize: str) -> torch.Tensor:
 
 def option_log_likelihoods(model: Any, items: Sequence[EncodedQuestion], *, pad_id: int = 0,
                            strategy: Literal["packed", "padded"] = "packed",
-                           prefix: PrefixKV | None = None) -> list[list[torch.Tensor]]:
+                           prefix: PrefixKV | Sequence[PrefixKV | None] | None = None) -> list[list[torch.Tensor]]:
     """``out[q][k]``: float64 log-probabilities of option ``k``'s tokens of question ``q``, in one
-    forward pass (``"packed"`` falls back to ``"padded"`` for attention without 4-D masks). With
-    ``prefix`` (the keys/values of the first ``prefix.length`` tokens every prompt starts with,
-    :func:`~llm_calib.engine.prefix.compute_prefix`) only the rest of each row runs.
+    forward pass (``"packed"``: flat where the model runs it, :mod:`llm_calib.engine.flat`; one
+    row per option for attention without 4-D masks). With ``prefix`` (the keys/values of the
+    first ``prefix.length`` tokens every prompt starts with,
+    :func:`~llm_calib.engine.prefix.compute_prefix`, or one prefix or None per question) only the
+    rest of each row runs.
 
     Example:
         >>> from llm_calib.models import tiny_random_model
@@ -140,15 +147,14 @@ def option_log_likelihoods(model: Any, items: Sequence[EncodedQuestion], *, pad_
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if not items:
         return []
-    skip = prefix.length if prefix is not None else 0
-    packed = pack_questions([(it.prompt[skip:], it.options) for it in items], pad_id)
-    # the packed layout's 4-D masks need eager or sdpa attention; flash kernels get one row per option
-    use_masks = strategy == "packed" and accepts_packed_masks(model)
+    per_row = prefixes_per_row(prefix, len(items))
+    packed = pack_questions([(it.prompt[kv.length if kv is not None else 0 :], it.options)
+                             for it, kv in zip(items, per_row, strict=True)], pad_id)
     with torch.inference_mode():
-        if prefix is not None:
-            hidden = forward_rows_after(model, prefix, packed)
-        else:
-            hidden, _ = forward_rows(model, packed, packed_masks=use_masks)
+        if strategy == "packed":  # flat (unpadded) where the model allows, on the prefix's keys/values as they are
+            hidden = forward_rows_after(model, per_row, packed)
+        else:  # one row per option
+            hidden, _ = forward_rows(model, packed, packed_masks=False)
         token_lp = target_logprobs(model, packed, hidden)
     # targets are laid out option by option, so each option's tokens are one contiguous run
     flat = iter(torch.split(token_lp.double().cpu(), packed.option_lengths.tolist()))
@@ -198,11 +204,12 @@ def score_option_likelihood(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     settings = prefix_cache_settings(prefix_cache, prefix_cache_mb)
-    if strategy != "packed" or not accepts_packed_masks(model):  # the prefix runs under a 4-D mask
+    if strategy != "packed" or not (flat_supported(model) or accepts_packed_masks(model)):  # flat or a 4-D mask
         settings = replace(settings, enabled=False)
 
-    def score(idx: list[int], prefix: PrefixKV | None) -> list[list[torch.Tensor]]:
-        return option_log_likelihoods(model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy, prefix=prefix)
+    def score(idx: list[int], prefixes: list[PrefixKV | None]) -> list[list[torch.Tensor]]:
+        return option_log_likelihoods(model, [items[i] for i in idx], pad_id=pad_id, strategy=strategy,
+                                      prefix=prefixes)
 
     token_lps, stats = score_sharing_prefixes(model, [it.prompt for it in items], [it.n_tokens for it in items],
                                               batch_size, score, settings=settings, desc="option likelihood",

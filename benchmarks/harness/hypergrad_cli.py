@@ -14,9 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from hg_harness import Concern, Row, suite
-from hg_problems import FULL, QUICK, Sizes
-from hg_report import CORE_CHANGES, render
+
+from harness.hypergrad_problems import FULL, QUICK, Sizes
+from harness.hypergrad_report import CORE_CHANGES, render
+from harness.hypergrad_suite import Concern, Row, suite
 
 
 def add_suite_arguments(parser: argparse.ArgumentParser) -> None:

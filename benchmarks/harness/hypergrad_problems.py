@@ -35,7 +35,7 @@ class Sizes:
     ridge_n: int = 1000
     ridge_d: int = 200
     logistic_n: int = 500
-    logistic_ds: tuple[int, ...] = (100, 1000, 10000)
+    logistic_ds: tuple[int, ...] = (100, 1000, 2000, 10000)
     logistic_unrolled_max_d: int = 1000  # unrolled runners only up to this d (cost K * grad)
     clean_train: int = 1000
     clean_outer_steps: int = 60

@@ -1,6 +1,6 @@
 """The shared harness of the hypergrad benchmarks (``hypergrad_bench.py`` and its parts).
 
-What every part uses besides the problems (``hg_problems``), in one place:
+What every part uses besides the problems (``harness.hypergrad_problems``), in one place:
 
 - :class:`Runner` (one method on one problem), the peers' lazy imports (:func:`peers`,
   :func:`jax_module`) and :func:`make_runners`, which asks each concern module for its runners;
@@ -21,13 +21,10 @@ interleaved, whichever concern it comes from; the entry ``hypergrad_bench.py`` p
 from __future__ import annotations
 
 import copy
-import datetime as _dt
 import gc
 import json
 import math
 import os
-import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -41,8 +38,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from harness.profiling import Phase, measurement_env
-from hg_problems import (
+from torch import Tensor, nn
+
+import hypergrad as hg
+from harness.hypergrad_problems import (
     MODES,
     TINY,
     Bench,
@@ -53,16 +52,15 @@ from hg_problems import (
     fresh_leaves,
     rel_err,
 )
-from torch import Tensor, nn
-
-import hypergrad as hg
+from harness.profiling import Phase, measurement_env
+from harness.report import machine_info
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torchopt's functorch deprecations
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", category=UserWarning, module="higher")
 warnings.filterwarnings("ignore", category=hg.ConvergenceWarning)  # reported in the tables
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "results"
 MB = 1024.0 * 1024.0
 
 
@@ -280,7 +278,7 @@ def time_interleaved(runners: list[Runner], sizes: Sizes, log: Callable[[str], N
 
 # The memory worker: the entry script, whose hidden ``--worker`` flag calls :func:`worker` with
 # every concern, so any part's configurations can be measured from any script.
-WORKER_SCRIPT = Path(__file__).resolve().parent / "hypergrad_bench.py"
+WORKER_SCRIPT = Path(__file__).resolve().parent.parent / "hypergrad_bench.py"
 
 
 def _dry_run(concerns: tuple[Concern, ...]) -> None:
@@ -613,25 +611,5 @@ def fmt_value(x: float | None, spec: str = ".2f", none: str = "-") -> str:
 
 
 def metadata(threads: int) -> dict[str, Any]:
-    """Date, machine, load and library versions for a report header."""
-    cpu = "unknown"
-    with_path = Path("/proc/cpuinfo")
-    if with_path.exists():
-        match = re.search(r"model name\s*:\s*(.+)", with_path.read_text())
-        cpu = match.group(1).strip() if match else cpu
-    torchopt, _ = peers()
-    from importlib.metadata import PackageNotFoundError, version
-
-    def _version(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
-    return {
-        "date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "cpu": cpu, "cores": os.cpu_count(), "threads": threads,
-        "torch": torch.__version__, "torchopt": torchopt.__version__, "higher": _version("higher"),
-        "jax": _version("jax"), "jaxopt": _version("jaxopt"),
-        "hypergrad": hg.__version__, "python": platform.python_version(),
-        "load": os.getloadavg() if hasattr(os, "getloadavg") else None,
-    }
+    """Date, machine, load and library versions for a report header (:func:`harness.report.machine_info`)."""
+    return machine_info(threads, libraries=("torch", "torchopt", "higher", "jax", "jaxopt")) | {"hypergrad": hg.__version__}
