@@ -58,8 +58,8 @@ from llm_calib import (
     TrainingSettings,
 )
 from llm_calib.calm import training
-from llm_calib.calm.run import resolve_run
 from llm_calib.calm.fast_eval import open_ended_set
+from llm_calib.calm.run import resolve_run
 from llm_calib.confidence.kinds import OpenConfidence, score_open
 from llm_calib.confidence.temperature import (
     SAMPLING_TEMPERATURES,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from llm_calib.calm import training
+from llm_calib.calm.run import resolve_run
 from llm_calib.calm.trainer import calibrate
 from llm_calib.confidence.kinds import OpenConfidence, score_open
 from llm_calib.confidence.temperature import (
@@ -20,7 +21,6 @@ from llm_calib.confidence.temperature import (
     fit_token_temperature,
 )
 from llm_calib.confidence.token import encode_open_prompts, score_open_ended
-from llm_calib.calm.run import resolve_run
 from llm_calib.config.calibration import CalibrationConfig, SelectionSettings
 from llm_calib.data import builtin_open_questions
 from llm_calib.engine.decode import generate_greedy
