@@ -98,6 +98,7 @@ from llm_calib.calm.fast_eval import (
 )
 from llm_calib.calm.run import ResolvedRun, resolve_run
 from llm_calib.calm.trainer import calibrate_run
+from llm_calib.confidence.temperature import correctness_log_loss
 from llm_calib.config.calibration import CalibrationConfig, LoraSettings
 from llm_calib.data import (
     BUILTIN_DOMAINS,
@@ -254,7 +255,8 @@ TEMPERATURE_GRID = np.exp(np.linspace(np.log(0.25), np.log(64.0), 41))  # open-e
 
 def fit_open_temperature(records: Sequence[OpenQA], outs: Sequence[GenOut], grid: Sequence[float]) -> tuple[float, int]:
     """``(T, index)``: the grid temperature minimising the log-loss of correctness of open answers' mean token
-    probability.
+    probability (:func:`llm_calib.confidence.temperature.correctness_log_loss`; this benchmark's trunk-cached
+    answers carry probabilities on the grid only, where the library's fit reads any T).
 
     Raises:
         ValueError: an answer's grid probabilities do not match ``grid``.
@@ -268,11 +270,7 @@ def fit_open_temperature(records: Sequence[OpenQA], outs: Sequence[GenOut], grid
     grid = np.asarray(grid, dtype=np.float64)
     if any(o.temp_probs is None or o.temp_probs.shape[1] != len(grid) for o in outs):
         raise ValueError(f"every answer needs grid probabilities for the {len(grid)} grid temperatures")
-    correct = open_ended_set(records, outs).correct.astype(np.float64)[:, None]
-    # float64 before clipping: in float32 1 - 1e-12 is 1.0, so a sure wrong answer gave log(0) and a NaN
-    # loss at the sharpest temperatures, which argmin then picked
-    conf = np.clip(np.stack([o.temp_probs.mean(0) for o in outs]).astype(np.float64), 1e-12, 1 - 1e-12)  # (N, G)
-    loss = -(correct * np.log(conf) + (1 - correct) * np.log(1 - conf)).mean(0)
+    loss = correctness_log_loss(open_ended_set(records, outs).correct, [o.temp_probs for o in outs])
     g = int(np.argmin(loss))
     return float(grid[g]), g
 

@@ -9,8 +9,13 @@ uncalibrated, temperature scaling, LoRA CE, LoRA CE + T, CALM, CALM + T. Confide
 - ``token``: mean answer-token probability of the greedy answer; ``+ T`` rows: the same answers'
   token probabilities at the temperature fitted on the held-out split (log-loss of correctness);
 - ``semantic``: N sampled answers clustered by SQuAD-normalised exact match; the modal cluster's
-  sample-split frequency (ECE here is Sem-ECE); ``+ T`` rows sample from the temperature-scaled
-  model, i.e. at the fitted temperature (the deployed model with temperature T is softmax(z / T)).
+  sample-split frequency (ECE here is Sem-ECE); ``+ T`` rows sample at the sampling temperature with
+  the lowest held-out Sem-ECE (the post-hoc knob of semantic confidence).
+
+Model selection is on the metric each row reports: the held-out greedy answers' ECE (token rows, the
+library's rule in the training loop) or the held-out Sem-ECE (semantic rows, the same rule replayed on
+the Sem-ECE measured at every evaluation). Every evaluation also records the teacher-forced proxy that
+selection used before, so the report tabulates the proxy against the generated answers' ECE.
 
 Usage (each part a process; ``--report`` joins the parts):
     PYTHONPATH=. python benchmarks/open_calibration.py --part base --out /tmp/open_cal
@@ -39,9 +44,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibration_bench import TEMPERATURE_GRID, fit_open_temperature
 from harness.open_facts import fact_questions
 from harness.report import machine_info, machine_line
+from scipy.stats import spearmanr
 
 from llm_calib import (
     CalibrationConfig,
@@ -51,10 +56,17 @@ from llm_calib import (
     PromptSettings,
     SelectionSettings,
     TrainingSettings,
-    calibrate,
 )
+from llm_calib.calm import training
 from llm_calib.calm.fast_eval import open_ended_set
-from llm_calib.confidence.kinds import OpenConfidence
+from llm_calib.calm.run import resolve_run
+from llm_calib.confidence.kinds import OpenConfidence, score_open
+from llm_calib.confidence.temperature import (
+    SAMPLING_TEMPERATURES,
+    AnswerTokenLogits,
+    choose_sampling_temperature,
+    fit_token_temperature,
+)
 from llm_calib.confidence.token import encode_open_prompts
 from llm_calib.data import builtin_open_questions, load
 from llm_calib.data.records import OpenQA
@@ -87,8 +99,9 @@ class Sizes:
     fewshot: int = 5
     steps: int = 40
     batch_size: int = 8
-    eval_every: int = 10
+    eval_every: int = 5
     samples: int = 10
+    sampling_temperatures: tuple[float, ...] = SAMPLING_TEMPERATURES  # the semantic knob's grid
     max_new_tokens: int = 24
     gen_batch: int = 8
     bootstrap: int = 1000
@@ -128,13 +141,14 @@ def config(sizes: Sizes, examples: Any, method: str, seed: int, n_layers: int) -
                              selection=SelectionSettings(eval_every=sizes.eval_every))
 
 
-def greedy_grid(model: Any, tok: Any, records: list[OpenQA], fmt: Any, sizes: Sizes) -> list[GenOut]:
-    """Greedy answers with every answer token's probability on the temperature grid."""
+def greedy_at(model: Any, tok: Any, records: list[OpenQA], fmt: Any, sizes: Sizes, temperature: float | None) -> list[GenOut]:
+    """Greedy answers with every answer token's probability at 1 and (``temperature``) at T: the deployed model
+    at T answers the same and only its token probabilities change."""
     prompts = encode_open_prompts(tok, records, fmt)
     outs: list[GenOut] = []
     for i in range(0, len(prompts), sizes.gen_batch):
         batch = generate_greedy(model, tok, prompts[i : i + sizes.gen_batch], max_new_tokens=sizes.max_new_tokens,
-                                temperatures=TEMPERATURE_GRID,
+                                temperatures=None if temperature is None else [temperature],
                                 until=[getattr(r, "until", None) for r in records[i : i + sizes.gen_batch]])
         outs += [GenOut(a.text, a.token_ids, a.token_probs, a.temp_probs) for a in batch]
     return outs
@@ -144,30 +158,104 @@ def _clean(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def score_model(model: Any, tok: Any, d: dict[str, Any], fmt: Any, sizes: Sizes, log: Any) -> dict[str, Any]:
-    """One model's rows: token and semantic confidence, at T = 1 and at the temperature fitted on the
-    held-out split; per test set, every metric (with bootstrap intervals)."""
+def fit_token_T(model: Any, tok: Any, d: dict[str, Any], fmt: Any, sizes: Sizes) -> tuple[float, dict[str, float]]:
+    """The library's token-confidence temperature, fitted on the held-out greedy answers."""
+    held = d["heldout"]
+    outs = greedy_at(model, tok, held, fmt, sizes, None)
+    view = AnswerTokenLogits(model, encode_open_prompts(tok, held, fmt), [o.token_ids for o in outs],
+                             tok.pad_token_id if tok.pad_token_id is not None else 0, batch_size=sizes.gen_batch)
+    fit = fit_token_temperature(open_ended_set(held, outs).correct, view.probs)
+    return fit.temperature, {"log_loss_before": fit.log_loss_before, "log_loss_after": fit.log_loss_after}
+
+
+def heldout_semantic(model: Any, tok: Any, d: dict[str, Any], fmt: Any, sizes: Sizes, temperature: float) -> dict[str, float]:
+    """Sem-ECE and modal accuracy of the held-out split, answers sampled at ``temperature`` (seed 0)."""
+    conf = OpenConfidence("semantic", samples=sizes.samples, temperature=temperature, seed=0)
+    scored = score_open(model, tok, d["heldout"], conf, prompt=fmt, max_new_tokens=sizes.max_new_tokens,
+                        batch_size=sizes.gen_batch)
+    return _clean(scored.summary(ci=False))
+
+
+def score_token(model: Any, tok: Any, d: dict[str, Any], fmt: Any, sizes: Sizes, log: Any) -> dict[str, Any]:
+    """Token rows of one model: the test sets at T = 1 and at the temperature fitted on the held-out split."""
     t0 = time.perf_counter()
-    held = greedy_grid(model, tok, d["heldout"], fmt, sizes)
-    T, g = fit_open_temperature(d["heldout"], held, TEMPERATURE_GRID)
-    log(f"  temperature fitted on the held-out split: T = {T:.3f}")
-    out: dict[str, Any] = {"temperature": T, "token": {}, "token+T": {}, "semantic": {}, "semantic+T": {}}
+    T, fit = fit_token_T(model, tok, d, fmt, sizes)
+    log(f"  token temperature fitted on the held-out split: T = {T:.3f}")
+    out: dict[str, Any] = {"temperature": T, "temperature_fit": fit, "token": {}, "token+T": {}}
     boot = {"ci": sizes.bootstrap > 0, "n_resamples": max(sizes.bootstrap, 1), "seed": 0}
     for name, recs in d["tests"].items():
-        outs = greedy_grid(model, tok, recs, fmt, sizes)
+        outs = greedy_at(model, tok, recs, fmt, sizes, T)
         out["token"][name] = _clean(open_ended_set(recs, outs).summary(**boot))
-        out["token+T"][name] = _clean(open_ended_set(recs, outs, g).summary(**boot))
+        out["token+T"][name] = _clean(open_ended_set(recs, outs, 0).summary(**boot))
         log(f"  greedy {name}: accuracy {out['token'][name]['accuracy']:.3f}")
-    out["greedy_s"] = time.perf_counter() - t0
+    out["token_s"] = time.perf_counter() - t0
+    return out
+
+
+def score_semantic(model: Any, tok: Any, d: dict[str, Any], fmt: Any, sizes: Sizes, log: Any,
+                   heldout_at_1: dict[str, float] | None = None) -> dict[str, Any]:
+    """Semantic rows of one model: the test sets sampled at T = 1 and at the sampling temperature chosen on the
+    held-out Sem-ECE (the post-hoc knob of semantic confidence)."""
+    t0 = time.perf_counter()
+    at: dict[float, dict[str, float]] = {}
+
+    def sem_ece(t: float) -> float:
+        if t == 1.0 and heldout_at_1 is not None:
+            at[t] = heldout_at_1
+        else:
+            at[t] = heldout_semantic(model, tok, d, fmt, sizes, t)
+        return at[t]["ece"]
+
+    T, values = choose_sampling_temperature(sem_ece, sizes.sampling_temperatures)
+    log(f"  sampling temperature chosen on the held-out Sem-ECE: T = {T:g} ({values})")
+    out: dict[str, Any] = {"sampling_temperature": T, "heldout_semantic_at": {f"{t:g}": m for t, m in at.items()}}
+    boot = {"ci": sizes.bootstrap > 0, "n_resamples": max(sizes.bootstrap, 1), "seed": 0}
     for key, temp in (("semantic", 1.0), ("semantic+T", T)):
-        t1 = time.perf_counter()
+        if key == "semantic+T" and T == 1.0:
+            out[key] = out["semantic"]
+            continue
         conf = OpenConfidence("semantic", samples=sizes.samples, temperature=temp, seed=0)
         res = evaluate_records(model, tok, list(d["tests"].items()), open_prompt=fmt, confidence=conf,
                                max_new_tokens=sizes.max_new_tokens, batch_size=sizes.gen_batch, **boot)
         out[key] = {dom: _clean(r.uncalibrated) for dom, r in res.domains.items()}
-        out[f"{key}_s"] = time.perf_counter() - t1
-        log(f"  {key} (T = {temp:.3f}): {out[f'{key}_s']:.0f} s")
+    out["semantic_s"] = time.perf_counter() - t0
+    log(f"  semantic rows: {out['semantic_s']:.0f} s")
     return out
+
+
+def train_keeping_evaluations(model: Any, tok: Any, d: dict[str, Any], cfg: CalibrationConfig,
+                              log: Any) -> tuple[Any, Any, dict[int, dict[str, Any]]]:
+    """The library's training loop (:mod:`llm_calib.calm.training`, as ``calibrate`` runs it, with selection on
+    the held-out greedy answers' ECE), keeping θ at every evaluation; returns the trainer, its state and the
+    θ per evaluated step (0: the initial model)."""
+    trainer = training.build_trainer(copy.deepcopy(model), tok, d["train"], d["heldout"],
+                                     resolve_run(cfg, d["train"], d["heldout"]))
+    state = training.init_state(trainer)
+    thetas = {0: {k: v.clone() for k, v in state.theta.items()}}
+    while not training.done(trainer, state):
+        record = training.train_step(trainer, state)
+        if training.evaluation_due(trainer, state.step):
+            record.update(training.select(trainer, state, training.evaluate(trainer, state.theta)))
+            thetas[state.step] = {k: v.clone() for k, v in state.theta.items()}
+            log(f"  step {state.step}: held-out greedy ECE {record['heldout_ece']:.3f} (accuracy "
+                f"{record['heldout_accuracy']:.3f}), teacher-forced {record['heldout_teacher_forced_ece']:.3f}")
+        state.history.append(record)
+    return trainer, state, thetas
+
+
+def _commit() -> str:
+    """The git commit the part ran at (``+dirty`` with uncommitted changes), or ``?``."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return head + ("+dirty" if dirty else "")
 
 
 def run_part(part: str, sizes: Sizes, args: argparse.Namespace) -> None:
@@ -187,12 +275,13 @@ def run_part(part: str, sizes: Sizes, args: argparse.Namespace) -> None:
     n_layers = int(model.config.num_hidden_layers)
     fmt = open_prompt_format(config(sizes, d["examples"], "lora_ce", 0, n_layers).prompt)
     record: dict[str, Any] = {"part": part, "sizes": sizes.__dict__, "started": _dt.datetime.now(_dt.UTC).isoformat(),
+                              "commit": _commit(),
                               "n": {"train": len(d["train"]), "heldout": len(d["heldout"]),
                                     **{k: len(v) for k, v in d["tests"].items()}}, "examples": d["examples"]}
     t0, cpu0 = time.perf_counter(), time.process_time()
     if part == "base":
         log("scoring the base model")
-        base = score_model(model, tok, d, fmt, sizes, log)
+        base = {**score_token(model, tok, d, fmt, sizes, log), **score_semantic(model, tok, d, fmt, sizes, log)}
         # the benchmark's token path is the library's: evaluate's token confidence on the same answers
         check = evaluate_records(model, tok, list(d["tests"].items()), open_prompt=fmt, ci=False,
                                  max_new_tokens=sizes.max_new_tokens, batch_size=sizes.gen_batch)
@@ -202,29 +291,58 @@ def run_part(part: str, sizes: Sizes, args: argparse.Namespace) -> None:
     else:
         seed = int(part)
         record["rows"] = {}
+        base_sem = heldout_semantic(model, tok, d, fmt, sizes, 1.0)  # step 0 of every run's semantic history
         for method in ("lora_ce", "calm"):
             cfg = config(sizes, d["examples"], method, seed, n_layers)
-            log(f"training {method}, seed {seed}: {sizes.steps} steps")
+            log(f"training {method}, seed {seed}: {sizes.steps} steps, held-out evaluation every {sizes.eval_every}")
             t1 = time.perf_counter()
-            result = calibrate(copy.deepcopy(model), tok, d["train"], d["heldout"], cfg, progress=False)
+            trainer, state, thetas = train_keeping_evaluations(model, tok, d, cfg, log)
             train_s = time.perf_counter() - t1
-            selected = result.metrics.get("after", {}).get("selected_step")
+            # every kept evaluation, scored again with semantic confidence (Sem-ECE of the held-out samples)
+            t1 = time.perf_counter()
+            before = {**state.before, "sem_ece": base_sem["ece"], "sem_accuracy": base_sem["accuracy"]}
+            sem_at_step = {0: base_sem}
+            for rec in state.history:
+                if "heldout_ece" in rec:
+                    trainer.lm.load_theta(thetas[rec["step"]])
+                    sem_at_step[rec["step"]] = heldout_semantic(trainer.model, tok, d, fmt, sizes, 1.0)
+                    rec["heldout_sem_ece"] = sem_at_step[rec["step"]]["ece"]
+                    rec["heldout_sem_accuracy"] = sem_at_step[rec["step"]]["accuracy"]
+            sem_eval_s = time.perf_counter() - t1
+            token_step = int(state.best["step"])
+            replayed = training.replay_selection(state.history, before, cfg.selection)
+            assert replayed["step"] == token_step, (replayed, token_step)  # the replay is the loop's rule
+            semantic_step = training.replay_selection(state.history, before, cfg.selection, metric="sem_ece",
+                                                      accuracy="sem_accuracy")["step"]
+            proxy_step = training.replay_selection(state.history, before, cfg.selection, metric="teacher_forced_ece",
+                                                   accuracy="teacher_forced_accuracy")["step"]
+            log(f"  {method}: selected step {token_step} (greedy ECE), {semantic_step} (Sem-ECE); the proxy would "
+                f"pick {proxy_step}")
             base_part = out_dir / "parts" / "base.json"
-            if selected == 0 and base_part.is_file():
-                # the selection rule kept the initial model: the deployed model is the base model (LoRA's B = 0)
-                # and the samples are seeded alike, so its rows are the base part's (scored anyway once, on
-                # 2026-12-06, seed 0's LoRA CE at step 0 matched the base part to 2.3e-08 under token, exactly
-                # under semantic)
-                log(f"  {method}: the initial model was kept (selected step 0): its rows are the base part's")
-                scored = {**json.loads(base_part.read_text())["rows"]["uncalibrated"], "reused": "base"}
-            else:
-                scored = score_model(result.model, tok, d, fmt, sizes, log)
-            scored["train_s"] = train_s
-            scored["selected_step"] = selected
-            scored["notes"] = list(getattr(result, "notes", []) or [])
-            scored["history"] = result.history
+            base_rows = json.loads(base_part.read_text())["rows"]["uncalibrated"] if base_part.is_file() else None
+            scored: dict[str, Any] = {"reused": []}
+            for kind, step in (("token", token_step), ("semantic", semantic_step)):
+                if step == 0 and base_rows is not None:
+                    # the initial model was kept (LoRA's B = 0): the deployed model is the base model, and the
+                    # samples are seeded alike, so its rows are the base part's
+                    keys = (("token", "token+T", "temperature", "temperature_fit") if kind == "token" else
+                            ("semantic", "semantic+T", "sampling_temperature", "heldout_semantic_at"))
+                    scored.update({k: base_rows[k] for k in keys})
+                    scored["reused"].append(kind)
+                    continue
+                trainer.lm.load_theta(thetas[step])
+                if kind == "token":
+                    scored.update(score_token(trainer.model, tok, d, fmt, sizes, log))
+                else:
+                    scored.update(score_semantic(trainer.model, tok, d, fmt, sizes, log, sem_at_step[step]))
+            scored.update({"train_s": train_s, "sem_eval_s": sem_eval_s, "selected_step": token_step,
+                           "semantic_selected_step": semantic_step, "proxy_selected_step": proxy_step,
+                           "stopped_early": bool(state.stopped_early),
+                           "notes": [n for n in [training.selection_note(state.history, state.before, token_step, cfg.selection,
+                                                                          "greedy-answer ECE")] if n],
+                           "history": state.history, "before": before})
             record["rows"][method] = scored
-            del result
+            del trainer, state, thetas
     record["wall_s"], record["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
     record["finished"] = _dt.datetime.now(_dt.UTC).isoformat()
     write_json_atomic(out_dir / "parts" / f"{part}.json", record)
@@ -258,22 +376,81 @@ def _cell(values: list[dict[str, float]], name: str, metric: str) -> str:
     return f"{np.mean(xs):.3f} ± {np.std(xs, ddof=1):.3f}"
 
 
-def _histories(trained: list[tuple[str, int, dict[str, Any]]]) -> list[str]:
-    """The held-out (teacher-forced) ECE and accuracy at each evaluation of the runs that recorded them."""
-    rows = [(m, seed, r["history"]) for m, seed, r in sorted(trained, key=lambda t: (t[0], t[1])) if r.get("history")]
+def _evaluations(trained: list[tuple[str, int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (run, evaluated step): the held-out teacher-forced proxy, greedy-answer and semantic metrics."""
+    rows = []
+    for m, seed, r in sorted(trained, key=lambda t: (t[1], t[0])):
+        if not r.get("history") or "before" not in r:
+            continue
+        b = r["before"]
+        rows.append({"method": m, "seed": seed, "step": 0, "proxy_ece": b["teacher_forced_ece"],
+                     "proxy_acc": b["teacher_forced_accuracy"], "greedy_ece": b["ece"], "greedy_acc": b["accuracy"],
+                     "sem_ece": b["sem_ece"], "sem_acc": b["sem_accuracy"]})
+        for h in r["history"]:
+            if "heldout_sem_ece" in h:
+                rows.append({"method": m, "seed": seed, "step": int(h["step"]), "proxy_ece": h["heldout_teacher_forced_ece"],
+                             "proxy_acc": h["heldout_teacher_forced_accuracy"], "greedy_ece": h["heldout_ece"],
+                             "greedy_acc": h["heldout_accuracy"], "sem_ece": h["heldout_sem_ece"],
+                             "sem_acc": h["heldout_sem_accuracy"]})
+    return rows
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
+        return math.nan
+    return float(spearmanr(xs, ys).statistic)
+
+
+def rank_correlations(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Spearman's rank correlation of the proxy ECE with the greedy-answer ECE and with the Sem-ECE, per seed
+    (every evaluation of both methods; the initial model once) and over all seeds."""
+    out: dict[str, dict[str, float]] = {}
+    groups = {f"seed {s}": [r for r in rows if r["seed"] == s] for s in sorted({r["seed"] for r in rows})}
+    groups["all seeds"] = rows
+    for name, rs in groups.items():
+        seen, uniq = set(), []
+        for r in rs:  # the initial model is the same in every run of a seed: count it once per seed
+            key = (r["seed"], r["step"]) if r["step"] == 0 else (r["seed"], r["method"], r["step"])
+            if key not in seen:
+                seen.add(key)
+                uniq.append(r)
+        out[name] = {"n": len(uniq),
+                     "proxy_vs_greedy": _spearman([r["proxy_ece"] for r in uniq], [r["greedy_ece"] for r in uniq]),
+                     "proxy_vs_sem": _spearman([r["proxy_ece"] for r in uniq], [r["sem_ece"] for r in uniq]),
+                     "greedy_vs_sem": _spearman([r["greedy_ece"] for r in uniq], [r["sem_ece"] for r in uniq])}
+    return out
+
+
+def _measurement(trained: list[tuple[str, int, dict[str, Any]]], n_heldout: int) -> list[str]:
+    """The proxy-vs-generated table: every kept evaluation of the held-out split, and the rank correlations."""
+    rows = _evaluations(trained)
     if not rows:
         return []
-    lines = ["## Held-out split during training (teacher-forced proxy: ECE / accuracy per evaluation)", "",
-             "| run | selected step | evaluations |", "|---|---|---|"]
-    for m, seed, hist in rows:
-        evals = ", ".join(f"step {int(h['step'])}: {h['heldout_ece']:.3f} / {h['heldout_accuracy']:.3f}"
-                          for h in hist if "heldout_ece" in h)
-        selected = next(r["selected_step"] for name, s, r in trained if name == m and s == seed)
-        lines.append(f"| {LABELS[m]}, seed {seed} | {selected} | {evals} |")
-    missing = sorted({seed for m, seed, r in trained if not r.get("history")})
-    if missing:
-        lines += ["", f"(Seeds {', '.join(map(str, missing))} ran before the parts kept the history; their selected steps "
-                  "are above.)"]
+    lines = ["## Held-out split at every evaluation: the teacher-forced proxy against the generated answers", "",
+             f"ECE / accuracy of the held-out split ({n_heldout} questions) at each evaluation of each run: the teacher-forced "
+             "proxy (the reference answer fed token by token; confidence = mean top-token probability, correct = "
+             "every reference token is the top token), the greedy answers (token confidence), and 10 sampled answers "
+             "(semantic confidence, Sem-ECE; modal answer's accuracy). Step 0 is the initial model.", "",
+             "| run | step | proxy ECE / acc | greedy ECE / acc | Sem-ECE / modal acc |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {LABELS[r['method']]}, seed {r['seed']} | {r['step']} | {r['proxy_ece']:.3f} / {r['proxy_acc']:.3f} | "
+                     f"{r['greedy_ece']:.3f} / {r['greedy_acc']:.3f} | {r['sem_ece']:.3f} / {r['sem_acc']:.3f} |")
+    corr = rank_correlations(rows)
+    lines += ["", "Spearman rank correlation over the evaluations (both methods' runs; the initial model counted once per "
+              "seed):", "", "| evaluations | n | proxy vs greedy ECE | proxy vs Sem-ECE | greedy ECE vs Sem-ECE |",
+              "|---|---|---|---|---|"]
+    for name, c in corr.items():
+        lines.append(f"| {name} | {c['n']} | {c['proxy_vs_greedy']:.2f} | {c['proxy_vs_sem']:.2f} | {c['greedy_vs_sem']:.2f} |")
+    return [*lines, ""]
+
+
+def _selections(trained: list[tuple[str, int, dict[str, Any]]]) -> list[str]:
+    """The step each rule selects per run: greedy ECE (the token rows), Sem-ECE (the semantic rows), the proxy."""
+    lines = ["## Selected steps", "", "| run | greedy-answer ECE (token rows) | Sem-ECE (semantic rows) | teacher-forced proxy "
+             "(the old rule) | stopped early |", "|---|---|---|---|---|"]
+    for m, seed, r in sorted(trained, key=lambda t: (t[0], t[1])):
+        lines.append(f"| {LABELS[m]}, seed {seed} | {r['selected_step']} | {r.get('semantic_selected_step', 'n/a')} | "
+                     f"{r.get('proxy_selected_step', 'n/a')} | {'yes' if r.get('stopped_early') else 'no'} |")
     return [*lines, ""]
 
 
@@ -324,33 +501,46 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
         f"- Confidence `token`: mean answer-token probability of the greedy answer. `semantic`: {s['samples']} answers "
         "sampled per question (temperature 1, top-p 1, seed 0 for every model), clustered by SQuAD-normalised exact "
         "match; the modal cluster is the answer, its sample-split frequency (10 splits) the confidence; ECE is Sem-ECE. "
-        "`+ T` rows: T fitted on the held-out greedy answers (log-loss of correctness of the token confidence, "
-        "grid 0.25-64); under `token` the same answers at T, under `semantic` answers sampled at T (the "
-        "temperature-scaled model's own samples).",
+        "`+ T` rows, the post-hoc knob of each kind: under `token`, T fitted on the held-out greedy answers by the "
+        "log-loss of correctness of the token confidence (`llm_calib.confidence.temperature.fit_token_temperature`, "
+        "exact token probabilities at any T), and the same answers at T; under `semantic`, the sampling temperature "
+        "with the lowest held-out Sem-ECE (`choose_sampling_temperature`), and the test answers sampled at it.",
         f"- Check: the benchmark's token path equals `evaluate_records`' token confidence on the base model "
         f"(max |diff| of accuracy and ECE {base.get('token_check_max_abs_diff', float('nan')):.1e}).",
         "",
     ]
-    temps = {"temperature": [base["rows"]["uncalibrated"]["temperature"]]}
+    unc = base["rows"]["uncalibrated"]
+    temps = {"temperature": [unc["temperature"]]}
+    samp = {"temperature": [unc["sampling_temperature"]]}
     for p in parts:
         for m, r in p["rows"].items():
             if m != "uncalibrated":
                 temps.setdefault(f"{m}+T", []).append(r["temperature"])
-    lines.append("Fitted temperatures: " + "; ".join(f"{LABELS[k]} {', '.join(f'{t:.2f}' for t in v)}" for k, v in temps.items()) + ".")
+                samp.setdefault(f"{m}+T", []).append(r["sampling_temperature"])
+    lines.append("Token confidence, T fitted on the held-out greedy answers: "
+                 + "; ".join(f"{LABELS[k]} {', '.join(f'{t:.3f}' for t in v)}" for k, v in temps.items()) + ".")
+    lines.append("Semantic confidence, sampling temperature chosen on the held-out Sem-ECE from "
+                 + ", ".join(f"{t:g}" for t in s.get("sampling_temperatures", SAMPLING_TEMPERATURES)) + ": "
+                 + "; ".join(f"{LABELS[k]} {', '.join(f'{t:g}' for t in v)}" for k, v in samp.items()) + ".")
     lines.append("")
     trained = [(m, int(p["part"]), r) for p in parts if p["part"] != "base" for m, r in p["rows"].items()]
     for m in ("lora_ce", "calm"):
         runs = sorted((seed, r) for name, seed, r in trained if name == m)
         if runs:
-            lines.append(f"- {LABELS[m]}: selected step per seed " + ", ".join(f"{r['selected_step']}" for _, r in runs)
-                         + f" of {s['steps']}; training " + ", ".join(f"{r['train_s'] / 60:.1f}" for _, r in runs) + " min"
-                         + ("; rows of runs that kept the initial model are the base part's (the deployed model is "
-                            "the base model)" if any(r.get("reused") for _, r in runs) else "") + ".")
-    lines += ["- Selection is the library's rule: the lowest held-out ECE (for open questions a teacher-forced proxy) "
-              "among evaluations whose held-out accuracy is at least 95% of the initial one; step 0 (the initial "
-              "model) is a candidate, so a run whose training only raised the held-out ECE deploys the base model.", ""]
+            lines.append(f"- {LABELS[m]}: selected step per seed " + ", ".join(
+                f"{r['selected_step']} (token) / {r.get('semantic_selected_step', '?')} (semantic)" for _, r in runs)
+                + f" of {s['steps']}; training " + ", ".join(f"{r['train_s'] / 60:.1f}" for _, r in runs) + " min"
+                + ("; rows of a kept initial model are the base part's (the deployed model is the base model)"
+                   if any(r.get("reused") for _, r in runs) else "") + ".")
+    lines += ["- Selection is the library's rule on the metric each row reports: the lowest held-out ECE of the "
+              "greedy answers (token rows; `selection.open_metric: generated`, in the training loop) or the lowest "
+              "held-out Sem-ECE (semantic rows; the same rule replayed on the Sem-ECE recorded at every evaluation, "
+              "`training.replay_selection`), among evaluations whose held-out accuracy (greedy, or the modal answer's) "
+              "is at least 95% of the initial one; step 0 (the initial model) is a candidate. Evaluations every "
+              f"{s['eval_every']} steps.", ""]
     lines += [*_summary(parts, sets), ""]
-    lines += _histories(trained)
+    lines += _selections(trained)
+    lines += _measurement(trained, base["n"]["heldout"])
     if near_zero:
         lines += [f"**Near-zero accuracy** (uncalibrated token accuracy < {NEAR_ZERO}): {', '.join(near_zero)}. There the "
                   "model answers (almost) nothing correctly, so ECE equals the mean confidence and only rewards low "
@@ -369,7 +559,8 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
     text = "\n".join(lines)
     if md is not None:
         write_text_atomic(md, text + "\n")
-        write_json_atomic(md.with_suffix(".json"), {"parts": parts})
+        write_json_atomic(md.with_suffix(".json"), {"parts": parts, "evaluations": _evaluations(trained),
+                                                     "rank_correlations": rank_correlations(_evaluations(trained))})
     return text
 
 

@@ -241,19 +241,35 @@ def test_open_ended_training_and_report(tiny_model_dir, tmp_path, examples):
     fmt = short_answer_format(examples) if examples else PromptFormat()
     assert cli.main(argv) == 0
     data = json.loads((out / "metrics.json").read_text())
-    assert data["temperature"] is None and data["config"]["train"]["kind"] == "open"
+    assert data["config"]["train"]["kind"] == "open"
     dom = data["domains"]["nq_open"]
     assert dom["kind"] == "open" and dom["n"] == 4
-    assert dom["columns"]["temperature_scaled"] is None
+    # the open domains have the temperature columns: T fitted to token confidence on the held-out answers
+    assert data["columns"] == ["uncalibrated", "temperature_scaled", "calm", "calm+temperature"]
+    assert data["temperature"]["criterion"] == "correctness_nll" and data["temperature"]["source"] == heldout
+    assert data["method_temperatures"]["calm"]["criterion"] == "correctness_nll"
+    assert dom["columns"]["temperature_scaled"] is not None and dom["columns"]["calm+temperature"] is not None
+    report = (out / "report.md").read_text()
+    domain_table = report[report.index("## nq_open"):]
+    assert "| temperature-scaled |" in domain_table and "| calm + temperature |" in domain_table
+    assert "fitted to token confidence (NLL of correctness)" in report
     # the calm column is the greedy open-ended scorer on the saved result
     model, tok = load_model(str(tiny_model_dir))
     loaded = CalibrationResult.load(out / "calm", model)
     ref = open_ended_summary(score_open_ended(loaded.model, tok, load_data(test).records, prompt=fmt), ci=False)
     for key in ("accuracy", "ece", "mean_confidence"):
         assert dom["columns"]["calm"][key] == pytest.approx(ref[key], abs=1e-6), key
-    base = open_ended_summary(score_open_ended(load_model(str(tiny_model_dir))[0], tok, load_data(test).records,
-                                               prompt=fmt), ci=False)
+    T = data["method_temperatures"]["calm"]["temperature"]
+    ref = open_ended_summary(score_open_ended(loaded.model, tok, load_data(test).records, prompt=fmt, temperature=T),
+                             ci=False)
+    for key in ("accuracy", "ece", "mean_confidence"):  # the same answers, their token probabilities at T
+        assert dom["columns"]["calm+temperature"][key] == pytest.approx(ref[key], abs=1e-6), key
+    base_model = load_model(str(tiny_model_dir))[0]
+    base = open_ended_summary(score_open_ended(base_model, tok, load_data(test).records, prompt=fmt), ci=False)
     assert dom["columns"]["uncalibrated"]["mean_confidence"] == pytest.approx(base["mean_confidence"], abs=1e-6)
+    scaled = open_ended_summary(score_open_ended(base_model, tok, load_data(test).records, prompt=fmt,
+                                                 temperature=data["temperature"]["temperature"]), ci=False)
+    assert dom["columns"]["temperature_scaled"]["ece"] == pytest.approx(scaled["ece"], abs=1e-6)
     assert "trained on open questions" in (out / "report.md").read_text()
 
 

@@ -112,7 +112,17 @@ def test_calibrate_report_scores_every_column_with_the_chosen_confidence(tiny_mo
     cols = {k: v for k, v in report["domains"]["toy"]["columns"].items() if v}
     assert {"uncalibrated", "lora_ce"} <= set(cols)
     assert all(c["samples"] == 3 and "mean_clusters" in c for c in cols.values())
-    assert "Sem-ECE" in (out / "report.md").read_text()
+    text = (out / "report.md").read_text()
+    assert "Sem-ECE" in text
+    # the post-hoc knob of semantic confidence: the sampling temperature chosen by held-out Sem-ECE, in the
+    # temperature columns, and model selection on the held-out Sem-ECE
+    assert set(cols) == {"uncalibrated", "temperature_scaled", "lora_ce", "lora_ce+temperature"}
+    fit = report["temperature"]
+    assert fit["criterion"] == "sem_ece" and set(fit["tried"]) == {"0.5", "0.7", "1", "1.4", "2"}
+    assert fit["nll_after"] == min(fit["tried"].values()) and fit["tried"][f"{fit['temperature']:g}"] == fit["nll_after"]
+    assert "the sampling temperature chosen by Sem-ECE" in text and "| lora_ce + temperature |" in text
+    assert report["training"]["lora_ce"]["selection"]["metric"] == "Sem-ECE of 3 sampled answers (semantic confidence)"
+    assert "read the held-out Sem-ECE of 3 sampled answers" in text
     ev = tmp_path / "ev"
     assert main(["evaluate", "--model", str(tiny_model_dir), "--data", f"jsonl:{open_file}", "--bootstrap", "50",
                  "--quiet", "--confidence", "semantic", "--samples", "3", "--splits", "4", "--out", str(ev)]) == 0

@@ -12,6 +12,7 @@ import torch
 from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
 from harness.evaluation import group_means, score_records, summarize_scored
 
+from llm_calib.confidence.kinds import OpenConfidence
 from llm_calib.data import builtin_multiple_choice
 from llm_calib.data.records import OpenQA
 from llm_calib.evaluation.evaluate import evaluate, evaluate_records
@@ -101,8 +102,13 @@ def test_open_questions_get_binary_calibration_metrics(tiny):
     assert r.kind == "open" and r.n == 4
     for key in ("accuracy", "f1", "ece", "brier", "nll", "mean_confidence", "ece_product"):
         assert key in r.uncalibrated
-    with pytest.raises(ValueError, match="temperature_fit"):
-        evaluate_records(model, tok, [("open", recs)], temperature_fit=("open", recs))
+    # open questions take a temperature too (token confidence: fitted on their greedy answers)...
+    scaled = evaluate_records(model, tok, [("open", recs)], temperature_fit=("open", recs), ci=False, max_new_tokens=3)
+    assert scaled.temperature.criterion == "correctness_nll" and scaled.domains["sums"].temperature_scaled is not None
+    # ... but not a judged confidence, which no temperature of the answers sets
+    with pytest.raises(ValueError, match="temperature_fit 'open': no temperature applies to p_true"):
+        evaluate_records(model, tok, [("open", recs)], temperature_fit=("open", recs),
+                         confidence=OpenConfidence("p_true"))
 
 
 class _ScriptedLM(torch.nn.Module):

@@ -154,6 +154,25 @@ class ResolvedRun:
     settings: ResolvedPromptSettings
     theta_optimizer: hg.inner.Adam
 
+    def with_confidence(self, confidence: Any) -> ResolvedRun:
+        """The same run scoring open answers with ``confidence``
+        (:class:`~llm_calib.confidence.kinds.OpenConfidence`; None: token): the held-out answers of model
+        selection (``selection.open_metric: generated``) are scored as the report scores them.
+
+        Example:
+            >>> from llm_calib.confidence.kinds import OpenConfidence
+            >>> from llm_calib.data import builtin_open_questions
+            >>> qs = builtin_open_questions(2, ["capitals"])
+            >>> run = resolve_run(CalibrationConfig(), qs[:1], qs[1:]).with_confidence(OpenConfidence("semantic"))
+            >>> run.formats.upper.confidence.kind
+            'semantic'
+        """
+        def scored(fmt: TaskFormat) -> TaskFormat:
+            return dataclasses.replace(fmt, confidence=confidence) if fmt.family == "open" else fmt
+
+        lower, upper = self.formats
+        return dataclasses.replace(self, formats=RunFormats(scored(lower), scored(upper)))
+
     @property
     def objective(self) -> Objective:
         """The run's objective (``config.objective``)."""
@@ -189,7 +208,7 @@ def check_resolved(run: Any, where: str) -> ResolvedRun:
 
 def resolve_run(config: CalibrationConfig | None, train: Any, heldout: Any, unlabeled: Any = None, *,
                 names: tuple[str, str, str] = ("train", "heldout", "unlabeled"),
-                fewshot_pool: Sequence[Any] = ()) -> ResolvedRun:
+                fewshot_pool: Sequence[Any] = (), confidence: Any = None) -> ResolvedRun:
     """Resolve a run once: its prompt and scorer settings, the formats of its sets, θ's optimiser, its budget.
 
     Args:
@@ -199,6 +218,9 @@ def resolve_run(config: CalibrationConfig | None, train: Any, heldout: Any, unla
         names: how error messages name the three sets.
         fewshot_pool: the few-shot examples of ``config.prompt.fewshot`` (empty: ``fewshot_split`` loaded
             whole; see :func:`~llm_calib.prompts.resolution.resolve_prompt_settings`).
+        confidence: open questions: how held-out answers are scored for model selection
+            (:class:`~llm_calib.confidence.kinds.OpenConfidence`; None: token confidence);
+            see :meth:`ResolvedRun.with_confidence`.
 
     Raises:
         ValueError: a set of records the run cannot use (see :func:`run_formats`), or prompt settings
@@ -215,4 +237,5 @@ def resolve_run(config: CalibrationConfig | None, train: Any, heldout: Any, unla
     optimizer = theta_optimizer(config.lora, config.training.lr)
     settings = resolve_prompt_settings(config.prompt, fewshot_pool)
     formats = run_formats(train, heldout, settings, unlabeled, names=names)
-    return ResolvedRun(config.resolved(len(set_records(train))), formats, settings, optimizer)
+    run = ResolvedRun(config.resolved(len(set_records(train))), formats, settings, optimizer)
+    return run if confidence is None else run.with_confidence(confidence)

@@ -48,6 +48,8 @@ class CalibrationResult:
         timings: wall-clock seconds per phase.
         base: :func:`base_model_record` (empty for results saved before it was recorded).
         notes: one line each: why selection kept the initial model, and what to try.
+        selection: how model selection measured the held-out split
+            (:func:`~llm_calib.calm.training.selection_budget`: the metric, evaluations, answers generated).
     """
 
     model: Any
@@ -58,6 +60,7 @@ class CalibrationResult:
     timings: dict[str, float] = field(default_factory=dict)
     base: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    selection: dict[str, Any] = field(default_factory=dict)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write ``adapter/``, ``lambda.safetensors``, ``config.json``, ``history.json``,
@@ -94,7 +97,7 @@ class CalibrationResult:
             write_json_atomic(out / BASE_MODEL_FILE, self.base)
         from llm_calib.version import __version__
 
-        saved = {"metrics": self.metrics, "timings": self.timings, "notes": list(self.notes),
+        saved = {"metrics": self.metrics, "timings": self.timings, "notes": list(self.notes), "selection": self.selection,
                  "llm_calib_version": __version__}
         write_json_atomic(out / "metrics.json", saved)
         return out
@@ -149,7 +152,7 @@ class CalibrationResult:
         saved = read_json(src / "metrics.json")
         base = read_json(src / BASE_MODEL_FILE) if (src / BASE_MODEL_FILE).is_file() else {}
         return cls(model, lam, history, saved["metrics"], config, saved.get("timings", {}), base,
-                   saved.get("notes", []))
+                   saved.get("notes", []), saved.get("selection", {}))
 
 
 def base_model_record(model: Any, run: ResolvedRun) -> dict[str, Any]:
@@ -186,7 +189,7 @@ def base_model_record(model: Any, run: ResolvedRun) -> dict[str, Any]:
 def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
               config: CalibrationConfig | None = None, *, unlabeled: Records | None = None, checkpoint_dir: str | os.PathLike[str] | None = None,
               resume: bool = False, progress: bool = True,
-              log: Callable[[str], None] | None = None) -> CalibrationResult:
+              log: Callable[[str], None] | None = None, confidence: Any = None) -> CalibrationResult:
     """Fine-tune ``model`` (LoRA) so that its confidence is calibrated; return the result.
 
     Args:
@@ -205,6 +208,11 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
             for ``training.steps`` and ``checkpoint_every``, same records).
         progress: show a tqdm progress bar.
         log: where to say which checkpoint a resumed run continues from (default: nowhere).
+        confidence: open questions: how model selection scores the held-out answers
+            (:class:`~llm_calib.confidence.kinds.OpenConfidence`, the kind the report uses; None: token):
+            greedy-answer ECE under ``token``, Sem-ECE of sampled answers under ``semantic``
+            (``config.selection.sample_budget`` bounds the samples). See ``selection.open_metric``;
+            :func:`calibrate_run` reads it from the resolved run (:meth:`~llm_calib.calm.run.ResolvedRun.with_confidence`).
 
     Warns:
         UserWarning: model selection kept the initial model (why, and what to try).
@@ -226,7 +234,8 @@ def calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records,
         >>> sorted(calibrate(model, tok, qs[:2], qs[2:], cfg, progress=False).metrics)
         ['after', 'before']
     """
-    result = _calibrate(model, tokenizer, train, heldout, lambda: resolve_run(config, train, heldout, unlabeled),
+    result = _calibrate(model, tokenizer, train, heldout,
+                        lambda: resolve_run(config, train, heldout, unlabeled, confidence=confidence),
                         unlabeled, checkpoint_dir, resume, progress, log)
     _warn(result.notes)
     return result
@@ -292,9 +301,12 @@ def _calibrate_in_window(model: Any, tokenizer: Any, train: Records, heldout: Re
     distributed.reshard_all(trainer.model)  # units the implicit solver kept gathered are sharded again
     after["selected_step"] = int(state.best["step"])  # integers as integers in metrics.json
     after["stopped_early"] = int(state.stopped_early)
-    note = training.selection_note(state.history, state.before, after["selected_step"], config.selection)
+    selection = training.selection_budget(config.selection, config.training.steps, trainer.heldout_format,
+                                          len(trainer.heldout.records))
+    note = training.selection_note(state.history, state.before, after["selected_step"], config.selection,
+                                   selection["metric"])
     return CalibrationResult(trainer.model, state.best_lam, state.history, {"before": state.before, "after": after},
-                             config, timings, base, [] if note is None else [note])
+                             config, timings, base, [] if note is None else [note], selection)
 
 
 def _warn(notes: list[str]) -> None:

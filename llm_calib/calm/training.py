@@ -56,12 +56,13 @@ from llm_calib.metrics.calibration import ece as ece_metric
 from llm_calib.objectives.base import Objective
 from llm_calib.training_interface import Batch, ObjectiveState
 
-__all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "RunContext", "TrainState",
-           "Trainer", "TrainingDiverged", "UnreadStep", "budget_refusal", "build_trainer", "check_not_empty",
-           "data_fingerprint", "done", "evaluate", "evaluation_due",
-           "init_state", "is_selectable", "keep_differentiated_units_gathered", "log_due", "parameter_summary",
-           "parameter_tensors", "read_back", "resume_state",
-           "save_state", "select", "selection_note", "train_step", "warn_small_heldout"]
+__all__ = ["MIN_GUARD_QUESTIONS", "RESUMABLE_CHANGES", "RunContext", "TrainState", "Trainer", "TrainingDiverged",
+           "UnreadStep", "budget_refusal", "build_trainer", "check_not_empty", "check_selection_budget",
+           "data_fingerprint", "done", "evaluate", "evaluation_due", "heldout_confidence", "init_state",
+           "is_selectable", "keep_differentiated_units_gathered", "log_due", "parameter_summary",
+           "parameter_tensors", "read_back", "replay_selection", "resume_state", "save_state", "select",
+           "selection_budget", "selection_metric", "selection_note", "selection_update", "train_step",
+           "warn_small_heldout"]
 
 Records = Sequence[MultipleChoice] | Sequence[OpenQA] | EncodedRecords
 """Records of one kind, or their encoding (:class:`~llm_calib.calm.encoding.EncodedRecords`)."""
@@ -88,6 +89,10 @@ class Trainer:
         pad_id: the tokenizer's padding id.
         theta_optimizer: θ's optimiser (:func:`~llm_calib.calm.run.theta_optimizer`).
         objective: the run's objective (default ``config.objective``); :func:`init_state` starts it.
+        tokenizer: the model's tokenizer: open held-out questions are answered with it at each
+            evaluation (``selection.open_metric: generated``); None where nothing is generated.
+        heldout_format: the format that scores the held-out answers for selection (the run's upper
+            format, with its open-answer confidence); None: ``heldout.format``.
     """
 
     config: CalibrationConfig
@@ -100,10 +105,14 @@ class Trainer:
     pad_id: int
     theta_optimizer: Any
     objective: Objective | None = None
+    tokenizer: Any = None
+    heldout_format: TaskFormat | None = None
 
     def __post_init__(self) -> None:
         if self.objective is None:
             self.objective = self.config.objective
+        if self.heldout_format is None:
+            self.heldout_format = self.heldout.format
 
     def with_losses(self, losses: CalmLosses) -> Trainer:
         """A copy computing the losses with ``losses`` (e.g. a slow reference) on the same steps; call it
@@ -293,6 +302,7 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
     check_not_empty(train=train, heldout=heldout, unlabeled=unlabeled)
     config, (fmt, upper) = check_resolved(run, "build_trainer").config, run.formats  # lower level; selection and upper level
     warn_small_heldout(len(_records(heldout)), config.selection)
+    check_selection_budget(config.selection, config.training.steps, upper, len(_records(heldout)))  # before any work
     torch.manual_seed(config.seed)
     peft_model = attach_lora(model, config.lora, output_scale=config.lora.output_scale)
     if distributed.shard_frozen_base(peft_model):
@@ -324,7 +334,7 @@ def build_trainer(model: Any, tokenizer: Any, train: Records, heldout: Records, 
     losses = loss_class(lm, adjustment, run.settings.normalize)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = Trainer(config, peft_model, lm, losses, train_enc, heldout_enc, unlabeled_enc, pad_id,
-                      run.theta_optimizer, objective)
+                      run.theta_optimizer, objective, tokenizer, upper)
     if distributed.is_distributed():
         # A forward pass through the sharded base is a collective: every rank must run the same
         # ones, which a lazily filled cache (each rank its own shard's chunks) would not.
@@ -392,14 +402,23 @@ def warn_small_heldout(n: int, selection: SelectionSettings) -> bool:
 def evaluate(trainer: Trainer, theta: dict[str, Tensor] | None = None, batch_size: int = 16) -> dict[str, float]:
     """Held-out metrics of the deployed model (no adjustment), computed in inference mode.
 
+    Multiple choice: the option metrics (exact). Open questions: under ``selection.open_metric:
+    generated`` (the default) the held-out questions are answered as the report answers them
+    (the held-out format's :meth:`~llm_calib.formats.open_ended.OpenEnded.score`: greedy answers and their
+    token confidence, or N samples and their semantic confidence), and ``accuracy``, ``ece`` and
+    ``confidence`` are those answers'; the teacher-forced proxy is recorded beside them
+    (``teacher_forced_*``). Under ``teacher_forced`` the proxy is the metric.
+
     Args:
         trainer: the run.
         theta: load these LoRA parameters into the model first (default: as it is).
-        batch_size: questions per forward pass.
+        batch_size: questions per forward pass (open questions: per generation batch).
 
     Returns:
-        ``accuracy``, ``ece`` (10 bins), ``nll``, ``entropy`` and ``confidence`` (means), from
-        :meth:`CalmLosses.monitor <llm_calib.calm.losses.CalmLosses.monitor>`.
+        ``accuracy``, ``ece`` (10 bins) and ``confidence`` (mean) of what selection reads; ``nll``
+        and ``entropy`` from :meth:`CalmLosses.monitor <llm_calib.calm.losses.CalmLosses.monitor>`
+        (open questions: of the reference answers, teacher-forced); open questions also
+        ``teacher_forced_accuracy``, ``teacher_forced_ece`` and ``teacher_forced_confidence``.
     """
     if theta is not None:
         trainer.lm.load_theta(theta)
@@ -412,9 +431,110 @@ def evaluate(trainer: Trainer, theta: dict[str, Tensor] | None = None, batch_siz
             parts.append(trainer.losses.monitor(batch))
     stats = {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
     conf, correct = stats["confidence"], stats["correct"]
-    return {"accuracy": float(correct.mean()), "ece": float(ece_metric(conf.numpy(), correct.numpy(), n_bins=10)),
-            "nll": float(stats["nll"].mean()), "entropy": float(stats["entropy"].mean()),
-            "confidence": float(conf.mean())}
+    out = {"accuracy": float(correct.mean()), "ece": float(ece_metric(conf.numpy(), correct.numpy(), n_bins=10)),
+           "nll": float(stats["nll"].mean()), "entropy": float(stats["entropy"].mean()),
+           "confidence": float(conf.mean())}
+    fmt = trainer.heldout_format
+    if fmt.family != "open":
+        return out
+    proxy = {f"teacher_forced_{k}": out[k] for k in ("accuracy", "ece", "confidence")}
+    if trainer.config.selection.open_metric != "generated":
+        return {**out, **proxy}
+    if trainer.tokenizer is None:
+        raise ValueError("selection.open_metric 'generated' answers the held-out questions: the trainer needs the "
+                         "tokenizer (build_trainer passes it), or set selection.open_metric to 'teacher_forced'")
+    with torch.inference_mode():
+        scored = fmt.score(trainer.model, trainer.tokenizer, data.records, batch_size=batch_size)
+    m = scored.summary(n_bins=10, ci=False)
+    return {**out, "accuracy": float(m["accuracy"]), "ece": float(m["ece"]), "confidence": float(m["mean_confidence"]),
+            **proxy}
+
+
+def selection_metric(selection: SelectionSettings, heldout_format: TaskFormat) -> str:
+    """How a run's held-out ECE is measured, in words (reports, notes).
+
+    Example:
+        >>> from llm_calib.formats import OpenEnded, OptionLikelihood
+        >>> selection_metric(SelectionSettings(), OpenEnded())
+        'ECE of the greedy answers (token confidence)'
+        >>> selection_metric(SelectionSettings(), OptionLikelihood())
+        'option ECE'
+    """
+    if heldout_format.family != "open":
+        return "option ECE"
+    if selection.open_metric != "generated":
+        return "teacher-forced proxy ECE (reference answers, no generation)"
+    confidence = getattr(heldout_format, "confidence", None)
+    kind = "token" if confidence is None else confidence.kind
+    if kind == "semantic":
+        return f"Sem-ECE of {confidence.samples} sampled answers (semantic confidence)"
+    return f"ECE of the greedy answers ({kind} confidence)"
+
+
+def selection_budget(selection: SelectionSettings, steps: int, heldout_format: TaskFormat,
+                     questions: int) -> dict[str, Any]:
+    """What a run's held-out evaluations will generate, before it trains.
+
+    Args:
+        selection: the run's selection settings.
+        steps: its training steps.
+        heldout_format: the format that scores the held-out answers (:attr:`Trainer.heldout_format`).
+        questions: held-out questions.
+
+    Returns:
+        ``metric`` (:func:`selection_metric`), ``evaluations`` (at most: the initial model, every
+        ``selection.eval_every`` steps and the last, and the selected parameters once more at the end),
+        ``questions``, and for open questions answered by generation ``answers``: the answers generated
+        over the run at most (samples under semantic confidence, with ``samples_per_question``).
+
+    Example:
+        >>> from llm_calib.confidence.kinds import OpenConfidence
+        >>> from llm_calib.formats import OpenEnded
+        >>> budget = selection_budget(SelectionSettings(), 20, OpenEnded(), 60)
+        >>> budget["evaluations"], budget["answers"]
+        (4, 240)
+        >>> selection_budget(SelectionSettings(), 20, OpenEnded(confidence=OpenConfidence("semantic")), 60)["answers"]
+        2400
+    """
+    every = selection.eval_every
+    evaluations = 2 + steps // every + (1 if steps % every else 0)
+    out: dict[str, Any] = {"metric": selection_metric(selection, heldout_format), "evaluations": evaluations,
+                           "questions": questions}
+    if heldout_format.family == "open" and selection.open_metric == "generated":
+        confidence = getattr(heldout_format, "confidence", None)
+        per_question = confidence.samples if confidence is not None and confidence.kind == "semantic" else 1
+        out["answers"] = evaluations * questions * per_question
+        if per_question > 1:
+            out["samples_per_question"] = per_question
+    return out
+
+
+def check_selection_budget(selection: SelectionSettings, steps: int, heldout_format: TaskFormat,
+                           questions: int) -> dict[str, Any]:
+    """:func:`selection_budget`, refused when semantic selection would sample more than ``selection.sample_budget``.
+
+    Raises:
+        ValueError: the numbers, and what to lower.
+
+    Example:
+        >>> from llm_calib.confidence.kinds import OpenConfidence
+        >>> from llm_calib.formats import OpenEnded
+        >>> check_selection_budget(SelectionSettings(sample_budget=1000), 200,
+        ...                        OpenEnded(confidence=OpenConfidence("semantic")), 60)
+        Traceback (most recent call last):
+        ...
+        ValueError: semantic model selection would sample 13200 answers (22 evaluations x 60 held-out questions x 10 samples), over selection.sample_budget 1000: evaluate less often (selection.eval_every, --eval-every), use fewer held-out questions or samples (--samples), raise --sample-budget, or select on the greedy answers' ECE (--confidence token) or the teacher-forced proxy (--open-metric teacher_forced)
+    """
+    budget = selection_budget(selection, steps, heldout_format, questions)
+    limit = selection.sample_budget
+    if budget.get("samples_per_question", 1) > 1 and budget["answers"] > limit:
+        raise ValueError(
+            f"semantic model selection would sample {budget['answers']} answers ({budget['evaluations']} evaluations x "
+            f"{budget['questions']} held-out questions x {budget['samples_per_question']} samples), over "
+            f"selection.sample_budget {limit}: evaluate less often (selection.eval_every, --eval-every), use fewer "
+            "held-out questions or samples (--samples), raise --sample-budget, or select on the greedy answers' "
+            "ECE (--confidence token) or the teacher-forced proxy (--open-metric teacher_forced)")
+    return budget
 
 
 def init_state(trainer: Trainer, *, evaluate_before: bool = True) -> TrainState:
@@ -613,29 +733,97 @@ def select(trainer: Trainer, state: TrainState, metrics: dict[str, float]) -> di
 
     Selectable parameters (:func:`is_selectable` against the initial accuracy) with the lowest
     held-out ECE so far become the selected ones; ``guard_patience`` consecutive evaluations below
-    the floor set ``state.stopped_early``.
+    the floor set ``state.stopped_early``. The rule is :func:`selection_update`'s, which
+    :func:`replay_selection` applies to a recorded history.
 
     Returns:
         The evaluation's entries for the step's record: ``heldout_<metric>``.
     """
-    cfg, before, best = trainer.config, state.before, state.best
-    if is_selectable(metrics["accuracy"], before["accuracy"], cfg.selection) and metrics["ece"] < best["ece"]:
-        best = state.best = {"ece": metrics["ece"], "step": state.step, "violations": 0}
+    best, chosen, stop = selection_update(state.best, metrics["accuracy"], metrics["ece"], state.before["accuracy"],
+                                          state.step, trainer.config.selection)
+    state.best = best
+    if chosen:
         state.best_theta = {k: v.clone() for k, v in state.theta.items()}
         state.best_lam = {k: v.detach().clone() for k, v in state.objective_state.lam.items()}
-    below = metrics["accuracy"] < cfg.selection.guard_accuracy * before["accuracy"]
-    best["violations"] = best.get("violations", 0) + 1 if below else 0
-    if best["violations"] >= cfg.selection.guard_patience:
+    if stop:
         state.stopped_early = True
     return {f"heldout_{k}": v for k, v in metrics.items()}
 
 
+def selection_update(best: dict[str, float], accuracy: float, ece: float, reference_accuracy: float, step: int,
+                     selection: SelectionSettings) -> tuple[dict[str, float], bool, bool]:
+    """One evaluation's effect on model selection: THE rule of :func:`select` and :func:`replay_selection`.
+
+    Args:
+        best: the selection so far: ``ece``, ``step`` and ``violations`` (consecutive evaluations below
+            the accuracy floor).
+        accuracy, ece: the evaluation's held-out accuracy and ECE.
+        reference_accuracy: the initial model's held-out accuracy (the guard's reference).
+        step: the evaluated step.
+        selection: the run's selection settings (the guard).
+
+    Returns:
+        ``(best, chosen, stop)``: the new selection, whether this evaluation became the selected one,
+        and whether the accuracy guard stops the run here.
+
+    Example:
+        >>> best = {"ece": 0.2, "step": 0}
+        >>> selection_update(best, 0.5, 0.1, 0.5, 10, SelectionSettings())
+        ({'ece': 0.1, 'step': 10, 'violations': 0}, True, False)
+        >>> selection_update(best, 0.4, 0.0, 0.5, 10, SelectionSettings())   # below the floor 0.475
+        ({'ece': 0.2, 'step': 0, 'violations': 1}, False, False)
+    """
+    chosen = is_selectable(accuracy, reference_accuracy, selection) and ece < best["ece"]
+    new = {"ece": ece, "step": step, "violations": 0} if chosen else dict(best)
+    below = accuracy < selection.guard_accuracy * reference_accuracy
+    new["violations"] = best.get("violations", 0) + 1 if below else 0
+    return new, chosen, new["violations"] >= selection.guard_patience
+
+
+def replay_selection(history: Sequence[dict[str, float]], before: dict[str, float], selection: SelectionSettings, *,
+                     metric: str = "ece", accuracy: str = "accuracy") -> dict[str, Any]:
+    """The step model selection picks from a recorded history, by the rule of :func:`select`.
+
+    The evaluations are the records holding ``heldout_<metric>`` and ``heldout_<accuracy>``, in
+    order; ``before`` holds the initial model's ``<metric>`` and ``<accuracy>``. Naming another
+    metric answers "which step would selection on it have picked" for a run that recorded it
+    (e.g. ``teacher_forced_ece``, the proxy every open run records); evaluations after the
+    accuracy guard would have stopped the run are not candidates.
+
+    Returns:
+        ``step`` (0: the initial model), its ``ece``, and ``stopped_at`` (the step the guard stops at, or None).
+
+    Example:
+        >>> hist = [{"step": 10, "heldout_ece": 0.30, "heldout_accuracy": 0.5, "heldout_teacher_forced_ece": 0.05,
+        ...          "heldout_teacher_forced_accuracy": 0.5},
+        ...         {"step": 20, "heldout_ece": 0.08, "heldout_accuracy": 0.49, "heldout_teacher_forced_ece": 0.30,
+        ...          "heldout_teacher_forced_accuracy": 0.5}]
+        >>> before = {"ece": 0.14, "accuracy": 0.5, "teacher_forced_ece": 0.14, "teacher_forced_accuracy": 0.5}
+        >>> replay_selection(hist, before, SelectionSettings())["step"]
+        20
+        >>> replay_selection(hist, before, SelectionSettings(), metric="teacher_forced_ece",
+        ...                  accuracy="teacher_forced_accuracy")["step"]
+        10
+    """
+    best: dict[str, float] = {"ece": before[metric], "step": 0}
+    for record in history:
+        if f"heldout_{metric}" not in record or f"heldout_{accuracy}" not in record:
+            continue
+        step = int(record["step"])
+        best, _, stop = selection_update(best, record[f"heldout_{accuracy}"], record[f"heldout_{metric}"],
+                                         before[accuracy], step, selection)
+        if stop:
+            return {"step": int(best["step"]), "ece": best["ece"], "stopped_at": step}
+    return {"step": int(best["step"]), "ece": best["ece"], "stopped_at": None}
+
+
 def selection_note(history: Sequence[dict[str, float]], before: dict[str, float], selected_step: int,
-                   selection: SelectionSettings) -> str | None:
+                   selection: SelectionSettings, metric: str = "ECE") -> str | None:
     """One line saying why model selection kept the initial model (step 0), and what to try.
 
     None when a trained step was selected or nothing was trained. ``history``: the run's records
-    (evaluations carry ``heldout_accuracy``, ``heldout_ece``); ``before``: the initial metrics.
+    (evaluations carry ``heldout_accuracy``, ``heldout_ece``); ``before``: the initial metrics;
+    ``metric``: how the note names the held-out ECE (:func:`selection_metric`).
 
     Example:
         >>> hist = [{"step": 5, "heldout_accuracy": 0.542, "heldout_ece": 0.1}]
@@ -653,7 +841,7 @@ def selection_note(history: Sequence[dict[str, float]], before: dict[str, float]
         return (f"guard: held-out accuracy {best:.3f} < {floor:.3f} (guard_accuracy {selection.guard_accuracy:g} "
                 f"x initial {before['accuracy']:.3f}) at every evaluation; the initial model was kept (step 0). {advice}")
     best_row = min(ok, key=lambda r: r["heldout_ece"])
-    return (f"selection: no evaluation lowered the held-out ECE below the initial {before['ece']:.3f} (best "
+    return (f"selection: no evaluation lowered the held-out {metric} below the initial {before['ece']:.3f} (best "
             f"{best_row['heldout_ece']:.3f} at step {int(best_row['step'])}); the initial model was kept (step 0). {advice}")
 
 
@@ -726,14 +914,31 @@ def save_state(directory: str | Path, trainer: Trainer, state: TrainState, data:
         _tree_to_flat(prefix, tree or {}, tensors)  # save_checkpoint stores detached copies
     meta = {"step": state.step, "history": state.history, "best": state.best, "before": state.before,
             "stopped_early": state.stopped_early, **objective_meta,
-            "rng": torch.get_rng_state(), "run": {"config": trainer.config.to_dict(), "data": data}}
+            "rng": torch.get_rng_state(),
+            "run": {"config": trainer.config.to_dict(), "data": data, "selection": heldout_confidence(trainer)}}
     return save_checkpoint(directory, state.step, tensors, meta)
 
 
-def _check_resumable(path: Path, saved: dict[str, Any] | None, config: dict[str, Any], data: dict[str, Any]) -> None:
-    """Raise unless the checkpoint's recorded run (``saved``) matches this run's ``config`` (as a dict) and ``data``."""
+def heldout_confidence(trainer: Trainer) -> dict[str, Any] | None:
+    """The confidence settings open held-out answers are scored with for selection (None: multiple choice,
+    the teacher-forced proxy, or token confidence by default), as checkpoints record them."""
+    fmt = trainer.heldout_format
+    if fmt.family != "open" or trainer.config.selection.open_metric != "generated":
+        return None
+    confidence = getattr(fmt, "confidence", None)
+    return None if confidence is None or confidence.kind == "token" else confidence.to_dict()
+
+
+def _check_resumable(path: Path, saved: dict[str, Any] | None, config: dict[str, Any], data: dict[str, Any],
+                     selection: dict[str, Any] | None = None) -> None:
+    """Raise unless the checkpoint's recorded run (``saved``) matches this run's ``config`` (as a dict), ``data``
+    and the confidence its model selection scores open held-out answers with (``selection``)."""
     if saved is None:  # checkpoints written before configs were recorded
         return
+    if saved.get("selection") != selection:
+        raise ValueError(f"cannot resume from {path}: its model selection scored the held-out answers with "
+                         f"{saved.get('selection') or 'token confidence'}, this run with {selection or 'token confidence'} "
+                         "(--confidence and its settings must match), or start a new run")
     now, then = flat_paths(config), flat_paths(saved["config"])
     changed = sorted(k for k in set(now) | set(then) if k not in RESUMABLE_CHANGES and now.get(k) != then.get(k))
     if changed:
@@ -776,7 +981,7 @@ def resume_state(directory: str | Path, trainer: Trainer, state: TrainState, dat
     if ckpt is None:
         return None
     tensors, meta = load_checkpoint(ckpt)
-    _check_resumable(ckpt, meta.get("run"), trainer.config.to_dict(), data)
+    _check_resumable(ckpt, meta.get("run"), trainer.config.to_dict(), data, heldout_confidence(trainer))
     steps = trainer.config.training.steps
     if int(meta["step"]) > steps:
         raise ValueError(budget_refusal(ckpt, int(meta["step"]), steps))

@@ -158,7 +158,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--heldout", type=SPEC, required=True, metavar="SPEC",
         help="data spec of the held-out split, of the kind of --train (multiple choice also under "
         "open-ended --train records): its labels serve "
-        "model selection, the accuracy guard and (multiple choice only) the temperature fit; its "
+        "model selection, the accuracy guard and the temperature fit (open questions: of token confidence, "
+        "or the sampling temperature under --confidence semantic; none under p_true or verbalized); its "
         "inputs drive CALM's entropy objective unless --unlabeled is given",
     )
     p.add_argument(

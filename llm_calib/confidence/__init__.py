@@ -7,7 +7,8 @@
 * ``verbalized``: the confidence the model states when asked (:mod:`~llm_calib.confidence.verbalized`);
 * the choice among them (:class:`~llm_calib.confidence.kinds.OpenConfidence`,
   :func:`~llm_calib.confidence.kinds.score_open`), and lm-eval generation logs read into the same
-  sets (:mod:`~llm_calib.confidence.lm_eval_generations`).
+  sets (:mod:`~llm_calib.confidence.lm_eval_generations`);
+* the post-hoc knob of ``token`` and ``semantic``, a temperature (:mod:`~llm_calib.confidence.temperature`).
 
 This package file imports nothing.
 """

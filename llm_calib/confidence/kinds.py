@@ -64,7 +64,10 @@ class OpenConfidence:
     Attributes:
         kind: one of :data:`OPEN_CONFIDENCE_KINDS`.
         samples: ``semantic``: answers sampled per question (``>= 2``).
-        temperature: ``semantic``: sampling temperature (``> 0``).
+        temperature: the temperature of the deployed model ``softmax(z / T)`` (``> 0``): ``semantic``
+            samples at it; ``token`` reads the greedy answers' token probabilities at it (the answers
+            themselves do not change with T); the post-hoc knob of both
+            (:mod:`llm_calib.confidence.temperature`). ``p_true`` and ``verbalized`` ignore it.
         top_p: ``semantic``: nucleus sampling mass (``(0, 1]``).
         seed: ``semantic``: seeds the samples and the sample splits.
         equivalence: ``semantic``: ``"exact"`` (SQuAD-normalised) or ``"f1"``.
@@ -113,6 +116,8 @@ class OpenConfidence:
             raise ValueError(f"reply_tokens must be an integer >= 1, got {self.reply_tokens!r}")
         if self.kind == "semantic":
             self.sampling  # noqa: B018 (validates temperature and top_p now, naming them)
+        elif not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
 
     @property
     def sampling(self) -> SamplingSettings:
@@ -125,9 +130,13 @@ class OpenConfidence:
         Example:
             >>> OpenConfidence("p_true").to_dict()["kind"]
             'p_true'
+            >>> OpenConfidence("token", temperature=1.5).to_dict()
+            {'kind': 'token', 'temperature': 1.5}
         """
-        keys = {"token": (), "semantic": ("samples", "temperature", "top_p", "seed", "equivalence", "threshold",
-                                          "estimator", "splits"),
+        if self.kind == "token":  # the temperature only where it is not 1 (what reports always recorded)
+            return {"kind": "token", **({"temperature": self.temperature} if self.temperature != 1.0 else {})}
+        keys = {"semantic": ("samples", "temperature", "top_p", "seed", "equivalence", "threshold",
+                                "estimator", "splits"),
                 "p_true": ("p_true_template",), "verbalized": ("verbalized_template", "reply_tokens")}[self.kind]
         return {"kind": self.kind, **{k: getattr(self, k) for k in keys}}
 
@@ -240,8 +249,9 @@ def score_open(model: Any, tokenizer: Any, records: Sequence[OpenQA], confidence
             splits=confidence.splits, batch_size=batch_size, progress=progress)
         sampled.info["confidence"] = confidence.to_dict()
         return sampled
+    if confidence.kind == "token":
+        return score_open_ended(model, tokenizer, records, prompt=prompt, max_new_tokens=max_new_tokens,
+                                batch_size=batch_size, progress=progress, temperature=confidence.temperature)
     greedy = score_open_ended(model, tokenizer, records, prompt=prompt, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, progress=progress)
-    if confidence.kind == "token":
-        return greedy
     return _judge(model, tokenizer, records, greedy, confidence, batch_size)

@@ -134,10 +134,14 @@ def encode_open_prompts(
 
 def score_open_ended(
     model: Any, tokenizer: Any, records: Sequence[OpenQA], *, prompt: PromptFormat | None = None,
-    max_new_tokens: int = 32, batch_size: int = 8, progress: bool = False,
+    max_new_tokens: int = 32, batch_size: int = 8, progress: bool = False, temperature: float = 1.0,
 ) -> OpenEndedSet:
     """Answer open questions greedily (up to a newline, EOS or a record's stop sequences; at most
     ``max_new_tokens``) under ``prompt`` (default ``PromptFormat()``) and record token probabilities.
+
+    With ``temperature`` T the token probabilities are the deployed model's at T,
+    ``softmax(z / T)`` of the same logits (a temperature-scaled model answers the same greedily);
+    ``info["temperature"]`` records T.
 
     Raises:
         TypeError: a record that is not :class:`~llm_calib.data.records.OpenQA`.
@@ -157,14 +161,18 @@ def score_open_ended(
     fmt = prompt or PromptFormat()
     prompts = encode_open_prompts(tokenizer, records, fmt, reserve=max_new_tokens)
     chat = uses_chat_template(tokenizer, fmt)
+    scaled = temperature != 1.0
     def answer(idx: list[int]) -> list[GreedyAnswer]:
         return generate_greedy(model, tokenizer, [prompts[i] for i in idx], max_new_tokens=max_new_tokens,
-                               until=[records[i].until for i in idx])  # a record's stop sequences (lm-eval)
+                               until=[records[i].until for i in idx],  # a record's stop sequences (lm-eval)
+                               temperatures=[temperature] if scaled else None)
 
     done = score_in_batches([len(p) for p in prompts], batch_size, answer, desc="open-ended", progress=progress)
     info = {"max_new_tokens": max_new_tokens, "chat_template": chat, "answer_prefix": fmt.answer_prefix,
-            "template": fmt.template, "fewshot": fmt.fewshot}
+            "template": fmt.template, "fewshot": fmt.fewshot, **({"temperature": temperature} if scaled else {})}
     details = [{"prompt": record_prompt(tokenizer, r, fmt), "token_ids": list(a.token_ids), "stop": a.stop}
                for r, a in zip(records, done, strict=True)]
     return OpenEndedSet([a.text for a in done], [tuple(r.answers) for r in records], [r.domain for r in records],
-                        [r.id for r in records], [a.token_probs for a in done], info, details)
+                        [r.id for r in records],
+                        [tuple(float(p) for p in a.temp_probs[:, 0]) if scaled else a.token_probs for a in done],
+                        info, details)

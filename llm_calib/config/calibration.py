@@ -329,21 +329,42 @@ class SelectionSettings:
             the initial model's can be selected; training stops (and rolls back to the best
             selectable parameters) after ``guard_patience`` consecutive evaluations below it.
         guard_patience: consecutive evaluations below the accuracy floor before stopping.
+        open_metric: open questions: what each held-out evaluation measures. ``generated``: the
+            held-out questions are answered as the report answers them (greedy answers and their
+            token-confidence ECE; under semantic confidence N sampled answers and their Sem-ECE),
+            and the accuracy guard reads those answers' accuracy; ``teacher_forced``: a cheaper
+            proxy read off one forward pass over the reference answers, no generation.
+            Multiple-choice runs ignore it (their held-out ECE is exact).
+        sample_budget: open questions under semantic confidence with ``generated``: the most
+            answers selection may sample over a run (evaluations x held-out questions x samples);
+            a larger run stops before training with the numbers and what to lower.
 
     Example:
         >>> SelectionSettings(guard_accuracy=1.5)
         Traceback (most recent call last):
         ...
         ValueError: selection.guard_accuracy must be in [0, 1], got 1.5
+        >>> SelectionSettings(open_metric="proxy")
+        Traceback (most recent call last):
+        ...
+        ValueError: selection.open_metric must be one of ('generated', 'teacher_forced'), got 'proxy'
     """
 
     eval_every: int = 10
     guard_accuracy: float = 0.95
     guard_patience: int = 2
+    open_metric: str = "generated"
+    sample_budget: int = 100_000
+
+    field_choices: ClassVar[dict[str, tuple[str, ...]]] = {"open_metric": ("generated", "teacher_forced")}
 
     def __post_init__(self) -> None:
         check_int("selection.eval_every", self.eval_every, minimum=1)
         check_int("selection.guard_patience", self.guard_patience, minimum=1)
+        check_int("selection.sample_budget", self.sample_budget, minimum=1)
+        for name, allowed in self.field_choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"selection.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         self.guard_accuracy = check_number("selection.guard_accuracy", self.guard_accuracy)
         if not 0.0 <= self.guard_accuracy <= 1.0:
             raise ValueError(f"selection.guard_accuracy must be in [0, 1], got {self.guard_accuracy}")

@@ -94,7 +94,8 @@ class Comparison:
     @property
     def columns(self) -> list[str]:
         """All column names: the two untrained baselines, then each method, followed by
-        ``<method>+temperature`` where a temperature was fitted on it (multiple choice)."""
+        ``<method>+temperature`` where a temperature was fitted on it (multiple choice; open questions
+        under token or semantic confidence)."""
         return [*BASELINE_COLUMNS, *(c for m in self.methods
                                      for c in (m, *((m + TEMPERATURE_SUFFIX,) if m in self.method_temperatures else ())))]
 
@@ -171,8 +172,9 @@ def run_comparison(
             ``out_dir`` and start over; otherwise such checkpoints are an error.
         confidence: how open-ended answers of the evaluation sets get their confidence in every
             column (:class:`~llm_calib.confidence.kinds.OpenConfidence`: ``token``,
-            ``semantic`` with Sem-ECE, ``p_true`` or ``verbalized``); None: ``token``. Training and
-            model selection do not depend on it; multiple-choice sets ignore it.
+            ``semantic`` with Sem-ECE, ``p_true`` or ``verbalized``); None: ``token``. Open-question
+            model selection scores the held-out answers with it too (``selection.open_metric``);
+            training does not depend on it; multiple-choice sets ignore it.
         context_overflow: a question (trained on or evaluated) longer than the model's context is
             refused (``"refuse"``, the default) or its prompt cut from the left and counted
             (``"truncate"``; :func:`~llm_calib.engine.context.context_window`); ``config["context"]``
@@ -188,12 +190,16 @@ def run_comparison(
         llm_calib.calm.trainer.TrainingDiverged: a method's training diverged.
     """
     _check_sets(train, heldout, evals, check_resolved(run, "run_comparison"), unlabeled)
+    if confidence is not None:  # model selection scores the open held-out answers as the report does
+        run = run.with_confidence(confidence)
     objectives = [run.objective] if methods is None else list(methods)
     names = [o.name for o in objectives]
     if not objectives or len(set(names)) != len(names):
         raise ValueError(f"methods must be a non-empty list of objectives of distinct names, got {names}")
-    # a temperature is fitted on option scores, which open questions do not have
-    temperature_fit = heldout if run.formats.upper.temperature_scalable else None
+    # the post-hoc knob, fitted on the held-out split: a temperature of the option scores (multiple choice), of
+    # the greedy answers' token probabilities (open, token confidence) or of the sampling (semantic); none for
+    # the model's judgement of its answers (p_true, verbalized)
+    temperature_fit = heldout if _has_temperature(run.formats.upper) else None
     session = _Session(tokenizer, evals, temperature_fit,
                        _evaluation_settings(run, eval_batch_size, n_bins, bootstrap, progress, confidence), log)
     model = _base_model(model)
@@ -230,6 +236,14 @@ def _check_sets(train: tuple[str, Any], heldout: tuple[str, Any], evals: Sequenc
             raise ValueError(f"the evaluation set {name!r} (eval) is empty: the report scores it; pass at least one question")
     if unlabeled is not None:
         run.formats.upper.check(unlabeled[1], what=unlabeled[0])
+
+
+def _has_temperature(fmt: Any) -> bool:
+    """Whether the held-out format takes a post-hoc temperature (see :mod:`llm_calib.confidence.temperature`)."""
+    if fmt.family == "open":
+        confidence = getattr(fmt, "confidence", None)
+        return confidence is None or confidence.kind in ("token", "semantic")
+    return bool(fmt.temperature_scalable)
 
 
 def _evaluation_settings(run: ResolvedRun, batch_size: int, n_bins: int, bootstrap: int,
@@ -377,6 +391,7 @@ def _train_and_evaluate(model: Any, run: ResolvedRun, data: tuple[Any, Any, Any]
     summary = {
         "dir": method, "reused": reused, "heldout_before": result.metrics.get("before", {}),
         "heldout_after": result.metrics.get("after", {}), "notes": list(result.notes),
+        "selection": dict(result.selection),
         "timings": {**result.timings, "train_total_s": train_s, "evaluate_s": time.perf_counter() - t0},
     }
     fit = res.temperature
@@ -390,6 +405,7 @@ def _trained(model: Any, tokenizer: Any, run: ResolvedRun, data: tuple[Any, Any,
              options: _TrainOptions) -> tuple[Any, bool]:
     """The method's result: a finished one reused (``resume`` and the same configuration), else trained and saved."""
     from llm_calib.calm.trainer import CalibrationResult, calibrate_run
+    from llm_calib.calm.training import selection_metric
 
     method, cfg = run.objective.name, run.config
     target, ckpt_dir = options.out / method, options.out / "checkpoints" / method
@@ -405,6 +421,10 @@ def _trained(model: Any, tokenizer: Any, run: ResolvedRun, data: tuple[Any, Any,
             diff = sorted(k for k in wanted if saved.get(k) != wanted[k])
             raise ValueError(f"{target} was trained with a different configuration (differs in {diff}); "
                              "remove it, start over with --restart, or choose another --out")
+        metric = selection_metric(cfg.selection, run.formats.upper)
+        if result.selection.get("metric", metric) != metric:
+            raise ValueError(f"{target} was selected on the held-out {result.selection['metric']}, this run selects "
+                             f"on the {metric}; remove it, start over with --restart, or choose another --out")
         log(f"[{method}] reusing the finished result in {target}")
         return result, True
     writer = distributed.rank() == 0
@@ -481,6 +501,12 @@ def _summary_table(cmp: Comparison, metric: str) -> list[str]:
     return lines
 
 
+def _fitted(fit: TemperatureFit) -> str:
+    """How a temperature was found: fitted by likelihood, or (semantic confidence) chosen by held-out Sem-ECE."""
+    return {"sem_ece": "the sampling temperature chosen by Sem-ECE",
+            "correctness_nll": "fitted to token confidence (NLL of correctness)"}.get(fit.criterion, "fitted")
+
+
 def _describe(objective: dict[str, Any]) -> str:
     """``calm (solver: bome)``: an objective's name and the names of its tagged parts."""
     parts = [f"{k}: {v['name']}" for k, v in objective.items() if isinstance(v, dict) and "name" in v]
@@ -497,6 +523,25 @@ def _prompt_kind(cfg: dict[str, Any]) -> str:
     if settings.get("preset") not in (None, "default"):
         return f"{settings['preset']} prompt"
     return f"{cfg['evaluation']['prompt_style']} prompt"
+
+
+def _selection_lines(cmp: Comparison) -> list[str]:
+    """What model selection measured on the held-out split, once per distinct setting (a results folder
+    written before it was recorded: nothing)."""
+    seen: list[dict[str, Any]] = []
+    for t in cmp.training.values():
+        sel = t.get("selection") or {}
+        if sel and sel not in seen:
+            seen.append(sel)
+    lines = []
+    for sel in seen:
+        generated = ""
+        if "answers" in sel:
+            each = f", {sel['samples_per_question']} samples per question" if sel.get("samples_per_question") else ""
+            generated = f"; at most {sel['answers']} answers generated{each}"
+        lines.append(f"Model selection and the accuracy guard read the held-out {sel['metric']}: at most "
+                     f"{sel['evaluations']} evaluations of {sel['questions']} questions{generated}.")
+    return ["", *lines] if lines else []
 
 
 def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods compared") -> str:
@@ -531,14 +576,13 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
     fit = cmp.temperature
     if fit is not None:
         lines.append(
-            f"- temperature scaling: T = {fit.temperature:.3f}, fitted on `{fit.source}` "
-            f"({fit.n} questions; NLL {fit.nll_before:.3f} -> {fit.nll_after:.3f}), carried to "
-            "every domain"
+            f"- temperature scaling: T = {fit.temperature:.3f}, {_fitted(fit)} on `{fit.source}` "
+            f"({fit.n} questions; {fit.describe()}), carried to every domain of its kind"
         )
     for m, mfit in cmp.method_temperatures.items():
-        lines.append(f"- {m} + temperature: the trained model, then T = {mfit.temperature:.3f} fitted on its own scores "
-                     f"of `{mfit.source}` (NLL {mfit.nll_before:.3f} -> {mfit.nll_after:.3f}); compare it with "
-                     "temperature scaling alone to see what training adds")
+        lines.append(f"- {m} + temperature: the trained model, then T = {mfit.temperature:.3f} {_fitted(mfit)} on its own "
+                     f"answers to `{mfit.source}` ({mfit.describe()}); compare it with temperature scaling alone to "
+                     "see what training adds")
     lines += ["", "## Training (held-out split)", ""]
     lines += [
         "| method | accuracy before | accuracy after | ECE before | ECE after | selected step | stopped early | time (s) |",
@@ -556,6 +600,7 @@ def comparison_markdown(cmp: Comparison, *, title: str = "Calibration: methods c
             f"{'n/a' if step is None else step if isinstance(step, str) else int(step)} | {stopped} | "
             f"{t.get('timings', {}).get('train_total_s', math.nan):.1f} |"
         )
+    lines += _selection_lines(cmp)
     notes = [(m, note) for m, t in cmp.training.items() for note in t.get("notes", [])]
     if notes:
         lines.append("")

@@ -51,14 +51,26 @@ HEADLINE_METRICS = ("accuracy", "ece", "adaptive_ece", "brier", "nll", "auroc")
 
 @dataclass
 class TemperatureFit:
-    """A temperature fitted on one split: ``T``, the split's spec, size and domains, NLL before and after.
+    """A temperature fitted on one split: ``T``, the split's spec, size and domains, the criterion before and after.
+
+    Attributes:
+        temperature: T.
+        source: the split's spec.
+        n: its questions.
+        domains: its domains.
+        nll_before, nll_after: the fit's criterion at T = 1 and at T: by ``criterion``, the NLL of the gold
+            option (``"nll"``, multiple choice), the NLL of correctness of token confidence
+            (``"correctness_nll"``, open answers) or the Sem-ECE (``"sem_ece"``, semantic confidence:
+            the sampling temperature chosen from ``tried``).
+        criterion: what ``nll_before`` and ``nll_after`` measure.
+        tried: ``"sem_ece"``: the Sem-ECE at each sampling temperature tried.
 
     Example:
         >>> import torch
         >>> s = ScoredSet([torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0])], [1, 0], ["d", "d"], ["a", "b"])
         >>> fit = TemperatureFit.fit(s, "toy")
-        >>> fit.n, fit.nll_after <= fit.nll_before, sorted(fit.to_dict())[-1]
-        (2, True, 'temperature')
+        >>> fit.n, fit.nll_after <= fit.nll_before, fit.describe()[:3]
+        (2, True, 'NLL')
     """
 
     temperature: float
@@ -67,6 +79,21 @@ class TemperatureFit:
     domains: list[str]
     nll_before: float
     nll_after: float
+    criterion: str = "nll"
+    tried: dict[str, float] | None = None
+
+    def describe(self) -> str:
+        """The criterion before and after, as the reports print it.
+
+        Example:
+            >>> TemperatureFit(0.7, "h", 60, ["d"], 0.14, 0.12, "sem_ece", {"0.7": 0.12, "1": 0.14}).describe()
+            'held-out Sem-ECE 0.140 at T = 1 -> 0.120; tried T = 0.7: 0.120, 1: 0.140'
+        """
+        if self.criterion == "sem_ece":
+            tried = ", ".join(f"{t}: {v:.3f}" for t, v in (self.tried or {}).items())
+            return f"held-out Sem-ECE {self.nll_before:.3f} at T = 1 -> {self.nll_after:.3f}; tried T = {tried}"
+        name = "NLL of correctness" if self.criterion == "correctness_nll" else "NLL"
+        return f"{name} {self.nll_before:.3f} -> {self.nll_after:.3f}"
 
     @classmethod
     def fit(cls, scored: ScoredSet, source: str) -> TemperatureFit:
@@ -177,8 +204,12 @@ def domain_result(
     ci: bool = True,
     n_resamples: int = 1000,
     seed: int = 0,
+    scaled: ScoredResult | None = None,
 ) -> DomainResult:
     """The metrics of one domain's scored set, whatever its format (temperature applied where it can be).
+
+    ``scaled``: the set already scored by the model at the temperature (open answers: the deployed
+    model at T answers again), used instead of the format's post-hoc scaling.
 
     Example:
         >>> import torch
@@ -201,11 +232,11 @@ def domain_result(
         return m, rb
 
     unc, rb = summary(scored)
-    scaled = rb_scaled = None
-    scaled_set = task.temperature_scaled(scored, temperature)
+    metrics_scaled = rb_scaled = None
+    scaled_set = scaled if scaled is not None else task.temperature_scaled(scored, temperature)
     if scaled_set is not None:
-        scaled, rb_scaled = summary(scaled_set)
-    return DomainResult(domain, task.family, unc, scaled, rb, rb_scaled, scored,  # type: ignore[arg-type]
+        metrics_scaled, rb_scaled = summary(scaled_set)
+    return DomainResult(domain, task.family, unc, metrics_scaled, rb, rb_scaled, scored,  # type: ignore[arg-type]
                         normalizations=task.extra_metrics(scored, n_bins), task=task)
 
 
@@ -230,8 +261,8 @@ def evaluate_records(
     (:func:`~llm_calib.prompts.resolution.resolve_fewshot`).
 
     Raises:
-        ValueError: an unknown scorer, an empty data set, or a temperature-fit split without
-            multiple-choice records.
+        ValueError: an unknown scorer, an empty data set, or a temperature-fit split that is empty,
+            mixes kinds, or holds open questions under ``p_true`` or ``verbalized`` confidence.
         TypeError: a data set mixing multiple-choice and open questions.
 
     Example:
@@ -258,10 +289,20 @@ def evaluate_records(
     stats = {"n_bins": n_bins, "ci": ci, "n_resamples": n_resamples, "seed": seed}
     with context_window(model, context_overflow) as window:  # every scored sequence within the model's positions
         run = _Scoring(model, tokenizer, task, settings, batch_size, progress, timing)
-        fit = run.fit_temperature(*temperature_fit) if temperature_fit is not None else None
+        fit, fit_family = run.fit_temperature(*temperature_fit) if temperature_fit is not None else (None, None)
         scored_domains = run.score_by_domain(datasets)
-    domains = {dom: domain_result(dom, fmt, type(parts[0]).concat(parts), fit.temperature if fit else None, **stats)
-               for dom, (fmt, parts) in scored_domains.items()}
+        scaled_domains: dict[str, tuple[TaskFormat, list[Any]]] = {}
+        if fit is not None and fit_family == "open":
+            # open answers at T: the deployed model at T answers again (token: the same greedy answers, their
+            # token probabilities at T; semantic: samples drawn at T)
+            scaled_domains = run.score_by_domain(datasets, temperature=fit.temperature)
+    domains = {}
+    for dom, (fmt, parts) in scored_domains.items():
+        applies = fit is not None and fmt.family == fit_family  # a fit serves the domains of its own kind
+        scaled = scaled_domains.get(dom)
+        domains[dom] = domain_result(dom, fmt, type(parts[0]).concat(parts), fit.temperature if applies else None,
+                                     scaled=type(scaled[1][0]).concat(scaled[1]) if applies and scaled else None,
+                                     **stats)
     for dom, r in domains.items():
         unscored = int(r.uncalibrated.get("unscored", 0) or 0)
         if unscored and not r.uncalibrated.get("n"):  # nothing to measure: say so, not only "n/a" in the report
@@ -305,32 +346,77 @@ class _Scoring:
             scored = fmt.score(self.model, self.tokenizer, records, batch_size=self.batch_size, progress=self.progress)
         return scored, time.perf_counter() - t0
 
-    def fit_temperature(self, name: str, records: Sequence[Any]) -> TemperatureFit:
-        """The temperature fitted on the split ``name`` (ValueError unless it holds multiple-choice records)."""
+    def fit_temperature(self, name: str, records: Sequence[Any]) -> tuple[TemperatureFit, str]:
+        """The temperature fitted on the split ``name``, and the kind of records it serves.
+
+        Multiple choice: the option NLL (:meth:`TemperatureFit.fit`). Open questions: token confidence's
+        NLL of correctness, or semantic confidence's sampling temperature by Sem-ECE
+        (:func:`~llm_calib.confidence.temperature.fit_open_temperature`).
+
+        Raises:
+            ValueError: no records, records of both kinds, or open questions under ``p_true`` or
+                ``verbalized`` confidence.
+        """
         try:
             fmt: TaskFormat | None = _format(records, self.task, what=f"temperature_fit {name!r}", **self.settings)
         except TypeError:
             fmt = None
-        if not records or fmt is None or not fmt.temperature_scalable:
-            raise ValueError(f"temperature_fit {name!r} must hold multiple-choice records (got none or open questions)")
-        scored, self.timing["temperature_fit_scoring_s"] = self.score(fmt, f"{name} (temperature fit)", records)
-        return TemperatureFit.fit(scored, name)  # type: ignore[arg-type]
+        if not records or fmt is None:
+            raise ValueError(f"temperature_fit {name!r} must hold multiple-choice records or open questions (got none, "
+                             "or both kinds)")
+        t0 = time.perf_counter()
+        if fmt.family == "open":
+            from llm_calib.confidence.temperature import fit_open_temperature
 
-    def score_by_domain(self, datasets: Sequence[tuple[str, Sequence[Any]]]) -> dict[str, tuple[TaskFormat, list[Any]]]:
-        """Per record domain, in order of first appearance: its format and its scored parts (one per data set)."""
+            confidence = getattr(fmt, "confidence", None)
+            try:
+                found = fit_open_temperature(self.model, self.tokenizer, records, confidence, prompt=fmt.prompt_settings(),
+                                             max_new_tokens=self.settings["max_new_tokens"], batch_size=self.batch_size)
+            except ValueError as exc:
+                raise ValueError(f"temperature_fit {name!r}: {exc}") from exc
+            self.timing["temperature_fit_scoring_s"] = time.perf_counter() - t0
+            fit = TemperatureFit(found.temperature, name, len(records), sorted({r.domain for r in records}),
+                                 found.before, found.after, found.criterion, found.tried or None)
+            return fit, "open"
+        if not fmt.temperature_scalable:
+            raise ValueError(f"temperature_fit {name!r}: the {fmt.description} format takes no temperature")
+        scored, self.timing["temperature_fit_scoring_s"] = self.score(fmt, f"{name} (temperature fit)", records)
+        return TemperatureFit.fit(scored, name), fmt.family  # type: ignore[arg-type]
+
+    def score_by_domain(self, datasets: Sequence[tuple[str, Sequence[Any]]], *,
+                        temperature: float | None = None) -> dict[str, tuple[TaskFormat, list[Any]]]:
+        """Per record domain, in order of first appearance: its format and its scored parts (one per data set).
+
+        With ``temperature``: only the open data sets, each answered by the deployed model at that temperature."""
         groups: dict[str, tuple[TaskFormat, list[Any]]] = {}
         n_scored, score_s = 0, 0.0
         for name, records in datasets:
             fmt = _format(records, self.task, what=f"data set {name!r}", **self.settings)
+            if temperature is not None:
+                if fmt.family != "open":
+                    continue
+                fmt = _at_temperature(fmt, temperature)
+                scored, dt = self.score(fmt, f"{name} (T = {temperature:.3g})", records)
+                self.timing[f"scoring_s[{name}, temperature]"] = dt
+                for dom, part in scored.by_domain().items():
+                    groups.setdefault(dom, (fmt, []))[1].append(part)
+                continue
             scored, dt = self.score(fmt, name, records)
             self.timing[f"scoring_s[{name}]"] = dt
             n_scored += len(scored)
             score_s += dt
             for dom, part in scored.by_domain().items():
                 groups.setdefault(dom, (fmt, []))[1].append(part)
-        self.timing["scoring_s"] = score_s
-        self.timing["questions_per_s"] = n_scored / score_s if score_s > 0 else math.nan
+        if temperature is None:
+            self.timing["scoring_s"] = score_s
+            self.timing["questions_per_s"] = n_scored / score_s if score_s > 0 else math.nan
         return groups
+
+
+def _at_temperature(fmt: TaskFormat, temperature: float) -> TaskFormat:
+    """An open format whose confidence reads the deployed model at ``temperature``."""
+    confidence = getattr(fmt, "confidence", None) or OpenConfidence()
+    return dataclasses.replace(fmt, confidence=dataclasses.replace(confidence, temperature=temperature))
 
 
 def evaluate(
@@ -356,6 +442,9 @@ def evaluate(
         on_error: ``"raise"`` at the first bad row, or ``"skip"`` (listed in ``config["skipped"]``).
         batch_size: questions per forward pass.
         temperature_fit: spec of the split to fit a temperature on; None: no temperature scaling.
+            Multiple choice: the option NLL; open questions: the NLL of correctness of token
+            confidence, or under semantic confidence the sampling temperature with the lowest Sem-ECE
+            (:mod:`llm_calib.confidence.temperature`); the temperature serves the domains of its kind.
         n_bins: bins of ECE and the reliability diagrams.
         ci: compute 95% bootstrap confidence intervals.
         n_resamples: bootstrap resamples.

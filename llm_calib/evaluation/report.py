@@ -203,7 +203,7 @@ def markdown_report(result: EvaluationResult, *, title: str = "Calibration repor
         lines.append(
             f"- temperature: T = {fit.temperature:.3f}, fitted on `{fit.source}` "
             f"({fit.n} questions, domains {', '.join(fit.domains)}; "
-            f"NLL {fit.nll_before:.3f} -> {fit.nll_after:.3f})"
+            f"{fit.describe()})"
         )
     if "questions_per_s" in result.timing:
         lines.append(

@@ -65,8 +65,8 @@ class OpenEnded(TaskFormat):
     upper_families: ClassVar[tuple[str, ...]] = ("open", "multiple_choice")
     training_notes: ClassVar[tuple[str, ...]] = (
         "- trained on open questions (token cross-entropy of the first reference answer); the "
-        "held-out accuracy and ECE of the training table are teacher-forced proxies, the "
-        "per-domain tables score greedy answers",
+        "held-out accuracy and ECE of the training table are what model selection read (the line "
+        "under the table: the generated answers' by default, or the teacher-forced proxy)",
     )
 
     @classmethod
