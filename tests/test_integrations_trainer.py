@@ -33,7 +33,10 @@ def _sets(kind: str) -> tuple[list, list]:
 
 CONFIG = CalibrationConfig(training=dict(steps=STEPS, batch_size=4, heldout_batch_size=4, lr=1e-2),
                            objective={"name": "calm", "lam_lr": 5e-2},
-                           selection=dict(eval_every=EVAL_EVERY, guard_accuracy=0.0), checkpoint_every=STEPS)
+                           # the Trainer scores open held-out answers teacher-forced (no generation inside
+                           # Trainer.evaluate), so calibrate is compared under the same held-out metric
+                           selection=dict(eval_every=EVAL_EVERY, guard_accuracy=0.0, open_metric="teacher_forced"),
+                           checkpoint_every=STEPS)
 
 
 def _args(out: Path, **overrides) -> TrainingArguments:

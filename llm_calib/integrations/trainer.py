@@ -423,7 +423,11 @@ class CalmTrainerMixin:
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """llm-calib's held-out monitor of the current model (what :func:`llm_calib.calibrate` records
         at each evaluation): ``<prefix>_accuracy``, ``_ece`` (10 bins), ``_nll``, ``_entropy`` and
-        ``_confidence``; logged and passed to the callbacks (a dict of sets: one prefix each)."""
+        ``_confidence``; logged and passed to the callbacks (a dict of sets: one prefix each).
+
+        Open questions are scored teacher-forced on their reference answers (calibrate's
+        ``selection.open_metric="teacher_forced"``), not on generated answers: score the saved
+        adapter with ``llm-calib evaluate --adapter`` for the generated answers' calibration."""
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if isinstance(dataset, Mapping):
             metrics: dict[str, float] = {}
