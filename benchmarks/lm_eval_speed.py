@@ -274,6 +274,38 @@ def prefix_cache_stats(task: str, work: Path, model_dir: Path, batch: int) -> di
             "prompt_tokens_mean": float(np.mean([len(it.prompt) for it in items]))}
 
 
+def scoring_only(tasks: dict[str, str], work: Path, model_dir: Path, batch: int, rounds: int) -> dict[str, Any]:
+    """The scoring engine alone, in this process: each task's records (loaded once) scored with flat batches
+    and with the padded layout (:func:`llm_calib.engine.flat.flat_batches`), alternating which runs first;
+    CPU time of each (``time.process_time``), and the largest log-likelihood difference between them."""
+    import torch
+
+    from llm_calib.data import load
+    from llm_calib.engine.flat import flat_batches
+    from llm_calib.models import load as load_model
+    from llm_calib.scoring import score_option_likelihood
+
+    model, tok = load_model(str(model_dir))
+    out: dict[str, Any] = {}
+    for name, task in tasks.items():
+        records = load(f"lm_eval:{task}:include={work}").records
+        times: dict[str, list[float]] = {"flat": [], "padded": []}
+        scored: dict[str, Any] = {}
+        for r in range(rounds):
+            for layout in (("flat", "padded") if r % 2 == 0 else ("padded", "flat")):
+                with flat_batches(layout == "flat"), torch.inference_mode():
+                    t0 = time.process_time()
+                    scored[layout] = score_option_likelihood(model, tok, records, batch_size=batch)
+                    times[layout].append(time.process_time() - t0)
+        diff = max(abs(a - b) for x, y in zip(scored["flat"].details, scored["padded"].details, strict=True)
+                   for a, b in zip(x["loglik"], y["loglik"], strict=True))
+        out[name] = {"questions": len(records), "flat_cpu_s": times["flat"], "padded_cpu_s": times["padded"],
+                     "speedup": float(np.mean(times["padded"]) / np.mean(times["flat"])), "max_abs_dll": diff,
+                     "argmax_agree": int((scored["flat"].predictions == scored["padded"].predictions).sum())}
+        print(name, json.dumps(out[name]), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-root", type=Path, default=ROOT.parent / "shared" / "data")
@@ -290,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "lm_eval_speed")
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="another llm-calib source tree run as a third side (llm_calib_base) in the same rounds")
+    p.add_argument("--scoring-only", action="store_true",
+                   help="only time the scoring engine in this process, flat batches against the padded layout, "
+                        "and add it to --out's JSON (scoring_only)")
     p.add_argument("--prefix-stats-only", action="store_true",
                    help="only add the prefix cache's plan (groups, tokens saved, peak bytes) to --out's JSON")
     args = p.parse_args(argv)
@@ -309,6 +344,17 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=str(work / "hf_datasets"),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    if args.scoring_only:
+        path = args.out.with_suffix(".json")
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+        saved["scoring_only"] = {
+            "machine": machine_info(libraries=("torch", "transformers")), "batch_size": args.batch_size,
+            "command": "python benchmarks/lm_eval_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "shapes": scoring_only({n: shapes[n]["task"] for n in args.shapes.split(",")}, work, model_dir,
+                                   args.batch_size, args.rounds)}
+        if not args.quick:
+            path.write_text(json.dumps(saved, indent=2) + "\n")
+        return 0
     if args.prefix_stats_only:
         path = args.out.with_suffix(".json")
         saved = json.loads(path.read_text())

@@ -5,14 +5,17 @@ A packed batch (:func:`~llm_calib.engine.packing.pack_questions`: one row per qu
 followed by its options) pads every row to the longest, and running it on a shared prefix
 (:func:`~llm_calib.engine.prefix.forward_rows_after`) copies the prefix's keys and values once
 per row (and once per query head under grouped-query attention) and attends over
-``prefix + longest row`` for every row. Here the decoder runs on the ``N`` real tokens of the
-batch as one sequence, so the projections and the MLP see no padding, and attention is split in
-two parts that are merged exactly by their log-sum-exp:
+``prefix + longest row`` for every row. Here the decoder runs on the ``N`` tokens of the batch that matter (every real token but the
+last of each option, whose hidden state nothing reads) as one sequence, so the projections and the
+MLP see no padding, and attention is split in two parts that are merged exactly by their
+log-sum-exp:
 
 * the **prefix part**: the tokens of the questions continuing one prefix attend to its keys and
   values as they are, ``(1, kv_heads, P, head_dim)``, in one call (no copy, no mask);
 * the **own part**: each question's tokens attend to the question's own tokens under its packed
-  mask (the prompt causally, each option to the prompt and itself), laid out ``(B, heads, L, head_dim)``.
+  mask (the prompt causally, each option to the prompt and itself), questions of similar length
+  laid out ``(rows, heads, width, head_dim)`` in one call (:class:`OwnPart`), without a mask where
+  the rows are plainly causal.
 
 ``out = (e^{lse_1} out_1 + e^{lse_2} out_2) / (e^{lse_1} + e^{lse_2})`` is the softmax over the
 union of both key sets: the same numbers as attention over the concatenated keys, up to float
@@ -20,7 +23,7 @@ rounding. A batch may mix questions on different prefixes and questions without 
 
 The decoder runs under its own attention function (registered with transformers'
 ``AttentionInterface`` and set on the decoder's config for the pass only); models whose attention
-layers do not go through that interface, or use sliding windows longer contexts reach, logit
+layers do not go through that interface, or use a sliding window the batch's positions reach, logit
 soft-capping or attention sinks, are detected (:func:`flat_supported`, and a check that every
 layer ran the function) and scored the padded way instead.
 """
@@ -43,8 +46,8 @@ from llm_calib.engine.packing import PackedQuestions, length_parts
 from llm_calib.models import split_decoder_head
 
 __all__ = [
-    "FLAT_ATTENTION", "MAX_SCORES", "OWN_PART_OVERHEAD", "FlatBatch", "FlatUnsupportedError", "OwnPart", "attention_with_logsumexp",
-    "flat_batch", "flat_batches", "flat_supported", "forward_rows_flat", "merge_attention", "packed_lengths",
+    "FLAT_ATTENTION", "MAX_SCORES", "OWN_PART_OVERHEAD", "FlatBatch", "FlatUnsupportedError", "OwnPart",
+    "attention_with_logsumexp", "flat_batch", "flat_batches", "flat_supported", "forward_rows_flat", "merge_attention", "packed_lengths",
     "prefixes_per_row",
 ]
 
