@@ -457,11 +457,11 @@ def selection_metric(selection: SelectionSettings, heldout_format: TaskFormat) -
         >>> from llm_calib.formats import OpenEnded, OptionLikelihood
         >>> selection_metric(SelectionSettings(), OpenEnded())
         'ECE of the greedy answers (token confidence)'
-        >>> selection_metric(SelectionSettings(), OptionLikelihood())
-        'option ECE'
+        >>> selection_metric(SelectionSettings(), OptionLikelihood())   # of the option probabilities, exact
+        'ECE'
     """
     if heldout_format.family != "open":
-        return "option ECE"
+        return "ECE"
     if selection.open_metric != "generated":
         return "teacher-forced proxy ECE (reference answers, no generation)"
     confidence = getattr(heldout_format, "confidence", None)
