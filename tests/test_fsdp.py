@@ -220,12 +220,13 @@ def test_gpu_check_runs_on_cpu_and_names_torchrun_for_fsdp2_modes(tmp_path):
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--tiny", "--steps", "1",
-         "--modes", "bf16+ckpt,fsdp2", "--out", str(out)], env=env, capture_output=True, text=True, timeout=300,
+         "--modes", "bf16+ckpt,fsdp2", "--batch-sizes", "4", "--out", str(out)], env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "launch with torchrun --nproc_per_node=N (N >= 2)" in proc.stdout
     results = json.loads(out.read_text())["results"]
-    assert [r["mode"] for r in results] == ["bf16+ckpt"] and results[0]["finite"] and results[0]["ranks"] == 1
+    assert [(r["mode"], r["batch_size"]) for r in results] == [("bf16+ckpt", 4)]
+    assert results[0]["finite"] and results[0]["ranks"] == 1
 
 
 # Run by every rank: the base loaded shard by shard from a safetensors directory (the default of

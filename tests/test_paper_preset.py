@@ -127,7 +127,8 @@ def test_calibrate_preset_paper_trains_on_instruction_data(tiny_model_dir, tmp_p
     data = json.loads((out / "metrics.json").read_text())
     cal = data["config"]["calibration"]
     assert cal["preset"] == "paper" and cal["training"] == {"steps": 5, "batch_size": 16, "heldout_batch_size": 16,
-                                                             "lr": 1e-3, "epochs": 5, "log_every": 10}
+                                                             "lr": 1e-3, "epochs": 5, "log_every": 10,
+                                                             "compile": False, "part_overhead": None}
     assert cal["lora"]["rank"] == 64 and cal["objectives"]["calm"]["adjustment"] == "vector"
     assert (data["config"]["train"]["kind"], data["config"]["heldout"]["kind"]) == ("open", "multiple_choice")
     assert data["columns"] == ["uncalibrated", "temperature_scaled", "calm", "calm+temperature"]
