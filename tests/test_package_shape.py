@@ -69,12 +69,15 @@ def _functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
 
 def config_parameters(path: Path, base: Path = PACKAGE) -> list[str]:
     """``file:line function(parameter)`` for each parameter of a function in ``path`` annotated with a
-    type that mentions ``CalibrationConfig``."""
+    type that mentions ``CalibrationConfig``, and each parameter named ``config`` or ``cfg`` left untyped
+    (no annotation, ``Any`` or ``object``: it could take one)."""
     out = []
     for fn in _functions(path):
         args = fn.args
         for a in (*args.posonlyargs, *args.args, *args.kwonlyargs):
-            if a.annotation is not None and "CalibrationConfig" in ast.unparse(a.annotation):
+            annotation = ast.unparse(a.annotation) if a.annotation is not None else None
+            if ("CalibrationConfig" in (annotation or "")
+                    or (a.arg in ("config", "cfg") and annotation in (None, "Any", "object"))):  # untyped: could be one
                 out.append(f"{path.relative_to(base)}:{fn.lineno} {fn.name}({a.arg})")
     return out
 
@@ -93,8 +96,9 @@ def test_no_function_below_the_entry_points_takes_a_configuration() -> None:
 def test_the_checker_sees_a_configuration_parameter(tmp_path: Path) -> None:
     """The checker itself: a parameter annotated with the configuration (also in a union) is found."""
     path = tmp_path / "probe.py"
-    path.write_text("def f(run, config: CalibrationConfig | None = None): ...\ndef g(run: ResolvedRun): ...\n")
-    assert config_parameters(path, tmp_path) == ["probe.py:1 f(config)"]
+    path.write_text("def f(run, config: CalibrationConfig | None = None): ...\ndef g(run: ResolvedRun): ...\n"
+                    "def h(cfg): ...\ndef k(config: Any): ...\ndef m(config: LoraSettings): ...\n")
+    assert config_parameters(path, tmp_path) == ["probe.py:1 f(config)", "probe.py:3 h(cfg)", "probe.py:4 k(config)"]
 
 
 def resolver_calls(path: Path, base: Path = PACKAGE) -> list[tuple[str, str]]:
