@@ -38,7 +38,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
-from harness.report import machine_info
+from harness.report import load_averages, machine_info
 
 import hypergrad as hg
 from llm_calib.calm import training
@@ -73,7 +73,7 @@ def thread_cpu() -> float:
 
 
 def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
+    return [round(x, 2) for x in load_averages() or []]
 
 
 def gemm_rate(shapes: list[tuple[int, int, int]], repeats: int = 5) -> dict[str, float]:

@@ -22,13 +22,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+from harness.report import machine_info, machine_line
 
 import hypergrad as hg
 
@@ -134,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "inner_solvers.md"), help="the report ('-': print only)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    meta = machine_info(1, libraries=("torch", "scipy"))
     lines = ["# Inner solvers to a gradient norm of 1e-10: hypergrad vs SciPy and PyTorch", "",
              "- Command: `python benchmarks/inner_solvers.py`",
-             f"- Date: {datetime.datetime.now():%Y-%m-%d %H:%M}",
-             f"- Machine: {_cpu()}; torch {torch.__version__}, Python {platform.python_version()}",
+             f"- Date: {meta['date']}",
+             machine_line(meta, f"torch {meta['torch']}, SciPy {meta['scipy']}, Python {meta['python']}"),
              "- Cells: steps (iterations) / loss-and-gradient evaluations from zero to |grad g| <= 1e-10; a solver that "
              "stops earlier shows where. Deterministic counts (no timing).", "",
              "## L-BFGS on the wine problem", "",
@@ -178,17 +178,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}")
     return 0
-
-
-def _cpu() -> str:
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    import os
-
-    return f"{model}, {os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

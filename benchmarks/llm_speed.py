@@ -51,7 +51,14 @@ from harness.profiling import (
     median,
     run_json_worker,
 )
-from harness.report import format_number, machine_info, markdown_table, provenance_lines, verdict
+from harness.report import (
+    format_number,
+    load_averages,
+    machine_info,
+    markdown_table,
+    provenance_lines,
+    verdict,
+)
 
 from llm_calib.calm import training
 from llm_calib.calm.encoding import encode_records
@@ -75,7 +82,7 @@ from llm_calib.scoring.option_likelihood import score_option_likelihood
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 ALIAS = "smollm2-135m-instruct"
-LOAD_START = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+LOAD_START = load_averages()
 EPOCH_QUESTIONS = 1000
 HELDOUT_QUESTIONS = 300
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
 
-from harness.report import machine_info, markdown_table, provenance_lines
+from harness.report import load_averages, machine_info, markdown_table, provenance_lines
 
 from llm_calib.confidence.token import encode_open_prompts
 from llm_calib.data import load_nq_open
@@ -95,7 +94,7 @@ def same(sample: tuple[int, ...], ref: list[int]) -> bool:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    load_start = list(os.getloadavg())
+    load_start = load_averages()
     torch.set_num_threads(args.threads)
     model, tok = load(ALIAS)
     records = list(load_nq_open(args.data).records[: args.questions])
@@ -115,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "generate": lambda idx=idx: reference(model, tok, [prompts[i] for i in idx], idx, settings),
         }
         order = ["shared", "generate"] if r % 2 == 0 else ["generate", "shared"]
-        got, row = {}, {"round": r, "questions": len(idx), "first": order[0], "load": list(os.getloadavg())}
+        got, row = {}, {"round": r, "questions": len(idx), "first": order[0], "load": load_averages()}
         for side in order:
             got[side], wall, cpu = timed(sides[side])
             totals[side][0] += wall

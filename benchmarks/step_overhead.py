@@ -372,9 +372,9 @@ def main() -> int:
             Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
         return 0
     sys.path.insert(0, str(HERE))
-    from harness.report import machine_info
+    from harness.report import load_averages, machine_info
 
-    load_start = list(os.getloadavg())
+    load_start = load_averages()
     t0 = time.perf_counter()
     result = compare(args)
     meta = machine_info(args.threads)

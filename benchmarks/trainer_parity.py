@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers beside this script
 
-from harness.report import machine_info, markdown_table, provenance_lines
+from harness.report import load_averages, machine_info, markdown_table, provenance_lines
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DATA = "/work/shared/data"
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.trainer_run:
         trainer_run(args)
         return
-    load_start = list(os.getloadavg())
+    load_start = load_averages()
     t_start = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false"}

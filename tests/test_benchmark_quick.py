@@ -1,4 +1,4 @@
-"""The benchmark suite (benchmarks/hypergrad_bench.py over hg_harness and the concern modules) on
+"""The benchmark suite (benchmarks/hypergrad_bench.py over harness/hypergrad_suite.py and the concern modules) on
 tiny sizes: sane numbers, a report."""
 
 from __future__ import annotations

@@ -96,3 +96,36 @@ def test_the_import_check_sees_a_deleted_module_inside_a_function(tmp_path: Path
         script.unlink()
     assert problems == ["benchmarks/probe_for_the_import_check.py:2: no module '_memory'",
                         "benchmarks/probe_for_the_import_check.py:3: 'harness.report' has no 'no_such_name'"]
+
+
+MACHINE_READERS = ("/proc/cpuinfo", "lscpu", "platform.processor(", "/proc/loadavg", "os.getloadavg(")
+"""What a script that wrote its own machine line read; only ``harness/report.py`` reads them."""
+
+
+def machine_readers(path: Path) -> list[str]:
+    """``file:line`` of each line of ``path`` (code, not its docstrings or comments) that reads the machine itself."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    docs = {n for node in ast.walk(ast.parse("\n".join(lines)))
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            for n in range(node.lineno, node.end_lineno + 1)}
+    return [f"{path.relative_to(BENCHMARKS.parent)}:{i}" for i, line in enumerate(lines, 1)
+            if i not in docs and any(r in line.split("#", 1)[0] for r in MACHINE_READERS)]
+
+
+def test_the_machine_line_comes_from_the_harness() -> None:
+    """One machine line: every script takes it from ``harness.report`` (machine_info, machine_line, load_average)."""
+    files = [p for p in sorted(BENCHMARKS.glob("*.py")) + sorted((BENCHMARKS / "harness").glob("*.py"))
+             if p.name != "report.py" and p.stem not in PLUGINS]
+    found = [f for path in files for f in machine_readers(path)]
+    assert not found, "read the machine through harness.report (machine_info / machine_line / load_average):\n" + "\n".join(found)
+
+
+def test_the_machine_check_sees_a_script_of_its_own(tmp_path: Path) -> None:
+    script = BENCHMARKS / "probe_for_the_machine_check.py"  # the checker reads benchmarks/-relative paths
+    try:
+        script.write_text('"""Reads /proc/cpuinfo? Not here."""\nimport platform\n# lscpu in a comment\n'
+                          'cpu = platform.processor()\n')
+        found = machine_readers(script)
+    finally:
+        script.unlink()
+    assert found == ["benchmarks/probe_for_the_machine_check.py:4"]

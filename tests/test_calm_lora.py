@@ -211,7 +211,7 @@ def test_compile_refuses_what_it_cannot_compile():
 
 
 def test_a_compiled_graph_reused_by_a_later_run_computes_with_that_runs_weights(monkeypatch):
-    """One process, several runs (llm_calib.compare does that): dynamo reuses the graph of the first
+    """One process, several runs (llm_calib.evaluation.compare does that): dynamo reuses the graph of the first
     run; the frozen weights and θ are its inputs, never constants of the first model."""
     from llm_calib.calm import training
 

@@ -20,7 +20,7 @@ def test_the_choosing_guide_carries_the_committed_benchmark_report() -> None:
     assert "| target | where | measured | limit | result | note |" in block  # the table itself
     assert block == report.guide_block(committed) + ("" if committed.endswith("\n") else "\n"), (
         "docs/methods/choosing.md is stale: rerun the benchmark, or copy the report with "
-        "hg_report.sync_guide (see benchmarks/harness/hypergrad_report.py)")
+        "harness.hypergrad_report.sync_guide (benchmarks/harness/hypergrad_report.py)")
     assert report.sync_guide(guide, committed) == guide
 
 

@@ -26,9 +26,16 @@ run from) are entry points too."""
 
 ENTRY_PACKAGES = ("config/", "cli/", "integrations/")
 
-RESOLVING_MODULES = {"prompts/resolution.py", "calm/run.py", "integrations/collators.py"}
-"""Where prompt settings are resolved: the module that owns prompt resolution, the one that resolves a run,
-and the integrations' collators (entry points that take a configuration, see :data:`ENTRY_POINTS`)."""
+RESOLVING_MODULE = "prompts/resolution.py"
+"""The one module that owns prompt resolution (``resolve_prompt_settings``, what ``format_settings`` was)."""
+
+RESOLVING_CALLERS = {
+    ("calm/run.py", "resolve_run"),  # the run resolved once: its prompt settings first
+    ("integrations/collators.py", "MultipleChoiceCollator.__init__"),  # collators take a configuration (entry points)
+    ("integrations/collators.py", "OpenAnswerCollator.__init__"),
+}
+"""The entry points outside :data:`RESOLVING_MODULE` that call the resolver: each resolves its configuration
+once and passes the resolved settings on."""
 
 
 def test_the_package_root_holds_at_most_ten_modules() -> None:
@@ -62,12 +69,15 @@ def _functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
 
 def config_parameters(path: Path, base: Path = PACKAGE) -> list[str]:
     """``file:line function(parameter)`` for each parameter of a function in ``path`` annotated with a
-    type that mentions ``CalibrationConfig``."""
+    type that mentions ``CalibrationConfig``, and each parameter named ``config`` or ``cfg`` left untyped
+    (no annotation, ``Any`` or ``object``: it could take one)."""
     out = []
     for fn in _functions(path):
         args = fn.args
         for a in (*args.posonlyargs, *args.args, *args.kwonlyargs):
-            if a.annotation is not None and "CalibrationConfig" in ast.unparse(a.annotation):
+            annotation = ast.unparse(a.annotation) if a.annotation is not None else None
+            if ("CalibrationConfig" in (annotation or "")
+                    or (a.arg in ("config", "cfg") and annotation in (None, "Any", "object"))):  # untyped: could be one
                 out.append(f"{path.relative_to(base)}:{fn.lineno} {fn.name}({a.arg})")
     return out
 
@@ -86,18 +96,42 @@ def test_no_function_below_the_entry_points_takes_a_configuration() -> None:
 def test_the_checker_sees_a_configuration_parameter(tmp_path: Path) -> None:
     """The checker itself: a parameter annotated with the configuration (also in a union) is found."""
     path = tmp_path / "probe.py"
-    path.write_text("def f(run, config: CalibrationConfig | None = None): ...\ndef g(run: ResolvedRun): ...\n")
-    assert config_parameters(path, tmp_path) == ["probe.py:1 f(config)"]
+    path.write_text("def f(run, config: CalibrationConfig | None = None): ...\ndef g(run: ResolvedRun): ...\n"
+                    "def h(cfg): ...\ndef k(config: Any): ...\ndef m(config: LoraSettings): ...\n")
+    assert config_parameters(path, tmp_path) == ["probe.py:1 f(config)", "probe.py:3 h(cfg)", "probe.py:4 k(config)"]
 
 
-def test_prompt_settings_are_resolved_only_in_the_resolving_modules() -> None:
+def resolver_calls(path: Path, base: Path = PACKAGE) -> list[tuple[str, str]]:
+    """``(file, Class.function)`` for each call of ``resolve_prompt_settings`` or ``format_settings`` in ``path``
+    (``<module>`` at module level), by the innermost enclosing function."""
+    calls: list[tuple[str, str]] = []
+
+    def visit(node: ast.AST, scope: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = [*scope, child.name] if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) else scope
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Name | ast.Attribute) and (
+                    child.func.id if isinstance(child.func, ast.Name) else child.func.attr) in ("resolve_prompt_settings",
+                                                                                                 "format_settings"):
+                calls.append((path.relative_to(base).as_posix(), ".".join(scope) or "<module>"))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), [])
+    return calls
+
+
+def test_prompt_settings_are_resolved_only_in_the_resolving_module() -> None:
     """``resolve_prompt_settings`` (what ``format_settings`` was) is called in the module that owns prompt
-    resolution and in :func:`~llm_calib.calm.run.resolve_run`, nowhere else in the library."""
-    calls = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name | ast.Attribute)
-                    and (node.func.id if isinstance(node.func, ast.Name) else node.func.attr)
-                    in ("resolve_prompt_settings", "format_settings")):
-                calls.append(path.relative_to(PACKAGE).as_posix())
-    assert set(calls) <= RESOLVING_MODULES and "calm/run.py" in calls, sorted(set(calls))
+    resolution and, outside it, only by the entry points of :data:`RESOLVING_CALLERS`: no deep user (the encoding
+    cache, fast evaluation, the trainer, the formats) resolves prompt settings itself."""
+    calls = [c for path in sorted(PACKAGE.rglob("*.py")) for c in resolver_calls(path)]
+    outside = sorted({c for c in calls if c[0] != RESOLVING_MODULE} - RESOLVING_CALLERS)
+    assert not outside, f"prompt settings resolved below the entry points: {outside}"
+    assert ("calm/run.py", "resolve_run") in calls
+
+
+def test_the_resolver_checker_names_the_calling_function(tmp_path: Path) -> None:
+    """The checker itself: a call inside a method is named by its class and method, a module-level one too."""
+    path = tmp_path / "probe.py"
+    path.write_text("class EncodingCache:\n    def __call__(self, config):\n        return resolve_prompt_settings(config.prompt)\n"
+                    "x = format_settings(config)\n")
+    assert resolver_calls(path, tmp_path) == [("probe.py", "EncodingCache.__call__"), ("probe.py", "<module>")]

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_number", "load_average", "machine_info", "machine_line", "markdown_table", "mean_sd", "provenance_lines", "verdict"]
+__all__ = ["format_number", "load_average", "load_averages", "machine_info", "machine_line", "markdown_table", "mean_sd", "provenance_lines", "verdict"]
 
 
 def machine_info(threads: int | None = None, libraries: tuple[str, ...] = ("torch", "transformers")) -> dict[str, Any]:
@@ -53,8 +53,20 @@ def machine_info(threads: int | None = None, libraries: tuple[str, ...] = ("torc
 
     return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "simd": simd,
             "cores": os.cpu_count(), "threads": threads,
-            "load": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "load": load_averages(),
             "python": platform.python_version(), **{name: installed(name) for name in libraries}}
+
+
+def load_averages() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages now (None where the system has none): the load a shared
+    machine shows at the start of a run, beside each timed round, in :func:`machine_info`.
+
+    Example:
+        >>> loads = load_averages()
+        >>> loads is None or (len(loads) == 3 and min(loads) >= 0)
+        True
+    """
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
 def load_average() -> str:
@@ -64,7 +76,8 @@ def load_average() -> str:
         >>> len(load_average().split()) in (1, 3)
         True
     """
-    return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    loads = load_averages()
+    return " ".join(f"{x:.2f}" for x in loads) if loads is not None else "?"
 
 
 def machine_line(meta: dict[str, Any], note: str = "") -> str:
