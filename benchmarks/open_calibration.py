@@ -199,15 +199,15 @@ def score_semantic(model: Any, tok: Any, d: dict[str, Any], fmt: Any, sizes: Siz
     t0 = time.perf_counter()
     at: dict[float, dict[str, float]] = {}
 
-    def sem_ece(t: float) -> float:
+    def metrics(t: float) -> tuple[float, float]:
         if t == 1.0 and heldout_at_1 is not None:
             at[t] = heldout_at_1
         else:
             at[t] = heldout_semantic(model, tok, d, fmt, sizes, t)
-        return at[t]["ece"]
+        return at[t]["ece"], at[t]["accuracy"]
 
-    T, values = choose_sampling_temperature(sem_ece, sizes.sampling_temperatures)
-    log(f"  sampling temperature chosen on the held-out Sem-ECE: T = {T:g} ({values})")
+    T, values = choose_sampling_temperature(metrics, sizes.sampling_temperatures)
+    log(f"  sampling temperature chosen on the held-out Sem-ECE (accuracy guarded): T = {T:g} ({values})")
     out: dict[str, Any] = {"sampling_temperature": T, "heldout_semantic_at": {f"{t:g}": m for t, m in at.items()}}
     boot = {"ci": sizes.bootstrap > 0, "n_resamples": max(sizes.bootstrap, 1), "seed": 0}
     for key, temp in (("semantic", 1.0), ("semantic+T", T)):
@@ -504,7 +504,9 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
         "`+ T` rows, the post-hoc knob of each kind: under `token`, T fitted on the held-out greedy answers by the "
         "log-loss of correctness of the token confidence (`llm_calib.confidence.temperature.fit_token_temperature`, "
         "exact token probabilities at any T), and the same answers at T; under `semantic`, the sampling temperature "
-        "with the lowest held-out Sem-ECE (`choose_sampling_temperature`), and the test answers sampled at it.",
+        "with the lowest held-out Sem-ECE among those keeping 95% of the held-out modal accuracy at T = 1 "
+        "(`choose_sampling_temperature`: a hot temperature makes every sample differ, so Sem-ECE falls with the "
+        "accuracy), and the test answers sampled at it.",
         f"- Check: the benchmark's token path equals `evaluate_records`' token confidence on the base model "
         f"(max |diff| of accuracy and ECE {base.get('token_check_max_abs_diff', float('nan')):.1e}).",
         "",
@@ -522,6 +524,11 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
     lines.append("Semantic confidence, sampling temperature chosen on the held-out Sem-ECE from "
                  + ", ".join(f"{t:g}" for t in s.get("sampling_temperatures", SAMPLING_TEMPERATURES)) + ": "
                  + "; ".join(f"{LABELS[k]} {', '.join(f'{t:g}' for t in v)}" for k, v in samp.items()) + ".")
+    at = unc.get("heldout_semantic_at", {})
+    if at:
+        lines.append("Held-out Sem-ECE / modal accuracy of the base model by sampling temperature: "
+                     + ", ".join(f"T = {t}: {m['ece']:.3f} / {m['accuracy']:.3f}"
+                                 for t, m in sorted(at.items(), key=lambda kv: float(kv[0]))) + ".")
     lines.append("")
     trained = [(m, int(p["part"]), r) for p in parts if p["part"] != "base" for m, r in p["rows"].items()]
     for m in ("lora_ce", "calm"):

@@ -16,6 +16,7 @@ from llm_calib.confidence.kinds import OpenConfidence, score_open
 from llm_calib.confidence.temperature import (
     OPEN_TEMPERATURE_RANGE,
     AnswerTokenLogits,
+    choose_sampling_temperature,
     correctness_log_loss,
     fit_open_temperature,
     fit_token_temperature,
@@ -177,6 +178,19 @@ def test_open_temperature_fit_by_kind() -> None:
     sem = fit_open_temperature(model, tok, QS, OpenConfidence("semantic", samples=3), max_new_tokens=4,
                                sampling_temperatures=(0.5, 2.0))
     assert sem.criterion == "sem_ece" and set(sem.tried) == {"0.5", "1", "2"}
-    assert sem.after == min(sem.tried.values()) and sem.before == sem.tried["1"]
+    floor = 0.95 * sem.tried["1"]["accuracy"]
+    kept = {t: v["sem_ece"] for t, v in sem.tried.items() if v["accuracy"] >= floor}
+    assert sem.after == min(kept.values()) and sem.before == sem.tried["1"]["sem_ece"]
     with pytest.raises(ValueError, match="no temperature applies to verbalized confidence"):
         fit_open_temperature(model, tok, QS, OpenConfidence("verbalized"))
+
+
+def test_the_sampling_temperature_keeps_the_accuracy() -> None:
+    """A hot sampling temperature makes every sample differ: Sem-ECE near 0 at near-zero accuracy. It is not
+    chosen; among the temperatures keeping 95% of the reference accuracy the lowest Sem-ECE is."""
+    metrics = {0.5: (0.20, 0.40), 0.7: (0.12, 0.39), 1.0: (0.15, 0.40), 1.4: (0.10, 0.37), 2.0: (0.01, 0.05)}
+    best, values = choose_sampling_temperature(lambda t: metrics[t])
+    assert best == 0.7 and values == metrics
+    assert choose_sampling_temperature(lambda t: metrics[t], guard_accuracy=0.9)[0] == 1.4
+    assert choose_sampling_temperature(lambda t: metrics[t], guard_accuracy=0.0)[0] == 2.0
+    assert choose_sampling_temperature(lambda t: metrics[t], (2.0,), reference=0.7)[0] == 0.7

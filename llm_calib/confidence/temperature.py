@@ -29,7 +29,7 @@ from torch import Tensor
 from llm_calib.models import lm_head_logits, split_decoder_head
 
 __all__ = [
-    "OPEN_TEMPERATURE_RANGE", "SAMPLING_TEMPERATURES", "AnswerTokenLogits", "OpenTemperatureFit",
+    "OPEN_TEMPERATURE_RANGE", "SAMPLING_GUARD", "SAMPLING_TEMPERATURES", "AnswerTokenLogits", "OpenTemperatureFit",
     "TokenTemperatureFit", "choose_sampling_temperature", "correctness_log_loss", "fit_open_temperature",
     "fit_token_temperature",
 ]
@@ -40,6 +40,10 @@ probability 1, above 20 nearly none has more than the uniform share)."""
 
 SAMPLING_TEMPERATURES = (0.5, 0.7, 1.0, 1.4, 2.0)
 """The sampling temperatures :func:`choose_sampling_temperature` tries by default."""
+
+SAMPLING_GUARD = 0.95
+"""The accuracy floor of the sampling temperature's choice: a fraction of the accuracy at the confidence's own
+temperature (model selection's default ``guard_accuracy``)."""
 
 _CLIP = 1e-12
 
@@ -225,28 +229,44 @@ class AnswerTokenLogits:
 
 
 def choose_sampling_temperature(
-    sem_ece_at: Callable[[float], float], temperatures: Sequence[float] = SAMPLING_TEMPERATURES,
-) -> tuple[float, dict[float, float]]:
-    """The sampling temperature with the lowest held-out Sem-ECE, and the Sem-ECE at each one tried.
+    metrics_at: Callable[[float], tuple[float, float]], temperatures: Sequence[float] = SAMPLING_TEMPERATURES, *,
+    reference: float = 1.0, guard_accuracy: float = SAMPLING_GUARD,
+) -> tuple[float, dict[float, tuple[float, float]]]:
+    """The sampling temperature with the lowest held-out Sem-ECE among those that keep the answers' accuracy.
+
+    A sampling temperature changes the answers (the modal answer of the samples), not only their
+    confidence: a hot enough one makes every sample differ, so the confidence, the accuracy and with
+    them Sem-ECE fall towards 0. As in model selection, only temperatures whose held-out accuracy is
+    at least ``guard_accuracy`` times the accuracy at ``reference`` (the confidence's own
+    temperature, always tried) are candidates.
 
     Args:
-        sem_ece_at: ``T -> Sem-ECE`` of the held-out answers sampled at T (the same seed at every T).
-        temperatures: the grid (each > 0); ties go to the first.
+        metrics_at: ``T -> (Sem-ECE, accuracy)`` of the held-out answers sampled at T (the same seed at every T).
+        temperatures: the grid (each > 0); ``reference`` is added; ties go to the lower T.
+        reference: the sampling temperature the guard compares with.
+        guard_accuracy: the accuracy floor, a fraction of the reference accuracy (in [0, 1]).
+
+    Returns:
+        ``(T, {T: (Sem-ECE, accuracy)})`` over every temperature tried.
 
     Raises:
-        ValueError: an empty grid or a temperature that is not > 0.
+        ValueError: a temperature that is not > 0, or ``guard_accuracy`` outside [0, 1].
 
     Example:
-        >>> choose_sampling_temperature(lambda t: abs(t - 0.7), (0.5, 0.7, 1.0))
-        (0.7, {0.5: 0.19999999999999996, 0.7: 0.0, 1.0: 0.30000000000000004})
+        >>> metrics = {0.5: (0.20, 0.40), 1.0: (0.15, 0.40), 2.0: (0.01, 0.05)}   # T = 2: every sample differs
+        >>> choose_sampling_temperature(lambda t: metrics[t], (0.5, 2.0))[0]
+        1.0
     """
-    grid = [float(t) for t in temperatures]
-    if not grid or not all(math.isfinite(t) and t > 0 for t in grid):
-        raise ValueError(f"temperatures must be a non-empty list of finite numbers > 0, got {list(temperatures)!r}")
-    values = {t: float(sem_ece_at(t)) for t in grid}
-    best = min(grid, key=lambda t: (values[t], grid.index(t)))
-    return best, values
-
+    grid = sorted({float(t) for t in temperatures} | {float(reference)})
+    if not all(math.isfinite(t) and t > 0 for t in grid):
+        raise ValueError(f"temperatures must be finite numbers > 0, got {list(temperatures)!r} and reference {reference!r}")
+    if not 0.0 <= guard_accuracy <= 1.0:
+        raise ValueError(f"guard_accuracy must be in [0, 1], got {guard_accuracy!r}")
+    values = {t: tuple(float(v) for v in metrics_at(t)) for t in grid}
+    floor = guard_accuracy * values[float(reference)][1]
+    candidates = [t for t in grid if values[t][1] + 1e-12 >= floor]
+    best = min(candidates, key=lambda t: (values[t][0], t))
+    return best, values  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -259,10 +279,11 @@ class OpenTemperatureFit:
             ``"sem_ece"`` (semantic confidence: the held-out Sem-ECE, chosen from a grid).
         before: the criterion at T = 1 (semantic: at the confidence's own sampling temperature).
         after: the criterion at ``temperature``.
-        tried: semantic: the Sem-ECE at each sampling temperature tried (``{"0.7": 0.12, ...}``); token: empty.
+        tried: semantic: the Sem-ECE and accuracy at each sampling temperature tried
+            (``{"0.7": {"sem_ece": 0.12, "accuracy": 0.38}, ...}``); token: empty.
 
     Example:
-        >>> OpenTemperatureFit(0.7, "sem_ece", 0.14, 0.12, {"0.7": 0.12, "1": 0.14}).criterion
+        >>> OpenTemperatureFit(0.7, "sem_ece", 0.14, 0.12, {"0.7": {"sem_ece": 0.12, "accuracy": 0.38}}).criterion
         'sem_ece'
     """
 
@@ -270,17 +291,19 @@ class OpenTemperatureFit:
     criterion: str
     before: float
     after: float
-    tried: dict[str, float]
+    tried: dict[str, dict[str, float]]
 
 
 def fit_open_temperature(model: Any, tokenizer: Any, records: Sequence[Any], confidence: Any = None, *,
                          prompt: Any = None, max_new_tokens: int = 32, batch_size: int = 8,
-                         sampling_temperatures: Sequence[float] = SAMPLING_TEMPERATURES) -> OpenTemperatureFit:
+                         sampling_temperatures: Sequence[float] = SAMPLING_TEMPERATURES,
+                         guard_accuracy: float = SAMPLING_GUARD) -> OpenTemperatureFit:
     """The temperature of ``model``'s open answers, chosen on ``records`` (a held-out split).
 
     ``token`` confidence: the greedy answers, then :func:`fit_token_temperature` on their exact token
     probabilities (:class:`AnswerTokenLogits`). ``semantic``: the answers sampled at each of
-    ``sampling_temperatures`` (the same seed), :func:`choose_sampling_temperature` by Sem-ECE.
+    ``sampling_temperatures`` (the same seed), :func:`choose_sampling_temperature` by Sem-ECE among those
+    keeping ``guard_accuracy`` of the accuracy at the confidence's own temperature.
 
     Args:
         model: the causal LM (the deployed model: a trained one included).
@@ -291,6 +314,7 @@ def fit_open_temperature(model: Any, tokenizer: Any, records: Sequence[Any], con
         max_new_tokens: the answers' token budget.
         batch_size: questions per forward pass.
         sampling_temperatures: semantic: the grid (the confidence's own temperature is added).
+        guard_accuracy: semantic: the accuracy floor (:func:`choose_sampling_temperature`).
 
     Raises:
         ValueError: ``p_true`` or ``verbalized`` confidence (their confidence is the model's judgement of a
@@ -321,12 +345,12 @@ def fit_open_temperature(model: Any, tokenizer: Any, records: Sequence[Any], con
     if confidence.kind != "semantic":
         raise ValueError(f"no temperature applies to {confidence.kind} confidence (the model's judgement of its "
                          "greedy answer); use token or semantic confidence")
-    grid = sorted({*(float(t) for t in sampling_temperatures), float(confidence.temperature)})
+    def metrics(t: float) -> tuple[float, float]:
+        m = score_open(model, tokenizer, records, replace(confidence, temperature=t), **kw).summary(ci=False)
+        return float(m["ece"]), float(m["accuracy"])
 
-    def sem_ece(t: float) -> float:
-        scored = score_open(model, tokenizer, records, replace(confidence, temperature=t), **kw)
-        return float(scored.summary(ci=False)["ece"])
-
-    best, values = choose_sampling_temperature(sem_ece, grid)
-    return OpenTemperatureFit(best, "sem_ece", values[float(confidence.temperature)], values[best],
-                              {f"{t:g}": v for t, v in values.items()})
+    reference = float(confidence.temperature)
+    best, values = choose_sampling_temperature(metrics, sampling_temperatures, reference=reference,
+                                               guard_accuracy=guard_accuracy)
+    return OpenTemperatureFit(best, "sem_ece", values[reference][0], values[best][0],
+                              {f"{t:g}": {"sem_ece": e, "accuracy": a} for t, (e, a) in values.items()})

@@ -503,7 +503,7 @@ def _summary_table(cmp: Comparison, metric: str) -> list[str]:
 
 def _fitted(fit: TemperatureFit) -> str:
     """How a temperature was found: fitted by likelihood, or (semantic confidence) chosen by held-out Sem-ECE."""
-    return {"sem_ece": "the sampling temperature chosen by Sem-ECE",
+    return {"sem_ece": "the sampling temperature chosen by Sem-ECE (among those keeping 95% of the accuracy)",
             "correctness_nll": "fitted to token confidence (NLL of correctness)"}.get(fit.criterion, "fitted")
 
 

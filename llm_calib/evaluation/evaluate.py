@@ -63,7 +63,8 @@ class TemperatureFit:
             (``"correctness_nll"``, open answers) or the Sem-ECE (``"sem_ece"``, semantic confidence:
             the sampling temperature chosen from ``tried``).
         criterion: what ``nll_before`` and ``nll_after`` measure.
-        tried: ``"sem_ece"``: the Sem-ECE at each sampling temperature tried.
+        tried: ``"sem_ece"``: the Sem-ECE and accuracy at each sampling temperature tried (only those keeping
+            the accuracy are candidates, :func:`~llm_calib.confidence.temperature.choose_sampling_temperature`).
 
     Example:
         >>> import torch
@@ -80,18 +81,19 @@ class TemperatureFit:
     nll_before: float
     nll_after: float
     criterion: str = "nll"
-    tried: dict[str, float] | None = None
+    tried: dict[str, dict[str, float]] | None = None
 
     def describe(self) -> str:
         """The criterion before and after, as the reports print it.
 
         Example:
-            >>> TemperatureFit(0.7, "h", 60, ["d"], 0.14, 0.12, "sem_ece", {"0.7": 0.12, "1": 0.14}).describe()
-            'held-out Sem-ECE 0.140 at T = 1 -> 0.120; tried T = 0.7: 0.120, 1: 0.140'
+            >>> tried = {"0.7": {"sem_ece": 0.12, "accuracy": 0.38}, "1": {"sem_ece": 0.14, "accuracy": 0.4}}
+            >>> TemperatureFit(0.7, "h", 60, ["d"], 0.14, 0.12, "sem_ece", tried).describe()
+            'held-out Sem-ECE 0.140 -> 0.120; Sem-ECE / accuracy at T = 0.7: 0.120 / 0.380, 1: 0.140 / 0.400'
         """
         if self.criterion == "sem_ece":
-            tried = ", ".join(f"{t}: {v:.3f}" for t, v in (self.tried or {}).items())
-            return f"held-out Sem-ECE {self.nll_before:.3f} at T = 1 -> {self.nll_after:.3f}; tried T = {tried}"
+            tried = ", ".join(f"{t}: {v['sem_ece']:.3f} / {v['accuracy']:.3f}" for t, v in (self.tried or {}).items())
+            return f"held-out Sem-ECE {self.nll_before:.3f} -> {self.nll_after:.3f}; Sem-ECE / accuracy at T = {tried}"
         name = "NLL of correctness" if self.criterion == "correctness_nll" else "NLL"
         return f"{name} {self.nll_before:.3f} -> {self.nll_after:.3f}"
 
