@@ -194,3 +194,26 @@ def test_the_sampling_temperature_keeps_the_accuracy() -> None:
     assert choose_sampling_temperature(lambda t: metrics[t], guard_accuracy=0.9)[0] == 1.4
     assert choose_sampling_temperature(lambda t: metrics[t], guard_accuracy=0.0)[0] == 2.0
     assert choose_sampling_temperature(lambda t: metrics[t], (2.0,), reference=0.7)[0] == 0.7
+
+
+def test_the_open_temperature_fit_applies_the_guard(monkeypatch) -> None:
+    """``fit_open_temperature`` under semantic confidence: the hot temperature whose Sem-ECE is lowest because its
+    modal answer is almost never right is not chosen; the floor is 95% of the accuracy at the confidence's own
+    sampling temperature (here 0.7), and ``guard_accuracy=0`` gives the unguarded choice."""
+    import llm_calib.confidence.kinds as kinds
+
+    at = {0.5: (0.20, 0.40), 0.7: (0.15, 0.40), 1.0: (0.12, 0.30), 1.4: (0.13, 0.39), 2.0: (0.01, 0.05)}
+
+    class Scored:
+        def __init__(self, t: float) -> None:
+            self.t = t
+
+        def summary(self, ci: bool = True) -> dict[str, float]:
+            return {"ece": at[self.t][0], "accuracy": at[self.t][1]}
+
+    monkeypatch.setattr(kinds, "score_open", lambda model, tok, recs, conf, **kw: Scored(conf.temperature))
+    conf = OpenConfidence("semantic", samples=3, temperature=0.7)
+    fit = fit_open_temperature(None, None, QS, conf)
+    assert fit.temperature == 1.4 and fit.before == 0.15 and fit.after == 0.13  # 1.0 is below 0.95 * 0.40
+    assert fit.tried["2"] == {"sem_ece": 0.01, "accuracy": 0.05}
+    assert fit_open_temperature(None, None, QS, conf, guard_accuracy=0.0).temperature == 2.0
