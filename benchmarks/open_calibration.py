@@ -273,9 +273,11 @@ def run_part(part: str, sizes: Sizes, args: argparse.Namespace) -> None:
     else:
         model, tok = load_model(sizes.model)
     n_layers = int(model.config.num_hidden_layers)
-    fmt = open_prompt_format(config(sizes, d["examples"], "lora_ce", 0, n_layers).prompt)
+    cfg0 = config(sizes, d["examples"], "lora_ce", 0, n_layers)
+    fmt = open_prompt_format(cfg0.prompt)
     record: dict[str, Any] = {"part": part, "sizes": sizes.__dict__, "started": _dt.datetime.now(_dt.UTC).isoformat(),
-                              "commit": _commit(),
+                              "commit": _commit(), "selection": {k: getattr(cfg0.selection, k) for k in
+                                                                  ("guard_accuracy", "guard_patience")},
                               "n": {"train": len(d["train"]), "heldout": len(d["heldout"]),
                                     **{k: len(v) for k, v in d["tests"].items()}}, "examples": d["examples"]}
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -395,18 +397,36 @@ def _evaluations(trained: list[tuple[str, int, dict[str, Any]]]) -> list[dict[st
     return rows
 
 
-def _spearman(xs: list[float], ys: list[float]) -> float:
+def _spearman(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Spearman's rho and its two-sided p-value; NaN for fewer than 3 points or a constant side."""
     if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
-        return math.nan
-    return float(spearmanr(xs, ys).statistic)
+        return math.nan, math.nan
+    res = spearmanr(xs, ys)
+    return float(res.statistic), float(res.pvalue)
 
 
 def rank_correlations(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Spearman's rank correlation of the proxy ECE with the greedy-answer ECE and with the Sem-ECE, per seed
-    (every evaluation of both methods; the initial model once) and over all seeds."""
+    """Spearman's rank correlation of the proxy ECE with the greedy-answer ECE and with the Sem-ECE (and of those
+    two), over the evaluations of each seed (both methods' runs; the initial model, the same in every run of a
+    seed, once), of each run (``"<method>, seed <s>"``: its initial model and its evaluations), and of all seeds.
+
+    Example:
+        >>> rows = [{"method": "calm", "seed": 0, "step": k, "proxy_ece": p, "greedy_ece": g, "sem_ece": g}
+        ...         for k, p, g in ((0, 0.1, 0.3), (5, 0.2, 0.2), (10, 0.3, 0.1))]
+        >>> rank_correlations(rows)["seed 0"]["proxy_vs_greedy"]
+        -1.0
+    """
     out: dict[str, dict[str, float]] = {}
-    groups = {f"seed {s}": [r for r in rows if r["seed"] == s] for s in sorted({r["seed"] for r in rows})}
+    seeds = sorted({r["seed"] for r in rows})
+    groups = {f"seed {s}": [r for r in rows if r["seed"] == s] for s in seeds}
+    for m in sorted({r["method"] for r in rows}):
+        for s in seeds:
+            run = [r for r in rows if r["method"] == m and r["seed"] == s]
+            if run:
+                groups[f"{m}, seed {s}"] = run
     groups["all seeds"] = rows
+    pairs = {"proxy_vs_greedy": ("proxy_ece", "greedy_ece"), "proxy_vs_sem": ("proxy_ece", "sem_ece"),
+             "greedy_vs_sem": ("greedy_ece", "sem_ece")}
     for name, rs in groups.items():
         seen, uniq = set(), []
         for r in rs:  # the initial model is the same in every run of a seed: count it once per seed
@@ -414,14 +434,40 @@ def rank_correlations(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]
             if key not in seen:
                 seen.add(key)
                 uniq.append(r)
-        out[name] = {"n": len(uniq),
-                     "proxy_vs_greedy": _spearman([r["proxy_ece"] for r in uniq], [r["greedy_ece"] for r in uniq]),
-                     "proxy_vs_sem": _spearman([r["proxy_ece"] for r in uniq], [r["sem_ece"] for r in uniq]),
-                     "greedy_vs_sem": _spearman([r["greedy_ece"] for r in uniq], [r["sem_ece"] for r in uniq])}
+        out[name] = {"n": len(uniq)}
+        for pair, (x, y) in pairs.items():
+            out[name][pair], out[name][f"{pair}_p"] = _spearman([r[x] for r in uniq], [r[y] for r in uniq])
     return out
 
 
-def _measurement(trained: list[tuple[str, int, dict[str, Any]]], n_heldout: int) -> list[str]:
+def lowest_within_guard(evaluations: list[dict[str, Any]], before: dict[str, float], ece: str, accuracy: str,
+                        guard_accuracy: float = 0.95, patience: int = 2) -> int:
+    """The step with the lowest held-out ``ece`` among the initial model (step 0) and the evaluations whose
+    ``accuracy`` is at least ``guard_accuracy`` times the initial one (ties: the earliest), up to where
+    ``patience`` consecutive evaluations below that floor stop a run; found by brute force over the recorded
+    numbers, apart from the library's rule: the step selection must pick.
+
+    Example:
+        >>> evals = [{"step": 5, "e": 0.20, "a": 0.50}, {"step": 10, "e": 0.05, "a": 0.30}, {"step": 15, "e": 0.10, "a": 0.49}]
+        >>> lowest_within_guard(evals, {"e": 0.14, "a": 0.5}, "e", "a")   # step 10 is below the floor 0.475
+        15
+        >>> lowest_within_guard(evals, {"e": 0.14, "a": 0.5}, "e", "a", patience=1)   # the guard stops the run at 10
+        0
+    """
+    floor = guard_accuracy * before[accuracy]
+    candidates, below = [(before[ece], 0)], 0
+    for r in sorted(evaluations, key=lambda r: r["step"]):
+        if r[accuracy] + 1e-12 >= floor:
+            candidates.append((r[ece], int(r["step"])))
+            below = 0
+        else:
+            below += 1
+            if below >= patience:
+                break
+    return min(candidates)[1]
+
+
+def _measurement(trained: list[tuple[str, int, dict[str, Any]]], n_heldout: int, samples: int) -> list[str]:
     """The proxy-vs-generated table: every kept evaluation of the held-out split, and the rank correlations."""
     rows = _evaluations(trained)
     if not rows:
@@ -429,29 +475,84 @@ def _measurement(trained: list[tuple[str, int, dict[str, Any]]], n_heldout: int)
     lines = ["## Held-out split at every evaluation: the teacher-forced proxy against the generated answers", "",
              f"ECE / accuracy of the held-out split ({n_heldout} questions) at each evaluation of each run: the teacher-forced "
              "proxy (the reference answer fed token by token; confidence = mean top-token probability, correct = "
-             "every reference token is the top token), the greedy answers (token confidence), and 10 sampled answers "
+             f"every reference token is the top token), the greedy answers (token confidence), and {samples} sampled answers "
              "(semantic confidence, Sem-ECE; modal answer's accuracy). Step 0 is the initial model.", "",
              "| run | step | proxy ECE / acc | greedy ECE / acc | Sem-ECE / modal acc |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {LABELS[r['method']]}, seed {r['seed']} | {r['step']} | {r['proxy_ece']:.3f} / {r['proxy_acc']:.3f} | "
                      f"{r['greedy_ece']:.3f} / {r['greedy_acc']:.3f} | {r['sem_ece']:.3f} / {r['sem_acc']:.3f} |")
     corr = rank_correlations(rows)
-    lines += ["", "Spearman rank correlation over the evaluations (both methods' runs; the initial model counted once per "
-              "seed):", "", "| evaluations | n | proxy vs greedy ECE | proxy vs Sem-ECE | greedy ECE vs Sem-ECE |",
-              "|---|---|---|---|---|"]
+    lines += ["", "Spearman rank correlation (two-sided p-value in parentheses) over the evaluations of each seed (both methods' runs; "
+              "the initial model counted once), of each run, and of all seeds:", "",
+              "| evaluations | n | proxy vs greedy ECE | proxy vs Sem-ECE | greedy ECE vs Sem-ECE |", "|---|---|---|---|---|"]
     for name, c in corr.items():
-        lines.append(f"| {name} | {c['n']} | {c['proxy_vs_greedy']:.2f} | {c['proxy_vs_sem']:.2f} | {c['greedy_vs_sem']:.2f} |")
+        label = name if name.startswith(("seed", "all")) else f"{LABELS[name.split(', ')[0]]}, {name.split(', ')[1]}"
+        cells = [_rho(c[k], c[f"{k}_p"]) for k in ("proxy_vs_greedy", "proxy_vs_sem", "greedy_vs_sem")]
+        lines.append(f"| {label} | {c['n']} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 
-def _selections(trained: list[tuple[str, int, dict[str, Any]]]) -> list[str]:
-    """The step each rule selects per run: greedy ECE (the token rows), Sem-ECE (the semantic rows), the proxy."""
-    lines = ["## Selected steps", "", "| run | greedy-answer ECE (token rows) | Sem-ECE (semantic rows) | teacher-forced proxy "
-             "(the old rule) | stopped early |", "|---|---|---|---|---|"]
+def _rho(rho: float, p: float) -> str:
+    return "n/a" if not math.isfinite(rho) else f"{rho:.2f} ({p:.2g})"
+
+
+def _at_step(r: dict[str, Any], step: int, key: str) -> float:
+    """The held-out ``key`` (``ece``, ``sem_ece``, ``teacher_forced_ece``) of a run at an evaluated step (0: before)."""
+    if step == 0:
+        return r["before"][key]
+    (rec,) = [h for h in r["history"] if h.get("step") == step and f"heldout_{key}" in h]
+    return rec[f"heldout_{key}"]
+
+
+def selection_checks(trained: list[tuple[str, int, dict[str, Any]]], guard_accuracy: float,
+                     patience: int) -> list[dict[str, Any]]:
+    """Per run: the step each rule selected, and the brute-force lowest step within the accuracy guard of the
+    greedy-answer ECE and of the Sem-ECE (:func:`lowest_within_guard`); they must agree."""
+    out = []
     for m, seed, r in sorted(trained, key=lambda t: (t[0], t[1])):
-        lines.append(f"| {LABELS[m]}, seed {seed} | {r['selected_step']} | {r.get('semantic_selected_step', 'n/a')} | "
-                     f"{r.get('proxy_selected_step', 'n/a')} | {'yes' if r.get('stopped_early') else 'no'} |")
-    return [*lines, ""]
+        if not r.get("history") or "before" not in r:
+            continue
+        evals = [h for h in r["history"] if "heldout_sem_ece" in h]
+        last = max((int(h["step"]) for h in evals), default=0)
+        before = {**r["before"], "heldout_sem_ece": r["before"]["sem_ece"], "heldout_sem_accuracy": r["before"]["sem_accuracy"],
+                  "heldout_ece": r["before"]["ece"], "heldout_accuracy": r["before"]["accuracy"]}
+        token_low = lowest_within_guard(evals, before, "heldout_ece", "heldout_accuracy", guard_accuracy, patience)
+        sem_low = lowest_within_guard(evals, before, "heldout_sem_ece", "heldout_sem_accuracy", guard_accuracy, patience)
+        out.append({"method": m, "seed": seed, "last_step": last, "token_step": int(r["selected_step"]),
+                    "token_lowest": token_low, "semantic_step": int(r["semantic_selected_step"]), "semantic_lowest": sem_low,
+                    "proxy_step": int(r["proxy_selected_step"]), "stopped_early": bool(r.get("stopped_early")),
+                    "greedy_ece_initial": r["before"]["ece"], "greedy_ece_selected": _at_step(r, r["selected_step"], "ece"),
+                    "greedy_ece_at_proxy_step": _at_step(r, r["proxy_selected_step"], "ece"),
+                    "sem_ece_initial": r["before"]["sem_ece"],
+                    "sem_ece_selected": _at_step(r, r["semantic_selected_step"], "sem_ece")})
+    return out
+
+
+def _selections(trained: list[tuple[str, int, dict[str, Any]]], guard_accuracy: float, patience: int) -> list[str]:
+    """The step each rule selects per run: greedy ECE (the token rows), Sem-ECE (the semantic rows), the proxy;
+    with the brute-force lowest step within the guard beside each."""
+    checks = selection_checks(trained, guard_accuracy, patience)
+    lines = ["## Selected steps", "",
+             "Held-out ECE initial → selected. \"lowest\": the step with the lowest held-out ECE among the initial "
+             f"model and the evaluations whose accuracy is at least {guard_accuracy:g} of the initial one (until "
+             f"{patience} evaluations in a row below that stop the run), found by brute force over the table below (it must "
+             "be the selected step). The proxy column: the step the "
+             "teacher-forced proxy (the old rule) would have picked, and the held-out greedy ECE of that step.", "",
+             "| run | token rows: greedy ECE (step) | lowest | semantic rows: Sem-ECE (step) | lowest | proxy's pick: its "
+             "greedy ECE (step) | stopped early |", "|---|---|---|---|---|---|---|"]
+    for c in checks:
+        lines.append(
+            f"| {LABELS[c['method']]}, seed {c['seed']} | {c['greedy_ece_initial']:.3f} → {c['greedy_ece_selected']:.3f} "
+            f"({c['token_step']}) | {c['token_lowest']} | {c['sem_ece_initial']:.3f} → {c['sem_ece_selected']:.3f} "
+            f"({c['semantic_step']}) | {c['semantic_lowest']} | {c['greedy_ece_at_proxy_step']:.3f} ({c['proxy_step']}) | "
+            f"{'yes, after step ' + str(c['last_step']) if c['stopped_early'] else 'no'} |")
+    moved = [c for c in checks if c["token_step"] > 0]
+    lines += ["", f"Token rows: {len(moved)} of {len(checks)} runs selected a trained step"
+              + (" (" + ", ".join(f"{LABELS[c['method']]} seed {c['seed']}: step {c['token_step']}" for c in moved) + ")"
+                 if moved else "") + f"; selected = lowest within the guard in "
+              f"{sum(c['token_step'] == c['token_lowest'] for c in checks)} of {len(checks)} (semantic rows: "
+              f"{sum(c['semantic_step'] == c['semantic_lowest'] for c in checks)} of {len(checks)}).", ""]
+    return lines
 
 
 def _summary(parts: list[dict[str, Any]], sets: list[str]) -> list[str]:
@@ -531,6 +632,7 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
                                  for t, m in sorted(at.items(), key=lambda kv: float(kv[0]))) + ".")
     lines.append("")
     trained = [(m, int(p["part"]), r) for p in parts if p["part"] != "base" for m, r in p["rows"].items()]
+    sel = SelectionSettings(**base.get("selection", {}))  # parts before the field: the defaults they ran with
     for m in ("lora_ce", "calm"):
         runs = sorted((seed, r) for name, seed, r in trained if name == m)
         if runs:
@@ -546,8 +648,8 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
               "is at least 95% of the initial one; step 0 (the initial model) is a candidate. Evaluations every "
               f"{s['eval_every']} steps.", ""]
     lines += [*_summary(parts, sets), ""]
-    lines += _selections(trained)
-    lines += _measurement(trained, base["n"]["heldout"])
+    lines += _selections(trained, sel.guard_accuracy, sel.guard_patience)
+    lines += _measurement(trained, base["n"]["heldout"], s["samples"])
     if near_zero:
         lines += [f"**Near-zero accuracy** (uncalibrated token accuracy < {NEAR_ZERO}): {', '.join(near_zero)}. There the "
                   "model answers (almost) nothing correctly, so ECE equals the mean confidence and only rewards low "

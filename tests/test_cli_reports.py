@@ -152,7 +152,7 @@ def test_cli_calibrate_says_and_marks_a_kept_initial_model(tiny_model_dir, tmp_p
             "--batch-size", "4", "--bootstrap", "0", "--no-progress", "--out", str(out)]
     assert cli.main(argv) == 0  # still a success
     err = capsys.readouterr().err
-    assert "[calm] selection: no evaluation lowered the held-out option ECE" in err
+    assert "[calm] selection: no evaluation lowered the held-out ECE" in err
     report = (out / "report.md").read_text()
     assert "| 0 (initial model kept) |" in report
     assert "**calm: the initial model was kept.** selection: no evaluation lowered" in report
