@@ -27,11 +27,13 @@ __all__ = [
     "tree_detach",
     "tree_dot",
     "tree_flatten",
+    "tree_flatten_view",
     "tree_map",
     "tree_norm",
     "tree_numel",
     "tree_requires_grad",
     "tree_scale",
+    "tree_split_views",
     "tree_sub",
     "tree_unflatten",
     "tree_zeros_like",
@@ -125,6 +127,9 @@ def tree_all_finite(tree: Mapping[str, Tensor]) -> Tensor:
     leaves = list(tree.values())
     if not leaves:
         return torch.ones((), dtype=torch.bool)
+    buffer = _shared_buffer(leaves) if supports_foreach(leaves) else None
+    if buffer is not None:  # leaves held in one buffer (an optimiser's output): one test over it
+        return torch.isfinite(buffer).all()
     if supports_foreach(leaves):
         # the largest magnitude per leaf: NaN where a leaf holds a NaN, inf where it holds an inf
         return torch.isfinite(torch.stack(torch._foreach_norm(leaves, ord=math.inf))).all()
@@ -274,13 +279,79 @@ def tree_flatten(a: Mapping[str, Tensor]) -> Tensor:
 
 
 def tree_flatten_view(a: Mapping[str, Tensor]) -> Tensor:
-    """Like :func:`tree_flatten`, but a single contiguous leaf is returned as a view (no copy).
+    """Like :func:`tree_flatten`, but without a copy where none is needed: a single contiguous leaf, or
+    leaves that are consecutive pieces of one buffer (as :func:`tree_split_views` makes them), are
+    returned as a view of it.
 
     The result may alias ``a``: do not modify it in place.
+
+    Example:
+        >>> import torch
+        >>> flat = torch.arange(5.0)
+        >>> tree_flatten_view(tree_split_views(flat, {"a": torch.zeros(2), "b": torch.zeros(3)})).data_ptr() == flat.data_ptr()
+        True
     """
-    if len(a) == 1:
-        return next(iter(a.values())).reshape(-1)
-    return torch.cat([v.reshape(-1) for v in a.values()])
+    leaves = list(a.values())
+    if len(leaves) == 1:
+        return leaves[0].reshape(-1)
+    buffer = _shared_buffer(leaves)
+    if buffer is not None:
+        return buffer
+    # contiguous leaves flatten by a view each (one operator), not a reshape (two)
+    return torch.cat([v.view(-1) if v.is_contiguous() else v.reshape(-1) for v in leaves])
+
+
+def _shared_buffer(leaves: Sequence[Tensor]) -> Tensor | None:
+    """The flat buffer ``leaves`` are consecutive contiguous pieces of (one view of it), or None.
+
+    Read from the leaves' storage and offsets only (no operator runs); a single contiguous leaf is its
+    own buffer.
+    """
+    if not leaves or torch.compiler.is_compiling():  # traced code: no storage to read
+        return None
+    first = leaves[0]
+    if len(leaves) == 1:
+        return first.reshape(-1) if first.is_contiguous() else None
+    storage = first.untyped_storage().data_ptr()
+    offset, dtype = first.storage_offset(), first.dtype
+    for leaf in leaves:
+        if (leaf.dtype != dtype or not leaf.is_contiguous() or leaf.storage_offset() != offset
+                or leaf.untyped_storage().data_ptr() != storage or type(leaf) is not Tensor):
+            return None
+        offset += leaf.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
+
+
+def tree_split_views(vector: Tensor, like: Mapping[str, Tensor]) -> Tree:
+    """``vector`` (1-D, contiguous) as a tree shaped like ``like``: consecutive views, one operator per leaf.
+
+    The inverse of :func:`tree_flatten` for leaves of ``vector``'s dtype; :func:`tree_flatten_view` of the
+    result is ``vector`` again without a copy (what lets an optimiser keep its trees as flat buffers).
+
+    Example:
+        >>> import torch
+        >>> t = tree_split_views(torch.arange(5.0), {"a": torch.zeros(2), "b": torch.zeros(1, 3)})
+        >>> t["a"].tolist(), t["b"].tolist()
+        ([0.0, 1.0], [[2.0, 3.0, 4.0]])
+    """
+    if vector.dim() != 1 or not vector.is_contiguous():
+        raise ValueError(f"tree_split_views needs a contiguous 1-D vector, got shape {tuple(vector.shape)}")
+    if vector.numel() != tree_numel(like):
+        raise ValueError(f"tree_split_views: the vector has {vector.numel()} entries, the tree {tree_numel(like)}")
+    out: Tree = {}
+    offset = vector.storage_offset()
+    for k, v in like.items():
+        out[k] = vector.as_strided(v.shape, _contiguous_strides(v.shape), offset)
+        offset += v.numel()
+    return out
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def tree_unflatten(vector: Tensor, like: Mapping[str, Tensor]) -> Tree:

@@ -117,3 +117,32 @@ class _HostReads(torch.overrides.TorchFunctionMode):
         if getattr(func, "__name__", "") in ("__bool__", "__float__", "__int__", "item", "tolist", "numpy"):
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+def test_split_views_flatten_back_without_a_copy_and_other_trees_by_one() -> None:
+    from hypergrad.tree import tree_flatten, tree_flatten_view, tree_split_views
+
+    like = _tree(0, [(2, 3), (), (4,)], torch.float32)
+    flat = torch.arange(11, dtype=torch.float32)
+    views = tree_split_views(flat, like)
+    assert [v.shape for v in views.values()] == [v.shape for v in like.values()]
+    assert torch.equal(tree_flatten(views), flat)
+    same = tree_flatten_view(views)
+    assert same.data_ptr() == flat.data_ptr() and torch.equal(same, flat)
+    assert tree_flatten_view({k: v.detach() for k, v in views.items()}).data_ptr() == flat.data_ptr()
+    # not consecutive pieces of one buffer: a copy, the same numbers as tree_flatten
+    for tree in (like, dict(reversed(list(views.items()))), {**views, "x": torch.ones(2)}):
+        got = tree_flatten_view(tree)
+        assert got.data_ptr() != flat.data_ptr() and torch.equal(got, tree_flatten(tree))
+    with pytest.raises(ValueError, match="11 entries, the tree 10"):
+        tree_split_views(flat, {"a": torch.zeros(10)})
+
+
+def test_all_finite_of_leaves_in_one_buffer_tests_the_buffer() -> None:
+    from hypergrad.tree import tree_split_views
+
+    flat = torch.zeros(7)
+    tree = tree_split_views(flat, {"a": torch.zeros(3), "b": torch.zeros(2, 2)})
+    assert bool(tree_all_finite(tree))
+    flat[5] = float("nan")
+    assert not bool(tree_all_finite(tree)) and not bool(tree_all_finite({"b": tree["b"], "a": tree["a"]}))

@@ -314,15 +314,14 @@ class FunctionalLM:
 
     def _layer_inputs(self, packed: PackedQuestions) -> tuple[Tensor, Tensor]:
         """The attention mask the layers take and the position ids, on the model's device."""
-        device = self.device
-        pos = packed.position_ids.to(device)
-        if self._four_d_masks or packed.attention_mask.dim() == 4:
-            mask = packed.attention_mask
-            mask = packed.additive_mask(self.dtype) if mask.dim() == 4 else causal_additive_mask(mask, self.dtype)
-            mask = mask.to(device)
+        on = packed.on(self.device)  # copied to the device once per batch, not once per pass
+        if on.attention_mask.dim() == 4:
+            mask = on.additive_mask(self.dtype)
+        elif self._four_d_masks:
+            mask = causal_additive_mask(packed.attention_mask, self.dtype).to(self.device)
         else:  # flash-style kernels take the 2-D padding mask
-            mask = packed.attention_mask.to(device)
-        return mask, pos
+            mask = on.attention_mask
+        return mask, on.position_ids
 
     def _layers(self, hidden: Tensor, mask: Tensor, pos: Tensor, indices: range,
                 per_layer: dict[int, dict[str, Tensor]] | None) -> Tensor:
@@ -470,7 +469,7 @@ class FunctionalLM:
             trunk = trunk.reshape(-1, trunk.shape[-1])[seq.source.to(trunk.device)]
             return self.hidden_rows(theta, seq.packed, trunk.reshape(*seq.packed.input_ids.shape, -1))
         hidden = self._top_layers(theta, packed, trunk)
-        return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(self.device)]
+        return hidden.reshape(-1, hidden.shape[-1])[packed.on(self.device).rows]
 
     def head_logits(self, theta: dict[str, Tensor] | None, packed: PackedQuestions, trunk: Tensor | None = None,
                     select: Tensor | None = None) -> Tensor:

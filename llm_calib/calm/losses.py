@@ -100,7 +100,7 @@ class CalmLosses:
             token_lam = None if lam is None or self.adjustment.acts_on_options else lam
             per_part = [self.scores(theta, token_lam, part) for part in batch.parts]
             K = max(s.shape[1] for s in per_part)
-            scores = torch.cat([torch.nn.functional.pad(s, (0, K - s.shape[1]), value=float("-inf"))
+            scores = torch.cat([s if s.shape[1] == K else torch.nn.functional.pad(s, (0, K - s.shape[1]), value=float("-inf"))
                                 for s in per_part])[batch.part_order.to(per_part[0].device)]
         else:
             lengths = None
@@ -113,7 +113,7 @@ class CalmLosses:
         if lam is None or not self.adjustment.acts_on_options:
             return scores
         batch.format.check_adjustment(self.adjustment)
-        return self.adjustment.apply_options(scores, option_lengths(batch.packed).to(scores.device), lam)
+        return self.adjustment.apply_options(scores, option_lengths(batch.packed, scores.device), lam)
 
     def inner(self, theta: dict[str, Tensor], lam: dict[str, Tensor], batch: Batch) -> Tensor:
         """g(θ, λ): cross-entropy under the adjusted logits (options, or answer tokens)."""
@@ -184,15 +184,13 @@ class DataParallelLosses(CalmLosses):
         return global_mean(super().one_level(replicated(theta), batch, smoothing, entropy_weight))
 
 
-def option_lengths(packed: PackedQuestions) -> Tensor:
-    """Option lengths in tokens laid out like the option scores, ``(B, K_max)`` (0 for padding).
+def option_lengths(packed: PackedQuestions, device: torch.device | str | None = None) -> Tensor:
+    """Option lengths in tokens laid out like the option scores, ``(B, K_max)`` (0 for padding), float64, on
+    ``device`` (default: the batch's).
 
     Example:
         >>> from llm_calib.engine.packing import pack_questions
         >>> option_lengths(pack_questions([((1,), ((2,), (3, 4))), ((5,), ((6, 7, 8),))], 0)).tolist()
         [[1.0, 2.0], [3.0, 0.0]]
     """
-    B, K = packed.batch_size, max(packed.n_options)
-    slot = torch.cat([torch.arange(k) for k in packed.n_options])
-    out = torch.zeros((B, K), dtype=torch.float64)
-    return out.index_put((packed.option_question, slot), packed.option_lengths.to(torch.float64))
+    return packed.option_length_table(device)

@@ -126,10 +126,9 @@ def forward_rows(
         return hidden, trunk
     decoder, _ = split_decoder_head(model)
     device = next(decoder.parameters()).device
-    mask = packed.attention_mask
-    mask = packed.additive_mask(compute_dtype(model)) if mask.dim() == 4 else mask
-    kwargs = {"input_ids": packed.input_ids.to(device), "attention_mask": mask.to(device),
-              "position_ids": packed.position_ids.to(device), "use_cache": False}
+    on = packed.on(device)  # copied to the device once per batch, not once per pass
+    mask = on.additive_mask(compute_dtype(model)) if on.attention_mask.dim() == 4 else on.attention_mask
+    kwargs = {"input_ids": on.input_ids, "attention_mask": mask, "position_ids": on.position_ids, "use_cache": False}
     with capture_layer_input(decoder, trunk_layer) if trunk_layer > 0 else contextlib.nullcontext({}) as box:
         if parameters is None:
             out = decoder(**kwargs)
@@ -137,7 +136,7 @@ def forward_rows(
             out = torch.func.functional_call(decoder, parameters, (), kwargs, strict=False)
     hidden = out.last_hidden_state
     trunk = box["hidden"] if trunk_layer > 0 else None
-    return hidden.reshape(-1, hidden.shape[-1])[packed.rows.to(device)], trunk
+    return hidden.reshape(-1, hidden.shape[-1])[on.rows], trunk
 
 
 def target_logprobs(model: Any, packed: PackedQuestions, hidden: Tensor | None = None) -> Tensor:

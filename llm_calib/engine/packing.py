@@ -8,8 +8,8 @@ Letters (:func:`pack_letters`) and open answers (:func:`pack_continuations`) use
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -75,11 +75,51 @@ class PackedQuestions:
     option_question: Tensor
     option_lengths: Tensor
     n_options: list[int]
+    _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """What :meth:`on`, :meth:`additive_mask` and :meth:`option_slots` made once for this batch (its tensors are
+    never changed in place): a training step evaluates its losses on one batch many times."""
 
     @property
     def batch_size(self) -> int:
         """Number of questions."""
         return len(self.n_options)
+
+    def _once(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, kept for the next call with ``key``; made afresh (not kept) in inference mode, whose tensors
+        a later differentiated pass could not save, and while :func:`torch.compile` traces."""
+        if key in self._memo:
+            return self._memo[key]
+        value = make()
+        if not torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+            self._memo[key] = value
+        return value
+
+    def on(self, device: torch.device | str) -> PackedQuestions:
+        """This batch with its tensors on ``device``: itself where they are, else a copy made once.
+
+        Example:
+            >>> p = pack_questions([((1, 2), ((3,), (4, 5)))], pad_id=0)
+            >>> p.on("cpu") is p
+            True
+        """
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        return self._once(("on", device), lambda: replace(self, **{
+            f.name: getattr(self, f.name).to(device) for f in fields(self)
+            if f.init and isinstance(getattr(self, f.name), Tensor)}))
+
+    def option_slots(self, device: torch.device | str | None = None) -> Tensor:
+        """Per option, its place among its question's options (``0 .. K-1``): with :attr:`option_question`, where
+        its score goes in a ``(B, K_max)`` table.
+
+        Example:
+            >>> pack_questions([((1,), ((2,), (3,))), ((4,), ((5,), (6,), (7,)))], pad_id=0).option_slots().tolist()
+            [0, 1, 0, 1, 2]
+        """
+        device = self.option_question.device if device is None else torch.device(device)
+        return self._once(("option_slots", device), lambda: torch.tensor(
+            [k for n in self.n_options for k in range(n)], dtype=torch.long, device=device))
 
     def answer_start_rows(self) -> Tensor:
         """Per question, the index into ``rows`` of the last prompt position (predicts every answer's first token).
@@ -94,12 +134,36 @@ class PackedQuestions:
         first_option = torch.cumsum(n_opt, 0) - n_opt
         return self.target_rows[first_target[first_option]]
 
-    def additive_mask(self, dtype: torch.dtype) -> Tensor:
-        """The 4-D mask as additive biases (0 where allowed, the dtype's minimum elsewhere)."""
+    def option_length_table(self, device: torch.device | str | None = None) -> Tensor:
+        """Option lengths in tokens laid out like the option scores, ``(B, K_max)`` float64 (0 for padding), on
+        ``device`` (default: the batch's); made once per device.
+
+        Example:
+            >>> pack_questions([((1,), ((2,), (3, 4))), ((5,), ((6, 7, 8),))], 0).option_length_table().tolist()
+            [[1.0, 2.0], [3.0, 0.0]]
+        """
+        device = self.option_lengths.device if device is None else torch.device(device)
+
+        def make() -> Tensor:
+            on = self.on(device)
+            out = torch.zeros((self.batch_size, max(self.n_options)), dtype=torch.float64, device=device)
+            return out.index_put((on.option_question, self.option_slots(device)), on.option_lengths.to(torch.float64))
+
+        return self._once(("option_length_table", device), make)
+
+    def additive_mask(self, dtype: torch.dtype, device: torch.device | str | None = None) -> Tensor:
+        """The 4-D mask as additive biases (0 where allowed, the dtype's minimum elsewhere), on ``device``
+        (default: the mask's); made once per dtype and device."""
         if self.attention_mask.dim() != 4:
             raise ValueError("additive_mask needs the 4-D packed mask")
-        out = torch.zeros(self.attention_mask.shape, dtype=dtype)
-        return out.masked_fill_(~self.attention_mask, torch.finfo(dtype).min)
+        device = self.attention_mask.device if device is None else torch.device(device)
+
+        def make() -> Tensor:
+            allowed = self.on(device).attention_mask
+            out = torch.zeros(allowed.shape, dtype=dtype, device=device)
+            return out.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+        return self._once(("additive_mask", dtype, device), make)
 
 
 def length_batches(lengths: Sequence[int], size: int) -> Iterator[list[int]]:
@@ -238,9 +302,11 @@ def pack_questions(
     if B == 0:
         raise ValueError("pack_questions needs at least one question")
     L = max(len(p) + sum(len(o) for o in opts) for p, opts in items)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    pos = torch.zeros((B, L), dtype=torch.long)
-    seg = torch.full((B, L), -1, dtype=torch.long)
+    # The rows are built as Python lists and become tensors at once: a few operators per batch, not
+    # several per question and option (the packing runs in every training step).
+    ids: list[list[int]] = []
+    pos: list[list[int]] = []
+    seg: list[list[int]] = []
     rows: list[int] = []
     target_rows: list[int] = []
     target_ids: list[int] = []
@@ -252,9 +318,7 @@ def pack_questions(
         p = len(prompt)
         if p == 0:
             raise ValueError(f"question {b}: empty prompt")
-        ids[b, :p] = torch.tensor(list(prompt))
-        pos[b, :p] = torch.arange(p)
-        seg[b, :p] = 0
+        row_ids, row_pos, row_seg = [int(t) for t in prompt], list(range(p)), [0] * p
         first_row = len(rows)
         rows.append(b * L + p - 1)  # predicts the first token of every option
         offset = p
@@ -262,42 +326,59 @@ def pack_questions(
             n = len(opt)
             if n == 0:
                 raise ValueError(f"question {b}, option {k}: no tokens")
-            ids[b, offset : offset + n] = torch.tensor(list(opt))
-            pos[b, offset : offset + n] = torch.arange(p, p + n)
-            seg[b, offset : offset + n] = k + 1
+            option_ids = [int(t) for t in opt]
+            row_ids += option_ids
+            row_pos += range(p, p + n)
+            row_seg += [k + 1] * n
             option_index = len(option_lengths)
-            for j in range(n):
-                if j == 0:
-                    target_rows.append(first_row)
-                else:
-                    target_rows.append(len(rows))
-                    rows.append(b * L + offset + j - 1)
-                target_ids.append(int(opt[j]))
-                target_option.append(option_index)
+            target_rows.append(first_row)
+            target_rows += range(len(rows), len(rows) + n - 1)
+            rows += range(b * L + offset, b * L + offset + n - 1)
+            target_ids += option_ids
+            target_option += [option_index] * n
             option_question.append(b)
             option_lengths.append(n)
             offset += n
         n_options.append(len(options))
+        pad = L - offset
+        ids.append(row_ids + [pad_id] * pad)
+        pos.append(row_pos + [0] * pad)
+        seg.append(row_seg + [-1] * pad)
+    input_ids, position_ids, segments, index_tensors = _grid_and_indices(
+        [ids, pos, seg], [rows, target_rows, target_ids, target_option, option_question, option_lengths])
+    prompt, padding = segments == 0, segments < 0  # (B, L) bool each
     causal = torch.ones(L, L, dtype=torch.bool).tril()
-    q_seg, k_seg = seg[:, :, None], seg[:, None, :]
-    allowed = causal & (k_seg >= 0) & ((k_seg == 0) | (k_seg == q_seg))
-    # Padding queries attend to themselves only, which keeps softmax rows finite.
-    allowed |= torch.eye(L, dtype=torch.bool)[None] & (seg < 0)[:, :, None]
-    return PackedQuestions(
-        ids, allowed[:, None], pos, torch.tensor(rows), torch.tensor(target_rows), torch.tensor(target_ids),
-        torch.tensor(target_option), torch.tensor(option_question), torch.tensor(option_lengths), n_options,
-    )
+    # a query sees the causal keys of the prompt and of its own option (never padding: its segment -1 matches
+    # only padding queries, which see themselves alone below, keeping their softmax rows finite)
+    same_option = (segments[:, :, None] == segments[:, None, :]) & ~padding[:, None, :]
+    allowed = causal & (prompt[:, None, :] | same_option)
+    allowed |= torch.eye(L, dtype=torch.bool) & padding[:, :, None]
+    return PackedQuestions(input_ids, allowed[:, None], position_ids, *index_tensors, n_options)
+
+
+def _grid_and_indices(grids: list[list[list[int]]], vectors: list[list[int]]) -> tuple[Any, ...]:
+    """``torch.long`` tensors of equal-shaped ``(B, L)`` grids and of 1-D index lists, made as two tensors
+    (one for the grids, one for the vectors) and handed out as views of them: a few operators per batch, where
+    a tensor per list costs four each (packing runs in every training step)."""
+    grid = torch.tensor(grids, dtype=torch.long)
+    flat = torch.tensor([x for v in vectors for x in v], dtype=torch.long)
+    B, L = grid.shape[1:]
+    out: list[Any] = [grid.as_strided((B, L), (L, 1), i * B * L) for i in range(len(grids))]
+    views, offset = [], 0
+    for v in vectors:
+        views.append(flat.as_strided((len(v),), (1,), offset))
+        offset += len(v)
+    return (*out, views)
 
 
 def _right_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
     """Right-padded ``(ids, padding mask, position ids)`` of plain causal sequences."""
-    B, L = len(seqs), max(len(s) for s in seqs)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for b, seq in enumerate(seqs):
-        ids[b, : len(seq)] = torch.tensor(list(seq))
-        mask[b, : len(seq)] = 1
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+    L = max(len(s) for s in seqs)
+    # Python lists first, then one tensor each (not several operators per sequence)
+    ids = torch.tensor([[int(t) for t in seq] + [pad_id] * (L - len(seq)) for seq in seqs], dtype=torch.long)
+    mask = torch.tensor([[1] * len(seq) + [0] * (L - len(seq)) for seq in seqs], dtype=torch.long)
+    pos = torch.tensor([[*range(len(seq)), *([max(len(seq) - 1, 0)] * (L - len(seq)))] for seq in seqs], dtype=torch.long)
+    return ids, mask, pos
 
 
 def pack_letters(prompts: Sequence[Sequence[int]], letter_ids: Sequence[Sequence[int]], pad_id: int) -> PackedQuestions:
@@ -392,12 +473,11 @@ def reduce_per_option(token_values: Tensor, packed: PackedQuestions, normalize: 
     if normalize not in ("sum", "mean"):
         raise ValueError(f"normalize must be 'sum' or 'mean', got {normalize!r}")
     device = token_values.device
+    on = packed.on(device)
     n_opt = len(packed.option_lengths)
-    out = torch.zeros(n_opt, dtype=token_values.dtype, device=device).index_add(
-        0, packed.target_option.to(device), token_values
-    )
+    out = torch.zeros(n_opt, dtype=token_values.dtype, device=device).index_add(0, on.target_option, token_values)
     if normalize == "mean":
-        out = out / packed.option_lengths.to(device, token_values.dtype)
+        out = out / on.option_lengths.to(token_values.dtype)
     return out
 
 
@@ -413,8 +493,8 @@ def gather_token_logprobs(logits: Tensor, packed: PackedQuestions) -> Tensor:
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
-    device = logp.device
-    return logp[packed.target_rows.to(device), packed.target_ids.to(device)]
+    on = packed.on(logp.device)
+    return logp[on.target_rows, on.target_ids]
 
 
 def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize: str = "sum",
@@ -444,8 +524,7 @@ def option_scores_from_logits(logits: Tensor, packed: PackedQuestions, normalize
     per_option = reduce_per_option(token_lp, packed, "sum" if by_length else normalize)
     B, K = packed.batch_size, max(packed.n_options)
     out = torch.full((B, K), float("-inf"), dtype=token_lp.dtype, device=device)
-    slot = torch.cat([torch.arange(k) for k in packed.n_options]).to(device)
-    out = out.index_put((packed.option_question.to(device), slot), per_option)
+    out = out.index_put((packed.on(device).option_question, packed.option_slots(device)), per_option)
     if by_length:
         out = out / lengths.to(device, out.dtype)
     return out

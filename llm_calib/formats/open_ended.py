@@ -126,10 +126,10 @@ class OpenEnded(TaskFormat):
         if lam is not None:
             self.check_adjustment(losses.adjustment)
         logits = losses.logits(theta, lam, batch)
-        device = logits.device
+        on = packed.on(logits.device)  # copied once per batch
         return (
-            logits[packed.target_rows.to(device)],
-            packed.target_ids.to(device),
+            logits[on.target_rows],
+            on.target_ids,
             lambda per_token: reduce_per_option(per_token, packed, "mean"),
         )
 
