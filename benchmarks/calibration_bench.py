@@ -1427,7 +1427,9 @@ def write_report(ctx: Ctx, tasks: dict[str, Task], command: str, elapsed: float)
     if char is not None:
         lines += _char_section(char)
     lines += ["## Training: what the selection rule kept", "", "Selected step 0 means the run deployed the base model "
-              "unchanged; open-ended held-out metrics are the library's teacher-forced proxy.", "", *_training_table(aggs), "",
+              "unchanged; open-ended held-out metrics are what selection measured (`selection.open_metric`: by default the "
+              "held-out greedy answers' ECE; the teacher-forced proxy is recorded beside it as `teacher_forced_ece`).", "",
+              *_training_table(aggs), "",
               "## Wall time and peak memory per method", "", "Seconds per run (mean ± sd over seeds), training and "
               "evaluation; peak RSS of the phase (`VmHWM` after a reset), max over seeds, in parentheses above the RSS at "
               f"the phase start. Trained runs in {ctx.workers} forked worker(s), {torch.get_num_threads()} thread(s) each; "
