@@ -27,39 +27,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness.inner_problems import logistic, wine
 from harness.report import machine_info, machine_line
 
 import hypergrad as hg
 
 DT = torch.float64
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def wine(log_l2: float) -> tuple[hg.BilevelProblem, dict, dict]:
-    from sklearn.datasets import load_wine
-
-    X, y = load_wine(return_X_y=True)
-    X, y = torch.tensor(X, dtype=DT), torch.tensor(y)
-    X = (X - X.mean(0)) / X.std(0)
-
-    def g(w, lam, b):
-        return torch.nn.functional.cross_entropy(X @ w["W"].T + w["b"], y) + 0.5 * (lam["l2"].exp() * w["W"] ** 2).sum()
-
-    w0 = {"W": torch.zeros(3, 13, dtype=DT), "b": torch.zeros(3, dtype=DT)}
-    return hg.BilevelProblem(g, g), w0, {"l2": torch.full((13,), log_l2, dtype=DT)}
-
-
-def logistic() -> tuple[hg.BilevelProblem, dict, dict]:
-    gen = torch.Generator().manual_seed(0)
-    X = torch.randn(200, 20, generator=gen, dtype=DT)
-    y = (torch.rand(200, generator=gen, dtype=DT) < torch.sigmoid(X @ torch.randn(20, generator=gen, dtype=DT))).to(DT)
-
-    def g(w, lam, b):
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(X @ w["x"] + w["c"], y)
-        return loss + 0.5 * lam["l2"] * (w["x"] ** 2).sum()
-
-    return hg.BilevelProblem(g, g), {"x": torch.zeros(20, dtype=DT), "c": torch.zeros((), dtype=DT)}, {
-        "l2": torch.tensor(1e-2, dtype=DT)}
 
 
 class Flat:
