@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from harness.inner_problems import logistic, wine
+from harness.inner_problems import logistic, torch_lbfgs, wine
 from harness.report import machine_info, machine_line
 
 import hypergrad as hg
@@ -77,24 +77,6 @@ def scipy_run(problem: hg.BilevelProblem, w0: dict, lam: dict, method: str) -> d
                       hessp=flat.hessp if method == "trust-ncg" else None)
     norm = float(np.linalg.norm(flat.fun(result.x)[1]))
     return {"steps": int(result.nit), "evaluations": flat.evaluations - 1, "grad_norm": norm, "converged": norm <= 1e-10}
-
-
-def torch_lbfgs(problem: hg.BilevelProblem, w0: dict, lam: dict) -> dict:
-    params = [v.clone().requires_grad_(True) for v in w0.values()]
-    opt = torch.optim.LBFGS(params, lr=1, max_iter=5000, tolerance_grad=1e-10, tolerance_change=0.0, history_size=10,
-                            line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        value = problem.inner(dict(zip(w0, params, strict=True)), lam, None)
-        value.backward()
-        return value
-
-    opt.step(closure)
-    state = opt.state[opt._params[0]]
-    norm = float(torch.cat([p.grad.reshape(-1) for p in params]).norm())
-    return {"steps": int(state["n_iter"]), "evaluations": int(state["func_evals"]), "grad_norm": norm,
-            "converged": norm <= 1e-10}
 
 
 def cell(r: dict) -> str:

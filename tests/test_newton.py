@@ -65,21 +65,6 @@ def _scipy_lbfgsb(problem, w0, lam):
     return result.nit, float(np.linalg.norm(fun(result.x)[1]))
 
 
-def _torch_lbfgs(problem, w0, lam):
-    params = [v.clone().requires_grad_(True) for v in w0.values()]
-    opt = torch.optim.LBFGS(params, lr=1, max_iter=5000, tolerance_grad=1e-10, tolerance_change=0.0,
-                            history_size=10, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        value = problem.inner(dict(zip(w0, params, strict=True)), lam, None)
-        value.backward()
-        return value
-
-    opt.step(closure)
-    return opt.state[opt._params[0]]["n_iter"], float(torch.cat([p.grad.reshape(-1) for p in params]).norm())
-
-
 # ------------------------------------------------------------------------------------ L-BFGS
 
 
@@ -87,7 +72,8 @@ def test_lbfgs_reaches_1e_10_on_the_wine_problem_within_1_2_times_scipys_iterati
     problem, w0, lam = _wine()
     ours = hg.inner_solve(problem, w0, lam, 500, hg.inner.LBFGS(), tol=1e-10)
     scipy_steps, scipy_norm = _scipy_lbfgsb(problem, w0, lam)
-    torch_steps, torch_norm = _torch_lbfgs(problem, w0, lam)
+    torch_run = inner_problems.torch_lbfgs(problem, w0, lam)
+    torch_steps, torch_norm = torch_run["steps"], torch_run["grad_norm"]
     backtracking = hg.inner_solve(problem, w0, lam, 500, hg.inner.LBFGS(line_search="armijo"), tol=1e-10)
     print(f"wine problem, steps to |grad| <= 1e-10: hypergrad L-BFGS (strong Wolfe) {ours.steps}; SciPy L-BFGS-B "
           f"{scipy_steps} (stopped at {scipy_norm:.1e}); torch LBFGS strong Wolfe {torch_steps} (stopped at "

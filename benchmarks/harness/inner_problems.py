@@ -1,6 +1,7 @@
 """The small smooth problems of the inner-solver comparisons (``benchmarks/inner_solvers.py``) and of their
 tests: multinomial logistic regression on the wine data with a per-feature L2, and a binary logistic
 regression on random data. Both float64; ``g`` is also the outer loss (only the inner solve is measured).
+Also the peer they are measured against: torch's L-BFGS with its strong Wolfe line search.
 """
 
 from __future__ import annotations
@@ -53,3 +54,30 @@ def logistic(n: int = 200, d: int = 20, seed: int = 0) -> tuple[hg.BilevelProble
 
     w0 = {"x": torch.zeros(d, dtype=DT), "c": torch.zeros((), dtype=DT)}
     return hg.BilevelProblem(g, g), w0, {"l2": torch.tensor(1e-2, dtype=DT)}
+
+
+def torch_lbfgs(problem: hg.BilevelProblem, w0: dict, lam: dict) -> dict:
+    """torch.optim.LBFGS with its strong Wolfe line search from ``w0`` to gradient norm 1e-10 on ``problem``'s
+    inner loss (the peer of hypergrad's line-searched L-BFGS): steps, loss evaluations, the final gradient
+    norm and whether it reached 1e-10.
+
+    Example:
+        >>> r = torch_lbfgs(*logistic(n=20, d=2))
+        >>> r["converged"], r["steps"] > 0
+        (True, True)
+    """
+    params = [v.clone().requires_grad_(True) for v in w0.values()]
+    opt = torch.optim.LBFGS(params, lr=1, max_iter=5000, tolerance_grad=1e-10, tolerance_change=0.0, history_size=10,
+                            line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        value = problem.inner(dict(zip(w0, params, strict=True)), lam, None)
+        value.backward()
+        return value
+
+    opt.step(closure)
+    state = opt.state[opt._params[0]]
+    norm = float(torch.cat([p.grad.reshape(-1) for p in params]).norm())
+    return {"steps": int(state["n_iter"]), "evaluations": int(state["func_evals"]), "grad_norm": norm,
+            "converged": norm <= 1e-10}
