@@ -27,39 +27,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness.inner_problems import logistic, torch_lbfgs, wine
 from harness.report import machine_info, machine_line
 
 import hypergrad as hg
 
 DT = torch.float64
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def wine(log_l2: float) -> tuple[hg.BilevelProblem, dict, dict]:
-    from sklearn.datasets import load_wine
-
-    X, y = load_wine(return_X_y=True)
-    X, y = torch.tensor(X, dtype=DT), torch.tensor(y)
-    X = (X - X.mean(0)) / X.std(0)
-
-    def g(w, lam, b):
-        return torch.nn.functional.cross_entropy(X @ w["W"].T + w["b"], y) + 0.5 * (lam["l2"].exp() * w["W"] ** 2).sum()
-
-    w0 = {"W": torch.zeros(3, 13, dtype=DT), "b": torch.zeros(3, dtype=DT)}
-    return hg.BilevelProblem(g, g), w0, {"l2": torch.full((13,), log_l2, dtype=DT)}
-
-
-def logistic() -> tuple[hg.BilevelProblem, dict, dict]:
-    gen = torch.Generator().manual_seed(0)
-    X = torch.randn(200, 20, generator=gen, dtype=DT)
-    y = (torch.rand(200, generator=gen, dtype=DT) < torch.sigmoid(X @ torch.randn(20, generator=gen, dtype=DT))).to(DT)
-
-    def g(w, lam, b):
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(X @ w["x"] + w["c"], y)
-        return loss + 0.5 * lam["l2"] * (w["x"] ** 2).sum()
-
-    return hg.BilevelProblem(g, g), {"x": torch.zeros(20, dtype=DT), "c": torch.zeros((), dtype=DT)}, {
-        "l2": torch.tensor(1e-2, dtype=DT)}
 
 
 class Flat:
@@ -103,24 +77,6 @@ def scipy_run(problem: hg.BilevelProblem, w0: dict, lam: dict, method: str) -> d
                       hessp=flat.hessp if method == "trust-ncg" else None)
     norm = float(np.linalg.norm(flat.fun(result.x)[1]))
     return {"steps": int(result.nit), "evaluations": flat.evaluations - 1, "grad_norm": norm, "converged": norm <= 1e-10}
-
-
-def torch_lbfgs(problem: hg.BilevelProblem, w0: dict, lam: dict) -> dict:
-    params = [v.clone().requires_grad_(True) for v in w0.values()]
-    opt = torch.optim.LBFGS(params, lr=1, max_iter=5000, tolerance_grad=1e-10, tolerance_change=0.0, history_size=10,
-                            line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        value = problem.inner(dict(zip(w0, params, strict=True)), lam, None)
-        value.backward()
-        return value
-
-    opt.step(closure)
-    state = opt.state[opt._params[0]]
-    norm = float(torch.cat([p.grad.reshape(-1) for p in params]).norm())
-    return {"steps": int(state["n_iter"]), "evaluations": int(state["func_evals"]), "grad_norm": norm,
-            "converged": norm <= 1e-10}
 
 
 def cell(r: dict) -> str:

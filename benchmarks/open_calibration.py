@@ -586,7 +586,7 @@ def report(out_dir: Path, md: Path | None, command: str) -> str:
     near_zero = [n for n in sets if acc0[n] < NEAR_ZERO]
     lines = ["# Open-ended calibration: CALM and its baselines under token and semantic confidence", ""]
     lines += [
-        f"- Command: `{command}` (parts `base`, {', '.join(map(str, seeds))}, one process each, run two at a time); "
+        f"- Command: `{command}` (parts `base`, {', '.join(map(str, seeds))}, one process each, run side by side); "
         f"date {base['started'][:10]}",
         machine_line(machine_info(1), f"torch {torch.__version__}, 1 torch thread per part; wall / CPU per part: "
                      + ", ".join(f"{p['part']} {p['wall_s'] / 60:.1f} / {p['cpu_s'] / 60:.1f} min" for p in parts)),

@@ -133,8 +133,13 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from harness.report import machine_info, machine_line
+
+        meta = machine_info(threads=1)
         lines = ["# Same run after the faster step? (`benchmarks/step_equality.py`)", "",
-                 f"- Command: `python benchmarks/step_equality.py {' '.join(sys.argv[1:])}`",
+                 f"- Command: `python benchmarks/step_equality.py {' '.join(sys.argv[1:])}`; date {meta['date']}",
+                 machine_line(meta),
                  f"- Before: `{Path(args.compare).resolve()}`; after: `{ROOT}`; tiny random Llama (4 layers, hidden 64), "
                  f"float32, {args.steps} steps, held-out evaluation every 5 steps", "",
                  "| method | max abs Δ θ | Δ λ | Δ selected θ | Δ selected λ | Δ history (all numbers) | "

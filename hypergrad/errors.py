@@ -21,6 +21,7 @@ __all__ = [
     "NonFiniteError",
     "SolverMessage",
     "WarningLog",
+    "check_compile_options",
     "check_inner_optimizer",
     "check_not_class",
     "collect_warnings",
@@ -249,6 +250,25 @@ def check_not_class(value: object, name: str) -> None:
     if isinstance(value, type):
         raise TypeError(f"{name} must be an instance, e.g. {value.__name__}() with its options, not the class "
                         f"{value.__name__} itself")
+
+
+def check_compile_options(compile: object, device_scalars: object) -> None:
+    """Check the ``compile`` and ``device_scalars`` flags of a first-order method (BOME, Penalty): both
+    bools, and not both set (the compiled call reads its scalars back once per call).
+
+    Example:
+        >>> check_compile_options(True, False)
+        >>> check_compile_options(True, True)
+        Traceback (most recent call last):
+        ...
+        ValueError: device_scalars is an option of the eager call; the compiled one (compile=True) reads its scalars back once per call
+    """
+    for name, value in (("compile", compile), ("device_scalars", device_scalars)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    if compile and device_scalars:
+        raise ValueError("device_scalars is an option of the eager call; the compiled one (compile=True) "
+                         "reads its scalars back once per call")
 
 
 def check_inner_optimizer(value: object, name: str, *, objective: bool = False) -> None:

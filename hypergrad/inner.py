@@ -70,7 +70,7 @@ def _flat_step_sizes(keys: list[str], leaves: list[torch.Tensor], lr: float,
     ref = leaves[0]
     if _cacheable():
         return _rate_vector(tuple(runs), ref.dtype, ref.device)
-    return torch.cat([torch.full((n,), rate, dtype=ref.dtype, device=ref.device) for rate, n in runs])
+    return _rate_vector.__wrapped__(tuple(runs), ref.dtype, ref.device)
 
 
 def _cacheable() -> bool:
@@ -80,7 +80,9 @@ def _cacheable() -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _rate_vector(runs: tuple[tuple[float, int], ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.cat([torch.full((n,), rate, dtype=dtype, device=device) for rate, n in runs])
+    # made in float64 and cast, as a number is taken by an operator: a rate beyond the dtype's range becomes
+    # inf (and the update non-finite, which the caller reports), where torch.full in the dtype would raise
+    return torch.cat([torch.full((n,), rate, dtype=torch.float64, device=device) for rate, n in runs]).to(dtype)
 
 
 @functools.lru_cache(maxsize=256)
@@ -278,7 +280,8 @@ class Adam:
         ref = next(iter(w.values()))
         state = {"t": torch.zeros((), dtype=ref.dtype, device=ref.device)}
         leaves = list(w.values())
-        if supports_foreach(leaves) and len({x.dtype for x in leaves}) == 1:  # one buffer each (see update)
+        # one buffer each (see update); not while torch.compile traces (views by storage offset)
+        if supports_foreach(leaves) and len({x.dtype for x in leaves}) == 1 and not torch.compiler.is_compiling():
             n = tree_numel(w)
             for name in ("m", "v"):
                 buffer = torch.zeros(n, dtype=ref.dtype, device=ref.device)
@@ -300,7 +303,9 @@ class Adam:
         tensors = ws + grads + ms + vs
         differentiated = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
         if (not differentiated and supports_foreach(tensors) and t.device == ws[0].device
-                and len({x.dtype for x in tensors}) == 1):
+                and len({x.dtype for x in tensors}) == 1 and not torch.compiler.is_compiling()):
+            # (not while torch.compile traces: the flat views are read from storage offsets, and inductor
+            # fuses the per-leaf arithmetic below anyway)
             # the same arithmetic on the leaves as one flat vector each: about fifteen operators for the
             # whole update, where per-leaf ones (also _foreach on a CPU) run that many per leaf. θ and the
             # moments come back as views of their new buffers, so the next update reads them without a copy.

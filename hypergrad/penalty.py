@@ -20,6 +20,7 @@ from hypergrad.compiled import (
     run_stage,
     traced_stage,
 )
+from hypergrad.errors import check_compile_options, check_inner_optimizer
 from hypergrad.inner import InnerOptimizer
 from hypergrad.problem import BilevelProblem, HypergradInfo, HypergradResult
 from hypergrad.tree import (
@@ -47,9 +48,6 @@ def _penalised_loss(problem: BilevelProblem, sigma: float, inner_batch: Any,
 
 
 def _check_optimizer(opt: object, name: str) -> None:
-    # a local import keeps the module's import block as it was
-    from hypergrad.errors import check_inner_optimizer
-
     check_inner_optimizer(opt, name)
     if not (callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))):
         raise TypeError(
@@ -175,12 +173,7 @@ class Penalty:
     device_scalars: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("compile", "device_scalars"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.compile and self.device_scalars:
-            raise ValueError("device_scalars is an option of the eager call; the compiled one (compile=True) "
-                             "reads its scalars back once per call")
+        check_compile_options(self.compile, self.device_scalars)
         if not isinstance(self.sigma, (int, float)) or isinstance(self.sigma, bool):
             raise TypeError(f"sigma must be a real number, got {type(self.sigma).__name__}")
         if not 0.0 < self.sigma < float("inf"):

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from _host_reads import HostReads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -288,19 +289,6 @@ def test_step_batches_give_a_fresh_batch_per_inner_step_and_count_every_gradient
 # device_scalars: the same step without reading anything back to the host
 
 
-class _HostReads(torch.overrides.TorchFunctionMode):
-    """Counts reads of tensor values by the host (``bool``, ``float``, ``item``, ``tolist``...)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in ("__bool__", "__float__", "__int__", "item", "tolist", "numpy"):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _multi_leaf_problem() -> tuple[hg.BilevelProblem, dict, dict]:
     from tests._problems import Quadratic
 
@@ -318,7 +306,7 @@ def test_device_scalars_give_the_same_step_and_read_nothing_back(barrier, w_opti
     kwargs = dict(w_lr=None if w_optimizer else 0.1, inner_steps=3, eta=50.0, barrier=barrier,
                   w_optimizer=w_optimizer)
     host = hg.BOME(hg.inner.SGD(lr=0.05), **kwargs).hypergrad(problem, w, lam)
-    reads = _HostReads()
+    reads = HostReads()
     with reads:
         device = hg.BOME(hg.inner.SGD(lr=0.05), device_scalars=True, **kwargs).hypergrad(problem, w, lam)
     assert reads.count == 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from _configs import configured
+from _faults import nan_inner_loss_from_batch
 from safetensors.torch import load_file
 
 import hypergrad as hg
@@ -230,16 +231,7 @@ def test_a_non_finite_loss_raises_training_diverged_and_keeps_the_last_checkpoin
     (with MKL's AVX2 code path lr = 1e30 trains on, finite, on this set-up).
     """
     train, heldout = data
-    seen: list = []
-    inner = CalmLosses.inner
-
-    def poisoned(self, theta, lam, batch):
-        if not seen or batch is not seen[-1]:
-            seen.append(batch)
-        loss = inner(self, theta, lam, batch)
-        return loss * float("nan") if len(seen) >= 3 else loss
-
-    monkeypatch.setattr(CalmLosses, "inner", poisoned)
+    seen = nan_inner_loss_from_batch(monkeypatch, 3)
     with pytest.raises(TrainingDiverged) as info:
         calibrate(*_model(), train, heldout, _cfg(objective=dict(name="calm"), training=dict(steps=6), checkpoint_every=1),
                   checkpoint_dir=tmp_path / "ckpt", progress=False)

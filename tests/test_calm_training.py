@@ -13,6 +13,7 @@ import pytest
 import torch
 from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
 from _configs import configured
+from _faults import nan_inner_loss_from_batch
 from harness.selection import best_candidate
 
 from llm_calib.calm import training
@@ -348,20 +349,10 @@ def test_a_step_reads_nothing_back_and_read_back_reads_once(data, tok, objective
 def test_a_non_finite_step_is_named_by_its_own_step_when_read_later(data, tok, tmp_path, monkeypatch):
     """NaN from step 3 on, read at step 5 (log_every) with a checkpoint due at step 4: the checkpoint
     is not written (it reads first) and the error names step 3 and its batch."""
-    from llm_calib.calm.losses import CalmLosses
     from llm_calib.files.checkpoint import latest_checkpoint
 
     train, heldout, _ = data
-    seen: list = []
-    inner = CalmLosses.inner
-
-    def poisoned(self, theta, lam, batch):
-        if not seen or batch is not seen[-1]:
-            seen.append(batch)
-        loss = inner(self, theta, lam, batch)
-        return loss * float("nan") if len(seen) >= 3 else loss
-
-    monkeypatch.setattr(CalmLosses, "inner", poisoned)
+    seen = nan_inner_loss_from_batch(monkeypatch, 3)
     cfg = _cfg(training={"steps": 6, "log_every": 5}, selection={"eval_every": 100}, checkpoint_every=4)
     with pytest.raises(training.TrainingDiverged) as info:
         calibrate(_model(), tok, train, heldout, cfg, checkpoint_dir=tmp_path / "ckpt", progress=False)

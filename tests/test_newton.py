@@ -15,6 +15,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from _benchmarks import BENCHMARKS  # noqa: F401  (puts benchmarks/ on sys.path for harness)
+from harness import inner_problems
 
 import hypergrad as hg
 from hypergrad.line_search import strong_wolfe
@@ -23,29 +25,12 @@ DT = torch.float64
 
 
 def _wine(log_l2: float = -4.0):
-    sklearn = pytest.importorskip("sklearn.datasets")
-    X, y = sklearn.load_wine(return_X_y=True)
-    X, y = torch.tensor(X, dtype=DT), torch.tensor(y)
-    X = (X - X.mean(0)) / X.std(0)
-
-    def g(w, lam, b):
-        return torch.nn.functional.cross_entropy(X @ w["W"].T + w["b"], y) + 0.5 * (lam["l2"].exp() * w["W"] ** 2).sum()
-
-    w0 = {"W": torch.zeros(3, 13, dtype=DT), "b": torch.zeros(3, dtype=DT)}
-    return hg.BilevelProblem(g, g), w0, {"l2": torch.full((13,), log_l2, dtype=DT)}
+    pytest.importorskip("sklearn.datasets")
+    return inner_problems.wine(log_l2)
 
 
 def _logistic(n=200, d=20, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    X = torch.randn(n, d, generator=gen, dtype=DT)
-    y = (torch.rand(n, generator=gen, dtype=DT) < torch.sigmoid(X @ torch.randn(d, generator=gen, dtype=DT))).to(DT)
-    bce = torch.nn.functional.binary_cross_entropy_with_logits
-
-    def g(w, lam, b):
-        return bce(X @ w["x"] + w["c"], y) + 0.5 * lam["l2"] * (w["x"] ** 2).sum()
-
-    w0 = {"x": torch.zeros(d, dtype=DT), "c": torch.zeros((), dtype=DT)}
-    return hg.BilevelProblem(g, g), w0, {"l2": torch.tensor(1e-2, dtype=DT)}
+    return inner_problems.logistic(n, d, seed)
 
 
 def _norms(problem, w, lam, optimizer, steps, tol=0.0):
@@ -80,21 +65,6 @@ def _scipy_lbfgsb(problem, w0, lam):
     return result.nit, float(np.linalg.norm(fun(result.x)[1]))
 
 
-def _torch_lbfgs(problem, w0, lam):
-    params = [v.clone().requires_grad_(True) for v in w0.values()]
-    opt = torch.optim.LBFGS(params, lr=1, max_iter=5000, tolerance_grad=1e-10, tolerance_change=0.0,
-                            history_size=10, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        value = problem.inner(dict(zip(w0, params, strict=True)), lam, None)
-        value.backward()
-        return value
-
-    opt.step(closure)
-    return opt.state[opt._params[0]]["n_iter"], float(torch.cat([p.grad.reshape(-1) for p in params]).norm())
-
-
 # ------------------------------------------------------------------------------------ L-BFGS
 
 
@@ -102,7 +72,8 @@ def test_lbfgs_reaches_1e_10_on_the_wine_problem_within_1_2_times_scipys_iterati
     problem, w0, lam = _wine()
     ours = hg.inner_solve(problem, w0, lam, 500, hg.inner.LBFGS(), tol=1e-10)
     scipy_steps, scipy_norm = _scipy_lbfgsb(problem, w0, lam)
-    torch_steps, torch_norm = _torch_lbfgs(problem, w0, lam)
+    torch_run = inner_problems.torch_lbfgs(problem, w0, lam)
+    torch_steps, torch_norm = torch_run["steps"], torch_run["grad_norm"]
     backtracking = hg.inner_solve(problem, w0, lam, 500, hg.inner.LBFGS(line_search="armijo"), tol=1e-10)
     print(f"wine problem, steps to |grad| <= 1e-10: hypergrad L-BFGS (strong Wolfe) {ours.steps}; SciPy L-BFGS-B "
           f"{scipy_steps} (stopped at {scipy_norm:.1e}); torch LBFGS strong Wolfe {torch_steps} (stopped at "

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from _host_reads import HostReads
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -299,19 +300,6 @@ def test_step_batches_give_a_fresh_batch_per_evaluation_pair(evaluate, pairs):
     assert next(inner) == pairs + 1.0 and next(outer) == -(pairs + 1.0)   # drew exactly what it used
 
 
-class _HostReads(torch.overrides.TorchFunctionMode):
-    """Counts reads of tensor values by the host (``bool``, ``float``, ``item``, ``tolist``...)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in ("__bool__", "__float__", "__int__", "item", "tolist", "numpy"):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("evaluate", ["current", "advanced"])
 def test_device_scalars_give_the_same_estimate_and_read_nothing_back(evaluate):
     q = Quadratic.random(4, 3, 10.0, seed=5)
@@ -319,7 +307,7 @@ def test_device_scalars_give_the_same_estimate_and_read_nothing_back(evaluate):
     w = {"w": torch.zeros(4, dtype=DT)}
     kwargs = dict(sigma=0.1, inner_optimizer=hg.inner.Adam(lr=0.05), inner_steps=3, evaluate=evaluate)
     host = hg.Penalty(**kwargs).hypergrad(q.problem(), w, lam)
-    reads = _HostReads()
+    reads = HostReads()
     with reads:
         device = hg.Penalty(**kwargs, device_scalars=True).hypergrad(q.problem(), w, lam)
     assert reads.count == 0

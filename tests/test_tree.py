@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from _host_reads import HostReads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,7 +55,7 @@ def test_foreach_forms_equal_the_per_leaf_arithmetic(shapes, seed, alpha) -> Non
 def test_a_tensor_step_size_on_the_device_is_used_without_reading_it() -> None:
     a, b = _tree(0, [(3,), (2, 2), ()], torch.float32), _tree(1, [(3,), (2, 2), ()], torch.float32)
     alpha = torch.tensor(0.25, dtype=torch.float64)  # float64 scalar, float32 leaves (a 0-dim one too): float32
-    reads = _HostReads()
+    reads = HostReads()
     with reads:
         out = tree_axpy(alpha, a, b)
     assert reads.count == 0
@@ -100,23 +101,10 @@ def test_all_finite_flags_a_nan_or_an_infinity_in_any_leaf(bad) -> None:
 
 def test_check_finite_reads_one_value_when_the_tree_is_finite() -> None:
     tree = {f"k{i}": torch.randn(4) for i in range(8)}
-    reads = _HostReads()
+    reads = HostReads()
     with reads:
         check_finite(tree, "x")
     assert reads.count == 1  # before: one per leaf
-
-
-class _HostReads(torch.overrides.TorchFunctionMode):
-    """Counts reads of tensor values by the host (``bool``, ``float``, ``item``, ``tolist``...)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in ("__bool__", "__float__", "__int__", "item", "tolist", "numpy"):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_split_views_flatten_back_without_a_copy_and_other_trees_by_one() -> None:

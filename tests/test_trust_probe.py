@@ -26,20 +26,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _cli_runs import ENV, EVAL, HELDOUT, ROOT, RUN_FLAGS, TRAIN
 
 from llm_calib import cli
 from llm_calib.cli import calibrate as cli_calibrate
 from llm_calib.cli import evaluate as cli_evaluate
 from llm_calib.cli import export as cli_export
 from llm_calib.files.outputs import LOCK_FILE
-
-ROOT = Path(__file__).resolve().parents[1]
-TRAIN = "builtin:arithmetic,capitals:n=4"
-HELDOUT = "builtin:arithmetic,capitals:n=4,seed=1"
-EVAL = "builtin:capitals:n=6,seed=2"
-RUN_FLAGS = ["--batch-size", "4", "--lora-rank", "2", "--lora-layers", "1", "--bootstrap", "0", "--quiet",
-             "--checkpoint-every", "2", "--eval-every", "2"]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def _calibrate_argv(model_dir: Path, out: Path, *extra: str) -> list[str]:

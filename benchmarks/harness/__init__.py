@@ -6,7 +6,7 @@
   written atomically (:mod:`harness.sweep`);
 * the peers and problems of the hypergrad comparisons: the suite's runners, peer set-up (torchopt, higher,
   jaxopt), interleaved timing and memory workers (:mod:`harness.hypergrad_suite`), the problems
-  (:mod:`harness.hypergrad_problems`), the report (:mod:`harness.hypergrad_report`) and the command line
+  (:mod:`harness.hypergrad_problems`), the inner solvers' problems (:mod:`harness.inner_problems`), the report (:mod:`harness.hypergrad_report`) and the command line
   (:mod:`harness.hypergrad_cli`);
 * the peers and data of the llm_calib benchmarks: the naive one-forward-per-option scorer
   (:mod:`harness.naive_scoring`), the open facts the small model answers (:mod:`harness.open_facts`),
