@@ -102,13 +102,7 @@ def test_the_update_without_a_search_still_matches_torch():
     reference = torch.optim.LBFGS(params, lr=0.5, history_size=3, max_iter=1, tolerance_grad=-1, tolerance_change=-1)
     w, state = dict(w0), opt.init(w0)
     for _ in range(6):
-        def closure():
-            reference.zero_grad()
-            value = problem.inner(dict(zip(w0, params, strict=True)), lam, None)
-            value.backward()
-            return value
-
-        reference.step(closure)
+        reference.step(inner_problems.lbfgs_closure(reference, problem, w0, params, lam))
         _, grad, _ = hg.autodiff.inner_grads(problem, None, w, lam)
         w, state = opt.update(w, grad, state)
     for (k, v), p in zip(w.items(), params, strict=True):

@@ -6,6 +6,8 @@ Also the peer they are measured against: torch's L-BFGS with its strong Wolfe li
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import hypergrad as hg
@@ -70,14 +72,30 @@ def torch_lbfgs(problem: hg.BilevelProblem, w0: dict, lam: dict) -> dict:
     opt = torch.optim.LBFGS(params, lr=1, max_iter=5000, tolerance_grad=1e-10, tolerance_change=0.0, history_size=10,
                             line_search_fn="strong_wolfe")
 
-    def closure():
-        opt.zero_grad()
-        value = problem.inner(dict(zip(w0, params, strict=True)), lam, None)
-        value.backward()
-        return value
-
-    opt.step(closure)
+    opt.step(lbfgs_closure(opt, problem, w0, params, lam))
     state = opt.state[opt._params[0]]
     norm = float(torch.cat([p.grad.reshape(-1) for p in params]).norm())
     return {"steps": int(state["n_iter"]), "evaluations": int(state["func_evals"]), "grad_norm": norm,
             "converged": norm <= 1e-10}
+
+
+def lbfgs_closure(optimizer: torch.optim.Optimizer, problem: hg.BilevelProblem, w0: dict, params: list,
+                  lam: dict) -> Callable[[], torch.Tensor]:
+    """The closure torch's L-BFGS calls: the inner loss at ``params`` (laid out like ``w0``), its gradient in
+    the parameters' ``.grad``.
+
+    Example:
+        >>> problem, w0, lam = logistic(n=10, d=3)
+        >>> params = [v.clone().requires_grad_(True) for v in w0.values()]
+        >>> opt = torch.optim.LBFGS(params)
+        >>> float(lbfgs_closure(opt, problem, w0, params, lam)()) > 0 and params[0].grad is not None
+        True
+    """
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        value = problem.inner(dict(zip(w0, params, strict=True)), lam, None)
+        value.backward()
+        return value
+
+    return closure

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.lora import FunctionalLM
-from llm_calib.calm.losses import CalmLosses, option_lengths
+from llm_calib.calm.losses import CalmLosses
 from llm_calib.data.records import MultipleChoice
 from llm_calib.engine.packing import PackedQuestions
 from llm_calib.formats import MultipleChoiceFormat
@@ -234,5 +234,5 @@ class NaiveCalmLosses(CalmLosses):
         transform = None if lam is None or on_options else (lambda z: self.adjustment.apply(z, lam))
         scores = option_scores_naive(self.lm.base, items, params, normalize=self.normalize, logits_transform=transform)
         if on_options:  # an option-level λ acts on the finished option scores
-            scores = self.adjustment.apply_options(scores, option_lengths(batch.packed).to(scores.device), lam)
+            scores = self.adjustment.apply_options(scores, batch.packed.option_length_table(scores.device), lam)
         return scores

@@ -19,13 +19,12 @@ from llm_calib.adjustment import LogitAdjustment
 from llm_calib.calm.lora import FunctionalLM
 from llm_calib.engine.packing import (
     LENGTH_NORMALIZATIONS,
-    PackedQuestions,
     option_scores_from_logits,
 )
 from llm_calib.formats.categorical import cross_entropy, entropy
 from llm_calib.training_interface import Batch
 
-__all__ = ["CalmLosses", "DataParallelLosses", "option_lengths"]
+__all__ = ["CalmLosses", "DataParallelLosses"]
 
 
 class CalmLosses:
@@ -113,7 +112,7 @@ class CalmLosses:
         if lam is None or not self.adjustment.acts_on_options:
             return scores
         batch.format.check_adjustment(self.adjustment)
-        return self.adjustment.apply_options(scores, option_lengths(batch.packed, scores.device), lam)
+        return self.adjustment.apply_options(scores, batch.packed.option_length_table(scores.device), lam)
 
     def inner(self, theta: dict[str, Tensor], lam: dict[str, Tensor], batch: Batch) -> Tensor:
         """g(θ, λ): cross-entropy under the adjusted logits (options, or answer tokens)."""
@@ -182,15 +181,3 @@ class DataParallelLosses(CalmLosses):
                   entropy_weight: float = 0.0) -> Tensor:
         """The one-level loss of the global batch."""
         return global_mean(super().one_level(replicated(theta), batch, smoothing, entropy_weight))
-
-
-def option_lengths(packed: PackedQuestions, device: torch.device | str | None = None) -> Tensor:
-    """Option lengths in tokens laid out like the option scores, ``(B, K_max)`` (0 for padding), float64, on
-    ``device`` (default: the batch's).
-
-    Example:
-        >>> from llm_calib.engine.packing import pack_questions
-        >>> option_lengths(pack_questions([((1,), ((2,), (3, 4))), ((5,), ((6, 7, 8),))], 0)).tolist()
-        [[1.0, 2.0], [3.0, 0.0]]
-    """
-    return packed.option_length_table(device)
