@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hypergrad as hg
 from tests._problems import DT, Quadratic, Ridge, rel_err
@@ -246,3 +247,49 @@ def test_torchopt_custom_root_agrees():
     ours = hg.Implicit(hg.linear.CG(tol=1e-13)).hypergrad(problem, {"w": ridge.w_star(lam)}, {"lam": lam})
     assert rel_err(ours.grad["lam"], peer) < 1e-8
     assert rel_err(ours.grad["lam"], ridge.hypergrad(lam)) < 1e-9
+
+
+class _CountOp(TorchDispatchMode):
+    """Counts the calls of one ATen operator, wherever they run: in the losses, in the first
+    backward pass and in the backward passes the autograd engine runs for the products."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.calls = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+def test_cg_spends_one_product_per_iteration_and_no_other_pass_over_the_data():
+    """The cost model the benchmarks rest on (Implicit(CG) vs torchopt's custom_root): per
+    hypergradient one outer gradient, one inner gradient with a graph, one Hessian-vector product
+    per CG iteration and one mixed product; no product for an initial or final residual.
+
+    Logistic regression with per-feature L2: every pass over the data matrix is one ``mm`` (the
+    losses' forward passes, their gradients and each product's two), the mixed product none (it
+    only crosses the regulariser), so the count of ``mm`` calls is ``4 + 2 * iterations``.
+    """
+    gen = torch.Generator().manual_seed(0)
+    n, d = 60, 15
+    X, Xv = torch.randn(n, d, generator=gen, dtype=DT), torch.randn(n, d, generator=gen, dtype=DT)
+    y, yv = (torch.rand(n, generator=gen, dtype=DT) < 0.5).to(DT), (torch.rand(n, generator=gen, dtype=DT) < 0.5).to(DT)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+
+    def g(w, lam, batch):
+        z = torch.mm(X, w["w"]).squeeze(1)
+        return bce(z, y) + 0.5 * (torch.exp(lam["log_l2"]) * w["w"].squeeze(1) ** 2).sum()
+
+    def f(w, lam, batch):
+        return bce(torch.mm(Xv, w["w"]).squeeze(1), yv)
+
+    problem = hg.BilevelProblem(g, f)
+    lam = {"log_l2": torch.full((d,), -2.0, dtype=DT)}
+    w = hg.inner_solve(problem, {"w": torch.zeros(d, 1, dtype=DT)}, lam, 200, hg.inner.LBFGS(), tol=1e-12).w
+    counter = _CountOp(torch.ops.aten.mm.default)
+    with counter:
+        r = hg.Implicit(hg.linear.CG(tol=1e-10)).hypergrad(problem, w, lam)
+    assert r.info.converged and r.info.iterations >= 5
+    assert r.info.extra["matvecs"] == r.info.iterations and r.info.grad_evals == 3 + r.info.iterations
+    assert counter.calls == 4 + 2 * r.info.iterations
