@@ -134,6 +134,53 @@ def _jaxopt_implicit(b: Bench, tol: float, maxiter: int) -> Runner | None:
                   {"compile_s": compile_s}, clock="process")
 
 
+def _bare_cg_floor(b: Bench, tol: float, maxiter: int) -> Runner:
+    """The parts of ``Implicit(CG)`` in a bare loop: the floor for an implementation on autograd's
+    reverse-over-reverse products.
+
+    Per call: the outer gradients (``torch.autograd.grad``), the inner gradient with a graph and
+    every Hessian-vector and mixed product from :class:`hypergrad.autodiff.RootSystem` (one
+    backward pass each), and plain CG on flat vectors (x0 = 0, the same iteration and stopping
+    test as ``hg.linear.CG``) with nothing else: no input checks, no trees, no report. What
+    ``Implicit(CG)`` spends beyond this row is its own overhead; what this row spends is the
+    products themselves, which any library built on autograd pays.
+    """
+    from hypergrad.autodiff import RootSystem
+
+    problem, w_keys = b.problem, list(b.w)
+    shapes = [b.w[k].shape for k in w_keys]
+    sizes_ = [b.w[k].numel() for k in w_keys]
+    info: dict[str, Any] = {}
+
+    def fn() -> Tensor:
+        w_, lam_ = fresh_leaves(b.w), fresh_leaves(b.lam)
+        leaves = [*w_.values(), *lam_.values()]
+        grads = torch.autograd.grad(b.f(w_, lam_), leaves, allow_unused=True, materialize_grads=True)
+        rhs = torch.cat([g.reshape(-1) for g in grads[: len(w_keys)]])
+        root = RootSystem(problem, b.w, b.lam, None)
+        x, r = torch.zeros_like(rhs), rhs.clone()
+        p = r.clone()
+        threshold2 = (tol * float(torch.linalg.vector_norm(rhs))) ** 2
+        rs, iterations = float(torch.dot(r, r)), 0
+        while rs > threshold2 and iterations < maxiter:
+            ap = root.rmatvec_flat(p)
+            if b.damping:
+                ap = ap.add(p, alpha=b.damping)
+            alpha = rs / float(torch.dot(p, ap))
+            x.add_(p, alpha=alpha)
+            r.add_(ap, alpha=-alpha)
+            rs_new = float(torch.dot(r, r))
+            iterations += 1
+            p = torch.add(r, p, alpha=rs_new / rs)
+            rs = rs_new
+        u = {k: part.view(shape) for k, part, shape in zip(w_keys, x.split(sizes_), shapes, strict=True)}
+        mixed = root.rmatvec_lam(u)
+        info["iterations"] = iterations
+        return torch.cat([(g - mixed[k]).reshape(-1) for k, g in zip(b.lam, grads[len(w_keys):], strict=True)])
+
+    return Runner("Implicit CG's products in a bare CG loop (floor)", "hypergrad", "implicit-cg-floor", fn, info)
+
+
 def _neumann_steps(b: Bench, tol: float, cap: int) -> int:
     probe = hg.Implicit(hg.linear.Neumann(alpha=b.alpha, steps=cap, tol=tol))
     return int(probe.hypergrad(b.problem, b.w, b.lam).info.iterations)
@@ -151,6 +198,7 @@ def add_runners(b: Bench, sizes: Sizes, K: int, want: Want, add: Add) -> None:
             _torchopt_implicit(
                 b, torchopt.linear_solve.solve_cg(rtol=cg_tol, maxiter=cg_maxiter, ridge=b.damping or None),
                 "custom_root + solve_cg", "implicit-cg"))
+        add("implicit-cg", _bare_cg_floor(b, cg_tol, cg_maxiter))
         jx = _jaxopt_implicit(b, cg_tol, cg_maxiter)
         if jx is not None:
             add("implicit-cg", jx)

@@ -19,7 +19,7 @@ UNITS = {"unit", "unit-hvp"}
 # hypergrad_bench.py's runners on the per-feature ridge problem, in the order the single-file
 # benchmark built them (its make_runners): implicit, unrolled, then first-order families
 RIDGE_FEATURE_FAMILIES = [
-    "unit", "unit-hvp", "implicit-cg", "implicit-cg", "implicit-dense", "implicit-neumann", "implicit-neumann",
+    "unit", "unit-hvp", "implicit-cg", "implicit-cg", "implicit-cg-floor", "implicit-dense", "implicit-neumann", "implicit-neumann",
     "unrolled-reverse", "unrolled-reverse", "unrolled-reverse-metasgd", "unrolled-checkpoint", "unrolled-stored",
     "unrolled-all", "unrolled-truncated", "unrolled-forward", "fd-cg", "fd-identity", "penalty", "penalty-advanced",
 ]

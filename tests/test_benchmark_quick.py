@@ -53,6 +53,10 @@ def test_exact_methods_are_accurate_and_peers_agree(result, harness, report) -> 
         for library in ("hypergrad", "torchopt"):
             (cg,) = _rows(result, problem, "implicit-cg", library)
             assert cg.error is not None and cg.error < 1e-4, (problem, library, cg.error)
+        # the floor row: Implicit CG's own products and iterations in a bare loop, the same number
+        (cg,) = _rows(result, problem, "implicit-cg", "hypergrad")
+        (floor,) = _rows(result, problem, "implicit-cg-floor", "hypergrad")
+        assert floor.iterations == cg.iterations and floor.agree is not None and floor.agree < 1e-12, (problem, floor)
         (fd,) = _rows(result, problem, "fd-cg", "hypergrad")
         assert fd.error < 1e-3, (problem, fd.error)
         # same estimator, same number: torchopt's CG, higher and MetaSGD against ours
@@ -101,11 +105,14 @@ def test_times_ratios_and_targets_are_finite(result, report, tmp_path) -> None:
     assert all(r.geq == 1.0 for r in _rows(result, family="unit"))
     ratios = report.pair_ratios(rows)
     assert {p["pair"] for p in ratios} >= {
-        "Implicit CG / torchopt custom_root+solve_cg", "Unrolled reverse / higher"}
+        "Implicit CG / torchopt custom_root+solve_cg", "Unrolled reverse / higher",
+        "Implicit CG / its products in a bare CG loop (floor)", "Bare CG loop on hypergrad's products (floor) / torchopt"}
     for p in ratios:
         # each ratio is ours / peer of the two rows it names, in both time and memory
         label_fams = {
             "Implicit CG / torchopt custom_root+solve_cg": ("implicit-cg", "implicit-cg", "torchopt"),
+            "Implicit CG / its products in a bare CG loop (floor)": ("implicit-cg", "implicit-cg-floor", "hypergrad"),
+            "Bare CG loop on hypergrad's products (floor) / torchopt": ("implicit-cg-floor", "implicit-cg", "torchopt"),
             "Unrolled reverse / higher": ("unrolled-reverse", "unrolled-reverse", "higher"),
             "Unrolled reverse / torchopt MetaSGD": ("unrolled-reverse", "unrolled-reverse-metasgd", "torchopt"),
         }
