@@ -19,6 +19,12 @@ Per step:
   (``item``, ``float``, ``int``, ``bool``, ``tolist``, ``numpy``), by call site; data-dependent shapes
   (``nonzero``, ``masked_select``, boolean indexing) would synchronise on a GPU too and are counted
   as ``shape syncs``;
+- ``passes``: training passes through the decoder (a forward hook on its last layer), and ``decoder alone``:
+  that many times the aten operations of one forward and backward pass of the decoder by itself on the run's
+  own inputs (tiny model): the floor the model's implementation sets, whatever the method's own code costs;
+- ``matmul``, ``attention``, ``rest``: self CPU time under the profiler, split into the matrix products, the
+  attention kernels and everything else (on a real model the products dominate and vary most from run to run;
+  ``rest`` is the overhead this benchmark is about);
 - ``ms``: wall time (no profiler), the median of ``--repeats`` runs;
 - on CUDA also the kernels launched and their total device time.
 
@@ -57,6 +63,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 HOST_READS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist", "numpy")
 """Tensor methods that read a value back to the host (a synchronisation on a GPU)."""
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+"""The matrix products: on a CPU most of a real model's step, and what varies most from run to run."""
 SHAPE_SYNC_OPS = ("aten::nonzero", "aten::masked_select", "aten::unique", "aten::_unique2", "aten::repeat_interleave")
 """Operators whose output shape depends on the data (a synchronisation on a GPU)."""
 
@@ -82,6 +90,9 @@ def objective_for(method: str) -> Any:
 
 COMPILED = "+compile"
 """A method name's suffix for the compiled step (``training.compile``; trees without it skip the row)."""
+COMPILE_WARM = 4
+"""More steps ``W`` for a compiled method's counts: its recompilations for new batch shapes (dynamic shapes after
+the second) fall inside ``W`` in both runs and cancel in the difference."""
 ONE_PASS = "+one_pass"
 """A method name's suffix for one forward pass per batch (``training.part_overhead`` at its no-split value),
 as a GPU runs by default: the CPU's default splits a batch by length into 2-3 passes."""
@@ -142,11 +153,16 @@ def data(tokenizer: Any) -> tuple[list[Any], list[Any]]:
     return qs[0:32:2], qs[1::2]
 
 
-def run_calibrate(models: Models, method: str, steps: int) -> dict[str, Any]:
+def run_calibrate(models: Models, method: str, steps: int, model: Any = None) -> dict[str, Any]:
     import llm_calib
 
     train, heldout = data(models.tokenizer)
     compiled = {"compile": True} if COMPILED in method else {}
+    if COMPILED in method:
+        # Each run compiles its own model's layers once (the guards hold the module; a process-wide cache
+        # would reach dynamo's recompile limit after a few runs and fall back to eager): the compilation is
+        # the same in the W-step and the (W + N)-step run and cancels in their difference.
+        torch._dynamo.reset()
     if ONE_PASS in method:
         compiled["part_overhead"] = 2**62
     config = llm_calib.CalibrationConfig(
@@ -156,7 +172,8 @@ def run_calibrate(models: Models, method: str, steps: int) -> dict[str, Any]:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = llm_calib.calibrate(models.fresh(), models.tokenizer, train, heldout, config, progress=False)
+        result = llm_calib.calibrate(models.fresh() if model is None else model, models.tokenizer, train, heldout,
+                                     config, progress=False)
     return {"train_s": result.timings["train"], "history": result.history}
 
 
@@ -187,26 +204,62 @@ def _is_top_level(event: Any) -> bool:
     return True
 
 
+class DecoderPasses:
+    """Counts the passes through a model's last decoder layer (forward hooks fire under ``functional_call``
+    too) and keeps the decoder's inputs of the first full pass (:func:`decoder_floor` replays them)."""
+
+    def __init__(self, model: Any) -> None:
+        self.passes = 0
+        self.first_call: dict[str, Any] | None = None
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.handles = [decoder.layers[-1].register_forward_hook(self._count),
+                        decoder.register_forward_pre_hook(self._keep, with_kwargs=True)]
+
+    def _count(self, *_: Any) -> None:
+        if torch.is_grad_enabled():  # training passes; scoring runs without grad
+            self.passes += 1
+
+    def _keep(self, _module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if self.first_call is None and torch.is_grad_enabled() and not args:
+            self.first_call = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 def profile_counts(models: Models, method: str, steps: int) -> dict[str, Any]:
     """Counts of one ``calibrate`` run of ``steps`` steps (everything, set-up included)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if models.device.startswith("cuda") else [])
     reads = HostReads()
+    model = models.fresh()
+    passes = DecoderPasses(model) if COMPILED not in method else None  # hooks would break the compiled graphs
     with profile(activities=activities, record_shapes=False) as prof, reads:
-        run_calibrate(models, method, steps)
+        run_calibrate(models, method, steps, model)
         if models.device.startswith("cuda"):
             torch.cuda.synchronize()
+    if passes is not None:
+        passes.remove()
     events = prof.events()
     aten = [e for e in events if e.name.startswith("aten::") and e.device_type == torch.autograd.DeviceType.CPU]
     by_name = collections.Counter(e.name for e in aten)
+    self_us = collections.Counter()
+    for e in prof.key_averages():
+        kind = "matmul_ms" if e.key in MATMUL_OPS else "attention_ms" if "scaled_dot_product" in e.key else "rest_ms"
+        self_us[kind] += e.self_cpu_time_total
     out = {
+        **{k: v / 1e3 for k, v in self_us.items()},
         "aten_ops": len(aten),
         "top_level_ops": sum(1 for e in aten if _is_top_level(e)),
         "syncs": by_name["aten::_local_scalar_dense"],
         "shape_syncs": sum(by_name[n] for n in SHAPE_SYNC_OPS),
         "reads": dict(reads.sites),
         "by_name": dict(by_name),
+        **({"passes": passes.passes} if passes is not None else {}),
+        "first_call": None if passes is None else passes.first_call,
+        "model": model,
     }
     if models.device.startswith("cuda"):
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -216,13 +269,33 @@ def profile_counts(models: Models, method: str, steps: int) -> dict[str, Any]:
     return out
 
 
+def decoder_floor(model: Any, call: dict[str, Any]) -> float:
+    """aten operations of one forward and backward pass of the decoder alone (the model's own implementation:
+    embedding, layers with their adapters, final norm; gradients of the adapters), on the inputs of a training pass
+    of the run (``call``): what any method pays per pass before its own loss, solver and bookkeeping."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    trained = [p for p in decoder.parameters() if p.requires_grad]
+
+    def one_pass() -> None:
+        hidden = decoder(**call).last_hidden_state
+        torch.autograd.grad(hidden.sum(), trained)
+
+    one_pass()  # warm: first-call caches (rotary, masks) as in the run
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        one_pass()
+    return float(sum(1 for e in prof.events() if e.name.startswith("aten::")))
+
+
 def per_step_counts(models: Models, method: str, warm: int, steps: int) -> dict[str, Any]:
     """Counts of ``warm + steps`` steps minus those of ``warm``, divided by ``steps``."""
-    if COMPILED in method:  # compile first: later runs in this process reuse the graphs
-        run_calibrate(models, method, warm)
+    if COMPILED in method:
+        warm += COMPILE_WARM
     short, long = profile_counts(models, method, warm), profile_counts(models, method, warm + steps)
     out: dict[str, Any] = {}
-    for key in ("aten_ops", "top_level_ops", "syncs", "shape_syncs", "kernels", "kernel_ms", "device_to_host"):
+    for key in ("aten_ops", "top_level_ops", "syncs", "shape_syncs", "kernels", "kernel_ms", "device_to_host",
+                "passes", "matmul_ms", "attention_ms", "rest_ms"):
         if key in long:
             out[key] = (long[key] - short[key]) / steps
     reads = collections.Counter(long["reads"])
@@ -232,6 +305,10 @@ def per_step_counts(models: Models, method: str, warm: int, steps: int) -> dict[
     names = collections.Counter(long["by_name"])
     names.subtract(short["by_name"])
     out["top_ops"] = {k: v / steps for k, v in names.most_common(12)}
+    if long["first_call"] is not None and COMPILED not in method and models.name == "tiny":
+        # every layer of the tiny model is adapted: a pass is the whole decoder (no cached trunk)
+        out["decoder_pass_ops"] = decoder_floor(long["model"], long["first_call"])
+        out["decoder_floor"] = out["decoder_pass_ops"] * out["passes"]
     return out
 
 
@@ -330,7 +407,8 @@ def report(result: dict[str, Any], command: str, meta: dict[str, Any], load_star
     lines += [f"- Trees: before `{result['trees']['before']}`, after `{result['trees']['after']}`", ""]
     before = {(r["model"], r["method"]): r for r in result["before"]}
     header = ("model", "method", "aten ops before", "after", "top-level before", "after", "syncs before", "after",
-              "host reads before", "after", "ms before", "after", "time after/before")
+              "host reads before", "after", "ms before", "after", "time after/before", "passes",
+              "decoder alone (aten ops)")
     rows = []
     for r in result["after"]:
         b = before.get((r["model"], r["method"]), {})
@@ -338,8 +416,22 @@ def report(result: dict[str, Any], command: str, meta: dict[str, Any], load_star
         rows.append((r["model"], r["method"], _fmt(b.get("aten_ops")), _fmt(r.get("aten_ops")),
                      _fmt(b.get("top_level_ops")), _fmt(r.get("top_level_ops")), _fmt(b.get("syncs"), ".1f"),
                      _fmt(r.get("syncs"), ".1f"), _fmt(b.get("reads"), ".1f"), _fmt(r.get("reads"), ".1f"),
-                     _fmt(b.get("ms"), ".1f"), _fmt(r.get("ms"), ".1f"), _fmt(ratio, ".3f")))
+                     _fmt(b.get("ms"), ".1f"), _fmt(r.get("ms"), ".1f"), _fmt(ratio, ".3f"),
+                     _fmt(r.get("passes"), ".0f"), _fmt(r.get("decoder_floor"))))
     lines += markdown_table(header, rows)
+    lines += ["", "`passes`: training passes through the decoder per step (after). `decoder alone`: the passes times the "
+              "aten operations of one forward and backward pass of the decoder by itself on the run's own inputs "
+              "(embedding, the layers with their adapters, the final norm; the adapters' gradients), nothing of "
+              "llm-calib's loss, solver or bookkeeping: the part of a step that is the model's own implementation "
+              "(tiny model only, where every layer is adapted)."]
+    split = [(r["model"], r["method"], *(_fmt(x.get(k), ".1f") for k in ("matmul_ms", "attention_ms", "rest_ms")
+                                            for x in (before.get((r["model"], r["method"]), {}), r)))
+             for r in result["after"] if "rest_ms" in r and COMPILED not in r["method"]]  # compiling is no step
+    if split:
+        lines += ["", "Self CPU time per step under the profiler (ms; W + N steps minus W): the matrix products, "
+                  "the attention kernels and everything else (the per-operator and Python overhead this issue cuts).", ""]
+        lines += markdown_table(("model", "method", "matmul before", "after", "attention before", "after",
+                                 "rest before", "after"), split)
     lines += ["", "Host reads per step by call site (after):", ""]
     for r in result["after"]:
         sites = ", ".join(f"{k} ×{v:g}" for k, v in list(r.get("read_sites", {}).items())[:6]) or "none"
