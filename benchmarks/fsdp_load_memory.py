@@ -43,7 +43,7 @@ def main() -> None:
 
     from llm_calib import distributed, models
 
-    distributed.init_from_env()
+    distributed.init_from_env("cpu")  # the measurement loads onto the CPU
     source = models.default_cache_dir(args.model) if args.model in models.ALIASES else Path(args.model)
     if not (source / "config.json").is_file():
         raise SystemExit(f"{source} holds no model: convert the alias once with llm_calib.models.load({args.model!r})")

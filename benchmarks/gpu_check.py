@@ -315,7 +315,7 @@ def main() -> int:
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("4,8" if args.small else "8,32,64")).split(",")]
     from llm_calib import distributed
 
-    distributed.init_from_env()  # under torchrun: nccl on GPUs (cuda:LOCAL_RANK), gloo on CPUs
+    distributed.init_from_env(args.device)  # under torchrun: nccl on GPUs (cuda:LOCAL_RANK), gloo on CPUs
     ranks, main_rank = distributed.world_size(), distributed.rank() == 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device; use --small for a CPU smoke check", file=sys.stderr)

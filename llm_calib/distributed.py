@@ -31,27 +31,45 @@ from torch import Tensor
 from hypergrad.distributed import is_distributed, rank, world_size
 
 __all__ = ["ShardedLoadError", "first_problem", "init_from_env", "is_distributed", "keep_gathered", "load_sharded",
-           "max_over_ranks", "rank", "reshard_all", "shard_frozen_base", "world_size"]
+           "max_over_ranks", "process_group_backend", "rank", "reshard_all", "shard_frozen_base", "world_size"]
 
 logger = logging.getLogger(__name__)
 
 
-def init_from_env() -> bool:
+def init_from_env(device: torch.device | str | None = None) -> bool:
     """Initialise the default process group under ``torchrun`` (``WORLD_SIZE > 1``); return whether it did.
 
-    nccl on GPU ``LOCAL_RANK`` when CUDA is available, gloo otherwise; False when a group exists.
+    The backend follows the run's ``device``: nccl for a CUDA device (and ``cuda:LOCAL_RANK`` made the
+    current device), gloo for any other, so a CPU run under ``torchrun`` on a machine with GPUs keeps its
+    collectives on the CPU (nccl reduces GPU tensors only, and a node may have fewer GPUs than ranks).
+    ``device=None``: nccl when CUDA is available, gloo otherwise. False when a group exists.
+
+    Args:
+        device: the device the run computes on (the model's, or the command line's ``--device``).
 
     Example:
-        >>> init_from_env()   # not launched by torchrun: nothing to do
+        >>> init_from_env("cpu")   # not launched by torchrun: nothing to do
         False
     """
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) <= 1 or dist.is_initialized():
         return False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = process_group_backend(device)
     dist.init_process_group(backend=backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return True
+
+
+def process_group_backend(device: torch.device | str | None) -> str:
+    """The process group backend for a run on ``device``: ``"nccl"`` for CUDA, ``"gloo"`` otherwise
+    (``None``: CUDA when it is available).
+
+    Example:
+        >>> process_group_backend("cpu"), process_group_backend("cuda:1")
+        ('gloo', 'nccl')
+    """
+    on_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    return "nccl" if on_cuda else "gloo"
 
 
 _MESHES: dict[tuple[str, int], Any] = {}

@@ -250,7 +250,7 @@ if __name__ == "__main__":
     from llm_calib import distributed
     from llm_calib.models import load
     model_dir, out, renamed = sys.argv[1], sys.argv[2], sys.argv[3]
-    distributed.init_from_env()
+    distributed.init_from_env("cpu")
     import warnings
     with warnings.catch_warnings(record=True) as seen:  # rank 1 cannot load sharded: no rank does
         warnings.simplefilter("always")
@@ -417,7 +417,7 @@ def losses_and_gradients(trainer, indices):
 
 if __name__ == "__main__":
     import torch.distributed as dist
-    distributed.init_from_env()
+    distributed.init_from_env("cpu")
     run = trainer()
     rank = distributed.rank()
     torch.save({name: losses_and_gradients(run, shards[rank]) for name, shards in SHARDS.items()},

@@ -76,7 +76,7 @@ def tensors(calm):
 if __name__ == "__main__":
     from safetensors.torch import save_file
     out = sys.argv[1]
-    distributed.init_from_env()
+    distributed.init_from_env("cpu")
     assert distributed.world_size() == 2
     save_file(tensors(plain_loop()), f"{out}/plain{distributed.rank()}.safetensors")
     save_file(tensors(trainer_run()), f"{out}/trainer{distributed.rank()}.safetensors")

@@ -269,7 +269,8 @@ def _calibrate(model: Any, tokenizer: Any, train: Records, heldout: Records, res
                unlabeled: Records | None, checkpoint_dir: str | os.PathLike[str] | None, resume: bool, progress: bool,
                log: Callable[[str], None] | None) -> CalibrationResult:
     """The body of :func:`calibrate` and :func:`calibrate_run`; ``resolve`` gives the run (timed as set-up)."""
-    distributed.init_from_env()  # under torchrun: join the process group (gloo on CPU, nccl on GPU)
+    # under torchrun: join the process group, gloo for a model on the CPU and nccl for one on a GPU
+    distributed.init_from_env(next((p.device for p in model.parameters()), None))
     with context_window(model):  # every sequence within the model's positions (a caller's window: its mode)
         return _calibrate_in_window(model, tokenizer, train, heldout, resolve, unlabeled, checkpoint_dir, resume,
                                     progress, log)

@@ -360,7 +360,7 @@ def _run_locked(args: argparse.Namespace, config: Any, methods: list[Any], confi
 
     args.prompt_preset = config.prompt.preset  # --limit-mode's default follows the preset (flag or file)
     start(args, args.no_progress)
-    distributed.init_from_env()
+    distributed.init_from_env(args.device)  # gloo for --device cpu even where GPUs are present
     main_rank = distributed.rank() == 0
 
     def log(message: str) -> None:
