@@ -31,13 +31,13 @@ demo: $(STAMP)
 	$(VENV)/bin/llm-calib demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check hypergrad llm_calib tests benchmarks
+	$(VENV)/bin/ruff check hypergrad llm_calib tests benchmarks conftest.py
 
 docs: $(STAMP)
 	$(DOCS_BUILD)
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check hypergrad llm_calib tests benchmarks
+	$(VENV)/bin/ruff check hypergrad llm_calib tests benchmarks conftest.py
 	$(DOCS_BUILD)
 	$(VENV)/bin/python -m pytest -n 2 --maxschedchunk 2 -q
 

@@ -36,9 +36,9 @@ from llm_calib.objectives.registry import (
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)
 
-NEEDS = {"tutorials/lm_eval.md": "lm_eval"}
-"""Pages whose runnable code needs an optional extra's module (lm-eval: ``pip install 'llm-calib[lm-eval]'``, which
-the README's test command installs): skipped, with the reason, where it is not installed."""
+NEEDS = {"tutorials/lm_eval.md": "lm_eval", "tutorials/fine_tuning_scripts.md": "trl"}
+"""Pages whose runnable code needs an optional extra's module (``pip install 'llm-calib[lm-eval]'``,
+``'llm-calib[trl]'``, which the README's test command installs): skipped, with the reason, where it is not installed."""
 
 _FENCE = re.compile(r"^(`{3,})\s*(\{code-block\}\s*)?([\w-]*)\s*$")
 
