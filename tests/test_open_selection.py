@@ -138,8 +138,10 @@ def test_teacher_forced_probabilities_are_the_decoders(answered) -> None:
     view = AnswerTokenLogits(model, prompts, [o.token_ids for o in outs], tok.pad_token_id, batch_size=5)
     for probs, out in zip(view.probs([0.3, 1.0, 2.5]), outs, strict=True):
         assert probs.shape == out.temp_probs.shape
-        np.testing.assert_allclose(probs, out.temp_probs, atol=2e-6)
-        np.testing.assert_allclose(probs[:, 1], out.token_probs, atol=2e-6)
+        # float32: the cached one-token steps and the teacher-forced pass sum in other orders (2.5e-6 apart on a
+        # probability of 0.53 under transformers 5.17)
+        np.testing.assert_allclose(probs, out.temp_probs, rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(probs[:, 1], out.token_probs, rtol=1e-5, atol=2e-6)
     # an empty answer (generation stopped at once) reads the position after the prompt: its top token
     with torch.no_grad():
         first = torch.softmax(model(input_ids=torch.tensor([prompts[0]])).logits[0, -1] / 2.5, -1).max()
