@@ -129,3 +129,20 @@ def test_the_machine_check_sees_a_script_of_its_own(tmp_path: Path) -> None:
     finally:
         script.unlink()
     assert found == ["benchmarks/probe_for_the_machine_check.py:4"]
+
+
+def test_gpu_rows_script_calls_existing_scripts_with_their_flags():
+    """benchmarks/gpu_rows.sh, run when a GPU is lent (no second try): valid bash, and every script it
+    names exists and defines every flag it is given."""
+    import re
+    import subprocess
+
+    script = BENCHMARKS / "gpu_rows.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    commands = re.sub(r"\\\n\s*", " ", script.read_text())
+    calls = re.findall(r"benchmarks/(\w+)\.py([^\n>]*)", commands)
+    assert {name for name, _ in calls} == {"gpu_check", "step_overhead"}
+    for name, args in calls:
+        source = (BENCHMARKS / f"{name}.py").read_text()
+        for flag in re.findall(r"(--[\w-]+)", args):
+            assert f'"{flag}"' in source, f"{name}.py has no {flag}"
