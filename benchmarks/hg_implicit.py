@@ -149,7 +149,7 @@ def _bare_cg_floor(b: Bench, tol: float, maxiter: int) -> Runner:
 
     problem, w_keys = b.problem, list(b.w)
     shapes = [b.w[k].shape for k in w_keys]
-    sizes_ = [b.w[k].numel() for k in w_keys]
+    numels = [b.w[k].numel() for k in w_keys]
     info: dict[str, Any] = {}
 
     def fn() -> Tensor:
@@ -173,7 +173,7 @@ def _bare_cg_floor(b: Bench, tol: float, maxiter: int) -> Runner:
             iterations += 1
             p = torch.add(r, p, alpha=rs_new / rs)
             rs = rs_new
-        u = {k: part.view(shape) for k, part, shape in zip(w_keys, x.split(sizes_), shapes, strict=True)}
+        u = {k: part.view(shape) for k, part, shape in zip(w_keys, x.split(numels), shapes, strict=True)}
         mixed = root.rmatvec_lam(u)
         info["iterations"] = iterations
         return torch.cat([(g - mixed[k]).reshape(-1) for k, g in zip(b.lam, grads[len(w_keys):], strict=True)])

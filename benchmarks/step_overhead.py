@@ -211,9 +211,9 @@ class DecoderPasses:
     def __init__(self, model: Any) -> None:
         self.passes = 0
         self.first_call: dict[str, Any] | None = None
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        self.handles = [decoder.layers[-1].register_forward_hook(self._count),
-                        decoder.register_forward_pre_hook(self._keep, with_kwargs=True)]
+        self.decoder = model.get_decoder()
+        self.handles = [self.decoder.layers[-1].register_forward_hook(self._count),
+                        self.decoder.register_forward_pre_hook(self._keep, with_kwargs=True)]
 
     def _count(self, *_: Any) -> None:
         if torch.is_grad_enabled():  # training passes; scoring runs without grad
@@ -257,9 +257,8 @@ def profile_counts(models: Models, method: str, steps: int) -> dict[str, Any]:
         "shape_syncs": sum(by_name[n] for n in SHAPE_SYNC_OPS),
         "reads": dict(reads.sites),
         "by_name": dict(by_name),
-        **({"passes": passes.passes} if passes is not None else {}),
-        "first_call": None if passes is None else passes.first_call,
-        "model": model,
+        **({"passes": passes.passes, "first_call": passes.first_call, "decoder": passes.decoder}
+           if passes is not None else {}),
     }
     if models.device.startswith("cuda"):
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -269,13 +268,12 @@ def profile_counts(models: Models, method: str, steps: int) -> dict[str, Any]:
     return out
 
 
-def decoder_floor(model: Any, call: dict[str, Any]) -> float:
+def decoder_floor(decoder: Any, call: dict[str, Any]) -> float:
     """aten operations of one forward and backward pass of the decoder alone (the model's own implementation:
     embedding, layers with their adapters, final norm; gradients of the adapters), on the inputs of a training pass
     of the run (``call``): what any method pays per pass before its own loss, solver and bookkeeping."""
     from torch.profiler import ProfilerActivity, profile
 
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     trained = [p for p in decoder.parameters() if p.requires_grad]
 
     def one_pass() -> None:
@@ -305,9 +303,9 @@ def per_step_counts(models: Models, method: str, warm: int, steps: int) -> dict[
     names = collections.Counter(long["by_name"])
     names.subtract(short["by_name"])
     out["top_ops"] = {k: v / steps for k, v in names.most_common(12)}
-    if long["first_call"] is not None and COMPILED not in method and models.name == "tiny":
+    if long.get("first_call") is not None and models.name == "tiny":  # none for a compiled method (no hooks)
         # every layer of the tiny model is adapted: a pass is the whole decoder (no cached trunk)
-        out["decoder_pass_ops"] = decoder_floor(long["model"], long["first_call"])
+        out["decoder_pass_ops"] = decoder_floor(long["decoder"], long["first_call"])
         out["decoder_floor"] = out["decoder_pass_ops"] * out["passes"]
     return out
 
