@@ -201,19 +201,11 @@ class BOME:
 
     def __post_init__(self) -> None:
         check_compile_options(self.compile, self.device_scalars)
-        opt = self.inner_optimizer
-        check_inner_optimizer(opt, "inner_optimizer")
-        if not (callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))):
-            raise TypeError(
-                "inner_optimizer must be an inner optimizer with init(w) and update(w, grad, "
-                f"state) (e.g. hypergrad.inner.SGD(lr=0.1)), got {opt!r}"
-            )
-        w_opt = self.w_optimizer
-        if w_opt is not None:
-            check_inner_optimizer(w_opt, "w_optimizer")
-        if w_opt is not None and not (callable(getattr(w_opt, "init", None)) and callable(getattr(w_opt, "update", None))):
-            raise TypeError(f"w_optimizer must be None or an inner optimizer (e.g. hypergrad.inner.Adam(lr=1e-3)), got {w_opt!r}")
-        if self.w_lr is None and w_opt is None:
+        # check_inner_optimizer also refuses anything without callable init and update
+        check_inner_optimizer(self.inner_optimizer, "inner_optimizer")
+        if self.w_optimizer is not None:
+            check_inner_optimizer(self.w_optimizer, "w_optimizer")
+        if self.w_lr is None and self.w_optimizer is None:
             raise ValueError(
                 "w_lr must be a number > 0 unless w_optimizer is given (it then sets the step of w)"
             )

@@ -47,15 +47,6 @@ def _penalised_loss(problem: BilevelProblem, sigma: float, inner_batch: Any,
                              + sigma * problem.outer_loss(w_, lam_, outer_batch))
 
 
-def _check_optimizer(opt: object, name: str) -> None:
-    check_inner_optimizer(opt, name)
-    if not (callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))):
-        raise TypeError(
-            f"{name} must be an inner optimizer with init(w) and update(w, grad, state) "
-            f"(e.g. hypergrad.inner.SGD(lr=0.1)), got {opt!r}"
-        )
-
-
 @dataclass(frozen=True)
 class Penalty:
     r"""F2SA: the hypergradient from two first-order inner iterates, no second derivatives.
@@ -188,9 +179,9 @@ class Penalty:
             raise TypeError(f"tol must be a real number, got {type(self.tol).__name__}")
         if not self.tol >= 0.0:
             raise ValueError(f"tol must be >= 0, got {self.tol!r}")
-        _check_optimizer(self.inner_optimizer, "inner_optimizer")
+        check_inner_optimizer(self.inner_optimizer, "inner_optimizer")
         if self.sigma_optimizer is not None:
-            _check_optimizer(self.sigma_optimizer, "sigma_optimizer")
+            check_inner_optimizer(self.sigma_optimizer, "sigma_optimizer")
 
     def _optimizers(self) -> tuple[InnerOptimizer, InnerOptimizer]:
         opt = self.inner_optimizer

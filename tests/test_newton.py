@@ -29,10 +29,6 @@ def _wine(log_l2: float = -4.0):
     return inner_problems.wine(log_l2)
 
 
-def _logistic(n=200, d=20, seed=0):
-    return inner_problems.logistic(n, d, seed)
-
-
 def _norms(problem, w, lam, optimizer, steps, tol=0.0):
     """The gradient norm before and after each step (one inner_solve step at a time)."""
     state, norms = None, []
@@ -96,7 +92,7 @@ def test_lbfgs_strong_wolfe_reaches_the_ridge_closed_form():
 
 def test_the_update_without_a_search_still_matches_torch():
     # update() (unrolled, no search) keeps PyTorch's pair rule; the relative rule is the search's
-    problem, w0, lam = _logistic(n=40, d=4)
+    problem, w0, lam = inner_problems.logistic(n=40, d=4)
     opt = hg.inner.LBFGS(lr=0.5, history_size=3, line_search=None)
     params = [v.clone().requires_grad_(True) for v in w0.values()]
     reference = torch.optim.LBFGS(params, lr=0.5, history_size=3, max_iter=1, tolerance_grad=-1, tolerance_change=-1)
@@ -172,7 +168,7 @@ def test_strong_wolfe_backs_off_a_non_finite_step_and_rejects_an_ascent_directio
 
 
 def test_newton_converges_quadratically_on_a_logistic_problem():
-    problem, w0, lam = _logistic()
+    problem, w0, lam = inner_problems.logistic()
     norms, _ = _norms(problem, w0, lam, hg.inner.Newton(), 20, tol=1e-14)
     print("Newton on logistic regression (n=200, d=20), gradient norm per step:", " ".join(f"{n:.1e}" for n in norms))
     assert norms[-1] <= 1e-14 and len(norms) <= 8  # measured: 6 steps
@@ -183,7 +179,7 @@ def test_newton_converges_quadratically_on_a_logistic_problem():
 
 
 def test_newton_cg_steps_and_the_step_count_against_scipy():
-    problem, w0, lam = _logistic()
+    problem, w0, lam = inner_problems.logistic()
     optimize = pytest.importorskip("scipy.optimize")
     keys = list(w0)
 
@@ -230,7 +226,7 @@ def test_newton_safeguards_a_non_convex_start_and_a_long_step():
     assert float(out.state["damping"]) < 1e-3  # it fell back once the Hessian was positive definite
     # far from the minimum of a logistic loss the full Newton step overshoots: without the search it
     # diverges, with it the iteration converges (and quadratically once close)
-    logistic, w0, lam = _logistic()
+    logistic, w0, lam = inner_problems.logistic()
     far = {"x": torch.full_like(w0["x"], 3.0), "c": torch.tensor(-20.0, dtype=DT)}
     searched = hg.inner_solve(logistic, far, lam, 60, hg.inner.Newton(), tol=1e-10)
     wolfe = hg.inner_solve(logistic, far, lam, 60, hg.inner.Newton(line_search="strong_wolfe"), tol=1e-10)
@@ -252,7 +248,7 @@ def test_newton_is_refused_where_only_gradients_are_given():
         hg.inner.Newton(lr=0.0)
     with pytest.raises(TypeError, match="solver must be a linear solver with a damping option"):
         hg.inner.Newton(solver=hg.linear.Neumann())
-    problem, w0, lam = _logistic(n=30, d=3)
+    problem, w0, lam = inner_problems.logistic(n=30, d=3)
     res = hg.solve(problem, w0, lam, hg.Implicit(), lambda p: torch.optim.SGD(p, lr=1e-12), steps=1, inner_steps=8,
                    inner_optimizer=newton, progress=False)
     _, grad, _ = hg.autodiff.inner_grads(problem, None, res.w, lam)
