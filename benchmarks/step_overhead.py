@@ -427,7 +427,7 @@ def report(result: dict[str, Any], command: str, meta: dict[str, Any], load_star
              for r in result["after"] if "rest_ms" in r and COMPILED not in r["method"]]  # compiling is no step
     if split:
         lines += ["", "Self CPU time per step under the profiler (ms; W + N steps minus W): the matrix products, "
-                  "the attention kernels and everything else (the per-operator and Python overhead this issue cuts).", ""]
+                  "the attention kernels and everything else (the per-operator and Python overhead of the step itself).", ""]
         lines += markdown_table(("model", "method", "matmul before", "after", "attention before", "after",
                                  "rest before", "after"), split)
     lines += ["", "Host reads per step by call site (after):", ""]
